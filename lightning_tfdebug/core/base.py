@@ -1,0 +1,258 @@
+"""The base every callback of the pack stands on: cadence, findings, logging, standing aside.
+
+Subclasses call, in their hooks:
+
+* :meth:`DebugCallback.should_measure` to decide (identically on every rank) whether this optimizer step measures;
+* :meth:`DebugCallback.to_host` once per measuring step to move all their device statistics to the host together;
+* :meth:`DebugCallback.log_scalars` to send scalars to ``trainer.callback_metrics`` and every logger;
+* :meth:`DebugCallback.emit` to raise a finding, which is written to
+  ``<log_dir>/tfdebug/findings-rank<r>.jsonl`` at once and then handled as ``on_finding`` says.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding, Severity, TFDebugError, append_finding
+
+
+class TFDebugWarning(UserWarning):
+    """Category of every warning the pack emits, so users can filter them (``warnings.filterwarnings``)."""
+
+
+def check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    """Raise a ValueError naming the allowed values when ``value`` is not one of them."""
+    if value not in allowed:
+        raise ValueError(f"`{name}` must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}.")
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    integer: bool = False,
+    optional: bool = False,
+) -> None:
+    """Raise a ValueError/TypeError with one clear sentence when ``value`` is not a number in the allowed range."""
+    if value is None and optional:
+        return
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise TypeError(f"`{name}` must be {kind}{' or None' if optional else ''}; got {value!r}.")
+    if low is not None and (value < low or (value == low and not low_inclusive)):
+        bound = ">=" if low_inclusive else ">"
+        raise ValueError(f"`{name}` must be {bound} {low}; got {value!r}.")
+    if high is not None and value > high:
+        raise ValueError(f"`{name}` must be <= {high}; got {value!r}.")
+
+
+class DebugCallback(Callback):
+    """Base class of the pack's callbacks.
+
+    Args:
+        every_n_steps: measure on optimizer steps where ``trainer.global_step % every_n_steps == 0``; ``None`` uses
+            the Trainer's ``log_every_n_steps``.
+        on_finding: what a warning- or error-level finding does. ``"warn"``: warn once per code (on rank 0) and
+            keep training. ``"stop"``: every rank stops together after the current step. ``"raise"``: every rank
+            raises :class:`~lightning_tfdebug.TFDebugError` at the same step. ``info`` findings never stop a run.
+
+    Raises:
+        ValueError: if ``every_n_steps`` is not a positive integer or ``on_finding`` is not one of the choices.
+    """
+
+    def __init__(self, every_n_steps: int | None = None, on_finding: OnFinding = "warn") -> None:
+        super().__init__()
+        check_number("every_n_steps", every_n_steps, low=1, integer=True, optional=True)
+        check_choice("on_finding", on_finding, ON_FINDING_CHOICES)
+        self.every_n_steps = every_n_steps
+        self.on_finding = on_finding
+        self.findings: list[Finding] = []
+        self._interval = every_n_steps or 50
+        self._log_dir: str | None = None
+        self._rank = 0
+        self._emitted: set[tuple[str, str | None]] = set()
+        self._warned_codes: set[str] = set()
+        self._pending_local: list[Finding] = []
+        self._aside_reason: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._interval = self.every_n_steps or max(1, int(trainer.log_every_n_steps))
+        self._rank = trainer.global_rank
+        # `trainer.log_dir` broadcasts from rank 0: a collective that every rank reaches here, once.
+        self._log_dir = trainer.log_dir or trainer.default_root_dir
+
+    @property
+    def active(self) -> bool:
+        """False once the callback has stood aside (a set-up it cannot serve); hooks then return at once."""
+        return self._aside_reason is None
+
+    def stand_aside(self, reason: str) -> None:
+        """Warn once, clearly, and stop doing anything for the rest of the run. Never crashes training."""
+        if self._aside_reason is None:
+            self._aside_reason = reason
+            rank_zero_warn(f"{type(self).__name__} stands aside: {reason}", category=TFDebugWarning)
+
+    def should_measure(self, trainer: pl.Trainer) -> bool:
+        """Whether this optimizer step measures. Depends only on ``global_step``, so every rank agrees."""
+        return self.active and not trainer.sanity_checking and trainer.global_step % self._interval == 0
+
+    @property
+    def tfdebug_dir(self) -> str:
+        """``<trainer.log_dir>/tfdebug``: where reports and findings of this run go."""
+        return os.path.join(self._log_dir or ".", "tfdebug")
+
+    # ------------------------------------------------------------------ metrics
+    @staticmethod
+    def to_host(values: Mapping[str, Tensor | float]) -> dict[str, float]:
+        """Move every device scalar in ``values`` to the host with a single transfer.
+
+        This is the callback's one deliberate host sync on a measuring step: scalars are stacked on their device
+        and copied together, instead of one ``.item()`` each.
+        """
+        keys = list(values)
+        tensors = [v for v in values.values() if isinstance(v, Tensor)]
+        if not tensors:
+            return {k: float(v) for k, v in values.items()}  # type: ignore[arg-type]
+        device = tensors[0].device
+        stacked = torch.stack(
+            [
+                v.detach().reshape(()).to(device=device, dtype=torch.float64)
+                if isinstance(v, Tensor)
+                else torch.tensor(float(v), device=device, dtype=torch.float64)
+                for v in values.values()
+            ]
+        )
+        host = stacked.tolist()  # host sync: one per measuring step, for all of this callback's statistics
+        return dict(zip(keys, host))
+
+    def log_scalars(self, trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Send host scalars to ``trainer.callback_metrics`` (every rank) and every logger (rank 0) at ``step``."""
+        if not metrics:
+            return
+        step = trainer.global_step if step is None else step
+        trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(dict(metrics), step=step)
+
+    # ------------------------------------------------------------------ findings
+    def emit(
+        self,
+        trainer: pl.Trainer,
+        code: str,
+        severity: Severity,
+        message: str,
+        evidence: Mapping[str, Any] | None = None,
+        hint: str = "",
+        *,
+        key: str | None = None,
+        synchronized: bool = True,
+        step: int | None = None,
+    ) -> Finding | None:
+        """Record a finding and act on it as ``on_finding`` says.
+
+        Args:
+            trainer: the Trainer.
+            code: stable code, e.g. ``"TFD301"``.
+            severity: ``"info"``, ``"warning"`` or ``"error"``.
+            message: one sentence saying what is wrong.
+            evidence: the numbers that show it.
+            hint: likely causes and the fix.
+            key: findings are recorded once per ``(code, key)`` per callback instance; pass a distinct key (a group
+                name, a step) to record a code again.
+            synchronized: True when every rank reaches the same finding from the same reduced values; it is then
+                acted on at once. False for a finding only this rank sees; it is acted on at the next
+                :meth:`resolve_local_findings`, which all ranks call together.
+            step: the step the evidence belongs to (default ``trainer.global_step``).
+
+        Returns:
+            The finding, or None if this ``(code, key)`` was already recorded.
+        """
+        if (code, key) in self._emitted:
+            return None
+        self._emitted.add((code, key))
+        finding = Finding(
+            code=code,
+            severity=severity,
+            source=type(self).__name__,
+            step=trainer.global_step if step is None else step,
+            rank=trainer.global_rank,
+            message=message,
+            evidence=dict(evidence or {}),
+            hint=hint,
+        )
+        self.findings.append(finding)
+        append_finding(os.path.join(self.tfdebug_dir, f"findings-rank{trainer.global_rank}.jsonl"), finding)
+        self._warn(finding, synchronized)
+        if trainer.is_global_zero:
+            self._log_text(trainer, finding)
+        if severity == "info" or self.on_finding == "warn":
+            return finding
+        if synchronized:
+            self._act(trainer, (finding,))
+        else:
+            self._pending_local.append(finding)
+        return finding
+
+    def resolve_local_findings(self, trainer: pl.Trainer) -> None:
+        """Act on rank-local findings: every rank must call this at the same point of the same step.
+
+        With ``on_finding="warn"`` there is nothing to agree on and no collective runs. Otherwise one boolean
+        reduction (a collective) tells every rank whether any rank holds a pending finding, so all stop or raise
+        together and none waits forever in a later collective.
+        """
+        if self.on_finding == "warn":
+            self._pending_local.clear()
+            return
+        pending = tuple(self._pending_local)
+        self._pending_local.clear()
+        if trainer.strategy.reduce_boolean_decision(bool(pending), all=False):
+            self._act(trainer, pending, elsewhere=not pending)
+
+    def _act(self, trainer: pl.Trainer, findings: tuple[Finding, ...], elsewhere: bool = False) -> None:
+        if self.on_finding == "stop":
+            trainer.should_stop = True
+            return
+        if elsewhere:
+            text = f"{type(self).__name__}: another rank raised a finding at step {trainer.global_step}; see its file."
+        else:
+            text = "\n".join(f.format() for f in findings)
+        raise TFDebugError(text, findings)
+
+    def _warn(self, finding: Finding, synchronized: bool) -> None:
+        if finding.code in self._warned_codes:
+            return
+        self._warned_codes.add(finding.code)
+        if synchronized:
+            rank_zero_warn(finding.format(), category=TFDebugWarning)
+        else:  # only this rank knows: warn here, whatever the rank
+            warnings.warn(finding.format(), category=TFDebugWarning, stacklevel=3)
+
+    @staticmethod
+    def _log_text(trainer: pl.Trainer, finding: Finding) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                body = finding.format().replace("\n", "  \n")  # markdown line breaks
+                logger.experiment.add_text(f"tfdebug/{finding.code}", body, global_step=finding.step)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        return {"emitted": [list(k) for k in sorted(self._emitted, key=str)], "warned": sorted(self._warned_codes)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._emitted = {(c, k) for c, k in state_dict.get("emitted", [])}
+        self._warned_codes = set(state_dict.get("warned", []))

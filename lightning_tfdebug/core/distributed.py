@@ -1,0 +1,147 @@
+"""Distributed reductions shared by every callback.
+
+The one idea: every rank reduces its local statistics to a small vector of "sum" slots (sums of squares, counts)
+and "max" slots (inf-norms, flags), and one collective turns the vectors of all ranks into global values.
+
+How much of a parameter a rank holds decides how its contribution is weighted:
+
+* DDP and single-process: every rank holds the full tensor, gradients are identical after the all-reduce, so the
+  local value *is* the global value and no collective runs at all.
+* FSDP2 / DTensor: each rank holds ``param.to_local()``, a shard along the mesh dimensions whose placement is
+  ``Shard`` (or ``Partial``) and a replica along the ``Replicate`` ones.
+* FSDP1 (``FullyShardedDataParallel``): flat parameters, or with ``use_orig_params=True`` views of them, hold this
+  rank's slice of each original parameter (possibly empty) within the FSDP process group; ranks outside that group
+  (hybrid sharding) hold replicas.
+
+A sharded parameter's contribution to a sum slot is multiplied by ``1 / replicas`` (``replicas`` = world size /
+number of distinct shards) before the collective, so summing over the whole world counts every element exactly once,
+whatever mix of sharded and replicated parameters a model has. Max slots need no weighting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:  # DTensor moved out of the private namespace in torch 2.4
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def clean_param_name(name: str) -> str:
+    """Drop the wrapper segments FSDP1, activation checkpointing, ``torch.compile`` and DDP insert in names."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The part of ``tensor`` stored on this rank (the local shard of a DTensor, else the tensor itself)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How the parameters of one model are laid out over the ranks.
+
+    Attributes:
+        sharded: True when at least one parameter is sharded, i.e. reductions need a collective.
+        weights: per parameter (same order as given), the factor its sum-type statistics are multiplied by before
+            the collective (``1.0`` when ``sharded`` is False).
+        world_size: number of ranks taking part in the collective.
+    """
+
+    sharded: bool
+    weights: tuple[float, ...]
+    world_size: int
+
+
+def _fsdp1_group_size(module: torch.nn.Module | None) -> int | None:
+    """Size of the FSDP1 process group, or None when ``module`` holds no FSDP1 unit."""
+    if module is None:
+        return None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return None
+    for sub in module.modules():
+        if isinstance(sub, FullyShardedDataParallel):
+            group = getattr(sub, "process_group", None)
+            return dist.get_world_size(group) if group is not None else world_size()
+    return None
+
+
+def plan_sharding(params: Iterable[Tensor], root: torch.nn.Module | None = None) -> ShardingPlan:
+    """Work out, once per fit, how each parameter's statistics must be weighted before reduction.
+
+    Args:
+        params: the parameters that will be reduced, in the order the statistic vectors will use.
+        root: the model; used to find FSDP1 units (whose parameters are plain tensors).
+    """
+    params = list(params)
+    n_ranks = world_size()
+    fsdp1_group = _fsdp1_group_size(root)
+    replicas: list[float] = []
+    any_sharded = False
+    for p in params:
+        if isinstance(p, DTensor):
+            shards = 1
+            for dim, placement in enumerate(p.placements):
+                if placement.is_shard() or placement.is_partial():
+                    shards *= p.device_mesh.size(dim)
+            any_sharded = any_sharded or shards > 1
+            replicas.append(n_ranks / shards)
+        elif fsdp1_group is not None and fsdp1_group > 1:
+            any_sharded = True
+            replicas.append(n_ranks / fsdp1_group)
+        else:
+            replicas.append(float(n_ranks))
+    if not any_sharded or n_ranks == 1:
+        return ShardingPlan(sharded=False, weights=tuple(1.0 for _ in params), world_size=n_ranks)
+    return ShardingPlan(sharded=True, weights=tuple(1.0 / r for r in replicas), world_size=n_ranks)
+
+
+def packed_reduce(sums: Tensor, maxes: Tensor | None = None, *, collective: bool = True) -> tuple[Tensor, Tensor]:
+    """Reduce many scalars across ranks with one collective.
+
+    Args:
+        sums: 1-D float tensor of values to add up over ranks (already weighted, see :class:`ShardingPlan`).
+        maxes: 1-D float tensor of values to take the maximum of over ranks (may be empty or None).
+        collective: False skips the collective (replicated layout, or a single process) and returns the inputs.
+
+    Returns:
+        ``(global_sums, global_maxes)`` on the device of ``sums``.
+
+    Every rank must call this with vectors of the same length on the same step. Inside, one ``all_gather`` moves
+    the packed ``[sums, maxes]`` vector; the sum and max are then taken locally, so a max costs no second collective.
+    """
+    if maxes is None:
+        maxes = sums.new_zeros(0)
+    if not collective or world_size() == 1:
+        return sums, maxes
+    packed = torch.cat([sums.float(), maxes.float()])
+    gathered = [torch.empty_like(packed) for _ in range(world_size())]
+    dist.all_gather(gathered, packed)
+    stacked = torch.stack(gathered)  # (world, n_sums + n_maxes)
+    n = sums.numel()
+    return stacked[:, :n].sum(0), stacked[:, n:].amax(0) if maxes.numel() else maxes
+
+
+def all_gather_vector(values: Tensor) -> Tensor:
+    """Gather one equally-sized 1-D vector from every rank; returns ``(world_size, n)``. One collective."""
+    if world_size() == 1:
+        return values.unsqueeze(0)
+    gathered = [torch.empty_like(values) for _ in range(world_size())]
+    dist.all_gather(gathered, values.contiguous())
+    return torch.stack(gathered)

@@ -1,0 +1,155 @@
+"""Findings: the records every callback of the pack produces, and where they go.
+
+A :class:`Finding` is one diagnosis: a stable code, a one-sentence message, the numbers that show it and a hint
+on what to do. Codes are grouped by area (see ``docs/findings.md``):
+
+=====  ============================================
+range  area
+=====  ============================================
+1xx    data, batches, reproducibility
+2xx    masks, positions, targets, the loss
+3xx    gradients and optimization
+4xx    numerics and precision
+5xx    distributed
+6xx    throughput and memory
+7xx    checkpoint and resume
+=====  ============================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["info", "warning", "error"]
+OnFinding = Literal["warn", "stop", "raise"]
+
+SEVERITIES: tuple[str, ...] = ("info", "warning", "error")
+ON_FINDING_CHOICES: tuple[str, ...] = ("warn", "stop", "raise")
+_CODE_PATTERN = re.compile(r"^TFD[1-7]\d\d$")
+
+
+class TFDebugError(RuntimeError):
+    """Raised on every rank at the same step when a callback built with ``on_finding="raise"`` finds a problem.
+
+    Attributes:
+        findings: the findings that caused the raise, as seen on this rank.
+    """
+
+    def __init__(self, message: str, findings: tuple[Finding, ...] = ()) -> None:
+        super().__init__(message)
+        self.findings = findings
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis produced by a callback.
+
+    Args:
+        code: stable identifier such as ``"TFD301"``; the hundreds digit names the area (see module docstring).
+        severity: ``"info"``, ``"warning"`` or ``"error"``.
+        source: class name of the callback that produced it.
+        step: ``trainer.global_step`` when it was found.
+        rank: global rank of the process that found it.
+        message: one sentence saying what is wrong.
+        evidence: the numbers that show it (JSON-serialisable values).
+        hint: likely causes and the fix.
+
+    Raises:
+        ValueError: if ``code`` or ``severity`` is malformed.
+    """
+
+    code: str
+    severity: Severity
+    source: str
+    step: int
+    rank: int
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    hint: str = ""
+
+    def __post_init__(self) -> None:
+        if not _CODE_PATTERN.match(self.code):
+            raise ValueError(f"Finding code must look like 'TFD301' (TFD + area 1-7 + two digits), got {self.code!r}.")
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"Finding severity must be one of {SEVERITIES}, got {self.severity!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The finding as a plain dict whose values are JSON-serialisable."""
+        out = asdict(self)
+        out["evidence"] = _jsonable(self.evidence)
+        return out
+
+    def to_json(self) -> str:
+        """One line of JSON (no newline)."""
+        return json.dumps(self.to_dict(), sort_keys=False, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        """Inverse of :meth:`to_dict`, tolerant of extra keys."""
+        names = {"code", "severity", "source", "step", "rank", "message", "evidence", "hint"}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def format(self) -> str:
+        """Human-readable multi-line rendering, used for warnings and TensorBoard text."""
+        lines = [f"[{self.code}] {self.severity.upper()} from {self.source} at step {self.step} (rank {self.rank}):"]
+        lines.append(f"  {self.message}")
+        if self.evidence:
+            shown = ", ".join(f"{k}={_short(v)}" for k, v in self.evidence.items())
+            lines.append(f"  evidence: {shown}")
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        return "\n".join(lines)
+
+
+def read_findings(path: str | os.PathLike[str]) -> list[Finding]:
+    """Read a ``findings-rank<r>.jsonl`` file back into :class:`Finding` records."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                out.append(Finding.from_dict(json.loads(line)))
+    return out
+
+
+def append_finding(path: str | os.PathLike[str], finding: Finding) -> None:
+    """Append one finding as a JSON line and flush it to disk at once.
+
+    The file is opened in append mode for each finding (findings are rare), so several callbacks can share it and
+    nothing written earlier is ever overwritten.
+    """
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(finding.to_json() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _jsonable(value: Any) -> Any:
+    """Make evidence JSON-safe: tensors to numbers, non-finite floats to strings, tuples to lists."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist") and callable(value.tolist):  # torch tensors, numpy arrays and scalars
+        return _jsonable(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "nan", "inf", "-inf": JSON has no literal for them
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return "[" + ", ".join(_short(v) for v in value[:8]) + f", ... ({len(value)} items)]"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_short(v) for v in value) + "]"
+    return str(value)
