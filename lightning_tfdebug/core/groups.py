@@ -139,3 +139,45 @@ def validate_group_args(groups: Mapping[str, str] | None, depth: int | None) -> 
                 raise ValueError(f"`groups[{g!r}]` is not a valid regular expression ({err}): {pattern!r}.") from err
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise ValueError(f"`group_depth` must be a positive integer or None; got {depth!r}.")
+
+
+@dataclass(frozen=True)
+class ReductionLayout:
+    """Everything a callback needs to reduce per-group statistics of a model's parameters across ranks.
+
+    Built once per fit on the first measuring step (after the strategy has wrapped or sharded the model).
+
+    Attributes:
+        groups: the parameters and their groups.
+        index: ``(n_params,)`` long tensor on the parameters' device: each parameter's group.
+        weights: ``(n_params,)`` fp32 tensor: each parameter's weight in sum-type reductions (``1/replicas``).
+        sharded: whether reductions need a collective (see :func:`~lightning_tfdebug.core.distributed.plan_sharding`).
+    """
+
+    groups: ParamGroups
+    index: torch.Tensor
+    weights: torch.Tensor
+    sharded: bool
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.groups.group_names)
+
+
+def build_layout(
+    model: nn.Module, *, groups: Mapping[str, str] | None = None, depth: int | None = None
+) -> ReductionLayout | None:
+    """Group the trainable parameters of ``model`` and plan their reduction; None if it has none."""
+    from lightning_tfdebug.core.distributed import local_tensor, plan_sharding
+
+    param_groups = build_param_groups(model, groups=groups, depth=depth)
+    if not param_groups.params:
+        return None
+    plan = plan_sharding(param_groups.params, root=model)
+    device = local_tensor(param_groups.params[0]).device
+    return ReductionLayout(
+        groups=param_groups,
+        index=param_groups.index_tensor(device),
+        weights=torch.tensor(plan.weights, dtype=torch.float32, device=device),
+        sharded=plan.sharded,
+    )

@@ -1,0 +1,171 @@
+"""Step-time overhead of each callback against a plain run, all in one process.
+
+Usage::
+
+    python benchmarks/overhead.py --steps 200 --repeats 3
+
+Every case trains the tiny transformer for ``--steps`` optimizer steps. Cases run round-robin ``--repeats`` times so
+slow phases of a noisy machine hit every case alike; a case's step time is the median over its steps (the first
+``--skip`` steps of each run are dropped) and then the median over repeats. The table prints each case's median step
+time and its ratio to its baseline case measured in the same process.
+
+Later issues add their cases to ``CASES`` (one ``Case`` per row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+
+
+@dataclass
+class Case:
+    """One row of the table.
+
+    Attributes:
+        name: row label.
+        callbacks: builds the callbacks for one run (called once per repeat).
+        baseline: name of the case this row's ratio is taken against.
+        trainer_kwargs: extra ``Trainer`` arguments (precision plugins, clipping, ...).
+        model_kwargs: extra ``TinyGPT`` arguments.
+        prepare: called with the model before ``fit`` (to attach a third-party tool); may return a cleanup function.
+    """
+
+    name: str
+    callbacks: Callable[[], list[pl.Callback]] = list
+    baseline: str = "plain"
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    prepare: Callable[[TinyGPT], Callable[[], None] | None] | None = None
+
+
+class StepTimer(pl.Callback):
+    """Wall time between consecutive batch starts: the whole step, data loading included."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._last: float | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+
+
+class GradNormRecipe(pl.Callback):
+    """What users write today: Lightning's ``grad_norm`` utility logged every step."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        pl_module.log_dict(grad_norm(pl_module, norm_type=2))
+
+
+def _gnm(**kw: Any) -> Callable[[], list[pl.Callback]]:
+    def build() -> list[pl.Callback]:
+        from lightning_tfdebug import GradNormMonitor
+
+        return [GradNormMonitor(**kw)]
+
+    return build
+
+
+def _update_ratio(**kw: Any) -> Callable[[], list[pl.Callback]]:
+    def build() -> list[pl.Callback]:
+        from lightning_tfdebug import UpdateRatio
+
+        return [UpdateRatio(**kw)]
+
+    return build
+
+
+CASES: list[Case] = [
+    Case("plain"),
+    # --- issue 2: foundation ---
+    Case("GradNormMonitor (default cadence)", _gnm()),
+    Case("GradNormMonitor (every step)", _gnm(every_n_steps=1)),
+    Case("grad_norm recipe (every step)", lambda: [GradNormRecipe()]),
+    Case("UpdateRatio (default cadence)", _update_ratio()),
+    Case("UpdateRatio (every step)", _update_ratio(every_n_steps=1)),
+    # --- issue 3: numerics ---
+    # --- issue 4: activations and loss at init ---
+    # --- issue 5: throughput and ranks ---
+    # --- issue 6: batches and repro ---
+    # --- issue 7: masks, optimizer, checkpoints ---
+]
+
+
+def run_case(case: Case, args: argparse.Namespace, log_dir: str) -> list[float]:
+    torch.manual_seed(0)
+    model = TinyGPT(d_model=args.d_model, n_layers=args.n_layers, **case.model_kwargs)
+    cleanup = case.prepare(model) if case.prepare else None
+    timer = StepTimer()
+    kwargs: dict[str, Any] = dict(
+        accelerator=args.accelerator,
+        devices=1,
+        max_steps=args.steps,
+        logger=CSVLogger(log_dir, name="bench"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=50,
+    )
+    kwargs.update(case.trainer_kwargs)
+    trainer = pl.Trainer(callbacks=[timer, *case.callbacks()], **kwargs)
+    try:
+        trainer.fit(model, TinyTextDataModule(batch_size=args.batch_size))
+    finally:
+        if cleanup:
+            cleanup()
+    return timer.times[args.skip :]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip", type=int, default=10, help="steps dropped at the start of each run")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--only", nargs="*", help="substrings: run only matching cases (and their baselines)")
+    parser.add_argument("--log-dir", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    cases = CASES
+    if args.only:
+        wanted = {c.name for c in CASES if any(s in c.name for s in args.only)}
+        wanted |= {c.baseline for c in CASES if c.name in wanted}
+        cases = [c for c in CASES if c.name in wanted]
+    medians: dict[str, list[float]] = {c.name: [] for c in cases}
+    for _ in range(args.repeats):
+        for case in cases:
+            times = run_case(case, args, args.log_dir)
+            medians[case.name].append(statistics.median(times))
+
+    print(f"\n{args.steps} steps x {args.repeats} repeats, batch {args.batch_size}, d_model {args.d_model}, "
+          f"{args.n_layers} layers, {args.accelerator}, torch {torch.__version__}")
+    print(f"| {'case':<48} | {'median step (ms)':>16} | {'ratio':>7} |")
+    print(f"|{'-' * 50}|{'-' * 18}|{'-' * 9}|")
+    result = {name: statistics.median(v) for name, v in medians.items()}
+    for case in cases:
+        ratio = result[case.name] / result[case.baseline]
+        print(f"| {case.name:<48} | {result[case.name] * 1e3:>16.2f} | {ratio:>7.3f} |")
+
+
+if __name__ == "__main__":
+    main()

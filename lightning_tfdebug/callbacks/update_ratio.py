@@ -1,0 +1,264 @@
+"""UpdateRatio: how much the optimizer step actually changed the weights, relative to their size."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_tfdebug.callbacks.grad_norm_monitor import grad_scaler_of
+from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.distributed import local_tensor, packed_reduce
+from lightning_tfdebug.core.groups import ReductionLayout, build_layout, validate_group_args
+from lightning_tfdebug.core.tracking import Streak
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.norms import grouped_sq_norms
+
+
+class UpdateRatio(DebugCallback):
+    r"""Logs ``||ΔW|| / ||W||`` per group and in total, where ΔW is the change the optimizer step really made.
+
+    On a measuring step the trainable parameters are copied in fp32 just before ``optimizer.step()`` (that copy is
+    the callback's memory cost, and exists only on measuring steps), and compared with the weights after the step.
+    Any optimizer and any parameter groups work, because nothing is recomputed from the optimizer's formula. A step
+    that the fp16 GradScaler skipped is recognised from the scale backing off, and is neither logged as a zero
+    update nor counted in the diagnoses. Under FSDP1/FSDP2 each rank snapshots and differences only its own shard;
+    one packed collective combines the shards. Under DDP no collective runs.
+
+    Logged keys (on measuring steps):
+
+    ==========================  ===========================================================
+    key                         meaning
+    ==========================  ===========================================================
+    ``update_ratio/total``      ``||ΔW|| / ||W||`` over all trainable parameters
+    ``update_ratio/<group>``    the same over one group (``blocks.0``, ``embeddings``, ...)
+    ``param_norm/total``        ``||W||`` after the step, over all trainable parameters
+    ``param_norm/<group>``      ``||W||`` after the step, over one group
+    ==========================  ===========================================================
+
+    Healthy band. The classic "1e-3" rule of thumb comes from SGD. With Adam(W), a step moves each weight by about
+    the learning rate, so the ratio sits near ``lr / rms(W)``: about 1e-2 early in a GPT-style run (weights of
+    rms ~0.02, lr 3e-4) and falling as weights grow and gradients get noisier. The defaults ``low=1e-4`` and
+    ``high=0.3`` were set from measured healthy runs (``docs/callbacks/update_ratio.md``): the tiny transformer at
+    lr 3e-4 to 3e-3 and a GPT-2-small-shaped model at 6e-4 stay inside; the same runs with the LR 100x lower or
+    higher leave it.
+
+    Findings: ``TFD310`` too low, ``TFD311`` too high, ``TFD312`` a group that got gradients but did not change
+    (left out of the optimizer). See ``docs/findings.md``.
+
+    Args:
+        every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
+            ``log_every_n_steps``.
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
+        groups: ``{group_name: regex}`` to group parameters by name instead of by block.
+        group_depth: group by the first ``group_depth`` segments of parameter names.
+        low: ``TFD310`` below this total ratio...
+        high: ``TFD311`` above this total ratio...
+        patience: ...for this many consecutive measurements (also for ``TFD312``).
+        decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen (a schedule
+            deliberately decaying it) or still rising (warm-up).
+
+    Raises:
+        ValueError: on an argument outside its allowed range, or ``low >= high``.
+
+    Example::
+
+        trainer = Trainer(callbacks=[UpdateRatio(every_n_steps=25)])
+
+    LightningCLI:
+
+    .. code-block:: yaml
+
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.UpdateRatio
+              init_args:
+                every_n_steps: 25
+                low: 1.0e-4
+                high: 0.3
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        on_finding: OnFinding = "warn",
+        groups: dict[str, str] | None = None,
+        group_depth: int | None = None,
+        low: float = 1e-4,
+        high: float = 0.3,
+        patience: int = 3,
+        decayed_lr_fraction: float = 0.5,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        validate_group_args(groups, group_depth)
+        check_number("low", low, low=0.0, low_inclusive=False)
+        check_number("high", high, low=0.0, low_inclusive=False)
+        if low >= high:
+            raise ValueError(f"`low` must be below `high`; got low={low!r}, high={high!r}.")
+        check_number("patience", patience, low=1, integer=True)
+        check_number("decayed_lr_fraction", decayed_lr_fraction, low=0.0, high=1.0)
+        self.groups = dict(groups) if groups else None
+        self.group_depth = group_depth
+        self.low = float(low)
+        self.high = float(high)
+        self.patience = patience
+        self.decayed_lr_fraction = float(decayed_lr_fraction)
+        self._layout: ReductionLayout | None = None
+        self._before: list[Tensor] | None = None  # fp32 snapshot, alive only between the two hooks of a step
+        self._grad_sq: Tensor | None = None
+        self._scale_before: Tensor | None = None
+        self._lr: float = 0.0
+        self._peak_lr = 0.0
+        self._recent_lr: deque[float] = deque(maxlen=patience)
+        self._streak = Streak()
+        self.skipped_measurements = 0
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, groups=self.groups, depth=self.group_depth)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._layout = None
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not self.should_measure(trainer):
+            return
+        if self._layout is None:
+            self._layout = build_layout(pl_module, groups=self.groups, depth=self.group_depth)
+            if self._layout is None:
+                self.stand_aside("the model has no trainable parameters, so no update can be measured.")
+                return
+        layout = self._layout
+        with torch.no_grad():
+            locals_ = [local_tensor(p.detach()) for p in layout.groups.params]
+            self._before = [t.to(torch.float32, copy=True) for t in locals_]
+            grads = [local_tensor(p.grad) if p.grad is not None else t[:0] for p, t in zip(layout.groups.params, locals_)]
+            weights = layout.weights if layout.sharded else None
+            self._grad_sq, _ = grouped_sq_norms(grads, layout.index, layout.n_groups, weights)
+            scaler = grad_scaler_of(trainer)
+            scale = getattr(scaler, "_scale", None)
+            self._scale_before = scale.detach().clone() if isinstance(scale, Tensor) else None
+        # host-side Python floats already: no sync
+        self._lr = max(float(g["lr"]) for g in optimizer.param_groups)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._before is None:
+            return
+        layout = self._layout
+        assert layout is not None
+        before, self._before = self._before, None
+        with torch.no_grad():
+            after = [local_tensor(p.detach()).float() for p in layout.groups.params]
+            delta = torch._foreach_sub(after, before)
+            del before
+            weights = layout.weights if layout.sharded else None
+            delta_sq, _ = grouped_sq_norms(delta, layout.index, layout.n_groups, weights)
+            param_sq, _ = grouped_sq_norms(after, layout.index, layout.n_groups, weights)
+            n = layout.n_groups
+            sums, _ = packed_reduce(torch.cat([delta_sq, param_sq, self._grad_sq]), collective=layout.sharded)
+            delta_sq, param_sq, grad_sq = sums[:n], sums[n : 2 * n], sums[2 * n :]
+            values: dict[str, Tensor | float] = {
+                "update_ratio/total": delta_sq.sum().sqrt() / param_sq.sum().sqrt().clamp_min(1e-12),
+                "param_norm/total": param_sq.sum().sqrt(),
+            }
+            for g, name in enumerate(layout.groups.group_names):
+                values[f"update_ratio/{name}"] = delta_sq[g].sqrt() / param_sq[g].sqrt().clamp_min(1e-12)
+                values[f"param_norm/{name}"] = param_sq[g].sqrt()
+                values[f"_delta/{name}"] = delta_sq[g]
+                values[f"_grad/{name}"] = grad_sq[g]
+            scaler = grad_scaler_of(trainer)
+            scale_after = getattr(scaler, "_scale", None)
+            if self._scale_before is not None and isinstance(scale_after, Tensor):
+                values["_skipped"] = (scale_after < self._scale_before).float().sum()
+            self._scale_before = self._grad_sq = None
+
+        host = self.to_host(values)  # the one host transfer of this measuring step
+        step = trainer.global_step - 1  # the optimizer step measured has already incremented global_step
+        if host.get("_skipped", 0.0) > 0:
+            self.skipped_measurements += 1  # the GradScaler skipped this step: nothing was applied, nothing to judge
+            return
+        self.log_scalars(trainer, {k: v for k, v in host.items() if not k.startswith("_")}, step=step)
+        self._diagnose(trainer, host, step)
+
+    def _diagnose(self, trainer: pl.Trainer, host: dict[str, float], step: int) -> None:
+        layout = self._layout
+        assert layout is not None
+        names = layout.groups.group_names
+        ratio = host["update_ratio/total"]
+        self._peak_lr = max(self._peak_lr, self._lr)
+        self._recent_lr.append(self._lr)
+        band = {"low": self.low, "high": self.high}
+
+        at_plateau = (
+            self._lr >= self.decayed_lr_fraction * self._peak_lr
+            and len(self._recent_lr) == self._recent_lr.maxlen
+            and max(self._recent_lr) <= 1.1 * min(self._recent_lr)
+        )
+        if self._streak.update("low", ratio < self.low) >= self.patience and at_plateau:
+            below = [g for g in names if host[f"update_ratio/{g}"] < self.low]
+            self.emit(
+                trainer,
+                "TFD310",
+                "warning",
+                f"Updates are tiny: ||dW||/||W|| = {ratio:.3g} (healthy band {self.low:g} to {self.high:g}) for "
+                f"{self.patience} measurements at a learning rate of {self._lr:.3g}.",
+                {"update_ratio": ratio, "lr": self._lr, "band": band, "groups_below": below},
+                "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR "
+                "range test; check that the scheduler is not stuck at its initial factor.",
+                step=step,
+            )
+        if self._streak.update("high", ratio > self.high) >= self.patience:
+            above = [g for g in names if host[f"update_ratio/{g}"] > self.high]
+            self.emit(
+                trainer,
+                "TFD311",
+                "warning",
+                f"Updates are huge: ||dW||/||W|| = {ratio:.3g} (healthy band {self.low:g} to {self.high:g}) for "
+                f"{self.patience} measurements at a learning rate of {self._lr:.3g}.",
+                {"update_ratio": ratio, "lr": self._lr, "band": band, "groups_above": above},
+                "The learning rate is probably too high, or there is no warm-up: each step rewrites a large part of "
+                "the weights. Lower the LR or add warm-up; GradNormMonitor shows whether gradients explode too.",
+                step=step,
+            )
+        stepped = sum(host[f"_delta/{g}"] for g in names) > 0
+        frozen = []
+        for g in names:
+            stuck = stepped and host[f"_grad/{g}"] > 0 and host[f"_delta/{g}"] == 0.0
+            if self._streak.update(f"zero:{g}", stuck) >= self.patience:
+                frozen.append(g)
+        if frozen:
+            self.emit(
+                trainer,
+                "TFD312",
+                "error",
+                f"Group(s) {', '.join(frozen)} received gradients but did not change when the optimizer stepped, "
+                f"{self.patience} times in a row.",
+                {"groups": frozen, "grad_norms": {g: host[f"_grad/{g}"] ** 0.5 for g in frozen}},
+                "Their parameters are probably not in the optimizer (built before the module was added, or filtered "
+                "out in configure_optimizers). Add them, or set requires_grad=False if they should stay fixed.",
+                step=step,
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "streak": self._streak.state_dict(),
+            "peak_lr": self._peak_lr,
+            "recent_lr": list(self._recent_lr),
+            "skipped_measurements": self.skipped_measurements,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._streak.load_state_dict(state_dict.get("streak", {}))
+        self._peak_lr = float(state_dict.get("peak_lr", 0.0))
+        self._recent_lr = deque(state_dict.get("recent_lr", []), maxlen=self.patience)
+        self.skipped_measurements = int(state_dict.get("skipped_measurements", 0))

@@ -1,0 +1,83 @@
+"""Shared test helpers: small Trainers and real multi-process runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST_SCRIPT = ROOT / "tests" / "scripts" / "dist_run.py"
+
+
+def make_trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> pl.Trainer:
+    """A CPU Trainer with a TensorBoard and a CSV logger writing under ``tmp_path``."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=20,
+        logger=[TensorBoardLogger(tmp_path, name="tb", version=0), CSVLogger(tmp_path, name="csv", version=0)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **defaults)
+
+
+def run_distributed(tmp_path: Path, spec: dict[str, Any], timeout: float = 240) -> list[dict[str, Any]]:
+    """Run ``tests/scripts/dist_run.py`` with real gloo processes and return every rank's result dict.
+
+    A hang fails the test through ``timeout`` (the process group is killed) instead of blocking the suite.
+    """
+    spec = {"devices": 2, **spec, "out": str(tmp_path)}
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen(
+        [sys.executable, str(DIST_SCRIPT), str(spec_path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        raise AssertionError(f"distributed run hung for {timeout}s:\n{output.decode()[-4000:]}") from None
+    text = output.decode()
+    results = []
+    for rank in range(spec["devices"]):
+        path = tmp_path / f"result-rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result (exit {proc.returncode}):\n{text[-4000:]}"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def read_scalars(event_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """All scalars in the TensorBoard event files under ``event_dir``: ``{tag: [(step, value), ...]}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(event_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def read_csv_metrics(csv_dir: Path) -> list[dict[str, str]]:
+    import csv
+
+    with open(csv_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
