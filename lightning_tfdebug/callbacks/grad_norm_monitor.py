@@ -59,7 +59,7 @@ class GradNormMonitor(DebugCallback):
         explosion_factor: ``TFD301`` when the total exceeds this multiple of the median of its recent history.
         warmup_measurements: measurements collected before ``TFD301`` can fire.
         history: number of recent measurements the median is taken over.
-        vanishing_ratio: ``TFD302`` when a group's norm is below this fraction of the median group norm...
+        vanishing_ratio: ``TFD302`` when a group's norm is below this fraction of the largest group norm...
         patience: ...for this many consecutive measurements; also the measurements a trainable parameter must go
             without a gradient before ``TFD304``.
 
@@ -264,26 +264,26 @@ class GradNormMonitor(DebugCallback):
             )
         self._history.add(total)
 
+        # Reference: the largest group norm. The median would sink with the groups it should expose when half of
+        # a deep stack vanishes (bug 13), so vanishing groups are judged against the best-served group instead.
         norms = [host[f"grad_norm/{g}"] for g in group_names]
-        positive = sorted(n for n in norms if n > 0)
-        if len(positive) >= 3:
-            median_group = positive[len(positive) // 2]
+        reference = max(norms)
+        if len(norms) >= 2 and reference > 0:
             vanishing = []
             for g, n in zip(group_names, norms):
-                low = n < self.vanishing_ratio * median_group
-                if self._vanishing.update(g, low) >= self.patience:
+                if self._vanishing.update(g, n < self.vanishing_ratio * reference) >= self.patience:
                     vanishing.append(g)
             if vanishing:
                 self.emit(
                     trainer,
                     "TFD302",
                     "warning",
-                    f"Gradients vanish in {', '.join(vanishing)}: below {self.vanishing_ratio:g} x the median group "
+                    f"Gradients vanish in {', '.join(vanishing)}: below {self.vanishing_ratio:g} x the largest group "
                     f"norm for {self.patience} measurements in a row.",
                     {
                         "groups": vanishing,
                         "group_norms": {g: host[f"grad_norm/{g}"] for g in vanishing},
-                        "median_group_norm": median_group,
+                        "largest_group_norm": reference,
                     },
                     "Those layers barely learn. Usual causes: missing residual connections, saturating activations "
                     "(sigmoid/tanh), post-norm without warm-up, or a detach() in the forward.",

@@ -41,7 +41,7 @@ class UpdateRatio(DebugCallback):
 
     Healthy band. The classic "1e-3" rule of thumb comes from SGD. With Adam(W), a step moves each weight by about
     the learning rate, so the ratio sits near ``lr / rms(W)``: about 1e-2 early in a GPT-style run (weights of
-    rms ~0.02, lr 3e-4) and falling as weights grow and gradients get noisier. The defaults ``low=1e-4`` and
+    rms ~0.02, lr 3e-4) and falling as weights grow and gradients get noisier. The defaults ``low=3e-4`` and
     ``high=0.3`` were set from measured healthy runs (``docs/callbacks/update_ratio.md``): the tiny transformer at
     lr 3e-4 to 3e-3 and a GPT-2-small-shaped model at 6e-4 stay inside; the same runs with the LR 100x lower or
     higher leave it.
@@ -55,9 +55,9 @@ class UpdateRatio(DebugCallback):
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         groups: ``{group_name: regex}`` to group parameters by name instead of by block.
         group_depth: group by the first ``group_depth`` segments of parameter names.
-        low: ``TFD310`` below this total ratio...
-        high: ``TFD311`` above this total ratio...
-        patience: ...for this many consecutive measurements (also for ``TFD312``).
+        low: ``TFD310`` when the total ratio stays below this for ``patience`` consecutive measurements.
+        high: ``TFD311`` when the total ratio exceeds this on any measurement.
+        patience: consecutive measurements for ``TFD310`` and ``TFD312``.
         decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen (a schedule
             deliberately decaying it) or still rising (warm-up).
 
@@ -77,7 +77,7 @@ class UpdateRatio(DebugCallback):
             - class_path: lightning_tfdebug.UpdateRatio
               init_args:
                 every_n_steps: 25
-                low: 1.0e-4
+                low: 3.0e-4
                 high: 0.3
     """
 
@@ -87,7 +87,7 @@ class UpdateRatio(DebugCallback):
         on_finding: OnFinding = "warn",
         groups: dict[str, str] | None = None,
         group_depth: int | None = None,
-        low: float = 1e-4,
+        low: float = 3e-4,
         high: float = 0.3,
         patience: int = 3,
         decayed_lr_fraction: float = 0.5,
@@ -215,14 +215,14 @@ class UpdateRatio(DebugCallback):
                 "range test; check that the scheduler is not stuck at its initial factor.",
                 step=step,
             )
-        if self._streak.update("high", ratio > self.high) >= self.patience:
+        if ratio > self.high:  # one step that rewrites this much of the weights is damage already: no patience
             above = [g for g in names if host[f"update_ratio/{g}"] > self.high]
             self.emit(
                 trainer,
                 "TFD311",
                 "warning",
-                f"Updates are huge: ||dW||/||W|| = {ratio:.3g} (healthy band {self.low:g} to {self.high:g}) for "
-                f"{self.patience} measurements at a learning rate of {self._lr:.3g}.",
+                f"Updates are huge: one optimizer step changed the weights by ||dW||/||W|| = {ratio:.3g} (healthy band "
+                f"{self.low:g} to {self.high:g}) at a learning rate of {self._lr:.3g}.",
                 {"update_ratio": ratio, "lr": self._lr, "band": band, "groups_above": above},
                 "The learning rate is probably too high, or there is no warm-up: each step rewrites a large part of "
                 "the weights. Lower the LR or add warm-up; GradNormMonitor shows whether gradients explode too.",

@@ -250,6 +250,11 @@ class DebugCallback(Callback):
                 logger.experiment.add_text(f"tfdebug/{finding.code}", body, global_step=finding.step)
 
     # ------------------------------------------------------------------ checkpoint state
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in checkpoints; differs between instances configured differently."""
+        return self._generate_state_key(every_n_steps=self.every_n_steps, on_finding=self.on_finding)
+
     def state_dict(self) -> dict[str, Any]:
         return {"emitted": [list(k) for k in sorted(self._emitted, key=str)], "warned": sorted(self._warned_codes)}
 
