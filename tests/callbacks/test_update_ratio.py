@@ -1,0 +1,157 @@
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_tfdebug import TFDebugWarning, UpdateRatio
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.helpers import make_trainer, read_csv_metrics, read_scalars, run_distributed
+from tests.reference import ReferenceUpdateRatio
+
+SMALL = dict(d_model=32, n_layers=2, n_heads=2)
+
+
+def fit(tmp_path, callbacks, model=None, **kwargs):
+    trainer = make_trainer(tmp_path, callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(model or TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
+    return trainer
+
+
+def codes(callback):
+    return sorted({f.code for f in callback.findings})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"low": 0.0}, "`low` must be > 0"),
+        ({"low": 0.5, "high": 0.1}, "`low` must be below `high`"),
+        ({"patience": 0}, "patience"),
+        ({"decayed_lr_fraction": 1.5}, "decayed_lr_fraction"),
+        ({"every_n_steps": 0}, "every_n_steps"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        UpdateRatio(**kwargs)
+
+
+def test_ratio_matches_a_plain_reference_and_reaches_the_loggers(tmp_path):
+    reference, monitor = ReferenceUpdateRatio(), UpdateRatio(every_n_steps=2)
+    fit(tmp_path, [reference, monitor], max_steps=7)
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    logged = dict(scalars["update_ratio/total"])
+    assert sorted(logged) == [0, 2, 4, 6]  # logged at the step whose update it measures
+    for step, value in logged.items():
+        assert value == pytest.approx(reference.ratios[step], rel=1e-4)
+    for key in ("update_ratio/blocks.0", "update_ratio/head", "param_norm/total", "param_norm/embeddings"):
+        assert key in scalars
+    rows = [r for r in read_csv_metrics(tmp_path / "csv" / "version_0") if r.get("update_ratio/total")]
+    assert [int(r["step"]) for r in rows] == [0, 2, 4, 6]
+
+
+def test_healthy_runs_stay_inside_the_band(tmp_path):
+    for lr in (3e-4, 3e-3):
+        monitor = UpdateRatio(every_n_steps=10)
+        fit(tmp_path / str(lr), [monitor], model=TinyGPT(lr=lr, **SMALL), max_steps=120)
+        assert codes(monitor) == [], lr
+
+
+def test_learning_rate_100x_too_low(tmp_path):  # bug 11
+    monitor = UpdateRatio(every_n_steps=10)
+    fit(tmp_path, [monitor], model=TinyGPT(lr=1e-5, **SMALL), max_steps=80)
+    [finding] = monitor.findings
+    assert finding.code == "TFD310" and finding.evidence["lr"] == pytest.approx(1e-5)
+
+
+def test_no_low_finding_while_a_schedule_decays_the_lr(tmp_path):
+    class Decaying(TinyGPT):
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, 0.8),
+                                                       "interval": "step"}}
+
+    monitor = UpdateRatio(every_n_steps=5)
+    fit(tmp_path, [monitor], model=Decaying(**SMALL), max_steps=80)
+    assert "TFD310" not in codes(monitor)
+
+
+def test_learning_rate_100x_too_high_without_warmup(tmp_path):  # bug 12
+    monitor = UpdateRatio(every_n_steps=10)
+    fit(tmp_path, [monitor], model=TinyGPT(lr=0.1, warmup_steps=0, **SMALL), max_steps=11)
+    [finding] = monitor.findings
+    assert finding.code == "TFD311" and finding.step == 0 and finding.evidence["update_ratio"] > 0.3
+
+
+def test_a_group_left_out_of_the_optimizer(tmp_path):  # bug 10
+    monitor = UpdateRatio(every_n_steps=2)
+    fit(tmp_path, [monitor], model=TinyGPT(head_not_in_optimizer=True, **SMALL), max_steps=7)
+    [finding] = [f for f in monitor.findings if f.code == "TFD312"]
+    assert finding.evidence["groups"] == ["head"]
+
+
+class OverflowOnce(TinyGPT):
+    """Pushes one step's activations past the fp16 range, so the GradScaler skips that step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1e30 if self.trainer.global_step == 2 else loss
+
+
+def test_a_step_skipped_by_the_grad_scaler_is_not_a_zero_update(tmp_path):
+    monitor = UpdateRatio(every_n_steps=1, patience=1)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    fit(tmp_path, [monitor], model=OverflowOnce(**SMALL), max_steps=5, plugins=[plugin])
+    logged = dict(read_scalars(tmp_path / "tb" / "version_0")["update_ratio/total"])
+    assert monitor.skipped_measurements == 1
+    assert 2 not in logged and {0, 1, 3, 4} <= set(logged)
+    assert "TFD312" not in codes(monitor)
+
+
+def test_state_is_saved_and_restored_on_resume(tmp_path):
+    first = UpdateRatio(every_n_steps=1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(tmp_path, [first, ckpt], max_steps=4, enable_checkpointing=True)
+    resumed = UpdateRatio(every_n_steps=1)
+    trainer = make_trainer(tmp_path, [resumed], max_steps=5)
+    trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert resumed._peak_lr >= first._peak_lr > 0
+    assert list(resumed._recent_lr)[:2] == list(first._recent_lr)[-2:]
+
+
+def test_built_from_lightning_cli_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_tfdebug.UpdateRatio\n"
+        "      init_args: {every_n_steps: 5, low: 1.0e-4, high: 0.5, group_depth: 2}\n"
+    )
+    cli = LightningCLI(TinyGPT, TinyTextDataModule, run=False, args=["--config", str(config)])
+    [monitor] = [c for c in cli.trainer.callbacks if isinstance(c, UpdateRatio)]
+    assert (monitor.every_n_steps, monitor.low, monitor.high, monitor.group_depth) == (5, 1e-4, 0.5, 2)
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_distributed_ratio_matches_the_unsharded_reference(tmp_path, strategy):
+    spec = {
+        "strategy": strategy,
+        "model": SMALL,
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 4},
+        "callbacks": [
+            {"class_path": "tests.reference.ReferenceUpdateRatio"},
+            {"class_path": "lightning_tfdebug.UpdateRatio", "init_args": {"every_n_steps": 1}},
+        ],
+        "extra": "tests.reference:reference_results",
+    }
+    results = run_distributed(tmp_path, spec)
+    for r in results:
+        assert r["error"] is None, r["error"]
+        assert r["metrics"]["update_ratio/total"] == pytest.approx(r["extra"]["update_ratio"]["3"], rel=1e-4)
+        assert r["findings"]["UpdateRatio"] == []
