@@ -35,7 +35,8 @@ def summarize(log_dir: str) -> None:
     else:
         print("No findings: the pack saw nothing wrong with this run.")
     root = Path(log_dir).parent.parent if Path(log_dir).name.startswith("version_") else Path(log_dir)
-    print(f"Open the dashboards with:  tensorboard --logdir {os.path.relpath(root)}")
+    shown = os.path.relpath(root) if root.resolve().is_relative_to(Path.cwd()) else str(root)
+    print(f"Open the dashboards with:  tensorboard --logdir {shown}")
     print("=" * 78)
 
 
