@@ -32,14 +32,16 @@ try:  # DTensor moved out of the private namespace in torch 2.4
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_forward_module"})
 
 
 def clean_param_name(name: str) -> str:
-    """Drop the wrapper segments FSDP1, activation checkpointing, ``torch.compile`` and DDP insert in names."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """Drop the name segments that wrappers insert: FSDP1, activation checkpointing, ``torch.compile``, Fabric, and
+    DDP's leading ``module``. A trailing dot (module prefixes such as ``"blocks."``) is kept."""
+    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
+    if len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def world_size() -> int:

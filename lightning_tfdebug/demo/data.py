@@ -111,7 +111,7 @@ class Collator:
 
     def _every(self, name: str) -> bool:
         k = self.bugs.get(name) or 0
-        return k > 0 and self.calls % k == k - 1
+        return k > 0 and self.calls % k == 0  # the k-th, 2k-th, ... batch
 
     def __call__(self, samples: list[list[int]]) -> dict[str, Tensor]:
         self.calls += 1

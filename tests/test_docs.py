@@ -1,0 +1,62 @@
+"""The docs are part of the contract: every finding code, callback and YAML snippet is documented."""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import lightning_tfdebug
+from lightning_tfdebug import DebugCallback
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = re.compile(r"\bTFD[1-7]\d\d\b")
+
+
+def snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+
+
+def public_callbacks():
+    return [n for n in lightning_tfdebug.__all__ if isinstance(getattr(lightning_tfdebug, n), type)
+            and issubclass(getattr(lightning_tfdebug, n), DebugCallback) and n != "DebugCallback"]
+
+
+def emitted_codes() -> dict[str, set[str]]:
+    out = {}
+    for path in (ROOT / "lightning_tfdebug").rglob("*.py"):
+        codes = set(CODE.findall(path.read_text()))
+        if codes:
+            out[path.name] = codes
+    return out
+
+
+def test_every_emitted_code_has_a_row_in_the_findings_page():
+    documented = set(re.findall(r"^\| (TFD\d{3}) \|", (ROOT / "docs" / "findings.md").read_text(), re.M))
+    for file, codes in emitted_codes().items():
+        missing = codes - documented
+        assert not missing, f"{file} can emit {sorted(missing)}, which docs/findings.md does not list"
+
+
+@pytest.mark.parametrize("name", public_callbacks())
+def test_every_callback_has_a_page_with_yaml_keys_and_codes(name):
+    page = ROOT / "docs" / "callbacks" / f"{snake(name)}.md"
+    assert page.exists(), f"{name} has no docs page at {page.relative_to(ROOT)}"
+    text = page.read_text()
+    assert f"class_path: lightning_tfdebug.{name}" in text, f"{page.name} lacks a LightningCLI snippet"
+    source = (ROOT / "lightning_tfdebug" / "callbacks" / f"{snake(name)}.py").read_text()
+    for code in set(CODE.findall(source)):
+        assert code in text, f"{page.name} does not mention {code}, which {name} can emit"
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert f"callbacks/{snake(name)}.md" in nav
+    assert name in (ROOT / "README.md").read_text()
+
+
+def test_yaml_snippets_in_the_docs_parse():
+    for page in (ROOT / "docs").rglob("*.md"):
+        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
+            yaml.safe_load(block)
+
+
+def test_changelog_has_an_unreleased_section():
+    assert "## [Unreleased]" in (ROOT / "CHANGELOG.md").read_text()
