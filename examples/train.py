@@ -16,8 +16,8 @@ from lightning.pytorch.cli import LightningCLI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from lightning_tfdebug import read_findings  # noqa: E402
-from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule  # noqa: E402
+from lightning_tfdebug import read_findings
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 
 
 def summarize(log_dir: str) -> None:
@@ -31,7 +31,9 @@ def summarize(log_dir: str) -> None:
     if findings:
         print(f"{len(findings)} finding(s):")
         for finding in findings:
-            print(f"  [{finding.code}] {finding.severity:<7} step {finding.step:>4}  {finding.source}: {finding.message}")
+            print(
+                f"  [{finding.code}] {finding.severity:<7} step {finding.step:>4}  {finding.source}: {finding.message}"
+            )
     else:
         print("No findings: the pack saw nothing wrong with this run.")
     root = Path(log_dir).parent.parent if Path(log_dir).name.startswith("version_") else Path(log_dir)

@@ -18,8 +18,13 @@ def snake(name: str) -> str:
 
 
 def public_callbacks():
-    return [n for n in lightning_tfdebug.__all__ if isinstance(getattr(lightning_tfdebug, n), type)
-            and issubclass(getattr(lightning_tfdebug, n), DebugCallback) and n != "DebugCallback"]
+    return [
+        n
+        for n in lightning_tfdebug.__all__
+        if isinstance(getattr(lightning_tfdebug, n), type)
+        and issubclass(getattr(lightning_tfdebug, n), DebugCallback)
+        and n != "DebugCallback"
+    ]
 
 
 def emitted_codes() -> dict[str, set[str]]:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.distributed import DTensor, local_tensor, packed_reduce
-from lightning_tfdebug.core.groups import ReductionLayout, build_layout, validate_group_args
+from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms
@@ -164,7 +164,7 @@ class GradNormMonitor(DebugCallback):
         if not self.should_measure(trainer):
             return
         if self._layout is None:
-            self._layout = build_layout(pl_module, groups=self.groups, depth=self.group_depth)
+            self._layout = build_layout(training_model(trainer, pl_module), groups=self.groups, depth=self.group_depth)
             if self._layout is None:
                 self.stand_aside("the model has no trainable parameters, so there are no gradients to measure.")
                 return

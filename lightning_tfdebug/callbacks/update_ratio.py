@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning_tfdebug.callbacks.grad_norm_monitor import grad_scaler_of
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.distributed import local_tensor, packed_reduce
-from lightning_tfdebug.core.groups import ReductionLayout, build_layout, validate_group_args
+from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.norms import grouped_sq_norms
@@ -130,7 +130,7 @@ class UpdateRatio(DebugCallback):
         if not self.should_measure(trainer):
             return
         if self._layout is None:
-            self._layout = build_layout(pl_module, groups=self.groups, depth=self.group_depth)
+            self._layout = build_layout(training_model(trainer, pl_module), groups=self.groups, depth=self.group_depth)
             if self._layout is None:
                 self.stand_aside("the model has no trainable parameters, so no update can be measured.")
                 return
@@ -138,7 +138,9 @@ class UpdateRatio(DebugCallback):
         with torch.no_grad():
             locals_ = [local_tensor(p.detach()) for p in layout.groups.params]
             self._before = [t.to(torch.float32, copy=True) for t in locals_]
-            grads = [local_tensor(p.grad) if p.grad is not None else t[:0] for p, t in zip(layout.groups.params, locals_)]
+            grads = [
+                local_tensor(p.grad) if p.grad is not None else t[:0] for p, t in zip(layout.groups.params, locals_)
+            ]
             weights = layout.weights if layout.sharded else None
             self._grad_sq, _ = grouped_sq_norms(grads, layout.index, layout.n_groups, weights)
             scaler = grad_scaler_of(trainer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -162,6 +163,17 @@ class ReductionLayout:
     @property
     def n_groups(self) -> int:
         return len(self.groups.group_names)
+
+
+def training_model(trainer: Any, pl_module: nn.Module) -> nn.Module:
+    """The module whose parameters the optimizer updates: the strategy's wrapper when there is one.
+
+    Under FSDP1 the root's flat parameter is registered on the ``FullyShardedDataParallel`` wrapper, not on the
+    LightningModule, so it is only visible from ``trainer.strategy.model``. DDP's wrapper adds a leading ``module``
+    segment, which :func:`~lightning_tfdebug.core.distributed.clean_param_name` removes.
+    """
+    wrapped = getattr(trainer.strategy, "model", None)
+    return wrapped if isinstance(wrapped, nn.Module) else pl_module
 
 
 def build_layout(

@@ -227,9 +227,7 @@ class TinyGPT(pl.LightningModule):
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         if self.hparams.unshifted_labels:  # bug 9
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten().long(), ignore_index=IGNORE_INDEX)
-        return F.cross_entropy(
-            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().long(), ignore_index=IGNORE_INDEX
-        )
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().long(), ignore_index=IGNORE_INDEX)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         hp = self.hparams

@@ -71,10 +71,14 @@ def test_metrics_reach_callback_metrics_for_early_stopping(tmp_path):
 def test_regex_and_depth_grouping(tmp_path):
     regex = GradNormMonitor(every_n_steps=1, groups={"attention": r"\.attn\.", "mlp": r"\.mlp\."})
     fit(tmp_path / "a", [regex], max_steps=1)
-    assert {"grad_norm/attention", "grad_norm/mlp", "grad_norm/other"} <= set(read_scalars(tmp_path / "a" / "tb" / "version_0"))
+    assert {"grad_norm/attention", "grad_norm/mlp", "grad_norm/other"} <= set(
+        read_scalars(tmp_path / "a" / "tb" / "version_0")
+    )
     depth = GradNormMonitor(every_n_steps=1, group_depth=1)
     fit(tmp_path / "b", [depth], max_steps=1)
-    assert {"grad_norm/blocks", "grad_norm/tok_emb", "grad_norm/head"} <= set(read_scalars(tmp_path / "b" / "tb" / "version_0"))
+    assert {"grad_norm/blocks", "grad_norm/tok_emb", "grad_norm/head"} <= set(
+        read_scalars(tmp_path / "b" / "tb" / "version_0")
+    )
 
 
 def test_clip_fraction_counts_clipped_steps_since_the_last_log(tmp_path):
@@ -207,3 +211,19 @@ def test_distributed_total_matches_the_unsharded_reference(tmp_path, strategy):
     assert results[0]["metrics"]["grad_norm/total"] == pytest.approx(results[1]["metrics"]["grad_norm/total"])
     blocks = [results[0]["metrics"][f"grad_norm/blocks.{i}"] for i in range(2)]
     assert all(b > 0 for b in blocks)
+
+
+class FusedAdamGPT(TinyGPT):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)  # unscales inside step()
+
+
+def test_gradients_still_scaled_by_amp_are_divided_by_the_scale(tmp_path):
+    reference, monitor = ReferenceGradNorm(), GradNormMonitor(every_n_steps=1)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    fit(tmp_path, [reference, monitor], model=FusedAdamGPT(**SMALL), max_steps=2, plugins=[plugin])
+    logged = dict(read_scalars(tmp_path / "tb" / "version_0")["grad_norm/total"])
+    assert reference.norms[0] > 100  # what a naive hook sees: gradients times 1024
+    assert logged[0] == pytest.approx(reference.norms[0] / 2.0**10, rel=1e-4)
+    [finding] = [f for f in monitor.findings if f.code == "TFD305"]
+    assert finding.severity == "info" and finding.evidence["loss_scale"] == 1024.0

@@ -72,8 +72,10 @@ def test_no_low_finding_while_a_schedule_decays_the_lr(tmp_path):
     class Decaying(TinyGPT):
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, 0.8),
-                                                       "interval": "step"}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, 0.8), "interval": "step"},
+            }
 
     monitor = UpdateRatio(every_n_steps=5)
     fit(tmp_path, [monitor], model=Decaying(**SMALL), max_steps=80)

@@ -114,9 +114,7 @@ def test_a_finding_on_one_rank_only_stops_every_rank_together(tmp_path, on_findi
         "model": {"d_model": 16, "n_layers": 1, "n_heads": 2},
         "data": {"batch_size": 4},
         "trainer": {"max_steps": 10},
-        "callbacks": [
-            {"class_path": "tests.core.emitters.RankLocalEmitter", "init_args": {"on_finding": on_finding}}
-        ],
+        "callbacks": [{"class_path": "tests.core.emitters.RankLocalEmitter", "init_args": {"on_finding": on_finding}}],
     }
     results = run_distributed(tmp_path, spec, timeout=120)
     for r in results:

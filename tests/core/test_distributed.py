@@ -35,7 +35,13 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         )
         sums, maxes = packed_reduce(group_sq, flags, collective=plan.sharded)
         torch.save(
-            {"sharded": plan.sharded, "weights": plan.weights, "sums": sums, "maxes": maxes, "numel1": local[1].numel()},
+            {
+                "sharded": plan.sharded,
+                "weights": plan.weights,
+                "sums": sums,
+                "maxes": maxes,
+                "numel1": local[1].numel(),
+            },
             os.path.join(out_dir, f"rank{rank}.pt"),
         )
     finally:

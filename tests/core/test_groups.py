@@ -35,6 +35,11 @@ def test_frozen_parameters_are_left_out_and_regex_groups_win():
 def test_a_model_without_module_lists_uses_head_and_other():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10))
     group_of = default_group_of(model)
-    assert group_of == {"0.weight": "embeddings", "1.weight": "other", "1.bias": "other", "2.weight": "head",
-                        "2.bias": "head"}
+    assert group_of == {
+        "0.weight": "embeddings",
+        "1.weight": "other",
+        "1.bias": "other",
+        "2.weight": "head",
+        "2.bias": "head",
+    }
     assert torch.is_tensor(next(model.parameters()))

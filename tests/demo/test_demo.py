@@ -34,7 +34,10 @@ def test_healthy_batches_mask_padding_in_the_labels():
         ({"pad_labels_supervised": True}, lambda b: (b["labels"] == b["input_ids"]).all()),
         ({"long_batch_every": 1}, lambda b: b["input_ids"].shape[1] > 64),
         ({"bad_token_every": 1}, lambda b: b["input_ids"].max() >= ByteTokenizer.vocab_size),
-        ({"dtype_drift_every": 1}, lambda b: b["labels"].dtype == torch.int32 and b["attention_mask"].is_floating_point()),
+        (
+            {"dtype_drift_every": 1},
+            lambda b: b["labels"].dtype == torch.int32 and b["attention_mask"].is_floating_point(),
+        ),
         ({"squeeze_batch_every": 1}, lambda b: b["input_ids"].ndim == 1),
     ],
 )
