@@ -94,6 +94,14 @@ class DebugCallback(Callback):
         self._rank = trainer.global_rank
         # `trainer.log_dir` broadcasts from rank 0: a collective that every rank reaches here, once.
         self._log_dir = trainer.log_dir or trainer.default_root_dir
+        if not trainer.loggers and not getattr(trainer, "_tfdebug_warned_no_logger", False):
+            trainer._tfdebug_warned_no_logger = True  # once per Trainer, not once per callback
+            rank_zero_warn(
+                "lightning_tfdebug: the Trainer has no logger, so metrics reach only `trainer.callback_metrics`; "
+                f"findings are still written to {os.path.join(self._log_dir, 'tfdebug')}. Pass "
+                "`logger=TensorBoardLogger(...)` to see the curves.",
+                category=TFDebugWarning,
+            )
 
     @property
     def active(self) -> bool:

@@ -125,3 +125,32 @@ def test_a_finding_on_one_rank_only_stops_every_rank_together(tmp_path, on_findi
     # the rank that saw it names itself; the other learns it happened elsewhere
     assert results[1]["findings"]["RankLocalEmitter"][0]["rank"] == 1
     assert results[0]["findings"]["RankLocalEmitter"] == []
+
+
+def test_no_logger_warns_once_and_findings_still_reach_the_file(tmp_path):
+    with pytest.warns(TFDebugWarning) as record:
+        make_trainer(tmp_path, [StepEmitter(at_step=1), GradNormMonitor()], max_steps=3, logger=False).fit(
+            BoringModel()
+        )
+    assert sum("has no logger" in str(w.message) for w in record) == 1
+    assert read_findings(tmp_path / "tfdebug" / "findings-rank0.jsonl")[0].code == "TFD399"
+
+
+@pytest.mark.parametrize("callback_cls", ["GradNormMonitor", "UpdateRatio"])
+def test_one_host_transfer_per_measuring_step_and_none_in_between(tmp_path, monkeypatch, callback_cls):
+    import lightning_tfdebug
+
+    calls = []
+    original = DebugCallback.to_host
+
+    def counting(values):
+        calls.append(len(values))
+        return original(values)
+
+    monkeypatch.setattr(DebugCallback, "to_host", staticmethod(counting))
+    callback = getattr(lightning_tfdebug, callback_cls)(every_n_steps=5)
+    make_trainer(tmp_path, [callback], max_steps=12).fit(
+        TinyGPT(d_model=16, n_layers=1, n_heads=2), TinyTextDataModule(batch_size=4)
+    )
+    assert len(calls) == 3  # steps 0, 5 and 10, each moving all of its statistics at once
+    assert all(n > 5 for n in calls)
