@@ -8,6 +8,12 @@ import lightning.pytorch as pl
 import torch
 
 
+def _params(trainer: pl.Trainer, pl_module: pl.LightningModule):
+    # the strategy's wrapper holds every parameter the optimizer updates (FSDP1's root flat parameter included)
+    model = trainer.strategy.model if isinstance(trainer.strategy.model, torch.nn.Module) else pl_module
+    return list(model.parameters())
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     # DTensor -> the whole tensor (an all-gather every rank runs: reference only, never in the pack)
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -20,7 +26,7 @@ class ReferenceGradNorm(pl.Callback):
         self.norms: dict[int, float] = {}
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        grads = [_full(p.grad).float() for p in pl_module.parameters() if p.grad is not None]
+        grads = [_full(p.grad).float() for p in _params(trainer, pl_module) if p.grad is not None]
         self.norms[trainer.global_step] = float(torch.nn.utils.get_total_norm(grads, 2.0))
 
 
@@ -34,12 +40,12 @@ class ReferenceUpdateRatio(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self._step = trainer.global_step
-        self._before = [_full(p.detach()).float().clone() for p in pl_module.parameters() if p.requires_grad]
+        self._before = [_full(p.detach()).float().clone() for p in _params(trainer, pl_module) if p.requires_grad]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._before is None:
             return
-        after = [_full(p.detach()).float() for p in pl_module.parameters() if p.requires_grad]
+        after = [_full(p.detach()).float() for p in _params(trainer, pl_module) if p.requires_grad]
         delta = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(after, self._before)))
         norm = torch.sqrt(sum((a**2).sum() for a in after))
         self.ratios[self._step] = float(delta / norm)
