@@ -3,17 +3,15 @@
 A :class:`Finding` is one diagnosis: a stable code, a one-sentence message, the numbers that show it and a hint
 on what to do. Codes are grouped by area (see ``docs/findings.md``):
 
-=====  ============================================
-range  area
-=====  ============================================
-1xx    data, batches, reproducibility
-2xx    masks, positions, targets, the loss
-3xx    gradients and optimization
-4xx    numerics and precision
-5xx    distributed
-6xx    throughput and memory
-7xx    checkpoint and resume
-=====  ============================================
+| range | area |
+| --- | --- |
+| 1xx | data, batches, reproducibility |
+| 2xx | masks, positions, targets, the loss |
+| 3xx | gradients and optimization |
+| 4xx | numerics and precision |
+| 5xx | distributed |
+| 6xx | throughput and memory |
+| 7xx | checkpoint and resume |
 """
 
 from __future__ import annotations

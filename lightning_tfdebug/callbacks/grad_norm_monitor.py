@@ -36,15 +36,12 @@ class GradNormMonitor(DebugCallback):
 
     Logged keys (on measuring steps):
 
-    ======================  =====================================================================
-    key                     meaning
-    ======================  =====================================================================
-    ``grad_norm/total``     L2 norm over all gradients (unscaled, before clipping)
-    ``grad_norm/<group>``   L2 norm over one group (``blocks.0``, ``embeddings``, ``head``, ``other``)
-    ``grad_norm/nonfinite`` number of parameter tensors whose gradient holds inf or nan
-    ``grad_norm/clip_frac`` fraction of optimizer steps since the last log whose norm exceeded
-                            ``gradient_clip_val`` (only with ``gradient_clip_algorithm="norm"``)
-    ======================  =====================================================================
+    | key | meaning |
+    | --- | --- |
+    | `grad_norm/total` | L2 norm over all gradients (unscaled, before clipping) |
+    | `grad_norm/<group>` | L2 norm over one group (`blocks.0`, `embeddings`, `head`, `other`) |
+    | `grad_norm/nonfinite` | number of parameter tensors whose gradient holds inf or nan |
+    | `grad_norm/clip_frac` | fraction of optimizer steps since the last log whose norm exceeded `gradient_clip_val` |
 
     Findings: ``TFD301`` explosion, ``TFD302`` vanishing group, ``TFD303`` non-finite gradients, ``TFD304`` unused
     parameters, ``TFD305`` gradients still scaled by AMP (see ``docs/findings.md``).
@@ -66,20 +63,21 @@ class GradNormMonitor(DebugCallback):
     Raises:
         ValueError: on an argument outside its allowed range.
 
-    Example::
-
+    Example:
+        ```python
         trainer = Trainer(callbacks=[GradNormMonitor(every_n_steps=10)])
+        ```
 
-    LightningCLI:
+        LightningCLI:
 
-    .. code-block:: yaml
-
+        ```yaml
         trainer:
           callbacks:
             - class_path: lightning_tfdebug.GradNormMonitor
               init_args:
                 every_n_steps: 10
                 explosion_factor: 10.0
+        ```
     """
 
     def __init__(

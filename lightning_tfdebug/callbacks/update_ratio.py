@@ -30,14 +30,12 @@ class UpdateRatio(DebugCallback):
 
     Logged keys (on measuring steps):
 
-    ==========================  ===========================================================
-    key                         meaning
-    ==========================  ===========================================================
-    ``update_ratio/total``      ``||ΔW|| / ||W||`` over all trainable parameters
-    ``update_ratio/<group>``    the same over one group (``blocks.0``, ``embeddings``, ...)
-    ``param_norm/total``        ``||W||`` after the step, over all trainable parameters
-    ``param_norm/<group>``      ``||W||`` after the step, over one group
-    ==========================  ===========================================================
+    | key | meaning |
+    | --- | --- |
+    | `update_ratio/total` | `‖ΔW‖ / ‖W‖` over all trainable parameters |
+    | `update_ratio/<group>` | the same over one group (`blocks.0`, `embeddings`, ...) |
+    | `param_norm/total` | `‖W‖` after the step, over all trainable parameters |
+    | `param_norm/<group>` | `‖W‖` after the step, over one group |
 
     Healthy band. The classic "1e-3" rule of thumb comes from SGD. With Adam(W), a step moves each weight by about
     the learning rate, so the ratio sits near ``lr / rms(W)``: about 1e-2 early in a GPT-style run (weights of
@@ -64,14 +62,14 @@ class UpdateRatio(DebugCallback):
     Raises:
         ValueError: on an argument outside its allowed range, or ``low >= high``.
 
-    Example::
-
+    Example:
+        ```python
         trainer = Trainer(callbacks=[UpdateRatio(every_n_steps=25)])
+        ```
 
-    LightningCLI:
+        LightningCLI:
 
-    .. code-block:: yaml
-
+        ```yaml
         trainer:
           callbacks:
             - class_path: lightning_tfdebug.UpdateRatio
@@ -79,6 +77,7 @@ class UpdateRatio(DebugCallback):
                 every_n_steps: 25
                 low: 3.0e-4
                 high: 0.3
+        ```
     """
 
     def __init__(
