@@ -3,7 +3,6 @@
 import warnings
 
 import pytest
-import torch
 
 from lightning_tfdebug import GradNormMonitor, UpdateRatio
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
