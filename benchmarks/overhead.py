@@ -99,10 +99,118 @@ CASES: list[Case] = [
     Case("UpdateRatio (default cadence)", _update_ratio()),
     Case("UpdateRatio (every step)", _update_ratio(every_n_steps=1)),
     # --- issue 3: numerics ---
+    Case("NaNFirstFrame (lazy)", lambda: [__import__("lightning_tfdebug").NaNFirstFrame()]),
+    Case("NaNFirstFrame (eager)", lambda: [__import__("lightning_tfdebug").NaNFirstFrame(mode="eager")]),
+    Case(  # Hugging Face's hooks on every module; the cleanup removes them by identity (it keeps no handles)
+        "HF DebugUnderflowOverflow",
+        prepare=lambda model: (
+            lambda debug: (
+                lambda: [
+                    module._forward_hooks.pop(key)
+                    for module in model.modules()
+                    for key, hook in list(module._forward_hooks.items())
+                    if getattr(hook, "__self__", None) is debug
+                ]
+            )
+        )(__import__("transformers.debug_utils", fromlist=["x"]).DebugUnderflowOverflow(model)),
+    ),
+    Case(
+        "torch.autograd.detect_anomaly",
+        prepare=lambda model: (
+            torch.autograd.set_detect_anomaly(True),
+            lambda: torch.autograd.set_detect_anomaly(False),
+        )[1],
+    ),
+    # fp16 with a real GradScaler on CPU (Lightning turns precision="16-mixed" into bf16 there); one plugin per case
+    Case(
+        "plain (fp16)",
+        trainer_kwargs={
+            "plugins": [
+                __import__("lightning.pytorch.plugins.precision", fromlist=["x"]).MixedPrecision(
+                    "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")
+                )
+            ]
+        },
+    ),
+    Case(
+        "ScalerWatch (default cadence, fp16)",
+        lambda: [__import__("lightning_tfdebug").ScalerWatch()],
+        baseline="plain (fp16)",
+        trainer_kwargs={
+            "plugins": [
+                __import__("lightning.pytorch.plugins.precision", fromlist=["x"]).MixedPrecision(
+                    "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")
+                )
+            ]
+        },
+    ),
+    Case(
+        "ScalerWatch (every step, fp16)",
+        lambda: [__import__("lightning_tfdebug").ScalerWatch(every_n_steps=1)],
+        baseline="plain (fp16)",
+        trainer_kwargs={
+            "plugins": [
+                __import__("lightning.pytorch.plugins.precision", fromlist=["x"]).MixedPrecision(
+                    "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")
+                )
+            ]
+        },
+    ),
     # --- issue 4: activations and loss at init ---
+    Case("DeadActivation (default cadence)", lambda: [__import__("lightning_tfdebug").DeadActivation()]),
+    Case("DeadActivation (every step)", lambda: [__import__("lightning_tfdebug").DeadActivation(every_n_steps=1)]),
+    Case("LossAtInit (default)", lambda: [__import__("lightning_tfdebug").LossAtInit()]),
     # --- issue 5: throughput and ranks ---
+    Case("ThroughputMonitor (default cadence)", lambda: [__import__("lightning_tfdebug").ThroughputMonitor()]),
+    Case(
+        "ThroughputMonitor (every step)", lambda: [__import__("lightning_tfdebug").ThroughputMonitor(every_n_steps=1)]
+    ),
+    Case(
+        "Lightning ThroughputMonitor",
+        lambda: [
+            __import__("lightning.pytorch.callbacks", fromlist=["ThroughputMonitor"]).ThroughputMonitor(
+                batch_size_fn=lambda batch: batch["input_ids"].shape[0],
+                length_fn=lambda batch: batch["input_ids"].shape[1],
+            )
+        ],
+    ),
+    Case("PerRankLogger (default cadence)", lambda: [__import__("lightning_tfdebug").PerRankLogger()]),
+    Case("PerRankLogger (every step)", lambda: [__import__("lightning_tfdebug").PerRankLogger(every_n_steps=1)]),
     # --- issue 6: batches and repro ---
+    Case("BatchGuard (values every step)", lambda: [__import__("lightning_tfdebug").BatchGuard()]),
+    Case(
+        "BatchGuard (values every 10 steps)",
+        lambda: [__import__("lightning_tfdebug").BatchGuard(check_values_every_n_steps=10)],
+    ),
+    Case(
+        "BatchGuard (structure only)",
+        lambda: [__import__("lightning_tfdebug").BatchGuard(check_values_every_n_steps=10**9)],
+    ),
+    Case("ReproCapture (default)", lambda: [__import__("lightning_tfdebug").ReproCapture()]),
     # --- issue 7: masks, optimizer, checkpoints ---
+    Case("MaskProbe (fit start only)", lambda: [__import__("lightning_tfdebug").MaskProbe()]),
+    Case("OptimizerAudit (default cadence)", lambda: [__import__("lightning_tfdebug").OptimizerAudit()]),
+    Case("OptimizerAudit (every step)", lambda: [__import__("lightning_tfdebug").OptimizerAudit(every_n_steps=1)]),
+    Case(
+        "plain + ModelCheckpoint (every 50 steps)",
+        lambda: [
+            __import__("lightning.pytorch.callbacks", fromlist=["x"]).ModelCheckpoint(
+                dirpath=__import__("tempfile").mkdtemp(prefix="tfd-bench-"), every_n_train_steps=50, save_top_k=-1
+            )
+        ],
+        trainer_kwargs={"enable_checkpointing": True},
+    ),
+    Case(
+        "CheckpointAudit + ModelCheckpoint (every 50 steps)",
+        lambda: [
+            __import__("lightning_tfdebug").CheckpointAudit(),
+            __import__("lightning.pytorch.callbacks", fromlist=["x"]).ModelCheckpoint(
+                dirpath=__import__("tempfile").mkdtemp(prefix="tfd-bench-"), every_n_train_steps=50, save_top_k=-1
+            ),
+        ],
+        baseline="plain + ModelCheckpoint (every 50 steps)",
+        trainer_kwargs={"enable_checkpointing": True},
+    ),
 ]
 
 
@@ -157,8 +265,10 @@ def main(argv: list[str] | None = None) -> None:
             times = run_case(case, args, args.log_dir)
             medians[case.name].append(statistics.median(times))
 
-    print(f"\n{args.steps} steps x {args.repeats} repeats, batch {args.batch_size}, d_model {args.d_model}, "
-          f"{args.n_layers} layers, {args.accelerator}, torch {torch.__version__}")
+    print(
+        f"\n{args.steps} steps x {args.repeats} repeats, batch {args.batch_size}, d_model {args.d_model}, "
+        f"{args.n_layers} layers, {args.accelerator}, torch {torch.__version__}"
+    )
     print(f"| {'case':<48} | {'median step (ms)':>16} | {'ratio':>7} |")
     print(f"|{'-' * 50}|{'-' * 18}|{'-' * 9}|")
     result = {name: statistics.median(v) for name, v in medians.items()}

@@ -1,29 +1,40 @@
 """lightning_tfdebug: PyTorch Lightning callbacks that find out why a transformer run breaks."""
 
+from lightning_tfdebug.callbacks.batch_guard import BatchGuard
+from lightning_tfdebug.callbacks.checkpoint_audit import CheckpointAudit
+from lightning_tfdebug.callbacks.dead_activation import DeadActivation
 from lightning_tfdebug.callbacks.grad_norm_monitor import GradNormMonitor
+from lightning_tfdebug.callbacks.loss_at_init import LossAtInit
+from lightning_tfdebug.callbacks.mask_probe import MaskProbe
+from lightning_tfdebug.callbacks.nan_first_frame import NaNFirstFrame
+from lightning_tfdebug.callbacks.optimizer_audit import OptimizerAudit
+from lightning_tfdebug.callbacks.per_rank_logger import PerRankLogger
+from lightning_tfdebug.callbacks.repro_capture import ReproCapture
+from lightning_tfdebug.callbacks.scaler_watch import ScalerWatch
+from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning
 from lightning_tfdebug.findings import Finding, TFDebugError, read_findings
 
-# --- issue 3: numerics ---
-# --- issue 4: activations and loss at init ---
-# --- issue 5: throughput and ranks ---
-# --- issue 6: batches and repro ---
-# --- issue 7: masks, optimizer, checkpoints ---
-
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "BatchGuard",
+    "CheckpointAudit",
+    "DeadActivation",
     "DebugCallback",
     "Finding",
     "GradNormMonitor",
+    "LossAtInit",
+    "MaskProbe",
+    "NaNFirstFrame",
+    "OptimizerAudit",
+    "PerRankLogger",
+    "ReproCapture",
+    "ScalerWatch",
     "TFDebugError",
     "TFDebugWarning",
+    "ThroughputMonitor",
     "UpdateRatio",
     "read_findings",
-    # --- issue 3 names ---
-    # --- issue 4 names ---
-    # --- issue 5 names ---
-    # --- issue 6 names ---
-    # --- issue 7 names ---
 ]

@@ -14,6 +14,7 @@ CODE = re.compile(r"\bTFD[1-7]\d\d\b")
 
 
 def snake(name: str) -> str:
+    name = name.replace("NaN", "Nan")  # NaNFirstFrame -> nan_first_frame
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 

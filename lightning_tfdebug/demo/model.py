@@ -24,6 +24,8 @@ flag                         bug                                                
 ``eval_mode``                the module is put in ``eval()`` at the start of every epoch       21
 ``drop_optimizer_state``     checkpoints are saved without optimizer / scheduler state        22
 ``nan_on_rank``              this rank's loss becomes NaN at ``nan_at_step``                   23
+``nan_module``               this module's output becomes NaN from ``nan_at_step`` (on rank    23
+                             ``nan_module_rank`` only, or every rank when it is None)
 ``perturb_rank``             this rank changes a weight at ``perturb_at_step``                 17
 ``slow_rank``                this rank sleeps ``slow_rank_s`` seconds per step                 18
 ===========================  ================================================================  ====
@@ -160,6 +162,8 @@ class TinyGPT(pl.LightningModule):
         drop_optimizer_state: bool = False,
         nan_on_rank: int | None = None,
         nan_at_step: int = 0,
+        nan_module: str | None = None,
+        nan_module_rank: int | None = None,
         perturb_rank: int | None = None,
         perturb_at_step: int = 0,
         slow_rank: int | None = None,
@@ -192,6 +196,21 @@ class TinyGPT(pl.LightningModule):
             if overflow_module not in modules:
                 raise ValueError(f"`overflow_module` {overflow_module!r} is not a module of TinyGPT.")
             modules[overflow_module].register_forward_hook(_Scale(1e5))
+        if nan_module is not None:
+            modules = dict(self.named_modules())
+            if nan_module not in modules:
+                raise ValueError(f"`nan_module` {nan_module!r} is not a module of TinyGPT.")
+            modules[nan_module].register_forward_hook(self._nan_hook)
+
+    def _nan_hook(self, module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        """Bug 23 inside a module: its output becomes NaN on one rank (or all) from ``nan_at_step``."""
+        hp = self.hparams
+        trainer = self._trainer
+        if trainer is None or not self.training or trainer.global_step < hp.nan_at_step:
+            return output
+        if hp.nan_module_rank is not None and trainer.global_rank != hp.nan_module_rank:
+            return output
+        return output * float("nan")
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

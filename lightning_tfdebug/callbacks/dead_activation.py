@@ -1,0 +1,568 @@
+"""DeadActivation: exact-zero, dead-unit and saturation fractions per activation layer."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.distributed import clean_param_name, packed_reduce, world_size
+from lightning_tfdebug.core.tracking import Streak
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.activations import (
+    ACTIVATION_KINDS,
+    OUTPUT_SATURATING,
+    TAIL_SATURATING,
+    alive_units,
+    apply_activation,
+    dead_fraction,
+    kind_of_module,
+    saturated_count,
+    zero_count,
+)
+
+_CAUSES_DEAD = (
+    "A dead unit outputs zero for every token and gets no gradient, so it never comes back. Usual causes: a "
+    "learning rate too high (one large update pushes its weights or bias far negative), a large negative bias "
+    "at init, or ReLU where GELU/SiLU/LeakyReLU would keep a gradient for negative inputs. Lower the LR or add "
+    "warm-up, initialise biases at zero, or switch the activation."
+)
+_CAUSES_SATURATED = (
+    "Saturated units pass almost no gradient back. Usual causes: pre-activations too large (missing "
+    "normalisation before the activation, init too large, LR too high), or tanh/sigmoid in a deep stack. "
+    "Normalise the inputs of the layer, lower the LR or init scale, or use GELU/SiLU."
+)
+
+
+@dataclass
+class _Layer:
+    """One hooked layer and what its hook collected on the current measuring step (device tensors)."""
+
+    name: str
+    kind: str
+    from_preactivation: bool  # the hooked module's output is the pre-activation; the activation is applied here
+    calls: int = 0
+    numel: int = 0
+    zeros: Tensor | None = None
+    saturated: Tensor | None = None
+    alive: Tensor | None = None
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    @property
+    def counts_zeros(self) -> bool:
+        return self.kind not in OUTPUT_SATURATING
+
+    @property
+    def saturates(self) -> bool:
+        return self.kind in OUTPUT_SATURATING or self.kind in TAIL_SATURATING
+
+    def reset(self) -> None:
+        self.calls, self.numel, self.zeros, self.saturated, self.alive = 0, 0, None, None, None
+
+
+def in_training_step(pl_module: nn.Module | None) -> bool:
+    """Whether a forward runs inside the Trainer's ``training_step``, and not in another callback's probe.
+
+    Other callbacks may call the model from their own hooks (``on_train_batch_start``) while ours are attached; their
+    forwards must not be counted. Lightning names the hook or strategy call in progress in the module's
+    ``_current_fx_name`` (it also drives ``self.log``); where that attribute is missing, every forward counts.
+    """
+    name = getattr(pl_module, "_current_fx_name", None)
+    return not isinstance(name, str) or name == "training_step"
+
+
+def is_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether ``torch.compile`` wraps the model or any submodule (hooks added afterwards may never run)."""
+    if getattr(pl_module, "_compiler_ctx", None) is not None:  # trainer.fit(torch.compile(model))
+        return True
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover
+        return False
+    roots = [pl_module]
+    wrapped = getattr(trainer.strategy, "model", None)
+    if isinstance(wrapped, nn.Module) and wrapped is not pl_module:
+        roots.append(wrapped)
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None:
+                return True
+    return False
+
+
+class DeadActivation(DebugCallback):
+    r"""Per activation layer: the fraction of exactly-zero outputs, of dead units, and of saturated elements.
+
+    On a measuring step, forward hooks are attached to every activation module (``nn.ReLU``, ``nn.GELU``,
+    ``nn.SiLU``, ``nn.Tanh``, ``nn.Sigmoid``, ``nn.LeakyReLU``, ``nn.ELU``, Hugging Face's ``GELUActivation`` ...,
+    recognised by class name) just before the training batch, and removed in ``on_before_backward``, before any
+    backward runs, so activation checkpointing's re-run of the forward is never counted. Activations called as
+    functions inside ``forward`` (``F.gelu(self.fc(x))``) are measured by naming the modules whose outputs are
+    the pre-activations in ``preactivations``. On other steps there are no hooks and no work. Under gradient
+    accumulation, the first micro-batch of a measuring step is measured. Forwards that other callbacks run from
+    their own hooks are not counted.
+
+    A unit (one feature of the last dimension) is *dead* when it was zero for every token of the measured batch
+    (on every rank); ReLU units in that state receive no gradient and never recover.
+
+    Logged keys (on measuring steps; `<layer>` is the module's qualified name):
+
+    | key | meaning |
+    | --- | --- |
+    | `zero_frac/<layer>` | fraction of exactly-zero outputs (not for tanh/sigmoid) |
+    | `dead_frac/<layer>` | fraction of units zero for every token of the batch (not for tanh/sigmoid) |
+    | `saturated_frac/<layer>` | fraction of elements whose local gradient is below `saturation_grad` (see below) |
+
+    Saturation: tanh/sigmoid, read from the output (near its bound); GELU/SiLU/Mish, read from the
+    pre-activation (deep enough in the negative tail that the gradient is below `saturation_grad`).
+
+    Findings: ``TFD340`` dead units above `dead_threshold`, ``TFD341`` dead fraction rising over training,
+    ``TFD342`` saturation above `saturation_threshold`, ``TFD343`` activations cannot be observed (torch.compile,
+    or no hooked module ran), ``TFD344`` saturated fraction rising over training; see ``docs/findings.md``.
+
+    Args:
+        every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
+            ``log_every_n_steps``.
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
+        layers: regular expression; only activation modules whose qualified name matches (``re.search``) are
+            measured. ``None`` measures all of them.
+        preactivations: ``{regex: kind}``: modules whose *output* is the input of an activation that ``forward``
+            applies as a function; ``kind`` is one of ``relu``, ``relu6``, ``leaky_relu``, ``elu``, ``gelu``,
+            ``silu``, ``mish``, ``tanh``, ``sigmoid``. E.g. ``{"mlp\\.fc$": "gelu"}``.
+        dead_threshold: ``TFD340`` when a layer's dead fraction exceeds this ...
+        saturation_threshold: ``TFD342`` when a layer's saturated fraction exceeds this ...
+        patience: ... for this many measurements in a row.
+        dead_rise: ``TFD341`` when a layer's dead fraction has risen by at least this much (absolute) above the
+            lowest value it had, for ``patience`` measurements in a row without falling back.
+        saturation_grad: local-gradient magnitude under which an element counts as saturated.
+        saturation_rise: ``TFD344`` when a layer's saturated fraction has risen by at least this much (absolute)
+            above the lowest value it had, for ``patience`` measurements in a row without falling back.
+
+    Raises:
+        ValueError: on an argument outside its allowed range or an invalid regular expression or kind.
+
+    Example:
+        ```python
+        trainer = Trainer(callbacks=[DeadActivation(every_n_steps=50)])
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.DeadActivation
+              init_args:
+                every_n_steps: 50
+                dead_threshold: 0.5
+                preactivations: {"mlp\\.c_fc$": gelu}
+        ```
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        on_finding: OnFinding = "warn",
+        layers: str | None = None,
+        preactivations: dict[str, str] | None = None,
+        dead_threshold: float = 0.5,
+        saturation_threshold: float = 0.5,
+        patience: int = 2,
+        dead_rise: float = 0.35,
+        saturation_grad: float = 0.01,
+        saturation_rise: float = 0.35,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        if layers is not None:
+            _check_regex("layers", layers)
+        if preactivations is not None:
+            if not isinstance(preactivations, dict) or not preactivations:
+                raise ValueError(
+                    f"`preactivations` must be a non-empty mapping {{regex: kind}}; got {preactivations!r}."
+                )
+            for pattern, kind in preactivations.items():
+                _check_regex(f"preactivations[{pattern!r}]", pattern)
+                if kind not in ACTIVATION_KINDS:
+                    raise ValueError(
+                        f"`preactivations[{pattern!r}]` must be one of {', '.join(ACTIVATION_KINDS)}; got {kind!r}."
+                    )
+        check_number("dead_threshold", dead_threshold, low=0.0, high=1.0, low_inclusive=False)
+        check_number("saturation_threshold", saturation_threshold, low=0.0, high=1.0, low_inclusive=False)
+        check_number("patience", patience, low=1, integer=True)
+        check_number("dead_rise", dead_rise, low=0.0, high=1.0, low_inclusive=False)
+        check_number("saturation_rise", saturation_rise, low=0.0, high=1.0, low_inclusive=False)
+        check_number("saturation_grad", saturation_grad, low=0.0, high=0.25, low_inclusive=False)
+        self.layers = layers
+        self.preactivations = dict(preactivations) if preactivations else None
+        self.dead_threshold = float(dead_threshold)
+        self.saturation_threshold = float(saturation_threshold)
+        self.patience = patience
+        self.dead_rise = float(dead_rise)
+        self.saturation_rise = float(saturation_rise)
+        self.saturation_grad = float(saturation_grad)
+        self._layers: list[_Layer] | None = None
+        self._modules: list[nn.Module] = []
+        self._armed_step: int | None = None
+        self._pl_module: pl.LightningModule | None = None
+        self._measured_step: int | None = None
+        self._units: list[int] | None = None  # global unit count per layer, learned at the first measurement
+        self._lowest_dead: dict[str, float] = {}
+        self._last_dead: dict[str, float] = {}
+        self._dead_streak = Streak()
+        self._rise_streak = Streak()
+        self._sat_streak = Streak()
+        self._lowest_sat: dict[str, float] = {}
+        self._last_sat: dict[str, float] = {}
+        self._sat_rise_streak = Streak()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, layers=self.layers)
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._layers, self._modules, self._units = None, [], None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.active:
+            return
+        if is_compiled(trainer, pl_module):
+            # Same model on every rank, so every rank stands aside together and no collective is left waiting.
+            self._report_unobservable(
+                trainer,
+                "the model (or a submodule) is compiled with torch.compile, and compiled code ignores forward hooks "
+                "added after compilation (or bakes in hooks present when it was traced), so activations cannot be "
+                "observed.",
+                compiled=True,
+            )
+            return
+        self._build(pl_module)
+
+    def _build(self, pl_module: pl.LightningModule) -> None:
+        layer_rx = re.compile(self.layers) if self.layers else None
+        pre = [(re.compile(p), k) for p, k in (self.preactivations or {}).items()]
+        layers: list[_Layer] = []
+        modules: list[nn.Module] = []
+        for raw, module in pl_module.named_modules():
+            name = clean_param_name(raw)
+            if not name:
+                continue
+            kind = next((k for rx, k in pre if rx.search(name)), None)
+            if kind is not None:
+                layers.append(_Layer(name, kind, from_preactivation=True))
+                modules.append(module)
+                continue
+            kind = kind_of_module(module)
+            if kind is not None and (layer_rx is None or layer_rx.search(name)):
+                layers.append(_Layer(name, kind, from_preactivation=False))
+                modules.append(module)
+        if not layers:
+            self.stand_aside(
+                "no activation module (ReLU, GELU, SiLU, Tanh, Sigmoid, ...) "
+                + (f"matching `layers={self.layers!r}` " if self.layers else "")
+                + "was found in the model. If forward applies activations as functions, name the modules whose "
+                "outputs feed them with `preactivations={regex: kind}`."
+            )
+            return
+        self._layers, self._modules = layers, modules
+
+    # ------------------------------------------------------------------ hooks on / off
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if self._layers is None or not self.should_measure(trainer) or self._measured_step == trainer.global_step:
+            return
+        self._measured_step = trainer.global_step  # only the first micro-batch of a measuring step
+        self._armed_step = trainer.global_step
+        self._pl_module = pl_module
+        for layer, module in zip(self._layers, self._modules):
+            layer.reset()
+            layer.handles.append(module.register_forward_hook(self._make_hook(layer)))
+
+    def _make_hook(self, layer: _Layer):
+        grad_threshold = self.saturation_grad
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not isinstance(output, Tensor) or not output.is_floating_point() or output.ndim == 0:
+                return
+            if not in_training_step(self._pl_module):
+                return  # another callback's probe forward, not the training batch
+            with torch.no_grad():
+                if layer.from_preactivation:
+                    pre, out = output, apply_activation(layer.kind, output.float())
+                else:
+                    first = args[0] if args else None
+                    pre, out = (first if isinstance(first, Tensor) else None), output
+                if layer.counts_zeros:
+                    zeros = zero_count(out)
+                    alive = alive_units(out)
+                    layer.zeros = zeros if layer.zeros is None else layer.zeros + zeros
+                    if layer.alive is None:
+                        layer.alive = alive
+                    elif layer.alive.shape == alive.shape:  # a module called again in the same forward
+                        layer.alive = layer.alive | alive
+                if layer.saturates:
+                    sat = saturated_count(layer.kind, pre, out, grad_threshold)
+                    if sat is not None:
+                        layer.saturated = sat if layer.saturated is None else layer.saturated + sat
+                layer.numel += out.numel()  # shape arithmetic on the host: no sync
+                layer.calls += 1
+
+        return hook
+
+    def _remove_hooks(self) -> None:
+        for layer in self._layers or []:
+            for handle in layer.handles:
+                handle.remove()
+            layer.handles.clear()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        # The forward is over: remove the hooks before backward, where activation checkpointing re-runs forwards.
+        if self._armed_step is not None:  # other steps: nothing to do, not even a loop over the layers
+            self._remove_hooks()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+        self._armed_step = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+
+    # ------------------------------------------------------------------ measuring
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._armed_step is None:
+            return
+        try:
+            self._remove_hooks()  # manual optimization without backward: make sure nothing outlives the step
+            with torch.no_grad():
+                self._measure(trainer, pl_module, self._armed_step)
+        finally:
+            self._armed_step = None
+            for layer in self._layers or []:
+                layer.reset()
+
+    def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        """Reduce, log and diagnose what the hooks collected. ``step``: the optimizer step the batch belongs to
+        (``global_step`` has already moved on when ``on_train_batch_end`` runs)."""
+        layers = self._layers
+        assert layers is not None
+        device = _device_of(pl_module)
+        zero = torch.zeros((), device=device)
+        sums = torch.stack(
+            [
+                v
+                for layer in layers
+                for v in (
+                    (layer.zeros if layer.zeros is not None else zero).float().to(device),
+                    (layer.saturated if layer.saturated is not None else zero).float().to(device),
+                    torch.tensor(float(layer.numel), device=device),
+                    torch.tensor(float(layer.calls), device=device),
+                )
+            ]
+        )
+        local_units = [int(layer.alive.numel()) if layer.alive is not None else 0 for layer in layers]
+        distributed = world_size() > 1
+        if self._units is None or any(n == 0 for n, layer in zip(self._units, layers) if layer.counts_zeros):
+            if distributed:
+                # First measurement (or while some layer never ran anywhere): one small collective agrees on each
+                # layer's unit count, since a layer that did not run on this rank has none locally. The condition
+                # depends only on values every rank shares, so every rank reaches it on the same step.
+                _, units = packed_reduce(sums.new_zeros(0), torch.tensor(local_units, device=device, dtype=torch.float))
+                self._units = [int(u) for u in units.tolist()]  # host sync: first measurement only
+            else:
+                self._units = local_units
+        alive = torch.cat(
+            [_fit_length(layer.alive, n, device) for layer, n in zip(layers, self._units)]
+            or [torch.zeros(0, device=device)]
+        )
+        # One collective per measuring step (under DDP/FSDP): counts add up over ranks, and a unit is alive if it
+        # was alive on any rank's batch (max), i.e. dead only if dead everywhere.
+        sums, alive = packed_reduce(sums, alive, collective=distributed)
+        sums = sums.view(len(layers), 4)
+        values: dict[str, Tensor | float] = {}
+        offset = 0
+        for i, (layer, n) in enumerate(zip(layers, self._units)):
+            numel = sums[i, 2].clamp(min=1.0)
+            if layer.counts_zeros:
+                values[f"zero_frac/{layer.name}"] = sums[i, 0] / numel
+                values[f"dead_frac/{layer.name}"] = dead_fraction(alive[offset : offset + n])
+            if layer.saturates:
+                values[f"saturated_frac/{layer.name}"] = sums[i, 1] / numel
+            values[f"_calls/{layer.name}"] = sums[i, 3]
+            offset += n
+        host = self.to_host(values)  # the one host transfer of this measuring step
+        ran = {layer.name for layer in layers if host[f"_calls/{layer.name}"] > 0}
+        if not ran:
+            self._report_unobservable(
+                trainer,
+                "none of the hooked activation modules ran during the training forward"
+                + (" (the model is compiled)" if is_compiled(trainer, pl_module) else "")
+                + ", so activations cannot be observed.",
+                compiled=False,
+                step=step,
+            )
+            return
+        logged = {k: v for k, v in host.items() if not k.startswith("_") and k.split("/", 1)[1] in ran}
+        self.log_scalars(trainer, logged, step=step)
+        self._diagnose(trainer, host, [layer for layer in layers if layer.name in ran], step)
+
+    # ------------------------------------------------------------------ findings
+    def _diagnose(self, trainer: pl.Trainer, host: dict[str, float], layers: list[_Layer], step: int) -> None:
+        dead, rising, saturated, sat_rising = {}, {}, {}, {}
+        for layer in layers:
+            if layer.counts_zeros:
+                frac = host[f"dead_frac/{layer.name}"]
+                if self._dead_streak.update(layer.name, frac > self.dead_threshold) >= self.patience:
+                    dead[layer.name] = frac
+                lowest = _climb(self._lowest_dead, self._last_dead, layer.name, frac, self.dead_rise)
+                if self._rise_streak.update(layer.name, lowest is not None) >= self.patience:
+                    rising[layer.name] = (lowest, frac)
+            if layer.saturates:
+                frac = host[f"saturated_frac/{layer.name}"]
+                if self._sat_streak.update(layer.name, frac > self.saturation_threshold) >= self.patience:
+                    saturated[layer.name] = frac
+                lowest = _climb(self._lowest_sat, self._last_sat, layer.name, frac, self.saturation_rise)
+                if self._sat_rise_streak.update(layer.name, lowest is not None) >= self.patience:
+                    sat_rising[layer.name] = (lowest, frac)
+        if dead:
+            self.emit(
+                trainer,
+                "TFD340",
+                "warning",
+                f"{len(dead)} layer(s) have more than {self.dead_threshold:.0%} dead units (zero for every token of "
+                f"the batch) for {self.patience} measurements: "
+                + ", ".join(f"{n} ({f:.0%})" for n, f in list(dead.items())[:10])
+                + ".",
+                {"dead_frac": dead, "threshold": self.dead_threshold},
+                _CAUSES_DEAD,
+                step=step,
+            )
+        if rising:
+            self.emit(
+                trainer,
+                "TFD341",
+                "warning",
+                "The dead-unit fraction is rising in "
+                + ", ".join(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in list(rising.items())[:10])
+                + ": units are dying during training.",
+                {
+                    "dead_frac": {n: now for n, (_, now) in rising.items()},
+                    "lowest": {n: lo for n, (lo, _) in rising.items()},
+                },
+                _CAUSES_DEAD,
+                step=step,
+            )
+        if saturated:
+            self.emit(
+                trainer,
+                "TFD342",
+                "warning",
+                f"{len(saturated)} layer(s) have more than {self.saturation_threshold:.0%} saturated activations "
+                f"(local gradient below {self.saturation_grad:g}) for {self.patience} measurements: "
+                + ", ".join(f"{n} ({f:.0%})" for n, f in list(saturated.items())[:10])
+                + ".",
+                {"saturated_frac": saturated, "threshold": self.saturation_threshold},
+                _CAUSES_SATURATED,
+                step=step,
+            )
+
+        if sat_rising:
+            self.emit(
+                trainer,
+                "TFD344",
+                "warning",
+                "The saturated fraction is rising in "
+                + ", ".join(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in list(sat_rising.items())[:10])
+                + ": more and more units sit where their gradient is almost zero.",
+                {
+                    "saturated_frac": {n: now for n, (_, now) in sat_rising.items()},
+                    "lowest": {n: lo for n, (lo, _) in sat_rising.items()},
+                },
+                _CAUSES_SATURATED,
+                step=step,
+            )
+
+    def _report_unobservable(self, trainer: pl.Trainer, reason: str, compiled: bool, step: int | None = None) -> None:
+        hint = (
+            "Run DeadActivation on an uncompiled model (e.g. a short debugging run without torch.compile), or compile "
+            "only parts of the model that contain no activation you want measured."
+            if compiled
+            else "Check that the activations are modules called in the training forward; for activations applied as "
+            "functions, name the modules feeding them with `preactivations`."
+        )
+        self.emit(
+            trainer,
+            "TFD343",
+            "info",
+            f"DeadActivation cannot measure: {reason}",
+            {"compiled": compiled},
+            hint,
+            step=step,
+        )
+        self._remove_hooks()
+        self.stand_aside(reason)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "lowest_dead": dict(self._lowest_dead),
+            "last_dead": dict(self._last_dead),
+            "dead_streak": self._dead_streak.state_dict(),
+            "rise_streak": self._rise_streak.state_dict(),
+            "sat_streak": self._sat_streak.state_dict(),
+            "lowest_sat": dict(self._lowest_sat),
+            "last_sat": dict(self._last_sat),
+            "sat_rise_streak": self._sat_rise_streak.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._lowest_dead = {str(k): float(v) for k, v in state_dict.get("lowest_dead", {}).items()}
+        self._last_dead = {str(k): float(v) for k, v in state_dict.get("last_dead", {}).items()}
+        self._dead_streak.load_state_dict(state_dict.get("dead_streak", {}))
+        self._rise_streak.load_state_dict(state_dict.get("rise_streak", {}))
+        self._sat_streak.load_state_dict(state_dict.get("sat_streak", {}))
+        self._lowest_sat = {str(k): float(v) for k, v in state_dict.get("lowest_sat", {}).items()}
+        self._last_sat = {str(k): float(v) for k, v in state_dict.get("last_sat", {}).items()}
+        self._sat_rise_streak.load_state_dict(state_dict.get("sat_rise_streak", {}))
+
+
+def _climb(lowest: dict[str, float], last: dict[str, float], name: str, frac: float, rise: float) -> float | None:
+    """Record ``frac`` for ``name``; return its lowest value so far if ``frac`` is at least ``rise`` above it and not
+    falling back (a transient bump early in training recovers; dying or saturating units do not), else None."""
+    low = min(lowest.get(name, frac), frac)
+    previous = last.get(name, frac)
+    lowest[name], last[name] = low, frac
+    return low if frac - low >= rise and frac >= previous - 0.01 else None
+
+
+def _check_regex(name: str, pattern: Any) -> None:
+    if not isinstance(pattern, str):
+        raise TypeError(f"`{name}` must be a regular expression string; got {pattern!r}.")
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise ValueError(f"`{name}` is not a valid regular expression ({err}); got {pattern!r}.") from None
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _fit_length(alive: Tensor | None, n: int, device: torch.device) -> Tensor:
+    """The alive mask as 0/1 floats of length ``n`` (zeros where this rank saw nothing)."""
+    out = torch.zeros(n, device=device)
+    if alive is not None and n:
+        m = min(n, alive.numel())
+        out[:m] = alive[:m].float().to(device)
+    return out

@@ -1,0 +1,671 @@
+"""LossAtInit: the first loss against ln(V), the shape of the model's outputs, and two later checks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_tfdebug.callbacks.dead_activation import in_training_step
+from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.distributed import packed_reduce, world_size
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.loss import copy_sums, init_loss_sums, uniform_loss
+
+_INIT_KEYS = ("ce_sum", "ce_count", "var_sum", "rows", "prob_rows", "logprob_rows", "supervised", "positions")
+_CHECK_KEYS = ("ce_sum", "ce_count", "copies", "repeats", "count")
+
+
+def find_logits(output: Any, structured_only: bool = False) -> Tensor | None:
+    """The logits in a model output: a float tensor with a class dimension, a ``.logits`` attribute, a ``"logits"``
+    key, or (unless ``structured_only``) the first such tensor in a tuple/list. None when there is none."""
+
+    def usable(x: Any) -> bool:
+        return isinstance(x, Tensor) and x.is_floating_point() and x.ndim >= 2
+
+    if isinstance(output, Mapping):
+        value = output.get("logits")
+        return value if usable(value) else None
+    value = getattr(output, "logits", None)
+    if usable(value):
+        return value
+    if structured_only:
+        return None
+    if usable(output):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((x for x in output if usable(x)), None)
+    return None
+
+
+def find_in_batch(batch: Any, key: str | int) -> tuple[Tensor | None, str]:
+    """``batch[key]`` for a mapping (str key) or a tuple/list (int position), or an attribute; with a reason when
+    it is missing."""
+    if isinstance(batch, Mapping):
+        if isinstance(key, str) and key in batch:
+            value = batch[key]
+        else:
+            return None, f"the batch is a mapping with keys {sorted(map(str, batch))}, without {key!r}"
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        if isinstance(key, int) and -len(batch) <= key < len(batch):
+            value = batch[key]
+        else:
+            return None, f"the batch is a {type(batch).__name__} of {len(batch)} items, which has no position {key!r}"
+    elif isinstance(key, str) and hasattr(batch, key):
+        value = getattr(batch, key)
+    else:
+        return None, f"the batch is a {type(batch).__name__} without {key!r}"
+    if not isinstance(value, Tensor):
+        return None, f"batch[{key!r}] is a {type(value).__name__}, not a tensor"
+    return value, ""
+
+
+def training_loss(outputs: Any) -> Tensor | None:
+    """The loss a training step returned (``Tensor`` or ``{"loss": Tensor}``), or None."""
+    if isinstance(outputs, Mapping):
+        outputs = outputs.get("loss")
+    return outputs if isinstance(outputs, Tensor) and outputs.numel() == 1 else None
+
+
+class LossAtInit(DebugCallback):
+    r"""Checks the first loss against ln(V) and what the model's outputs are, then whether training left ln(V).
+
+    On the first training step, before any update, the logits are captured with a forward hook (on the
+    LightningModule's ``forward``, on a named submodule, or on a direct child: one that returns a ``.logits`` output
+    such as a Hugging Face model, else the last one to return a tensor shaped like the labels plus a class dimension
+    wider than every label, as when ``training_step`` calls ``self.model(x)``) and the labels are read from the
+    batch. Forwards that other callbacks run from their own hooks are ignored. It compares the training step's loss
+    with ln(V), the loss of a uniform prediction (label smoothing does not change it), where V is the logits' last
+    dimension; it tells whether the outputs are already probabilities or log-probabilities; and it counts the
+    supervised labels (not ``ignore_index``). At ``check_step`` it captures the logits again and checks whether the
+    loss is still at ln(V) and whether the model predicts the *current* input token instead of the next.
+
+    Alignment: with ``shift_labels=True`` (default) the logits at position ``t`` are scored against the label at
+    ``t + 1``, as in causal LMs that shift internally (Hugging Face models, ``TinyGPT``) and take
+    ``labels == input_ids``. Set ``shift_labels=False`` when labels are already aligned with the logits (shifted in
+    the collator, classification, seq2seq decoders). The alignment matters only for the recomputed loss; the
+    observed loss is the one the training step returned, and the copy check compares the argmax at ``t`` with the
+    input token at ``t`` (``input_key``; the labels when ``shift_labels`` and the batch has no input ids).
+
+    Nothing runs on other steps: hooks exist only during the forward of these two steps, and the captured outputs
+    are reduced to a few scalars in ``on_before_backward`` and released.
+
+    Logged keys:
+
+    | key | step | meaning |
+    | --- | --- | --- |
+    | `loss_at_init/observed` | 0 | the training step's loss, averaged over ranks (else the recomputed loss) |
+    | `loss_at_init/expected` | 0 | ln(V) |
+    | `loss_at_init/recomputed` | 0 | cross-entropy recomputed from the captured outputs and labels |
+    | `loss_at_init/logit_std` | 0 | spread of the outputs across the vocabulary (root mean of per-row variances) |
+    | `loss_at_init/supervised_frac` | 0 | fraction of label positions that are not `ignore_index` |
+    | `loss_at_init/check_loss` | `check_step` | the training step's loss at `check_step` |
+    | `loss_at_init/copy_rate` | `check_step` | fraction of positions whose argmax is the current input token |
+
+    Findings: ``TFD220`` outputs are probabilities, ``TFD221`` outputs are log-probabilities, ``TFD222`` initial
+    loss far above ln(V), ``TFD223`` far below, ``TFD224`` no supervised tokens, ``TFD225`` loss still at ln(V) at
+    ``check_step``, ``TFD226`` the model copies its current input token, ``TFD227`` initial loss not finite;
+    ``TFD228`` when logits or labels cannot be found (it then stands aside); see ``docs/findings.md``.
+
+    Args:
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
+        labels_key: where the labels are in the batch: a key of a dict batch, or a position of a tuple batch. Left
+            at ``"labels"``, a dict batch without that key is also searched for ``label``, ``targets``, ``target``
+            and ``y``, and a tuple batch gives its last item.
+        input_key: where the input token ids are (for the copy check); ``None`` to use the labels. Left at
+            ``"input_ids"``, a tuple batch gives its first item.
+        logits_module: qualified name of the submodule whose output holds the logits; ``None``: found as described
+            above.
+        shift_labels: the logits at ``t`` predict the label at ``t + 1`` (see Alignment above); ignored when the
+            logits have no time dimension (a classifier's ``(batch, classes)``).
+        ignore_index: label value that is not supervised.
+        label_smoothing: the loss's label smoothing, used in the recomputed loss.
+        vocab_size: V for ln(V); ``None`` takes the logits' last dimension.
+        init_tolerance: ``TFD222``/``TFD223`` when the initial loss is above ``(1 + init_tolerance) ln(V)`` or
+            below ``(1 - init_tolerance) ln(V)``.
+        check_step: optimizer step of the later checks; ``None`` disables them.
+        stall_tolerance: ``TFD225`` when the loss at ``check_step`` is within this fraction of ln(V).
+        copy_threshold: ``TFD226`` when the copy rate at ``check_step`` exceeds this, and exceeds the rate at which
+            the data repeats a token by at least 0.25.
+        max_rows: positions sampled from the logits for the statistics (bounds the cost for long sequences and
+            large vocabularies).
+
+    Raises:
+        ValueError: on an argument outside its allowed range.
+
+    Example:
+        ```python
+        trainer = Trainer(callbacks=[LossAtInit(check_step=200)])
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.LossAtInit
+              init_args:
+                labels_key: labels
+                shift_labels: true
+                check_step: 200
+        ```
+    """
+
+    def __init__(
+        self,
+        on_finding: OnFinding = "warn",
+        labels_key: str | int = "labels",
+        input_key: str | int | None = "input_ids",
+        logits_module: str | None = None,
+        shift_labels: bool = True,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        vocab_size: int | None = None,
+        init_tolerance: float = 0.25,
+        check_step: int | None = 100,
+        stall_tolerance: float = 0.05,
+        copy_threshold: float = 0.5,
+        max_rows: int = 2048,
+    ) -> None:
+        super().__init__(every_n_steps=None, on_finding=on_finding)
+        for name, value in (("labels_key", labels_key), ("input_key", input_key)):
+            if isinstance(value, bool) or (
+                not isinstance(value, (str, int)) and not (name == "input_key" and value is None)
+            ):
+                raise TypeError(f"`{name}` must be a batch key (str) or a tuple position (int); got {value!r}.")
+        if logits_module is not None and not isinstance(logits_module, str):
+            raise TypeError(f"`logits_module` must be a submodule name (str) or None; got {logits_module!r}.")
+        if not isinstance(shift_labels, bool):
+            raise TypeError(f"`shift_labels` must be True or False; got {shift_labels!r}.")
+        check_number("ignore_index", ignore_index, integer=True)
+        check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+        check_number("vocab_size", vocab_size, low=2, integer=True, optional=True)
+        check_number("init_tolerance", init_tolerance, low=0.0, high=1.0, low_inclusive=False)
+        check_number("check_step", check_step, low=1, integer=True, optional=True)
+        check_number("stall_tolerance", stall_tolerance, low=0.0, high=1.0, low_inclusive=False)
+        check_number("copy_threshold", copy_threshold, low=0.0, high=1.0, low_inclusive=False)
+        check_number("max_rows", max_rows, low=1, integer=True)
+        self.labels_key = labels_key
+        self.input_key = input_key
+        self.logits_module = logits_module
+        self.shift_labels = shift_labels
+        self.ignore_index = ignore_index
+        self.label_smoothing = float(label_smoothing)
+        self.vocab_size = vocab_size
+        self.init_tolerance = float(init_tolerance)
+        self.check_step = check_step
+        self.stall_tolerance = float(stall_tolerance)
+        self.copy_threshold = float(copy_threshold)
+        self.max_rows = max_rows
+        self._init_done = False
+        self._check_done = False
+        self._armed: str | None = None  # "init" or "check" while a step is being captured
+        self._armed_step = 0
+        self._handles: list[RemovableHandle] = []
+        self._captured: dict[str, Tensor] = {}  # the root's or the named module's logits, and children's `.logits`
+        self._raw: dict[str, Tensor] = {}  # direct children's plain tensor outputs, in call order (a fallback)
+        self._output_types: dict[str, str] = {}
+        self._batch: Any = None
+        self._pl_module: pl.LightningModule | None = None
+        self._collected: _Collected | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(labels_key=self.labels_key, logits_module=self.logits_module)
+
+    # ------------------------------------------------------------------ capture
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if not self.active or trainer.sanity_checking or self._armed is not None:
+            return
+        step = trainer.global_step
+        if step == 0 and not self._init_done:
+            self._init_done = True  # the first micro-batch only
+            phase = "init"
+        elif self.check_step is not None and step == self.check_step and not self._check_done:
+            self._check_done = True
+            phase = "check"
+        else:
+            return
+        self._armed, self._armed_step, self._batch, self._pl_module = phase, step, batch, pl_module
+        self._captured.clear()
+        self._raw.clear()
+        self._output_types.clear()
+        for name, module in self._candidates(pl_module):
+            self._handles.append(module.register_forward_hook(self._make_hook(name)))
+
+    def _candidates(self, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
+        if self.logits_module is not None:
+            module = dict(pl_module.named_modules()).get(self.logits_module)
+            return [(self.logits_module, module)] if module is not None else []
+        return [("", pl_module), *pl_module.named_children()]
+
+    def _make_hook(self, name: str):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if name in self._output_types or not in_training_step(self._pl_module):
+                return  # the first call in the training step only; not another callback's probe forward
+            self._output_types[name] = type(output).__name__
+            child = self.logits_module is None and name != ""
+            logits = find_logits(output, structured_only=child)
+            if logits is not None:
+                self._captured[name] = logits.detach()
+            elif child:
+                raw = find_logits(output)
+                if raw is not None:
+                    self._raw[name] = raw.detach()
+
+        return hook
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._armed is None or self._collected is not None:
+            return
+        # The forward is over: remove the hooks (activation checkpointing re-runs forwards in backward), reduce the
+        # captured outputs to a few device scalars and let the logits go, so they do not outlive the backward.
+        self._remove_hooks()
+        with torch.no_grad():
+            self._collected = self._collect(pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+        self._armed, self._batch, self._pl_module, self._collected = None, None, None, None
+        self._captured.clear()
+        self._raw.clear()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+
+    # ------------------------------------------------------------------ measuring
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._armed is None:
+            return
+        phase, step = self._armed, self._armed_step
+        try:
+            self._remove_hooks()
+            loss = training_loss(outputs)
+            if loss is not None and pl_module.automatic_optimization:
+                loss = loss * trainer.accumulate_grad_batches  # Lightning divides the returned loss by it
+            with torch.no_grad():
+                collected = self._collected or self._collect(pl_module)  # no backward ran (manual optimization)
+                if phase == "init":
+                    self._measure_init(trainer, collected, loss, step)
+                else:
+                    self._measure_check(trainer, collected, loss, step)
+        finally:
+            self._armed, self._batch, self._pl_module, self._collected = None, None, None, None
+            self._captured.clear()
+            self._raw.clear()
+
+    def _inputs(self, pl_module: pl.LightningModule) -> tuple[Tensor | None, Tensor | None, str]:
+        """The captured logits and the labels, or a reason naming the argument to set.
+
+        Where the logits come from, first match wins: the named ``logits_module``; the LightningModule's forward;
+        a direct child's ``.logits``/``"logits"`` output; else (a ``training_step`` that calls ``self.model(x)``
+        rather than ``self(x)``) the last direct child to return a plain tensor shaped like the labels plus a class
+        dimension wider than every label.
+        """
+        if self.logits_module is not None:
+            logits = self._captured.get(self.logits_module)
+        else:
+            logits = self._captured.get("") if "" in self._captured else next(iter(self._captured.values()), None)
+        if logits is None and self.logits_module is None and self._raw:
+            labels, _ = self._labels()
+            if labels is not None:
+                logits = self._plain_child_logits(labels)
+        if logits is None:
+            if self.logits_module is not None:
+                if self.logits_module not in dict(pl_module.named_modules()):
+                    return None, None, f"`logits_module={self.logits_module!r}` is not a submodule of the model"
+                seen = self._output_types.get(self.logits_module)
+                what = f"returned a {seen} without logits" if seen else "did not run in the training step"
+                return (
+                    None,
+                    None,
+                    f"`logits_module={self.logits_module!r}` {what}; set it to the module that returns them",
+                )
+            children = [n for n, _ in pl_module.named_children()]
+            seen = self._output_types.get("")
+            what = (
+                f"the LightningModule's forward returned a {seen} without logits"
+                if seen
+                else "the LightningModule's forward was not called in the training step"
+            )
+            return (
+                None,
+                None,
+                (
+                    f"{what}, and no direct child returned logits (a `.logits` output, or a tensor shaped like the "
+                    f"labels `{self.labels_key}` plus a class dimension); set `logits_module` to the submodule "
+                    f"that returns the logits (direct children: {', '.join(children[:12]) or 'none'})"
+                ),
+            )
+        labels, reason = self._labels()
+        if labels is None:
+            return None, None, f"{reason}; set `labels_key` to where the labels are (a dict key or a tuple position)"
+        if labels.is_floating_point():
+            return (
+                None,
+                None,
+                (
+                    f"the labels are {labels.dtype} values, not class indices: LossAtInit checks a cross-entropy over "
+                    "V classes, which this loss (soft or multi-label targets, regression) is not; if the class "
+                    "indices are elsewhere in the batch, set `labels_key`"
+                ),
+            )
+        if tuple(labels.shape) != tuple(logits.shape[:-1]):
+            return (
+                None,
+                None,
+                (
+                    f"the labels {tuple(labels.shape)} do not fit the logits {tuple(logits.shape)} (expected the "
+                    "logits' shape without the last dimension); set `labels_key` or `logits_module`"
+                ),
+            )
+        return logits, labels, ""
+
+    def _labels(self) -> tuple[Tensor | None, str]:
+        """The labels from ``labels_key``; with the default key, also the usual other places.
+
+        Left at its default (``"labels"``), the key falls back to ``label``, ``targets``, ``target`` or ``y`` in a
+        dict batch and to the last item of a tuple batch (``(inputs, labels)``); a wrong guess fails the shape test
+        against the logits, which names ``labels_key``.
+        """
+        labels, reason = find_in_batch(self._batch, self.labels_key)
+        if labels is None and self.labels_key == "labels":
+            batch = self._batch
+            if isinstance(batch, Mapping):
+                key = next((k for k in ("label", "targets", "target", "y") if isinstance(batch.get(k), Tensor)), None)
+                if key is not None:
+                    return batch[key], ""
+            elif isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], Tensor):
+                return batch[-1], ""
+        return labels, reason
+
+    def _shift(self, logits: Tensor) -> bool:
+        """Whether to score position ``t`` against label ``t + 1``: never when the logits have no time dimension."""
+        return self.shift_labels and logits.ndim >= 3
+
+    def _plain_child_logits(self, labels: Tensor) -> Tensor | None:
+        """The last direct child's plain tensor output that can be the logits for ``labels``, or None.
+
+        Shape alone does not tell logits from hidden states (an embedding's or a final norm's output is
+        ``(batch, time, d_model)`` too), so the class dimension must also exceed every supervised label.
+        """
+        fitting = [t for t in self._raw.values() if tuple(t.shape[:-1]) == tuple(labels.shape) and t.shape[-1] > 1]
+        if not fitting:
+            return None
+        # host sync: on the two measured steps only, and only when the logits come from this fallback
+        top = int(labels.masked_fill(labels == self.ignore_index, -1).max()) if labels.numel() else -1
+        return next((t for t in reversed(fitting) if t.shape[-1] > top), None)
+
+    def _reduce(
+        self, stats: dict[str, Tensor], keys: tuple[str, ...], loss: Tensor | None, ok: bool, device: torch.device
+    ) -> dict[str, float]:
+        """One packed collective (under DDP/FSDP) and the one host transfer of this step.
+
+        Every rank reaches this on the same step whatever it found: a rank without logits sends zeros and
+        ``ok = 0``, so no rank is left waiting in the collective.
+        """
+        zero = torch.zeros((), device=device)
+        loss_ok = loss is not None
+        values = [stats.get(k, zero).float().to(device) for k in keys]
+        values += [
+            loss.detach().float().reshape(()).to(device) if loss_ok else zero,
+            torch.tensor(float(loss_ok), device=device),
+            torch.tensor(float(ok), device=device),
+        ]
+        sums, _ = packed_reduce(torch.stack(values), collective=world_size() > 1)
+        host = self.to_host({k: sums[i] for i, k in enumerate((*keys, "loss_sum", "loss_n", "ok"))})
+        return host
+
+    def _collect(self, pl_module: pl.LightningModule) -> _Collected:
+        """Sums and counts (device scalars) from the captured outputs and the labels, for the armed phase; then the
+        captured tensors are released."""
+        logits, labels, reason = self._inputs(pl_module)
+        found = _Collected(
+            stats={},
+            reason=reason,
+            ok=logits is not None,
+            vocab=self.vocab_size or (int(logits.shape[-1]) if logits is not None else 0),
+            device=logits.device if logits is not None else _device_of(pl_module),
+            shifted=logits is not None and self._shift(logits),
+        )
+        if logits is not None and labels is not None:
+            sums = init_loss_sums(
+                logits,
+                labels,
+                shift_labels=self._shift(logits),
+                ignore_index=self.ignore_index,
+                label_smoothing=self.label_smoothing,
+                max_rows=self.max_rows,
+            )
+            if self._armed == "init":
+                found.stats = sums
+            else:
+                found.stats = {"ce_sum": sums["ce_sum"], "ce_count": sums["ce_count"]}
+                inputs = self._current_tokens(labels)
+                if inputs is not None and logits.ndim == 3 and tuple(inputs.shape) == tuple(logits.shape[:2]):
+                    found.stats.update(copy_sums(logits, inputs, labels != self.ignore_index, max_rows=self.max_rows))
+        self._captured.clear()
+        self._raw.clear()
+        return found
+
+    def _stand_aside_if_missing(self, trainer: pl.Trainer, host: dict[str, float], reason: str, step: int) -> bool:
+        if host["ok"] >= world_size():
+            return False
+        text = reason or "another rank could not find the logits or labels (see its warning)"
+        self.emit(
+            trainer,
+            "TFD228",
+            "info",
+            f"LossAtInit cannot read the model's outputs or labels: {text}.",
+            {"labels_key": self.labels_key, "logits_module": self.logits_module},
+            "Set the named argument; LossAtInit does nothing else in this run.",
+            step=step,
+        )
+        self.stand_aside(text + ".")
+        return True
+
+    def _measure_init(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
+        host = self._reduce(found.stats, _INIT_KEYS, loss, found.ok, found.device)
+        if self._stand_aside_if_missing(trainer, host, found.reason, step):
+            return
+        vocab = found.vocab
+        expected = uniform_loss(vocab)
+        recomputed = host["ce_sum"] / host["ce_count"] if host["ce_count"] else float("nan")
+        observed = host["loss_sum"] / host["loss_n"] if host["loss_n"] else recomputed
+        rows = max(host["rows"], 1.0)
+        logit_std = math.sqrt(max(host["var_sum"], 0.0) / rows)
+        supervised_frac = host["supervised"] / host["positions"] if host["positions"] else 0.0
+        self.log_scalars(
+            trainer,
+            {
+                "loss_at_init/observed": observed,
+                "loss_at_init/expected": expected,
+                "loss_at_init/recomputed": recomputed,
+                "loss_at_init/logit_std": logit_std,
+                "loss_at_init/supervised_frac": supervised_frac,
+            },
+            step=step,
+        )
+        evidence = {
+            "observed_loss": observed,
+            "expected_loss": expected,
+            "vocab_size": vocab,
+            "recomputed_loss": recomputed,
+            "logit_std": logit_std,
+            "shift_labels": found.shifted,
+        }
+        prob_frac, logprob_frac = host["prob_rows"] / rows, host["logprob_rows"] / rows
+        normalized = False
+        if prob_frac >= 0.99:
+            normalized = True
+            self.emit(
+                trainer,
+                "TFD220",
+                "error",
+                f"The model's outputs are already probabilities: {prob_frac:.0%} of the sampled rows are non-negative "
+                f"and sum to 1. A loss that applies softmax again (cross_entropy) sees a nearly uniform "
+                f"distribution and stays at ln(V) = {expected:.3f}.",
+                {**evidence, "probability_rows": prob_frac},
+                "Return raw logits from forward (remove the softmax) and apply softmax only at inference. If the "
+                "loss is NLLLoss, feed it log_softmax(logits) instead of probabilities.",
+                step=step,
+            )
+        elif logprob_frac >= 0.99:
+            normalized = True
+            self.emit(
+                trainer,
+                "TFD221",
+                "info",
+                f"The model's outputs are log-probabilities ({logprob_frac:.0%} of the sampled rows have logsumexp "
+                "0). That is right for NLLLoss and harmless for cross_entropy (log_softmax is idempotent).",
+                {**evidence, "log_probability_rows": logprob_frac},
+                "Nothing to fix if the loss is NLLLoss or cross_entropy. Make sure nothing applies softmax to them "
+                "as if they were probabilities.",
+                step=step,
+            )
+        if host["supervised"] == 0:
+            self.emit(
+                trainer,
+                "TFD224",
+                "error",
+                f"No supervised tokens: every label of the first batch is ignore_index ({self.ignore_index}), so the "
+                f"loss is {observed:.4g} (NaN or 0) and nothing is learned.",
+                {**evidence, "label_positions": host["positions"], "supervised": 0},
+                "Check the collator/labels: labels set to ignore_index everywhere (a mask inverted, the prompt mask "
+                "covering the whole sequence, truncation cutting every answer). With shift_labels=True only labels "
+                "after the first position count.",
+                step=step,
+            )
+            return
+        if not math.isfinite(observed):
+            self.emit(
+                trainer,
+                "TFD227",
+                "error",
+                f"The loss of the first step is {observed}, before any update.",
+                evidence,
+                "Look for log(0), division by zero or an overflow in the forward or the loss; NaNFirstFrame names "
+                "the first module that produced a non-finite value.",
+                step=step,
+            )
+            return
+        if normalized and prob_frac >= 0.99:
+            return  # the loss value says nothing more about the wiring
+        if observed > (1.0 + self.init_tolerance) * expected:
+            self.emit(
+                trainer,
+                "TFD222",
+                "warning",
+                f"The initial loss {observed:.3f} is far above ln(V) = {expected:.3f} (V={vocab}): the untrained "
+                f"model is confidently wrong (logit spread {logit_std:.3g}).",
+                evidence,
+                "The logits are too large at init: initialise the output layer with a small std (e.g. 0.02 or "
+                "1/sqrt(d_model)), keep the 1/sqrt(d) attention/residual scaling, check a tied embedding's scale. "
+                "Or the loss is not a mean (reduction='sum').",
+                step=step,
+            )
+        elif observed < (1.0 - self.init_tolerance) * expected:
+            self.emit(
+                trainer,
+                "TFD223",
+                "warning",
+                f"The initial loss {observed:.3f} is far below ln(V) = {expected:.3f} (V={vocab}) before any "
+                "training: the model can see the answer, or the loss is not a cross-entropy over V classes.",
+                evidence,
+                "Usual causes: the target leaks into the input (labels not shifted and the model copies its input, "
+                "no causal mask); NLLLoss fed raw logits or probabilities instead of log_softmax; the mean taken "
+                "over padding positions (set ignore_index); a vocab_size different from the logits' width.",
+                step=step,
+            )
+
+    def _measure_check(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
+        host = self._reduce(found.stats, _CHECK_KEYS, loss, found.ok, found.device)
+        if self._stand_aside_if_missing(trainer, host, found.reason, step):
+            return
+        expected = uniform_loss(found.vocab)
+        recomputed = host["ce_sum"] / host["ce_count"] if host["ce_count"] else float("nan")
+        current = host["loss_sum"] / host["loss_n"] if host["loss_n"] else recomputed
+        metrics = {"loss_at_init/check_loss": current}
+        copy_rate = repeat_rate = float("nan")
+        if host["count"]:  # reduced: every rank takes the same branch
+            copy_rate, repeat_rate = host["copies"] / host["count"], host["repeats"] / host["count"]
+            metrics["loss_at_init/copy_rate"] = copy_rate
+        self.log_scalars(trainer, metrics, step=step)
+        lrs = [group["lr"] for opt in trainer.optimizers for group in opt.param_groups]
+        if math.isfinite(current) and abs(current - expected) <= self.stall_tolerance * expected:
+            self.emit(
+                trainer,
+                "TFD225",
+                "warning",
+                f"After {step} steps the loss {current:.3f} is still within {self.stall_tolerance:.0%} of ln(V) = "
+                f"{expected:.3f}, the loss of a uniform guess: the model has not started to learn.",
+                {"loss": current, "expected_loss": expected, "step": step, "learning_rates": lrs[:8]},
+                "Usual causes: softmax applied in forward before a cross-entropy (double softmax, see TFD220); a "
+                "learning rate far too low or still in warm-up; parameters not in the optimizer; the loss detached "
+                "from the graph. Run the overfit-one-batch test.",
+                step=step,
+            )
+        if copy_rate == copy_rate and copy_rate > self.copy_threshold and copy_rate >= repeat_rate + 0.25:
+            self.emit(
+                trainer,
+                "TFD226",
+                "warning",
+                f"After {step} steps the model's top prediction equals the *current* input token at {copy_rate:.0%} "
+                f"of positions (the data repeats a token at only {repeat_rate:.0%}): it learned to copy its input.",
+                {"copy_rate": copy_rate, "repeat_rate": repeat_rate, "step": step, "shift_labels": self.shift_labels},
+                "The labels are not shifted: position t is trained to predict token t, which it can see. Shift them "
+                "(logits[:, :-1] against labels[:, 1:]) in the loss or the collator, not both.",
+                step=step,
+            )
+
+    def _current_tokens(self, labels: Tensor) -> Tensor | None:
+        """The input token ids, for the copy check: ``input_key``; with the default key and a tuple batch, its
+        first item; else, with ``shift_labels``, the labels (a causal LM's labels mirror its inputs)."""
+        if self.input_key is not None:
+            inputs, _ = find_in_batch(self._batch, self.input_key)
+            batch = self._batch
+            if inputs is None and self.input_key == "input_ids" and isinstance(batch, (tuple, list)) and batch:
+                inputs = batch[0] if isinstance(batch[0], Tensor) else None
+            if inputs is not None and not inputs.is_floating_point():
+                return inputs
+        return labels if self.shift_labels else None
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "init_done": self._init_done, "check_done": self._check_done}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._init_done = bool(state_dict.get("init_done", False))
+        self._check_done = bool(state_dict.get("check_done", False))
+
+
+@dataclass
+class _Collected:
+    """What one measured step found on this rank, kept (small) from the backward to the end of the batch."""
+
+    stats: dict[str, Tensor]
+    reason: str
+    ok: bool
+    vocab: int
+    device: torch.device
+    shifted: bool = False
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,842 @@
+"""MaskProbe: tests what the model does with masks, positions and targets, on a real batch, in seconds."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.probes import (
+    IGNORE_INDEX,
+    alignment_losses,
+    causal_valid_positions,
+    classify_alignment,
+    labels_relation,
+    logit_tolerance,
+    max_change,
+    padding_side,
+    random_ids_like,
+    replace_after,
+)
+
+PaddingSide = Literal["auto", "right", "left"]
+_MASK_NAMES = ("attention_mask", "mask", "padding_mask", "attn_mask")
+# Steps at which a target-alignment check that could not decide yet (losses of the two alignments too close on a
+# freshly initialised model) is tried again. Fixed, so every rank tries at the same steps.
+_ALIGNMENT_RETRY_STEPS = (1, 5, 20, 50, 100, 200, 500)
+# Relative tolerance of "the loss training_step returned equals the loss recomputed from the same logits".
+_ALIGN_RTOL = {torch.float64: 1e-9, torch.float32: 2e-5}
+_ALIGN_RTOL_HALF = 1e-3
+
+
+def import_object(path: str) -> Any:
+    """Import ``"package.module:name"`` or ``"package.module.name"``."""
+    module, sep, name = path.partition(":")
+    if not sep:
+        module, _, name = path.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"expected an import path like 'package.module:function'; got {path!r}.")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def logits_of(output: Any) -> Tensor | None:
+    """The logits tensor in a model's output: a tensor, ``.logits``, ``["logits"]``, or the first tensor of a tuple."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), Tensor):
+        return output["logits"]
+    if isinstance(output, Sequence) and not isinstance(output, str):
+        for item in output:
+            if isinstance(item, Tensor):
+                return item
+    return None
+
+
+def loss_of(output: Any) -> Tensor | None:
+    """The loss in what ``training_step`` returned: a tensor or ``{"loss": tensor}``."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+def quiet_training_step(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
+    """Call ``pl_module.training_step`` with ``self.log`` / ``self.log_dict`` silenced, so a probe call logs nothing.
+
+    The caller is responsible for ``no_grad``, the module's mode and the precision context. Only for modules with
+    automatic optimization: a manual-optimization ``training_step`` steps optimizers itself.
+    """
+
+    def _silent(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    saved = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
+    pl_module.__dict__["log"] = _silent
+    pl_module.__dict__["log_dict"] = _silent
+    try:
+        return pl_module.training_step(batch, batch_idx)
+    finally:
+        for name in ("log", "log_dict"):
+            pl_module.__dict__.pop(name, None)
+        pl_module.__dict__.update(saved)
+
+
+def detect_context_limit(module: nn.Module) -> int | None:
+    """The longest sequence the model's position table holds, read from its hyperparameters, a Hugging Face
+    ``config``, or an ``nn.Embedding`` whose name says it holds positions. None when nothing says."""
+    names = ("context_length", "max_position_embeddings", "n_positions", "block_size", "max_seq_len", "seq_len")
+    hparams = getattr(module, "hparams", None)
+    if isinstance(hparams, Mapping):
+        for name in names:
+            value = hparams.get(name)
+            if isinstance(value, int) and value > 0:
+                return value
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is None or isinstance(config, Mapping):
+            continue
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    for name, sub in module.named_modules():
+        last = name.rsplit(".", 1)[-1].lower()
+        if isinstance(sub, nn.Embedding) and ("pos" in last or last in ("wpe",)):
+            return int(sub.num_embeddings)
+    return None
+
+
+class MaskProbe(DebugCallback):
+    r"""Tests the model's behaviour on a real batch: causality, padding invariance, positions, target alignment.
+
+    At the first training batch of a fit (and every ``every_n_steps`` steps if set), MaskProbe puts the module in
+    ``eval()`` mode, runs a few extra forward passes under ``no_grad`` on the first ``probe_rows`` rows of the batch,
+    and restores every submodule's mode and the RNG state afterwards. It reads behaviour, not code, so it works on
+    any model it can call:
+
+    - **Causality** (``causal=True``): the tokens after the middle position are replaced; the logits at and before it
+      must not move beyond a dtype-aware tolerance (relative ``1e-4`` of the largest logit in fp32, ``5e-3`` fp16,
+      ``2e-2`` bf16). Catches a missing or wrong causal mask (``TFD201``).
+    - **Padding mask**: a block of a quarter of the positions (after the first) is marked as padding (attention
+      mask 0) and its token ids changed; the logits of the other positions must not move (``TFD202``). Then padding
+      is added on the side the batch pads (``padding_side``) with random ids under it; the real tokens' logits must
+      not move (``TFD203``). Batches that pad while the model is called without a mask get ``TFD204``. Both probes
+      run when the forward names a mask argument or the batch carries a mask.
+    - **Positions**: a sequence exactly at the context limit (``context_limit``, or read from the module's
+      hyperparameters, its Hugging Face config or a position embedding) must run (``TFD207``); on CPU, one past it
+      is tried and ``TFD208`` states the limit and what happens past it, instead of an index error deep in a run.
+      With ``kv_cache_fn``, the logits decoded incrementally must equal the full forward's at every position
+      (``TFD209``: off-by-one cache positions, rotary offsets).
+    - **Target alignment** (``causal=True``, automatic optimization): the module's own ``training_step`` is called
+      on the batch (in eval mode, under ``no_grad``, with ``self.log`` silenced) and its loss is compared with the
+      cross-entropy of the same logits against the labels shifted by one and unshifted. Labels equal to the inputs
+      with an unshifted loss mean the model learns to copy its input (``TFD205``); labels already shifted in the
+      data and shifted again by the loss mean it predicts two tokens ahead (``TFD206``). When the two alignments
+      give losses too close to tell apart (a freshly initialised model), the check is repeated at steps
+      1, 5, 20, 50, 100, 200, 500 until it decides. A loss that matches neither (label smoothing, auxiliary losses)
+      gives ``TFD210`` (info) once it has been tried on a trained-enough model.
+
+    How the model is called: with ``forward_fn`` (import path of ``fn(pl_module, input_ids, attention_mask) ->
+    logits or model output``), or automatically when ``pl_module.forward`` takes ``input_ids`` by keyword (Hugging
+    Face style, ``**kwargs`` included) or the ids as its first positional argument (the mask is passed when the
+    forward names one). The logits are the output itself, its ``.logits``, ``["logits"]`` or the first tensor of a
+    tuple. Batches are dicts (``input_key``, ``mask_key``, ``labels_key``) or tuples whose first 2-D integer tensor
+    is the ids and whose second, when of the same shape, is the labels. When it cannot call the model MaskProbe says
+    which argument to set (``TFD211``) and stands aside.
+
+    Logged keys (on probing steps, values in the units named):
+
+    | key | meaning |
+    | --- | --- |
+    | `mask_probe/causal_max_change` | largest logit change at positions before the edited tokens |
+    | `mask_probe/padding_max_change` | largest real-token logit change when masked tokens change |
+    | `mask_probe/pad_side_max_change` | largest real-token logit change when padding is added on the pad side |
+    | `mask_probe/kv_cache_max_change` | largest difference between incremental and full-forward logits |
+    | `mask_probe/loss_returned` | the loss `training_step` returned on the batch (eval mode) |
+    | `mask_probe/loss_shifted` | cross-entropy of the same logits, position t against label t+1 |
+    | `mask_probe/loss_unshifted` | the same, position t against label t |
+    | `mask_probe/context_limit` | the context limit used for the position checks |
+    | `mask_probe/seconds` | wall time of the probe |
+
+    Findings: ``TFD201`` future tokens change past logits, ``TFD202`` masked tokens change real tokens' logits,
+    ``TFD203`` logits depend on the amount of padding, ``TFD204`` padded batches but no mask reaches the model,
+    ``TFD205`` unshifted labels, ``TFD206`` labels shifted twice, ``TFD207`` fails within its context limit,
+    ``TFD208`` (info) the context limit and what happens past it, ``TFD209`` incremental decoding differs,
+    ``TFD210`` (info) target alignment undetermined, ``TFD211`` (info) cannot call the model.
+
+    Distributed: each rank probes its own batch with plain forward passes on the unwrapped module (no collective);
+    findings are rank-local and resolved together. Under sharded strategies (FSDP, ``ModelParallelStrategy``) a
+    forward pass all-gathers parameters, so a probe that fails on one rank would hang the others: MaskProbe stands
+    aside there.
+
+    Args:
+        every_n_steps: probe again whenever ``global_step % every_n_steps == 0``; ``None`` (default) probes only at
+            the first batch of each fit.
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
+        causal: ``True`` for decoders; ``False`` for encoders (skips causality and target alignment).
+        check_padding: run the padding checks (needs a model that takes an attention mask).
+        check_targets: run the target-alignment check.
+        check_positions: run the context-limit checks (once per fit).
+        context_limit: the model's context length; ``None`` reads it from the module.
+        kv_cache_fn: import path of ``fn(pl_module, input_ids) -> logits`` that decodes incrementally with the
+            model's cache.
+        forward_fn: import path of ``fn(pl_module, input_ids, attention_mask) -> logits`` (or a model output).
+        input_key: batch key of the token ids.
+        mask_key: batch key of the attention mask (1 = real token).
+        labels_key: batch key of the labels.
+        ignore_index: label value that is not supervised.
+        padding_side: ``"auto"`` (read from the batch's mask; right when it has no padding), ``"right"`` or
+            ``"left"``.
+        probe_rows: rows of the batch the causality and padding probes use.
+        probe_length: longest sequence those probes use (the batch is cut to it).
+
+    Raises:
+        ValueError: on an argument outside its allowed range.
+
+    Example:
+        ```python
+        trainer = Trainer(callbacks=[MaskProbe()])
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.MaskProbe
+              init_args:
+                causal: true
+                probe_rows: 2
+        ```
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        on_finding: OnFinding = "warn",
+        causal: bool = True,
+        check_padding: bool = True,
+        check_targets: bool = True,
+        check_positions: bool = True,
+        context_limit: int | None = None,
+        kv_cache_fn: str | None = None,
+        forward_fn: str | None = None,
+        input_key: str = "input_ids",
+        mask_key: str = "attention_mask",
+        labels_key: str = "labels",
+        ignore_index: int = IGNORE_INDEX,
+        padding_side: PaddingSide = "auto",
+        probe_rows: int = 2,
+        probe_length: int = 64,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        for name, value in (
+            ("causal", causal),
+            ("check_padding", check_padding),
+            ("check_targets", check_targets),
+            ("check_positions", check_positions),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be True or False; got {value!r}.")
+        check_number("context_limit", context_limit, low=1, integer=True, optional=True)
+        for name, value in (("kv_cache_fn", kv_cache_fn), ("forward_fn", forward_fn)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(
+                    f"`{name}` must be an import path like 'package.module:function' or None; got {value!r}."
+                )
+        for name, value in (("input_key", input_key), ("mask_key", mask_key), ("labels_key", labels_key)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"`{name}` must be a non-empty string; got {value!r}.")
+        check_number("ignore_index", ignore_index, integer=True)
+        check_choice("padding_side", padding_side, ("auto", "right", "left"))
+        check_number("probe_rows", probe_rows, low=1, integer=True)
+        check_number("probe_length", probe_length, low=4, integer=True)
+        self.causal = causal
+        self.check_padding = check_padding
+        self.check_targets = check_targets
+        self.check_positions = check_positions
+        self.context_limit = context_limit
+        self.kv_cache_fn = kv_cache_fn
+        self.forward_fn = forward_fn
+        self.input_key = input_key
+        self.mask_key = mask_key
+        self.labels_key = labels_key
+        self.ignore_index = ignore_index
+        self.padding_side = padding_side
+        self.probe_rows = probe_rows
+        self.probe_length = probe_length
+        self._caller: Callable[[Tensor, Tensor | None], Any] | None = None
+        self._takes_mask = False
+        self._mask_named = False  # the forward names a mask argument (or forward_fn takes one)
+        self._last_probe_step: int | None = None
+        self._positions_done = False
+        self._alignment_decided = False
+        self._targets_wanted = causal and check_targets
+        self._setup_aside = False
+        self.last_report: dict[str, float] = {}
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, causal=self.causal)
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._last_probe_step = None
+        self._positions_done = False
+        self._targets_wanted = self.causal and self.check_targets
+        self._alignment_decided = not self._targets_wanted
+        self._caller = None
+        strategy = type(trainer.strategy).__name__
+        if "FSDP" in strategy or "ModelParallel" in strategy or "DeepSpeed" in strategy:
+            self._setup_aside = True  # the same on every rank
+            self.stand_aside(
+                f"the {strategy} strategy shards parameters, so each probe forward pass is a collective and a probe "
+                "failing on one rank would hang the others. Run MaskProbe in a single-device or DDP run of the model."
+            )
+
+    # ------------------------------------------------------------------ hook
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._setup_aside or trainer.sanity_checking:
+            return
+        step = trainer.global_step
+        if self._last_probe_step == step:
+            return  # gradient accumulation: one probe per optimizer step
+        first = self._last_probe_step is None
+        periodic = self.every_n_steps is not None and step % self.every_n_steps == 0
+        retry_step = self._targets_wanted and step in _ALIGNMENT_RETRY_STEPS
+        if not (first or periodic or retry_step):
+            return
+        # Whether this step is a probing step depends on global_step only, so every rank gets here on the same steps
+        # and reaches `resolve_local_findings` (a collective unless on_finding="warn") together, even when a rank
+        # has already decided the target alignment or stood aside after a failed call.
+        self._last_probe_step = step
+        if self.active and (first or periodic or not self._alignment_decided):
+            self._probe(trainer, pl_module, batch, batch_idx, full=first or periodic)
+        self.resolve_local_findings(trainer)
+
+    # ------------------------------------------------------------------ batch access
+    def _extract(self, batch: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(input_ids, attention_mask, labels) of a batch, each possibly None."""
+        if isinstance(batch, Mapping):
+            ids, mask, labels = batch.get(self.input_key), batch.get(self.mask_key), batch.get(self.labels_key)
+        elif isinstance(batch, (tuple, list)):
+            ints = [t for t in batch if isinstance(t, Tensor) and t.ndim == 2 and not t.is_floating_point()]
+            ids = ints[0] if ints else None
+            labels = ints[1] if len(ints) > 1 and ints[1].shape == ids.shape else None  # type: ignore[union-attr]
+            mask = None
+        elif isinstance(batch, Tensor):
+            ids, mask, labels = batch, None, None
+        else:
+            ids = mask = labels = None
+        ids = ids if isinstance(ids, Tensor) and ids.ndim == 2 and not ids.is_floating_point() else None
+        mask = mask if isinstance(mask, Tensor) and ids is not None and mask.shape == ids.shape else None
+        labels = labels if isinstance(labels, Tensor) and ids is not None and labels.shape == ids.shape else None
+        return ids, mask, labels
+
+    def _build_caller(self, pl_module: pl.LightningModule) -> str | None:
+        """Decide how to call the model; returns a reason when it cannot."""
+        if self.forward_fn is not None:
+            try:
+                fn = import_object(self.forward_fn)
+            except (ImportError, AttributeError, ValueError) as err:
+                return f"`forward_fn={self.forward_fn!r}` could not be imported ({err})."
+            self._caller = lambda ids, mask: fn(pl_module, ids, mask)
+            self._takes_mask = self._mask_named = True
+            return None
+        try:
+            params = inspect.signature(pl_module.forward).parameters
+        except (TypeError, ValueError):
+            return "the signature of `forward` cannot be read; set `forward_fn`."
+        var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        mask_name = next((n for n in (self.mask_key, *_MASK_NAMES) if n in params), None)
+        self._mask_named = mask_name is not None
+        if mask_name is None and var_kw:
+            mask_name = self.mask_key
+        if self.input_key in params or ("input_ids" in params) or var_kw:
+            id_name = self.input_key if self.input_key in params or var_kw else "input_ids"
+
+            def call_kw(ids: Tensor, mask: Tensor | None) -> Any:
+                kwargs: dict[str, Any] = {id_name: ids}
+                if mask_name is not None and mask is not None:
+                    kwargs[mask_name] = mask
+                return pl_module(**kwargs)
+
+            self._caller, self._takes_mask = call_kw, mask_name is not None
+            return None
+        positional = [
+            p
+            for p in params.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ]
+        if positional:
+
+            def call_pos(ids: Tensor, mask: Tensor | None) -> Any:
+                if mask_name is not None and mask is not None:
+                    return pl_module(ids, **{mask_name: mask})
+                return pl_module(ids)
+
+            self._caller, self._takes_mask = call_pos, mask_name is not None
+            return None
+        return "`forward` takes neither `input_ids` by keyword nor the ids positionally; set `forward_fn`."
+
+    def _logits(self, ids: Tensor, mask: Tensor | None) -> Tensor:
+        assert self._caller is not None
+        logits = logits_of(self._caller(ids, mask if self._takes_mask else None))
+        if logits is None or logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
+            shape = None if logits is None else tuple(logits.shape)
+            raise _CallError(f"the model's output is not logits of shape (batch, time, vocab) (got {shape})")
+        return logits
+
+    # ------------------------------------------------------------------ probe
+    def _probe(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, full: bool
+    ) -> None:
+        start = time.perf_counter()
+        ids, mask, labels = self._extract(batch)
+        if ids is None:
+            self._cannot_call(
+                trainer,
+                f"the batch holds no 2-D integer token ids under `input_key={self.input_key!r}`; set `input_key` "
+                "(dict batches) or `forward_fn`.",
+            )
+            return
+        if self._caller is None:
+            reason = self._build_caller(pl_module)
+            if reason is not None:
+                self._cannot_call(trainer, reason)
+                return
+        modes = {m: m.training for m in pl_module.modules()}
+        devices = [ids.device.index or 0] if ids.device.type == "cuda" else []
+        values: dict[str, Tensor | float] = {}
+        decisions: list[Callable[[dict[str, float]], None]] = []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), trainer.precision_plugin.train_step_context():
+                pl_module.eval()
+                gen = torch.Generator().manual_seed(1234 + trainer.global_step)
+                if full:
+                    self._probe_masks(trainer, ids, mask, gen, values, decisions)
+                    if self.check_positions and not self._positions_done:
+                        self._positions_done = True
+                        self._probe_positions(trainer, pl_module, ids, values, decisions)
+                if not self._alignment_decided:
+                    self._probe_alignment(trainer, pl_module, batch, batch_idx, ids, mask, labels, values, decisions)
+        except Exception as err:  # never crash training: say how to make the model callable and stand aside
+            self._cannot_call(trainer, f"calling the model failed ({type(err).__name__}: {err}); set `forward_fn`.")
+            return
+        finally:
+            for module, flag in modes.items():
+                module.training = flag
+        values["mask_probe/seconds"] = time.perf_counter() - start
+        host = self.to_host(values)  # host sync: one transfer for all of the probe's scalars (probing steps only)
+        self.last_report = {k: v for k, v in host.items() if k.startswith("mask_probe/")}
+        self.log_scalars(trainer, self.last_report)
+        for decide in decisions:
+            decide(host)
+
+    def _cannot_call(self, trainer: pl.Trainer, reason: str) -> None:
+        self.emit(
+            trainer,
+            "TFD211",
+            "info",
+            f"MaskProbe cannot call the model: {reason}",
+            hint="MaskProbe calls `pl_module(input_ids=..., attention_mask=...)` or `pl_module(input_ids)`; otherwise "
+            "give `forward_fn` (and `input_key` / `mask_key` / `labels_key` for dict batches).",
+            synchronized=False,
+        )
+        self.stand_aside(reason)
+
+    def _rows(self, t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[: self.probe_rows, : self.probe_length]
+
+    def _probe_masks(
+        self,
+        trainer: pl.Trainer,
+        ids_full: Tensor,
+        mask_full: Tensor | None,
+        gen: torch.Generator,
+        values: dict[str, Tensor | float],
+        decisions: list[Callable[[dict[str, float]], None]],
+    ) -> None:
+        ids = self._rows(ids_full)
+        mask = self._rows(mask_full)
+        assert ids is not None
+        b, t = ids.shape
+        ones = torch.ones_like(ids)
+        base = self._logits(ids, ones)
+        tol = logit_tolerance(base)
+        if self.causal and t >= 2:
+            cut = t // 2 - 1
+            changed = self._logits(replace_after(ids, cut, gen), ones)
+            change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))
+            values.update({"mask_probe/causal_max_change": change, "_causal_row": where[0], "_causal_pos": where[1]})
+            values["_causal_tol"] = tol
+
+            def decide_causal(h: dict[str, float], cut: int = cut, t: int = t) -> None:
+                change_ = h["mask_probe/causal_max_change"]
+                if not change_ <= h["_causal_tol"]:  # also catches NaN
+                    self.emit(
+                        trainer,
+                        "TFD201",
+                        "error",
+                        f"Future tokens change past logits: replacing the tokens after position {cut} of a {t}-token "
+                        f"sequence changed the logits at position {int(h['_causal_pos'])} "
+                        f"(row {int(h['_causal_row'])}) by {change_:.3g} (tolerance {h['_causal_tol']:.2g}).",
+                        {
+                            "max_change": change_,
+                            "position": int(h["_causal_pos"]),
+                            "cut": cut,
+                            "tolerance": h["_causal_tol"],
+                        },
+                        "The decoder's attention does not apply a causal mask (or applies it wrongly): check the mask "
+                        "construction, `is_causal`, and any custom attention kernel. For an encoder, set "
+                        "`causal=False`.",
+                        synchronized=False,
+                    )
+
+            decisions.append(decide_causal)
+        if not self.check_padding:
+            return
+        padded = mask_full is not None and bool((mask_full == 0).any())  # host sync: probe step only
+        if not self._takes_mask:
+            if padded:
+                self.emit(
+                    trainer,
+                    "TFD204",
+                    "warning",
+                    "The batch is padded (its attention mask has zeros) but the model is called without a mask, so "
+                    "attention cannot ignore the padding.",
+                    {"mask_key": self.mask_key},
+                    "Pass the attention mask to the model's forward (or give MaskProbe a `forward_fn` that does).",
+                    synchronized=False,
+                )
+            return
+        if mask_full is None and not self._mask_named:
+            return  # only `**kwargs` could take a mask, and the batch has none: nothing claims mask support
+        # (a) masked positions are ignored: mask a block of positions after the first, change its ids, compare the
+        # rest. Position 0 stays real so that no query has every key masked (a fully masked softmax row is NaN in
+        # many implementations, and would leak into later layers whatever the mask does); with a causal model the
+        # real positions after the block are the ones that test the mask.
+        k = max(1, t // 4)
+        if t - k >= 2:
+            masked = torch.ones_like(ids)
+            masked[:, 1 : 1 + k] = 0
+            other = ids.clone()
+            other[:, 1 : 1 + k] = random_ids_like(ids, (b, k), gen)
+            first = self._logits(ids, masked)
+            second = self._logits(other, masked)
+            valid = masked.bool()
+            change, where = max_change(first, second, valid)
+            values.update({"mask_probe/padding_max_change": change, "_pad_pos": where[1], "_pad_tol": tol})
+
+            def decide_padding(h: dict[str, float], k: int = k) -> None:
+                change_ = h["mask_probe/padding_max_change"]
+                if not change_ <= h["_pad_tol"]:
+                    self.emit(
+                        trainer,
+                        "TFD202",
+                        "error",
+                        f"Tokens under the attention mask change real tokens' logits: changing the ids at the {k} "
+                        f"masked positions moved the logits at position {int(h['_pad_pos'])} by {change_:.3g} "
+                        f"(tolerance {h['_pad_tol']:.2g}).",
+                        {"max_change": change_, "position": int(h["_pad_pos"]), "tolerance": h["_pad_tol"]},
+                        "The attention mask does not reach the attention (or is inverted): check that the mask is "
+                        "passed through every layer and combined with the causal mask.",
+                        synchronized=False,
+                    )
+
+            decisions.append(decide_padding)
+        # (b) adding padding on the side the batch pads must not change the real tokens' logits
+        side = self.padding_side
+        if side == "auto":
+            detected = padding_side(mask_full) if mask_full is not None else "none"
+            side = "left" if detected == "left" else "right"
+        real = mask if mask is not None else ones
+        limit = self._limit_for(trainer)
+        extra = max(1, t // 4)
+        if limit is not None and t + extra > limit:  # leave room for the added padding within the context limit
+            t = limit - extra
+            if t < 2:
+                return
+            ids, real = ids[:, :t], real[:, :t]
+        pad_ids = random_ids_like(ids, (b, extra), gen)
+        pad_mask = torch.zeros_like(pad_ids)
+        plain = self._logits(ids, real)
+        try:
+            if side == "right":
+                longer = self._logits(torch.cat([ids, pad_ids], 1), torch.cat([real, pad_mask], 1))[:, :t]
+            else:
+                longer = self._logits(torch.cat([pad_ids, ids], 1), torch.cat([pad_mask, real], 1))[:, extra:]
+        except _CallError:
+            raise
+        except Exception:  # the longer sequence is past the model's real limit: the position checks report that
+            return
+        change, where = max_change(plain, longer, real.bool())
+        values.update(
+            {"mask_probe/pad_side_max_change": change, "_side_pos": where[1], "_side_tol": logit_tolerance(plain)}
+        )
+
+        def decide_side(h: dict[str, float], side: str = side, extra: int = extra) -> None:
+            change_ = h["mask_probe/pad_side_max_change"]
+            if not change_ <= h["_side_tol"]:
+                self.emit(
+                    trainer,
+                    "TFD203",
+                    "error",
+                    f"Logits of real tokens depend on the amount of padding: adding {extra} padding tokens on the "
+                    f"{side} moved the logits at real position {int(h['_side_pos'])} by {change_:.3g} "
+                    f"(tolerance {h['_side_tol']:.2g}).",
+                    {"max_change": change_, "side": side, "extra": extra, "tolerance": h["_side_tol"]},
+                    "Mask padding in attention; with left padding, derive position ids from the attention mask; "
+                    "avoid normalisations or poolings that run over padded positions.",
+                    synchronized=False,
+                )
+
+        decisions.append(decide_side)
+
+    def _limit_for(self, trainer: pl.Trainer) -> int | None:
+        return self.context_limit or detect_context_limit(trainer.lightning_module)
+
+    def _probe_positions(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        ids_full: Tensor,
+        values: dict[str, Tensor | float],
+        decisions: list[Callable[[dict[str, float]], None]],
+    ) -> None:
+        row = ids_full[:1]
+        limit = self._limit_for(trainer)
+        if self.kv_cache_fn is not None:
+            self._probe_kv_cache(trainer, pl_module, self._rows(ids_full), values, decisions)  # type: ignore[arg-type]
+        if limit is None:
+            return
+        values["mask_probe/context_limit"] = float(limit)
+        repeats = -(-(limit + 1) // row.shape[1])
+        long_row = row.repeat(1, repeats)
+        try:
+            self._logits(long_row[:, :limit], torch.ones_like(long_row[:, :limit]))
+        except _CallError:
+            raise
+        except Exception as err:  # the model fails within its own limit: that is the finding
+            self.emit(
+                trainer,
+                "TFD207",
+                "error",
+                f"The model fails on a sequence of {limit} tokens, its context limit: {type(err).__name__}: {err}",
+                {"context_limit": limit},
+                "Check the position table / rotary cache size against the configured context length, or pass the "
+                "real limit as `context_limit`.",
+                synchronized=False,
+            )
+            return
+        if row.device.type != "cpu":
+            return  # past the limit an index error is a device-side assert on CUDA: only tried on CPU
+        try:
+            self._logits(long_row[:, : limit + 1], torch.ones_like(long_row[:, : limit + 1]))
+            outcome = "runs without error (positions past the limit were never trained)"
+        except _CallError:
+            raise
+        except Exception as err:
+            outcome = f"fails with {type(err).__name__}: {str(err)[:200]}"
+        self.emit(
+            trainer,
+            "TFD208",
+            "info",
+            f"Context limit: {limit} tokens. A sequence of {limit + 1} tokens {outcome}.",
+            {"context_limit": limit},
+            "Cut or chunk batches to the context limit before the forward (BatchGuard checks batches against it).",
+            synchronized=False,
+        )
+
+    def _probe_kv_cache(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        ids: Tensor,
+        values: dict[str, Tensor | float],
+        decisions: list[Callable[[dict[str, float]], None]],
+    ) -> None:
+        try:
+            fn = import_object(self.kv_cache_fn)  # type: ignore[arg-type]
+        except (ImportError, AttributeError, ValueError) as err:
+            self.emit(
+                trainer,
+                "TFD211",
+                "info",
+                f"`kv_cache_fn` could not be imported: {err}",
+                synchronized=False,
+                key="kv_cache_fn",
+            )
+            return
+        full = self._logits(ids, torch.ones_like(ids))
+        incremental = logits_of(fn(pl_module, ids))
+        if incremental is None or incremental.shape != full.shape:
+            shape = None if incremental is None else tuple(incremental.shape)
+            self.emit(
+                trainer,
+                "TFD211",
+                "info",
+                f"`kv_cache_fn` returned {shape}, not logits of shape {tuple(full.shape)}; the cache check is skipped.",
+                synchronized=False,
+                key="kv_cache_shape",
+            )
+            return
+        diff = (incremental.float() - full.float()).abs().amax(dim=-1).amax(dim=0)  # (T,)
+        tol = logit_tolerance(full)
+        values.update(
+            {"mask_probe/kv_cache_max_change": diff.max(), "_kv_first": (diff > tol).float().argmax(), "_kv_tol": tol}
+        )
+
+        def decide_kv(h: dict[str, float]) -> None:
+            change_ = h["mask_probe/kv_cache_max_change"]
+            if not change_ <= h["_kv_tol"]:
+                self.emit(
+                    trainer,
+                    "TFD209",
+                    "error",
+                    f"Incremental decoding disagrees with the full forward: logits differ by up to {change_:.3g}, "
+                    f"first at position {int(h['_kv_first'])} (tolerance {h['_kv_tol']:.2g}).",
+                    {"max_change": change_, "first_position": int(h["_kv_first"])},
+                    "Check the cache position / offset passed at each decoding step, rotary offsets, and the mask "
+                    "used with a cache.",
+                    synchronized=False,
+                )
+
+        decisions.append(decide_kv)
+
+    def _probe_alignment(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        ids: Tensor,
+        mask: Tensor | None,
+        labels: Tensor | None,
+        values: dict[str, Tensor | float],
+        decisions: list[Callable[[dict[str, float]], None]],
+    ) -> None:
+        if not pl_module.automatic_optimization:
+            self._alignment_decided = True  # a manual training_step would step the optimizer: never call it
+            return
+        if labels is None:
+            labels = ids.masked_fill(mask == 0, self.ignore_index) if mask is not None else ids
+        try:
+            returned = loss_of(quiet_training_step(pl_module, batch, batch_idx))
+        except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
+            self._alignment_decided = True
+            self.emit(
+                trainer,
+                "TFD210",
+                "info",
+                f"Target alignment not checked: calling `training_step` on the batch failed ({type(err).__name__}).",
+                synchronized=False,
+            )
+            return
+        if returned is None or returned.numel() != 1:
+            self._alignment_decided = True
+            self.emit(
+                trainer,
+                "TFD210",
+                "info",
+                "Target alignment not checked: `training_step` did not return a scalar loss.",
+                synchronized=False,
+            )
+            return
+        logits = self._logits(ids, mask)
+        losses = alignment_losses(logits, labels, self.ignore_index)
+        values.update(
+            {
+                "mask_probe/loss_returned": returned.detach().float(),
+                "mask_probe/loss_shifted": losses["shifted"],
+                "mask_probe/loss_unshifted": losses["unshifted"],
+            }
+        )
+        relation = labels_relation(ids, labels, self.ignore_index)  # host syncs: probe step only
+        rtol = _ALIGN_RTOL.get(logits.dtype, _ALIGN_RTOL_HALF)
+        if returned.is_floating_point():  # a loss computed in bf16/fp16 carries a few units of that dtype's rounding
+            rtol = max(rtol, 4 * torch.finfo(returned.dtype).eps)
+        last_try = trainer.global_step >= _ALIGNMENT_RETRY_STEPS[-1]
+
+        def decide_alignment(h: dict[str, float]) -> None:
+            returned_, shifted, unshifted = (
+                h["mask_probe/loss_returned"],
+                h["mask_probe/loss_shifted"],
+                h["mask_probe/loss_unshifted"],
+            )
+            alignment, matched = classify_alignment(returned_, shifted, unshifted, relation, rtol)
+            evidence = {"loss_returned": returned_, "loss_shifted": shifted, "loss_unshifted": unshifted}
+            if alignment == "current":
+                self._alignment_decided = True
+                self.emit(
+                    trainer,
+                    "TFD205",
+                    "error",
+                    f"Labels are not shifted: the loss training_step returned ({returned_:.6g}) is the loss of "
+                    f"position t against token t ({unshifted:.6g}), not against token t+1 ({shifted:.6g}). A causal "
+                    "model trained this way learns to copy its input.",
+                    evidence,
+                    "Shift in the loss (`logits[:, :-1]` against `labels[:, 1:]`) or in the data, exactly once.",
+                    synchronized=False,
+                )
+            elif alignment == "next_next":
+                self._alignment_decided = True
+                self.emit(
+                    trainer,
+                    "TFD206",
+                    "error",
+                    "Labels are shifted twice: the data already holds next-token labels and the loss shifts them "
+                    f"again, so position t is trained on token t+2 (returned {returned_:.6g}, shifted-again "
+                    f"{shifted:.6g}, aligned {unshifted:.6g}).",
+                    evidence,
+                    "Shift labels either in the data collator or in the loss, not both.",
+                    synchronized=False,
+                )
+            elif alignment == "next" or matched is not None:  # correct, or labels unrelated to inputs (seq2seq)
+                self._alignment_decided = True
+            elif abs(shifted - unshifted) > 4 * rtol * max(1.0, abs(returned_)) or last_try:
+                # the alignments differ but the loss matches neither (label smoothing, auxiliary terms, dropout)
+                self._alignment_decided = True
+                self.emit(
+                    trainer,
+                    "TFD210",
+                    "info",
+                    f"Target alignment undetermined: the loss training_step returned ({returned_:.6g}) matches neither "
+                    f"the shifted ({shifted:.6g}) nor the unshifted ({unshifted:.6g}) cross-entropy of the logits.",
+                    evidence,
+                    "Expected with label smoothing, auxiliary losses or a loss over other outputs; otherwise check "
+                    "`labels_key` and `ignore_index`.",
+                    synchronized=False,
+                )
+
+        decisions.append(decide_alignment)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "alignment_decided": self._alignment_decided}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._alignment_decided = bool(state_dict.get("alignment_decided", False))
+
+
+class _CallError(RuntimeError):
+    """The model could not be called the way MaskProbe tried, or did not return logits."""

@@ -1,0 +1,448 @@
+"""NaNFirstFrame: which module first produced inf or nan, forward and backward, and what led up to it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_tfdebug.callbacks.grad_norm_monitor import grad_scaler_of
+from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
+from lightning_tfdebug.core.distributed import all_gather_vector, local_tensor, world_size
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_frames, weight_ranges, window, write_report
+
+Mode = Literal["lazy", "eager"]
+_MODES = ("lazy", "eager")
+_MAX_KEPT_MICRO_BATCHES = 64
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)  # a host copy of the generator's seed and offset
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """Stands in for ``LightningModule.log`` while a batch is replayed, so the replay logs nothing."""
+
+
+class NaNFirstFrame(DebugCallback):
+    r"""Finds the first module whose forward output, and the first whose gradient, became inf or nan.
+
+    When a step's loss or gradients turn non-finite, the optimizer step is not applied (the weights stay as they
+    were before the bad step) and a report is written to ``<trainer.log_dir>/tfdebug/nan-step<k>-rank<r>.txt`` (a
+    table) and ``.json``, atomically and before any stop or raise. The report names the first module whose forward
+    output held inf/nan and the first module whose output gradient did, with the frames that led up to each: per
+    module call in call order, the abs-min/abs-max of its inputs, outputs and own weights, and how many times the
+    abs-max could still grow before overflowing fp16 and bf16. It also records step, batch index, rank(s) and
+    precision.
+
+    Modes:
+
+    * ``"lazy"`` (default): each step checks on the device whether the loss (every micro-batch) and, without a
+      GradScaler, the gradients are finite; one small host read per step (plus, with several processes, one
+      ``all_gather`` of three flags so every rank takes the same decision on the same step). On the first
+      non-finite step, the micro-batches of that step are replayed with the same RNG state (dropout masks repeat)
+      and with frame hooks attached. Every rank replays, so collectives inside the model (FSDP2) stay matched.
+    * ``"eager"``: frame hooks on every training step, for inf/nan that never reach the loss (a masked-out
+      position, a discarded branch). Statistics stay on the device; one host read per step, not one per module.
+
+    Under a GradScaler (fp16), overflowing gradients are the scaler's business (it skips those steps; see
+    :class:`~lightning_tfdebug.ScalerWatch`); NaNFirstFrame then triggers on a non-finite loss, i.e. an overflow
+    in the forward pass.
+
+    Logged keys (on steps it skips):
+
+    | key | meaning |
+    | --- | --- |
+    | `nan_first_frame/skipped_steps` | optimizer steps not applied because the loss or gradients were non-finite |
+
+    Findings: ``TFD401`` the loss or gradients became non-finite (names the first module, the rank(s) and the
+    report), ``TFD402`` a module produced inf/nan that did not reach the loss (eager mode), ``TFD403`` the replay
+    itself failed (see ``docs/findings.md``).
+
+    Args:
+        mode: ``"lazy"`` or ``"eager"`` (see above).
+        on_finding: ``"warn"`` (report, skip the step and go on), ``"stop"`` or ``"raise"``; all ranks act together.
+        max_frames: frames shown before (and including) the first bad one, per direction.
+        max_reports: reports written per run; later non-finite steps are still skipped and counted.
+        check_gradients: also treat non-finite gradients (without a GradScaler) as a bad step.
+        skip_nonfinite_steps: leave the weights untouched on a non-finite step (set every gradient to None, so the
+            optimizer skips every parameter and its moments).
+
+    Raises:
+        ValueError: on an argument outside its allowed range.
+
+    Example:
+        ```python
+        trainer = Trainer(callbacks=[NaNFirstFrame(on_finding="stop")])
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.NaNFirstFrame
+              init_args:
+                mode: lazy
+                on_finding: stop
+                max_frames: 21
+        ```
+    """
+
+    def __init__(
+        self,
+        mode: Mode = "lazy",
+        on_finding: OnFinding = "warn",
+        max_frames: int = 21,
+        max_reports: int = 1,
+        check_gradients: bool = True,
+        skip_nonfinite_steps: bool = True,
+    ) -> None:
+        super().__init__(every_n_steps=None, on_finding=on_finding)
+        check_choice("mode", mode, _MODES)
+        check_number("max_frames", max_frames, low=1, integer=True)
+        check_number("max_reports", max_reports, low=0, integer=True)
+        for name, value in (("check_gradients", check_gradients), ("skip_nonfinite_steps", skip_nonfinite_steps)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be True or False; got {value!r}.")
+        self.mode = mode
+        self.max_frames = max_frames
+        self.max_reports = max_reports
+        self.check_gradients = check_gradients
+        self.skip_nonfinite_steps = skip_nonfinite_steps
+        self.reports: list[str] = []
+        self.skipped_steps = 0
+        self._params: list[Tensor] = []
+        self._loss_bad: Tensor | None = None
+        self._micro: list[tuple[Any, int, dict[str, Any]]] = []
+        self._recorder: FrameRecorder | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(mode=self.mode, on_finding=self.on_finding)
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._params = [p for p in pl_module.parameters() if p.requires_grad]
+        if self.mode == "eager" and self.active:
+            self._recorder = FrameRecorder(pl_module, backward=True).attach()
+            self._recorder.enabled = False
+
+    def _detach(self) -> None:
+        if self._recorder is not None:
+            self._recorder.detach()
+            self._recorder = None
+        self._micro.clear()
+        self._loss_bad = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._detach()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+
+    # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if not self.active:
+            return
+        if self.mode == "lazy":
+            if len(self._micro) >= _MAX_KEPT_MICRO_BATCHES:
+                self._micro.pop(0)
+            self._micro.append((batch, idx, _rng_state(pl_module.device)))  # a reference, no copy
+        elif self._recorder is not None:
+            self._recorder.enabled = True
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if not self.active:
+            return
+        with torch.no_grad():
+            bad = (~torch.isfinite(loss.detach())).any()  # on the device
+            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        if self._recorder is not None and self._recorder.enabled:
+            self._recorder.record_value("training_step", "loss", loss)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not self.active or trainer.sanity_checking:
+            return
+        try:
+            self._check_step(trainer, pl_module)
+        finally:
+            self._micro.clear()
+            self._loss_bad = None
+            if self._recorder is not None:
+                self._recorder.enabled = False
+                self._recorder.clear()
+
+    def _local_flags(self, trainer: pl.Trainer, device: torch.device) -> Tensor:
+        """``[loss_nonfinite, grad_nonfinite, frame_nonfinite]`` for this rank, on the device, no host sync."""
+        zero = torch.zeros((), device=device)
+        loss_bad = self._loss_bad.float().to(device) if self._loss_bad is not None else zero
+        grad_bad = zero
+        if self.check_gradients and grad_scaler_of(trainer) is None:
+            # a Python pass over the cached parameter list to collect `.grad`; the norms are one fused kernel
+            grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
+            if grads:
+                grad_bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).float().to(device)
+        frame_bad = zero
+        if self._recorder is not None:
+            any_bad = self._recorder.any_nonfinite()
+            if any_bad is not None:
+                frame_bad = any_bad.to(device)
+        return torch.stack([loss_bad, grad_bad, frame_bad])
+
+    def _check_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        device = pl_module.device
+        with torch.no_grad():
+            local = self._local_flags(trainer, device)
+        # The decision must be identical on every rank: a loss is rank-local and an FSDP2 gradient shard may hold
+        # the only nan, so the flags of all ranks are gathered (one small collective, every step, same shape).
+        table = all_gather_vector(local) if world_size() > 1 else local.unsqueeze(0)
+        rows = table.tolist()  # host sync: the callback's one read per step
+        # the ranks that produced it: a rank-local loss, or else the gradients (identical on all ranks under DDP)
+        bad_ranks = [r for r, row in enumerate(rows) if row[0] > 0] or [r for r, row in enumerate(rows) if row[1] > 0]
+        frame_ranks = [r for r, row in enumerate(rows) if row[2] > 0]
+        if not bad_ranks and not frame_ranks:
+            return
+        step = trainer.global_step
+        if bad_ranks and self.skip_nonfinite_steps:
+            for p in self._params:  # only on a bad step: the optimizer skips parameters without a gradient
+                p.grad = None
+            self.skipped_steps += 1
+            self.log_scalars(trainer, {"nan_first_frame/skipped_steps": float(self.skipped_steps)})
+        if len(self.reports) >= self.max_reports:
+            return
+        if self.mode == "lazy" and bad_ranks:
+            recorder, error = self._replay(trainer, pl_module)
+        elif self.mode == "eager" and self._recorder is not None:
+            recorder, error = self._recorder, None
+        else:
+            return
+        summary, lines = self._report(trainer, recorder, rows, bad_ranks, frame_ranks, error)
+        stem = f"nan-step{step}-rank{trainer.global_rank}"
+        txt_path, json_path = write_report(self.tfdebug_dir, stem, summary, lines)
+        self.reports.append(txt_path)
+        self._emit(trainer, summary, txt_path, json_path, bad_ranks, frame_ranks, error)
+
+    # ------------------------------------------------------------------ replay (lazy mode)
+    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[FrameRecorder, str | None]:
+        """Re-run this step's micro-batches with the same RNG state and frame hooks; every rank does it.
+
+        The model is called directly (not through the DDP wrapper), so DDP's reducer does not all-reduce the
+        replayed gradients; under FSDP2 the replay runs the same all-gathers and reduce-scatters on every rank,
+        which is why every rank replays all micro-batches whatever it finds. Gradients are dropped afterwards.
+        """
+        device = pl_module.device
+        recorder = FrameRecorder(pl_module, backward=True)
+        saved = _rng_state(device)
+        scaler = grad_scaler_of(trainer)
+        error: str | None = None
+        pl_module.__dict__["log"] = _no_log
+        pl_module.__dict__["log_dict"] = _no_log
+        try:
+            recorder.attach()
+            for batch, batch_idx, rng in list(self._micro):
+                _set_rng_state(rng, device)
+                with torch.enable_grad(), trainer.precision_plugin.train_step_context():
+                    out = pl_module.training_step(batch, batch_idx)
+                loss = out.get("loss") if isinstance(out, dict) else out
+                if not isinstance(loss, Tensor):
+                    continue
+                recorder.record_value("training_step", "loss", loss)
+                if scaler is not None:
+                    loss = scaler.scale(loss)
+                if loss.requires_grad:
+                    loss.backward()
+        except Exception as err:  # the report says the replay failed; training decides with on_finding
+            error = f"{type(err).__name__}: {err}"
+        finally:
+            recorder.detach()
+            pl_module.__dict__.pop("log", None)
+            pl_module.__dict__.pop("log_dict", None)
+            _set_rng_state(saved, device)
+            for p in self._params:
+                p.grad = None
+        return recorder, error
+
+    # ------------------------------------------------------------------ report
+    def _section(self, recorder: FrameRecorder, phase: str) -> tuple[int | None, list[Frame]]:
+        first = recorder.first_nonfinite(phase)
+        n = recorder.count(phase)
+        if first is not None:
+            start, stop = window(first, self.max_frames)
+        else:
+            start, stop = max(0, n - self.max_frames), n
+        frames = recorder.frames(phase, start, stop)
+        if phase == "forward":
+            cache: dict[str, list[Any]] = {}
+            for frame in frames:
+                if frame.module not in cache:
+                    module = recorder.module_of(frame.module)
+                    cache[frame.module] = weight_ranges(module) if module is not None else []
+                frame.entries[:0] = cache[frame.module]
+        return first, frames
+
+    def _report(
+        self,
+        trainer: pl.Trainer,
+        recorder: FrameRecorder,
+        rows: list[list[float]],
+        bad_ranks: list[int],
+        frame_ranks: list[int],
+        error: str | None,
+    ) -> tuple[dict[str, Any], list[str]]:
+        first_fwd, fwd = self._section(recorder, "forward")
+        first_bwd, bwd = self._section(recorder, "backward")
+
+        def pick(first: int | None, frames: list[Frame]) -> dict[str, Any] | None:
+            if first is None:
+                return None
+            frame = next(f for f in frames if f.index == first)
+            bad = next((e.label for e in frame.entries if not e.finite), None)
+            return {"module": frame.module, "module_type": frame.module_type, "index": first, "tensor": bad}
+
+        rank = trainer.global_rank
+        micro = [idx for _, idx, _ in self._micro]
+        summary: dict[str, Any] = {
+            "step": trainer.global_step,
+            "batch_idx": micro[-1] if micro else trainer.fit_loop.epoch_loop.batch_idx,
+            "micro_batches": micro,
+            "rank": rank,
+            "world_size": world_size(),
+            "precision": str(trainer.precision),
+            "mode": self.mode,
+            "loss_nonfinite": bool(rows[rank][0] > 0),
+            "grad_nonfinite": bool(rows[rank][1] > 0),
+            "nonfinite_ranks": bad_ranks,
+            "frame_nonfinite_ranks": frame_ranks,
+            "first_forward": pick(first_fwd, fwd),
+            "first_backward": pick(first_bwd, bwd),
+            "frames_recorded": {"forward": recorder.count("forward"), "backward": recorder.count("backward")},
+            "replay_error": error,
+            "forward_frames": [f.to_dict() for f in fwd],
+            "backward_frames": [f.to_dict() for f in bwd],
+        }
+        ff, fb = summary["first_forward"], summary["first_backward"]
+        lines = [
+            f"NaNFirstFrame report: step {summary['step']}, batch {summary['batch_idx']}, rank {rank} of "
+            f"{summary['world_size']}, precision {summary['precision']}, mode {self.mode}",
+            f"non-finite loss or gradients on rank(s): {bad_ranks or 'none'}; "
+            f"non-finite module outputs on rank(s): {frame_ranks or 'none'}",
+            "first non-finite forward frame on this rank: "
+            + (f"{ff['module']} ({ff['module_type']}), {ff['tensor']}" if ff else "none"),
+            "first non-finite gradient on this rank reached the output of: "
+            + (f"{fb['module']} ({fb['module_type']})" if fb else "none"),
+        ]
+        if error:
+            lines.append(f"the replay failed: {error}")
+        lines.append("")
+        lines += format_frames(f"Last {len(fwd)} forward frames (call order):", fwd)
+        lines.append("")
+        lines += format_frames(f"Last {len(bwd)} backward frames (order gradients arrived):", bwd)
+        return summary, lines
+
+    def _emit(
+        self,
+        trainer: pl.Trainer,
+        summary: dict[str, Any],
+        txt_path: str,
+        json_path: str,
+        bad_ranks: list[int],
+        frame_ranks: list[int],
+        error: str | None,
+    ) -> None:
+        mine = {
+            "rank": trainer.global_rank,
+            "forward": (summary["first_forward"] or {}).get("module"),
+            "backward": (summary["first_backward"] or {}).get("module"),
+        }
+        everyone = [mine]
+        if world_size() > 1:
+            # Only on a reporting step, which every rank reached from the same gathered flags: share the names.
+            everyone = [None] * world_size()
+            dist.all_gather_object(everyone, mine)  # collective
+        named = [r for r in everyone if r and r["forward"]] or [r for r in everyone if r and r["backward"]]
+        culprit = named[0] if named else None
+        evidence = {
+            "module": culprit["forward"] if culprit else None,
+            "backward_module": culprit["backward"] if culprit else None,
+            "module_rank": culprit["rank"] if culprit else None,
+            "ranks": bad_ranks or frame_ranks,
+            "per_rank": {str(r["rank"]): {"forward": r["forward"], "backward": r["backward"]} for r in everyone if r},
+            "batch_idx": summary["batch_idx"],
+            "precision": summary["precision"],
+            "report": txt_path,
+            "report_json": json_path,
+        }
+        where = (
+            f"the first module whose forward output held inf/nan was `{culprit['forward']}` on rank {culprit['rank']}"
+            if culprit and culprit["forward"]
+            else "no module output held inf/nan in the replay"
+        )
+        if culprit and culprit["backward"]:
+            where += f"; the first non-finite gradient reached the output of `{culprit['backward']}`"
+        hint = (
+            "Read the report's frames: the abs-max column shows where values grew; a small 'fp16 room' means the "
+            "next operation may overflow. Under fp16 keep that module in fp32 (or use bf16), lower the LR, add "
+            "warm-up or clipping; a nan from log(0), sqrt(0) backward or 0/0 points at the named module's math."
+        )
+        if error:
+            self.emit(
+                trainer,
+                "TFD403",
+                "error",
+                f"The loss or gradients became non-finite at step {summary['step']} on rank(s) {bad_ranks}, and "
+                f"replaying the batch to locate the first bad frame failed: {error}. Report: {txt_path}",
+                evidence,
+                "Run with mode='eager' to record frames during the step itself.",
+                key=f"step{summary['step']}",
+            )
+        elif bad_ranks:
+            self.emit(
+                trainer,
+                "TFD401",
+                "error",
+                f"The loss or gradients became non-finite at step {summary['step']} on rank(s) {bad_ranks}: {where}. "
+                f"{'The optimizer step was not applied. ' if self.skip_nonfinite_steps else ''}Report: {txt_path}",
+                evidence,
+                hint,
+                key=f"step{summary['step']}",
+            )
+        else:
+            self.emit(
+                trainer,
+                "TFD402",
+                "warning",
+                f"At step {summary['step']} a module produced inf/nan that did not reach the loss, on rank(s) "
+                f"{frame_ranks}: {where}. Report: {txt_path}",
+                evidence,
+                "Masked or discarded positions still hold inf/nan (e.g. a softmax over a fully masked row, log(0) "
+                "at padding). Harmless until a mask or branch changes; fix the math at the named module.",
+                key=f"step{summary['step']}",
+            )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "reports": list(self.reports), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.reports = list(state_dict.get("reports", []))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))

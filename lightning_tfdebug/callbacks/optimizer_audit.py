@@ -1,0 +1,475 @@
+"""OptimizerAudit: is the optimizer wired to the model the way training needs, and does the LR behave?"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from lightning_tfdebug.callbacks.grad_norm_monitor import grad_scaler_of
+from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.distributed import clean_param_name, local_tensor
+from lightning_tfdebug.core.groups import training_model
+from lightning_tfdebug.findings import OnFinding
+
+# Optimizers whose ``weight_decay`` is L2 added to the gradient (coupled), unless ``decoupled_weight_decay`` is set.
+_COUPLED_DECAY = frozenset({"Adam", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop"})
+_MODE_DEPENDENT = (nn.Dropout, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def is_transformer(module: nn.Module) -> bool:
+    """Whether the model has attention: an ``nn.MultiheadAttention`` or a module whose class name says Attention."""
+    return any(
+        isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower() for m in module.modules()
+    )
+
+
+class OptimizerAudit(DebugCallback):
+    r"""Checks how the optimizer is wired to the model, the module's train mode, and the learning rate it really uses.
+
+    At the start of training (after any checkpoint is restored), once:
+
+    - every trainable parameter must sit in exactly one param group of one optimizer: missing ones are an error
+      naming them (``TFD320``: a head or adapter left out, or an optimizer built before the model was moved or
+      rebuilt), parameters listed twice get ``TFD321``, frozen parameters (``requires_grad=False``) still in the
+      optimizer get ``TFD322`` (weight decay and momentum keep moving them), and tensors in the optimizer that are not
+      parameters of the module get ``TFD323`` (stale copies);
+    - weight decay on 1-D parameters (norm weights, biases) is ``TFD324``; on embedding tables ``TFD325`` (info;
+      common practice excludes them); ``Adam``-family optimizers with ``weight_decay > 0`` (coupled L2, not decoupled
+      decay) get ``TFD326``: use ``AdamW``.
+
+    At the first batch of each epoch and the first batch after each validation run: the module must be in train
+    mode (``TFD327``, error). Submodules with mode-dependent layers (dropout, batch/instance norm) left in eval mode
+    while the module trains get ``TFD328`` (info; deliberate for frozen BatchNorm).
+
+    Every optimizer step, without touching tensors: an LR scheduler whose ``last_epoch`` (its count of ``step()``
+    calls) advanced more than once since its optimizer's previous step (``TFD329``: stepped per micro-batch, or by
+    hand and by Lightning). On measuring steps: the effective
+    LR of every param group is logged (``lr/<group>``); a transformer whose LR at a later step is not above its LR at
+    the first step has no warm-up (``TFD330``); an LR that reached zero before 90% of the run (``TFD331``); and one
+    parameter per group is snapshotted before the step and compared byte for byte after it: unchanged on
+    ``patience`` consecutive measured steps although it had a gradient and a non-zero LR is ``TFD332``. Steps the
+    fp16 GradScaler skipped are not counted.
+
+    Logged keys (on measuring steps):
+
+    | key | meaning |
+    | --- | --- |
+    | `lr/<group>` | learning rate of a param group as the optimizer will apply it at this step |
+
+    ``<group>`` is the param group's ``name`` when it has one, else ``group<i>`` (``opt<j>.group<i>`` with several
+    optimizers).
+
+    Findings: ``TFD320`` to ``TFD332`` as above; see ``docs/findings.md``.
+
+    Distributed: every rank holds the same optimizer, parameters and LR under DDP, so every rank reaches the same
+    findings; no collective runs. Under FSDP the byte comparison uses each rank's local shard, so ``TFD332`` is
+    rank-local: every rank resolves it together after each measuring step (one boolean reduction, only when
+    ``on_finding`` is not ``"warn"``).
+
+    Args:
+        every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
+            ``log_every_n_steps``.
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
+        check_warmup: check that a transformer's LR warms up (``TFD330``).
+        zero_lr_fraction: ``TFD331`` when the LR is zero before this fraction of the run's steps.
+        patience: consecutive measured steps a parameter must stay byte-identical for ``TFD332``.
+
+    Raises:
+        ValueError: on an argument outside its allowed range.
+
+    Example:
+        ```python
+        trainer = Trainer(callbacks=[OptimizerAudit(every_n_steps=50)])
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.OptimizerAudit
+              init_args:
+                every_n_steps: 50
+                check_warmup: true
+        ```
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        on_finding: OnFinding = "warn",
+        check_warmup: bool = True,
+        zero_lr_fraction: float = 0.9,
+        patience: int = 2,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        if not isinstance(check_warmup, bool):
+            raise TypeError(f"`check_warmup` must be True or False; got {check_warmup!r}.")
+        check_number("zero_lr_fraction", zero_lr_fraction, low=0.0, high=1.0)
+        check_number("patience", patience, low=1, integer=True)
+        self.check_warmup = check_warmup
+        self.zero_lr_fraction = float(zero_lr_fraction)
+        self.patience = patience
+        self._check_mode = False
+        self._sched_seen: dict[int, int] = {}
+        self._first_lr: float | None = None
+        self._peak_lr = 0.0
+        self._warmup_decided = False
+        self._snapshots: list[tuple[str, Tensor, Tensor]] | None = None
+        self._scale_before: Tensor | None = None
+        self._unchanged: dict[str, int] = defaultdict(int)
+        self._compare_due = False
+        self._transformer = False
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps)
+
+    # ------------------------------------------------------------------ set-up and static audit
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.active:
+            return
+        self._transformer = is_transformer(pl_module)
+        self._audit_wiring(trainer, pl_module)
+        self._sched_seen = {}
+        self._check_mode = True
+
+    def _audit_wiring(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = training_model(trainer, pl_module)
+        named: dict[int, tuple[str, nn.Parameter]] = {}
+        for name, param in model.named_parameters(remove_duplicate=True):
+            named.setdefault(id(param), (clean_param_name(name), param))
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        membership: dict[int, list[str]] = defaultdict(list)
+        several = len(trainer.optimizers) > 1
+        strangers = 0
+        for oi, optimizer in enumerate(trainer.optimizers):
+            for gi, group in enumerate(optimizer.param_groups):
+                label = self._group_label(oi, gi, group, several)
+                decay = float(group.get("weight_decay", 0.0) or 0.0)
+                one_d, embed = [], []
+                for param in group["params"]:
+                    membership[id(param)].append(label)
+                    if id(param) not in named:
+                        strangers += 1
+                        continue
+                    name = named[id(param)][0]
+                    if decay > 0 and param.ndim <= 1:
+                        one_d.append(name)
+                    elif decay > 0 and id(param) in embeddings:
+                        embed.append(name)
+                if one_d:
+                    self.emit(
+                        trainer,
+                        "TFD324",
+                        "warning",
+                        f"Weight decay {decay:g} is applied to {len(one_d)} one-dimensional parameters (norm weights, "
+                        f"biases) in param group {label}: {_names(one_d)}.",
+                        {"group": label, "weight_decay": decay, "count": len(one_d)},
+                        "Put biases and norm weights in a param group with weight_decay=0.0 (decay only parameters "
+                        "with ndim >= 2); shrinking norm gains toward zero hurts training.",
+                        key=label,
+                    )
+                if embed:
+                    self.emit(
+                        trainer,
+                        "TFD325",
+                        "info",
+                        f"Weight decay {decay:g} is applied to embedding tables in param group {label}: "
+                        f"{_names(embed)}.",
+                        {"group": label, "weight_decay": decay},
+                        "Many transformer recipes exclude embeddings from weight decay; check it is intended.",
+                        key=label,
+                    )
+                kind = type(optimizer).__name__
+                if decay > 0 and kind in _COUPLED_DECAY and not group.get("decoupled_weight_decay", False):
+                    self.emit(
+                        trainer,
+                        "TFD326",
+                        "warning",
+                        f"{kind} with weight_decay={decay:g} adds L2 to the gradient, which the adaptive step then "
+                        "rescales: the decay is not the decoupled weight decay transformer recipes use "
+                        f"(group {label}).",
+                        {"optimizer": kind, "weight_decay": decay, "group": label},
+                        "Use torch.optim.AdamW (decoupled weight decay), with a no-decay group for biases and norms.",
+                        key=kind,
+                    )
+        missing = [n for pid, (n, p) in named.items() if p.requires_grad and pid not in membership]
+        frozen = [n for pid, (n, p) in named.items() if not p.requires_grad and pid in membership]
+        twice = [n for pid, (n, _) in named.items() if len(membership.get(pid, ())) > 1]
+        if missing:
+            self.emit(
+                trainer,
+                "TFD320",
+                "error",
+                f"{len(missing)} trainable parameters are in no optimizer param group and will never change: "
+                f"{_names(missing)}.",
+                {"count": len(missing), "names": missing[:50]},
+                "Build the optimizer from all trainable parameters (after the model is complete and moved), or "
+                "freeze these with requires_grad=False if that is the intent.",
+            )
+        if twice:
+            self.emit(
+                trainer,
+                "TFD321",
+                "error",
+                f"{len(twice)} parameters appear in more than one param group or optimizer: {_names(twice)}.",
+                {"count": len(twice), "names": twice[:50]},
+                "Each parameter must be stepped by exactly one param group; build the groups from disjoint sets.",
+            )
+        if frozen:
+            self.emit(
+                trainer,
+                "TFD322",
+                "warning",
+                f"{len(frozen)} frozen parameters (requires_grad=False) are still in the optimizer: {_names(frozen)}.",
+                {"count": len(frozen), "names": frozen[:50]},
+                "Weight decay and momentum can move frozen parameters; build the optimizer from "
+                "`[p for p in model.parameters() if p.requires_grad]`.",
+            )
+        if strangers:
+            self.emit(
+                trainer,
+                "TFD323",
+                "error",
+                f"The optimizer holds {strangers} tensors that are not parameters of the module: they are updated "
+                "but the model never uses them.",
+                {"count": strangers},
+                "The optimizer was built before the model was moved, copied or rebuilt; build it in "
+                "`configure_optimizers` from `self.parameters()`.",
+            )
+
+    @staticmethod
+    def _group_label(oi: int, gi: int, group: dict[str, Any], several: bool) -> str:
+        name = group.get("name")
+        if isinstance(name, str) and name:
+            label = name
+        else:
+            label = f"group{gi}"
+        return f"opt{oi}.{label}" if several else label
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._snapshots = None
+
+    # ------------------------------------------------------------------ train mode
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_mode = True
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._check_mode = True
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.active or not self._check_mode:
+            return
+        self._check_mode = False  # once per epoch start / after validation: a loop over modules, no tensor work
+        where = f"epoch {trainer.current_epoch}, step {trainer.global_step}"
+        if not pl_module.training:
+            self.emit(
+                trainer,
+                "TFD327",
+                "error",
+                f"The module is in eval mode at a training batch ({where}): dropout is off and batch norm uses "
+                "frozen running statistics, so training is not the training you configured.",
+                {"epoch": trainer.current_epoch},
+                "Something calls `.eval()` (a hook, an inference helper, a generation callback) without calling "
+                "`.train()` after; Lightning sets train mode before each epoch, so look at hooks that run later.",
+                key=f"epoch{trainer.current_epoch}",
+            )
+            return
+        stuck = [
+            name or type(pl_module).__name__
+            for name, m in pl_module.named_modules()
+            if not m.training and isinstance(m, _MODE_DEPENDENT) and (not isinstance(m, nn.Dropout) or m.p > 0)
+        ]
+        if stuck:
+            self.emit(
+                trainer,
+                "TFD328",
+                "info",
+                f"{len(stuck)} mode-dependent submodules are in eval mode while the module trains: {_names(stuck)}.",
+                {"count": len(stuck)},
+                "Deliberate for frozen BatchNorm; otherwise a submodule was left in eval mode.",
+            )
+
+    # ------------------------------------------------------------------ per step
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not self.active:
+            return
+        self._check_scheduler_cadence(trainer, optimizer)
+        first = self._first_lr is None
+        if not (first or self.should_measure(trainer)):
+            return
+        lrs = self._read_lrs(trainer)
+        top = max(lrs.values(), default=0.0)
+        if first:
+            self._first_lr = top
+        self._peak_lr = max(self._peak_lr, top)
+        if self.should_measure(trainer):
+            self.log_scalars(trainer, lrs)
+            self._check_lr(trainer, top, first)
+            self._snapshot(trainer, optimizer)
+            self._compare_due = True  # on every rank: the comparison after the step resolves findings together
+
+    def _check_scheduler_cadence(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if getattr(scheduler, "optimizer", None) is not optimizer:
+                continue
+            # `last_epoch` counts the scheduler's `step()` calls (a host int: no tensor work, nothing wrapped)
+            now = getattr(scheduler, "last_epoch", None)
+            if not isinstance(now, int):
+                continue
+            before = self._sched_seen.get(id(scheduler))
+            self._sched_seen[id(scheduler)] = now
+            calls = now - before if before is not None else 0
+            if calls > 1:
+                self.emit(
+                    trainer,
+                    "TFD329",
+                    "warning",
+                    f"The LR scheduler {type(scheduler).__name__} was stepped {calls} times between two optimizer "
+                    "steps: a schedule sized in optimizer steps runs that many times too fast.",
+                    {"calls": calls, "scheduler": type(scheduler).__name__},
+                    "Step the scheduler once per optimizer step (not per micro-batch under gradient accumulation), "
+                    "and not by hand when Lightning already steps it (`interval: step` in configure_optimizers).",
+                    key=str(id(scheduler)),
+                )
+
+    def _read_lrs(self, trainer: pl.Trainer) -> dict[str, float]:
+        several = len(trainer.optimizers) > 1
+        out = {}
+        for oi, optimizer in enumerate(trainer.optimizers):
+            for gi, group in enumerate(optimizer.param_groups):
+                lr = group["lr"]
+                # a tensor LR (capturable / compiled optimizers) costs a host sync here: measuring steps only
+                out[f"lr/{self._group_label(oi, gi, group, several)}"] = float(lr)
+        return out
+
+    def _check_lr(self, trainer: pl.Trainer, top: float, first: bool) -> None:
+        step = trainer.global_step
+        if not first and step > 0:
+            self._decide_warmup(trainer, top)
+        total = trainer.estimated_stepping_batches
+        if self._peak_lr > 0 and top <= 1e-12 * self._peak_lr and step < self.zero_lr_fraction * float(total):
+            self.emit(
+                trainer,
+                "TFD331",
+                "warning",
+                f"The learning rate reached zero at step {step}, long before the end of the run "
+                f"({int(total) if total != float('inf') else 'unbounded'} steps): the remaining steps train nothing.",
+                {"step": step, "total_steps": float(total), "peak_lr": self._peak_lr},
+                "Size the schedule (total / decay steps) in optimizer steps of this run, accounting for gradient "
+                "accumulation and the number of devices.",
+            )
+
+    def _decide_warmup(self, trainer: pl.Trainer, top: float) -> None:
+        if not self.check_warmup or self._warmup_decided:
+            return
+        self._warmup_decided = True
+        first_lr = self._first_lr or 0.0
+        step = trainer.global_step
+        if self._transformer and first_lr > 0 and top <= first_lr * (1 + 1e-9):
+            self.emit(
+                trainer,
+                "TFD330",
+                "warning",
+                f"No learning-rate warm-up: the LR at step {step} ({top:.3g}) is not above the LR of the first "
+                f"step ({first_lr:.3g}), so this transformer starts at its peak LR.",
+                {"first_lr": first_lr, "lr": top, "step": step},
+                "Add a linear warm-up (a few hundred to a few thousand steps) before the peak LR; Adam's early "
+                "updates on attention and embeddings are large without it.",
+            )
+
+    def _snapshot(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
+        named = {id(p): n for n, p in training_model(trainer, trainer.lightning_module).named_parameters()}
+        snaps = []
+        with torch.no_grad():
+            for gi, group in enumerate(optimizer.param_groups):
+                if not float(group["lr"]) > 0:  # host-side float, read just above
+                    continue
+                # a parameter this rank holds elements of (an FSDP shard may be empty on some ranks)
+                param = next(
+                    (p for p in group["params"] if p.grad is not None and local_tensor(p.detach()).numel() > 0), None
+                )
+                if param is None:
+                    continue
+                name = clean_param_name(named.get(id(param), f"group{gi}.param"))
+                snaps.append((name, param, local_tensor(param.detach()).clone()))
+            scale = getattr(grad_scaler_of(trainer), "_scale", None)
+            self._scale_before = scale.detach().clone() if isinstance(scale, Tensor) else None
+        self._snapshots = snaps or None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._compare_due:
+            return
+        self._compare_due = False
+        self._compare_snapshots(trainer)
+        # TFD332 compares each rank's own shard, so it is rank-local under FSDP; every rank that measured this step
+        # (all of them: the step was chosen from global_step) resolves it here together.
+        self.resolve_local_findings(trainer)
+
+    def _compare_snapshots(self, trainer: pl.Trainer) -> None:
+        snaps, self._snapshots = self._snapshots, None
+        if not snaps:
+            return
+        with torch.no_grad():
+            values: dict[str, Tensor | float] = {
+                name: (local_tensor(param.detach()) != before).any().float() for name, param, before in snaps
+            }
+            scale = getattr(grad_scaler_of(trainer), "_scale", None)
+            if self._scale_before is not None and isinstance(scale, Tensor):
+                values["__skipped"] = (scale < self._scale_before).float()
+        host = self.to_host(values)  # host sync: one per measuring step, for all of this check's flags
+        if host.pop("__skipped", 0.0) > 0:
+            return  # the GradScaler skipped this step: nothing should have changed
+        for name, changed in host.items():
+            self._unchanged[name] = 0 if changed > 0 else self._unchanged[name] + 1
+            if self._unchanged[name] >= self.patience:
+                self.emit(
+                    trainer,
+                    "TFD332",
+                    "warning",
+                    f"Parameter {name} was byte-identical after {self._unchanged[name]} consecutive measured optimizer "
+                    "steps although it had a gradient and a non-zero learning rate.",
+                    {"parameter": name, "steps": self._unchanged[name]},
+                    "The update underflows the parameter's dtype (bf16/fp16 weights with a small LR: keep fp32 master "
+                    "weights), or the optimizer steps other tensors than the model uses.",
+                    key=name,
+                    synchronized=False,
+                )
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.active and self._first_lr is not None and trainer.global_step >= 2:
+            # a run too short to reach a second measuring step: decide the warm-up from the LR now
+            self._decide_warmup(trainer, max(self._read_lrs(trainer).values(), default=0.0))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "first_lr": self._first_lr,
+            "peak_lr": self._peak_lr,
+            "warmup_decided": self._warmup_decided,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._first_lr = state_dict.get("first_lr")
+        self._peak_lr = float(state_dict.get("peak_lr", 0.0))
+        self._warmup_decided = bool(state_dict.get("warmup_decided", False))

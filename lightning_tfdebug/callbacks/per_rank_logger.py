@@ -1,0 +1,481 @@
+"""PerRankLogger: every rank's own numbers, in its own file and side by side on the loggers, and where they differ."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.nn.modules.batchnorm import _NormBase
+
+from lightning_tfdebug.callbacks.throughput_monitor import FetchTimer, fetch_timer
+from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.distributed import (
+    DTensor,
+    all_gather_vector,
+    clean_param_name,
+    local_tensor,
+    plan_sharding,
+)
+from lightning_tfdebug.core.groups import training_model
+from lightning_tfdebug.core.tracking import Streak
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.throughput import (
+    StepClock,
+    batch_fingerprint,
+    combine_fingerprints,
+    differing_ranks,
+    differing_tensors,
+    input_tensor,
+    loss_outliers,
+    max_over_median,
+    median_of_others,
+    parameter_checksums,
+    peak_rss_bytes,
+)
+
+_GIB = float(2**30)
+# fixed slots of the packed per-rank vector; per-tensor parameter checksums follow them
+_SLOTS = (
+    "loss",
+    "has_loss",
+    "step_time_ms",
+    "busy_ms",
+    "dataloader_wait_ms",
+    "peak_memory_gib",
+    "fingerprint",
+    "checksum",
+)
+_LOGGED = ("loss", "step_time_ms", "busy_ms", "dataloader_wait_ms", "peak_memory_gib")
+_CHECKSUM_RTOL = 1e-6
+
+
+def _loss_of(outputs: Any) -> Tensor | None:
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), Tensor):
+        return outputs["loss"]
+    return None
+
+
+class PerRankLogger(DebugCallback):
+    r"""Records every rank's loss, timing, memory, batch fingerprint and parameter checksum, and compares the ranks.
+
+    On a measuring step every rank appends one JSON line to its own ``<log_dir>/tfdebug/rank<r>.jsonl``, then one
+    all-gather of a packed vector lets every rank see every other rank's numbers: rank 0 logs them per rank and as
+    spreads, and every rank reaches the same findings. Every rank runs that one collective on the same steps
+    (decided from ``global_step``), with a vector of the same length. On other steps the callback reads the
+    data-loading timer (host arithmetic) and does nothing else: no tensor work, no sync, no collective.
+
+    What each rank records (per measuring optimizer step, all micro-batches of gradient accumulation included):
+
+    | field / key `per_rank/<stat>/rank<r>` | meaning |
+    | --- | --- |
+    | `loss` | mean training loss of this rank's micro-batches |
+    | `step_time_ms` | wall time of the optimizer step on this rank, data loading excluded |
+    | `busy_ms` | the step outside backward passes (forward, loss, optimizer): no DDP rank waits for another there |
+    | `dataloader_wait_ms` | time spent getting this step's batches onto the device (`next()` plus the copy) |
+    | `peak_memory_gib` | CUDA: peak allocated memory; CPU: peak resident set size |
+    | `batch_fingerprint` (file only) | a hash of the input ids, computed on the device |
+    | `param_checksum` (file only) | a checksum of the parameters and buffers (weighted per-tensor norms and sums) |
+
+    Why `busy_ms`: under DDP the fast ranks wait for a slow one inside the gradient all-reduce of the backward pass,
+    so every rank's `step_time_ms` comes out the same; the work outside backward shows which rank is slow.
+
+    Spreads logged by rank 0 (two ranks or more): `per_rank/step_time_ms/max_over_median`,
+    `per_rank/busy_ms/max_over_median`, `per_rank/dataloader_wait_ms/max_minus_median`,
+    `per_rank/loss/max_minus_min`, `per_rank/peak_memory_gib/max_over_median`.
+
+    Findings: ``TFD501`` identical batches on different ranks, ``TFD502`` parameters differ between replicas,
+    ``TFD503`` straggler rank, ``TFD504`` one rank's loss far from the others, ``TFD505`` non-finite loss, naming
+    the ranks (see ``docs/findings.md``). In a single process it writes its file, logs ``rank0`` keys and checks
+    only ``TFD505``.
+
+    Args:
+        every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
+            ``log_every_n_steps``.
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
+        log_per_rank: log one key per rank and statistic (``False``: only the spreads; the files still hold all).
+        straggler_factor: ``TFD503`` when a rank's busy time plus data wait exceeds this multiple of the median of
+            the other ranks ...
+        straggler_min_ms: ... and exceeds it by at least this many milliseconds ...
+        loss_spread: ``TFD504`` when a rank's loss differs from the median over ranks by more than this fraction of
+            it (with two ranks: when the two losses differ by more than this fraction of the smaller) ...
+        patience: ... for this many measurements in a row; ``TFD501`` also needs identical batches this many
+            measurements in a row.
+        compare_parameters: compare per-tensor checksums (L2 norm and signed sum) of every parameter and buffer
+            across replicas (``TFD502``); running statistics of BatchNorm/InstanceNorm layers, which each replica
+            updates from its own batch, are left out. Skipped automatically under sharded strategies (FSDP, FSDP2,
+            DeepSpeed, ``ModelParallelStrategy``), where ranks hold different shards by design.
+
+    Raises:
+        ValueError: on an argument outside its allowed range.
+
+    Example:
+        ```python
+        trainer = Trainer(strategy="ddp", devices=8, callbacks=[PerRankLogger(every_n_steps=50)])
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.PerRankLogger
+              init_args:
+                every_n_steps: 50
+                straggler_factor: 1.5
+        ```
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        on_finding: OnFinding = "warn",
+        log_per_rank: bool = True,
+        straggler_factor: float = 1.5,
+        straggler_min_ms: float = 10.0,
+        loss_spread: float = 0.5,
+        patience: int = 3,
+        compare_parameters: bool = True,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        check_number("straggler_factor", straggler_factor, low=1.0, low_inclusive=False)
+        check_number("straggler_min_ms", straggler_min_ms, low=0.0)
+        check_number("loss_spread", loss_spread, low=0.0, low_inclusive=False)
+        check_number("patience", patience, low=1, integer=True)
+        self.log_per_rank = log_per_rank
+        self.straggler_factor = float(straggler_factor)
+        self.straggler_min_ms = float(straggler_min_ms)
+        self.loss_spread = float(loss_spread)
+        self.patience = patience
+        self.compare_parameters = compare_parameters
+        self._streaks = Streak()
+        self._reset()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps)
+
+    def _reset(self) -> None:
+        self._clock: StepClock | None = None
+        self._timer: FetchTimer | None = None
+        self._fetch_seen = 0.0
+        self._step_at_start = -1
+        self._measuring = False
+        self._marks: list[list[Any]] = []  # per micro-batch: [start, before_backward, after_backward, end]
+        self._losses: list[Tensor] = []
+        self._fingerprint: Tensor | None = None
+        self._wait_s = 0.0
+        self._params: list[Tensor] | None = None
+        self._param_names: list[str] = []
+        self._checksum_skip_reason: str | None = None
+
+    @property
+    def rank_file(self) -> str:
+        """``<log_dir>/tfdebug/rank<r>.jsonl``: this rank's records."""
+        return os.path.join(self.tfdebug_dir, f"rank{self._rank}.jsonl")
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # caches log_dir (a collective under DDP) once, on every rank
+        self._reset()
+        os.makedirs(self.tfdebug_dir, exist_ok=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock = StepClock(trainer.strategy.root_device)
+
+    def _prepare_parameters(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Once, after the strategy has wrapped the model: the tensors to checksum, and whether to compare them."""
+        model = training_model(trainer, pl_module)
+        named = [(clean_param_name(n), p) for n, p in model.named_parameters()]
+        # Buffers too (bug 17 can hit a step counter or a cache), except running statistics of normalization layers
+        # (BatchNorm, InstanceNorm): each replica updates those from its own batch, so they differ by design.
+        local_stats = {id(b) for m in model.modules() if isinstance(m, _NormBase) for b in m.buffers(recurse=False)}
+        named += [(clean_param_name(n), b) for n, b in model.named_buffers() if id(b) not in local_stats]
+        self._param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        strategy = type(trainer.strategy).__name__
+        if not self.compare_parameters:
+            self._checksum_skip_reason = "compare_parameters=False"
+        elif any(isinstance(p, DTensor) for p in self._params) or plan_sharding(self._params, root=model).sharded:
+            self._checksum_skip_reason = "parameters are sharded (each rank holds a different shard by design)"
+        elif any(s in strategy for s in ("FSDP", "DeepSpeed", "ModelParallel")):
+            self._checksum_skip_reason = f"{strategy} shards parameters by design"
+
+    # ------------------------------------------------------------------ hooks (other steps: host arithmetic only)
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.active or self._clock is None:
+            return
+        timer = fetch_timer(trainer)
+        step = trainer.global_step
+        if step != self._step_at_start:  # first micro-batch of an optimizer step
+            self._step_at_start = step
+            self._measuring = self.should_measure(trainer)
+            if timer is not None:
+                self._wait_s = timer.total_s - self._fetch_seen if self._timer is timer else 0.0
+            self._timer = timer
+        elif timer is not None and self._timer is timer:
+            self._wait_s += timer.total_s - self._fetch_seen
+        if timer is not None:
+            self._fetch_seen = timer.total_s
+        if not self._measuring:
+            return
+        self._marks.append([self._clock.mark(), None, None, None])
+        ids = input_tensor(batch)
+        if ids is not None:  # device work only on measuring steps
+            self._fingerprint = combine_fingerprints(self._fingerprint, batch_fingerprint(ids))
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._measuring and self._marks and self._clock is not None:
+            self._marks[-1][1] = self._clock.mark()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._measuring and self._marks and self._clock is not None:
+            self._marks[-1][2] = self._clock.mark()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.active or not self._measuring or not self._marks or self._clock is None:
+            return
+        self._marks[-1][3] = self._clock.mark()
+        loss = _loss_of(outputs)
+        if loss is not None:
+            self._losses.append(loss.detach().float().reshape(-1).mean())
+        if trainer.global_step != self._step_at_start:  # the optimizer stepped: the measured step is complete
+            if self._params is None:
+                self._prepare_parameters(trainer, pl_module)
+            with torch.no_grad():
+                self._measure(trainer, self._step_at_start)
+            self._measuring = False
+
+    # ------------------------------------------------------------------ measuring
+    def _timings(self) -> tuple[float, float]:
+        clock = self._clock
+        assert clock is not None
+        clock.wait(self._marks[-1][3])  # CUDA: one sync on the last event; then every interval can be read
+        step_ms = busy_ms = 0.0
+        for start, before_bw, after_bw, end in self._marks:
+            total = clock.elapsed_ms(start, end)
+            step_ms += total
+            if before_bw is not None and after_bw is not None:
+                busy_ms += clock.elapsed_ms(start, before_bw) + clock.elapsed_ms(after_bw, end)
+            else:
+                busy_ms += total
+        self._marks = []
+        return step_ms, busy_ms
+
+    def _measure(self, trainer: pl.Trainer, step: int) -> None:
+        device = trainer.strategy.root_device
+        step_ms, busy_ms = self._timings()
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)  # allocator bookkeeping, no device sync
+        else:
+            peak = peak_rss_bytes()
+        losses, self._losses = self._losses, []
+        loss = torch.stack(losses).mean().to(device=device, dtype=torch.float64) if losses else None
+        fingerprint, self._fingerprint = self._fingerprint, None
+        compare = self._checksum_skip_reason is None and self._params is not None
+        local = [local_tensor(p) for p in self._params or []]  # DTensor shards: this rank's part, no collective
+        checksums = parameter_checksums(local).to(device)  # [norms..., sums...] of parameters and buffers
+        weights = torch.arange(1, checksums.numel() + 1, device=device, dtype=torch.float64)
+        host = torch.tensor(
+            [1.0 if loss is not None else 0.0, step_ms, busy_ms, self._wait_s * 1e3, peak / _GIB], dtype=torch.float64
+        ).to(device)
+        head = torch.stack(
+            [
+                loss if loss is not None else torch.full((), math.nan, dtype=torch.float64, device=device),
+                *host.unbind(),
+                fingerprint.to(device=device, dtype=torch.float64)
+                if fingerprint is not None
+                else torch.full((), -1.0, dtype=torch.float64, device=device),
+                (checksums * weights).sum(),
+            ]
+        )
+        packed = torch.cat([head, checksums if compare else checksums[:0]])
+        # collective: one all-gather of the packed vector, every rank, same steps, same length (the parameter
+        # count is the same on every replica; under sharding no per-tensor checksums are sent)
+        rows = all_gather_vector(packed).tolist()  # host sync: the one transfer of this measuring step
+        stats = [dict(zip(_SLOTS, row)) for row in rows]
+        mine = stats[trainer.global_rank] if trainer.global_rank < len(stats) else stats[0]
+        self._write_record(trainer, step, mine)
+        self._log(trainer, stats, step)
+        self._diagnose(trainer, stats, [row[len(_SLOTS) :] for row in rows], step)
+
+    def _write_record(self, trainer: pl.Trainer, step: int, mine: dict[str, float]) -> None:
+        record = {
+            "step": step,
+            "rank": trainer.global_rank,
+            "time": time.time(),
+            "loss": mine["loss"] if mine["has_loss"] else None,
+            "step_time_ms": mine["step_time_ms"],
+            "busy_ms": mine["busy_ms"],
+            "dataloader_wait_ms": mine["dataloader_wait_ms"],
+            "peak_memory_gib": mine["peak_memory_gib"],
+            "batch_fingerprint": int(mine["fingerprint"]) if mine["fingerprint"] >= 0 else None,
+            "param_checksum": mine["checksum"],
+        }
+        with open(self.rank_file, "a") as f:
+            f.write(json.dumps(record, allow_nan=True) + "\n")
+
+    def _log(self, trainer: pl.Trainer, stats: list[dict[str, float]], step: int) -> None:
+        metrics: dict[str, float] = {}
+        if self.log_per_rank:
+            for r, s in enumerate(stats):
+                for key in _LOGGED:
+                    if key != "loss" or s["has_loss"]:
+                        metrics[f"per_rank/{key}/rank{r}"] = s[key]
+        if len(stats) > 1:
+            column = {key: [s[key] for s in stats] for key in _LOGGED}
+            waits = column["dataloader_wait_ms"]
+            metrics["per_rank/step_time_ms/max_over_median"] = max_over_median(column["step_time_ms"])
+            metrics["per_rank/busy_ms/max_over_median"] = max_over_median(column["busy_ms"])
+            metrics["per_rank/dataloader_wait_ms/max_minus_median"] = max(waits) - sorted(waits)[len(waits) // 2]
+            metrics["per_rank/peak_memory_gib/max_over_median"] = max_over_median(column["peak_memory_gib"])
+            losses = [s["loss"] for s in stats if s["has_loss"] and math.isfinite(s["loss"])]
+            if losses:
+                metrics["per_rank/loss/max_minus_min"] = max(losses) - min(losses)
+        self.log_scalars(trainer, metrics, step=step)
+
+    # ------------------------------------------------------------------ findings
+    def _diagnose(
+        self, trainer: pl.Trainer, stats: list[dict[str, float]], checksums: list[list[float]], step: int
+    ) -> None:
+        # every value comes from the all-gather: every rank takes the same decisions (synchronized findings)
+        nonfinite = [r for r, s in enumerate(stats) if s["has_loss"] and not math.isfinite(s["loss"])]
+        if nonfinite:
+            finite = [r for r in range(len(stats)) if r not in nonfinite]
+            others = f" while rank(s) {', '.join(map(str, finite))} did not" if finite else ""
+            self.emit(
+                trainer,
+                "TFD505",
+                "error",
+                f"Rank(s) {', '.join(map(str, nonfinite))} produced a non-finite loss at step {step}{others}.",
+                {"ranks": nonfinite, "losses": [s["loss"] for s in stats]},
+                "Look at that rank's batch (its fingerprint is in tfdebug/rank<r>.jsonl) and add NaNFirstFrame to "
+                "find the first module that produced it. Under DDP the NaN reaches every rank with the next gradient "
+                "all-reduce.",
+                step=step,
+            )
+        n = len(stats)
+        if n < 2:
+            return
+        self._check_batches(trainer, stats, step)
+        if checksums and checksums[0]:
+            self._check_parameters(trainer, stats, checksums, step)
+        totals = [s["busy_ms"] + s["dataloader_wait_ms"] for s in stats]
+        for r, total in enumerate(totals):
+            ref = median_of_others(totals, r)
+            slow = total > self.straggler_factor * ref and total - ref > self.straggler_min_ms
+            if self._streaks.update(f"straggler/rank{r}", slow) >= self.patience:
+                self.emit(
+                    trainer,
+                    "TFD503",
+                    "warning",
+                    f"Rank {r} is a straggler: its own work per step ({total:.1f} ms of compute outside backward plus "
+                    f"data wait) is {total / ref:.1f}x the other ranks' median ({ref:.1f} ms), for {self.patience} "
+                    "measurements in a row; every rank waits for it at each gradient all-reduce.",
+                    {
+                        "rank": r,
+                        "busy_ms": stats[r]["busy_ms"],
+                        "dataloader_wait_ms": stats[r]["dataloader_wait_ms"],
+                        "others_median_ms": ref,
+                    },
+                    "Check that rank's host (other processes, CPU frequency, thermal throttling), its data shard "
+                    "(slower samples, longer sequences), and per-rank code paths (logging or checkpointing on one "
+                    "rank inside the step). Compare tfdebug/rank<r>.jsonl files.",
+                    key=f"rank{r}",
+                    step=step,
+                )
+        losses = [s["loss"] if s["has_loss"] else math.nan for s in stats]
+        far, reference = loss_outliers(losses, self.loss_spread)
+        sustained = [r for r in range(n) if self._streaks.update(f"loss/rank{r}", r in far) >= self.patience]
+        if sustained and n == 2:
+            self.emit(
+                trainer,
+                "TFD504",
+                "warning",
+                f"The two ranks' losses ({losses[0]:.4g} and {losses[1]:.4g}) differ by more than "
+                f"{self.loss_spread:.0%} for {self.patience} measurements in a row; with two ranks, which one is off "
+                "cannot be told.",
+                {"ranks": sustained, "losses": losses},
+                "One rank sees different data (a corrupt shard, a different tokenizer or preprocessing) or computes "
+                "its loss differently (rank-dependent code in training_step), or runs different weights (see TFD502). "
+                "Compare the ranks' files in tfdebug/.",
+                key="pair",
+                step=step,
+            )
+        elif sustained:
+            for r in sustained:
+                self.emit(
+                    trainer,
+                    "TFD504",
+                    "warning",
+                    f"Rank {r}'s loss ({losses[r]:.4g}) is far from the median over ranks ({reference:.4g}) for "
+                    f"{self.patience} measurements in a row.",
+                    {"ranks": [r], "loss": losses[r], "median": reference, "losses": losses},
+                    "That rank sees different data (a corrupt shard, a different tokenizer or preprocessing), "
+                    "computes its loss differently (rank-dependent code in training_step), or runs different weights "
+                    "(see TFD502). Compare the ranks' files in tfdebug/.",
+                    key=f"rank{r}",
+                    step=step,
+                )
+
+    def _check_batches(self, trainer: pl.Trainer, stats: list[dict[str, float]], step: int) -> None:
+        prints = [s["fingerprint"] for s in stats]
+        groups: dict[float, list[int]] = {}
+        for r, fp in enumerate(prints):
+            if fp >= 0:
+                groups.setdefault(fp, []).append(r)
+        same = [ranks for ranks in groups.values() if len(ranks) > 1]
+        if self._streaks.update("identical_batches", bool(same)) >= self.patience:
+            self.emit(
+                trainer,
+                "TFD501",
+                "warning",
+                f"Ranks {same[0]} trained on identical batches at {self.patience} measured steps in a row: the data is "
+                "not split between ranks, so the job does N times the compute for the data of one.",
+                {"identical_ranks": same, "fingerprints": prints},
+                "Use a DistributedSampler: keep Trainer(use_distributed_sampler=True) (the default) or, with a custom "
+                "sampler or IterableDataset, shard by trainer.global_rank / world_size yourself.",
+                step=step,
+            )
+
+    def _check_parameters(
+        self, trainer: pl.Trainer, stats: list[dict[str, float]], checksums: list[list[float]], step: int
+    ) -> None:
+        ranks = differing_ranks(checksums, _CHECKSUM_RTOL)
+        if not ranks:
+            return
+        tensors = differing_tensors(checksums, self._param_names, _CHECKSUM_RTOL)
+        self.emit(
+            trainer,
+            "TFD502",
+            "error",
+            f"Parameters or buffers differ between DDP replicas at step {step}: rank(s) {', '.join(map(str, ranks))} "
+            f"disagree with the others on {len(tensors)} tensor(s): {', '.join(tensors[:5])}"
+            f"{' ...' * (len(tensors) > 5)}.",
+            {"ranks": ranks, "tensors": tensors[:50], "checksums": [s["checksum"] for s in stats]},
+            "DDP only averages gradients, so a replica that changes a weight on its own (rank-dependent code in "
+            "training_step or a hook, a different initialization without a seed, an optimizer step skipped on one "
+            "rank) stays different for ever. Seed every rank the same before building the model, and make weight "
+            "updates outside the optimizer identical on every rank.",
+            step=step,
+        )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "streaks": self._streaks.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._streaks.load_state_dict(state_dict.get("streaks", {}))

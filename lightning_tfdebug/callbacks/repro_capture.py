@@ -1,0 +1,282 @@
+"""ReproCapture: records how a run was set up and, when training fails, a bundle that replays the failing step."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
+from lightning_tfdebug.core.distributed import DTensor
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.repro import (
+    capture_rng,
+    class_path,
+    describe_exception,
+    holds_device_tensors,
+    host_copy,
+    run_info,
+    state_size_bytes,
+    write_bundle,
+    write_json_atomic,
+)
+
+
+class ReproCapture(DebugCallback):
+    r"""Writes ``run.json`` at fit start and, on an exception during training, a replayable bundle.
+
+    At fit start, rank 0 writes ``<trainer.log_dir>/tfdebug/run.json``: seeds, library versions, git commit (and
+    whether the checkout was dirty), command line, world size, strategy, accelerator, precision, accumulation, the
+    module's and the DataModule's saved hyper-parameters.
+
+    On every training batch it keeps the batch (a reference for CPU batches; for CUDA batches a copy queued into
+    pinned host memory, see ``copy_batch``) and the RNG states (Python, NumPy, torch CPU, CUDA: host-side, a few KB,
+    no device sync). It moves itself to the front of ``trainer.callbacks`` at set-up, so it holds the batch before
+    any other callback can reject it (BatchGuard with ``on_finding="raise"``; replaying such a bundle shows what the
+    model itself does with the batch), and keeps it until the next batch, validation or the epoch's end, so an
+    exception from a later callback's ``on_train_batch_end`` still gets that step's batch.
+
+    When an exception leaves ``trainer.fit``, Lightning calls ``on_exception`` before the exception propagates;
+    each rank then writes ``<trainer.log_dir>/tfdebug/repro/step<k>-rank<r>/`` with the batch, the RNG states taken
+    before the step, the step, batch index and epoch, the exception and its traceback, the run set-up, and the
+    model's ``state_dict()`` as of the failing step when it is at most ``max_state_mb`` (default 512 MB, about 128M
+    fp32 parameters) and not sharded; otherwise the path of the last checkpoint. The bundle is written into a
+    temporary directory and renamed into place: it is complete or absent, never overwrites an earlier one (a suffix
+    ``-1``, ``-2``... is added), and exists before the exception reaches the user. A part that cannot be copied to
+    the host (the model state after a CUDA device-side assert) is left out and ``bundle.json`` says why.
+
+    Replay it with ``python -m lightning_tfdebug replay <bundle> --config <LightningCLI config>`` or
+    :func:`lightning_tfdebug.repro.replay`. Bundles are data only (JSON and ``torch.load(weights_only=True)``).
+
+    Nothing is logged as a metric.
+
+    Findings: ``TFD130`` (info) a bundle was written, with its path; ``TFD131`` (warning) the bundle could not be
+    written (the original exception still propagates unchanged) (see ``docs/findings.md``).
+
+    Args:
+        on_finding: accepted for uniformity; ReproCapture's findings never stop or raise (the run is already failing).
+        max_state_mb: largest model state (MB, as stored) saved into a bundle; 0 never saves it.
+        capture_rng: keep the RNG states of every batch (needed to replay dropout and other random ops exactly).
+        capture_exceptions_outside_training: also write a bundle (without a batch) for exceptions raised outside a
+            training batch (validation, data loading, hooks).
+        copy_batch: ``"auto"`` (default) queues a copy of each batch that holds CUDA tensors into pinned host
+            memory (``non_blocking``: no host sync), so a CUDA device-side assert, after which every CUDA call fails,
+            cannot take the batch with it; CPU batches are kept by reference. ``"always"`` also clones CPU batches
+            (use it when ``training_step`` edits the batch in place). ``"never"`` keeps only a reference.
+
+    Raises:
+        ValueError: on an argument outside its allowed range.
+
+    Example:
+        ```python
+        trainer = Trainer(callbacks=[BatchGuard(), ReproCapture()])
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.ReproCapture
+              init_args:
+                max_state_mb: 512
+        ```
+    """
+
+    def __init__(
+        self,
+        on_finding: OnFinding = "warn",
+        max_state_mb: float = 512.0,
+        capture_rng: bool = True,
+        capture_exceptions_outside_training: bool = True,
+        copy_batch: Literal["auto", "always", "never"] = "auto",
+    ) -> None:
+        super().__init__(every_n_steps=None, on_finding=on_finding)
+        check_number("max_state_mb", max_state_mb, low=0.0)
+        for name, value in (
+            ("capture_rng", capture_rng),
+            ("capture_exceptions_outside_training", capture_exceptions_outside_training),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be True or False; got {value!r}.")
+        check_choice("copy_batch", copy_batch, ("auto", "always", "never"))
+        self.copy_batch = copy_batch
+        self.max_state_mb = float(max_state_mb)
+        self.capture_rng = capture_rng
+        self.capture_exceptions_outside_training = capture_exceptions_outside_training
+        self.bundles: list[str] = []
+        self._batch: Any = None
+        self._batch_type: str | None = None
+        self._after_step = False  # the step's forward and backward are done; its batch-end hooks are running
+        self._batch_idx: int | None = None
+        self._step: int | None = None
+        self._epoch: int | None = None
+        self._rng: dict[str, Any] | None = None
+        self._run: dict[str, Any] = {}
+
+    @property
+    def repro_dir(self) -> str:
+        return os.path.join(self.tfdebug_dir, "repro")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        if trainer.callbacks and trainer.callbacks[0] is not self:
+            # Take the batch first, so that a batch another callback rejects in its own `on_train_batch_start`
+            # (BatchGuard with on_finding="raise") is still in the bundle. A new list, not an in-place move: Lightning
+            # is iterating the current one to call `setup`.
+            trainer.callbacks = [self, *(cb for cb in trainer.callbacks if cb is not self)]
+        self._run = run_info(trainer, pl_module)  # once per fit: a `git rev-parse` subprocess, no device work
+        if trainer.is_global_zero:
+            write_json_atomic(os.path.join(self.tfdebug_dir, "run.json"), {**self._run, "log_dir": self._log_dir})
+
+    # ------------------------------------------------------------------ every batch: references only
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_type = class_path(batch)
+        if self.copy_batch == "always" or (self.copy_batch == "auto" and holds_device_tensors(batch)):
+            self._batch = host_copy(batch)  # CUDA tensors: queued non-blocking copies into pinned memory, no sync
+        else:
+            self._batch = batch  # a reference: the copy to the host happens only if an exception comes
+        self._batch_idx = batch_idx
+        self._step = trainer.global_step
+        self._epoch = trainer.current_epoch
+        self._after_step = False
+        if self.capture_rng:
+            self._rng = capture_rng()  # host-side generator states; no device sync
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # Keep the batch until the next one, validation or the end of the epoch: ReproCapture runs first, so a later
+        # callback's `on_train_batch_end` (a NaN check that raises) still finds this step's batch in the bundle.
+        self._after_step = True
+
+    def _forget_batch(self) -> None:
+        self._batch, self._rng, self._after_step = None, None, False
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forget_batch()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forget_batch()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forget_batch()
+
+    # ------------------------------------------------------------------ failure
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, Exception):  # KeyboardInterrupt, SystemExit: not a bug to replay
+            return
+        in_batch = self._batch is not None
+        if not in_batch and not self.capture_exceptions_outside_training:
+            return
+        try:
+            path = self._write(trainer, pl_module, exception)
+        except Exception as err:  # never mask the exception that is propagating
+            self.emit(
+                trainer,
+                "TFD131",
+                "warning",
+                f"ReproCapture could not write a bundle for the {type(exception).__name__} at step "
+                f"{trainer.global_step}: {type(err).__name__}: {err}",
+                {"error": f"{type(err).__name__}: {err}"},
+                "Check free disk space and write permission on the log directory.",
+                key=f"{trainer.global_step}:{id(exception)}",
+                synchronized=False,  # rank-local; never resolved into a raise while an exception propagates
+            )
+            return
+        finally:
+            after_step = self._after_step
+            self._forget_batch()
+        self.bundles.append(path)
+        replayable = ""
+        if not in_batch:
+            replayable = " It holds no batch (the exception came outside a training batch)."
+        elif not os.path.exists(os.path.join(path, "batch.pt")):
+            replayable = " The batch could not be copied to the host (see bundle.json); it cannot be replayed."
+        elif after_step:
+            replayable = (
+                " It came after that step's training_step and backward (a batch-end hook, the LR scheduler, or "
+                "loading the next batch); the bundle holds that step's batch."
+            )
+        self.emit(
+            trainer,
+            "TFD130",
+            "info",
+            f"Training failed with {type(exception).__name__} at step {self._step if in_batch else trainer.global_step}"
+            f" (rank {trainer.global_rank}); a repro bundle was written to {path}.{replayable}",
+            {"bundle": path, "exception": type(exception).__name__},
+            f"Replay the failing step: python -m lightning_tfdebug replay {path} --config <your LightningCLI config>",
+            key=path,
+            synchronized=False,
+        )
+
+    def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> str:
+        in_batch = self._batch is not None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Host sync, on failure only: let the queued non-blocking batch copy finish before it is read. After a
+            # device-side assert this raises; the copy queued before the failing kernel has completed by then.
+            with contextlib.suppress(Exception):
+                torch.cuda.current_stream().synchronize()
+        step = self._step if in_batch and self._step is not None else trainer.global_step
+        meta: dict[str, Any] = {
+            "batch_idx": self._batch_idx if in_batch else None,
+            "epoch": self._epoch if in_batch else trainer.current_epoch,
+            "world_size": trainer.world_size,
+            "exception": describe_exception(exception),
+            "in_training_batch": in_batch,
+            "after_step": in_batch and self._after_step,
+            "batch_type": self._batch_type if in_batch else None,
+            "run": self._run or run_info(trainer, pl_module),
+        }
+        model_state, reason = self._model_state(pl_module)
+        meta["model_state"] = {
+            "saved": model_state is not None,
+            "reason": reason,
+            "checkpoint": self._last_checkpoint(trainer),
+        }
+        return write_bundle(
+            self.repro_dir,
+            step=step,
+            rank=trainer.global_rank,
+            meta=meta,
+            batch=self._batch if in_batch else None,
+            rng=self._rng,
+            model_state=model_state,
+        )
+
+    def _model_state(self, pl_module: pl.LightningModule) -> tuple[dict[str, Any] | None, str]:
+        if self.max_state_mb <= 0:
+            return None, "max_state_mb is 0"
+        state = pl_module.state_dict()
+        if any(isinstance(v, DTensor) for v in state.values()):
+            # gathering shards would need a collective, which a failing rank cannot rely on
+            return None, "the model is sharded (DTensor parameters); see the last checkpoint"
+        size = state_size_bytes(state)
+        if size > self.max_state_mb * 2**20:
+            return None, f"state of {size / 2**20:.0f} MB exceeds max_state_mb={self.max_state_mb:g}"
+        return state, f"{size / 2**20:.1f} MB"
+
+    @staticmethod
+    def _last_checkpoint(trainer: pl.Trainer) -> str | None:
+        for cb in trainer.checkpoint_callbacks:
+            path = getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
+            if path:
+                return os.path.abspath(path)
+        return os.path.abspath(trainer.ckpt_path) if trainer.ckpt_path else None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(max_state_mb=self.max_state_mb)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "bundles": list(self.bundles)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.bundles = list(state_dict.get("bundles", []))

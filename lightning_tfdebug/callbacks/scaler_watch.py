@@ -1,0 +1,381 @@
+"""ScalerWatch: the fp16 loss scale, skipped optimizer steps, and what they say about overflow."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_tfdebug.callbacks.grad_norm_monitor import grad_scaler_of
+from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.distributed import local_tensor, packed_reduce
+from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.norms import grouped_sq_norms
+
+
+def _found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> Tensor | None:
+    """The scaler's overflow flag for this step (device tensor), once ``unscale_`` ran; None before that."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+    found = state.get("found_inf_per_device") or {}
+    if not found:
+        return None
+    flags = list(found.values())
+    return torch.stack([f.reshape(()).to(flags[0].device) for f in flags]).sum().clamp(max=1.0)
+
+
+def _step_scheduler_position(trainer: pl.Trainer) -> int | None:
+    """``last_epoch`` of the first per-step LR scheduler (how many times it stepped), or None if there is none."""
+    for config in trainer.lr_scheduler_configs:
+        position = getattr(config.scheduler, "last_epoch", None)
+        if config.interval == "step" and isinstance(position, int):
+            return position
+    return None
+
+
+class ScalerWatch(DebugCallback):
+    r"""Watches the AMP GradScaler: loss scale, skipped steps, growth and back-off, and diagnoses a collapsing scale.
+
+    Under fp16 with a ``torch.amp.GradScaler`` (or FSDP1's ``ShardedGradScaler``) every optimizer step whose
+    gradients overflow is skipped and the scale is multiplied by ``backoff_factor``. A few skips early on are
+    normal; a scale that keeps halving means some activation or gradient sits at the edge of the fp16 range and
+    most updates are being thrown away.
+
+    Cost: each optimizer step keeps two device flags (the scaler's own overflow flag and a comparison of the scale
+    before and after ``update()``) added to device counters; no host sync and no ``get_scale()`` on steps that do
+    not log. On logging steps one host transfer reads the scale and the counters; on those steps the per-group
+    overflow flags are also measured (one fused norm kernel) so a skipped step can name the groups that overflowed.
+    Under bf16 or 32-bit there is no scaler: one ``info`` finding (TFD410), and nothing after that.
+
+    Logged keys (on measuring steps):
+
+    | key | meaning |
+    | --- | --- |
+    | `scaler/scale` | the current loss scale |
+    | `scaler/skipped_steps` | optimizer steps skipped for overflow since the start (cumulative) |
+    | `scaler/skipped_frac` | fraction of optimizer steps skipped since the previous log |
+    | `scaler/growth_events` | times the scale grew (cumulative) |
+    | `scaler/backoff_events` | times the scale was reduced (cumulative) |
+
+    Findings: ``TFD410`` no scaler to watch (info), ``TFD411`` the scale collapsed, ``TFD412`` a high fraction of
+    steps skipped (naming the groups that overflowed), ``TFD413`` the LR scheduler advanced on skipped steps,
+    ``TFD414`` the scale never grew (see ``docs/findings.md``). TFD413 compares how often the scheduler stepped
+    (``last_epoch``) with how many steps were applied, so a scheduler that waits for applied steps is not blamed.
+
+    Args:
+        every_n_steps: log when ``global_step % every_n_steps == 0``; default: the Trainer's ``log_every_n_steps``.
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
+        min_scale: TFD411 when the scale falls below this value...
+        collapse_backoffs: ... or when it was reduced this many times within the last ``window`` steps.
+        window: optimizer steps over which back-offs and the skipped fraction are counted.
+        max_skipped_frac: TFD412 when more than this fraction of the last ``window`` steps were skipped...
+        min_steps: ... once at least this many steps were watched.
+        lr_skipped_steps: TFD413 when a per-step LR scheduler advanced on this many skipped steps.
+        no_growth_intervals: TFD414 when the scale did not grow for this many of the scaler's ``growth_interval``.
+
+    Raises:
+        ValueError: on an argument outside its allowed range.
+
+    Example:
+        ```python
+        trainer = Trainer(accelerator="cuda", precision="16-mixed", callbacks=[ScalerWatch(every_n_steps=10)])
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          precision: 16-mixed
+          callbacks:
+            - class_path: lightning_tfdebug.ScalerWatch
+              init_args:
+                every_n_steps: 10
+                min_scale: 1.0
+        ```
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        on_finding: OnFinding = "warn",
+        min_scale: float = 1.0,
+        collapse_backoffs: int = 8,
+        window: int = 50,
+        max_skipped_frac: float = 0.25,
+        min_steps: int = 10,
+        lr_skipped_steps: int = 10,
+        no_growth_intervals: float = 3.0,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        check_number("min_scale", min_scale, low=0.0, low_inclusive=False)
+        check_number("collapse_backoffs", collapse_backoffs, low=1, integer=True)
+        check_number("window", window, low=1, integer=True)
+        check_number("max_skipped_frac", max_skipped_frac, low=0.0, high=1.0, low_inclusive=False)
+        check_number("min_steps", min_steps, low=1, integer=True)
+        check_number("lr_skipped_steps", lr_skipped_steps, low=1, integer=True)
+        check_number("no_growth_intervals", no_growth_intervals, low=0.0, low_inclusive=False)
+        self.min_scale = float(min_scale)
+        self.collapse_backoffs = collapse_backoffs
+        self.window = window
+        self.max_skipped_frac = float(max_skipped_frac)
+        self.min_steps = min_steps
+        self.lr_skipped_steps = lr_skipped_steps
+        self.no_growth_intervals = float(no_growth_intervals)
+        # host totals (updated on logging steps)
+        self.skipped_total = 0
+        self.growth_total = 0
+        self.backoff_total = 0
+        self.steps_total = 0
+        self.last_growth_step = 0
+        self.overflow_groups: dict[str, int] = {}
+        self.lr_steps_on_skipped = 0  # scheduler steps taken on optimizer steps the scaler skipped
+        self._scheduler_position: int | None = None
+        self._recent: deque[tuple[int, int, int, int]] = deque()  # (step, steps, skipped, backoffs) per log
+        # device counters since the last log
+        self._skipped: Tensor | None = None
+        self._growth: Tensor | None = None
+        self._backoff: Tensor | None = None
+        self._steps_since_log = 0
+        self._scale_before: Tensor | None = None
+        self._found_inf: Tensor | None = None
+        self._group_flags: Tensor | None = None
+        self._measure_step: int | None = None
+        self._layout: ReductionLayout | None = None
+        self._idle = False
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._layout = None
+        scaler = grad_scaler_of(trainer)
+        enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
+        self._idle = not enabled
+        if self._idle and stage == "fit":
+            self.emit(
+                trainer,
+                "TFD410",
+                "info",
+                f"ScalerWatch has nothing to watch: precision {trainer.precision!r} uses no GradScaler (only fp16 "
+                "AMP does), so no step is ever skipped for overflow.",
+                {"precision": str(trainer.precision)},
+                "Nothing to fix. Remove ScalerWatch, or keep it: it costs nothing without a scaler.",
+            )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._scheduler_position = None if self._idle else _step_scheduler_position(trainer)
+
+    # ------------------------------------------------------------------ per step
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._idle or not self.active or trainer.sanity_checking:
+            return
+        scaler = grad_scaler_of(trainer)
+        scale = getattr(scaler, "_scale", None)
+        if scale is None:
+            return
+        # device copies only: the scale as it was before `update()`, and the overflow flag after `unscale_`
+        self._scale_before = scale.detach().reshape(()).clone()
+        self._found_inf = _found_inf(scaler, optimizer)
+        if self.should_measure(trainer):
+            self._measure_step = trainer.global_step
+            with torch.no_grad():
+                self._group_flags = self._overflow_by_group(trainer, pl_module)
+
+    def _overflow_by_group(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor | None:
+        """Per group, 1.0 when a gradient holds inf/nan (one fused norm kernel; one collective under sharding)."""
+        if self._layout is None:
+            self._layout = build_layout(training_model(trainer, pl_module))
+            if self._layout is None:
+                return None
+        layout = self._layout
+        params = layout.groups.params
+        present = [i for i, p in enumerate(params) if p.grad is not None]
+        flags = torch.zeros(len(params), device=layout.index.device)
+        if present:
+            positions = torch.tensor(present, device=layout.index.device)
+            grads = [local_tensor(params[i].grad) for i in present]
+            _, tensor_flags = grouped_sq_norms(grads, layout.index[positions], layout.n_groups)
+            flags = flags.index_copy_(0, positions, tensor_flags.to(flags.device))
+        _, flags = packed_reduce(flags.new_zeros(0), flags, collective=layout.sharded)  # collective when sharded
+        return torch.zeros(layout.n_groups, device=flags.device).scatter_reduce_(0, layout.index, flags, "amax")
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._idle or self._scale_before is None:
+            return  # no optimizer step in this micro-batch
+        scaler = grad_scaler_of(trainer)
+        with torch.no_grad():
+            after = scaler._scale.detach().reshape(()).to(self._scale_before.device)
+            grew = (after > self._scale_before).float()
+            shrank = (after < self._scale_before).float()
+            skipped = shrank if self._found_inf is None else self._found_inf.to(shrank.device)
+            self._skipped = skipped if self._skipped is None else self._skipped + skipped
+            self._growth = grew if self._growth is None else self._growth + grew
+            self._backoff = shrank if self._backoff is None else self._backoff + shrank
+        self._steps_since_log += 1
+        self._scale_before = None
+        if self._measure_step is not None:
+            step, self._measure_step = self._measure_step, None
+            self._log(trainer, scaler, after, step)
+
+    def _log(self, trainer: pl.Trainer, scaler: Any, scale: Tensor, step: int) -> None:
+        values: dict[str, Tensor | float] = {
+            "scale": scale,
+            "skipped": self._skipped,
+            "growth": self._growth,
+            "backoff": self._backoff,
+            "this_step_skipped": self._found_inf if self._found_inf is not None else 0.0,
+        }
+        names = self._layout.groups.group_names if self._layout is not None else ()
+        if self._group_flags is not None:
+            values.update({f"group/{g}": self._group_flags[i] for i, g in enumerate(names)})
+        host = self.to_host(values)  # host sync: the one transfer of this logging step
+        skipped, growth, backoff = int(host["skipped"]), int(host["growth"]), int(host["backoff"])
+        steps = self._steps_since_log
+        self._skipped = self._growth = self._backoff = None
+        self._steps_since_log = 0
+        self._group_flags = None
+        self.skipped_total += skipped
+        self.growth_total += growth
+        self.backoff_total += backoff
+        self.steps_total += steps
+        if growth:
+            self.last_growth_step = self.steps_total
+        position = _step_scheduler_position(trainer)  # a host int: how often the scheduler stepped
+        if position is not None and self._scheduler_position is not None:
+            # the scheduler stepped `advanced` times over `steps` optimizer steps of which `steps - skipped` were
+            # applied: every step beyond those was taken on a skipped one (a skip-aware scheduler takes none)
+            advanced = position - self._scheduler_position
+            self.lr_steps_on_skipped += max(0, min(skipped, advanced - (steps - skipped)))
+        self._scheduler_position = position
+        if host["this_step_skipped"] > 0 or skipped:
+            for g in names:
+                if host.get(f"group/{g}", 0.0) > 0:
+                    self.overflow_groups[g] = self.overflow_groups.get(g, 0) + 1
+        self._recent.append((self.steps_total, steps, skipped, backoff))
+        while self._recent and self._recent[0][0] <= self.steps_total - self.window:
+            self._recent.popleft()
+        self.log_scalars(
+            trainer,
+            {
+                "scaler/scale": host["scale"],
+                "scaler/skipped_steps": float(self.skipped_total),
+                "scaler/skipped_frac": skipped / steps if steps else 0.0,
+                "scaler/growth_events": float(self.growth_total),
+                "scaler/backoff_events": float(self.backoff_total),
+            },
+            step=step,
+        )
+        self._diagnose(trainer, scaler, host["scale"], step)
+
+    # ------------------------------------------------------------------ findings
+    def _diagnose(self, trainer: pl.Trainer, scaler: Any, scale: float, step: int) -> None:
+        recent_steps = sum(r[1] for r in self._recent)
+        recent_skipped = sum(r[2] for r in self._recent)
+        recent_backoffs = sum(r[3] for r in self._recent)
+        groups = sorted(self.overflow_groups, key=lambda g: -self.overflow_groups[g])
+        evidence = {
+            "scale": scale,
+            "skipped_steps": self.skipped_total,
+            "steps": self.steps_total,
+            "recent_steps": recent_steps,
+            "recent_skipped": recent_skipped,
+            "recent_backoffs": recent_backoffs,
+            "overflow_groups": groups,
+        }
+        if scale < self.min_scale or recent_backoffs >= self.collapse_backoffs:
+            why = (
+                f"fell to {scale:.3g} (below min_scale={self.min_scale:g})"
+                if scale < self.min_scale
+                else f"was reduced {recent_backoffs} times in the last {recent_steps} steps"
+            )
+            self.emit(
+                trainer,
+                "TFD411",
+                "error",
+                f"The fp16 loss scale collapsed: it {why}. Gradients overflow on most steps"
+                + (f" (overflowing groups: {', '.join(groups)})." if groups else "."),
+                evidence,
+                "Something overflows fp16 on every step: add NaNFirstFrame to name the module, keep it in fp32 or "
+                "switch to bf16; lower the LR or add warm-up if it started after a spike.",
+                step=step,
+            )
+        if (
+            self.steps_total >= self.min_steps
+            and recent_steps
+            and recent_skipped / recent_steps > self.max_skipped_frac
+        ):
+            self.emit(
+                trainer,
+                "TFD412",
+                "warning",
+                f"{recent_skipped} of the last {recent_steps} optimizer steps were skipped for fp16 overflow"
+                + (f"; gradients overflowed in {', '.join(groups)}." if groups else "."),
+                evidence,
+                "Skipped steps are lost updates. Find the overflowing module (NaNFirstFrame), keep it in fp32, use "
+                "bf16, or lower GradScaler's init_scale if only the first steps skip.",
+                step=step,
+            )
+        step_schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
+        if step_schedulers and self.lr_steps_on_skipped >= self.lr_skipped_steps:
+            self.emit(
+                trainer,
+                "TFD413",
+                "warning",
+                f"A per-step LR scheduler ({type(step_schedulers[0].scheduler).__name__}) advanced on "
+                f"{self.lr_steps_on_skipped} optimizer steps that the GradScaler skipped: the schedule (warm-up, "
+                "decay) runs ahead of the updates actually applied.",
+                {
+                    **evidence,
+                    "scheduler": type(step_schedulers[0].scheduler).__name__,
+                    "scheduler_steps_on_skipped": self.lr_steps_on_skipped,
+                },
+                "Fix the overflow that skips steps; or step the scheduler only when the scale did not drop "
+                "(compare scaler.get_scale() before and after update()).",
+                step=step,
+            )
+        growth_interval = int(getattr(scaler, "get_growth_interval", lambda: 2000)())
+        limit = self.no_growth_intervals * growth_interval
+        if self.steps_total - self.last_growth_step >= limit:
+            self.emit(
+                trainer,
+                "TFD414",
+                "warning",
+                f"The loss scale has not grown for {self.steps_total - self.last_growth_step} steps "
+                f"({self.no_growth_intervals:g} x growth_interval={growth_interval}): overflow keeps interrupting "
+                "every run of clean steps.",
+                {**evidence, "growth_interval": growth_interval, "growth_events": self.growth_total},
+                "Overflows recur regularly: look for the module near the fp16 limit (NaNFirstFrame, eager mode) "
+                "or switch to bf16.",
+                step=step,
+            )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "skipped_total": self.skipped_total,
+            "growth_total": self.growth_total,
+            "backoff_total": self.backoff_total,
+            "steps_total": self.steps_total,
+            "last_growth_step": self.last_growth_step,
+            "overflow_groups": dict(self.overflow_groups),
+            "lr_steps_on_skipped": self.lr_steps_on_skipped,
+            "recent": [list(r) for r in self._recent],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.skipped_total = int(state_dict.get("skipped_total", 0))
+        self.growth_total = int(state_dict.get("growth_total", 0))
+        self.backoff_total = int(state_dict.get("backoff_total", 0))
+        self.steps_total = int(state_dict.get("steps_total", 0))
+        self.last_growth_step = int(state_dict.get("last_growth_step", 0))
+        self.overflow_groups = {str(k): int(v) for k, v in state_dict.get("overflow_groups", {}).items()}
+        self.lr_steps_on_skipped = int(state_dict.get("lr_steps_on_skipped", 0))
+        self._recent = deque(tuple(int(x) for x in r) for r in state_dict.get("recent", []))

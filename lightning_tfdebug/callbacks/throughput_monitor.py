@@ -1,0 +1,592 @@
+"""ThroughputMonitor: real tokens per second over all ranks, step time, padding, data-loading stalls, MFU, memory."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.distributed import all_gather_vector
+from lightning_tfdebug.core.tracking import RunningWindow, Streak
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.throughput import (
+    StepClock,
+    compute_precision,
+    count_tokens,
+    peak_flops_for,
+    peak_rss_bytes,
+    physical_memory_bytes,
+    process_rss_bytes,
+)
+
+_GIB = float(2**30)
+# slots of the packed per-rank vector that one all-gather moves on a measuring step
+_SLOTS = (
+    "tokens",
+    "positions",
+    "samples",
+    "wall_s",
+    "wait_s",
+    "step_ms",
+    "baseline_ms",
+    "peak",
+    "reserved",
+    "capacity",
+)
+
+
+def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """Import ``"package.module.function"`` (or ``"package.module:function"``); callables pass through."""
+    if length_fn is None or callable(length_fn):
+        return length_fn
+    if not isinstance(length_fn, str) or not length_fn.strip():
+        raise TypeError(f"`length_fn` must be an import path 'module.function', a callable or None; got {length_fn!r}.")
+    module, sep, name = length_fn.partition(":") if ":" in length_fn else length_fn.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), name) if sep and module and name else None
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"`length_fn` {length_fn!r} could not be imported: {err}.") from err
+    if not callable(fn):
+        raise ValueError(f"`length_fn` must name a function as 'module.function'; got {length_fn!r}.")
+    return fn
+
+
+class FetchTimer:
+    """Adds up the wall time the training loop spends getting its next batch onto the device.
+
+    Installed on the Trainer's data fetcher, around the two hooks Lightning calls before and after each fetch (where
+    its own profiler measures ``train_dataloader_next``), it times the DataLoader's ``next()``: worker hand-off, or
+    ``__getitem__`` and collation without workers, and pinning. :meth:`batch_arrived`, called when the batch reaches
+    ``on_train_batch_start``, adds the time since that fetch ended: the copy to the device and the batch-transfer
+    hooks. Several callbacks share one timer and read differences of :attr:`total_s`.
+    """
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._t0: float | None = None
+        self._fetched_at: float | None = None  # end of the last fetch not yet followed by a batch start
+        self._inner_start: Callable[[], None] = lambda: None
+        self._inner_stop: Callable[[], None] = lambda: None
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._inner_start()
+
+    def stop(self) -> None:
+        self._inner_stop()
+        if self._t0 is not None:
+            now = time.perf_counter()
+            self.total_s += now - self._t0
+            self._t0 = None
+            self._fetched_at = now
+
+    def batch_arrived(self) -> None:
+        """Count the time from the end of the last fetch to now (device copy, transfer hooks); once per fetch."""
+        if self._fetched_at is not None:
+            self.total_s += time.perf_counter() - self._fetched_at
+            self._fetched_at = None
+
+
+def fetch_timer(trainer: pl.Trainer) -> FetchTimer | None:
+    """The :class:`FetchTimer` on the fit loop's current data fetcher (installed on first use, and again when the
+    loop re-assigns the fetcher's hooks at an epoch start), with the current batch's arrival counted; None when this
+    Lightning version has no such hooks. Call it from ``on_train_batch_start``."""
+    fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
+    if fetcher is None or not hasattr(fetcher, "_start_profiler") or not hasattr(fetcher, "_stop_profiler"):
+        return None
+    timer = getattr(fetcher, "_tfdebug_fetch_timer", None)
+    if timer is None:
+        timer = FetchTimer()
+        fetcher._tfdebug_fetch_timer = timer
+    if fetcher._start_profiler != timer.start:
+        timer._inner_start, timer._inner_stop = fetcher._start_profiler, fetcher._stop_profiler
+        fetcher._start_profiler, fetcher._stop_profiler = timer.start, timer.stop
+    timer.batch_arrived()
+    return timer
+
+
+class ThroughputMonitor(DebugCallback):
+    r"""Measures how fast training really goes, over all ranks, and says why it is slow.
+
+    Counts real (non-padding) tokens of every micro-batch on every rank, times the wall clock between measuring
+    steps, and on measuring steps gathers one packed vector per rank (one collective) so the logged throughput is
+    the sum over ranks, not rank 0's number times the world size. Time spent waiting for the next batch (data
+    loading, collation, host-to-device copy) is measured between batches. No device sync on other steps: per-step
+    times come from CUDA events (host clock on CPU), and a measuring step waits once for the last event.
+
+    Logged keys (on measuring steps, at the step that was measured):
+
+    | key | meaning |
+    | --- | --- |
+    | `throughput/tokens_per_sec` | non-padding tokens per second, summed over all ranks, since the last measurement |
+    | `throughput/tokens_per_sec_per_device` | the same divided by the number of ranks |
+    | `throughput/samples_per_sec` | samples (sequences) per second over all ranks |
+    | `throughput/step_time_ms` | median optimizer-step time over the last `window` steps (slowest rank) |
+    | `throughput/padding_frac` | share of computed token positions that were padding |
+    | `throughput/dataloader_wait_frac` | share of wall time spent waiting for the next batch (worst rank) |
+    | `throughput/mfu` | model FLOPs utilization; only when the peak FLOP/s is known (table or `peak_flops`) |
+    | `memory/peak_allocated_gib` | CUDA: peak allocated memory; CPU: peak resident set size (worst rank) |
+    | `memory/reserved_gib` | CUDA: memory reserved by the caching allocator; CPU: resident set size now (worst rank) |
+
+    Findings: ``TFD601`` data-loading bound, ``TFD602`` padding waste, ``TFD603`` step time regressed against the
+    early steps, ``TFD604`` memory close to capacity (see ``docs/findings.md``).
+
+    Args:
+        every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
+            ``log_every_n_steps``. Throughput covers every step since the previous measurement.
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
+        window: number of recent optimizer steps the median step time is taken over.
+        length_fn: import path (``"my_pkg.data.count_tokens"``) or callable returning the number of real tokens of
+            a batch (an int or a device tensor). Default: the ``attention_mask`` (non-zero entries), else the size
+            of ``input_ids``.
+        peak_flops: peak FLOP/s of one device for MFU; default: looked up from the device name and precision
+            (CUDA only; on CPU no MFU is logged unless this is given).
+        measure_flops: count model FLOPs once (with ``torch.utils.flop_counter.FlopCounterMode`` around one real
+            training step, step 1) when a peak is known.
+        wait_threshold: ``TFD601`` when the data-loading wait exceeds this share of wall time ...
+        padding_threshold: ``TFD602`` when padding exceeds this share of token positions ...
+        regression_factor: ``TFD603`` when the median step time exceeds this multiple of the early steps' median ...
+        patience: ... for this many measurements in a row.
+        skip_steps: optimizer steps ignored at the start (warm-up, compilation) before the early window begins.
+        baseline_steps: optimizer steps forming the early window ``TFD603`` compares against.
+        memory_threshold: ``TFD604`` when peak memory exceeds this share of the device's (or machine's) capacity.
+        profile_steps: ``[start, stop]``: run ``torch.profiler`` over optimizer steps ``start <= step < stop`` and
+            write a trace and a table of the top operators to ``<log_dir>/tfdebug/profile/``.
+        profile_row_limit: rows of the top-operators table.
+
+    Raises:
+        ValueError: on an argument outside its allowed range.
+
+    Example:
+        ```python
+        trainer = Trainer(callbacks=[ThroughputMonitor(every_n_steps=50, profile_steps=[100, 105])])
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.ThroughputMonitor
+              init_args:
+                every_n_steps: 50
+                profile_steps: [100, 105]
+        ```
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        on_finding: OnFinding = "warn",
+        window: int = 50,
+        length_fn: str | Callable[[Any], Any] | None = None,
+        peak_flops: float | None = None,
+        measure_flops: bool = True,
+        wait_threshold: float = 0.2,
+        padding_threshold: float = 0.3,
+        regression_factor: float = 1.5,
+        patience: int = 3,
+        skip_steps: int = 5,
+        baseline_steps: int = 20,
+        memory_threshold: float = 0.92,
+        profile_steps: tuple[int, int] | None = None,
+        profile_row_limit: int = 25,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        check_number("window", window, low=1, integer=True)
+        check_number("peak_flops", peak_flops, low=0, low_inclusive=False, optional=True)
+        check_number("wait_threshold", wait_threshold, low=0.0, high=1.0, low_inclusive=False)
+        check_number("padding_threshold", padding_threshold, low=0.0, high=1.0, low_inclusive=False)
+        check_number("regression_factor", regression_factor, low=1.0, low_inclusive=False)
+        check_number("patience", patience, low=1, integer=True)
+        check_number("skip_steps", skip_steps, low=0, integer=True)
+        check_number("baseline_steps", baseline_steps, low=1, integer=True)
+        check_number("memory_threshold", memory_threshold, low=0.0, high=1.0, low_inclusive=False)
+        check_number("profile_row_limit", profile_row_limit, low=1, integer=True)
+        if profile_steps is not None:
+            ok = (
+                isinstance(profile_steps, (list, tuple))
+                and len(profile_steps) == 2
+                and all(isinstance(s, int) and not isinstance(s, bool) for s in profile_steps)
+                and 0 <= profile_steps[0] < profile_steps[1]
+            )
+            if not ok:
+                raise ValueError(
+                    f"`profile_steps` must be [start, stop] with integers 0 <= start < stop, or None; got "
+                    f"{profile_steps!r}."
+                )
+        self.window = window
+        self.length_fn = length_fn
+        self._length_fn = resolve_length_fn(length_fn)
+        self.peak_flops = float(peak_flops) if peak_flops is not None else None
+        self.measure_flops = measure_flops
+        self.wait_threshold = float(wait_threshold)
+        self.padding_threshold = float(padding_threshold)
+        self.regression_factor = float(regression_factor)
+        self.patience = patience
+        self.skip_steps = skip_steps
+        self.baseline_steps = baseline_steps
+        self.memory_threshold = float(memory_threshold)
+        self.profile_steps = tuple(profile_steps) if profile_steps is not None else None
+        self.profile_row_limit = profile_row_limit
+
+        self._streaks = Streak()
+        self._baseline = RunningWindow(baseline_steps)  # step times (ms) of the early window; full = ready
+        self._step_times: deque[float] = deque(maxlen=window)
+        self._steps_seen = 0
+        self.flops_per_token: float | None = None  # model FLOPs per computed token position (measured once)
+        self._peak: float | None = None
+        self._reset_timing()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps)
+
+    def _reset_timing(self) -> None:
+        self._clock: StepClock | None = None
+        self._window_start: float | None = None  # host time the current measuring window began
+        self._prev_end: float | None = None  # host time the previous batch ended (after this callback's work)
+        self._wait_s = 0.0
+        self._tokens: list[Tensor | int] = []
+        self._positions = 0
+        self._samples = 0
+        self._step_marks: list[Any] = []  # clock marks at optimizer-step ends since the last measurement
+        self._last_mark: Any = None
+        self._pause_ms = 0.0  # validation time to take off the next step time
+        self._step_at_start = -1
+        self._measuring = False
+        self._flop_counter: Any = None
+        self._flop_positions = 0
+        self._profiler: Any = None
+        self._val_start: float | None = None
+        self._timer: FetchTimer | None = None
+        self._fetch_seen: float | None = None  # the fetch timer's total at the start of the window
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._reset_timing()
+        device = trainer.strategy.root_device
+        self._peak = self.peak_flops
+        if self._peak is None and device.type == "cuda":
+            tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
+            self._peak = peak_flops_for(torch.cuda.get_device_name(device), compute_precision(trainer.precision, tf32))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock = StepClock(trainer.strategy.root_device)
+
+    # ------------------------------------------------------------------ every batch (hot path: host clock reads,
+    # one device reduction of the attention mask, no sync, no collective)
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.active or self._clock is None:
+            return
+        now = time.perf_counter()
+        timer = fetch_timer(trainer)
+        if timer is not None:
+            if self._fetch_seen is None:
+                self._fetch_seen = timer.total_s
+        elif self._prev_end is not None:  # no fetcher hooks: the whole gap between batches counts as waiting
+            self._wait_s += now - self._prev_end
+        self._timer = timer
+        if self._window_start is None:
+            self._window_start = now
+            self._last_mark = self._clock.mark()
+        step = trainer.global_step
+        first_micro_batch = step != self._step_at_start
+        self._step_at_start = step
+        if first_micro_batch:
+            self._measuring = self.should_measure(trainer)
+            self._maybe_start_profiler(trainer, step)
+        tokens, positions, samples = count_tokens(batch, self._length_fn)
+        self._tokens.append(tokens)
+        self._positions += positions
+        self._samples += samples
+        if (
+            self.flops_per_token is None
+            and self._flop_counter is None
+            and self.measure_flops
+            and self._peak is not None
+            and step >= 1
+            and first_micro_batch
+            and positions > 0
+        ):
+            from torch.utils.flop_counter import FlopCounterMode
+
+            # counts the matmul/attention FLOPs of this one real micro-batch: forward, backward, optimizer step
+            self._flop_counter = FlopCounterMode(display=False)
+            self._flop_counter.__enter__()
+            self._flop_positions = positions
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.active or self._clock is None:
+            return
+        now = time.perf_counter()
+        self._stop_flop_counter()
+        stepped = trainer.global_step != self._step_at_start
+        if stepped:
+            mark = self._clock.mark()
+            self._step_marks.append(mark)
+            self._steps_seen += 1
+            self._maybe_stop_profiler(trainer, self._step_at_start)
+            if self._measuring:
+                self._clock.wait(mark)  # CUDA: one sync, on measuring steps only, so the window ends on the device
+                now = time.perf_counter()
+                with torch.no_grad():
+                    self._measure(trainer, now)
+                self._window_start = now
+        self._prev_end = time.perf_counter()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._val_start is None:
+            return
+        paused = time.perf_counter() - self._val_start
+        self._val_start = None
+        # validation is not training time: shift the clocks so neither the wait nor the window counts it
+        if self._prev_end is not None:
+            self._prev_end += paused
+        if self._window_start is not None:
+            self._window_start += paused
+        self._pause_ms += paused * 1e3
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_flop_counter()
+        self._maybe_stop_profiler(trainer, None)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_flop_counter()
+        self._maybe_stop_profiler(trainer, None)
+
+    # ------------------------------------------------------------------ measuring
+    def _step_times_since_last(self) -> list[float]:
+        clock = self._clock
+        assert clock is not None
+        times = []
+        previous = self._last_mark
+        for mark in self._step_marks:
+            if previous is not None:
+                times.append(max(0.0, clock.elapsed_ms(previous, mark) - self._pause_ms))
+                self._pause_ms = 0.0
+            previous = mark
+        self._last_mark = previous
+        self._step_marks = []
+        return times
+
+    def _memory(self, trainer: pl.Trainer) -> tuple[float, float, float]:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            # allocator counters are host-side bookkeeping: no device sync
+            capacity = torch.cuda.get_device_properties(device).total_memory
+            return torch.cuda.max_memory_allocated(device), torch.cuda.memory_reserved(device), capacity
+        return float(peak_rss_bytes()), float(process_rss_bytes()), float(physical_memory_bytes() or 0)
+
+    def _measure(self, trainer: pl.Trainer, now: float) -> None:
+        step = self._step_at_start
+        times = self._step_times_since_last()
+        for t in times:
+            self._step_times.append(t)
+        skipped = self._steps_seen - len(times)
+        for i, t in enumerate(times):
+            if skipped + i >= self.skip_steps and len(self._baseline) < self.baseline_steps:
+                self._baseline.add(t)
+        baseline_ready = len(self._baseline) >= self.baseline_steps
+        step_ms = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else float("nan")
+        peak, reserved, capacity = self._memory(trainer)
+        if self._timer is not None and self._fetch_seen is not None:
+            self._wait_s += self._timer.total_s - self._fetch_seen
+            self._fetch_seen = self._timer.total_s
+        wall = max(now - (self._window_start or now), 1e-9)
+
+        device = trainer.strategy.root_device
+        host = torch.tensor(
+            [
+                float(self._positions),
+                float(self._samples),
+                wall,
+                self._wait_s,
+                step_ms,
+                self._baseline.median() if baseline_ready else float("nan"),
+                peak,
+                reserved,
+                capacity,
+            ],
+            dtype=torch.float64,
+        )
+        tensors = [t for t in self._tokens if isinstance(t, Tensor)]
+        counted = float(sum(t for t in self._tokens if not isinstance(t, Tensor)))
+        tokens = torch.full((), counted, dtype=torch.float64, device=device)
+        if tensors:  # device counts from the attention masks: summed here, still without a sync
+            tokens = tokens + torch.stack([t.to(device=device, dtype=torch.float64) for t in tensors]).sum()
+        packed = torch.cat([tokens.reshape(1), host.to(device)])
+        # collective: one all-gather of the packed vector, on every rank, on the same (global_step-decided) steps
+        gathered = all_gather_vector(packed)
+        rows = gathered.tolist()  # host sync: the one transfer of this measuring step
+        self._tokens, self._positions, self._samples, self._wait_s = [], 0, 0, 0.0
+
+        stats = [dict(zip(_SLOTS, row)) for row in rows]
+        n = len(stats)
+        wall = max(s["wall_s"] for s in stats)
+        tokens_total = sum(s["tokens"] for s in stats)
+        positions_total = sum(s["positions"] for s in stats)
+        tokens_per_sec = tokens_total / wall
+        metrics: dict[str, float] = {
+            "throughput/tokens_per_sec": tokens_per_sec,
+            "throughput/tokens_per_sec_per_device": tokens_per_sec / n,
+            "throughput/samples_per_sec": sum(s["samples"] for s in stats) / wall,
+            "throughput/step_time_ms": max(s["step_ms"] for s in stats),
+            "throughput/padding_frac": 1.0 - tokens_total / positions_total if positions_total else 0.0,
+            "throughput/dataloader_wait_frac": max(min(1.0, s["wait_s"] / s["wall_s"]) for s in stats),
+            "memory/peak_allocated_gib": max(s["peak"] for s in stats) / _GIB,
+            "memory/reserved_gib": max(s["reserved"] for s in stats) / _GIB,
+        }
+        if self.flops_per_token is not None and self._peak:
+            metrics["throughput/mfu"] = self.flops_per_token * (tokens_per_sec / n) / self._peak
+        self.log_scalars(trainer, metrics, step=step)
+        self._diagnose(trainer, metrics, stats, step)
+
+    # ------------------------------------------------------------------ findings
+    def _sustained(self, key: str, condition: bool) -> bool:
+        return self._streaks.update(key, condition) >= self.patience
+
+    def _diagnose(
+        self, trainer: pl.Trainer, metrics: dict[str, float], stats: list[dict[str, float]], step: int
+    ) -> None:
+        # every value here comes from the all-gather, so every rank takes the same decisions (synchronized findings)
+        wait = metrics["throughput/dataloader_wait_frac"]
+        if self._sustained("wait", wait > self.wait_threshold):
+            worst = max(range(len(stats)), key=lambda r: stats[r]["wait_s"] / stats[r]["wall_s"])
+            self.emit(
+                trainer,
+                "TFD601",
+                "warning",
+                f"Training is data-loading bound: {wait:.0%} of wall time went to waiting for the next batch "
+                f"(threshold {self.wait_threshold:.0%}) for {self.patience} measurements in a row.",
+                {
+                    "dataloader_wait_frac": wait,
+                    "worst_rank": worst,
+                    "tokens_per_sec": metrics["throughput/tokens_per_sec"],
+                },
+                "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "
+                "prefetch_factor, and move tokenization or heavy transforms out of __getitem__ (pre-tokenize).",
+                step=step,
+            )
+        padding = metrics["throughput/padding_frac"]
+        if self._sustained("padding", padding > self.padding_threshold):
+            self.emit(
+                trainer,
+                "TFD602",
+                "info",
+                f"{padding:.0%} of the token positions computed were padding (threshold {self.padding_threshold:.0%}) "
+                f"for {self.patience} measurements in a row.",
+                {"padding_frac": padding},
+                "Group sequences of similar length (length-bucketed sampler), pad to the batch maximum rather than a "
+                "fixed length, or pack several sequences per row.",
+                step=step,
+            )
+        ratios = [
+            s["step_ms"] / s["baseline_ms"]
+            for s in stats
+            if s["baseline_ms"] == s["baseline_ms"] and s["baseline_ms"] > 0
+        ]
+        ratio = max(ratios) if ratios else float("nan")
+        if self._sustained("regression", ratio > self.regression_factor):
+            self.emit(
+                trainer,
+                "TFD603",
+                "warning",
+                f"The median step time rose to {metrics['throughput/step_time_ms']:.1f} ms, {ratio:.2f}x the early "
+                f"steps' median, for {self.patience} measurements in a row.",
+                {"step_time_ms": metrics["throughput/step_time_ms"], "ratio_to_early": ratio},
+                "Look for growth over time: a Python list or tensor kept across steps (retained graph, metrics "
+                "accumulated with .append), rising sequence lengths, memory fragmentation, thermal throttling, "
+                "or other jobs on the machine. Run with profile_steps=[a, b] early and late, and compare the tables.",
+                step=step,
+            )
+        fractions = [max(s["peak"], s["reserved"]) / s["capacity"] for s in stats if s["capacity"] > 0]
+        if fractions and max(fractions) > self.memory_threshold:
+            frac = max(fractions)
+            self.emit(
+                trainer,
+                "TFD604",
+                "warning",
+                f"Memory use reached {frac:.0%} of capacity on rank {fractions.index(frac)} "
+                f"(threshold {self.memory_threshold:.0%}); the run is close to out-of-memory.",
+                {"memory_frac": frac, "peak_allocated_gib": metrics["memory/peak_allocated_gib"]},
+                "Lower the micro-batch size and use gradient accumulation, enable activation checkpointing, use "
+                "bf16 mixed precision, or shard parameters and optimizer state (FSDP).",
+                step=step,
+            )
+
+    # ------------------------------------------------------------------ FLOPs and profiling
+    def _stop_flop_counter(self) -> None:
+        counter, self._flop_counter = self._flop_counter, None
+        if counter is None:
+            return
+        counter.__exit__(None, None, None)
+        flops = counter.get_total_flops()
+        if flops > 0 and self._flop_positions > 0:
+            self.flops_per_token = flops / self._flop_positions
+
+    def _maybe_start_profiler(self, trainer: pl.Trainer, step: int) -> None:
+        if self.profile_steps is None or self._profiler is not None or step != self.profile_steps[0]:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if trainer.strategy.root_device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities, record_shapes=True)
+        self._profiler.__enter__()
+
+    def _maybe_stop_profiler(self, trainer: pl.Trainer, finished_step: int | None) -> None:
+        if self._profiler is None or self.profile_steps is None:
+            return
+        if finished_step is not None and finished_step + 1 < self.profile_steps[1]:
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        out = os.path.join(self.tfdebug_dir, "profile")
+        os.makedirs(out, exist_ok=True)
+        rank = trainer.global_rank
+        trace = os.path.join(out, f"rank{rank}.pt.trace.json")
+        profiler.export_chrome_trace(trace)
+        cuda = trainer.strategy.root_device.type == "cuda"
+        sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = profiler.key_averages().table(sort_by=sort_by, row_limit=self.profile_row_limit)
+        top = os.path.join(out, f"rank{rank}-top_ops.txt")
+        with open(top, "w") as f:
+            f.write(f"optimizer steps {self.profile_steps[0]} to {self.profile_steps[1] - 1}, rank {rank}\n{table}\n")
+        rank_zero_info(f"ThroughputMonitor: profile written to {trace} (Perfetto / TensorBoard) and {top}.")
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "streaks": self._streaks.state_dict(),
+            "baseline": self._baseline.state_dict(),
+            "steps_seen": self._steps_seen,
+            "flops_per_token": self.flops_per_token,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._streaks.load_state_dict(state_dict.get("streaks", {}))
+        self._baseline.load_state_dict(state_dict.get("baseline", {}))
+        self._steps_seen = int(state_dict.get("steps_seen", 0))
+        self.flops_per_token = state_dict.get("flops_per_token")

@@ -1,0 +1,150 @@
+"""Activation statistics: exact zeros, dead units and saturation. Pure tensor math, no Trainer, no host sync.
+
+Every function takes the tensors a forward hook sees (an activation's input and output) and returns device tensors,
+so a caller can add them up over calls and ranks before moving anything to the host.
+
+Units are the last dimension (the hidden features of a transformer MLP); all other dimensions are tokens.
+
+Saturation is judged by the activation's local gradient: an element is saturated when ``|f'(x)|`` is below
+``grad_threshold`` *in a tail* of the function, where no small step of the weights brings it back. For ``tanh`` and
+``sigmoid`` that is read from the output (``1 - y**2``, ``y * (1 - y)``); for ``gelu``, ``silu`` and ``mish`` from
+the pre-activation: ``x`` below the point of the negative tail where ``|f'|`` falls under the threshold (GELU
+has a zero derivative near ``x = -0.75`` too, which is not saturation, hence the tail).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ACTIVATION_KINDS: tuple[str, ...] = ("relu", "relu6", "leaky_relu", "elu", "gelu", "silu", "mish", "tanh", "sigmoid")
+"""Activations the statistics understand."""
+
+OUTPUT_SATURATING: frozenset[str] = frozenset({"tanh", "sigmoid"})
+"""Kinds whose saturation is read from the output; exact zeros mean nothing for them."""
+
+TAIL_SATURATING: frozenset[str] = frozenset({"gelu", "silu", "mish"})
+"""Kinds whose saturation is read from the pre-activation's negative tail."""
+
+# Ordered: the first token found in a lower-cased class name decides (``gelu`` before ``elu``, ``relu6`` before
+# ``relu``, leaky variants before ``relu``).
+_CLASS_TOKENS: tuple[tuple[str, str], ...] = (
+    ("leakyrelu", "leaky_relu"),
+    ("prelu", "leaky_relu"),
+    ("rrelu", "leaky_relu"),
+    ("relu6", "relu6"),
+    ("relu", "relu"),
+    ("gelu", "gelu"),
+    ("silu", "silu"),
+    ("swish", "silu"),
+    ("mish", "mish"),
+    ("elu", "elu"),
+    ("tanh", "tanh"),
+    ("sigmoid", "sigmoid"),
+)
+_NOT_ACTIVATIONS = ("log", "softmax", "shrink", "glu", "shuffle")  # PixelUnshuffle is no ELU
+
+
+def kind_of_module(module: torch.nn.Module) -> str | None:
+    """The activation kind of a leaf module from its class name (``nn.ReLU``, ``GELUActivation``, ...), or None.
+
+    Only modules without children qualify, so blocks that merely contain an activation are skipped. Class names
+    with ``log``, ``softmax``, ``shrink``, ``glu`` or ``shuffle`` (``LogSigmoid``, ``Tanhshrink``, ``SwiGLU``,
+    ``PixelUnshuffle``) are not treated as element-wise activations.
+    """
+    if next(module.children(), None) is not None:
+        return None
+    name = type(module).__name__.lower()
+    if any(bad in name for bad in _NOT_ACTIVATIONS):
+        return None
+    for token, kind in _CLASS_TOKENS:
+        if token in name:
+            return kind
+    return None
+
+
+def apply_activation(kind: str, x: Tensor) -> Tensor:
+    """``f(x)`` for an activation kind (used when the user names modules whose outputs are pre-activations)."""
+    if kind == "relu":
+        return F.relu(x)
+    if kind == "relu6":
+        return F.relu6(x)
+    if kind == "leaky_relu":
+        return F.leaky_relu(x)
+    if kind == "elu":
+        return F.elu(x)
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "silu":
+        return F.silu(x)
+    if kind == "mish":
+        return F.mish(x)
+    if kind == "tanh":
+        return torch.tanh(x)
+    if kind == "sigmoid":
+        return torch.sigmoid(x)
+    raise ValueError(f"unknown activation kind {kind!r}; expected one of {', '.join(ACTIVATION_KINDS)}.")
+
+
+@cache
+def tail_cutoff(kind: str, grad_threshold: float) -> float:
+    """The pre-activation below which ``|f'(x)| < grad_threshold`` holds for the rest of the negative tail.
+
+    Computed once per ``(kind, threshold)`` on the host with float64 autograd over a grid from -60 to the
+    function's minimum (where the tail begins). E.g. about -3.1 for GELU and -6.3 for SiLU at 0.01.
+    """
+    if kind not in TAIL_SATURATING:
+        raise ValueError(f"`{kind}` has no negative saturation tail; expected one of {sorted(TAIL_SATURATING)}.")
+    with torch.inference_mode(False), torch.enable_grad():  # callers may be inside no_grad
+        x = torch.linspace(-60.0, 0.0, 60001, dtype=torch.float64, requires_grad=True)
+        y = apply_activation(kind, x)
+        (grad,) = torch.autograd.grad(y.sum(), x)
+    start = int(torch.argmin(y.detach()))  # the function's minimum: left of it is the tail
+    tail = grad[: start + 1].abs() < grad_threshold
+    # first position (from the left) where the condition stops holding; the cutoff is just before it
+    broken = (~tail).nonzero()
+    if broken.numel() == 0:
+        return float(x[start].detach())
+    first = int(broken[0])
+    return float(x[first - 1].detach()) if first > 0 else -math.inf
+
+
+def zero_count(output: Tensor) -> Tensor:
+    """Number of exactly-zero elements (a float scalar on the device)."""
+    return (output == 0).sum(dtype=torch.float32)
+
+
+def alive_units(output: Tensor) -> Tensor:
+    """Per unit (last dimension), whether it was non-zero for at least one token: a bool vector of length C."""
+    return (output != 0).reshape(-1, output.shape[-1]).any(dim=0)
+
+
+def saturated_count(kind: str, pre: Tensor | None, output: Tensor, grad_threshold: float) -> Tensor | None:
+    """Number of saturated elements (float scalar on the device), or None for kinds that do not saturate.
+
+    Args:
+        kind: activation kind.
+        pre: the pre-activation (needed for ``gelu``/``silu``/``mish``; None if unknown).
+        output: the activation's output.
+        grad_threshold: an element is saturated when its local gradient magnitude is below this, in a tail.
+    """
+    if kind == "tanh":
+        y = output.float()
+        return (1.0 - y * y < grad_threshold).sum(dtype=torch.float32)
+    if kind == "sigmoid":
+        y = output.float()
+        return (y * (1.0 - y) < grad_threshold).sum(dtype=torch.float32)
+    if kind in TAIL_SATURATING and pre is not None:
+        return (pre < tail_cutoff(kind, grad_threshold)).sum(dtype=torch.float32)
+    return None
+
+
+def dead_fraction(alive: Tensor) -> Tensor:
+    """Fraction of units that were never non-zero (``alive`` may be bool or 0/1 float)."""
+    if alive.numel() == 0:
+        return alive.new_zeros((), dtype=torch.float32)
+    return 1.0 - alive.float().mean()

@@ -1,0 +1,448 @@
+"""Pure checks on training batches: schemas from host metadata, and packed token/target statistics.
+
+Nothing here needs a Trainer. Schema functions read only ``dtype``/``shape`` (host metadata, no device sync).
+:func:`token_statistics` computes every value statistic of one batch on its device and returns a single 1-D tensor,
+so a caller moves them all to the host with one transfer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# ----------------------------------------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """What one leaf of a batch looks like: ``dtype`` (a torch dtype name, or a Python type name for non-tensors)
+    and ``shape`` (``None`` for non-tensors)."""
+
+    dtype: str
+    shape: tuple[int, ...] | None
+
+    @property
+    def ndim(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    def describe(self) -> str:
+        if self.shape is None:
+            return self.dtype
+        return f"{self.dtype}[{', '.join(str(s) for s in self.shape)}]"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (Mapping, Tensor)) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes)))
+
+
+def flatten_batch(batch: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaves of a batch by path: mapping keys and sequence indices joined with ``.`` (``"input_ids"``,
+    ``"0"``, ``"inputs.pixel_values"``). A bare tensor is the single leaf ``""``. Strings are leaves, and so is a
+    list or tuple holding no tensors or containers (per-sample ids or texts, whose count varies with the batch)."""
+    if isinstance(batch, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in batch.items():
+            out.update(flatten_batch(v, f"{prefix}{k}."))
+        return out
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and any(_is_container(v) for v in batch):
+        out = {}
+        for i, v in enumerate(batch):
+            out.update(flatten_batch(v, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1] if prefix else "": batch}
+
+
+def describe_batch(batch: Any) -> dict[str, FieldSpec]:
+    """The :class:`FieldSpec` of every leaf. Host metadata only: no device sync."""
+    return describe_leaves(flatten_batch(batch))
+
+
+def describe_leaves(leaves: Mapping[str, Any]) -> dict[str, FieldSpec]:
+    """The :class:`FieldSpec` of every leaf of :func:`flatten_batch`'s output. Host metadata only."""
+    out = {}
+    for path, value in leaves.items():
+        if isinstance(value, Tensor):
+            out[path] = FieldSpec(_dtype_name(value.dtype), tuple(value.shape))
+        elif isinstance(value, (list, tuple)):  # a list of plain values: its length is the batch size, not checked
+            out[path] = FieldSpec(type(value).__name__, None)
+        else:
+            out[path] = FieldSpec(type(value).__name__, None)
+    return out
+
+
+_DECLARED = re.compile(r"^\s*([A-Za-z0-9_]+)\s*(?:\[(.*)\])?\s*$")
+
+
+@dataclass
+class KeySchema:
+    """Expected dtype and dimensions of one key.
+
+    ``dims`` holds, per dimension, an int (fixed size), a name (a size shared by every dimension of the batch with
+    the same name) or ``None`` (free). ``None`` for ``dims`` means the number of dimensions is not checked.
+    """
+
+    dtype: str
+    dims: list[int | str | None] | None
+
+
+@dataclass
+class Schema:
+    """Expected structure of every batch: a :class:`KeySchema` per key, and whether it was declared or learned."""
+
+    keys: dict[str, KeySchema] = field(default_factory=dict)
+    declared: bool = False
+
+    def describe(self) -> dict[str, str]:
+        out = {}
+        for k, s in self.keys.items():
+            dims = "" if s.dims is None else "[" + ", ".join("*" if d is None else str(d) for d in s.dims) + "]"
+            out[k] = s.dtype + dims
+        return out
+
+
+def parse_declared_schema(declared: Mapping[str, str]) -> Schema:
+    """Parse ``{key: "int64[B, T]"}`` declarations into a :class:`Schema`.
+
+    Each value is a dtype name (``int64``, ``float32``, ``bool`` ...) optionally followed by dimensions in brackets:
+    an integer is a fixed size, a name is a size shared by all dimensions of the batch with that name (``T`` in both
+    ``input_ids`` and ``labels``), ``*`` is free. Without brackets only the dtype is checked.
+
+    Raises:
+        ValueError: on a malformed declaration or an unknown dtype.
+    """
+    schema = Schema(declared=True)
+    for key, text in declared.items():
+        match = _DECLARED.match(str(text))
+        if not match:
+            raise ValueError(f"`schema[{key!r}]` must look like 'int64[B, T]'; got {text!r}.")
+        dtype, dims_text = match.group(1), match.group(2)
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"`schema[{key!r}]` names dtype {dtype!r}, which is not a torch dtype (e.g. 'int64').")
+        dims: list[int | str | None] | None = None
+        if dims_text is not None:
+            dims = []
+            for part in (p.strip() for p in dims_text.split(",")) if dims_text.strip() else ():
+                if part == "*":
+                    dims.append(None)
+                elif part.isdigit():
+                    dims.append(int(part))
+                elif part.isidentifier():
+                    dims.append(part)
+                else:
+                    raise ValueError(f"`schema[{key!r}]`: dimension {part!r} must be an integer, a name or '*'.")
+        schema.keys[key] = KeySchema(_dtype_name(getattr(torch, dtype)), dims)
+    return schema
+
+
+def learn_schema(specs: Sequence[Mapping[str, FieldSpec]]) -> Schema:
+    """Learn a schema from the specs of the first batches.
+
+    Keys and dtypes are those of the first batch; the number of dimensions is pinned; dimension sizes are free,
+    except that dimensions whose sizes were equal across keys in *every* batch (``input_ids``, ``attention_mask``
+    and ``labels`` share batch and sequence sizes) get a shared name, so a later batch where they disagree is
+    caught. Fixed sizes are never learned: a run whose first batches all happen to be padded to the same length
+    must not flag the first shorter one.
+    """
+    first = specs[0]
+    schema = Schema()
+    # candidate groups: (ndim index) -> keys whose dimension i equalled each other's in every batch
+    tensors = [k for k, s in first.items() if s.shape is not None]
+    names: dict[tuple[str, int], str] = {}
+    for key in tensors:
+        for i in range(len(first[key].shape or ())):
+            if (key, i) in names:
+                continue
+            group = [(key, i)]
+            for other in tensors:
+                for j in range(len(first[other].shape or ())):
+                    if (other, j) == (key, i) or (other, j) in names or j != i:
+                        continue
+                    if all(
+                        other in s
+                        and key in s
+                        and s[other].shape is not None
+                        and s[key].shape is not None
+                        and len(s[other].shape) > j
+                        and len(s[key].shape) > i
+                        and s[other].shape[j] == s[key].shape[i]
+                        for s in specs
+                    ):
+                        group.append((other, j))
+            if len(group) > 1:
+                for member in group:
+                    names[member] = f"d{i}:{key}"
+    for key, spec in first.items():
+        if spec.shape is None:
+            schema.keys[key] = KeySchema(spec.dtype, None)
+        else:
+            schema.keys[key] = KeySchema(spec.dtype, [names.get((key, i)) for i in range(len(spec.shape))])
+    return schema
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One difference between a batch and the schema.
+
+    ``kind`` is ``"missing"``, ``"extra"``, ``"dtype"``, ``"ndim"`` or ``"size"``.
+    """
+
+    kind: str
+    key: str
+    expected: str
+    found: str
+
+
+def compare_schema(schema: Schema, specs: Mapping[str, FieldSpec]) -> list[Drift]:
+    """Every way the batch described by ``specs`` differs from ``schema``."""
+    out: list[Drift] = []
+    for key, expected in schema.keys.items():
+        if key not in specs:
+            out.append(Drift("missing", key, expected.dtype, "absent"))
+    if not schema.declared:
+        for key in specs:
+            if key not in schema.keys:
+                out.append(Drift("extra", key, "absent", specs[key].describe()))
+    sizes: dict[str, tuple[str, int]] = {}
+    for key, expected in schema.keys.items():
+        spec = specs.get(key)
+        if spec is None:
+            continue
+        if spec.dtype != expected.dtype:
+            out.append(Drift("dtype", key, expected.dtype, spec.dtype))
+        if expected.dims is None or spec.shape is None:
+            continue
+        if len(spec.shape) != len(expected.dims):
+            want = "[" + ", ".join("*" if d is None else str(d) for d in expected.dims) + "]"
+            out.append(Drift("ndim", key, f"{len(expected.dims)} dims {want}", f"{len(spec.shape)} dims {spec.shape}"))
+            continue
+        for i, (dim, size) in enumerate(zip(expected.dims, spec.shape)):
+            if isinstance(dim, int) and size != dim:
+                out.append(Drift("size", key, f"dim {i} = {dim}", f"dim {i} = {size} (shape {tuple(spec.shape)})"))
+            elif isinstance(dim, str):
+                if dim in sizes and sizes[dim][1] != size:
+                    other, other_size = sizes[dim]
+                    out.append(
+                        Drift(
+                            "size",
+                            key,
+                            f"dim {i} = {other_size}, as in {other!r}",
+                            f"dim {i} = {size} (shape {tuple(spec.shape)})",
+                        )
+                    )
+                sizes.setdefault(dim, (key, size))
+    return out
+
+
+def _is_id_tensor(value: Any) -> bool:
+    return (
+        isinstance(value, Tensor)
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and (value.dtype != torch.bool)
+    )
+
+
+def resolve_keys(
+    leaves: Mapping[str, Any],
+    input_key: str | None = None,
+    mask_key: str | None = None,
+    labels_key: str | None = None,
+) -> tuple[str | None, str | None, str | None]:
+    """Which leaves of a batch (:func:`flatten_batch`) hold the token ids, the attention mask and the labels.
+
+    A key given is used as is (``None`` in the result when the batch lacks it). Left as ``None``: the ids are
+    ``input_ids`` if present, else the first integer tensor with two dimensions (``x`` of a tuple batch ``(x, y)``);
+    the mask is ``attention_mask`` if present; the labels are ``labels`` if present, else, when the ids were found by
+    position, the next integer tensor of the same shape (``y``).
+    """
+
+    def given(key: str | None, default: str) -> str | None:
+        if key is not None:
+            return key if key in leaves else None
+        return default if default in leaves else None
+
+    ids = given(input_key, "input_ids")
+    by_position = False
+    if ids is None and input_key is None:
+        candidates = [k for k, v in leaves.items() if _is_id_tensor(v) and v.ndim == 2]
+        ids, by_position = (candidates[0], True) if candidates else (None, False)
+    mask = given(mask_key, "attention_mask")
+    labels = given(labels_key, "labels")
+    if labels is None and labels_key is None and by_position and ids is not None:
+        keys = list(leaves)
+        shape = leaves[ids].shape
+        labels = next(
+            (
+                k
+                for k in keys[keys.index(ids) + 1 :]
+                if k != mask and _is_id_tensor(leaves[k]) and leaves[k].shape == shape
+            ),
+            None,
+        )
+    return ids, mask, labels
+
+
+# ---------------------------------------------------------------------------------------------------- token statistics
+
+STAT_NAMES: tuple[str, ...] = (
+    "sequences",  # rows in the batch
+    "width",  # padded sequence length
+    "ids_out_of_range",  # input ids outside [0, vocab)
+    "first_bad_id_row",  # row / column / value of the first out-of-range id (-1 when none)
+    "first_bad_id_col",
+    "first_bad_id_value",
+    "ids_min",
+    "ids_max",
+    "mask_non_binary",  # mask entries that are neither 0 nor 1
+    "labels_total",
+    "labels_ignored",
+    "labels_out_of_range",  # labels outside [0, vocab) that are not ignore_index
+    "first_bad_label_value",
+    "pad_supervised",  # positions with mask 0 whose label is not ignore_index
+    "pad_positions",
+    "length_sum",  # sum of real (mask 1) lengths
+    "length_sq_sum",
+    "bos_missing",  # sequences whose first real token is not BOS
+    "eos_multiple",  # sequences with more than one EOS
+    "eos_then_tokens",  # sequences with a real token after their first EOS
+    "truncated",  # sequences that fill max_length and hold no EOS
+)
+
+
+def token_statistics(
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    labels: Tensor | None = None,
+    *,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    max_length: int | None = None,
+) -> Tensor:
+    """All value statistics of one language-model batch as one float64 vector (float32 on MPS, which has no
+    float64), in the order of :data:`STAT_NAMES`.
+
+    1-D inputs are treated as one sequence. ``labels`` may have any shape; supervised padding is counted only when
+    they align with the ids element for element. Runs on the inputs' device under ``no_grad``; no host sync: the caller
+    moves the vector to the host once. Statistics that do not apply (no mask, no labels, no BOS id) are 0.
+    """
+    with torch.no_grad():
+        ids = input_ids if input_ids.ndim >= 2 else input_ids.reshape(1, -1)
+        ids = ids.reshape(ids.shape[0], -1).long()
+        n, width = ids.shape
+        device = ids.device
+        acc = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        zero = torch.zeros((), device=device, dtype=acc)
+        if attention_mask is not None and attention_mask.numel() == ids.numel():
+            raw_mask = attention_mask.reshape(n, width)
+            mask_non_binary = ((raw_mask != 0) & (raw_mask != 1)).sum().to(acc)
+            real = raw_mask != 0
+        else:
+            mask_non_binary = zero
+            real = torch.ones_like(ids, dtype=torch.bool)
+        lengths = real.sum(1).to(acc)
+
+        if vocab_size is not None:
+            bad = (ids < 0) | (ids >= vocab_size)
+            n_bad = bad.sum().to(acc)
+            flat = bad.reshape(-1)
+            first = flat.long().argmax()  # first True (0 when none; masked out below)
+            has = flat.any()
+            row = torch.where(has, first // width, -1).to(acc)
+            col = torch.where(has, first % width, -1).to(acc)
+            val = torch.where(has, ids.reshape(-1)[first], -1).to(acc)
+        else:
+            n_bad, row, col, val = zero, zero - 1, zero - 1, zero - 1
+        ids_min = ids.min().to(acc) if ids.numel() else zero
+        ids_max = ids.max().to(acc) if ids.numel() else zero
+
+        if labels is not None and labels.numel() > 0:
+            # Labels of any shape (seq2seq targets, one class per row) get the range and ignored counts; the
+            # padding check needs labels aligned with the ids, position for position.
+            lab = labels.reshape(-1).long()
+            ignored = lab == ignore_index
+            labels_total = torch.full((), float(lab.numel()), device=device, dtype=acc)
+            labels_ignored = ignored.sum().to(acc)
+            if vocab_size is not None:
+                bad_lab = ~ignored & ((lab < 0) | (lab >= vocab_size))
+                labels_bad = bad_lab.sum().to(acc)
+                first_lab = torch.where(bad_lab.any(), lab[bad_lab.long().argmax()], 0).to(acc)
+            else:
+                labels_bad, first_lab = zero, zero
+            if lab.numel() == ids.numel():
+                pad_supervised = (~real & ~ignored.reshape(n, width)).sum().to(acc)
+            else:
+                pad_supervised = zero
+        else:
+            labels_total = labels_ignored = labels_bad = first_lab = pad_supervised = zero
+        pad_positions = (~real).sum().to(acc)
+
+        positions = torch.arange(width, device=device).expand(n, width)
+        if bos_id is not None:
+            first_real = torch.where(real, positions, width).amin(1).clamp(max=width - 1)
+            first_tok = ids.gather(1, first_real[:, None]).squeeze(1)
+            bos_missing = ((first_tok != bos_id) & (lengths > 0)).sum().to(acc)
+        else:
+            bos_missing = zero
+        if eos_id is not None:
+            is_eos = (ids == eos_id) & real
+            eos_count = is_eos.sum(1)
+            eos_multiple = (eos_count > 1).sum().to(acc)
+            first_eos = torch.where(is_eos, positions, width).amin(1)
+            after = real & (positions > first_eos[:, None])
+            eos_then_tokens = after.any(1).sum().to(acc)
+            if max_length is not None:
+                truncated = ((lengths >= max_length) & (eos_count == 0)).sum().to(acc)
+            else:
+                truncated = zero
+        else:
+            eos_multiple = eos_then_tokens = truncated = zero
+
+        values = [
+            torch.full((), float(n), device=device, dtype=acc),
+            torch.full((), float(width), device=device, dtype=acc),
+            n_bad,
+            row,
+            col,
+            val,
+            ids_min,
+            ids_max,
+            mask_non_binary,
+            labels_total,
+            labels_ignored,
+            labels_bad,
+            first_lab,
+            pad_supervised,
+            pad_positions,
+            lengths.sum(),
+            lengths.square().sum(),
+            bos_missing,
+            eos_multiple,
+            eos_then_tokens,
+            truncated,
+        ]
+        return torch.stack([v.reshape(()).to(acc) for v in values])
+
+
+def unpack_statistics(host: Sequence[float]) -> dict[str, float]:
+    """Name the entries of a :func:`token_statistics` vector after it reached the host."""
+    return dict(zip(STAT_NAMES, host))
+
+
+def length_shift(reference_mean: float, reference_std: float, window_mean: float, tolerance: float) -> bool:
+    """Whether a window's mean sequence length moved away from the reference by more than ``tolerance`` of the
+    reference mean (and by more than one reference standard deviation, so noisy small batches do not trip it)."""
+    if reference_mean <= 0:
+        return False
+    delta = abs(window_mean - reference_mean)
+    return delta > tolerance * reference_mean and delta > reference_std

@@ -1,0 +1,371 @@
+"""Frames: per-module abs-min / abs-max records of a forward and backward pass, kept on the device.
+
+A *frame* is one module call: its qualified name, its class, and for each floating-point tensor among its inputs
+and outputs (walked through tuples, lists, dicts, dataclasses and named tuples) the smallest and largest absolute
+value. Backward frames hold the same for the gradient that reaches each output of a module.
+
+:class:`FrameRecorder` attaches the hooks, records every entry as two 0-d device tensors (no host sync), and
+:meth:`FrameRecorder.first_nonfinite` finds the first frame holding inf or nan with one host read. Weights are not
+recorded per call (they do not change within a step); :func:`weight_ranges` measures them when a report is written.
+
+Report helpers turn frames into a human-readable table (the layout of Hugging Face's ``DebugUnderflowOverflow``,
+plus the fp16/bf16 headroom) and a JSON document, both written atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_tfdebug.core.distributed import clean_param_name, local_tensor
+
+FP16_MAX = float(torch.finfo(torch.float16).max)
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+_INF = float("inf")
+
+
+def iter_float_tensors(obj: Any, label: str, _depth: int = 0) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(label, tensor)`` for every floating-point tensor nested in ``obj``.
+
+    Walks tuples, lists, dicts, dataclasses and named tuples (``output[0]``, ``output['logits']``,
+    ``output.hidden``); skips integer/bool tensors, empty tensors and anything else.
+    """
+    if _depth > 6:
+        return
+    if isinstance(obj, Tensor):
+        if (obj.is_floating_point() or obj.is_complex()) and obj.numel() > 0:
+            yield label, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from iter_float_tensors(value, f"{label}[{key!r}]", _depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_float_tensors(getattr(obj, f.name, None), f"{label}.{f.name}", _depth + 1)
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
+        for name in obj._fields:
+            yield from iter_float_tensors(getattr(obj, name), f"{label}.{name}", _depth + 1)
+    elif isinstance(obj, (tuple, list)):
+        for i, value in enumerate(obj):
+            yield from iter_float_tensors(value, f"{label}[{i}]", _depth + 1)
+
+
+def abs_range(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """``(abs_min, abs_max)`` of a tensor as 0-d float32 device tensors; nan when it holds a nan, inf for an inf.
+
+    One ``abs`` and one fused ``aminmax`` (both propagate nan), no host sync. ``torch.linalg.vector_norm`` with
+    ``ord=+-inf`` would avoid the temporary ``abs`` copy but is about 20x slower on CPU.
+    """
+    t = local_tensor(tensor.detach()).abs()
+    low, high = torch.aminmax(t)
+    return low.float(), high.float()
+
+
+def is_finite_value(x: float) -> bool:
+    return not (math.isnan(x) or math.isinf(x))
+
+
+@dataclass
+class Entry:
+    """One tensor of a frame, on the host."""
+
+    label: str
+    dtype: str
+    abs_min: float
+    abs_max: float
+
+    @property
+    def finite(self) -> bool:
+        return is_finite_value(self.abs_max) and is_finite_value(self.abs_min)
+
+    def headroom(self) -> dict[str, float | None]:
+        """How many times ``abs_max`` could still grow before overflowing fp16 and bf16 (``None`` if not finite)."""
+        if not self.finite:
+            return {"fp16": None, "bf16": None}
+        if self.abs_max == 0:
+            return {"fp16": _INF, "bf16": _INF}
+        return {"fp16": FP16_MAX / self.abs_max, "bf16": BF16_MAX / self.abs_max}
+
+
+@dataclass
+class Frame:
+    """One module call (forward) or one gradient reaching a module's output (backward), on the host."""
+
+    index: int
+    phase: str
+    module: str
+    module_type: str
+    entries: list[Entry] = field(default_factory=list)
+
+    @property
+    def finite(self) -> bool:
+        return all(e.finite for e in self.entries)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "phase": self.phase,
+            "module": self.module,
+            "module_type": self.module_type,
+            "finite": self.finite,
+            "entries": [
+                {
+                    "label": e.label,
+                    "dtype": e.dtype,
+                    "abs_min": _num(e.abs_min),
+                    "abs_max": _num(e.abs_max),
+                    "fp16_headroom": _num(e.headroom()["fp16"]),
+                    "bf16_headroom": _num(e.headroom()["bf16"]),
+                }
+                for e in self.entries
+            ],
+        }
+
+
+@dataclass
+class _Record:
+    """A frame while it is still on the device."""
+
+    phase: str
+    module: int  # index into FrameRecorder.names
+    labels: list[str]
+    dtypes: list[str]
+    stats: list[Tensor]  # 2 * len(labels) 0-d tensors: abs_min, abs_max per entry
+
+
+def _graph_task_running() -> bool:
+    """True inside the autograd engine, e.g. while activation checkpointing recomputes a forward."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+class FrameRecorder:
+    """Attach forward (and optionally gradient) hooks to every submodule and record frames on the device.
+
+    Args:
+        model: the root module; submodules are named by `clean_param_name` (wrapper segments dropped).
+        backward: also record the gradient reaching each module output (tensor hooks registered in the forward hook).
+        max_records: stop recording after this many frames in one pass (a safety bound for huge models).
+
+    Use as a context manager, or call :meth:`attach` / :meth:`detach` (``detach`` is idempotent and must run in a
+    ``finally``). Frames recorded while the autograd engine runs (activation-checkpoint recomputation) are skipped,
+    so nothing is counted twice. Recording is paused while :attr:`enabled` is False.
+    """
+
+    def __init__(self, model: nn.Module, backward: bool = True, max_records: int = 100_000) -> None:
+        self.model = model
+        self.backward = backward
+        self.max_records = max_records
+        self.names: list[str] = []
+        self.types: list[str] = []
+        self.modules: list[nn.Module] = []
+        for name, module in model.named_modules():
+            self.names.append(clean_param_name(name) or "<root>")
+            self.types.append(type(module).__name__)
+            self.modules.append(module)
+        self.records: list[_Record] = []
+        self.enabled = True
+        self._handles: list[Any] = []
+        self._extra_names: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- hooks
+    def attach(self) -> FrameRecorder:
+        if self._handles:
+            return self
+        for i, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._forward_hook(i)))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> FrameRecorder:
+        return self.attach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def _forward_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self.enabled or len(self.records) >= self.max_records or _graph_task_running():
+                return
+            with torch.no_grad():
+                self._record("forward", index, [("input", args), ("output", output)])
+            if self.backward and torch.is_grad_enabled():
+                for label, tensor in iter_float_tensors(output, "output"):
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._grad_hook(index, label))
+
+        return hook
+
+    def _grad_hook(self, index: int, label: str) -> Any:
+        def hook(grad: Tensor) -> None:
+            if self.enabled and len(self.records) < self.max_records:
+                with torch.no_grad():
+                    self._record("backward", index, [(f"grad {label}", grad)])
+
+        return hook
+
+    def _record(self, phase: str, index: int, groups: list[tuple[str, Any]]) -> None:
+        labels, dtypes, stats = [], [], []
+        for prefix, obj in groups:
+            for label, tensor in iter_float_tensors(obj, prefix):
+                lo, hi = abs_range(tensor)
+                labels.append(label)
+                dtypes.append(str(tensor.dtype).replace("torch.", ""))
+                stats.extend((lo, hi))
+        if labels:
+            self.records.append(_Record(phase, index, labels, dtypes, stats))
+
+    def record_value(self, name: str, label: str, value: Any, phase: str = "forward") -> None:
+        """Record a frame for something that is not a module (e.g. the loss ``training_step`` returned)."""
+        if name not in self._extra_names:
+            self._extra_names[name] = len(self.names)
+            self.names.append(name)
+            self.types.append("-")
+            self.modules.append(nn.Module())
+        with torch.no_grad():
+            self._record(phase, self._extra_names[name], [(label, value)])
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    # ---------------------------------------------------------------- analysis
+    def _maxes(self, phase: str | None) -> tuple[list[_Record], Tensor | None]:
+        records = [r for r in self.records if phase is None or r.phase == phase]
+        maxes = [s for r in records for s in r.stats[1::2]]  # a nan shows in the max too
+        if not maxes:
+            return records, None
+        return records, torch.stack([m.to(maxes[0].device) for m in maxes])
+
+    def any_nonfinite(self, phase: str | None = None) -> Tensor | None:
+        """1.0 when any recorded entry (of ``phase``, or of all) holds inf or nan; a device scalar, no host sync."""
+        _, maxes = self._maxes(phase)
+        return None if maxes is None else (~torch.isfinite(maxes)).any().float()
+
+    def first_nonfinite(self, phase: str) -> int | None:
+        """Position (among frames of ``phase``) of the first frame holding inf or nan, or None. One host read."""
+        records, maxes = self._maxes(phase)
+        if maxes is None:
+            return None
+        flags = ~torch.isfinite(maxes)
+        found, entry = torch.stack([flags.any().float(), flags.int().argmax().float()]).tolist()  # host sync (one)
+        if not found:
+            return None
+        seen = 0
+        for position, r in enumerate(records):
+            seen += len(r.labels)
+            if entry < seen:
+                return position
+        return None
+
+    def frames(self, phase: str, start: int = 0, stop: int | None = None) -> list[Frame]:
+        """Frames of ``phase`` in ``[start, stop)`` moved to the host (one transfer)."""
+        records = [r for r in self.records if r.phase == phase][start:stop]
+        if not records:
+            return []
+        flat = torch.stack([s.to(records[0].stats[0].device) for r in records for s in r.stats]).tolist()  # host sync
+        out, k = [], 0
+        for offset, r in enumerate(records):
+            entries = []
+            for label, dtype in zip(r.labels, r.dtypes):
+                entries.append(Entry(label, dtype, flat[k], flat[k + 1]))
+                k += 2
+            out.append(Frame(start + offset, phase, self.names[r.module], self.types[r.module], entries))
+        return out
+
+    def count(self, phase: str) -> int:
+        return sum(1 for r in self.records if r.phase == phase)
+
+    def module_of(self, name: str) -> nn.Module | None:
+        try:
+            return self.modules[self.names.index(name)]
+        except ValueError:
+            return None
+
+
+def weight_ranges(module: nn.Module) -> list[Entry]:
+    """Abs-min/abs-max of a module's own floating-point parameters (local shards under FSDP2), on the host."""
+    params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.is_floating_point() and p.numel() > 0]
+    params = [(n, p) for n, p in params if local_tensor(p).numel() > 0]
+    if not params:
+        return []
+    stats = torch.stack([s for _, p in params for s in abs_range(p)]).tolist()  # host sync, report time only
+    return [
+        Entry(n, str(p.dtype).replace("torch.", ""), stats[2 * i], stats[2 * i + 1]) for i, (n, p) in enumerate(params)
+    ]
+
+
+def window(first: int, max_frames: int) -> tuple[int, int]:
+    """``[start, stop)`` of the ring of the last ``max_frames`` frames ending with frame ``first``."""
+    return max(0, first - max_frames + 1), first + 1
+
+
+# -------------------------------------------------------------------- reports
+def _num(x: float | None) -> float | str | None:
+    if x is None:
+        return None
+    return x if is_finite_value(x) else str(x)
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isinf(x) and x > 0:
+        return "inf"
+    return f"{x:.2e}"
+
+
+def format_frames(title: str, frames: list[Frame]) -> list[str]:
+    """Lines of a frame table: one header line per frame, then one line per tensor."""
+    lines = [title, f"{'abs min':>10} {'abs max':>10} {'fp16 room':>10} {'bf16 room':>10}  dtype     metadata"]
+    for frame in frames:
+        mark = "" if frame.finite else "   <-- non-finite"
+        lines.append(f"[{frame.index}] {frame.module} {frame.module_type}{mark}")
+        for e in frame.entries:
+            room = e.headroom()
+            lines.append(
+                f"{_fmt(e.abs_min):>10} {_fmt(e.abs_max):>10} {_fmt(room['fp16']):>10} {_fmt(room['bf16']):>10}  "
+                f"{e.dtype:<9} {e.label}"
+            )
+    return lines
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: readers never see half a file."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_report(directory: str, stem: str, summary: dict[str, Any], text_lines: list[str]) -> tuple[str, str]:
+    """Write ``<stem>.json`` and ``<stem>.txt`` under ``directory`` atomically; return both paths."""
+    json_path = os.path.join(directory, stem + ".json")
+    txt_path = os.path.join(directory, stem + ".txt")
+    write_atomic(json_path, json.dumps(summary, indent=1, default=str, allow_nan=False))
+    write_atomic(txt_path, "\n".join(text_lines) + "\n")
+    return txt_path, json_path

@@ -1,0 +1,163 @@
+"""The loss of a classifier at initialisation, and what the model's outputs say about the loss wiring.
+
+Pure tensor math, no Trainer, no host sync: every function returns device tensors (sums and counts, so a caller
+can add them over ranks before dividing).
+
+Alignment: ``shift_labels=True`` means the logits at position ``t`` are scored against the label at ``t + 1``
+(causal language models whose loss shifts internally, as Hugging Face models and ``TinyGPT`` do, with
+``labels == input_ids``); ``False`` means logits and labels are already aligned position by position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def uniform_loss(vocab_size: int) -> float:
+    """Cross-entropy of a uniform prediction over ``vocab_size`` classes: ``ln(V)``.
+
+    Label smoothing does not change it: against a uniform prediction every class costs ``ln(V)``, so any mix of
+    the target and the uniform distribution does too.
+    """
+    if vocab_size < 2:
+        raise ValueError(f"`vocab_size` must be >= 2; got {vocab_size}.")
+    return math.log(vocab_size)
+
+
+def align(logits: Tensor, labels: Tensor, shift_labels: bool, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """Rows ``(N, V)`` of logits and the ``(N,)`` labels each row is scored against.
+
+    The rows are a view of ``logits`` (no copy of the large tensor when it is contiguous). With ``shift_labels``
+    the target of position ``t`` is the label at ``t + 1``, and the last position of each sequence gets
+    ``ignore_index``.
+
+    Raises:
+        ValueError: when the shapes do not fit (``logits.shape[:-1]`` must equal ``labels.shape``, with a time
+            dimension when ``shift_labels``).
+    """
+    if tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)} do not match logits of shape {tuple(logits.shape)} "
+            "(expected labels shaped like the logits without their last dimension)"
+        )
+    if shift_labels:
+        if logits.ndim < 3:
+            raise ValueError(
+                f"`shift_labels=True` needs logits with a time dimension (batch, time, vocab); got shape "
+                f"{tuple(logits.shape)}"
+            )
+        shifted = torch.full_like(labels, ignore_index)
+        shifted[..., :-1] = labels[..., 1:]
+        labels = shifted
+    return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+
+
+def sample_rows(n_rows: int, max_rows: int, device: torch.device, period: int = 1) -> Tensor:
+    """Evenly strided row indices, at most ``max_rows`` of ``n_rows`` (decided from shapes: no sync).
+
+    ``period``: the sequence length when rows are ``(batch * time)`` positions; the stride is made coprime with
+    it, so the sample covers every position in the sequence instead of always the same one.
+    """
+    stride = max(1, math.ceil(n_rows / max_rows))
+    if stride > 1:
+        while math.gcd(stride, period) != 1:
+            stride += 1
+    return torch.arange(0, n_rows, stride, device=device)
+
+
+def init_loss_sums(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    shift_labels: bool = True,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    max_rows: int = 2048,
+    atol: float = 1e-3,
+) -> dict[str, Tensor]:
+    """Sums and counts that describe the model's outputs and the loss they give (on the device).
+
+    Returns a dict of float scalars:
+
+    * ``ce_sum``, ``ce_count``: cross-entropy (with ``label_smoothing``) summed over the sampled supervised rows,
+      and their number: the loss the outputs would give if they were logits;
+    * ``var_sum``, ``rows``: the variance of each sampled row across the vocabulary, summed, and the row count
+      (``sqrt(var_sum / rows)`` is the typical logit spread; softmax ignores a per-row shift);
+    * ``prob_rows``: sampled rows that are probabilities (non-negative, summing to 1 within ``atol`` x 10);
+    * ``logprob_rows``: sampled rows that are log-probabilities (non-positive, ``logsumexp`` 0 within ``atol`` x 10),
+      and not probabilities;
+    * ``supervised``, ``positions``: labels that are not ``ignore_index`` after alignment, and all label
+      positions, over the whole batch (not only the sample).
+    """
+    rows, targets = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
+    supervised_all = targets != ignore_index
+    idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
+    x = rows.index_select(0, idx).float()
+    t = targets.index_select(0, idx).to(x.device)
+    mask = t != ignore_index
+    logp = x.log_softmax(-1)
+    safe = torch.where(mask, t, torch.zeros_like(t)).long().clamp(0, x.shape[-1] - 1)
+    nll = -logp.gather(-1, safe[:, None]).squeeze(-1)
+    ce = (1.0 - label_smoothing) * nll + label_smoothing * (-logp.mean(-1))
+    tol = atol * 10
+    is_prob = (x.amin(-1) >= -atol) & ((x.sum(-1) - 1.0).abs() <= tol)
+    is_logprob = (x.amax(-1) <= atol) & (x.logsumexp(-1).abs() <= tol) & ~is_prob
+    f32 = torch.float32
+    return {
+        "ce_sum": torch.where(mask, ce, torch.zeros_like(ce)).sum(dtype=f32),
+        "ce_count": mask.sum(dtype=f32),
+        "var_sum": x.var(-1, unbiased=False).sum(dtype=f32) if x.shape[-1] > 1 else x.new_zeros(()),
+        "rows": torch.tensor(float(x.shape[0]), device=x.device),
+        "prob_rows": is_prob.sum(dtype=f32),
+        "logprob_rows": is_logprob.sum(dtype=f32),
+        "supervised": supervised_all.sum(dtype=f32),
+        "positions": torch.tensor(float(targets.numel()), device=x.device),
+    }
+
+
+def copy_sums(
+    logits: Tensor,
+    inputs: Tensor,
+    supervised: Tensor | None = None,
+    *,
+    max_rows: int = 4096,
+) -> dict[str, Tensor]:
+    """How often the argmax prediction at position ``t`` equals the *current* input token ``inputs[t]``.
+
+    A model trained against unshifted labels (bug 9) learns to copy its input, so the rate climbs towards 1; a
+    model that predicts the next token copies only as often as the data repeats a token (``inputs[t] ==
+    inputs[t + 1]``), returned as the base rate.
+
+    Args:
+        logits: ``(batch, time, vocab)``.
+        inputs: ``(batch, time)`` input token ids.
+        supervised: optional ``(batch, time)`` bool mask of positions to count (e.g. not padding); position
+            ``t`` counts when ``supervised[t]`` holds.
+        max_rows: positions sampled (evenly strided).
+
+    Returns:
+        ``copies`` (argmax == inputs[t]), ``repeats`` (inputs[t] == inputs[t+1]), ``count`` (positions counted).
+    """
+    if logits.ndim != 3 or tuple(inputs.shape) != tuple(logits.shape[:2]):
+        raise ValueError(
+            f"inputs of shape {tuple(inputs.shape)} do not match logits of shape {tuple(logits.shape)} "
+            "(expected (batch, time) and (batch, time, vocab))"
+        )
+    b, t, v = logits.shape
+    flat = logits.detach().reshape(-1, v)  # a view when contiguous: the sample is taken before any copy
+    idx = sample_rows(b * t, max_rows, flat.device, period=t)
+    pred = flat.index_select(0, idx).argmax(-1)
+    ids = inputs.reshape(-1).to(flat.device)
+    current, nxt = ids.index_select(0, idx), ids.index_select(0, (idx + 1).clamp(max=b * t - 1))
+    mask = (idx % t) != t - 1  # the last position has no next token (a mask, not a filter: no sync)
+    if supervised is not None:
+        mask = mask & supervised.reshape(-1).to(flat.device).index_select(0, idx).bool()
+    f32 = torch.float32
+    return {
+        "copies": ((pred == current) & mask).sum(dtype=f32),
+        "repeats": ((current == nxt) & mask).sum(dtype=f32),
+        "count": mask.sum(dtype=f32),
+    }

@@ -1,0 +1,167 @@
+"""Pure tensor math behind MaskProbe and CheckpointAudit: tolerances, logit differences, target alignment.
+
+Nothing here touches a Trainer, so every function is testable on plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100
+
+Alignment = Literal["next", "current", "next_next", "unknown"]
+
+# Relative tolerance of a probe's logit comparison, by the dtype the logits were computed in. A model that is truly
+# causal gives bit-identical logits in fp32 (masked attention weights are exact zeros); the tolerance leaves room for
+# kernels that reorder sums, and for the coarser rounding of half precision.
+_RELATIVE_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def relative_tolerance(dtype: torch.dtype) -> float:
+    """The relative tolerance used for logits of ``dtype`` (fp8 and unknown dtypes get the bf16 one)."""
+    return _RELATIVE_TOLERANCE.get(dtype, _RELATIVE_TOLERANCE[torch.bfloat16])
+
+
+def logit_tolerance(reference: Tensor, compute_dtype: torch.dtype | None = None) -> Tensor:
+    """Absolute tolerance for comparing logits against ``reference``: relative tolerance times the largest |logit|.
+
+    ``compute_dtype`` is the dtype the model computed in (under autocast the logits may be upcast); it defaults to
+    the dtype of ``reference``. Returns a 0-d tensor on ``reference``'s device (no host sync).
+    """
+    rtol = relative_tolerance(compute_dtype or reference.dtype)
+    return reference.detach().float().abs().amax().clamp_min(1e-6) * rtol
+
+
+def max_change(before: Tensor, after: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Largest absolute difference between two logit tensors ``(B, T, V)`` over the positions where ``valid``
+    (``(B, T)`` bool) is True, and its flat ``(row, position)`` index as a ``(2,)`` tensor.
+
+    Both results stay on the device.
+    """
+    diff = (after.detach().float() - before.detach().float()).abs().amax(dim=-1)  # (B, T)
+    if valid is not None:
+        diff = torch.where(valid, diff, torch.zeros_like(diff))
+    flat = diff.flatten().argmax()
+    where = torch.stack([flat // diff.shape[1], flat % diff.shape[1]])
+    return diff.flatten()[flat], where
+
+
+def causal_valid_positions(batch: int, length: int, cut: int, device: torch.device) -> Tensor:
+    """``(B, T)`` bool: the positions ``<= cut`` whose logits must not depend on tokens after ``cut``."""
+    return (torch.arange(length, device=device) <= cut).expand(batch, length)
+
+
+def alignment_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> dict[str, Tensor]:
+    """Mean cross-entropy of ``logits`` ``(B, T, V)`` against ``labels`` ``(B, T)`` under two alignments.
+
+    ``"shifted"``: position t is scored against label t+1 (what a causal LM loss does when labels are the inputs).
+    ``"unshifted"``: position t is scored against label t.
+    """
+    logits = logits.detach().float()
+    labels = labels.long()
+    flat = logits.flatten(0, 1)
+    unshifted = F.cross_entropy(flat, labels.flatten(), ignore_index=ignore_index)
+    shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=ignore_index)
+    return {"shifted": shifted, "unshifted": unshifted}
+
+
+def labels_relation(
+    input_ids: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX
+) -> Literal["inputs", "preshifted", "other"]:
+    """How the supervised labels relate to the inputs: equal to them (``"inputs"``: the loss must shift), already
+    shifted by one (``"preshifted"``: ``labels[t] == input_ids[t+1]``, the loss must not shift), or ``"other"``.
+
+    Host-side decision on a probe batch (the caller has already paid the sync for it).
+    """
+    supervised = labels != ignore_index
+    if not bool(supervised.any()):
+        return "other"
+    same = bool(((labels == input_ids) | ~supervised).all())
+    if same:
+        return "inputs"
+    if labels.shape[1] > 1:
+        sup = supervised[:, :-1]
+        if bool(sup.any()) and bool(((labels[:, :-1] == input_ids[:, 1:]) | ~sup).all()):
+            return "preshifted"
+    return "other"
+
+
+def classify_alignment(
+    returned: float, shifted: float, unshifted: float, relation: str, rtol: float
+) -> tuple[Alignment, str | None]:
+    """Which target the module's loss trains position t to predict.
+
+    Args:
+        returned: the loss the module's ``training_step`` returned on the probe batch.
+        shifted / unshifted: the losses of the same logits under the two alignments (:func:`alignment_losses`).
+        relation: :func:`labels_relation` of the batch's labels to its inputs.
+        rtol: relative tolerance of a match.
+
+    Returns:
+        ``(alignment, matched)``: ``"next"`` (correct for a causal LM), ``"current"`` (the model learns to copy its
+        input), ``"next_next"`` (shifted twice), or ``"unknown"`` when the loss matches neither alignment or the two
+        alignments cannot be told apart; ``matched`` names the alignment the loss matched.
+    """
+    tol = rtol * max(1.0, abs(returned))
+    if abs(shifted - unshifted) <= 4 * tol:
+        return "unknown", None  # indistinguishable on this batch
+    match_shifted = abs(returned - shifted) <= tol
+    match_unshifted = abs(returned - unshifted) <= tol
+    if match_shifted == match_unshifted:
+        return "unknown", None
+    matched = "shifted" if match_shifted else "unshifted"
+    if relation == "inputs":
+        return ("next" if matched == "shifted" else "current"), matched
+    if relation == "preshifted":
+        return ("next_next" if matched == "shifted" else "next"), matched
+    return "unknown", matched
+
+
+def padding_side(attention_mask: Tensor) -> Literal["right", "left", "none"]:
+    """Which side a batch pads on, from its ``(B, T)`` attention mask (1 = real token). Host-side decision."""
+    mask = attention_mask.bool()
+    if bool(mask.all()):
+        return "none"
+    first_col_pad = bool((~mask[:, 0]).any())
+    last_col_pad = bool((~mask[:, -1]).any())
+    if first_col_pad and not last_col_pad:
+        return "left"
+    return "right"
+
+
+def replace_after(input_ids: Tensor, cut: int, generator: torch.Generator | None = None) -> Tensor:
+    """A copy of ``input_ids`` whose tokens after position ``cut`` are replaced by other ids drawn from the batch.
+
+    Every replaced position gets an id different from the original where the batch holds at least two distinct
+    ids, so the change is real.
+    """
+    out = input_ids.clone()
+    tail = out[:, cut + 1 :]
+    if tail.numel() == 0:
+        return out
+    vocab = torch.unique(input_ids)
+    if vocab.numel() < 2:
+        return out
+    idx = torch.randint(0, vocab.numel(), tail.shape, generator=generator, device="cpu").to(input_ids.device)
+    new = vocab[idx]
+    # where the draw equals the original, take the next distinct id instead
+    clash = new == tail
+    alt = vocab[(idx + 1) % vocab.numel()]
+    out[:, cut + 1 :] = torch.where(clash, alt, new)
+    return out
+
+
+def random_ids_like(reference: Tensor, shape: tuple[int, ...], generator: torch.Generator | None = None) -> Tensor:
+    """Token ids of ``shape`` drawn from the distinct ids present in ``reference``."""
+    vocab = torch.unique(reference)
+    idx = torch.randint(0, vocab.numel(), shape, generator=generator, device="cpu").to(reference.device)
+    return vocab[idx]
+
+
+def relative_difference(a: float, b: float) -> float:
+    """``|a - b| / max(1, |a|, |b|)``: how far two host scalars are apart."""
+    return abs(a - b) / max(1.0, abs(a), abs(b))

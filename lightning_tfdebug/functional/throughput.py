@@ -1,0 +1,343 @@
+"""Pure helpers for throughput and per-rank statistics: token counts, batch fingerprints, parameter checksums,
+peak FLOPs of common accelerators, process memory and cross-rank spreads.
+
+Tensor helpers keep their results on the batch's device (no host sync); the caller moves them to the host once per
+measuring step. Nothing here needs a Trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_tfdebug.functional.norms import per_tensor_norms
+
+MASK_KEYS: tuple[str, ...] = ("attention_mask", "padding_mask", "mask")
+IDS_KEYS: tuple[str, ...] = ("input_ids", "tokens", "ids", "input")
+_HASH_MODULUS = 2_147_483_647  # 2**31 - 1: a fingerprint fits exactly in a float64 slot of a packed collective
+_HASH_MULTIPLIER = 1_103_515_245
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+def _tensors(batch: Any) -> list[Tensor]:
+    """Every tensor in a (nested) batch, in a stable order."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def find_tensor(batch: Any, keys: Sequence[str]) -> Tensor | None:
+    """The first tensor of ``batch`` stored under one of ``keys`` (mappings, also nested in a list/tuple)."""
+    if isinstance(batch, Mapping):
+        for key in keys:
+            value = batch.get(key)
+            if isinstance(value, Tensor):
+                return value
+        return None
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = find_tensor(item, keys)
+            if found is not None:
+                return found
+    return None
+
+
+def input_tensor(batch: Any) -> Tensor | None:
+    """The token ids of a batch: ``input_ids`` (or a similar key), else its first integer tensor, else its first
+    tensor; None when the batch holds no tensor."""
+    found = find_tensor(batch, IDS_KEYS)
+    if found is not None:
+        return found
+    tensors = _tensors(batch)
+    integer = [t for t in tensors if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
+    return (integer or tensors or [None])[0]
+
+
+def count_tokens(batch: Any, length_fn: Callable[[Any], Any] | None = None) -> tuple[Tensor | int, int, int]:
+    """Count the tokens of one batch without a host sync.
+
+    Returns ``(tokens, positions, samples)``: ``tokens`` are the real (non-padding) tokens, a device tensor when they
+    come from the attention mask (its non-zero entries counted) or from ``length_fn``, else the host int ``positions``;
+    ``positions`` is the number of token positions computed (batch x sequence length, padding included) and
+    ``samples`` the batch size, both read from the input's shape (host metadata, no sync).
+
+    Precedence: ``length_fn(batch)`` (an int or a tensor), then the attention mask, then the input's shape.
+    """
+    ids = input_tensor(batch)
+    mask = find_tensor(batch, MASK_KEYS)
+    shape_source = ids if ids is not None else mask
+    if shape_source is None:
+        return 0, 0, 0
+    positions = shape_source.numel()
+    samples = shape_source.shape[0] if shape_source.ndim >= 2 else 1
+    if length_fn is not None:
+        tokens = length_fn(batch)
+        return tokens, positions if positions else int(tokens), samples
+    if mask is not None and mask.shape == shape_source.shape:
+        return torch.count_nonzero(mask), positions, samples  # one device reduction, no sync
+    return positions, positions, samples
+
+
+def batch_fingerprint(ids: Tensor) -> Tensor:
+    """A cheap, order-sensitive hash of a tensor's values, computed on its device, as an int64 scalar in
+    ``[0, 2**31 - 1)``.
+
+    Two equal tensors always give the same value; different ones collide with probability about 1 in 2**31. Floating
+    tensors are hashed through their bit pattern.
+    """
+    flat = ids.detach().reshape(-1)
+    if flat.is_floating_point():
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()]
+        flat = flat.contiguous().view(bits)
+    flat = flat.to(torch.int64)
+    positions = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
+    weights = (positions * _HASH_MULTIPLIER + 12345) % _HASH_MODULUS
+    # int64 products may wrap around: harmless for a hash, and identical on every rank
+    mixed = (flat % _HASH_MODULUS + 1) * weights
+    return (mixed.sum() + flat.numel()) % _HASH_MODULUS
+
+
+def combine_fingerprints(a: Tensor | None, b: Tensor) -> Tensor:
+    """Fold fingerprint ``b`` into ``a`` (order-sensitive), for the micro-batches of one optimizer step."""
+    if a is None:
+        return b
+    return (a * 31 + b) % _HASH_MODULUS
+
+
+def parameter_checksums(tensors: Sequence[Tensor]) -> Tensor:
+    """Two numbers per tensor, in float64 on the tensors' device: ``[l2 norms..., signed sums...]`` (length ``2n``).
+
+    Replicas that agree give equal values (DDP replicas are bitwise equal, so the values are too). The norm catches
+    changes of magnitude, the signed sum catches sign flips and shifts that keep the norm. Integer and boolean
+    tensors (buffers such as step counters) are compared through their float64 values. The norms come from one fused
+    ``_foreach_norm`` per dtype; the sums are one small reduction per tensor, so call this on measuring steps only.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    values = [t.detach() for t in tensors]
+    device = values[0].device
+    # fp32/fp16/bf16 tensors: fused norms accumulated in fp32, no copies; float64 and integer tensors in float64
+    narrow = [i for i, v in enumerate(values) if v.is_floating_point() and v.dtype != torch.float64]
+    narrow_set = set(narrow)
+    wide = [i for i in range(len(values)) if i not in narrow_set]
+    norms = torch.zeros(len(values), dtype=torch.float64, device=device)
+    if narrow:
+        narrow_norms = per_tensor_norms([values[i] for i in narrow])
+        norms[torch.tensor(narrow, device=device)] = narrow_norms.to(device=device, dtype=torch.float64)
+    if wide:
+        wide_norms = torch._foreach_norm([values[i].double() for i in wide], 2)
+        norms[torch.tensor(wide, device=device)] = torch.stack([n.to(device) for n in wide_norms])
+    sums = torch.stack([v.sum(dtype=torch.float64).to(device) for v in values])
+    return torch.cat([norms, sums])
+
+
+# ---------------------------------------------------------------------------------------------------- spreads
+def max_over_median(values: Sequence[float]) -> float:
+    """``max / median`` of finite values (1.0 for a single value; nan when the median is not positive)."""
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    if not finite:
+        return float("nan")
+    median = statistics.median(finite)
+    return max(finite) / median if median > 0 else float("nan")
+
+
+def median_of_others(values: Sequence[float], index: int) -> float:
+    """Median of every value except ``values[index]`` (the reference a rank is compared with)."""
+    others = [v for i, v in enumerate(values) if i != index and v == v]
+    return statistics.median(others) if others else float("nan")
+
+
+def _close(x: float, y: float, rtol: float) -> bool:
+    """Equal within ``rtol``; two NaNs count as equal (replicas that both went non-finite agree), NaN and a number
+    do not."""
+    if x == y:
+        return True
+    if x != x or y != y:
+        return x != x and y != y
+    return abs(x - y) <= rtol * max(abs(x), abs(y), 1e-12)
+
+
+def loss_outliers(losses: Sequence[float], spread: float) -> tuple[list[int], float]:
+    """Ranks whose loss is far from the others', and the reference it was judged against.
+
+    With three ranks or more the reference is the median of all finite losses, and a rank is far when
+    ``|loss - median| > spread * |median|``: one odd rank among many is named, the majority is not. With two ranks
+    there is no majority: when ``|a - b| > spread * min(|a|, |b|)`` both are returned (they disagree; which one is off
+    cannot be told) with the smaller loss as the reference. Non-finite losses are left out (see TFD505).
+    """
+    finite = [(r, v) for r, v in enumerate(losses) if math.isfinite(v)]
+    if len(finite) < 2:
+        return [], float("nan")
+    if len(finite) == 2:
+        (ra, a), (rb, b) = finite
+        low = min(abs(a), abs(b))
+        return ([ra, rb] if abs(a - b) > spread * max(low, 1e-12) else []), min(a, b, key=abs)
+    median = statistics.median(v for _, v in finite)
+    return [r for r, v in finite if abs(v - median) > spread * max(abs(median), 1e-12)], median
+
+
+def differing_ranks(values: Sequence[Sequence[float]], rtol: float = 1e-6) -> list[int]:
+    """Ranks whose checksum vector differs from the most common one (ties go to the lowest rank's vector).
+
+    ``values[r]`` is rank ``r``'s vector of per-tensor checksums.
+    """
+    if len(values) < 2:
+        return []
+
+    def same(a: Sequence[float], b: Sequence[float]) -> bool:
+        return all(_close(x, y, rtol) for x, y in zip(a, b))
+
+    groups: list[list[int]] = []
+    for r, vec in enumerate(values):
+        for group in groups:
+            if same(values[group[0]], vec):
+                group.append(r)
+                break
+        else:
+            groups.append([r])
+    majority = max(groups, key=len)  # max keeps the first of equally large groups: the one holding the lowest rank
+    return sorted(r for g in groups if g is not majority for r in g)
+
+
+def differing_tensors(values: Sequence[Sequence[float]], names: Sequence[str], rtol: float = 1e-6) -> list[str]:
+    """Names of the tensors whose checksum is not the same on every rank.
+
+    ``values[r]`` is rank ``r``'s checksum vector; it may hold several blocks of ``len(names)`` values (as
+    :func:`parameter_checksums` returns: norms, then sums); a tensor differs when any of its values does.
+    """
+    n = len(names)
+    if not n or not values:
+        return []
+    out = []
+    for i, name in enumerate(names):
+        for j in range(i, len(values[0]), n):
+            column = [v[j] for v in values]
+            ref = column[0]
+            if not all(_close(x, ref, rtol) for x in column[1:]):
+                out.append(name)
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+class StepClock:
+    """Timestamps that cost no device sync when taken.
+
+    On CUDA a mark is a recorded ``torch.cuda.Event`` (asynchronous, it times the device's stream); elsewhere it is
+    ``time.perf_counter()``. :meth:`elapsed_ms` between two CUDA marks needs the later one to have completed: call
+    :meth:`wait` on it once (the one deliberate sync of a measuring step) before reading several intervals.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def wait(self, mark: Any) -> None:
+        if self.cuda:
+            mark.synchronize()  # host sync: only on measuring steps, once, for all the intervals read after it
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            return float(start.elapsed_time(end))
+        return (end - start) * 1e3
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def process_rss_bytes() -> int:
+    """Resident set size of this process now (``/proc/self/statm``; the peak from ``getrusage`` elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux: fall back to the peak
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since it started."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == "Darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def physical_memory_bytes() -> int | None:
+    """Total physical memory of the machine, or None if unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- peak FLOPs
+# Dense (no structured sparsity) peak FLOP/s per device, from the vendors' data sheets. Keys: "fp64", "fp32" (plain
+# fp32 matmul), "tf32" (fp32 matmul on tensor cores, when torch allows TF32), "bf16", "fp16", "fp8".
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "h200 nvl": {"fp64": 30e12, "fp32": 60e12, "tf32": 418e12, "bf16": 835e12, "fp16": 835e12, "fp8": 1671e12},
+    "h200": {"fp64": 34e12, "fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+    "gh200": {"fp64": 34e12, "fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+    "h100 nvl": {"fp64": 30e12, "fp32": 60e12, "tf32": 418e12, "bf16": 835e12, "fp16": 835e12, "fp8": 1671e12},
+    "h100 pcie": {"fp64": 26e12, "fp32": 51e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12, "fp8": 1513e12},
+    "h100": {"fp64": 34e12, "fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+    "h800": {"fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+    "a100": {"fp64": 9.7e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    "a800": {"fp64": 9.7e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    "a10g": {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12},
+    "a10": {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12},
+    "l40s": {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362e12, "fp16": 362e12, "fp8": 733e12},
+    "l40": {"fp32": 90.5e12, "tf32": 90.5e12, "bf16": 181e12, "fp16": 181e12, "fp8": 362e12},
+    "l4": {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12, "fp8": 242e12},
+    "v100": {"fp64": 7.8e12, "fp32": 15.7e12, "fp16": 125e12},
+    "t4": {"fp32": 8.1e12, "fp16": 65e12},
+    "rtx 4090": {"fp32": 82.6e12, "tf32": 82.6e12, "bf16": 165.2e12, "fp16": 165.2e12},
+    "rtx 3090": {"fp32": 35.6e12, "tf32": 35.6e12, "bf16": 71e12, "fp16": 71e12},
+    "mi300x": {"fp64": 163.4e12, "fp32": 163.4e12, "tf32": 653.7e12, "bf16": 1307.4e12, "fp16": 1307.4e12},
+    "mi250x": {"fp64": 95.7e12, "fp32": 95.7e12, "bf16": 383e12, "fp16": 383e12},
+}
+
+
+def peak_flops_for(device_name: str, compute: str) -> float | None:
+    """Peak dense FLOP/s of the accelerator called ``device_name`` for ``compute`` (``"fp32"``, ``"tf32"``,
+    ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp64"``), or None when the chip or that precision is not in the table.
+
+    Names are matched case-insensitively as substrings, most specific first (``"NVIDIA H100 80GB HBM3"`` -> ``h100``,
+    ``"NVIDIA H100 PCIe"`` -> ``h100 pcie``).
+    """
+    name = device_name.lower()
+    for chip in sorted(PEAK_FLOPS, key=len, reverse=True):
+        words = chip.split()
+        if all(w in name for w in words):
+            table = PEAK_FLOPS[chip]
+            if compute == "tf32" and "tf32" not in table:
+                compute = "fp32"
+            return table.get(compute)
+    return None
+
+
+def compute_precision(precision: str, tf32_allowed: bool) -> str:
+    """Which column of :data:`PEAK_FLOPS` a Trainer ``precision`` string runs its matmuls in."""
+    p = str(precision)
+    if "bf16" in p:
+        return "bf16"
+    if p.startswith("16"):
+        return "fp16"
+    if "transformer-engine" in p or "fp8" in p:
+        return "fp8"
+    if p.startswith("64"):
+        return "fp64"
+    return "tf32" if tf32_allowed else "fp32"

@@ -1,0 +1,352 @@
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_tfdebug import BatchGuard, TFDebugError, TFDebugWarning, read_findings
+from lightning_tfdebug.callbacks.batch_guard import find_context_length, find_vocab_size
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from lightning_tfdebug.demo.data import ByteTokenizer
+from lightning_tfdebug.repro import load_bundle, replay
+from tests.helpers import make_trainer, read_scalars, run_distributed
+
+SMALL = dict(d_model=32, n_layers=2, n_heads=2)
+
+
+def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
+    trainer = make_trainer(tmp_path, callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(model or TinyGPT(**SMALL), data or TinyTextDataModule(batch_size=8))
+    return trainer
+
+
+def codes(callback):
+    return sorted({f.code for f in callback.findings})
+
+
+class ForwardCounter(Callback):
+    """Counts the batches whose training_step ran (on_train_batch_end is reached only after the forward)."""
+
+    def __init__(self):
+        self.done = 0
+
+    def on_train_batch_end(self, *args):
+        self.done += 1
+
+
+class CorruptOnRank(Callback):
+    """Test helper: on one rank, at one step, put an out-of-range token id into the batch (before BatchGuard)."""
+
+    def __init__(self, rank: int = 1, step: int = 2, token: int = 999):
+        self.rank, self.step, self.token = rank, step, token
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            batch["input_ids"][0, 0] = self.token
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"learn_batches": 0}, "learn_batches"),
+        ({"check_values_every_n_steps": 0}, "check_values_every_n_steps"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"max_truncated_fraction": 1.5}, "max_truncated_fraction"),
+        ({"length_shift_tolerance": 0}, "length_shift_tolerance"),
+        ({"schema": {}}, "non-empty mapping"),
+        ({"schema": {"input_ids": "long64[B]"}}, "not a torch dtype"),
+        ({"tokenizer": "no.such.Tokenizer"}, "importable"),
+        ({"tokenizer": object()}, "decode"),
+        ({"input_key": 3}, "input_key"),
+        ({"on_finding": "explode"}, "on_finding"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        BatchGuard(**kwargs)
+
+
+def test_healthy_run_has_no_findings_logs_keys_and_decoded_examples(tmp_path):
+    guard = BatchGuard(every_n_steps=2, tokenizer="lightning_tfdebug.demo.ByteTokenizer", bos_id=257)
+    fit(tmp_path, [guard], max_steps=6)
+    assert guard.findings == []
+    assert (guard._vocab, guard._context) == (259, 64)
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    assert [s for s, _ in scalars["batch/width"]] == [0, 2, 4]
+    assert 0 < dict(scalars["batch/ignored_frac"])[0] < 1
+    assert dict(scalars["batch/length_mean"])[0] > 1
+    examples = (tmp_path / "tb" / "version_0" / "tfdebug" / "batch_examples-rank0.md").read_text()
+    assert examples.count("input:") == 4 and "supervised" in examples and "·" in examples
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert "batch_guard/examples/text_summary" in acc.Tags()["tensors"]
+
+
+@pytest.mark.parametrize(
+    "flag, code",
+    [({"all_labels_ignored": True}, "TFD114"), ({"pad_labels_supervised": True}, "TFD115")],
+    ids=["row2-all-ignored", "row3-pad-supervised"],
+)
+def test_target_bugs_are_found(tmp_path, flag, code):
+    guard = BatchGuard()
+    fit(tmp_path, [guard], data=TinyTextDataModule(batch_size=8, **flag), max_steps=2)
+    assert codes(guard) == [code]
+    finding = guard.findings[0]
+    assert finding.step == 0 and "'labels'" in finding.message
+    assert read_findings(tmp_path / "tb" / "version_0" / "tfdebug" / "findings-rank0.jsonl")[0].code == code
+
+
+@pytest.mark.parametrize(
+    "flag, code, words",
+    [
+        ({"long_batch_every": 4}, "TFD111", ["'input_ids'", "sequence length 72", "context of 64"]),
+        ({"bad_token_every": 4}, "TFD110", ["'input_ids'", "outside [0, 259)", "262 at row 0, position 1"]),
+        ({"squeeze_batch_every": 4}, "TFD104", ["'input_ids'", "1 dims (", "expected 2 dims"]),
+    ],
+    ids=["row4-long", "row5-bad-token", "row6-squeezed"],
+)
+def test_crashing_batches_raise_the_finding_before_the_forward(tmp_path, flag, code, words):
+    guard, counter = BatchGuard(on_finding="raise"), ForwardCounter()
+    with pytest.raises(TFDebugError) as info:
+        fit(tmp_path, [guard, counter], data=TinyTextDataModule(batch_size=8, **flag), max_steps=8)
+    assert counter.done == 3  # the fourth batch never reached training_step
+    assert code in str(info.value) and "Batch 3 (step 3" in str(info.value)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_dtype_drift_is_named_with_expected_and_found(tmp_path):
+    guard = BatchGuard()
+    fit(tmp_path, [guard], data=TinyTextDataModule(batch_size=8, dtype_drift_every=5), max_steps=7)
+    found = {(f.code, f.evidence["key"], f.evidence["expected"], f.evidence["found"], f.step) for f in guard.findings}
+    assert found == {("TFD103", "labels", "int64", "int32", 4), ("TFD103", "attention_mask", "int64", "float32", 4)}
+
+
+def test_one_bad_batch_in_a_few_hundred_is_caught(tmp_path):
+    guard, counter = BatchGuard(on_finding="raise"), ForwardCounter()
+    with pytest.raises(TFDebugError, match="TFD110"):
+        fit(tmp_path, [guard, counter], data=TinyTextDataModule(batch_size=4, bad_token_every=150), max_steps=200)
+    assert counter.done == 149
+
+
+def test_bos_eos_and_truncation_conventions(tmp_path):
+    wrong_bos = BatchGuard(bos_id=5, eos_id=258, max_truncated_fraction=0.0)
+    fit(tmp_path, [wrong_bos], max_steps=2)
+    # every demo sequence starts with BOS 257, not 5; documents longer than 64 tokens lose their EOS
+    assert codes(wrong_bos) == ["TFD116", "TFD119"]
+    eos_twice = BatchGuard(bos_id=257, eos_id=ord("."))  # a "." ends every sentence: several per sequence
+    fit(tmp_path / "b", [eos_twice], max_steps=2)
+    assert {"TFD117", "TFD118"} <= set(codes(eos_twice))
+    assert "TFD116" not in codes(eos_twice)
+
+
+def lm_batches(lengths, width=24, n=4):
+    batches = []
+    for length in lengths:
+        ids = torch.full((n, width), 256)
+        ids[:, :length] = 65
+        mask = (ids != 256).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return DataLoader(batches, batch_size=None)
+
+
+def test_length_distribution_shift_against_the_early_batches(tmp_path):
+    guard = BatchGuard(length_window=2)
+    trainer = make_trainer(tmp_path, [guard], max_steps=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(TinyGPT(**SMALL), train_dataloaders=lm_batches([6, 8, 7, 7, 7, 8, 20, 22]))
+    assert codes(guard) == ["TFD120"]
+    assert guard.findings[0].step == 7
+    assert guard.findings[0].evidence["window_mean"] == pytest.approx(21.0)
+
+
+def test_declared_schema_catches_a_fixed_dimension(tmp_path):
+    guard = BatchGuard(schema={"input_ids": "int64[B, 24]", "labels": "int64[B, T]", "attention_mask": "int64[B, T]"})
+    trainer = make_trainer(tmp_path, [guard], max_steps=2)
+    batches = lm_batches([5, 5])
+    batches.dataset[1]["input_ids"] = batches.dataset[1]["input_ids"][:, :20]
+    batches.dataset[1]["attention_mask"] = batches.dataset[1]["attention_mask"][:, :20]
+    batches.dataset[1]["labels"] = batches.dataset[1]["labels"][:, :20]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(TinyGPT(**SMALL), train_dataloaders=batches)
+    assert [(f.code, f.evidence["key"], f.step) for f in guard.findings] == [("TFD105", "input_ids", 1)]
+
+
+class HFLanguageModel(pl.LightningModule):
+    """A Hugging Face GPT-2 from a tiny config (no download) inside a LightningModule nobody here wrote."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=300, n_positions=48, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+        self.lm = GPT2LMHeadModel(config)
+
+    def training_step(self, batch, batch_idx):
+        return self.lm(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_vocab_and_context_are_read_from_models_nobody_here_wrote(tmp_path):
+    hf = HFLanguageModel()
+    assert find_vocab_size(hf)[0] == 300 and "get_input_embeddings" in find_vocab_size(hf)[1]
+    assert find_context_length(hf)[0] == 48
+    tiny = TinyGPT(**SMALL, context_length=40)
+    assert find_vocab_size(tiny)[0] == 259 and find_context_length(tiny) == (40, "position embedding 'pos_emb'")
+    assert find_vocab_size(torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Embedding(7, 3)))[0] is None
+    guard = BatchGuard(on_finding="raise")
+    trainer = make_trainer(tmp_path, [guard], max_steps=3)
+    batches = lm_batches([5, 5, 5])
+    batches.dataset[2]["input_ids"][1, 3] = 300
+    with (
+        pytest.raises(TFDebugError, match=r"(?s)TFD110.*outside \[0, 300\).*row 1, position 3"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(hf, train_dataloaders=batches)
+    assert trainer.global_step == 2
+
+
+class MinGPTStyle(pl.LightningModule):
+    """Another style nobody here wrote: a position table kept as an nn.Parameter (1, T, d), a head tied to the token
+    embedding through F.linear (no nn.Linear of vocabulary width), and a token-type table beside it."""
+
+    def __init__(self, vocab: int = 259, block_size: int = 40, d: int = 40):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.type_emb = torch.nn.Embedding(2, d)
+        self.pos_embed = torch.nn.Parameter(torch.zeros(1, block_size, d))
+        self.mix = torch.nn.Linear(d, d)  # width d == block_size: must not be mistaken for the head
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        x = self.wte(ids) + self.pos_embed[:, : ids.shape[1]] + self.type_emb(torch.zeros_like(ids))
+        logits = torch.nn.functional.linear(torch.tanh(self.mix(x)), self.wte.weight)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_parameter_position_table_and_a_tied_head_are_understood(tmp_path):
+    model = MinGPTStyle()
+    assert find_vocab_size(model) == (259, "the only token embedding, 'wte'")
+    assert find_context_length(model) == (40, "position parameter 'pos_embed' (1, 40, 40)")
+    guard, counter = BatchGuard(on_finding="raise"), ForwardCounter()
+    data = TinyTextDataModule(batch_size=4, context_length=30, long_batch_every=3)  # batch 3 is 38 wide: fits
+    with pytest.raises(TFDebugError, match="sequence length 38, longer than the model's context of 37") as info:
+        fit(tmp_path, [guard, counter], model=MinGPTStyle(block_size=37), data=data, max_steps=6)
+    assert counter.done == 2 and codes(guard) == ["TFD111"] and "Batch 2 (step 2" in str(info.value)
+
+
+class TupleBatches(MinGPTStyle):
+    """nanoGPT-style batches: a tuple (x, y) of ids and next-token targets, no names, no mask."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return super().training_step({"input_ids": x, "labels": y}, batch_idx)
+
+
+def test_tuple_batches_are_checked_by_position(tmp_path):
+    tuples = []
+    for _ in range(4):
+        x = torch.randint(0, 259, (4, 12))
+        tuples.append((x, torch.roll(x, -1, 1)))
+    tuples[2][0][3, 5] = 300  # a token id past the vocabulary in the third batch
+    guard = BatchGuard(on_finding="raise")
+    trainer = make_trainer(tmp_path, [guard], max_steps=4)
+    expected = r"'0' holds 1 token id\(s\) outside \[0, 259\); the first is 300 at row 3"
+    with pytest.raises(TFDebugError, match=expected), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TFDebugWarning)
+        trainer.fit(TupleBatches(), train_dataloaders=DataLoader(tuples, batch_size=None))
+    assert any("token ids taken from '0' and labels from '1'" in str(w.message) for w in caught)
+    assert guard._keys == ("0", None, "1") and trainer.global_step == 2
+
+
+def test_learned_schema_is_saved_and_restored_on_resume(tmp_path):
+    guard = BatchGuard(length_window=2)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=5)
+    fit(tmp_path, [guard, ckpt], max_steps=5, enable_checkpointing=True)
+    resumed = BatchGuard(length_window=2)
+    trainer = make_trainer(tmp_path / "r", [resumed], max_steps=7, enable_checkpointing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(
+            TinyGPT(**SMALL),
+            TinyTextDataModule(batch_size=8, dtype_drift_every=1),  # every batch drifts: no chance to re-learn
+            ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
+        )
+    assert resumed._reference == guard._reference is not None
+    assert {f.code for f in resumed.findings} == {"TFD103"}
+    assert resumed.findings[0].step == 5
+
+
+def test_built_from_lightning_cli_yaml():
+    from jsonargparse import ArgumentParser
+
+    config = yaml.safe_load(
+        """
+        callbacks:
+          - class_path: lightning_tfdebug.BatchGuard
+            init_args:
+              on_finding: raise
+              schema: {input_ids: "int64[B, T]", labels: "int64[B, T]"}
+              tokenizer: lightning_tfdebug.demo.ByteTokenizer
+              eos_id: 258
+              check_values_every_n_steps: 4
+        """
+    )
+    parser = ArgumentParser()
+    parser.add_argument("--callbacks", type=list[Callback])
+    guard = parser.instantiate_classes(parser.parse_object(config)).callbacks[0]
+    assert isinstance(guard, BatchGuard)
+    assert guard.on_finding == "raise" and guard.eos_id == 258 and guard.check_values_every_n_steps == 4
+    assert isinstance(guard.tokenizer, ByteTokenizer)
+    assert guard._declared.describe() == {"input_ids": "int64[B, T]", "labels": "int64[B, T]"}
+
+
+@pytest.mark.ddp
+def test_ddp_a_bad_batch_on_one_rank_raises_on_every_rank_before_the_forward(tmp_path):
+    results = run_distributed(
+        tmp_path,
+        {
+            "strategy": "ddp",
+            "model": SMALL,
+            "data": {"batch_size": 4},
+            "trainer": {"max_steps": 6},
+            "callbacks": [
+                {"class_path": "tests.callbacks.test_batch_guard.CorruptOnRank", "init_args": {"rank": 1, "step": 2}},
+                {"class_path": "lightning_tfdebug.BatchGuard", "init_args": {"on_finding": "raise"}},
+                {"class_path": "lightning_tfdebug.ReproCapture"},
+            ],
+        },
+    )
+    assert [r["global_step"] for r in results] == [2, 2]
+    assert all(r["error"]["type"] == "TFDebugError" for r in results)
+    assert "TFD110" in results[1]["error"]["message"] and "rank 1" in results[1]["error"]["message"]
+    assert "another rank" in results[0]["error"]["message"]
+    assert results[0]["findings"]["BatchGuard"] == []
+    assert [f["code"] for f in results[1]["findings"]["BatchGuard"]] == ["TFD110"]
+    # each rank wrote its own bundle; rank 1's holds the bad batch and replays to the crash the guard prevented
+    repro = tmp_path / "tb" / "version_0" / "tfdebug" / "repro"
+    assert sorted(p.name for p in repro.iterdir()) == ["step2-rank0", "step2-rank1"]
+    bad = load_bundle(repro / "step2-rank1")
+    assert bad.batch["input_ids"][0, 0] == 999 and bad.meta["exception"]["type"].endswith("TFDebugError")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert isinstance(replay(bad, TinyGPT(**SMALL)).exception, IndexError)
+        assert replay(repro / "step2-rank0", TinyGPT(**SMALL)).exception is None  # rank 0's batch was fine

@@ -1,0 +1,232 @@
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_tfdebug import CheckpointAudit
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.helpers import make_trainer, run_distributed
+
+SMALL = dict(d_model=32, n_layers=2, n_heads=2)
+
+
+def fit(tmp_path, callbacks, model=None, ckpt_path=None, **kwargs):
+    kwargs.setdefault("max_steps", 4)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer(tmp_path, [*callbacks, saver], enable_checkpointing=True, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model or TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=ckpt_path)
+    return trainer
+
+
+def codes(callback):
+    return sorted({f.code for f in callback.findings})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"probe_rows": 0}, "probe_rows"), ({"loss_rtol": 0.0}, "loss_rtol"), ({"weight_rtol": 2.0}, "weight_rtol")],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        CheckpointAudit(**kwargs)
+
+
+def test_healthy_saves_are_opened_and_pass(tmp_path):
+    audit = CheckpointAudit()
+    fit(tmp_path, [audit])
+    assert codes(audit) == []
+    assert [p.rsplit("/", 1)[-1] for p in audit.checked_files] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    saved = torch.load(audit.checked_files[-1], map_location="cpu", weights_only=False)
+    state = saved["callbacks"][audit.state_key]
+    assert state["probe_loss_step"] == 4 and state["probe_batch"]["input_ids"].shape[0] == 2
+
+
+def test_weights_only_saves_are_named_as_such(tmp_path):
+    audit = CheckpointAudit()
+    saver = ModelCheckpoint(dirpath=tmp_path / "w", every_n_train_steps=2, save_weights_only=True)
+    trainer = make_trainer(tmp_path, [audit, saver], enable_checkpointing=True, max_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
+    [finding] = audit.findings
+    assert (finding.code, finding.severity) == ("TFD709", "info") and "weights-only" in finding.message
+
+
+def test_bug_zoo_row_22_optimizer_and_scheduler_state_dropped(tmp_path):
+    audit = CheckpointAudit()
+    fit(tmp_path, [audit], model=TinyGPT(**SMALL, drop_optimizer_state=True))
+    assert codes(audit) == ["TFD703", "TFD705"]
+    assert all(f.severity == "error" and "epoch=0-step=2.ckpt" in f.message for f in audit.findings)
+
+
+class Drops(TinyGPT):
+    """Saves checkpoints that lack one part, as a careless `on_save_checkpoint` override does."""
+
+    def __init__(self, drop: str, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = drop
+
+    def on_save_checkpoint(self, checkpoint):
+        if self.drop == "weight":
+            checkpoint["state_dict"].pop("head.weight")
+        elif self.drop == "shape":
+            checkpoint["state_dict"]["ln_f.weight"] = checkpoint["state_dict"]["ln_f.weight"][:4]
+        elif self.drop == "step_counts":
+            for entry in checkpoint["optimizer_states"][0]["state"].values():
+                entry.pop("step")
+        else:
+            checkpoint.pop(self.drop)
+
+
+@pytest.mark.parametrize(
+    "drop, code",
+    [
+        ("weight", "TFD701"),
+        ("shape", "TFD702"),
+        ("step_counts", "TFD704"),
+        ("loops", "TFD707"),
+        ("callbacks", "TFD708"),
+    ],
+)
+def test_each_missing_piece_has_its_finding(tmp_path, drop, code):
+    audit = CheckpointAudit()
+    fit(tmp_path, [audit], model=Drops(drop, **SMALL), max_steps=2)
+    assert codes(audit) == [code]
+
+
+def test_fp16_scaler_state(tmp_path):
+    def precision():
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+    audit = CheckpointAudit()
+    fit(tmp_path / "ok", [audit], plugins=[precision()], max_steps=2)
+    assert codes(audit) == [] and audit.checked_files
+    audit = CheckpointAudit()
+    fit(tmp_path / "dropped", [audit], model=Drops("MixedPrecision", **SMALL), plugins=[precision()], max_steps=2)
+    assert codes(audit) == ["TFD706"]
+
+
+class ResetsTheLossScale(Callback):
+    """Placed before CheckpointAudit: replaces the restored GradScaler with a fresh one (scale 2**16)."""
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.precision_plugin.scaler = torch.amp.GradScaler("cpu")
+
+
+def test_fp16_resume_restores_the_loss_scale(tmp_path):
+    def precision():
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+
+    fit(tmp_path, [CheckpointAudit()], plugins=[precision()], max_steps=2)
+    ckpt = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    audit = CheckpointAudit()
+    fit(tmp_path / "healthy", [audit], plugins=[precision()], ckpt_path=ckpt)
+    assert codes(audit) == []
+    audit = CheckpointAudit()
+    fit(tmp_path / "reset", [ResetsTheLossScale(), audit], plugins=[precision()], ckpt_path=ckpt)
+    assert codes(audit) == ["TFD713"]
+    finding = audit.findings[0]
+    assert finding.evidence["now"] == 2.0**16 and finding.evidence["saved"] <= 1024.0
+
+
+class ReinitialisedAfterLoading(TinyGPT):
+    def on_fit_start(self):  # runs after the weights are restored from `ckpt_path`
+        self.apply(self._init_weights)
+
+
+class BreaksTheResume(Callback):
+    """Placed before CheckpointAudit: resets the optimizer and changes the LR after Lightning restored them."""
+
+    def on_train_start(self, trainer, pl_module):
+        optimizer = trainer.optimizers[0]
+        optimizer.state.clear()
+        for group in optimizer.param_groups:
+            group["lr"] *= 2
+
+
+def test_resume_checks(tmp_path):
+    fit(tmp_path, [CheckpointAudit()])
+    ckpt = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+
+    audit = CheckpointAudit()
+    trainer = fit(tmp_path / "healthy", [audit], ckpt_path=ckpt)
+    assert codes(audit) == []
+    assert audit._probe_loss_step == 4  # saved again after the resume, state carried over
+    assert trainer.global_step == 4
+
+    audit = CheckpointAudit()
+    fit(tmp_path / "reinit", [audit], model=ReinitialisedAfterLoading(**SMALL), ckpt_path=ckpt)
+    assert codes(audit) == ["TFD710", "TFD715"]
+    probe = next(f for f in audit.findings if f.code == "TFD715")
+    assert probe.evidence["saved_step"] == 2 and probe.step == 2
+
+    audit = CheckpointAudit()
+    fit(tmp_path / "broken", [BreaksTheResume(), audit], ckpt_path=ckpt)
+    assert codes(audit) == ["TFD711", "TFD712"]
+
+
+def test_resuming_without_optimizer_state_is_explained_before_lightning_fails(tmp_path):
+    fit(tmp_path, [CheckpointAudit()], model=TinyGPT(**SMALL, drop_optimizer_state=True), max_steps=2)
+    audit = CheckpointAudit()
+    with pytest.raises(KeyError, match="optimizer"):
+        fit(tmp_path / "resume", [audit], ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert codes(audit) == ["TFD703", "TFD705"]
+
+
+def test_built_from_lightning_cli_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_tfdebug.CheckpointAudit\n"
+        "      init_args: {probe_rows: 4, loss_rtol: 1.0e-2, on_finding: stop}\n"
+    )
+    cli = LightningCLI(TinyGPT, TinyTextDataModule, run=False, args=["--config", str(config)])
+    [audit] = [c for c in cli.trainer.callbacks if isinstance(c, CheckpointAudit)]
+    assert (audit.probe_rows, audit.loss_rtol, audit.on_finding) == (4, 1e-2, "stop")
+
+
+SAVER = {
+    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+    "init_args": {"dirpath": "ckpt", "every_n_train_steps": 2, "save_top_k": -1},
+}
+
+
+@pytest.mark.ddp
+def test_ddp_rank_zero_verifies_and_every_rank_raises_together(tmp_path):
+    spec = {
+        "strategy": "ddp",
+        "model": {**SMALL, "drop_optimizer_state": True},
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 6, "enable_checkpointing": True},
+        "callbacks": [
+            {"class_path": "lightning_tfdebug.CheckpointAudit", "init_args": {"on_finding": "raise"}},
+            SAVER,
+        ],
+    }
+    results = run_distributed(tmp_path, spec)
+    rank0, rank1 = results
+    assert sorted(f["code"] for f in rank0["findings"]["CheckpointAudit"]) == ["TFD703", "TFD705"]
+    assert rank1["findings"]["CheckpointAudit"] == []  # only rank 0 writes and reads the file
+    for r in results:  # both stop at the same step: the batch after the save at step 2
+        assert r["error"] is not None and r["error"]["type"] == "TFDebugError", r["error"]
+        assert r["global_step"] == 3
+
+
+@pytest.mark.ddp
+def test_fsdp2_sharded_checkpoints_are_reported_not_checked(tmp_path):
+    spec = {
+        "strategy": "fsdp2",
+        "model": SMALL,
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 2, "enable_checkpointing": True},
+        "callbacks": [{"class_path": "lightning_tfdebug.CheckpointAudit"}, SAVER],
+    }
+    rank0, rank1 = run_distributed(tmp_path, spec)
+    assert rank0["error"] is None and rank1["error"] is None, (rank0["error"], rank1["error"])
+    assert [f["code"] for f in rank0["findings"]["CheckpointAudit"]] == ["TFD709"]
+    assert rank1["findings"]["CheckpointAudit"] == []

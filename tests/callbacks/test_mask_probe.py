@@ -1,0 +1,391 @@
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_tfdebug import MaskProbe, TFDebugError, TFDebugWarning
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.helpers import make_trainer, read_scalars, run_distributed
+
+SMALL = dict(d_model=32, n_layers=2, n_heads=2)
+
+
+def fit(tmp_path, callbacks, model=None, **kwargs):
+    kwargs.setdefault("max_steps", 2)
+    trainer = make_trainer(tmp_path, callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(model or TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
+    return trainer
+
+
+def problems(callback):
+    """Codes of the warning and error findings (info findings such as the context limit are not problems)."""
+    return sorted({f.code for f in callback.findings if f.severity != "info"})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"probe_rows": 0}, "probe_rows"),
+        ({"probe_length": 2}, "probe_length"),
+        ({"padding_side": "middle"}, "padding_side"),
+        ({"causal": "yes"}, "causal"),
+        ({"context_limit": 0}, "context_limit"),
+        ({"forward_fn": ""}, "forward_fn"),
+        ({"input_key": ""}, "input_key"),
+        ({"every_n_steps": 0}, "every_n_steps"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        MaskProbe(**kwargs)
+
+
+class ModeSpy(Callback):
+    """Records every submodule's mode right after MaskProbe (which runs first in the list) probed."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.training = {name: m.training for name, m in pl_module.named_modules()}
+
+
+def test_healthy_tiny_transformer_raises_nothing_and_restores_modes(tmp_path):
+    model = TinyGPT(**SMALL)
+    probe, spy = MaskProbe(), ModeSpy()
+
+    class FreezeOneNorm(Callback):  # a deliberately eval-mode submodule must stay in eval mode
+        def on_train_start(self, trainer, pl_module):
+            pl_module.ln_f.eval()
+
+    trainer = fit(tmp_path, [FreezeOneNorm(), probe, spy], model=model)
+    assert problems(probe) == []
+    assert spy.training.pop("ln_f") is False
+    assert all(spy.training.values())
+    report = probe.last_report
+    assert report["mask_probe/causal_max_change"] == 0.0
+    assert report["mask_probe/padding_max_change"] == 0.0
+    assert report["mask_probe/pad_side_max_change"] == 0.0
+    assert report["mask_probe/loss_returned"] == pytest.approx(report["mask_probe/loss_shifted"], rel=1e-5)
+    assert [f.code for f in probe.findings] == ["TFD208"]  # the context limit, as information
+    assert "64 tokens" in probe.findings[0].message
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    assert "mask_probe/causal_max_change" in scalars and "mask_probe/seconds" in scalars
+    assert trainer.global_step == 2
+
+
+def test_probe_leaves_the_rng_stream_untouched(tmp_path):
+    seen = []
+
+    class Draw(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 0:
+                seen.append(torch.rand(3))
+
+    torch.manual_seed(0)
+    fit(tmp_path / "a", [Draw()], max_steps=1)
+    torch.manual_seed(0)
+    fit(tmp_path / "b", [MaskProbe(), Draw()], max_steps=1)
+    assert torch.equal(seen[0], seen[1])
+
+
+@pytest.mark.parametrize(
+    "flag, code",
+    [("no_causal_mask", "TFD201"), ("no_padding_mask", "TFD202"), ("unshifted_labels", "TFD205")],
+)
+def test_bug_zoo_rows_7_8_9(tmp_path, flag, code):
+    probe = MaskProbe()
+    fit(tmp_path, [probe], model=TinyGPT(**SMALL, **{flag: True}))
+    assert problems(probe) == [code]
+    finding = next(f for f in probe.findings if f.code == code)
+    assert finding.severity == "error"
+    if code == "TFD201":  # names the largest change and where it happened
+        assert finding.evidence["position"] <= finding.evidence["cut"]
+        assert finding.evidence["max_change"] > finding.evidence["tolerance"]
+
+
+class MaskBlindGPT(TinyGPT):
+    """A forward that takes no attention mask at all, trained on padded batches."""
+
+    def forward(self, input_ids):
+        return super().forward(input_ids, None)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(self(batch["input_ids"]), batch["labels"])
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_padded_batches_for_a_model_without_a_mask_argument(tmp_path):
+    probe = MaskProbe()
+    fit(tmp_path, [probe], model=MaskBlindGPT(**SMALL))
+    assert problems(probe) == ["TFD204"]
+    assert "padding_max_change" not in str(probe.last_report)  # nothing to probe the mask with
+
+
+def test_left_padding_on_a_model_whose_positions_ignore_the_mask(tmp_path):
+    # TinyGPT numbers positions 0..T-1 whatever the mask says: padding added on the left shifts every real token's
+    # position, so its logits move with the amount of padding (it only supports right padding)
+    probe = MaskProbe(padding_side="left")
+    fit(tmp_path, [probe], max_steps=1)
+    assert problems(probe) == ["TFD203"]
+    finding = next(f for f in probe.findings if f.code == "TFD203")
+    assert finding.evidence["side"] == "left" and finding.evidence["max_change"] > finding.evidence["tolerance"]
+    assert probe.last_report["mask_probe/padding_max_change"] == 0.0  # the mask itself works
+
+
+def test_unshifted_labels_under_bf16_true_are_decided_once_the_model_has_learned(tmp_path):
+    # a bf16 loss is too coarse to tell the two alignments apart on a fresh model: the probe retries at the fixed
+    # steps 1, 5, 20, 50 and decides when the copy task has made the unshifted loss clearly lower
+    probe = MaskProbe()
+    fit(tmp_path, [probe], model=TinyGPT(**SMALL, unshifted_labels=True), precision="bf16-true", max_steps=51)
+    [finding] = [f for f in probe.findings if f.code == "TFD205"]
+    assert finding.step > 0 and finding.evidence["loss_unshifted"] < finding.evidence["loss_shifted"]
+    assert probe._alignment_decided
+
+
+def test_encoder_mode_skips_causality(tmp_path):
+    probe = MaskProbe(causal=False)
+    fit(tmp_path, [probe], model=TinyGPT(**SMALL, no_causal_mask=True))
+    assert problems(probe) == []
+    assert "mask_probe/causal_max_change" not in probe.last_report
+
+
+def test_raise_stops_the_run_at_fit_start(tmp_path):
+    trainer = make_trainer(tmp_path, [MaskProbe(on_finding="raise")], max_steps=3)
+    with warnings.catch_warnings(), pytest.raises(TFDebugError, match="TFD201"):
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(TinyGPT(**SMALL, no_causal_mask=True), TinyTextDataModule(batch_size=8))
+    assert trainer.global_step == 0
+
+
+def test_labels_shifted_twice(tmp_path):
+    class DoubleShiftData(TinyTextDataModule):
+        def train_dataloader(self):
+            loader = super().train_dataloader()
+            collate = loader.collate_fn
+
+            def shifted(samples):
+                batch = collate(samples)
+                labels = torch.full_like(batch["labels"], -100)
+                labels[:, :-1] = batch["labels"][:, 1:]
+                return {**batch, "labels": labels}
+
+            return torch.utils.data.DataLoader(loader.dataset, batch_size=8, collate_fn=shifted)
+
+    probe = MaskProbe()
+    trainer = make_trainer(tmp_path, [probe], max_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(TinyGPT(**SMALL), DoubleShiftData(batch_size=8))
+    assert problems(probe) == ["TFD206"]
+    # the same pre-shifted data with a loss that does not shift again is correct
+    probe = MaskProbe()
+    trainer = make_trainer(tmp_path / "ok", [probe], max_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(TinyGPT(**SMALL, unshifted_labels=True), DoubleShiftData(batch_size=8))
+    assert problems(probe) == []
+
+
+def test_model_failing_within_its_stated_context_limit(tmp_path):
+    probe = MaskProbe(context_limit=96)  # TinyGPT's position table holds 64
+    fit(tmp_path, [probe])
+    assert "TFD207" in problems(probe)
+    assert "96" in next(f for f in probe.findings if f.code == "TFD207").message
+
+
+def full_prefix_decode(pl_module, input_ids):
+    """A reference incremental decoder: position t sees exactly tokens 0..t."""
+    return torch.cat([pl_module(input_ids[:, : t + 1])[:, -1:] for t in range(input_ids.shape[1])], dim=1)
+
+
+def off_by_one_decode(pl_module, input_ids):
+    """A cache bug: the step for position t is run with the prefix shifted by one position."""
+    out = [pl_module(input_ids[:, :1])[:, -1:]]
+    for t in range(1, input_ids.shape[1]):
+        out.append(pl_module(input_ids[:, 1 : t + 1])[:, -1:])
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("fn, codes", [("full_prefix_decode", []), ("off_by_one_decode", ["TFD209"])])
+def test_kv_cache_fn(tmp_path, fn, codes):
+    probe = MaskProbe(kv_cache_fn=f"tests.callbacks.test_mask_probe:{fn}", probe_length=16)
+    fit(tmp_path, [probe], max_steps=1)
+    assert problems(probe) == codes
+
+
+class DictForwardGPT(TinyGPT):
+    """A model whose forward takes the whole batch dict: MaskProbe cannot guess how to call it."""
+
+    def forward(self, batch):
+        return super().forward(batch["input_ids"], batch.get("attention_mask"))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(self(batch), batch["labels"])
+        self.log("train/loss", loss)
+        return loss
+
+
+def call_dict_forward(pl_module, input_ids, attention_mask):
+    return pl_module({"input_ids": input_ids, "attention_mask": attention_mask})
+
+
+def test_cannot_call_says_which_argument_and_stands_aside(tmp_path):
+    probe = MaskProbe()
+    with pytest.warns(TFDebugWarning, match="forward_fn"):
+        trainer = make_trainer(tmp_path, [probe], max_steps=2)
+        trainer.fit(DictForwardGPT(**SMALL), TinyTextDataModule(batch_size=8))
+    assert [f.code for f in probe.findings] == ["TFD211"]
+    assert not probe.active
+    assert trainer.global_step == 2  # training went on
+
+
+def test_forward_fn_makes_an_unusual_model_callable(tmp_path):
+    probe = MaskProbe(forward_fn="tests.callbacks.test_mask_probe:call_dict_forward")
+    fit(tmp_path, [probe], model=DictForwardGPT(**SMALL, no_causal_mask=True))
+    assert problems(probe) == ["TFD201"]
+
+
+def test_probes_again_every_n_steps_and_state_round_trips(tmp_path):
+    probe = MaskProbe(every_n_steps=2)
+    fit(tmp_path, [probe], max_steps=5)
+    assert probe._last_probe_step == 4
+    restored = MaskProbe(every_n_steps=2)
+    restored.load_state_dict(probe.state_dict())
+    assert restored._alignment_decided is True
+    assert restored._emitted == probe._emitted
+
+
+# ---------------------------------------------------------------- Hugging Face GPT-2 (random weights, no download)
+try:
+    import transformers
+except ImportError:  # the `test` extra installs it; without it only these tests are skipped
+    transformers = None
+needs_transformers = pytest.mark.skipif(transformers is None, reason="needs `transformers`")
+
+
+class HFGPT2(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=259, n_positions=64, attn_implementation="eager"
+        )
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    def training_step(self, batch, batch_idx):
+        loss = self(**batch).loss  # Hugging Face shifts the labels inside the model
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@needs_transformers
+def test_hugging_face_gpt2_passes(tmp_path):
+    probe = MaskProbe()
+    fit(tmp_path, [probe], model=HFGPT2(), max_steps=1)
+    assert problems(probe) == []
+    assert probe.last_report["mask_probe/context_limit"] == 64.0
+    assert probe.last_report["mask_probe/loss_returned"] == pytest.approx(
+        probe.last_report["mask_probe/loss_shifted"], rel=1e-5
+    )
+
+
+@needs_transformers
+def test_hugging_face_gpt2_without_its_causal_mask_is_caught(tmp_path, monkeypatch):
+    from transformers import masking_utils
+    from transformers.models.gpt2 import modeling_gpt2
+
+    def bidirectional(config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None, **kwargs):
+        # the decoder builds an encoder's (padding-only) mask: every position sees the future
+        return masking_utils.create_bidirectional_mask(
+            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+        )
+
+    monkeypatch.setattr(modeling_gpt2, "create_causal_mask", bidirectional)
+    probe = MaskProbe()
+    fit(tmp_path, [probe], model=HFGPT2(), max_steps=1)
+    assert problems(probe) == ["TFD201"]
+
+
+def hf_cached_decode(pl_module, input_ids, position_offset=0):
+    """Token-by-token decoding with GPT-2's own KV cache (`past_key_values`)."""
+    past, logits = None, []
+    for t in range(input_ids.shape[1]):
+        position_ids = torch.full_like(input_ids[:, :1], t + position_offset)
+        out = pl_module.model(input_ids=input_ids[:, t : t + 1], past_key_values=past, position_ids=position_ids)
+        past = out.past_key_values
+        logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+def hf_cached_decode_off_by_one(pl_module, input_ids):
+    return hf_cached_decode(pl_module, input_ids, position_offset=1)
+
+
+@needs_transformers
+@pytest.mark.parametrize("fn, codes", [("hf_cached_decode", []), ("hf_cached_decode_off_by_one", ["TFD209"])])
+def test_hugging_face_gpt2_kv_cache_positions(tmp_path, fn, codes):
+    probe = MaskProbe(kv_cache_fn=f"tests.callbacks.test_mask_probe:{fn}", probe_length=12)
+    fit(tmp_path, [probe], model=HFGPT2(), max_steps=1)
+    assert problems(probe) == codes
+    if codes:
+        finding = next(f for f in probe.findings if f.code == "TFD209")
+        assert finding.evidence["first_position"] == 0  # every cached step is one position off, from the first
+
+
+# ---------------------------------------------------------------- YAML and DDP
+def test_built_from_lightning_cli_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_tfdebug.MaskProbe\n"
+        "      init_args: {causal: false, probe_rows: 3, padding_side: left, context_limit: 32,"
+        " forward_fn: 'tests.callbacks.test_mask_probe:call_dict_forward'}\n"
+    )
+    cli = LightningCLI(TinyGPT, TinyTextDataModule, run=False, args=["--config", str(config)])
+    [probe] = [c for c in cli.trainer.callbacks if isinstance(c, MaskProbe)]
+    assert (probe.causal, probe.probe_rows, probe.padding_side, probe.context_limit) == (False, 3, "left", 32)
+    assert probe.forward_fn.endswith("call_dict_forward")
+
+
+@pytest.mark.ddp
+def test_ddp_catches_causal_and_label_bugs_on_every_rank(tmp_path):
+    spec = {
+        "strategy": "ddp",
+        "model": {**SMALL, "no_causal_mask": True, "unshifted_labels": True},
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 2},
+        "callbacks": [{"class_path": "lightning_tfdebug.MaskProbe"}],
+    }
+    for r in run_distributed(tmp_path, spec):
+        assert r["error"] is None, r["error"]
+        codes = sorted({f["code"] for f in r["findings"]["MaskProbe"] if f["severity"] != "info"})
+        assert codes == ["TFD201", "TFD205"], (r["rank"], codes)
+        assert r["global_step"] == 2
+
+
+@pytest.mark.ddp
+def test_ddp_healthy_run_with_raise_passes_its_retry_steps_together(tmp_path):
+    # retry steps 1 and 5 call `resolve_local_findings` (a collective under "raise") on every rank, whether or not a
+    # rank still has the target alignment to decide; a healthy run must neither raise nor hang
+    spec = {
+        "strategy": "ddp",
+        "model": SMALL,
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 6},
+        "callbacks": [{"class_path": "lightning_tfdebug.MaskProbe", "init_args": {"on_finding": "raise"}}],
+    }
+    for r in run_distributed(tmp_path, spec):
+        assert r["error"] is None, r["error"]
+        assert [f["code"] for f in r["findings"]["MaskProbe"]] == ["TFD208"]
+        assert r["metrics"]["mask_probe/causal_max_change"] == 0.0
+        assert r["global_step"] == 6

@@ -1,0 +1,299 @@
+import contextlib
+import io
+import json
+import re
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+from lightning_tfdebug import NaNFirstFrame, TFDebugError, TFDebugWarning, read_findings
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.helpers import make_trainer, read_scalars, run_distributed
+
+SMALL = dict(d_model=32, n_layers=2, n_heads=2)
+# d_model 64: blocks.0.mlp.fc outputs reach ~0.6, so the 1e5 of bug 15 pushes them past fp16's 65504 (from step 1)
+OVERFLOW = dict(d_model=64, n_layers=2, n_heads=2, overflow_module="blocks.0.mlp.fc")
+
+
+def fp16():
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+def fit(tmp_path, callbacks, model=None, **kwargs):
+    trainer = make_trainer(tmp_path, callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(model or TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
+    return trainer
+
+
+def hooks_left(model: nn.Module) -> int:
+    """Frame hooks still attached (the bug flags and FSDP2 add hooks of their own, which are not counted)."""
+    hooks = [h for m in model.modules() for h in (*m._forward_hooks.values(), *m._backward_hooks.values())]
+    return sum("FrameRecorder" in getattr(h, "__qualname__", "") for h in hooks)
+
+
+class Snapshots(pl.Callback):
+    """Keeps each step's batch and the weights as they were when the step started."""
+
+    def __init__(self):
+        self.batches, self.weights = {}, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches[trainer.global_step] = {k: v.clone() for k, v in batch.items()}
+        self.weights[trainer.global_step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "always"}, "mode"),
+        ({"max_frames": 0}, "max_frames"),
+        ({"max_reports": -1}, "max_reports"),
+        ({"check_gradients": "yes"}, "check_gradients"),
+        ({"skip_nonfinite_steps": 1}, "skip_nonfinite_steps"),
+        ({"on_finding": "ignore"}, "on_finding"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        NaNFirstFrame(**kwargs)
+
+
+def test_fp16_overflow_names_the_module_skips_the_step_and_writes_the_report(tmp_path):
+    """Bug 15 in lazy mode: the first bad step is replayed; weights stay as they were before it."""
+    snaps, nff = Snapshots(), NaNFirstFrame(on_finding="stop")
+    model = TinyGPT(**OVERFLOW)
+    trainer = fit(tmp_path, [snaps, nff], model=model, max_steps=10, plugins=[fp16()])
+    [finding] = nff.findings
+    assert finding.code == "TFD401" and finding.severity == "error"
+    assert finding.evidence["module"] == "blocks.0.mlp.fc" and finding.evidence["ranks"] == [0]
+    step = finding.step
+    assert trainer.global_step == step + 1  # stopped right after the bad step
+    for name, p in model.named_parameters():  # the bad step was not applied
+        assert torch.equal(p.detach(), snaps.weights[step][name]), name
+    report = json.loads(Path(finding.evidence["report_json"]).read_text())
+    assert Path(finding.evidence["report"]).name == f"nan-step{step}-rank0.txt"
+    assert (report["step"], report["rank"], report["precision"], report["mode"]) == (step, 0, "16-mixed", "lazy")
+    assert report["loss_nonfinite"] and report["first_forward"]["module"] == "blocks.0.mlp.fc"
+    assert report["first_forward"]["tensor"] == "output"
+    last = report["forward_frames"][-1]
+    assert last["module"] == "blocks.0.mlp.fc" and not last["finite"]
+    labels = [e["label"] for e in last["entries"]]
+    assert labels == ["weight", "bias", "input[0]", "output"]
+    out = last["entries"][-1]
+    assert out["dtype"] == "float16" and out["abs_max"] == "inf" and out["fp16_headroom"] is None
+    before = report["forward_frames"][-2]
+    assert before["finite"] and all(float(e["fp16_headroom"]) > 1 for e in before["entries"])
+    assert report["first_backward"] is not None  # the overflow reaches the gradients too
+    text = Path(finding.evidence["report"]).read_text()
+    assert "blocks.0.mlp.fc Linear   <-- non-finite" in text and "fp16 room" in text
+    assert read_findings(Path(nff.tfdebug_dir) / "findings-rank0.jsonl")[0].evidence["module"] == "blocks.0.mlp.fc"
+    assert hooks_left(model) == 0  # the replay removed every hook it attached
+
+
+def _hf_first_module(model: TinyGPT, batch: dict) -> str:
+    """The module Hugging Face's DebugUnderflowOverflow names on the same forward (it prints, then raises)."""
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    debug = DebugUnderflowOverflow(model)
+    printed = io.StringIO()
+    try:
+        with (
+            contextlib.redirect_stdout(printed),
+            pytest.raises(ValueError, match="inf/nan detected"),
+            torch.autocast("cpu", dtype=torch.float16),
+        ):
+            model(batch["input_ids"], batch.get("attention_mask"))
+    finally:
+        for m in model.modules():  # DebugUnderflowOverflow keeps no handles: remove its hooks by identity
+            for key, hook in list(m._forward_hooks.items()):
+                if getattr(hook, "__self__", None) is debug:
+                    del m._forward_hooks[key]
+    frames = re.findall(r"^ {18}(\S+) (\w+)$", printed.getvalue(), re.M)
+    return frames[-1][0]
+
+
+def test_eager_mode_names_the_same_module_as_lazy_mode_and_hugging_face(tmp_path):
+    snaps, nff = Snapshots(), NaNFirstFrame(mode="eager", on_finding="stop")
+    model = TinyGPT(**OVERFLOW)
+    fit(tmp_path, [snaps, nff], model=model, max_steps=10, plugins=[fp16()])
+    [finding] = nff.findings
+    assert finding.code == "TFD401" and finding.evidence["module"] == "blocks.0.mlp.fc"
+    report = json.loads(Path(finding.evidence["report_json"]).read_text())
+    assert report["mode"] == "eager" and report["first_forward"]["module"] == "blocks.0.mlp.fc"
+    assert hooks_left(model) == 0  # eager hooks are gone after fit
+    # same weights (the bad step was skipped), same batch: the anchor tool agrees
+    model.train()
+    assert _hf_first_module(model, snaps.batches[finding.step]) == "blocks.0.mlp.fc"
+
+
+def test_nan_inside_a_module_in_32_bit_with_raise_writes_the_report_first(tmp_path):
+    nff = NaNFirstFrame(on_finding="raise", max_frames=4)
+    model = TinyGPT(nan_module="blocks.1.attn.proj", nan_at_step=3, **SMALL)
+    trainer = make_trainer(tmp_path, [nff], max_steps=10)
+    with warnings.catch_warnings(), pytest.raises(TFDebugError, match=r"blocks\.1\.attn\.proj") as raised:
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(model, TinyTextDataModule(batch_size=8))
+    [finding] = raised.value.findings
+    assert finding.step == 3 and finding.evidence["module"] == "blocks.1.attn.proj"
+    report = json.loads(Path(finding.evidence["report_json"]).read_text())
+    assert report["loss_nonfinite"] and report["grad_nonfinite"] and report["precision"] == "32-true"
+    assert len(report["forward_frames"]) == 4  # the ring: the last max_frames frames up to the first bad one
+    assert [f["module"] for f in report["forward_frames"]][-2:] == ["blocks.1.attn.qkv", "blocks.1.attn.proj"]
+    assert report["first_backward"]["module"] is not None
+    assert hooks_left(model) == 0
+
+
+def test_nan_in_the_loss_outside_any_module_is_named_as_the_training_step(tmp_path):
+    """Bug 23's mechanism in one process: the model's outputs are finite, the loss is not."""
+    nff = NaNFirstFrame()
+    fit(tmp_path, [nff], model=TinyGPT(nan_on_rank=0, nan_at_step=2, **SMALL), max_steps=5)
+    [finding] = nff.findings  # one report; the later bad steps are skipped and counted
+    assert finding.code == "TFD401" and finding.step == 2
+    assert finding.evidence["module"] == "training_step" and finding.evidence["backward_module"] == "head"
+    assert nff.skipped_steps == 3
+    assert dict(read_scalars(Path(nff._log_dir))["nan_first_frame/skipped_steps"]) == {2: 1.0, 3: 2.0, 4: 3.0}
+
+
+class SideBranchGPT(TinyGPT):
+    """Computes a discarded branch whose output is nan: the loss never sees it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.side = nn.Sequential(nn.Linear(kwargs["d_model"], 4), LogOfNegative())
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = super().forward(input_ids, attention_mask)
+        self.side(self.tok_emb(input_ids))  # result discarded
+        return logits
+
+
+class LogOfNegative(nn.Module):
+    def forward(self, x):
+        return (x.abs() + 1).neg().log()
+
+
+def test_eager_mode_finds_nan_that_never_reaches_the_loss_and_lazy_mode_stays_silent(tmp_path):
+    eager, lazy = NaNFirstFrame(mode="eager"), NaNFirstFrame()
+    fit(tmp_path, [eager, lazy], model=SideBranchGPT(**SMALL), max_steps=3)
+    assert lazy.findings == [] and lazy.skipped_steps == 0
+    [finding] = eager.findings
+    assert finding.code == "TFD402" and finding.severity == "warning"
+    assert finding.evidence["module"] == "side.1" and eager.skipped_steps == 0
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_healthy_runs_raise_nothing(tmp_path, precision, mode):
+    nff = NaNFirstFrame(mode=mode)
+    kwargs = {"plugins": [fp16()]} if precision == "16-mixed" else {"precision": precision}
+    model = TinyGPT(**SMALL)
+    fit(tmp_path, [nff], model=model, max_steps=6, **kwargs)
+    assert nff.findings == [] and nff.skipped_steps == 0 and nff.reports == []
+    assert hooks_left(model) == 0
+
+
+class FailingReplayGPT(TinyGPT):
+    """Its loss turns nan at step 2, and the replay of that step raises."""
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 2:
+            self.calls = getattr(self, "calls", 0) + 1
+            if self.calls == 2:
+                raise RuntimeError("replay exploded")
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == 2 else loss
+
+
+def test_a_failing_replay_still_removes_its_hooks_and_reports(tmp_path):
+    nff = NaNFirstFrame()
+    model = FailingReplayGPT(**SMALL)
+    fit(tmp_path, [nff], model=model, max_steps=4)
+    [finding] = nff.findings
+    assert finding.code == "TFD403" and "replay exploded" in finding.message
+    assert Path(finding.evidence["report"]).exists() and hooks_left(model) == 0
+    assert nff.skipped_steps == 1  # the bad step was still skipped, and training went on
+
+
+def test_state_survives_a_checkpoint_resume(tmp_path):
+    first = NaNFirstFrame()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    model_kwargs = dict(nan_on_rank=0, nan_at_step=2, **SMALL)
+    fit(tmp_path, [first, ckpt], model=TinyGPT(**model_kwargs), max_steps=4, enable_checkpointing=True)
+    assert first.skipped_steps == 2 and len(first.reports) == 1
+    resumed = NaNFirstFrame()
+    trainer = make_trainer(tmp_path, [resumed], max_steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(
+            TinyGPT(**model_kwargs), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt/last.ckpt")
+        )
+    assert resumed.skipped_steps == 3
+    assert resumed.reports == first.reports and resumed.findings == []  # max_reports=1 was already used
+
+
+def test_built_from_lightning_cli_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        """
+trainer:
+  callbacks:
+    - class_path: lightning_tfdebug.NaNFirstFrame
+      init_args:
+        mode: eager
+        on_finding: stop
+        max_frames: 8
+        check_gradients: false
+"""
+    )
+    cli = LightningCLI(TinyGPT, TinyTextDataModule, run=False, args=["--config", str(config)])
+    [nff] = [c for c in cli.trainer.callbacks if isinstance(c, NaNFirstFrame)]
+    assert (nff.mode, nff.on_finding, nff.max_frames, nff.check_gradients) == ("eager", "stop", 8, False)
+
+
+def dist_extra(trainer, model, callbacks):
+    """Per rank: the reports it wrote and whether any frame hook outlived the fit."""
+    [nff] = [c for c in callbacks if isinstance(c, NaNFirstFrame)]
+    return {"reports": nff.reports, "skipped": nff.skipped_steps, "hooks": hooks_left(model)}
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "strategy, on_finding, mode", [("ddp", "raise", "lazy"), ("fsdp2", "stop", "lazy"), ("ddp", "stop", "eager")]
+)
+def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, strategy, on_finding, mode):
+    """Bug 23: a module turns nan on rank 1 only. No rank hangs; every rank acts at step 3 and names rank 1."""
+    spec = {
+        "strategy": strategy,
+        "model": {**SMALL, "nan_module": "blocks.1.mlp.fc", "nan_module_rank": 1, "nan_at_step": 3},
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 8},
+        "callbacks": [
+            {"class_path": "lightning_tfdebug.NaNFirstFrame", "init_args": {"on_finding": on_finding, "mode": mode}}
+        ],
+        "extra": "tests.callbacks.test_nan_first_frame:dist_extra",
+    }
+    results = run_distributed(tmp_path, spec, timeout=150)
+    for r in results:
+        [finding] = r["findings"]["NaNFirstFrame"]
+        assert finding["code"] == "TFD401" and finding["step"] == 3
+        assert finding["evidence"]["module"] == "blocks.1.mlp.fc" and finding["evidence"]["module_rank"] == 1
+        assert finding["evidence"]["ranks"] == [1]
+        assert r["extra"]["hooks"] == 0 and len(r["extra"]["reports"]) == 1
+        if on_finding == "raise":
+            assert r["error"]["type"] == "TFDebugError"
+        else:
+            assert r["error"] is None and r["global_step"] == 4
+    report = json.loads(Path(results[1]["extra"]["reports"][0]).with_suffix(".json").read_text())
+    assert report["rank"] == 1 and report["first_forward"]["module"] == "blocks.1.mlp.fc"
+    assert json.loads(Path(results[0]["extra"]["reports"][0]).with_suffix(".json").read_text())["first_forward"] is None

@@ -1,0 +1,324 @@
+import json
+import time
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_tfdebug import PerRankLogger, TFDebugWarning, ThroughputMonitor
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.helpers import make_trainer, read_csv_metrics, read_scalars, run_distributed
+
+SMALL = dict(d_model=32, n_layers=2, n_heads=2)
+
+
+def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
+    trainer = make_trainer(tmp_path, callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(model or TinyGPT(**SMALL), data or TinyTextDataModule(batch_size=8))
+    return trainer
+
+
+class TokenReference(pl.Callback):
+    """Independent count: non-padding tokens (attention mask) and a wall-clock stamp at every optimizer-step end."""
+
+    def __init__(self):
+        self.tokens = 0
+        self.positions = 0
+        self.samples = 0
+        self.ends: dict[int, float] = {}
+        self.cumulative: dict[int, tuple[int, int]] = {}
+        self.sample_counts: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.step = trainer.global_step
+        self.tokens += int(batch["attention_mask"].sum())
+        self.positions += batch["attention_mask"].numel()
+        self.samples += batch["attention_mask"].shape[0]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step:  # an optimizer step ended (not an accumulating micro-batch)
+            self.ends[self.step] = time.perf_counter()
+            self.cumulative[self.step] = (self.tokens, self.positions)
+            self.sample_counts[self.step] = self.samples
+
+    def window(self, a, b):
+        """(tokens, positions, seconds) between the ends of optimizer steps a and b."""
+        return (
+            self.cumulative[b][0] - self.cumulative[a][0],
+            self.cumulative[b][1] - self.cumulative[a][1],
+            self.ends[b] - self.ends[a],
+        )
+
+
+def token_reference_results(trainer, model, callbacks):
+    ref = next(c for c in callbacks if isinstance(c, TokenReference))
+    return {"ends": ref.ends, "cumulative": ref.cumulative}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"window": 0}, "window"),
+        ({"wait_threshold": 0}, "wait_threshold"),
+        ({"padding_threshold": 1.5}, "padding_threshold"),
+        ({"regression_factor": 1.0}, "regression_factor"),
+        ({"patience": 0}, "patience"),
+        ({"memory_threshold": 0}, "memory_threshold"),
+        ({"peak_flops": -1.0}, "peak_flops"),
+        ({"profile_steps": (5, 5)}, "profile_steps"),
+        ({"profile_steps": [3]}, "profile_steps"),
+        ({"length_fn": "no_such_module_xyz.count"}, "could not be imported"),
+        ({"length_fn": 3}, "length_fn"),
+        ({"every_n_steps": 0}, "every_n_steps"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ThroughputMonitor(**kwargs)
+
+
+def test_tokens_per_sec_matches_an_independent_count_and_keys_reach_loggers(tmp_path):
+    reference, monitor = TokenReference(), ThroughputMonitor(every_n_steps=5)
+    # 95 training documents, 11 batches an epoch: the window of steps 11-15 starts a new epoch (a new iterator)
+    trainer = fit(tmp_path, [reference, monitor], data=TinyTextDataModule(batch_size=8, n_documents=100), max_steps=16)
+    assert trainer.current_epoch >= 1
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    logged = dict(scalars["throughput/tokens_per_sec"])
+    assert sorted(logged) == [0, 5, 10, 15]
+    for a, b in ((5, 10), (10, 15)):
+        tokens, positions, seconds = reference.window(a, b)
+        # same window, stamps taken microseconds apart by the two callbacks
+        assert logged[b] == pytest.approx(tokens / seconds, rel=0.03)
+        assert dict(scalars["throughput/padding_frac"])[b] == pytest.approx(1 - tokens / positions, abs=1e-6)
+        assert dict(scalars["throughput/samples_per_sec"])[b] == pytest.approx(8 * 5 / seconds, rel=0.03)
+    assert dict(scalars["throughput/tokens_per_sec_per_device"])[15] == pytest.approx(logged[15], rel=1e-6)
+    for key in ("throughput/step_time_ms", "throughput/dataloader_wait_frac", "memory/peak_allocated_gib"):
+        assert key in scalars
+    assert dict(scalars["memory/reserved_gib"])[15] > 0.01  # process RSS on CPU
+    assert 0 <= dict(scalars["throughput/dataloader_wait_frac"])[15] < 0.2
+    assert "throughput/mfu" not in scalars  # CPU without peak_flops: no MFU
+    rows = [r for r in read_csv_metrics(tmp_path / "csv" / "version_0") if r.get("throughput/tokens_per_sec")]
+    assert [int(r["step"]) for r in rows] == [0, 5, 10, 15]
+    assert monitor.findings == []
+
+
+def count_supervised(batch):
+    return (batch["labels"] != -100).sum()
+
+
+def test_length_fn_by_import_path_and_gradient_accumulation_counts_every_micro_batch(tmp_path):
+    reference = TokenReference()
+    monitor = ThroughputMonitor(every_n_steps=3, length_fn="tests.callbacks.test_throughput_monitor.count_supervised")
+    fit(tmp_path, [reference, monitor], max_steps=7, accumulate_grad_batches=2)
+    logged = dict(read_scalars(tmp_path / "tb" / "version_0")["throughput/samples_per_sec"])
+    assert sorted(logged) == [0, 3, 6]
+    _, _, seconds = reference.window(3, 6)
+    # 3 optimizer steps x 2 micro-batches x 8 samples
+    assert logged[6] == pytest.approx(48 / seconds, rel=0.03)
+    # labels equal the mask here, so the supervised count equals the non-padding count
+    tokens, _, _ = reference.window(3, 6)
+    assert dict(read_scalars(tmp_path / "tb" / "version_0")["throughput/tokens_per_sec"])[6] == pytest.approx(
+        tokens / seconds, rel=0.03
+    )
+
+
+class VariableBatches(TinyTextDataModule):
+    """Batches of 3, 8 and 13 sequences in turn (each padded to its own longest sequence)."""
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        sizes, batches, start = [3, 8, 13], [], 0
+        while start + 13 <= len(self.train_set):
+            size = sizes[len(batches) % 3]
+            batches.append(list(range(start, start + size)))
+            start += size
+        return DataLoader(self.train_set, batch_sampler=batches, collate_fn=loader.collate_fn)
+
+
+def test_variable_batch_sizes_and_lengths_count_for_what_they_are(tmp_path):
+    reference, monitor = TokenReference(), ThroughputMonitor(every_n_steps=3)
+    fit(tmp_path, [reference, monitor], data=VariableBatches(batch_size=8), max_steps=7)
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    tokens, positions, seconds = reference.window(3, 6)
+    samples = reference.sample_counts[6] - reference.sample_counts[3]
+    assert samples == 3 + 8 + 13  # steps 4, 5, 6
+    assert dict(scalars["throughput/samples_per_sec"])[6] == pytest.approx(samples / seconds, rel=0.03)
+    assert dict(scalars["throughput/tokens_per_sec"])[6] == pytest.approx(tokens / seconds, rel=0.03)
+    assert dict(scalars["throughput/padding_frac"])[6] == pytest.approx(1 - tokens / positions, abs=1e-6)
+
+
+def test_slow_dataset_is_data_loading_bound(tmp_path):
+    """Bug 19: a sleeping ``__getitem__``."""
+    monitor, ranks = ThroughputMonitor(every_n_steps=2, patience=3), PerRankLogger(every_n_steps=2)
+    fit(tmp_path, [monitor, ranks], data=TinyTextDataModule(batch_size=8, slow_getitem_s=0.004), max_steps=9)
+    [finding] = [f for f in monitor.findings if f.code == "TFD601"]
+    assert finding.severity == "warning" and finding.evidence["dataloader_wait_frac"] > 0.5
+    assert "num_workers" in finding.hint
+    # the per-rank record of each measured step holds that step's wait: 8 samples x at least 4 ms of sleep
+    records = (tmp_path / "tb" / "version_0" / "tfdebug" / "rank0.jsonl").read_text().splitlines()
+    waits = [json.loads(line)["dataloader_wait_ms"] for line in records]
+    assert len(waits) == 5 and all(w >= 32 for w in waits[1:])
+    assert ranks.findings == []  # one process: no cross-rank finding
+
+
+class PaddedData(TinyTextDataModule):
+    """Keeps only the first 24 tokens of every row and pads the rest, as a too-long fixed padding length does."""
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        collate = loader.collate_fn
+
+        def padded(samples):
+            batch = collate(samples)
+            batch["input_ids"][:, 24:] = 256
+            batch["attention_mask"][:, 24:] = 0
+            batch["labels"][:, 24:] = -100
+            return batch
+
+        loader.collate_fn = padded
+        return loader
+
+
+def test_padding_waste(tmp_path):
+    monitor = ThroughputMonitor(every_n_steps=1, patience=2)
+    fit(tmp_path, [monitor], data=PaddedData(batch_size=8), max_steps=3)
+    [finding] = [f for f in monitor.findings if f.code == "TFD602"]
+    assert finding.severity == "info" and finding.evidence["padding_frac"] > 0.5
+
+
+class SlowsDown(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step >= 14:
+            time.sleep(0.04)
+        return super().training_step(batch, batch_idx)
+
+
+def test_step_time_regressing_against_the_early_window(tmp_path):
+    monitor = ThroughputMonitor(every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2)
+    fit(tmp_path, [monitor], model=SlowsDown(**SMALL), max_steps=24)
+    [finding] = [f for f in monitor.findings if f.code == "TFD603"]
+    assert finding.evidence["ratio_to_early"] > 1.5 and finding.step >= 16
+
+
+def test_memory_close_to_capacity(tmp_path):
+    monitor = ThroughputMonitor(every_n_steps=1, memory_threshold=1e-6)  # any process is "close" to this
+    fit(tmp_path, [monitor], max_steps=1)
+    [finding] = [f for f in monitor.findings if f.code == "TFD604"]
+    assert finding.evidence["memory_frac"] > 1e-6
+
+
+def test_mfu_from_flop_counter_and_a_given_peak(tmp_path):
+    monitor = ThroughputMonitor(every_n_steps=4, peak_flops=1e12)
+    fit(tmp_path, [monitor], max_steps=9)
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    # independent: FLOPs of one forward+backward on a batch of the same width, per position
+    model = TinyGPT(**SMALL)
+    batch = next(iter(TinyTextDataModule(batch_size=8).train_dataloader()))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        model.loss(model(batch["input_ids"], batch["attention_mask"]), batch["labels"]).backward()
+    expected = counter.get_total_flops() / batch["input_ids"].numel()
+    assert monitor.flops_per_token == pytest.approx(expected, rel=0.15)  # attention cost varies a little with width
+    mfu = dict(scalars["throughput/mfu"])
+    tps = dict(scalars["throughput/tokens_per_sec_per_device"])
+    assert sorted(mfu) == [4, 8]
+    assert mfu[8] == pytest.approx(monitor.flops_per_token * tps[8] / 1e12, rel=1e-4)
+
+
+def test_profile_steps_write_a_trace_and_a_top_operators_table(tmp_path):
+    monitor = ThroughputMonitor(every_n_steps=10, profile_steps=[2, 4], profile_row_limit=10)
+    trainer = fit(tmp_path, [monitor], max_steps=5)
+    out = tmp_path / "tb" / "version_0" / "tfdebug" / "profile"
+    trace = json.loads((out / "rank0.pt.trace.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("aten::" in n for n in names)
+    table = (out / "rank0-top_ops.txt").read_text()
+    assert "optimizer steps 2 to 3" in table and "Self CPU" in table
+    assert trainer.global_step == 5
+
+
+def test_state_is_saved_and_restored_on_resume(tmp_path):
+    first = ThroughputMonitor(every_n_steps=2, skip_steps=1, baseline_steps=3, peak_flops=1e12)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(tmp_path, [first, ckpt], max_steps=6, enable_checkpointing=True)
+    assert len(first._baseline) == 3 and first.flops_per_token
+    resumed = ThroughputMonitor(every_n_steps=2, skip_steps=1, baseline_steps=3, peak_flops=1e12)
+    trainer = make_trainer(tmp_path, [resumed], max_steps=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert list(resumed._baseline.values) == list(first._baseline.values)
+    assert resumed.flops_per_token == first.flops_per_token
+    assert resumed._steps_seen == 7
+
+
+def test_built_from_lightning_cli_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        """
+trainer:
+  callbacks:
+    - class_path: lightning_tfdebug.ThroughputMonitor
+      init_args:
+        every_n_steps: 25
+        profile_steps: [10, 12]
+        peak_flops: 3.0e+14
+        length_fn: tests.callbacks.test_throughput_monitor.count_supervised
+        on_finding: stop
+    - class_path: lightning_tfdebug.PerRankLogger
+      init_args:
+        every_n_steps: 10
+        straggler_factor: 2.0
+"""
+    )
+    cli = LightningCLI(TinyGPT, TinyTextDataModule, run=False, args=["--config", str(config)])
+    [monitor] = [c for c in cli.trainer.callbacks if isinstance(c, ThroughputMonitor)]
+    [ranks] = [c for c in cli.trainer.callbacks if isinstance(c, PerRankLogger)]
+    assert (monitor.every_n_steps, monitor.profile_steps, monitor.peak_flops) == (25, (10, 12), 3e14)
+    assert monitor._length_fn is count_supervised and monitor.on_finding == "stop"
+    assert (ranks.every_n_steps, ranks.straggler_factor) == (10, 2.0)
+
+
+@pytest.mark.ddp
+def test_ddp_tokens_per_sec_is_the_sum_over_ranks_and_a_healthy_run_is_silent(tmp_path):
+    spec = {
+        "strategy": "ddp",
+        "model": SMALL,
+        "data": {"batch_size": 8},
+        "trainer": {"max_steps": 13},
+        "callbacks": [
+            {"class_path": "tests.callbacks.test_throughput_monitor.TokenReference"},
+            {"class_path": "lightning_tfdebug.ThroughputMonitor", "init_args": {"every_n_steps": 6}},
+            {"class_path": "lightning_tfdebug.PerRankLogger", "init_args": {"every_n_steps": 2}},
+        ],
+        "extra": "tests.callbacks.test_throughput_monitor:token_reference_results",
+    }
+    results = run_distributed(tmp_path, spec)
+    for r in results:
+        assert r["error"] is None, r["error"]
+        assert r["findings"] == {"TokenReference": [], "ThroughputMonitor": [], "PerRankLogger": []}
+    logged = dict(read_scalars(tmp_path / "tb" / "version_0")["throughput/tokens_per_sec"])
+    assert sorted(logged) == [0, 6, 12]
+    tokens = sum(r["extra"]["cumulative"]["12"][0] - r["extra"]["cumulative"]["6"][0] for r in results)
+    seconds = max(r["extra"]["ends"]["12"] - r["extra"]["ends"]["6"] for r in results)
+    assert logged[12] == pytest.approx(tokens / seconds, rel=0.03)  # both ranks' tokens, not rank 0's x 2
+    assert results[0]["metrics"]["throughput/tokens_per_sec_per_device"] == pytest.approx(logged[12] / 2, rel=1e-5)
+    # every rank got the same gathered numbers
+    assert results[0]["metrics"]["throughput/tokens_per_sec"] == pytest.approx(
+        results[1]["metrics"]["throughput/tokens_per_sec"]
+    )
+    # PerRankLogger: one file per rank, one record per measured step, rank 0 logged both ranks
+    log_dir = tmp_path / "tb" / "version_0" / "tfdebug"
+    for rank in (0, 1):
+        records = [json.loads(line) for line in (log_dir / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [rec["step"] for rec in records] == [0, 2, 4, 6, 8, 10, 12]
+        assert all(rec["rank"] == rank and rec["batch_fingerprint"] is not None for rec in records)
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    assert {"per_rank/loss/rank0", "per_rank/loss/rank1", "per_rank/busy_ms/max_over_median"} <= set(scalars)

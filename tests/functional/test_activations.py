@@ -1,0 +1,117 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_tfdebug.functional.activations import (
+    ACTIVATION_KINDS,
+    alive_units,
+    apply_activation,
+    dead_fraction,
+    kind_of_module,
+    saturated_count,
+    tail_cutoff,
+    zero_count,
+)
+
+
+@pytest.mark.parametrize(
+    "module, kind",
+    [
+        (nn.ReLU(), "relu"),
+        (nn.ReLU6(), "relu6"),
+        (nn.LeakyReLU(), "leaky_relu"),
+        (nn.PReLU(), "leaky_relu"),
+        (nn.GELU(), "gelu"),
+        (nn.SiLU(), "silu"),
+        (nn.Mish(), "mish"),
+        (nn.ELU(), "elu"),
+        (nn.SELU(), "elu"),
+        (nn.Tanh(), "tanh"),
+        (nn.Sigmoid(), "sigmoid"),
+        (nn.LogSigmoid(), None),
+        (nn.Softmax(-1), None),
+        (nn.Tanhshrink(), None),
+        (nn.GLU(), None),
+        (nn.PixelUnshuffle(2), None),  # 'pixELUnshuffle' is not an ELU
+        (nn.Linear(2, 2), None),
+        (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), None),  # a block containing an activation is not one
+    ],
+)
+def test_kind_from_class_name(module, kind):
+    assert kind_of_module(module) == kind
+
+
+def test_hugging_face_style_class_names():
+    class NewGELUActivation(nn.Module):
+        def forward(self, x):
+            return x
+
+    class ReLUSquaredActivation(nn.Module):
+        def forward(self, x):
+            return x
+
+    assert kind_of_module(NewGELUActivation()) == "gelu"
+    assert kind_of_module(ReLUSquaredActivation()) == "relu"
+
+
+def test_zero_count_alive_units_and_dead_fraction():
+    y = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], [[0.0, 2.0, 0.0], [0.0, 0.0, 3.0]]])  # (2, 2, 3)
+    assert zero_count(y).item() == 9
+    assert alive_units(y).tolist() == [False, True, True]
+    assert dead_fraction(alive_units(y)).item() == pytest.approx(1 / 3)
+    assert dead_fraction(torch.zeros(0, dtype=torch.bool)).item() == 0.0
+
+
+def test_saturation_of_tanh_and_sigmoid_is_read_from_the_output():
+    x = torch.tensor([-10.0, -1.0, 0.0, 1.0, 10.0])
+    # tanh'(x) = 1 - tanh(x)^2 < 0.01 only at +-10
+    assert saturated_count("tanh", x, torch.tanh(x), 0.01).item() == 2
+    assert saturated_count("sigmoid", x, torch.sigmoid(x), 0.01).item() == 2
+    assert saturated_count("relu", x, torch.relu(x), 0.01) is None
+
+
+@pytest.mark.parametrize("kind", ["gelu", "silu", "mish"])
+def test_tail_cutoff_is_where_the_gradient_falls_below_the_threshold(kind):
+    cutoff = tail_cutoff(kind, 0.01)
+    x = torch.tensor([cutoff - 0.05, cutoff + 0.05], dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(apply_activation(kind, x).sum(), x)
+    assert abs(grad[0].item()) < 0.01 <= abs(grad[1].item())
+    assert cutoff < -2.0  # a tail, not the zero of GELU's derivative near -0.75
+
+
+def test_gelu_saturation_counts_the_negative_tail_only():
+    pre = torch.tensor([-20.0, -5.0, -0.75, 0.0, 5.0])
+    out = torch.nn.functional.gelu(pre)
+    assert saturated_count("gelu", pre, out, 0.01).item() == 2  # -20 and -5; not -0.75 where f'(x) ~ 0
+    assert saturated_count("gelu", None, out, 0.01) is None  # needs the pre-activation
+
+
+def test_tail_cutoff_rejects_kinds_without_a_tail():
+    with pytest.raises(ValueError, match="no negative saturation tail"):
+        tail_cutoff("relu", 0.01)
+
+
+@pytest.mark.parametrize("kind", ACTIVATION_KINDS)
+def test_apply_activation_matches_torch(kind):
+    x = torch.linspace(-4, 4, 17)
+    modules = {
+        "relu": nn.ReLU(),
+        "relu6": nn.ReLU6(),
+        "leaky_relu": nn.LeakyReLU(),
+        "elu": nn.ELU(),
+        "gelu": nn.GELU(),
+        "silu": nn.SiLU(),
+        "mish": nn.Mish(),
+        "tanh": nn.Tanh(),
+        "sigmoid": nn.Sigmoid(),
+    }
+    torch.testing.assert_close(apply_activation(kind, x), modules[kind](x))
+    with pytest.raises(ValueError, match="unknown activation kind"):
+        apply_activation("swoosh", x)
+
+
+def test_gelu_cutoff_value():
+    assert tail_cutoff("gelu", 0.01) == pytest.approx(-3.07, abs=0.02)
+    assert math.isfinite(tail_cutoff("silu", 0.001))

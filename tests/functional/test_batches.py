@@ -1,0 +1,196 @@
+import pytest
+import torch
+
+from lightning_tfdebug.functional.batches import (
+    compare_schema,
+    describe_batch,
+    flatten_batch,
+    learn_schema,
+    length_shift,
+    parse_declared_schema,
+    resolve_keys,
+    token_statistics,
+    unpack_statistics,
+)
+
+PAD, BOS, EOS, IGN = 9, 7, 8, 100
+
+
+def lm_batch(b=2, t=5, dtype=torch.long):
+    ids = torch.arange(b * t).reshape(b, t) % 7
+    return {"input_ids": ids.to(dtype), "attention_mask": torch.ones(b, t, dtype=torch.long), "labels": ids.clone()}
+
+
+def test_flatten_names_nested_and_tuple_leaves():
+    batch = ({"a": torch.zeros(2), "b": [torch.ones(1), "text"]}, torch.zeros(3))
+    leaves = flatten_batch(batch)
+    assert set(leaves) == {"0.a", "0.b.0", "0.b.1", "1"}
+    specs = describe_batch(batch)
+    assert specs["0.a"].describe() == "float32[2]"
+    assert specs["0.b.1"].describe() == "str"
+    assert set(describe_batch(torch.zeros(2, 3))) == {""}
+    # a list of plain per-sample values is one leaf: a smaller last batch is not a missing key
+    full = {"input_ids": torch.zeros(4, 3, dtype=torch.long), "ids": ["a", "b", "c", "d"], "n": [1, 2, 3, 4]}
+    last = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "ids": ["e"], "n": [5]}
+    assert set(flatten_batch(full)) == {"input_ids", "ids", "n"}
+    assert describe_batch(full)["ids"].describe() == "list"
+    assert compare_schema(learn_schema([describe_batch(full)]), describe_batch(last)) == []
+
+
+def test_learned_schema_catches_missing_extra_dtype_ndim_and_shared_sizes():
+    schema = learn_schema([describe_batch(lm_batch(t=5)), describe_batch(lm_batch(t=9))])
+    assert compare_schema(schema, describe_batch(lm_batch(t=3))) == []  # lengths are free
+    drifted = lm_batch()
+    drifted["labels"] = drifted["labels"].int()
+    drifted["attention_mask"] = drifted["attention_mask"].float()
+    kinds = {(d.kind, d.key, d.expected, d.found) for d in compare_schema(schema, describe_batch(drifted))}
+    assert kinds == {("dtype", "labels", "int64", "int32"), ("dtype", "attention_mask", "int64", "float32")}
+    squeezed = {k: v[0] for k, v in lm_batch().items()}
+    assert {(d.kind, d.key) for d in compare_schema(schema, describe_batch(squeezed))} == {
+        ("ndim", "input_ids"),
+        ("ndim", "attention_mask"),
+        ("ndim", "labels"),
+    }
+    missing = lm_batch()
+    del missing["labels"]
+    missing["position_ids"] = torch.zeros(2, 5)
+    assert {(d.kind, d.key) for d in compare_schema(schema, describe_batch(missing))} == {
+        ("missing", "labels"),
+        ("extra", "position_ids"),
+    }
+    short_labels = lm_batch()
+    short_labels["labels"] = short_labels["labels"][:, :4]
+    (drift,) = compare_schema(schema, describe_batch(short_labels))
+    assert (drift.kind, drift.key) == ("size", "labels")
+    assert "as in 'input_ids'" in drift.expected
+
+
+def test_declared_schema_fixed_named_and_free_dims():
+    schema = parse_declared_schema({"input_ids": "int64[B, 5]", "labels": "int64[B, *]", "attention_mask": "int64"})
+    assert schema.describe() == {"input_ids": "int64[B, 5]", "labels": "int64[B, *]", "attention_mask": "int64"}
+    assert compare_schema(schema, describe_batch(lm_batch(t=5))) == []
+    drifts = compare_schema(schema, describe_batch(lm_batch(t=6)))
+    assert [(d.kind, d.key) for d in drifts] == [("size", "input_ids")]
+    mismatched = lm_batch()
+    mismatched["labels"] = mismatched["labels"][:1]
+    assert [(d.kind, d.key) for d in compare_schema(schema, describe_batch(mismatched))] == [("size", "labels")]
+    extra = {**lm_batch(), "more": torch.zeros(1)}
+    assert compare_schema(schema, describe_batch(extra)) == []  # a declared schema lists what it needs only
+
+
+@pytest.mark.parametrize(
+    "declared, match",
+    [({"x": "int65[B]"}, "not a torch dtype"), ({"x": "int64[B, -1]"}, "dimension"), ({"x": "int64 B"}, "look like")],
+)
+def test_declared_schema_errors(declared, match):
+    with pytest.raises(ValueError, match=match):
+        parse_declared_schema(declared)
+
+
+def reference_statistics(ids, mask, labels, vocab, bos, eos, max_length):
+    """Plain-Python counts, row by row, for comparison."""
+    ids, mask, labels = ids.tolist(), mask.tolist(), labels.tolist()
+    out = dict.fromkeys(
+        [
+            "ids_out_of_range",
+            "labels_out_of_range",
+            "labels_ignored",
+            "pad_supervised",
+            "pad_positions",
+            "mask_non_binary",
+        ],
+        0,
+    )
+    out.update(bos_missing=0, eos_multiple=0, eos_then_tokens=0, truncated=0, length_sum=0)
+    first_bad = None
+    for r, (row, mrow, lrow) in enumerate(zip(ids, mask, labels)):
+        real = [m != 0 for m in mrow]
+        out["mask_non_binary"] += sum(m not in (0, 1) for m in mrow)
+        out["length_sum"] += sum(real)
+        for c, tok in enumerate(row):
+            if not 0 <= tok < vocab:
+                out["ids_out_of_range"] += 1
+                first_bad = first_bad or (r, c, tok)
+        for lab, is_real in zip(lrow, real):
+            out["labels_ignored"] += lab == IGN
+            out["labels_out_of_range"] += lab != IGN and not 0 <= lab < vocab
+            out["pad_supervised"] += (not is_real) and lab != IGN
+            out["pad_positions"] += not is_real
+        real_tokens = [t for t, is_real in zip(row, real) if is_real]
+        out["bos_missing"] += bool(real_tokens) and real_tokens[0] != bos
+        n_eos = real_tokens.count(eos)
+        out["eos_multiple"] += n_eos > 1
+        out["eos_then_tokens"] += n_eos > 0 and real_tokens.index(eos) < len(real_tokens) - 1
+        out["truncated"] += len(real_tokens) >= max_length and n_eos == 0
+    return out, first_bad
+
+
+def test_token_statistics_match_a_plain_reference():
+    ids = torch.tensor(
+        [
+            [BOS, 1, 2, EOS, PAD, PAD],  # fine
+            [BOS, 1, 12, 3, 4, 5],  # out-of-range id, truncated (fills 6, no EOS)
+            [PAD, PAD, BOS, 1, EOS, EOS],  # left-padded, two EOS
+            [1, 2, EOS, 3, PAD, PAD],  # no BOS, tokens after EOS
+        ]
+    )
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6, [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 2]])
+    labels = ids.clone()
+    labels[0, 4:] = IGN
+    labels[2, :2] = IGN
+    labels[3, 4] = -5  # out of range, also a supervised pad
+    labels[1, 2] = IGN
+    host = unpack_statistics(
+        token_statistics(
+            ids, mask, labels, vocab_size=10, ignore_index=IGN, bos_id=BOS, eos_id=EOS, max_length=6
+        ).tolist()
+    )
+    expected, first_bad = reference_statistics(ids, mask, labels, 10, BOS, EOS, 6)
+    for key, value in expected.items():
+        assert host[key] == value, key
+    assert (host["first_bad_id_row"], host["first_bad_id_col"], host["first_bad_id_value"]) == first_bad
+    assert host["first_bad_label_value"] in (12, -5)
+    assert (host["sequences"], host["width"], host["ids_min"], host["ids_max"]) == (4, 6, 1, 12)
+    assert host["labels_total"] == 24
+
+
+def test_token_statistics_without_optional_parts_and_for_one_squeezed_sequence():
+    host = unpack_statistics(token_statistics(torch.tensor([3, 4, 5])).tolist())
+    assert (host["sequences"], host["width"], host["length_sum"]) == (1, 3, 3)
+    assert host["ids_out_of_range"] == host["labels_total"] == host["bos_missing"] == 0
+    assert host["first_bad_id_row"] == -1
+
+
+def test_length_shift_needs_both_relative_and_absolute_change():
+    assert not length_shift(40.0, 5.0, 44.0, 0.5)
+    assert length_shift(40.0, 5.0, 70.0, 0.5)
+    assert not length_shift(40.0, 40.0, 70.0, 0.5)  # within one reference standard deviation
+    assert not length_shift(0.0, 0.0, 10.0, 0.5)
+
+
+def test_labels_of_another_shape_get_range_and_ignored_counts_but_no_padding_check():
+    ids = torch.tensor([[5, 6, 9, 9]])
+    mask = torch.tensor([[1, 1, 0, 0]])
+    seq2seq = torch.tensor([[3, 300, IGN]])  # decoder targets, 3 wide: not aligned with the 4-wide inputs
+    s = unpack_statistics(token_statistics(ids, mask, seq2seq, vocab_size=10, ignore_index=IGN).tolist())
+    assert (s["labels_total"], s["labels_ignored"], s["labels_out_of_range"], s["first_bad_label_value"]) == (
+        3,
+        1,
+        1,
+        300,
+    )
+    assert s["pad_supervised"] == 0 and s["pad_positions"] == 2
+    classes = torch.tensor([IGN])  # one class label per row, all ignored
+    s = unpack_statistics(token_statistics(ids, mask, classes, vocab_size=10, ignore_index=IGN).tolist())
+    assert s["labels_ignored"] == s["labels_total"] == 1
+
+
+def test_resolve_keys_by_name_then_by_position():
+    hf = flatten_batch(lm_batch())
+    assert resolve_keys(hf) == ("input_ids", "attention_mask", "labels")
+    x, y = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
+    assert resolve_keys(flatten_batch((x, y))) == ("0", None, "1")  # nanoGPT-style (x, y)
+    images = (torch.zeros(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))  # not a token batch
+    assert resolve_keys(flatten_batch(images)) == (None, None, None)
+    assert resolve_keys(hf, input_key="labels", labels_key="nope") == ("labels", "attention_mask", None)
+    assert resolve_keys(flatten_batch({"ids": x, "target": y})) == ("ids", None, "target")

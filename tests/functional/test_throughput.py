@@ -1,0 +1,169 @@
+import math
+import time
+
+import pytest
+import torch
+
+from lightning_tfdebug.functional.throughput import (
+    StepClock,
+    batch_fingerprint,
+    combine_fingerprints,
+    compute_precision,
+    count_tokens,
+    differing_ranks,
+    differing_tensors,
+    input_tensor,
+    loss_outliers,
+    max_over_median,
+    median_of_others,
+    parameter_checksums,
+    peak_flops_for,
+    peak_rss_bytes,
+    process_rss_bytes,
+)
+
+
+def test_count_tokens_prefers_the_attention_mask_and_reads_shapes_without_a_sync():
+    ids = torch.randint(0, 100, (3, 5))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    tokens, positions, samples = count_tokens({"input_ids": ids, "attention_mask": mask, "labels": ids})
+    assert isinstance(tokens, torch.Tensor) and int(tokens) == 9
+    assert (positions, samples) == (15, 3)
+
+
+def test_count_tokens_without_a_mask_counts_every_position_of_the_input():
+    assert count_tokens((torch.randint(0, 9, (4, 7)), torch.randn(4, 7, 2))) == (28, 28, 4)
+    assert count_tokens({"tokens": torch.zeros(6, dtype=torch.long)}) == (6, 6, 1)  # one unbatched sequence
+    assert count_tokens({"x": "no tensors"}) == (0, 0, 0)
+
+
+def test_count_tokens_uses_the_length_function_first():
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4)}
+    assert count_tokens(batch, lambda b: 5) == (5, 8, 2)
+    tokens, _, _ = count_tokens(batch, lambda b: (b["attention_mask"][:, 1:] != 0).sum())
+    assert int(tokens) == 6
+
+
+def test_input_tensor_finds_ids_by_key_then_the_first_integer_tensor():
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    assert input_tensor({"pixel": torch.randn(2), "input_ids": ids}) is ids
+    assert input_tensor([torch.randn(2, 3), ids]) is ids
+    floats = torch.randn(2)
+    assert input_tensor([floats]) is floats
+    assert input_tensor({}) is None
+
+
+def test_batch_fingerprint_is_equal_for_equal_values_and_sensitive_to_values_and_order():
+    a = torch.randint(0, 259, (8, 64))
+    fp = batch_fingerprint(a)
+    assert fp.dtype == torch.int64 and 0 <= int(fp) < 2**31 - 1
+    assert int(batch_fingerprint(a.clone())) == int(fp)
+    b = a.clone()
+    b[3, 10] += 1
+    assert int(batch_fingerprint(b)) != int(fp)
+    assert int(batch_fingerprint(a.flip(0))) != int(fp)  # same rows, other order
+    x = torch.randn(4, 4)
+    assert int(batch_fingerprint(x)) == int(batch_fingerprint(x.clone()))
+    assert int(batch_fingerprint(x)) != int(batch_fingerprint(x + 1e-3))
+
+
+def test_combine_fingerprints_is_order_sensitive():
+    p, q = torch.tensor(11), torch.tensor(29)
+    assert int(combine_fingerprints(None, p)) == 11
+    assert int(combine_fingerprints(p, q)) != int(combine_fingerprints(q, p))
+
+
+def test_parameter_checksums_catch_changes_that_keep_the_norm():
+    w = torch.randn(5, 3)
+    counter = torch.tensor(7)  # integer buffers are compared too
+    base = parameter_checksums([w, counter])
+    assert base.dtype == torch.float64 and base.shape == (4,)  # [norm_w, norm_counter, sum_w, sum_counter]
+    torch.testing.assert_close(base, torch.tensor([w.norm().item(), 7.0, w.sum().item(), 7.0], dtype=torch.float64))
+    flipped = parameter_checksums([-w, counter])
+    assert flipped[0] == base[0] and flipped[2] != base[2]  # a sign flip keeps the norm; the sum sees it
+    assert parameter_checksums([]).numel() == 0
+
+
+def test_differing_ranks_takes_the_majority_and_differing_tensors_reads_every_block():
+    same = [1.0, 2.0, 3.0, 4.0]
+    other = [1.0, 2.5, 3.0, 4.0]
+    assert differing_ranks([same, same, other, same]) == [2]
+    assert differing_ranks([same, other]) == [1]  # a tie: rank 0's vector is the reference
+    assert differing_ranks([same]) == []
+    # two tensors, blocks [norms..., sums...]: tensor "b" differs only in its sum
+    values = [[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.5]]
+    assert differing_tensors(values, ["a", "b"]) == ["b"]
+    assert differing_tensors([[1.0, 2.0], [1.0 + 1e-9, 2.0]], ["a", "b"]) == []  # within rtol
+
+
+def test_spreads():
+    assert max_over_median([10.0, 10.0, 30.0]) == pytest.approx(3.0)
+    assert max_over_median([5.0]) == 1.0
+    assert math.isnan(max_over_median([float("nan")]))
+    assert median_of_others([1.0, 2.0, 100.0], 2) == 1.5
+    assert math.isnan(median_of_others([1.0], 0))
+
+
+@pytest.mark.parametrize(
+    "name, compute, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
+        ("NVIDIA H100 PCIe", "bf16", 756e12),
+        ("NVIDIA H100 NVL", "fp16", 835e12),
+        ("NVIDIA H200", "tf32", 495e12),
+        ("NVIDIA GH200 480GB", "bf16", 989e12),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
+        ("NVIDIA A10G", "fp32", 31.2e12),
+        ("NVIDIA L40S", "bf16", 362e12),
+        ("NVIDIA L4", "bf16", 121e12),
+        ("Tesla V100-SXM2-16GB", "tf32", 15.7e12),  # no TF32 on Volta: plain fp32
+        ("Tesla T4", "bf16", None),  # no bf16 on Turing
+        ("Some Unknown Accelerator", "bf16", None),
+    ],
+)
+def test_peak_flops_lookup(name, compute, expected):
+    assert peak_flops_for(name, compute) == expected
+
+
+@pytest.mark.parametrize(
+    "precision, tf32, expected",
+    [
+        ("bf16-mixed", False, "bf16"),
+        ("bf16-true", False, "bf16"),
+        ("16-mixed", False, "fp16"),
+        ("32-true", True, "tf32"),
+        ("32-true", False, "fp32"),
+        ("64-true", False, "fp64"),
+        ("transformer-engine", False, "fp8"),
+    ],
+)
+def test_compute_precision(precision, tf32, expected):
+    assert compute_precision(precision, tf32) == expected
+
+
+def test_step_clock_on_cpu_and_process_memory():
+    clock = StepClock(torch.device("cpu"))
+    start = clock.mark()
+    time.sleep(0.01)
+    end = clock.mark()
+    clock.wait(end)  # no-op on CPU
+    assert clock.elapsed_ms(start, end) >= 9.0
+    assert process_rss_bytes() > 10 * 2**20
+    assert peak_rss_bytes() >= process_rss_bytes() * 0.5
+
+
+def test_loss_outliers_names_the_odd_rank_among_many_and_both_of_two():
+    assert loss_outliers([2.0, 2.1, 1.9, 6.0], 0.5) == ([3], pytest.approx(2.05))
+    assert loss_outliers([2.0, 2.1, 1.9, 2.2], 0.5)[0] == []
+    assert loss_outliers([2.0, 6.0], 0.5) == ([0, 1], 2.0)  # two ranks: no majority, both named
+    assert loss_outliers([2.0, 2.5], 0.5)[0] == []
+    assert loss_outliers([2.0, float("nan"), 2.1, 9.0], 0.5)[0] == [3]  # non-finite losses are TFD505's business
+    assert loss_outliers([float("nan"), 2.0], 0.5)[0] == []
+
+
+def test_checksum_comparison_treats_two_nans_as_equal_and_nan_against_a_number_as_different():
+    nan = float("nan")
+    assert differing_ranks([[1.0, nan], [1.0, nan]]) == []
+    assert differing_ranks([[1.0, nan], [1.0, nan], [1.0, 2.0]]) == [2]
+    assert differing_tensors([[1.0, nan], [1.0, nan]], ["a", "b"]) == []
+    assert differing_tensors([[1.0, nan], [1.0, 2.0]], ["a", "b"]) == ["b"]
