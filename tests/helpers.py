@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,33 @@ def make_trainer(tmp_path: Path, callbacks: list, **kwargs: Any) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **defaults)
+
+
+SMALL: dict[str, int] = dict(d_model=32, n_layers=2, n_heads=2)
+"""The tiny transformer most tests train: two layers of width 32."""
+
+
+def fit_tiny(
+    tmp_path: Path, callbacks: list, model: pl.LightningModule | None = None, data: Any = None, **kwargs: Any
+) -> pl.Trainer:
+    """Fit ``model`` (default: a :data:`SMALL` TinyGPT) on ``data`` (default: the bundled corpus, batch 8).
+
+    ``kwargs`` go to :func:`make_trainer`, except ``ckpt_path`` which goes to ``fit``. ``TFDebugWarning`` is silenced:
+    tests read findings from the callbacks.
+    """
+    from lightning_tfdebug import TFDebugWarning
+    from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = make_trainer(tmp_path, callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(
+            model if model is not None else TinyGPT(**SMALL),
+            data if data is not None else TinyTextDataModule(batch_size=8),
+            ckpt_path=ckpt_path,
+        )
+    return trainer
 
 
 def run_distributed(tmp_path: Path, spec: dict[str, Any], timeout: float = 240) -> list[dict[str, Any]]:

@@ -12,17 +12,8 @@ from lightning_tfdebug.callbacks.batch_guard import find_context_length, find_vo
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.demo.data import ByteTokenizer
 from lightning_tfdebug.repro import load_bundle, replay
-from tests.helpers import make_trainer, read_scalars, run_distributed
-
-SMALL = dict(d_model=32, n_layers=2, n_heads=2)
-
-
-def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
-    trainer = make_trainer(tmp_path, callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(model or TinyGPT(**SMALL), data or TinyTextDataModule(batch_size=8))
-    return trainer
+from tests.helpers import SMALL, make_trainer, read_scalars, run_distributed
+from tests.helpers import fit_tiny as fit
 
 
 def codes(callback):

@@ -9,18 +9,10 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_tfdebug import DeadActivation, TFDebugWarning
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from tests.helpers import make_trainer, read_csv_metrics, read_scalars, run_distributed
+from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
+from tests.helpers import fit_tiny as fit
 
-SMALL = dict(d_model=32, n_layers=2, n_heads=2)
 ACTS = ("blocks.0.mlp.act", "blocks.1.mlp.act")
-
-
-def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
-    trainer = make_trainer(tmp_path, callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(model if model is not None else TinyGPT(**SMALL), data or TinyTextDataModule(batch_size=8))
-    return trainer
 
 
 def codes(callback):

@@ -6,20 +6,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_tfdebug import GradNormMonitor, TFDebugWarning
+from lightning_tfdebug import GradNormMonitor
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from tests.helpers import make_trainer, read_csv_metrics, read_scalars, run_distributed
+from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
+from tests.helpers import fit_tiny as fit
 from tests.reference import ReferenceGradNorm
-
-SMALL = dict(d_model=32, n_layers=2, n_heads=2)
-
-
-def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
-    trainer = make_trainer(tmp_path, callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(model or TinyGPT(**SMALL), data or TinyTextDataModule(batch_size=8))
-    return trainer
 
 
 def codes(callback):

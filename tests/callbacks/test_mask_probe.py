@@ -7,18 +7,12 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_tfdebug import MaskProbe, TFDebugError, TFDebugWarning
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from tests.helpers import make_trainer, read_scalars, run_distributed
-
-SMALL = dict(d_model=32, n_layers=2, n_heads=2)
+from tests.helpers import SMALL, fit_tiny, make_trainer, read_scalars, run_distributed
 
 
-def fit(tmp_path, callbacks, model=None, **kwargs):
+def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
     kwargs.setdefault("max_steps", 2)
-    trainer = make_trainer(tmp_path, callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(model or TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
-    return trainer
+    return fit_tiny(tmp_path, callbacks, model, data, **kwargs)
 
 
 def problems(callback):

@@ -14,23 +14,15 @@ from torch import nn
 
 from lightning_tfdebug import NaNFirstFrame, TFDebugError, TFDebugWarning, read_findings
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from tests.helpers import make_trainer, read_scalars, run_distributed
+from tests.helpers import SMALL, make_trainer, read_scalars, run_distributed
+from tests.helpers import fit_tiny as fit
 
-SMALL = dict(d_model=32, n_layers=2, n_heads=2)
 # d_model 64: blocks.0.mlp.fc outputs reach ~0.6, so the 1e5 of bug 15 pushes them past fp16's 65504 (from step 1)
 OVERFLOW = dict(d_model=64, n_layers=2, n_heads=2, overflow_module="blocks.0.mlp.fc")
 
 
 def fp16():
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-
-
-def fit(tmp_path, callbacks, model=None, **kwargs):
-    trainer = make_trainer(tmp_path, callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(model or TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
-    return trainer
 
 
 def hooks_left(model: nn.Module) -> int:

@@ -7,20 +7,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_tfdebug import PerRankLogger, TFDebugWarning
+from lightning_tfdebug import PerRankLogger
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.functional.throughput import batch_fingerprint
-from tests.helpers import make_trainer, read_scalars, run_distributed
-
-SMALL = dict(d_model=32, n_layers=2, n_heads=2)
-
-
-def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
-    trainer = make_trainer(tmp_path, callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(model or TinyGPT(**SMALL), data or TinyTextDataModule(batch_size=8))
-    return trainer
+from tests.helpers import SMALL, make_trainer, read_scalars, run_distributed
+from tests.helpers import fit_tiny as fit
 
 
 def records(tmp_path, rank=0):

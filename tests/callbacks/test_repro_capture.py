@@ -8,20 +8,11 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_tfdebug import ReproCapture, TFDebugWarning
+from lightning_tfdebug import ReproCapture
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.repro import BundleError, load_bundle, replay, write_bundle
-from tests.helpers import make_trainer, run_distributed
-
-SMALL = dict(d_model=32, n_layers=2, n_heads=2)
-
-
-def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
-    trainer = make_trainer(tmp_path, callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(model or TinyGPT(**SMALL), data or TinyTextDataModule(batch_size=8))
-    return trainer
+from tests.helpers import SMALL, run_distributed
+from tests.helpers import fit_tiny as fit
 
 
 def tfdebug_dir(tmp_path):

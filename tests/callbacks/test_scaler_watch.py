@@ -6,25 +6,17 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_tfdebug import ScalerWatch, TFDebugWarning
+from lightning_tfdebug import ScalerWatch
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from tests.helpers import make_trainer, read_csv_metrics, read_scalars, run_distributed
+from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
+from tests.helpers import fit_tiny as fit
 
-SMALL = dict(d_model=32, n_layers=2, n_heads=2)
 # d_model 64: blocks.0.mlp.fc outputs reach ~0.6, so the 1e5 of bug 15 pushes them past fp16's 65504
 OVERFLOW = dict(d_model=64, n_layers=2, n_heads=2, overflow_module="blocks.0.mlp.fc")
 
 
 def fp16(**scaler_kwargs):
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **scaler_kwargs))
-
-
-def fit(tmp_path, callbacks, model=None, **kwargs):
-    trainer = make_trainer(tmp_path, callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(model or TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
-    return trainer
 
 
 def codes(callback):

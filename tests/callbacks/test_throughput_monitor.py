@@ -7,19 +7,10 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_tfdebug import PerRankLogger, TFDebugWarning, ThroughputMonitor
+from lightning_tfdebug import PerRankLogger, ThroughputMonitor
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from tests.helpers import make_trainer, read_csv_metrics, read_scalars, run_distributed
-
-SMALL = dict(d_model=32, n_layers=2, n_heads=2)
-
-
-def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
-    trainer = make_trainer(tmp_path, callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(model or TinyGPT(**SMALL), data or TinyTextDataModule(batch_size=8))
-    return trainer
+from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
+from tests.helpers import fit_tiny as fit
 
 
 class TokenReference(pl.Callback):
