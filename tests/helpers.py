@@ -68,6 +68,7 @@ def run_distributed(tmp_path: Path, spec: dict[str, Any], timeout: float = 240) 
     A hang fails the test through ``timeout`` (the process group is killed) instead of blocking the suite.
     """
     spec = {"devices": 2, **spec, "out": str(tmp_path)}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

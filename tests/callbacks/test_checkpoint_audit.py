@@ -230,3 +230,25 @@ def test_fsdp2_sharded_checkpoints_are_reported_not_checked(tmp_path):
     assert rank0["error"] is None and rank1["error"] is None, (rank0["error"], rank1["error"])
     assert [f["code"] for f in rank0["findings"]["CheckpointAudit"]] == ["TFD709"]
     assert rank1["findings"]["CheckpointAudit"] == []
+
+
+@pytest.mark.ddp
+def test_ddp_resume_is_checked_on_every_rank(tmp_path):
+    """Two processes save; two more resume, healthy (silent) and with weights re-initialised after loading (named)."""
+    audit = {"class_path": "lightning_tfdebug.CheckpointAudit"}
+    base = {"strategy": "ddp", "model": SMALL, "data": {"batch_size": 4}}
+    save = {**base, "trainer": {"max_steps": 2, "enable_checkpointing": True}, "callbacks": [audit, SAVER]}
+    for r in run_distributed(tmp_path / "save", save):
+        assert r["error"] is None and r["findings"]["CheckpointAudit"] == [], r
+    ckpt = str(tmp_path / "save" / "ckpt" / "epoch=0-step=2.ckpt")
+
+    resume = {**base, "trainer": {"max_steps": 4}, "callbacks": [audit], "ckpt_path": ckpt}
+    for r in run_distributed(tmp_path / "healthy", resume):
+        assert r["error"] is None, r["error"]
+        assert r["findings"]["CheckpointAudit"] == [], (r["rank"], r["findings"])
+        assert r["global_step"] == 4
+
+    reinit = {**resume, "model_class": "tests.callbacks.test_checkpoint_audit:ReinitialisedAfterLoading"}
+    for r in run_distributed(tmp_path / "reinit", reinit):
+        assert r["error"] is None, r["error"]
+        assert sorted(f["code"] for f in r["findings"]["CheckpointAudit"]) == ["TFD710", "TFD715"], r["rank"]

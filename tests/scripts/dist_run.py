@@ -8,6 +8,8 @@ extra rank, so every rank reads the same spec. The spec says:
 * ``devices``: number of processes (gloo, CPU);
 * ``callbacks``: list of ``{"class_path": ..., "init_args": {...}}``;
 * ``model`` / ``data`` / ``trainer``: keyword arguments for ``TinyGPT``, ``TinyTextDataModule`` and ``Trainer``;
+* ``model_class`` (optional): ``"module:Class"``, a ``TinyGPT`` subclass to build instead;
+* ``ckpt_path`` (optional): a checkpoint to resume from, passed to ``trainer.fit``;
 * ``out``: a directory; every rank writes ``result-rank<r>.json`` with each callback's findings and the
   ``trainer.callback_metrics`` as floats, plus ``error`` if the fit raised.
 """
@@ -58,11 +60,15 @@ def main() -> None:
     )
     trainer_kwargs.update(spec.get("trainer", {}))
     trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs)
-    model = TinyGPT(**spec.get("model", {}))
+    model_class = TinyGPT
+    if spec.get("model_class"):
+        module, _, name = spec["model_class"].partition(":")
+        model_class = getattr(importlib.import_module(module), name)
+    model = model_class(**spec.get("model", {}))
     data = TinyTextDataModule(**spec.get("data", {}))
     error = None
     try:
-        trainer.fit(model, data)
+        trainer.fit(model, data, ckpt_path=spec.get("ckpt_path"))
     except Exception as err:  # recorded for the test to assert on
         error = {"type": type(err).__name__, "message": str(err), "traceback": traceback.format_exc()}
     result = {
