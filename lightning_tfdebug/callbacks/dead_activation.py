@@ -8,7 +8,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
@@ -17,6 +19,7 @@ from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.activations import (
     ACTIVATION_KINDS,
+    FUNCTION_KINDS,
     OUTPUT_SATURATING,
     TAIL_SATURATING,
     alive_units,
@@ -96,6 +99,60 @@ def is_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     return False
 
 
+class _FunctionCalls(TorchFunctionMode):
+    """Sees the activation *functions* (``F.gelu``, ``torch.relu`` ...) that ``forward`` calls, and which module called
+    them, during one measured forward. Never active on other steps.
+
+    The calling module is the innermost module whose forward is running (a stack kept by global forward hooks that
+    exist only while this mode does). Calls made inside an activation *module* (``nn.GELU`` calls ``F.gelu``) are
+    left to that module's hook, and calls from the LightningModule's own code (a hinge loss in ``training_step``)
+    are not activations of a layer, so neither is counted.
+    """
+
+    def __init__(self, owner: DeadActivation, names: dict[int, str], skip: set[int]) -> None:
+        super().__init__()
+        self.owner = owner
+        self.names = names  # id(module) -> qualified name, for the modules of the LightningModule
+        self.skip = skip  # ids of activation modules and of the LightningModule itself
+        self.stack: list[int] = []
+        self._handles: list[RemovableHandle] = []
+
+    def start(self) -> None:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self.stack.clear()
+        self._handles = [
+            register_module_forward_pre_hook(lambda m, args: self.stack.append(id(m))),
+            register_module_forward_hook(lambda m, args, out: self._pop(m)),
+        ]
+        self.__enter__()
+
+    def _pop(self, module: nn.Module) -> None:
+        if self.stack and self.stack[-1] == id(module):
+            self.stack.pop()
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.stack.clear()
+        self.__exit__(None, None, None)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        kind = FUNCTION_KINDS.get(func)
+        if kind is not None and self.stack and args and isinstance(args[0], Tensor):
+            caller = self.stack[-1]
+            name = self.names.get(caller)
+            if name is not None and caller not in self.skip:
+                self.owner._record_call(f"{name}.{getattr(func, '__name__', kind).rstrip('_')}()", kind, args[0], out)
+        return out
+
+
 class DeadActivation(DebugCallback):
     r"""Per activation layer: the fraction of exactly-zero outputs, of dead units, and of saturated elements.
 
@@ -104,7 +161,12 @@ class DeadActivation(DebugCallback):
     recognised by class name) just before the training batch, and removed in ``on_before_backward``, before any
     backward runs, so activation checkpointing's re-run of the forward is never counted. Activations called as
     functions inside ``forward`` (``F.gelu(self.fc(x))``) are measured by naming the modules whose outputs are
-    the pre-activations in ``preactivations``. On other steps there are no hooks and no work. Under gradient
+    the pre-activations in ``preactivations``, and found on their own: on a measuring step a
+    ``TorchFunctionMode`` sees the calls of ``F.relu``/``F.gelu``/``F.silu``/``F.leaky_relu``/``F.elu``/``F.mish``
+    (and ``torch.relu``, ``Tensor.relu``) made by a submodule's ``forward`` (``nn.TransformerEncoderLayer``, a
+    nanoGPT or Llama MLP), and logs them as ``<module>.<function>()``, e.g. ``encoder.layers.0.relu()``. The set of
+    such layers is fixed at the first measurement (agreed by every rank). ``functional=False`` turns that off. On
+    other steps there are no hooks, no mode and no work. Under gradient
     accumulation, the first micro-batch of a measuring step is measured. Forwards that other callbacks run from
     their own hooks are not counted.
 
@@ -143,6 +205,7 @@ class DeadActivation(DebugCallback):
         saturation_grad: local-gradient magnitude under which an element counts as saturated.
         saturation_rise: ``TFD344`` when a layer's saturated fraction has risen by at least this much (absolute)
             above the lowest value it had, for ``patience`` measurements in a row without falling back.
+        functional: also measure activation functions called from submodules' ``forward`` (see above).
 
     Raises:
         ValueError: on an argument outside its allowed range or an invalid regular expression or kind.
@@ -177,6 +240,7 @@ class DeadActivation(DebugCallback):
         dead_rise: float = 0.35,
         saturation_grad: float = 0.01,
         saturation_rise: float = 0.35,
+        functional: bool = True,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         if layers is not None:
@@ -197,6 +261,9 @@ class DeadActivation(DebugCallback):
         check_number("patience", patience, low=1, integer=True)
         check_number("dead_rise", dead_rise, low=0.0, high=1.0, low_inclusive=False)
         check_number("saturation_rise", saturation_rise, low=0.0, high=1.0, low_inclusive=False)
+        if not isinstance(functional, bool):
+            raise TypeError(f"`functional` must be True or False; got {functional!r}.")
+        self.functional = functional
         check_number("saturation_grad", saturation_grad, low=0.0, high=0.25, low_inclusive=False)
         self.layers = layers
         self.preactivations = dict(preactivations) if preactivations else None
@@ -220,6 +287,9 @@ class DeadActivation(DebugCallback):
         self._lowest_sat: dict[str, float] = {}
         self._last_sat: dict[str, float] = {}
         self._sat_rise_streak = Streak()
+        self._calls: _FunctionCalls | None = None
+        self._call_layers: dict[str, _Layer] = {}  # function-call layers, by name
+        self._discovering = False  # the first measuring step: new function-call layers may appear
 
     @property
     def state_key(self) -> str:
@@ -229,6 +299,7 @@ class DeadActivation(DebugCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._layers, self._modules, self._units = None, [], None
+        self._calls, self._call_layers, self._discovering = None, {}, False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.active:
@@ -263,6 +334,15 @@ class DeadActivation(DebugCallback):
             if kind is not None and (layer_rx is None or layer_rx.search(name)):
                 layers.append(_Layer(name, kind, from_preactivation=False))
                 modules.append(module)
+        if self.functional:
+            names = {id(m): clean_param_name(n) for n, m in pl_module.named_modules() if clean_param_name(n)}
+            skip = {id(m) for m in pl_module.modules() if kind_of_module(m) is not None} | {id(pl_module)}
+            if layer_rx is not None:  # `layers` narrows function-call layers by their module's name too
+                names = {i: n for i, n in names.items() if layer_rx.search(n)}
+            self._calls = _FunctionCalls(self, names, skip)
+            self._discovering = True
+            self._layers, self._modules = layers, modules
+            return
         if not layers:
             self.stand_aside(
                 "no activation module (ReLU, GELU, SiLU, Tanh, Sigmoid, ...) "
@@ -283,6 +363,10 @@ class DeadActivation(DebugCallback):
         for layer, module in zip(self._layers, self._modules):
             layer.reset()
             layer.handles.append(module.register_forward_hook(self._make_hook(layer)))
+        if self._calls is not None and (self._discovering or self._call_layers):
+            for layer in self._call_layers.values():
+                layer.reset()
+            self._calls.start()  # only for this forward; stopped in on_before_backward at the latest
 
     def _make_hook(self, layer: _Layer):
         grad_threshold = self.saturation_grad
@@ -298,28 +382,48 @@ class DeadActivation(DebugCallback):
                 else:
                     first = args[0] if args else None
                     pre, out = (first if isinstance(first, Tensor) else None), output
-                if layer.counts_zeros:
-                    zeros = zero_count(out)
-                    alive = alive_units(out)
-                    layer.zeros = zeros if layer.zeros is None else layer.zeros + zeros
-                    if layer.alive is None:
-                        layer.alive = alive
-                    elif layer.alive.shape == alive.shape:  # a module called again in the same forward
-                        layer.alive = layer.alive | alive
-                if layer.saturates:
-                    sat = saturated_count(layer.kind, pre, out, grad_threshold)
-                    if sat is not None:
-                        layer.saturated = sat if layer.saturated is None else layer.saturated + sat
-                layer.numel += out.numel()  # shape arithmetic on the host: no sync
-                layer.calls += 1
+                self._accumulate(layer, pre, out, grad_threshold)
 
         return hook
+
+    def _accumulate(self, layer: _Layer, pre: Tensor | None, out: Tensor, grad_threshold: float) -> None:
+        """Add one call's counts to ``layer`` (device tensors; no host sync)."""
+        if layer.counts_zeros:
+            zeros = zero_count(out)
+            alive = alive_units(out)
+            layer.zeros = zeros if layer.zeros is None else layer.zeros + zeros
+            if layer.alive is None:
+                layer.alive = alive
+            elif layer.alive.shape == alive.shape:  # a module called again in the same forward
+                layer.alive = layer.alive | alive
+        if layer.saturates:
+            sat = saturated_count(layer.kind, pre, out, grad_threshold)
+            if sat is not None:
+                layer.saturated = sat if layer.saturated is None else layer.saturated + sat
+        layer.numel += out.numel()  # shape arithmetic on the host: no sync
+        layer.calls += 1
+
+    def _record_call(self, name: str, kind: str, pre: Tensor, out: Any) -> None:
+        """An activation function called by a submodule during the measured forward (from :class:`_FunctionCalls`)."""
+        if not isinstance(out, Tensor) or not out.is_floating_point() or out.ndim == 0:
+            return
+        if not in_training_step(self._pl_module):
+            return
+        layer = self._call_layers.get(name)
+        if layer is None:
+            if not self._discovering:
+                return  # the set was fixed at the first measurement (every rank measures the same layers)
+            layer = self._call_layers[name] = _Layer(name, kind, from_preactivation=False)
+        with torch.no_grad():
+            self._accumulate(layer, pre, out, self.saturation_grad)
 
     def _remove_hooks(self) -> None:
         for layer in self._layers or []:
             for handle in layer.handles:
                 handle.remove()
             layer.handles.clear()
+        if self._calls is not None and self._calls.active:
+            self._calls.stop()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # The forward is over: remove the hooks before backward, where activation checkpointing re-runs forwards.
@@ -351,8 +455,21 @@ class DeadActivation(DebugCallback):
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         """Reduce, log and diagnose what the hooks collected. ``step``: the optimizer step the batch belongs to
         (``global_step`` has already moved on when ``on_train_batch_end`` runs)."""
+        if self._discovering:
+            self._adopt_function_layers()
         layers = self._layers
         assert layers is not None
+        if not layers:
+            self._report_unobservable(
+                trainer,
+                "no activation module (ReLU, GELU, SiLU, Tanh, Sigmoid, ...) "
+                + (f"matching `layers={self.layers!r}` " if self.layers else "")
+                + "is in the model and its submodules called no activation function (F.relu, F.gelu, F.silu, ...) "
+                "during the training forward.",
+                compiled=False,
+                step=step,
+            )
+            return
         device = _device_of(pl_module)
         zero = torch.zeros((), device=device)
         sums = torch.stack(
@@ -412,6 +529,31 @@ class DeadActivation(DebugCallback):
         logged = {k: v for k, v in host.items() if not k.startswith("_") and k.split("/", 1)[1] in ran}
         self.log_scalars(trainer, logged, step=step)
         self._diagnose(trainer, host, [layer for layer in layers if layer.name in ran], step)
+
+    def _adopt_function_layers(self) -> None:
+        """End of the first measurement: the function-call layers seen become fixed layers, the same on every rank.
+
+        A rank may not have called every function (a mixture-of-experts expert that got no token), so the names are
+        gathered once (a one-off collective on the first measuring step, which every rank reaches) and every rank
+        adopts the union, in the model's module order; a layer a rank did not see contributes zero counts.
+        """
+        self._discovering = False
+        assert self._layers is not None and self._calls is not None
+        names = sorted(self._call_layers)
+        kinds = {n: layer.kind for n, layer in self._call_layers.items()}
+        if world_size() > 1:
+            everyone: list[Any] = [None] * world_size()
+            dist.all_gather_object(everyone, kinds)  # collective: once per fit
+            for other in everyone:
+                for n, k in (other or {}).items():
+                    kinds.setdefault(n, k)
+            names = sorted(kinds)
+        order = {n: i for i, n in enumerate(self._calls.names.values())}
+        names.sort(key=lambda n: (order.get(n.rsplit(".", 1)[0], len(order)), n))
+        for n in names:
+            layer = self._call_layers.get(n) or _Layer(n, kinds[n], from_preactivation=False)
+            self._call_layers[n] = layer
+            self._layers.append(layer)
 
     # ------------------------------------------------------------------ findings
     def _diagnose(self, trainer: pl.Trainer, host: dict[str, float], layers: list[_Layer], step: int) -> None:

@@ -49,6 +49,32 @@ _CLASS_TOKENS: tuple[tuple[str, str], ...] = (
 _NOT_ACTIVATIONS = ("log", "softmax", "shrink", "glu", "shuffle")  # PixelUnshuffle is no ELU
 
 
+def _function_kinds() -> dict[object, str]:
+    table: dict[object, str] = {}
+    for kind, names in (
+        ("relu", ("relu", "relu_")),
+        ("relu6", ("relu6",)),
+        ("leaky_relu", ("leaky_relu", "leaky_relu_")),
+        ("elu", ("elu", "elu_")),
+        ("gelu", ("gelu",)),
+        ("silu", ("silu",)),
+        ("mish", ("mish",)),
+    ):
+        for owner in (F, torch, torch.Tensor):
+            for name in names:
+                func = getattr(owner, name, None)
+                if func is not None:
+                    table[func] = kind
+    return table
+
+
+FUNCTION_KINDS: dict[object, str] = _function_kinds()
+"""Activation *functions* (``F.gelu``, ``torch.relu``, ``Tensor.relu`` ...) and their kinds, for models whose
+``forward`` applies the MLP activation as a function call. ``tanh`` and ``sigmoid`` are left out on purpose: called as
+functions they are mostly gates and squashing steps (GLU gates, the tanh inside approximate GELU), where saturation
+is by design; as modules they are still recognised by :func:`kind_of_module`."""
+
+
 def kind_of_module(module: torch.nn.Module) -> str | None:
     """The activation kind of a leaf module from its class name (``nn.ReLU``, ``GELUActivation``, ...), or None.
 

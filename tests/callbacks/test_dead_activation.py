@@ -133,17 +133,42 @@ class FunctionalGPT(TinyGPT):
             block.mlp.forward = lambda x, mlp=block.mlp: mlp.proj(F.relu(mlp.fc(x)))
 
 
+def test_activations_called_as_functions_are_found_on_their_own(tmp_path):
+    monitor = DeadActivation(every_n_steps=1)
+    trainer = fit(tmp_path / "auto", [monitor], model=FunctionalGPT(mlp_bias_init=-5.0, **SMALL), max_steps=2)
+    assert [layer.name for layer in monitor._layers] == ["blocks.0.mlp.relu()", "blocks.1.mlp.relu()"]
+    assert trainer.callback_metrics["dead_frac/blocks.0.mlp.relu()"].item() == 1.0
+    assert "TFD340" in codes(monitor)
+    healthy = DeadActivation(every_n_steps=1)
+    trainer = fit(tmp_path / "healthy", [healthy], model=FunctionalGPT(**SMALL), max_steps=2)
+    assert 0.0 < trainer.callback_metrics["zero_frac/blocks.1.mlp.relu()"].item() < 0.9
+    assert codes(healthy) == []
+
+
 def test_activations_called_as_functions_are_measured_through_preactivations(tmp_path):
-    aside = DeadActivation(every_n_steps=1)
+    aside = DeadActivation(every_n_steps=1, functional=False)
     with pytest.warns(TFDebugWarning, match="preactivations"):
         make_trainer(tmp_path / "a", [aside], max_steps=1).fit(
             FunctionalGPT(mlp_bias_init=-5.0, **SMALL), TinyTextDataModule(batch_size=8)
         )
     assert not aside.active
-    monitor = DeadActivation(every_n_steps=1, preactivations={r"mlp\.fc$": "relu"})
+    monitor = DeadActivation(every_n_steps=1, preactivations={r"mlp\.fc$": "relu"}, functional=False)
     trainer = fit(tmp_path / "b", [monitor], model=FunctionalGPT(mlp_bias_init=-5.0, **SMALL), max_steps=2)
     assert trainer.callback_metrics["dead_frac/blocks.0.mlp.fc"].item() == 1.0
     assert "TFD340" in codes(monitor)
+
+
+def test_a_model_without_any_activation_is_said_once(tmp_path):
+    class Linear(TinyGPT):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            for block in self.blocks:
+                block.mlp.act = torch.nn.Identity()
+
+    monitor = DeadActivation(every_n_steps=1)
+    fit(tmp_path, [monitor], model=Linear(**SMALL), max_steps=3)
+    assert [f.code for f in monitor.findings] == ["TFD343"]
+    assert not monitor.active
 
 
 def test_layers_regex_restricts_the_measured_modules(tmp_path):
@@ -333,9 +358,14 @@ def test_ddp_a_unit_is_dead_only_if_dead_on_every_rank(tmp_path):
 
 @pytest.mark.ddp
 def test_fsdp2_measures_sharded_models_with_loss_at_init_alongside(tmp_path):
-    """Under FSDP2 (``fully_shard`` per block), activations are whole on each rank: one reduction agrees on them."""
+    """Under FSDP2 (``fully_shard`` per block), activations are whole on each rank: one reduction agrees on them.
+
+    The MLPs call ``F.relu`` (no activation module): the function-call layers are found under FSDP2's hooks and
+    agreed by both ranks at the first measurement.
+    """
     spec = {
         "strategy": "fsdp2",
+        "model_class": "tests.callbacks.test_dead_activation:FunctionalGPT",
         "model": {**SMALL, "activation": "relu", "mlp_bias_init": -5.0, "softmax_output": True},
         "data": {"batch_size": 4},
         "trainer": {"max_steps": 3},
@@ -349,7 +379,7 @@ def test_fsdp2_measures_sharded_models_with_loss_at_init_alongside(tmp_path):
         assert r["error"] is None, r["error"]
         assert [(f["code"], f["step"]) for f in r["findings"]["DeadActivation"]] == [("TFD340", 1)]
         assert [f["code"] for f in r["findings"]["LossAtInit"]] == ["TFD220"]
-        assert r["metrics"][f"dead_frac/{ACTS[0]}"] == 1.0
+        assert r["metrics"]["dead_frac/blocks.0.mlp.relu()"] == 1.0
     ours = [
         {k: v for k, v in r["metrics"].items() if k.startswith(("zero_frac", "dead_frac", "loss_at_init/"))}
         for r in results

@@ -1,0 +1,221 @@
+"""The whole pack at its defaults on models this project did not shape around its detectors.
+
+Each callback is tested alone next to its code; here all of them run together, as a user who adds the pack to an
+existing run would, on three healthy models (the bundled TinyGPT, a Hugging Face GPT-2 built from a tiny config, and
+a causal LM on `torch.nn.TransformerEncoder` fed tuple batches), and must stay silent: no warning and no error.
+Then bugs are injected into the two foreign models and the pack must name them.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_tfdebug as tfd
+from lightning_tfdebug.demo import ByteTokenizer, TinyGPT
+from tests.helpers import SMALL, fit_tiny
+
+try:
+    import transformers
+except ImportError:  # pragma: no cover - transformers is a test dependency
+    transformers = None
+
+VOCAB = ByteTokenizer.vocab_size
+
+
+def the_pack() -> list[pl.Callback]:
+    return [
+        tfd.GradNormMonitor(),
+        tfd.UpdateRatio(),
+        tfd.NaNFirstFrame(),
+        tfd.ScalerWatch(),
+        tfd.DeadActivation(),
+        tfd.LossAtInit(check_step=40),
+        tfd.ThroughputMonitor(),
+        tfd.PerRankLogger(),
+        tfd.BatchGuard(),
+        tfd.ReproCapture(),
+        tfd.MaskProbe(),
+        tfd.OptimizerAudit(),
+        tfd.CheckpointAudit(),
+    ]
+
+
+def problems(callbacks) -> list[str]:
+    """Every warning or error the pack raised, as ``"CODE Source: message"``."""
+    return [
+        f"{f.code} {f.source}: {f.message}"
+        for c in callbacks
+        for f in getattr(c, "findings", [])
+        if f.severity in ("warning", "error")
+    ]
+
+
+def codes(callbacks) -> set[str]:
+    return {f.code for c in callbacks for f in getattr(c, "findings", []) if f.severity != "info"}
+
+
+def adamw_with_warmup(module: nn.Module, lr: float) -> dict:
+    """What a careful user configures: AdamW, no decay on norms, biases and embeddings, a 10-step linear warm-up."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if p.ndim >= 2 and "emb" not in n and "wte" not in n and "wpe" not in n]
+    rest = [p for n, p in named if not (p.ndim >= 2 and "emb" not in n and "wte" not in n and "wpe" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=lr
+    )
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+# ---------------------------------------------------------------- a causal LM on nn.TransformerEncoder, tuple batches
+class EncoderLM(pl.LightningModule):
+    """``batch = (tokens, targets)``, targets already shifted by the data; no attention mask (fixed-length rows)."""
+
+    def __init__(self, causal: bool = True, dead_bias: float = 0.0, context: int = 32, lr: float = 2e-3):
+        super().__init__()
+        self.causal, self.context, self.lr = causal, context, lr
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.pos = nn.Parameter(torch.zeros(context, 32))
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, activation="relu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.out = nn.Linear(32, VOCAB)
+        if dead_bias:
+            for block in self.encoder.layers:
+                nn.init.constant_(block.linear1.bias, dead_bias)  # every pre-ReLU value negative: dead units
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.context:
+            raise IndexError(f"sequence of {t} tokens is longer than the position table ({self.context})")
+        mask = nn.Transformer.generate_square_subsequent_mask(t) if self.causal else None
+        h = self.embed(tokens) + self.pos[:t]
+        return self.out(self.encoder(h, mask=mask, is_causal=self.causal))
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        logits = self(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return adamw_with_warmup(self, self.lr)
+
+
+def periodic_text(rows: int = 256, length: int = 33, seed: int = 0) -> torch.Tensor:
+    """Rows of a repeating byte pattern with a random phase: learnable, so losses fall from ln(V)."""
+    g = torch.Generator().manual_seed(seed)
+    pattern = torch.tensor(list(b"the quick brown fox jumps over the lazy dog. "))
+    start = torch.randint(0, len(pattern), (rows, 1), generator=g)
+    return pattern[(start + torch.arange(length)) % len(pattern)]
+
+
+def tuple_loader(batch_size: int = 16) -> DataLoader:
+    text = periodic_text()
+    return DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=batch_size, shuffle=True)
+
+
+# ---------------------------------------------------------------- a Hugging Face GPT-2, dict batches with labels
+class HFLM(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, attn_implementation="eager"
+        )
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    def training_step(self, batch, batch_idx):
+        loss = self(**batch).loss  # Hugging Face shifts the labels inside the model
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return adamw_with_warmup(self, 2e-3)
+
+
+needs_transformers = pytest.mark.skipif(transformers is None, reason="needs `transformers`")
+
+
+def fit_pack(tmp_path, model, data, steps: int = 60, **kwargs):
+    pack = the_pack()
+    fit_tiny(tmp_path, pack, model, data, max_steps=steps, log_every_n_steps=10, **kwargs)
+    return pack
+
+
+# ---------------------------------------------------------------- healthy: silent
+def test_the_pack_is_silent_on_the_healthy_tiny_transformer(tmp_path):
+    pack = fit_pack(tmp_path, TinyGPT(**SMALL), None)
+    assert problems(pack) == []
+
+
+def test_the_pack_is_silent_on_a_healthy_encoder_lm_with_tuple_batches(tmp_path):
+    pack = fit_pack(tmp_path, EncoderLM(), tuple_loader())
+    assert problems(pack) == []
+    loss_at_init = next(c for c in pack if isinstance(c, tfd.LossAtInit))
+    assert loss_at_init.findings == [] or all(f.severity == "info" for f in loss_at_init.findings)
+
+
+@needs_transformers
+def test_the_pack_is_silent_on_a_healthy_hugging_face_gpt2(tmp_path):
+    from lightning_tfdebug.demo import TinyTextDataModule
+
+    pack = fit_pack(tmp_path, HFLM(), TinyTextDataModule(batch_size=8))
+    assert problems(pack) == []
+
+
+# ---------------------------------------------------------------- bugs in models the detectors were not written for
+def test_a_missing_causal_mask_in_a_torch_encoder_lm_is_named(tmp_path):
+    pack = fit_pack(tmp_path, EncoderLM(causal=False), tuple_loader(), steps=2)
+    assert "TFD201" in codes(pack)
+
+
+def test_dead_relu_units_in_a_torch_encoder_lm_are_named(tmp_path):
+    pack = fit_pack(tmp_path, EncoderLM(dead_bias=-20.0), tuple_loader(), steps=20)
+    assert "TFD340" in codes(pack) or "TFD341" in codes(pack), problems(pack)
+
+
+def test_softmax_before_the_loss_in_a_torch_encoder_lm_is_named(tmp_path):
+    class SoftmaxLM(EncoderLM):
+        def forward(self, tokens):
+            return super().forward(tokens).softmax(-1)
+
+    pack = fit_pack(tmp_path, SoftmaxLM(), tuple_loader(), steps=2)
+    assert "TFD220" in codes(pack), problems(pack)
+
+
+def test_labels_not_shifted_for_a_torch_encoder_lm_are_named(tmp_path):
+    text = periodic_text()
+    unshifted = DataLoader(TensorDataset(text[:, :-1], text[:, :-1]), batch_size=16, shuffle=True)
+    pack = fit_pack(tmp_path, EncoderLM(), unshifted, steps=45)
+    assert codes(pack) & {"TFD205", "TFD226"}, problems(pack)
+
+
+def test_sequence_past_the_position_table_of_a_torch_encoder_lm_is_caught_before_the_forward(tmp_path):
+    text = periodic_text(length=33)
+    long = periodic_text(rows=16, length=49)
+    batches = DataLoader([(t[:, :-1], t[:, 1:]) for t in (text[:16], text[16:32], long)], batch_size=None)
+    guard = tfd.BatchGuard(on_finding="raise")
+    with pytest.raises(tfd.TFDebugError, match="sequence length 48"):
+        fit_tiny(tmp_path, [guard], EncoderLM(), batches, max_steps=3)
+    [finding] = [f for f in guard.findings if f.severity == "error"]
+    assert finding.step == 2 and finding.evidence["max_length"] == 32, finding
+
+
+@needs_transformers
+def test_a_gpt2_head_left_out_of_the_optimizer_is_named(tmp_path):
+    from lightning_tfdebug.demo import TinyTextDataModule
+
+    class Frozen(HFLM):
+        def configure_optimizers(self):
+            body = [p for n, p in self.named_parameters() if not n.startswith("model.transformer.h.1.")]
+            return torch.optim.AdamW(body, lr=2e-3, weight_decay=0.0)
+
+    pack = fit_pack(tmp_path, Frozen(), TinyTextDataModule(batch_size=8), steps=20)
+    assert "TFD320" in codes(pack) or "TFD312" in codes(pack), problems(pack)
