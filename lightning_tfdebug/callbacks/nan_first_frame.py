@@ -18,6 +18,7 @@ from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_fra
 Mode = Literal["lazy", "eager"]
 _MODES = ("lazy", "eager")
 _MAX_KEPT_MICRO_BATCHES = 64
+_LOSS_FRAME = "training_step"  # the pseudo-module under which the loss returned by training_step is recorded
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -175,7 +176,7 @@ class NaNFirstFrame(DebugCallback):
             bad = (~torch.isfinite(loss.detach())).any()  # on the device
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         if self._recorder is not None and self._recorder.enabled:
-            self._recorder.record_value("training_step", "loss", loss)
+            self._recorder.record_value(_LOSS_FRAME, "loss", loss)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -265,7 +266,7 @@ class NaNFirstFrame(DebugCallback):
                 loss = out.get("loss") if isinstance(out, dict) else out
                 if not isinstance(loss, Tensor):
                     continue
-                recorder.record_value("training_step", "loss", loss)
+                recorder.record_value(_LOSS_FRAME, "loss", loss)
                 if scaler is not None:
                     loss = scaler.scale(loss)
                 if loss.requires_grad:
@@ -391,15 +392,27 @@ class NaNFirstFrame(DebugCallback):
             "report": txt_path,
             "report_json": json_path,
         }
-        where = (
-            f"the first module whose forward output held inf/nan was `{culprit['forward']}` on rank {culprit['rank']}"
-            if culprit and culprit["forward"]
-            else "no module output held inf/nan in the replay"
-        )
+        loss_only = bool(culprit and culprit["forward"] == _LOSS_FRAME)
+        if loss_only:
+            where = (
+                f"no module output held inf/nan; the first non-finite value is the loss computed in training_step on "
+                f"rank {culprit['rank']} (a mean over zero supervised tokens, or log(0) or 0/0 in the loss function)"
+            )
+        elif culprit and culprit["forward"]:
+            where = (
+                f"the first module whose forward output held inf/nan was `{culprit['forward']}` on rank "
+                f"{culprit['rank']}"
+            )
+        else:
+            where = "no module output held inf/nan in the replay"
         if culprit and culprit["backward"]:
             where += f"; the first non-finite gradient reached the output of `{culprit['backward']}`"
         hint = (
-            "Read the report's frames: the abs-max column shows where values grew; a small 'fp16 room' means the "
+            "Every module's output was finite: look at the loss itself. A batch whose labels are all ignore_index "
+            "gives mean cross-entropy 0/0 = nan (BatchGuard and LossAtInit name it); a hand-written loss taking "
+            "log of a probability that reached 0 gives -inf (use log_softmax / cross_entropy on logits)."
+            if loss_only
+            else "Read the report's frames: the abs-max column shows where values grew; a small 'fp16 room' means the "
             "next operation may overflow. Under fp16 keep that module in fp32 (or use bf16), lower the LR, add "
             "warm-up or clipping; a nan from log(0), sqrt(0) backward or 0/0 points at the named module's math."
         )

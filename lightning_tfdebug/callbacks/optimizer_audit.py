@@ -46,7 +46,8 @@ class OptimizerAudit(DebugCallback):
       common practice excludes them); ``Adam``-family optimizers with ``weight_decay > 0`` (coupled L2, not decoupled
       decay) get ``TFD326``: use ``AdamW``.
 
-    At the first batch of each epoch and the first batch after each validation run: the module must be in train
+    At the first batch of each epoch and the first batch after each validation run, once its forward has run (so an
+    ``.eval()`` from a module hook or from ``training_step`` itself is seen): the module must be in train
     mode (``TFD327``, error). Submodules with mode-dependent layers (dropout, batch/instance norm) left in eval mode
     while the module trains get ``TFD328`` (info; deliberate for frozen BatchNorm).
 
@@ -268,9 +269,11 @@ class OptimizerAudit(DebugCallback):
         if not trainer.sanity_checking:
             self._check_mode = True
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        # after the forward: the mode it ran in (the LightningModule's own `on_train_batch_start` runs after ours)
+        self._check_train_mode(trainer, pl_module)
+
+    def _check_train_mode(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.active or not self._check_mode:
             return
         self._check_mode = False  # once per epoch start / after validation: a loop over modules, no tensor work
@@ -416,6 +419,7 @@ class OptimizerAudit(DebugCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._check_train_mode(trainer, pl_module)  # manual optimization without a backward on this batch
         if not self._compare_due:
             return
         self._compare_due = False

@@ -289,3 +289,11 @@ def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, strategy, o
     report = json.loads(Path(results[1]["extra"]["reports"][0]).with_suffix(".json").read_text())
     assert report["rank"] == 1 and report["first_forward"]["module"] == "blocks.1.mlp.fc"
     assert json.loads(Path(results[0]["extra"]["reports"][0]).with_suffix(".json").read_text())["first_forward"] is None
+
+
+def test_a_loss_that_is_nan_while_every_module_is_finite_is_said_so(tmp_path):
+    nan = NaNFirstFrame()
+    fit(tmp_path, [nan], data=TinyTextDataModule(batch_size=8, all_labels_ignored=True), max_steps=2)
+    first = next(f for f in nan.findings if f.code == "TFD401")
+    assert "no module output held inf/nan" in first.message and "loss computed in training_step" in first.message
+    assert "ignore_index" in first.hint

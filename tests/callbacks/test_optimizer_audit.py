@@ -68,6 +68,24 @@ def test_bug_zoo_row_21_eval_mode_at_each_epoch(tmp_path):
     assert codes(audit) == ["TFD327"]
 
 
+class EvalInItsOwnHook(TinyGPT):
+    def on_train_batch_start(self, batch, batch_idx):  # runs after the callbacks' on_train_batch_start
+        self.eval()
+
+
+class EvalInTrainingStep(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        self.eval()  # e.g. an inference helper called from training_step that never calls .train() again
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("model_class", [EvalInItsOwnHook, EvalInTrainingStep])
+def test_eval_mode_set_after_the_callbacks_hooks_is_seen_at_the_first_step(tmp_path, model_class):
+    audit = OptimizerAudit()
+    fit(tmp_path, [audit], model=model_class(**SMALL))
+    assert [(f.code, f.step) for f in audit.findings if f.severity != "info"] == [("TFD327", 0)]
+
+
 class StaysInEvalAfterValidation(TinyGPT):
     def on_validation_model_train(self):  # overridden: the module is never put back into train mode
         pass
