@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from typing import Any
 
@@ -44,8 +46,15 @@ class UpdateRatio(DebugCallback):
     lr 3e-4 to 3e-3 and a GPT-2-small-shaped model at 6e-4 stay inside; the same runs with the LR 100x lower or
     higher leave it.
 
+    A learning rate far too high does not always show as a large ratio: with warm-up, the weights grow while the LR
+    rises and the ratio measured against the grown weights looks ordinary. What does show is the growth itself, so
+    ``TFD313`` watches ``‖W‖`` per group: when the median group grew by more than ``growth_limit`` times within
+    ``growth_window`` optimizer steps, the step size is large against the weights' own scale. Groups whose norm is
+    under 5% of the largest group's at the start of the window (zero-initialised biases, positions) are left out:
+    growing from nothing is normal.
+
     Findings: ``TFD310`` too low, ``TFD311`` too high, ``TFD312`` a group that got gradients but did not change
-    (left out of the optimizer). See ``docs/findings.md``.
+    (left out of the optimizer), ``TFD313`` weights growing fast. See ``docs/findings.md``.
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -58,6 +67,8 @@ class UpdateRatio(DebugCallback):
         patience: consecutive measurements for ``TFD310`` and ``TFD312``.
         decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen (a schedule
             deliberately decaying it) or still rising (warm-up).
+        growth_limit: ``TFD313`` when the median group norm grows by more than this factor within ``growth_window``.
+        growth_window: optimizer steps over which ``growth_limit`` applies.
 
     Raises:
         ValueError: on an argument outside its allowed range, or ``low >= high``.
@@ -77,6 +88,7 @@ class UpdateRatio(DebugCallback):
                 every_n_steps: 25
                 low: 3.0e-4
                 high: 0.3
+                growth_limit: 2.0
         ```
     """
 
@@ -90,6 +102,8 @@ class UpdateRatio(DebugCallback):
         high: float = 0.3,
         patience: int = 3,
         decayed_lr_fraction: float = 0.5,
+        growth_limit: float = 2.0,
+        growth_window: int = 50,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         validate_group_args(groups, group_depth)
@@ -105,6 +119,11 @@ class UpdateRatio(DebugCallback):
         self.high = float(high)
         self.patience = patience
         self.decayed_lr_fraction = float(decayed_lr_fraction)
+        check_number("growth_limit", growth_limit, low=1.0, low_inclusive=False)
+        check_number("growth_window", growth_window, low=1, integer=True)
+        self.growth_limit = float(growth_limit)
+        self.growth_window = growth_window
+        self._norms: deque[tuple[int, dict[str, float]]] = deque()  # (step, group norms) within growth_window
         self._layout: ReductionLayout | None = None
         self._before: list[Tensor] | None = None  # fp32 snapshot, alive only between the two hooks of a step
         self._grad_sq: Tensor | None = None
@@ -229,6 +248,7 @@ class UpdateRatio(DebugCallback):
                 "the weights. Lower the LR or add warm-up; GradNormMonitor shows whether gradients explode too.",
                 step=step,
             )
+        self._check_growth(trainer, {g: host[f"param_norm/{g}"] for g in names}, step)
         stepped = sum(host[f"_delta/{g}"] for g in names) > 0
         frozen = []
         for g in names:
@@ -248,6 +268,45 @@ class UpdateRatio(DebugCallback):
                 step=step,
             )
 
+    def _check_growth(self, trainer: pl.Trainer, norms: dict[str, float], step: int) -> None:
+        """``TFD313``: the median group norm grew past ``growth_limit`` x within ``growth_window`` steps."""
+        while self._norms and self._norms[0][0] < step - self.growth_window:
+            self._norms.popleft()
+        self._norms.append((step, norms))
+        start_step, start = self._norms[0]
+        if start_step == step:
+            return
+        largest = max(start.values(), default=0.0)
+        growth = {
+            g: norms[g] / start[g]
+            for g in norms
+            if g in start and start[g] > 0.05 * largest and start[g] > 0 and math.isfinite(norms[g])
+        }
+        if not growth:
+            return
+        median = statistics.median(growth.values())
+        if median <= self.growth_limit:
+            return
+        self.emit(
+            trainer,
+            "TFD313",
+            "warning",
+            f"Weights are growing fast: the median group norm grew {median:.3g}x in {step - start_step} optimizer "
+            f"steps (limit {self.growth_limit:g}x in {self.growth_window}), at a learning rate of {self._lr:.3g}.",
+            {
+                "median_growth": median,
+                "from_step": start_step,
+                "to_step": step,
+                "lr": self._lr,
+                "growth": {g: round(v, 4) for g, v in sorted(growth.items(), key=lambda kv: -kv[1])},
+            },
+            "Each step moves the weights a lot against their own scale (Adam moves every weight by about the LR "
+            "per step), so they inflate instead of learning; the loss typically stalls on a plateau or spikes. The "
+            "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 "
+            "and 1e-3 (a few times more for tiny models). Lower it, and keep a warm-up.",
+            step=step,
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
@@ -255,6 +314,7 @@ class UpdateRatio(DebugCallback):
             "peak_lr": self._peak_lr,
             "recent_lr": list(self._recent_lr),
             "skipped_measurements": self.skipped_measurements,
+            "norms": [[step, norms] for step, norms in self._norms],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -263,3 +323,4 @@ class UpdateRatio(DebugCallback):
         self._peak_lr = float(state_dict.get("peak_lr", 0.0))
         self._recent_lr = deque(state_dict.get("recent_lr", []), maxlen=self.patience)
         self.skipped_measurements = int(state_dict.get("skipped_measurements", 0))
+        self._norms = deque((int(step), dict(norms)) for step, norms in state_dict.get("norms", []))

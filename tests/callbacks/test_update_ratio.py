@@ -22,6 +22,8 @@ def codes(callback):
         ({"patience": 0}, "patience"),
         ({"decayed_lr_fraction": 1.5}, "decayed_lr_fraction"),
         ({"every_n_steps": 0}, "every_n_steps"),
+        ({"growth_limit": 1.0}, "growth_limit"),
+        ({"growth_window": 0}, "growth_window"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
@@ -74,8 +76,36 @@ def test_no_low_finding_while_a_schedule_decays_the_lr(tmp_path):
 def test_learning_rate_100x_too_high_without_warmup(tmp_path):  # bug 12
     monitor = UpdateRatio(every_n_steps=10)
     fit(tmp_path, [monitor], model=TinyGPT(lr=0.1, warmup_steps=0, **SMALL), max_steps=11)
-    [finding] = monitor.findings
-    assert finding.code == "TFD311" and finding.step == 0 and finding.evidence["update_ratio"] > 0.3
+    [finding] = [f for f in monitor.findings if f.code == "TFD311"]
+    assert finding.step == 0 and finding.evidence["update_ratio"] > 0.3
+
+
+def test_learning_rate_100x_too_high_behind_a_warmup_shows_as_weight_growth(tmp_path):  # bug 12, warmed up
+    # The warm-up keeps every single step's ratio modest while the weights inflate: TFD313 sees the growth.
+    monitor = UpdateRatio(every_n_steps=5)
+    fit(tmp_path, [monitor], model=TinyGPT(lr=0.2, warmup_steps=20, **SMALL), max_steps=41)
+    [finding] = [f for f in monitor.findings if f.code == "TFD313"]
+    assert finding.evidence["median_growth"] > 2.0
+    assert finding.evidence["to_step"] - finding.evidence["from_step"] <= monitor.growth_window
+    assert set(finding.evidence["growth"]) >= {"blocks.0", "blocks.1"}
+
+    healthy = UpdateRatio(every_n_steps=5)
+    fit(tmp_path / "healthy", [healthy], model=TinyGPT(lr=2e-3, warmup_steps=20, **SMALL), max_steps=41)
+    assert "TFD313" not in codes(healthy)
+
+
+def test_growth_from_near_zero_groups_is_not_judged(tmp_path):
+    # A zero-initialised group grows "infinitely" under any LR; only groups of real size count.
+    class ZeroHead(TinyGPT):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            torch.nn.init.zeros_(self.head.weight)
+
+    monitor = UpdateRatio(every_n_steps=5, groups={"head": r"^head\.", "body": r"^(?!head\.)"})
+    fit(tmp_path, [monitor], model=ZeroHead(lr=3e-3, **SMALL), max_steps=60)
+    first, last = monitor._norms[0][1], monitor._norms[-1][1]
+    assert last["head"] / first["head"] > 2.0  # it did grow, and would decide a median of two groups
+    assert "TFD313" not in codes(monitor)
 
 
 def test_a_group_left_out_of_the_optimizer(tmp_path):  # bug 10
@@ -112,6 +142,7 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed._peak_lr >= first._peak_lr > 0
     assert list(resumed._recent_lr)[:2] == list(first._recent_lr)[-2:]
+    assert [step for step, _ in resumed._norms][:4] == [step for step, _ in first._norms]
 
 
 def test_built_from_lightning_cli_yaml(tmp_path):
