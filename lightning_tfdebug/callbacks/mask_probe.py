@@ -129,7 +129,16 @@ class MaskProbe(DebugCallback):
     and restores every submodule's mode and the RNG state afterwards. It reads behaviour, not code, so it works on
     any model it can call:
 
-    - **Causality** (``causal=True``): the tokens after the middle position are replaced; the logits at and before it
+    - **Decoder or encoder** (``causal=None``, the default): read from the batch's objective at the first probe.
+      Labels equal to the inputs (shifted inside the model, Hugging Face style) or to the next inputs (shifted in
+      the data) at most supervised positions mean a next-token objective, so a decoder; labels that are neither
+      (a masked-LM or denoising objective, as BERT's) mean an encoder, and the causality and target-alignment
+      checks are skipped with one ``TFD212`` (info) saying so. Batches without token labels count as a decoder.
+      ``causal=True`` / ``False`` decide it yourself.
+    - **Determinism**: the same tokens are run twice; logits that differ mean something random runs in eval mode
+      (``F.dropout`` without ``training=self.training``), which would also make every comparison below measure
+      noise: ``TFD213`` is raised instead of them.
+    - **Causality** (decoders): the tokens after the middle position are replaced; the logits at and before it
       must not move beyond a dtype-aware tolerance (relative ``1e-4`` of the largest logit in fp32, ``5e-3`` fp16,
       ``2e-2`` bf16). Catches a missing or wrong causal mask (``TFD201``).
     - **Padding mask**: a block of a quarter of the positions (after the first) is marked as padding (attention
@@ -142,7 +151,7 @@ class MaskProbe(DebugCallback):
       is tried and ``TFD208`` states the limit and what happens past it, instead of an index error deep in a run.
       With ``kv_cache_fn``, the logits decoded incrementally must equal the full forward's at every position
       (``TFD209``: off-by-one cache positions, rotary offsets).
-    - **Target alignment** (``causal=True``, automatic optimization): the module's own ``training_step`` is called
+    - **Target alignment** (decoders, automatic optimization): the module's own ``training_step`` is called
       on the batch (in eval mode, under ``no_grad``, with ``self.log`` silenced) and its loss is compared with the
       cross-entropy of the same logits against the labels shifted by one and unshifted. Labels equal to the inputs
       with an unshifted loss mean the model learns to copy its input (``TFD205``); labels already shifted in the
@@ -163,6 +172,7 @@ class MaskProbe(DebugCallback):
 
     | key | meaning |
     | --- | --- |
+    | `mask_probe/repeat_max_change` | largest logit difference between two forwards of the same tokens |
     | `mask_probe/causal_max_change` | largest logit change at positions before the edited tokens |
     | `mask_probe/padding_max_change` | largest real-token logit change when masked tokens change |
     | `mask_probe/pad_side_max_change` | largest real-token logit change when padding is added on the pad side |
@@ -177,7 +187,8 @@ class MaskProbe(DebugCallback):
     ``TFD203`` logits depend on the amount of padding, ``TFD204`` padded batches but no mask reaches the model,
     ``TFD205`` unshifted labels, ``TFD206`` labels shifted twice, ``TFD207`` fails within its context limit,
     ``TFD208`` (info) the context limit and what happens past it, ``TFD209`` incremental decoding differs,
-    ``TFD210`` (info) target alignment undetermined, ``TFD211`` (info) cannot call the model.
+    ``TFD210`` (info) target alignment undetermined, ``TFD211`` (info) cannot call the model, ``TFD212`` (info)
+    treated as an encoder because the labels are a masked-LM objective, ``TFD213`` the eval-mode forward is random.
 
     Distributed: each rank probes its own batch with plain forward passes on the unwrapped module (no collective);
     findings are rank-local and resolved together. Under sharded strategies (FSDP, ``ModelParallelStrategy``) a
@@ -188,7 +199,8 @@ class MaskProbe(DebugCallback):
         every_n_steps: probe again whenever ``global_step % every_n_steps == 0``; ``None`` (default) probes only at
             the first batch of each fit.
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
-        causal: ``True`` for decoders; ``False`` for encoders (skips causality and target alignment).
+        causal: ``True`` for decoders; ``False`` for encoders (skips causality and target alignment); ``None``
+            decides from the batch's labels (see above).
         check_padding: run the padding checks (needs a model that takes an attention mask).
         check_targets: run the target-alignment check.
         check_positions: run the context-limit checks (once per fit).
@@ -229,7 +241,7 @@ class MaskProbe(DebugCallback):
         self,
         every_n_steps: int | None = None,
         on_finding: OnFinding = "warn",
-        causal: bool = True,
+        causal: bool | None = None,
         check_padding: bool = True,
         check_targets: bool = True,
         check_positions: bool = True,
@@ -245,8 +257,9 @@ class MaskProbe(DebugCallback):
         probe_length: int = 64,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        if causal is not None and not isinstance(causal, bool):
+            raise TypeError(f"`causal` must be True, False or None (decide from the labels); got {causal!r}.")
         for name, value in (
-            ("causal", causal),
             ("check_padding", check_padding),
             ("check_targets", check_targets),
             ("check_positions", check_positions),
@@ -286,7 +299,8 @@ class MaskProbe(DebugCallback):
         self._last_probe_step: int | None = None
         self._positions_done = False
         self._alignment_decided = False
-        self._targets_wanted = causal and check_targets
+        self._targets_wanted = causal is not False and check_targets
+        self._is_causal: bool | None = causal  # resolved at the first probe of a fit when None
         self._setup_aside = False
         self.last_report: dict[str, float] = {}
 
@@ -299,8 +313,9 @@ class MaskProbe(DebugCallback):
         super().setup(trainer, pl_module, stage)
         self._last_probe_step = None
         self._positions_done = False
-        self._targets_wanted = self.causal and self.check_targets
+        self._targets_wanted = self.causal is not False and self.check_targets
         self._alignment_decided = not self._targets_wanted
+        self._is_causal = self.causal
         self._caller = None
         strategy = type(trainer.strategy).__name__
         if "FSDP" in strategy or "ModelParallel" in strategy or "DeepSpeed" in strategy:
@@ -321,7 +336,8 @@ class MaskProbe(DebugCallback):
             return  # gradient accumulation: one probe per optimizer step
         first = self._last_probe_step is None
         periodic = self.every_n_steps is not None and step % self.every_n_steps == 0
-        retry_step = self._targets_wanted and step in _ALIGNMENT_RETRY_STEPS
+        # from the configuration only, not from what this rank decided, so that every rank takes the same steps
+        retry_step = self.causal is not False and self.check_targets and step in _ALIGNMENT_RETRY_STEPS
         if not (first or periodic or retry_step):
             return
         # Whether this step is a probing step depends on global_step only, so every rank gets here on the same steps
@@ -423,6 +439,10 @@ class MaskProbe(DebugCallback):
             if reason is not None:
                 self._cannot_call(trainer, reason)
                 return
+        if self._is_causal is None:
+            self._is_causal = self._decide_causal(trainer, ids, labels)
+            if not self._is_causal:
+                self._targets_wanted, self._alignment_decided = False, True
         modes = {m: m.training for m in pl_module.modules()}
         devices = [ids.device.index or 0] if ids.device.type == "cuda" else []
         values: dict[str, Tensor | float] = {}
@@ -448,8 +468,67 @@ class MaskProbe(DebugCallback):
         host = self.to_host(values)  # host sync: one transfer for all of the probe's scalars (probing steps only)
         self.last_report = {k: v for k, v in host.items() if k.startswith("mask_probe/")}
         self.log_scalars(trainer, self.last_report)
+        repeat = host.get("mask_probe/repeat_max_change")
+        if repeat is not None and not repeat <= host["_repeat_tol"]:  # also catches NaN
+            self._not_deterministic(trainer, host)
+            return  # every other comparison would be measuring the noise
         for decide in decisions:
             decide(host)
+
+    def _not_deterministic(self, trainer: pl.Trainer, host: dict[str, float]) -> None:
+        self._alignment_decided = True  # its loss comparison would be noise too
+        change = host["mask_probe/repeat_max_change"]
+        self.emit(
+            trainer,
+            "TFD213",
+            "error",
+            f"The model is not a function of its input in eval mode: the same tokens twice gave logits that differ by "
+            f"{change:.3g} at position {int(host['_repeat_pos'])} (row {int(host['_repeat_row'])}; tolerance "
+            f"{host['_repeat_tol']:.2g}). The other MaskProbe checks are skipped: they would measure this noise.",
+            {
+                "max_change": change,
+                "position": int(host["_repeat_pos"]),
+                "row": int(host["_repeat_row"]),
+                "tolerance": host["_repeat_tol"],
+            },
+            "Something random runs regardless of `.eval()`: usually `F.dropout(x, p)` (its `training` argument "
+            "defaults to True; pass `training=self.training` or use `nn.Dropout`), `dropout_p` given to "
+            "`scaled_dot_product_attention` without checking `self.training`, or noise / sampling in `forward`. "
+            "Validation and generation are then noisy as well.",
+            synchronized=False,
+        )
+
+    def _decide_causal(self, trainer: pl.Trainer, ids: Tensor, labels: Tensor | None) -> bool:
+        """Decoder (True) or encoder (False), from what the labels ask the model to predict."""
+        if labels is None:
+            return True  # no token labels to read the objective from: decoders are the common case
+        with torch.no_grad():
+            supervised = labels != self.ignore_index
+            same = ((labels == ids) & supervised).sum()
+            following = ((labels[:, :-1] == ids[:, 1:]) & supervised[:, :-1]).sum()
+            # host sync: once per fit, at the first probe
+            n_sup, n_same, n_next, n_sup_next = torch.stack(
+                [supervised.sum(), same, following, supervised[:, :-1].sum()]
+            ).tolist()
+        if n_sup == 0 or n_same >= 0.5 * n_sup or n_next >= 0.5 * max(n_sup_next, 1.0):
+            return True
+        same_frac, next_frac = n_same / n_sup, n_next / max(n_sup_next, 1.0)
+        self.emit(
+            trainer,
+            "TFD212",
+            "info",
+            f"Treated as an encoder: at the supervised positions the labels equal the inputs {same_frac:.0%} of the "
+            f"time and the next inputs {next_frac:.0%} (a next-token objective has one of them near 100%), so the "
+            "objective is masked-LM or denoising. Causality and target alignment are not checked.",
+            {
+                "same_frac": same_frac,
+                "next_frac": next_frac,
+                "supervised_frac": n_sup / max(labels.numel(), 1),
+            },
+            "If this model is a decoder, set `causal=True` to check its causal mask; `causal=False` silences this.",
+            synchronized=False,
+        )
+        return False
 
     def _cannot_call(self, trainer: pl.Trainer, reason: str) -> None:
         self.emit(
@@ -482,7 +561,11 @@ class MaskProbe(DebugCallback):
         ones = torch.ones_like(ids)
         base = self._logits(ids, ones)
         tol = logit_tolerance(base)
-        if self.causal and t >= 2:
+        # the same input again: every comparison below assumes an eval-mode forward is a function of its input
+        repeat, where = max_change(base, self._logits(ids, ones))
+        values.update({"mask_probe/repeat_max_change": repeat, "_repeat_row": where[0], "_repeat_pos": where[1]})
+        values["_repeat_tol"] = tol
+        if self._is_causal and t >= 2:
             cut = t // 2 - 1
             changed = self._logits(replace_after(ids, cut, gen), ones)
             change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))

@@ -3,6 +3,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
 from lightning_tfdebug import MaskProbe, TFDebugError, TFDebugWarning
@@ -60,6 +61,7 @@ def test_healthy_tiny_transformer_raises_nothing_and_restores_modes(tmp_path):
     assert all(spy.training.values())
     report = probe.last_report
     assert report["mask_probe/causal_max_change"] == 0.0
+    assert report["mask_probe/repeat_max_change"] == 0.0
     assert report["mask_probe/padding_max_change"] == 0.0
     assert report["mask_probe/pad_side_max_change"] == 0.0
     assert report["mask_probe/loss_returned"] == pytest.approx(report["mask_probe/loss_shifted"], rel=1e-5)
@@ -140,6 +142,25 @@ def test_unshifted_labels_under_bf16_true_are_decided_once_the_model_has_learned
     assert probe._alignment_decided
 
 
+class AlwaysDropout(torch.nn.Module):
+    def forward(self, x):
+        return F.dropout(x, 0.1)  # `training` defaults to True: dropout also in eval mode
+
+
+@pytest.mark.parametrize("also_no_causal_mask", [False, True])
+def test_a_forward_that_is_random_in_eval_mode_is_named_instead_of_blamed_on_the_masks(tmp_path, also_no_causal_mask):
+    model = TinyGPT(**SMALL, no_causal_mask=also_no_causal_mask)
+    model.ln_f = torch.nn.Sequential(model.ln_f, AlwaysDropout())
+    probe = MaskProbe()
+    fit(tmp_path, [probe], model=model)
+    assert problems(probe) == ["TFD213"]  # not TFD201/202/203: those comparisons would only measure the noise
+    [finding] = [f for f in probe.findings if f.code == "TFD213"]
+    assert (finding.severity, finding.step) == ("error", 0)
+    assert finding.evidence["max_change"] > finding.evidence["tolerance"] > 0
+    assert "F.dropout" in finding.hint
+    assert probe._alignment_decided  # no retries that would only measure the noise again
+
+
 def test_encoder_mode_skips_causality(tmp_path):
     probe = MaskProbe(causal=False)
     fit(tmp_path, [probe], model=TinyGPT(**SMALL, no_causal_mask=True))
@@ -182,6 +203,93 @@ def test_labels_shifted_twice(tmp_path):
         warnings.simplefilter("ignore", TFDebugWarning)
         trainer.fit(TinyGPT(**SMALL, unshifted_labels=True), DoubleShiftData(batch_size=8))
     assert problems(probe) == []
+
+
+class LabelSmoothingGPT(TinyGPT):
+    """The next-token loss with label smoothing: correctly shifted, but not the plain cross-entropy of the logits."""
+
+    def __init__(self, smoothing=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.smoothing = smoothing
+
+    def loss(self, logits, labels):
+        return F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, label_smoothing=self.smoothing
+        )
+
+
+class ZLossGPT(TinyGPT):
+    """The next-token loss plus an auxiliary z-loss on the log-partition function (as PaLM adds)."""
+
+    def loss(self, logits, labels):
+        return super().loss(logits, labels) + 1e-4 * logits.logsumexp(-1).square().mean()
+
+
+@pytest.mark.parametrize(
+    "model_class, kwargs, undetermined",
+    [(LabelSmoothingGPT, {}, True), (ZLossGPT, {}, True), (LabelSmoothingGPT, {"smoothing": 0.0}, False)],
+    ids=["label-smoothing", "aux-z-loss", "no-smoothing"],
+)
+def test_loss_matching_neither_alignment_is_information(tmp_path, model_class, kwargs, undetermined):
+    probe = MaskProbe()
+    trainer = fit(tmp_path, [probe], model=model_class(**SMALL, **kwargs))
+    assert problems(probe) == []  # the labels are shifted correctly: nothing to fix
+    assert probe._alignment_decided  # decided at the first step, not tried again at the retry steps
+    assert trainer.global_step == 2
+    found = [f for f in probe.findings if f.code == "TFD210"]
+    if not undetermined:  # without smoothing the returned loss is the shifted cross-entropy: alignment "next"
+        assert found == []
+        return
+    [finding] = found
+    assert (finding.severity, finding.step) == ("info", 0) and "matches neither" in finding.message
+    returned, shifted, unshifted = (finding.evidence[k] for k in ("loss_returned", "loss_shifted", "loss_unshifted"))
+    assert returned == probe.last_report["mask_probe/loss_returned"]
+    # the two alignments are told apart on this batch, and the returned loss is clearly neither (tolerance 2e-5)
+    assert abs(shifted - unshifted) > 1e-3
+    assert min(abs(returned - shifted), abs(returned - unshifted)) > 1e-4 * returned
+
+
+class GradientPenaltyGPT(TinyGPT):
+    """A ``training_step`` that differentiates its own loss (a gradient-norm penalty): it cannot run under
+    ``no_grad``, so MaskProbe cannot replay it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        (grad,) = torch.autograd.grad(loss, self.head.weight, create_graph=True)
+        return loss + 1e-3 * grad.square().sum()
+
+
+class SkipsTheFirstBatch(TinyGPT):
+    """A ``training_step`` that returns None (Lightning skips the batch) for batch 0."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 0 else super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    "model_class, says",
+    [
+        (GradientPenaltyGPT, "calling `training_step` on the batch failed (RuntimeError)"),
+        pytest.param(
+            SkipsTheFirstBatch,
+            "`training_step` did not return a scalar loss",
+            marks=pytest.mark.filterwarnings("ignore:`training_step` returned `None`"),
+        ),
+    ],
+)
+def test_training_step_that_cannot_be_replayed_is_information(tmp_path, model_class, says):
+    probe = MaskProbe()
+    trainer = fit(tmp_path, [probe], model=model_class(**SMALL))
+    assert problems(probe) == []
+    [finding] = [f for f in probe.findings if f.code == "TFD210"]
+    assert (finding.severity, finding.step) == ("info", 0)
+    assert finding.message == f"Target alignment not checked: {says}."
+    assert finding.evidence == {}  # no losses to show
+    assert "mask_probe/loss_returned" not in probe.last_report
+    # only the alignment check stood aside: the other probes ran, and it is not retried
+    assert probe.active and probe._alignment_decided
+    assert probe.last_report["mask_probe/causal_max_change"] == 0.0
+    assert trainer.global_step == 2
 
 
 def test_model_failing_within_its_stated_context_limit(tmp_path):
