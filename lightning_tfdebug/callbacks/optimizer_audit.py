@@ -20,6 +20,12 @@ _COUPLED_DECAY = frozenset({"Adam", "NAdam", "RAdam", "Adamax", "Adagrad", "Adad
 _MODE_DEPENDENT = (nn.Dropout, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
+_FP16_SQ_UNDERFLOW_GRAD = 1.7e-4
+"""Gradients below this square to less than float16's smallest subnormal (about 6e-8)."""
+_HALF_EPS_STEP_FACTOR = 10.0
+"""TFD333 when an underflowed second moment can make a step this many times Adam's normal one."""
+
+
 def _names(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -44,7 +50,9 @@ class OptimizerAudit(DebugCallback):
       parameters of the module get ``TFD323`` (stale copies);
     - weight decay on 1-D parameters (norm weights, biases) is ``TFD324``; on embedding tables ``TFD325`` (info;
       common practice excludes them); ``Adam``-family optimizers with ``weight_decay > 0`` (coupled L2, not decoupled
-      decay) get ``TFD326``: use ``AdamW``.
+      decay) get ``TFD326``: use ``AdamW``; over float16 parameters (moments in float16 too) with ``eps`` below
+      1.7e-5, ``TFD333``: the second moment of gradients below 1.7e-4 underflows and the step becomes
+      ``lr * m / eps``, over 10x Adam's normal one (a division by zero at the default 1e-8).
 
     At the first batch of each epoch and the first batch after each validation run, once its forward has run (so an
     ``.eval()`` from a module hook or from ``training_step`` itself is seen): the module must be in train
@@ -69,7 +77,7 @@ class OptimizerAudit(DebugCallback):
     ``<group>`` is the param group's ``name`` when it has one, else ``group<i>`` (``opt<j>.group<i>`` with several
     optimizers).
 
-    Findings: ``TFD320`` to ``TFD332`` as above; see ``docs/findings.md``.
+    Findings: ``TFD320`` to ``TFD333`` as above; see ``docs/findings.md``.
 
     Distributed: every rank holds the same optimizer, parameters and LR under DDP, so every rank reaches the same
     findings; no collective runs. Under FSDP the byte comparison uses each rank's local shard, so ``TFD332`` is
@@ -192,6 +200,7 @@ class OptimizerAudit(DebugCallback):
                         key=label,
                     )
                 kind = type(optimizer).__name__
+                self._check_half_eps(trainer, kind, label, group)
                 if decay > 0 and kind in _COUPLED_DECAY and not group.get("decoupled_weight_decay", False):
                     self.emit(
                         trainer,
@@ -248,6 +257,36 @@ class OptimizerAudit(DebugCallback):
                 "The optimizer was built before the model was moved, copied or rebuilt; build it in "
                 "`configure_optimizers` from `self.parameters()`.",
             )
+
+    def _check_half_eps(self, trainer: pl.Trainer, kind: str, label: str, group: dict[str, Any]) -> None:
+        """``TFD333``: an Adam-family group over float16 parameters (so float16 moments) with a small ``eps``."""
+        eps = group.get("eps")
+        if "betas" not in group or isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            return
+        if not any(p.dtype == torch.float16 for p in group["params"]):
+            return
+        # torch's Adam(W) keeps exp_avg / exp_avg_sq in the parameter's dtype: for |g| < ~2.4e-4, g*g is below
+        # float16's smallest subnormal and the second moment is 0, so the step is lr * m / eps instead of ~lr.
+        eps16 = float(torch.tensor(eps, dtype=torch.float16))
+        factor = _FP16_SQ_UNDERFLOW_GRAD / eps16 if eps16 > 0 else float("inf")
+        if factor <= _HALF_EPS_STEP_FACTOR:
+            return
+        outcome = (
+            "eps itself rounds to 0 in float16, so that step divides by zero (inf/nan weights)"
+            if eps16 == 0
+            else f"that step becomes lr * m / eps, up to {factor:.3g}x the normal Adam step"
+        )
+        self.emit(
+            trainer,
+            "TFD333",
+            "warning",
+            f"{kind} steps float16 parameters with eps={eps:g} (group {label}): its moments are float16 too, the "
+            f"second moment of any gradient below {_FP16_SQ_UNDERFLOW_GRAD:.1e} underflows to 0, and {outcome}.",
+            {"optimizer": kind, "eps": eps, "group": label, "max_step_factor": factor},
+            "Keep fp32 master weights and optimizer state (precision='16-mixed' or 'bf16-mixed' instead of "
+            "'16-true'), or raise eps to 1e-4 or more for float16 optimizer math.",
+            key=label,
+        )
 
     @staticmethod
     def _group_label(oi: int, gi: int, group: dict[str, Any], several: bool) -> str:

@@ -105,6 +105,35 @@ def test_eval_mode_after_validation(tmp_path):
     assert finding.code == "TFD327" and finding.step == 2
 
 
+class EmbeddingDropoutGPT(TinyGPT):
+    """TinyGPT with dropout on the token embeddings; ``frozen`` puts that block in eval mode at construction, as code
+    that freezes a pretrained embedding with ``.eval()`` does (Lightning keeps submodule modes at fit start)."""
+
+    def __init__(self, p=0.1, frozen=False, **kwargs):
+        super().__init__(**kwargs)
+        self.tok_emb = torch.nn.Sequential(self.tok_emb, torch.nn.Dropout(p))
+        if frozen:
+            self.tok_emb.eval()
+
+
+@pytest.mark.filterwarnings("ignore:Found .* module\\(s\\) in eval mode")
+def test_dropout_left_in_eval_mode_while_the_module_trains(tmp_path):
+    audit = OptimizerAudit()
+    fit(tmp_path / "frozen", [audit], model=EmbeddingDropoutGPT(frozen=True, **SMALL))
+    assert codes(audit) == []  # information, not a problem
+    [finding] = audit.findings  # once per epoch start, not at every step
+    assert (finding.code, finding.severity, finding.step) == ("TFD328", "info", 0)
+    assert finding.evidence == {"count": 1} and finding.message.endswith("while the module trains: tok_emb.1.")
+    # silent: the same dropout in train mode; a frozen dropout that drops nothing (p=0) next to a frozen LayerNorm
+    # (no mode-dependent behaviour)
+    silent = {"train": EmbeddingDropoutGPT(**SMALL), "p0": EmbeddingDropoutGPT(p=0.0, frozen=True, **SMALL)}
+    silent["p0"].ln_f.eval()
+    for name, model in silent.items():
+        audit = OptimizerAudit()
+        fit(tmp_path / name, [audit], model=model)
+        assert codes(audit, with_info=True) == [], name
+
+
 class FrozenStillInOptimizer(TinyGPT):
     def configure_optimizers(self):
         self.ln_f.weight.requires_grad_(False)
@@ -247,3 +276,43 @@ def test_fsdp2_sharded_parameters_audit_and_byte_check(tmp_path):
         assert found == ["TFD320"], (r["rank"], found)
         assert "head.weight" in r["findings"]["OptimizerAudit"][0]["message"]
         assert r["global_step"] == 3
+
+
+class HalfEps(TinyGPT):
+    """TinyGPT whose AdamW uses a chosen eps (one group)."""
+
+    def __init__(self, eps: float, **kwargs):
+        super().__init__(**kwargs)
+        self.eps = eps
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, eps=self.eps, weight_decay=0.0)
+
+
+def test_adam_over_float16_parameters_with_a_small_eps(tmp_path):  # seed O10
+    # The mechanism, checked on torch itself: float16 moments, a gradient whose square underflows, eps rounding to 0.
+    weight = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    weight.grad = torch.full((2,), 1e-5, dtype=torch.float16)
+    torch.optim.AdamW([weight], lr=1e-3).step()
+    assert torch.isinf(weight).all()
+
+    audit = OptimizerAudit()
+    fit(tmp_path / "default", [audit], model=TinyGPT(**SMALL), precision="16-true", max_steps=1)
+    found = [f for f in audit.findings if f.code == "TFD333"]
+    assert [(f.severity, f.evidence["group"]) for f in found] == [("warning", "group0"), ("warning", "group1")]
+    assert found[0].evidence["eps"] == 1e-8 and found[0].evidence["max_step_factor"] == float("inf")
+    assert "rounds to 0 in float16" in found[0].message
+
+    small = OptimizerAudit()
+    fit(tmp_path / "small", [small], model=HalfEps(1e-6, **SMALL), precision="16-true", max_steps=1)
+    [finding] = [f for f in small.findings if f.code == "TFD333"]
+    assert finding.evidence["max_step_factor"] == pytest.approx(1.7e-4 / 1e-6, rel=0.05)  # eps as float16 holds it
+
+    for name, model, precision in [
+        ("big-eps", HalfEps(1e-4, **SMALL), "16-true"),
+        ("bf16", TinyGPT(**SMALL), "bf16-true"),  # bfloat16 has float32's range: no underflow
+        ("mixed", TinyGPT(**SMALL), "bf16-mixed"),  # float32 master weights and moments
+    ]:
+        quiet = OptimizerAudit()
+        fit(tmp_path / name, [quiet], model=model, precision=precision, max_steps=1)
+        assert "TFD333" not in codes(quiet), name
