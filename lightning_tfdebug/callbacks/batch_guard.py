@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
 from lightning_tfdebug.findings import OnFinding
@@ -30,7 +31,10 @@ from lightning_tfdebug.functional.batches import (
     token_statistics,
     unpack_statistics,
 )
+from lightning_tfdebug.functional.throughput import batch_fingerprint
 
+_MAX_EPOCH_PRINTS = 100_000  # fingerprints kept per epoch for TFD121 (a few MB at most)
+_STREAM_REPEAT_WINDOW = 16  # from a stream, a repeat counts only this close (a stream may cycle its data)
 _DRIFT_CODES = {"missing": "TFD101", "extra": "TFD102", "dtype": "TFD103", "ndim": "TFD104", "size": "TFD105"}
 _DRIFT_SEVERITY = {"missing": "error", "extra": "warning", "dtype": "error", "ndim": "error", "size": "error"}
 _CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
@@ -142,6 +146,13 @@ def find_context_length(model: nn.Module) -> tuple[int | None, str]:
     return None, "no position table, config or context-length hyper-parameter found"
 
 
+def _reads_a_stream(trainer: pl.Trainer) -> bool:
+    """True unless the training data is a DataLoader over a map-style dataset (which has epochs)."""
+    loader = getattr(trainer.fit_loop, "_combined_loader", None)
+    loaders = getattr(loader, "flattened", None) or [trainer.train_dataloader]
+    return not all(isinstance(dl, DataLoader) and not isinstance(dl.dataset, IterableDataset) for dl in loaders)
+
+
 class BatchGuard(DebugCallback):
     r"""Checks each training batch before the forward: schema drift, token ids, lengths, masks and targets.
 
@@ -157,7 +168,8 @@ class BatchGuard(DebugCallback):
     **Value checks** (on steps where ``global_step % check_values_every_n_steps == 0``; one packed device-to-host
     transfer per checked batch): input ids and labels within ``[0, vocab)`` (labels may be ``ignore_index``), a
     binary attention mask, the fraction of ignored labels, supervised padding, optional BOS/EOS conventions,
-    truncation, and a shift of the mean sequence length against the early batches. Labels of another shape than
+    truncation, a shift of the mean sequence length against the early batches, and batches that repeat an earlier
+    batch of the same epoch (a fingerprint of the ids in the same transfer). Labels of another shape than
     the ids (seq2seq targets, a class per row) get the range and ignored checks, not the padding check.
 
     Logged keys (every ``every_n_steps`` steps, from the last checked batch):
@@ -175,7 +187,8 @@ class BatchGuard(DebugCallback):
     ``TFD110`` token id outside the vocabulary, ``TFD111`` sequence longer than the context, ``TFD112`` attention
     mask not binary, ``TFD113`` label outside the vocabulary, ``TFD114`` every label ignored, ``TFD115`` padding
     positions supervised, ``TFD116`` sequence without BOS, ``TFD117`` several EOS, ``TFD118`` tokens after EOS,
-    ``TFD119`` truncation rate, ``TFD120`` length distribution shift (see ``docs/findings.md``).
+    ``TFD119`` truncation rate, ``TFD120`` length distribution shift, ``TFD121`` batches read twice in one epoch
+    (see ``docs/findings.md``).
 
     Args:
         every_n_steps: log the `batch/*` keys when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -203,6 +216,8 @@ class BatchGuard(DebugCallback):
         length_window: checked batches per window of the length-shift check (the first window is the reference).
         length_shift_tolerance: ``TFD120`` when a window's mean length moves by more than this fraction of the
             reference mean.
+        max_repeated_fraction: ``TFD121`` when more than this fraction of the batches checked in one epoch (and at
+            least 3) have the same token ids as an earlier batch of that epoch.
         tokenizer: an object with ``decode`` or an import path to one; the first ``decode_examples`` sequences
             of the first batch are logged decoded, with their label masks, to TensorBoard text at fit start.
         decode_examples: how many sequences to decode.
@@ -245,6 +260,7 @@ class BatchGuard(DebugCallback):
         max_truncated_fraction: float = 0.5,
         length_window: int = 50,
         length_shift_tolerance: float = 0.5,
+        max_repeated_fraction: float = 0.1,
         tokenizer: Any = None,
         decode_examples: int = 4,
     ) -> None:
@@ -265,6 +281,7 @@ class BatchGuard(DebugCallback):
         check_number("max_truncated_fraction", max_truncated_fraction, low=0.0, high=1.0)
         check_number("length_window", length_window, low=1, integer=True)
         check_number("length_shift_tolerance", length_shift_tolerance, low=0.0, low_inclusive=False)
+        check_number("max_repeated_fraction", max_repeated_fraction, low=0.0, high=1.0, low_inclusive=False)
         check_number("decode_examples", decode_examples, low=0, integer=True)
         self.schema = dict(schema) if schema is not None else None
         self.learn_batches = learn_batches
@@ -276,6 +293,7 @@ class BatchGuard(DebugCallback):
         self.max_truncated_fraction = float(max_truncated_fraction)
         self.length_window = length_window
         self.length_shift_tolerance = float(length_shift_tolerance)
+        self.max_repeated_fraction = float(max_repeated_fraction)
         self.tokenizer = load_tokenizer(tokenizer)
         self.decode_examples = decode_examples
         self._vocab: int | None = vocab_size
@@ -286,6 +304,10 @@ class BatchGuard(DebugCallback):
         self._examples_logged = False
         self._reference: dict[str, float] | None = None  # {"mean", "std"} of real lengths in the first window
         self._window = [0.0, 0.0, 0.0, 0]  # sequences, sum, sum of squares, batches
+        self._epoch_prints: dict[int, tuple[int, int]] = {}  # fingerprint -> (checked index, step) in this epoch
+        self._epoch_seen: tuple[int, int, int] = (-1, 0, 0)  # epoch, batches checked, batches that repeated
+        self._first_repeat: tuple[int, int] | None = None  # (step, step of the earlier identical batch)
+        self._stream = False  # the training data is a stream, not a map-style dataset (set per epoch)
 
     @property
     def state_key(self) -> str:
@@ -402,6 +424,41 @@ class BatchGuard(DebugCallback):
                 synchronized=False,
             )
 
+    def _track_repeats(self, trainer: pl.Trainer, fingerprint: int) -> None:
+        """``TFD121``: batches of one epoch that repeat an earlier batch of the same epoch, token for token."""
+        epoch, checked, repeated = self._epoch_seen
+        if epoch != trainer.current_epoch:
+            epoch, checked, repeated = trainer.current_epoch, 0, 0
+            self._epoch_prints.clear()
+            self._stream = _reads_a_stream(trainer)
+        earlier = self._epoch_prints.get(fingerprint)
+        # A map-style dataset's sampler draws each sample once per epoch, so any repeat is suspect; a stream
+        # (IterableDataset, generator) may legitimately cycle its data, so only close repeats count there.
+        window = _STREAM_REPEAT_WINDOW if self._stream else None
+        if earlier is not None and (window is None or checked - earlier[0] <= window):
+            repeated += 1
+            self._first_repeat = self._first_repeat or (trainer.global_step, earlier[1])
+        if len(self._epoch_prints) < _MAX_EPOCH_PRINTS or fingerprint in self._epoch_prints:
+            self._epoch_prints[fingerprint] = (checked, trainer.global_step)
+        checked += 1
+        self._epoch_seen = (epoch, checked, repeated)
+        if repeated < 3 or repeated <= self.max_repeated_fraction * checked:
+            return
+        step, first = self._first_repeat or (trainer.global_step, -1)
+        self.emit(
+            trainer,
+            "TFD121",
+            "warning",
+            f"{repeated} of the {checked} batches checked so far in epoch {epoch} (rank {trainer.global_rank}) repeat "
+            f"an earlier batch of the same epoch token for token; the first, at step {step}, repeats step {first}.",
+            {"epoch": epoch, "checked": checked, "repeated": repeated, "step": step, "repeats_step": first},
+            "Within one epoch a sampler draws every sample once, so identical batches mean the data is read more "
+            "than once: an IterableDataset read by several DataLoader workers that do not split the stream (shard "
+            "it with torch.utils.data.get_worker_info()), a Dataset whose __getitem__ ignores its index, a sampler "
+            "with replacement, or duplicated rows in the data.",
+            synchronized=False,
+        )
+
     def _check_values(self, trainer: pl.Trainer, leaves: dict[str, Any], where: str) -> None:
         ids_key, mask_key, labels_key = self._keys
         ids = leaves.get(ids_key) if ids_key is not None else None
@@ -424,8 +481,11 @@ class BatchGuard(DebugCallback):
             eos_id=self.eos_id,
             max_length=self._context,
         )
-        s = unpack_statistics(stats.tolist())  # host sync: the one transfer of this checked batch
+        values = torch.cat([stats, batch_fingerprint(ids).to(stats.dtype).reshape(1)])
+        *host, fingerprint = values.tolist()  # host sync: the one transfer of this checked batch
+        s = unpack_statistics(host)
         self._findings_from_values(trainer, s, where, mask is not None, labels is not None)
+        self._track_repeats(trainer, int(fingerprint))
         self._track_lengths(trainer, s, where)
         if not self._examples_logged and self.tokenizer is not None and self.decode_examples:
             self._examples_logged = True
@@ -466,8 +526,9 @@ class BatchGuard(DebugCallback):
                 trainer,
                 "TFD112",
                 "error",
-                f"{where}: '{self._keys[1]}' has {int(s['mask_non_binary'])} value(s) that are neither 0 nor 1.",
-                {"count": s["mask_non_binary"]},
+                f"{where}: '{self._keys[1]}' has {int(s['mask_non_binary'])} value(s) that are neither 0 nor 1 "
+                f"(e.g. {s['first_bad_mask_value']:g}).",
+                {"key": self._keys[1], "count": s["mask_non_binary"], "example": s["first_bad_mask_value"]},
                 "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong "
                 "inside the model, not in the batch.",
                 synchronized=False,

@@ -303,6 +303,7 @@ STAT_NAMES: tuple[str, ...] = (
     "ids_min",
     "ids_max",
     "mask_non_binary",  # mask entries that are neither 0 nor 1
+    "first_bad_mask_value",  # the first of them (0 when none)
     "labels_total",
     "labels_ignored",
     "labels_out_of_range",  # labels outside [0, vocab) that are not ignore_index
@@ -345,10 +346,12 @@ def token_statistics(
         zero = torch.zeros((), device=device, dtype=acc)
         if attention_mask is not None and attention_mask.numel() == ids.numel():
             raw_mask = attention_mask.reshape(n, width)
-            mask_non_binary = ((raw_mask != 0) & (raw_mask != 1)).sum().to(acc)
+            non_binary = ((raw_mask != 0) & (raw_mask != 1)).reshape(-1)
+            mask_non_binary = non_binary.sum().to(acc)
+            first_mask = torch.where(non_binary.any(), raw_mask.reshape(-1)[non_binary.long().argmax()].to(acc), 0)
             real = raw_mask != 0
         else:
-            mask_non_binary = zero
+            mask_non_binary = first_mask = zero
             real = torch.ones_like(ids, dtype=torch.bool)
         lengths = real.sum(1).to(acc)
 
@@ -418,6 +421,7 @@ def token_statistics(
             ids_min,
             ids_max,
             mask_non_binary,
+            first_mask,
             labels_total,
             labels_ignored,
             labels_bad,

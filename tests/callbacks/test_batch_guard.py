@@ -140,9 +140,9 @@ def test_bos_eos_and_truncation_conventions(tmp_path):
 
 def lm_batches(lengths, width=24, n=4):
     batches = []
-    for length in lengths:
+    for i, length in enumerate(lengths):
         ids = torch.full((n, width), 256)
-        ids[:, :length] = 65
+        ids[:, :length] = 65 + i % 26  # distinct batches: identical ones would be TFD121
         mask = (ids != 256).long()
         labels = ids.masked_fill(mask == 0, -100)
         batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
@@ -171,6 +171,75 @@ def test_declared_schema_catches_a_fixed_dimension(tmp_path):
         warnings.simplefilter("ignore", TFDebugWarning)
         trainer.fit(TinyGPT(**SMALL), train_dataloaders=batches)
     assert [(f.code, f.evidence["key"], f.step) for f in guard.findings] == [("TFD105", "input_ids", 1)]
+
+
+def test_a_key_missing_from_a_later_batch_is_named(tmp_path):
+    # the mask drops out of one batch: once while the schema is being learned (batch 1), once after (batch 5),
+    # and once against a declared schema; TinyGPT runs without a mask, so nothing crashes and the run goes on
+    declared = {"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]", "labels": "int64[B, T]"}
+    for name, schema, bad, source in [
+        ("learning", None, 1, "learned from the first batches"),
+        ("learned", None, 5, "learned from the first batches"),
+        ("declared", declared, 2, "the declared schema"),
+    ]:
+        guard = BatchGuard(schema=schema)
+        batches = lm_batches([5, 6, 7, 5, 6, 7, 5])
+        del batches.dataset[bad]["attention_mask"]
+        fit(tmp_path / name, [guard], data=batches, max_steps=7)
+        assert [(f.code, f.severity, f.step) for f in guard.findings] == [("TFD101", "error", bad)], name
+        assert guard.findings[0].evidence == {"key": "attention_mask", "expected": "int64", "found": "absent"}
+        assert f"Batch {bad} (step {bad}" in guard.findings[0].message
+        assert "key 'attention_mask' is missing" in guard.findings[0].message and source in guard.findings[0].message
+
+
+def test_a_new_key_in_a_later_batch_is_a_warning(tmp_path):
+    for name, bad in [("learning", 1), ("learned", 5)]:
+        guard = BatchGuard()
+        batches = lm_batches([5, 6, 7, 5, 6, 7, 5])
+        batches.dataset[bad]["position_ids"] = torch.arange(24).expand(4, 24).clone()
+        fit(tmp_path / name, [guard], data=batches, max_steps=7)
+        # keys are learned from the first batch only: the later batches without the new key are not TFD101
+        assert [(f.code, f.severity, f.step) for f in guard.findings] == [("TFD102", "warning", bad)], name
+        assert guard.findings[0].evidence == {"key": "position_ids", "expected": "absent", "found": "int64[4, 24]"}
+        assert "key 'position_ids' is new" in guard.findings[0].message
+    # a declared schema lists what must be there; an optional key beside it is not drift
+    declared = BatchGuard(schema={"input_ids": "int64[B, T]", "labels": "int64[B, T]"})
+    fit(tmp_path / "declared", [declared], data=lm_batches([5, 6, 7]), max_steps=3)
+    assert declared.findings == []
+
+
+def test_an_attention_mask_that_is_not_binary_is_an_error(tmp_path):
+    guard = BatchGuard()
+    batches = lm_batches([5, 6, 7, 5])
+    batches.dataset[2]["attention_mask"][1, 3:7] = 2  # packed segment ids (1, 2) passed as the attention mask
+    fit(tmp_path, [guard], data=batches, max_steps=4)
+    assert [(f.code, f.severity, f.step) for f in guard.findings] == [("TFD112", "error", 2)]
+    assert guard.findings[0].evidence == {"key": "attention_mask", "count": 4.0, "example": 2.0}
+    assert "'attention_mask' has 4 value(s) that are neither 0 nor 1" in guard.findings[0].message
+    # a boolean mask is binary
+    healthy = BatchGuard()
+    bool_masks = lm_batches([5, 6])
+    for batch in bool_masks.dataset:
+        batch["attention_mask"] = batch["attention_mask"].bool()
+    fit(tmp_path / "bool", [healthy], data=bool_masks, max_steps=2)
+    assert healthy.findings == []
+
+
+def test_a_label_outside_the_vocabulary_raises_before_the_forward(tmp_path):
+    guard, counter = BatchGuard(on_finding="raise"), ForwardCounter()
+    batches = lm_batches([8, 8, 8, 8])
+    labels = batches.dataset[2]["labels"]
+    labels[0, 1] = 258  # the last id of the vocabulary: fine
+    labels[1, 2] = -1  # masked with -1 instead of ignore_index -100
+    labels[3, 4] = 259  # one past the vocabulary
+    with pytest.raises(
+        TFDebugError, match=r"(?s)TFD113.*2 label\(s\) outside \[0, 259\).*ignore_index=-100 \(e\.g\. -1\)"
+    ):
+        fit(tmp_path, [guard, counter], data=batches, max_steps=4)
+    assert counter.done == 2  # cross_entropy would have failed on the third batch
+    assert [(f.code, f.severity, f.step) for f in guard.findings] == [("TFD113", "error", 2)]
+    assert guard.findings[0].evidence == {"count": 2.0, "vocab_size": 259, "ignore_index": -100}
+    assert "'labels' holds 2 label(s)" in guard.findings[0].message
 
 
 class HFLanguageModel(pl.LightningModule):
@@ -341,3 +410,67 @@ def test_ddp_a_bad_batch_on_one_rank_raises_on_every_rank_before_the_forward(tmp
         warnings.simplefilter("ignore")
         assert isinstance(replay(bad, TinyGPT(**SMALL)).exception, IndexError)
         assert replay(repro / "step2-rank0", TinyGPT(**SMALL)).exception is None  # rank 0's batch was fine
+
+
+# ---------------------------------------------------------------- batches read twice (TFD121)
+class UnshardedStream(torch.utils.data.IterableDataset):
+    """Every DataLoader worker yields the whole stream: with two workers each batch arrives twice."""
+
+    def __iter__(self):
+        for i in range(40):
+            ids = (torch.arange(24).repeat(4, 1) + i) % 250
+            yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+class ShardedStream(UnshardedStream):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for k, batch in enumerate(super().__iter__()):
+            if info is None or k % info.num_workers == info.id:
+                yield batch
+
+
+class IgnoresIndex(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return torch.arange(24) % 250  # the index is never used
+
+
+def ids_only(rows):
+    ids = torch.stack(rows)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def test_batches_read_twice_in_one_epoch_are_named(tmp_path):
+    stream = BatchGuard()
+    loader = DataLoader(UnshardedStream(), batch_size=None, num_workers=2)
+    fit(tmp_path / "stream", [stream], data=loader, max_steps=12)
+    [finding] = [f for f in stream.findings if f.code == "TFD121"]
+    assert finding.severity == "warning" and finding.evidence["repeats_step"] == finding.evidence["step"] - 1
+    assert finding.evidence["repeated"] >= 3 and "get_worker_info" in finding.hint
+
+    same = BatchGuard()
+    fit(tmp_path / "index", [same], data=DataLoader(IgnoresIndex(), batch_size=8, collate_fn=ids_only), max_steps=6)
+    [finding] = [f for f in same.findings if f.code == "TFD121"]
+    assert (finding.evidence["checked"], finding.evidence["repeated"]) == (4, 3)
+
+
+def test_distinct_batches_and_a_stream_that_cycles_are_not_repeats(tmp_path):
+    sharded = BatchGuard()
+    fit(tmp_path / "sharded", [sharded], data=DataLoader(ShardedStream(), batch_size=None, num_workers=2), max_steps=12)
+    assert "TFD121" not in codes(sharded)
+
+    class Cycling(UnshardedStream):  # a stream that loops over 20 batches: repeats, but far apart
+        def __iter__(self):
+            batches = list(super().__iter__())[:20]
+            yield from batches + batches
+
+    cycling = BatchGuard()
+    fit(tmp_path / "cycling", [cycling], data=DataLoader(Cycling(), batch_size=None), max_steps=40)
+    assert "TFD121" not in codes(cycling)
+
+    epochs = BatchGuard()  # a map-style dataset seen for several epochs: repeats across epochs are expected
+    fit(tmp_path / "epochs", [epochs], data=lm_batches([5, 6, 7, 8]), max_steps=12)
+    assert epochs.findings == []
