@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import time
 from collections import deque
@@ -19,7 +20,9 @@ from lightning_tfdebug.core.distributed import all_gather_vector
 from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.throughput import (
+    OtherLoad,
     StepClock,
+    compile_counts,
     compute_precision,
     count_tokens,
     peak_flops_for,
@@ -41,7 +44,13 @@ _SLOTS = (
     "peak",
     "reserved",
     "capacity",
+    "other_extra",  # CPU cores other processes used beyond the quietest early window (nan: unknown)
+    "new_graphs",  # graphs torch.compile compiled since the early window ended (nan before)
+    "limit_hits",  # torch.compile recompile-limit hits since training started
 )
+# other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
+# of a big machine (where background activity of half a core is noise)
+_CONTENDED_CORES = max(0.5, 0.1 * (os.cpu_count() or 1))
 
 
 def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
@@ -138,7 +147,10 @@ class ThroughputMonitor(DebugCallback):
     | `memory/reserved_gib` | CUDA: memory reserved by the caching allocator; CPU: resident set size now (worst rank) |
 
     Findings: ``TFD601`` data-loading bound, ``TFD602`` padding waste, ``TFD603`` step time regressed against the
-    early steps, ``TFD604`` memory close to capacity (see ``docs/findings.md``).
+    early steps, ``TFD604`` memory close to capacity, ``TFD605`` (info) the step time regressed while other
+    processes loaded the machine's CPUs (Linux, from ``/proc/stat``), so it is not blamed on the run, ``TFD606``
+    ``torch.compile`` still compiling new graphs after the early window, ``TFD607`` its recompile limit hit (that
+    code runs uncompiled) (see ``docs/findings.md``).
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -243,6 +255,8 @@ class ThroughputMonitor(DebugCallback):
         self._baseline = RunningWindow(baseline_steps)  # step times (ms) of the early window; full = ready
         self._step_times: deque[float] = deque(maxlen=window)
         self._steps_seen = 0
+        self._other_base = RunningWindow(16)  # other processes' CPU cores during the early window
+        self._contended_extra: float | None = None  # other load seen during the current slow streak
         self.flops_per_token: float | None = None  # model FLOPs per computed token position (measured once)
         self._peak: float | None = None
         self._reset_timing()
@@ -270,6 +284,10 @@ class ThroughputMonitor(DebugCallback):
         self._val_start: float | None = None
         self._timer: FetchTimer | None = None
         self._fetch_seen: float | None = None  # the fetch timer's total at the start of the window
+        self._other = OtherLoad()  # other processes' CPU use over the current window
+        self._graphs_ref: float | None = None  # torch.compile graphs when the early window ended
+        self._limit_ref = math.nan  # recompile-limit hits when training started
+        self._graphs_prev = math.nan
 
     # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -283,6 +301,9 @@ class ThroughputMonitor(DebugCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock = StepClock(trainer.strategy.root_device)
+        # torch.compile's counters are process-wide: keep this fit's starting point
+        self._graphs_ref, self._limit_ref = None, compile_counts()[1]
+        self._graphs_prev = math.nan
 
     # ------------------------------------------------------------------ every batch (hot path: host clock reads,
     # one device reduction of the attention mask, no sync, no collective)
@@ -302,6 +323,7 @@ class ThroughputMonitor(DebugCallback):
         if self._window_start is None:
             self._window_start = now
             self._last_mark = self._clock.mark()
+            self._other.start()
         step = trainer.global_step
         first_micro_batch = step != self._step_at_start
         self._step_at_start = step
@@ -347,6 +369,7 @@ class ThroughputMonitor(DebugCallback):
                 with torch.no_grad():
                     self._measure(trainer, now)
                 self._window_start = now
+                self._other.start()
         self._prev_end = time.perf_counter()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -402,10 +425,22 @@ class ThroughputMonitor(DebugCallback):
         for t in times:
             self._step_times.append(t)
         skipped = self._steps_seen - len(times)
+        in_baseline = len(self._baseline)
         for i, t in enumerate(times):
             if skipped + i >= self.skip_steps and len(self._baseline) < self.baseline_steps:
                 self._baseline.add(t)
         baseline_ready = len(self._baseline) >= self.baseline_steps
+        other = self._other.cores()  # a file read: /proc/stat
+        if other is not None and len(self._baseline) > in_baseline:
+            self._other_base.add(other)  # this window's steps are part of the early window
+        # against the quietest early window: a passing spike during the early window must not hide later load
+        quiet = min(self._other_base.values, default=math.nan)
+        other_extra = other - quiet if other is not None else math.nan
+        graphs, hits = compile_counts()  # host-side counters
+        if baseline_ready and self._graphs_ref is None:
+            self._graphs_ref = graphs  # compiling during warm-up and the early window is expected
+        new_graphs = graphs - self._graphs_ref if self._graphs_ref is not None else math.nan
+        limit_hits = hits - self._limit_ref if hits == hits and self._limit_ref == self._limit_ref else math.nan
         step_ms = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else float("nan")
         peak, reserved, capacity = self._memory(trainer)
         if self._timer is not None and self._fetch_seen is not None:
@@ -425,6 +460,9 @@ class ThroughputMonitor(DebugCallback):
                 peak,
                 reserved,
                 capacity,
+                other_extra,
+                new_graphs,
+                limit_hits,
             ],
             dtype=torch.float64,
         )
@@ -505,7 +543,31 @@ class ThroughputMonitor(DebugCallback):
             if s["baseline_ms"] == s["baseline_ms"] and s["baseline_ms"] > 0
         ]
         ratio = max(ratios) if ratios else float("nan")
-        if self._sustained("regression", ratio > self.regression_factor):
+        slow = [s for s in stats if s["baseline_ms"] > 0 and s["step_ms"] / s["baseline_ms"] > self.regression_factor]
+        contended = bool(slow) and all(s["other_extra"] >= _CONTENDED_CORES for s in slow)
+        # TFD603 needs `patience` slow measurements in a row with no sign of other load; a slow streak in which
+        # other processes loaded the machine at some point is TFD605 instead (a reading can dip between windows)
+        regressed = self._sustained("regression", ratio > self.regression_factor and not contended)
+        slow_any = self._sustained("regression_any", ratio > self.regression_factor)
+        if contended:
+            self._contended_extra = min(s["other_extra"] for s in slow)
+        elif not ratio > self.regression_factor:
+            self._contended_extra = None
+        if slow_any and not regressed and self._contended_extra is not None:
+            extra = self._contended_extra
+            self.emit(
+                trainer,
+                "TFD605",
+                "info",
+                f"The median step time rose to {ratio:.2f}x the early steps' median while other processes on the "
+                f"machine kept {extra:.1f} more CPU cores busy than they did then: the machine is contended, so this "
+                "is not reported as a slowdown of the run itself (TFD603).",
+                {"ratio_to_early": ratio, "other_extra_cores": extra},
+                "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
+                "compare ratios measured in the same period.",
+                step=step,
+            )
+        elif regressed:
             self.emit(
                 trainer,
                 "TFD603",
@@ -518,6 +580,7 @@ class ThroughputMonitor(DebugCallback):
                 "or other jobs on the machine. Run with profile_steps=[a, b] early and late, and compare the tables.",
                 step=step,
             )
+        self._diagnose_compile(trainer, stats, step)
         fractions = [max(s["peak"], s["reserved"]) / s["capacity"] for s in stats if s["capacity"] > 0]
         if fractions and max(fractions) > self.memory_threshold:
             frac = max(fractions)
@@ -534,6 +597,40 @@ class ThroughputMonitor(DebugCallback):
             )
 
     # ------------------------------------------------------------------ FLOPs and profiling
+    def _diagnose_compile(self, trainer: pl.Trainer, stats: list[dict[str, float]], step: int) -> None:
+        new = max((s["new_graphs"] for s in stats if s["new_graphs"] == s["new_graphs"]), default=math.nan)
+        growing = new == new and self._graphs_prev == self._graphs_prev and new > self._graphs_prev
+        if new == new:
+            self._graphs_prev = new
+        if self._sustained("recompiling", growing):
+            self.emit(
+                trainer,
+                "TFD606",
+                "warning",
+                f"torch.compile is still compiling after the early window: {new:.0f} new graph(s) since then, more "
+                f"at each of the last {self.patience} measurements. Every recompilation stalls training.",
+                {"new_graphs": new},
+                "Something the compiled code is guarded on changes from step to step: usually input shapes (variable "
+                "sequence lengths with dynamic=False or mark_static; pad to a few bucket lengths or let shapes be "
+                "dynamic), or Python values passed in (the step number, a changing float, a dict with new keys). "
+                'TORCH_LOGS="recompiles" prints the failing guard.',
+                step=step,
+            )
+        hits = max((s["limit_hits"] for s in stats if s["limit_hits"] == s["limit_hits"]), default=0.0)
+        if hits > 0:
+            self.emit(
+                trainer,
+                "TFD607",
+                "warning",
+                f"torch.compile hit its recompile limit {hits:.0f} time(s) during training: the code it gave up on "
+                "now runs uncompiled, silently slower.",
+                {"limit_hits": hits},
+                'Find what forces the recompilations (TORCH_LOGS="recompiles"): usually changing input shapes or '
+                "Python values; pad to fixed buckets, mark dimensions dynamic, or raise "
+                "torch._dynamo.config.recompile_limit only if the variants are few and worth compiling.",
+                step=step,
+            )
+
     def _stop_flop_counter(self) -> None:
         counter, self._flop_counter = self._flop_counter, None
         if counter is None:
@@ -580,6 +677,7 @@ class ThroughputMonitor(DebugCallback):
             **super().state_dict(),
             "streaks": self._streaks.state_dict(),
             "baseline": self._baseline.state_dict(),
+            "other_baseline": self._other_base.state_dict(),
             "steps_seen": self._steps_seen,
             "flops_per_token": self.flops_per_token,
         }
@@ -588,5 +686,6 @@ class ThroughputMonitor(DebugCallback):
         super().load_state_dict(state_dict)
         self._streaks.load_state_dict(state_dict.get("streaks", {}))
         self._baseline.load_state_dict(state_dict.get("baseline", {}))
+        self._other_base.load_state_dict(state_dict.get("other_baseline", {}))
         self._steps_seen = int(state_dict.get("steps_seen", 0))
         self.flops_per_token = state_dict.get("flops_per_token")

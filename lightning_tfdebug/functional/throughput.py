@@ -11,6 +11,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -274,6 +275,66 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process since it started."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if os.uname().sysname == "Darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds all processes of the machine have spent busy since boot (``/proc/stat``), or None if unknown.
+
+    Busy is user, nice, system, irq, softirq and steal time summed over every core; a file read, no device work.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / ticks
+
+
+class OtherLoad:
+    """CPU cores that other processes kept busy over a window: machine busy time minus this process's, per second.
+
+    ``start()`` opens a window, ``cores()`` closes it and returns the rate (None where ``/proc/stat`` is missing).
+    DataLoader workers are other processes too; what matters is the change against the run's own early windows.
+    """
+
+    def __init__(self) -> None:
+        self._start: tuple[float, float, float] | None = None
+
+    def start(self) -> None:
+        busy = machine_busy_seconds()
+        self._start = None if busy is None else (time.perf_counter(), busy, time.process_time())
+
+    def cores(self) -> float | None:
+        if self._start is None:
+            return None
+        busy = machine_busy_seconds()
+        wall0, busy0, own0 = self._start
+        wall = time.perf_counter() - wall0
+        if busy is None or wall <= 0:
+            return None
+        return max(0.0, (busy - busy0) - (time.process_time() - own0)) / wall
+
+
+def compile_counts() -> tuple[float, float]:
+    """``(graphs compiled, recompile-limit hits)`` so far in this process by ``torch.compile``.
+
+    Host-side counters of TorchDynamo, read without importing it: ``(nan, nan)`` when nothing in the process has
+    used ``torch.compile``. A hit of the recompile limit means the code object now runs without compilation.
+    """
+    if "torch._dynamo.utils" not in sys.modules:
+        return math.nan, math.nan
+    counters = getattr(sys.modules["torch._dynamo.utils"], "counters", None)
+    if not isinstance(counters, Mapping):
+        return math.nan, math.nan
+    stats = counters.get("stats") or {}
+    gave_up = counters.get("unimplemented") or {}
+    limits = ("recompile limit", "recompile_limit", "cache size limit", "cache_size_limit")
+    hits = sum(n for reason, n in gave_up.items() if any(w in str(reason).split("\n")[0].lower() for w in limits))
+    return float(stats.get("unique_graphs", 0)), float(hits)
 
 
 def physical_memory_bytes() -> int | None:

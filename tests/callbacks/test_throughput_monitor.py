@@ -1,9 +1,13 @@
 import json
+import os
+import subprocess
+import sys
 import time
 import warnings
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -184,15 +188,74 @@ def test_padding_waste(tmp_path):
 class SlowsDown(TinyGPT):
     def training_step(self, batch, batch_idx):
         if self.trainer.global_step >= 14:
-            time.sleep(0.04)
+            time.sleep(0.1)  # about 10x a step of this model
         return super().training_step(batch, batch_idx)
 
 
 def test_step_time_regressing_against_the_early_window(tmp_path):
-    monitor = ThroughputMonitor(every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2)
+    # windows of 4 steps of ~10 ms are noisy on a shared machine (1.66x seen in CI with nothing injected): the test
+    # asks for 3x, well above that noise and well below the ~10x injected
+    monitor = ThroughputMonitor(
+        every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2, regression_factor=3.0
+    )
     fit(tmp_path, [monitor], model=SlowsDown(**SMALL), max_steps=24)
     [finding] = [f for f in monitor.findings if f.code == "TFD603"]
-    assert finding.evidence["ratio_to_early"] > 1.5 and finding.step >= 16
+    assert finding.evidence["ratio_to_early"] > 3.0 and finding.step >= 16
+
+
+class LoadsTheMachine(TinyGPT):
+    """From step 14, other processes keep every core busy; the model's own work does not change."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hogs: list[subprocess.Popen] = []
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 14 and not self.hogs:
+            spin = [sys.executable, "-c", "while True: pass"]
+            self.hogs.extend(subprocess.Popen(spin) for _ in range(min(2 * (os.cpu_count() or 2), 32)))
+            time.sleep(0.5)  # let them start spinning; one slow step does not move a median
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads machine CPU time from /proc/stat")
+def test_a_slowdown_from_other_processes_is_not_blamed_on_the_run(tmp_path):
+    monitor = ThroughputMonitor(
+        every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2, regression_factor=2.0
+    )
+    model = LoadsTheMachine(**SMALL)
+    try:
+        fit(tmp_path, [monitor], model=model, max_steps=36)
+    finally:
+        for hog in model.hogs:
+            hog.kill()
+            hog.wait()
+    if not any(f.code in ("TFD603", "TFD605") for f in monitor.findings):
+        pytest.skip("this machine has cores to spare: the load did not slow the run")
+    assert "TFD603" not in {f.code for f in monitor.findings}
+    [finding] = [f for f in monitor.findings if f.code == "TFD605"]
+    assert finding.severity == "info" and finding.evidence["other_extra_cores"] >= 0.5
+    assert finding.evidence["ratio_to_early"] > 2.0 and finding.step >= 16
+
+
+def test_other_load_measures_other_processes_not_this_one():
+    from lightning_tfdebug.functional.throughput import OtherLoad
+
+    load = OtherLoad()
+    load.start()
+    if load._start is None:
+        pytest.skip("no /proc/stat")
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:  # this process busy: not "other" load
+        pass
+    own = load.cores()
+    spin = "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"
+    hog = subprocess.Popen([sys.executable, "-c", spin])
+    load.start()
+    hog.wait()
+    other = load.cores()
+    assert own is not None and other is not None
+    assert other > own + 0.4, (own, other)
 
 
 def test_memory_close_to_capacity(tmp_path):
@@ -313,3 +376,34 @@ def test_ddp_tokens_per_sec_is_the_sum_over_ranks_and_a_healthy_run_is_silent(tm
         assert all(rec["rank"] == rank and rec["batch_fingerprint"] is not None for rec in records)
     scalars = read_scalars(tmp_path / "tb" / "version_0")
     assert {"per_rank/loss/rank0", "per_rank/loss/rank1", "per_rank/busy_ms/max_over_median"} <= set(scalars)
+
+
+def batches_of_widths(widths, rows=4):
+    batches = []
+    for i, width in enumerate(widths):
+        ids = (torch.arange(width).repeat(rows, 1) + i) % 250
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    return DataLoader(batches, batch_size=None)
+
+
+class CompiledBlocks(TinyGPT):
+    """Blocks compiled with static shapes: every new sequence length is a new graph."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for i, block in enumerate(self.blocks):
+            self.blocks[i] = torch.compile(block, backend="eager", dynamic=False)
+
+
+def test_torch_compile_recompiling_every_step_is_named(tmp_path):
+    monitor = ThroughputMonitor(every_n_steps=2, skip_steps=2, baseline_steps=4, patience=2)
+    widths = [16] * 8 + list(range(17, 41))  # fixed during the early window, then a new length every step
+    fit(tmp_path, [monitor], model=CompiledBlocks(**SMALL), data=batches_of_widths(widths), max_steps=len(widths))
+    [recompiling] = [f for f in monitor.findings if f.code == "TFD606"]
+    assert recompiling.evidence["new_graphs"] >= 2 and "TORCH_LOGS" in recompiling.hint
+    [gave_up] = [f for f in monitor.findings if f.code == "TFD607"]
+    assert gave_up.evidence["limit_hits"] >= 1 and gave_up.step > recompiling.step
+
+    steady = ThroughputMonitor(every_n_steps=2, skip_steps=2, baseline_steps=4, patience=2)
+    fit(tmp_path / "steady", [steady], model=CompiledBlocks(**SMALL), data=batches_of_widths([24] * 20), max_steps=20)
+    assert not {"TFD606", "TFD607"} & {f.code for f in steady.findings}
