@@ -550,7 +550,8 @@ def replay(
         if accelerator == "cpu" and precision.startswith("16"):
             notes.append(f"precision {precision} is not available on the CPU; replaying in 32-true")
             precision = "32-true"
-    with _QuietLightning():  # one step: no "GPU available" / tips / limit_train_batches banners
+    # one step: no "GPU available" / tips / limit_train_batches banners; nothing left behind in the temp dir
+    with _QuietLightning(), tempfile.TemporaryDirectory(prefix="tfdebug-replay-") as scratch:
         trainer = pl.Trainer(
             accelerator=accelerator,
             devices=1,
@@ -564,7 +565,7 @@ def replay(
             enable_progress_bar=False,
             enable_model_summary=False,
             callbacks=[_replay_callback(loaded, notes)],
-            default_root_dir=tempfile.mkdtemp(prefix="tfdebug-replay-"),
+            default_root_dir=scratch,
         )
         # The batch was saved after it reached the device: do not run the batch-transfer hooks on it a second time.
         saved_hooks = {

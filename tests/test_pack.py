@@ -1,9 +1,10 @@
 """The whole pack at its defaults on models this project did not shape around its detectors.
 
 Each callback is tested alone next to its code; here all of them run together, as a user who adds the pack to an
-existing run would, on three healthy models (the bundled TinyGPT, a Hugging Face GPT-2 built from a tiny config, and
-a causal LM on `torch.nn.TransformerEncoder` fed tuple batches), and must stay silent: no warning and no error.
-Then bugs are injected into the two foreign models and the pack must name them.
+existing run would, on healthy models (the bundled TinyGPT, Hugging Face GPT-2, Llama in bf16 with accumulation,
+a BERT masked LM and a T5 encoder-decoder built from tiny configs, and a causal LM on `torch.nn.TransformerEncoder`
+fed tuple batches), and must stay silent: no warning and no error. Then bugs are injected into the foreign models and
+the pack must name them.
 """
 
 from __future__ import annotations
@@ -219,3 +220,121 @@ def test_a_gpt2_head_left_out_of_the_optimizer_is_named(tmp_path):
 
     pack = fit_pack(tmp_path, Frozen(), TinyTextDataModule(batch_size=8), steps=20)
     assert "TFD320" in codes(pack) or "TFD312" in codes(pack), problems(pack)
+
+
+@needs_transformers
+def test_a_learning_rate_100x_too_high_behind_a_warmup_on_gpt2_is_named(tmp_path):
+    from lightning_tfdebug.demo import TinyTextDataModule
+
+    class TooHot(HFLM):
+        def configure_optimizers(self):
+            return adamw_with_warmup(self, 0.2)  # 100x the healthy 2e-3, still warmed up over 10 steps
+
+    pack = fit_pack(tmp_path, TooHot(), TinyTextDataModule(batch_size=8), steps=31)
+    assert "TFD313" in codes(pack), problems(pack)
+
+
+def test_a_learning_rate_100x_too_high_on_a_torch_encoder_lm_is_named(tmp_path):
+    pack = fit_pack(tmp_path, EncoderLM(lr=0.2), tuple_loader(), steps=31)
+    assert "TFD313" in codes(pack), problems(pack)
+
+
+# ---------------------------------------------------------------- an encoder: a Hugging Face BERT masked LM
+MASK_ID = VOCAB - 1
+
+
+class BertMLM(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        config = transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+        )
+        self.model = transformers.BertForMaskedLM(config)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    def training_step(self, batch, batch_idx):
+        loss = self(**batch).loss
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return adamw_with_warmup(self, 2e-3)
+
+
+def mlm_collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BERT's recipe: 15% of positions supervised, 80% of those replaced by the mask token in the input."""
+    ids = torch.stack(rows)
+    draw = torch.rand(ids.shape)
+    labels = torch.where(draw < 0.15, ids, torch.full_like(ids, -100))
+    inputs = torch.where(draw < 0.12, torch.full_like(ids, MASK_ID), ids)
+    return {"input_ids": inputs, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+@needs_transformers
+def test_the_pack_is_silent_on_a_healthy_bert_masked_lm(tmp_path):
+    # A bidirectional encoder is not a decoder without its causal mask: MaskProbe reads the objective from the labels.
+    data = DataLoader(list(periodic_text(length=32)), batch_size=16, shuffle=True, collate_fn=mlm_collate)
+    pack = fit_pack(tmp_path, BertMLM(), data)
+    assert problems(pack) == []
+    probe = next(c for c in pack if isinstance(c, tfd.MaskProbe))
+    [encoder] = [f for f in probe.findings if f.code == "TFD212"]
+    assert encoder.severity == "info" and encoder.evidence["same_frac"] < 0.5 and encoder.evidence["next_frac"] < 0.1
+    assert "mask_probe/causal_max_change" not in probe.last_report
+
+
+# ---------------------------------------------------------------- more architectures: Llama (bf16, accumulation), T5
+class LlamaLM(HFLM):
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        self.model = transformers.LlamaForCausalLM(config)
+
+
+@needs_transformers
+def test_the_pack_is_silent_on_a_healthy_llama_in_bf16_with_accumulation(tmp_path):
+    from lightning_tfdebug.demo import TinyTextDataModule
+
+    pack = fit_pack(
+        tmp_path, LlamaLM(), TinyTextDataModule(batch_size=8), precision="bf16-mixed", accumulate_grad_batches=2
+    )
+    assert problems(pack) == []
+
+
+class T5LM(HFLM):
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0
+        )
+        self.model = transformers.T5ForConditionalGeneration(config)
+
+
+def seq2seq_collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The first half of each row is the source, the second half the target."""
+    ids = torch.stack(rows)
+    source, target = ids[:, :16].contiguous(), ids[:, 16:32].contiguous()
+    return {"input_ids": source, "attention_mask": torch.ones_like(source), "labels": target}
+
+
+@needs_transformers
+def test_the_pack_is_silent_on_a_healthy_t5_encoder_decoder(tmp_path):
+    data = DataLoader(list(periodic_text(length=32)), batch_size=16, shuffle=True, collate_fn=seq2seq_collate)
+    pack = fit_pack(tmp_path, T5LM(), data)
+    assert problems(pack) == []
+    probe = next(c for c in pack if isinstance(c, tfd.MaskProbe))
+    assert {f.code for f in probe.findings} >= {"TFD212"}  # labels are not a next-token objective on the inputs

@@ -4,6 +4,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import numpy as np
@@ -42,14 +43,18 @@ def write_config(tmp_path, model_kwargs):
     [({"long_batch_every": 5}, 4), ({"bad_token_every": 4}, 3), ({"squeeze_batch_every": 6}, 5)],
     ids=["row4-long", "row5-bad-token", "row6-squeezed"],
 )
-def test_intermittent_crash_replays_with_the_same_exception(tmp_path, flag, step):
+def test_intermittent_crash_replays_with_the_same_exception(tmp_path, flag, step, monkeypatch):
     error, bundle = crash(tmp_path, TinyGPT(**SMALL), TinyTextDataModule(batch_size=8, **flag))
     assert bundle.endswith(f"step{step}-rank0")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = replay_with_config(bundle, write_config(tmp_path, SMALL))
     assert type(result.exception) is type(error) and str(result.exception) == str(error)
     assert result.reproduced and result.notes == []
+    assert list(scratch.iterdir()) == []  # the replay's scratch directory is gone
 
 
 class RandomFailure(TinyGPT):

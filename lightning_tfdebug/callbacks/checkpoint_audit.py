@@ -616,7 +616,9 @@ class CheckpointAudit(DebugCallback):
                     "TFD714",
                     f"The global step after resume is {trainer.global_step}, the checkpoint was saved at {saved_step}.",
                     {"saved": saved_step, "now": trainer.global_step},
-                    "The loop state was not restored (a checkpoint without `loops`, or `ckpt_path` not passed to fit).",
+                    "The loop state was not restored: the checkpoint has no `loops` entry, or something removed it "
+                    "before Lightning restored it (an `on_load_checkpoint` that drops it). Resume from a full "
+                    "checkpoint.",
                 )
             )
         if self._probe_loss is not None:

@@ -169,6 +169,43 @@ def test_resume_checks(tmp_path):
     assert codes(audit) == ["TFD711", "TFD712"]
 
 
+class RestartsTheLoops(TinyGPT):
+    """Keeps the weights and optimizer state of the checkpoint but drops its loop progress ("fine-tune from here"):
+    the step counter restarts at 0 while Adam's step counts and the LR schedule carry on from the saved step."""
+
+    def on_load_checkpoint(self, checkpoint):  # runs before Lightning restores the loops
+        checkpoint.pop("loops")
+
+
+def slimmed(ckpt, out):
+    """The checkpoint rewritten by a script that copies only the keys it knows: everything but ``loops``."""
+    full = torch.load(ckpt, map_location="cpu", weights_only=False)
+    keep = ("state_dict", "optimizer_states", "lr_schedulers", "callbacks", "epoch", "global_step")
+    torch.save({k: full[k] for k in (*keep, "pytorch-lightning_version")}, out)
+    return str(out)
+
+
+def test_global_step_after_resume_differs_from_the_checkpoint(tmp_path):
+    fit(tmp_path, [CheckpointAudit()], max_steps=2)
+    ckpt = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    audit = CheckpointAudit()
+    trainer = fit(tmp_path / "healthy", [audit], ckpt_path=ckpt)
+    assert codes(audit) == [] and trainer.global_step == 4
+
+    for name, model, path in [
+        ("hook", RestartsTheLoops(**SMALL), ckpt),
+        ("slim", None, slimmed(ckpt, tmp_path / "slim.ckpt")),
+    ]:
+        audit = CheckpointAudit()
+        trainer = fit(tmp_path / name, [audit], model=model, ckpt_path=path)
+        assert codes(audit) == ["TFD714"], name  # weights, optimizer, LR and probe loss were all restored
+        [finding] = audit.findings
+        assert (finding.severity, finding.step) == ("error", 0)
+        assert finding.evidence == {"saved": 2, "now": 0}
+        assert finding.message == "The global step after resume is 0, the checkpoint was saved at 2."
+        assert trainer.global_step == 4  # four more steps instead of two: the run restarted its step count
+
+
 def test_resuming_without_optimizer_state_is_explained_before_lightning_fails(tmp_path):
     fit(tmp_path, [CheckpointAudit()], model=TinyGPT(**SMALL, drop_optimizer_state=True), max_steps=2)
     audit = CheckpointAudit()

@@ -137,6 +137,40 @@ def test_initial_loss_far_from_ln_v_and_log_probabilities(tmp_path):
     assert codes(logp) == ["TFD221"] and logp.findings[0].severity == "info"  # right with cross_entropy
 
 
+class NaiveLogSoftmaxGPT(TinyGPT):
+    """``log(softmax(logits))`` in two steps instead of ``log_softmax``: a probability that underflows to 0 gives
+    log(0) = -inf."""
+
+    def loss(self, logits, labels):
+        logp = logits.softmax(-1).log()
+        return F.nll_loss(logp[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+@pytest.mark.parametrize(
+    "model_class, bug, non_finite",
+    [
+        (TinyGPT, {"nan_on_rank": 0}, math.isnan),  # bug 23 from step 0: the loss itself becomes NaN
+        (NaiveLogSoftmaxGPT, {"overflow_module": "head"}, math.isinf),  # logits x 1e5: softmax underflows, log(0)
+    ],
+    ids=["nan", "inf"],
+)
+def test_non_finite_initial_loss_with_supervised_labels(tmp_path, model_class, bug, non_finite):
+    monitor = LossAtInit(check_step=None)
+    trainer = fit(tmp_path / "bug", [monitor], model=model_class(**SMALL, **bug), max_steps=1)
+    [finding] = monitor.findings
+    assert (finding.code, finding.severity, finding.step) == ("TFD227", "error", 0)
+    assert non_finite(finding.evidence["observed_loss"])
+    assert f"is {finding.evidence['observed_loss']}, before any update" in finding.message
+    # the labels are supervised (not TFD224) and the cross-entropy of the captured logits is finite: the loss
+    # computation is at fault, and the hint points to NaNFirstFrame
+    assert trainer.callback_metrics["loss_at_init/supervised_frac"].item() > 0.9
+    assert math.isfinite(finding.evidence["recomputed_loss"])
+    assert "NaNFirstFrame" in finding.hint
+    healthy = LossAtInit(check_step=None)  # the same model without the bug
+    fit(tmp_path / "healthy", [healthy], model=model_class(**SMALL), max_steps=1)
+    assert codes(healthy) == []
+
+
 class TupleBatchGPT(TinyGPT):
     """Batches as ``(input_ids, labels)`` tuples."""
 
