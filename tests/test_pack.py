@@ -338,3 +338,31 @@ def test_the_pack_is_silent_on_a_healthy_t5_encoder_decoder(tmp_path):
     assert problems(pack) == []
     probe = next(c for c in pack if isinstance(c, tfd.MaskProbe))
     assert {f.code for f in probe.findings} >= {"TFD212"}  # labels are not a next-token objective on the inputs
+
+
+def test_a_summed_loss_in_a_torch_encoder_lm_is_named_as_such(tmp_path):
+    class SummedLM(EncoderLM):
+        def training_step(self, batch, batch_idx):
+            tokens, targets = batch
+            logits = self(tokens)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+    pack = fit_pack(tmp_path, SummedLM(), tuple_loader(), steps=2)
+    assert "TFD229" in codes(pack) and "TFD222" not in codes(pack), problems(pack)
+
+
+def test_manual_optimization_that_never_zeroes_gradients_is_named(tmp_path):
+    class NoZeroGrad(EncoderLM):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            tokens, targets = batch
+            logits = self(tokens)
+            self.manual_backward(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+            self.optimizers().step()  # no zero_grad: gradients pile up
+            self.lr_schedulers().step()
+
+    pack = fit_pack(tmp_path, NoZeroGrad(), tuple_loader(), steps=12)
+    assert "TFD334" in codes(pack), problems(pack)

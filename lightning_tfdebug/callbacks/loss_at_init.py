@@ -18,7 +18,17 @@ from lightning_tfdebug.core.distributed import packed_reduce, world_size
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import copy_sums, init_loss_sums, uniform_loss
 
-_INIT_KEYS = ("ce_sum", "ce_count", "var_sum", "rows", "prob_rows", "logprob_rows", "supervised", "positions")
+_INIT_KEYS = (
+    "ce_sum",
+    "ce_count",
+    "var_sum",
+    "rows",
+    "prob_rows",
+    "logprob_rows",
+    "supervised",
+    "positions",
+    "label_rows",
+)
 _CHECK_KEYS = ("ce_sum", "ce_count", "copies", "repeats", "count")
 
 
@@ -110,7 +120,8 @@ class LossAtInit(DebugCallback):
 
     Findings: ``TFD220`` outputs are probabilities, ``TFD221`` outputs are log-probabilities, ``TFD222`` initial
     loss far above ln(V), ``TFD223`` far below, ``TFD224`` no supervised tokens, ``TFD225`` loss still at ln(V) at
-    ``check_step``, ``TFD226`` the model copies its current input token, ``TFD227`` initial loss not finite;
+    ``check_step``, ``TFD226`` the model copies its current input token, ``TFD227`` initial loss not finite,
+    ``TFD229`` the returned loss is a multiple of the logits' cross-entropy (a sum, or divided twice);
     ``TFD228`` when logits or labels cannot be found (it then stands aside); see ``docs/findings.md``.
 
     Args:
@@ -564,6 +575,8 @@ class LossAtInit(DebugCallback):
             return
         if normalized and prob_frac >= 0.99:
             return  # the loss value says nothing more about the wiring
+        if self._scaled_loss(trainer, host, observed, recomputed, expected, evidence, step):
+            return
         if observed > (1.0 + self.init_tolerance) * expected:
             self.emit(
                 trainer,
@@ -590,6 +603,74 @@ class LossAtInit(DebugCallback):
                 "over padding positions (set ignore_index); a vocab_size different from the logits' width.",
                 step=step,
             )
+
+    def _scaled_loss(
+        self,
+        trainer: pl.Trainer,
+        host: dict[str, float],
+        observed: float,
+        recomputed: float,
+        expected: float,
+        evidence: dict[str, Any],
+        step: int,
+    ) -> bool:
+        """``TFD229``: the logits give ln(V) but the returned loss is a multiple of that.
+
+        The untrained logits are near uniform (their cross-entropy is within ``init_tolerance`` of ln(V)), so a
+        returned loss far from ln(V) is not the logits' fault: the loss is scaled. Above, any factor is reported (a
+        sum instead of a mean, a multiplied or dominating extra term); below, only a factor that is one over a count
+        this run has (rows, tokens, accumulation, ranks), since NLLLoss on raw logits also lands below ln(V) and is
+        ``TFD223``'s.
+        """
+        tol = self.init_tolerance
+        if not (recomputed > 0 and abs(recomputed - expected) <= tol * expected):
+            return False
+        if (1.0 - tol) * expected <= observed <= (1.0 + tol) * expected:
+            return False
+        ranks = max(world_size(), 1)
+        rows = host["label_rows"] / ranks
+        counts = {
+            "supervised tokens per batch": host["supervised"] / ranks,
+            "sequences per batch": rows,
+            "label positions per sequence": host["positions"] / max(host["label_rows"], 1.0),
+            "accumulate_grad_batches": float(trainer.accumulate_grad_batches),
+            "ranks": float(ranks),
+        }
+        factor = observed / recomputed
+        # the recomputed loss is a sample's mean, and the untrained per-token losses spread by a few percent: a
+        # count within 15% names the factor; the counts are far apart (rows, sequence length, tokens)
+        close = {
+            name: abs(math.log(abs(factor) * (n if factor < 1 else 1 / n)))
+            for name, n in counts.items()
+            if n >= 2 and factor != 0
+        }
+        matches = sorted(((d, name, counts[name]) for name, d in close.items() if d <= math.log(1.15)))
+        matches = [(name, n) for _, name, n in matches]
+        if factor < 1 and not matches:
+            return False
+        if matches:
+            name, n = matches[0]
+            if factor > 1:
+                because = f", the number of {name} ({n:.0f}): the loss is summed over them, not averaged"
+            else:
+                because = f", one over the {name} ({n:.0f}): the loss is divided by it once too often"
+        else:
+            because = ", a factor that matches no count of the batch (an extra loss term or a multiplier)"
+        self.emit(
+            trainer,
+            "TFD229",
+            "warning",
+            f"The loss training_step returned ({observed:.4g}) is {factor:.4g}x the mean cross-entropy of the "
+            f"model's own logits ({recomputed:.4g}, at ln(V) = {expected:.3f} as an untrained model should be)"
+            f"{because}. The logits are fine; the loss is scaled, and with it the gradients.",
+            {**evidence, "factor": factor, "matched_count": matches[0][0] if matches else None},
+            "Average the loss over supervised tokens (cross_entropy's default reduction='mean', or divide a sum by "
+            "(labels != ignore_index).sum()); do not divide by accumulate_grad_batches yourself (Lightning does); "
+            "weight extra loss terms so they do not dominate. A summed loss makes the step size depend on the "
+            "batch and sequence length; with Adam it also breaks gradient clipping and the epsilon balance.",
+            step=step,
+        )
+        return True
 
     def _measure_check(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
         host = self._reduce(found.stats, _CHECK_KEYS, loss, found.ok, found.device)

@@ -66,7 +66,10 @@ class OptimizerAudit(DebugCallback):
     the first step has no warm-up (``TFD330``); an LR that reached zero before 90% of the run (``TFD331``); and one
     parameter per group is snapshotted before the step and compared byte for byte after it: unchanged on
     ``patience`` consecutive measured steps although it had a gradient and a non-zero LR is ``TFD332``. Steps the
-    fp16 GradScaler skipped are not counted.
+    fp16 GradScaler skipped are not counted. At the first backward after an optimizer step on a measuring step, a
+    param group whose first trainable parameter still holds non-zero gradients from before the step is ``TFD334``
+    (manual optimization without ``zero_grad``); whether ``.grad`` exists is host-side, its values are read only
+    when it does.
 
     Logged keys (on measuring steps):
 
@@ -77,7 +80,7 @@ class OptimizerAudit(DebugCallback):
     ``<group>`` is the param group's ``name`` when it has one, else ``group<i>`` (``opt<j>.group<i>`` with several
     optimizers).
 
-    Findings: ``TFD320`` to ``TFD333`` as above; see ``docs/findings.md``.
+    Findings: ``TFD320`` to ``TFD334`` as above; see ``docs/findings.md``.
 
     Distributed: every rank holds the same optimizer, parameters and LR under DDP, so every rank reaches the same
     findings; no collective runs. Under FSDP the byte comparison uses each rank's local shard, so ``TFD332`` is
@@ -138,6 +141,7 @@ class OptimizerAudit(DebugCallback):
         self._unchanged: dict[str, int] = defaultdict(int)
         self._compare_due = False
         self._transformer = False
+        self._stepped = False  # an optimizer step ran since the last backward
 
     @property
     def state_key(self) -> str:
@@ -311,6 +315,44 @@ class OptimizerAudit(DebugCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         # after the forward: the mode it ran in (the LightningModule's own `on_train_batch_start` runs after ours)
         self._check_train_mode(trainer, pl_module)
+        stepped, self._stepped = self._stepped, False
+        if stepped and self.active and self.should_measure(trainer):
+            self._check_grads_zeroed(trainer)
+
+    def _check_grads_zeroed(self, trainer: pl.Trainer) -> None:
+        """``TFD334``: the first backward after an optimizer step finds the previous gradients still there.
+
+        Lightning's automatic optimization zeroes (to ``None``) before that backward; a manual ``training_step``
+        that never calls ``zero_grad`` adds every step's gradient to all the earlier ones. One parameter per param
+        group is looked at: whether its ``.grad`` exists is host-side; only when one does (``zero_grad`` with
+        ``set_to_none=False``, or no ``zero_grad``) are its values read, on this measuring step.
+        """
+        probes = []
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                param = next((p for p in group["params"] if p.requires_grad), None)
+                if param is not None and param.grad is not None:
+                    probes.append(param)
+        if probes:
+            with torch.no_grad():
+                flags = torch.stack([(local_tensor(p.grad) != 0).any().to(probes[0].device) for p in probes])
+            # host sync: measuring steps only, and only when gradients were left allocated
+            left = int(flags.sum().item())
+            if left:
+                self.emit(
+                    trainer,
+                    "TFD334",
+                    "error",
+                    f"Gradients were not zeroed after the optimizer step: at the first backward of step "
+                    f"{trainer.global_step}, {left} of {len(probes)} param groups still hold the previous steps' "
+                    "gradients, so every step adds its gradient to all the earlier ones.",
+                    {"groups_with_old_grads": left, "groups_probed": len(probes)},
+                    "With manual optimization call `optimizer.zero_grad()` once per optimizer step (before the "
+                    "backward of the next accumulation window, or right after `optimizer.step()`).",
+                    synchronized=False,
+                )
+        # rank-local under FSDP (each rank reads its own shard); every rank gets here on the same step
+        self.resolve_local_findings(trainer)
 
     def _check_train_mode(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.active or not self._check_mode:
@@ -351,6 +393,7 @@ class OptimizerAudit(DebugCallback):
     ) -> None:
         if not self.active:
             return
+        self._stepped = True
         self._check_scheduler_cadence(trainer, optimizer)
         first = self._first_lr is None
         if not (first or self.should_measure(trainer)):

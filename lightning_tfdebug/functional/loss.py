@@ -90,7 +90,8 @@ def init_loss_sums(
     * ``logprob_rows``: sampled rows that are log-probabilities (non-positive, ``logsumexp`` 0 within ``atol`` x 10),
       and not probabilities;
     * ``supervised``, ``positions``: labels that are not ``ignore_index`` after alignment, and all label
-      positions, over the whole batch (not only the sample).
+      positions, over the whole batch (not only the sample);
+    * ``label_rows``: rows (sequences) in the batch's labels.
     """
     rows, targets = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
     supervised_all = targets != ignore_index
@@ -115,6 +116,7 @@ def init_loss_sums(
         "logprob_rows": is_logprob.sum(dtype=f32),
         "supervised": supervised_all.sum(dtype=f32),
         "positions": torch.tensor(float(targets.numel()), device=x.device),
+        "label_rows": torch.tensor(float(labels.shape[0] if labels.ndim > 1 else 1), device=x.device),
     }
 
 

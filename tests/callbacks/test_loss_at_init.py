@@ -137,6 +137,41 @@ def test_initial_loss_far_from_ln_v_and_log_probabilities(tmp_path):
     assert codes(logp) == ["TFD221"] and logp.findings[0].severity == "info"  # right with cross_entropy
 
 
+class SummedLossGPT(TinyGPT):
+    """``reduction="sum"``: the loss (and the gradients) grow with the number of supervised tokens."""
+
+    def loss(self, logits, labels):
+        targets = labels[:, 1:].flatten().long()
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), targets, ignore_index=-100, reduction="sum")
+
+
+class DividedByAccumulationGPT(TinyGPT):
+    """Divides by the accumulation count although Lightning already does."""
+
+    def loss(self, logits, labels):
+        return super().loss(logits, labels) / self.trainer.accumulate_grad_batches
+
+
+def test_a_summed_or_twice_divided_loss_is_a_scaled_loss_not_large_logits(tmp_path):
+    summed = LossAtInit(check_step=None)
+    fit(tmp_path / "sum", [summed], model=SummedLossGPT(**SMALL), max_steps=1)
+    [finding] = summed.findings
+    assert finding.code == "TFD229" and finding.severity == "warning"
+    assert finding.evidence["matched_count"] == "supervised tokens per batch"
+    supervised = finding.evidence["factor"]
+    assert 0.85 * 8 * 63 < supervised < 1.15 * 8 * 63  # 8 rows of 64 tokens, shifted: at most 63 labels a row
+    assert "reduction='mean'" in finding.hint and finding.evidence["recomputed_loss"] < 1.25 * LN_V
+    divided = LossAtInit(check_step=None)
+    fit(tmp_path / "div", [divided], model=DividedByAccumulationGPT(**SMALL), max_steps=1, accumulate_grad_batches=4)
+    [finding] = divided.findings
+    assert finding.code == "TFD229" and finding.evidence["matched_count"] == "accumulate_grad_batches"
+    assert finding.evidence["factor"] == pytest.approx(0.25, rel=0.15)
+    # the same division without accumulation is a factor of one: silent
+    alone = LossAtInit(check_step=None)
+    fit(tmp_path / "one", [alone], model=DividedByAccumulationGPT(**SMALL), max_steps=1)
+    assert alone.findings == []
+
+
 class NaiveLogSoftmaxGPT(TinyGPT):
     """``log(softmax(logits))`` in two steps instead of ``log_softmax``: a probability that underflows to 0 gives
     log(0) = -inf."""

@@ -193,6 +193,47 @@ def test_scheduler_cadence_and_schedule_shape(tmp_path):
     assert codes(audit) == ["TFD330"]
 
 
+class ManualSteps(TinyGPT):
+    """Manual optimization: ``zero`` says how (or if) gradients are cleared; ``accumulate`` micro-batches a step."""
+
+    def __init__(self, zero: str = "none", accumulate: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.zero, self.accumulate = zero, accumulate
+
+    def training_step(self, batch, batch_idx):
+        optimizer, schedule = self.optimizers(), self.lr_schedulers()
+        loss = self.loss(self(batch["input_ids"], batch.get("attention_mask")), batch["labels"])
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            optimizer.step()
+            schedule.step()
+            if self.zero != "none":
+                optimizer.zero_grad(set_to_none=self.zero == "to_none")
+        return loss
+
+
+def test_gradients_never_zeroed_under_manual_optimization(tmp_path):
+    audit = OptimizerAudit(every_n_steps=2)
+    fit(tmp_path / "bug", [audit], model=ManualSteps(zero="none", **SMALL), max_steps=5)
+    [finding] = [f for f in audit.findings if f.code == "TFD334"]
+    assert finding.severity == "error" and finding.step == 2  # the first measured step after a step
+    assert finding.evidence["groups_with_old_grads"] == 2 and "zero_grad" in finding.hint
+    # zeroed to None, zeroed in place (the tensors stay, all zero), and zeroed once per accumulation window
+    for name, model in {
+        "none": ManualSteps(zero="to_none", **SMALL),
+        "zeros": ManualSteps(zero="to_zeros", **SMALL),
+        "accumulate": ManualSteps(zero="to_none", accumulate=3, **SMALL),
+    }.items():
+        audit = OptimizerAudit(every_n_steps=1)
+        fit(tmp_path / name, [audit], model=model, max_steps=5)
+        assert "TFD334" not in codes(audit), name
+    # automatic optimization with accumulation: Lightning zeroes before the first backward of each window
+    audit = OptimizerAudit(every_n_steps=1)
+    fit(tmp_path / "auto", [audit], max_steps=5, accumulate_grad_batches=3)
+    assert "TFD334" not in codes(audit)
+
+
 def test_updates_that_underflow_bf16_weights(tmp_path):
     audit = OptimizerAudit(every_n_steps=1)
     fit(tmp_path, [audit], model=TinyGPT(**SMALL, lr=1e-7, warmup_steps=0), precision="bf16-true")
@@ -316,3 +357,20 @@ def test_adam_over_float16_parameters_with_a_small_eps(tmp_path):  # seed O10
         quiet = OptimizerAudit()
         fit(tmp_path / name, [quiet], model=model, precision=precision, max_steps=1)
         assert "TFD333" not in codes(quiet), name
+
+
+@pytest.mark.ddp
+def test_ddp_gradients_never_zeroed_raise_on_every_rank_together(tmp_path):
+    spec = {
+        "strategy": "ddp",
+        "model_class": "tests.callbacks.test_optimizer_audit:ManualSteps",
+        "model": {**SMALL, "zero": "none"},
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 6},
+        "callbacks": [
+            {"class_path": "lightning_tfdebug.OptimizerAudit", "init_args": {"every_n_steps": 2, "on_finding": "raise"}}
+        ],
+    }
+    for r in run_distributed(tmp_path, spec):
+        assert r["error"] is not None and r["error"]["type"] == "TFDebugError", (r["rank"], r["error"])
+        assert "TFD334" in r["error"]["message"] and "step 2" in r["error"]["message"]
