@@ -24,6 +24,10 @@ def grad_scaler_of(trainer: pl.Trainer) -> Any | None:
     return getattr(trainer.precision_plugin, "scaler", None)
 
 
+_OVERCLIP = 100.0
+"""TFD306 when every step's gradient norm is more than this many times ``gradient_clip_val``."""
+
+
 class GradNormMonitor(DebugCallback):
     r"""Logs gradient L2 norms per group and in total, and diagnoses exploding, vanishing and missing gradients.
 
@@ -44,7 +48,8 @@ class GradNormMonitor(DebugCallback):
     | `grad_norm/clip_frac` | fraction of optimizer steps since the last log whose norm exceeded `gradient_clip_val` |
 
     Findings: ``TFD301`` explosion, ``TFD302`` vanishing group, ``TFD303`` non-finite gradients, ``TFD304`` unused
-    parameters, ``TFD305`` gradients still scaled by AMP (see ``docs/findings.md``).
+    parameters, ``TFD305`` gradients still scaled by AMP, ``TFD306`` norm clipping cuts every step by over 100x
+    (``gradient_clip_val`` far below the gradient norm, for ``patience`` measurements); see ``docs/findings.md``.
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -110,6 +115,7 @@ class GradNormMonitor(DebugCallback):
         self._history = RunningWindow(history)
         self._vanishing = Streak()
         self._no_grad = Streak()
+        self._overclip = Streak()
         self._layout: ReductionLayout | None = None
         self._clip_count: Tensor | None = None  # device counter of clipped steps since the last log
         self._clip_steps = 0
@@ -225,6 +231,7 @@ class GradNormMonitor(DebugCallback):
                 "Nothing to fix. Note that Trainer-side clipping and any other hook reading .grad see scaled values.",
             )
         self._diagnose(trainer, host, scaler is not None)
+        self._diagnose_clipping(trainer, host)
         self._track_unused(trainer, missing, len(params))
 
     # ------------------------------------------------------------------ findings
@@ -287,6 +294,30 @@ class GradNormMonitor(DebugCallback):
                     "(sigmoid/tanh), post-norm without warm-up, or a detach() in the forward.",
                 )
 
+    def _diagnose_clipping(self, trainer: pl.Trainer, host: Mapping[str, float]) -> None:
+        """``TFD306``: norm clipping that cuts every step by orders of magnitude (host values of this measurement)."""
+        frac = host.get("grad_norm/clip_frac")
+        if frac is None:
+            return
+        clip = float(trainer.gradient_clip_val)
+        total = host["grad_norm/total"]
+        over = frac >= 0.99 and total == total and total > _OVERCLIP * clip
+        if self._overclip.update("total", over) < self.patience:
+            return
+        self.emit(
+            trainer,
+            "TFD306",
+            "warning",
+            f"Every step is clipped, by a factor of {total / clip:.3g}: the gradient norm is {total:.4g} and "
+            f"gradient_clip_val is {clip:g}, for {self.patience} measurements in a row. The clip value, not the "
+            "gradient, sets the update's size.",
+            {"grad_norm": total, "gradient_clip_val": clip, "factor": total / clip, "clip_frac": frac},
+            "Set gradient_clip_val near the gradient norm of healthy steps (look at grad_norm/total; 1.0 is usual "
+            "for transformers with a mean loss) so that it only cuts spikes. With SGD the step shrinks by that "
+            "factor; with Adam the clipped gradients can fall below eps and the step shrinks too. A norm this far "
+            "above any sane clip can also mean a summed loss (LossAtInit TFD229).",
+        )
+
     def _track_unused(self, trainer: pl.Trainer, missing: list[str], n_params: int) -> None:
         unused = [n for n in missing if self._no_grad.update(n, True) >= self.patience]
         present = set(self._layout.groups.names) - set(missing) if self._layout else set()
@@ -311,6 +342,7 @@ class GradNormMonitor(DebugCallback):
             "history": self._history.state_dict(),
             "vanishing": self._vanishing.state_dict(),
             "no_grad": self._no_grad.state_dict(),
+            "overclip": self._overclip.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -318,3 +350,4 @@ class GradNormMonitor(DebugCallback):
         self._history.load_state_dict(state_dict.get("history", {}))
         self._vanishing.load_state_dict(state_dict.get("vanishing", {}))
         self._no_grad.load_state_dict(state_dict.get("no_grad", {}))
+        self._overclip.load_state_dict(state_dict.get("overclip", {}))

@@ -80,7 +80,9 @@ class OptimizerAudit(DebugCallback):
     ``<group>`` is the param group's ``name`` when it has one, else ``group<i>`` (``opt<j>.group<i>`` with several
     optimizers).
 
-    Findings: ``TFD320`` to ``TFD334`` as above; see ``docs/findings.md``.
+    Findings: ``TFD320`` to ``TFD335`` as above (``TFD335``: a transformer's LR unchanged since the first step and
+    below half of the schedulers' base LR, a step-sized warm-up stepped per epoch; reported instead of ``TFD330``);
+    see ``docs/findings.md``.
 
     Distributed: every rank holds the same optimizer, parameters and LR under DDP, so every rank reaches the same
     findings; no collective runs. Under FSDP the byte comparison uses each rank's local shard, so ``TFD332`` is
@@ -468,6 +470,8 @@ class OptimizerAudit(DebugCallback):
         first_lr = self._first_lr or 0.0
         step = trainer.global_step
         if self._transformer and first_lr > 0 and top <= first_lr * (1 + 1e-9):
+            if top >= first_lr * (1 - 1e-9) and self._stuck_below_base(trainer, top):
+                return
             self.emit(
                 trainer,
                 "TFD330",
@@ -478,6 +482,37 @@ class OptimizerAudit(DebugCallback):
                 "Add a linear warm-up (a few hundred to a few thousand steps) before the peak LR; Adam's early "
                 "updates on attention and embeddings are large without it.",
             )
+
+    def _stuck_below_base(self, trainer: pl.Trainer, top: float) -> bool:
+        """``TFD335``: the LR has not moved since the first step and sits far below the schedulers' base LR.
+
+        A schedule sized in optimizer steps (a warm-up ``LambdaLR``) stepped per epoch, Lightning's default
+        ``interval``, holds its first value for the whole epoch: a warm-up frozen at its first percent. Host-side
+        attributes only.
+        """
+        configs = [c for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "base_lrs", None)]
+        if not configs:
+            return False
+        base = max(float(lr) for c in configs for lr in c.scheduler.base_lrs)
+        if not top < 0.5 * base:
+            return False
+        intervals = sorted({str(c.interval) for c in configs})
+        names = sorted({type(c.scheduler).__name__ for c in configs})
+        step = trainer.global_step
+        self.emit(
+            trainer,
+            "TFD335",
+            "warning",
+            f"The learning rate has not moved since the first step: at step {step} it is {top:.3g}, "
+            f"{top / base:.1%} of the {base:.3g} the optimizer was configured with, and the scheduler "
+            f"({', '.join(names)}, interval {'/'.join(intervals)}) has not raised it.",
+            {"lr": top, "base_lr": base, "step": step, "interval": intervals, "schedulers": names},
+            "A warm-up or schedule sized in optimizer steps needs `'interval': 'step'` in the lr_scheduler dict that "
+            "configure_optimizers returns (Lightning's default, also for a bare scheduler, is 'epoch': one step of "
+            "the schedule per epoch). If the schedule is meant per epoch, its first epochs run at this LR.",
+            step=step,
+        )
+        return True
 
     def _snapshot(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
         named = {id(p): n for n, p in training_model(trainer, trainer.lightning_module).named_parameters()}

@@ -81,6 +81,20 @@ def test_clip_fraction_counts_clipped_steps_since_the_last_log(tmp_path):
     assert logged[8] == pytest.approx(sum(clipped[s] for s in range(4, 8)) / 4)
 
 
+def test_a_clip_value_far_below_the_gradient_norm_is_named(tmp_path):
+    reference, monitor = ReferenceGradNorm(), GradNormMonitor(every_n_steps=2, patience=3)
+    fit(tmp_path / "tiny", [reference, monitor], max_steps=8, gradient_clip_val=1e-4)
+    [finding] = [f for f in monitor.findings if f.code == "TFD306"]
+    assert finding.step == 4 and finding.evidence["clip_frac"] == 1.0  # third measurement in a row: 0, 2, 4
+    assert finding.evidence["factor"] == pytest.approx(reference.norms[4] / 1e-4, rel=1e-4)
+    assert "gradient_clip_val" in finding.hint
+    # a clip value that cuts spikes (here: every step, by a few x) is not a finding
+    usual = GradNormMonitor(every_n_steps=2, patience=3)
+    fit(tmp_path / "usual", [usual], max_steps=8, gradient_clip_val=0.1)
+    assert "TFD306" not in codes(usual)
+    assert dict(read_scalars(tmp_path / "usual" / "tb" / "version_0")["grad_norm/clip_frac"])[6] == 1.0
+
+
 def test_fp16_gradients_are_measured_unscaled(tmp_path):
     reference, monitor = ReferenceGradNorm(), GradNormMonitor(every_n_steps=1)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))

@@ -234,6 +234,28 @@ def test_gradients_never_zeroed_under_manual_optimization(tmp_path):
     assert "TFD334" not in codes(audit)
 
 
+class WarmupPerEpoch(TinyGPT):
+    """A 100-step warm-up returned as a bare scheduler: Lightning steps it once per epoch."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.0)
+        return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 100))]
+
+
+def test_a_step_sized_warmup_stepped_per_epoch_is_a_frozen_lr_not_a_missing_warmup(tmp_path):
+    audit = OptimizerAudit(every_n_steps=2)
+    fit(tmp_path / "epoch", [audit], model=WarmupPerEpoch(**SMALL), max_steps=5)
+    assert codes(audit) == ["TFD335"]
+    [finding] = audit.findings
+    assert finding.step == 2 and finding.evidence["lr"] == pytest.approx(1e-5)
+    assert finding.evidence["base_lr"] == pytest.approx(1e-3) and finding.evidence["interval"] == ["epoch"]
+    assert "'interval': 'step'" in finding.hint
+    # at its peak from the first step (no scheduler warm-up at all) it stays TFD330
+    audit = OptimizerAudit(every_n_steps=2)
+    fit(tmp_path / "flat", [audit], model=TinyGPT(**SMALL, warmup_steps=0), max_steps=5)
+    assert codes(audit) == ["TFD330"]
+
+
 def test_updates_that_underflow_bf16_weights(tmp_path):
     audit = OptimizerAudit(every_n_steps=1)
     fit(tmp_path, [audit], model=TinyGPT(**SMALL, lr=1e-7, warmup_steps=0), precision="bf16-true")
