@@ -315,7 +315,7 @@ class GradNormMonitor(DebugCallback):
             "Set gradient_clip_val near the gradient norm of healthy steps (look at grad_norm/total; 1.0 is usual "
             "for transformers with a mean loss) so that it only cuts spikes. With SGD the step shrinks by that "
             "factor; with Adam the clipped gradients can fall below eps and the step shrinks too. A norm this far "
-            "above any sane clip can also mean a summed loss (LossAtInit TFD229).",
+            "above any sane clip can also mean a summed loss (LossAtInit names it).",
         )
 
     def _track_unused(self, trainer: pl.Trainer, missing: list[str], n_params: int) -> None:
