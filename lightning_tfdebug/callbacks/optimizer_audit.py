@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -24,6 +25,8 @@ _FP16_SQ_UNDERFLOW_GRAD = 1.7e-4
 """Gradients below this square to less than float16's smallest subnormal (about 6e-8)."""
 _HALF_EPS_STEP_FACTOR = 10.0
 """TFD333 when an underflowed second moment can make a step this many times Adam's normal one."""
+_DECAY_PER_STEP = 5e-3
+"""TFD336 when ``lr * weight_decay`` exceeds this: weights halve in under ~140 steps (recipes use 1e-5 to 1e-4)."""
 
 
 def _names(names: list[str], limit: int = 8) -> str:
@@ -80,9 +83,10 @@ class OptimizerAudit(DebugCallback):
     ``<group>`` is the param group's ``name`` when it has one, else ``group<i>`` (``opt<j>.group<i>`` with several
     optimizers).
 
-    Findings: ``TFD320`` to ``TFD335`` as above (``TFD335``: a transformer's LR unchanged since the first step and
-    below half of the schedulers' base LR, a step-sized warm-up stepped per epoch; reported instead of ``TFD330``);
-    see ``docs/findings.md``.
+    Findings: ``TFD320`` to ``TFD336`` as above, and: ``TFD335``, a transformer's LR unchanged since the first step
+    and below half of the schedulers' base LR (a step-sized warm-up stepped per epoch; reported instead of
+    ``TFD330``); ``TFD336``, decoupled or SGD weight decay with ``lr * weight_decay`` above 5e-3 per step (weights
+    halving in under ~140 steps). See ``docs/findings.md``.
 
     Distributed: every rank holds the same optimizer, parameters and LR under DDP, so every rank reaches the same
     findings; no collective runs. Under FSDP the byte comparison uses each rank's local shard, so ``TFD332`` is
@@ -207,6 +211,7 @@ class OptimizerAudit(DebugCallback):
                     )
                 kind = type(optimizer).__name__
                 self._check_half_eps(trainer, kind, label, group)
+                self._check_decay_rate(trainer, kind, label, group, decay)
                 if decay > 0 and kind in _COUPLED_DECAY and not group.get("decoupled_weight_decay", False):
                     self.emit(
                         trainer,
@@ -263,6 +268,38 @@ class OptimizerAudit(DebugCallback):
                 "The optimizer was built before the model was moved, copied or rebuilt; build it in "
                 "`configure_optimizers` from `self.parameters()`.",
             )
+
+    def _check_decay_rate(
+        self, trainer: pl.Trainer, kind: str, label: str, group: dict[str, Any], decay: float
+    ) -> None:
+        """``TFD336``: decay that shrinks every weight by more than ``_DECAY_PER_STEP`` of itself per step.
+
+        Decoupled decay (AdamW) and SGD's L2 both multiply the weights by ``1 - lr * weight_decay`` every step;
+        Adam's coupled L2 is rescaled by the adaptive step (that is ``TFD326``'s). The LR is the group's peak as a
+        scheduler recorded it (``initial_lr``), else its current value: a warm-up starts far below the peak.
+        """
+        if decay <= 0 or (kind in _COUPLED_DECAY and not group.get("decoupled_weight_decay", False)):
+            return
+        lr = group.get("initial_lr", group.get("lr"))
+        if lr is None:
+            return
+        rate = float(lr) * decay  # a tensor LR is read once, at the start of training
+        if not rate > _DECAY_PER_STEP:
+            return
+        self.emit(
+            trainer,
+            "TFD336",
+            "warning",
+            f"Weight decay {decay:g} at a learning rate of {float(lr):.3g} shrinks every decayed weight by "
+            f"{rate:.3g} of itself per step (group {label}, {kind}): without gradients pushing back, weights halve "
+            f"every {math.log(2) / rate:.0f} steps, so decay rather than the loss sets their scale.",
+            {"group": label, "weight_decay": decay, "lr": float(lr), "decay_per_step": rate},
+            "Decoupled decay acts as lr x weight_decay per step; transformer recipes sit around 1e-5 to 1e-4 "
+            "(AdamW lr 3e-4, weight_decay 0.1). A weight_decay of several units is usually an L2 coefficient or "
+            "a percentage put in the wrong place; with a usual weight_decay, the learning rate itself is far too "
+            "high (UpdateRatio shows what it does to the weights).",
+            key=label,
+        )
 
     def _check_half_eps(self, trainer: pl.Trainer, kind: str, label: str, group: dict[str, Any]) -> None:
         """``TFD333``: an Adam-family group over float16 parameters (so float16 moments) with a small ``eps``."""

@@ -54,7 +54,9 @@ class UpdateRatio(DebugCallback):
     growing from nothing is normal.
 
     Findings: ``TFD310`` too low, ``TFD311`` too high, ``TFD312`` a group that got gradients but did not change
-    (left out of the optimizer), ``TFD313`` weights growing fast. See ``docs/findings.md``.
+    (left out of the optimizer), ``TFD313`` weights growing fast, ``TFD314`` weights shrinking fast (the median
+    group norm below ``1 / growth_limit`` of its value within ``growth_window``: weight decay far too strong). See
+    ``docs/findings.md``.
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -285,6 +287,9 @@ class UpdateRatio(DebugCallback):
         if not growth:
             return
         median = statistics.median(growth.values())
+        if median < 1.0 / self.growth_limit:
+            self._report_shrinking(trainer, median, start_step, step, growth)
+            return
         if median <= self.growth_limit:
             return
         self.emit(
@@ -304,6 +309,47 @@ class UpdateRatio(DebugCallback):
             "per step), so they inflate instead of learning; the loss typically stalls on a plateau or spikes. The "
             "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 "
             "and 1e-3 (a few times more for tiny models). Lower it, and keep a warm-up.",
+            step=step,
+        )
+
+    def _report_shrinking(
+        self, trainer: pl.Trainer, median: float, start_step: int, step: int, growth: dict[str, float]
+    ) -> None:
+        """``TFD314``: the median group norm fell below ``1 / growth_limit`` of its value within ``growth_window``."""
+        # the strongest decoupled decay per step, lr x weight_decay: host floats of the param groups (a tensor LR
+        # costs a host read here, once, when the finding is emitted)
+        decay = max(
+            (
+                float(group["lr"]) * float(group.get("weight_decay", 0.0) or 0.0)
+                for optimizer in trainer.optimizers
+                for group in optimizer.param_groups
+            ),
+            default=0.0,
+        )
+        half_life = math.log(2) / decay if decay > 0 else math.inf
+        because = (
+            f" The strongest weight decay shrinks weights by lr x weight_decay = {decay:.3g} per step (half the "
+            f"norm every {half_life:.0f} steps without gradients)."
+            if decay > 0
+            else ""
+        )
+        self.emit(
+            trainer,
+            "TFD314",
+            "warning",
+            f"Weights are shrinking fast: the median group norm fell to {median:.3g}x of its value in "
+            f"{step - start_step} optimizer steps (limit 1/{self.growth_limit:g} in {self.growth_window}).{because}",
+            {
+                "median_growth": median,
+                "from_step": start_step,
+                "to_step": step,
+                "lr_times_weight_decay": decay,
+                "growth": {g: round(v, 4) for g, v in sorted(growth.items(), key=lambda kv: kv[1])},
+            },
+            "Weight decay is far too strong for this learning rate (AdamW decays by lr x weight_decay every step: "
+            "typical products are 1e-5 to 1e-4, e.g. lr 3e-4 with weight_decay 0.1), so decay, not the loss, sets "
+            "the weights' scale. Lower weight_decay; check it is not an L2 coefficient meant for SGD scaled up, or "
+            "applied twice (by the optimizer and a penalty in the loss).",
             step=step,
         )
 

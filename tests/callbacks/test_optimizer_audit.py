@@ -234,6 +234,18 @@ def test_gradients_never_zeroed_under_manual_optimization(tmp_path):
     assert "TFD334" not in codes(audit)
 
 
+def test_weight_decay_that_halves_the_weights_in_a_few_dozen_steps(tmp_path):
+    audit = OptimizerAudit(every_n_steps=2)
+    fit(tmp_path / "strong", [audit], model=TinyGPT(lr=3e-3, weight_decay=10.0, warmup_steps=5, **SMALL), max_steps=2)
+    [finding] = [f for f in audit.findings if f.code == "TFD336"]
+    # the peak LR the scheduler recorded, not the first warm-up step's 6e-4
+    assert finding.evidence["lr"] == pytest.approx(3e-3) and finding.evidence["decay_per_step"] == pytest.approx(3e-2)
+    assert finding.evidence["group"] == "group0"  # the no-decay group is not named
+    audit = OptimizerAudit(every_n_steps=2)
+    fit(tmp_path / "usual", [audit], model=TinyGPT(lr=3e-3, weight_decay=1.0, warmup_steps=5, **SMALL), max_steps=2)
+    assert "TFD336" not in codes(audit)
+
+
 class WarmupPerEpoch(TinyGPT):
     """A 100-step warm-up returned as a bare scheduler: Lightning steps it once per epoch."""
 

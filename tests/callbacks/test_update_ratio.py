@@ -94,6 +94,26 @@ def test_learning_rate_100x_too_high_behind_a_warmup_shows_as_weight_growth(tmp_
     assert "TFD313" not in codes(healthy)
 
 
+def test_weight_decay_far_too_strong_shows_as_weights_shrinking(tmp_path):
+    # AdamW shrinks weights by lr x weight_decay per step: 3e-3 x 10 halves them every ~23 steps without gradients.
+    # Decay on every tensor (decay_norms): in this small model the undecayed norm weights would carry most of a
+    # block's norm.
+    monitor = UpdateRatio(every_n_steps=5)
+    model = TinyGPT(lr=3e-3, weight_decay=10.0, decay_norms=True, warmup_steps=5, **SMALL)
+    fit(tmp_path, [monitor], model=model, max_steps=51)
+    [finding] = [f for f in monitor.findings if f.code == "TFD314"]
+    assert finding.evidence["median_growth"] < 0.5
+    assert finding.evidence["lr_times_weight_decay"] == pytest.approx(3e-2)
+    assert finding.evidence["to_step"] - finding.evidence["from_step"] <= monitor.growth_window
+    assert "weight_decay" in finding.hint
+    # the usual 0.1, and a strong 1.0 on every tensor, are not
+    for wd in (0.1, 1.0):
+        healthy = UpdateRatio(every_n_steps=5)
+        model = TinyGPT(lr=3e-3, weight_decay=wd, decay_norms=True, warmup_steps=5, **SMALL)
+        fit(tmp_path / f"wd{wd}", [healthy], model=model, max_steps=51)
+        assert "TFD314" not in codes(healthy), wd
+
+
 def test_growth_from_near_zero_groups_is_not_judged(tmp_path):
     # A zero-initialised group grows "infinitely" under any LR; only groups of real size count.
     class ZeroHead(TinyGPT):
