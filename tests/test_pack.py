@@ -366,3 +366,32 @@ def test_manual_optimization_that_never_zeroes_gradients_is_named(tmp_path):
 
     pack = fit_pack(tmp_path, NoZeroGrad(), tuple_loader(), steps=12)
     assert "TFD334" in codes(pack), problems(pack)
+
+
+@needs_transformers
+def test_a_learning_rate_100x_too_low_on_gpt2_is_not_taken_for_copying(tmp_path):
+    # GPT-2 ties its input and output embeddings: untrained, it already predicts its current token at most positions.
+    # Barely trained (lr 2e-5), it still does; that is no sign of unshifted labels.
+    from lightning_tfdebug.demo import TinyTextDataModule
+
+    class TooCold(HFLM):
+        def configure_optimizers(self):
+            return adamw_with_warmup(self, 2e-5)
+
+    pack = fit_pack(tmp_path, TooCold(), TinyTextDataModule(batch_size=8), steps=45)
+    assert "TFD310" in codes(pack) and "TFD226" not in codes(pack), problems(pack)
+    loss_at_init = next(c for c in pack if isinstance(c, tfd.LossAtInit))
+    assert loss_at_init._init_copy_rate > 0.3  # the tied embeddings' copying at init, measured
+
+
+@needs_transformers
+def test_unshifted_labels_on_gpt2_are_named_despite_tied_embeddings(tmp_path):
+    from lightning_tfdebug.demo import TinyTextDataModule
+
+    class Unshifted(HFLM):
+        def training_step(self, batch, batch_idx):
+            logits = self(batch["input_ids"], batch["attention_mask"]).logits
+            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+    pack = fit_pack(tmp_path, Unshifted(), TinyTextDataModule(batch_size=8), steps=45)
+    assert {"TFD205", "TFD226"} <= codes(pack), problems(pack)

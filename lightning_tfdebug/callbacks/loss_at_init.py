@@ -18,6 +18,8 @@ from lightning_tfdebug.core.distributed import packed_reduce, world_size
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import copy_sums, init_loss_sums, uniform_loss
 
+_COPY_RISE = 0.1
+"""TFD226 needs the copy rate to have risen by this much since init (tied embeddings copy from the start)."""
 _INIT_KEYS = (
     "ce_sum",
     "ce_count",
@@ -28,6 +30,8 @@ _INIT_KEYS = (
     "supervised",
     "positions",
     "label_rows",
+    "copies",
+    "count",
 )
 _CHECK_KEYS = ("ce_sum", "ce_count", "copies", "repeats", "count")
 
@@ -116,7 +120,7 @@ class LossAtInit(DebugCallback):
     | `loss_at_init/logit_std` | 0 | spread of the outputs across the vocabulary (root mean of per-row variances) |
     | `loss_at_init/supervised_frac` | 0 | fraction of label positions that are not `ignore_index` |
     | `loss_at_init/check_loss` | `check_step` | the training step's loss at `check_step` |
-    | `loss_at_init/copy_rate` | `check_step` | fraction of positions whose argmax is the current input token |
+    | `loss_at_init/copy_rate` | 0 and `check_step` | fraction of positions whose argmax is the current input token |
 
     Findings: ``TFD220`` outputs are probabilities, ``TFD221`` outputs are log-probabilities, ``TFD222`` initial
     loss far above ln(V), ``TFD223`` far below, ``TFD224`` no supervised tokens, ``TFD225`` loss still at ln(V) at
@@ -143,7 +147,8 @@ class LossAtInit(DebugCallback):
         check_step: optimizer step of the later checks; ``None`` disables them.
         stall_tolerance: ``TFD225`` when the loss at ``check_step`` is within this fraction of ln(V).
         copy_threshold: ``TFD226`` when the copy rate at ``check_step`` exceeds this, and exceeds the rate at which
-            the data repeats a token by at least 0.25.
+            the data repeats a token by at least 0.25, and has risen by at least 0.1 since step 0 (tied embeddings make
+            an untrained model copy).
         max_rows: positions sampled from the logits for the statistics (bounds the cost for long sequences and
             large vocabularies).
 
@@ -216,6 +221,7 @@ class LossAtInit(DebugCallback):
         self.max_rows = max_rows
         self._init_done = False
         self._check_done = False
+        self._init_copy_rate: float | None = None  # copy rate of the untrained model (step 0)
         self._armed: str | None = None  # "init" or "check" while a step is being captured
         self._armed_step = 0
         self._handles: list[RemovableHandle] = []
@@ -465,9 +471,11 @@ class LossAtInit(DebugCallback):
                 found.stats = sums
             else:
                 found.stats = {"ce_sum": sums["ce_sum"], "ce_count": sums["ce_count"]}
-                inputs = self._current_tokens(labels)
-                if inputs is not None and logits.ndim == 3 and tuple(inputs.shape) == tuple(logits.shape[:2]):
-                    found.stats.update(copy_sums(logits, inputs, labels != self.ignore_index, max_rows=self.max_rows))
+            # the copy rate at init too: with tied input/output embeddings an untrained model already predicts its
+            # current token, and only a rise from there says the model learned to copy
+            inputs = self._current_tokens(labels)
+            if inputs is not None and logits.ndim == 3 and tuple(inputs.shape) == tuple(logits.shape[:2]):
+                found.stats.update(copy_sums(logits, inputs, labels != self.ignore_index, max_rows=self.max_rows))
         self._captured.clear()
         self._raw.clear()
         return found
@@ -499,17 +507,17 @@ class LossAtInit(DebugCallback):
         rows = max(host["rows"], 1.0)
         logit_std = math.sqrt(max(host["var_sum"], 0.0) / rows)
         supervised_frac = host["supervised"] / host["positions"] if host["positions"] else 0.0
-        self.log_scalars(
-            trainer,
-            {
-                "loss_at_init/observed": observed,
-                "loss_at_init/expected": expected,
-                "loss_at_init/recomputed": recomputed,
-                "loss_at_init/logit_std": logit_std,
-                "loss_at_init/supervised_frac": supervised_frac,
-            },
-            step=step,
-        )
+        metrics = {
+            "loss_at_init/observed": observed,
+            "loss_at_init/expected": expected,
+            "loss_at_init/recomputed": recomputed,
+            "loss_at_init/logit_std": logit_std,
+            "loss_at_init/supervised_frac": supervised_frac,
+        }
+        if host["count"]:
+            self._init_copy_rate = host["copies"] / host["count"]
+            metrics["loss_at_init/copy_rate"] = self._init_copy_rate
+        self.log_scalars(trainer, metrics, step=step)
         evidence = {
             "observed_loss": observed,
             "expected_loss": expected,
@@ -699,14 +707,27 @@ class LossAtInit(DebugCallback):
                 "from the graph. Run the overfit-one-batch test.",
                 step=step,
             )
-        if copy_rate == copy_rate and copy_rate > self.copy_threshold and copy_rate >= repeat_rate + 0.25:
+        init_rate = self._init_copy_rate if self._init_copy_rate is not None else 0.0
+        if (
+            copy_rate == copy_rate
+            and copy_rate > self.copy_threshold
+            and copy_rate >= repeat_rate + 0.25
+            and copy_rate >= init_rate + _COPY_RISE
+        ):
             self.emit(
                 trainer,
                 "TFD226",
                 "warning",
                 f"After {step} steps the model's top prediction equals the *current* input token at {copy_rate:.0%} "
-                f"of positions (the data repeats a token at only {repeat_rate:.0%}): it learned to copy its input.",
-                {"copy_rate": copy_rate, "repeat_rate": repeat_rate, "step": step, "shift_labels": self.shift_labels},
+                f"of positions (the data repeats a token at only {repeat_rate:.0%}; at init the model did so at "
+                f"{init_rate:.0%}): it learned to copy its input.",
+                {
+                    "copy_rate": copy_rate,
+                    "repeat_rate": repeat_rate,
+                    "init_copy_rate": init_rate,
+                    "step": step,
+                    "shift_labels": self.shift_labels,
+                },
                 "The labels are not shifted: position t is trained to predict token t, which it can see. Shift them "
                 "(logits[:, :-1] against labels[:, 1:]) in the loss or the collator, not both.",
                 step=step,
@@ -726,12 +747,19 @@ class LossAtInit(DebugCallback):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "init_done": self._init_done, "check_done": self._check_done}
+        return {
+            **super().state_dict(),
+            "init_done": self._init_done,
+            "check_done": self._check_done,
+            "init_copy_rate": self._init_copy_rate,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._init_done = bool(state_dict.get("init_done", False))
         self._check_done = bool(state_dict.get("check_done", False))
+        rate = state_dict.get("init_copy_rate")
+        self._init_copy_rate = float(rate) if rate is not None else None
 
 
 @dataclass
