@@ -395,3 +395,21 @@ def test_unshifted_labels_on_gpt2_are_named_despite_tied_embeddings(tmp_path):
 
     pack = fit_pack(tmp_path, Unshifted(), TinyTextDataModule(batch_size=8), steps=45)
     assert {"TFD205", "TFD226"} <= codes(pack), problems(pack)
+
+
+@needs_transformers
+def test_labels_shifted_by_hand_and_again_inside_gpt2_are_named(tmp_path):
+    from lightning_tfdebug.demo import TinyTextDataModule
+
+    class ShiftsTwice(HFLM):
+        def training_step(self, batch, batch_idx):
+            labels = torch.full_like(batch["labels"], -100)
+            labels[:, :-1] = batch["labels"][:, 1:]  # shifted here, and again inside GPT2LMHeadModel
+            return self(batch["input_ids"], batch["attention_mask"], labels).loss
+
+    pack = fit_pack(tmp_path, ShiftsTwice(), TinyTextDataModule(batch_size=8), steps=2)
+    assert "TFD206" in codes(pack), problems(pack)
+    probe = next(c for c in pack if isinstance(c, tfd.MaskProbe))
+    [finding] = [f for f in probe.findings if f.code == "TFD206"]
+    assert finding.evidence["labels_relation"] == "inputs"
+    assert finding.evidence["loss_returned"] == pytest.approx(finding.evidence["loss_shifted2"], rel=1e-4)

@@ -153,10 +153,11 @@ class MaskProbe(DebugCallback):
       (``TFD209``: off-by-one cache positions, rotary offsets).
     - **Target alignment** (decoders, automatic optimization): the module's own ``training_step`` is called
       on the batch (in eval mode, under ``no_grad``, with ``self.log`` silenced) and its loss is compared with the
-      cross-entropy of the same logits against the labels shifted by one and unshifted. Labels equal to the inputs
-      with an unshifted loss mean the model learns to copy its input (``TFD205``); labels already shifted in the
-      data and shifted again by the loss mean it predicts two tokens ahead (``TFD206``). When the two alignments
-      give losses too close to tell apart (a freshly initialised model), the check is repeated at steps
+      cross-entropy of the same logits against the labels shifted by one, unshifted, and shifted by two. Labels
+      equal to the inputs with an unshifted loss mean the model learns to copy its input (``TFD205``); labels
+      already shifted in the data and shifted again by the loss, or labels equal to the inputs scored two tokens
+      ahead (shifted by hand and again inside the model), mean it predicts two tokens ahead (``TFD206``). When the
+      alignments give losses too close to tell apart (a freshly initialised model), the check is repeated at steps
       1, 5, 20, 50, 100, 200, 500 until it decides. A loss that matches neither (label smoothing, auxiliary losses)
       gives ``TFD210`` (info) once it has been tried on a trained-enough model.
 
@@ -179,6 +180,7 @@ class MaskProbe(DebugCallback):
     | `mask_probe/kv_cache_max_change` | largest difference between incremental and full-forward logits |
     | `mask_probe/loss_returned` | the loss `training_step` returned on the batch (eval mode) |
     | `mask_probe/loss_shifted` | cross-entropy of the same logits, position t against label t+1 |
+    | `mask_probe/loss_shifted2` | the same, position t against label t+2 |
     | `mask_probe/loss_unshifted` | the same, position t against label t |
     | `mask_probe/context_limit` | the context limit used for the position checks |
     | `mask_probe/seconds` | wall time of the probe |
@@ -851,6 +853,7 @@ class MaskProbe(DebugCallback):
                 "mask_probe/loss_returned": returned.detach().float(),
                 "mask_probe/loss_shifted": losses["shifted"],
                 "mask_probe/loss_unshifted": losses["unshifted"],
+                "mask_probe/loss_shifted2": losses["shifted2"],
             }
         )
         relation = labels_relation(ids, labels, self.ignore_index)  # host syncs: probe step only
@@ -860,13 +863,20 @@ class MaskProbe(DebugCallback):
         last_try = trainer.global_step >= _ALIGNMENT_RETRY_STEPS[-1]
 
         def decide_alignment(h: dict[str, float]) -> None:
-            returned_, shifted, unshifted = (
+            returned_, shifted, unshifted, shifted2 = (
                 h["mask_probe/loss_returned"],
                 h["mask_probe/loss_shifted"],
                 h["mask_probe/loss_unshifted"],
+                h["mask_probe/loss_shifted2"],
             )
-            alignment, matched = classify_alignment(returned_, shifted, unshifted, relation, rtol)
-            evidence = {"loss_returned": returned_, "loss_shifted": shifted, "loss_unshifted": unshifted}
+            alignment, matched = classify_alignment(returned_, shifted, unshifted, relation, rtol, shifted2)
+            evidence = {
+                "loss_returned": returned_,
+                "loss_shifted": shifted,
+                "loss_unshifted": unshifted,
+                "loss_shifted2": shifted2,
+                "labels_relation": relation,
+            }
             if alignment == "current":
                 self._alignment_decided = True
                 self.emit(
@@ -882,15 +892,22 @@ class MaskProbe(DebugCallback):
                 )
             elif alignment == "next_next":
                 self._alignment_decided = True
+                where = (
+                    "the data already holds next-token labels and the loss shifts them again"
+                    if relation == "preshifted"
+                    else "the batch's labels equal its inputs and training_step shifts them twice (by hand, then "
+                    "again inside the model or the loss)"
+                )
+                two_ahead, one_ahead = (shifted, unshifted) if relation == "preshifted" else (shifted2, shifted)
                 self.emit(
                     trainer,
                     "TFD206",
                     "error",
-                    "Labels are shifted twice: the data already holds next-token labels and the loss shifts them "
-                    f"again, so position t is trained on token t+2 (returned {returned_:.6g}, shifted-again "
-                    f"{shifted:.6g}, aligned {unshifted:.6g}).",
+                    f"Labels are shifted twice: {where}, so position t is trained on token t+2 (returned "
+                    f"{returned_:.6g}, two tokens ahead {two_ahead:.6g}, next token {one_ahead:.6g}).",
                     evidence,
-                    "Shift labels either in the data collator or in the loss, not both.",
+                    "Shift exactly once: in the data collator or in the loss, not both. Hugging Face causal LMs "
+                    "shift `labels` inside the model: pass labels equal to input_ids (padding as -100).",
                     synchronized=False,
                 )
             elif alignment == "next" or matched is not None:  # correct, or labels unrelated to inputs (seq2seq)

@@ -56,17 +56,22 @@ def causal_valid_positions(batch: int, length: int, cut: int, device: torch.devi
 
 
 def alignment_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> dict[str, Tensor]:
-    """Mean cross-entropy of ``logits`` ``(B, T, V)`` against ``labels`` ``(B, T)`` under two alignments.
+    """Mean cross-entropy of ``logits`` ``(B, T, V)`` against ``labels`` ``(B, T)`` under three alignments.
 
     ``"shifted"``: position t is scored against label t+1 (what a causal LM loss does when labels are the inputs).
     ``"unshifted"``: position t is scored against label t.
+    ``"shifted2"``: position t is scored against label t+2 (labels shifted twice); NaN for sequences under 3 tokens.
     """
     logits = logits.detach().float()
     labels = labels.long()
     flat = logits.flatten(0, 1)
     unshifted = F.cross_entropy(flat, labels.flatten(), ignore_index=ignore_index)
     shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=ignore_index)
-    return {"shifted": shifted, "unshifted": unshifted}
+    if logits.shape[1] > 2:
+        shifted2 = F.cross_entropy(logits[:, :-2].flatten(0, 1), labels[:, 2:].flatten(), ignore_index=ignore_index)
+    else:
+        shifted2 = logits.new_tensor(float("nan"))
+    return {"shifted": shifted, "unshifted": unshifted, "shifted2": shifted2}
 
 
 def labels_relation(
@@ -91,33 +96,44 @@ def labels_relation(
 
 
 def classify_alignment(
-    returned: float, shifted: float, unshifted: float, relation: str, rtol: float
+    returned: float,
+    shifted: float,
+    unshifted: float,
+    relation: str,
+    rtol: float,
+    shifted2: float = float("nan"),
 ) -> tuple[Alignment, str | None]:
     """Which target the module's loss trains position t to predict.
 
     Args:
         returned: the loss the module's ``training_step`` returned on the probe batch.
-        shifted / unshifted: the losses of the same logits under the two alignments (:func:`alignment_losses`).
+        shifted / unshifted / shifted2: the losses of the same logits under the alignments of
+            :func:`alignment_losses` (``shifted2``: position t against label t+2; NaN to leave it out).
         relation: :func:`labels_relation` of the batch's labels to its inputs.
         rtol: relative tolerance of a match.
 
     Returns:
         ``(alignment, matched)``: ``"next"`` (correct for a causal LM), ``"current"`` (the model learns to copy its
-        input), ``"next_next"`` (shifted twice), or ``"unknown"`` when the loss matches neither alignment or the two
-        alignments cannot be told apart; ``matched`` names the alignment the loss matched.
+        input), ``"next_next"`` (shifted twice: in the data and the loss, or twice in the loss), or ``"unknown"``
+        when the loss matches no alignment or the matched one cannot be told apart from another; ``matched`` names
+        the alignment the loss matched.
     """
     tol = rtol * max(1.0, abs(returned))
     if abs(shifted - unshifted) <= 4 * tol:
         return "unknown", None  # indistinguishable on this batch
-    match_shifted = abs(returned - shifted) <= tol
-    match_unshifted = abs(returned - unshifted) <= tol
-    if match_shifted == match_unshifted:
+    candidates = {"shifted": shifted, "unshifted": unshifted}
+    if shifted2 == shifted2:
+        candidates["shifted2"] = shifted2
+    matches = [name for name, value in candidates.items() if abs(returned - value) <= tol]
+    if len(matches) != 1:
         return "unknown", None
-    matched = "shifted" if match_shifted else "unshifted"
+    matched = matches[0]
+    if any(abs(candidates[matched] - v) <= 4 * tol for name, v in candidates.items() if name != matched):
+        return "unknown", None  # the matched alignment is not distinguishable from another on this batch
     if relation == "inputs":
-        return ("next" if matched == "shifted" else "current"), matched
+        return {"shifted": "next", "unshifted": "current", "shifted2": "next_next"}[matched], matched  # type: ignore[return-value]
     if relation == "preshifted":
-        return ("next_next" if matched == "shifted" else "next"), matched
+        return {"shifted": "next_next", "unshifted": "next", "shifted2": "unknown"}[matched], matched  # type: ignore[return-value]
     return "unknown", matched
 
 

@@ -48,8 +48,11 @@ def test_alignment_losses_match_a_hand_computation():
     losses = alignment_losses(logits, labels)
     shifted = F.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1), ignore_index=-100)
     unshifted = F.cross_entropy(logits.reshape(-1, 7), labels.reshape(-1), ignore_index=-100)
+    shifted2 = F.cross_entropy(logits[:, :-2].reshape(-1, 7), labels[:, 2:].reshape(-1), ignore_index=-100)
     assert float(losses["shifted"]) == pytest.approx(float(shifted))
     assert float(losses["unshifted"]) == pytest.approx(float(unshifted))
+    assert float(losses["shifted2"]) == pytest.approx(float(shifted2))
+    assert torch.isnan(alignment_losses(logits[:, :2], labels[:, :2])["shifted2"])  # too short for t+2
 
 
 def test_labels_relation():
@@ -77,6 +80,23 @@ def test_classify_alignment(returned, relation, expected):
 
 def test_classify_alignment_is_unknown_when_the_alignments_cannot_be_told_apart():
     assert classify_alignment(2.0, 2.0, 2.0000001, "inputs", 1e-5)[0] == "unknown"
+    # the returned loss matches t+1, but t+2 gives the same value on this batch: undecided
+    assert classify_alignment(2.0, 2.0, 2.5, "inputs", 1e-5, shifted2=2.0000001)[0] == "unknown"
+
+
+@pytest.mark.parametrize(
+    "relation, expected",
+    [
+        ("inputs", ("next_next", "shifted2")),
+        ("preshifted", ("unknown", "shifted2")),
+        ("other", ("unknown", "shifted2")),
+    ],
+)
+def test_classify_alignment_two_tokens_ahead(relation, expected):
+    # labels equal to the inputs, shifted twice by the training step: position t scored against token t+2
+    assert classify_alignment(3.0, shifted=2.0, unshifted=2.5, relation=relation, rtol=1e-5, shifted2=3.0) == expected
+    # NaN (sequences too short) leaves the third alignment out
+    assert classify_alignment(2.0, 2.0, 2.5, relation, 1e-5, shifted2=float("nan"))[1] == "shifted"
 
 
 def test_padding_side():
