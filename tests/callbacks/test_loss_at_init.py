@@ -481,6 +481,26 @@ def test_ddp_double_softmax_is_found_on_every_rank_with_reduced_values(tmp_path)
     assert len(ours[0]) == 7 and ours[0] == ours[1]  # averaged over ranks: the same everywhere
 
 
+@pytest.mark.ddp
+def test_ddp_a_summed_loss_is_matched_to_each_rank_s_own_token_count(tmp_path):
+    spec = {
+        "strategy": "ddp",
+        "model_class": "tests.callbacks.test_loss_at_init:SummedLossGPT",
+        "model": SMALL,
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 1},
+        "callbacks": [{"class_path": "lightning_tfdebug.LossAtInit", "init_args": {"check_step": None}}],
+    }
+    results = run_distributed(tmp_path, spec)
+    for r in results:
+        assert r["error"] is None, r["error"]
+        [finding] = r["findings"]["LossAtInit"]
+        # per rank: 4 rows of up to 63 shifted labels, not the 8 rows both ranks hold together
+        assert finding["code"] == "TFD229" and finding["evidence"]["matched_count"] == "supervised tokens per batch"
+        assert 0.85 * 4 * 63 < finding["evidence"]["factor"] < 1.15 * 4 * 63
+    assert results[0]["findings"]["LossAtInit"][0]["evidence"] == results[1]["findings"]["LossAtInit"][0]["evidence"]
+
+
 class FloatLabelsOnRank1(pl.Callback):
     """Rank 1's labels become float (TinyGPT's loss casts them back), so only rank 1 cannot use them."""
 
