@@ -47,6 +47,7 @@ _SLOTS = (
     "other_extra",  # CPU cores other processes used beyond the quietest early window (nan: unknown)
     "new_graphs",  # graphs torch.compile compiled since the early window ended (nan before)
     "limit_hits",  # torch.compile recompile-limit hits since training started
+    "delay_rise_ms",  # run-queue wait per step of this process's threads beyond the early windows' (nan: unknown)
 )
 # other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
 # of a big machine (where background activity of half a core is noise)
@@ -148,7 +149,8 @@ class ThroughputMonitor(DebugCallback):
 
     Findings: ``TFD601`` data-loading bound, ``TFD602`` padding waste, ``TFD603`` step time regressed against the
     early steps, ``TFD604`` memory close to capacity, ``TFD605`` (info) the step time regressed while other
-    processes loaded the machine's CPUs (Linux, from ``/proc/stat``), so it is not blamed on the run, ``TFD606``
+    processes loaded the machine's CPUs and this process waited for cores (Linux, from ``/proc/stat`` and its
+    threads' ``schedstat``), so it is not blamed on the run, ``TFD606``
     ``torch.compile`` still compiling new graphs after the early window, ``TFD607`` its recompile limit hit (that
     code runs uncompiled) (see ``docs/findings.md``).
 
@@ -256,6 +258,7 @@ class ThroughputMonitor(DebugCallback):
         self._step_times: deque[float] = deque(maxlen=window)
         self._steps_seen = 0
         self._other_base = RunningWindow(16)  # other processes' CPU cores during the early window
+        self._delay_base = RunningWindow(16)  # run-queue wait per step (ms) during the early window
         self._contended_extra: float | None = None  # other load seen during the current slow streak
         self.flops_per_token: float | None = None  # model FLOPs per computed token position (measured once)
         self._peak: float | None = None
@@ -430,9 +433,14 @@ class ThroughputMonitor(DebugCallback):
             if skipped + i >= self.skip_steps and len(self._baseline) < self.baseline_steps:
                 self._baseline.add(t)
         baseline_ready = len(self._baseline) >= self.baseline_steps
-        other = self._other.cores()  # a file read: /proc/stat
-        if other is not None and len(self._baseline) > in_baseline:
-            self._other_base.add(other)  # this window's steps are part of the early window
+        other = self._other.cores()  # file reads: /proc/stat and this process's threads' schedstat
+        delay = self._other.run_delay_s * 1e3 / len(times) if times else math.nan  # ms per step
+        if len(self._baseline) > in_baseline:  # this window's steps are part of the early window
+            if other is not None:
+                self._other_base.add(other)
+            if delay == delay:
+                self._delay_base.add(delay)
+        delay_rise = delay - self._delay_base.median() if len(self._delay_base) else math.nan
         # against the quietest early window: a passing spike during the early window must not hide later load
         quiet = min(self._other_base.values, default=math.nan)
         other_extra = other - quiet if other is not None else math.nan
@@ -463,6 +471,7 @@ class ThroughputMonitor(DebugCallback):
                 other_extra,
                 new_graphs,
                 limit_hits,
+                delay_rise,
             ],
             dtype=torch.float64,
         )
@@ -544,7 +553,13 @@ class ThroughputMonitor(DebugCallback):
         ]
         ratio = max(ratios) if ratios else float("nan")
         slow = [s for s in stats if s["baseline_ms"] > 0 and s["step_ms"] / s["baseline_ms"] > self.regression_factor]
-        contended = bool(slow) and all(s["other_extra"] >= _CONTENDED_CORES for s in slow)
+        # contended: other processes took more cores than early on, and this process's threads waited for a core
+        # for at least half of the extra step time. When this process slows itself down (it sleeps, waits on I/O),
+        # others on a full machine take the cores it leaves, but its own run-queue wait does not grow.
+        contended = bool(slow) and all(
+            s["other_extra"] >= _CONTENDED_CORES and not s["delay_rise_ms"] < 0.5 * (s["step_ms"] - s["baseline_ms"])
+            for s in slow
+        )
         # TFD603 needs `patience` slow measurements in a row with no sign of other load; a slow streak in which
         # other processes loaded the machine at some point is TFD605 instead (a reading can dip between windows)
         regressed = self._sustained("regression", ratio > self.regression_factor and not contended)
@@ -678,6 +693,7 @@ class ThroughputMonitor(DebugCallback):
             "streaks": self._streaks.state_dict(),
             "baseline": self._baseline.state_dict(),
             "other_baseline": self._other_base.state_dict(),
+            "delay_baseline": self._delay_base.state_dict(),
             "steps_seen": self._steps_seen,
             "flops_per_token": self.flops_per_token,
         }
@@ -687,5 +703,6 @@ class ThroughputMonitor(DebugCallback):
         self._streaks.load_state_dict(state_dict.get("streaks", {}))
         self._baseline.load_state_dict(state_dict.get("baseline", {}))
         self._other_base.load_state_dict(state_dict.get("other_baseline", {}))
+        self._delay_base.load_state_dict(state_dict.get("delay_baseline", {}))
         self._steps_seen = int(state_dict.get("steps_seen", 0))
         self.flops_per_token = state_dict.get("flops_per_token")

@@ -297,18 +297,32 @@ def machine_busy_seconds() -> float | None:
 class OtherLoad:
     """CPU cores that other processes kept busy over a window: machine busy time minus this process's, per second.
 
-    ``start()`` opens a window, ``cores()`` closes it and returns the rate (None where ``/proc/stat`` is missing).
-    DataLoader workers are other processes too; what matters is the change against the run's own early windows.
+    ``start()`` opens a window, ``cores()`` closes it and returns the rate (None where ``/proc/stat`` is missing);
+    ``run_delay_s`` then holds the seconds this process's threads spent runnable but waiting for a core over the
+    same window (NaN where ``/proc/<pid>/task/*/schedstat`` is missing). DataLoader workers are other processes too;
+    what matters is the change against the run's own early windows.
+
+    Other processes' use also rises when this one stops using the CPU (it sleeps, waits for I/O or a device): on a
+    full machine they take the cores it leaves. Only a rise in this process's own run-queue wait says the others
+    slowed it down.
     """
 
     def __init__(self) -> None:
         self._start: tuple[float, float, float] | None = None
+        self._delays: dict[str, int] | None = None
+        self.run_delay_s: float = math.nan
 
     def start(self) -> None:
         busy = machine_busy_seconds()
         self._start = None if busy is None else (time.perf_counter(), busy, time.process_time())
+        self._delays = thread_run_delays()
 
     def cores(self) -> float | None:
+        self.run_delay_s = math.nan
+        now = thread_run_delays()
+        if self._delays is not None and now is not None:
+            # threads that ended during the window are lost; threads born in it count from zero
+            self.run_delay_s = sum(max(0, d - self._delays.get(tid, 0)) for tid, d in now.items()) / 1e9
         if self._start is None:
             return None
         busy = machine_busy_seconds()
@@ -317,6 +331,26 @@ class OtherLoad:
         if busy is None or wall <= 0:
             return None
         return max(0.0, (busy - busy0) - (time.process_time() - own0)) / wall
+
+
+def thread_run_delays() -> dict[str, int] | None:
+    """Nanoseconds each thread of this process has waited on a run queue (runnable, not running), by thread id.
+
+    From ``/proc/self/task/<tid>/schedstat`` (its second field); None where the kernel does not provide it. A few
+    small file reads, no device work.
+    """
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    out: dict[str, int] = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out or None
 
 
 def compile_counts() -> tuple[float, float]:

@@ -188,7 +188,7 @@ def test_padding_waste(tmp_path):
 class SlowsDown(TinyGPT):
     def training_step(self, batch, batch_idx):
         if self.trainer.global_step >= 14:
-            time.sleep(0.1)  # about 10x a step of this model
+            time.sleep(0.4)  # 40x a step of this model on an idle machine, 5x one on a machine full of other work
         return super().training_step(batch, batch_idx)
 
 
@@ -236,6 +236,26 @@ def test_a_slowdown_from_other_processes_is_not_blamed_on_the_run(tmp_path):
     [finding] = [f for f in monitor.findings if f.code == "TFD605"]
     assert finding.severity == "info" and finding.evidence["other_extra_cores"] >= 0.5
     assert finding.evidence["ratio_to_early"] > 2.0 and finding.step >= 16
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads run-queue waits from /proc/self/task")
+def test_a_run_that_slows_itself_on_a_machine_full_of_other_work_is_still_its_own_slowdown(tmp_path):
+    # Other processes keep every core busy from the start. When the run sleeps from step 14, they take the cores it
+    # leaves, so their CPU use rises as it would under new contention; the run's own wait for a core does not.
+    spin = [sys.executable, "-c", "while True: pass"]
+    hogs = [subprocess.Popen(spin) for _ in range(min(2 * (os.cpu_count() or 2), 32))]
+    try:
+        time.sleep(0.5)
+        monitor = ThroughputMonitor(
+            every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2, regression_factor=4.0
+        )
+        fit(tmp_path, [monitor], model=SlowsDown(**SMALL), max_steps=24)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    found = {f.code for f in monitor.findings}
+    assert "TFD603" in found and "TFD605" not in found, [(f.code, f.step, f.evidence) for f in monitor.findings]
 
 
 def test_other_load_measures_other_processes_not_this_one():
