@@ -278,6 +278,35 @@ def test_other_load_measures_other_processes_not_this_one():
     assert other > own + 0.4, (own, other)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads run-queue waits from /proc/self/task")
+def test_run_delay_is_this_process_waiting_for_a_core():
+    from lightning_tfdebug.functional.throughput import OtherLoad
+
+    def spin(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    load = OtherLoad()
+    load.start()
+    time.sleep(0.3)  # not runnable: no wait for a core, however busy the machine
+    load.cores()
+    asleep = load.run_delay_s
+    code = "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2 * (os.cpu_count() or 2))]
+    try:
+        time.sleep(0.2)
+        load.start()
+        spin(0.5)  # runnable the whole time, sharing the cores with twice as many busy loops
+        load.cores()
+        crowded = load.run_delay_s
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert 0 <= asleep < 0.05 and crowded > 0.1, (asleep, crowded)
+
+
 def test_memory_close_to_capacity(tmp_path):
     monitor = ThroughputMonitor(every_n_steps=1, memory_threshold=1e-6)  # any process is "close" to this
     fit(tmp_path, [monitor], max_steps=1)
