@@ -1,7 +1,7 @@
 """Findings: the records every callback of the pack produces, and where they go.
 
 A :class:`Finding` is one diagnosis: a stable code, a one-sentence message, the numbers that show it and a hint
-on what to do. Codes are grouped by area (see ``docs/findings.md``):
+on what to do. Every code is registered in :data:`lightning_tfdebug.rules.RULES`. Codes are grouped by area:
 
 | range | area |
 | --- | --- |
@@ -29,6 +29,12 @@ OnFinding = Literal["warn", "stop", "raise"]
 SEVERITIES: tuple[str, ...] = ("info", "warning", "error")
 ON_FINDING_CHOICES: tuple[str, ...] = ("warn", "stop", "raise")
 _CODE_PATTERN = re.compile(r"^TFD[1-7]\d\d$")
+
+
+def check_code(code: str) -> None:
+    """Raise a ValueError unless ``code`` looks like ``TFD301`` (TFD + area 1-7 + two digits)."""
+    if not isinstance(code, str) or not _CODE_PATTERN.match(code):
+        raise ValueError(f"Finding code must look like 'TFD301' (TFD + area 1-7 + two digits), got {code!r}.")
 
 
 class TFDebugError(RuntimeError):
@@ -71,8 +77,7 @@ class Finding:
     hint: str = ""
 
     def __post_init__(self) -> None:
-        if not _CODE_PATTERN.match(self.code):
-            raise ValueError(f"Finding code must look like 'TFD301' (TFD + area 1-7 + two digits), got {self.code!r}.")
+        check_code(self.code)
         if self.severity not in SEVERITIES:
             raise ValueError(f"Finding severity must be one of {SEVERITIES}, got {self.severity!r}.")
 

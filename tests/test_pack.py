@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_tfdebug as tfd
 from lightning_tfdebug.demo import ByteTokenizer, TinyGPT
+from lightning_tfdebug.rules import RULES
 from tests.helpers import SMALL, fit_tiny
 
 try:
@@ -147,6 +148,8 @@ needs_transformers = pytest.mark.skipif(transformers is None, reason="needs `tra
 def fit_pack(tmp_path, model, data, steps: int = 60, **kwargs):
     pack = the_pack()
     fit_tiny(tmp_path, pack, model, data, max_steps=steps, log_every_n_steps=10, **kwargs)
+    for finding in (f for c in pack for f in c.findings):  # every finding of every run is a registered rule's
+        assert RULES[finding.code].source == finding.source, finding.format()
     return pack
 
 

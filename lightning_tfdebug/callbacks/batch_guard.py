@@ -389,13 +389,10 @@ class BatchGuard(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD111",
-                    "error",
                     f"{where}: '{self._keys[0]}' has sequence length {width}, longer than the model's context of "
                     f"{self._context}; positions past it have no embedding (an index or shape error deep in the "
                     "model, or silent wrap-around).",
                     {"key": self._keys[0], "shape": list(ids.shape), "max_length": self._context},
-                    "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to "
-                    "the context length; check sequence packing and concatenation code.",
                     synchronized=False,
                 )
 
@@ -414,10 +411,10 @@ class BatchGuard(DebugCallback):
             self.emit(
                 trainer,
                 _DRIFT_CODES[d.kind],
-                _DRIFT_SEVERITY[d.kind],  # type: ignore[arg-type]
                 f"{where}: {what} ({source}).",
                 {"key": d.key, "expected": d.expected, "found": d.found},
-                "A collate path that only some batches take: a last or single-sample batch squeezed, a dtype cast "
+                severity=_DRIFT_SEVERITY[d.kind],
+                hint="A collate path that only some batches take: a last or single-sample batch squeezed, a dtype cast "
                 "in one branch, tensors built from Python lists (int32/float defaults). Build every field with an "
                 "explicit dtype and keep the batch dimension.",
                 key=f"{d.key}",
@@ -448,14 +445,9 @@ class BatchGuard(DebugCallback):
         self.emit(
             trainer,
             "TFD121",
-            "warning",
             f"{repeated} of the {checked} batches checked so far in epoch {epoch} (rank {trainer.global_rank}) repeat "
             f"an earlier batch of the same epoch token for token; the first, at step {step}, repeats step {first}.",
             {"epoch": epoch, "checked": checked, "repeated": repeated, "step": step, "repeats_step": first},
-            "Within one epoch a sampler draws every sample once, so identical batches mean the data is read more "
-            "than once: an IterableDataset read by several DataLoader workers that do not split the stream (shard "
-            "it with torch.utils.data.get_worker_info()), a Dataset whose __getitem__ ignores its index, a sampler "
-            "with replacement, or duplicated rows in the data.",
             synchronized=False,
         )
 
@@ -511,26 +503,19 @@ class BatchGuard(DebugCallback):
             self.emit(
                 trainer,
                 "TFD110",
-                "error",
                 f"{where}: '{self._keys[0]}' holds {int(s['ids_out_of_range'])} token id(s) outside [0, "
                 f"{self._vocab}); the first is {int(s['first_bad_id_value'])} at row {int(s['first_bad_id_row'])}, "
                 f"position {int(s['first_bad_id_col'])}.",
                 {"count": s["ids_out_of_range"], "min": s["ids_min"], "max": s["ids_max"], "vocab_size": self._vocab},
-                "The tokenizer and the model disagree on the vocabulary (added special tokens without "
-                "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a "
-                "device-side assert.",
                 synchronized=False,
             )
         if has_mask and s["mask_non_binary"] > 0:
             self.emit(
                 trainer,
                 "TFD112",
-                "error",
                 f"{where}: '{self._keys[1]}' has {int(s['mask_non_binary'])} value(s) that are neither 0 nor 1 "
                 f"(e.g. {s['first_bad_mask_value']:g}).",
                 {"key": self._keys[1], "count": s["mask_non_binary"], "example": s["first_bad_mask_value"]},
-                "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong "
-                "inside the model, not in the batch.",
                 synchronized=False,
             )
         if not has_labels:
@@ -539,67 +524,54 @@ class BatchGuard(DebugCallback):
             self.emit(
                 trainer,
                 "TFD113",
-                "error",
                 f"{where}: '{self._keys[2]}' holds {int(s['labels_out_of_range'])} label(s) outside [0, "
                 f"{self._vocab}) that are not ignore_index={self.ignore_index} "
                 f"(e.g. {int(s['first_bad_label_value'])}).",
                 {"count": s["labels_out_of_range"], "vocab_size": self._vocab, "ignore_index": self.ignore_index},
-                "Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
                 synchronized=False,
             )
         if s["labels_total"] > 0 and s["labels_ignored"] >= s["labels_total"]:
             self.emit(
                 trainer,
                 "TFD114",
-                "error",
                 f"{where}: every label in '{self._keys[2]}' is ignore_index={self.ignore_index}; this batch "
                 "teaches nothing (the loss is 0 or NaN).",
                 {"labels": s["labels_total"], "ignored": s["labels_ignored"]},
-                "Check the label mask: prompt masking that also masks the completion, truncation that cut every "
-                "answer away, or labels built from the wrong field.",
                 synchronized=False,
             )
         if has_mask and s["pad_supervised"] > 0:
             self.emit(
                 trainer,
                 "TFD115",
-                "warning",
                 f"{where}: '{self._keys[2]}' supervises {int(s['pad_supervised'])} of {int(s['pad_positions'])} "
                 f"padding positions ('{self._keys[1]}' 0, label not ignore_index={self.ignore_index}): the model is "
                 "trained to predict padding.",
                 {"pad_supervised": s["pad_supervised"], "pad_positions": s["pad_positions"]},
-                f"Set labels[attention_mask == 0] = {self.ignore_index} in the collate function.",
+                hint=f"Set labels[attention_mask == 0] = {self.ignore_index} in the collate function.",
                 synchronized=False,
             )
         if self.bos_id is not None and s["bos_missing"] > 0:
             self.emit(
                 trainer,
                 "TFD116",
-                "warning",
                 f"{where}: {int(s['bos_missing'])} of {n} sequences do not start with BOS ({self.bos_id}).",
                 {"sequences": n, "without_bos": s["bos_missing"]},
-                "The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it.",
                 synchronized=False,
             )
         if self.eos_id is not None and s["eos_multiple"] > 0:
             self.emit(
                 trainer,
                 "TFD117",
-                "warning",
                 f"{where}: {int(s['eos_multiple'])} of {n} sequences hold more than one EOS ({self.eos_id}).",
                 {"sequences": n, "several_eos": s["eos_multiple"]},
-                "EOS added twice (by the template and the tokenizer), or documents packed without an attention "
-                "boundary. If you pack on purpose, leave eos_id unset.",
                 synchronized=False,
             )
         if self.eos_id is not None and s["eos_then_tokens"] > 0:
             self.emit(
                 trainer,
                 "TFD118",
-                "warning",
                 f"{where}: {int(s['eos_then_tokens'])} of {n} sequences have real tokens after their EOS.",
                 {"sequences": n, "tokens_after_eos": s["eos_then_tokens"]},
-                "The pad token equals EOS but the mask is 1 on padding, or sequences were packed.",
                 synchronized=False,
             )
         if (
@@ -611,11 +583,9 @@ class BatchGuard(DebugCallback):
             self.emit(
                 trainer,
                 "TFD119",
-                "warning",
                 f"{where}: {int(s['truncated'])} of {n} sequences fill the maximum length {self._context} with no "
                 "EOS: they were truncated.",
                 {"truncated_frac": s["truncated"] / n, "max_length": self._context},
-                "Raise the context length, split long documents, or check that truncation keeps the answer.",
                 synchronized=False,
             )
 
@@ -638,12 +608,9 @@ class BatchGuard(DebugCallback):
             self.emit(
                 trainer,
                 "TFD120",
-                "warning",
                 f"{where}: the mean sequence length of the last {self.length_window} checked batches is "
                 f"{mean:.1f}, against {ref['mean']:.1f} (std {ref['std']:.1f}) in the first ones.",
                 {"window_mean": mean, "reference_mean": ref["mean"], "reference_std": ref["std"]},
-                "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum "
-                "data, or a truncation setting that differs between files.",
                 synchronized=False,
             )
 

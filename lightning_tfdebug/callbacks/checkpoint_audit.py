@@ -386,11 +386,10 @@ class CheckpointAudit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD709",
-                "info",
                 f"Checkpoint at step {trainer.global_step} not checked: the {strategy} strategy writes a sharded "
                 "distributed-checkpoint directory, which CheckpointAudit does not open.",
                 {"strategy": strategy},
-                "Verify by resuming: the resume checks (TFD710-TFD715) still run.",
+                hint="Verify by resuming: the resume checks (TFD710-TFD715) still run.",
                 key="sharded",
                 synchronized=False,
             )
@@ -410,7 +409,6 @@ class CheckpointAudit(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD709",
-                    "info",
                     f"Checkpoint {path} could not be opened for checking: {type(err).__name__}: {err}",
                     {"path": path},
                     key=path,
@@ -423,11 +421,13 @@ class CheckpointAudit(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD709",
-                    "info",
                     f"Checkpoint {os.path.basename(path)} is weights-only (no optimizer, scheduler or loop state), so "
                     "only its existence was checked; it serves inference or fine-tuning, not resuming this run.",
                     {"path": path},
-                    "Keep at least one full checkpoint (`save_weights_only=False`, e.g. `save_last=True`) to resume.",
+                    hint=(
+                        "Keep at least one full checkpoint (`save_weights_only=False`, e.g. `save_last=True`) to "
+                        "resume."
+                    ),
                     key="weights_only",
                     synchronized=False,
                 )
@@ -436,10 +436,10 @@ class CheckpointAudit(DebugCallback):
                 self.emit(
                     trainer,
                     code,
-                    severity,
                     f"{message} (file {os.path.basename(path)})",
                     {**evidence, "path": path},
-                    hint,
+                    severity=severity,
+                    hint=hint,
                     key=code,
                     synchronized=False,
                 )
@@ -449,10 +449,9 @@ class CheckpointAudit(DebugCallback):
         self.emit(
             trainer,
             "TFD709",
-            "info",
             f"Checkpoint {path} not checked: {why}.",
             {"path": path},
-            "Verify by resuming: the resume checks (TFD710-TFD715) still run.",
+            hint="Verify by resuming: the resume checks (TFD710-TFD715) still run.",
             key="not_checked",
             synchronized=False,
         )
@@ -492,20 +491,18 @@ class CheckpointAudit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD703",
-                "error",
                 "Resuming from a checkpoint without optimizer state: Adam's moments and step counts restart from zero.",
                 {},
-                _HINT_STATE,
+                hint=_HINT_STATE,
                 key="resume",
             )
         if full and "lr_schedulers" not in checkpoint:
             self.emit(
                 trainer,
                 "TFD705",
-                "error",
                 "Resuming from a checkpoint without LR scheduler state: the schedule restarts from its first step.",
                 {},
-                _HINT_STATE,
+                hint=_HINT_STATE,
                 key="resume",
             )
         weights = checkpoint.get("state_dict", {})
@@ -539,7 +536,16 @@ class CheckpointAudit(DebugCallback):
             return
         problems = self._resume_problems(trainer, pl_module, restored)
         for code, message, evidence, hint in problems:
-            self.emit(trainer, code, "error", message, evidence, hint, key="resume", synchronized=False)
+            self.emit(
+                trainer,
+                code,
+                message,
+                evidence,
+                severity="error",
+                hint=hint,
+                key="resume",
+                synchronized=False,
+            )
         self.resolve_local_findings(trainer)  # every rank resumes, so every rank reaches this point
 
     def _resume_problems(

@@ -577,20 +577,18 @@ class DeadActivation(DebugCallback):
             self.emit(
                 trainer,
                 "TFD340",
-                "warning",
                 f"{len(dead)} layer(s) have more than {self.dead_threshold:.0%} dead units (zero for every token of "
                 f"the batch) for {self.patience} measurements: "
                 + ", ".join(f"{n} ({f:.0%})" for n, f in list(dead.items())[:10])
                 + ".",
                 {"dead_frac": dead, "threshold": self.dead_threshold},
-                _CAUSES_DEAD,
+                hint=_CAUSES_DEAD,
                 step=step,
             )
         if rising:
             self.emit(
                 trainer,
                 "TFD341",
-                "warning",
                 "The dead-unit fraction is rising in "
                 + ", ".join(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in list(rising.items())[:10])
                 + ": units are dying during training.",
@@ -598,20 +596,19 @@ class DeadActivation(DebugCallback):
                     "dead_frac": {n: now for n, (_, now) in rising.items()},
                     "lowest": {n: lo for n, (lo, _) in rising.items()},
                 },
-                _CAUSES_DEAD,
+                hint=_CAUSES_DEAD,
                 step=step,
             )
         if saturated:
             self.emit(
                 trainer,
                 "TFD342",
-                "warning",
                 f"{len(saturated)} layer(s) have more than {self.saturation_threshold:.0%} saturated activations "
                 f"(local gradient below {self.saturation_grad:g}) for {self.patience} measurements: "
                 + ", ".join(f"{n} ({f:.0%})" for n, f in list(saturated.items())[:10])
                 + ".",
                 {"saturated_frac": saturated, "threshold": self.saturation_threshold},
-                _CAUSES_SATURATED,
+                hint=_CAUSES_SATURATED,
                 step=step,
             )
 
@@ -619,7 +616,6 @@ class DeadActivation(DebugCallback):
             self.emit(
                 trainer,
                 "TFD344",
-                "warning",
                 "The saturated fraction is rising in "
                 + ", ".join(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in list(sat_rising.items())[:10])
                 + ": more and more units sit where their gradient is almost zero.",
@@ -627,7 +623,7 @@ class DeadActivation(DebugCallback):
                     "saturated_frac": {n: now for n, (_, now) in sat_rising.items()},
                     "lowest": {n: lo for n, (lo, _) in sat_rising.items()},
                 },
-                _CAUSES_SATURATED,
+                hint=_CAUSES_SATURATED,
                 step=step,
             )
 
@@ -642,10 +638,9 @@ class DeadActivation(DebugCallback):
         self.emit(
             trainer,
             "TFD343",
-            "info",
             f"DeadActivation cannot measure: {reason}",
             {"compiled": compiled},
-            hint,
+            hint=hint,
             step=step,
         )
         self._remove_hooks()

@@ -224,11 +224,9 @@ class GradNormMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD305",
-                "info",
                 f"The optimizer ({type(optimizer).__name__}) unscales gradients inside step(), so they were still "
                 "multiplied by the AMP loss scale when measured; GradNormMonitor divided them by the scale.",
                 {"loss_scale": 1.0 / float(inv_scale)},
-                "Nothing to fix. Note that Trainer-side clipping and any other hook reading .grad see scaled values.",
             )
         self._diagnose(trainer, host, scaler is not None)
         self._diagnose_clipping(trainer, host)
@@ -246,12 +244,9 @@ class GradNormMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD303",
-                "error",
                 f"{int(host['grad_norm/nonfinite'])} parameter tensor(s) have inf/nan gradients, in groups "
                 f"{', '.join(nonfinite_groups)}.",
                 {"nonfinite_tensors": host["grad_norm/nonfinite"], "groups": nonfinite_groups},
-                "Add NaNFirstFrame to find the first module that produced them; check the learning rate, the loss "
-                "(log of zero, division by zero) and fp16 ranges.",
             )
             return
         if total != total or total == float("inf"):
@@ -261,11 +256,8 @@ class GradNormMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD301",
-                "warning",
                 f"The gradient norm exploded to {total:.4g}, {total / median:.1f}x its running median of {median:.4g}.",
                 {"grad_norm": total, "running_median": median, "factor": total / median},
-                "Usual causes: learning rate too high or no warm-up, a bad batch, attention logits growing. Lower the "
-                "LR, add warm-up, or clip gradients (Trainer(gradient_clip_val=1.0)).",
             )
         self._history.add(total)
 
@@ -282,7 +274,6 @@ class GradNormMonitor(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD302",
-                    "warning",
                     f"Gradients vanish in {', '.join(vanishing)}: below {self.vanishing_ratio:g} x the largest group "
                     f"norm for {self.patience} measurements in a row.",
                     {
@@ -290,8 +281,6 @@ class GradNormMonitor(DebugCallback):
                         "group_norms": {g: host[f"grad_norm/{g}"] for g in vanishing},
                         "largest_group_norm": reference,
                     },
-                    "Those layers barely learn. Usual causes: missing residual connections, saturating activations "
-                    "(sigmoid/tanh), post-norm without warm-up, or a detach() in the forward.",
                 )
 
     def _diagnose_clipping(self, trainer: pl.Trainer, host: Mapping[str, float]) -> None:
@@ -307,15 +296,10 @@ class GradNormMonitor(DebugCallback):
         self.emit(
             trainer,
             "TFD306",
-            "warning",
             f"Every step is clipped, by a factor of {total / clip:.3g}: the gradient norm is {total:.4g} and "
             f"gradient_clip_val is {clip:g}, for {self.patience} measurements in a row. The clip value, not the "
             "gradient, sets the update's size.",
             {"grad_norm": total, "gradient_clip_val": clip, "factor": total / clip, "clip_frac": frac},
-            "Set gradient_clip_val near the gradient norm of healthy steps (look at grad_norm/total; 1.0 is usual "
-            "for transformers with a mean loss) so that it only cuts spikes. With SGD the step shrinks by that "
-            "factor; with Adam the clipped gradients can fall below eps and the step shrinks too. A norm this far "
-            "above any sane clip can also mean a summed loss (LossAtInit names it).",
         )
 
     def _track_unused(self, trainer: pl.Trainer, missing: list[str], n_params: int) -> None:
@@ -327,12 +311,9 @@ class GradNormMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD304",
-                "warning",
                 f"{len(unused)} of {n_params} trainable parameter tensor(s) never received a gradient in "
                 f"{self.patience} measured steps: {', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}.",
                 {"parameters": unused[:50], "count": len(unused)},
-                "They are not used in the forward that produces the loss (dead branch, a detach, a module called "
-                "outside forward). Freeze them (requires_grad=False) or fix the forward.",
             )
 
     # ------------------------------------------------------------------ state

@@ -487,10 +487,8 @@ class LossAtInit(DebugCallback):
         self.emit(
             trainer,
             "TFD228",
-            "info",
             f"LossAtInit cannot read the model's outputs or labels: {text}.",
             {"labels_key": self.labels_key, "logits_module": self.logits_module},
-            "Set the named argument; LossAtInit does nothing else in this run.",
             step=step,
         )
         self.stand_aside(text + ".")
@@ -533,13 +531,10 @@ class LossAtInit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD220",
-                "error",
                 f"The model's outputs are already probabilities: {prob_frac:.0%} of the sampled rows are non-negative "
                 f"and sum to 1. A loss that applies softmax again (cross_entropy) sees a nearly uniform "
                 f"distribution and stays at ln(V) = {expected:.3f}.",
                 {**evidence, "probability_rows": prob_frac},
-                "Return raw logits from forward (remove the softmax) and apply softmax only at inference. If the "
-                "loss is NLLLoss, feed it log_softmax(logits) instead of probabilities.",
                 step=step,
             )
         elif logprob_frac >= 0.99:
@@ -547,25 +542,18 @@ class LossAtInit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD221",
-                "info",
                 f"The model's outputs are log-probabilities ({logprob_frac:.0%} of the sampled rows have logsumexp "
                 "0). That is right for NLLLoss and harmless for cross_entropy (log_softmax is idempotent).",
                 {**evidence, "log_probability_rows": logprob_frac},
-                "Nothing to fix if the loss is NLLLoss or cross_entropy. Make sure nothing applies softmax to them "
-                "as if they were probabilities.",
                 step=step,
             )
         if host["supervised"] == 0:
             self.emit(
                 trainer,
                 "TFD224",
-                "error",
                 f"No supervised tokens: every label of the first batch is ignore_index ({self.ignore_index}), so the "
                 f"loss is {observed:.4g} (NaN or 0) and nothing is learned.",
                 {**evidence, "label_positions": host["positions"], "supervised": 0},
-                "Check the collator/labels: labels set to ignore_index everywhere (a mask inverted, the prompt mask "
-                "covering the whole sequence, truncation cutting every answer). With shift_labels=True only labels "
-                "after the first position count.",
                 step=step,
             )
             return
@@ -573,11 +561,8 @@ class LossAtInit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD227",
-                "error",
                 f"The loss of the first step is {observed}, before any update.",
                 evidence,
-                "Look for log(0), division by zero or an overflow in the forward or the loss; NaNFirstFrame names "
-                "the first module that produced a non-finite value.",
                 step=step,
             )
             return
@@ -589,26 +574,18 @@ class LossAtInit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD222",
-                "warning",
                 f"The initial loss {observed:.3f} is far above ln(V) = {expected:.3f} (V={vocab}): the untrained "
                 f"model is confidently wrong (logit spread {logit_std:.3g}).",
                 evidence,
-                "The logits are too large at init: initialise the output layer with a small std (e.g. 0.02 or "
-                "1/sqrt(d_model)), keep the 1/sqrt(d) attention/residual scaling, check a tied embedding's scale. "
-                "Or the loss is not a mean (reduction='sum').",
                 step=step,
             )
         elif observed < (1.0 - self.init_tolerance) * expected:
             self.emit(
                 trainer,
                 "TFD223",
-                "warning",
                 f"The initial loss {observed:.3f} is far below ln(V) = {expected:.3f} (V={vocab}) before any "
                 "training: the model can see the answer, or the loss is not a cross-entropy over V classes.",
                 evidence,
-                "Usual causes: the target leaks into the input (labels not shifted and the model copies its input, "
-                "no causal mask); NLLLoss fed raw logits or probabilities instead of log_softmax; the mean taken "
-                "over padding positions (set ignore_index); a vocab_size different from the logits' width.",
                 step=step,
             )
 
@@ -667,15 +644,10 @@ class LossAtInit(DebugCallback):
         self.emit(
             trainer,
             "TFD229",
-            "warning",
             f"The loss training_step returned ({observed:.4g}) is {factor:.4g}x the mean cross-entropy of the "
             f"model's own logits ({recomputed:.4g}, at ln(V) = {expected:.3f} as an untrained model should be)"
             f"{because}. The logits are fine; the loss is scaled, and with it the gradients.",
             {**evidence, "factor": factor, "matched_count": matches[0][0] if matches else None},
-            "Average the loss over supervised tokens (cross_entropy's default reduction='mean', or divide a sum by "
-            "(labels != ignore_index).sum()); do not divide by accumulate_grad_batches yourself (Lightning does); "
-            "weight extra loss terms so they do not dominate. A summed loss makes the step size depend on the "
-            "batch and sequence length; with Adam it also breaks gradient clipping and the epsilon balance.",
             step=step,
         )
         return True
@@ -698,13 +670,9 @@ class LossAtInit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD225",
-                "warning",
                 f"After {step} steps the loss {current:.3f} is still within {self.stall_tolerance:.0%} of ln(V) = "
                 f"{expected:.3f}, the loss of a uniform guess: the model has not started to learn.",
                 {"loss": current, "expected_loss": expected, "step": step, "learning_rates": lrs[:8]},
-                "Usual causes: softmax applied in forward before a cross-entropy (double softmax, see TFD220); a "
-                "learning rate far too low or still in warm-up; parameters not in the optimizer; the loss detached "
-                "from the graph. Run the overfit-one-batch test.",
                 step=step,
             )
         init_rate = self._init_copy_rate if self._init_copy_rate is not None else 0.0
@@ -717,7 +685,6 @@ class LossAtInit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD226",
-                "warning",
                 f"After {step} steps the model's top prediction equals the *current* input token at {copy_rate:.0%} "
                 f"of positions (the data repeats a token at only {repeat_rate:.0%}; at init the model did so at "
                 f"{init_rate:.0%}): it learned to copy its input.",
@@ -728,8 +695,6 @@ class LossAtInit(DebugCallback):
                     "step": step,
                     "shift_labels": self.shift_labels,
                 },
-                "The labels are not shifted: position t is trained to predict token t, which it can see. Shift them "
-                "(logits[:, :-1] against labels[:, 1:]) in the loss or the collator, not both.",
                 step=step,
             )
 

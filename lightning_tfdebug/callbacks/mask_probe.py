@@ -483,7 +483,6 @@ class MaskProbe(DebugCallback):
         self.emit(
             trainer,
             "TFD213",
-            "error",
             f"The model is not a function of its input in eval mode: the same tokens twice gave logits that differ by "
             f"{change:.3g} at position {int(host['_repeat_pos'])} (row {int(host['_repeat_row'])}; tolerance "
             f"{host['_repeat_tol']:.2g}). The other MaskProbe checks are skipped: they would measure this noise.",
@@ -493,10 +492,6 @@ class MaskProbe(DebugCallback):
                 "row": int(host["_repeat_row"]),
                 "tolerance": host["_repeat_tol"],
             },
-            "Something random runs regardless of `.eval()`: usually `F.dropout(x, p)` (its `training` argument "
-            "defaults to True; pass `training=self.training` or use `nn.Dropout`), `dropout_p` given to "
-            "`scaled_dot_product_attention` without checking `self.training`, or noise / sampling in `forward`. "
-            "Validation and generation are then noisy as well.",
             synchronized=False,
         )
 
@@ -518,7 +513,6 @@ class MaskProbe(DebugCallback):
         self.emit(
             trainer,
             "TFD212",
-            "info",
             f"Treated as an encoder: at the supervised positions the labels equal the inputs {same_frac:.0%} of the "
             f"time and the next inputs {next_frac:.0%} (a next-token objective has one of them near 100%), so the "
             "objective is masked-LM or denoising. Causality and target alignment are not checked.",
@@ -527,7 +521,6 @@ class MaskProbe(DebugCallback):
                 "next_frac": next_frac,
                 "supervised_frac": n_sup / max(labels.numel(), 1),
             },
-            "If this model is a decoder, set `causal=True` to check its causal mask; `causal=False` silences this.",
             synchronized=False,
         )
         return False
@@ -536,7 +529,6 @@ class MaskProbe(DebugCallback):
         self.emit(
             trainer,
             "TFD211",
-            "info",
             f"MaskProbe cannot call the model: {reason}",
             hint="MaskProbe calls `pl_module(input_ids=..., attention_mask=...)` or `pl_module(input_ids)`; otherwise "
             "give `forward_fn` (and `input_key` / `mask_key` / `labels_key` for dict batches).",
@@ -580,7 +572,6 @@ class MaskProbe(DebugCallback):
                     self.emit(
                         trainer,
                         "TFD201",
-                        "error",
                         f"Future tokens change past logits: replacing the tokens after position {cut} of a {t}-token "
                         f"sequence changed the logits at position {int(h['_causal_pos'])} "
                         f"(row {int(h['_causal_row'])}) by {change_:.3g} (tolerance {h['_causal_tol']:.2g}).",
@@ -590,9 +581,6 @@ class MaskProbe(DebugCallback):
                             "cut": cut,
                             "tolerance": h["_causal_tol"],
                         },
-                        "The decoder's attention does not apply a causal mask (or applies it wrongly): check the mask "
-                        "construction, `is_causal`, and any custom attention kernel. For an encoder, set "
-                        "`causal=False`.",
                         synchronized=False,
                     )
 
@@ -605,11 +593,9 @@ class MaskProbe(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD204",
-                    "warning",
                     "The batch is padded (its attention mask has zeros) but the model is called without a mask, so "
                     "attention cannot ignore the padding.",
                     {"mask_key": self.mask_key},
-                    "Pass the attention mask to the model's forward (or give MaskProbe a `forward_fn` that does).",
                     synchronized=False,
                 )
             return
@@ -637,13 +623,10 @@ class MaskProbe(DebugCallback):
                     self.emit(
                         trainer,
                         "TFD202",
-                        "error",
                         f"Tokens under the attention mask change real tokens' logits: changing the ids at the {k} "
                         f"masked positions moved the logits at position {int(h['_pad_pos'])} by {change_:.3g} "
                         f"(tolerance {h['_pad_tol']:.2g}).",
                         {"max_change": change_, "position": int(h["_pad_pos"]), "tolerance": h["_pad_tol"]},
-                        "The attention mask does not reach the attention (or is inverted): check that the mask is "
-                        "passed through every layer and combined with the causal mask.",
                         synchronized=False,
                     )
 
@@ -684,13 +667,10 @@ class MaskProbe(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD203",
-                    "error",
                     f"Logits of real tokens depend on the amount of padding: adding {extra} padding tokens on the "
                     f"{side} moved the logits at real position {int(h['_side_pos'])} by {change_:.3g} "
                     f"(tolerance {h['_side_tol']:.2g}).",
                     {"max_change": change_, "side": side, "extra": extra, "tolerance": h["_side_tol"]},
-                    "Mask padding in attention; with left padding, derive position ids from the attention mask; "
-                    "avoid normalisations or poolings that run over padded positions.",
                     synchronized=False,
                 )
 
@@ -724,11 +704,8 @@ class MaskProbe(DebugCallback):
             self.emit(
                 trainer,
                 "TFD207",
-                "error",
                 f"The model fails on a sequence of {limit} tokens, its context limit: {type(err).__name__}: {err}",
                 {"context_limit": limit},
-                "Check the position table / rotary cache size against the configured context length, or pass the "
-                "real limit as `context_limit`.",
                 synchronized=False,
             )
             return
@@ -744,10 +721,8 @@ class MaskProbe(DebugCallback):
         self.emit(
             trainer,
             "TFD208",
-            "info",
             f"Context limit: {limit} tokens. A sequence of {limit + 1} tokens {outcome}.",
             {"context_limit": limit},
-            "Cut or chunk batches to the context limit before the forward (BatchGuard checks batches against it).",
             synchronized=False,
         )
 
@@ -765,7 +740,6 @@ class MaskProbe(DebugCallback):
             self.emit(
                 trainer,
                 "TFD211",
-                "info",
                 f"`kv_cache_fn` could not be imported: {err}",
                 synchronized=False,
                 key="kv_cache_fn",
@@ -778,7 +752,6 @@ class MaskProbe(DebugCallback):
             self.emit(
                 trainer,
                 "TFD211",
-                "info",
                 f"`kv_cache_fn` returned {shape}, not logits of shape {tuple(full.shape)}; the cache check is skipped.",
                 synchronized=False,
                 key="kv_cache_shape",
@@ -796,12 +769,9 @@ class MaskProbe(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD209",
-                    "error",
                     f"Incremental decoding disagrees with the full forward: logits differ by up to {change_:.3g}, "
                     f"first at position {int(h['_kv_first'])} (tolerance {h['_kv_tol']:.2g}).",
                     {"max_change": change_, "first_position": int(h["_kv_first"])},
-                    "Check the cache position / offset passed at each decoding step, rotary offsets, and the mask "
-                    "used with a cache.",
                     synchronized=False,
                 )
 
@@ -831,7 +801,6 @@ class MaskProbe(DebugCallback):
             self.emit(
                 trainer,
                 "TFD210",
-                "info",
                 f"Target alignment not checked: calling `training_step` on the batch failed ({type(err).__name__}).",
                 synchronized=False,
             )
@@ -841,7 +810,6 @@ class MaskProbe(DebugCallback):
             self.emit(
                 trainer,
                 "TFD210",
-                "info",
                 "Target alignment not checked: `training_step` did not return a scalar loss.",
                 synchronized=False,
             )
@@ -882,12 +850,10 @@ class MaskProbe(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD205",
-                    "error",
                     f"Labels are not shifted: the loss training_step returned ({returned_:.6g}) is the loss of "
                     f"position t against token t ({unshifted:.6g}), not against token t+1 ({shifted:.6g}). A causal "
                     "model trained this way learns to copy its input.",
                     evidence,
-                    "Shift in the loss (`logits[:, :-1]` against `labels[:, 1:]`) or in the data, exactly once.",
                     synchronized=False,
                 )
             elif alignment == "next_next":
@@ -902,12 +868,9 @@ class MaskProbe(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD206",
-                    "error",
                     f"Labels are shifted twice: {where}, so position t is trained on token t+2 (returned "
                     f"{returned_:.6g}, two tokens ahead {two_ahead:.6g}, next token {one_ahead:.6g}).",
                     evidence,
-                    "Shift exactly once: in the data collator or in the loss, not both. Hugging Face causal LMs "
-                    "shift `labels` inside the model: pass labels equal to input_ids (padding as -100).",
                     synchronized=False,
                 )
             elif alignment == "next" or matched is not None:  # correct, or labels unrelated to inputs (seq2seq)
@@ -918,12 +881,13 @@ class MaskProbe(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD210",
-                    "info",
                     f"Target alignment undetermined: the loss training_step returned ({returned_:.6g}) matches neither "
                     f"the shifted ({shifted:.6g}) nor the unshifted ({unshifted:.6g}) cross-entropy of the logits.",
                     evidence,
-                    "Expected with label smoothing, auxiliary losses or a loss over other outputs; otherwise check "
-                    "`labels_key` and `ignore_index`.",
+                    hint=(
+                        "Expected with label smoothing, auxiliary losses or a loss over other outputs; otherwise "
+                        "check `labels_key` and `ignore_index`."
+                    ),
                     synchronized=False,
                 )
 

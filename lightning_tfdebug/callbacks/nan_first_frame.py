@@ -420,34 +420,28 @@ class NaNFirstFrame(DebugCallback):
             self.emit(
                 trainer,
                 "TFD403",
-                "error",
                 f"The loss or gradients became non-finite at step {summary['step']} on rank(s) {bad_ranks}, and "
                 f"replaying the batch to locate the first bad frame failed: {error}. Report: {txt_path}",
                 evidence,
-                "Run with mode='eager' to record frames during the step itself.",
                 key=f"step{summary['step']}",
             )
         elif bad_ranks:
             self.emit(
                 trainer,
                 "TFD401",
-                "error",
                 f"The loss or gradients became non-finite at step {summary['step']} on rank(s) {bad_ranks}: {where}. "
                 f"{'The optimizer step was not applied. ' if self.skip_nonfinite_steps else ''}Report: {txt_path}",
                 evidence,
-                hint,
+                hint=hint,
                 key=f"step{summary['step']}",
             )
         else:
             self.emit(
                 trainer,
                 "TFD402",
-                "warning",
                 f"At step {summary['step']} a module produced inf/nan that did not reach the loss, on rank(s) "
                 f"{frame_ranks}: {where}. Report: {txt_path}",
                 evidence,
-                "Masked or discarded positions still hold inf/nan (e.g. a softmax over a fully masked row, log(0) "
-                "at padding). Harmless until a mask or branch changes; fix the math at the named module.",
                 key=f"step{summary['step']}",
             )
 

@@ -190,23 +190,18 @@ class OptimizerAudit(DebugCallback):
                     self.emit(
                         trainer,
                         "TFD324",
-                        "warning",
                         f"Weight decay {decay:g} is applied to {len(one_d)} one-dimensional parameters (norm weights, "
                         f"biases) in param group {label}: {_names(one_d)}.",
                         {"group": label, "weight_decay": decay, "count": len(one_d)},
-                        "Put biases and norm weights in a param group with weight_decay=0.0 (decay only parameters "
-                        "with ndim >= 2); shrinking norm gains toward zero hurts training.",
                         key=label,
                     )
                 if embed:
                     self.emit(
                         trainer,
                         "TFD325",
-                        "info",
                         f"Weight decay {decay:g} is applied to embedding tables in param group {label}: "
                         f"{_names(embed)}.",
                         {"group": label, "weight_decay": decay},
-                        "Many transformer recipes exclude embeddings from weight decay; check it is intended.",
                         key=label,
                     )
                 kind = type(optimizer).__name__
@@ -216,12 +211,10 @@ class OptimizerAudit(DebugCallback):
                     self.emit(
                         trainer,
                         "TFD326",
-                        "warning",
                         f"{kind} with weight_decay={decay:g} adds L2 to the gradient, which the adaptive step then "
                         "rescales: the decay is not the decoupled weight decay transformer recipes use "
                         f"(group {label}).",
                         {"optimizer": kind, "weight_decay": decay, "group": label},
-                        "Use torch.optim.AdamW (decoupled weight decay), with a no-decay group for biases and norms.",
                         key=kind,
                     )
         missing = [n for pid, (n, p) in named.items() if p.requires_grad and pid not in membership]
@@ -231,42 +224,31 @@ class OptimizerAudit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD320",
-                "error",
                 f"{len(missing)} trainable parameters are in no optimizer param group and will never change: "
                 f"{_names(missing)}.",
                 {"count": len(missing), "names": missing[:50]},
-                "Build the optimizer from all trainable parameters (after the model is complete and moved), or "
-                "freeze these with requires_grad=False if that is the intent.",
             )
         if twice:
             self.emit(
                 trainer,
                 "TFD321",
-                "error",
                 f"{len(twice)} parameters appear in more than one param group or optimizer: {_names(twice)}.",
                 {"count": len(twice), "names": twice[:50]},
-                "Each parameter must be stepped by exactly one param group; build the groups from disjoint sets.",
             )
         if frozen:
             self.emit(
                 trainer,
                 "TFD322",
-                "warning",
                 f"{len(frozen)} frozen parameters (requires_grad=False) are still in the optimizer: {_names(frozen)}.",
                 {"count": len(frozen), "names": frozen[:50]},
-                "Weight decay and momentum can move frozen parameters; build the optimizer from "
-                "`[p for p in model.parameters() if p.requires_grad]`.",
             )
         if strangers:
             self.emit(
                 trainer,
                 "TFD323",
-                "error",
                 f"The optimizer holds {strangers} tensors that are not parameters of the module: they are updated "
                 "but the model never uses them.",
                 {"count": strangers},
-                "The optimizer was built before the model was moved, copied or rebuilt; build it in "
-                "`configure_optimizers` from `self.parameters()`.",
             )
 
     def _check_decay_rate(
@@ -289,15 +271,10 @@ class OptimizerAudit(DebugCallback):
         self.emit(
             trainer,
             "TFD336",
-            "warning",
             f"Weight decay {decay:g} at a learning rate of {float(lr):.3g} shrinks every decayed weight by "
             f"{rate:.3g} of itself per step (group {label}, {kind}): without gradients pushing back, weights halve "
             f"every {math.log(2) / rate:.0f} steps, so decay rather than the loss sets their scale.",
             {"group": label, "weight_decay": decay, "lr": float(lr), "decay_per_step": rate},
-            "Decoupled decay acts as lr x weight_decay per step; transformer recipes sit around 1e-5 to 1e-4 "
-            "(AdamW lr 3e-4, weight_decay 0.1). A weight_decay of several units is usually an L2 coefficient or "
-            "a percentage put in the wrong place; with a usual weight_decay, the learning rate itself is far too "
-            "high (UpdateRatio shows what it does to the weights).",
             key=label,
         )
 
@@ -322,12 +299,9 @@ class OptimizerAudit(DebugCallback):
         self.emit(
             trainer,
             "TFD333",
-            "warning",
             f"{kind} steps float16 parameters with eps={eps:g} (group {label}): its moments are float16 too, the "
             f"second moment of any gradient below {_FP16_SQ_UNDERFLOW_GRAD:.1e} underflows to 0, and {outcome}.",
             {"optimizer": kind, "eps": eps, "group": label, "max_step_factor": factor},
-            "Keep fp32 master weights and optimizer state (precision='16-mixed' or 'bf16-mixed' instead of "
-            "'16-true'), or raise eps to 1e-4 or more for float16 optimizer math.",
             key=label,
         )
 
@@ -381,13 +355,10 @@ class OptimizerAudit(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD334",
-                    "error",
                     f"Gradients were not zeroed after the optimizer step: at the first backward of step "
                     f"{trainer.global_step}, {left} of {len(probes)} param groups still hold the previous steps' "
                     "gradients, so every step adds its gradient to all the earlier ones.",
                     {"groups_with_old_grads": left, "groups_probed": len(probes)},
-                    "With manual optimization call `optimizer.zero_grad()` once per optimizer step (before the "
-                    "backward of the next accumulation window, or right after `optimizer.step()`).",
                     synchronized=False,
                 )
         # rank-local under FSDP (each rank reads its own shard); every rank gets here on the same step
@@ -402,12 +373,9 @@ class OptimizerAudit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD327",
-                "error",
                 f"The module is in eval mode at a training batch ({where}): dropout is off and batch norm uses "
                 "frozen running statistics, so training is not the training you configured.",
                 {"epoch": trainer.current_epoch},
-                "Something calls `.eval()` (a hook, an inference helper, a generation callback) without calling "
-                "`.train()` after; Lightning sets train mode before each epoch, so look at hooks that run later.",
                 key=f"epoch{trainer.current_epoch}",
             )
             return
@@ -420,10 +388,8 @@ class OptimizerAudit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD328",
-                "info",
                 f"{len(stuck)} mode-dependent submodules are in eval mode while the module trains: {_names(stuck)}.",
                 {"count": len(stuck)},
-                "Deliberate for frozen BatchNorm; otherwise a submodule was left in eval mode.",
             )
 
     # ------------------------------------------------------------------ per step
@@ -464,12 +430,9 @@ class OptimizerAudit(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD329",
-                    "warning",
                     f"The LR scheduler {type(scheduler).__name__} was stepped {calls} times between two optimizer "
                     "steps: a schedule sized in optimizer steps runs that many times too fast.",
                     {"calls": calls, "scheduler": type(scheduler).__name__},
-                    "Step the scheduler once per optimizer step (not per micro-batch under gradient accumulation), "
-                    "and not by hand when Lightning already steps it (`interval: step` in configure_optimizers).",
                     key=str(id(scheduler)),
                 )
 
@@ -492,12 +455,9 @@ class OptimizerAudit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD331",
-                "warning",
                 f"The learning rate reached zero at step {step}, long before the end of the run "
                 f"({int(total) if total != float('inf') else 'unbounded'} steps): the remaining steps train nothing.",
                 {"step": step, "total_steps": float(total), "peak_lr": self._peak_lr},
-                "Size the schedule (total / decay steps) in optimizer steps of this run, accounting for gradient "
-                "accumulation and the number of devices.",
             )
 
     def _decide_warmup(self, trainer: pl.Trainer, top: float) -> None:
@@ -512,12 +472,9 @@ class OptimizerAudit(DebugCallback):
             self.emit(
                 trainer,
                 "TFD330",
-                "warning",
                 f"No learning-rate warm-up: the LR at step {step} ({top:.3g}) is not above the LR of the first "
                 f"step ({first_lr:.3g}), so this transformer starts at its peak LR.",
                 {"first_lr": first_lr, "lr": top, "step": step},
-                "Add a linear warm-up (a few hundred to a few thousand steps) before the peak LR; Adam's early "
-                "updates on attention and embeddings are large without it.",
             )
 
     def _stuck_below_base(self, trainer: pl.Trainer, top: float) -> bool:
@@ -539,14 +496,10 @@ class OptimizerAudit(DebugCallback):
         self.emit(
             trainer,
             "TFD335",
-            "warning",
             f"The learning rate has not moved since the first step: at step {step} it is {top:.3g}, "
             f"{top / base:.1%} of the {base:.3g} the optimizer was configured with, and the scheduler "
             f"({', '.join(names)}, interval {'/'.join(intervals)}) has not raised it.",
             {"lr": top, "base_lr": base, "step": step, "interval": intervals, "schedulers": names},
-            "A warm-up or schedule sized in optimizer steps needs `'interval': 'step'` in the lr_scheduler dict that "
-            "configure_optimizers returns (Lightning's default, also for a bare scheduler, is 'epoch': one step of "
-            "the schedule per epoch). If the schedule is meant per epoch, its first epochs run at this LR.",
             step=step,
         )
         return True
@@ -602,12 +555,9 @@ class OptimizerAudit(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD332",
-                    "warning",
                     f"Parameter {name} was byte-identical after {self._unchanged[name]} consecutive measured optimizer "
                     "steps although it had a gradient and a non-zero learning rate.",
                     {"parameter": name, "steps": self._unchanged[name]},
-                    "The update underflows the parameter's dtype (bf16/fp16 weights with a small LR: keep fp32 master "
-                    "weights), or the optimizer steps other tensors than the model uses.",
                     key=name,
                     synchronized=False,
                 )

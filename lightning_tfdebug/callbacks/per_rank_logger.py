@@ -358,12 +358,8 @@ class PerRankLogger(DebugCallback):
             self.emit(
                 trainer,
                 "TFD505",
-                "error",
                 f"Rank(s) {', '.join(map(str, nonfinite))} produced a non-finite loss at step {step}{others}.",
                 {"ranks": nonfinite, "losses": [s["loss"] for s in stats]},
-                "Look at that rank's batch (its fingerprint is in tfdebug/rank<r>.jsonl) and add NaNFirstFrame to "
-                "find the first module that produced it. Under DDP the NaN reaches every rank with the next gradient "
-                "all-reduce.",
                 step=step,
             )
         n = len(stats)
@@ -380,7 +376,6 @@ class PerRankLogger(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD503",
-                    "warning",
                     f"Rank {r} is a straggler: its own work per step ({total:.1f} ms of compute outside backward plus "
                     f"data wait) is {total / ref:.1f}x the other ranks' median ({ref:.1f} ms), for {self.patience} "
                     "measurements in a row; every rank waits for it at each gradient all-reduce.",
@@ -390,9 +385,6 @@ class PerRankLogger(DebugCallback):
                         "dataloader_wait_ms": stats[r]["dataloader_wait_ms"],
                         "others_median_ms": ref,
                     },
-                    "Check that rank's host (other processes, CPU frequency, thermal throttling), its data shard "
-                    "(slower samples, longer sequences), and per-rank code paths (logging or checkpointing on one "
-                    "rank inside the step). Compare tfdebug/rank<r>.jsonl files.",
                     key=f"rank{r}",
                     step=step,
                 )
@@ -403,14 +395,15 @@ class PerRankLogger(DebugCallback):
             self.emit(
                 trainer,
                 "TFD504",
-                "warning",
                 f"The two ranks' losses ({losses[0]:.4g} and {losses[1]:.4g}) differ by more than "
                 f"{self.loss_spread:.0%} for {self.patience} measurements in a row; with two ranks, which one is off "
                 "cannot be told.",
                 {"ranks": sustained, "losses": losses},
-                "One rank sees different data (a corrupt shard, a different tokenizer or preprocessing) or computes "
-                "its loss differently (rank-dependent code in training_step), or runs different weights (see TFD502). "
-                "Compare the ranks' files in tfdebug/.",
+                hint=(
+                    "One rank sees different data (a corrupt shard, a different tokenizer or preprocessing) or "
+                    "computes its loss differently (rank-dependent code in training_step), or runs different weights "
+                    "(see TFD502). Compare the ranks' files in tfdebug/."
+                ),
                 key="pair",
                 step=step,
             )
@@ -419,11 +412,10 @@ class PerRankLogger(DebugCallback):
                 self.emit(
                     trainer,
                     "TFD504",
-                    "warning",
                     f"Rank {r}'s loss ({losses[r]:.4g}) is far from the median over ranks ({reference:.4g}) for "
                     f"{self.patience} measurements in a row.",
                     {"ranks": [r], "loss": losses[r], "median": reference, "losses": losses},
-                    "That rank sees different data (a corrupt shard, a different tokenizer or preprocessing), "
+                    hint="That rank sees different data (a corrupt shard, a different tokenizer or preprocessing), "
                     "computes its loss differently (rank-dependent code in training_step), or runs different weights "
                     "(see TFD502). Compare the ranks' files in tfdebug/.",
                     key=f"rank{r}",
@@ -441,12 +433,9 @@ class PerRankLogger(DebugCallback):
             self.emit(
                 trainer,
                 "TFD501",
-                "warning",
                 f"Ranks {same[0]} trained on identical batches at {self.patience} measured steps in a row: the data is "
                 "not split between ranks, so the job does N times the compute for the data of one.",
                 {"identical_ranks": same, "fingerprints": prints},
-                "Use a DistributedSampler: keep Trainer(use_distributed_sampler=True) (the default) or, with a custom "
-                "sampler or IterableDataset, shard by trainer.global_rank / world_size yourself.",
                 step=step,
             )
 
@@ -460,15 +449,10 @@ class PerRankLogger(DebugCallback):
         self.emit(
             trainer,
             "TFD502",
-            "error",
             f"Parameters or buffers differ between DDP replicas at step {step}: rank(s) {', '.join(map(str, ranks))} "
             f"disagree with the others on {len(tensors)} tensor(s): {', '.join(tensors[:5])}"
             f"{' ...' * (len(tensors) > 5)}.",
             {"ranks": ranks, "tensors": tensors[:50], "checksums": [s["checksum"] for s in stats]},
-            "DDP only averages gradients, so a replica that changes a weight on its own (rank-dependent code in "
-            "training_step or a hook, a different initialization without a seed, an optimizer step skipped on one "
-            "rank) stays different for ever. Seed every rank the same before building the model, and make weight "
-            "updates outside the optimizer identical on every rank.",
             step=step,
         )
 

@@ -180,13 +180,11 @@ class ReproCapture(DebugCallback):
             self.emit(
                 trainer,
                 "TFD131",
-                "warning",
                 f"ReproCapture could not write a bundle for the {type(exception).__name__} at step "
                 f"{trainer.global_step}: {type(err).__name__}: {err}",
                 {"error": f"{type(err).__name__}: {err}"},
-                "Check free disk space and write permission on the log directory.",
                 key=f"{trainer.global_step}:{id(exception)}",
-                synchronized=False,  # rank-local; never resolved into a raise while an exception propagates
+                synchronized=False,
             )
             return
         finally:
@@ -206,11 +204,13 @@ class ReproCapture(DebugCallback):
         self.emit(
             trainer,
             "TFD130",
-            "info",
             f"Training failed with {type(exception).__name__} at step {self._step if in_batch else trainer.global_step}"
             f" (rank {trainer.global_rank}); a repro bundle was written to {path}.{replayable}",
             {"bundle": path, "exception": type(exception).__name__},
-            f"Replay the failing step: python -m lightning_tfdebug replay {path} --config <your LightningCLI config>",
+            hint=(
+                f"Replay the failing step: python -m lightning_tfdebug replay {path} "
+                "--config <your LightningCLI config>"
+            ),
             key=path,
             synchronized=False,
         )

@@ -157,11 +157,9 @@ class ScalerWatch(DebugCallback):
             self.emit(
                 trainer,
                 "TFD410",
-                "info",
                 f"ScalerWatch has nothing to watch: precision {trainer.precision!r} uses no GradScaler (only fp16 "
                 "AMP does), so no step is ever skipped for overflow.",
                 {"precision": str(trainer.precision)},
-                "Nothing to fix. Remove ScalerWatch, or keep it: it costs nothing without a scaler.",
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -297,12 +295,9 @@ class ScalerWatch(DebugCallback):
             self.emit(
                 trainer,
                 "TFD411",
-                "error",
                 f"The fp16 loss scale collapsed: it {why}. Gradients overflow on most steps"
                 + (f" (overflowing groups: {', '.join(groups)})." if groups else "."),
                 evidence,
-                "Something overflows fp16 on every step: add NaNFirstFrame to name the module, keep it in fp32 or "
-                "switch to bf16; lower the LR or add warm-up if it started after a spike.",
                 step=step,
             )
         if (
@@ -313,12 +308,9 @@ class ScalerWatch(DebugCallback):
             self.emit(
                 trainer,
                 "TFD412",
-                "warning",
                 f"{recent_skipped} of the last {recent_steps} optimizer steps were skipped for fp16 overflow"
                 + (f"; gradients overflowed in {', '.join(groups)}." if groups else "."),
                 evidence,
-                "Skipped steps are lost updates. Find the overflowing module (NaNFirstFrame), keep it in fp32, use "
-                "bf16, or lower GradScaler's init_scale if only the first steps skip.",
                 step=step,
             )
         step_schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
@@ -326,7 +318,6 @@ class ScalerWatch(DebugCallback):
             self.emit(
                 trainer,
                 "TFD413",
-                "warning",
                 f"A per-step LR scheduler ({type(step_schedulers[0].scheduler).__name__}) advanced on "
                 f"{self.lr_steps_on_skipped} optimizer steps that the GradScaler skipped: the schedule (warm-up, "
                 "decay) runs ahead of the updates actually applied.",
@@ -335,8 +326,6 @@ class ScalerWatch(DebugCallback):
                     "scheduler": type(step_schedulers[0].scheduler).__name__,
                     "scheduler_steps_on_skipped": self.lr_steps_on_skipped,
                 },
-                "Fix the overflow that skips steps; or step the scheduler only when the scale did not drop "
-                "(compare scaler.get_scale() before and after update()).",
                 step=step,
             )
         growth_interval = int(getattr(scaler, "get_growth_interval", lambda: 2000)())
@@ -345,13 +334,10 @@ class ScalerWatch(DebugCallback):
             self.emit(
                 trainer,
                 "TFD414",
-                "warning",
                 f"The loss scale has not grown for {self.steps_total - self.last_growth_step} steps "
                 f"({self.no_growth_intervals:g} x growth_interval={growth_interval}): overflow keeps interrupting "
                 "every run of clean steps.",
                 {**evidence, "growth_interval": growth_interval, "growth_events": self.growth_total},
-                "Overflows recur regularly: look for the module near the fp16 limit (NaNFirstFrame, eager mode) "
-                "or switch to bf16.",
                 step=step,
             )
 

@@ -521,7 +521,6 @@ class ThroughputMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD601",
-                "warning",
                 f"Training is data-loading bound: {wait:.0%} of wall time went to waiting for the next batch "
                 f"(threshold {self.wait_threshold:.0%}) for {self.patience} measurements in a row.",
                 {
@@ -529,8 +528,6 @@ class ThroughputMonitor(DebugCallback):
                     "worst_rank": worst,
                     "tokens_per_sec": metrics["throughput/tokens_per_sec"],
                 },
-                "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "
-                "prefetch_factor, and move tokenization or heavy transforms out of __getitem__ (pre-tokenize).",
                 step=step,
             )
         padding = metrics["throughput/padding_frac"]
@@ -538,12 +535,9 @@ class ThroughputMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD602",
-                "info",
                 f"{padding:.0%} of the token positions computed were padding (threshold {self.padding_threshold:.0%}) "
                 f"for {self.patience} measurements in a row.",
                 {"padding_frac": padding},
-                "Group sequences of similar length (length-bucketed sampler), pad to the batch maximum rather than a "
-                "fixed length, or pack several sequences per row.",
                 step=step,
             )
         ratios = [
@@ -573,26 +567,19 @@ class ThroughputMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD605",
-                "info",
                 f"The median step time rose to {ratio:.2f}x the early steps' median while other processes on the "
                 f"machine kept {extra:.1f} more CPU cores busy than they did then: the machine is contended, so this "
                 "is not reported as a slowdown of the run itself (TFD603).",
                 {"ratio_to_early": ratio, "other_extra_cores": extra},
-                "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
-                "compare ratios measured in the same period.",
                 step=step,
             )
         elif regressed:
             self.emit(
                 trainer,
                 "TFD603",
-                "warning",
                 f"The median step time rose to {metrics['throughput/step_time_ms']:.1f} ms, {ratio:.2f}x the early "
                 f"steps' median, for {self.patience} measurements in a row.",
                 {"step_time_ms": metrics["throughput/step_time_ms"], "ratio_to_early": ratio},
-                "Look for growth over time: a Python list or tensor kept across steps (retained graph, metrics "
-                "accumulated with .append), rising sequence lengths, memory fragmentation, thermal throttling, "
-                "or other jobs on the machine. Run with profile_steps=[a, b] early and late, and compare the tables.",
                 step=step,
             )
         self._diagnose_compile(trainer, stats, step)
@@ -602,12 +589,9 @@ class ThroughputMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD604",
-                "warning",
                 f"Memory use reached {frac:.0%} of capacity on rank {fractions.index(frac)} "
                 f"(threshold {self.memory_threshold:.0%}); the run is close to out-of-memory.",
                 {"memory_frac": frac, "peak_allocated_gib": metrics["memory/peak_allocated_gib"]},
-                "Lower the micro-batch size and use gradient accumulation, enable activation checkpointing, use "
-                "bf16 mixed precision, or shard parameters and optimizer state (FSDP).",
                 step=step,
             )
 
@@ -621,14 +605,9 @@ class ThroughputMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD606",
-                "warning",
                 f"torch.compile is still compiling after the early window: {new:.0f} new graph(s) since then, more "
                 f"at each of the last {self.patience} measurements. Every recompilation stalls training.",
                 {"new_graphs": new},
-                "Something the compiled code is guarded on changes from step to step: usually input shapes (variable "
-                "sequence lengths with dynamic=False or mark_static; pad to a few bucket lengths or let shapes be "
-                "dynamic), or Python values passed in (the step number, a changing float, a dict with new keys). "
-                'TORCH_LOGS="recompiles" prints the failing guard.',
                 step=step,
             )
         hits = max((s["limit_hits"] for s in stats if s["limit_hits"] == s["limit_hits"]), default=0.0)
@@ -636,13 +615,9 @@ class ThroughputMonitor(DebugCallback):
             self.emit(
                 trainer,
                 "TFD607",
-                "warning",
                 f"torch.compile hit its recompile limit {hits:.0f} time(s) during training: the code it gave up on "
                 "now runs uncompiled, silently slower.",
                 {"limit_hits": hits},
-                'Find what forces the recompilations (TORCH_LOGS="recompiles"): usually changing input shapes or '
-                "Python values; pad to fixed buckets, mark dimensions dynamic, or raise "
-                "torch._dynamo.config.recompile_limit only if the variants are few and worth compiling.",
                 step=step,
             )
 

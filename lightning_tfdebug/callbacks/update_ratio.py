@@ -229,12 +229,9 @@ class UpdateRatio(DebugCallback):
             self.emit(
                 trainer,
                 "TFD310",
-                "warning",
                 f"Updates are tiny: ||dW||/||W|| = {ratio:.3g} (healthy band {self.low:g} to {self.high:g}) for "
                 f"{self.patience} measurements at a learning rate of {self._lr:.3g}.",
                 {"update_ratio": ratio, "lr": self._lr, "band": band, "groups_below": below},
-                "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR "
-                "range test; check that the scheduler is not stuck at its initial factor.",
                 step=step,
             )
         if ratio > self.high:  # one step that rewrites this much of the weights is damage already: no patience
@@ -242,12 +239,9 @@ class UpdateRatio(DebugCallback):
             self.emit(
                 trainer,
                 "TFD311",
-                "warning",
                 f"Updates are huge: one optimizer step changed the weights by ||dW||/||W|| = {ratio:.3g} (healthy band "
                 f"{self.low:g} to {self.high:g}) at a learning rate of {self._lr:.3g}.",
                 {"update_ratio": ratio, "lr": self._lr, "band": band, "groups_above": above},
-                "The learning rate is probably too high, or there is no warm-up: each step rewrites a large part of "
-                "the weights. Lower the LR or add warm-up; GradNormMonitor shows whether gradients explode too.",
                 step=step,
             )
         self._check_growth(trainer, {g: host[f"param_norm/{g}"] for g in names}, step)
@@ -261,12 +255,9 @@ class UpdateRatio(DebugCallback):
             self.emit(
                 trainer,
                 "TFD312",
-                "error",
                 f"Group(s) {', '.join(frozen)} received gradients but did not change when the optimizer stepped, "
                 f"{self.patience} times in a row.",
                 {"groups": frozen, "grad_norms": {g: host[f"_grad/{g}"] ** 0.5 for g in frozen}},
-                "Their parameters are probably not in the optimizer (built before the module was added, or filtered "
-                "out in configure_optimizers). Add them, or set requires_grad=False if they should stay fixed.",
                 step=step,
             )
 
@@ -295,7 +286,6 @@ class UpdateRatio(DebugCallback):
         self.emit(
             trainer,
             "TFD313",
-            "warning",
             f"Weights are growing fast: the median group norm grew {median:.3g}x in {step - start_step} optimizer "
             f"steps (limit {self.growth_limit:g}x in {self.growth_window}), at a learning rate of {self._lr:.3g}.",
             {
@@ -305,10 +295,6 @@ class UpdateRatio(DebugCallback):
                 "lr": self._lr,
                 "growth": {g: round(v, 4) for g, v in sorted(growth.items(), key=lambda kv: -kv[1])},
             },
-            "Each step moves the weights a lot against their own scale (Adam moves every weight by about the LR "
-            "per step), so they inflate instead of learning; the loss typically stalls on a plateau or spikes. The "
-            "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 "
-            "and 1e-3 (a few times more for tiny models). Lower it, and keep a warm-up.",
             step=step,
         )
 
@@ -336,7 +322,6 @@ class UpdateRatio(DebugCallback):
         self.emit(
             trainer,
             "TFD314",
-            "warning",
             f"Weights are shrinking fast: the median group norm fell to {median:.3g}x of its value in "
             f"{step - start_step} optimizer steps (limit 1/{self.growth_limit:g} in {self.growth_window}).{because}",
             {
@@ -346,10 +331,6 @@ class UpdateRatio(DebugCallback):
                 "lr_times_weight_decay": decay,
                 "growth": {g: round(v, 4) for g, v in sorted(growth.items(), key=lambda kv: kv[1])},
             },
-            "Weight decay is far too strong for this learning rate (AdamW decays by lr x weight_decay every step: "
-            "typical products are 1e-5 to 1e-4, e.g. lr 3e-4 with weight_decay 0.1), so decay, not the loss, sets "
-            "the weights' scale. Lower weight_decay; check it is not an L2 coefficient meant for SGD scaled up, or "
-            "applied twice (by the optimizer and a penalty in the loss).",
             step=step,
         )
 

@@ -5,7 +5,7 @@ Subclasses call, in their hooks:
 * :meth:`DebugCallback.should_measure` to decide (identically on every rank) whether this optimizer step measures;
 * :meth:`DebugCallback.to_host` once per measuring step to move all their device statistics to the host together;
 * :meth:`DebugCallback.log_scalars` to send scalars to ``trainer.callback_metrics`` and every logger;
-* :meth:`DebugCallback.emit` to raise a finding, which is written to
+* :meth:`DebugCallback.emit` to raise a finding of a rule registered in :mod:`lightning_tfdebug.rules`, written to
   ``<log_dir>/tfdebug/findings-rank<r>.jsonl`` at once and then handled as ``on_finding`` says.
 """
 
@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding, Severity, TFDebugError, append_finding
+from lightning_tfdebug.rules import rule
 
 
 class TFDebugWarning(UserWarning):
@@ -162,24 +163,24 @@ class DebugCallback(Callback):
         self,
         trainer: pl.Trainer,
         code: str,
-        severity: Severity,
         message: str,
         evidence: Mapping[str, Any] | None = None,
-        hint: str = "",
         *,
+        severity: Severity | None = None,
+        hint: str | None = None,
         key: str | None = None,
         synchronized: bool = True,
         step: int | None = None,
     ) -> Finding | None:
-        """Record a finding and act on it as ``on_finding`` says.
+        """Record a finding of a registered rule and act on it as ``on_finding`` says.
 
         Args:
             trainer: the Trainer.
-            code: stable code, e.g. ``"TFD301"``.
-            severity: ``"info"``, ``"warning"`` or ``"error"``.
-            message: one sentence saying what is wrong.
+            code: a code registered in :data:`lightning_tfdebug.rules.RULES`, e.g. ``"TFD301"``.
+            message: one sentence saying what is wrong, with the measured numbers.
             evidence: the numbers that show it.
-            hint: likely causes and the fix.
+            severity: overrides the rule's default severity (a callback escalating with evidence).
+            hint: a hint more specific than the rule's (naming the module at fault); default: the rule's hint.
             key: findings are recorded once per ``(code, key)`` per callback instance; pass a distinct key (a group
                 name, a step) to record a code again.
             synchronized: True when every rank reaches the same finding from the same reduced values; it is then
@@ -189,10 +190,18 @@ class DebugCallback(Callback):
 
         Returns:
             The finding, or None if this ``(code, key)`` was already recorded.
+
+        Raises:
+            KeyError: if ``code`` is not registered.
+            ValueError: if this callback is not the rule's source.
         """
+        registered = rule(code)
+        if registered.source not in {cls.__name__ for cls in type(self).__mro__}:
+            raise ValueError(f"{type(self).__name__} emitted {code}, which belongs to {registered.source}.")
         if (code, key) in self._emitted:
             return None
         self._emitted.add((code, key))
+        severity = registered.severity if severity is None else severity
         finding = Finding(
             code=code,
             severity=severity,
@@ -201,7 +210,7 @@ class DebugCallback(Callback):
             rank=trainer.global_rank,
             message=message,
             evidence=dict(evidence or {}),
-            hint=hint,
+            hint=registered.hint if hint is None else hint,
         )
         self.findings.append(finding)
         append_finding(os.path.join(self.tfdebug_dir, f"findings-rank{trainer.global_rank}.jsonl"), finding)

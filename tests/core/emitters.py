@@ -5,6 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_tfdebug import DebugCallback
+from lightning_tfdebug.rules import Rule, register_rule
+
+for _code, _source in (("TFD399", "StepEmitter"), ("TFD398", "RankLocalEmitter")):
+    register_rule(Rule(_code, "warning", _source, title="test rule", trigger="a test asks for it", hint="none"))
 
 
 class StepEmitter(DebugCallback):
@@ -17,7 +21,7 @@ class StepEmitter(DebugCallback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at_step:
-            self.emit(trainer, "TFD399", self.severity, "test finding.", {"step": trainer.global_step}, "none")
+            self.emit(trainer, "TFD399", "test finding.", {"step": trainer.global_step}, severity=self.severity)
 
 
 class RankLocalEmitter(DebugCallback):
@@ -30,5 +34,5 @@ class RankLocalEmitter(DebugCallback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.at_step:
-            self.emit(trainer, "TFD398", "error", "only this rank saw it.", synchronized=False)
+            self.emit(trainer, "TFD398", "only this rank saw it.", severity="error", synchronized=False)
         self.resolve_local_findings(trainer)  # every rank, every batch: the collective runs in lockstep
