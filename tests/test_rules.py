@@ -96,7 +96,7 @@ def test_an_unregistered_code_or_a_code_of_another_callback_is_refused(tmp_path)
         def on_train_batch_end(self, trainer, *args) -> None:
             self.emit(trainer, self.code, "never")
 
-    with pytest.raises(KeyError, match="TFD397.*not in lightning_tfdebug.rules.RULES"):
+    with pytest.raises(KeyError, match=r"TFD397.*not in lightning_tfdebug\.rules\.RULES"):
         fit_tiny(tmp_path, [Stray("TFD397")], max_steps=1)
     with pytest.raises(ValueError, match="Stray emitted TFD312, which belongs to UpdateRatio"):
         fit_tiny(tmp_path, [Stray("TFD312")], max_steps=1)
