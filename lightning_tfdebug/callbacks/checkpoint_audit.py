@@ -12,9 +12,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.grad_norm_monitor import grad_scaler_of
-from lightning_tfdebug.callbacks.mask_probe import loss_of, quiet_training_step
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
+from lightning_tfdebug.core.batch import loss_of
+from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
 from lightning_tfdebug.findings import OnFinding, Severity
 from lightning_tfdebug.functional.probes import relative_difference
 

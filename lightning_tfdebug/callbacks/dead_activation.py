@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.distributed import clean_param_name, packed_reduce, world_size
+from lightning_tfdebug.core.model import in_training_step, is_compiled
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.activations import (
@@ -67,36 +68,6 @@ class _Layer:
 
     def reset(self) -> None:
         self.calls, self.numel, self.zeros, self.saturated, self.alive = 0, 0, None, None, None
-
-
-def in_training_step(pl_module: nn.Module | None) -> bool:
-    """Whether a forward runs inside the Trainer's ``training_step``, and not in another callback's probe.
-
-    Other callbacks may call the model from their own hooks (``on_train_batch_start``) while ours are attached; their
-    forwards must not be counted. Lightning names the hook or strategy call in progress in the module's
-    ``_current_fx_name`` (it also drives ``self.log``); where that attribute is missing, every forward counts.
-    """
-    name = getattr(pl_module, "_current_fx_name", None)
-    return not isinstance(name, str) or name == "training_step"
-
-
-def is_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    """Whether ``torch.compile`` wraps the model or any submodule (hooks added afterwards may never run)."""
-    if getattr(pl_module, "_compiler_ctx", None) is not None:  # trainer.fit(torch.compile(model))
-        return True
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover
-        return False
-    roots = [pl_module]
-    wrapped = getattr(trainer.strategy, "model", None)
-    if isinstance(wrapped, nn.Module) and wrapped is not pl_module:
-        roots.append(wrapped)
-    for root in roots:
-        for module in root.modules():
-            if isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None:
-                return True
-    return False
 
 
 class _FunctionCalls(TorchFunctionMode):

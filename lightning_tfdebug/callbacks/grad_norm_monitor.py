@@ -14,15 +14,10 @@ from torch import Tensor
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.distributed import DTensor, local_tensor, packed_reduce
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
+from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms
-
-
-def grad_scaler_of(trainer: pl.Trainer) -> Any | None:
-    """The precision plugin's GradScaler (fp16 AMP), or None."""
-    return getattr(trainer.precision_plugin, "scaler", None)
-
 
 _OVERCLIP = 100.0
 """TFD306 when every step's gradient norm is more than this many times ``gradient_clip_val``."""

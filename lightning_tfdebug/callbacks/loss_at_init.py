@@ -12,9 +12,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_tfdebug.callbacks.dead_activation import in_training_step
 from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.batch import logits_of, loss_of
 from lightning_tfdebug.core.distributed import packed_reduce, world_size
+from lightning_tfdebug.core.model import in_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import copy_sums, init_loss_sums, uniform_loss
 
@@ -34,28 +35,6 @@ _INIT_KEYS = (
     "count",
 )
 _CHECK_KEYS = ("ce_sum", "ce_count", "copies", "repeats", "count")
-
-
-def find_logits(output: Any, structured_only: bool = False) -> Tensor | None:
-    """The logits in a model output: a float tensor with a class dimension, a ``.logits`` attribute, a ``"logits"``
-    key, or (unless ``structured_only``) the first such tensor in a tuple/list. None when there is none."""
-
-    def usable(x: Any) -> bool:
-        return isinstance(x, Tensor) and x.is_floating_point() and x.ndim >= 2
-
-    if isinstance(output, Mapping):
-        value = output.get("logits")
-        return value if usable(value) else None
-    value = getattr(output, "logits", None)
-    if usable(value):
-        return value
-    if structured_only:
-        return None
-    if usable(output):
-        return output
-    if isinstance(output, (tuple, list)):
-        return next((x for x in output if usable(x)), None)
-    return None
 
 
 def find_in_batch(batch: Any, key: str | int) -> tuple[Tensor | None, str]:
@@ -78,13 +57,6 @@ def find_in_batch(batch: Any, key: str | int) -> tuple[Tensor | None, str]:
     if not isinstance(value, Tensor):
         return None, f"batch[{key!r}] is a {type(value).__name__}, not a tensor"
     return value, ""
-
-
-def training_loss(outputs: Any) -> Tensor | None:
-    """The loss a training step returned (``Tensor`` or ``{"loss": Tensor}``), or None."""
-    if isinstance(outputs, Mapping):
-        outputs = outputs.get("loss")
-    return outputs if isinstance(outputs, Tensor) and outputs.numel() == 1 else None
 
 
 class LossAtInit(DebugCallback):
@@ -268,11 +240,11 @@ class LossAtInit(DebugCallback):
                 return  # the first call in the training step only; not another callback's probe forward
             self._output_types[name] = type(output).__name__
             child = self.logits_module is None and name != ""
-            logits = find_logits(output, structured_only=child)
+            logits = logits_of(output, structured_only=child)
             if logits is not None:
                 self._captured[name] = logits.detach()
             elif child:
-                raw = find_logits(output)
+                raw = logits_of(output)
                 if raw is not None:
                     self._raw[name] = raw.detach()
 
@@ -310,7 +282,7 @@ class LossAtInit(DebugCallback):
         phase, step = self._armed, self._armed_step
         try:
             self._remove_hooks()
-            loss = training_loss(outputs)
+            loss = loss_of(outputs)
             if loss is not None and pl_module.automatic_optimization:
                 loss = loss * trainer.accumulate_grad_batches  # Lightning divides the returned loss by it
             with torch.no_grad():

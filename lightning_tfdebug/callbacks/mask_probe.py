@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -13,6 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
+from lightning_tfdebug.core.batch import logits_of, loss_of
+from lightning_tfdebug.core.model import import_object, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.probes import (
     IGNORE_INDEX,
@@ -35,65 +36,6 @@ _ALIGNMENT_RETRY_STEPS = (1, 5, 20, 50, 100, 200, 500)
 # Relative tolerance of "the loss training_step returned equals the loss recomputed from the same logits".
 _ALIGN_RTOL = {torch.float64: 1e-9, torch.float32: 2e-5}
 _ALIGN_RTOL_HALF = 1e-3
-
-
-def import_object(path: str) -> Any:
-    """Import ``"package.module:name"`` or ``"package.module.name"``."""
-    module, sep, name = path.partition(":")
-    if not sep:
-        module, _, name = path.rpartition(".")
-    if not module or not name:
-        raise ValueError(f"expected an import path like 'package.module:function'; got {path!r}.")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def logits_of(output: Any) -> Tensor | None:
-    """The logits tensor in a model's output: a tensor, ``.logits``, ``["logits"]``, or the first tensor of a tuple."""
-    if isinstance(output, Tensor):
-        return output
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, Tensor):
-        return logits
-    if isinstance(output, Mapping) and isinstance(output.get("logits"), Tensor):
-        return output["logits"]
-    if isinstance(output, Sequence) and not isinstance(output, str):
-        for item in output:
-            if isinstance(item, Tensor):
-                return item
-    return None
-
-
-def loss_of(output: Any) -> Tensor | None:
-    """The loss in what ``training_step`` returned: a tensor or ``{"loss": tensor}``."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None
-
-
-def quiet_training_step(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
-    """Call ``pl_module.training_step`` with ``self.log`` / ``self.log_dict`` silenced, so a probe call logs nothing.
-
-    The caller is responsible for ``no_grad``, the module's mode and the precision context. Only for modules with
-    automatic optimization: a manual-optimization ``training_step`` steps optimizers itself.
-    """
-
-    def _silent(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    saved = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
-    pl_module.__dict__["log"] = _silent
-    pl_module.__dict__["log_dict"] = _silent
-    try:
-        return pl_module.training_step(batch, batch_idx)
-    finally:
-        for name in ("log", "log_dict"):
-            pl_module.__dict__.pop(name, None)
-        pl_module.__dict__.update(saved)
 
 
 def detect_context_limit(module: nn.Module) -> int | None:

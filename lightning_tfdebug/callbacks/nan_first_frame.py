@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.grad_norm_monitor import grad_scaler_of
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
 from lightning_tfdebug.core.distributed import all_gather_vector, local_tensor, world_size
+from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_frames, weight_ranges, window, write_report
 

@@ -10,10 +10,10 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.callbacks.grad_norm_monitor import grad_scaler_of
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.distributed import clean_param_name, local_tensor
 from lightning_tfdebug.core.groups import training_model
+from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.findings import OnFinding
 
 # Optimizers whose ``weight_decay`` is L2 added to the gradient (coupled), unless ``decoupled_weight_decay`` is set.

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
-from lightning_tfdebug.callbacks.throughput_monitor import FetchTimer, fetch_timer
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.distributed import (
     DTensor,
@@ -24,6 +23,7 @@ from lightning_tfdebug.core.distributed import (
     plan_sharding,
 )
 from lightning_tfdebug.core.groups import training_model
+from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.throughput import (

@@ -11,10 +11,10 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.grad_norm_monitor import grad_scaler_of
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.distributed import local_tensor, packed_reduce
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
+from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.norms import grouped_sq_norms

@@ -1,0 +1,283 @@
+"""One reading of the training batch and of what the model returns, shared by every callback of the pack.
+
+A callback that needs the token ids, the attention mask, the labels or the position ids of a batch asks
+:func:`step_batch` for the :class:`StepBatch` of the current step; the first caller resolves the keys, later callers
+on the same step (and the same key settings) get the same object, and its counts (real tokens, padding, supervised
+labels) are computed once, on the device, without a host sync. The logits and the loss are found in model outputs
+and ``training_step`` returns by :func:`logits_of` and :func:`loss_of`.
+
+Batches may be mappings (``dict``, Hugging Face ``BatchEncoding``), tuples/lists (``(inputs, targets)``), dataclasses,
+or a bare tensor, nested. Every callback takes the same arguments to point at the fields: ``input_key``,
+``mask_key``, ``labels_key``, ``position_key`` (a key, a dotted path such as ``"inputs.input_ids"``, or a tuple index
+such as ``"0"``) and ``ignore_index``. Left as ``None``, a key is found by its usual names, and in tuple batches by
+position (the first 2-D integer tensor holds the ids, the next integer tensor with as many elements the labels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+IGNORE_INDEX = -100
+"""PyTorch's default ``ignore_index`` of ``cross_entropy`` / ``nll_loss``, and Hugging Face's label padding."""
+
+IDS_KEYS: tuple[str, ...] = ("input_ids", "tokens", "token_ids", "ids", "input", "inputs", "src", "x")
+MASK_KEYS: tuple[str, ...] = ("attention_mask", "padding_mask", "attn_mask", "mask")
+LABELS_KEYS: tuple[str, ...] = ("labels", "label_ids", "targets", "target", "tgt", "y")
+POSITION_KEYS: tuple[str, ...] = ("position_ids", "positions", "pos")
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (Mapping, Tensor)) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes)))
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def flatten_batch(batch: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaves of a batch by path: mapping keys, dataclass fields and sequence indices joined with ``.``
+    (``"input_ids"``, ``"0"``, ``"inputs.pixel_values"``). A bare tensor is the single leaf ``""``. Strings are
+    leaves, and so is a list or tuple holding no tensors or containers (per-sample ids or texts)."""
+    if isinstance(batch, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in batch.items():
+            out.update(flatten_batch(v, f"{prefix}{k}."))
+        return out
+    if _is_dataclass_instance(batch):
+        out = {}
+        for f in dataclasses.fields(batch):
+            out.update(flatten_batch(getattr(batch, f.name), f"{prefix}{f.name}."))
+        return out
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and any(_is_container(v) for v in batch):
+        out = {}
+        for i, v in enumerate(batch):
+            out.update(flatten_batch(v, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1] if prefix else "": batch}
+
+
+def is_id_tensor(value: Any) -> bool:
+    """An integer tensor (token ids, labels): not floating, complex or boolean."""
+    return (
+        isinstance(value, Tensor)
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
+
+
+@dataclass(frozen=True)
+class BatchKeys:
+    """Where the fields of a batch are; ``None`` finds a field by its usual names (see the module docstring).
+
+    Raises:
+        TypeError: if a key is not a non-empty string or None, or ``ignore_index`` is not an integer.
+    """
+
+    input_key: str | None = None
+    mask_key: str | None = None
+    labels_key: str | None = None
+    position_key: str | None = None
+    ignore_index: int = IGNORE_INDEX
+
+    def __post_init__(self) -> None:
+        for name in ("input_key", "mask_key", "labels_key", "position_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"`{name}` must be a non-empty string (a key or dotted path) or None; got {value!r}.")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"`ignore_index` must be an integer; got {self.ignore_index!r}.")
+
+
+def _by_name(leaves: Mapping[str, Any], given: str | None, names: Sequence[str]) -> str | None:
+    """The path of the leaf ``given`` names (exact path, else a unique leaf whose last part is ``given``), or, when
+    nothing is given, of the first tensor leaf whose last part is one of ``names``."""
+    if given is not None:
+        if isinstance(leaves.get(given), Tensor):
+            return given
+        tail = [p for p in leaves if p.rsplit(".", 1)[-1] == given and isinstance(leaves[p], Tensor)]
+        return tail[0] if len(tail) == 1 else None
+    for name in names:
+        for path, value in leaves.items():
+            if path.rsplit(".", 1)[-1] == name and isinstance(value, Tensor):
+                return path
+    return None
+
+
+@dataclass
+class BatchFields:
+    """The fields of one batch, each with the path it was found at (``None`` when the batch has no such field)."""
+
+    leaves: dict[str, Any] = field(default_factory=dict)
+    input_ids: Tensor | None = None
+    attention_mask: Tensor | None = None
+    labels: Tensor | None = None
+    position_ids: Tensor | None = None
+    paths: dict[str, str | None] = field(default_factory=dict)
+    ids_by_position: bool = False  # the ids were found by position in a tuple batch, not by name
+
+
+def read_batch(batch: Any, keys: BatchKeys | None = None) -> BatchFields:
+    """Resolve the token ids, attention mask, labels and position ids of ``batch``. Host metadata only: no sync.
+
+    The ids are ``keys.input_key`` or a leaf named like :data:`IDS_KEYS` holding integers, else the first 2-D integer
+    tensor (``x`` of a tuple batch ``(x, y)``); the mask and the position ids are found by name only; the labels by
+    name, else (ids found by position) the next integer tensor with as many elements as the ids (``y``, flattened or
+    not). A mask or labels that do not fit the ids are still returned: callers check what they need.
+    """
+    keys = keys or BatchKeys()
+    leaves = flatten_batch(batch)
+    ids_path = _by_name(leaves, keys.input_key, IDS_KEYS)
+    if ids_path is not None and keys.input_key is None and not is_id_tensor(leaves[ids_path]):
+        ids_path = None  # a float `x` (features) is not token ids
+    by_position = False
+    if ids_path is None and keys.input_key is None:
+        ids_path = next((p for p, v in leaves.items() if is_id_tensor(v) and v.ndim == 2), None)
+        by_position = ids_path is not None
+    mask_path = _by_name(leaves, keys.mask_key, MASK_KEYS)
+    labels_path = _by_name(leaves, keys.labels_key, LABELS_KEYS)
+    if labels_path is not None and keys.labels_key is None and not is_id_tensor(leaves[labels_path]):
+        labels_path = None
+    if labels_path is None and keys.labels_key is None and by_position and ids_path is not None:
+        order = list(leaves)
+        numel = leaves[ids_path].numel()
+        labels_path = next(
+            (
+                p
+                for p in order[order.index(ids_path) + 1 :]
+                if p != mask_path and is_id_tensor(leaves[p]) and leaves[p].numel() == numel
+            ),
+            None,
+        )
+    position_path = _by_name(leaves, keys.position_key, POSITION_KEYS)
+    return BatchFields(
+        leaves=leaves,
+        input_ids=leaves.get(ids_path) if ids_path is not None else None,
+        attention_mask=leaves.get(mask_path) if mask_path is not None else None,
+        labels=leaves.get(labels_path) if labels_path is not None else None,
+        position_ids=leaves.get(position_path) if position_path is not None else None,
+        paths={
+            "input_ids": ids_path,
+            "attention_mask": mask_path,
+            "labels": labels_path,
+            "position_ids": position_path,
+        },
+        ids_by_position=by_position,
+    )
+
+
+class StepBatch:
+    """The current training batch as every callback of the pack sees it: fields resolved once, counts computed once.
+
+    Counts are device tensors (no host sync); sizes read from shapes are host ints. Get it with :func:`step_batch`.
+    """
+
+    def __init__(self, batch: Any, keys: BatchKeys) -> None:
+        self.batch = batch
+        self.keys = keys
+        self.fields = read_batch(batch, keys)
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def input_ids(self) -> Tensor | None:
+        return self.fields.input_ids
+
+    @property
+    def attention_mask(self) -> Tensor | None:
+        """The mask when it has the ids' shape (else None: it cannot say which ids are padding)."""
+        mask, ids = self.fields.attention_mask, self.fields.input_ids
+        if mask is None or (ids is not None and mask.shape != ids.shape):
+            return None
+        return mask
+
+    @property
+    def labels(self) -> Tensor | None:
+        return self.fields.labels
+
+    @property
+    def samples(self) -> int:
+        """Sequences in the batch (host, from the shape)."""
+        source = self.fields.input_ids if self.fields.input_ids is not None else self.attention_mask
+        if source is None:
+            return 0
+        return int(source.shape[0]) if source.ndim >= 2 else 1
+
+    @property
+    def positions(self) -> int:
+        """Token positions computed, padding included (host, from the shape)."""
+        source = self.fields.input_ids if self.fields.input_ids is not None else self.attention_mask
+        return 0 if source is None else int(source.numel())
+
+    def tokens(self) -> Tensor | int:
+        """Real (non-padding) tokens: the mask's non-zero entries (a device tensor), or every position when the batch
+        has no mask (a host int)."""
+        if "tokens" not in self._cache:
+            mask = self.attention_mask
+            self._cache["tokens"] = torch.count_nonzero(mask) if mask is not None else self.positions
+        return self._cache["tokens"]
+
+    def supervised(self) -> Tensor | None:
+        """Labels that are not ``ignore_index`` (a device tensor), or None when the batch has no labels."""
+        if "supervised" not in self._cache:
+            labels = self.fields.labels
+            self._cache["supervised"] = (
+                None if labels is None else torch.count_nonzero(labels != self.keys.ignore_index)
+            )
+        return self._cache["supervised"]
+
+
+_STEP_ATTR = "_tfdebug_step_batches"
+
+
+def step_batch(trainer: Any, batch: Any, keys: BatchKeys | None = None) -> StepBatch:
+    """The shared :class:`StepBatch` of ``batch``: built by the first callback that asks on this batch, reused by the
+    others (per key settings). Only the latest batch is kept, so nothing outlives its step."""
+    keys = keys or BatchKeys()
+    holder = trainer.__dict__.get(_STEP_ATTR)
+    if holder is None or holder[0] is not batch:
+        holder = (batch, {})
+        trainer.__dict__[_STEP_ATTR] = holder
+    views: dict[BatchKeys, StepBatch] = holder[1]
+    view = views.get(keys)
+    if view is None:
+        view = views[keys] = StepBatch(batch, keys)
+    return view
+
+
+# ------------------------------------------------------------------------------------------------------------ outputs
+def _usable_logits(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.is_floating_point() and x.ndim >= 2
+
+
+def logits_of(output: Any, structured_only: bool = False) -> Tensor | None:
+    """The logits in a model's output: ``.logits`` or ``["logits"]`` (Hugging Face outputs, dicts), a float tensor
+    with a class dimension, or (unless ``structured_only``) the first such tensor in a tuple or list (``logits, loss =
+    model(x, y)``). None when there is none."""
+    if isinstance(output, Mapping):
+        value = output.get("logits")
+        return value if _usable_logits(value) else None
+    value = getattr(output, "logits", None)
+    if _usable_logits(value):
+        return value
+    if structured_only:
+        return None
+    if _usable_logits(output):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((x for x in output if _usable_logits(x)), None)
+    return None
+
+
+def loss_of(output: Any) -> Tensor | None:
+    """The loss in what ``training_step`` (or a model) returned: a scalar tensor, ``["loss"]`` or ``.loss``."""
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    elif not isinstance(output, Tensor):
+        output = getattr(output, "loss", None)
+    return output if isinstance(output, Tensor) and output.numel() == 1 else None

@@ -1,0 +1,62 @@
+"""Timing the data loader: one :class:`FetchTimer` per fit loop, shared by every callback that reports data wait."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+
+
+class FetchTimer:
+    """Adds up the wall time the training loop spends getting its next batch onto the device.
+
+    Installed on the Trainer's data fetcher, around the two hooks Lightning calls before and after each fetch (where
+    its own profiler measures ``train_dataloader_next``), it times the DataLoader's ``next()``: worker hand-off, or
+    ``__getitem__`` and collation without workers, and pinning. :meth:`batch_arrived`, called when the batch reaches
+    ``on_train_batch_start``, adds the time since that fetch ended: the copy to the device and the batch-transfer
+    hooks. Several callbacks share one timer and read differences of :attr:`total_s`.
+    """
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._t0: float | None = None
+        self._fetched_at: float | None = None  # end of the last fetch not yet followed by a batch start
+        self._inner_start: Callable[[], None] = lambda: None
+        self._inner_stop: Callable[[], None] = lambda: None
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._inner_start()
+
+    def stop(self) -> None:
+        self._inner_stop()
+        if self._t0 is not None:
+            now = time.perf_counter()
+            self.total_s += now - self._t0
+            self._t0 = None
+            self._fetched_at = now
+
+    def batch_arrived(self) -> None:
+        """Count the time from the end of the last fetch to now (device copy, transfer hooks); once per fetch."""
+        if self._fetched_at is not None:
+            self.total_s += time.perf_counter() - self._fetched_at
+            self._fetched_at = None
+
+
+def fetch_timer(trainer: pl.Trainer) -> FetchTimer | None:
+    """The :class:`FetchTimer` on the fit loop's current data fetcher (installed on first use, and again when the
+    loop re-assigns the fetcher's hooks at an epoch start), with the current batch's arrival counted; None when this
+    Lightning version has no such hooks. Call it from ``on_train_batch_start``."""
+    fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
+    if fetcher is None or not hasattr(fetcher, "_start_profiler") or not hasattr(fetcher, "_stop_profiler"):
+        return None
+    timer = getattr(fetcher, "_tfdebug_fetch_timer", None)
+    if timer is None:
+        timer = FetchTimer()
+        fetcher._tfdebug_fetch_timer = timer
+    if fetcher._start_profiler != timer.start:
+        timer._inner_start, timer._inner_stop = fetcher._start_profiler, fetcher._stop_profiler
+        fetcher._start_profiler, fetcher._stop_profiler = timer.start, timer.stop
+    timer.batch_arrived()
+    return timer
