@@ -9,11 +9,11 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
 from lightning_tfdebug.core.batch import logits_of, loss_of
-from lightning_tfdebug.core.model import import_object, quiet_training_step
+from lightning_tfdebug.core.model import find_context_length, import_object, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.probes import (
     IGNORE_INDEX,
@@ -36,31 +36,6 @@ _ALIGNMENT_RETRY_STEPS = (1, 5, 20, 50, 100, 200, 500)
 # Relative tolerance of "the loss training_step returned equals the loss recomputed from the same logits".
 _ALIGN_RTOL = {torch.float64: 1e-9, torch.float32: 2e-5}
 _ALIGN_RTOL_HALF = 1e-3
-
-
-def detect_context_limit(module: nn.Module) -> int | None:
-    """The longest sequence the model's position table holds, read from its hyperparameters, a Hugging Face
-    ``config``, or an ``nn.Embedding`` whose name says it holds positions. None when nothing says."""
-    names = ("context_length", "max_position_embeddings", "n_positions", "block_size", "max_seq_len", "seq_len")
-    hparams = getattr(module, "hparams", None)
-    if isinstance(hparams, Mapping):
-        for name in names:
-            value = hparams.get(name)
-            if isinstance(value, int) and value > 0:
-                return value
-    for sub in module.modules():
-        config = getattr(sub, "config", None)
-        if config is None or isinstance(config, Mapping):
-            continue
-        for name in names:
-            value = getattr(config, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    for name, sub in module.named_modules():
-        last = name.rsplit(".", 1)[-1].lower()
-        if isinstance(sub, nn.Embedding) and ("pos" in last or last in ("wpe",)):
-            return int(sub.num_embeddings)
-    return None
 
 
 class MaskProbe(DebugCallback):
@@ -619,7 +594,7 @@ class MaskProbe(DebugCallback):
         decisions.append(decide_side)
 
     def _limit_for(self, trainer: pl.Trainer) -> int | None:
-        return self.context_limit or detect_context_limit(trainer.lightning_module)
+        return self.context_limit or find_context_length(trainer.lightning_module)[0]
 
     def _probe_positions(
         self,

@@ -1,11 +1,13 @@
 """Lightning and model plumbing shared by the pack's callbacks: the GradScaler in use, a training step replayed
-without logging, whether a forward runs inside ``training_step``, whether the model is compiled, and imports of
-user functions named in a config. Nothing here measures or decides.
+without logging, whether a forward runs inside ``training_step``, whether the model is compiled, imports of user
+functions named in a config, and what the model says of its vocabulary and context length. Nothing here measures
+or decides.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -79,3 +81,112 @@ def is_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
             if isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None:
                 return True
     return False
+
+
+_CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
+_CONTEXT_HPARAMS = (
+    "context_length",
+    "max_seq_len",
+    "max_seq_length",
+    "max_position_embeddings",
+    "n_positions",
+    "n_ctx",
+    "block_size",
+    "seq_len",
+    "max_length",
+)
+_POSITION_WORDS = ("pos", "wpe")  # position tables: `pos_emb`, `wpe`, `position_embeddings`, `pos_embed`
+_TYPE_WORDS = ("type", "segment")  # token-type tables: `token_type_embeddings`, `segment_emb`
+
+
+def _leaf_name(name: str) -> str:
+    return name.rsplit(".", 1)[-1].lower()
+
+
+def _is_position_name(name: str) -> bool:
+    leaf = _leaf_name(name)
+    return any(w in leaf for w in _POSITION_WORDS)
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """An object with ``decode``: ``tokenizer`` itself, or what the import path ``"pkg.mod.Name"`` (or
+    ``"pkg.mod:Name"``) names: a class or factory is called without arguments.
+
+    Raises:
+        ValueError: when the path cannot be imported or the result has no ``decode``.
+    """
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, str):
+        module_name, sep, attr = tokenizer.partition(":")
+        if not sep:
+            module_name, _, attr = tokenizer.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"`tokenizer` {tokenizer!r} is not an importable 'module.Name' path ({err}).") from err
+        tokenizer = obj() if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "decode")) else obj
+    if not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(f"`tokenizer` must have a `decode` method; got {type(tokenizer).__name__}.")
+    return tokenizer
+
+
+def find_vocab_size(model: nn.Module) -> tuple[int | None, str]:
+    """The number of rows of the model's input embedding, and where it came from.
+
+    Looks for ``get_input_embeddings()`` (Hugging Face models, also when nested in a LightningModule), then for an
+    ``nn.Embedding`` whose row count equals the width of an ``nn.Linear`` (the LM head), then for the only
+    ``nn.Embedding``; tables named like positions (``pos``, ``wpe``) or token types (``type``, ``segment``) are
+    never taken. ``(None, reason)`` when none fits.
+    """
+    for name, module in model.named_modules():
+        getter = getattr(module, "get_input_embeddings", None)
+        if callable(getter) and not isinstance(module, pl.LightningModule):
+            try:
+                emb = getter()
+            except (NotImplementedError, AttributeError):
+                continue
+            if isinstance(emb, nn.Embedding):
+                return emb.num_embeddings, f"{name or type(module).__name__}.get_input_embeddings()"
+    # Position and token-type tables are never the vocabulary, even when their row count happens to equal a width.
+    tokens = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Embedding) and not _is_position_name(n) and not any(w in n.lower() for w in _TYPE_WORDS)
+    ]
+    widths = {m.out_features for m in model.modules() if isinstance(m, nn.Linear)}
+    for name, emb in tokens:
+        if emb.num_embeddings in widths:
+            return emb.num_embeddings, f"embedding '{name}' (rows equal the output head's width)"
+    if len(tokens) == 1:  # a tied head applied with F.linear has no nn.Linear to match
+        return tokens[0][1].num_embeddings, f"the only token embedding, '{tokens[0][0]}'"
+    return None, "no input embedding found (no get_input_embeddings(), no embedding matching an output width)"
+
+
+def find_context_length(model: nn.Module) -> tuple[int | None, str]:
+    """The longest sequence the model accepts, and where it came from: a Hugging Face ``config``
+    (``max_position_embeddings``, ``n_positions``), an ``nn.Embedding`` named like a position table
+    (``pos``/``wpe``/``position``), a position parameter of shape ``(T, d)`` or ``(1, T, d)``, or the module's
+    hyper-parameters (``context_length``, ``block_size``, ``max_seq_len`` ...)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is None or isinstance(config, Mapping):
+            continue
+        for attr in _CONTEXT_ATTRS:
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value, f"{name or type(module).__name__}.config.{attr}"
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and _is_position_name(name):
+            return module.num_embeddings, f"position embedding '{name}'"
+    for name, param in model.named_parameters():
+        # a learned position table kept as a parameter: (T, d) or (1, T, d), added to the token embeddings
+        if _is_position_name(name) and param.ndim in (2, 3) and (param.ndim == 2 or param.shape[0] == 1):
+            return int(param.shape[-2]), f"position parameter '{name}' {tuple(param.shape)}"
+    hparams = getattr(model, "hparams", None)
+    if isinstance(hparams, Mapping):
+        for attr in _CONTEXT_HPARAMS:
+            value = hparams.get(attr)
+            if isinstance(value, int) and value > 0:
+                return value, f"hparams['{attr}']"
+    return None, "no position table, config or context-length hyper-parameter found"

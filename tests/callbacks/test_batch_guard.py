@@ -8,7 +8,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_tfdebug import BatchGuard, TFDebugError, TFDebugWarning, read_findings
-from lightning_tfdebug.callbacks.batch_guard import find_context_length, find_vocab_size
+from lightning_tfdebug.core.model import find_context_length, find_vocab_size
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.demo.data import ByteTokenizer
 from lightning_tfdebug.repro import load_bundle, replay
