@@ -74,21 +74,25 @@ def is_id_tensor(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class BatchKeys:
-    """Where the fields of a batch are; ``None`` finds a field by its usual names (see the module docstring).
+    """Where the fields of a batch are; ``None`` finds a field by its usual names (see the module docstring). A
+    non-negative int is a position in a tuple batch (``labels_key=1`` for ``(inputs, targets)``).
 
     Raises:
         TypeError: if a key is not a non-empty string or None, or ``ignore_index`` is not an integer.
     """
 
-    input_key: str | None = None
-    mask_key: str | None = None
-    labels_key: str | None = None
-    position_key: str | None = None
+    input_key: str | int | None = None
+    mask_key: str | int | None = None
+    labels_key: str | int | None = None
+    position_key: str | int | None = None
     ignore_index: int = IGNORE_INDEX
 
     def __post_init__(self) -> None:
         for name in ("input_key", "mask_key", "labels_key", "position_key"):
             value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                object.__setattr__(self, name, str(value))  # a tuple position: the path "1"
+                continue
             if value is not None and (not isinstance(value, str) or not value):
                 raise TypeError(f"`{name}` must be a non-empty string (a key or dotted path) or None; got {value!r}.")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
