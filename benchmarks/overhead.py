@@ -2,12 +2,16 @@
 
 Usage::
 
-    python benchmarks/overhead.py --steps 200 --repeats 3
+    python benchmarks/overhead.py --steps 200 --repeats 5
+    python benchmarks/overhead.py --only "whole pack" "design card" --steps 300 --repeats 7
 
-Every case trains the tiny transformer for ``--steps`` optimizer steps. Cases run round-robin ``--repeats`` times so
-slow phases of a noisy machine hit every case alike; a case's step time is the median over its steps (the first
-``--skip`` steps of each run are dropped) and then the median over repeats. The table prints each case's median step
-time and its ratio to its baseline case measured in the same process.
+Every case trains the tiny transformer (4 layers, d_model 128 by default) for ``--steps`` optimizer steps, one torch
+thread, ``log_every_n_steps=10`` (so the callbacks' default cadence measures every 10th step). Each round runs every
+case once, in a new random order, so slow phases of a noisy machine hit every case alike. A run's step time is the
+**mean** over its steps, measuring steps included (the first ``--skip`` steps, compilation and allocator warm-up,
+are dropped); the median would hide exactly the steps that cost. The table prints each case's mean step time
+(median over rounds), its ratio to its baseline, and the range of the per-round ratios (each round's ratio taken
+against the baseline run of the same round).
 
 Later issues add their cases to ``CASES`` (one ``Case`` per row).
 """
@@ -15,6 +19,7 @@ Later issues add their cases to ``CASES`` (one ``Case`` per row).
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -90,8 +95,41 @@ def _update_ratio(**kw: Any) -> Callable[[], list[pl.Callback]]:
     return build
 
 
+def the_pack() -> list[pl.Callback]:
+    """Every callback of the pack at its defaults, as a user who turns them all on would."""
+    import lightning_tfdebug as tfd
+
+    return [
+        *design_card(),
+        tfd.BatchGuard(),
+        tfd.ReproCapture(),
+        tfd.MaskProbe(),
+        tfd.OptimizerAudit(),
+        tfd.CheckpointAudit(),
+    ]
+
+
+def design_card() -> list[pl.Callback]:
+    """The eight callbacks of the design card at their defaults."""
+    import lightning_tfdebug as tfd
+
+    return [
+        tfd.GradNormMonitor(),
+        tfd.UpdateRatio(),
+        tfd.DeadActivation(),
+        tfd.LossAtInit(),
+        tfd.NaNFirstFrame(),
+        tfd.ScalerWatch(),
+        tfd.PerRankLogger(),
+        tfd.ThroughputMonitor(),
+    ]
+
+
 CASES: list[Case] = [
     Case("plain"),
+    # --- issue 13: the whole pack ---
+    Case("whole pack (13 callbacks, defaults)", the_pack),
+    Case("design card (8 callbacks, defaults)", design_card),
     # --- issue 2: foundation ---
     Case("GradNormMonitor (default cadence)", _gnm()),
     Case("GradNormMonitor (every step)", _gnm(every_n_steps=1)),
@@ -228,7 +266,7 @@ def run_case(case: Case, args: argparse.Namespace, log_dir: str) -> list[float]:
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        log_every_n_steps=50,
+        log_every_n_steps=args.log_every_n_steps,
     )
     kwargs.update(case.trainer_kwargs)
     trainer = pl.Trainer(callbacks=[timer, *case.callbacks()], **kwargs)
@@ -243,38 +281,45 @@ def run_case(case: Case, args: argparse.Namespace, log_dir: str) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; each runs every case once, random order")
     parser.add_argument("--skip", type=int, default=10, help="steps dropped at the start of each run")
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-layers", type=int, default=4)
+    parser.add_argument("--log-every-n-steps", type=int, default=10)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (pinned)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the case order")
     parser.add_argument("--only", nargs="*", help="substrings: run only matching cases (and their baselines)")
     parser.add_argument("--log-dir", default="benchmarks/results")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
 
     cases = CASES
     if args.only:
         wanted = {c.name for c in CASES if any(s in c.name for s in args.only)}
         wanted |= {c.baseline for c in CASES if c.name in wanted}
         cases = [c for c in CASES if c.name in wanted]
-    medians: dict[str, list[float]] = {c.name: [] for c in cases}
+    order = random.Random(args.seed)
+    means: dict[str, list[float]] = {c.name: [] for c in cases}
     for _ in range(args.repeats):
-        for case in cases:
+        for case in order.sample(cases, len(cases)):
             times = run_case(case, args, args.log_dir)
-            medians[case.name].append(statistics.median(times))
+            means[case.name].append(statistics.fmean(times))
 
     print(
-        f"\n{args.steps} steps x {args.repeats} repeats, batch {args.batch_size}, d_model {args.d_model}, "
-        f"{args.n_layers} layers, {args.accelerator}, torch {torch.__version__}"
+        f"\n{args.steps} steps x {args.repeats} rounds (random order), batch {args.batch_size}, d_model {args.d_model}, "
+        f"{args.n_layers} layers, log_every_n_steps {args.log_every_n_steps}, {args.threads} torch thread(s), "
+        f"{args.accelerator}, torch {torch.__version__}"
     )
-    print(f"| {'case':<48} | {'median step (ms)':>16} | {'ratio':>7} |")
-    print(f"|{'-' * 50}|{'-' * 18}|{'-' * 9}|")
-    result = {name: statistics.median(v) for name, v in medians.items()}
+    print(f"| {'case':<52} | {'mean step (ms)':>14} | {'ratio':>6} | {'per-round ratios':>16} |")
+    print(f"|{'-' * 54}|{'-' * 16}|{'-' * 8}|{'-' * 18}|")
     for case in cases:
-        ratio = result[case.name] / result[case.baseline]
-        print(f"| {case.name:<48} | {result[case.name] * 1e3:>16.2f} | {ratio:>7.3f} |")
+        mine, base = means[case.name], means[case.baseline]
+        rounds = [m / b for m, b in zip(mine, base)]
+        ratio = statistics.median(mine) / statistics.median(base)
+        spread = f"{min(rounds):.3f}-{max(rounds):.3f}"
+        print(f"| {case.name:<52} | {statistics.median(mine) * 1e3:>14.2f} | {ratio:>6.3f} | {spread:>16} |")
 
 
 if __name__ == "__main__":
