@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
             means[case.name].append(statistics.fmean(times))
 
     print(
-        f"\n{args.steps} steps x {args.repeats} rounds (random order), batch {args.batch_size}, d_model {args.d_model}, "
+        f"\n{args.steps} steps x {args.repeats} rounds (random order), batch {args.batch_size}, "
+        f"d_model {args.d_model}, "
         f"{args.n_layers} layers, log_every_n_steps {args.log_every_n_steps}, {args.threads} torch thread(s), "
         f"{args.accelerator}, torch {torch.__version__}"
     )
