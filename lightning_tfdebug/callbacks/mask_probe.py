@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -12,30 +11,24 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
-from lightning_tfdebug.core.batch import logits_of, loss_of
+from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, logits_of, loss_of, step_batch
 from lightning_tfdebug.core.model import find_context_length, import_object, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional import mask_probes as probes
+from lightning_tfdebug.functional.mask_probes import ALIGNMENT_RETRY_STEPS, ModelCaller
 from lightning_tfdebug.functional.probes import (
-    IGNORE_INDEX,
     alignment_losses,
     causal_valid_positions,
-    classify_alignment,
     labels_relation,
     logit_tolerance,
     max_change,
-    padding_side,
-    random_ids_like,
     replace_after,
 )
+from lightning_tfdebug.functional.verdicts import Verdict
 
 PaddingSide = Literal["auto", "right", "left"]
-_MASK_NAMES = ("attention_mask", "mask", "padding_mask", "attn_mask")
-# Steps at which a target-alignment check that could not decide yet (losses of the two alignments too close on a
-# freshly initialised model) is tried again. Fixed, so every rank tries at the same steps.
-_ALIGNMENT_RETRY_STEPS = (1, 5, 20, 50, 100, 200, 500)
-# Relative tolerance of "the loss training_step returned equals the loss recomputed from the same logits".
-_ALIGN_RTOL = {torch.float64: 1e-9, torch.float32: 2e-5}
-_ALIGN_RTOL_HALF = 1e-3
+Decision = Callable[[dict[str, float]], "Verdict | None"]
+"""Turns the probe's host values into a finding (or None), after the one transfer of a probing step."""
 
 
 class MaskProbe(DebugCallback):
@@ -82,9 +75,11 @@ class MaskProbe(DebugCallback):
     logits or model output``), or automatically when ``pl_module.forward`` takes ``input_ids`` by keyword (Hugging
     Face style, ``**kwargs`` included) or the ids as its first positional argument (the mask is passed when the
     forward names one). The logits are the output itself, its ``.logits``, ``["logits"]`` or the first tensor of a
-    tuple. Batches are dicts (``input_key``, ``mask_key``, ``labels_key``) or tuples whose first 2-D integer tensor
-    is the ids and whose second, when of the same shape, is the labels. When it cannot call the model MaskProbe says
-    which argument to set (``TFD211``) and stands aside.
+    tuple. The batch is read by the pack's shared reader (:mod:`lightning_tfdebug.core.batch`): dicts, Hugging Face
+    ``BatchEncoding``, dataclasses and tuples, with the ids, mask and labels found by their usual names, or in tuples
+    by position (the first 2-D integer tensor is the ids, the next of the same shape the labels), unless
+    ``input_key`` / ``mask_key`` / ``labels_key`` say where. When it cannot call the model MaskProbe says which
+    argument to set (``TFD211``) and stands aside.
 
     Logged keys (on probing steps, values in the units named):
 
@@ -127,10 +122,14 @@ class MaskProbe(DebugCallback):
         kv_cache_fn: import path of ``fn(pl_module, input_ids) -> logits`` that decodes incrementally with the
             model's cache.
         forward_fn: import path of ``fn(pl_module, input_ids, attention_mask) -> logits`` (or a model output).
-        input_key: batch key of the token ids.
-        mask_key: batch key of the attention mask (1 = real token).
-        labels_key: batch key of the labels.
-        ignore_index: label value that is not supervised.
+        input_key: where the token ids are in the batch: a key, a dotted path (``"inputs.input_ids"``) or a tuple
+            position; ``None`` finds them (``input_ids``, ``tokens``, ...; the first 2-D integer tensor of a tuple).
+            Also the forward's keyword for the ids when the forward names it.
+        mask_key: where the attention mask (1 = real token) is; ``None`` finds it (``attention_mask``,
+            ``padding_mask``, ...). Also the forward's keyword for the mask when the forward names it.
+        labels_key: where the labels are; ``None`` finds them (``labels``, ``targets``, ...; in a tuple the integer
+            tensor after the ids).
+        ignore_index: label value that is not supervised; ``None``: -100 (PyTorch's and Hugging Face's).
         padding_side: ``"auto"`` (read from the batch's mask; right when it has no padding), ``"right"`` or
             ``"left"``.
         probe_rows: rows of the batch the causality and padding probes use.
@@ -167,10 +166,10 @@ class MaskProbe(DebugCallback):
         context_limit: int | None = None,
         kv_cache_fn: str | None = None,
         forward_fn: str | None = None,
-        input_key: str = "input_ids",
-        mask_key: str = "attention_mask",
-        labels_key: str = "labels",
-        ignore_index: int = IGNORE_INDEX,
+        input_key: str | int | None = None,
+        mask_key: str | int | None = None,
+        labels_key: str | int | None = None,
+        ignore_index: int | None = None,
         padding_side: PaddingSide = "auto",
         probe_rows: int = 2,
         probe_length: int = 64,
@@ -191,10 +190,14 @@ class MaskProbe(DebugCallback):
                 raise ValueError(
                     f"`{name}` must be an import path like 'package.module:function' or None; got {value!r}."
                 )
-        for name, value in (("input_key", input_key), ("mask_key", mask_key), ("labels_key", labels_key)):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"`{name}` must be a non-empty string; got {value!r}.")
-        check_number("ignore_index", ignore_index, integer=True)
+        check_number("ignore_index", ignore_index, integer=True, optional=True)
+        # validates the keys (a non-empty string, a tuple position or None) with a message naming the argument
+        self._keys = BatchKeys(
+            input_key=input_key,
+            mask_key=mask_key,
+            labels_key=labels_key,
+            ignore_index=IGNORE_INDEX if ignore_index is None else ignore_index,
+        )
         check_choice("padding_side", padding_side, ("auto", "right", "left"))
         check_number("probe_rows", probe_rows, low=1, integer=True)
         check_number("probe_length", probe_length, low=4, integer=True)
@@ -208,13 +211,12 @@ class MaskProbe(DebugCallback):
         self.input_key = input_key
         self.mask_key = mask_key
         self.labels_key = labels_key
-        self.ignore_index = ignore_index
+        self.ignore_index = self._keys.ignore_index
         self.padding_side = padding_side
         self.probe_rows = probe_rows
         self.probe_length = probe_length
-        self._caller: Callable[[Tensor, Tensor | None], Any] | None = None
-        self._takes_mask = False
-        self._mask_named = False  # the forward names a mask argument (or forward_fn takes one)
+        self._caller: ModelCaller | None = None
+        self._mask_path: str | None = None  # where the mask was found in the batch (evidence of TFD204)
         self._last_probe_step: int | None = None
         self._positions_done = False
         self._alignment_decided = False
@@ -256,9 +258,9 @@ class MaskProbe(DebugCallback):
         first = self._last_probe_step is None
         periodic = self.every_n_steps is not None and step % self.every_n_steps == 0
         # from the configuration only, not from what this rank decided, so that every rank takes the same steps
-        retry_step = self.causal is not False and self.check_targets and step in _ALIGNMENT_RETRY_STEPS
+        retry_step = self.causal is not False and self.check_targets and step in ALIGNMENT_RETRY_STEPS
         if not (first or periodic or retry_step):
-            return
+            return  # a step that does not probe: no batch reading, no tensor work, no sync
         # Whether this step is a probing step depends on global_step only, so every rank gets here on the same steps
         # and reaches `resolve_local_findings` (a collective unless on_finding="warn") together, even when a rank
         # has already decided the target alignment or stood aside after a failed call.
@@ -267,90 +269,65 @@ class MaskProbe(DebugCallback):
             self._probe(trainer, pl_module, batch, batch_idx, full=first or periodic)
         self.resolve_local_findings(trainer)
 
-    # ------------------------------------------------------------------ batch access
-    def _extract(self, batch: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """(input_ids, attention_mask, labels) of a batch, each possibly None."""
-        if isinstance(batch, Mapping):
-            ids, mask, labels = batch.get(self.input_key), batch.get(self.mask_key), batch.get(self.labels_key)
-        elif isinstance(batch, (tuple, list)):
-            ints = [t for t in batch if isinstance(t, Tensor) and t.ndim == 2 and not t.is_floating_point()]
-            ids = ints[0] if ints else None
-            labels = ints[1] if len(ints) > 1 and ints[1].shape == ids.shape else None  # type: ignore[union-attr]
-            mask = None
-        elif isinstance(batch, Tensor):
-            ids, mask, labels = batch, None, None
-        else:
-            ids = mask = labels = None
+    # ------------------------------------------------------------------ batch and model access
+    def _extract(self, trainer: pl.Trainer, batch: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(input_ids, attention_mask, labels) of a batch from the shared reading, each None when missing or unfit:
+        the ids must be a 2-D integer tensor, the mask and the labels of the ids' shape."""
+        fields = step_batch(trainer, batch, self._keys).fields
+        ids, mask, labels = fields.input_ids, fields.attention_mask, fields.labels
         ids = ids if isinstance(ids, Tensor) and ids.ndim == 2 and not ids.is_floating_point() else None
-        mask = mask if isinstance(mask, Tensor) and ids is not None and mask.shape == ids.shape else None
-        labels = labels if isinstance(labels, Tensor) and ids is not None and labels.shape == ids.shape else None
+        mask = mask if ids is not None and mask is not None and mask.shape == ids.shape else None
+        labels = labels if ids is not None and labels is not None and labels.shape == ids.shape else None
+        self._mask_path = fields.paths.get("attention_mask") if mask is not None else self.mask_key  # type: ignore[assignment]
         return ids, mask, labels
 
     def _build_caller(self, pl_module: pl.LightningModule) -> str | None:
         """Decide how to call the model; returns a reason when it cannot."""
+        forward_fn = None
         if self.forward_fn is not None:
             try:
-                fn = import_object(self.forward_fn)
+                forward_fn = import_object(self.forward_fn)
             except (ImportError, AttributeError, ValueError) as err:
                 return f"`forward_fn={self.forward_fn!r}` could not be imported ({err})."
-            self._caller = lambda ids, mask: fn(pl_module, ids, mask)
-            self._takes_mask = self._mask_named = True
-            return None
-        try:
-            params = inspect.signature(pl_module.forward).parameters
-        except (TypeError, ValueError):
-            return "the signature of `forward` cannot be read; set `forward_fn`."
-        var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        mask_name = next((n for n in (self.mask_key, *_MASK_NAMES) if n in params), None)
-        self._mask_named = mask_name is not None
-        if mask_name is None and var_kw:
-            mask_name = self.mask_key
-        if self.input_key in params or ("input_ids" in params) or var_kw:
-            id_name = self.input_key if self.input_key in params or var_kw else "input_ids"
-
-            def call_kw(ids: Tensor, mask: Tensor | None) -> Any:
-                kwargs: dict[str, Any] = {id_name: ids}
-                if mask_name is not None and mask is not None:
-                    kwargs[mask_name] = mask
-                return pl_module(**kwargs)
-
-            self._caller, self._takes_mask = call_kw, mask_name is not None
-            return None
-        positional = [
-            p
-            for p in params.values()
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        ]
-        if positional:
-
-            def call_pos(ids: Tensor, mask: Tensor | None) -> Any:
-                if mask_name is not None and mask is not None:
-                    return pl_module(ids, **{mask_name: mask})
-                return pl_module(ids)
-
-            self._caller, self._takes_mask = call_pos, mask_name is not None
-            return None
-        return "`forward` takes neither `input_ids` by keyword nor the ids positionally; set `forward_fn`."
+        names = [k if isinstance(k, str) and not k.isdigit() else None for k in (self.input_key, self.mask_key)]
+        caller = probes.build_caller(pl_module, forward_fn, input_key=names[0], mask_key=names[1])
+        if isinstance(caller, str):
+            return caller
+        self._caller = caller
+        return None
 
     def _logits(self, ids: Tensor, mask: Tensor | None) -> Tensor:
         assert self._caller is not None
-        logits = logits_of(self._caller(ids, mask if self._takes_mask else None))
+        logits = logits_of(self._caller.call(ids, mask if self._caller.takes_mask else None))
         if logits is None or logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
             shape = None if logits is None else tuple(logits.shape)
             raise _CallError(f"the model's output is not logits of shape (batch, time, vocab) (got {shape})")
         return logits
+
+    def _emit(self, trainer: pl.Trainer, verdict: Verdict | None, **kwargs: Any) -> None:
+        if verdict is not None:  # every MaskProbe finding is this rank's own: resolved together at the step's end
+            self.emit(
+                trainer,
+                verdict.code,
+                verdict.message,
+                verdict.evidence,
+                hint=verdict.hint,
+                synchronized=False,
+                **kwargs,
+            )
 
     # ------------------------------------------------------------------ probe
     def _probe(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, full: bool
     ) -> None:
         start = time.perf_counter()
-        ids, mask, labels = self._extract(batch)
+        ids, mask, labels = self._extract(trainer, batch)
         if ids is None:
+            where = f"under `input_key={self.input_key!r}`" if self.input_key is not None else "by name or position"
             self._cannot_call(
                 trainer,
-                f"the batch holds no 2-D integer token ids under `input_key={self.input_key!r}`; set `input_key` "
-                "(dict batches) or `forward_fn`.",
+                f"the batch holds no 2-D integer token ids {where}; set `input_key` (a key, dotted path or tuple "
+                "position) or `forward_fn`.",
             )
             return
         if self._caller is None:
@@ -365,7 +342,7 @@ class MaskProbe(DebugCallback):
         modes = {m: m.training for m in pl_module.modules()}
         devices = [ids.device.index or 0] if ids.device.type == "cuda" else []
         values: dict[str, Tensor | float] = {}
-        decisions: list[Callable[[dict[str, float]], None]] = []
+        decisions: list[Decision] = []
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad(), trainer.precision_plugin.train_step_context():
                 pl_module.eval()
@@ -387,60 +364,29 @@ class MaskProbe(DebugCallback):
         host = self.to_host(values)  # host sync: one transfer for all of the probe's scalars (probing steps only)
         self.last_report = {k: v for k, v in host.items() if k.startswith("mask_probe/")}
         self.log_scalars(trainer, self.last_report)
-        repeat = host.get("mask_probe/repeat_max_change")
-        if repeat is not None and not repeat <= host["_repeat_tol"]:  # also catches NaN
-            self._not_deterministic(trainer, host)
-            return  # every other comparison would be measuring the noise
+        if "mask_probe/repeat_max_change" in host:
+            repeat = probes.decide_repeat(
+                host["mask_probe/repeat_max_change"],
+                int(host["_repeat_row"]),
+                int(host["_repeat_pos"]),
+                host["_repeat_tol"],
+            )
+            if repeat is not None:
+                self._alignment_decided = True  # its loss comparison would be noise too
+                self._emit(trainer, repeat)
+                return  # every other comparison would be measuring the noise
         for decide in decisions:
-            decide(host)
-
-    def _not_deterministic(self, trainer: pl.Trainer, host: dict[str, float]) -> None:
-        self._alignment_decided = True  # its loss comparison would be noise too
-        change = host["mask_probe/repeat_max_change"]
-        self.emit(
-            trainer,
-            "TFD213",
-            f"The model is not a function of its input in eval mode: the same tokens twice gave logits that differ by "
-            f"{change:.3g} at position {int(host['_repeat_pos'])} (row {int(host['_repeat_row'])}; tolerance "
-            f"{host['_repeat_tol']:.2g}). The other MaskProbe checks are skipped: they would measure this noise.",
-            {
-                "max_change": change,
-                "position": int(host["_repeat_pos"]),
-                "row": int(host["_repeat_row"]),
-                "tolerance": host["_repeat_tol"],
-            },
-            synchronized=False,
-        )
+            self._emit(trainer, decide(host))
 
     def _decide_causal(self, trainer: pl.Trainer, ids: Tensor, labels: Tensor | None) -> bool:
         """Decoder (True) or encoder (False), from what the labels ask the model to predict."""
         if labels is None:
             return True  # no token labels to read the objective from: decoders are the common case
         with torch.no_grad():
-            supervised = labels != self.ignore_index
-            same = ((labels == ids) & supervised).sum()
-            following = ((labels[:, :-1] == ids[:, 1:]) & supervised[:, :-1]).sum()
-            # host sync: once per fit, at the first probe
-            n_sup, n_same, n_next, n_sup_next = torch.stack(
-                [supervised.sum(), same, following, supervised[:, :-1].sum()]
-            ).tolist()
-        if n_sup == 0 or n_same >= 0.5 * n_sup or n_next >= 0.5 * max(n_sup_next, 1.0):
-            return True
-        same_frac, next_frac = n_same / n_sup, n_next / max(n_sup_next, 1.0)
-        self.emit(
-            trainer,
-            "TFD212",
-            f"Treated as an encoder: at the supervised positions the labels equal the inputs {same_frac:.0%} of the "
-            f"time and the next inputs {next_frac:.0%} (a next-token objective has one of them near 100%), so the "
-            "objective is masked-LM or denoising. Causality and target alignment are not checked.",
-            {
-                "same_frac": same_frac,
-                "next_frac": next_frac,
-                "supervised_frac": n_sup / max(labels.numel(), 1),
-            },
-            synchronized=False,
-        )
-        return False
+            counts = probes.objective_counts(ids, labels, self.ignore_index).tolist()  # host sync: once per fit
+        verdict = probes.decide_objective(*counts, label_positions=labels.numel())
+        self._emit(trainer, verdict)
+        return verdict is None
 
     def _cannot_call(self, trainer: pl.Trainer, reason: str) -> None:
         self.emit(
@@ -448,7 +394,7 @@ class MaskProbe(DebugCallback):
             "TFD211",
             f"MaskProbe cannot call the model: {reason}",
             hint="MaskProbe calls `pl_module(input_ids=..., attention_mask=...)` or `pl_module(input_ids)`; otherwise "
-            "give `forward_fn` (and `input_key` / `mask_key` / `labels_key` for dict batches).",
+            "give `forward_fn` (and `input_key` / `mask_key` / `labels_key` to point at the batch's fields).",
             synchronized=False,
         )
         self.stand_aside(reason)
@@ -463,11 +409,11 @@ class MaskProbe(DebugCallback):
         mask_full: Tensor | None,
         gen: torch.Generator,
         values: dict[str, Tensor | float],
-        decisions: list[Callable[[dict[str, float]], None]],
+        decisions: list[Decision],
     ) -> None:
         ids = self._rows(ids_full)
         mask = self._rows(mask_full)
-        assert ids is not None
+        assert ids is not None and self._caller is not None
         b, t = ids.shape
         ones = torch.ones_like(ids)
         base = self._logits(ids, ones)
@@ -477,98 +423,52 @@ class MaskProbe(DebugCallback):
         values.update({"mask_probe/repeat_max_change": repeat, "_repeat_row": where[0], "_repeat_pos": where[1]})
         values["_repeat_tol"] = tol
         if self._is_causal and t >= 2:
-            cut = t // 2 - 1
+            cut = probes.causal_cut(t)
             changed = self._logits(replace_after(ids, cut, gen), ones)
             change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))
             values.update({"mask_probe/causal_max_change": change, "_causal_row": where[0], "_causal_pos": where[1]})
             values["_causal_tol"] = tol
-
-            def decide_causal(h: dict[str, float], cut: int = cut, t: int = t) -> None:
-                change_ = h["mask_probe/causal_max_change"]
-                if not change_ <= h["_causal_tol"]:  # also catches NaN
-                    self.emit(
-                        trainer,
-                        "TFD201",
-                        f"Future tokens change past logits: replacing the tokens after position {cut} of a {t}-token "
-                        f"sequence changed the logits at position {int(h['_causal_pos'])} "
-                        f"(row {int(h['_causal_row'])}) by {change_:.3g} (tolerance {h['_causal_tol']:.2g}).",
-                        {
-                            "max_change": change_,
-                            "position": int(h["_causal_pos"]),
-                            "cut": cut,
-                            "tolerance": h["_causal_tol"],
-                        },
-                        synchronized=False,
-                    )
-
-            decisions.append(decide_causal)
+            decisions.append(
+                lambda h, cut=cut, t=t: probes.decide_causal(
+                    h["mask_probe/causal_max_change"],
+                    int(h["_causal_row"]),
+                    int(h["_causal_pos"]),
+                    cut,
+                    t,
+                    h["_causal_tol"],
+                )
+            )
         if not self.check_padding:
             return
-        padded = mask_full is not None and bool((mask_full == 0).any())  # host sync: probe step only
-        if not self._takes_mask:
-            if padded:
-                self.emit(
-                    trainer,
-                    "TFD204",
-                    "The batch is padded (its attention mask has zeros) but the model is called without a mask, so "
-                    "attention cannot ignore the padding.",
-                    {"mask_key": self.mask_key},
-                    synchronized=False,
-                )
+        if not self._caller.takes_mask:
+            if mask_full is not None and bool((mask_full == 0).any()):  # host sync: probe step only
+                self._emit(trainer, probes.unpadded_mask_verdict(self._mask_path))
             return
-        if mask_full is None and not self._mask_named:
+        if mask_full is None and not self._caller.mask_named:
             return  # only `**kwargs` could take a mask, and the batch has none: nothing claims mask support
-        # (a) masked positions are ignored: mask a block of positions after the first, change its ids, compare the
-        # rest. Position 0 stays real so that no query has every key masked (a fully masked softmax row is NaN in
-        # many implementations, and would leak into later layers whatever the mask does); with a causal model the
-        # real positions after the block are the ones that test the mask.
-        k = max(1, t // 4)
-        if t - k >= 2:
-            masked = torch.ones_like(ids)
-            masked[:, 1 : 1 + k] = 0
-            other = ids.clone()
-            other[:, 1 : 1 + k] = random_ids_like(ids, (b, k), gen)
+        # (a) masked positions are ignored: mask a block of positions after the first, change its ids, compare the rest
+        block = probes.masked_block(ids, gen)
+        if block is not None:
+            masked, other, k = block
             first = self._logits(ids, masked)
-            second = self._logits(other, masked)
-            valid = masked.bool()
-            change, where = max_change(first, second, valid)
+            change, where = max_change(first, self._logits(other, masked), masked.bool())
             values.update({"mask_probe/padding_max_change": change, "_pad_pos": where[1], "_pad_tol": tol})
-
-            def decide_padding(h: dict[str, float], k: int = k) -> None:
-                change_ = h["mask_probe/padding_max_change"]
-                if not change_ <= h["_pad_tol"]:
-                    self.emit(
-                        trainer,
-                        "TFD202",
-                        f"Tokens under the attention mask change real tokens' logits: changing the ids at the {k} "
-                        f"masked positions moved the logits at position {int(h['_pad_pos'])} by {change_:.3g} "
-                        f"(tolerance {h['_pad_tol']:.2g}).",
-                        {"max_change": change_, "position": int(h["_pad_pos"]), "tolerance": h["_pad_tol"]},
-                        synchronized=False,
-                    )
-
-            decisions.append(decide_padding)
+            decisions.append(
+                lambda h, k=k: probes.decide_padding(
+                    h["mask_probe/padding_max_change"], int(h["_pad_pos"]), k, h["_pad_tol"]
+                )
+            )
         # (b) adding padding on the side the batch pads must not change the real tokens' logits
-        side = self.padding_side
-        if side == "auto":
-            detected = padding_side(mask_full) if mask_full is not None else "none"
-            side = "left" if detected == "left" else "right"
+        side = probes.probe_padding_side(self.padding_side, mask_full)  # host sync on "auto": probe step only
         real = mask if mask is not None else ones
-        limit = self._limit_for(trainer)
-        extra = max(1, t // 4)
-        if limit is not None and t + extra > limit:  # leave room for the added padding within the context limit
-            t = limit - extra
-            if t < 2:
-                return
-            ids, real = ids[:, :t], real[:, :t]
-        pad_ids = random_ids_like(ids, (b, extra), gen)
-        pad_mask = torch.zeros_like(pad_ids)
+        t, extra = probes.padding_extra(t, self._limit_for(trainer))
+        if t < 2:
+            return
+        ids, real = ids[:, :t], real[:, :t]
         plain = self._logits(ids, real)
+        longer_ids, longer_mask, keep = probes.add_padding(ids, real, side, extra, gen)
         try:
-            if side == "right":
-                longer = self._logits(torch.cat([ids, pad_ids], 1), torch.cat([real, pad_mask], 1))[:, :t]
-            else:
-                longer = self._logits(torch.cat([pad_ids, ids], 1), torch.cat([pad_mask, real], 1))[:, extra:]
+            longer = self._logits(longer_ids, longer_mask)[:, keep]
         except _CallError:
             raise
         except Exception:  # the longer sequence is past the model's real limit: the position checks report that
@@ -577,21 +477,11 @@ class MaskProbe(DebugCallback):
         values.update(
             {"mask_probe/pad_side_max_change": change, "_side_pos": where[1], "_side_tol": logit_tolerance(plain)}
         )
-
-        def decide_side(h: dict[str, float], side: str = side, extra: int = extra) -> None:
-            change_ = h["mask_probe/pad_side_max_change"]
-            if not change_ <= h["_side_tol"]:
-                self.emit(
-                    trainer,
-                    "TFD203",
-                    f"Logits of real tokens depend on the amount of padding: adding {extra} padding tokens on the "
-                    f"{side} moved the logits at real position {int(h['_side_pos'])} by {change_:.3g} "
-                    f"(tolerance {h['_side_tol']:.2g}).",
-                    {"max_change": change_, "side": side, "extra": extra, "tolerance": h["_side_tol"]},
-                    synchronized=False,
-                )
-
-        decisions.append(decide_side)
+        decisions.append(
+            lambda h, side=side, extra=extra: probes.decide_pad_side(
+                h["mask_probe/pad_side_max_change"], int(h["_side_pos"]), side, extra, h["_side_tol"]
+            )
+        )
 
     def _limit_for(self, trainer: pl.Trainer) -> int | None:
         return self.context_limit or find_context_length(trainer.lightning_module)[0]
@@ -602,7 +492,7 @@ class MaskProbe(DebugCallback):
         pl_module: pl.LightningModule,
         ids_full: Tensor,
         values: dict[str, Tensor | float],
-        decisions: list[Callable[[dict[str, float]], None]],
+        decisions: list[Decision],
     ) -> None:
         row = ids_full[:1]
         limit = self._limit_for(trainer)
@@ -611,37 +501,24 @@ class MaskProbe(DebugCallback):
         if limit is None:
             return
         values["mask_probe/context_limit"] = float(limit)
-        repeats = -(-(limit + 1) // row.shape[1])
-        long_row = row.repeat(1, repeats)
+        long_row = probes.long_row(row, limit + 1)
         try:
             self._logits(long_row[:, :limit], torch.ones_like(long_row[:, :limit]))
         except _CallError:
             raise
         except Exception as err:  # the model fails within its own limit: that is the finding
-            self.emit(
-                trainer,
-                "TFD207",
-                f"The model fails on a sequence of {limit} tokens, its context limit: {type(err).__name__}: {err}",
-                {"context_limit": limit},
-                synchronized=False,
-            )
+            self._emit(trainer, probes.context_failure_verdict(limit, err))
             return
         if row.device.type != "cpu":
             return  # past the limit an index error is a device-side assert on CUDA: only tried on CPU
+        past_error: Exception | None = None
         try:
             self._logits(long_row[:, : limit + 1], torch.ones_like(long_row[:, : limit + 1]))
-            outcome = "runs without error (positions past the limit were never trained)"
         except _CallError:
             raise
         except Exception as err:
-            outcome = f"fails with {type(err).__name__}: {str(err)[:200]}"
-        self.emit(
-            trainer,
-            "TFD208",
-            f"Context limit: {limit} tokens. A sequence of {limit + 1} tokens {outcome}.",
-            {"context_limit": limit},
-            synchronized=False,
-        )
+            past_error = err
+        self._emit(trainer, probes.context_limit_verdict(limit, past_error))
 
     def _probe_kv_cache(
         self,
@@ -649,17 +526,13 @@ class MaskProbe(DebugCallback):
         pl_module: pl.LightningModule,
         ids: Tensor,
         values: dict[str, Tensor | float],
-        decisions: list[Callable[[dict[str, float]], None]],
+        decisions: list[Decision],
     ) -> None:
         try:
             fn = import_object(self.kv_cache_fn)  # type: ignore[arg-type]
         except (ImportError, AttributeError, ValueError) as err:
             self.emit(
-                trainer,
-                "TFD211",
-                f"`kv_cache_fn` could not be imported: {err}",
-                synchronized=False,
-                key="kv_cache_fn",
+                trainer, "TFD211", f"`kv_cache_fn` could not be imported: {err}", synchronized=False, key="kv_cache_fn"
             )
             return
         full = self._logits(ids, torch.ones_like(ids))
@@ -679,20 +552,9 @@ class MaskProbe(DebugCallback):
         values.update(
             {"mask_probe/kv_cache_max_change": diff.max(), "_kv_first": (diff > tol).float().argmax(), "_kv_tol": tol}
         )
-
-        def decide_kv(h: dict[str, float]) -> None:
-            change_ = h["mask_probe/kv_cache_max_change"]
-            if not change_ <= h["_kv_tol"]:
-                self.emit(
-                    trainer,
-                    "TFD209",
-                    f"Incremental decoding disagrees with the full forward: logits differ by up to {change_:.3g}, "
-                    f"first at position {int(h['_kv_first'])} (tolerance {h['_kv_tol']:.2g}).",
-                    {"max_change": change_, "first_position": int(h["_kv_first"])},
-                    synchronized=False,
-                )
-
-        decisions.append(decide_kv)
+        decisions.append(
+            lambda h: probes.decide_kv_cache(h["mask_probe/kv_cache_max_change"], int(h["_kv_first"]), h["_kv_tol"])
+        )
 
     def _probe_alignment(
         self,
@@ -704,7 +566,7 @@ class MaskProbe(DebugCallback):
         mask: Tensor | None,
         labels: Tensor | None,
         values: dict[str, Tensor | float],
-        decisions: list[Callable[[dict[str, float]], None]],
+        decisions: list[Decision],
     ) -> None:
         if not pl_module.automatic_optimization:
             self._alignment_decided = True  # a manual training_step would step the optimizer: never call it
@@ -742,71 +604,21 @@ class MaskProbe(DebugCallback):
             }
         )
         relation = labels_relation(ids, labels, self.ignore_index)  # host syncs: probe step only
-        rtol = _ALIGN_RTOL.get(logits.dtype, _ALIGN_RTOL_HALF)
-        if returned.is_floating_point():  # a loss computed in bf16/fp16 carries a few units of that dtype's rounding
-            rtol = max(rtol, 4 * torch.finfo(returned.dtype).eps)
-        last_try = trainer.global_step >= _ALIGNMENT_RETRY_STEPS[-1]
+        rtol = probes.alignment_rtol(logits.dtype, returned.dtype)
+        last_try = trainer.global_step >= ALIGNMENT_RETRY_STEPS[-1]
 
-        def decide_alignment(h: dict[str, float]) -> None:
-            returned_, shifted, unshifted, shifted2 = (
+        def decide_alignment(h: dict[str, float]) -> Verdict | None:
+            decided, verdict = probes.decide_alignment(
                 h["mask_probe/loss_returned"],
                 h["mask_probe/loss_shifted"],
                 h["mask_probe/loss_unshifted"],
                 h["mask_probe/loss_shifted2"],
+                relation,
+                rtol,
+                last_try,
             )
-            alignment, matched = classify_alignment(returned_, shifted, unshifted, relation, rtol, shifted2)
-            evidence = {
-                "loss_returned": returned_,
-                "loss_shifted": shifted,
-                "loss_unshifted": unshifted,
-                "loss_shifted2": shifted2,
-                "labels_relation": relation,
-            }
-            if alignment == "current":
-                self._alignment_decided = True
-                self.emit(
-                    trainer,
-                    "TFD205",
-                    f"Labels are not shifted: the loss training_step returned ({returned_:.6g}) is the loss of "
-                    f"position t against token t ({unshifted:.6g}), not against token t+1 ({shifted:.6g}). A causal "
-                    "model trained this way learns to copy its input.",
-                    evidence,
-                    synchronized=False,
-                )
-            elif alignment == "next_next":
-                self._alignment_decided = True
-                where = (
-                    "the data already holds next-token labels and the loss shifts them again"
-                    if relation == "preshifted"
-                    else "the batch's labels equal its inputs and training_step shifts them twice (by hand, then "
-                    "again inside the model or the loss)"
-                )
-                two_ahead, one_ahead = (shifted, unshifted) if relation == "preshifted" else (shifted2, shifted)
-                self.emit(
-                    trainer,
-                    "TFD206",
-                    f"Labels are shifted twice: {where}, so position t is trained on token t+2 (returned "
-                    f"{returned_:.6g}, two tokens ahead {two_ahead:.6g}, next token {one_ahead:.6g}).",
-                    evidence,
-                    synchronized=False,
-                )
-            elif alignment == "next" or matched is not None:  # correct, or labels unrelated to inputs (seq2seq)
-                self._alignment_decided = True
-            elif abs(shifted - unshifted) > 4 * rtol * max(1.0, abs(returned_)) or last_try:
-                # the alignments differ but the loss matches neither (label smoothing, auxiliary terms, dropout)
-                self._alignment_decided = True
-                self.emit(
-                    trainer,
-                    "TFD210",
-                    f"Target alignment undetermined: the loss training_step returned ({returned_:.6g}) matches neither "
-                    f"the shifted ({shifted:.6g}) nor the unshifted ({unshifted:.6g}) cross-entropy of the logits.",
-                    evidence,
-                    hint=(
-                        "Expected with label smoothing, auxiliary losses or a loss over other outputs; otherwise "
-                        "check `labels_key` and `ignore_index`."
-                    ),
-                    synchronized=False,
-                )
+            self._alignment_decided = self._alignment_decided or decided
+            return verdict
 
         decisions.append(decide_alignment)
 
