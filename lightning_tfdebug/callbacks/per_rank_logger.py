@@ -6,7 +6,6 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,6 +14,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, is_id_tensor, loss_of, step_batch
 from lightning_tfdebug.core.distributed import (
     DTensor,
     all_gather_vector,
@@ -32,7 +32,6 @@ from lightning_tfdebug.functional.throughput import (
     combine_fingerprints,
     differing_ranks,
     differing_tensors,
-    input_tensor,
     loss_outliers,
     max_over_median,
     median_of_others,
@@ -54,14 +53,6 @@ _SLOTS = (
 )
 _LOGGED = ("loss", "step_time_ms", "busy_ms", "dataloader_wait_ms", "peak_memory_gib")
 _CHECKSUM_RTOL = 1e-6
-
-
-def _loss_of(outputs: Any) -> Tensor | None:
-    if isinstance(outputs, Tensor):
-        return outputs
-    if isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), Tensor):
-        return outputs["loss"]
-    return None
 
 
 class PerRankLogger(DebugCallback):
@@ -113,6 +104,10 @@ class PerRankLogger(DebugCallback):
             across replicas (``TFD502``); running statistics of BatchNorm/InstanceNorm layers, which each replica
             updates from its own batch, are left out. Skipped automatically under sharded strategies (FSDP, FSDP2,
             DeepSpeed, ``ModelParallelStrategy``), where ranks hold different shards by design.
+        input_key, mask_key, labels_key, ignore_index: where the batch's ids, attention mask and labels are, and the
+            ignored label value, as for every callback of the pack (:mod:`lightning_tfdebug.core.batch`); ``None``
+            finds them by their usual names (``input_ids`` ...) or, in a tuple batch, by position. The fingerprint
+            hashes the ids (dict, tuple, dataclass and Hugging Face ``BatchEncoding`` batches alike).
 
     Raises:
         ValueError: on an argument outside its allowed range.
@@ -144,8 +139,19 @@ class PerRankLogger(DebugCallback):
         loss_spread: float = 0.5,
         patience: int = 3,
         compare_parameters: bool = True,
+        input_key: str | int | None = None,
+        mask_key: str | int | None = None,
+        labels_key: str | int | None = None,
+        ignore_index: int | None = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        check_number("ignore_index", ignore_index, integer=True, optional=True)
+        # raises a TypeError naming the argument when a key is not a string, a tuple position or None
+        self._batch_keys = BatchKeys(
+            input_key, mask_key, labels_key, ignore_index=IGNORE_INDEX if ignore_index is None else ignore_index
+        )
+        self.input_key, self.mask_key, self.labels_key = input_key, mask_key, labels_key
+        self.ignore_index = self._batch_keys.ignore_index
         check_number("straggler_factor", straggler_factor, low=1.0, low_inclusive=False)
         check_number("straggler_min_ms", straggler_min_ms, low=0.0)
         check_number("loss_spread", loss_spread, low=0.0, low_inclusive=False)
@@ -230,8 +236,8 @@ class PerRankLogger(DebugCallback):
         if not self._measuring:
             return
         self._marks.append([self._clock.mark(), None, None, None])
-        ids = input_tensor(batch)
-        if ids is not None:  # device work only on measuring steps
+        ids = step_batch(trainer, batch, self._batch_keys).input_ids  # the step's shared reading of the batch
+        if ids is not None and is_id_tensor(ids):  # device work only on measuring steps
             self._fingerprint = combine_fingerprints(self._fingerprint, batch_fingerprint(ids))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -248,7 +254,7 @@ class PerRankLogger(DebugCallback):
         if not self.active or not self._measuring or not self._marks or self._clock is None:
             return
         self._marks[-1][3] = self._clock.mark()
-        loss = _loss_of(outputs)
+        loss = loss_of(outputs)
         if loss is not None:
             self._losses.append(loss.detach().float().reshape(-1).mean())
         if trainer.global_step != self._step_at_start:  # the optimizer stepped: the measured step is complete

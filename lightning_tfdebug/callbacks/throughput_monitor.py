@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
 from lightning_tfdebug.core.distributed import all_gather_vector
 from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
 from lightning_tfdebug.core.tracking import RunningWindow, Streak
@@ -23,9 +24,9 @@ from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.throughput import (
     OtherLoad,
     StepClock,
+    batch_counts,
     compile_counts,
     compute_precision,
-    count_tokens,
     peak_flops_for,
     peak_rss_bytes,
     physical_memory_bytes,
@@ -107,8 +108,8 @@ class ThroughputMonitor(DebugCallback):
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
         window: number of recent optimizer steps the median step time is taken over.
         length_fn: import path (``"my_pkg.data.count_tokens"``) or callable returning the number of real tokens of
-            a batch (an int or a device tensor). Default: the ``attention_mask`` (non-zero entries), else the size
-            of ``input_ids``.
+            a batch (an int or a device tensor). Default: the attention mask's non-zero entries (counted once per
+            step for the whole pack, on the device), else the size of the ids.
         peak_flops: peak FLOP/s of one device for MFU; default: looked up from the device name and precision
             (CUDA only; on CPU no MFU is logged unless this is given).
         measure_flops: count model FLOPs once (with ``torch.utils.flop_counter.FlopCounterMode`` around one real
@@ -123,6 +124,10 @@ class ThroughputMonitor(DebugCallback):
         profile_steps: ``[start, stop]``: run ``torch.profiler`` over optimizer steps ``start <= step < stop`` and
             write a trace and a table of the top operators to ``<log_dir>/tfdebug/profile/``.
         profile_row_limit: rows of the top-operators table.
+        input_key, mask_key, labels_key, ignore_index: where the batch's ids, attention mask and labels are, and the
+            ignored label value, as for every callback of the pack (:mod:`lightning_tfdebug.core.batch`); ``None``
+            finds them by their usual names (``input_ids``, ``attention_mask`` ...) or, in a tuple batch, by
+            position. Dict, tuple, dataclass and Hugging Face ``BatchEncoding`` batches are read alike.
 
     Raises:
         ValueError: on an argument outside its allowed range.
@@ -161,8 +166,19 @@ class ThroughputMonitor(DebugCallback):
         memory_threshold: float = 0.92,
         profile_steps: tuple[int, int] | None = None,
         profile_row_limit: int = 25,
+        input_key: str | int | None = None,
+        mask_key: str | int | None = None,
+        labels_key: str | int | None = None,
+        ignore_index: int | None = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        check_number("ignore_index", ignore_index, integer=True, optional=True)
+        # raises a TypeError naming the argument when a key is not a string, a tuple position or None
+        self._batch_keys = BatchKeys(
+            input_key, mask_key, labels_key, ignore_index=IGNORE_INDEX if ignore_index is None else ignore_index
+        )
+        self.input_key, self.mask_key, self.labels_key = input_key, mask_key, labels_key
+        self.ignore_index = self._batch_keys.ignore_index
         check_number("window", window, low=1, integer=True)
         check_number("peak_flops", peak_flops, low=0, low_inclusive=False, optional=True)
         check_number("wait_threshold", wait_threshold, low=0.0, high=1.0, low_inclusive=False)
@@ -280,7 +296,8 @@ class ThroughputMonitor(DebugCallback):
         if first_micro_batch:
             self._measuring = self.should_measure(trainer)
             self._maybe_start_profiler(trainer, step)
-        tokens, positions, samples = count_tokens(batch, self._length_fn)
+        view = step_batch(trainer, batch, self._batch_keys)  # the step's shared reading and token count
+        tokens, positions, samples = batch_counts(view, self._length_fn)
         self._tokens.append(tokens)
         self._positions += positions
         self._samples += samples

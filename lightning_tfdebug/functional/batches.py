@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.core.batch import flatten_batch
+
 # ----------------------------------------------------------------------------------------------------------- schema
 
 
@@ -38,27 +40,6 @@ class FieldSpec:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _is_container(value: Any) -> bool:
-    return isinstance(value, (Mapping, Tensor)) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes)))
-
-
-def flatten_batch(batch: Any, prefix: str = "") -> dict[str, Any]:
-    """Leaves of a batch by path: mapping keys and sequence indices joined with ``.`` (``"input_ids"``,
-    ``"0"``, ``"inputs.pixel_values"``). A bare tensor is the single leaf ``""``. Strings are leaves, and so is a
-    list or tuple holding no tensors or containers (per-sample ids or texts, whose count varies with the batch)."""
-    if isinstance(batch, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in batch.items():
-            out.update(flatten_batch(v, f"{prefix}{k}."))
-        return out
-    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and any(_is_container(v) for v in batch):
-        out = {}
-        for i, v in enumerate(batch):
-            out.update(flatten_batch(v, f"{prefix}{i}."))
-        return out
-    return {prefix[:-1] if prefix else "": batch}
 
 
 def describe_batch(batch: Any) -> dict[str, FieldSpec]:
@@ -240,55 +221,6 @@ def compare_schema(schema: Schema, specs: Mapping[str, FieldSpec]) -> list[Drift
                     )
                 sizes.setdefault(dim, (key, size))
     return out
-
-
-def _is_id_tensor(value: Any) -> bool:
-    return (
-        isinstance(value, Tensor)
-        and not value.is_floating_point()
-        and not value.is_complex()
-        and (value.dtype != torch.bool)
-    )
-
-
-def resolve_keys(
-    leaves: Mapping[str, Any],
-    input_key: str | None = None,
-    mask_key: str | None = None,
-    labels_key: str | None = None,
-) -> tuple[str | None, str | None, str | None]:
-    """Which leaves of a batch (:func:`flatten_batch`) hold the token ids, the attention mask and the labels.
-
-    A key given is used as is (``None`` in the result when the batch lacks it). Left as ``None``: the ids are
-    ``input_ids`` if present, else the first integer tensor with two dimensions (``x`` of a tuple batch ``(x, y)``);
-    the mask is ``attention_mask`` if present; the labels are ``labels`` if present, else, when the ids were found by
-    position, the next integer tensor of the same shape (``y``).
-    """
-
-    def given(key: str | None, default: str) -> str | None:
-        if key is not None:
-            return key if key in leaves else None
-        return default if default in leaves else None
-
-    ids = given(input_key, "input_ids")
-    by_position = False
-    if ids is None and input_key is None:
-        candidates = [k for k, v in leaves.items() if _is_id_tensor(v) and v.ndim == 2]
-        ids, by_position = (candidates[0], True) if candidates else (None, False)
-    mask = given(mask_key, "attention_mask")
-    labels = given(labels_key, "labels")
-    if labels is None and labels_key is None and by_position and ids is not None:
-        keys = list(leaves)
-        shape = leaves[ids].shape
-        labels = next(
-            (
-                k
-                for k in keys[keys.index(ids) + 1 :]
-                if k != mask and _is_id_tensor(leaves[k]) and leaves[k].shape == shape
-            ),
-            None,
-        )
-    return ids, mask, labels
 
 
 # ---------------------------------------------------------------------------------------------------- token statistics

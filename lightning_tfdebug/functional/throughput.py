@@ -19,76 +19,51 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.core.batch import StepBatch
 from lightning_tfdebug.functional.norms import per_tensor_norms
 
-MASK_KEYS: tuple[str, ...] = ("attention_mask", "padding_mask", "mask")
-IDS_KEYS: tuple[str, ...] = ("input_ids", "tokens", "ids", "input")
 _HASH_MODULUS = 2_147_483_647  # 2**31 - 1: a fingerprint fits exactly in a float64 slot of a packed collective
 _HASH_MULTIPLIER = 1_103_515_245
 
 
 # ---------------------------------------------------------------------------------------------------- batches
-def _tensors(batch: Any) -> list[Tensor]:
-    """Every tensor in a (nested) batch, in a stable order."""
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in _tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _tensors(v)]
-    return []
-
-
-def find_tensor(batch: Any, keys: Sequence[str]) -> Tensor | None:
-    """The first tensor of ``batch`` stored under one of ``keys`` (mappings, also nested in a list/tuple)."""
-    if isinstance(batch, Mapping):
-        for key in keys:
-            value = batch.get(key)
-            if isinstance(value, Tensor):
-                return value
-        return None
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            found = find_tensor(item, keys)
-            if found is not None:
-                return found
-    return None
-
-
-def input_tensor(batch: Any) -> Tensor | None:
-    """The token ids of a batch: ``input_ids`` (or a similar key), else its first integer tensor, else its first
-    tensor; None when the batch holds no tensor."""
-    found = find_tensor(batch, IDS_KEYS)
-    if found is not None:
-        return found
-    tensors = _tensors(batch)
-    integer = [t for t in tensors if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
-    return (integer or tensors or [None])[0]
-
-
-def count_tokens(batch: Any, length_fn: Callable[[Any], Any] | None = None) -> tuple[Tensor | int, int, int]:
-    """Count the tokens of one batch without a host sync.
+def batch_counts(view: StepBatch, length_fn: Callable[[Any], Any] | None = None) -> tuple[Tensor | int, int, int]:
+    """Token counts of one batch, read from its shared :class:`~lightning_tfdebug.core.batch.StepBatch`, no host sync.
 
     Returns ``(tokens, positions, samples)``: ``tokens`` are the real (non-padding) tokens, a device tensor when they
-    come from the attention mask (its non-zero entries counted) or from ``length_fn``, else the host int ``positions``;
-    ``positions`` is the number of token positions computed (batch x sequence length, padding included) and
-    ``samples`` the batch size, both read from the input's shape (host metadata, no sync).
+    come from the attention mask (the step's one shared count) or from ``length_fn``, else the host int
+    ``positions``; ``positions`` is the number of token positions computed (batch x sequence length, padding
+    included) and ``samples`` the batch size, both read from shapes (host metadata). A batch with neither ids nor a
+    mask (features only) counts its first tensor's shape.
 
-    Precedence: ``length_fn(batch)`` (an int or a tensor), then the attention mask, then the input's shape.
+    Precedence: ``length_fn(batch)`` (an int or a tensor), then the attention mask, then the ids' shape.
     """
-    ids = input_tensor(batch)
-    mask = find_tensor(batch, MASK_KEYS)
-    shape_source = ids if ids is not None else mask
-    if shape_source is None:
-        return 0, 0, 0
-    positions = shape_source.numel()
-    samples = shape_source.shape[0] if shape_source.ndim >= 2 else 1
+    positions, samples = view.positions, view.samples
+    if view.input_ids is None and view.attention_mask is None:
+        first = next((v for v in view.fields.leaves.values() if isinstance(v, Tensor)), None)
+        if first is None:
+            return 0, 0, 0
+        positions, samples = int(first.numel()), int(first.shape[0]) if first.ndim >= 2 else 1
+        if length_fn is None:
+            return positions, positions, samples
     if length_fn is not None:
-        tokens = length_fn(batch)
+        tokens = length_fn(view.batch)
         return tokens, positions if positions else int(tokens), samples
-    if mask is not None and mask.shape == shape_source.shape:
-        return torch.count_nonzero(mask), positions, samples  # one device reduction, no sync
-    return positions, positions, samples
+    return view.tokens(), positions, samples
+
+
+_WEIGHTS: dict[tuple[int, torch.device], Tensor] = {}  # position weights of the fingerprint, per length and device
+
+
+def _fingerprint_weights(numel: int, device: torch.device) -> Tensor:
+    key = (numel, device)
+    weights = _WEIGHTS.get(key)
+    if weights is None:
+        if len(_WEIGHTS) > 64:  # many distinct lengths (unpadded batches): keep the cache small
+            _WEIGHTS.clear()
+        positions = torch.arange(1, numel + 1, device=device, dtype=torch.int64)
+        weights = _WEIGHTS[key] = (positions * _HASH_MULTIPLIER + 12345) % _HASH_MODULUS
+    return weights
 
 
 def batch_fingerprint(ids: Tensor) -> Tensor:
@@ -103,8 +78,7 @@ def batch_fingerprint(ids: Tensor) -> Tensor:
         bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()]
         flat = flat.contiguous().view(bits)
     flat = flat.to(torch.int64)
-    positions = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
-    weights = (positions * _HASH_MULTIPLIER + 12345) % _HASH_MODULUS
+    weights = _fingerprint_weights(flat.numel(), flat.device)  # built once per length and device
     # int64 products may wrap around: harmless for a hash, and identical on every rank
     mixed = (flat % _HASH_MODULUS + 1) * weights
     return (mixed.sum() + flat.numel()) % _HASH_MODULUS

@@ -1,4 +1,6 @@
+import dataclasses
 import warnings
+from collections.abc import Mapping
 
 import lightning.pytorch as pl
 import pytest
@@ -53,7 +55,8 @@ class CorruptOnRank(Callback):
         ({"schema": {"input_ids": "long64[B]"}}, "not a torch dtype"),
         ({"tokenizer": "no.such.Tokenizer"}, "importable"),
         ({"tokenizer": object()}, "decode"),
-        ({"input_key": 3}, "input_key"),
+        ({"input_key": ["input_ids"]}, "input_key"),
+        ({"ignore_index": "x"}, "ignore_index"),
         ({"on_finding": "explode"}, "on_finding"),
     ],
 )
@@ -334,7 +337,7 @@ def test_tuple_batches_are_checked_by_position(tmp_path):
         warnings.simplefilter("always", TFDebugWarning)
         trainer.fit(TupleBatches(), train_dataloaders=DataLoader(tuples, batch_size=None))
     assert any("token ids taken from '0' and labels from '1'" in str(w.message) for w in caught)
-    assert guard._keys == ("0", None, "1") and trainer.global_step == 2
+    assert trainer.global_step == 2
 
 
 def test_learned_schema_is_saved_and_restored_on_resume(tmp_path):
@@ -350,7 +353,7 @@ def test_learned_schema_is_saved_and_restored_on_resume(tmp_path):
             TinyTextDataModule(batch_size=8, dtype_drift_every=1),  # every batch drifts: no chance to re-learn
             ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
         )
-    assert resumed._reference == guard._reference is not None
+    assert resumed._lengths.reference == guard._lengths.reference is not None
     assert {f.code for f in resumed.findings} == {"TFD103"}
     assert resumed.findings[0].step == 5
 
@@ -474,3 +477,85 @@ def test_distinct_batches_and_a_stream_that_cycles_are_not_repeats(tmp_path):
     epochs = BatchGuard()  # a map-style dataset seen for several epochs: repeats across epochs are expected
     fit(tmp_path / "epochs", [epochs], data=lm_batches([5, 6, 7, 8]), max_steps=12)
     assert epochs.findings == []
+
+
+# ---------------------------------------------------------------- lazy value checks
+def test_a_bad_id_between_checked_steps_is_named_when_the_embedding_raises(tmp_path):
+    guard, counter = BatchGuard(every_n_steps=5), ForwardCounter()  # checks values at steps 0 and 5 only
+    with pytest.raises(IndexError):  # the embedding's own error reaches the user, unchanged
+        fit(tmp_path, [guard, counter], data=TinyTextDataModule(batch_size=8, bad_token_every=4), max_steps=8)
+    assert counter.done == 3  # step 3 is not a checked step: its batch reached the model
+    [finding] = guard.findings
+    assert finding.code == "TFD110" and finding.step == 3
+    assert "Batch 3 (step 3" in finding.message and "'input_ids'" in finding.message
+    assert "262 at row 0, position 1" in finding.message
+    written = read_findings(tmp_path / "tb" / "version_0" / "tfdebug" / "findings-rank0.jsonl")
+    assert [f.code for f in written] == ["TFD110"]
+
+
+def test_a_healthy_batch_that_crashes_for_another_reason_gets_no_finding(tmp_path):
+    class Boom(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                raise RuntimeError("boom")
+
+    guard = BatchGuard(every_n_steps=10)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(tmp_path, [guard, Boom()], max_steps=8)
+    assert guard.findings == []
+
+
+def test_repeated_batches_are_found_from_fingerprints_read_on_checked_steps_only(tmp_path):
+    same = BatchGuard(every_n_steps=5)  # fingerprints of steps 1-4 are read with step 5's transfer
+    fit(tmp_path, [same], data=DataLoader(IgnoresIndex(), batch_size=8, collate_fn=ids_only), max_steps=8)
+    [finding] = [f for f in same.findings if f.code == "TFD121"]
+    assert (finding.evidence["checked"], finding.evidence["repeated"]) == (4, 3)
+    assert finding.step == 3 and finding.evidence["step"] == 1 and finding.evidence["repeats_step"] == 0
+
+
+# ---------------------------------------------------------------- batch types read by core.batch
+@dataclasses.dataclass
+class LMBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+
+class ReadsFields(TinyGPT):
+    """A module whose batches are dataclasses or Hugging Face BatchEncodings."""
+
+    def training_step(self, batch, batch_idx):
+        get = batch.__getitem__ if isinstance(batch, Mapping) else lambda k: getattr(batch, k)
+        fields = {k: get(k) for k in ("input_ids", "attention_mask", "labels")}
+        return super().training_step(fields, batch_idx)
+
+
+def typed_batches(kind, bad_at=None):
+    from transformers import BatchEncoding
+
+    out = []
+    for i, batch in enumerate(lm_batches([6, 8, 7, 9]).dataset):
+        if i == bad_at:
+            batch["input_ids"][1, 2] = 400
+        out.append(LMBatch(**batch) if kind == "dataclass" else BatchEncoding(batch))
+    return DataLoader(out, batch_size=None, collate_fn=lambda b: b)
+
+
+class BatchType(Callback):
+    def __init__(self):
+        self.types = set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.types.add(type(batch).__name__)
+
+
+@pytest.mark.parametrize("kind, type_name", [("dataclass", "LMBatch"), ("encoding", "BatchEncoding")])
+def test_dataclass_and_batch_encoding_batches_are_checked(tmp_path, kind, type_name):
+    guard, seen = BatchGuard(on_finding="raise"), BatchType()
+    trainer = make_trainer(tmp_path, [seen, guard], max_steps=4)
+    expected = r"'input_ids' holds 1 token id\(s\) outside \[0, 259\); the first is 400"
+    with pytest.raises(TFDebugError, match=expected), warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(ReadsFields(**SMALL), train_dataloaders=typed_batches(kind, bad_at=2))
+    assert seen.types == {type_name} and trainer.global_step == 2
+    assert "batch/pad_frac" in trainer.callback_metrics

@@ -8,7 +8,6 @@ from lightning_tfdebug.functional.batches import (
     learn_schema,
     length_shift,
     parse_declared_schema,
-    resolve_keys,
     token_statistics,
     unpack_statistics,
 )
@@ -183,14 +182,3 @@ def test_labels_of_another_shape_get_range_and_ignored_counts_but_no_padding_che
     classes = torch.tensor([IGN])  # one class label per row, all ignored
     s = unpack_statistics(token_statistics(ids, mask, classes, vocab_size=10, ignore_index=IGN).tolist())
     assert s["labels_ignored"] == s["labels_total"] == 1
-
-
-def test_resolve_keys_by_name_then_by_position():
-    hf = flatten_batch(lm_batch())
-    assert resolve_keys(hf) == ("input_ids", "attention_mask", "labels")
-    x, y = torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
-    assert resolve_keys(flatten_batch((x, y))) == ("0", None, "1")  # nanoGPT-style (x, y)
-    images = (torch.zeros(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))  # not a token batch
-    assert resolve_keys(flatten_batch(images)) == (None, None, None)
-    assert resolve_keys(hf, input_key="labels", labels_key="nope") == ("labels", "attention_mask", None)
-    assert resolve_keys(flatten_batch({"ids": x, "target": y})) == ("ids", None, "target")

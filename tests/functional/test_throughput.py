@@ -4,15 +4,15 @@ import time
 import pytest
 import torch
 
+from lightning_tfdebug.core.batch import BatchKeys, StepBatch
 from lightning_tfdebug.functional.throughput import (
     StepClock,
+    batch_counts,
     batch_fingerprint,
     combine_fingerprints,
     compute_precision,
-    count_tokens,
     differing_ranks,
     differing_tensors,
-    input_tensor,
     loss_outliers,
     max_over_median,
     median_of_others,
@@ -23,34 +23,38 @@ from lightning_tfdebug.functional.throughput import (
 )
 
 
-def test_count_tokens_prefers_the_attention_mask_and_reads_shapes_without_a_sync():
+def counts(batch, length_fn=None):
+    return batch_counts(StepBatch(batch, BatchKeys()), length_fn)
+
+
+def test_batch_counts_prefer_the_attention_mask_and_read_shapes_without_a_sync():
     ids = torch.randint(0, 100, (3, 5))
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    tokens, positions, samples = count_tokens({"input_ids": ids, "attention_mask": mask, "labels": ids})
+    view = StepBatch({"input_ids": ids, "attention_mask": mask, "labels": ids}, BatchKeys())
+    tokens, positions, samples = batch_counts(view)
     assert isinstance(tokens, torch.Tensor) and int(tokens) == 9
     assert (positions, samples) == (15, 3)
+    assert batch_counts(view)[0] is tokens  # the step's one count, shared
 
 
-def test_count_tokens_without_a_mask_counts_every_position_of_the_input():
-    assert count_tokens((torch.randint(0, 9, (4, 7)), torch.randn(4, 7, 2))) == (28, 28, 4)
-    assert count_tokens({"tokens": torch.zeros(6, dtype=torch.long)}) == (6, 6, 1)  # one unbatched sequence
-    assert count_tokens({"x": "no tensors"}) == (0, 0, 0)
+def test_batch_counts_without_a_mask_count_every_position_of_the_input():
+    assert counts((torch.randint(0, 9, (4, 7)), torch.randn(4, 7, 2))) == (28, 28, 4)
+    assert counts({"tokens": torch.zeros(6, dtype=torch.long)}) == (6, 6, 1)  # one unbatched sequence
+    assert counts({"x": "no tensors"}) == (0, 0, 0)
+    assert counts(torch.randn(4, 3)) == (12, 12, 4)  # features only: the first tensor's shape
 
 
-def test_count_tokens_uses_the_length_function_first():
+def test_batch_counts_use_the_length_function_first():
     batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4)}
-    assert count_tokens(batch, lambda b: 5) == (5, 8, 2)
-    tokens, _, _ = count_tokens(batch, lambda b: (b["attention_mask"][:, 1:] != 0).sum())
+    assert counts(batch, lambda b: 5) == (5, 8, 2)
+    tokens, _, _ = counts(batch, lambda b: (b["attention_mask"][:, 1:] != 0).sum())
     assert int(tokens) == 6
 
 
-def test_input_tensor_finds_ids_by_key_then_the_first_integer_tensor():
-    ids = torch.zeros(2, 3, dtype=torch.long)
-    assert input_tensor({"pixel": torch.randn(2), "input_ids": ids}) is ids
-    assert input_tensor([torch.randn(2, 3), ids]) is ids
-    floats = torch.randn(2)
-    assert input_tensor([floats]) is floats
-    assert input_tensor({}) is None
+def test_batch_counts_follow_the_given_keys():
+    batch = {"src": torch.zeros(2, 4, dtype=torch.long), "pad": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])}
+    tokens, positions, samples = batch_counts(StepBatch(batch, BatchKeys(mask_key="pad")))
+    assert (int(tokens), positions, samples) == (3, 8, 2)
 
 
 def test_batch_fingerprint_is_equal_for_equal_values_and_sensitive_to_values_and_order():

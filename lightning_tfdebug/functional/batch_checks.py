@@ -1,0 +1,310 @@
+"""BatchGuard's decisions, as pure functions and small state machines: no Trainer, no device work.
+
+Each takes host values (the :class:`~lightning_tfdebug.functional.batches.FieldSpec` of a batch, the unpacked
+:func:`~lightning_tfdebug.functional.batches.token_statistics` of a batch, fingerprints) and returns
+:class:`Verdict` objects: the finding code, its message and its evidence. The callback only emits them, so every rule
+here is testable without a Trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_tfdebug.functional.batches import Drift, FieldSpec, length_shift
+
+STREAM_REPEAT_WINDOW = 16  # from a stream, a repeat counts only this close (a stream may cycle its data)
+MAX_EPOCH_PRINTS = 100_000  # fingerprints kept per epoch for TFD121 (a few MB at most)
+CRASH_CODES = ("TFD110", "TFD112", "TFD113")  # value problems that break the forward (ids, mask, label range)
+DRIFT_CODES = {"missing": "TFD101", "extra": "TFD102", "dtype": "TFD103", "ndim": "TFD104", "size": "TFD105"}
+DRIFT_SEVERITY = {"missing": "error", "extra": "warning", "dtype": "error", "ndim": "error", "size": "error"}
+DRIFT_HINT = (
+    "A collate path that only some batches take: a last or single-sample batch squeezed, a dtype cast in one branch, "
+    "tensors built from Python lists (int32/float defaults). Build every field with an explicit dtype and keep the "
+    "batch dimension."
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A finding decided from host values: what the callback passes to ``emit``."""
+
+    code: str
+    message: str
+    evidence: dict[str, Any]
+    severity: str | None = None  # None: the rule's default
+    hint: str | None = None  # None: the rule's hint
+    key: str | None = None  # emit's de-duplication key
+    step: int | None = None  # the step the evidence belongs to (None: the current step)
+
+
+@dataclass(frozen=True)
+class BatchPaths:
+    """Where the ids, the attention mask and the labels of a batch are (``None``: the batch has none)."""
+
+    input_ids: str | None
+    attention_mask: str | None
+    labels: str | None
+
+
+@dataclass(frozen=True)
+class ValueRules:
+    """What the value checks compare against."""
+
+    vocab_size: int | None
+    context: int | None
+    ignore_index: int
+    bos_id: int | None = None
+    eos_id: int | None = None
+    max_truncated_fraction: float = 0.5
+
+
+# ------------------------------------------------------------------------------------------------ host metadata
+def drift_verdicts(drifts: list[Drift], where: str, declared: bool) -> list[Verdict]:
+    """``TFD101``-``TFD105``: one verdict per difference between a batch and its schema."""
+    source = "the declared schema" if declared else "the schema learned from the first batches"
+    out = []
+    for d in drifts:
+        what = {
+            "missing": f"key '{d.key}' is missing (expected {d.expected})",
+            "extra": f"key '{d.key}' is new: {d.found}, absent from the earlier batches",
+            "dtype": f"'{d.key}' has dtype {d.found}; expected {d.expected}",
+            "ndim": f"'{d.key}' has {d.found}; expected {d.expected}",
+            "size": f"'{d.key}' has {d.found}; expected {d.expected}",
+        }[d.kind]
+        out.append(
+            Verdict(
+                DRIFT_CODES[d.kind],
+                f"{where}: {what} ({source}).",
+                {"key": d.key, "expected": d.expected, "found": d.found},
+                severity=DRIFT_SEVERITY[d.kind],
+                hint=DRIFT_HINT,
+                key=d.key,
+            )
+        )
+    return out
+
+
+def too_long(where: str, ids_path: str | None, spec: FieldSpec | None, context: int | None) -> Verdict | None:
+    """``TFD111`` from the ids' shape alone (host metadata): a sequence longer than the model's context."""
+    if context is None or ids_path is None or spec is None or not spec.shape:
+        return None
+    width = spec.shape[-1]
+    if width <= context:
+        return None
+    return Verdict(
+        "TFD111",
+        f"{where}: '{ids_path}' has sequence length {width}, longer than the model's context of {context}; positions "
+        "past it have no embedding (an index or shape error deep in the model, or silent wrap-around).",
+        {"key": ids_path, "shape": list(spec.shape), "max_length": context},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ values
+def value_verdicts(
+    s: dict[str, float],
+    where: str,
+    paths: BatchPaths,
+    rules: ValueRules,
+    *,
+    has_mask: bool,
+    has_labels: bool,
+    crash_only: bool = False,
+) -> list[Verdict]:
+    """``TFD110``, ``TFD112``-``TFD119`` from the unpacked statistics ``s`` of one batch. ``crash_only`` keeps the
+    problems that break a forward (ids and labels outside the vocabulary, a mask that is not binary)."""
+    out: list[Verdict] = []
+    n = int(s["sequences"])
+    ids, mask, labels, ignore = paths.input_ids, paths.attention_mask, paths.labels, rules.ignore_index
+    if s["ids_out_of_range"] > 0:
+        out.append(
+            Verdict(
+                "TFD110",
+                f"{where}: '{ids}' holds {int(s['ids_out_of_range'])} token id(s) outside [0, {rules.vocab_size}); the "
+                f"first is {int(s['first_bad_id_value'])} at row {int(s['first_bad_id_row'])}, position "
+                f"{int(s['first_bad_id_col'])}.",
+                {
+                    "count": s["ids_out_of_range"],
+                    "min": s["ids_min"],
+                    "max": s["ids_max"],
+                    "vocab_size": rules.vocab_size,
+                },
+            )
+        )
+    if has_mask and s["mask_non_binary"] > 0:
+        out.append(
+            Verdict(
+                "TFD112",
+                f"{where}: '{mask}' has {int(s['mask_non_binary'])} value(s) that are neither 0 nor 1 "
+                f"(e.g. {s['first_bad_mask_value']:g}).",
+                {"key": mask, "count": s["mask_non_binary"], "example": s["first_bad_mask_value"]},
+            )
+        )
+    if has_labels and s["labels_out_of_range"] > 0:
+        out.append(
+            Verdict(
+                "TFD113",
+                f"{where}: '{labels}' holds {int(s['labels_out_of_range'])} label(s) outside [0, {rules.vocab_size}) "
+                f"that are not ignore_index={ignore} (e.g. {int(s['first_bad_label_value'])}).",
+                {"count": s["labels_out_of_range"], "vocab_size": rules.vocab_size, "ignore_index": ignore},
+            )
+        )
+    if crash_only or not has_labels:
+        return out
+    if s["labels_total"] > 0 and s["labels_ignored"] >= s["labels_total"]:
+        out.append(
+            Verdict(
+                "TFD114",
+                f"{where}: every label in '{labels}' is ignore_index={ignore}; this batch teaches nothing (the loss is "
+                "0 or NaN).",
+                {"labels": s["labels_total"], "ignored": s["labels_ignored"]},
+            )
+        )
+    if has_mask and s["pad_supervised"] > 0:
+        out.append(
+            Verdict(
+                "TFD115",
+                f"{where}: '{labels}' supervises {int(s['pad_supervised'])} of {int(s['pad_positions'])} padding "
+                f"positions ('{mask}' 0, label not ignore_index={ignore}): the model is trained to predict padding.",
+                {"pad_supervised": s["pad_supervised"], "pad_positions": s["pad_positions"]},
+                hint=f"Set labels[attention_mask == 0] = {ignore} in the collate function.",
+            )
+        )
+    if rules.bos_id is not None and s["bos_missing"] > 0:
+        out.append(
+            Verdict(
+                "TFD116",
+                f"{where}: {int(s['bos_missing'])} of {n} sequences do not start with BOS ({rules.bos_id}).",
+                {"sequences": n, "without_bos": s["bos_missing"]},
+            )
+        )
+    if rules.eos_id is not None and s["eos_multiple"] > 0:
+        out.append(
+            Verdict(
+                "TFD117",
+                f"{where}: {int(s['eos_multiple'])} of {n} sequences hold more than one EOS ({rules.eos_id}).",
+                {"sequences": n, "several_eos": s["eos_multiple"]},
+            )
+        )
+    if rules.eos_id is not None and s["eos_then_tokens"] > 0:
+        out.append(
+            Verdict(
+                "TFD118",
+                f"{where}: {int(s['eos_then_tokens'])} of {n} sequences have real tokens after their EOS.",
+                {"sequences": n, "tokens_after_eos": s["eos_then_tokens"]},
+            )
+        )
+    if (
+        rules.eos_id is not None
+        and rules.context is not None
+        and n
+        and s["truncated"] / n > rules.max_truncated_fraction
+    ):
+        out.append(
+            Verdict(
+                "TFD119",
+                f"{where}: {int(s['truncated'])} of {n} sequences fill the maximum length {rules.context} with no "
+                "EOS: they were truncated.",
+                {"truncated_frac": s["truncated"] / n, "max_length": rules.context},
+            )
+        )
+    return out
+
+
+def batch_metrics(s: dict[str, float], rules: ValueRules, has_labels: bool) -> dict[str, float]:
+    """The ``batch/*`` keys from the unpacked statistics of one batch."""
+    n, width = max(s["sequences"], 1.0), max(s["width"], 1.0)
+    metrics = {
+        "batch/width": s["width"],
+        "batch/length_mean": s["length_sum"] / n,
+        "batch/pad_frac": s["pad_positions"] / (n * width),
+    }
+    if has_labels:
+        metrics["batch/ignored_frac"] = s["labels_ignored"] / max(s["labels_total"], 1.0)
+    if rules.eos_id is not None and rules.context is not None:
+        metrics["batch/truncated_frac"] = s["truncated"] / n
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------------ across batches
+@dataclass
+class RepeatTracker:
+    """``TFD121``: batches of one epoch that repeat an earlier batch of the same epoch, token for token.
+
+    A map-style dataset's sampler draws each sample once per epoch, so any repeat is suspect; a stream
+    (IterableDataset, generator) may legitimately cycle its data, so there only repeats within
+    :data:`STREAM_REPEAT_WINDOW` batches count. Feed batches in order with :meth:`add`.
+    """
+
+    max_repeated_fraction: float = 0.1
+    epoch: int = -1
+    checked: int = 0
+    repeated: int = 0
+    first_repeat: tuple[int, int] | None = None  # (step, step of the earlier identical batch)
+    prints: dict[int, tuple[int, int]] = field(default_factory=dict)  # fingerprint -> (checked index, step)
+
+    def new_epoch(self, epoch: int) -> None:
+        self.epoch, self.checked, self.repeated = epoch, 0, 0
+        self.prints.clear()
+
+    def add(self, epoch: int, step: int, fingerprint: int, stream: bool, rank: int = 0) -> Verdict | None:
+        if epoch != self.epoch:
+            self.new_epoch(epoch)
+        earlier = self.prints.get(fingerprint)
+        if earlier is not None and (not stream or self.checked - earlier[0] <= STREAM_REPEAT_WINDOW):
+            self.repeated += 1
+            self.first_repeat = self.first_repeat or (step, earlier[1])
+        if len(self.prints) < MAX_EPOCH_PRINTS or fingerprint in self.prints:
+            self.prints[fingerprint] = (self.checked, step)
+        self.checked += 1
+        if self.repeated < 3 or self.repeated <= self.max_repeated_fraction * self.checked:
+            return None
+        first_step, earlier_step = self.first_repeat or (step, -1)
+        return Verdict(
+            "TFD121",
+            f"{self.repeated} of the {self.checked} batches checked so far in epoch {epoch} (rank {rank}) repeat an "
+            f"earlier batch of the same epoch token for token; the first, at step {first_step}, repeats step "
+            f"{earlier_step}.",
+            {
+                "epoch": epoch,
+                "checked": self.checked,
+                "repeated": self.repeated,
+                "step": first_step,
+                "repeats_step": earlier_step,
+            },
+            step=step,
+        )
+
+
+@dataclass
+class LengthWindow:
+    """``TFD120``: the mean real sequence length of a window of checked batches against the first window."""
+
+    size: int = 50
+    tolerance: float = 0.5
+    reference: dict[str, float] | None = None  # {"mean", "std"} of real lengths in the first window
+    sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0])  # sequences, sum, sum of squares, batches
+
+    def add(self, s: dict[str, float], where: str) -> Verdict | None:
+        w = self.sums
+        w[0] += s["sequences"]
+        w[1] += s["length_sum"]
+        w[2] += s["length_sq_sum"]
+        w[3] += 1
+        if w[3] < self.size:
+            return None
+        mean = w[1] / max(w[0], 1.0)
+        std = max(w[2] / max(w[0], 1.0) - mean * mean, 0.0) ** 0.5
+        self.sums = [0.0, 0.0, 0.0, 0]
+        if self.reference is None:
+            self.reference = {"mean": mean, "std": std}
+            return None
+        ref = self.reference
+        if not length_shift(ref["mean"], ref["std"], mean, self.tolerance):
+            return None
+        return Verdict(
+            "TFD120",
+            f"{where}: the mean sequence length of the last {self.size} checked batches is {mean:.1f}, against "
+            f"{ref['mean']:.1f} (std {ref['std']:.1f}) in the first ones.",
+            {"window_mean": mean, "reference_mean": ref["mean"], "reference_std": ref["std"]},
+        )
