@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,14 +13,14 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.batch import logits_of, loss_of
+from lightning_tfdebug.core.batch import IGNORE_INDEX, LABELS_KEYS, BatchKeys, StepBatch, logits_of, loss_of, step_batch
 from lightning_tfdebug.core.distributed import packed_reduce, world_size
 from lightning_tfdebug.core.model import in_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import copy_sums, init_loss_sums, uniform_loss
+from lightning_tfdebug.functional.loss_checks import check_verdicts, classify_init_loss, summarize_init
+from lightning_tfdebug.functional.verdicts import Verdict
 
-_COPY_RISE = 0.1
-"""TFD226 needs the copy rate to have risen by this much since init (tied embeddings copy from the start)."""
 _INIT_KEYS = (
     "ce_sum",
     "ce_count",
@@ -37,26 +37,27 @@ _INIT_KEYS = (
 _CHECK_KEYS = ("ce_sum", "ce_count", "copies", "repeats", "count")
 
 
-def find_in_batch(batch: Any, key: str | int) -> tuple[Tensor | None, str]:
-    """``batch[key]`` for a mapping (str key) or a tuple/list (int position), or an attribute; with a reason when
-    it is missing."""
+def _missing(batch: Any, key: str | int) -> str:
+    """Why ``key`` names no tensor of ``batch``, in the words of the batch's own structure."""
     if isinstance(batch, Mapping):
-        if isinstance(key, str) and key in batch:
-            value = batch[key]
-        else:
-            return None, f"the batch is a mapping with keys {sorted(map(str, batch))}, without {key!r}"
-    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
-        if isinstance(key, int) and -len(batch) <= key < len(batch):
-            value = batch[key]
-        else:
-            return None, f"the batch is a {type(batch).__name__} of {len(batch)} items, which has no position {key!r}"
-    elif isinstance(key, str) and hasattr(batch, key):
-        value = getattr(batch, key)
-    else:
-        return None, f"the batch is a {type(batch).__name__} without {key!r}"
-    if not isinstance(value, Tensor):
-        return None, f"batch[{key!r}] is a {type(value).__name__}, not a tensor"
-    return value, ""
+        if key in batch and not isinstance(batch[key], Tensor):
+            return f"batch[{key!r}] is a {type(batch[key]).__name__}, not a tensor"
+        return f"the batch is a mapping with keys {sorted(map(str, batch))}, without {key!r}"
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        return f"the batch is a {type(batch).__name__} of {len(batch)} items, which has no tensor at {key!r}"
+    if dataclasses.is_dataclass(batch):
+        names = [f.name for f in dataclasses.fields(batch)]
+        return f"the batch is a {type(batch).__name__} with fields {names}, without a tensor {key!r}"
+    return f"the batch is a {type(batch).__name__} without {key!r}"
+
+
+def _check_key(name: str, value: Any) -> None:
+    if value is None or (isinstance(value, str) and value) or (type(value) is int and value >= 0):
+        return
+    raise TypeError(
+        f"`{name}` must be a batch key or dotted path (str), a tuple position (int >= 0) or None (found by its usual "
+        f"names); got {value!r}."
+    )
 
 
 class LossAtInit(DebugCallback):
@@ -102,16 +103,18 @@ class LossAtInit(DebugCallback):
 
     Args:
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
-        labels_key: where the labels are in the batch: a key of a dict batch, or a position of a tuple batch. Left
-            at ``"labels"``, a dict batch without that key is also searched for ``label``, ``targets``, ``target``
-            and ``y``, and a tuple batch gives its last item.
-        input_key: where the input token ids are (for the copy check); ``None`` to use the labels. Left at
-            ``"input_ids"``, a tuple batch gives its first item.
+        labels_key: where the labels are in the batch: a key, a dotted path (``"inputs.labels"``) or a tuple
+            position (int). ``None`` (default) finds them with the pack's shared batch reader
+            (:mod:`lightning_tfdebug.core.batch`: ``labels``, ``label_ids``, ``targets``, ``target``, ``tgt``, ``y``;
+            in a tuple the integer tensor after the ids), then under ``label``, then as a tuple's last item.
+        input_key: where the input token ids are (for the copy check): a key, dotted path or tuple position; ``None``
+            (default) finds them (``input_ids``, ``tokens``, ...; the first 2-D integer tensor of a tuple), and uses
+            the labels when the batch has none and ``shift_labels`` is set.
         logits_module: qualified name of the submodule whose output holds the logits; ``None``: found as described
             above.
         shift_labels: the logits at ``t`` predict the label at ``t + 1`` (see Alignment above); ignored when the
             logits have no time dimension (a classifier's ``(batch, classes)``).
-        ignore_index: label value that is not supervised.
+        ignore_index: label value that is not supervised; ``None``: -100 (PyTorch's and Hugging Face's).
         label_smoothing: the loss's label smoothing, used in the recomputed loss.
         vocab_size: V for ln(V); ``None`` takes the logits' last dimension.
         init_tolerance: ``TFD222``/``TFD223`` when the initial loss is above ``(1 + init_tolerance) ln(V)`` or
@@ -139,7 +142,7 @@ class LossAtInit(DebugCallback):
           callbacks:
             - class_path: lightning_tfdebug.LossAtInit
               init_args:
-                labels_key: labels
+                labels_key: labels  # or 1 for (input_ids, labels) tuples; leave out to find them
                 shift_labels: true
                 check_step: 200
         ```
@@ -148,11 +151,11 @@ class LossAtInit(DebugCallback):
     def __init__(
         self,
         on_finding: OnFinding = "warn",
-        labels_key: str | int = "labels",
-        input_key: str | int | None = "input_ids",
+        labels_key: str | int | None = None,
+        input_key: str | int | None = None,
         logits_module: str | None = None,
         shift_labels: bool = True,
-        ignore_index: int = -100,
+        ignore_index: int | None = None,
         label_smoothing: float = 0.0,
         vocab_size: int | None = None,
         init_tolerance: float = 0.25,
@@ -162,16 +165,13 @@ class LossAtInit(DebugCallback):
         max_rows: int = 2048,
     ) -> None:
         super().__init__(every_n_steps=None, on_finding=on_finding)
-        for name, value in (("labels_key", labels_key), ("input_key", input_key)):
-            if isinstance(value, bool) or (
-                not isinstance(value, (str, int)) and not (name == "input_key" and value is None)
-            ):
-                raise TypeError(f"`{name}` must be a batch key (str) or a tuple position (int); got {value!r}.")
+        _check_key("labels_key", labels_key)
+        _check_key("input_key", input_key)
         if logits_module is not None and not isinstance(logits_module, str):
             raise TypeError(f"`logits_module` must be a submodule name (str) or None; got {logits_module!r}.")
         if not isinstance(shift_labels, bool):
             raise TypeError(f"`shift_labels` must be True or False; got {shift_labels!r}.")
-        check_number("ignore_index", ignore_index, integer=True)
+        check_number("ignore_index", ignore_index, integer=True, optional=True)
         check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
         check_number("vocab_size", vocab_size, low=2, integer=True, optional=True)
         check_number("init_tolerance", init_tolerance, low=0.0, high=1.0, low_inclusive=False)
@@ -183,7 +183,8 @@ class LossAtInit(DebugCallback):
         self.input_key = input_key
         self.logits_module = logits_module
         self.shift_labels = shift_labels
-        self.ignore_index = ignore_index
+        self.ignore_index = IGNORE_INDEX if ignore_index is None else ignore_index
+        self._keys = BatchKeys(input_key=input_key, labels_key=labels_key, ignore_index=self.ignore_index)
         self.label_smoothing = float(label_smoothing)
         self.vocab_size = vocab_size
         self.init_tolerance = float(init_tolerance)
@@ -201,12 +202,15 @@ class LossAtInit(DebugCallback):
         self._raw: dict[str, Tensor] = {}  # direct children's plain tensor outputs, in call order (a fallback)
         self._output_types: dict[str, str] = {}
         self._batch: Any = None
+        self._view: StepBatch | None = None  # the shared reading of the armed step's batch
         self._pl_module: pl.LightningModule | None = None
         self._collected: _Collected | None = None
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(labels_key=self.labels_key, logits_module=self.logits_module)
+        # `None` keeps the key of the former default ("labels"), so checkpoints of default configs still restore
+        labels_key = "labels" if self.labels_key is None else self.labels_key
+        return self._generate_state_key(labels_key=labels_key, logits_module=self.logits_module)
 
     # ------------------------------------------------------------------ capture
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -222,6 +226,7 @@ class LossAtInit(DebugCallback):
         else:
             return
         self._armed, self._armed_step, self._batch, self._pl_module = phase, step, batch, pl_module
+        self._view = step_batch(trainer, batch, self._keys)
         self._captured.clear()
         self._raw.clear()
         self._output_types.clear()
@@ -267,6 +272,7 @@ class LossAtInit(DebugCallback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove_hooks()
         self._armed, self._batch, self._pl_module, self._collected = None, None, None, None
+        self._view = None
         self._captured.clear()
         self._raw.clear()
 
@@ -293,6 +299,7 @@ class LossAtInit(DebugCallback):
                     self._measure_check(trainer, collected, loss, step)
         finally:
             self._armed, self._batch, self._pl_module, self._collected = None, None, None, None
+            self._view = None
             self._captured.clear()
             self._raw.clear()
 
@@ -335,7 +342,7 @@ class LossAtInit(DebugCallback):
                 None,
                 (
                     f"{what}, and no direct child returned logits (a `.logits` output, or a tensor shaped like the "
-                    f"labels `{self.labels_key}` plus a class dimension); set `logits_module` to the submodule "
+                    f"labels plus a class dimension); set `logits_module` to the submodule "
                     f"that returns the logits (direct children: {', '.join(children[:12]) or 'none'})"
                 ),
             )
@@ -364,22 +371,38 @@ class LossAtInit(DebugCallback):
         return logits, labels, ""
 
     def _labels(self) -> tuple[Tensor | None, str]:
-        """The labels from ``labels_key``; with the default key, also the usual other places.
+        """The labels, from the shared reading of the batch (``labels_key``, else the usual names).
 
-        Left at its default (``"labels"``), the key falls back to ``label``, ``targets``, ``target`` or ``y`` in a
-        dict batch and to the last item of a tuple batch (``(inputs, labels)``); a wrong guess fails the shape test
-        against the logits, which names ``labels_key``.
+        Left at ``None``, the key also falls back to a non-integer tensor under those names, to ``label`` and to the
+        last item of a tuple batch
+        (``(features, labels)``, where no token ids say which item the labels follow); a wrong guess fails the shape
+        test against the logits, which names ``labels_key``.
         """
-        labels, reason = find_in_batch(self._batch, self.labels_key)
-        if labels is None and self.labels_key == "labels":
-            batch = self._batch
-            if isinstance(batch, Mapping):
-                key = next((k for k in ("label", "targets", "target", "y") if isinstance(batch.get(k), Tensor)), None)
-                if key is not None:
-                    return batch[key], ""
-            elif isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], Tensor):
-                return batch[-1], ""
-        return labels, reason
+        assert self._view is not None
+        labels = self._view.labels
+        if labels is not None:
+            return labels, ""
+        if self.labels_key is not None:
+            return None, _missing(self._batch, self.labels_key)
+        # a float tensor under a labels name is not taken by the shared reader; here it is, so that the message can
+        # say these are not class indices
+        leaves = self._view.fields.leaves
+        fallback = next(
+            (
+                value
+                for name in (*LABELS_KEYS, "label")
+                for path, value in leaves.items()
+                if path.rsplit(".", 1)[-1] == name and isinstance(value, Tensor)
+            ),
+            None,
+        )
+        batch = self._batch
+        if not isinstance(fallback, Tensor) and isinstance(batch, (tuple, list)) and len(batch) >= 2:
+            fallback = batch[-1]
+        if isinstance(fallback, Tensor):
+            return fallback, ""
+        names = ", ".join((*LABELS_KEYS, "label"))
+        return None, f"{_missing(batch, 'labels')} (nor under {names})"
 
     def _shift(self, logits: Tensor) -> bool:
         """Whether to score position ``t`` against label ``t + 1``: never when the logits have no time dimension."""
@@ -466,169 +489,32 @@ class LossAtInit(DebugCallback):
         self.stand_aside(text + ".")
         return True
 
+    def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict], step: int) -> None:
+        for verdict in verdicts:  # from reduced values: every rank reaches the same findings
+            self.emit(trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, step=step)
+
     def _measure_init(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
         host = self._reduce(found.stats, _INIT_KEYS, loss, found.ok, found.device)
         if self._stand_aside_if_missing(trainer, host, found.reason, step):
             return
-        vocab = found.vocab
-        expected = uniform_loss(vocab)
-        recomputed = host["ce_sum"] / host["ce_count"] if host["ce_count"] else float("nan")
-        observed = host["loss_sum"] / host["loss_n"] if host["loss_n"] else recomputed
-        rows = max(host["rows"], 1.0)
-        logit_std = math.sqrt(max(host["var_sum"], 0.0) / rows)
-        supervised_frac = host["supervised"] / host["positions"] if host["positions"] else 0.0
-        metrics = {
-            "loss_at_init/observed": observed,
-            "loss_at_init/expected": expected,
-            "loss_at_init/recomputed": recomputed,
-            "loss_at_init/logit_std": logit_std,
-            "loss_at_init/supervised_frac": supervised_frac,
-        }
-        if host["count"]:
-            self._init_copy_rate = host["copies"] / host["count"]
-            metrics["loss_at_init/copy_rate"] = self._init_copy_rate
-        self.log_scalars(trainer, metrics, step=step)
-        evidence = {
-            "observed_loss": observed,
-            "expected_loss": expected,
-            "vocab_size": vocab,
-            "recomputed_loss": recomputed,
-            "logit_std": logit_std,
-            "shift_labels": found.shifted,
-        }
-        prob_frac, logprob_frac = host["prob_rows"] / rows, host["logprob_rows"] / rows
-        normalized = False
-        if prob_frac >= 0.99:
-            normalized = True
-            self.emit(
-                trainer,
-                "TFD220",
-                f"The model's outputs are already probabilities: {prob_frac:.0%} of the sampled rows are non-negative "
-                f"and sum to 1. A loss that applies softmax again (cross_entropy) sees a nearly uniform "
-                f"distribution and stays at ln(V) = {expected:.3f}.",
-                {**evidence, "probability_rows": prob_frac},
-                step=step,
-            )
-        elif logprob_frac >= 0.99:
-            normalized = True
-            self.emit(
-                trainer,
-                "TFD221",
-                f"The model's outputs are log-probabilities ({logprob_frac:.0%} of the sampled rows have logsumexp "
-                "0). That is right for NLLLoss and harmless for cross_entropy (log_softmax is idempotent).",
-                {**evidence, "log_probability_rows": logprob_frac},
-                step=step,
-            )
-        if host["supervised"] == 0:
-            self.emit(
-                trainer,
-                "TFD224",
-                f"No supervised tokens: every label of the first batch is ignore_index ({self.ignore_index}), so the "
-                f"loss is {observed:.4g} (NaN or 0) and nothing is learned.",
-                {**evidence, "label_positions": host["positions"], "supervised": 0},
-                step=step,
-            )
-            return
-        if not math.isfinite(observed):
-            self.emit(
-                trainer,
-                "TFD227",
-                f"The loss of the first step is {observed}, before any update.",
-                evidence,
-                step=step,
-            )
-            return
-        if normalized and prob_frac >= 0.99:
-            return  # the loss value says nothing more about the wiring
-        if self._scaled_loss(trainer, host, observed, recomputed, expected, evidence, step):
-            return
-        if observed > (1.0 + self.init_tolerance) * expected:
-            self.emit(
-                trainer,
-                "TFD222",
-                f"The initial loss {observed:.3f} is far above ln(V) = {expected:.3f} (V={vocab}): the untrained "
-                f"model is confidently wrong (logit spread {logit_std:.3g}).",
-                evidence,
-                step=step,
-            )
-        elif observed < (1.0 - self.init_tolerance) * expected:
-            self.emit(
-                trainer,
-                "TFD223",
-                f"The initial loss {observed:.3f} is far below ln(V) = {expected:.3f} (V={vocab}) before any "
-                "training: the model can see the answer, or the loss is not a cross-entropy over V classes.",
-                evidence,
-                step=step,
-            )
-
-    def _scaled_loss(
-        self,
-        trainer: pl.Trainer,
-        host: dict[str, float],
-        observed: float,
-        recomputed: float,
-        expected: float,
-        evidence: dict[str, Any],
-        step: int,
-    ) -> bool:
-        """``TFD229``: the logits give ln(V) but the returned loss is a multiple of that.
-
-        The untrained logits are near uniform (their cross-entropy is within ``init_tolerance`` of ln(V)), so a
-        returned loss far from ln(V) is not the logits' fault: the loss is scaled. Above, any factor is reported (a
-        sum instead of a mean, a multiplied or dominating extra term); below, only a factor that is one over a count
-        this run has (rows, tokens, accumulation, ranks), since NLLLoss on raw logits also lands below ln(V) and is
-        ``TFD223``'s.
-        """
-        tol = self.init_tolerance
-        if not (recomputed > 0 and abs(recomputed - expected) <= tol * expected):
-            return False
-        if (1.0 - tol) * expected <= observed <= (1.0 + tol) * expected:
-            return False
-        ranks = max(world_size(), 1)
-        rows = host["label_rows"] / ranks
-        counts = {
-            "supervised tokens per batch": host["supervised"] / ranks,
-            "sequences per batch": rows,
-            "label positions per sequence": host["positions"] / max(host["label_rows"], 1.0),
-            "accumulate_grad_batches": float(trainer.accumulate_grad_batches),
-            "ranks": float(ranks),
-        }
-        factor = observed / recomputed
-        # the recomputed loss is a sample's mean, and the untrained per-token losses spread by a few percent: a
-        # count within 15% names the factor; the counts are far apart (rows, sequence length, tokens)
-        close = {
-            name: abs(math.log(abs(factor) * (n if factor < 1 else 1 / n)))
-            for name, n in counts.items()
-            if n >= 2 and factor != 0
-        }
-        matches = sorted(((d, name, counts[name]) for name, d in close.items() if d <= math.log(1.15)))
-        matches = [(name, n) for _, name, n in matches]
-        if factor < 1 and not matches:
-            return False
-        if matches:
-            name, n = matches[0]
-            if factor > 1:
-                because = f", the number of {name} ({n:.0f}): the loss is summed over them, not averaged"
-            else:
-                because = f", one over the {name} ({n:.0f}): the loss is divided by it once too often"
-        else:
-            because = ", a factor that matches no count of the batch (an extra loss term or a multiplier)"
-        self.emit(
-            trainer,
-            "TFD229",
-            f"The loss training_step returned ({observed:.4g}) is {factor:.4g}x the mean cross-entropy of the "
-            f"model's own logits ({recomputed:.4g}, at ln(V) = {expected:.3f} as an untrained model should be)"
-            f"{because}. The logits are fine; the loss is scaled, and with it the gradients.",
-            {**evidence, "factor": factor, "matched_count": matches[0][0] if matches else None},
-            step=step,
+        init = summarize_init(host, found.vocab)
+        if init.copy_rate is not None:
+            self._init_copy_rate = init.copy_rate
+        self.log_scalars(trainer, init.metrics(), step=step)
+        verdicts = classify_init_loss(
+            init,
+            init_tolerance=self.init_tolerance,
+            ignore_index=self.ignore_index,
+            shifted=found.shifted,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            ranks=world_size(),
         )
-        return True
+        self._emit(trainer, verdicts, step)
 
     def _measure_check(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
         host = self._reduce(found.stats, _CHECK_KEYS, loss, found.ok, found.device)
         if self._stand_aside_if_missing(trainer, host, found.reason, step):
             return
-        expected = uniform_loss(found.vocab)
         recomputed = host["ce_sum"] / host["ce_count"] if host["ce_count"] else float("nan")
         current = host["loss_sum"] / host["loss_n"] if host["loss_n"] else recomputed
         metrics = {"loss_at_init/check_loss": current}
@@ -637,49 +523,28 @@ class LossAtInit(DebugCallback):
             copy_rate, repeat_rate = host["copies"] / host["count"], host["repeats"] / host["count"]
             metrics["loss_at_init/copy_rate"] = copy_rate
         self.log_scalars(trainer, metrics, step=step)
-        lrs = [group["lr"] for opt in trainer.optimizers for group in opt.param_groups]
-        if math.isfinite(current) and abs(current - expected) <= self.stall_tolerance * expected:
-            self.emit(
-                trainer,
-                "TFD225",
-                f"After {step} steps the loss {current:.3f} is still within {self.stall_tolerance:.0%} of ln(V) = "
-                f"{expected:.3f}, the loss of a uniform guess: the model has not started to learn.",
-                {"loss": current, "expected_loss": expected, "step": step, "learning_rates": lrs[:8]},
-                step=step,
-            )
-        init_rate = self._init_copy_rate if self._init_copy_rate is not None else 0.0
-        if (
-            copy_rate == copy_rate
-            and copy_rate > self.copy_threshold
-            and copy_rate >= repeat_rate + 0.25
-            and copy_rate >= init_rate + _COPY_RISE
-        ):
-            self.emit(
-                trainer,
-                "TFD226",
-                f"After {step} steps the model's top prediction equals the *current* input token at {copy_rate:.0%} "
-                f"of positions (the data repeats a token at only {repeat_rate:.0%}; at init the model did so at "
-                f"{init_rate:.0%}): it learned to copy its input.",
-                {
-                    "copy_rate": copy_rate,
-                    "repeat_rate": repeat_rate,
-                    "init_copy_rate": init_rate,
-                    "step": step,
-                    "shift_labels": self.shift_labels,
-                },
-                step=step,
-            )
+        verdicts = check_verdicts(
+            current,
+            uniform_loss(found.vocab),
+            step,
+            stall_tolerance=self.stall_tolerance,
+            copy_rate=copy_rate,
+            repeat_rate=repeat_rate,
+            init_copy_rate=self._init_copy_rate,
+            copy_threshold=self.copy_threshold,
+            learning_rates=[group["lr"] for opt in trainer.optimizers for group in opt.param_groups],
+            shift_labels=self.shift_labels,
+        )
+        self._emit(trainer, verdicts, step)
 
     def _current_tokens(self, labels: Tensor) -> Tensor | None:
-        """The input token ids, for the copy check: ``input_key``; with the default key and a tuple batch, its
-        first item; else, with ``shift_labels``, the labels (a causal LM's labels mirror its inputs)."""
-        if self.input_key is not None:
-            inputs, _ = find_in_batch(self._batch, self.input_key)
-            batch = self._batch
-            if inputs is None and self.input_key == "input_ids" and isinstance(batch, (tuple, list)) and batch:
-                inputs = batch[0] if isinstance(batch[0], Tensor) else None
-            if inputs is not None and not inputs.is_floating_point():
-                return inputs
+        """The input token ids, for the copy check: from the shared reading (``input_key``, else found by name or as
+        a tuple's first 2-D integer tensor); else, with ``shift_labels``, the labels (a causal LM's labels mirror
+        its inputs)."""
+        assert self._view is not None
+        inputs = self._view.input_ids
+        if inputs is not None and not inputs.is_floating_point():
+            return inputs
         return labels if self.shift_labels else None
 
     # ------------------------------------------------------------------ state

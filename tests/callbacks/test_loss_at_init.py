@@ -23,7 +23,7 @@ def codes(callback):
     "kwargs, match",
     [
         ({"labels_key": 1.5}, "labels_key"),
-        ({"labels_key": None}, "labels_key"),
+        ({"labels_key": -1}, "labels_key"),
         ({"input_key": [0]}, "input_key"),
         ({"logits_module": 3}, "logits_module"),
         ({"shift_labels": "yes"}, "shift_labels"),
