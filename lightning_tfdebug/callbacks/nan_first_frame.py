@@ -13,6 +13,7 @@ from lightning_tfdebug.core.base import DebugCallback, check_choice, check_numbe
 from lightning_tfdebug.core.distributed import all_gather_vector, local_tensor, world_size
 from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.finite import grads_nonfinite_flag, nonfinite_flag
 from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_frames, weight_ranges, window, write_report
 
 Mode = Literal["lazy", "eager"]
@@ -126,7 +127,8 @@ class NaNFirstFrame(DebugCallback):
         self.skip_nonfinite_steps = skip_nonfinite_steps
         self.reports: list[str] = []
         self.skipped_steps = 0
-        self._params: list[Tensor] = []
+        self._params: list[Tensor] = []  # the trainable parameters, listed once per fit
+        self._sharded = False  # some parameter is a DTensor (FSDP2): gradients are read through their local shard
         self._loss_bad: Tensor | None = None
         self._micro: list[tuple[Any, int, dict[str, Any]]] = []
         self._recorder: FrameRecorder | None = None
@@ -138,6 +140,7 @@ class NaNFirstFrame(DebugCallback):
     # ------------------------------------------------------------------ lifecycle
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
+        self._sharded = any(local_tensor(p) is not p for p in self._params)
         if self.mode == "eager" and self.active:
             self._recorder = FrameRecorder(pl_module, backward=True).attach()
             self._recorder.enabled = False
@@ -173,8 +176,8 @@ class NaNFirstFrame(DebugCallback):
         if not self.active:
             return
         with torch.no_grad():
-            bad = (~torch.isfinite(loss.detach())).any()  # on the device
-            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+            bad = nonfinite_flag(loss)  # on the device
+            self._loss_bad = bad if self._loss_bad is None else torch.maximum(self._loss_bad, bad)
         if self._recorder is not None and self._recorder.enabled:
             self._recorder.record_value(_LOSS_FRAME, "loss", loss)
 
@@ -195,13 +198,18 @@ class NaNFirstFrame(DebugCallback):
     def _local_flags(self, trainer: pl.Trainer, device: torch.device) -> Tensor:
         """``[loss_nonfinite, grad_nonfinite, frame_nonfinite]`` for this rank, on the device, no host sync."""
         zero = torch.zeros((), device=device)
-        loss_bad = self._loss_bad.float().to(device) if self._loss_bad is not None else zero
+        loss_bad = self._loss_bad.to(device) if self._loss_bad is not None else zero
         grad_bad = zero
         if self.check_gradients and grad_scaler_of(trainer) is None:
-            # a Python pass over the cached parameter list to collect `.grad`; the norms are one fused kernel
-            grads = [local_tensor(p.grad) for p in self._params if p.grad is not None]
-            if grads:
-                grad_bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).float().to(device)
+            # Deliberate, every step: a list over the parameters (cached per fit) to collect this step's `.grad`
+            # tensors, which are new objects each step when `zero_grad` sets them to None; the check itself is one
+            # fused `_foreach_norm` (about 0.2 ms for 0.9M float32 gradients on one CPU thread, memory bound).
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if self._sharded:
+                grads = [local_tensor(g) for g in grads]
+            flag = grads_nonfinite_flag(grads)
+            if flag is not None:
+                grad_bad = flag.to(device)
         frame_bad = zero
         if self._recorder is not None:
             any_bad = self._recorder.any_nonfinite()
@@ -216,7 +224,14 @@ class NaNFirstFrame(DebugCallback):
         # The decision must be identical on every rank: a loss is rank-local and an FSDP2 gradient shard may hold
         # the only nan, so the flags of all ranks are gathered (one small collective, every step, same shape).
         table = all_gather_vector(local) if world_size() > 1 else local.unsqueeze(0)
-        rows = table.tolist()  # host sync: the callback's one read per step
+        # Host sync, the callback's one read per step, and deliberate: a bad step must be skipped (its gradients set
+        # to None) *before* `optimizer.step()` applies inf/nan to the weights and the optimizer's moments, and no
+        # device-side trick can make an arbitrary optimizer skip a step (multiplying the gradients by zero still
+        # applies weight decay and momentum; 0 * nan is nan). Measured on CPU (one thread, 4-layer d=128 model):
+        # the read of three flags costs about 1 us, against 0.2 ms for the gradient check. On CUDA it waits for the
+        # backward's queued kernels, which `optimizer.step()` queues behind anyway; what it costs is the overlap of
+        # the optimizer's kernel launches with the end of backward.
+        rows = table.tolist()
         # the ranks that produced it: a rank-local loss, or else the gradients (identical on all ranks under DDP)
         bad_ranks = [r for r, row in enumerate(rows) if row[0] > 0] or [r for r, row in enumerate(rows) if row[1] > 0]
         frame_ranks = [r for r, row in enumerate(rows) if row[2] > 0]

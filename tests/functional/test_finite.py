@@ -1,0 +1,36 @@
+import math
+
+import pytest
+import torch
+
+from lightning_tfdebug.functional.finite import grads_nonfinite_flag, nonfinite_flag
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_flag_sees_nan_and_inf(value):
+    assert nonfinite_flag(torch.tensor(value)).item() == 1.0
+    assert nonfinite_flag(torch.tensor([1.0, value, 2.0])).item() == 1.0
+
+
+def test_nonfinite_flag_is_zero_for_finite_values():
+    flag = nonfinite_flag(torch.tensor([0.0, -3.0, 1e30]))
+    assert flag.dtype == torch.float32 and flag.ndim == 0 and flag.item() == 0.0
+
+
+def test_grads_nonfinite_flag_none_without_gradients():
+    assert grads_nonfinite_flag([]) is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_grads_nonfinite_flag_finds_one_bad_element_among_many_tensors(bad):
+    grads = [torch.randn(7, 5) for _ in range(20)]
+    assert grads_nonfinite_flag(grads).item() == 0.0
+    grads[13][4, 2] = bad
+    assert grads_nonfinite_flag(grads).item() == 1.0
+
+
+def test_grads_nonfinite_flag_fp16_large_but_finite_gradients_are_finite():
+    # each element fits fp16, but the norm (about 3.2e5) would overflow if it were accumulated in fp16
+    grads = [torch.full((1000,), 1e4, dtype=torch.float16)]
+    assert math.isfinite(float(torch.stack([g.float().norm() for g in grads]).sum()))
+    assert grads_nonfinite_flag(grads).item() == 0.0
