@@ -49,22 +49,41 @@ class BundleError(RuntimeError):
 # ------------------------------------------------------------------------------------------------- RNG
 
 
-def capture_rng() -> dict[str, Any]:
-    """Every generator a training step may draw from: Python, NumPy, torch CPU and, if initialised, this process's
-    CUDA device (each rank writes its own bundle; the other devices' generators are not this rank's).
+def capture_rng(host: bool = True) -> dict[str, Any]:
+    """The generators a training step may draw from: torch CPU and, if initialised, this process's CUDA device (each
+    rank writes its own bundle; the other devices' generators are not this rank's), and with ``host`` Python's and
+    NumPy's global generators.
 
-    Host-side and cheap (a few KB copied, no device sync: CUDA generator states live on the host).
+    Host-side, no device sync (CUDA generator states live on the host). The torch states are small tensors copied
+    as they are (about 1 us each); Python's and NumPy's states are converted to tuples and cost 10-40 us, so
+    ReproCapture reads them only when the run's steps draw from them (see :func:`host_rng_moved`).
     """
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy ships with torch wheels
-        pass
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [torch.cuda.get_rng_state()]  # the current device
+    if host:
+        state["python"] = random.getstate()
+        try:
+            import numpy as np
+
+            state["numpy"] = np.random.get_state()
+        except ImportError:  # pragma: no cover - numpy ships with torch wheels
+            pass
     return state
+
+
+def host_rng_moved(state: Mapping[str, Any]) -> bool:
+    """Whether Python's or NumPy's global generator drew a number since ``state`` (from :func:`capture_rng` with
+    ``host=True``) was taken: the step in between uses them, so replaying it needs their states."""
+    if "python" in state and random.getstate() != state["python"]:
+        return True
+    if "numpy" in state:
+        import numpy as np
+
+        _, key, pos, has_gauss, _ = np.random.get_state()
+        before = state["numpy"]
+        return pos != before[2] or has_gauss != before[3] or not np.array_equal(key, before[1])
+    return False
 
 
 def restore_rng(state: Mapping[str, Any]) -> list[str]:
@@ -312,8 +331,9 @@ def write_bundle(
             name, key, pos, has_gauss, cached = rng["numpy"]
             tensors["numpy_key"] = torch.as_tensor(key.astype("int64"))
             meta["rng_numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
-        version, internal, gauss = rng["python"]
-        meta["rng_python"] = {"version": version, "state": list(internal), "gauss": gauss}
+        if "python" in rng:
+            version, internal, gauss = rng["python"]
+            meta["rng_python"] = {"version": version, "state": list(internal), "gauss": gauss}
         _save(tensors, tmp, "rng.pt", files)
     if cpu_state is not None:
         _save(cpu_state, tmp, "model.pt", files)
@@ -544,6 +564,11 @@ def replay(
     run = loaded.meta.get("run") or {}
     if loaded.rng is None:
         notes.append("the bundle holds no RNG states (capture_rng=False): dropout and other random ops will differ")
+    elif "python" not in loaded.rng:
+        notes.append(
+            "Python's and NumPy's generator states were not captured (no step ReproCapture probed drew from them); "
+            "torch's were restored"
+        )
     if load_state:
         if loaded.model_state is not None:
             _load_state(module, loaded.model_state, "the bundle's model state")
@@ -724,10 +749,13 @@ __all__ = [
     "build_module",
     "capture_rng",
     "find_bundles",
+    "host_rng_moved",
     "load_bundle",
     "replay",
     "replay_with_config",
     "restore_rng",
     "run_info",
+    "share_host_copy",
+    "shared_host_copy",
     "write_bundle",
 ]

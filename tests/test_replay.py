@@ -22,9 +22,9 @@ from tests.helpers import ROOT, make_trainer
 SMALL = dict(d_model=32, n_layers=2, n_heads=2)
 
 
-def crash(tmp_path, model, data, max_steps=12):
+def crash(tmp_path, model, data, max_steps=12, **trainer_kwargs):
     capture = ReproCapture()
-    trainer = make_trainer(tmp_path, [capture], max_steps=max_steps)
+    trainer = make_trainer(tmp_path, [capture], max_steps=max_steps, **trainer_kwargs)
     with pytest.raises(Exception) as info, warnings.catch_warnings():
         warnings.simplefilter("ignore", TFDebugWarning)
         trainer.fit(model, data)
@@ -87,6 +87,46 @@ def test_replay_restores_rng_weights_and_step_and_would_notice_if_not(tmp_path):
         no_rng = replay(loaded, RandomFailure(**SMALL))
         assert isinstance(no_rng.exception, RuntimeError) and not no_rng.reproduced
         assert any("no RNG states" in note for note in no_rng.notes)
+
+
+class DrawsEveryStep(TinyGPT):
+    """Draws from Python's and NumPy's generators on every step (random masking), fails at step 7 with the draws."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        draws = f"python {random.random():.8f} numpy {np.random.rand():.8f} torch {torch.rand(()).item():.8f}"
+        if self.trainer.global_step == 7:
+            raise RuntimeError(f"step 7 {draws}")
+        return loss
+
+
+class TorchOnly(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step == 7:
+            raise RuntimeError(f"step 7 torch {torch.rand(()).item():.8f}")
+        return loss
+
+
+def test_host_generators_are_captured_between_measuring_steps_only_when_steps_use_them(tmp_path):
+    # step 7 is not a measuring step (every 5): the first probed batches decide what is captured there
+    error, bundle = crash(tmp_path / "host", DrawsEveryStep(**SMALL), TinyTextDataModule(batch_size=8), **EVERY_5)
+    assert "rng_python" in load_bundle(bundle).meta and "rng_numpy" in load_bundle(bundle).meta
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = replay(bundle, DrawsEveryStep(**SMALL))
+    assert result.reproduced, f"{result.exception} != {error}"
+
+    error, bundle = crash(tmp_path / "torch", TorchOnly(**SMALL), TinyTextDataModule(batch_size=8), **EVERY_5)
+    assert "rng_python" not in load_bundle(bundle).meta  # never converted: no step drew from Python or NumPy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = replay(bundle, TorchOnly(**SMALL))
+    assert result.reproduced, f"{result.exception} != {error}"
+    assert any("were not captured" in note for note in result.notes)
+
+
+EVERY_5 = {"log_every_n_steps": 5}
 
 
 def test_cli_replays_a_lightning_cli_run(tmp_path, capsys):

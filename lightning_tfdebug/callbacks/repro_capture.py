@@ -18,11 +18,15 @@ from lightning_tfdebug.repro import (
     describe_exception,
     holds_device_tensors,
     host_copy,
+    host_rng_moved,
     run_info,
+    share_host_copy,
     state_size_bytes,
     write_bundle,
     write_json_atomic,
 )
+
+_PROBE_STEPS = 4  # the first batches of a fit (and measuring steps) check whether steps draw from Python/NumPy
 
 
 class ReproCapture(DebugCallback):
@@ -33,8 +37,9 @@ class ReproCapture(DebugCallback):
     module's and the DataModule's saved hyper-parameters.
 
     On every training batch it keeps the batch (a reference for CPU batches; for CUDA batches a copy queued into
-    pinned host memory, see ``copy_batch``) and the RNG states (Python, NumPy, torch CPU, CUDA: host-side, a few KB,
-    no device sync). It moves itself to the front of ``trainer.callbacks`` at set-up, so it holds the batch before
+    pinned host memory, see ``copy_batch``) and the RNG states (torch CPU and CUDA as the tensors torch returns, a few
+    KB, no device sync; Python and NumPy only when the steps draw from them, see ``capture_rng``).
+    It moves itself to the front of ``trainer.callbacks`` at set-up, so it holds the batch before
     any other callback can reject it (BatchGuard with ``on_finding="raise"``; replaying such a bundle shows what the
     model itself does with the batch), and keeps it until the next batch, validation or the epoch's end, so an
     exception from a later callback's ``on_train_batch_end`` still gets that step's batch.
@@ -59,7 +64,9 @@ class ReproCapture(DebugCallback):
     Args:
         on_finding: accepted for uniformity; ReproCapture's findings never stop or raise (the run is already failing).
         max_state_mb: largest model state (MB, as stored) saved into a bundle; 0 never saves it.
-        capture_rng: keep the RNG states of every batch (needed to replay dropout and other random ops exactly).
+        capture_rng: keep the RNG states of every batch (needed to replay dropout and other random ops exactly):
+            torch's CPU and CUDA generators always; Python's and NumPy's global generators once a probed batch (the
+            first four of a fit, then measuring steps) showed that the training step draws from them.
         capture_exceptions_outside_training: also write a bundle (without a batch) for exceptions raised outside a
             training batch (validation, data loading, hooks).
         copy_batch: ``"auto"`` (default) queues a copy of each batch that holds CUDA tensors into pinned host
@@ -116,6 +123,9 @@ class ReproCapture(DebugCallback):
         self._epoch: int | None = None
         self._rng: dict[str, Any] | None = None
         self._run: dict[str, Any] = {}
+        self._host_rng_used = False  # a step drew from Python's or NumPy's global generator: capture them too
+        self._probed = 0  # batches checked for that so far
+        self._probing = False
 
     @property
     def repro_dir(self) -> str:
@@ -141,6 +151,7 @@ class ReproCapture(DebugCallback):
         self._batch_type = class_path(batch)
         if self.copy_batch == "always" or (self.copy_batch == "auto" and holds_device_tensors(batch)):
             self._batch = host_copy(batch)  # CUDA tensors: queued non-blocking copies into pinned memory, no sync
+            share_host_copy(trainer, batch, self._batch)  # BatchGuard reads it after a CUDA device-side assert
         else:
             self._batch = batch  # a reference: the copy to the host happens only if an exception comes
         self._batch_idx = batch_idx
@@ -148,12 +159,19 @@ class ReproCapture(DebugCallback):
         self._epoch = trainer.current_epoch
         self._after_step = False
         if self.capture_rng:
-            self._rng = capture_rng()  # host-side generator states; no device sync
+            # torch's generators (dropout) every batch: small tensors copied as they are, no device sync. Python's and
+            # NumPy's cost 10-40 us to convert, so they are read only once a probed batch showed the step uses them.
+            self._probing = not self._host_rng_used and (self._probed < _PROBE_STEPS or self.should_measure(trainer))
+            self._rng = capture_rng(host=self._host_rng_used or self._probing)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # Keep the batch until the next one, validation or the end of the epoch: ReproCapture runs first, so a later
         # callback's `on_train_batch_end` (a NaN check that raises) still finds this step's batch in the bundle.
         self._after_step = True
+        if self._probing and self._rng is not None:
+            self._probing = False
+            self._probed += 1
+            self._host_rng_used = host_rng_moved(self._rng)  # host reads of the generators, on probed batches only
 
     def _forget_batch(self) -> None:
         self._batch, self._rng, self._after_step = None, None, False
@@ -275,8 +293,9 @@ class ReproCapture(DebugCallback):
         return self._generate_state_key(max_state_mb=self.max_state_mb)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "bundles": list(self.bundles)}
+        return {**super().state_dict(), "bundles": list(self.bundles), "host_rng_used": self._host_rng_used}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.bundles = list(state_dict.get("bundles", []))
+        self._host_rng_used = bool(state_dict.get("host_rng_used", False))
