@@ -13,26 +13,17 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
-from lightning_tfdebug.core.batch import loss_of
+from lightning_tfdebug.core.batch import loss_of, step_batch
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
-from lightning_tfdebug.findings import OnFinding, Severity
-from lightning_tfdebug.functional.probes import relative_difference
-
-Problem = tuple[str, Severity, str, dict[str, Any], str]
-
-
-def _max_step(state: Mapping[Any, Any]) -> float | None:
-    """Largest ``step`` count over an optimizer's per-parameter states (host floats; resume / save time only)."""
-    steps = []
-    for entry in state.values():
-        if isinstance(entry, Mapping) and "step" in entry:
-            step = entry["step"]
-            steps.append(float(step.item() if isinstance(step, Tensor) else step))  # host sync: save/resume only
-    return max(steps) if steps else None
+from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional import checkpoints
+from lightning_tfdebug.functional.checkpoints import max_step
+from lightning_tfdebug.functional.verdicts import Verdict
 
 
 def expectation(trainer: pl.Trainer, pl_module: pl.LightningModule, callback_keys: list[str]) -> dict[str, Any]:
-    """What a full checkpoint of this Trainer must hold, from the live objects (taken at save time)."""
+    """What a full checkpoint of this Trainer must hold, from the live objects (taken at save time); checked against
+    the file by :func:`~lightning_tfdebug.functional.checkpoints.content_problems`."""
     optimizers = []
     for optimizer in trainer.optimizers:
         with_state = [s for s in optimizer.state.values() if isinstance(s, Mapping) and s]
@@ -52,149 +43,6 @@ def expectation(trainer: pl.Trainer, pl_module: pl.LightningModule, callback_key
         "scaler_key": type(plugin).__qualname__ if grad_scaler_of(trainer) is not None else None,
         "callbacks": list(callback_keys),
     }
-
-
-def content_problems(checkpoint: Mapping[str, Any], expected: Mapping[str, Any]) -> list[Problem]:
-    """Compare a loaded checkpoint with what it must hold. Returns ``(code, severity, message, evidence, hint)``."""
-    problems: list[Problem] = []
-    saved = checkpoint.get("state_dict")
-    params: Mapping[str, list[int]] = expected.get("params", {})
-    if not isinstance(saved, Mapping):
-        problems.append(("TFD701", "error", "The checkpoint holds no `state_dict` (model weights).", {}, _HINT_WEIGHTS))
-    else:
-        missing = [k for k in params if k not in saved]
-        wrong = [
-            f"{k} {list(saved[k].shape)} != {params[k]}"
-            for k in params
-            if k in saved and isinstance(saved[k], Tensor) and list(saved[k].shape) != params[k]
-        ]
-        if missing:
-            problems.append(
-                (
-                    "TFD701",
-                    "error",
-                    f"The checkpoint lacks weights for {len(missing)} of the model's {len(params)} tensors: "
-                    f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}.",
-                    {"missing": missing[:50], "count": len(missing)},
-                    _HINT_WEIGHTS,
-                )
-            )
-        if wrong:
-            problems.append(
-                (
-                    "TFD702",
-                    "error",
-                    f"{len(wrong)} saved tensors have the wrong shape: {'; '.join(wrong[:5])}.",
-                    {"mismatches": wrong[:50]},
-                    "Save the full (gathered) tensors, or check the model was not rebuilt between save and load.",
-                )
-            )
-    n_opt = len(expected.get("optimizers", []))
-    states = checkpoint.get("optimizer_states")
-    if n_opt and (not isinstance(states, list) or len(states) < n_opt):
-        have = len(states) if isinstance(states, list) else 0
-        problems.append(
-            (
-                "TFD703",
-                "error",
-                f"The checkpoint holds optimizer state for {have} of {n_opt} optimizers: a resume restarts Adam's "
-                "moments and step counts from zero.",
-                {"saved": have, "expected": n_opt},
-                _HINT_STATE,
-            )
-        )
-    elif n_opt:
-        for i, (exp, state) in enumerate(zip(expected["optimizers"], states)):
-            groups = len(state.get("param_groups", [])) if isinstance(state, Mapping) else 0
-            per_param = state.get("state", {}) if isinstance(state, Mapping) else {}
-            saved_with_state = sum(1 for s in per_param.values() if isinstance(s, Mapping) and s)
-            no_step = exp["has_step"] and _max_step(per_param) is None
-            if groups != exp["groups"] or saved_with_state < exp["with_state"] or no_step:
-                problems.append(
-                    (
-                        "TFD704",
-                        "error",
-                        f"Optimizer {i}'s saved state is incomplete: {groups} of {exp['groups']} param groups, "
-                        f"state for {saved_with_state} of {exp['with_state']} parameters"
-                        f"{', no step counts' if no_step else ''}.",
-                        {"optimizer": i, "groups": groups, "params_with_state": saved_with_state},
-                        _HINT_STATE,
-                    )
-                )
-    n_sched = int(expected.get("schedulers", 0))
-    scheds = checkpoint.get("lr_schedulers")
-    if n_sched and (not isinstance(scheds, list) or len(scheds) < n_sched):
-        have = len(scheds) if isinstance(scheds, list) else 0
-        problems.append(
-            (
-                "TFD705",
-                "error",
-                f"The checkpoint holds LR scheduler state for {have} of {n_sched} schedulers: a resume restarts the "
-                "schedule (warm-up again from its first step).",
-                {"saved": have, "expected": n_sched},
-                _HINT_STATE,
-            )
-        )
-    scaler_key = expected.get("scaler_key")
-    if scaler_key and not (isinstance(checkpoint.get(scaler_key), Mapping) and "scale" in checkpoint[scaler_key]):
-        problems.append(
-            (
-                "TFD706",
-                "error",
-                f"The checkpoint lacks the fp16 GradScaler state (key `{scaler_key}`): a resume restarts the loss "
-                "scale at its initial value and skips steps while it backs off again.",
-                {"key": scaler_key},
-                _HINT_STATE,
-            )
-        )
-    loops = checkpoint.get("loops")
-    missing_progress = [k for k in ("global_step", "epoch") if k not in checkpoint]
-    if not (isinstance(loops, Mapping) and "fit_loop" in loops):
-        missing_progress.append("loops.fit_loop")
-    if missing_progress:
-        problems.append(
-            (
-                "TFD707",
-                "error",
-                f"The checkpoint lacks loop progress ({', '.join(missing_progress)}): "
-                "a resume restarts the epoch and step counters and the data order.",
-                {"missing": missing_progress},
-                _HINT_STATE,
-            )
-        )
-    elif "global_step" in expected and checkpoint.get("global_step") != expected["global_step"]:
-        problems.append(
-            (
-                "TFD707",
-                "error",
-                f"The checkpoint's global_step is {checkpoint.get('global_step')} but it was saved at step "
-                f"{expected['global_step']}.",
-                {"saved": checkpoint.get("global_step"), "expected": expected["global_step"]},
-                _HINT_STATE,
-            )
-        )
-    saved_callbacks = checkpoint.get("callbacks")
-    want = expected.get("callbacks", [])
-    lost = [k for k in want if not isinstance(saved_callbacks, Mapping) or k not in saved_callbacks]
-    if lost:
-        problems.append(
-            (
-                "TFD708",
-                "warning",
-                f"The checkpoint lacks the state of {len(lost)} callbacks: {', '.join(lost[:5])}.",
-                {"missing": lost},
-                "Something removed `checkpoint['callbacks']` entries (an `on_save_checkpoint` override?); early "
-                "stopping, checkpointing and the pack's callbacks lose their history on resume.",
-            )
-        )
-    return problems
-
-
-_HINT_WEIGHTS = "Save with `trainer.save_checkpoint` / ModelCheckpoint; check `on_save_checkpoint` overrides."
-_HINT_STATE = (
-    "Something drops it from the checkpoint: `save_weights_only=True`, or an `on_save_checkpoint` override that pops "
-    "`optimizer_states` / `lr_schedulers`. Resume needs them for the same training run."
-)
 
 
 class CheckpointAudit(DebugCallback):
@@ -272,6 +120,7 @@ class CheckpointAudit(DebugCallback):
         self.loss_rtol = float(loss_rtol)
         self.weight_rtol = float(weight_rtol)
         self._probe_batch: Any = None
+        self._probe_taken = False  # the probe batch is taken once per fit, even when it cannot be used
         self._probe_loss: float | None = None
         self._probe_loss_step: int | None = None
         self._expected: dict[str, Any] | None = None
@@ -319,15 +168,24 @@ class CheckpointAudit(DebugCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._probe_batch is None and self.active:
-            self._probe_batch = self._slice(batch)
+        if self._probe_taken or not self.active:
+            return  # every step but the first: nothing
+        self._probe_taken = True
+        if self._probe_batch is None:  # (a resumed fit keeps the probe batch of its checkpoint)
+            self._probe_batch = self._slice(trainer, batch)
 
-    def _slice(self, batch: Any) -> Any:
-        sizes = []
-        apply_to_collection(batch, Tensor, lambda t: sizes.append(t.shape[0]) if t.ndim else None)
-        if not sizes:
-            return None
-        rows = sizes[0]
+    def _slice(self, trainer: pl.Trainer, batch: Any) -> Any:
+        """The first ``probe_rows`` rows of every tensor of the batch that has its rows (the sequences of its token
+        ids, from the shared reading of the batch; else the first dimension of its first tensor), on the host."""
+        view = step_batch(trainer, batch)
+        if view.input_ids is not None and view.input_ids.ndim >= 2:
+            rows = int(view.input_ids.shape[0])
+        else:
+            sizes: list[int] = []
+            apply_to_collection(batch, Tensor, lambda t: sizes.append(t.shape[0]) if t.ndim else None)
+            if not sizes:
+                return None
+            rows = sizes[0]
         n = self.probe_rows
 
         def cut(t: Tensor) -> Tensor:
@@ -432,15 +290,13 @@ class CheckpointAudit(DebugCallback):
                     synchronized=False,
                 )
                 continue
-            for code, severity, message, evidence, hint in content_problems(loaded, expected):
-                self.emit(
+            for verdict in checkpoints.content_problems(loaded, expected):
+                self._emit(
                     trainer,
-                    code,
-                    f"{message} (file {os.path.basename(path)})",
-                    {**evidence, "path": path},
-                    severity=severity,
-                    hint=hint,
-                    key=code,
+                    verdict,
+                    f"{verdict.message} (file {os.path.basename(path)})",
+                    {**verdict.evidence, "path": path},
+                    key=verdict.code,
                     synchronized=False,
                 )
         self._pending_files = still
@@ -486,161 +342,53 @@ class CheckpointAudit(DebugCallback):
     ) -> None:
         if not self.active:
             return
-        full = "loops" in checkpoint
-        if full and "optimizer_states" not in checkpoint:
-            self.emit(
-                trainer,
-                "TFD703",
-                "Resuming from a checkpoint without optimizer state: Adam's moments and step counts restart from zero.",
-                {},
-                hint=_HINT_STATE,
-                key="resume",
-            )
-        if full and "lr_schedulers" not in checkpoint:
-            self.emit(
-                trainer,
-                "TFD705",
-                "Resuming from a checkpoint without LR scheduler state: the schedule restarts from its first step.",
-                {},
-                hint=_HINT_STATE,
-                key="resume",
-            )
-        weights = checkpoint.get("state_dict", {})
-        names = [k for k, v in weights.items() if isinstance(v, Tensor) and v.is_floating_point()]
-        sums = _checksums([weights[k] for k in names])
-        steps = [
-            _max_step(s.get("state", {})) for s in checkpoint.get("optimizer_states", []) if isinstance(s, Mapping)
-        ]
-        lrs = [
-            [float(g["lr"]) for g in s.get("param_groups", [])]
-            for s in checkpoint.get("optimizer_states", [])
-            if isinstance(s, Mapping)
-        ]
-        scale = None
-        for value in checkpoint.values():
-            if isinstance(value, Mapping) and "scale" in value and "growth_factor" in value:
-                scale = float(value["scale"])
-        self._restored = {
-            "names": names,
-            "dtypes": {k: str(weights[k].dtype) for k in names},
-            "sums": sums,
-            "steps": steps,
-            "lrs": lrs,
-            "scale": scale,
-            "global_step": checkpoint.get("global_step"),
-        }
+        for verdict in checkpoints.load_problems(checkpoint):
+            self._emit(trainer, verdict, key="resume")
+        self._restored = checkpoints.restored_state(checkpoint)  # host sync: one checksum transfer per resume
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
         if not self.active or restored is None:
             return
-        problems = self._resume_problems(trainer, pl_module, restored)
-        for code, message, evidence, hint in problems:
-            self.emit(
-                trainer,
-                code,
-                message,
-                evidence,
-                severity="error",
-                hint=hint,
-                key="resume",
-                synchronized=False,
-            )
-        self.resolve_local_findings(trainer)  # every rank resumes, so every rank reaches this point
-
-    def _resume_problems(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, restored: dict[str, Any]
-    ) -> list[tuple[str, str, dict[str, Any], str]]:
-        out: list[tuple[str, str, dict[str, Any], str]] = []
-        live = pl_module.state_dict()
-        names = [n for n in restored["names"] if n in live]
-        dtype_changed = [n for n in names if str(live[n].dtype) != restored["dtypes"][n]]
-        now = _checksums([live[n] for n in names])
-        differ = [
-            n
-            for n, a, b in zip(names, restored["sums"], now)
-            if any(abs(x - y) > self.weight_rtol * max(1.0, abs(x)) for x, y in zip(a, b))
-        ]
-        if differ or dtype_changed:
-            detail = f"{len(differ)} tensors differ from the checkpoint ({', '.join(differ[:5])})" if differ else ""
-            if dtype_changed:
-                first = dtype_changed[0]
-                detail += (", " if detail else "") + (
-                    f"{len(dtype_changed)} changed dtype ({first}: {restored['dtypes'][first]} -> {live[first].dtype})"
-                )
-            out.append(
-                (
-                    "TFD710",
-                    f"The weights at the start of the resumed training do not match the checkpoint: {detail}.",
-                    {"differ": differ[:50], "dtype_changed": dtype_changed[:50]},
-                    "Something re-initialises or converts the module after the checkpoint is loaded (`on_fit_start`, "
-                    "`setup`, a precision change); load weights before building anything that overwrites them.",
-                )
-            )
-        live_steps = [_max_step(opt.state) for opt in trainer.optimizers]
-        for i, (saved, now_step) in enumerate(zip(restored["steps"], live_steps)):
-            if saved is not None and now_step != saved:
-                out.append(
-                    (
-                        "TFD711",
-                        f"Optimizer {i}'s step count after resume is {now_step}, the checkpoint holds {saved}.",
-                        {"optimizer": i, "saved": saved, "now": now_step},
-                        "The optimizer was rebuilt or its state reset after loading; bias correction restarts.",
-                    )
-                )
-        for i, (saved_lrs, opt) in enumerate(zip(restored["lrs"], trainer.optimizers)):
-            now_lrs = [float(g["lr"]) for g in opt.param_groups]
-            if len(saved_lrs) == len(now_lrs) and any(
-                relative_difference(a, b) > 1e-9 for a, b in zip(saved_lrs, now_lrs)
-            ):
-                out.append(
-                    (
-                        "TFD712",
-                        f"Optimizer {i}'s learning rates after resume are {now_lrs}, the checkpoint holds {saved_lrs}.",
-                        {"optimizer": i, "saved": saved_lrs, "now": now_lrs},
-                        "The scheduler or the param groups were rebuilt after loading, or the LR is set in code that "
-                        "runs after the restore.",
-                    )
-                )
         scaler = grad_scaler_of(trainer)
-        if restored["scale"] is not None and scaler is not None:
-            now_scale = float(scaler.get_scale())  # host sync: resume time only
-            if relative_difference(now_scale, restored["scale"]) > 1e-9:
-                out.append(
-                    (
-                        "TFD713",
-                        f"The GradScaler's scale after resume is {now_scale:g}, the checkpoint holds "
-                        f"{restored['scale']:g}.",
-                        {"saved": restored["scale"], "now": now_scale},
-                        "The precision plugin's scaler was replaced after loading.",
-                    )
-                )
-        saved_step = restored["global_step"]
-        if isinstance(saved_step, int) and trainer.global_step != saved_step:
-            out.append(
-                (
-                    "TFD714",
-                    f"The global step after resume is {trainer.global_step}, the checkpoint was saved at {saved_step}.",
-                    {"saved": saved_step, "now": trainer.global_step},
-                    "The loop state was not restored: the checkpoint has no `loops` entry, or something removed it "
-                    "before Lightning restored it (an `on_load_checkpoint` that drops it). Resume from a full "
-                    "checkpoint.",
-                )
-            )
+        verdicts = checkpoints.resume_problems(
+            restored,
+            pl_module.state_dict(),
+            optimizer_steps=[max_step(opt.state) for opt in trainer.optimizers],
+            learning_rates=[[float(g["lr"]) for g in opt.param_groups] for opt in trainer.optimizers],
+            # host sync: resume time only, and only when the checkpoint holds a scale to compare with
+            scale=float(scaler.get_scale()) if scaler is not None and restored["scale"] is not None else None,
+            global_step=trainer.global_step,
+            weight_rtol=self.weight_rtol,
+        )
         if self._probe_loss is not None:
             now_loss = self._loss_on_probe(trainer, pl_module)
-            if now_loss is not None and relative_difference(now_loss, self._probe_loss) > self.loss_rtol:
-                out.append(
-                    (
-                        "TFD715",
-                        f"The loss on the probe batch right after resuming is {now_loss:.6g}; at save time (step "
-                        f"{self._probe_loss_step}) it was {self._probe_loss:.6g}.",
-                        {"saved": self._probe_loss, "now": now_loss, "saved_step": self._probe_loss_step},
-                        "The model that trains is not the model that was saved: re-initialised after loading, a "
-                        "different dtype or precision, or a changed architecture.",
-                    )
+            if now_loss is not None:
+                probe = checkpoints.probe_loss_problem(
+                    self._probe_loss, now_loss, self._probe_loss_step, self.loss_rtol
                 )
-        return out
+                verdicts += [probe] if probe is not None else []
+        for verdict in verdicts:
+            self._emit(trainer, verdict, key="resume", synchronized=False)
+        self.resolve_local_findings(trainer)  # every rank resumes, so every rank reaches this point
+
+    def _emit(
+        self,
+        trainer: pl.Trainer,
+        verdict: Verdict,
+        message: str | None = None,
+        evidence: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.emit(
+            trainer,
+            verdict.code,
+            verdict.message if message is None else message,
+            verdict.evidence if evidence is None else evidence,
+            severity=verdict.severity,
+            hint=verdict.hint,
+            **kwargs,
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -665,15 +413,3 @@ def _load(path: str) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except RuntimeError:  # legacy (non-zip) serialization cannot be memory-mapped
         return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _checksums(tensors: list[Tensor]) -> list[tuple[float, float]]:
-    """(sum, sum of squares) of every tensor in float64, moved to the host in one transfer."""
-    if not tensors:
-        return []
-    with torch.no_grad():
-        device = tensors[0].device
-        stats = torch.stack(
-            [torch.stack([t.detach().double().sum(), t.detach().double().square().sum()]).to(device) for t in tensors]
-        )
-    return [tuple(row) for row in stats.tolist()]  # host sync: one per resume
