@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import warnings
 
@@ -530,3 +531,63 @@ def test_ddp_a_rank_that_cannot_read_its_labels_makes_every_rank_stand_aside_tog
         assert not any(k.startswith("loss_at_init/") for k in r["metrics"])  # stood aside: step 2 not checked
     assert "another rank" in results[0]["findings"]["LossAtInit"][0]["message"]
     assert "not class indices" in results[1]["findings"]["LossAtInit"][0]["message"]
+
+
+# ------------------------------------------------------------------ batch types (the shared reading of core.batch)
+@dataclasses.dataclass
+class TokenBatch:
+    """A dataclass batch, as some data pipelines yield."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+
+class DataclassBatchGPT(TinyGPT):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return TokenBatch(batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(self(batch.input_ids, batch.attention_mask), batch.labels)
+
+
+class BatchEncodingGPT(TinyGPT):
+    """Batches as Hugging Face ``BatchEncoding`` (what a tokenizer returns); TinyGPT indexes them like dicts."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        from transformers import BatchEncoding
+
+        return BatchEncoding(dict(batch))
+
+
+@pytest.mark.parametrize("model_class", [DataclassBatchGPT, BatchEncodingGPT])
+def test_dataclass_and_batch_encoding_batches_are_read(tmp_path, model_class):
+    pytest.importorskip("transformers")
+    healthy = LossAtInit(check_step=None)
+    trainer = fit(tmp_path / "healthy", [healthy], model=model_class(**SMALL), max_steps=1)
+    assert codes(healthy) == [] and healthy.active
+    assert trainer.callback_metrics["loss_at_init/observed"].item() == pytest.approx(LN_V, rel=0.02)
+    assert "loss_at_init/copy_rate" in trainer.callback_metrics  # the input ids were found for the copy check
+    softmax = LossAtInit(check_step=None)
+    fit(tmp_path / "softmax", [softmax], model=model_class(softmax_output=True, **SMALL), max_steps=1)
+    assert codes(softmax) == ["TFD220"]
+
+
+def test_keys_point_at_fields_with_other_names(tmp_path):
+    """``labels_key`` and ``input_key`` as dotted paths into a nested batch with unusual names; a key that names
+    nothing gets TFD228 with the batch's keys."""
+
+    class NestedGPT(TinyGPT):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return {"text": {"codes": batch["input_ids"]}, "gold": batch["labels"]}
+
+        def training_step(self, batch, batch_idx):
+            return self.loss(self(batch["text"]["codes"]), batch["gold"])
+
+    found = LossAtInit(check_step=None, labels_key="gold", input_key="text.codes")
+    trainer = fit(tmp_path / "a", [found], model=NestedGPT(**SMALL), max_steps=1)
+    assert codes(found) == [] and "loss_at_init/copy_rate" in trainer.callback_metrics
+    lost = LossAtInit(check_step=None, labels_key="answers")
+    fit(tmp_path / "b", [lost], model=NestedGPT(**SMALL), max_steps=1)
+    [finding] = lost.findings
+    assert finding.code == "TFD228" and "['gold', 'text']" in finding.message and not lost.active

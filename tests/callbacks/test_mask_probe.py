@@ -1,3 +1,4 @@
+import dataclasses
 import warnings
 
 import lightning.pytorch as pl
@@ -491,3 +492,63 @@ def test_ddp_healthy_run_with_raise_passes_its_retry_steps_together(tmp_path):
         assert [f["code"] for f in r["findings"]["MaskProbe"]] == ["TFD208"]
         assert r["metrics"]["mask_probe/causal_max_change"] == 0.0
         assert r["global_step"] == 6
+
+
+# ------------------------------------------------------------------ batch types (the shared reading of core.batch)
+@dataclasses.dataclass
+class TokenBatch:
+    """A dataclass batch, as some data pipelines yield."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+
+class DataclassBatchGPT(TinyGPT):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return TokenBatch(batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(self(batch.input_ids, batch.attention_mask), batch.labels)
+
+
+class BatchEncodingGPT(TinyGPT):
+    """Batches as Hugging Face ``BatchEncoding`` (what a tokenizer returns); TinyGPT indexes them like dicts."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        from transformers import BatchEncoding
+
+        return BatchEncoding(dict(batch))
+
+
+@pytest.mark.parametrize("model_class", [DataclassBatchGPT, BatchEncodingGPT])
+@pytest.mark.parametrize(
+    "flag, code",
+    [(None, None), ("no_causal_mask", "TFD201"), ("no_padding_mask", "TFD202"), ("unshifted_labels", "TFD205")],
+)
+def test_dataclass_and_batch_encoding_batches_are_read(tmp_path, model_class, flag, code):
+    """Ids, mask and labels are found in dataclass and BatchEncoding batches: each bug that needs one of them to be
+    seen is named, and the healthy model is silent."""
+    pytest.importorskip("transformers")
+    probe = MaskProbe()
+    fit(tmp_path, [probe], model=model_class(**SMALL, **({flag: True} if flag else {})))
+    assert problems(probe) == ([code] if code else [])
+    assert probe.active and "mask_probe/padding_max_change" in probe.last_report
+
+
+def test_keys_point_at_fields_with_other_names(tmp_path):
+    """``input_key`` / ``mask_key`` / ``labels_key`` as dotted paths into a nested batch with unusual names."""
+
+    class NestedGPT(TinyGPT):
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return {"text": {"codes": batch["input_ids"], "keep": batch["attention_mask"]}, "gold": batch["labels"]}
+
+        def training_step(self, batch, batch_idx):
+            return self.loss(self(batch["text"]["codes"], batch["text"]["keep"]), batch["gold"])
+
+    probe = MaskProbe(input_key="text.codes", mask_key="text.keep", labels_key="gold")
+    fit(tmp_path / "a", [probe], model=NestedGPT(**SMALL, unshifted_labels=True))
+    assert problems(probe) == ["TFD205"]
+    blind = MaskProbe(input_key="text.codes", mask_key="text.keep", labels_key="gold")
+    fit(tmp_path / "b", [blind], model=NestedGPT(**SMALL, no_padding_mask=True))
+    assert problems(blind) == ["TFD202"]
