@@ -28,6 +28,7 @@ from lightning_tfdebug.functional.activations import (
     dead_fraction,
     kind_of_module,
     saturated_count,
+    tail_cutoff,
     zero_count,
 )
 
@@ -74,29 +75,72 @@ class _FunctionCalls(TorchFunctionMode):
     """Sees the activation *functions* (``F.gelu``, ``torch.relu`` ...) that ``forward`` calls, and which module called
     them, during one measured forward. Never active on other steps.
 
-    The calling module is the innermost module whose forward is running (a stack kept by global forward hooks that
-    exist only while this mode does). Calls made inside an activation *module* (``nn.GELU`` calls ``F.gelu``) are
-    left to that module's hook, and calls from the LightningModule's own code (a hinge loss in ``training_step``)
-    are not activations of a layer, so neither is counted.
+    The calling module is the innermost module whose forward is running (a stack kept by forward hooks that exist
+    only while this mode does). Calls made inside an activation *module* (``nn.GELU`` calls ``F.gelu``) are left to
+    that module's hook, calls from the LightningModule's own code (a hinge loss in ``training_step``) are not
+    activations of a layer, and calls made by DeadActivation's own hooks (``paused``) are not the model's, so none of
+    them is counted.
+
+    Two ways to run (see :meth:`start`): *discovery* (the first measuring step) keeps global module hooks and the mode
+    over the whole forward, to find which modules call activation functions; afterwards the mode is entered only
+    while one of those *callers* runs, with hooks on the callers and their children alone, so the rest of the
+    forward runs at full speed.
     """
 
-    def __init__(self, owner: DeadActivation, names: dict[int, str], skip: set[int]) -> None:
+    def __init__(self, owner: DeadActivation, names: dict[int, str], skip: set[int], modules: dict[int, nn.Module]):
         super().__init__()
         self.owner = owner
         self.names = names  # id(module) -> qualified name, for the modules of the LightningModule
         self.skip = skip  # ids of activation modules and of the LightningModule itself
+        self.modules = modules  # id(module) -> module, for the modules named in `names`
         self.stack: list[int] = []
+        self.paused = False  # True while DeadActivation's own hooks compute (their F.gelu is not the model's)
+        self._depth = 0  # callers running (the mode is entered while > 0), after discovery
+        self._entered = False
         self._handles: list[RemovableHandle] = []
 
-    def start(self) -> None:
+    def start(self, callers: set[int] | None = None) -> None:
+        """Observe the next forward. ``callers=None``: discovery, everywhere; else only inside these modules."""
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         self.stack.clear()
-        self._handles = [
-            register_module_forward_pre_hook(lambda m, args: self.stack.append(id(m))),
-            register_module_forward_hook(lambda m, args, out: self._pop(m)),
-        ]
+        self.paused, self._depth = False, 0
+        if callers is None:
+            self._handles = [
+                register_module_forward_pre_hook(lambda m, args: self.stack.append(id(m))),
+                register_module_forward_hook(lambda m, args, out: self._pop(m), always_call=True),
+            ]
+            self._enter()
+            return
+        for caller in callers:
+            module = self.modules[caller]
+            self._handles.append(module.register_forward_pre_hook(self._caller_in))
+            self._handles.append(module.register_forward_hook(self._caller_out, always_call=True))
+            for child in module.children():  # a call inside a child is the child's (or its children's), not ours
+                if id(child) not in callers:
+                    self._handles.append(child.register_forward_pre_hook(lambda m, args: self.stack.append(id(m))))
+                    self._handles.append(child.register_forward_hook(lambda m, a, o: self._pop(m), always_call=True))
+
+    def _enter(self) -> None:
         self.__enter__()
+        self._entered = True
+
+    def _exit(self) -> None:
+        if self._entered:
+            self._entered = False
+            self.__exit__(None, None, None)
+
+    def _caller_in(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(id(module))
+        self._depth += 1
+        if self._depth == 1:
+            self._enter()
+
+    def _caller_out(self, module: nn.Module, args: Any, out: Any) -> None:
+        self._pop(module)
+        self._depth = max(0, self._depth - 1)
+        if self._depth == 0:
+            self._exit()
 
     def _pop(self, module: nn.Module) -> None:
         if self.stack and self.stack[-1] == id(module):
@@ -107,16 +151,19 @@ class _FunctionCalls(TorchFunctionMode):
             handle.remove()
         self._handles.clear()
         self.stack.clear()
-        self.__exit__(None, None, None)
+        self._depth = 0
+        self._exit()
 
     @property
     def active(self) -> bool:
         return bool(self._handles)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
         kind = FUNCTION_KINDS.get(func)
-        if kind is not None and self.stack and args and isinstance(args[0], Tensor):
+        if kind is None or self.paused:  # the fast path: every other torch call of the forward
+            return func(*args, **kwargs) if kwargs else func(*args)
+        out = func(*args, **(kwargs or {}))
+        if self.stack and args and isinstance(args[0], Tensor):
             caller = self.stack[-1]
             name = self.names.get(caller)
             if name is not None and caller not in self.skip:
@@ -261,6 +308,7 @@ class DeadActivation(DebugCallback):
         self._calls: _FunctionCalls | None = None
         self._call_layers: dict[str, _Layer] = {}  # function-call layers, by name
         self._discovering = False  # the first measuring step: new function-call layers may appear
+        self._callers: set[int] = set()  # ids of the modules whose forward calls a measured activation function
 
     @property
     def state_key(self) -> str:
@@ -270,7 +318,7 @@ class DeadActivation(DebugCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._layers, self._modules, self._units = None, [], None
-        self._calls, self._call_layers, self._discovering = None, {}, False
+        self._calls, self._call_layers, self._discovering, self._callers = None, {}, False, set()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.active:
@@ -305,12 +353,16 @@ class DeadActivation(DebugCallback):
             if kind is not None and (layer_rx is None or layer_rx.search(name)):
                 layers.append(_Layer(name, kind, from_preactivation=False))
                 modules.append(module)
+        for kind in {layer.kind for layer in layers} | set(FUNCTION_KINDS.values()):
+            if kind in TAIL_SATURATING:
+                tail_cutoff(kind, self.saturation_grad)  # cached; computed here, not inside a measured forward
         if self.functional:
             names = {id(m): clean_param_name(n) for n, m in pl_module.named_modules() if clean_param_name(n)}
             skip = {id(m) for m in pl_module.modules() if kind_of_module(m) is not None} | {id(pl_module)}
             if layer_rx is not None:  # `layers` narrows function-call layers by their module's name too
                 names = {i: n for i, n in names.items() if layer_rx.search(n)}
-            self._calls = _FunctionCalls(self, names, skip)
+            modules_by_id = {id(m): m for m in pl_module.modules() if id(m) in names}
+            self._calls = _FunctionCalls(self, names, skip, modules_by_id)
             self._discovering = True
             self._layers, self._modules = layers, modules
             return
@@ -337,7 +389,10 @@ class DeadActivation(DebugCallback):
         if self._calls is not None and (self._discovering or self._call_layers):
             for layer in self._call_layers.values():
                 layer.reset()
-            self._calls.start()  # only for this forward; stopped in on_before_backward at the latest
+            # Only for this forward; stopped in on_before_backward at the latest. Discovery (first measuring step)
+            # watches the whole forward; later steps only the modules found calling activation functions, and a
+            # model with none (activations are modules) never starts the mode again.
+            self._calls.start(None if self._discovering else self._callers)
 
     def _make_hook(self, layer: _Layer):
         grad_threshold = self.saturation_grad
@@ -347,13 +402,20 @@ class DeadActivation(DebugCallback):
                 return
             if not in_training_step(self._pl_module):
                 return  # another callback's probe forward, not the training batch
-            with torch.no_grad():
-                if layer.from_preactivation:
-                    pre, out = output, apply_activation(layer.kind, output.float())
-                else:
-                    first = args[0] if args else None
-                    pre, out = (first if isinstance(first, Tensor) else None), output
-                self._accumulate(layer, pre, out, grad_threshold)
+            calls = self._calls
+            if calls is not None:
+                calls.paused = True  # our own F.gelu (preactivations) is not an activation the model called
+            try:
+                with torch.no_grad():
+                    if layer.from_preactivation:
+                        pre, out = output, apply_activation(layer.kind, output.float())
+                    else:
+                        first = args[0] if args else None
+                        pre, out = (first if isinstance(first, Tensor) else None), output
+                    self._accumulate(layer, pre, out, grad_threshold)
+            finally:
+                if calls is not None:
+                    calls.paused = False
 
         return hook
 
@@ -521,10 +583,14 @@ class DeadActivation(DebugCallback):
             names = sorted(kinds)
         order = {n: i for i, n in enumerate(self._calls.names.values())}
         names.sort(key=lambda n: (order.get(n.rsplit(".", 1)[0], len(order)), n))
+        ids = {name: i for i, name in self._calls.names.items()}
         for n in names:
             layer = self._call_layers.get(n) or _Layer(n, kinds[n], from_preactivation=False)
             self._call_layers[n] = layer
             self._layers.append(layer)
+            caller = ids.get(n.rsplit(".", 1)[0])
+            if caller is not None:
+                self._callers.add(caller)
 
     # ------------------------------------------------------------------ findings
     def _diagnose(self, trainer: pl.Trainer, host: dict[str, float], layers: list[_Layer], step: int) -> None:

@@ -145,6 +145,41 @@ def test_activations_called_as_functions_are_found_on_their_own(tmp_path):
     assert codes(healthy) == []
 
 
+def _mode_depth_seen_by(modules):
+    """Forward pre-hooks recording, per call, how many torch function modes are active (the measured forward's)."""
+    seen = {name: [] for name in modules}
+    for name, module in modules.items():
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: seen[name].append(torch._C._len_torch_function_stack())
+        )
+    return seen
+
+
+def test_own_computations_are_not_taken_for_activations_and_the_mode_is_dropped_after_discovery(tmp_path):
+    """Activations as modules: the callback's own F.gelu (tail cut-off, preactivations) is not a layer of the model,
+    so discovery finds no function-call layer and later measuring steps run the forward without the function mode."""
+    model = TinyGPT(activation="gelu", **SMALL)
+    seen = _mode_depth_seen_by({"root": model, "mlp": model.blocks[0].mlp})
+    monitor = DeadActivation(every_n_steps=1, preactivations={r"blocks\.0\.mlp\.fc$": "gelu"})
+    trainer = fit(tmp_path, [monitor], model=model, max_steps=3)
+    assert [layer.name for layer in monitor._layers] == ["blocks.0.mlp.fc", *ACTS]
+    assert not any(key.endswith("()") for key in trainer.callback_metrics)
+    assert seen["root"][:3] == [1, 0, 0] and seen["mlp"][:3] == [1, 0, 0]  # the mode only at discovery (step 0)
+
+
+def test_after_discovery_the_mode_runs_only_inside_modules_that_call_activation_functions(tmp_path):
+    model = FunctionalGPT(**SMALL)
+    block = model.blocks[0]
+    seen = _mode_depth_seen_by({"attn": block.attn, "fc": block.mlp.fc, "ln_f": model.ln_f})
+    monitor = DeadActivation(every_n_steps=1)
+    trainer = fit(tmp_path, [monitor], model=model, max_steps=3)
+    assert [layer.name for layer in monitor._layers] == ["blocks.0.mlp.relu()", "blocks.1.mlp.relu()"]
+    assert seen["attn"][:3] == [1, 0, 0] and seen["ln_f"][:3] == [1, 0, 0]
+    assert seen["fc"][:3] == [1, 1, 1]  # inside the caller (the MLP) on every measuring step
+    assert 0.0 < trainer.callback_metrics["zero_frac/blocks.1.mlp.relu()"].item() < 0.9
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_activations_called_as_functions_are_measured_through_preactivations(tmp_path):
     aside = DeadActivation(every_n_steps=1, functional=False)
     with pytest.warns(TFDebugWarning, match="preactivations"):
