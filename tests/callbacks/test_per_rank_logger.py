@@ -39,6 +39,9 @@ class BatchReference(pl.Callback):
         ({"patience": 0}, "patience"),
         ({"patience": 1.5}, "patience"),
         ({"on_finding": "explode"}, "on_finding"),
+        ({"input_key": 1.5}, "input_key"),
+        ({"mask_key": ""}, "mask_key"),
+        ({"ignore_index": "-100"}, "ignore_index"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
@@ -202,3 +205,26 @@ def test_ddp_ranks_whose_losses_disagree_and_the_rank_that_went_non_finite(tmp_p
         losses = by_code["TFD504"]["evidence"]["losses"]
         assert losses[1] == pytest.approx(3 * losses[0], rel=0.05)
         assert by_code["TFD505"]["step"] == 4 and by_code["TFD505"]["evidence"]["ranks"] == [1]
+
+
+class RenamedIds(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        return super().training_step({"input_ids": batch["ids_under_test"], "labels": batch["labels"]}, batch_idx)
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "encoding", "renamed"])
+def test_the_fingerprint_reads_dataclass_batch_encoding_and_renamed_batches(tmp_path, kind):
+    from tests.callbacks.test_batch_guard import ReadsFields, typed_batches
+
+    loader = typed_batches("encoding" if kind == "renamed" else kind)
+    if kind == "renamed":  # the ids under a name no reader guesses, pointed at with input_key
+        renamed = [{"ids_under_test": b["input_ids"], "labels": b["labels"]} for b in loader]
+        loader = torch.utils.data.DataLoader(renamed, batch_size=None)
+    logger = PerRankLogger(input_key="ids_under_test" if kind == "renamed" else None)
+    trainer = make_trainer(tmp_path, [logger], max_steps=4)
+    model = RenamedIds(**SMALL) if kind == "renamed" else ReadsFields(**SMALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, train_dataloaders=loader)
+    expected = [int(batch_fingerprint(b["input_ids"])) for b in typed_batches("encoding")]
+    assert [row["batch_fingerprint"] for row in records(tmp_path)] == expected

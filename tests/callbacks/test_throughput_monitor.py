@@ -69,6 +69,9 @@ def token_reference_results(trainer, model, callbacks):
         ({"length_fn": "no_such_module_xyz.count"}, "could not be imported"),
         ({"length_fn": 3}, "length_fn"),
         ({"every_n_steps": 0}, "every_n_steps"),
+        ({"mask_key": ["attention_mask"]}, "mask_key"),
+        ({"labels_key": -1}, "labels_key"),
+        ({"ignore_index": 1.5}, "ignore_index"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
@@ -456,3 +459,40 @@ def test_torch_compile_recompiling_every_step_is_named(tmp_path):
     steady = ThroughputMonitor(every_n_steps=2, skip_steps=2, baseline_steps=4, patience=2)
     fit(tmp_path / "steady", [steady], model=CompiledBlocks(**SMALL), data=batches_of_widths([24] * 20), max_steps=20)
     assert not {"TFD606", "TFD607"} & {f.code for f in steady.findings}
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "encoding"])
+def test_dataclass_and_batch_encoding_batches_count_their_real_tokens(tmp_path, kind):
+    from tests.callbacks.test_batch_guard import ReadsFields, typed_batches
+
+    monitor = ThroughputMonitor(every_n_steps=3)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(ReadsFields(**SMALL), train_dataloaders=typed_batches(kind))
+    real = [6, 8, 7, 9]  # real lengths of the four batches (4 rows of 24 positions each)
+    padding = dict(read_scalars(tmp_path / "tb" / "version_0")["throughput/padding_frac"])
+    assert padding[0] == pytest.approx(1 - real[0] / 24, abs=1e-6)
+    assert padding[3] == pytest.approx(1 - sum(real[1:]) / 72, abs=1e-6)
+
+
+class SharedView(pl.Callback):
+    """Runs after the pack's callbacks: how many readings of this step's batch exist, and was the count shared."""
+
+    def __init__(self):
+        self.views, self.counted = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        held = trainer.__dict__["_tfdebug_step_batches"]
+        assert held[0] is batch
+        self.views.append(len(held[1]))
+        self.counted.append(all("tokens" in v._cache for v in held[1].values()))
+
+
+def test_the_pack_reads_each_batch_once_and_counts_its_tokens_once(tmp_path):
+    from lightning_tfdebug import BatchGuard
+
+    probe = SharedView()
+    pack = [BatchGuard(), ThroughputMonitor(), PerRankLogger(), probe]
+    fit(tmp_path, pack, max_steps=4)
+    assert probe.views == [1, 1, 1, 1] and all(probe.counted)
