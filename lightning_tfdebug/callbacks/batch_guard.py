@@ -18,11 +18,11 @@ from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, StepBatch, is_
 from lightning_tfdebug.core.model import find_context_length, find_vocab_size, load_tokenizer
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.batch_checks import (
+    DRIFT_CODES,
     BatchPaths,
     LengthWindow,
     RepeatTracker,
     ValueRules,
-    Verdict,
     batch_metrics,
     drift_verdicts,
     too_long,
@@ -40,6 +40,7 @@ from lightning_tfdebug.functional.batches import (
     unpack_statistics,
 )
 from lightning_tfdebug.functional.throughput import batch_fingerprint
+from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.repro import shared_host_copy
 
 
@@ -306,18 +307,19 @@ class BatchGuard(DebugCallback):
                 category=TFDebugWarning,
             )
 
-    def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict] | Verdict | None) -> None:
+    def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict] | Verdict | None, step: int | None = None) -> None:
+        """Emit decisions as rank-local findings (each rank judges its own batch); a schema finding once per key."""
         for v in [verdicts] if isinstance(verdicts, Verdict) else verdicts or []:
             self.emit(
                 trainer,
                 v.code,
                 v.message,
                 v.evidence,
-                severity=v.severity,  # type: ignore[arg-type]
+                severity=v.severity,
                 hint=v.hint,
-                key=v.key,
+                key=v.evidence["key"] if v.code in DRIFT_CODES.values() else None,
                 synchronized=False,
-                step=v.step,
+                step=step,
             )
 
     def _check_structure(self, trainer: pl.Trainer, specs: dict[str, FieldSpec], view: StepBatch, where: str) -> None:
@@ -363,7 +365,7 @@ class BatchGuard(DebugCallback):
         )  # host sync: the one transfer of this checked batch (and the fingerprints since the last)
         s = unpack_statistics(host[: stats.numel()])
         for (epoch, step, stream, _), fingerprint in zip(prints, host[stats.numel() :]):
-            self._emit(trainer, self._repeats.add(epoch, step, int(fingerprint), stream, trainer.global_rank))
+            self._emit(trainer, self._repeats.add(epoch, step, int(fingerprint), stream, trainer.global_rank), step)
         ids, mask, labels = _token_fields(view)
         paths = BatchPaths(**{k: view.fields.paths[k] for k in ("input_ids", "attention_mask", "labels")})
         rules = self._rules
@@ -385,7 +387,7 @@ class BatchGuard(DebugCallback):
             return
         host = torch.stack([p[3] for p in prints]).tolist()  # host sync: once, at the end of training
         for (epoch, step, stream, _), fingerprint in zip(prints, host):
-            self._emit(trainer, self._repeats.add(epoch, step, int(fingerprint), stream, trainer.global_rank))
+            self._emit(trainer, self._repeats.add(epoch, step, int(fingerprint), stream, trainer.global_rank), step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.active:

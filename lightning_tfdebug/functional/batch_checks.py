@@ -2,16 +2,16 @@
 
 Each takes host values (the :class:`~lightning_tfdebug.functional.batches.FieldSpec` of a batch, the unpacked
 :func:`~lightning_tfdebug.functional.batches.token_statistics` of a batch, fingerprints) and returns
-:class:`Verdict` objects: the finding code, its message and its evidence. The callback only emits them, so every rule
-here is testable without a Trainer.
+:class:`~lightning_tfdebug.functional.verdicts.Verdict` objects: the finding code, its message and its evidence.
+The callback only emits them, so every rule here is testable without a Trainer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from lightning_tfdebug.functional.batches import Drift, FieldSpec, length_shift
+from lightning_tfdebug.functional.verdicts import Verdict
 
 STREAM_REPEAT_WINDOW = 16  # from a stream, a repeat counts only this close (a stream may cycle its data)
 MAX_EPOCH_PRINTS = 100_000  # fingerprints kept per epoch for TFD121 (a few MB at most)
@@ -23,19 +23,6 @@ DRIFT_HINT = (
     "tensors built from Python lists (int32/float defaults). Build every field with an explicit dtype and keep the "
     "batch dimension."
 )
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """A finding decided from host values: what the callback passes to ``emit``."""
-
-    code: str
-    message: str
-    evidence: dict[str, Any]
-    severity: str | None = None  # None: the rule's default
-    hint: str | None = None  # None: the rule's hint
-    key: str | None = None  # emit's de-duplication key
-    step: int | None = None  # the step the evidence belongs to (None: the current step)
 
 
 @dataclass(frozen=True)
@@ -77,9 +64,8 @@ def drift_verdicts(drifts: list[Drift], where: str, declared: bool) -> list[Verd
                 DRIFT_CODES[d.kind],
                 f"{where}: {what} ({source}).",
                 {"key": d.key, "expected": d.expected, "found": d.found},
-                severity=DRIFT_SEVERITY[d.kind],
+                severity=DRIFT_SEVERITY[d.kind],  # type: ignore[arg-type]
                 hint=DRIFT_HINT,
-                key=d.key,
             )
         )
     return out
@@ -272,7 +258,6 @@ class RepeatTracker:
                 "step": first_step,
                 "repeats_step": earlier_step,
             },
-            step=step,
         )
 
 

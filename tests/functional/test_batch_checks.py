@@ -87,7 +87,7 @@ def test_drift_and_length_verdicts_from_host_metadata():
     [missing, extra] = drift_verdicts(
         [Drift("missing", "labels", "int64", "absent"), Drift("extra", "ids2", "absent", "int64[2]")], "B", False
     )
-    assert (missing.code, missing.severity, missing.key) == ("TFD101", "error", "labels")
+    assert (missing.code, missing.severity, missing.evidence["key"]) == ("TFD101", "error", "labels")
     assert (extra.code, extra.severity) == ("TFD102", "warning")
     assert "learned from the first batches" in extra.message
     assert too_long("B", "input_ids", FieldSpec("int64", (2, 6)), 6) is None
