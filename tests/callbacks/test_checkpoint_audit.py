@@ -7,6 +7,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_tfdebug import CheckpointAudit
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.callbacks.torch_calls import TorchCalls
 from tests.helpers import make_trainer, run_distributed
 
 SMALL = dict(d_model=32, n_layers=2, n_heads=2)
@@ -289,3 +290,11 @@ def test_ddp_resume_is_checked_on_every_rank(tmp_path):
     for r in run_distributed(tmp_path / "reinit", reinit):
         assert r["error"] is None, r["error"]
         assert sorted(f["code"] for f in r["findings"]["CheckpointAudit"]) == ["TFD710", "TFD715"], r["rank"]
+
+
+def test_steps_without_a_save_cost_nothing(tmp_path):
+    """The probe batch is copied once, at the first batch; later steps without a save run no tensor op."""
+    calls = TorchCalls()
+    trainer = make_trainer(tmp_path, calls.around(CheckpointAudit()), max_steps=5)
+    trainer.fit(TinyGPT(d_model=32, n_layers=2, n_heads=2), TinyTextDataModule(batch_size=8))
+    assert set(calls.counts) == {0}

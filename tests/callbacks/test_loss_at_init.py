@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_tfdebug import LossAtInit, TFDebugError, TFDebugWarning
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.callbacks.torch_calls import TorchCalls
 from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
 from tests.helpers import fit_tiny as fit
 
@@ -591,3 +592,21 @@ def test_keys_point_at_fields_with_other_names(tmp_path):
     fit(tmp_path / "b", [lost], model=NestedGPT(**SMALL), max_steps=1)
     [finding] = lost.findings
     assert finding.code == "TFD228" and "['gold', 'text']" in finding.message and not lost.active
+
+
+class HookSpy(pl.Callback):
+    """Records, at every batch start (after LossAtInit armed or not), whether any module holds a forward hook."""
+
+    def __init__(self):
+        self.hooked = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.hooked.append(any(m._forward_hooks for m in pl_module.modules()))
+
+
+def test_steps_that_do_not_measure_cost_nothing(tmp_path):
+    """Only step 0 and ``check_step`` run tensor ops, and forward hooks exist only during those two steps."""
+    calls, spy = TorchCalls(), HookSpy()
+    fit(tmp_path, [*calls.around(LossAtInit(check_step=3)), spy], max_steps=7)
+    assert set(calls.counts) == {0, 3}
+    assert spy.hooked == [True, False, False, True, False, False, False]

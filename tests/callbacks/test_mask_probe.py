@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_tfdebug import MaskProbe, TFDebugError, TFDebugWarning
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.callbacks.torch_calls import TorchCalls
 from tests.helpers import SMALL, fit_tiny, make_trainer, read_scalars, run_distributed
 
 
@@ -552,3 +553,11 @@ def test_keys_point_at_fields_with_other_names(tmp_path):
     blind = MaskProbe(input_key="text.codes", mask_key="text.keep", labels_key="gold")
     fit(tmp_path / "b", [blind], model=NestedGPT(**SMALL, no_padding_mask=True))
     assert problems(blind) == ["TFD202"]
+
+
+@pytest.mark.parametrize("every_n_steps, probing", [(None, {0}), (3, {0, 3, 6})])
+def test_steps_that_do_not_probe_cost_nothing(tmp_path, every_n_steps, probing):
+    """No tensor op, no host sync on a step that does not probe (the retry steps of a decided alignment included)."""
+    calls = TorchCalls()
+    fit(tmp_path, calls.around(MaskProbe(every_n_steps=every_n_steps)), max_steps=7)
+    assert set(calls.counts) == probing
