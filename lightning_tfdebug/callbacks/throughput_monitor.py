@@ -19,7 +19,7 @@ from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
 from lightning_tfdebug.core.distributed import all_gather_vector
 from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
-from lightning_tfdebug.core.tracking import RunningWindow, Streak
+from lightning_tfdebug.core.tracking import RunningWindow
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.throughput import (
     OtherLoad,
@@ -32,28 +32,8 @@ from lightning_tfdebug.functional.throughput import (
     physical_memory_bytes,
     process_rss_bytes,
 )
-
-_GIB = float(2**30)
-# slots of the packed per-rank vector that one all-gather moves on a measuring step
-_SLOTS = (
-    "tokens",
-    "positions",
-    "samples",
-    "wall_s",
-    "wait_s",
-    "step_ms",
-    "baseline_ms",
-    "peak",
-    "reserved",
-    "capacity",
-    "other_extra",  # CPU cores other processes used beyond the quietest early window (nan: unknown)
-    "new_graphs",  # graphs torch.compile compiled since the early window ended (nan before)
-    "limit_hits",  # torch.compile recompile-limit hits since training started
-    "delay_rise_ms",  # run-queue wait per step of this process's threads beyond the early windows' (nan: unknown)
-)
-# other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
-# of a big machine (where background activity of half a core is noise)
-_CONTENDED_CORES = max(0.5, 0.1 * (os.cpu_count() or 1))
+from lightning_tfdebug.functional.throughput_checks import ThroughputDiagnosis, rows_to_stats, throughput_metrics
+from lightning_tfdebug.functional.verdicts import Verdict
 
 
 def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
@@ -216,13 +196,14 @@ class ThroughputMonitor(DebugCallback):
         self.profile_steps = tuple(profile_steps) if profile_steps is not None else None
         self.profile_row_limit = profile_row_limit
 
-        self._streaks = Streak()
+        self._diagnosis = ThroughputDiagnosis(
+            self.wait_threshold, self.padding_threshold, self.regression_factor, self.memory_threshold, patience
+        )
         self._baseline = RunningWindow(baseline_steps)  # step times (ms) of the early window; full = ready
         self._step_times: deque[float] = deque(maxlen=window)
         self._steps_seen = 0
         self._other_base = RunningWindow(16)  # other processes' CPU cores during the early window
         self._delay_base = RunningWindow(16)  # run-queue wait per step (ms) during the early window
-        self._contended_extra: float | None = None  # other load seen during the current slow streak
         self.flops_per_token: float | None = None  # model FLOPs per computed token position (measured once)
         self._peak: float | None = None
         self._reset_timing()
@@ -253,7 +234,7 @@ class ThroughputMonitor(DebugCallback):
         self._other = OtherLoad()  # other processes' CPU use over the current window
         self._graphs_ref: float | None = None  # torch.compile graphs when the early window ended
         self._limit_ref = math.nan  # recompile-limit hits when training started
-        self._graphs_prev = math.nan
+        self._diagnosis.graphs_prev = math.nan
 
     # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -269,7 +250,7 @@ class ThroughputMonitor(DebugCallback):
         self._clock = StepClock(trainer.strategy.root_device)
         # torch.compile's counters are process-wide: keep this fit's starting point
         self._graphs_ref, self._limit_ref = None, compile_counts()[1]
-        self._graphs_prev = math.nan
+        self._diagnosis.graphs_prev = math.nan
 
     # ------------------------------------------------------------------ every batch (hot path: host clock reads,
     # one device reduction of the attention mask, no sync, no collective)
@@ -450,141 +431,18 @@ class ThroughputMonitor(DebugCallback):
         rows = gathered.tolist()  # host sync: the one transfer of this measuring step
         self._tokens, self._positions, self._samples, self._wait_s = [], 0, 0, 0.0
 
-        stats = [dict(zip(_SLOTS, row)) for row in rows]
-        n = len(stats)
-        wall = max(s["wall_s"] for s in stats)
-        tokens_total = sum(s["tokens"] for s in stats)
-        positions_total = sum(s["positions"] for s in stats)
-        tokens_per_sec = tokens_total / wall
-        metrics: dict[str, float] = {
-            "throughput/tokens_per_sec": tokens_per_sec,
-            "throughput/tokens_per_sec_per_device": tokens_per_sec / n,
-            "throughput/samples_per_sec": sum(s["samples"] for s in stats) / wall,
-            "throughput/step_time_ms": max(s["step_ms"] for s in stats),
-            "throughput/padding_frac": 1.0 - tokens_total / positions_total if positions_total else 0.0,
-            "throughput/dataloader_wait_frac": max(min(1.0, s["wait_s"] / s["wall_s"]) for s in stats),
-            "memory/peak_allocated_gib": max(s["peak"] for s in stats) / _GIB,
-            "memory/reserved_gib": max(s["reserved"] for s in stats) / _GIB,
-        }
-        if self.flops_per_token is not None and self._peak:
-            metrics["throughput/mfu"] = self.flops_per_token * (tokens_per_sec / n) / self._peak
+        stats = rows_to_stats(rows)
+        metrics = throughput_metrics(stats, self.flops_per_token, self._peak)
         self.log_scalars(trainer, metrics, step=step)
-        self._diagnose(trainer, metrics, stats, step)
+        self._emit(trainer, self._diagnosis.update(metrics, stats), step)
 
     # ------------------------------------------------------------------ findings
-    def _sustained(self, key: str, condition: bool) -> bool:
-        return self._streaks.update(key, condition) >= self.patience
-
-    def _diagnose(
-        self, trainer: pl.Trainer, metrics: dict[str, float], stats: list[dict[str, float]], step: int
-    ) -> None:
-        # every value here comes from the all-gather, so every rank takes the same decisions (synchronized findings)
-        wait = metrics["throughput/dataloader_wait_frac"]
-        if self._sustained("wait", wait > self.wait_threshold):
-            worst = max(range(len(stats)), key=lambda r: stats[r]["wait_s"] / stats[r]["wall_s"])
-            self.emit(
-                trainer,
-                "TFD601",
-                f"Training is data-loading bound: {wait:.0%} of wall time went to waiting for the next batch "
-                f"(threshold {self.wait_threshold:.0%}) for {self.patience} measurements in a row.",
-                {
-                    "dataloader_wait_frac": wait,
-                    "worst_rank": worst,
-                    "tokens_per_sec": metrics["throughput/tokens_per_sec"],
-                },
-                step=step,
-            )
-        padding = metrics["throughput/padding_frac"]
-        if self._sustained("padding", padding > self.padding_threshold):
-            self.emit(
-                trainer,
-                "TFD602",
-                f"{padding:.0%} of the token positions computed were padding (threshold {self.padding_threshold:.0%}) "
-                f"for {self.patience} measurements in a row.",
-                {"padding_frac": padding},
-                step=step,
-            )
-        ratios = [
-            s["step_ms"] / s["baseline_ms"]
-            for s in stats
-            if s["baseline_ms"] == s["baseline_ms"] and s["baseline_ms"] > 0
-        ]
-        ratio = max(ratios) if ratios else float("nan")
-        slow = [s for s in stats if s["baseline_ms"] > 0 and s["step_ms"] / s["baseline_ms"] > self.regression_factor]
-        # contended: other processes took more cores than early on, and this process's threads waited for a core
-        # for at least half of the extra step time. When this process slows itself down (it sleeps, waits on I/O),
-        # others on a full machine take the cores it leaves, but its own run-queue wait does not grow.
-        contended = bool(slow) and all(
-            s["other_extra"] >= _CONTENDED_CORES and not s["delay_rise_ms"] < 0.5 * (s["step_ms"] - s["baseline_ms"])
-            for s in slow
-        )
-        # TFD603 needs `patience` slow measurements in a row with no sign of other load; a slow streak in which
-        # other processes loaded the machine at some point is TFD605 instead (a reading can dip between windows)
-        regressed = self._sustained("regression", ratio > self.regression_factor and not contended)
-        slow_any = self._sustained("regression_any", ratio > self.regression_factor)
-        if contended:
-            self._contended_extra = min(s["other_extra"] for s in slow)
-        elif not ratio > self.regression_factor:
-            self._contended_extra = None
-        if slow_any and not regressed and self._contended_extra is not None:
-            extra = self._contended_extra
-            self.emit(
-                trainer,
-                "TFD605",
-                f"The median step time rose to {ratio:.2f}x the early steps' median while other processes on the "
-                f"machine kept {extra:.1f} more CPU cores busy than they did then: the machine is contended, so this "
-                "is not reported as a slowdown of the run itself (TFD603).",
-                {"ratio_to_early": ratio, "other_extra_cores": extra},
-                step=step,
-            )
-        elif regressed:
-            self.emit(
-                trainer,
-                "TFD603",
-                f"The median step time rose to {metrics['throughput/step_time_ms']:.1f} ms, {ratio:.2f}x the early "
-                f"steps' median, for {self.patience} measurements in a row.",
-                {"step_time_ms": metrics["throughput/step_time_ms"], "ratio_to_early": ratio},
-                step=step,
-            )
-        self._diagnose_compile(trainer, stats, step)
-        fractions = [max(s["peak"], s["reserved"]) / s["capacity"] for s in stats if s["capacity"] > 0]
-        if fractions and max(fractions) > self.memory_threshold:
-            frac = max(fractions)
-            self.emit(
-                trainer,
-                "TFD604",
-                f"Memory use reached {frac:.0%} of capacity on rank {fractions.index(frac)} "
-                f"(threshold {self.memory_threshold:.0%}); the run is close to out-of-memory.",
-                {"memory_frac": frac, "peak_allocated_gib": metrics["memory/peak_allocated_gib"]},
-                step=step,
-            )
+    def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict], step: int) -> None:
+        # every value behind a verdict comes from the all-gather, so every rank reaches the same (synchronized)
+        for v in verdicts:
+            self.emit(trainer, v.code, v.message, v.evidence, severity=v.severity, hint=v.hint, step=step)
 
     # ------------------------------------------------------------------ FLOPs and profiling
-    def _diagnose_compile(self, trainer: pl.Trainer, stats: list[dict[str, float]], step: int) -> None:
-        new = max((s["new_graphs"] for s in stats if s["new_graphs"] == s["new_graphs"]), default=math.nan)
-        growing = new == new and self._graphs_prev == self._graphs_prev and new > self._graphs_prev
-        if new == new:
-            self._graphs_prev = new
-        if self._sustained("recompiling", growing):
-            self.emit(
-                trainer,
-                "TFD606",
-                f"torch.compile is still compiling after the early window: {new:.0f} new graph(s) since then, more "
-                f"at each of the last {self.patience} measurements. Every recompilation stalls training.",
-                {"new_graphs": new},
-                step=step,
-            )
-        hits = max((s["limit_hits"] for s in stats if s["limit_hits"] == s["limit_hits"]), default=0.0)
-        if hits > 0:
-            self.emit(
-                trainer,
-                "TFD607",
-                f"torch.compile hit its recompile limit {hits:.0f} time(s) during training: the code it gave up on "
-                "now runs uncompiled, silently slower.",
-                {"limit_hits": hits},
-                step=step,
-            )
-
     def _stop_flop_counter(self) -> None:
         counter, self._flop_counter = self._flop_counter, None
         if counter is None:
@@ -629,7 +487,7 @@ class ThroughputMonitor(DebugCallback):
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
-            "streaks": self._streaks.state_dict(),
+            "streaks": self._diagnosis.state_dict(),
             "baseline": self._baseline.state_dict(),
             "other_baseline": self._other_base.state_dict(),
             "delay_baseline": self._delay_base.state_dict(),
@@ -639,7 +497,7 @@ class ThroughputMonitor(DebugCallback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._streaks.load_state_dict(state_dict.get("streaks", {}))
+        self._diagnosis.load_state_dict(state_dict.get("streaks", {}))
         self._baseline.load_state_dict(state_dict.get("baseline", {}))
         self._other_base.load_state_dict(state_dict.get("other_baseline", {}))
         self._delay_base.load_state_dict(state_dict.get("delay_baseline", {}))

@@ -171,3 +171,71 @@ def test_checksum_comparison_treats_two_nans_as_equal_and_nan_against_a_number_a
     assert differing_ranks([[1.0, nan], [1.0, nan], [1.0, 2.0]]) == [2]
     assert differing_tensors([[1.0, nan], [1.0, nan]], ["a", "b"]) == []
     assert differing_tensors([[1.0, nan], [1.0, 2.0]], ["a", "b"]) == ["b"]
+
+
+# ---------------------------------------------------------------------------------------------------- decisions
+def row(**values):
+    base = dict(
+        tokens=800.0,
+        positions=1000.0,
+        samples=8.0,
+        wall_s=2.0,
+        wait_s=0.1,
+        step_ms=20.0,
+        baseline_ms=20.0,
+        peak=2**30,
+        reserved=2**31,
+        capacity=2**34,
+        other_extra=0.0,
+        new_graphs=float("nan"),
+        limit_hits=float("nan"),
+        delay_rise_ms=0.0,
+    )
+    base.update(values)
+    return base
+
+
+def test_throughput_metrics_sum_work_over_ranks_and_take_the_worst_rank_for_time_and_memory():
+    from lightning_tfdebug.functional.throughput_checks import SLOTS, rows_to_stats, throughput_metrics
+
+    stats = rows_to_stats([[row()[k] for k in SLOTS], [row(wall_s=4.0, wait_s=2.0, peak=2**32)[k] for k in SLOTS]])
+    metrics = throughput_metrics(stats, flops_per_token=10.0, peak_flops=1000.0)
+    assert metrics["throughput/tokens_per_sec"] == 400.0  # 1600 tokens over the slowest rank's 4 s
+    assert metrics["throughput/tokens_per_sec_per_device"] == 200.0
+    assert metrics["throughput/padding_frac"] == pytest.approx(0.2)
+    assert metrics["throughput/dataloader_wait_frac"] == 0.5
+    assert metrics["memory/peak_allocated_gib"] == 4.0 and metrics["memory/reserved_gib"] == 2.0
+    assert metrics["throughput/mfu"] == pytest.approx(10.0 * 200.0 / 1000.0)
+    assert "throughput/mfu" not in throughput_metrics(stats)
+
+
+def test_diagnosis_needs_patience_and_tells_contention_from_a_slowdown():
+    from lightning_tfdebug.functional.throughput_checks import ThroughputDiagnosis, throughput_metrics
+
+    def codes(diagnosis, stats, times):
+        out = []
+        for _ in range(times):
+            out.append([v.code for v in diagnosis.update(throughput_metrics(stats), stats)])
+        return out
+
+    slow_padded = [row(wait_s=1.0, tokens=500.0, step_ms=40.0)]
+    assert codes(ThroughputDiagnosis(patience=2), slow_padded, 2) == [[], ["TFD601", "TFD602", "TFD603"]]
+    contended = [row(step_ms=40.0, other_extra=8.0, delay_rise_ms=15.0)]
+    assert codes(ThroughputDiagnosis(patience=2), contended, 2) == [[], ["TFD605"]]
+    self_inflicted = [row(step_ms=40.0, other_extra=8.0, delay_rise_ms=0.0)]  # others took the cores it left
+    assert codes(ThroughputDiagnosis(patience=2), self_inflicted, 2) == [[], ["TFD603"]]
+    assert codes(ThroughputDiagnosis(patience=2), [row()], 3) == [[], [], []]
+
+
+def test_diagnosis_of_memory_and_compilation():
+    from lightning_tfdebug.functional.throughput_checks import ThroughputDiagnosis, throughput_metrics
+
+    diagnosis = ThroughputDiagnosis(patience=2)
+    full = [row(reserved=0.95 * 2**34)]
+    [verdict] = diagnosis.update(throughput_metrics(full), full)
+    assert verdict.code == "TFD604" and verdict.evidence["memory_frac"] == pytest.approx(0.95)
+    verdicts = []
+    for graphs in (1.0, 2.0, 3.0):
+        stats = [row(new_graphs=graphs, limit_hits=1.0 if graphs == 3.0 else 0.0)]
+        verdicts.append([v.code for v in diagnosis.update(throughput_metrics(stats), stats)])
+    assert verdicts == [[], [], ["TFD606", "TFD607"]]

@@ -1,0 +1,214 @@
+"""ThroughputMonitor's arithmetic and decisions: from the per-rank rows of a measuring step to the logged keys and
+the findings. Host numbers only, no Trainer: every rule here is testable with plain lists.
+
+A measuring step gathers one row per rank (the :data:`SLOTS` of the packed vector); :func:`throughput_metrics` turns
+the rows into the logged keys, and :class:`ThroughputDiagnosis` keeps the streaks across measurements and returns
+:class:`~lightning_tfdebug.functional.verdicts.Verdict` objects. Every rank holds the same rows after the all-gather,
+so every rank reaches the same verdicts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_tfdebug.core.tracking import Streak
+from lightning_tfdebug.functional.verdicts import Verdict
+
+GIB = float(2**30)
+SLOTS: tuple[str, ...] = (
+    "tokens",
+    "positions",
+    "samples",
+    "wall_s",
+    "wait_s",
+    "step_ms",
+    "baseline_ms",
+    "peak",
+    "reserved",
+    "capacity",
+    "other_extra",  # CPU cores other processes used beyond the quietest early window (nan: unknown)
+    "new_graphs",  # graphs torch.compile compiled since the early window ended (nan before)
+    "limit_hits",  # torch.compile recompile-limit hits since training started
+    "delay_rise_ms",  # run-queue wait per step of this process's threads beyond the early windows' (nan: unknown)
+)
+"""Slots of the packed per-rank vector that one all-gather moves on a measuring step, in order."""
+
+CONTENDED_CORES = max(0.5, 0.1 * (os.cpu_count() or 1))
+"""Other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
+of a big machine (where background activity of half a core is noise)."""
+
+
+def rows_to_stats(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
+    """Name the slots of every rank's gathered row."""
+    return [dict(zip(SLOTS, row)) for row in rows]
+
+
+def throughput_metrics(
+    stats: Sequence[dict[str, float]], flops_per_token: float | None = None, peak_flops: float | None = None
+) -> dict[str, float]:
+    """The logged ``throughput/*`` and ``memory/*`` keys from every rank's row (sums over ranks for work, the worst
+    rank for times and memory). ``throughput/mfu`` only when both ``flops_per_token`` and ``peak_flops`` are known."""
+    n = len(stats)
+    wall = max(s["wall_s"] for s in stats)
+    tokens_total = sum(s["tokens"] for s in stats)
+    positions_total = sum(s["positions"] for s in stats)
+    tokens_per_sec = tokens_total / wall
+    metrics: dict[str, float] = {
+        "throughput/tokens_per_sec": tokens_per_sec,
+        "throughput/tokens_per_sec_per_device": tokens_per_sec / n,
+        "throughput/samples_per_sec": sum(s["samples"] for s in stats) / wall,
+        "throughput/step_time_ms": max(s["step_ms"] for s in stats),
+        "throughput/padding_frac": 1.0 - tokens_total / positions_total if positions_total else 0.0,
+        "throughput/dataloader_wait_frac": max(min(1.0, s["wait_s"] / s["wall_s"]) for s in stats),
+        "memory/peak_allocated_gib": max(s["peak"] for s in stats) / GIB,
+        "memory/reserved_gib": max(s["reserved"] for s in stats) / GIB,
+    }
+    if flops_per_token is not None and peak_flops:
+        metrics["throughput/mfu"] = flops_per_token * (tokens_per_sec / n) / peak_flops
+    return metrics
+
+
+@dataclass
+class ThroughputDiagnosis:
+    """The findings of ThroughputMonitor, measurement after measurement (``TFD601``-``TFD607``).
+
+    ``TFD601``/``TFD602``/``TFD603``/``TFD606`` need ``patience`` measurements in a row; ``TFD605`` replaces
+    ``TFD603`` when the slow streak came with other processes loading the machine and this process waiting for cores.
+    """
+
+    wait_threshold: float = 0.2
+    padding_threshold: float = 0.3
+    regression_factor: float = 1.5
+    memory_threshold: float = 0.92
+    patience: int = 3
+    streaks: Streak = field(default_factory=Streak)
+    contended_extra: float | None = None  # other load seen during the current slow streak
+    graphs_prev: float = math.nan
+
+    def _sustained(self, key: str, condition: bool) -> bool:
+        return self.streaks.update(key, condition) >= self.patience
+
+    def update(self, metrics: dict[str, float], stats: Sequence[dict[str, float]]) -> list[Verdict]:
+        """The verdicts of one measurement: ``metrics`` from :func:`throughput_metrics`, ``stats`` every rank's row."""
+        out: list[Verdict] = []
+        wait = metrics["throughput/dataloader_wait_frac"]
+        if self._sustained("wait", wait > self.wait_threshold):
+            worst = max(range(len(stats)), key=lambda r: stats[r]["wait_s"] / stats[r]["wall_s"])
+            out.append(
+                Verdict(
+                    "TFD601",
+                    f"Training is data-loading bound: {wait:.0%} of wall time went to waiting for the next batch "
+                    f"(threshold {self.wait_threshold:.0%}) for {self.patience} measurements in a row.",
+                    {
+                        "dataloader_wait_frac": wait,
+                        "worst_rank": worst,
+                        "tokens_per_sec": metrics["throughput/tokens_per_sec"],
+                    },
+                )
+            )
+        padding = metrics["throughput/padding_frac"]
+        if self._sustained("padding", padding > self.padding_threshold):
+            out.append(
+                Verdict(
+                    "TFD602",
+                    f"{padding:.0%} of the token positions computed were padding (threshold "
+                    f"{self.padding_threshold:.0%}) for {self.patience} measurements in a row.",
+                    {"padding_frac": padding},
+                )
+            )
+        out += self._regression(metrics, stats)
+        out += self._compile(stats)
+        fractions = [max(s["peak"], s["reserved"]) / s["capacity"] for s in stats if s["capacity"] > 0]
+        if fractions and max(fractions) > self.memory_threshold:
+            frac = max(fractions)
+            out.append(
+                Verdict(
+                    "TFD604",
+                    f"Memory use reached {frac:.0%} of capacity on rank {fractions.index(frac)} "
+                    f"(threshold {self.memory_threshold:.0%}); the run is close to out-of-memory.",
+                    {"memory_frac": frac, "peak_allocated_gib": metrics["memory/peak_allocated_gib"]},
+                )
+            )
+        return out
+
+    def _regression(self, metrics: dict[str, float], stats: Sequence[dict[str, float]]) -> list[Verdict]:
+        ratios = [
+            s["step_ms"] / s["baseline_ms"]
+            for s in stats
+            if s["baseline_ms"] == s["baseline_ms"] and s["baseline_ms"] > 0
+        ]
+        ratio = max(ratios) if ratios else float("nan")
+        slow = [s for s in stats if s["baseline_ms"] > 0 and s["step_ms"] / s["baseline_ms"] > self.regression_factor]
+        # contended: other processes took more cores than early on, and this process's threads waited for a core
+        # for at least half of the extra step time. When this process slows itself down (it sleeps, waits on I/O),
+        # others on a full machine take the cores it leaves, but its own run-queue wait does not grow.
+        contended = bool(slow) and all(
+            s["other_extra"] >= CONTENDED_CORES and not s["delay_rise_ms"] < 0.5 * (s["step_ms"] - s["baseline_ms"])
+            for s in slow
+        )
+        # TFD603 needs `patience` slow measurements in a row with no sign of other load; a slow streak in which
+        # other processes loaded the machine at some point is TFD605 instead (a reading can dip between windows)
+        regressed = self._sustained("regression", ratio > self.regression_factor and not contended)
+        slow_any = self._sustained("regression_any", ratio > self.regression_factor)
+        if contended:
+            self.contended_extra = min(s["other_extra"] for s in slow)
+        elif not ratio > self.regression_factor:
+            self.contended_extra = None
+        if slow_any and not regressed and self.contended_extra is not None:
+            extra = self.contended_extra
+            return [
+                Verdict(
+                    "TFD605",
+                    f"The median step time rose to {ratio:.2f}x the early steps' median while other processes on the "
+                    f"machine kept {extra:.1f} more CPU cores busy than they did then: the machine is contended, so "
+                    "this is not reported as a slowdown of the run itself (TFD603).",
+                    {"ratio_to_early": ratio, "other_extra_cores": extra},
+                )
+            ]
+        if regressed:
+            return [
+                Verdict(
+                    "TFD603",
+                    f"The median step time rose to {metrics['throughput/step_time_ms']:.1f} ms, {ratio:.2f}x the early "
+                    f"steps' median, for {self.patience} measurements in a row.",
+                    {"step_time_ms": metrics["throughput/step_time_ms"], "ratio_to_early": ratio},
+                )
+            ]
+        return []
+
+    def _compile(self, stats: Sequence[dict[str, float]]) -> list[Verdict]:
+        out: list[Verdict] = []
+        new = max((s["new_graphs"] for s in stats if s["new_graphs"] == s["new_graphs"]), default=math.nan)
+        growing = new == new and self.graphs_prev == self.graphs_prev and new > self.graphs_prev
+        if new == new:
+            self.graphs_prev = new
+        if self._sustained("recompiling", growing):
+            out.append(
+                Verdict(
+                    "TFD606",
+                    f"torch.compile is still compiling after the early window: {new:.0f} new graph(s) since then, "
+                    f"more at each of the last {self.patience} measurements. Every recompilation stalls training.",
+                    {"new_graphs": new},
+                )
+            )
+        hits = max((s["limit_hits"] for s in stats if s["limit_hits"] == s["limit_hits"]), default=0.0)
+        if hits > 0:
+            out.append(
+                Verdict(
+                    "TFD607",
+                    f"torch.compile hit its recompile limit {hits:.0f} time(s) during training: the code it gave up "
+                    "on now runs uncompiled, silently slower.",
+                    {"limit_hits": hits},
+                )
+            )
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.streaks.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streaks.load_state_dict(state)
