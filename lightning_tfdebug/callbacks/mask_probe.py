@@ -278,7 +278,7 @@ class MaskProbe(DebugCallback):
         ids = ids if isinstance(ids, Tensor) and ids.ndim == 2 and not ids.is_floating_point() else None
         mask = mask if ids is not None and mask is not None and mask.shape == ids.shape else None
         labels = labels if ids is not None and labels is not None and labels.shape == ids.shape else None
-        self._mask_path = fields.paths.get("attention_mask") if mask is not None else self.mask_key  # type: ignore[assignment]
+        self._mask_path = fields.paths.get("attention_mask")
         return ids, mask, labels
 
     def _build_caller(self, pl_module: pl.LightningModule) -> str | None:
