@@ -288,17 +288,16 @@ def resume_problems(
                     "runs after the restore.",
                 )
             )
-    if restored["scale"] is not None and scale is not None:
-        if relative_difference(scale, restored["scale"]) > 1e-9:
-            out.append(
-                _verdict(
-                    "TFD713",
-                    f"The GradScaler's scale after resume is {scale:g}, the checkpoint holds "
-                    f"{restored['scale']:g}.",
-                    {"saved": restored["scale"], "now": scale},
-                    "The precision plugin's scaler was replaced after loading.",
-                )
+    scale_saved = restored["scale"]
+    if scale_saved is not None and scale is not None and relative_difference(scale, scale_saved) > 1e-9:
+        out.append(
+            _verdict(
+                "TFD713",
+                f"The GradScaler's scale after resume is {scale:g}, the checkpoint holds {restored['scale']:g}.",
+                {"saved": restored["scale"], "now": scale},
+                "The precision plugin's scaler was replaced after loading.",
             )
+        )
     saved_step = restored["global_step"]
     if isinstance(saved_step, int) and global_step != saved_step:
         out.append(
