@@ -16,8 +16,8 @@ from torch.utils.hooks import RemovableHandle
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.distributed import clean_param_name, packed_reduce, world_size
 from lightning_tfdebug.core.model import in_training_step, is_compiled
-from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.activation_checks import ActivationHistory, ActivationThresholds, decide_activations
 from lightning_tfdebug.functional.activations import (
     ACTIVATION_KINDS,
     FUNCTION_KINDS,
@@ -30,18 +30,6 @@ from lightning_tfdebug.functional.activations import (
     saturated_count,
     tail_cutoff,
     zero_count,
-)
-
-_CAUSES_DEAD = (
-    "A dead unit outputs zero for every token and gets no gradient, so it never comes back. Usual causes: a "
-    "learning rate too high (one large update pushes its weights or bias far negative), a large negative bias "
-    "at init, or ReLU where GELU/SiLU/LeakyReLU would keep a gradient for negative inputs. Lower the LR or add "
-    "warm-up, initialise biases at zero, or switch the activation."
-)
-_CAUSES_SATURATED = (
-    "Saturated units pass almost no gradient back. Usual causes: pre-activations too large (missing "
-    "normalisation before the activation, init too large, LR too high), or tanh/sigmoid in a deep stack. "
-    "Normalise the inputs of the layer, lower the LR or init scale, or use GELU/SiLU."
 )
 
 
@@ -297,14 +285,15 @@ class DeadActivation(DebugCallback):
         self._pl_module: pl.LightningModule | None = None
         self._measured_step: int | None = None
         self._units: list[int] | None = None  # global unit count per layer, learned at the first measurement
-        self._lowest_dead: dict[str, float] = {}
-        self._last_dead: dict[str, float] = {}
-        self._dead_streak = Streak()
-        self._rise_streak = Streak()
-        self._sat_streak = Streak()
-        self._lowest_sat: dict[str, float] = {}
-        self._last_sat: dict[str, float] = {}
-        self._sat_rise_streak = Streak()
+        self._history = ActivationHistory()
+        self._limits = ActivationThresholds(
+            self.dead_threshold,
+            self.saturation_threshold,
+            patience,
+            self.dead_rise,
+            self.saturation_rise,
+            self.saturation_grad,
+        )
         self._calls: _FunctionCalls | None = None
         self._call_layers: dict[str, _Layer] = {}  # function-call layers, by name
         self._discovering = False  # the first measuring step: new function-call layers may appear
@@ -594,75 +583,16 @@ class DeadActivation(DebugCallback):
 
     # ------------------------------------------------------------------ findings
     def _diagnose(self, trainer: pl.Trainer, host: dict[str, float], layers: list[_Layer], step: int) -> None:
-        dead, rising, saturated, sat_rising = {}, {}, {}, {}
-        for layer in layers:
-            if layer.counts_zeros:
-                frac = host[f"dead_frac/{layer.name}"]
-                if self._dead_streak.update(layer.name, frac > self.dead_threshold) >= self.patience:
-                    dead[layer.name] = frac
-                lowest = _climb(self._lowest_dead, self._last_dead, layer.name, frac, self.dead_rise)
-                if self._rise_streak.update(layer.name, lowest is not None) >= self.patience:
-                    rising[layer.name] = (lowest, frac)
-            if layer.saturates:
-                frac = host[f"saturated_frac/{layer.name}"]
-                if self._sat_streak.update(layer.name, frac > self.saturation_threshold) >= self.patience:
-                    saturated[layer.name] = frac
-                lowest = _climb(self._lowest_sat, self._last_sat, layer.name, frac, self.saturation_rise)
-                if self._sat_rise_streak.update(layer.name, lowest is not None) >= self.patience:
-                    sat_rising[layer.name] = (lowest, frac)
-        if dead:
-            self.emit(
-                trainer,
-                "TFD340",
-                f"{len(dead)} layer(s) have more than {self.dead_threshold:.0%} dead units (zero for every token of "
-                f"the batch) for {self.patience} measurements: "
-                + ", ".join(f"{n} ({f:.0%})" for n, f in list(dead.items())[:10])
-                + ".",
-                {"dead_frac": dead, "threshold": self.dead_threshold},
-                hint=_CAUSES_DEAD,
-                step=step,
+        fractions = [
+            (
+                layer.name,
+                host[f"dead_frac/{layer.name}"] if layer.counts_zeros else None,
+                host[f"saturated_frac/{layer.name}"] if layer.saturates else None,
             )
-        if rising:
-            self.emit(
-                trainer,
-                "TFD341",
-                "The dead-unit fraction is rising in "
-                + ", ".join(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in list(rising.items())[:10])
-                + ": units are dying during training.",
-                {
-                    "dead_frac": {n: now for n, (_, now) in rising.items()},
-                    "lowest": {n: lo for n, (lo, _) in rising.items()},
-                },
-                hint=_CAUSES_DEAD,
-                step=step,
-            )
-        if saturated:
-            self.emit(
-                trainer,
-                "TFD342",
-                f"{len(saturated)} layer(s) have more than {self.saturation_threshold:.0%} saturated activations "
-                f"(local gradient below {self.saturation_grad:g}) for {self.patience} measurements: "
-                + ", ".join(f"{n} ({f:.0%})" for n, f in list(saturated.items())[:10])
-                + ".",
-                {"saturated_frac": saturated, "threshold": self.saturation_threshold},
-                hint=_CAUSES_SATURATED,
-                step=step,
-            )
-
-        if sat_rising:
-            self.emit(
-                trainer,
-                "TFD344",
-                "The saturated fraction is rising in "
-                + ", ".join(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in list(sat_rising.items())[:10])
-                + ": more and more units sit where their gradient is almost zero.",
-                {
-                    "saturated_frac": {n: now for n, (_, now) in sat_rising.items()},
-                    "lowest": {n: lo for n, (lo, _) in sat_rising.items()},
-                },
-                hint=_CAUSES_SATURATED,
-                step=step,
-            )
+            for layer in layers
+        ]
+        for verdict in decide_activations(fractions, self._history, self._limits):
+            self.emit(trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, step=step)
 
     def _report_unobservable(self, trainer: pl.Trainer, reason: str, compiled: bool, step: int | None = None) -> None:
         hint = (
@@ -685,37 +615,11 @@ class DeadActivation(DebugCallback):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "lowest_dead": dict(self._lowest_dead),
-            "last_dead": dict(self._last_dead),
-            "dead_streak": self._dead_streak.state_dict(),
-            "rise_streak": self._rise_streak.state_dict(),
-            "sat_streak": self._sat_streak.state_dict(),
-            "lowest_sat": dict(self._lowest_sat),
-            "last_sat": dict(self._last_sat),
-            "sat_rise_streak": self._sat_rise_streak.state_dict(),
-        }
+        return {**super().state_dict(), **self._history.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._lowest_dead = {str(k): float(v) for k, v in state_dict.get("lowest_dead", {}).items()}
-        self._last_dead = {str(k): float(v) for k, v in state_dict.get("last_dead", {}).items()}
-        self._dead_streak.load_state_dict(state_dict.get("dead_streak", {}))
-        self._rise_streak.load_state_dict(state_dict.get("rise_streak", {}))
-        self._sat_streak.load_state_dict(state_dict.get("sat_streak", {}))
-        self._lowest_sat = {str(k): float(v) for k, v in state_dict.get("lowest_sat", {}).items()}
-        self._last_sat = {str(k): float(v) for k, v in state_dict.get("last_sat", {}).items()}
-        self._sat_rise_streak.load_state_dict(state_dict.get("sat_rise_streak", {}))
-
-
-def _climb(lowest: dict[str, float], last: dict[str, float], name: str, frac: float, rise: float) -> float | None:
-    """Record ``frac`` for ``name``; return its lowest value so far if ``frac`` is at least ``rise`` above it and not
-    falling back (a transient bump early in training recovers; dying or saturating units do not), else None."""
-    low = min(lowest.get(name, frac), frac)
-    previous = last.get(name, frac)
-    lowest[name], last[name] = low, frac
-    return low if frac - low >= rise and frac >= previous - 0.01 else None
+        self._history.load_state_dict(state_dict)
 
 
 def _check_regex(name: str, pattern: Any) -> None:

@@ -13,7 +13,7 @@ from lightning_tfdebug.core.base import DebugCallback, check_choice, check_numbe
 from lightning_tfdebug.core.distributed import all_gather_vector, local_tensor, world_size
 from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional.finite import grads_nonfinite_flag, nonfinite_flag
+from lightning_tfdebug.functional.finite import flagged_ranks, grads_nonfinite_flag, nonfinite_flag
 from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_frames, weight_ranges, window, write_report
 
 Mode = Literal["lazy", "eager"]
@@ -232,9 +232,7 @@ class NaNFirstFrame(DebugCallback):
         # backward's queued kernels, which `optimizer.step()` queues behind anyway; what it costs is the overlap of
         # the optimizer's kernel launches with the end of backward.
         rows = table.tolist()
-        # the ranks that produced it: a rank-local loss, or else the gradients (identical on all ranks under DDP)
-        bad_ranks = [r for r, row in enumerate(rows) if row[0] > 0] or [r for r, row in enumerate(rows) if row[1] > 0]
-        frame_ranks = [r for r, row in enumerate(rows) if row[2] > 0]
+        bad_ranks, frame_ranks = flagged_ranks(rows)
         if not bad_ranks and not frame_ranks:
             return
         step = trainer.global_step

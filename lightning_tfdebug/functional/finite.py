@@ -30,3 +30,15 @@ def grads_nonfinite_flag(grads: Sequence[Tensor]) -> Tensor | None:
         return None
     norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32)
     return nonfinite_flag(torch.stack(norms).sum())
+
+
+def flagged_ranks(rows: Sequence[Sequence[float]]) -> tuple[list[int], list[int]]:
+    """Read a gathered table of ``[loss_nonfinite, grad_nonfinite, frame_nonfinite]`` rows, one per rank.
+
+    Returns ``(bad_ranks, frame_ranks)``: the ranks whose step is bad, i.e. whose own loss was non-finite, or, when no
+    rank's loss was, whose gradients were (under DDP the gradients are identical on every rank, so the loss names the
+    rank that produced the problem); and the ranks where a module output held inf/nan (eager mode).
+    """
+    bad = [r for r, row in enumerate(rows) if row[0] > 0] or [r for r, row in enumerate(rows) if row[1] > 0]
+    frames = [r for r, row in enumerate(rows) if row[2] > 0]
+    return bad, frames

@@ -320,7 +320,7 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     model_kwargs = dict(activation="relu", mlp_bias_init=-5.0, **SMALL)
     fit(tmp_path, [first, ckpt], model=TinyGPT(**model_kwargs), max_steps=2, enable_checkpointing=True)
-    assert first._dead_streak.counts == {ACTS[0]: 2, ACTS[1]: 2} and codes(first) == []
+    assert first._history.dead_streak.counts == {ACTS[0]: 2, ACTS[1]: 2} and codes(first) == []
     resumed = DeadActivation(every_n_steps=1, dead_threshold=0.99, patience=3)
     trainer = make_trainer(tmp_path, [resumed], max_steps=3)
     with warnings.catch_warnings():
@@ -328,7 +328,7 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
         trainer.fit(
             TinyGPT(**model_kwargs), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
         )
-    assert resumed._lowest_dead == {ACTS[0]: 1.0, ACTS[1]: 1.0}
+    assert resumed._history.lowest_dead == {ACTS[0]: 1.0, ACTS[1]: 1.0}
     [finding] = resumed.findings  # the third measurement in a row, counting the two before the checkpoint
     assert finding.code == "TFD340" and finding.step == 2
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lightning_tfdebug.functional.finite import grads_nonfinite_flag, nonfinite_flag
+from lightning_tfdebug.functional.finite import flagged_ranks, grads_nonfinite_flag, nonfinite_flag
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
@@ -34,3 +34,13 @@ def test_grads_nonfinite_flag_fp16_large_but_finite_gradients_are_finite():
     grads = [torch.full((1000,), 1e4, dtype=torch.float16)]
     assert math.isfinite(float(torch.stack([g.float().norm() for g in grads]).sum()))
     assert grads_nonfinite_flag(grads).item() == 0.0
+
+
+def test_flagged_ranks_prefers_the_ranks_whose_loss_was_bad():
+    # rank 1's loss went nan; its gradients reached every rank through the all-reduce
+    assert flagged_ranks([[0, 1, 0], [1, 1, 0], [0, 1, 0]]) == ([1], [])
+
+
+def test_flagged_ranks_falls_back_to_gradients_and_reports_frames_apart():
+    assert flagged_ranks([[0, 1, 0], [0, 0, 1]]) == ([0], [1])
+    assert flagged_ranks([[0.0, 0.0, 0.0]]) == ([], [])

@@ -1,0 +1,168 @@
+"""DeadActivation's decisions: which layers have too many dead or saturated units, for how long, and whether those
+fractions are climbing. Pure functions of host numbers; they return :class:`~lightning_tfdebug.functional.verdicts.
+Verdict` objects for the callback to emit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_tfdebug.core.tracking import Streak
+from lightning_tfdebug.functional.verdicts import Verdict
+
+CAUSES_DEAD = (
+    "A dead unit outputs zero for every token and gets no gradient, so it never comes back. Usual causes: a "
+    "learning rate too high (one large update pushes its weights or bias far negative), a large negative bias "
+    "at init, or ReLU where GELU/SiLU/LeakyReLU would keep a gradient for negative inputs. Lower the LR or add "
+    "warm-up, initialise biases at zero, or switch the activation."
+)
+CAUSES_SATURATED = (
+    "Saturated units pass almost no gradient back. Usual causes: pre-activations too large (missing "
+    "normalisation before the activation, init too large, LR too high), or tanh/sigmoid in a deep stack. "
+    "Normalise the inputs of the layer, lower the LR or init scale, or use GELU/SiLU."
+)
+
+
+@dataclass(frozen=True)
+class ActivationThresholds:
+    """The callback's thresholds (see :class:`~lightning_tfdebug.DeadActivation`'s arguments)."""
+
+    dead: float = 0.5
+    saturation: float = 0.5
+    patience: int = 2
+    dead_rise: float = 0.35
+    saturation_rise: float = 0.35
+    saturation_grad: float = 0.01
+
+
+@dataclass
+class ActivationHistory:
+    """What the decisions remember between measurements, per layer: plain host values, saved in checkpoints."""
+
+    lowest_dead: dict[str, float] = field(default_factory=dict)
+    last_dead: dict[str, float] = field(default_factory=dict)
+    dead_streak: Streak = field(default_factory=Streak)
+    rise_streak: Streak = field(default_factory=Streak)
+    sat_streak: Streak = field(default_factory=Streak)
+    lowest_sat: dict[str, float] = field(default_factory=dict)
+    last_sat: dict[str, float] = field(default_factory=dict)
+    sat_rise_streak: Streak = field(default_factory=Streak)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "lowest_dead": dict(self.lowest_dead),
+            "last_dead": dict(self.last_dead),
+            "dead_streak": self.dead_streak.state_dict(),
+            "rise_streak": self.rise_streak.state_dict(),
+            "sat_streak": self.sat_streak.state_dict(),
+            "lowest_sat": dict(self.lowest_sat),
+            "last_sat": dict(self.last_sat),
+            "sat_rise_streak": self.sat_rise_streak.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lowest_dead = {str(k): float(v) for k, v in state.get("lowest_dead", {}).items()}
+        self.last_dead = {str(k): float(v) for k, v in state.get("last_dead", {}).items()}
+        self.dead_streak.load_state_dict(state.get("dead_streak", {}))
+        self.rise_streak.load_state_dict(state.get("rise_streak", {}))
+        self.sat_streak.load_state_dict(state.get("sat_streak", {}))
+        self.lowest_sat = {str(k): float(v) for k, v in state.get("lowest_sat", {}).items()}
+        self.last_sat = {str(k): float(v) for k, v in state.get("last_sat", {}).items()}
+        self.sat_rise_streak.load_state_dict(state.get("sat_rise_streak", {}))
+
+
+def climb(lowest: dict[str, float], last: dict[str, float], name: str, frac: float, rise: float) -> float | None:
+    """Record ``frac`` for ``name``; return its lowest value so far if ``frac`` is at least ``rise`` above it and not
+    falling back (a transient bump early in training recovers; dying or saturating units do not), else None."""
+    low = min(lowest.get(name, frac), frac)
+    previous = last.get(name, frac)
+    lowest[name], last[name] = low, frac
+    return low if frac - low >= rise and frac >= previous - 0.01 else None
+
+
+def _listed(items: Iterable[str]) -> str:
+    return ", ".join(list(items)[:10])
+
+
+def decide_activations(
+    fractions: Iterable[tuple[str, float | None, float | None]],
+    history: ActivationHistory,
+    limits: ActivationThresholds,
+) -> list[Verdict]:
+    """One measurement's verdicts (``TFD340`` dead, ``TFD341`` dead rising, ``TFD342`` saturated, ``TFD344``
+    saturated rising), updating ``history``.
+
+    Args:
+        fractions: per layer that ran, ``(name, dead_fraction, saturated_fraction)``; None where the layer's kind has
+            no such statistic (tanh/sigmoid count no zeros, ReLU does not saturate).
+        history: the streaks and lowest values so far (updated in place).
+        limits: thresholds, patience and rises.
+    """
+    dead, rising, saturated, sat_rising = {}, {}, {}, {}
+    for name, dead_frac, sat_frac in fractions:
+        if dead_frac is not None:
+            if history.dead_streak.update(name, dead_frac > limits.dead) >= limits.patience:
+                dead[name] = dead_frac
+            lowest = climb(history.lowest_dead, history.last_dead, name, dead_frac, limits.dead_rise)
+            if history.rise_streak.update(name, lowest is not None) >= limits.patience:
+                rising[name] = (lowest, dead_frac)
+        if sat_frac is not None:
+            if history.sat_streak.update(name, sat_frac > limits.saturation) >= limits.patience:
+                saturated[name] = sat_frac
+            lowest = climb(history.lowest_sat, history.last_sat, name, sat_frac, limits.saturation_rise)
+            if history.sat_rise_streak.update(name, lowest is not None) >= limits.patience:
+                sat_rising[name] = (lowest, sat_frac)
+    verdicts: list[Verdict] = []
+    if dead:
+        verdicts.append(
+            Verdict(
+                "TFD340",
+                f"{len(dead)} layer(s) have more than {limits.dead:.0%} dead units (zero for every token of the batch) "
+                f"for {limits.patience} measurements: " + _listed(f"{n} ({f:.0%})" for n, f in dead.items()) + ".",
+                {"dead_frac": dead, "threshold": limits.dead},
+                hint=CAUSES_DEAD,
+            )
+        )
+    if rising:
+        verdicts.append(
+            Verdict(
+                "TFD341",
+                "The dead-unit fraction is rising in "
+                + _listed(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in rising.items())
+                + ": units are dying during training.",
+                {
+                    "dead_frac": {n: now for n, (_, now) in rising.items()},
+                    "lowest": {n: lo for n, (lo, _) in rising.items()},
+                },
+                hint=CAUSES_DEAD,
+            )
+        )
+    if saturated:
+        verdicts.append(
+            Verdict(
+                "TFD342",
+                f"{len(saturated)} layer(s) have more than {limits.saturation:.0%} saturated activations "
+                f"(local gradient below {limits.saturation_grad:g}) for {limits.patience} measurements: "
+                + _listed(f"{n} ({f:.0%})" for n, f in saturated.items())
+                + ".",
+                {"saturated_frac": saturated, "threshold": limits.saturation},
+                hint=CAUSES_SATURATED,
+            )
+        )
+    if sat_rising:
+        verdicts.append(
+            Verdict(
+                "TFD344",
+                "The saturated fraction is rising in "
+                + _listed(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in sat_rising.items())
+                + ": more and more units sit where their gradient is almost zero.",
+                {
+                    "saturated_frac": {n: now for n, (_, now) in sat_rising.items()},
+                    "lowest": {n: lo for n, (lo, _) in sat_rising.items()},
+                },
+                hint=CAUSES_SATURATED,
+            )
+        )
+    return verdicts
