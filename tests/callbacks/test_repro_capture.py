@@ -320,3 +320,37 @@ def test_an_exception_in_a_later_batch_end_hook_keeps_that_steps_batch(tmp_path)
     assert bundle.meta["in_training_batch"] and bundle.meta["after_step"] and bundle.meta["batch_idx"] == 2
     assert torch.equal(bundle.batch["input_ids"], late.ids)
     assert "after that step's training_step" in capture.findings[0].message
+
+
+@pytest.mark.parametrize("copy_batch, shared", [("always", True), ("auto", False)])
+def test_the_host_copy_is_shared_for_other_callbacks_to_read_after_a_device_failure(tmp_path, copy_batch, shared):
+    from lightning_tfdebug.repro import shared_host_copy
+
+    copies = []
+
+    class Read(Callback):  # runs after ReproCapture, as BatchGuard does
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            copies.append((batch, shared_host_copy(trainer, batch)))
+
+    fit(tmp_path, [Read(), ReproCapture(copy_batch=copy_batch)], max_steps=3)
+    if shared:  # a copy of each step's own batch, not a reference to it
+        assert all(c is not None and c is not b and torch.equal(c["input_ids"], b["input_ids"]) for b, c in copies)
+    else:  # CPU batches are kept by reference: nothing to share, the batch itself stays readable
+        assert [c for _, c in copies] == [None, None, None]
+
+
+class DrawsFromPython(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        import random
+
+        random.random()
+        return super().training_step(batch, batch_idx)
+
+
+def test_python_and_numpy_generators_are_captured_only_once_a_step_draws_from_them(tmp_path):
+    plain = ReproCapture()
+    fit(tmp_path / "plain", [plain], max_steps=6, log_every_n_steps=10)
+    assert plain._host_rng_used is False and plain._probed == 4  # the first four batches; steps 4, 5 do not measure
+    drawing = ReproCapture()
+    fit(tmp_path / "draws", [drawing], model=DrawsFromPython(**SMALL), max_steps=6, log_every_n_steps=10)
+    assert drawing._host_rng_used is True and drawing.state_dict()["host_rng_used"] is True
