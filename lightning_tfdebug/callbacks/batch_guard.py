@@ -24,6 +24,7 @@ from lightning_tfdebug.functional.batch_checks import (
     RepeatTracker,
     ValueRules,
     batch_metrics,
+    decoded_examples,
     drift_verdicts,
     too_long,
     value_verdicts,
@@ -437,24 +438,13 @@ class BatchGuard(DebugCallback):
         label_rows = None
         if labels is not None:
             label_rows = (labels if labels.ndim >= 2 else labels.reshape(1, -1))[:k].tolist()
-        lines = [f"First {k} sequences of the first training batch (rank {trainer.global_rank}):", ""]
-        for i, row in enumerate(rows):
-            try:
-                text = self.tokenizer.decode(row)
-                pieces = [self.tokenizer.decode([t]) for t in row]
-            except Exception as err:  # a tokenizer that cannot decode must not break training
-                rank_zero_warn(
-                    f"BatchGuard: tokenizer.decode failed ({err}); no decoded examples.", category=TFDebugWarning
-                )
-                return
-            lines.append(f"**{i}** ({len(row)} tokens) input: `{text!r}`")
-            if label_rows is not None:
-                shown = "".join(
-                    p if lab != self.ignore_index else "·" * max(len(p), 1) for p, lab in zip(pieces, label_rows[i])
-                )
-                supervised = sum(lab != self.ignore_index for lab in label_rows[i])
-                lines.append(f"  labels ({supervised} supervised, · = ignored): `{shown!r}`")
-            lines.append("")
+        try:
+            lines = decoded_examples(self.tokenizer, rows, label_rows, self.ignore_index, trainer.global_rank)
+        except Exception as err:  # a tokenizer that cannot decode must not break training
+            rank_zero_warn(
+                f"BatchGuard: tokenizer.decode failed ({err}); no decoded examples.", category=TFDebugWarning
+            )
+            return
         body = "  \n".join(lines)
         if trainer.is_global_zero:
             for logger in trainer.loggers:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import time
@@ -18,6 +17,7 @@ from torch import Tensor
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
 from lightning_tfdebug.core.distributed import all_gather_vector
+from lightning_tfdebug.core.model import import_object
 from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
 from lightning_tfdebug.core.tracking import RunningWindow
 from lightning_tfdebug.findings import OnFinding
@@ -42,11 +42,12 @@ def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[
         return length_fn
     if not isinstance(length_fn, str) or not length_fn.strip():
         raise TypeError(f"`length_fn` must be an import path 'module.function', a callable or None; got {length_fn!r}.")
-    module, sep, name = length_fn.partition(":") if ":" in length_fn else length_fn.rpartition(".")
     try:
-        fn = getattr(importlib.import_module(module), name) if sep and module and name else None
+        fn = import_object(length_fn)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"`length_fn` {length_fn!r} could not be imported: {err}.") from err
+    except ValueError:  # no module part: not an import path
+        fn = None
     if not callable(fn):
         raise ValueError(f"`length_fn` must name a function as 'module.function'; got {length_fn!r}.")
     return fn

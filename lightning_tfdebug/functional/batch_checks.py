@@ -9,6 +9,7 @@ The callback only emits them, so every rule here is testable without a Trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_tfdebug.functional.batches import Drift, FieldSpec, length_shift
 from lightning_tfdebug.functional.verdicts import Verdict
@@ -210,6 +211,27 @@ def batch_metrics(s: dict[str, float], rules: ValueRules, has_labels: bool) -> d
     if rules.eos_id is not None and rules.context is not None:
         metrics["batch/truncated_frac"] = s["truncated"] / n
     return metrics
+
+
+def decoded_examples(
+    tokenizer: Any, rows: list[list[int]], label_rows: list[list[int]] | None, ignore_index: int, rank: int = 0
+) -> list[str]:
+    """Markdown lines showing each row decoded, and which of its positions the labels supervise (``·`` = ignored).
+
+    Raises:
+        Exception: whatever ``tokenizer.decode`` raises.
+    """
+    lines = [f"First {len(rows)} sequences of the first training batch (rank {rank}):", ""]
+    for i, row in enumerate(rows):
+        text = tokenizer.decode(row)
+        pieces = [tokenizer.decode([t]) for t in row]
+        lines.append(f"**{i}** ({len(row)} tokens) input: `{text!r}`")
+        if label_rows is not None:
+            shown = "".join(p if lab != ignore_index else "·" * max(len(p), 1) for p, lab in zip(pieces, label_rows[i]))
+            supervised = sum(lab != ignore_index for lab in label_rows[i])
+            lines.append(f"  labels ({supervised} supervised, · = ignored): `{shown!r}`")
+        lines.append("")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ across batches

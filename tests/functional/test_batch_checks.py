@@ -115,3 +115,15 @@ def test_length_window_against_the_first_window():
     assert window.add(long, "B") is None
     verdict = window.add(long, "B")
     assert verdict.code == "TFD120" and verdict.evidence["window_mean"] == 20.0
+
+
+def test_decoded_examples_show_the_supervised_positions():
+    from lightning_tfdebug.demo.data import ByteTokenizer
+    from lightning_tfdebug.functional.batch_checks import decoded_examples
+
+    rows = [[ord(c) for c in "hi!"]]
+    lines = decoded_examples(ByteTokenizer(), rows, [[-100, ord("i"), ord("!")]], -100, rank=1)
+    assert lines[0] == "First 1 sequences of the first training batch (rank 1):"
+    assert lines[2] == "**0** (3 tokens) input: `'hi!'`"
+    assert lines[3] == "  labels (2 supervised, · = ignored): `'·i!'`"
+    assert len(decoded_examples(ByteTokenizer(), rows, None, -100)) == 4  # no label line
