@@ -24,17 +24,12 @@ from lightning_tfdebug.core.distributed import (
 )
 from lightning_tfdebug.core.groups import training_model
 from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
-from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.rank_checks import RankDiagnosis, per_rank_metrics
 from lightning_tfdebug.functional.throughput import (
     StepClock,
     batch_fingerprint,
     combine_fingerprints,
-    differing_ranks,
-    differing_tensors,
-    loss_outliers,
-    max_over_median,
-    median_of_others,
     parameter_checksums,
     peak_rss_bytes,
 )
@@ -51,8 +46,6 @@ _SLOTS = (
     "fingerprint",
     "checksum",
 )
-_LOGGED = ("loss", "step_time_ms", "busy_ms", "dataloader_wait_ms", "peak_memory_gib")
-_CHECKSUM_RTOL = 1e-6
 
 
 class PerRankLogger(DebugCallback):
@@ -162,7 +155,7 @@ class PerRankLogger(DebugCallback):
         self.loss_spread = float(loss_spread)
         self.patience = patience
         self.compare_parameters = compare_parameters
-        self._streaks = Streak()
+        self._diagnosis = RankDiagnosis(self.straggler_factor, self.straggler_min_ms, self.loss_spread, patience)
         self._reset()
 
     @property
@@ -314,8 +307,11 @@ class PerRankLogger(DebugCallback):
         stats = [dict(zip(_SLOTS, row)) for row in rows]
         mine = stats[trainer.global_rank] if trainer.global_rank < len(stats) else stats[0]
         self._write_record(trainer, step, mine)
-        self._log(trainer, stats, step)
-        self._diagnose(trainer, stats, [row[len(_SLOTS) :] for row in rows], step)
+        self.log_scalars(trainer, per_rank_metrics(stats, self.log_per_rank), step=step)
+        # every value comes from the all-gather: every rank takes the same decisions (synchronized findings)
+        checksums = [row[len(_SLOTS) :] for row in rows]
+        for verdict, key in self._diagnosis.update(stats, checksums, self._param_names, step):
+            self.emit(trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, key=key, step=step)
 
     def _write_record(self, trainer: pl.Trainer, step: int, mine: dict[str, float]) -> None:
         record = {
@@ -333,139 +329,10 @@ class PerRankLogger(DebugCallback):
         with open(self.rank_file, "a") as f:
             f.write(json.dumps(record, allow_nan=True) + "\n")
 
-    def _log(self, trainer: pl.Trainer, stats: list[dict[str, float]], step: int) -> None:
-        metrics: dict[str, float] = {}
-        if self.log_per_rank:
-            for r, s in enumerate(stats):
-                for key in _LOGGED:
-                    if key != "loss" or s["has_loss"]:
-                        metrics[f"per_rank/{key}/rank{r}"] = s[key]
-        if len(stats) > 1:
-            column = {key: [s[key] for s in stats] for key in _LOGGED}
-            waits = column["dataloader_wait_ms"]
-            metrics["per_rank/step_time_ms/max_over_median"] = max_over_median(column["step_time_ms"])
-            metrics["per_rank/busy_ms/max_over_median"] = max_over_median(column["busy_ms"])
-            metrics["per_rank/dataloader_wait_ms/max_minus_median"] = max(waits) - sorted(waits)[len(waits) // 2]
-            metrics["per_rank/peak_memory_gib/max_over_median"] = max_over_median(column["peak_memory_gib"])
-            losses = [s["loss"] for s in stats if s["has_loss"] and math.isfinite(s["loss"])]
-            if losses:
-                metrics["per_rank/loss/max_minus_min"] = max(losses) - min(losses)
-        self.log_scalars(trainer, metrics, step=step)
-
-    # ------------------------------------------------------------------ findings
-    def _diagnose(
-        self, trainer: pl.Trainer, stats: list[dict[str, float]], checksums: list[list[float]], step: int
-    ) -> None:
-        # every value comes from the all-gather: every rank takes the same decisions (synchronized findings)
-        nonfinite = [r for r, s in enumerate(stats) if s["has_loss"] and not math.isfinite(s["loss"])]
-        if nonfinite:
-            finite = [r for r in range(len(stats)) if r not in nonfinite]
-            others = f" while rank(s) {', '.join(map(str, finite))} did not" if finite else ""
-            self.emit(
-                trainer,
-                "TFD505",
-                f"Rank(s) {', '.join(map(str, nonfinite))} produced a non-finite loss at step {step}{others}.",
-                {"ranks": nonfinite, "losses": [s["loss"] for s in stats]},
-                step=step,
-            )
-        n = len(stats)
-        if n < 2:
-            return
-        self._check_batches(trainer, stats, step)
-        if checksums and checksums[0]:
-            self._check_parameters(trainer, stats, checksums, step)
-        totals = [s["busy_ms"] + s["dataloader_wait_ms"] for s in stats]
-        for r, total in enumerate(totals):
-            ref = median_of_others(totals, r)
-            slow = total > self.straggler_factor * ref and total - ref > self.straggler_min_ms
-            if self._streaks.update(f"straggler/rank{r}", slow) >= self.patience:
-                self.emit(
-                    trainer,
-                    "TFD503",
-                    f"Rank {r} is a straggler: its own work per step ({total:.1f} ms of compute outside backward plus "
-                    f"data wait) is {total / ref:.1f}x the other ranks' median ({ref:.1f} ms), for {self.patience} "
-                    "measurements in a row; every rank waits for it at each gradient all-reduce.",
-                    {
-                        "rank": r,
-                        "busy_ms": stats[r]["busy_ms"],
-                        "dataloader_wait_ms": stats[r]["dataloader_wait_ms"],
-                        "others_median_ms": ref,
-                    },
-                    key=f"rank{r}",
-                    step=step,
-                )
-        losses = [s["loss"] if s["has_loss"] else math.nan for s in stats]
-        far, reference = loss_outliers(losses, self.loss_spread)
-        sustained = [r for r in range(n) if self._streaks.update(f"loss/rank{r}", r in far) >= self.patience]
-        if sustained and n == 2:
-            self.emit(
-                trainer,
-                "TFD504",
-                f"The two ranks' losses ({losses[0]:.4g} and {losses[1]:.4g}) differ by more than "
-                f"{self.loss_spread:.0%} for {self.patience} measurements in a row; with two ranks, which one is off "
-                "cannot be told.",
-                {"ranks": sustained, "losses": losses},
-                hint=(
-                    "One rank sees different data (a corrupt shard, a different tokenizer or preprocessing) or "
-                    "computes its loss differently (rank-dependent code in training_step), or runs different weights "
-                    "(see TFD502). Compare the ranks' files in tfdebug/."
-                ),
-                key="pair",
-                step=step,
-            )
-        elif sustained:
-            for r in sustained:
-                self.emit(
-                    trainer,
-                    "TFD504",
-                    f"Rank {r}'s loss ({losses[r]:.4g}) is far from the median over ranks ({reference:.4g}) for "
-                    f"{self.patience} measurements in a row.",
-                    {"ranks": [r], "loss": losses[r], "median": reference, "losses": losses},
-                    hint="That rank sees different data (a corrupt shard, a different tokenizer or preprocessing), "
-                    "computes its loss differently (rank-dependent code in training_step), or runs different weights "
-                    "(see TFD502). Compare the ranks' files in tfdebug/.",
-                    key=f"rank{r}",
-                    step=step,
-                )
-
-    def _check_batches(self, trainer: pl.Trainer, stats: list[dict[str, float]], step: int) -> None:
-        prints = [s["fingerprint"] for s in stats]
-        groups: dict[float, list[int]] = {}
-        for r, fp in enumerate(prints):
-            if fp >= 0:
-                groups.setdefault(fp, []).append(r)
-        same = [ranks for ranks in groups.values() if len(ranks) > 1]
-        if self._streaks.update("identical_batches", bool(same)) >= self.patience:
-            self.emit(
-                trainer,
-                "TFD501",
-                f"Ranks {same[0]} trained on identical batches at {self.patience} measured steps in a row: the data is "
-                "not split between ranks, so the job does N times the compute for the data of one.",
-                {"identical_ranks": same, "fingerprints": prints},
-                step=step,
-            )
-
-    def _check_parameters(
-        self, trainer: pl.Trainer, stats: list[dict[str, float]], checksums: list[list[float]], step: int
-    ) -> None:
-        ranks = differing_ranks(checksums, _CHECKSUM_RTOL)
-        if not ranks:
-            return
-        tensors = differing_tensors(checksums, self._param_names, _CHECKSUM_RTOL)
-        self.emit(
-            trainer,
-            "TFD502",
-            f"Parameters or buffers differ between DDP replicas at step {step}: rank(s) {', '.join(map(str, ranks))} "
-            f"disagree with the others on {len(tensors)} tensor(s): {', '.join(tensors[:5])}"
-            f"{' ...' * (len(tensors) > 5)}.",
-            {"ranks": ranks, "tensors": tensors[:50], "checksums": [s["checksum"] for s in stats]},
-            step=step,
-        )
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "streaks": self._streaks.state_dict()}
+        return {**super().state_dict(), "streaks": self._diagnosis.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._streaks.load_state_dict(state_dict.get("streaks", {}))
+        self._diagnosis.load_state_dict(state_dict.get("streaks", {}))

@@ -79,7 +79,7 @@ def test_non_finite_loss_names_the_rank(tmp_path):
 
 def test_state_is_saved_and_restored_on_resume(tmp_path):
     first = PerRankLogger(every_n_steps=1)
-    first._streaks.update("straggler/rank1", True)  # as if rank 1 had been slow once
+    first._diagnosis.streaks.update("straggler/rank1", True)  # as if rank 1 had been slow once
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     fit(tmp_path, [first, ckpt], max_steps=3, enable_checkpointing=True)
     resumed = PerRankLogger(every_n_steps=1)
@@ -87,7 +87,7 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert resumed._streaks.counts["straggler/rank1"] == 1
+    assert resumed._diagnosis.streaks.counts["straggler/rank1"] == 1
     assert [r["step"] for r in records(tmp_path)][-1] == 3  # appended to the same file after resume
 
 

@@ -239,3 +239,53 @@ def test_diagnosis_of_memory_and_compilation():
         stats = [row(new_graphs=graphs, limit_hits=1.0 if graphs == 3.0 else 0.0)]
         verdicts.append([v.code for v in diagnosis.update(throughput_metrics(stats), stats)])
     assert verdicts == [[], [], ["TFD606", "TFD607"]]
+
+
+# ---------------------------------------------------------------------------------------------------- per-rank
+def rank_row(**values):
+    base = dict(
+        loss=2.0,
+        has_loss=1.0,
+        step_time_ms=100.0,
+        busy_ms=60.0,
+        dataloader_wait_ms=5.0,
+        peak_memory_gib=1.0,
+        fingerprint=-1.0,
+        checksum=1.0,
+    )
+    base.update(values)
+    return base
+
+
+def test_per_rank_metrics_and_spreads():
+    from lightning_tfdebug.functional.rank_checks import per_rank_metrics
+
+    stats = [rank_row(), rank_row(loss=3.0, step_time_ms=150.0, dataloader_wait_ms=25.0)]
+    metrics = per_rank_metrics(stats)
+    assert metrics["per_rank/loss/rank1"] == 3.0 and metrics["per_rank/step_time_ms/rank0"] == 100.0
+    assert metrics["per_rank/loss/max_minus_min"] == 1.0
+    assert metrics["per_rank/dataloader_wait_ms/max_minus_median"] == 0.0  # median of two: the upper one
+    assert not any("/rank" in k for k in per_rank_metrics(stats, log_per_rank=False))
+    assert set(per_rank_metrics([rank_row(has_loss=0.0)])) == {
+        f"per_rank/{k}/rank0" for k in ("step_time_ms", "busy_ms", "dataloader_wait_ms", "peak_memory_gib")
+    }
+
+
+def test_rank_diagnosis_names_the_rank_after_patience_measurements():
+    from lightning_tfdebug.functional.rank_checks import RankDiagnosis
+
+    def run(stats, times=2, checksums=(), names=()):
+        diagnosis = RankDiagnosis(patience=2)
+        return [[(v.code, key) for v, key in diagnosis.update(stats, list(checksums), names, 7)] for _ in range(times)]
+
+    assert run([rank_row(), rank_row()]) == [[], []]
+    assert run([rank_row(loss=float("nan"))], times=1) == [[("TFD505", None)]]
+    same = [rank_row(fingerprint=11.0), rank_row(fingerprint=11.0), rank_row(fingerprint=12.0)]
+    assert run(same) == [[], [("TFD501", None)]]
+    slow = [rank_row(), rank_row(busy_ms=200.0), rank_row()]
+    assert run(slow) == [[], [("TFD503", "rank1")]]
+    far = [rank_row(), rank_row(), rank_row(loss=9.0)]
+    assert run(far) == [[], [("TFD504", "rank2")]]
+    assert run([rank_row(), rank_row(loss=9.0)]) == [[], [("TFD504", "pair")]]
+    [[(code, _)]] = run([rank_row(), rank_row()], times=1, checksums=[[1.0, 2.0], [1.0, 2.5]], names=["w"])
+    assert code == "TFD502"

@@ -1,0 +1,182 @@
+"""PerRankLogger's arithmetic and decisions: from every rank's gathered row to the logged spreads and the findings
+``TFD501``-``TFD505``. Host numbers only, no Trainer: every rule here is testable with plain lists.
+
+Every rank holds the same rows after the all-gather, so every rank reaches the same verdicts (synchronized findings).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_tfdebug.core.tracking import Streak
+from lightning_tfdebug.functional.throughput import (
+    differing_ranks,
+    differing_tensors,
+    loss_outliers,
+    max_over_median,
+    median_of_others,
+)
+from lightning_tfdebug.functional.verdicts import Verdict
+
+LOGGED: tuple[str, ...] = ("loss", "step_time_ms", "busy_ms", "dataloader_wait_ms", "peak_memory_gib")
+CHECKSUM_RTOL = 1e-6
+_DATA = "a corrupt shard, a different tokenizer or preprocessing"
+_LOSS_HINT = (
+    "computes its loss differently (rank-dependent code in training_step), or runs different weights (see TFD502). "
+    "Compare the ranks' files in tfdebug/."
+)
+
+
+def per_rank_metrics(stats: Sequence[dict[str, float]], log_per_rank: bool = True) -> dict[str, float]:
+    """The ``per_rank/<stat>/rank<r>`` keys (with ``log_per_rank``) and, with two ranks or more, the spreads."""
+    metrics: dict[str, float] = {}
+    if log_per_rank:
+        for r, s in enumerate(stats):
+            for key in LOGGED:
+                if key != "loss" or s["has_loss"]:
+                    metrics[f"per_rank/{key}/rank{r}"] = s[key]
+    if len(stats) > 1:
+        column = {key: [s[key] for s in stats] for key in LOGGED}
+        waits = column["dataloader_wait_ms"]
+        metrics["per_rank/step_time_ms/max_over_median"] = max_over_median(column["step_time_ms"])
+        metrics["per_rank/busy_ms/max_over_median"] = max_over_median(column["busy_ms"])
+        metrics["per_rank/dataloader_wait_ms/max_minus_median"] = max(waits) - sorted(waits)[len(waits) // 2]
+        metrics["per_rank/peak_memory_gib/max_over_median"] = max_over_median(column["peak_memory_gib"])
+        losses = [s["loss"] for s in stats if s["has_loss"] and math.isfinite(s["loss"])]
+        if losses:
+            metrics["per_rank/loss/max_minus_min"] = max(losses) - min(losses)
+    return metrics
+
+
+@dataclass
+class RankDiagnosis:
+    """The findings of PerRankLogger, measurement after measurement. :meth:`update` returns ``(verdict, key)`` pairs:
+    ``key`` is the de-duplication key to emit with (one straggler finding per rank, for instance)."""
+
+    straggler_factor: float = 1.5
+    straggler_min_ms: float = 10.0
+    loss_spread: float = 0.5
+    patience: int = 3
+    streaks: Streak = field(default_factory=Streak)
+
+    def update(
+        self,
+        stats: Sequence[dict[str, float]],
+        checksums: Sequence[Sequence[float]],
+        names: Sequence[str],
+        step: int,
+    ) -> list[tuple[Verdict, str | None]]:
+        out: list[tuple[Verdict, str | None]] = []
+        nonfinite = [r for r, s in enumerate(stats) if s["has_loss"] and not math.isfinite(s["loss"])]
+        if nonfinite:
+            finite = [r for r in range(len(stats)) if r not in nonfinite]
+            others = f" while rank(s) {', '.join(map(str, finite))} did not" if finite else ""
+            out.append(
+                (
+                    Verdict(
+                        "TFD505",
+                        f"Rank(s) {', '.join(map(str, nonfinite))} produced a non-finite loss at step {step}{others}.",
+                        {"ranks": nonfinite, "losses": [s["loss"] for s in stats]},
+                    ),
+                    None,
+                )
+            )
+        if len(stats) < 2:
+            return out
+        out += self._batches(stats)
+        if checksums and checksums[0]:
+            out += self._parameters(stats, checksums, names, step)
+        out += self._stragglers(stats)
+        out += self._losses(stats)
+        return out
+
+    def _batches(self, stats: Sequence[dict[str, float]]) -> list[tuple[Verdict, str | None]]:
+        prints = [s["fingerprint"] for s in stats]
+        groups: dict[float, list[int]] = {}
+        for r, fp in enumerate(prints):
+            if fp >= 0:
+                groups.setdefault(fp, []).append(r)
+        same = [ranks for ranks in groups.values() if len(ranks) > 1]
+        if self.streaks.update("identical_batches", bool(same)) < self.patience:
+            return []
+        message = (
+            f"Ranks {same[0]} trained on identical batches at {self.patience} measured steps in a row: the data is "
+            "not split between ranks, so the job does N times the compute for the data of one."
+        )
+        return [(Verdict("TFD501", message, {"identical_ranks": same, "fingerprints": prints}), None)]
+
+    @staticmethod
+    def _parameters(
+        stats: Sequence[dict[str, float]], checksums: Sequence[Sequence[float]], names: Sequence[str], step: int
+    ) -> list[tuple[Verdict, str | None]]:
+        ranks = differing_ranks(checksums, CHECKSUM_RTOL)
+        if not ranks:
+            return []
+        tensors = differing_tensors(checksums, names, CHECKSUM_RTOL)
+        message = (
+            f"Parameters or buffers differ between DDP replicas at step {step}: rank(s) {', '.join(map(str, ranks))} "
+            f"disagree with the others on {len(tensors)} tensor(s): {', '.join(tensors[:5])}"
+            f"{' ...' * (len(tensors) > 5)}."
+        )
+        evidence = {"ranks": ranks, "tensors": tensors[:50], "checksums": [s["checksum"] for s in stats]}
+        return [(Verdict("TFD502", message, evidence), None)]
+
+    def _stragglers(self, stats: Sequence[dict[str, float]]) -> list[tuple[Verdict, str | None]]:
+        out: list[tuple[Verdict, str | None]] = []
+        totals = [s["busy_ms"] + s["dataloader_wait_ms"] for s in stats]
+        for r, total in enumerate(totals):
+            ref = median_of_others(totals, r)
+            slow = total > self.straggler_factor * ref and total - ref > self.straggler_min_ms
+            if self.streaks.update(f"straggler/rank{r}", slow) < self.patience:
+                continue
+            message = (
+                f"Rank {r} is a straggler: its own work per step ({total:.1f} ms of compute outside backward plus "
+                f"data wait) is {total / ref:.1f}x the other ranks' median ({ref:.1f} ms), for {self.patience} "
+                "measurements in a row; every rank waits for it at each gradient all-reduce."
+            )
+            evidence = {
+                "rank": r,
+                "busy_ms": stats[r]["busy_ms"],
+                "dataloader_wait_ms": stats[r]["dataloader_wait_ms"],
+                "others_median_ms": ref,
+            }
+            out.append((Verdict("TFD503", message, evidence), f"rank{r}"))
+        return out
+
+    def _losses(self, stats: Sequence[dict[str, float]]) -> list[tuple[Verdict, str | None]]:
+        n = len(stats)
+        losses = [s["loss"] if s["has_loss"] else math.nan for s in stats]
+        far, reference = loss_outliers(losses, self.loss_spread)
+        sustained = [r for r in range(n) if self.streaks.update(f"loss/rank{r}", r in far) >= self.patience]
+        if sustained and n == 2:
+            message = (
+                f"The two ranks' losses ({losses[0]:.4g} and {losses[1]:.4g}) differ by more than "
+                f"{self.loss_spread:.0%} for {self.patience} measurements in a row; with two ranks, which one is off "
+                "cannot be told."
+            )
+            hint = (
+                "One rank sees different data (a corrupt shard, a different tokenizer or preprocessing) or "
+                + _LOSS_HINT
+            )
+            return [(Verdict("TFD504", message, {"ranks": sustained, "losses": losses}, hint=hint), "pair")]
+        out: list[tuple[Verdict, str | None]] = []
+        for r in sustained:
+            message = (
+                f"Rank {r}'s loss ({losses[r]:.4g}) is far from the median over ranks ({reference:.4g}) for "
+                f"{self.patience} measurements in a row."
+            )
+            evidence = {"ranks": [r], "loss": losses[r], "median": reference, "losses": losses}
+            hint = (
+                "That rank sees different data (a corrupt shard, a different tokenizer or preprocessing), " + _LOSS_HINT
+            )
+            out.append((Verdict("TFD504", message, evidence, hint=hint), f"rank{r}"))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.streaks.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streaks.load_state_dict(state)
