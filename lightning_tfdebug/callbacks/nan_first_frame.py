@@ -228,7 +228,7 @@ class NaNFirstFrame(DebugCallback):
         # to None) *before* `optimizer.step()` applies inf/nan to the weights and the optimizer's moments, and no
         # device-side trick can make an arbitrary optimizer skip a step (multiplying the gradients by zero still
         # applies weight decay and momentum; 0 * nan is nan). Measured on CPU (one thread, 4-layer d=128 model):
-        # the read of three flags costs about 1 us, against 0.2 ms for the gradient check. On CUDA it waits for the
+        # the read of three flags costs about 1 us, against 0.2-0.7 ms for the gradient check. On CUDA it waits for the
         # backward's queued kernels, which `optimizer.step()` queues behind anyway; what it costs is the overlap of
         # the optimizer's kernel launches with the end of backward.
         rows = table.tolist()
