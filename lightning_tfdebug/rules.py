@@ -148,7 +148,10 @@ _RULES: tuple[Rule, ...] = (
         "error",
         "BatchGuard",
         title="token id outside `[0, vocab)`",
-        trigger="an input id is outside `[0, vocab)`; names the row, position and value",
+        trigger=(
+            "an input id is outside `[0, vocab)` (on checked steps, or in the batch whose step raised); names the "
+            "row, position and value"
+        ),
         hint=(
             "The tokenizer and the model disagree on the vocabulary (added special tokens without "
             "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a "
@@ -171,7 +174,10 @@ _RULES: tuple[Rule, ...] = (
         "error",
         "BatchGuard",
         title="attention mask not binary",
-        trigger="the attention mask holds values other than 0 and 1",
+        trigger=(
+            "the attention mask holds values other than 0 and 1 (on checked steps, or in the batch whose step "
+            "raised)"
+        ),
         hint=(
             "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside "
             "the model, not in the batch."
@@ -182,7 +188,10 @@ _RULES: tuple[Rule, ...] = (
         "error",
         "BatchGuard",
         title="label outside `[0, vocab)` and not `ignore_index`",
-        trigger="a label is outside `[0, vocab)` and is not `ignore_index`",
+        trigger=(
+            "a label is outside `[0, vocab)` and is not `ignore_index` (on checked steps, or in the batch whose step "
+            "raised)"
+        ),
         hint="Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
     ),
     Rule(
@@ -263,7 +272,7 @@ _RULES: tuple[Rule, ...] = (
             "batches of one epoch repeat earlier batches of the same epoch token for token (data read more than once)"
         ),
         trigger=(
-            "more than `max_repeated_fraction` of one epoch's checked batches (and at least 3) have the same token "
+            "more than `max_repeated_fraction` of one epoch's batches (and at least 3) have the same token "
             "ids as an earlier batch of that epoch (from a stream, only within 16 batches)"
         ),
         hint=(
