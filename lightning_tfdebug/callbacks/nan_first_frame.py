@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
+from lightning_tfdebug.core.batch import loss_of
 from lightning_tfdebug.core.distributed import all_gather_vector, local_tensor, world_size
-from lightning_tfdebug.core.model import grad_scaler_of
+from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.finite import flagged_ranks, grads_nonfinite_flag, nonfinite_flag
 from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_frames, weight_ranges, window, write_report
@@ -33,10 +34,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    """Stands in for ``LightningModule.log`` while a batch is replayed, so the replay logs nothing."""
 
 
 class NaNFirstFrame(DebugCallback):
@@ -268,16 +265,13 @@ class NaNFirstFrame(DebugCallback):
         saved = _rng_state(device)
         scaler = grad_scaler_of(trainer)
         error: str | None = None
-        pl_module.__dict__["log"] = _no_log
-        pl_module.__dict__["log_dict"] = _no_log
         try:
             recorder.attach()
             for batch, batch_idx, rng in list(self._micro):
                 _set_rng_state(rng, device)
                 with torch.enable_grad(), trainer.precision_plugin.train_step_context():
-                    out = pl_module.training_step(batch, batch_idx)
-                loss = out.get("loss") if isinstance(out, dict) else out
-                if not isinstance(loss, Tensor):
+                    loss = loss_of(quiet_training_step(pl_module, batch, batch_idx))
+                if loss is None:
                     continue
                 recorder.record_value(_LOSS_FRAME, "loss", loss)
                 if scaler is not None:
@@ -288,8 +282,6 @@ class NaNFirstFrame(DebugCallback):
             error = f"{type(err).__name__}: {err}"
         finally:
             recorder.detach()
-            pl_module.__dict__.pop("log", None)
-            pl_module.__dict__.pop("log_dict", None)
             _set_rng_state(saved, device)
             for p in self._params:
                 p.grad = None
