@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_tfdebug.demo import TinyGPT
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_SCRIPT = ROOT / "tests" / "scripts" / "dist_run.py"
@@ -110,3 +114,30 @@ def read_csv_metrics(csv_dir: Path) -> list[dict[str, str]]:
 
     with open(csv_dir / "metrics.csv") as f:
         return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------ batch types (the shared reading of core.batch)
+@dataclasses.dataclass
+class TokenBatch:
+    """A dataclass batch, as some data pipelines yield."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+
+class DataclassBatchGPT(TinyGPT):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return TokenBatch(batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(self(batch.input_ids, batch.attention_mask), batch.labels)
+
+
+class BatchEncodingGPT(TinyGPT):
+    """Batches as Hugging Face ``BatchEncoding`` (what a tokenizer returns); TinyGPT indexes them like dicts."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        from transformers import BatchEncoding
+
+        return BatchEncoding(dict(batch))

@@ -1,4 +1,3 @@
-import dataclasses
 import math
 import warnings
 
@@ -11,7 +10,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_tfdebug import LossAtInit, TFDebugError, TFDebugWarning
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from tests.callbacks.torch_calls import TorchCalls
-from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
+from tests.helpers import (
+    SMALL,
+    BatchEncodingGPT,
+    DataclassBatchGPT,
+    make_trainer,
+    read_csv_metrics,
+    read_scalars,
+    run_distributed,
+)
 from tests.helpers import fit_tiny as fit
 
 LN_V = math.log(259)
@@ -535,32 +542,6 @@ def test_ddp_a_rank_that_cannot_read_its_labels_makes_every_rank_stand_aside_tog
 
 
 # ------------------------------------------------------------------ batch types (the shared reading of core.batch)
-@dataclasses.dataclass
-class TokenBatch:
-    """A dataclass batch, as some data pipelines yield."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-
-
-class DataclassBatchGPT(TinyGPT):
-    def on_after_batch_transfer(self, batch, dataloader_idx):
-        return TokenBatch(batch["input_ids"], batch["attention_mask"], batch["labels"])
-
-    def training_step(self, batch, batch_idx):
-        return self.loss(self(batch.input_ids, batch.attention_mask), batch.labels)
-
-
-class BatchEncodingGPT(TinyGPT):
-    """Batches as Hugging Face ``BatchEncoding`` (what a tokenizer returns); TinyGPT indexes them like dicts."""
-
-    def on_after_batch_transfer(self, batch, dataloader_idx):
-        from transformers import BatchEncoding
-
-        return BatchEncoding(dict(batch))
-
-
 @pytest.mark.parametrize("model_class", [DataclassBatchGPT, BatchEncodingGPT])
 def test_dataclass_and_batch_encoding_batches_are_read(tmp_path, model_class):
     pytest.importorskip("transformers")

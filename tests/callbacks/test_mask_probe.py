@@ -1,4 +1,3 @@
-import dataclasses
 import warnings
 
 import lightning.pytorch as pl
@@ -10,7 +9,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning_tfdebug import MaskProbe, TFDebugError, TFDebugWarning
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from tests.callbacks.torch_calls import TorchCalls
-from tests.helpers import SMALL, fit_tiny, make_trainer, read_scalars, run_distributed
+from tests.helpers import (
+    SMALL,
+    BatchEncodingGPT,
+    DataclassBatchGPT,
+    fit_tiny,
+    make_trainer,
+    read_scalars,
+    run_distributed,
+)
 
 
 def fit(tmp_path, callbacks, model=None, data=None, **kwargs):
@@ -496,32 +503,6 @@ def test_ddp_healthy_run_with_raise_passes_its_retry_steps_together(tmp_path):
 
 
 # ------------------------------------------------------------------ batch types (the shared reading of core.batch)
-@dataclasses.dataclass
-class TokenBatch:
-    """A dataclass batch, as some data pipelines yield."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-
-
-class DataclassBatchGPT(TinyGPT):
-    def on_after_batch_transfer(self, batch, dataloader_idx):
-        return TokenBatch(batch["input_ids"], batch["attention_mask"], batch["labels"])
-
-    def training_step(self, batch, batch_idx):
-        return self.loss(self(batch.input_ids, batch.attention_mask), batch.labels)
-
-
-class BatchEncodingGPT(TinyGPT):
-    """Batches as Hugging Face ``BatchEncoding`` (what a tokenizer returns); TinyGPT indexes them like dicts."""
-
-    def on_after_batch_transfer(self, batch, dataloader_idx):
-        from transformers import BatchEncoding
-
-        return BatchEncoding(dict(batch))
-
-
 @pytest.mark.parametrize("model_class", [DataclassBatchGPT, BatchEncodingGPT])
 @pytest.mark.parametrize(
     "flag, code",
