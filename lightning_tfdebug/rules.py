@@ -175,8 +175,7 @@ _RULES: tuple[Rule, ...] = (
         "BatchGuard",
         title="attention mask not binary",
         trigger=(
-            "the attention mask holds values other than 0 and 1 (on checked steps, or in the batch whose step "
-            "raised)"
+            "the attention mask holds values other than 0 and 1 (on checked steps, or in the batch whose step raised)"
         ),
         hint=(
             "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside "

@@ -183,9 +183,9 @@ class DeadActivation(DebugCallback):
 
     | key | meaning |
     | --- | --- |
-    | `zero_frac/<layer>` | fraction of exactly-zero outputs (not for tanh/sigmoid) |
-    | `dead_frac/<layer>` | fraction of units zero for every token of the batch (not for tanh/sigmoid) |
-    | `saturated_frac/<layer>` | fraction of elements whose local gradient is below `saturation_grad` (see below) |
+    | `dead_activation/zero_frac/<layer>` | fraction of exactly-zero outputs (not for tanh/sigmoid) |
+    | `dead_activation/dead_frac/<layer>` | fraction of units zero for every token of the batch (not for tanh/sigmoid) |
+    | `dead_activation/saturated_frac/<layer>` | fraction of elements whose local gradient is below `saturation_grad` |
 
     Saturation: tanh/sigmoid, read from the output (near its bound); GELU/SiLU/Mish, read from the
     pre-activation (deep enough in the negative tail that the gradient is below `saturation_grad`).
@@ -530,10 +530,10 @@ class DeadActivation(DebugCallback):
         for i, (layer, n) in enumerate(zip(layers, self._units)):
             numel = sums[i, 2].clamp(min=1.0)
             if layer.counts_zeros:
-                values[f"zero_frac/{layer.name}"] = sums[i, 0] / numel
-                values[f"dead_frac/{layer.name}"] = dead_fraction(alive[offset : offset + n])
+                values[f"dead_activation/zero_frac/{layer.name}"] = sums[i, 0] / numel
+                values[f"dead_activation/dead_frac/{layer.name}"] = dead_fraction(alive[offset : offset + n])
             if layer.saturates:
-                values[f"saturated_frac/{layer.name}"] = sums[i, 1] / numel
+                values[f"dead_activation/saturated_frac/{layer.name}"] = sums[i, 1] / numel
             values[f"_calls/{layer.name}"] = sums[i, 3]
             offset += n
         host = self.to_host(values)  # the one host transfer of this measuring step
@@ -548,7 +548,7 @@ class DeadActivation(DebugCallback):
                 step=step,
             )
             return
-        logged = {k: v for k, v in host.items() if not k.startswith("_") and k.split("/", 1)[1] in ran}
+        logged = {k: v for k, v in host.items() if not k.startswith("_") and k.split("/", 2)[2] in ran}
         self.log_scalars(trainer, logged, step=step)
         self._diagnose(trainer, host, [layer for layer in layers if layer.name in ran], step)
 
@@ -586,8 +586,8 @@ class DeadActivation(DebugCallback):
         fractions = [
             (
                 layer.name,
-                host[f"dead_frac/{layer.name}"] if layer.counts_zeros else None,
-                host[f"saturated_frac/{layer.name}"] if layer.saturates else None,
+                host[f"dead_activation/dead_frac/{layer.name}"] if layer.counts_zeros else None,
+                host[f"dead_activation/saturated_frac/{layer.name}"] if layer.saturates else None,
             )
             for layer in layers
         ]

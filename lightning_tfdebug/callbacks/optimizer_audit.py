@@ -65,7 +65,7 @@ class OptimizerAudit(DebugCallback):
     Every optimizer step, without touching tensors: an LR scheduler whose ``last_epoch`` (its count of ``step()``
     calls) advanced more than once since its optimizer's previous step (``TFD329``: stepped per micro-batch, or by
     hand and by Lightning). On measuring steps: the effective
-    LR of every param group is logged (``lr/<group>``); a transformer whose LR at a later step is not above its LR at
+    LR of every param group is logged (``optimizer_audit/lr/<group>``); a transformer whose LR at a later step is not above its LR at
     the first step has no warm-up (``TFD330``); an LR that reached zero before 90% of the run (``TFD331``); and one
     parameter per group is snapshotted before the step and compared byte for byte after it: unchanged on
     ``patience`` consecutive measured steps although it had a gradient and a non-zero LR is ``TFD332``. Steps the
@@ -78,7 +78,7 @@ class OptimizerAudit(DebugCallback):
 
     | key | meaning |
     | --- | --- |
-    | `lr/<group>` | learning rate of a param group as the optimizer will apply it at this step |
+    | `optimizer_audit/lr/<group>` | learning rate of a param group as the optimizer will apply it at this step |
 
     ``<group>`` is the param group's ``name`` when it has one, else ``group<i>`` (``opt<j>.group<i>`` with several
     optimizers).
@@ -443,7 +443,7 @@ class OptimizerAudit(DebugCallback):
             for gi, group in enumerate(optimizer.param_groups):
                 lr = group["lr"]
                 # a tensor LR (capturable / compiled optimizers) costs a host sync here: measuring steps only
-                out[f"lr/{self._group_label(oi, gi, group, several)}"] = float(lr)
+                out[f"optimizer_audit/lr/{self._group_label(oi, gi, group, several)}"] = float(lr)
         return out
 
     def _check_lr(self, trainer: pl.Trainer, top: float, first: bool) -> None:

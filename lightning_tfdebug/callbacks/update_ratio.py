@@ -36,8 +36,9 @@ class UpdateRatio(DebugCallback):
     | --- | --- |
     | `update_ratio/total` | `‖ΔW‖ / ‖W‖` over all trainable parameters |
     | `update_ratio/<group>` | the same over one group (`blocks.0`, `embeddings`, ...) |
-    | `param_norm/total` | `‖W‖` after the step, over all trainable parameters |
-    | `param_norm/<group>` | `‖W‖` after the step, over one group |
+    | `update_ratio/band/low`, `update_ratio/band/high` | the healthy band (`low`, `high`), for the dashboard |
+    | `update_ratio/param_norm/total` | `‖W‖` after the step, over all trainable parameters |
+    | `update_ratio/param_norm/<group>` | `‖W‖` after the step, over one group |
 
     Healthy band. The classic "1e-3" rule of thumb comes from SGD. With Adam(W), a step moves each weight by about
     the learning rate, so the ratio sits near ``lr / rms(W)``: about 1e-2 early in a GPT-style run (weights of
@@ -189,11 +190,11 @@ class UpdateRatio(DebugCallback):
             delta_sq, param_sq, grad_sq = sums[:n], sums[n : 2 * n], sums[2 * n :]
             values: dict[str, Tensor | float] = {
                 "update_ratio/total": delta_sq.sum().sqrt() / param_sq.sum().sqrt().clamp_min(1e-12),
-                "param_norm/total": param_sq.sum().sqrt(),
+                "update_ratio/param_norm/total": param_sq.sum().sqrt(),
             }
             for g, name in enumerate(layout.groups.group_names):
                 values[f"update_ratio/{name}"] = delta_sq[g].sqrt() / param_sq[g].sqrt().clamp_min(1e-12)
-                values[f"param_norm/{name}"] = param_sq[g].sqrt()
+                values[f"update_ratio/param_norm/{name}"] = param_sq[g].sqrt()
                 values[f"_delta/{name}"] = delta_sq[g]
                 values[f"_grad/{name}"] = grad_sq[g]
             scaler = grad_scaler_of(trainer)
@@ -207,7 +208,10 @@ class UpdateRatio(DebugCallback):
         if host.get("_skipped", 0.0) > 0:
             self.skipped_measurements += 1  # the GradScaler skipped this step: nothing was applied, nothing to judge
             return
-        self.log_scalars(trainer, {k: v for k, v in host.items() if not k.startswith("_")}, step=step)
+        logged = {k: v for k, v in host.items() if not k.startswith("_")}
+        # the healthy band, logged beside the ratios so the dashboard's margin charts can draw it
+        logged.update({"update_ratio/band/low": self.low, "update_ratio/band/high": self.high})
+        self.log_scalars(trainer, logged, step=step)
         self._diagnose(trainer, host, step)
 
     def _diagnose(self, trainer: pl.Trainer, host: dict[str, float], step: int) -> None:
@@ -244,7 +248,7 @@ class UpdateRatio(DebugCallback):
                 {"update_ratio": ratio, "lr": self._lr, "band": band, "groups_above": above},
                 step=step,
             )
-        self._check_growth(trainer, {g: host[f"param_norm/{g}"] for g in names}, step)
+        self._check_growth(trainer, {g: host[f"update_ratio/param_norm/{g}"] for g in names}, step)
         stepped = sum(host[f"_delta/{g}"] for g in names) > 0
         frozen = []
         for g in names:

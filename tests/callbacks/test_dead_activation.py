@@ -47,13 +47,15 @@ def test_dead_relu_units_from_a_negative_bias_are_found_and_named(tmp_path):
     fit(tmp_path, [monitor], model=TinyGPT(activation="relu", mlp_bias_init=-5.0, **SMALL), max_steps=5)
     scalars = read_scalars(tmp_path / "tb" / "version_0")
     for act in ACTS:
-        assert [s for s, _ in scalars[f"dead_frac/{act}"]] == [0, 2, 4]  # logged at the measured step
-        assert all(v == 1.0 for _, v in scalars[f"dead_frac/{act}"])
-        assert all(v == 1.0 for _, v in scalars[f"zero_frac/{act}"])
+        assert [s for s, _ in scalars[f"dead_activation/dead_frac/{act}"]] == [0, 2, 4]  # logged at the measured step
+        assert all(v == 1.0 for _, v in scalars[f"dead_activation/dead_frac/{act}"])
+        assert all(v == 1.0 for _, v in scalars[f"dead_activation/zero_frac/{act}"])
     [finding] = [f for f in monitor.findings if f.code == "TFD340"]
     assert finding.step == 2 and set(finding.evidence["dead_frac"]) == set(ACTS)
     assert "negative bias" in finding.hint and "GELU" in finding.hint
-    rows = [r for r in read_csv_metrics(tmp_path / "csv" / "version_0") if r.get(f"dead_frac/{ACTS[0]}")]
+    rows = [
+        r for r in read_csv_metrics(tmp_path / "csv" / "version_0") if r.get(f"dead_activation/dead_frac/{ACTS[0]}")
+    ]
     assert [int(r["step"]) for r in rows] == [0, 2, 4]
 
 
@@ -61,13 +63,13 @@ def test_healthy_relu_and_gelu_runs_raise_nothing(tmp_path):
     relu = DeadActivation(every_n_steps=5)
     trainer = fit(tmp_path / "relu", [relu], model=TinyGPT(activation="relu", **SMALL), max_steps=21)
     assert codes(relu) == []
-    zero = trainer.callback_metrics[f"zero_frac/{ACTS[0]}"].item()
+    zero = trainer.callback_metrics[f"dead_activation/zero_frac/{ACTS[0]}"].item()
     assert 0.2 < zero < 0.8  # ReLU is sparse by design: about half the outputs are zero
-    assert trainer.callback_metrics[f"dead_frac/{ACTS[0]}"].item() < 0.1
+    assert trainer.callback_metrics[f"dead_activation/dead_frac/{ACTS[0]}"].item() < 0.1
     gelu = DeadActivation(every_n_steps=5)
     trainer = fit(tmp_path / "gelu", [gelu], max_steps=21)
     assert codes(gelu) == []
-    assert trainer.callback_metrics[f"saturated_frac/{ACTS[0]}"].item() < 0.05
+    assert trainer.callback_metrics[f"dead_activation/saturated_frac/{ACTS[0]}"].item() < 0.05
 
 
 @pytest.mark.parametrize("activation", ["tanh", "sigmoid", "gelu"])
@@ -77,11 +79,11 @@ def test_saturation_is_found(tmp_path, activation):
     monitor = DeadActivation(every_n_steps=1)
     model = TinyGPT(activation=activation, mlp_bias_init=bias, **SMALL)
     trainer = fit(tmp_path, [monitor], model=model, max_steps=2)
-    assert trainer.callback_metrics[f"saturated_frac/{ACTS[0]}"].item() > 0.95
+    assert trainer.callback_metrics[f"dead_activation/saturated_frac/{ACTS[0]}"].item() > 0.95
     [finding] = [f for f in monitor.findings if f.code == "TFD342"]
     assert set(finding.evidence["saturated_frac"]) == set(ACTS)
     if activation != "gelu":  # exact zeros mean nothing for tanh/sigmoid: no zero/dead keys
-        assert f"zero_frac/{ACTS[0]}" not in trainer.callback_metrics
+        assert f"dead_activation/zero_frac/{ACTS[0]}" not in trainer.callback_metrics
 
 
 class GrowingBias(Callback):
@@ -99,7 +101,7 @@ def test_a_rising_dead_fraction_is_reported(tmp_path):
     [finding] = [f for f in monitor.findings if f.code == "TFD341"]
     name = next(iter(finding.evidence["dead_frac"]))
     assert finding.evidence["dead_frac"][name] - finding.evidence["lowest"][name] >= 0.25
-    assert trainer.callback_metrics[f"dead_frac/{name}"].item() > 0.25
+    assert trainer.callback_metrics[f"dead_activation/dead_frac/{name}"].item() > 0.25
 
 
 class GrowingPositiveBias(Callback):
@@ -120,7 +122,7 @@ def test_a_rising_saturated_fraction_is_reported(tmp_path):
     [finding] = monitor.findings
     name = next(iter(finding.evidence["saturated_frac"]))
     assert finding.evidence["lowest"][name] < 0.05 and finding.evidence["saturated_frac"][name] >= 0.25
-    assert trainer.callback_metrics[f"saturated_frac/{name}"].item() > 0.25
+    assert trainer.callback_metrics[f"dead_activation/saturated_frac/{name}"].item() > 0.25
 
 
 class FunctionalGPT(TinyGPT):
@@ -137,11 +139,11 @@ def test_activations_called_as_functions_are_found_on_their_own(tmp_path):
     monitor = DeadActivation(every_n_steps=1)
     trainer = fit(tmp_path / "auto", [monitor], model=FunctionalGPT(mlp_bias_init=-5.0, **SMALL), max_steps=2)
     assert [layer.name for layer in monitor._layers] == ["blocks.0.mlp.relu()", "blocks.1.mlp.relu()"]
-    assert trainer.callback_metrics["dead_frac/blocks.0.mlp.relu()"].item() == 1.0
+    assert trainer.callback_metrics["dead_activation/dead_frac/blocks.0.mlp.relu()"].item() == 1.0
     assert "TFD340" in codes(monitor)
     healthy = DeadActivation(every_n_steps=1)
     trainer = fit(tmp_path / "healthy", [healthy], model=FunctionalGPT(**SMALL), max_steps=2)
-    assert 0.0 < trainer.callback_metrics["zero_frac/blocks.1.mlp.relu()"].item() < 0.9
+    assert 0.0 < trainer.callback_metrics["dead_activation/zero_frac/blocks.1.mlp.relu()"].item() < 0.9
     assert codes(healthy) == []
 
 
@@ -176,7 +178,7 @@ def test_after_discovery_the_mode_runs_only_inside_modules_that_call_activation_
     assert [layer.name for layer in monitor._layers] == ["blocks.0.mlp.relu()", "blocks.1.mlp.relu()"]
     assert seen["attn"][:3] == [1, 0, 0] and seen["ln_f"][:3] == [1, 0, 0]
     assert seen["fc"][:3] == [1, 1, 1]  # inside the caller (the MLP) on every measuring step
-    assert 0.0 < trainer.callback_metrics["zero_frac/blocks.1.mlp.relu()"].item() < 0.9
+    assert 0.0 < trainer.callback_metrics["dead_activation/zero_frac/blocks.1.mlp.relu()"].item() < 0.9
     assert torch._C._len_torch_function_stack() == 0
 
 
@@ -189,7 +191,7 @@ def test_activations_called_as_functions_are_measured_through_preactivations(tmp
     assert not aside.active
     monitor = DeadActivation(every_n_steps=1, preactivations={r"mlp\.fc$": "relu"}, functional=False)
     trainer = fit(tmp_path / "b", [monitor], model=FunctionalGPT(mlp_bias_init=-5.0, **SMALL), max_steps=2)
-    assert trainer.callback_metrics["dead_frac/blocks.0.mlp.fc"].item() == 1.0
+    assert trainer.callback_metrics["dead_activation/dead_frac/blocks.0.mlp.fc"].item() == 1.0
     assert "TFD340" in codes(monitor)
 
 
@@ -209,8 +211,8 @@ def test_a_model_without_any_activation_is_said_once(tmp_path):
 def test_layers_regex_restricts_the_measured_modules(tmp_path):
     monitor = DeadActivation(every_n_steps=1, layers=r"blocks\.1\.")
     trainer = fit(tmp_path, [monitor], model=TinyGPT(activation="relu", **SMALL), max_steps=1)
-    assert f"zero_frac/{ACTS[1]}" in trainer.callback_metrics
-    assert f"zero_frac/{ACTS[0]}" not in trainer.callback_metrics
+    assert f"dead_activation/zero_frac/{ACTS[1]}" in trainer.callback_metrics
+    assert f"dead_activation/zero_frac/{ACTS[0]}" not in trainer.callback_metrics
 
 
 class CountingDeadActivation(DeadActivation):
@@ -249,7 +251,7 @@ def test_activation_checkpointing_is_not_double_counted(tmp_path, use_reentrant)
     model = CheckpointedGPT(use_reentrant=use_reentrant, activation="relu", **SMALL)
     b = fit(tmp_path / "b", [ckpt], model=model, max_steps=3)
     assert plain.calls == ckpt.calls == [[1, 1], [1, 1]]  # one forward call per layer per measured step
-    for key in (f"zero_frac/{ACTS[0]}", f"dead_frac/{ACTS[1]}"):
+    for key in (f"dead_activation/zero_frac/{ACTS[0]}", f"dead_activation/dead_frac/{ACTS[1]}"):
         assert b.callback_metrics[key].item() == pytest.approx(a.callback_metrics[key].item(), abs=1e-6)
 
 
@@ -291,7 +293,9 @@ def test_torch_compile_is_detected_and_said(tmp_path, how):
     [finding] = monitor.findings
     assert finding.code == "TFD343" and finding.evidence["compiled"] is True and "torch.compile" in finding.message
     assert not monitor.active and trainer.global_step == 2  # training went on
-    assert not any(k.startswith(("zero_frac", "dead_frac")) for k in trainer.callback_metrics)
+    assert not any(
+        k.startswith(("dead_activation/zero_frac", "dead_activation/dead_frac")) for k in trainer.callback_metrics
+    )
     assert all(len(m._forward_hooks) == 0 for m in model.modules())
 
 
@@ -384,10 +388,17 @@ def test_ddp_a_unit_is_dead_only_if_dead_on_every_rank(tmp_path):
     for r in results:
         assert r["error"] is None, r["error"]
         # rank 0 alone would see 100% dead; globally only the half dead on both ranks is
-        assert r["metrics"][f"dead_frac/{ACTS[0]}"] == pytest.approx(0.5)
-        assert r["metrics"][f"dead_frac/{ACTS[1]}"] < 0.1
+        assert r["metrics"][f"dead_activation/dead_frac/{ACTS[0]}"] == pytest.approx(0.5)
+        assert r["metrics"][f"dead_activation/dead_frac/{ACTS[1]}"] < 0.1
         assert r["findings"]["DeadActivation"] == []
-    ours = [{k: v for k, v in r["metrics"].items() if k.startswith(("zero_frac", "dead_frac"))} for r in results]
+    ours = [
+        {
+            k: v
+            for k, v in r["metrics"].items()
+            if k.startswith(("dead_activation/zero_frac", "dead_activation/dead_frac"))
+        }
+        for r in results
+    ]
     assert len(ours[0]) == 4 and ours[0] == ours[1]  # reduced values: the same on every rank
 
 
@@ -414,9 +425,13 @@ def test_fsdp2_measures_sharded_models_with_loss_at_init_alongside(tmp_path):
         assert r["error"] is None, r["error"]
         assert [(f["code"], f["step"]) for f in r["findings"]["DeadActivation"]] == [("TFD340", 1)]
         assert [f["code"] for f in r["findings"]["LossAtInit"]] == ["TFD220"]
-        assert r["metrics"]["dead_frac/blocks.0.mlp.relu()"] == 1.0
+        assert r["metrics"]["dead_activation/dead_frac/blocks.0.mlp.relu()"] == 1.0
     ours = [
-        {k: v for k, v in r["metrics"].items() if k.startswith(("zero_frac", "dead_frac", "loss_at_init/"))}
+        {
+            k: v
+            for k, v in r["metrics"].items()
+            if k.startswith(("dead_activation/zero_frac", "dead_activation/dead_frac", "loss_at_init/"))
+        }
         for r in results
     ]
     # 4 activation keys; observed, expected, recomputed, logit_std, supervised_frac and copy_rate at step 0

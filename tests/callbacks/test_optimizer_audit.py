@@ -36,10 +36,10 @@ def test_healthy_run_raises_nothing_and_logs_the_effective_lr_per_group(tmp_path
     fit(tmp_path, [audit], model=TinyGPT(**SMALL, warmup_steps=4))
     assert codes(audit, with_info=True) == []
     scalars = read_scalars(tmp_path / "tb" / "version_0")
-    lrs = [v for _, v in scalars["lr/group0"]]
+    lrs = [v for _, v in scalars["optimizer_audit/lr/group0"]]
     # LambdaLR warm-up (s+1)/4 of 1e-3, read from the optimizer as it will be applied at each step
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
-    assert [v for _, v in scalars["lr/group1"]] == pytest.approx(lrs)
+    assert [v for _, v in scalars["optimizer_audit/lr/group1"]] == pytest.approx(lrs)
 
 
 def test_bug_zoo_row_10_head_left_out_of_the_optimizer(tmp_path):
@@ -331,7 +331,7 @@ def test_ddp_every_rank_reaches_the_same_findings(tmp_path):
         assert r["error"] is None, r["error"]
         found = sorted({f["code"] for f in r["findings"]["OptimizerAudit"] if f["severity"] != "info"})
         assert found == ["TFD320", "TFD324", "TFD326", "TFD327"], (r["rank"], found)
-        assert "lr/group0" in r["metrics"]
+        assert "optimizer_audit/lr/group0" in r["metrics"]
 
 
 @pytest.mark.ddp

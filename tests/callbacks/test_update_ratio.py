@@ -39,7 +39,12 @@ def test_ratio_matches_a_plain_reference_and_reaches_the_loggers(tmp_path):
     assert sorted(logged) == [0, 2, 4, 6]  # logged at the step whose update it measures
     for step, value in logged.items():
         assert value == pytest.approx(reference.ratios[step], rel=1e-4)
-    for key in ("update_ratio/blocks.0", "update_ratio/head", "param_norm/total", "param_norm/embeddings"):
+    for key in (
+        "update_ratio/blocks.0",
+        "update_ratio/head",
+        "update_ratio/param_norm/total",
+        "update_ratio/param_norm/embeddings",
+    ):
         assert key in scalars
     rows = [r for r in read_csv_metrics(tmp_path / "csv" / "version_0") if r.get("update_ratio/total")]
     assert [int(r["step"]) for r in rows] == [0, 2, 4, 6]
