@@ -8,13 +8,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, StepBatch, is_id_tensor, step_batch
+from lightning_tfdebug.core.compat import is_lightning_instance
 from lightning_tfdebug.core.model import find_context_length, find_vocab_size, load_tokenizer
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.batch_checks import (
@@ -91,11 +92,11 @@ class BatchGuard(DebugCallback):
 
     | key | meaning |
     | --- | --- |
-    | `batch/width` | padded sequence length |
-    | `batch/length_mean` | mean real length (attention mask sum) per sequence |
-    | `batch/ignored_frac` | fraction of labels equal to `ignore_index` |
-    | `batch/pad_frac` | fraction of positions whose attention mask is 0 |
-    | `batch/truncated_frac` | fraction of sequences that fill `max_length` with no EOS (needs `eos_id`) |
+    | `batch_guard/width` | padded sequence length |
+    | `batch_guard/length_mean` | mean real length (attention mask sum) per sequence |
+    | `batch_guard/ignored_frac` | fraction of labels equal to `ignore_index` |
+    | `batch_guard/pad_frac` | fraction of positions whose attention mask is 0 |
+    | `batch_guard/truncated_frac` | fraction of sequences that fill `max_length` with no EOS (needs `eos_id`) |
 
     Findings: ``TFD101`` key missing, ``TFD102`` new key, ``TFD103`` dtype changed, ``TFD104`` number of
     dimensions changed, ``TFD105`` size differs from the declared size or from a key it always matched,
@@ -106,7 +107,7 @@ class BatchGuard(DebugCallback):
     (see ``docs/findings.md``).
 
     Args:
-        every_n_steps: log the `batch/*` keys when ``global_step % every_n_steps == 0``; default: the Trainer's
+        every_n_steps: log the `batch_guard/*` keys when ``global_step % every_n_steps == 0``; default: the Trainer's
             ``log_every_n_steps``.
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``. ``"raise"`` stops before the forward, so the finding is
             what the user reads (on checked steps); with ``"warn"`` a batch that breaks the model still reaches it
@@ -448,11 +449,9 @@ class BatchGuard(DebugCallback):
         body = "  \n".join(lines)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
+                if is_lightning_instance(logger, "TensorBoardLogger"):  # either Lightning package
                     logger.experiment.add_text("batch_guard/examples", body, global_step=trainer.global_step)
-        os.makedirs(self.tfdebug_dir, exist_ok=True)
-        with open(os.path.join(self.tfdebug_dir, f"batch_examples-rank{trainer.global_rank}.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_text(os.path.join(self.tfdebug_dir, f"batch_examples-rank{trainer.global_rank}.md"), "\n".join(lines) + "\n")
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

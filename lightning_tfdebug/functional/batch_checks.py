@@ -199,17 +199,17 @@ def value_verdicts(
 
 
 def batch_metrics(s: dict[str, float], rules: ValueRules, has_labels: bool) -> dict[str, float]:
-    """The ``batch/*`` keys from the unpacked statistics of one batch."""
+    """The ``batch_guard/*`` keys from the unpacked statistics of one batch."""
     n, width = max(s["sequences"], 1.0), max(s["width"], 1.0)
     metrics = {
-        "batch/width": s["width"],
-        "batch/length_mean": s["length_sum"] / n,
-        "batch/pad_frac": s["pad_positions"] / (n * width),
+        "batch_guard/width": s["width"],
+        "batch_guard/length_mean": s["length_sum"] / n,
+        "batch_guard/pad_frac": s["pad_positions"] / (n * width),
     }
     if has_labels:
-        metrics["batch/ignored_frac"] = s["labels_ignored"] / max(s["labels_total"], 1.0)
+        metrics["batch_guard/ignored_frac"] = s["labels_ignored"] / max(s["labels_total"], 1.0)
     if rules.eos_id is not None and rules.context is not None:
-        metrics["batch/truncated_frac"] = s["truncated"] / n
+        metrics["batch_guard/truncated_frac"] = s["truncated"] / n
     return metrics
 
 

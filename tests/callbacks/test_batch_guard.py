@@ -71,9 +71,9 @@ def test_healthy_run_has_no_findings_logs_keys_and_decoded_examples(tmp_path):
     assert guard.findings == []
     assert (guard._vocab, guard._context) == (259, 64)
     scalars = read_scalars(tmp_path / "tb" / "version_0")
-    assert [s for s, _ in scalars["batch/width"]] == [0, 2, 4]
-    assert 0 < dict(scalars["batch/ignored_frac"])[0] < 1
-    assert dict(scalars["batch/length_mean"])[0] > 1
+    assert [s for s, _ in scalars["batch_guard/width"]] == [0, 2, 4]
+    assert 0 < dict(scalars["batch_guard/ignored_frac"])[0] < 1
+    assert dict(scalars["batch_guard/length_mean"])[0] > 1
     examples = (tmp_path / "tb" / "version_0" / "tfdebug" / "batch_examples-rank0.md").read_text()
     assert examples.count("input:") == 4 and "supervised" in examples and "·" in examples
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -558,4 +558,4 @@ def test_dataclass_and_batch_encoding_batches_are_checked(tmp_path, kind, type_n
         warnings.simplefilter("ignore", TFDebugWarning)
         trainer.fit(ReadsFields(**SMALL), train_dataloaders=typed_batches(kind, bad_at=2))
     assert seen.types == {type_name} and trainer.global_step == 2
-    assert "batch/pad_frac" in trainer.callback_metrics
+    assert "batch_guard/pad_frac" in trainer.callback_metrics

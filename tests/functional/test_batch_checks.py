@@ -47,11 +47,11 @@ def test_a_healthy_batch_has_no_verdict_and_its_metrics():
     metrics = batch_metrics(s, RULES, has_labels=True)
     assert metrics == pytest.approx(
         {
-            "batch/width": 6,
-            "batch/length_mean": 3.5,
-            "batch/pad_frac": 5 / 12,
-            "batch/ignored_frac": 5 / 12,
-            "batch/truncated_frac": 0.0,
+            "batch_guard/width": 6,
+            "batch_guard/length_mean": 3.5,
+            "batch_guard/pad_frac": 5 / 12,
+            "batch_guard/ignored_frac": 5 / 12,
+            "batch_guard/truncated_frac": 0.0,
         }
     )
 
