@@ -1,6 +1,9 @@
 """The docs are part of the contract: every finding code, callback and YAML snippet is documented."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,30 @@ def test_yaml_snippets_in_the_docs_parse():
 
 def test_changelog_has_an_unreleased_section():
     assert "## [Unreleased]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+@pytest.mark.parametrize("name", public_callbacks())
+def test_every_callback_has_an_api_reference_page(name):
+    page = ROOT / "docs" / "api" / f"{snake(name)}.md"
+    assert page.exists(), f"{name} has no API reference page at {page.relative_to(ROOT)}"
+    assert f"::: lightning_tfdebug.{name}" in page.read_text(), f"{page.name} does not render {name}'s docstring"
+    assert f"api/{snake(name)}.md" in (ROOT / "mkdocs.yml").read_text()
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    """``mkdocs build --strict``: every page in the nav, no broken link, every docstring parses (griffe)."""
+    pytest.importorskip("mkdocstrings", reason="the docs extra is not installed (`pip install -e .[docs]`)")
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    command = [str(mkdocs)] if mkdocs.exists() else [sys.executable, "-m", "mkdocs"]
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run(
+        [*command, "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    built = (tmp_path / "site" / "api" / "batch_guard" / "index.html").read_text()
+    assert "input_key" in built and "TFD1" in built  # the constructor arguments and finding codes, from the docstring

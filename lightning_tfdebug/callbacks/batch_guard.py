@@ -119,17 +119,19 @@ class BatchGuard(DebugCallback):
         check_values_every_n_steps: value checks every this many steps; ``None`` (default) checks on measuring
             steps only (``every_n_steps``). 1 checks every batch before its forward (one host sync per batch): with
             ``on_finding="raise"``, the run then stops before a bad batch reaches the model, not after it crashed.
-        input_key, mask_key, labels_key: where ids, attention mask (1 = real token) and labels are; nested keys
-            join with ``.``; tuple batches use indices (``"0"`` or ``0``). A key a batch lacks disables that check.
-            ``None`` (default) finds them as every callback of the pack does
-            (:mod:`lightning_tfdebug.core.batch`): ``input_ids`` / ``attention_mask`` / ``labels`` and their usual
-            aliases, else, for a tuple batch ``(x, y)``, the first integer 2-D tensor as ids and the next one of its
-            size as labels. Dict, tuple, dataclass and Hugging Face ``BatchEncoding`` batches are read alike.
+        input_key: where the token ids are; nested keys join with ``.``; tuple batches use indices (``"0"`` or ``0``). A
+            key a batch lacks disables that check. ``None`` (default) finds the ids, mask and labels as every callback
+            of the pack does (:mod:`lightning_tfdebug.core.batch`): ``input_ids`` / ``attention_mask`` / ``labels`` and
+            their usual aliases, else, for a tuple batch ``(x, y)``, the first integer 2-D tensor as ids and the next
+            one of its size as labels. Dict, tuple, dataclass and Hugging Face ``BatchEncoding`` batches are read alike.
+        mask_key: where the attention mask (1 = real token) is; given and found as ``input_key``.
+        labels_key: where the labels are; given and found as ``input_key``.
         vocab_size: size of the vocabulary; ``None`` reads it from the model's input embedding.
         max_length: longest allowed sequence; ``None`` reads it from the model (config, position table,
             hyper-parameters).
         ignore_index: the label value that the loss ignores; ``None`` is PyTorch's and Hugging Face's -100.
-        bos_id, eos_id: enable the BOS/EOS convention and truncation checks.
+        bos_id: the beginning-of-sequence token id; enables the BOS convention checks.
+        eos_id: the end-of-sequence token id; enables the EOS convention and truncation checks.
         max_truncated_fraction: ``TFD119`` when more than this fraction of a batch's sequences fill
             ``max_length`` without EOS.
         length_window: checked batches per window of the length-shift check (the first window is the reference).

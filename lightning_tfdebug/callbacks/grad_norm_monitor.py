@@ -8,10 +8,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
-from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.compat import overrides
 from lightning_tfdebug.core.distributed import DTensor, local_tensor, packed_reduce
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.model import grad_scaler_of
@@ -114,7 +114,7 @@ class GradNormMonitor(DebugCallback):
         self._layout: ReductionLayout | None = None
         self._clip_count: Tensor | None = None  # device counter of clipped steps since the last log
         self._clip_steps = 0
-        self._patched_plugin: Precision | None = None
+        self._patched_plugin: Any = None  # the Trainer's precision plugin while its clipping is counted
 
     @property
     def state_key(self) -> str:
@@ -142,7 +142,8 @@ class GradNormMonitor(DebugCallback):
         DeepSpeed) ``clip_frac`` is estimated from measuring steps only.
         """
         plugin = trainer.precision_plugin
-        if not self._clipping_by_norm(trainer) or type(plugin).clip_grad_by_norm is not Precision.clip_grad_by_norm:
+        # Lightning's own `Precision` (of whichever package the Trainer comes from) must do the clipping
+        if not self._clipping_by_norm(trainer) or overrides(plugin, "Precision", "clip_grad_by_norm"):
             return
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:

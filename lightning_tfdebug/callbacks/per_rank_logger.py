@@ -97,10 +97,13 @@ class PerRankLogger(DebugCallback):
             across replicas (``TFD502``); running statistics of BatchNorm/InstanceNorm layers, which each replica
             updates from its own batch, are left out. Skipped automatically under sharded strategies (FSDP, FSDP2,
             DeepSpeed, ``ModelParallelStrategy``), where ranks hold different shards by design.
-        input_key, mask_key, labels_key, ignore_index: where the batch's ids, attention mask and labels are, and the
-            ignored label value, as for every callback of the pack (:mod:`lightning_tfdebug.core.batch`); ``None``
-            finds them by their usual names (``input_ids`` ...) or, in a tuple batch, by position. The fingerprint
-            hashes the ids (dict, tuple, dataclass and Hugging Face ``BatchEncoding`` batches alike).
+        input_key: where the batch's token ids are, as for every callback of the pack
+            (:mod:`lightning_tfdebug.core.batch`); ``None`` finds them by their usual names (``input_ids`` ...) or, in a
+            tuple batch, by position. The fingerprint hashes the ids (dict, tuple, dataclass and Hugging Face
+            ``BatchEncoding`` batches alike).
+        mask_key: where the attention mask (1 = real token) is; given and found as ``input_key``.
+        labels_key: where the labels are; given and found as ``input_key``.
+        ignore_index: the label value the loss ignores; ``None`` is PyTorch's and Hugging Face's -100.
 
     Raises:
         ValueError: on an argument outside its allowed range.

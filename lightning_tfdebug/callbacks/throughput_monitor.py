@@ -105,10 +105,13 @@ class ThroughputMonitor(DebugCallback):
         profile_steps: ``[start, stop]``: run ``torch.profiler`` over optimizer steps ``start <= step < stop`` and
             write a trace and a table of the top operators to ``<log_dir>/tfdebug/profile/``.
         profile_row_limit: rows of the top-operators table.
-        input_key, mask_key, labels_key, ignore_index: where the batch's ids, attention mask and labels are, and the
-            ignored label value, as for every callback of the pack (:mod:`lightning_tfdebug.core.batch`); ``None``
-            finds them by their usual names (``input_ids``, ``attention_mask`` ...) or, in a tuple batch, by
-            position. Dict, tuple, dataclass and Hugging Face ``BatchEncoding`` batches are read alike.
+        input_key: where the batch's token ids are, as for every callback of the pack
+            (:mod:`lightning_tfdebug.core.batch`); ``None`` finds them by their usual names (``input_ids``,
+            ``attention_mask`` ...) or, in a tuple batch, by position. Dict, tuple, dataclass and Hugging Face
+            ``BatchEncoding`` batches are read alike.
+        mask_key: where the attention mask (1 = real token) is; given and found as ``input_key``.
+        labels_key: where the labels are; given and found as ``input_key``.
+        ignore_index: the label value the loss ignores; ``None`` is PyTorch's and Hugging Face's -100.
 
     Raises:
         ValueError: on an argument outside its allowed range.

@@ -12,17 +12,16 @@ Subclasses call, in their hooks:
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_tfdebug.core.compat import Callback, is_lightning_instance
+from lightning_tfdebug.core.messages import pack_warning
 from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding, Severity, TFDebugError, append_finding
 from lightning_tfdebug.rules import rule
 
@@ -254,15 +253,15 @@ class DebugCallback(Callback):
         if finding.code in self._warned_codes:
             return
         self._warned_codes.add(finding.code)
-        if synchronized:
-            rank_zero_warn(finding.format(), category=TFDebugWarning)
-        else:  # only this rank knows: warn here, whatever the rank
-            warnings.warn(finding.format(), category=TFDebugWarning, stacklevel=3)
+        if synchronized and finding.rank != 0:
+            return  # every rank reached the same finding: rank 0 says it once
+        # shown as "lightning_tfdebug: [TFD220] ERROR ...": the pack and the finding, not a line of our source
+        pack_warning(finding.format(), TFDebugWarning)
 
     @staticmethod
     def _log_text(trainer: pl.Trainer, finding: Finding) -> None:
         for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if is_lightning_instance(logger, "TensorBoardLogger"):  # `lightning` or standalone `pytorch_lightning`
                 body = finding.format().replace("\n", "  \n")  # markdown line breaks
                 logger.experiment.add_text(f"tfdebug/{finding.code}", body, global_step=finding.step)
 

@@ -13,6 +13,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_tfdebug.core.compat import is_lightning_instance
+
 
 def grad_scaler_of(trainer: pl.Trainer) -> Any | None:
     """The precision plugin's GradScaler (fp16 AMP), or None."""
@@ -141,7 +143,7 @@ def find_vocab_size(model: nn.Module) -> tuple[int | None, str]:
     """
     for name, module in model.named_modules():
         getter = getattr(module, "get_input_embeddings", None)
-        if callable(getter) and not isinstance(module, pl.LightningModule):
+        if callable(getter) and not is_lightning_instance(module, "LightningModule"):
             try:
                 emb = getter()
             except (NotImplementedError, AttributeError):
