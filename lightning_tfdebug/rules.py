@@ -281,6 +281,21 @@ _RULES: tuple[Rule, ...] = (
             "replacement, or duplicated rows in the data."
         ),
     ),
+    Rule(
+        "TFD122",
+        "warning",
+        "BatchGuard",
+        title="attention mask with holes: real tokens masked out inside the text",
+        trigger=(
+            "a binary attention mask of the ids' shape masks positions between real tokens of a row (or at both ends "
+            "of it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "
+            "`cu_seqlens` / `document_ids`-like keys) or 3-D/4-D masks"
+        ),
+        hint=(
+            "A mask built as input_ids != pad_id where the pad id is also a real token (GPT-2 / Llama reuse EOS as "
+            "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."
+        ),
+    ),
     # ---------------------------------------------------------------- ReproCapture
     Rule(
         "TFD130",
@@ -1210,8 +1225,13 @@ _RULES: tuple[Rule, ...] = (
         "TFD602",
         "info",
         "ThroughputMonitor",
-        title="padding waste: padding above `padding_threshold` of the token positions, sustained",
-        trigger="padding above `padding_threshold` of the computed token positions for `patience` measurements",
+        title=(
+            "padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)"
+        ),
+        trigger=(
+            "padding above `padding_threshold` of the computed token positions for `patience` measurements; a warning "
+            "when padding is most (> 50%) of them, with the speed-up packing and dynamic padding would give"
+        ),
         hint=(
             "Group sequences of similar length (length-bucketed sampler), pad to the batch maximum rather than a "
             "fixed length, or pack several sequences per row."

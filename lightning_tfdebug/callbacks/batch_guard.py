@@ -12,14 +12,15 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, StepBatch, is_id_tensor, step_batch
 from lightning_tfdebug.core.compat import is_lightning_instance
+from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.model import find_context_length, find_vocab_size, load_tokenizer
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.batch_checks import (
     DRIFT_CODES,
+    PACKING_KEYS,
     BatchPaths,
     LengthWindow,
     RepeatTracker,
@@ -27,6 +28,7 @@ from lightning_tfdebug.functional.batch_checks import (
     batch_metrics,
     decoded_examples,
     drift_verdicts,
+    mask_hole_verdict,
     too_long,
     value_verdicts,
 )
@@ -80,7 +82,10 @@ class BatchGuard(DebugCallback):
     ``check_values_every_n_steps`` steps when given; one packed device-to-host transfer per checked batch): input ids
     and labels within ``[0, vocab)`` (labels may be ``ignore_index``), a binary attention mask, the fraction of
     ignored labels, supervised padding, optional BOS/EOS conventions, truncation, and a shift of the mean sequence
-    length against the early checked batches. Labels of another shape than the ids (seq2seq targets, a class per
+    length against the early checked batches, and holes in the attention mask: positions masked between real tokens
+    (or at both ends of a row) while padding belongs at one end; packed batches (position ids restarting inside a
+    row, or keys such as ``cu_seqlens`` / ``document_ids``), 3-D/4-D masks and masks that hide most of the text
+    (masked-LM or loss masks) are left alone. Labels of another shape than the ids (seq2seq targets, a class per
     row) get the range and ignored checks, not the padding check.
 
     **Between checked batches** nothing is read on the host: a batch whose ids, mask or labels would crash the model
@@ -103,8 +108,8 @@ class BatchGuard(DebugCallback):
     ``TFD110`` token id outside the vocabulary, ``TFD111`` sequence longer than the context, ``TFD112`` attention
     mask not binary, ``TFD113`` label outside the vocabulary, ``TFD114`` every label ignored, ``TFD115`` padding
     positions supervised, ``TFD116`` sequence without BOS, ``TFD117`` several EOS, ``TFD118`` tokens after EOS,
-    ``TFD119`` truncation rate, ``TFD120`` length distribution shift, ``TFD121`` batches read twice in one epoch
-    (see ``docs/findings.md``).
+    ``TFD119`` truncation rate, ``TFD120`` length distribution shift, ``TFD121`` batches read twice in one epoch,
+    ``TFD122`` an attention mask with holes: real tokens masked out inside the text (see ``docs/findings.md``).
 
     Args:
         every_n_steps: log the `batch_guard/*` keys when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -356,6 +361,7 @@ class BatchGuard(DebugCallback):
                 bos_id=self.bos_id,
                 eos_id=self.eos_id,
                 max_length=self._context,
+                position_ids=view.fields.position_ids if isinstance(view.fields.position_ids, Tensor) else None,
             )
 
     def _check_values(self, trainer: pl.Trainer, view: StepBatch, where: str) -> None:
@@ -376,6 +382,8 @@ class BatchGuard(DebugCallback):
         self._emit(
             trainer, value_verdicts(s, where, paths, rules, has_mask=mask is not None, has_labels=labels is not None)
         )
+        packed = tuple(k for k in view.fields.leaves if k.rsplit(".", 1)[-1] in PACKING_KEYS)  # host: key names
+        self._emit(trainer, mask_hole_verdict(s, where, paths, has_mask=mask is not None, packed_keys=packed))
         self._emit(trainer, self._lengths.add(s, where))
         if not self._examples_logged and self.tokenizer is not None and self.decode_examples:
             self._examples_logged = True
@@ -453,7 +461,9 @@ class BatchGuard(DebugCallback):
             for logger in trainer.loggers:
                 if is_lightning_instance(logger, "TensorBoardLogger"):  # either Lightning package
                     logger.experiment.add_text("batch_guard/examples", body, global_step=trainer.global_step)
-        write_text(os.path.join(self.tfdebug_dir, f"batch_examples-rank{trainer.global_rank}.md"), "\n".join(lines) + "\n")
+        write_text(
+            os.path.join(self.tfdebug_dir, f"batch_examples-rank{trainer.global_rank}.md"), "\n".join(lines) + "\n"
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

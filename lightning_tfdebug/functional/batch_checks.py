@@ -198,6 +198,98 @@ def value_verdicts(
     return out
 
 
+PACKING_KEYS: tuple[str, ...] = (
+    "cu_seqlens",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "seq_lens",
+    "seqlens",
+    "packed_seq_lens",
+    "seq_idx",
+    "document_ids",
+    "doc_ids",
+    "segment_ids",
+    "sequence_ids",
+)
+"""Batch keys that describe document boundaries inside a row: such a batch is packed, and its attention mask may
+leave holes on purpose (padding between documents)."""
+
+MAX_HOLE_FRACTION = 0.5
+"""Above this share of a row's text masked inside it, the mask is not an attention mask with holes but another mask
+read as one (masked-LM positions, a loss mask): ``TFD122`` stays silent."""
+
+
+def mask_hole_verdict(
+    s: dict[str, float], where: str, paths: BatchPaths, *, has_mask: bool, packed_keys: tuple[str, ...] = ()
+) -> Verdict | None:
+    """``TFD122``: real tokens masked out inside the text, from the :func:`~lightning_tfdebug.functional.batches.
+    mask_hole_statistics` of one batch.
+
+    Padding fills one end of each row; masked positions between real tokens (or at both ends of a row) hide real
+    tokens from attention. Silent when the batch is packed (``packed_keys`` found in it, or position ids that restart
+    inside a row: documents may be separated by masked padding), when the mask is not binary (``TFD112``'s), and when
+    more than :data:`MAX_HOLE_FRACTION` of the holed rows' text is masked (a masked-LM or loss mask read as the
+    attention mask, not an attention mask with holes).
+    """
+    holes = s.get("mask_holes", 0.0)
+    if not has_mask or holes <= 0 or s["mask_non_binary"] > 0 or packed_keys or s["position_resets"] > 0:
+        return None
+    fraction = holes / max(holes + s["mask_hole_row_tokens"], 1.0)
+    if fraction > MAX_HOLE_FRACTION:
+        return None
+    n, rows = int(s["sequences"]), int(s["mask_hole_rows"])
+    hole_id, pad_lo, pad_hi = int(s["first_hole_id"]), int(s["padding_id_min"]), int(s["padding_id_max"])
+    everywhere, in_row = int(s["holes_masked_everywhere"]), int(s["holes_attended_in_row"])
+    mask = paths.attention_mask
+    if everywhere == holes:
+        if pad_lo == pad_hi == hole_id:
+            cause = (
+                f"Every hole holds id {hole_id}, the id of the padding too, and that id is attended nowhere: the mask "
+                f"was built from the ids (input_ids != {hole_id}), and {hole_id} is also a real token of the text."
+            )
+        else:
+            cause = (
+                f"The holes' ids (the first is {hole_id}) are masked wherever they occur and attended nowhere: the "
+                "mask was built from the token ids (input_ids != some id) and that id is also a real token."
+            )
+        hint = (
+            "Take the attention mask from the tokenizer (it marks padding by position, not by id), or pad with an id "
+            "that never occurs in text (add a dedicated pad token and resize the embeddings). GPT-2 and Llama reuse "
+            "EOS as padding: input_ids != pad_id then hides every EOS inside the text."
+        )
+    else:
+        cause = (
+            f"{in_row} of the {int(holes)} holes hold ids attended elsewhere in the same row: the mask hides real "
+            "tokens (built for other ids, shifted, or zeroed by a transform)."
+        )
+        hint = (
+            "Build the attention mask together with the ids it belongs to (the tokenizer's, or padding positions only) "
+            "and keep it aligned through every transform. If the batch is packed on purpose, pass its position_ids "
+            "(restarting at each document) so the holes between documents are recognised."
+        )
+    return Verdict(
+        "TFD122",
+        f"{where}: '{mask}' masks {int(holes)} position(s) inside the text of {rows} of {n} rows ({fraction:.1%} of "
+        f"those rows' text; the first at row {int(s['first_hole_row'])}, position {int(s['first_hole_col'])}, id "
+        f"{hole_id}): padding belongs at one end of a row, so real tokens are hidden from attention. {cause}",
+        {
+            "key": mask,
+            "rows": rows,
+            "sequences": n,
+            "holes": holes,
+            "hole_fraction": fraction,
+            "first_hole": [int(s["first_hole_row"]), int(s["first_hole_col"])],
+            "first_hole_id": hole_id,
+            "padding_ids": [pad_lo, pad_hi],
+            "holes_masked_everywhere": everywhere,
+            "holes_attended_in_row": in_row,
+        },
+        hint=hint,
+    )
+
+
 def batch_metrics(s: dict[str, float], rules: ValueRules, has_labels: bool) -> dict[str, float]:
     """The ``batch_guard/*`` keys from the unpacked statistics of one batch."""
     n, width = max(s["sequences"], 1.0), max(s["width"], 1.0)

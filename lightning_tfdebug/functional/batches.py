@@ -248,6 +248,17 @@ STAT_NAMES: tuple[str, ...] = (
     "eos_multiple",  # sequences with more than one EOS
     "eos_then_tokens",  # sequences with a real token after their first EOS
     "truncated",  # sequences that fill max_length and hold no EOS
+    "mask_hole_rows",  # rows whose real tokens are not one run at one end of the row (see mask_holes)
+    "mask_holes",  # masked positions inside a row's text: between real tokens, or at the row's other end
+    "mask_hole_row_tokens",  # real tokens in the rows with holes
+    "holes_masked_everywhere",  # holes whose id is attended nowhere in the batch (a mask built from token ids)
+    "holes_attended_in_row",  # holes whose id is attended elsewhere in the same row (a real token hidden)
+    "first_hole_row",  # row / column / id of the first hole (-1 when none)
+    "first_hole_col",
+    "first_hole_id",
+    "padding_id_min",  # smallest / largest id at the masked positions that are not holes (-1 when none)
+    "padding_id_max",
+    "position_resets",  # attended positions whose position id does not exceed an earlier one in the row (packing)
 )
 
 
@@ -261,13 +272,15 @@ def token_statistics(
     bos_id: int | None = None,
     eos_id: int | None = None,
     max_length: int | None = None,
+    position_ids: Tensor | None = None,
 ) -> Tensor:
     """All value statistics of one language-model batch as one float64 vector (float32 on MPS, which has no
     float64), in the order of :data:`STAT_NAMES`.
 
     1-D inputs are treated as one sequence. ``labels`` may have any shape; supervised padding is counted only when
     they align with the ids element for element. Runs on the inputs' device under ``no_grad``; no host sync: the caller
-    moves the vector to the host once. Statistics that do not apply (no mask, no labels, no BOS id) are 0.
+    moves the vector to the host once. Statistics that do not apply (no mask, no labels, no BOS id) are 0. The mask
+    hole statistics are :func:`mask_hole_statistics` (``position_ids`` of the ids' shape tell packed rows apart).
     """
     with torch.no_grad():
         ids = input_ids if input_ids.ndim >= 2 else input_ids.reshape(1, -1)
@@ -367,7 +380,83 @@ def token_statistics(
             eos_then_tokens,
             truncated,
         ]
+        if attention_mask is not None and attention_mask.numel() == ids.numel():
+            pos_ids = position_ids if position_ids is not None and position_ids.numel() == ids.numel() else None
+            values += mask_hole_statistics(ids, real, pos_ids)
+        else:
+            values += [zero] * 5 + [zero - 1] * 5 + [zero]
         return torch.stack([v.reshape(()).to(acc) for v in values])
+
+
+_NO_ID = torch.iinfo(torch.int64).min  # a sentinel no token id equals
+_ROW_STRIDE = 2**32  # row * stride + id: a key unique per (row, id) for ids below 2**32
+
+
+def mask_hole_statistics(ids: Tensor, real: Tensor, position_ids: Tensor | None = None) -> list[Tensor]:
+    """How the attention mask ``real`` (bool, ``[rows, width]``) breaks the one-run-per-row shape of padding.
+
+    Padding fills one end of a row: a right-padded row is ``1 1 1 0 0``, a left-padded one ``0 0 1 1 1``. A *hole* is
+    a masked position inside the text: a 0 between two 1s, or, in a row masked at both ends, the 0s of the shorter
+    end (``0 1 1 0 0``: the first token is hidden). For the holes, it tells apart a mask built from token identity
+    (``input_ids != pad_id`` with a pad id that is also a real token: the hole's id is attended nowhere in the batch)
+    from a mask that hides tokens attended elsewhere in the same row. ``position_resets`` counts attended positions
+    whose position id does not exceed that of an earlier attended position of the row: packed rows restart their
+    positions per document, and their masks may legitimately have holes.
+
+    Returns the device scalars named ``mask_hole_rows`` to ``position_resets`` in :data:`STAT_NAMES`. No host sync.
+    """
+    n, width = ids.shape
+    device = ids.device
+    pos = torch.arange(width, device=device).expand(n, width)
+    lengths = real.sum(1)
+    has = lengths > 0
+    first = torch.where(real, pos, width).amin(1, keepdim=True)
+    last = torch.where(real, pos, -1).amax(1, keepdim=True)
+    masked = ~real & has[:, None]
+    lead, trail = masked & (pos < first), masked & (pos > last)
+    both_ends = lead.any(1) & trail.any(1)
+    lead_is_hole = lead.sum(1) <= trail.sum(1)  # in a row masked at both ends, the shorter end is not padding
+    end_holes = both_ends[:, None] & torch.where(lead_is_hole[:, None], lead, trail)
+    holes = (masked & (pos > first) & (pos < last)) | end_holes
+    hole_rows = holes.any(1)
+
+    # ids at attended positions, per row and over the batch (sort-based membership: no host sync)
+    ids64 = ids.long()
+    rows = torch.arange(n, device=device, dtype=torch.int64)[:, None] * _ROW_STRIDE
+    keyed = rows + ids64
+    no_id = torch.full_like(ids64, _NO_ID)
+    in_row = torch.isin(keyed, torch.where(real, keyed, no_id))
+    anywhere = torch.isin(ids64, torch.where(real, ids64, no_id))
+
+    flat = holes.reshape(-1)
+    first_hole = flat.long().argmax()
+    any_hole = flat.any()
+    padding = masked & ~holes
+    big = torch.iinfo(torch.int64).max
+    pad_min = torch.where(padding, ids64, big).amin()
+    pad_max = torch.where(padding, ids64, -1).amax()
+    pad_min = torch.where(padding.any(), pad_min, -1)
+
+    if position_ids is not None:
+        p = position_ids.reshape(n, width).long()
+        attended = torch.where(real, p, _NO_ID)
+        earlier = torch.cat([torch.full_like(p[:, :1], _NO_ID), attended.cummax(1).values[:, :-1]], 1)
+        resets = (real & (p <= earlier) & (earlier != _NO_ID)).sum()
+    else:
+        resets = torch.zeros((), device=device, dtype=torch.int64)
+    return [
+        hole_rows.sum(),
+        holes.sum(),
+        torch.where(hole_rows, lengths, 0).sum(),
+        (holes & ~anywhere).sum(),
+        (holes & in_row).sum(),
+        torch.where(any_hole, first_hole // width, -1),
+        torch.where(any_hole, first_hole % width, -1),
+        torch.where(any_hole, ids64.reshape(-1)[first_hole], -1),
+        pad_min,
+        pad_max,
+        resets,
+    ]
 
 
 def unpack_statistics(host: Sequence[float]) -> dict[str, float]:

@@ -34,8 +34,28 @@ SLOTS: tuple[str, ...] = (
     "new_graphs",  # graphs torch.compile compiled since the early window ended (nan before)
     "limit_hits",  # torch.compile recompile-limit hits since training started
     "delay_rise_ms",  # run-queue wait per step of this process's threads beyond the early windows' (nan: unknown)
+    "trimmed_positions",  # positions had each batch been padded only to its longest row (mask span x rows)
 )
 """Slots of the packed per-rank vector that one all-gather moves on a measuring step, in order."""
+
+MOST_PADDING = 0.5
+"""``TFD602`` is a warning once padding is most of the computed positions: it is then the largest speed problem of the
+run (removing it at least doubles the real tokens per second); below, it is info."""
+
+
+def padding_speedups(tokens: float, positions: float, trimmed: float) -> dict[str, float]:
+    """What removing padding would gain, from the counts of one measurement (sums over ranks).
+
+    ``packing``: positions / real tokens, the factor by which fewer positions are computed when sequences are packed
+    (or perfectly bucketed) to rows without padding. ``trim_to_longest``: positions / trimmed positions, the factor
+    from padding each batch only to its longest sequence (dynamic padding) instead of a fixed length. Both are the
+    speed-up of the step when its time scales with the positions computed (the matmuls of a transformer do; attention
+    grows faster, so the gain is at least this for long rows).
+    """
+    packing = positions / tokens if tokens > 0 else math.inf
+    trim = positions / trimmed if 0 < trimmed <= positions else 1.0
+    return {"packing": packing, "trim_to_longest": trim}
+
 
 CONTENDED_CORES = max(0.5, 0.1 * (os.cpu_count() or 1))
 """Other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
@@ -112,14 +132,7 @@ class ThroughputDiagnosis:
             )
         padding = metrics["throughput/padding_frac"]
         if self._sustained("padding", padding > self.padding_threshold):
-            out.append(
-                Verdict(
-                    "TFD602",
-                    f"{padding:.0%} of the token positions computed were padding (threshold "
-                    f"{self.padding_threshold:.0%}) for {self.patience} measurements in a row.",
-                    {"padding_frac": padding},
-                )
-            )
+            out.append(self._padding_verdict(padding, stats))
         out += self._regression(metrics, stats)
         out += self._compile(stats)
         fractions = [max(s["peak"], s["reserved"]) / s["capacity"] for s in stats if s["capacity"] > 0]
@@ -134,6 +147,33 @@ class ThroughputDiagnosis:
                 )
             )
         return out
+
+    def _padding_verdict(self, padding: float, stats: Sequence[dict[str, float]]) -> Verdict:
+        tokens = sum(s["tokens"] for s in stats)
+        positions = sum(s["positions"] for s in stats)
+        trimmed = sum(s.get("trimmed_positions", s["positions"]) for s in stats)
+        gain = padding_speedups(tokens, positions, trimmed)
+        most = padding > MOST_PADDING
+        remedy = f"packing or length-bucketing would compute {gain['packing']:.1f}x fewer positions"
+        if gain["trim_to_longest"] >= 1.1:
+            remedy += (
+                f"; padding each batch only to its longest sequence instead of a fixed length alone would compute "
+                f"{gain['trim_to_longest']:.1f}x fewer"
+            )
+        return Verdict(
+            "TFD602",
+            f"{padding:.0%} of the token positions computed were padding (threshold {self.padding_threshold:.0%}) for "
+            f"{self.patience} measurements in a row: {remedy}"
+            + (", the largest speed-up available to this run (real tokens per second scale with it)." if most else "."),
+            {
+                "padding_frac": padding,
+                "speedup_packing": gain["packing"],
+                "speedup_trim_to_longest": gain["trim_to_longest"],
+                "tokens": tokens,
+                "positions": positions,
+            },
+            severity="warning" if most else "info",
+        )
 
     def _regression(self, metrics: dict[str, float], stats: Sequence[dict[str, float]]) -> list[Verdict]:
         ratios = [

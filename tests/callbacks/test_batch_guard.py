@@ -559,3 +559,45 @@ def test_dataclass_and_batch_encoding_batches_are_checked(tmp_path, kind, type_n
         trainer.fit(ReadsFields(**SMALL), train_dataloaders=typed_batches(kind, bad_at=2))
     assert seen.types == {type_name} and trainer.global_step == 2
     assert "batch_guard/pad_frac" in trainer.callback_metrics
+
+
+# ------------------------------------------------------------------------------------------------ mask holes (TFD122)
+class TwoDocumentsPerRow(TinyTextDataModule):
+    """Two documents per row, padded with EOS as GPT-2 and Llama users do (``pad_token = eos_token``); the mask is
+    ``input_ids != pad_id`` (``mask_from_ids``), which also hides the EOS between the documents, or the tokenizer's
+    mask by position (healthy)."""
+
+    def __init__(self, mask_from_ids: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.mask_from_ids = mask_from_ids
+
+    def train_dataloader(self):
+        eos = ByteTokenizer.eos_id
+
+        def collate(samples):
+            rows = [[*a[:-1][:29], eos, *b[:-1][:25], eos] for a, b in zip(samples[::2], samples[1::2])]
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), eos)
+            by_position = torch.zeros_like(ids)
+            for i, r in enumerate(rows):
+                ids[i, : len(r)] = torch.tensor(r)
+                by_position[i, : len(r)] = 1
+            mask = (ids != eos).long() if self.mask_from_ids else by_position
+            return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+        return DataLoader(self.train_set, batch_size=2 * self.hparams.batch_size, shuffle=True, collate_fn=collate)
+
+
+@pytest.mark.parametrize("family", ["tinygpt", "gpt2"])
+def test_an_attention_mask_with_holes_is_named_on_two_families_and_the_tokenizer_mask_is_not(tmp_path, family):
+    from tests.healthy_models import build
+
+    guard = BatchGuard()
+    fit(tmp_path / "holes", [guard], build(family), TwoDocumentsPerRow(mask_from_ids=True, batch_size=4), max_steps=2)
+    [finding] = [f for f in guard.findings if f.code == "TFD122"]
+    assert finding.severity == "warning" and finding.step == 0
+    assert finding.evidence["first_hole_id"] == ByteTokenizer.eos_id and finding.evidence["rows"] == 4
+    assert f"input_ids != {ByteTokenizer.eos_id}" in finding.message
+    healthy = BatchGuard()
+    fit(tmp_path / "ok", [healthy], build(family), TwoDocumentsPerRow(mask_from_ids=False, batch_size=4), max_steps=2)
+    assert "TFD122" not in codes(healthy) and [f for f in healthy.findings if f.severity != "info"] == []

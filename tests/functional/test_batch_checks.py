@@ -127,3 +127,82 @@ def test_decoded_examples_show_the_supervised_positions():
     assert lines[2] == "**0** (3 tokens) input: `'hi!'`"
     assert lines[3] == "  labels (2 supervised, · = ignored): `'·i!'`"
     assert len(decoded_examples(ByteTokenizer(), rows, None, -100)) == 4  # no label line
+
+
+# ------------------------------------------------------------------------------------------------ mask holes (TFD122)
+def hole_verdict(ids, mask, position_ids=None, packed_keys=()):
+    from lightning_tfdebug.functional.batch_checks import mask_hole_verdict
+
+    s = unpack_statistics(token_statistics(ids, mask, position_ids=position_ids).tolist())
+    return mask_hole_verdict(s, "Batch 0", PATHS, has_mask=True, packed_keys=packed_keys)
+
+
+def right_padded(rows, pad):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+EOS = 9  # a pad id that is also a real token: GPT-2 / Llama pad with EOS, which also separates documents
+
+
+def test_a_mask_built_from_a_pad_id_that_is_also_a_real_token_has_holes():
+    docs = [[3, 4, 5, EOS, 6, 7, EOS], [3, 5, EOS, 4, EOS], [6, 7, 8, 3, 4, 5, EOS]]
+    ids, tokenizer_mask = right_padded(docs, EOS)
+    # the tokenizer marks padding by position: the EOS inside the text is attended, no finding
+    assert hole_verdict(ids, tokenizer_mask) is None
+    verdict = hole_verdict(ids, (ids != EOS).long())
+    assert verdict.code == "TFD122"
+    assert verdict.evidence["rows"] == 2 and verdict.evidence["holes"] == 2
+    assert verdict.evidence["first_hole"] == [0, 3] and verdict.evidence["first_hole_id"] == EOS
+    assert f"input_ids != {EOS}" in verdict.message
+
+
+def test_holes_in_a_left_padded_batch_and_a_masked_first_token_are_found():
+    pad = 0  # id 0 is also a real token (GPT-2's "!")
+    ids = torch.tensor([[pad, pad, 3, pad, 4, 5], [3, 4, pad, 5, 6, 7]])
+    verdict = hole_verdict(ids, (ids != pad).long())
+    assert verdict.evidence["rows"] == 2 and verdict.evidence["holes"] == 2
+    # pad id = BOS: a right-padded row masked at both ends hides its first token
+    bos = 1
+    ids = torch.tensor([[bos, 3, 4, 5, 6], [bos, 3, 4, bos, bos], [bos, 5, bos, bos, bos]])
+    verdict = hole_verdict(ids, (ids != bos).long())
+    assert verdict.evidence["rows"] == 2 and verdict.evidence["first_hole"] == [1, 0]
+
+
+def test_a_mask_that_hides_tokens_attended_elsewhere_in_the_row_is_named_as_such():
+    ids, mask = right_padded([[3, 4, 5, 3, 4, 5, 6], [5, 6, 7, 5, 6], [3, 3, 4, 4]], 0)
+    mask[:, 3] = 0  # a column zeroed by a transform: real tokens hidden
+    verdict = hole_verdict(ids, mask)
+    assert verdict.evidence["holes"] == 2 and verdict.evidence["holes_attended_in_row"] == 2
+    assert "attended elsewhere in the same row" in verdict.message
+
+
+def test_legitimately_non_contiguous_masks_are_left_alone():
+    ids, mask = right_padded([[3, 4, 5, 6], [3, 4], [5]], 0)
+    assert hole_verdict(ids, mask) is None  # right padding
+    assert hole_verdict(ids.flip(1), mask.flip(1)) is None  # left padding
+    assert hole_verdict(ids, torch.ones_like(ids)) is None  # no padding
+    # packed: two documents per row separated by padding, positions restarting at each document
+    ids = torch.tensor([[3, 4, 5, 0, 6, 7, 0, 0], [3, 4, 0, 5, 6, 7, 8, 0]])
+    mask = (ids != 0).long()
+    assert hole_verdict(ids, mask) is not None  # without anything saying it is packed, it looks like holes
+    positions = torch.tensor([[0, 1, 2, 0, 0, 1, 0, 0], [0, 1, 0, 0, 1, 2, 3, 0]])
+    assert hole_verdict(ids, mask, position_ids=positions) is None
+    assert hole_verdict(ids, mask, packed_keys=("cu_seqlens",)) is None
+    # Hugging Face's position ids for a left-padded batch (1 on padding) are not a packed layout
+    left = torch.tensor([[0, 0, 3, 4], [3, 4, 5, 6]])
+    left_mask = (left != 0).long()
+    hf_positions = (left_mask.cumsum(-1) - 1).masked_fill(left_mask == 0, 1)
+    s = unpack_statistics(token_statistics(left, left_mask, position_ids=hf_positions).tolist())
+    assert s["position_resets"] == 0 and s["mask_holes"] == 0
+    # segment ids (1, 2, 3 per document) are not a binary mask: TFD112's, not this check's
+    assert hole_verdict(ids, torch.tensor([[1, 1, 1, 0, 2, 2, 0, 0], [1, 1, 0, 2, 2, 2, 2, 0]])) is None
+    # a masked-LM position mask read as the attention mask: most of the text "masked", not holes
+    g = torch.Generator().manual_seed(0)
+    mlm = (torch.rand(4, 32, generator=g) < 0.15).long()
+    assert hole_verdict(torch.randint(3, 9, (4, 32), generator=g), mlm) is None

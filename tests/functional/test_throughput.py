@@ -190,6 +190,7 @@ def row(**values):
         new_graphs=float("nan"),
         limit_hits=float("nan"),
         delay_rise_ms=0.0,
+        trimmed_positions=1000.0,
     )
     base.update(values)
     return base
@@ -225,6 +226,30 @@ def test_diagnosis_needs_patience_and_tells_contention_from_a_slowdown():
     self_inflicted = [row(step_ms=40.0, other_extra=8.0, delay_rise_ms=0.0)]  # others took the cores it left
     assert codes(ThroughputDiagnosis(patience=2), self_inflicted, 2) == [[], ["TFD603"]]
     assert codes(ThroughputDiagnosis(patience=2), [row()], 3) == [[], [], []]
+
+
+def test_padding_waste_is_info_until_padding_is_most_of_the_positions_then_a_warning_with_the_speedups():
+    from lightning_tfdebug.functional.throughput_checks import ThroughputDiagnosis, throughput_metrics
+
+    def padding_verdict(stats):
+        diagnosis = ThroughputDiagnosis(patience=1)
+        return next(v for v in diagnosis.update(throughput_metrics(stats), stats) if v.code == "TFD602")
+
+    moderate = [row(tokens=600.0), row(tokens=600.0)]  # 40% padding over two ranks
+    verdict = padding_verdict(moderate)
+    assert verdict.severity == "info" and verdict.evidence["padding_frac"] == pytest.approx(0.4)
+    assert verdict.evidence["speedup_packing"] == pytest.approx(2000 / 1200)
+    # 90% padding, and every batch padded to a fixed length 4x its longest row: a warning naming both remedies
+    wasteful = [row(tokens=100.0, trimmed_positions=250.0), row(tokens=100.0, trimmed_positions=250.0)]
+    verdict = padding_verdict(wasteful)
+    assert verdict.severity == "warning" and verdict.evidence["padding_frac"] == pytest.approx(0.9)
+    assert verdict.evidence["speedup_packing"] == pytest.approx(10.0)
+    assert verdict.evidence["speedup_trim_to_longest"] == pytest.approx(4.0)
+    assert "10.0x fewer positions" in verdict.message and "4.0x fewer" in verdict.message
+    # the padding is spread over the rows (no column is padding in every row): trimming gains nothing, packing does
+    verdict = padding_verdict([row(tokens=300.0)])
+    assert verdict.severity == "warning" and verdict.evidence["speedup_trim_to_longest"] == 1.0
+    assert "longest sequence" not in verdict.message
 
 
 def test_diagnosis_of_memory_and_compilation():
