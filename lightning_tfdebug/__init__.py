@@ -15,6 +15,7 @@ from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning
 from lightning_tfdebug.findings import Finding, TFDebugError, read_findings
+from lightning_tfdebug.pack import TFDebug
 
 __version__ = "0.1.0.dev0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "PerRankLogger",
     "ReproCapture",
     "ScalerWatch",
+    "TFDebug",
     "TFDebugError",
     "TFDebugWarning",
     "ThroughputMonitor",

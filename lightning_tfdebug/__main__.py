@@ -1,17 +1,28 @@
-"""Command line: ``python -m lightning_tfdebug replay <bundle> --config <LightningCLI config>`` (also ``tfdebug``).
+"""Command line ``tfdebug`` (also ``python -m lightning_tfdebug``):
 
-Exit status of ``replay``: 0 when the replayed step raised the recorded exception (same type and message), 1 when
-it raised something else or nothing, 2 when the bundle or the config could not be used.
+* ``tfdebug report LOG_DIR``: the run's findings, merged over ranks and callbacks (text, markdown, json or html).
+  Exit status 0 when nothing is at or above ``--fail-on``, 1 otherwise, 2 when the directory cannot be read.
+* ``tfdebug check [--steps N] -- <LightningCLI fit command>``: runs the user's own training command for a few steps
+  with ``TFDebug(preset="full")`` added, then reports and exits like ``report`` (2 when the command is not a
+  LightningCLI ``fit`` or did not start).
+* ``tfdebug replay BUNDLE --config CONFIG``: replays the failing step of a ReproCapture bundle. Exit status 0 when the
+  replayed step raised the recorded exception (same type and message), 1 when it raised something else or nothing,
+  2 when the bundle or the config could not be used.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Sequence
+
+from lightning_tfdebug.report import FAIL_ON, FORMATS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +43,156 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--accelerator", help="default: the run's if available here, else cpu")
     rep.add_argument("--precision", help="default: the run's (16-mixed becomes 32-true on the CPU)")
     rep.add_argument("--fresh-weights", action="store_true", help="do not load the saved model state")
+
+    report = commands.add_parser(
+        "report",
+        help="report a run's findings, merged over ranks and callbacks",
+        description="Merge the findings of every rank and callback of a run, sort them by severity and print them. "
+        "Exit status: 0 when nothing is at or above --fail-on, 1 otherwise, 2 when LOG_DIR cannot be read.",
+    )
+    report.add_argument("log_dir", help="a run's log directory (version_N), its tfdebug/ folder, or a folder of runs")
+    _report_options(report)
+
+    check = commands.add_parser(
+        "check",
+        help="run your LightningCLI training command for a few steps with the full pack, then report",
+        description="Preflight: run the given LightningCLI `fit` command for --steps steps with "
+        "TFDebug(preset='full') added through LightningCLI's own arguments (checkpoint callbacks save nothing, "
+        "validation is limited to 2 batches), then print the report. Exit status as for `report`; 2 when the "
+        "command is not a LightningCLI fit or did not start.",
+        usage="%(prog)s [--steps N] [--fail-on LEVEL] [--format FMT] [--output FILE] -- COMMAND ...",
+    )
+    check.add_argument("--steps", type=_positive_int, default=50, help="optimizer steps to run (default 50)")
+    _report_options(check)
+    check.add_argument("cmd", nargs=argparse.REMAINDER, help="the training command, after `--`")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}")
+    return value
+
+
+def _report_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default text)")
+    parser.add_argument(
+        "--output", help="write the report to this file (default: standard output; html: <log_dir>/tfdebug/report.html)"
+    )
+    parser.add_argument(
+        "--fail-on",
+        choices=FAIL_ON,
+        default="error",
+        help="exit 1 when a finding is at or above this severity (default error; never: always exit 0)",
+    )
+
+
+def _emit_report(run, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    from lightning_tfdebug.report import exit_status, render, summary_line
+
+    text = render(run, args.format, args.fail_on)
+    output = args.output
+    if output is None and args.format == "html":
+        output = os.path.join(run.tfdebug_dir, "report.html")
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        try:
+            with open(output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as err:
+            print(f"error: cannot write the report to {output}: {err}", file=sys.stderr)
+            return 2
+        print(summary_line(run))
+        print(f"Report: {output}")
+    return exit_status(run.merged, args.fail_on)
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from lightning_tfdebug.report import load_run
+
+    try:
+        run = load_run(args.log_dir)
+    except (OSError, ValueError) as err:
+        print(f"error: cannot read {args.log_dir}: {err}", file=sys.stderr)
+        return 2
+    return _emit_report(run, args)
+
+
+_OTHER_SUBCOMMANDS = ("validate", "test", "predict")
+
+
+def check_command(args: argparse.Namespace) -> int:
+    from lightning_tfdebug.pack import CHECK_RESULT_ENV
+    from lightning_tfdebug.report import load_run
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print(
+            "error: give the training command after `--`, e.g. tfdebug check -- python train.py fit --config c.yaml",
+            file=sys.stderr,
+        )
+        return 2
+    if "fit" not in cmd:
+        other = next((c for c in cmd if c in _OTHER_SUBCOMMANDS), None)
+        said = f"runs `{other}`" if other else "has no `fit` subcommand"
+        print(
+            f"error: the command {said}. tfdebug check runs a LightningCLI `fit` (the pack watches training), e.g. "
+            "`tfdebug check -- python train.py fit --config config.yaml`. A script built with "
+            "LightningCLI(..., run=False) or without LightningCLI cannot take the pack from the command line: add "
+            "`lightning_tfdebug.TFDebug(preset='full')` to its Trainer's callbacks instead.",
+            file=sys.stderr,
+        )
+        return 2
+    every = max(1, args.steps // 25)
+    added = [
+        "--trainer.callbacks+=lightning_tfdebug.TFDebug",
+        "--trainer.callbacks.preset=full",
+        "--trainer.callbacks.preflight=true",
+        f"--trainer.callbacks.every_n_steps={every}",
+        f"--trainer.max_steps={args.steps}",
+        "--trainer.limit_val_batches=2",
+    ]
+    fd, result = tempfile.mkstemp(prefix="tfdebug-check-", suffix=".json")
+    os.close(fd)
+    os.remove(result)  # the pack writes it once the run has started: its absence means it never did
+    env = {**os.environ, CHECK_RESULT_ENV: result}
+    print(f"tfdebug check: {' '.join(cmd)}  (+ {' '.join(added)})", flush=True)
+    try:
+        rc = subprocess.call([*cmd, *added], env=env)
+    except OSError as err:
+        print(f"error: cannot run {cmd[0]!r}: {err}", file=sys.stderr)
+        return 2
+    try:
+        with open(result, encoding="utf-8") as f:
+            log_dir = json.load(f)["log_dir"]
+    except (OSError, ValueError, KeyError):
+        print(
+            f"error: the command exited with status {rc} before the pack started. tfdebug check needs a script that "
+            "builds a LightningCLI and runs `fit` (the arguments it adds are LightningCLI's own "
+            "`--trainer.callbacks+=...`); see the command's own error above.",
+            file=sys.stderr,
+        )
+        return 2
+    finally:
+        if os.path.exists(result):
+            os.remove(result)
+    try:
+        run = load_run(log_dir)
+    except (OSError, ValueError) as err:
+        print(f"error: cannot read the run's output in {log_dir}: {err}", file=sys.stderr)
+        return 2
+    status = _emit_report(run, args)
+    if rc != 0:
+        print(f"tfdebug check: the training command failed (exit status {rc}); see its error above.", file=sys.stderr)
+        return max(status, 1)
+    return status
 
 
 def replay_command(args: argparse.Namespace) -> int:
@@ -89,6 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "replay":
         return replay_command(args)
+    if args.command == "report":
+        return report_command(args)
+    if args.command == "check":
+        return check_command(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

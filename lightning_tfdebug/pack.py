@@ -1,0 +1,418 @@
+"""``TFDebug``: the whole pack as one callback, with presets, shared settings, a dashboard and an end-of-run summary.
+
+    trainer = Trainer(callbacks=[TFDebug()])                      # the members meant to stay on in every run
+    trainer = Trainer(callbacks=[TFDebug(preset="full")])         # everything: a debugging or preflight run
+
+From LightningCLI: ``--trainer.callbacks+=lightning_tfdebug.TFDebug`` or, in YAML::
+
+    trainer:
+      callbacks:
+        - class_path: lightning_tfdebug.TFDebug
+          init_args:
+            preset: always
+            input_key: input_ids
+            exclude: [DeadActivation]
+            overrides:
+              GradNormMonitor: {explosion_factor: 20}
+
+The pack builds its members when it is built (so a bad argument fails at once, naming the member), forwards every
+Lightning hook to the members that implement it, keeps their checkpoint state under its own key, writes a
+TensorBoard custom-scalars layout (the dashboard) and, at the end of ``fit``, prints the short form of the run report
+on rank 0 and writes ``<log_dir>/tfdebug/pack.json`` (members, settings, and the checks that stood aside and why).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_tfdebug.callbacks.batch_guard import BatchGuard
+from lightning_tfdebug.callbacks.checkpoint_audit import CheckpointAudit
+from lightning_tfdebug.callbacks.dead_activation import DeadActivation
+from lightning_tfdebug.callbacks.grad_norm_monitor import GradNormMonitor
+from lightning_tfdebug.callbacks.loss_at_init import LossAtInit
+from lightning_tfdebug.callbacks.mask_probe import MaskProbe
+from lightning_tfdebug.callbacks.nan_first_frame import NaNFirstFrame
+from lightning_tfdebug.callbacks.optimizer_audit import OptimizerAudit
+from lightning_tfdebug.callbacks.per_rank_logger import PerRankLogger
+from lightning_tfdebug.callbacks.repro_capture import ReproCapture
+from lightning_tfdebug.callbacks.scaler_watch import ScalerWatch
+from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
+from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
+from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_choice, check_number
+from lightning_tfdebug.dashboard import write_dashboard
+from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding
+
+Preset = Literal["always", "full"]
+PRESETS: tuple[str, ...] = ("always", "full")
+
+#: Every member, in the order the pack calls them: ReproCapture first (it must hold the batch before any other
+#: callback can reject it), the batch and model checks next, the per-step monitors, then the cost and rank views.
+MEMBERS: dict[str, type[DebugCallback]] = {
+    cls.__name__: cls
+    for cls in (
+        ReproCapture,
+        BatchGuard,
+        MaskProbe,
+        LossAtInit,
+        NaNFirstFrame,
+        GradNormMonitor,
+        ScalerWatch,
+        UpdateRatio,
+        OptimizerAudit,
+        DeadActivation,
+        ThroughputMonitor,
+        PerRankLogger,
+        CheckpointAudit,
+    )
+}
+
+#: ``always``: the members meant to stay on in every run. They work on measuring steps only (or once), and together
+#: cost about 2% of a small model's step (``benchmarks/overhead.py``). ``full`` adds the two that re-run the model
+#: outside the training step: MaskProbe (perturbed forward passes on the first batch) and CheckpointAudit (reloads
+#: every checkpoint the run saves), and puts NaNFirstFrame in eager mode (hooks on every module, every step).
+PRESET_MEMBERS: dict[str, tuple[str, ...]] = {
+    "always": tuple(name for name in MEMBERS if name not in ("MaskProbe", "CheckpointAudit")),
+    "full": tuple(MEMBERS),
+}
+PRESET_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
+    "always": {},
+    "full": {"NaNFirstFrame": {"mode": "eager"}},
+}
+#: What a preflight run (``tfdebug check``) changes: a run of a few dozen steps cannot show a stalled loss.
+PREFLIGHT_SETTINGS: dict[str, dict[str, Any]] = {"LossAtInit": {"check_step": None}}
+CHECK_RESULT_ENV = "TFDEBUG_CHECK_RESULT"
+
+#: The settings given once and passed to every member whose constructor takes them.
+SHARED = (
+    "every_n_steps",
+    "on_finding",
+    "input_key",
+    "mask_key",
+    "labels_key",
+    "ignore_index",
+    "tokenizer",
+    "vocab_size",
+)
+
+# Hooks the pack forwards as they are; setup, state and checkpoint hooks have their own methods below.
+_FORWARDED = tuple(
+    name
+    for name, value in vars(Callback).items()
+    if callable(value)
+    and name.startswith("on_")
+    and name not in ("on_save_checkpoint", "on_load_checkpoint", "on_fit_start", "on_fit_end", "on_exception")
+)
+
+
+def _member_name(name: Any, what: str) -> str:
+    """The canonical member name for ``name`` (class name, any case, with or without underscores)."""
+    if not isinstance(name, str):
+        raise TypeError(f"`{what}` must name pack members as strings; got {name!r}.")
+    wanted = name.replace("_", "").lower()
+    for member in MEMBERS:
+        if member.lower() == wanted:
+            return member
+    raise ValueError(f"`{what}` names an unknown member {name!r}; the members are {', '.join(MEMBERS)}.")
+
+
+def _accepts(cls: type, argument: str) -> bool:
+    return argument in inspect.signature(cls.__init__).parameters
+
+
+def _overridden(member: Callback, hook: str) -> bool:
+    return getattr(type(member), hook, None) is not getattr(Callback, hook)
+
+
+class TFDebug(Callback):
+    """The whole pack as one callback: presets, shared settings, per-member overrides, a dashboard and a summary.
+
+    Args:
+        preset: ``"always"`` (default): the members meant to stay on in every run (all but MaskProbe and
+            CheckpointAudit). ``"full"``: every member, NaNFirstFrame in eager mode; for a debugging or preflight
+            run (``tfdebug check`` uses it).
+        every_n_steps: measuring cadence of every member that has one (default: the Trainer's ``log_every_n_steps``).
+        on_finding: ``"warn"`` | ``"stop"`` | ``"raise"``, for every member (see :class:`DebugCallback`).
+        input_key, mask_key, labels_key, ignore_index: how to read the batch (names, dotted paths or tuple
+            positions), for every member that reads it; default: found from common names.
+        tokenizer: a tokenizer (or its import path) for BatchGuard's decoded examples.
+        vocab_size: the vocabulary size, for the members that check ids and the loss against ln V.
+        include: members to run on top of the preset (names as in :data:`MEMBERS`, any case).
+        exclude: members of the preset not to run.
+        overrides: per-member constructor arguments, e.g. ``{"GradNormMonitor": {"explosion_factor": 20}}``; they
+            win over the shared settings and the preset's.
+        dashboard: write the TensorBoard custom-scalars layout (the "CUSTOM SCALARS" tab) at the start of ``fit``.
+        summary: print the short run report on rank 0 at the end of ``fit`` (and after a failed one).
+        preflight: a short trial run (what ``tfdebug check`` sets): checkpoint callbacks save nothing, the loss is not
+            judged for a stall (a few steps cannot show one), and the log directory is written to the file named by
+            the ``TFDEBUG_CHECK_RESULT`` environment variable, for ``tfdebug check`` to report on.
+
+    Raises:
+        ValueError: on an unknown preset, member name, or a value a member rejects (the message names the member).
+        TypeError: on an argument of the wrong type, or an override a member does not take.
+
+    A member of the same class also listed by hand in ``Trainer(callbacks=[...])`` wins: the pack's own copy stands
+    aside at set-up with one warning, so nothing runs twice.
+    """
+
+    def __init__(
+        self,
+        preset: Preset = "always",
+        every_n_steps: int | None = None,
+        on_finding: OnFinding = "warn",
+        input_key: str | int | None = None,
+        mask_key: str | int | None = None,
+        labels_key: str | int | None = None,
+        ignore_index: int | None = None,
+        tokenizer: Any = None,
+        vocab_size: int | None = None,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+        dashboard: bool = True,
+        summary: bool = True,
+        preflight: bool = False,
+    ) -> None:
+        super().__init__()
+        check_choice("preset", preset, PRESETS)
+        check_choice("on_finding", on_finding, ON_FINDING_CHOICES)
+        check_number("every_n_steps", every_n_steps, low=1, integer=True, optional=True)
+        check_number("vocab_size", vocab_size, low=2, integer=True, optional=True)
+        for name, flag in (("dashboard", dashboard), ("summary", summary), ("preflight", preflight)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be True or False; got {flag!r}.")
+        for name, names in (("include", include), ("exclude", exclude)):
+            if names is not None and (isinstance(names, str) or not isinstance(names, Sequence)):
+                raise TypeError(f"`{name}` must be a list of member names; got {names!r}.")
+        if overrides is not None and not isinstance(overrides, Mapping):
+            raise TypeError(f"`overrides` must map member names to their arguments; got {overrides!r}.")
+        self.preset = preset
+        self.include = [_member_name(n, "include") for n in include or ()]
+        self.exclude = [_member_name(n, "exclude") for n in exclude or ()]
+        self.overrides = {
+            _member_name(k, "overrides"): dict(self._check_override(k, v)) for k, v in (overrides or {}).items()
+        }
+        self.dashboard = dashboard
+        self.summary = summary
+        self.preflight = preflight
+        self.shared = {
+            "every_n_steps": every_n_steps,
+            "on_finding": on_finding,
+            "input_key": input_key,
+            "mask_key": mask_key,
+            "labels_key": labels_key,
+            "ignore_index": ignore_index,
+            "tokenizer": tokenizer,
+            "vocab_size": vocab_size,
+        }
+        chosen = [n for n in MEMBERS if (n in PRESET_MEMBERS[preset] or n in self.include) and n not in self.exclude]
+        unused = sorted(set(self.overrides) - set(chosen))
+        if unused:
+            raise ValueError(
+                f"`overrides` configures {', '.join(unused)}, which the pack does not run (preset {preset!r}, "
+                f"exclude {self.exclude}); add them to `include` or drop the overrides."
+            )
+        self.members: dict[str, DebugCallback] = {name: self._build(name) for name in chosen}
+        self.idle = False  # True when another TFDebug in trainer.callbacks runs the pack
+        self.by_hand: list[str] = []  # members also listed in trainer.callbacks: that copy runs, the pack's does not
+        self._hooks: dict[str, tuple[Callable[..., Any], ...]] = {}
+        self._state_key = self._generate_state_key(preset=preset, members=tuple(chosen))
+        self._log_dir: str | None = None
+        self._summarized = False
+        self._index_hooks()
+
+    @staticmethod
+    def _check_override(name: Any, value: Any) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"`overrides[{name!r}]` must map argument names to values; got {value!r}.")
+        return value
+
+    def _build(self, name: str) -> DebugCallback:
+        cls = MEMBERS[name]
+        kwargs = {k: v for k, v in self.shared.items() if v is not None and _accepts(cls, k)}
+        kwargs.update(PRESET_SETTINGS[self.preset].get(name, {}))
+        if self.preflight:
+            kwargs.update(PREFLIGHT_SETTINGS.get(name, {}))
+        for key, value in self.overrides.get(name, {}).items():
+            if not _accepts(cls, key):
+                raise TypeError(f"`overrides[{name!r}]`: {name} takes no argument {key!r}.")
+            kwargs[key] = value
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"TFDebug member {name}: {err}") from err
+
+    def _index_hooks(self) -> None:
+        """For each forwarded hook, the bound methods of the members that implement it (looked up once)."""
+        running = list(self.running.values())
+        self._hooks = {hook: tuple(getattr(m, hook) for m in running if _overridden(m, hook)) for hook in _FORWARDED}
+        self._hooks["setup"] = tuple(m.setup for m in running)
+        self._hooks["teardown"] = tuple(m.teardown for m in running)
+        for hook in ("on_fit_start", "on_fit_end", "on_exception", "on_save_checkpoint", "on_load_checkpoint"):
+            self._hooks[hook] = tuple(getattr(m, hook) for m in running if _overridden(m, hook))
+
+    # ------------------------------------------------------------------ identity and state
+    @property
+    def state_key(self) -> str:
+        return self._state_key  # computed once: Lightning reads it around every hook call when profiling
+
+    @property
+    def running(self) -> dict[str, DebugCallback]:
+        """The members that run: none when another TFDebug runs the pack, and none listed by hand as well."""
+        if self.idle:
+            return {}
+        return {n: m for n, m in self.members.items() if n not in self.by_hand}
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Every finding of every member, in the order each member found them."""
+        return [f for m in self.members.values() for f in m.findings]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"members": {name: m.state_dict() for name, m in self.members.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, state in state_dict.get("members", {}).items():
+            if name in self.members:
+                self.members[name].load_state_dict(state)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        for hook in self._hooks["on_save_checkpoint"]:
+            hook(trainer, pl_module, checkpoint)
+        # Lightning took `state_dict()` before this hook; members may have added to theirs in it (CheckpointAudit's
+        # save-time probe loss), so take it again.
+        callbacks = checkpoint.get("callbacks")
+        if isinstance(callbacks, dict) and self.state_key in callbacks:
+            callbacks[self.state_key] = self.state_dict()
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        for hook in self._hooks["on_load_checkpoint"]:
+            hook(trainer, pl_module, checkpoint)
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        packs = [cb for cb in trainer.callbacks if isinstance(cb, TFDebug)]
+        leader = next((p for p in packs if p.preflight), packs[0]) if packs else self  # a preflight pack wins
+        self.idle = self is not leader
+        self.by_hand = []
+        if self.idle:
+            rank_zero_warn(
+                "TFDebug is listed more than once in trainer.callbacks; only one runs"
+                + (" (the preflight one)." if leader.preflight else " (the first)."),
+                category=TFDebugWarning,
+            )
+        else:
+            others = [cb for cb in trainer.callbacks if not isinstance(cb, TFDebug)]
+            self.by_hand = [n for n, m in self.members.items() if any(isinstance(cb, type(m)) for cb in others)]
+            if self.by_hand:
+                rank_zero_warn(
+                    f"TFDebug: {', '.join(self.by_hand)} also listed in trainer.callbacks; the pack's own copy stands "
+                    "aside so nothing runs twice, and the one you configured runs.",
+                    category=TFDebugWarning,
+                )
+        self._index_hooks()
+        if "ReproCapture" in self.running and stage == "fit" and trainer.callbacks and trainer.callbacks[0] is not self:
+            # ReproCapture must take the batch before another callback can reject it; a new list (Lightning is
+            # iterating the current one to call `setup`).
+            trainer.callbacks = [self, *(cb for cb in trainer.callbacks if cb is not self)]
+        self._log_dir = trainer.log_dir or trainer.default_root_dir
+        self._summarized = False
+        if self.preflight and not self.idle and stage == "fit":
+            self._start_preflight(trainer)
+        for hook in self._hooks["setup"]:
+            hook(trainer, pl_module, stage)
+
+    def _start_preflight(self, trainer: pl.Trainer) -> None:
+        quiet = []
+        for cb in trainer.callbacks:
+            if hasattr(cb, "save_top_k") and hasattr(cb, "save_last"):  # ModelCheckpoint, of either Lightning package
+                cb.save_top_k, cb.save_last = 0, False  # a trial run must not replace the user's checkpoints
+                quiet.append(type(cb).__name__)
+        result = os.environ.get(CHECK_RESULT_ENV)
+        if result and trainer.is_global_zero:
+            with open(result, "w", encoding="utf-8") as f:
+                json.dump({"log_dir": self._log_dir, "checkpoint_callbacks_silenced": quiet}, f)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for hook in self._hooks["on_fit_start"]:
+            hook(trainer, pl_module)
+        if self.dashboard and not self.idle and trainer.is_global_zero:
+            write_dashboard(trainer, pl_module, self.running)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for hook in self._hooks["on_fit_end"]:
+            hook(trainer, pl_module)
+        # a collective every rank reaches once, at the end of fit: the other ranks' findings are on disk before rank
+        # 0 reads them for the summary
+        trainer.strategy.barrier("tfdebug_summary")
+        self._finish(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        for hook in self._hooks["on_exception"]:
+            hook(trainer, pl_module, exception)
+        self._finish(trainer, failed=exception)  # no barrier: the other ranks may be gone
+
+    def _finish(self, trainer: pl.Trainer, failed: BaseException | None = None) -> None:
+        if self._summarized or self.idle or not trainer.is_global_zero:
+            return
+        self._summarized = True
+        tfdebug_dir = os.path.join(self._log_dir or ".", "tfdebug")
+        info = {
+            "preset": self.preset,
+            "members": list(self.members),
+            "running": list(self.running),
+            "by_hand": self.by_hand,
+            # the checks that did not run, and why: what the report lists apart from the findings
+            "stood_aside": {n: m._aside_reason for n, m in self.running.items() if m._aside_reason is not None},
+            "settings": {
+                k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in self.shared.items()
+            },
+            "step": trainer.global_step,
+            "failed": None if failed is None else f"{type(failed).__name__}: {failed}",
+        }
+        try:
+            os.makedirs(tfdebug_dir, exist_ok=True)
+            with open(os.path.join(tfdebug_dir, "pack.json"), "w", encoding="utf-8") as f:
+                json.dump(info, f, indent=2)
+        except OSError as err:  # a debugging aid never takes the run down: say so and go on
+            rank_zero_warn(f"TFDebug could not write {tfdebug_dir}/pack.json ({err}).", category=TFDebugWarning)
+        if not self.summary:
+            return
+        from lightning_tfdebug.report import load_run, render_short
+
+        try:
+            run = load_run(self._log_dir or ".")
+        except (OSError, ValueError) as err:
+            print(f"lightning_tfdebug: no report ({err})", file=sys.stderr)
+            return
+        print("\n" + render_short(run), flush=True)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for hook in self._hooks["teardown"]:
+            hook(trainer, pl_module, stage)
+
+
+def _make_forwarder(hook: str) -> Callable[..., None]:
+    def forward(self: TFDebug, *args: Any, **kwargs: Any) -> None:
+        for method in self._hooks[hook]:
+            method(*args, **kwargs)
+
+    forward.__name__ = hook
+    forward.__doc__ = f"Calls ``{hook}`` on every running member that implements it."
+    return forward
+
+
+for _hook in _FORWARDED:
+    setattr(TFDebug, _hook, _make_forwarder(_hook))

@@ -1,0 +1,430 @@
+"""The run report: every rank's and every callback's findings, merged, sorted and rendered.
+
+``tfdebug report LOG_DIR`` (also ``python -m lightning_tfdebug report``) and the summary ``TFDebug`` prints at the end
+of ``fit`` both come from here:
+
+* :func:`load_run` finds the run under a directory (a ``version_N`` directory, its ``tfdebug/`` folder, or a parent
+  holding several runs: the newest is taken) and reads its findings, the pack's ``pack.json`` and the NaN reports;
+* :func:`merge_findings` makes identical findings raised on several ranks one line with the rank list, sorted by
+  severity, then step;
+* :func:`render` writes ``text``, ``markdown``, ``json`` or ``html``. The HTML is one self-contained file: the
+  findings, pictures of the series behind them (read from the run's TensorBoard event files; needs the ``[report]``
+  extra, matplotlib) and the NaN frame tables.
+
+Exit status (:func:`exit_status`): 0 when no finding is at or above ``fail_on``, 1 otherwise; the command line
+returns 2 when the directory cannot be read.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import html
+import io
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_tfdebug.findings import SEVERITIES, Finding, read_findings
+
+FORMATS: tuple[str, ...] = ("text", "markdown", "json", "html")
+FAIL_ON: tuple[str, ...] = ("info", "warning", "error", "never")
+_RANK = {s: i for i, s in enumerate(SEVERITIES)}  # info 0 < warning 1 < error 2
+SHORT_INFO_LINES = 8  # the end-of-fit summary lists info findings one by one up to this many, then counts them
+
+#: The TensorBoard series behind each callback's findings (regexes on tags), for the report's pictures.
+SERIES: dict[str, tuple[str, ...]] = {
+    "GradNormMonitor": (r"^grad_norm/",),
+    "UpdateRatio": (r"^update_ratio/(?!param_norm/)",),
+    "LossAtInit": (r"^loss_at_init/(loss|ln_vocab|unigram_entropy)$",),
+    "OptimizerAudit": (r"^optimizer_audit/lr/",),
+    "DeadActivation": (r"^dead_activation/(dead|saturated)_frac/",),
+    "ThroughputMonitor": (r"^throughput/(step_time_ms|dataloader_wait_frac|padding_frac)$",),
+    "PerRankLogger": (r"^per_rank/step_time_ms/rank\d+$", r"^per_rank/loss/rank\d+$"),
+    "ScalerWatch": (r"^scaler/(scale|skipped_frac)$",),
+    "NaNFirstFrame": (r"^grad_norm/total$", r"^nan_first_frame/skipped_steps$"),
+    "BatchGuard": (r"^batch_guard/",),
+}
+_OVERVIEW = (r"^loss_at_init/(loss|ln_vocab|unigram_entropy)$", r"^grad_norm/total$")
+
+
+@dataclass(frozen=True)
+class MergedFinding:
+    """One finding as the report shows it: the same code, source and message on several ranks is one line."""
+
+    code: str
+    severity: str
+    source: str
+    message: str
+    hint: str
+    evidence: dict[str, Any]
+    ranks: tuple[int, ...]
+    steps: tuple[int, ...]
+
+    @property
+    def step(self) -> int:
+        return min(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "source": self.source,
+            "step": self.step,
+            "steps": list(self.steps),
+            "ranks": list(self.ranks),
+            "message": self.message,
+            "evidence": self.evidence,
+            "hint": self.hint,
+        }
+
+
+@dataclass
+class Run:
+    """What the report knows of one run."""
+
+    log_dir: str
+    tfdebug_dir: str
+    findings: list[Finding]
+    pack: dict[str, Any] | None = None
+    nan_reports: list[str] = field(default_factory=list)
+    other_runs: list[str] = field(default_factory=list)
+
+    @property
+    def merged(self) -> list[MergedFinding]:
+        return merge_findings(self.findings)
+
+    @property
+    def stood_aside(self) -> dict[str, str]:
+        """Checks that did not run, and why (from the pack's ``pack.json``; empty without it)."""
+        return dict((self.pack or {}).get("stood_aside") or {})
+
+    @property
+    def ranks(self) -> list[int]:
+        found = {int(m.group(1)) for p in self._finding_files() if (m := re.search(r"rank(\d+)", os.path.basename(p)))}
+        return sorted(found | {f.rank for f in self.findings})
+
+    def _finding_files(self) -> list[str]:
+        return sorted(glob.glob(os.path.join(self.tfdebug_dir, "findings-rank*.jsonl")))
+
+
+def _run_dirs(root: str) -> list[str]:
+    """Directories under ``root`` (itself included) that hold a ``tfdebug/`` folder, newest first."""
+    found = []
+    for dirpath, dirnames, _ in os.walk(root):
+        if "tfdebug" in dirnames and os.path.isdir(os.path.join(dirpath, "tfdebug")):
+            found.append(dirpath)
+        dirnames[:] = [d for d in dirnames if d != "tfdebug" and not d.startswith(".")]
+    return sorted(found, key=lambda d: os.path.getmtime(os.path.join(d, "tfdebug")), reverse=True)
+
+
+def load_run(path: str | os.PathLike[str]) -> Run:
+    """Read the run at or under ``path``.
+
+    Args:
+        path: a run's log directory (``.../version_N``), its ``tfdebug`` folder, or a directory above several runs
+            (the newest is read; the others are listed in :attr:`Run.other_runs`).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist or holds no lightning_tfdebug output.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is not a directory")
+    if os.path.basename(os.path.normpath(path)) == "tfdebug":
+        runs = [os.path.dirname(os.path.normpath(path))]
+    else:
+        runs = _run_dirs(path)
+    if not runs:
+        raise FileNotFoundError(f"no lightning_tfdebug output (a `tfdebug/` folder) under {path}")
+    log_dir = runs[0]
+    tfdebug_dir = os.path.join(log_dir, "tfdebug")
+    findings = [
+        f for p in sorted(glob.glob(os.path.join(tfdebug_dir, "findings-rank*.jsonl"))) for f in read_findings(p)
+    ]
+    pack = None
+    pack_file = os.path.join(tfdebug_dir, "pack.json")
+    if os.path.isfile(pack_file):
+        try:
+            with open(pack_file, encoding="utf-8") as f:
+                pack = json.load(f)
+        except (OSError, ValueError):
+            pack = None  # cut short by a crash: the findings still stand
+    nan_reports = sorted(glob.glob(os.path.join(tfdebug_dir, "nan-step*-rank*.txt")))
+    return Run(log_dir, tfdebug_dir, findings, pack, nan_reports, runs[1:])
+
+
+def merge_findings(findings: Sequence[Finding]) -> list[MergedFinding]:
+    """One line per (code, source, message); ranks and steps collected; sorted by severity (errors first), step."""
+    groups: dict[tuple[str, str, str], list[Finding]] = {}
+    for finding in findings:
+        groups.setdefault((finding.code, finding.source, finding.message), []).append(finding)
+    merged = []
+    for (code, source, message), same in groups.items():
+        first = min(same, key=lambda f: (f.step, f.rank))
+        merged.append(
+            MergedFinding(
+                code=code,
+                severity=max((f.severity for f in same), key=_RANK.__getitem__),
+                source=source,
+                message=message,
+                hint=first.hint,
+                evidence=first.evidence,
+                ranks=tuple(sorted({f.rank for f in same})),
+                steps=tuple(sorted({f.step for f in same})),
+            )
+        )
+    return sorted(merged, key=lambda m: (-_RANK[m.severity], m.step, m.code))
+
+
+def counts(merged: Sequence[MergedFinding]) -> dict[str, int]:
+    return {s: sum(m.severity == s for m in merged) for s in reversed(SEVERITIES)}
+
+
+def exit_status(merged: Sequence[MergedFinding], fail_on: str = "error") -> int:
+    """0 when nothing is at or above ``fail_on`` (``"never"``: always 0), else 1."""
+    if fail_on not in FAIL_ON:
+        raise ValueError(f"`fail_on` must be one of {', '.join(FAIL_ON)}; got {fail_on!r}.")
+    if fail_on == "never":
+        return 0
+    return int(any(_RANK[m.severity] >= _RANK[fail_on] for m in merged))
+
+
+def summary_line(run: Run, merged: Sequence[MergedFinding] | None = None) -> str:
+    merged = run.merged if merged is None else merged
+    c = counts(merged)
+    parts = [_plural(c["error"], "error"), _plural(c["warning"], "warning"), f"{c['info']} info"]
+    aside = len(run.stood_aside)
+    tail = f"; {_plural(aside, 'check')} did not run" if aside else ""
+    return f"lightning_tfdebug: {', '.join(parts)}{tail} ({run.log_dir})"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---------------------------------------------------------------------- text forms
+def render_short(run: Run) -> str:
+    """What rank 0 prints at the end of ``fit``: warnings and errors one line each, the info count, the command."""
+    merged = run.merged
+    lines = [summary_line(run, merged)]
+    info = counts(merged)["info"]
+    for m in merged:
+        if m.severity != "info" or info <= SHORT_INFO_LINES:
+            lines.append(f"  {m.severity:<7} {m.code}  step {m.step:<6} {m.source}: {m.message}")
+    if info > SHORT_INFO_LINES:
+        lines.append(f"  ... and {_plural(info, 'info finding')}")
+    for name, why in run.stood_aside.items():
+        lines.append(f"  not run  {name}: {why}")
+    lines.append(f"  full report: tfdebug report {run.log_dir} [--format html --output report.html]")
+    return "\n".join(lines)
+
+
+def render_text(run: Run) -> str:
+    merged = run.merged
+    lines = [_header(run)]
+    for m in merged:
+        lines.append(f"{m.severity:<7} {m.code}  step {m.step:<6} {_ranks(m.ranks):<10} {m.source}: {m.message}")
+        if m.evidence:
+            lines.append("        evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in m.evidence.items()))
+        if m.hint:
+            lines.append(f"        hint: {m.hint}")
+    if run.stood_aside:
+        lines.append("Checks that did not run (not findings: say what would let each run):")
+        lines.extend(f"  {name}: {why}" for name, why in run.stood_aside.items())
+    for path in run.nan_reports:
+        lines.append(f"NaN report: {path}")
+    lines.append(summary_line(run, merged))
+    return "\n".join(lines) + "\n"
+
+
+def _header(run: Run) -> str:
+    pack = run.pack or {}
+    bits = [run.log_dir]
+    if pack:
+        bits.append(f"preset {pack.get('preset')}, {len(pack.get('running', []))} members, step {pack.get('step')}")
+    if run.ranks:
+        bits.append(f"ranks {','.join(map(str, run.ranks))}")
+    if pack.get("failed"):
+        bits.append(f"the run failed: {pack['failed']}")
+    if run.other_runs:
+        bits.append(f"newest of {len(run.other_runs) + 1} runs; pass a version directory to choose")
+    return " | ".join(bits)
+
+
+def render_markdown(run: Run) -> str:
+    merged = run.merged
+    out = ["# lightning_tfdebug report", "", _header(run), "", f"**{summary_line(run, merged)}**", ""]
+    if merged:
+        out += [
+            "| severity | code | step | ranks | source | finding | hint |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for m in merged:
+            cells = [m.severity, m.code, str(m.step), ",".join(map(str, m.ranks)), m.source, m.message, m.hint]
+            out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    if run.stood_aside:
+        out += ["", "## Checks that did not run", ""]
+        out += [f"- **{name}**: {why}" for name, why in run.stood_aside.items()]
+    return "\n".join(out) + "\n"
+
+
+def render_json(run: Run, fail_on: str = "error") -> str:
+    merged = run.merged
+    data = {
+        "log_dir": run.log_dir,
+        "summary": counts(merged),
+        "exit_status": exit_status(merged, fail_on),
+        "fail_on": fail_on,
+        "findings": [m.to_dict() for m in merged],
+        "stood_aside": run.stood_aside,
+        "pack": run.pack,
+        "nan_reports": run.nan_reports,
+        "other_runs": run.other_runs,
+    }
+    return json.dumps(data, indent=2, default=str) + "\n"
+
+
+# ---------------------------------------------------------------------- html
+def read_series(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files directly under ``log_dir``: ``{tag: [(step, value), ...]}``."""
+    if not glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags().get("scalars", [])}
+
+
+def _picture(title: str, series: dict[str, list[tuple[int, float]]], marks: Sequence[int] = ()) -> str | None:
+    """A PNG (base64) of ``series`` with the finding steps marked; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 3.2), dpi=90)
+    try:
+        for tag, points in list(series.items())[:16]:
+            ax.plot([s for s, _ in points], [v for _, v in points], label=tag, linewidth=1.2)
+        values = [v for pts in series.values() for _, v in pts if v == v]
+        if values and min(values) > 0 and max(values) / min(values) > 1e3:
+            ax.set_yscale("log")
+        for step in sorted(set(marks)):
+            ax.axvline(step, color="crimson", linestyle="--", linewidth=0.8)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best", ncol=2 if len(series) > 6 else 1)
+        buffer = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buffer, format="png")
+    finally:
+        plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _select(series: dict[str, list[tuple[int, float]]], patterns: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
+    return {tag: pts for tag, pts in sorted(series.items()) if any(re.search(p, tag) for p in patterns)}
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
+table{border-collapse:collapse;width:100%;font-size:0.9em}
+td,th{border:1px solid #ccc;padding:4px 6px;vertical-align:top}
+.error{background:#fde2e2}.warning{background:#fff4d6}.info{background:#eef4fb}
+pre{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:0.8em}h2{margin-top:1.6em}
+"""
+
+
+def render_html(run: Run) -> str:
+    merged = run.merged
+    esc = html.escape
+    series = read_series(run.log_dir)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>lightning_tfdebug report</title>",
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>lightning_tfdebug report</h1>",
+        f"<p>{esc(_header(run))}</p><p><b>{esc(summary_line(run, merged))}</b></p>",
+    ]
+    if merged:
+        parts.append(
+            "<table><tr><th>severity</th><th>code</th><th>step</th><th>ranks</th><th>source</th><th>finding</th></tr>"
+        )
+        for m in merged:
+            detail = esc(m.message)
+            if m.evidence:
+                detail += (
+                    "<br><small>evidence: "
+                    + esc(", ".join(f"{k}={_short(v)}" for k, v in m.evidence.items()))
+                    + "</small>"
+                )
+            if m.hint:
+                detail += f"<br><small>hint: {esc(m.hint)}</small>"
+            parts.append(
+                f"<tr class='{m.severity}'><td>{m.severity}</td><td>{m.code}</td><td>{m.step}</td>"
+                f"<td>{esc(','.join(map(str, m.ranks)))}</td><td>{esc(m.source)}</td><td>{detail}</td></tr>"
+            )
+        parts.append("</table>")
+    if run.stood_aside:
+        parts.append("<h2>Checks that did not run</h2><ul>")
+        parts += [f"<li><b>{esc(n)}</b>: {esc(w)}</li>" for n, w in run.stood_aside.items()]
+        parts.append("</ul>")
+    pictures = 0
+    missing_plotting = False
+    sources = list(dict.fromkeys(m.source for m in merged if m.source in SERIES))
+    sections = [
+        (f"{s}: the series behind its findings", SERIES[s], [m.step for m in merged if m.source == s]) for s in sources
+    ]
+    sections.append(("Overview: loss and gradient norm", _OVERVIEW, []))
+    for title, patterns, marks in sections:
+        chosen = _select(series, patterns)
+        if not chosen:
+            continue
+        png = _picture(title, chosen, marks)
+        if png is None:
+            missing_plotting = True
+            break
+        pictures += 1
+        parts.append(f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{png}'>")
+    if missing_plotting:
+        parts.append("<p>Pictures need matplotlib: <code>pip install 'lightning-tfdebug[report]'</code>.</p>")
+    elif not pictures:
+        parts.append("<p>No TensorBoard series found next to the findings (a TensorBoardLogger draws them).</p>")
+    for path in run.nan_reports:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError as err:
+            text = f"(could not read: {err})"
+        parts.append(f"<h2>NaN frames: {esc(os.path.basename(path))}</h2><pre>{esc(text)}</pre>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def render(run: Run, fmt: str = "text", fail_on: str = "error") -> str:
+    """The report of ``run`` in ``fmt`` (one of :data:`FORMATS`)."""
+    if fmt == "text":
+        return render_text(run)
+    if fmt == "markdown":
+        return render_markdown(run)
+    if fmt == "json":
+        return render_json(run, fail_on)
+    if fmt == "html":
+        return render_html(run)
+    raise ValueError(f"`format` must be one of {', '.join(FORMATS)}; got {fmt!r}.")
