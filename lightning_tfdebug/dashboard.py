@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from lightning_tfdebug.core.compat import is_lightning_instance
+
 Chart = list[Any]  # ["Multiline", [regex, ...]] or ["Margin", [value, lower, upper]]
 Layout = dict[str, dict[str, Chart]]
 
@@ -120,7 +122,7 @@ def write_dashboard(trainer: Any, pl_module: Any, members: Mapping[str, Any]) ->
     writers = [
         getattr(logger, "experiment", None)
         for logger in trainer.loggers
-        if type(logger).__name__ == "TensorBoardLogger"  # lightning's or pytorch_lightning's; no other logger draws it
+        if is_lightning_instance(logger, "TensorBoardLogger")  # of either Lightning package
     ]
     writers = [w for w in writers if callable(getattr(w, "add_custom_scalars", None))]
     if not writers:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback as LightningCallback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_tfdebug.callbacks.batch_guard import BatchGuard
@@ -48,6 +48,7 @@ from lightning_tfdebug.callbacks.scaler_watch import ScalerWatch
 from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_choice, check_number
+from lightning_tfdebug.core.compat import Callback
 from lightning_tfdebug.dashboard import write_dashboard
 from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding
 
@@ -106,7 +107,7 @@ SHARED = (
 # Hooks the pack forwards as they are; setup, state and checkpoint hooks have their own methods below.
 _FORWARDED = tuple(
     name
-    for name, value in vars(Callback).items()
+    for name, value in vars(LightningCallback).items()
     if callable(value)
     and name.startswith("on_")
     and name not in ("on_save_checkpoint", "on_load_checkpoint", "on_fit_start", "on_fit_end", "on_exception")

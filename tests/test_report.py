@@ -1,0 +1,126 @@
+"""`tfdebug report` and `tfdebug check`: merged findings, formats, exit codes, pictures, preflight of a script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_tfdebug import TFDebug
+from lightning_tfdebug.__main__ import main
+from lightning_tfdebug.demo import TinyGPT
+from lightning_tfdebug.findings import Finding
+from lightning_tfdebug.report import exit_status, load_run, merge_findings
+from tests.helpers import SMALL, fit_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "tests" / "apps" / "encoder_cli.py"
+
+
+def finding(code: str, severity: str, rank: int, step: int = 3, message: str = "same words") -> Finding:
+    return Finding(code=code, severity=severity, source="GradNormMonitor", step=step, rank=rank, message=message)
+
+
+def write_findings(tfdebug_dir: Path, rank: int, findings: list[Finding]) -> None:
+    tfdebug_dir.mkdir(parents=True, exist_ok=True)
+    with open(tfdebug_dir / f"findings-rank{rank}.jsonl", "a", encoding="utf-8") as f:
+        f.writelines(x.to_json() + "\n" for x in findings)
+
+
+def test_identical_findings_of_several_ranks_are_one_line_sorted_by_severity(tmp_path):
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    write_findings(run_dir / "tfdebug", 0, [finding("TFD301", "warning", 0), finding("TFD305", "info", 0, step=1)])
+    write_findings(run_dir / "tfdebug", 1, [finding("TFD301", "warning", 1, step=5), finding("TFD302", "error", 1)])
+    run = load_run(tmp_path)  # a folder above the run: the run is found under it
+    assert run.log_dir == str(run_dir)
+    merged = run.merged
+    assert [(m.code, m.ranks) for m in merged] == [("TFD302", (1,)), ("TFD301", (0, 1)), ("TFD305", (0,))]
+    assert merged[1].steps == (3, 5) and merged[1].step == 3
+    assert exit_status(merged, "error") == 1 and exit_status(merge_findings(run.findings[:1]), "error") == 0
+    assert exit_status(merge_findings(run.findings[:1]), "warning") == 1 and exit_status(merged, "never") == 0
+
+
+def test_the_report_command_formats_and_exit_codes(tmp_path, capsys):
+    run_dir = tmp_path / "version_0"
+    write_findings(run_dir / "tfdebug", 0, [finding("TFD301", "warning", 0)])
+    write_findings(run_dir / "tfdebug", 1, [finding("TFD301", "warning", 1)])
+    assert main(["report", str(run_dir)]) == 0  # a warning is below the default --fail-on error
+    text = capsys.readouterr().out
+    assert "warning TFD301  step 3      ranks 0,1" in text
+    assert text.rstrip().endswith(f"lightning_tfdebug: 0 errors, 1 warning, 0 info ({run_dir})")
+    assert main(["report", str(run_dir), "--fail-on", "warning", "--format", "json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["summary"] == {"error": 0, "warning": 1, "info": 0} and data["findings"][0]["ranks"] == [0, 1]
+    assert data["exit_status"] == 1
+    assert main(["report", str(run_dir / "tfdebug"), "--format", "markdown"]) == 0
+    assert "| warning | TFD301 | 3 | 0,1 | GradNormMonitor | same words |" in capsys.readouterr().out
+    out = tmp_path / "r.md"
+    assert main(["report", str(run_dir), "--format", "markdown", "--output", str(out)]) == 0
+    assert out.read_text().startswith("# lightning_tfdebug report")
+
+
+@pytest.mark.parametrize("where", ["missing", "empty", "file"])
+def test_a_directory_that_cannot_be_read_exits_2(tmp_path, capsys, where):
+    target = tmp_path / "x"
+    if where == "empty":
+        target.mkdir()
+    elif where == "file":
+        target.write_text("not a directory")
+    assert main(["report", str(target)]) == 2
+    assert "error: cannot read" in capsys.readouterr().err
+
+
+def test_a_healthy_run_reports_0_and_a_buggy_run_1_with_pictures_and_the_report_names_it(tmp_path, capsys):
+    healthy = TFDebug(every_n_steps=2)
+    fit_tiny(tmp_path / "ok", [healthy], max_steps=10)
+    assert main(["report", str(tmp_path / "ok")]) == 0
+    capsys.readouterr()
+
+    buggy = TFDebug(every_n_steps=2)
+    fit_tiny(tmp_path / "bug", [buggy], TinyGPT(head_not_in_optimizer=True, **SMALL), max_steps=12)
+    assert "TFD312" in {f.code for f in buggy.findings}
+    summary = capsys.readouterr().out  # the pack's own end-of-fit summary names it
+    assert "error   TFD312" in summary and "tfdebug report" in summary
+    html_file = tmp_path / "report.html"
+    assert main(["report", str(tmp_path / "bug"), "--format", "html", "--output", str(html_file)]) == 1
+    page = html_file.read_text()
+    assert "TFD312" in page and page.count("data:image/png;base64,") >= 2  # UpdateRatio's series and the overview
+    assert "<h2>UpdateRatio: the series behind its findings</h2>" in page
+
+
+def _check(tmp_path: Path, *extra: str, steps: int = 16) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "lightning_tfdebug", "check", "--steps", str(steps), "--"]
+    cmd += [sys.executable, str(APP), "fit", "--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator=cpu"]
+    cmd += ["--trainer.enable_progress_bar=false", *extra]
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+
+
+def test_check_on_a_users_lightningcli_script_exits_0_when_healthy_and_1_on_a_bug(tmp_path):
+    healthy = _check(tmp_path / "ok")
+    assert healthy.returncode == 0, healthy.stdout[-3000:] + healthy.stderr[-3000:]
+    assert "preset full, 13 members, step 16" in healthy.stdout
+    assert not list((tmp_path / "ok").rglob("*.ckpt"))  # checkpointing was off for the trial run
+
+    buggy = _check(tmp_path / "bug", "--model.bug=head_frozen")
+    assert buggy.returncode == 1, buggy.stdout[-3000:] + buggy.stderr[-3000:]
+    assert "error   TFD312" in buggy.stdout
+
+
+def test_check_explains_a_command_it_cannot_run(tmp_path, capsys):
+    assert main(["check", "--", sys.executable, str(APP), "validate"]) == 2
+    assert "runs `validate`" in capsys.readouterr().err
+    assert main(["check", "--"]) == 2
+    assert "give the training command after `--`" in capsys.readouterr().err
+    not_a_cli = tmp_path / "plain.py"
+    not_a_cli.write_text("import sys\nprint('training without LightningCLI', sys.argv[1:])\n")
+    assert main(["check", "--steps", "3", "--", sys.executable, str(not_a_cli), "fit"]) == 2
+    assert "before the pack started" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:
+        main(["check", "--steps", "0", "--", "python", "x.py", "fit"])
+    assert bad.value.code == 2
