@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment in .venv and install the package with its test extras.
+# Create (or reuse) the project's virtual environment in .venv and install the package with its dev extras (tests,
+# ruff, the docs site). Set PIP_CONSTRAINT to pin versions (CI pins the lower bounds: .ci/lower-bounds.txt).
 # torch goes in first, pinned to a CPU build, so that resolving `lightning` never pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +9,8 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
+# setuptools>=77 (the build backend) in the venv itself: tests/test_packaging.py builds the wheel offline
+"$VENV/bin/python" -m pip install --quiet --upgrade pip "setuptools>=77"
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   # TORCH_SPEC lets another machine choose its build, e.g. TORCH_SPEC="torch==2.13.0+cpu".
   "$VENV/bin/python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"

@@ -232,3 +232,32 @@ def test_warnings_name_the_pack_and_the_finding_and_filter_by_category(tmp_path)
         trainer.fit(StandaloneLM(), loader())
     assert "TFD115" in {f.code for f in guard.findings}  # still found and written
     assert not [w for w in caught if issubclass(w.category, tfd.TFDebugWarning)]
+
+
+def test_throughput_token_window_is_a_torchmetrics_sum_without_sync():
+    """torchmetrics does ThroughputMonitor's running token sum: same total as a plain sum, and no host sync or
+    collective on the micro-batches between measurements."""
+    from torch.overrides import TorchFunctionMode
+    from torchmetrics import SumMetric
+
+    from lightning_tfdebug.functional.throughput import CountWindow
+
+    window = CountWindow()
+    assert isinstance(window._device_sum, SumMetric)
+    masks = [torch.randint(0, 2, (4, 16)) for _ in range(7)]
+    seen: list[str] = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        for m in masks:
+            window.add(m.sum())
+        window.add(5)  # a host count (from shapes) stays on the host
+    assert not {"item", "tolist", "__bool__", "cpu", "numpy"} & set(seen), sorted(set(seen))
+    expected = sum(int(m.sum()) for m in masks) + 5
+    total = window.total(torch.device("cpu"))
+    assert total.dtype == torch.float64 and total.item() == expected
+    assert window.total(torch.device("cpu")).item() == 0  # the next window starts empty

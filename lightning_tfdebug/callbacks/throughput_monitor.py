@@ -12,7 +12,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
@@ -22,6 +21,7 @@ from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
 from lightning_tfdebug.core.tracking import RunningWindow
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.throughput import (
+    CountWindow,
     OtherLoad,
     StepClock,
     batch_counts,
@@ -221,7 +221,7 @@ class ThroughputMonitor(DebugCallback):
         self._window_start: float | None = None  # host time the current measuring window began
         self._prev_end: float | None = None  # host time the previous batch ended (after this callback's work)
         self._wait_s = 0.0
-        self._tokens: list[Tensor | int] = []
+        self._tokens = CountWindow()  # real tokens of the window (device counts in a torchmetrics SumMetric)
         self._positions = 0
         self._samples = 0
         self._step_marks: list[Any] = []  # clock marks at optimizer-step ends since the last measurement
@@ -283,7 +283,7 @@ class ThroughputMonitor(DebugCallback):
             self._maybe_start_profiler(trainer, step)
         view = step_batch(trainer, batch, self._batch_keys)  # the step's shared reading and token count
         tokens, positions, samples = batch_counts(view, self._length_fn)
-        self._tokens.append(tokens)
+        self._tokens.add(tokens)  # in place on the device: no sync, no collective
         self._positions += positions
         self._samples += samples
         if (
@@ -424,16 +424,12 @@ class ThroughputMonitor(DebugCallback):
             ],
             dtype=torch.float64,
         )
-        tensors = [t for t in self._tokens if isinstance(t, Tensor)]
-        counted = float(sum(t for t in self._tokens if not isinstance(t, Tensor)))
-        tokens = torch.full((), counted, dtype=torch.float64, device=device)
-        if tensors:  # device counts from the attention masks: summed here, still without a sync
-            tokens = tokens + torch.stack([t.to(device=device, dtype=torch.float64) for t in tensors]).sum()
+        tokens = self._tokens.total(device)  # a device scalar, no sync; the window starts again
         packed = torch.cat([tokens.reshape(1), host.to(device)])
         # collective: one all-gather of the packed vector, on every rank, on the same (global_step-decided) steps
         gathered = all_gather_vector(packed)
         rows = gathered.tolist()  # host sync: the one transfer of this measuring step
-        self._tokens, self._positions, self._samples, self._wait_s = [], 0, 0, 0.0
+        self._positions, self._samples, self._wait_s = 0, 0, 0.0
 
         stats = rows_to_stats(rows)
         metrics = throughput_metrics(stats, self.flops_per_token, self._peak)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torchmetrics import SumMetric
 
 from lightning_tfdebug.core.batch import StepBatch
 from lightning_tfdebug.functional.norms import per_tensor_norms
@@ -204,6 +205,43 @@ def differing_tensors(values: Sequence[Sequence[float]], names: Sequence[str], r
                 out.append(name)
                 break
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- windows
+class CountWindow:
+    """Running sum of a per-micro-batch count over one measuring window, kept where the count lives.
+
+    Counts arrive as host ints (read from shapes) or as device tensors (read from an attention mask, or returned by a
+    ``length_fn``). Device counts go to a :class:`torchmetrics.SumMetric`: its state is one float64 scalar on their
+    device, updated in place without a host sync (``nan_strategy="disable"``: torchmetrics' NaN check would read
+    the value on the host) and without a collective (``sync_on_compute=False``: the callback gathers every rank's
+    window in its own single packed all-gather, one collective, where torchmetrics' sync would run two per state,
+    sizes then values). Host counts stay a Python number. :meth:`total` returns both as one device scalar, still
+    without a sync, and starts the next window.
+    """
+
+    def __init__(self) -> None:
+        self._device_sum = SumMetric(nan_strategy="disable", sync_on_compute=False).set_dtype(torch.float64)
+        self._host_sum = 0.0
+        self._updates = 0
+
+    def add(self, count: Tensor | int | float) -> None:
+        if isinstance(count, Tensor):
+            if count.device != self._device_sum.device:  # once: the state follows the counts' device
+                self._device_sum.to(count.device)
+            self._device_sum.update(count.detach())
+            self._updates += 1
+        else:
+            self._host_sum += float(count)
+
+    def total(self, device: torch.device) -> Tensor:
+        """The window's sum as a float64 scalar on ``device`` (no sync); then the window starts again empty."""
+        total = torch.full((), self._host_sum, dtype=torch.float64, device=device)  # a fill: no host-to-device copy
+        if self._updates:
+            total = total + self._device_sum.compute().to(device=device, dtype=torch.float64)
+        self._device_sum.reset()
+        self._host_sum, self._updates = 0.0, 0
+        return total
 
 
 # ---------------------------------------------------------------------------------------------------- timing

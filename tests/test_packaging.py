@@ -1,0 +1,157 @@
+"""Packaging: one version, stated lower bounds that the test environment really runs, and a wheel that installs and
+works outside the checkout (``tfdebug --help`` and the demo)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+import lightning_tfdebug
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+; these checks need not run on 3.10
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+LOWER_BOUNDS = ROOT / ".ci" / "lower-bounds.txt"
+
+
+def requirements() -> dict[str, Requirement]:
+    project = PYPROJECT["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for r in project["optional-dependencies"]["test"]]
+    return {r.name: r for r in reqs}
+
+
+def lower_bound(req: Requirement) -> Version:
+    bounds = [Version(s.version) for s in req.specifier if s.operator == ">="]
+    assert bounds, f"{req} states no lower bound (>=)"
+    return bounds[0]
+
+
+def test_the_version_is_defined_once():
+    assert "version" not in PYPROJECT["project"], "pyproject.toml repeats the version; it lives in __init__.py"
+    assert "version" in PYPROJECT["project"]["dynamic"]
+    attr = PYPROJECT["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == "lightning_tfdebug.__version__"
+    Version(lightning_tfdebug.__version__)  # a valid PEP 440 version
+    literal = re.compile(r"\b\d+\.\d+\.\d+(\.dev\d+)?\b")
+    init = (ROOT / "lightning_tfdebug" / "__init__.py").read_text()
+    assert len(literal.findall(init)) == 1, "lightning_tfdebug/__init__.py should hold the one version literal"
+    # the installed metadata (editable or wheel) agrees with the source
+    assert importlib.metadata.version("lightning-tfdebug") == lightning_tfdebug.__version__
+
+
+def test_supported_versions_are_stated_and_ci_runs_the_lower_bounds():
+    reqs = requirements()
+    pinned = {}
+    for line in LOWER_BOUNDS.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pinned[name.strip()] = Version(version)
+    for name in ("torch", "lightning", "pytorch-lightning", "torchmetrics", "tensorboard"):
+        assert name in reqs, f"{name} is not a dependency"
+        assert pinned.get(name) == lower_bound(reqs[name]), (
+            f".ci/lower-bounds.txt pins {name}=={pinned.get(name)}, pyproject.toml's lower bound is "
+            f"{lower_bound(reqs[name])}: keep them in step"
+        )
+        installed = Version(importlib.metadata.version(name))
+        assert reqs[name].specifier.contains(installed, prereleases=True), f"{name} {installed} outside {reqs[name]}"
+        if os.environ.get("TFDEBUG_LOWER_BOUNDS"):  # CI installs exactly the lower bounds
+            assert installed.release == pinned[name].release, f"CI should run {name}=={pinned[name]}, has {installed}"
+    python = PYPROJECT["project"]["requires-python"]
+    assert python.startswith(">="), python
+    assert sys.version_info >= tuple(int(p) for p in python[2:].split("."))
+    page = (ROOT / "docs" / "installation.md").read_text()
+    for name in ("Python", "torch", "lightning", "pytorch_lightning", "torchmetrics"):
+        assert name in page
+    for name in ("lightning", "torch", "torchmetrics"):
+        assert str(lower_bound(reqs[name])) in page, f"docs/installation.md does not state {name}'s lower bound"
+
+
+def _copy_sources(dest: Path) -> None:
+    """The files git would ship (tracked and untracked-not-ignored), so nothing is built inside the checkout."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
+    """Build a wheel (not editable), install it into a fresh venv that borrows this environment's dependencies
+    (offline), then run ``tfdebug --help`` and 20 steps of the demo from a directory outside the checkout."""
+    src, dist, venv, work = (tmp_path / d for d in ("src", "dist", "venv", "work"))
+    _copy_sources(src)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src)],
+        check=True,
+        timeout=300,
+    )
+    wheels = list(dist.glob("lightning_tfdebug-*.whl"))
+    assert len(wheels) == 1, wheels
+    assert lightning_tfdebug.__version__ in wheels[0].name
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    # dependencies from this environment, after the venv's own site-packages (a plain path: this environment's .pth
+    # files, among them the editable install of the checkout, are not processed)
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", wheels[0]],
+        check=True,
+        timeout=300,
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    work.mkdir()
+    where = subprocess.run(
+        [python, "-c", "import lightning_tfdebug as t; print(t.__file__, t.__version__)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert where.startswith(str(site)), f"imported from {where!r}, not from the wheel in {site}"
+    assert lightning_tfdebug.__version__ in where
+    assert (site / "lightning_tfdebug" / "py.typed").exists()
+
+    helped = subprocess.run(
+        [venv / "bin" / "tfdebug", "--help"], cwd=work, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert helped.returncode == 0, helped.stderr
+    assert "replay" in helped.stdout
+
+    for name in ("train.py", "demo.yaml"):
+        shutil.copy2(ROOT / "examples" / name, work / name)
+    demo = subprocess.run(
+        [python, "train.py", "fit", "--config", "demo.yaml", "--trainer.max_steps", "20"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    logs = list((work / "runs" / "demo").glob("version_*/tfdebug/findings-rank0.jsonl"))
+    assert logs, "the demo wrote no findings file"  # TFD410 (info) is written on every 32-bit run
