@@ -86,7 +86,8 @@ class BatchGuard(DebugCallback):
     (or at both ends of a row) while padding belongs at one end; packed batches (position ids restarting inside a
     row, or keys such as ``cu_seqlens`` / ``document_ids``), 3-D/4-D masks and masks that hide most of the text
     (masked-LM or loss masks) are left alone. Labels of another shape than the ids (seq2seq targets, a class per
-    row) get the range and ignored checks, not the padding check.
+    row), and an encoder-decoder's labels (Hugging Face ``config.is_encoder_decoder``) even when their width matches
+    the source's, get the range and ignored checks, not the padding check.
 
     **Between checked batches** nothing is read on the host: a batch whose ids, mask or labels would crash the model
     (``TFD110``, ``TFD112``, ``TFD113``) is diagnosed in ``on_exception`` when the forward raises, before the
@@ -224,6 +225,7 @@ class BatchGuard(DebugCallback):
         self.tokenizer = load_tokenizer(tokenizer)
         self.decode_examples = decode_examples
         self._vocab: int | None = vocab_size
+        self._encoder_decoder = False  # labels are the decoder's targets, not aligned with the input ids
         self._context: int | None = max_length
         self._learned: list[dict[str, FieldSpec]] = []
         self._schema: Schema | None = self._declared
@@ -250,6 +252,11 @@ class BatchGuard(DebugCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        # an encoder-decoder (Hugging Face config flag) is fed labels for its decoder: even when their width matches
+        # the source's, they are not aligned with the input ids or the attention mask (no padding-supervision check)
+        self._encoder_decoder = any(
+            getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True for m in pl_module.modules()
+        )
         if self.vocab_size is None:
             self._vocab, where = find_vocab_size(pl_module)
             if self._vocab is None:
@@ -362,6 +369,7 @@ class BatchGuard(DebugCallback):
                 eos_id=self.eos_id,
                 max_length=self._context,
                 position_ids=view.fields.position_ids if isinstance(view.fields.position_ids, Tensor) else None,
+                labels_aligned=not self._encoder_decoder,
             )
 
     def _check_values(self, trainer: pl.Trainer, view: StepBatch, where: str) -> None:

@@ -273,14 +273,17 @@ def token_statistics(
     eos_id: int | None = None,
     max_length: int | None = None,
     position_ids: Tensor | None = None,
+    labels_aligned: bool = True,
 ) -> Tensor:
     """All value statistics of one language-model batch as one float64 vector (float32 on MPS, which has no
     float64), in the order of :data:`STAT_NAMES`.
 
     1-D inputs are treated as one sequence. ``labels`` may have any shape; supervised padding is counted only when
-    they align with the ids element for element. Runs on the inputs' device under ``no_grad``; no host sync: the caller
-    moves the vector to the host once. Statistics that do not apply (no mask, no labels, no BOS id) are 0. The mask
-    hole statistics are :func:`mask_hole_statistics` (``position_ids`` of the ids' shape tell packed rows apart).
+    they align with the ids element for element (and ``labels_aligned``: an encoder-decoder's labels are the
+    decoder's targets, unrelated to the encoder's padding even when their widths happen to match). Runs on the
+    inputs' device under ``no_grad``; no host sync: the caller moves the vector to the host once. Statistics that do
+    not apply (no mask, no labels, no BOS id) are 0. The mask hole statistics are :func:`mask_hole_statistics`
+    (``position_ids`` of the ids' shape tell packed rows apart).
     """
     with torch.no_grad():
         ids = input_ids if input_ids.ndim >= 2 else input_ids.reshape(1, -1)
@@ -327,7 +330,7 @@ def token_statistics(
                 first_lab = torch.where(bad_lab.any(), lab[bad_lab.long().argmax()], 0).to(acc)
             else:
                 labels_bad, first_lab = zero, zero
-            if lab.numel() == ids.numel():
+            if labels_aligned and lab.numel() == ids.numel():
                 pad_supervised = (~real & ~ignored.reshape(n, width)).sum().to(acc)
             else:
                 pad_supervised = zero

@@ -601,3 +601,21 @@ def test_an_attention_mask_with_holes_is_named_on_two_families_and_the_tokenizer
     healthy = BatchGuard()
     fit(tmp_path / "ok", [healthy], build(family), TwoDocumentsPerRow(mask_from_ids=False, batch_size=4), max_steps=2)
     assert "TFD122" not in codes(healthy) and [f for f in healthy.findings if f.severity != "info"] == []
+
+
+def test_an_encoder_decoders_labels_of_the_sources_width_are_not_taken_for_supervised_padding(tmp_path):
+    # T5: the labels are the decoder's targets; a batch whose target width happens to equal the source's must not be
+    # read as labels aligned with the source's attention mask (TFD115)
+    from tests.healthy_models import HFLM, seq2seq_collate
+
+    rows = [list(range(40, 40 + n)) for n in (20, 24, 16, 24)]  # sources 10/12/8/12, targets 10/12/8/12: same width
+    batches = DataLoader([seq2seq_collate(rows)] * 3, batch_size=None)
+    guard = BatchGuard()
+    fit(tmp_path, [guard], HFLM("t5"), batches, max_steps=3)
+    assert [f for f in guard.findings if f.severity != "info"] == []
+    # the same batch fed to a decoder-only model is aligned: its supervised padding is named
+    batch = seq2seq_collate(rows)
+    batch["labels"] = batch["input_ids"].clone()
+    decoder = BatchGuard()
+    fit(tmp_path / "decoder", [decoder], HFLM("gpt2"), DataLoader([batch] * 3, batch_size=None), max_steps=3)
+    assert "TFD115" in codes(decoder)
