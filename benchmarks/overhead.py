@@ -125,8 +125,20 @@ def design_card() -> list[pl.Callback]:
     ]
 
 
+def _tfdebug(preset: str) -> Callable[[], list[pl.Callback]]:
+    def build() -> list[pl.Callback]:
+        from lightning_tfdebug import TFDebug
+
+        return [TFDebug(preset=preset, summary=False)]
+
+    return build
+
+
 CASES: list[Case] = [
     Case("plain"),
+    # --- issue 14: the one entry ---
+    Case("TFDebug(preset='always')", _tfdebug("always")),
+    Case("TFDebug(preset='full')", _tfdebug("full")),
     # --- issue 13: the whole pack ---
     Case("whole pack (13 callbacks, defaults)", the_pack),
     Case("design card (8 callbacks, defaults)", design_card),
