@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -35,6 +36,10 @@ def check_code(code: str) -> None:
     """Raise a ValueError unless ``code`` looks like ``TFD301`` (TFD + area 1-7 + two digits)."""
     if not isinstance(code, str) or not _CODE_PATTERN.match(code):
         raise ValueError(f"Finding code must look like 'TFD301' (TFD + area 1-7 + two digits), got {code!r}.")
+
+
+class TFDebugWarning(UserWarning):
+    """Category of every warning the pack emits, so users can filter them (``warnings.filterwarnings``)."""
 
 
 class TFDebugError(RuntimeError):
@@ -109,28 +114,58 @@ class Finding:
         return "\n".join(lines)
 
 
-def read_findings(path: str | os.PathLike[str]) -> list[Finding]:
-    """Read a ``findings-rank<r>.jsonl`` file back into :class:`Finding` records."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                out.append(Finding.from_dict(json.loads(line)))
+def read_findings(path: str | os.PathLike[str], *, strict: bool = False) -> list[Finding]:
+    """Read a ``findings-rank<r>.jsonl`` file back into :class:`Finding` records.
+
+    Tolerant by default of the files a crash leaves: the file is read once, as it is at that moment (a writer
+    appending meanwhile adds lines the next read sees), and a line that is not a complete finding (the last line of
+    a process killed mid-write, or anything else unreadable) is skipped with one :class:`TFDebugWarning` naming the
+    file and the lines.
+
+    Args:
+        path: the ``.jsonl`` file.
+        strict: raise ``ValueError`` on the first unreadable line instead of skipping it.
+
+    Raises:
+        OSError: if the file cannot be opened.
+        ValueError: with ``strict=True``, on a line that is not a finding.
+    """
+    with open(path, "rb") as f:
+        data = f.read()  # one read: a snapshot, whatever a writer appends meanwhile
+    lines = data.split(b"\n")
+    out: list[Finding] = []
+    skipped: list[str] = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        cut = number == len(lines)  # no newline after it: the writer had not finished the line
+        try:
+            out.append(Finding.from_dict(json.loads(raw.decode("utf-8"))))
+        except (ValueError, TypeError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+            where = f"line {number}" + (" (the last, cut off: the writer was stopped mid-line)" if cut else "")
+            if strict:
+                raise ValueError(f"{os.fspath(path)}: {where} is not a finding ({err}).") from None
+            skipped.append(where)
+    if skipped:
+        warnings.warn(
+            f"{os.fspath(path)}: skipped {len(skipped)} unreadable line(s): {', '.join(skipped[:5])}"
+            f"{' ...' if len(skipped) > 5 else ''}. The other {len(out)} finding(s) were read.",
+            category=TFDebugWarning,
+            stacklevel=2,
+        )
     return out
 
 
-def append_finding(path: str | os.PathLike[str], finding: Finding) -> None:
-    """Append one finding as a JSON line and flush it to disk at once.
+def append_finding(path: str | os.PathLike[str], finding: Finding) -> bool:
+    """Append one finding as a JSON line and flush it to disk at once; False when the file system refused.
 
     The file is opened in append mode for each finding (findings are rare), so several callbacks can share it and
-    nothing written earlier is ever overwritten.
+    nothing written earlier is ever overwritten. A refused write warns once (see :mod:`lightning_tfdebug.core.io`)
+    and never raises: the finding is still held by the callback that made it.
     """
-    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(finding.to_json() + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    from lightning_tfdebug.core.io import append_line  # io imports this module for TFDebugWarning
+
+    return append_line(path, finding.to_json())
 
 
 def _jsonable(value: Any) -> Any:

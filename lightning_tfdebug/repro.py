@@ -8,6 +8,7 @@ A bundle is a directory ``step<k>-rank<r>/`` holding only data:
 | `batch.pt` | the failing batch (tensors on the CPU, dicts, lists, tuples, numbers, strings) |
 | `rng.pt` | torch CPU and CUDA generator states, NumPy's MT19937 key |
 | `model.pt` | the model's `state_dict()` as of the failing step (absent above the size limit or under sharding) |
+| `training.pt` | optimizer and LR-scheduler `state_dict()`s as of the failing step (same limits as `model.pt`) |
 
 Loading never unpickles arbitrary objects: ``.pt`` files are read with ``torch.load(weights_only=True)`` after their
 checksum is verified, and everything else is JSON. A modified or truncated bundle raises :class:`BundleError`.
@@ -27,7 +28,6 @@ import sys
 import tempfile
 import time
 import traceback
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.core.io import publish_dir, write_text
 from lightning_tfdebug.findings import _jsonable
 
 FORMAT_VERSION = 1
@@ -174,16 +175,10 @@ def run_info(trainer: Any, pl_module: Any) -> dict[str, Any]:
     }
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(_jsonable(data), f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> bool:
+    """Write JSON to a temporary file beside ``path`` and rename it into place; False (warned once, see
+    :mod:`lightning_tfdebug.core.io`) when the file system refuses."""
+    return write_text(path, json.dumps(_jsonable(data), indent=2))
 
 
 # --------------------------------------------------------------------------------------------- bundles
@@ -290,11 +285,17 @@ def write_bundle(
     batch: Any = None,
     rng: Mapping[str, Any] | None = None,
     model_state: Mapping[str, Any] | None = None,
-) -> str:
+    training_state: Mapping[str, Any] | None = None,
+) -> str | None:
     """Write a bundle under ``root`` as ``step<k>-rank<r>`` (``-1``, ``-2``... if taken) and return its path.
 
     Everything is written into a temporary directory beside the target, synced, and renamed in one step, so a
-    bundle either exists complete or not at all, and an earlier bundle is never overwritten.
+    bundle either exists complete or not at all, and an earlier bundle is never overwritten. ``training_state``
+    (``{"optimizers": [...], "lr_schedulers": [...]}``, their ``state_dict()``s) goes to ``training.pt``.
+
+    Returns:
+        The bundle's path, or None when the file system refused (a warning says so once; see
+        :mod:`lightning_tfdebug.core.io`).
     """
     root = os.fspath(root)
     meta = dict(meta)
@@ -317,42 +318,48 @@ def write_bundle(
         except Exception as err:
             reason = f"the model state could not be copied to the host: {type(err).__name__}: {err}"
             meta["model_state"] = {**(meta.get("model_state") or {}), "saved": False, "reason": reason}
-    os.makedirs(root, exist_ok=True)
-    tmp = os.path.join(root, f".tmp-step{step}-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
-    files: dict[str, str] = {}
-    if plain_batch is not None:
-        _save(plain_batch, tmp, "batch.pt", files)
-    if rng is not None:
-        tensors: dict[str, Any] = {"torch": rng["torch"]}
-        if "cuda" in rng:
-            tensors["cuda"] = list(rng["cuda"])
-        if "numpy" in rng:
-            name, key, pos, has_gauss, cached = rng["numpy"]
-            tensors["numpy_key"] = torch.as_tensor(key.astype("int64"))
-            meta["rng_numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
-        if "python" in rng:
-            version, internal, gauss = rng["python"]
-            meta["rng_python"] = {"version": version, "state": list(internal), "gauss": gauss}
-        _save(tensors, tmp, "rng.pt", files)
-    if cpu_state is not None:
-        _save(cpu_state, tmp, "model.pt", files)
-    meta["files"] = files
-    with open(os.path.join(tmp, BUNDLE_META), "w", encoding="utf-8") as f:
-        json.dump(_jsonable(meta), f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    suffix = 0
-    while True:
-        final = os.path.join(root, f"step{step}-rank{rank}" + (f"-{suffix}" if suffix else ""))
-        if not os.path.exists(final):
-            try:
-                os.rename(tmp, final)  # atomic; fails if another writer took the name meanwhile
-                return final
-            except OSError:
-                if not os.path.exists(final):
-                    raise
-        suffix += 1
+    plain_training = None
+    if training_state is not None:
+        dropped_training: list[str] = []
+        try:
+            plain_training = to_plain(dict(training_state), dropped_training, "training_state")
+            meta["training_state_dropped"] = dropped_training
+        except Exception as err:
+            meta["training_state_error"] = f"could not be copied to the host: {type(err).__name__}: {err}"
+
+    def build(tmp: str) -> None:
+        files: dict[str, str] = {}
+        if plain_batch is not None:
+            _save(plain_batch, tmp, "batch.pt", files)
+        if rng is not None:
+            tensors: dict[str, Any] = {"torch": rng["torch"]}
+            if "cuda" in rng:
+                tensors["cuda"] = list(rng["cuda"])
+            if "numpy" in rng:
+                name, key, pos, has_gauss, cached = rng["numpy"]
+                tensors["numpy_key"] = torch.as_tensor(key.astype("int64"))
+                meta["rng_numpy"] = {
+                    "name": name,
+                    "pos": int(pos),
+                    "has_gauss": int(has_gauss),
+                    "cached": float(cached),
+                }
+            if "python" in rng:
+                version, internal, gauss = rng["python"]
+                meta["rng_python"] = {"version": version, "state": list(internal), "gauss": gauss}
+            _save(tensors, tmp, "rng.pt", files)
+        if cpu_state is not None:
+            _save(cpu_state, tmp, "model.pt", files)
+        if plain_training is not None:
+            _save(plain_training, tmp, "training.pt", files)
+        meta["files"] = files
+        with open(os.path.join(tmp, BUNDLE_META), "w", encoding="utf-8") as f:
+            json.dump(_jsonable(meta), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+
+    # Built in a temporary directory and renamed into place (complete or absent, never over an earlier bundle).
+    return publish_dir(build, root, f"step{step}-rank{rank}")
 
 
 @dataclass
@@ -364,6 +371,7 @@ class Bundle:
     batch: Any = None
     rng: dict[str, Any] | None = None
     model_state: dict[str, Tensor] | None = None
+    training_state: dict[str, Any] | None = None
 
     @property
     def exception(self) -> dict[str, Any]:
@@ -410,7 +418,7 @@ def load_bundle(path: str | os.PathLike[str], *, load_model: bool = True) -> Bun
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         raise BundleError(f"{meta_path} has no valid 'files' table.")
     for name in files:
-        if name not in ("batch.pt", "rng.pt", "model.pt"):
+        if name not in ("batch.pt", "rng.pt", "model.pt", "training.pt"):
             raise BundleError(f"{meta_path} lists an unexpected file {name!r}.")
     bundle = Bundle(directory, meta)
     if "batch.pt" in files:
@@ -432,6 +440,8 @@ def load_bundle(path: str | os.PathLike[str], *, load_model: bool = True) -> Bun
         bundle.rng = rng
     if load_model and "model.pt" in files:
         bundle.model_state = _load_pt(directory, "model.pt", files["model.pt"])
+    if load_model and "training.pt" in files:
+        bundle.training_state = _load_pt(directory, "training.pt", files["training.pt"])
     return bundle
 
 
@@ -490,7 +500,27 @@ def _identity_transfer(batch: Any, dataloader_idx: int = 0) -> Any:
     return batch
 
 
-def _replay_callback(bundle: Bundle, notes: list[str]) -> Any:
+def _restore_training_state(trainer: Any, state: Mapping[str, Any], notes: list[str]) -> None:
+    """Load the bundle's optimizer and LR-scheduler states into the replay Trainer's, one by one, in order."""
+    optimizers = list(state.get("optimizers") or [])
+    schedulers = list(state.get("lr_schedulers") or [])
+    if len(optimizers) != len(trainer.optimizers) or len(schedulers) != len(trainer.lr_scheduler_configs):
+        notes.append(
+            f"the run had {len(optimizers)} optimizer(s) and {len(schedulers)} LR scheduler(s), the replayed module "
+            f"configures {len(trainer.optimizers)} and {len(trainer.lr_scheduler_configs)}: their states were not "
+            "restored"
+        )
+        return
+    try:
+        for optimizer, saved in zip(trainer.optimizers, optimizers):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(trainer.lr_scheduler_configs, schedulers):
+            config.scheduler.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:
+        notes.append(f"the optimizer or LR-scheduler state does not fit the replayed module ({err}); not restored")
+
+
+def _replay_callback(bundle: Bundle, notes: list[str], load_state: bool = True) -> Any:
     import lightning.pytorch as pl
 
     step = int(bundle.meta.get("step", 0))
@@ -503,6 +533,10 @@ def _replay_callback(bundle: Bundle, notes: list[str]) -> Any:
                 trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total.completed = step
             except AttributeError:
                 notes.append(f"global_step could not be set to {step}; the replayed step runs as step 0")
+            if load_state and bundle.training_state is not None:
+                _restore_training_state(trainer, bundle.training_state, notes)
+            elif load_state:
+                notes.append("the bundle holds no optimizer or LR-scheduler state: they start fresh")
 
         def on_train_batch_start(
             self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int
@@ -544,7 +578,9 @@ def replay(
         module: a freshly built instance of the run's LightningModule.
         accelerator: ``"cpu"``, ``"gpu"``...; default: the run's if available here, else the CPU.
         precision: default: the run's (``16-mixed`` becomes ``32-true`` on the CPU).
-        load_state: load the saved model state (or checkpoint) into ``module`` first.
+        load_state: load the saved model state (or checkpoint) into ``module`` first, and the optimizers' and LR
+            schedulers' states (when the bundle holds them) into the replay's, so a failure that depends on them
+            (Adam's moments, the LR the schedule reached) replays.
 
     Raises:
         BundleError: the bundle is unusable or holds no batch.
@@ -607,7 +643,7 @@ def replay(
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[_replay_callback(loaded, notes)],
+            callbacks=[_replay_callback(loaded, notes, load_state)],
             default_root_dir=scratch,
         )
         # The batch was saved after it reached the device: do not run the batch-transfer hooks on it a second time.

@@ -401,10 +401,10 @@ _RULES: tuple[Rule, ...] = (
         "TFD208",
         "info",
         "MaskProbe",
-        title="the context limit, and what a sequence one token longer does",
+        title="the context limit, and where it was read",
         trigger=(
-            "states the context limit and what a sequence one token longer does (error or silent extrapolation; CPU "
-            "only)"
+            "states the context limit and where it was read, once a sequence of that length ran (nothing longer is "
+            "ever sent to the model)"
         ),
         hint=("Cut or chunk batches to the context limit before the forward (BatchGuard checks batches against it)."),
     ),
@@ -1437,6 +1437,20 @@ _RULES: tuple[Rule, ...] = (
         title="the loss on the probe batch after resuming differs from the loss at save time",
         trigger="the loss on the stored probe batch right after resuming differs from the loss at save time",
         hint="the model that trains is not the one saved: re-initialised, dtype or architecture changed",
+    ),
+    Rule(
+        "TFD716",
+        "error",
+        "CheckpointAudit",
+        title="a checkpoint this run wrote is truncated, corrupt or incomplete",
+        trigger=(
+            "a checkpoint file this run wrote cannot be read back (cut short, not a valid archive), or a sharded "
+            "distributed-checkpoint directory lacks its metadata or a shard file the metadata lists"
+        ),
+        hint=(
+            "a full disk, a quota, or a process killed while saving; free space, then resume from an earlier "
+            "checkpoint that checks out"
+        ),
     ),
 )
 

@@ -98,10 +98,13 @@ def test_an_unregistered_code_or_a_code_of_another_callback_is_refused(tmp_path)
         def on_train_batch_end(self, trainer, *args) -> None:
             self.emit(trainer, self.code, "never")
 
-    with pytest.raises(KeyError, match=r"TFD397.*not in lightning_tfdebug\.rules\.RULES"):
-        fit_tiny(tmp_path, [Stray("TFD397")], max_steps=1)
-    with pytest.raises(ValueError, match="Stray emitted TFD312, which belongs to UpdateRatio"):
-        fit_tiny(tmp_path, [Stray("TFD312")], max_steps=1)
+    # A bug in a callback's own code: the guard reports it once (with the traceback) and the callback stands aside.
+    unregistered, foreign = Stray("TFD397"), Stray("TFD312")
+    fit_tiny(tmp_path / "a", [unregistered], max_steps=1)
+    fit_tiny(tmp_path / "b", [foreign], max_steps=1)
+    assert re.search(r"KeyError: .*TFD397.*not in lightning_tfdebug\.rules\.RULES", unregistered.failure["error"])
+    assert foreign.failure["error"] == "ValueError: Stray emitted TFD312, which belongs to UpdateRatio."
+    assert not unregistered.active and not foreign.active
 
 
 def test_register_rule_refuses_a_different_rule_under_a_taken_code():

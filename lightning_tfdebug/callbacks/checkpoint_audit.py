@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
+from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import loss_of, step_batch
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
@@ -54,8 +54,11 @@ class CheckpointAudit(DebugCallback):
     under the precision plugin's key, loop progress (``loops``, ``global_step``, ``epoch``), and every callback's
     state. The callback wraps the strategy's ``CheckpointIO.save_checkpoint``, so right after the file is written
     (rank 0) it opens the file and compares (``TFD701`` to ``TFD708``). An asynchronous writer's file is checked at the
-    next batch. Checkpoints written outside the ``CheckpointIO`` (distributed-checkpoint directories of FSDP /
-    ``ModelParallelStrategy``) are reported as not checked (``TFD709``, info).
+    next batch. Files are opened with ``torch.load(weights_only=True)`` first; only because this run wrote the file
+    itself may a full unpickling follow (hyper-parameters or callback state holding other objects). A file that
+    cannot be read back (cut short by a full disk or a killed save, not a valid archive) is ``TFD716``. A sharded
+    distributed-checkpoint directory (FSDP / ``ModelParallelStrategy``) is checked from its ``.metadata`` at the next
+    batch end (rank 0, no tensor read): every shard file it lists must exist and hold its items (``TFD716``).
 
     **On resume.** ``on_load_checkpoint`` records what the checkpoint holds (a checksum of every floating tensor,
     optimizer step counts, LRs, the loss scale, the global step); at ``on_train_start`` the live objects must match
@@ -71,7 +74,8 @@ class CheckpointAudit(DebugCallback):
     optimizer state incomplete, ``TFD705`` scheduler state missing, ``TFD706`` GradScaler state missing,
     ``TFD707`` loop progress missing, ``TFD708`` callback state missing, ``TFD709`` (info) not checked or weights-only,
     ``TFD710`` restored weights differ, ``TFD711`` optimizer step counts differ, ``TFD712`` learning rate differs,
-    ``TFD713`` loss scale differs, ``TFD714`` global step differs, ``TFD715`` probe loss differs after resume.
+    ``TFD713`` loss scale differs, ``TFD714`` global step differs, ``TFD715`` probe loss differs after resume,
+    ``TFD716`` a checkpoint this run wrote is truncated, corrupt or incomplete.
 
     Logged keys: none (the audit is pass/fail; evidence goes into the findings).
 
@@ -125,6 +129,7 @@ class CheckpointAudit(DebugCallback):
         self._probe_loss_step: int | None = None
         self._expected: dict[str, Any] | None = None
         self._pending_files: list[tuple[str, dict[str, Any]]] = []
+        self._sharded_due = False  # a sharded save happened; rank 0 checks its directory at the next batch end
         self._resolve_due = False
         self._verified_since_save = True
         self._io: Any = None
@@ -203,7 +208,12 @@ class CheckpointAudit(DebugCallback):
         device = pl_module.device
         devices = [device.index or 0] if device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), trainer.precision_plugin.train_step_context():
+            with (
+                eager_model_calls(),  # a compiled forward runs eagerly: the probe batch compiles nothing new
+                torch.random.fork_rng(devices=devices),
+                torch.no_grad(),
+                trainer.precision_plugin.train_step_context(),
+            ):
                 pl_module.eval()
                 loss = loss_of(quiet_training_step(pl_module, batch, 0))
         except Exception as err:  # a training_step that cannot be replayed on a stored batch
@@ -240,29 +250,43 @@ class CheckpointAudit(DebugCallback):
         strategy = type(trainer.strategy).__name__
         sharded = "ModelParallel" in strategy or getattr(trainer.strategy, "_state_dict_type", "full") == "sharded"
         if sharded and trainer.is_global_zero:
+            # The strategy writes the directory itself, without the CheckpointIO: its metadata is checked once the
+            # save has finished, at the next batch end (see `_check_sharded`).
             self._verified_since_save = True
-            self.emit(
-                trainer,
-                "TFD709",
-                f"Checkpoint at step {trainer.global_step} not checked: the {strategy} strategy writes a sharded "
-                "distributed-checkpoint directory, which CheckpointAudit does not open.",
-                {"strategy": strategy},
-                hint="Verify by resuming: the resume checks (TFD710-TFD715) still run.",
-                key="sharded",
-                synchronized=False,
-            )
+            self._sharded_due = True
+
+    def _check_sharded(self, trainer: pl.Trainer) -> None:
+        """Rank 0, after a sharded save: the distributed-checkpoint directory's metadata must list only shard files
+        that exist and hold their items (no tensor is read)."""
+        self._sharded_due = False
+        callback = trainer.checkpoint_callback
+        path = getattr(callback, "_last_checkpoint_saved", "") or getattr(callback, "last_model_path", "")
+        if not path or not os.path.isdir(path):
+            self._not_checked(trainer, path or "(sharded save)", "the sharded checkpoint directory was not found")
+            return
+        verdicts = checkpoints.sharded_problems(path)
+        for verdict in verdicts:
+            self._emit(trainer, verdict, key=f"sharded:{path}", synchronized=False)
+        if not verdicts:
+            self.checked_files.append(path)
 
     def _verify_pending(self, trainer: pl.Trainer) -> None:
         still = []
         for path, expected in self._pending_files:
             if os.path.isdir(path):
-                self._not_checked(trainer, path, "it is a directory (a distributed checkpoint)")
+                for verdict in checkpoints.sharded_problems(path):
+                    self._emit(trainer, verdict, key=f"sharded:{path}", synchronized=False)
+                self.checked_files.append(path)
                 continue
             if not os.path.exists(path):
                 still.append((path, expected))  # an asynchronous writer has not finished yet
                 continue
             try:
-                loaded = _load(path)
+                # weights_only first; a full unpickling only because this run wrote the file itself
+                loaded, _ = checkpoints.load_checkpoint(path, written_by_this_run=True)
+            except checkpoints.DamagedCheckpoint as damaged:
+                self._emit(trainer, damaged.verdict, key=f"damaged:{path}", synchronized=False)
+                continue
             except Exception as err:
                 self.emit(
                     trainer,
@@ -316,6 +340,8 @@ class CheckpointAudit(DebugCallback):
         """Verify files an asynchronous writer finished, then resolve rank-local findings on every rank together."""
         if self._pending_files:
             self._verify_pending(trainer)
+        if self._sharded_due and trainer.is_global_zero:
+            self._check_sharded(trainer)
         if not self._resolve_due:
             return
         self._resolve_due = False  # set on every rank by on_save_checkpoint, so all ranks arrive here together
@@ -404,12 +430,3 @@ class CheckpointAudit(DebugCallback):
         self._probe_batch = state_dict.get("probe_batch")
         self._probe_loss = state_dict.get("probe_loss")
         self._probe_loss_step = state_dict.get("probe_loss_step")
-
-
-def _load(path: str) -> Any:
-    """The checkpoint file as a resume reads it. Memory-mapped where the format allows, so that checking shapes and
-    keys does not read every tensor of a large file into memory."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError:  # legacy (non-zip) serialization cannot be memory-mapped
-        return torch.load(path, map_location="cpu", weights_only=False)

@@ -13,9 +13,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.base import DebugCallback, check_number, model_is_compiled
 from lightning_tfdebug.core.distributed import clean_param_name, packed_reduce, world_size
-from lightning_tfdebug.core.model import in_training_step, is_compiled
+from lightning_tfdebug.core.model import in_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.activation_checks import ActivationHistory, ActivationThresholds, decide_activations
 from lightning_tfdebug.functional.activations import (
@@ -312,7 +312,7 @@ class DeadActivation(DebugCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.active:
             return
-        if is_compiled(trainer, pl_module):
+        if model_is_compiled(trainer, pl_module):
             # Same model on every rank, so every rank stands aside together and no collective is left waiting.
             self._report_unobservable(
                 trainer,
@@ -542,7 +542,7 @@ class DeadActivation(DebugCallback):
             self._report_unobservable(
                 trainer,
                 "none of the hooked activation modules ran during the training forward"
-                + (" (the model is compiled)" if is_compiled(trainer, pl_module) else "")
+                + (" (the model is compiled)" if model_is_compiled(trainer, pl_module) else "")
                 + ", so activations cannot be observed.",
                 compiled=False,
                 step=step,

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
+from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, logits_of, loss_of, step_batch
 from lightning_tfdebug.core.model import find_context_length, import_object, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
@@ -57,8 +57,11 @@ class MaskProbe(DebugCallback):
       not move (``TFD203``). Batches that pad while the model is called without a mask get ``TFD204``. Both probes
       run when the forward names a mask argument or the batch carries a mask.
     - **Positions**: a sequence exactly at the context limit (``context_limit``, or read from the module's
-      hyperparameters, its Hugging Face config or a position embedding) must run (``TFD207``); on CPU, one past it
-      is tried and ``TFD208`` states the limit and what happens past it, instead of an index error deep in a run.
+      hyperparameters, its Hugging Face config or a position embedding) must run (``TFD207``), and ``TFD208`` states
+      the limit and where it was read. No probe feeds the model anything it could fail on natively: nothing past
+      that limit (nor, when no limit is known, past the batch's own length) and only token ids taken from the batch
+      (past its limit a compiled kernel aborts the process and CUDA raises a device-side assert; neither can be
+      caught). Under ``torch.compile`` the probes run the model eagerly, so they add no recompile.
       With ``kv_cache_fn``, the logits decoded incrementally must equal the full forward's at every position
       (``TFD209``: off-by-one cache positions, rotary offsets).
     - **Target alignment** (decoders, automatic optimization): the module's own ``training_step`` is called
@@ -344,7 +347,12 @@ class MaskProbe(DebugCallback):
         values: dict[str, Tensor | float] = {}
         decisions: list[Decision] = []
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), trainer.precision_plugin.train_step_context():
+            with (
+                eager_model_calls(),  # a compiled forward runs eagerly: the probes' shapes compile nothing new
+                torch.random.fork_rng(devices=devices),
+                torch.no_grad(),
+                trainer.precision_plugin.train_step_context(),
+            ):
                 pl_module.eval()
                 gen = torch.Generator().manual_seed(1234 + trainer.global_step)
                 if full:
@@ -461,7 +469,9 @@ class MaskProbe(DebugCallback):
         # (b) adding padding on the side the batch pads must not change the real tokens' logits
         side = probes.probe_padding_side(self.padding_side, mask_full)  # host sync on "auto": probe step only
         real = mask if mask is not None else ones
-        t, extra = probes.padding_extra(t, self._limit_for(trainer))
+        # Learned from configuration, else from the batch: a padded probe never exceeds the configured context limit,
+        # nor, when none is known, the batch's own length (what the training step feeds the model anyway).
+        t, extra = probes.padding_extra(t, self._limit_for(trainer) or ids_full.shape[1])
         if t < 2:
             return
         ids, real = ids[:, :t], real[:, :t]
@@ -486,6 +496,9 @@ class MaskProbe(DebugCallback):
     def _limit_for(self, trainer: pl.Trainer) -> int | None:
         return self.context_limit or find_context_length(trainer.lightning_module)[0]
 
+    def _limit_source(self, trainer: pl.Trainer) -> str:
+        return "`context_limit`" if self.context_limit else find_context_length(trainer.lightning_module)[1]
+
     def _probe_positions(
         self,
         trainer: pl.Trainer,
@@ -509,16 +522,9 @@ class MaskProbe(DebugCallback):
         except Exception as err:  # the model fails within its own limit: that is the finding
             self._emit(trainer, probes.context_failure_verdict(limit, err))
             return
-        if row.device.type != "cpu":
-            return  # past the limit an index error is a device-side assert on CUDA: only tried on CPU
-        past_error: Exception | None = None
-        try:
-            self._logits(long_row[:, : limit + 1], torch.ones_like(long_row[:, : limit + 1]))
-        except _CallError:
-            raise
-        except Exception as err:
-            past_error = err
-        self._emit(trainer, probes.context_limit_verdict(limit, past_error))
+        # Never past the limit: a sequence the model cannot take fails natively in compiled code (an inductor kernel
+        # aborts the process) and as a device-side assert on CUDA, neither of which any handler can catch.
+        self._emit(trainer, probes.context_limit_verdict(limit, source=self._limit_source(trainer)))
 
     def _probe_kv_cache(
         self,

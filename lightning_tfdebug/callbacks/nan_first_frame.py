@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
+from lightning_tfdebug.core.base import (
+    DebugCallback,
+    TFDebugWarning,
+    check_choice,
+    check_number,
+    eager_model_calls,
+    model_is_compiled,
+)
 from lightning_tfdebug.core.batch import loss_of
 from lightning_tfdebug.core.distributed import all_gather_vector, local_tensor, world_size
+from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.finite import flagged_ranks, grads_nonfinite_flag, nonfinite_flag
-from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_frames, weight_ranges, window, write_report
+from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_frames, weight_ranges, window
 
 Mode = Literal["lazy", "eager"]
 _MODES = ("lazy", "eager")
@@ -129,6 +140,7 @@ class NaNFirstFrame(DebugCallback):
         self._loss_bad: Tensor | None = None
         self._micro: list[tuple[Any, int, dict[str, Any]]] = []
         self._recorder: FrameRecorder | None = None
+        self._mode: Mode = mode  # the mode this fit runs in: eager falls back to lazy on a compiled model
 
     @property
     def state_key(self) -> str:
@@ -138,7 +150,18 @@ class NaNFirstFrame(DebugCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
         self._sharded = any(local_tensor(p) is not p for p in self._params)
-        if self.mode == "eager" and self.active:
+        self._mode = self.mode
+        if self.mode == "eager" and self.active and model_is_compiled(trainer, pl_module):
+            # Frame hooks inside compiled code would be traced into it and recompile it at every step (their record
+            # count is guarded on) until Dynamo's limit; lazy mode replays a bad step eagerly instead.
+            self._mode = "lazy"
+            rank_zero_warn(
+                "NaNFirstFrame: the model is compiled with torch.compile, so eager mode's frame hooks would recompile "
+                "it at every step; running in lazy mode (a bad step is replayed eagerly, hooks on). Inf/nan that "
+                "never reaches the loss or the gradients (TFD402) is not looked for.",
+                category=TFDebugWarning,
+            )
+        if self._mode == "eager" and self.active:
             self._recorder = FrameRecorder(pl_module, backward=True).attach()
             self._recorder.enabled = False
 
@@ -162,7 +185,7 @@ class NaNFirstFrame(DebugCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if not self.active:
             return
-        if self.mode == "lazy":
+        if self._mode == "lazy":
             if len(self._micro) >= _MAX_KEPT_MICRO_BATCHES:
                 self._micro.pop(0)
             self._micro.append((batch, idx, _rng_state(pl_module.device)))  # a reference, no copy
@@ -240,15 +263,18 @@ class NaNFirstFrame(DebugCallback):
             self.log_scalars(trainer, {"nan_first_frame/skipped_steps": float(self.skipped_steps)})
         if len(self.reports) >= self.max_reports:
             return
-        if self.mode == "lazy" and bad_ranks:
+        if self._mode == "lazy" and bad_ranks:
             recorder, error = self._replay(trainer, pl_module)
-        elif self.mode == "eager" and self._recorder is not None:
+        elif self._mode == "eager" and self._recorder is not None:
             recorder, error = self._recorder, None
         else:
             return
         summary, lines = self._report(trainer, recorder, rows, bad_ranks, frame_ranks, error)
         stem = f"nan-step{step}-rank{trainer.global_rank}"
-        txt_path, json_path = write_report(self.tfdebug_dir, stem, summary, lines)
+        txt_path, json_path = (os.path.join(self.tfdebug_dir, stem + ext) for ext in (".txt", ".json"))
+        # Through the pack's writer: a refused write warns once and the report still reaches the finding's evidence.
+        write_text(json_path, json.dumps(summary, indent=1, default=str, allow_nan=False))
+        write_text(txt_path, "\n".join(lines) + "\n")
         self.reports.append(txt_path)
         self._emit(trainer, summary, txt_path, json_path, bad_ranks, frame_ranks, error)
 
@@ -269,7 +295,8 @@ class NaNFirstFrame(DebugCallback):
             recorder.attach()
             for batch, batch_idx, rng in list(self._micro):
                 _set_rng_state(rng, device)
-                with torch.enable_grad(), trainer.precision_plugin.train_step_context():
+                # eagerly under torch.compile: the frame hooks run, and the replay compiles nothing new
+                with eager_model_calls(), torch.enable_grad(), trainer.precision_plugin.train_step_context():
                     loss = loss_of(quiet_training_step(pl_module, batch, batch_idx))
                 if loss is None:
                     continue
@@ -333,7 +360,7 @@ class NaNFirstFrame(DebugCallback):
             "rank": rank,
             "world_size": world_size(),
             "precision": str(trainer.precision),
-            "mode": self.mode,
+            "mode": self._mode,
             "loss_nonfinite": bool(rows[rank][0] > 0),
             "grad_nonfinite": bool(rows[rank][1] > 0),
             "nonfinite_ranks": bad_ranks,
@@ -348,7 +375,7 @@ class NaNFirstFrame(DebugCallback):
         ff, fb = summary["first_forward"], summary["first_backward"]
         lines = [
             f"NaNFirstFrame report: step {summary['step']}, batch {summary['batch_idx']}, rank {rank} of "
-            f"{summary['world_size']}, precision {summary['precision']}, mode {self.mode}",
+            f"{summary['world_size']}, precision {summary['precision']}, mode {self._mode}",
             f"non-finite loss or gradients on rank(s): {bad_ranks or 'none'}; "
             f"non-finite module outputs on rank(s): {frame_ranks or 'none'}",
             "first non-finite forward frame on this rank: "

@@ -23,6 +23,7 @@ from lightning_tfdebug.core.distributed import (
     plan_sharding,
 )
 from lightning_tfdebug.core.groups import training_model
+from lightning_tfdebug.core.io import append_line, make_dirs
 from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.rank_checks import RankDiagnosis, per_rank_metrics
@@ -188,7 +189,7 @@ class PerRankLogger(DebugCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # caches log_dir (a collective under DDP) once, on every rank
         self._reset()
-        os.makedirs(self.tfdebug_dir, exist_ok=True)
+        make_dirs(self.tfdebug_dir)  # False (warned once) if the disk refuses; records then stay off disk
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock = StepClock(trainer.strategy.root_device)
@@ -329,8 +330,7 @@ class PerRankLogger(DebugCallback):
             "batch_fingerprint": int(mine["fingerprint"]) if mine["fingerprint"] >= 0 else None,
             "param_checksum": mine["checksum"],
         }
-        with open(self.rank_file, "a") as f:
-            f.write(json.dumps(record, allow_nan=True) + "\n")
+        append_line(self.rank_file, json.dumps(record, allow_nan=True), sync=False)  # never raises on a full disk
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

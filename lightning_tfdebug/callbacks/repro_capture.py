@@ -11,6 +11,7 @@ import torch
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
 from lightning_tfdebug.core.distributed import DTensor
+from lightning_tfdebug.core.io import write_failures
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.repro import (
     capture_rng,
@@ -48,7 +49,9 @@ class ReproCapture(DebugCallback):
     each rank then writes ``<trainer.log_dir>/tfdebug/repro/step<k>-rank<r>/`` with the batch, the RNG states taken
     before the step, the step, batch index and epoch, the exception and its traceback, the run set-up, and the
     model's ``state_dict()`` as of the failing step when it is at most ``max_state_mb`` (default 512 MB, about 128M
-    fp32 parameters) and not sharded; otherwise the path of the last checkpoint. The bundle is written into a
+    fp32 parameters) and not sharded; otherwise the path of the last checkpoint. With the model state go the
+    optimizers' and LR schedulers' ``state_dict()``\ s (``training.pt``), so a failure that depends on Adam's moments
+    or on the LR the schedule reached replays too. The bundle is written into a
     temporary directory and renamed into place: it is complete or absent, never overwrites an earlier one (a suffix
     ``-1``, ``-2``... is added), and exists before the exception reaches the user. A part that cannot be copied to
     the host (the model state after a CUDA device-side assert) is left out and ``bundle.json`` says why.
@@ -135,7 +138,7 @@ class ReproCapture(DebugCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        if trainer.callbacks and trainer.callbacks[0] is not self:
+        if self in trainer.callbacks and trainer.callbacks[0] is not self:  # (inside TFDebug, the pack moves)
             # Take the batch first, so that a batch another callback rejects in its own `on_train_batch_start`
             # (BatchGuard with on_finding="raise") is still in the bundle. A new list, not an in-place move: Lightning
             # is iterating the current one to call `setup`.
@@ -194,6 +197,9 @@ class ReproCapture(DebugCallback):
             return
         try:
             path = self._write(trainer, pl_module, exception)
+            if path is None:  # the file system refused; the writer warned once and recorded why
+                refused = write_failures()
+                raise OSError(refused[-1].error if refused else f"the file system refused {self.repro_dir}")
         except Exception as err:  # never mask the exception that is propagating
             self.emit(
                 trainer,
@@ -233,7 +239,7 @@ class ReproCapture(DebugCallback):
             synchronized=False,
         )
 
-    def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> str:
+    def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> str | None:
         in_batch = self._batch is not None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # Host sync, on failure only: let the queued non-blocking batch copy finish before it is read. After a
@@ -257,6 +263,8 @@ class ReproCapture(DebugCallback):
             "reason": reason,
             "checkpoint": self._last_checkpoint(trainer),
         }
+        training_state, training_reason = self._training_state(trainer, model_state is not None)
+        meta["training_state"] = {"saved": training_state is not None, "reason": training_reason}
         return write_bundle(
             self.repro_dir,
             step=step,
@@ -265,6 +273,7 @@ class ReproCapture(DebugCallback):
             batch=self._batch if in_batch else None,
             rng=self._rng,
             model_state=model_state,
+            training_state=training_state,
         )
 
     def _model_state(self, pl_module: pl.LightningModule) -> tuple[dict[str, Any] | None, str]:
@@ -278,6 +287,21 @@ class ReproCapture(DebugCallback):
         if size > self.max_state_mb * 2**20:
             return None, f"state of {size / 2**20:.0f} MB exceeds max_state_mb={self.max_state_mb:g}"
         return state, f"{size / 2**20:.1f} MB"
+
+    def _training_state(self, trainer: pl.Trainer, model_saved: bool) -> tuple[dict[str, Any] | None, str]:
+        """The optimizers' and LR schedulers' states, saved when the model state is (same size and sharding limits):
+        a replay that restores Adam's moments onto other weights would not be the failing step either."""
+        if not model_saved:
+            return None, "saved only with the model state"
+        optimizers = [opt.state_dict() for opt in trainer.optimizers]
+        tensors = [v for opt in optimizers for s in opt["state"].values() for v in s.values() if torch.is_tensor(v)]
+        if any(isinstance(v, DTensor) for v in tensors):
+            return None, "the optimizer state is sharded (DTensor); see the last checkpoint"
+        size = sum(v.numel() * v.element_size() for v in tensors)
+        if size > self.max_state_mb * 2**20:
+            return None, f"optimizer state of {size / 2**20:.0f} MB exceeds max_state_mb={self.max_state_mb:g}"
+        schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+        return {"optimizers": optimizers, "lr_schedulers": schedulers}, f"{size / 2**20:.1f} MB"
 
     @staticmethod
     def _last_checkpoint(trainer: pl.Trainer) -> str | None:

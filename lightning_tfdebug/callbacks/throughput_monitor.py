@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
 from lightning_tfdebug.core.distributed import all_gather_vector
+from lightning_tfdebug.core.io import write_atomic, write_text
 from lightning_tfdebug.core.model import import_object
 from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
 from lightning_tfdebug.core.tracking import RunningWindow
@@ -471,17 +472,16 @@ class ThroughputMonitor(DebugCallback):
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
         out = os.path.join(self.tfdebug_dir, "profile")
-        os.makedirs(out, exist_ok=True)
         rank = trainer.global_rank
         trace = os.path.join(out, f"rank{rank}.pt.trace.json")
-        profiler.export_chrome_trace(trace)
+        written = write_atomic(trace, profiler.export_chrome_trace)  # False (warned once) if the disk refuses
         cuda = trainer.strategy.root_device.type == "cuda"
         sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=sort_by, row_limit=self.profile_row_limit)
         top = os.path.join(out, f"rank{rank}-top_ops.txt")
-        with open(top, "w") as f:
-            f.write(f"optimizer steps {self.profile_steps[0]} to {self.profile_steps[1] - 1}, rank {rank}\n{table}\n")
-        rank_zero_info(f"ThroughputMonitor: profile written to {trace} (Perfetto / TensorBoard) and {top}.")
+        header = f"optimizer steps {self.profile_steps[0]} to {self.profile_steps[1] - 1}, rank {rank}"
+        if write_text(top, f"{header}\n{table}\n") and written:
+            rank_zero_info(f"ThroughputMonitor: profile written to {trace} (Perfetto / TensorBoard) and {top}.")
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -11,9 +11,14 @@ Subclasses call, in their hooks:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-from collections.abc import Mapping
-from typing import Any
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -21,13 +26,90 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
+from lightning_tfdebug.core.io import append_line
 from lightning_tfdebug.core.messages import pack_warning
-from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding, Severity, TFDebugError, append_finding
+from lightning_tfdebug.findings import (
+    ON_FINDING_CHOICES,
+    Finding,
+    OnFinding,
+    Severity,
+    TFDebugError,
+    TFDebugWarning,
+    append_finding,
+)
 from lightning_tfdebug.rules import rule
 
+# Lightning's hooks: every `on_*` method of `Callback`, plus `setup` and `teardown`.
+_HOOKS = frozenset(n for n in dir(Callback) if n.startswith("on_") or n in ("setup", "teardown"))
+# Hooks that still run after a callback failed, so it can remove its module hooks and release what it holds.
+_CLEANUP_HOOKS = frozenset({"teardown", "on_train_end", "on_fit_end", "on_exception"})
 
-class TFDebugWarning(UserWarning):
-    """Category of every warning the pack emits, so users can filter them (``warnings.filterwarnings``)."""
+
+class TFDebugCallbackError(RuntimeError):
+    """A callback of the pack failed in its own code on one rank of a multi-process run.
+
+    Standing aside on that rank alone would leave the other ranks waiting in the callback's next collective (a hang),
+    so the guard ends the run instead; the traceback is in ``<log_dir>/tfdebug/callback-errors-rank<r>.txt``.
+    """
+
+
+@contextlib.contextmanager
+def eager_model_calls() -> Iterator[None]:
+    """Run the pack's own calls of the user's model (probes, replays) eagerly, even where its code is compiled.
+
+    A probe's shapes and ``eval()`` mode differ from the training step's, so calling a compiled forward would compile
+    new graphs (recompiles the user's run would not have had, up to Dynamo's recompile limit, after which the
+    user's own code runs uncompiled). ``torch.compiler.set_stance("force_eager")`` runs compiled functions as plain
+    Python for the duration, compiling nothing and leaving the user's compiled graphs and their guards untouched.
+    Costs about 0.2 ms to enter, so it wraps a probe, never a per-step hook.
+    """
+    if "torch._dynamo" not in sys.modules:  # nothing in this process compiled anything
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+def model_is_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether ``torch.compile`` wraps the model, a submodule, or replaced a module's ``forward``
+    (``self.forward = torch.compile(self.forward)``). Module hooks added to such code are traced into it: hooks
+    that come and go, or whose state changes, make Dynamo recompile it."""
+    from lightning_tfdebug.core.model import is_compiled
+
+    if is_compiled(trainer, pl_module):
+        return True
+    for module in pl_module.modules():
+        forward = module.__dict__.get("forward")
+        if hasattr(forward, "_torchdynamo_orig_callable") or hasattr(
+            getattr(forward, "__func__", None), "_torchdynamo_orig_callable"
+        ):
+            return True
+    return False
+
+
+def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap one hook method so that an exception from the callback's own code never ends training (see
+    :meth:`DebugCallback.callback_failed`). A :class:`TFDebugError` (``on_finding="raise"``) passes unchanged."""
+
+    @functools.wraps(hook)
+    def guarded(self: DebugCallback, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("failure") is not None and name not in _CLEANUP_HOOKS:
+            return None  # failed earlier: stands aside
+        if self.__dict__.get("_in_hook"):  # a hook calling another (`super().setup`): the outer one guards
+            return hook(self, *args, **kwargs)
+        self.__dict__["_in_hook"] = True
+        try:
+            return hook(self, *args, **kwargs)
+        except TFDebugError:
+            raise  # raised on purpose (on_finding="raise"); the same on every rank
+        except Exception as err:  # the callback's own failure; BaseException (KeyboardInterrupt) passes
+            self.callback_failed(name, err, args[0] if args else None)
+            return None
+        finally:
+            self.__dict__["_in_hook"] = False
+
+    guarded._tfdebug_guarded = True  # type: ignore[attr-defined]
+    return guarded
 
 
 def check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -73,6 +155,17 @@ class DebugCallback(Callback):
         ValueError: if ``every_n_steps`` is not a positive integer or ``on_finding`` is not one of the choices.
     """
 
+    runs_collectives: ClassVar[bool] = True
+    """Whether the callback's hooks may run collectives; if so, a failure on one rank of a multi-process run ends the
+    run (see :meth:`callback_failed`) rather than leave the other ranks waiting."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _HOOKS:  # the one guard: every hook a subclass defines, wrapped once, here
+            hook = cls.__dict__.get(name)
+            if callable(hook) and not getattr(hook, "_tfdebug_guarded", False):
+                setattr(cls, name, _guard(name, hook))
+
     def __init__(self, every_n_steps: int | None = None, on_finding: OnFinding = "warn") -> None:
         super().__init__()
         check_number("every_n_steps", every_n_steps, low=1, integer=True, optional=True)
@@ -87,6 +180,7 @@ class DebugCallback(Callback):
         self._warned_codes: set[str] = set()
         self._pending_local: list[Finding] = []
         self._aside_reason: str | None = None
+        self.failure: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -113,6 +207,45 @@ class DebugCallback(Callback):
         if self._aside_reason is None:
             self._aside_reason = reason
             rank_zero_warn(f"{type(self).__name__} stands aside: {reason}", category=TFDebugWarning)
+
+    def callback_failed(self, hook: str, error: Exception, trainer: pl.Trainer | None) -> None:
+        """Handle an exception from this callback's own code in ``hook``: called by the guard around every hook.
+
+        The first failure is reported once: its traceback is appended to
+        ``<log_dir>/tfdebug/callback-errors-rank<r>.txt``, a :class:`TFDebugWarning` names the callback, the hook and
+        the error, and ``self.failure`` holds the same. The callback then stands aside: its hooks return at once,
+        except the clean-up hooks (``teardown``, ``on_train_end``, ``on_fit_end``, ``on_exception``), which still run
+        (guarded) so module hooks are removed. Training continues.
+
+        In a run of several processes, a callback that runs collectives cannot stand aside on one rank alone (the
+        other ranks would wait in its next collective for ever), so after the report this raises
+        :class:`TFDebugCallbackError` on the failing rank and the run ends there, loudly, instead of hanging.
+        """
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        step = getattr(trainer, "global_step", None)
+        rank = getattr(trainer, "global_rank", self._rank)
+        if self.failure is not None:  # a clean-up hook failing after the first failure: reported already
+            self.failure["later_errors"] = self.failure.get("later_errors", 0) + 1
+            return
+        self.failure = {"hook": hook, "error": f"{type(error).__name__}: {error}", "step": step, "traceback": text}
+        self._aside_reason = self._aside_reason or f"its own code raised {type(error).__name__} in {hook}"
+        path = os.path.join(self.tfdebug_dir, f"callback-errors-rank{rank}.txt")
+        append_line(path, f"=== {type(self).__name__}.{hook} at step {step} (rank {rank})\n{text}")
+        world = getattr(trainer, "world_size", 1) if trainer is not None else 1
+        if world > 1 and type(self).runs_collectives:
+            raise TFDebugCallbackError(
+                f"{type(self).__name__}.{hook} failed on rank {rank} at step {step} with {type(error).__name__}: "
+                f"{error}. In a run of {world} processes it cannot stand aside on this rank alone (the other ranks "
+                f"would wait in its next collective), so the run ends here. Traceback: {path}. Remove "
+                f"{type(self).__name__} from the callbacks to train without it, and please report the traceback."
+            ) from error
+        warnings.warn(
+            f"{type(self).__name__} failed in its own code ({hook} at step {step}, rank {rank}: "
+            f"{type(error).__name__}: {error}) and stands aside for the rest of the run; training continues. "
+            f"Traceback: {path}.",
+            category=TFDebugWarning,
+            stacklevel=3,
+        )
 
     def should_measure(self, trainer: pl.Trainer) -> bool:
         """Whether this optimizer step measures. Depends only on ``global_step``, so every rank agrees."""
@@ -277,3 +410,7 @@ class DebugCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._emitted = {(c, k) for c, k in state_dict.get("emitted", [])}
         self._warned_codes = set(state_dict.get("warned", []))
+
+
+for _name in _HOOKS & set(DebugCallback.__dict__):  # the base's own hooks (`setup`) are guarded the same way
+    setattr(DebugCallback, _name, _guard(_name, DebugCallback.__dict__[_name]))

@@ -7,6 +7,8 @@ that the callback emits; the inputs are loaded checkpoint dicts and plain host v
 
 from __future__ import annotations
 
+import os
+import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -325,3 +327,122 @@ def probe_loss_problem(saved: float, now: float, saved_step: int | None, loss_rt
         "The model that trains is not the model that was saved: re-initialised after loading, a different dtype or "
         "precision, or a changed architecture.",
     )
+
+
+# ---------------------------------------------------------------------------------------------------- opening files
+HINT_DAMAGED = (
+    "A full disk, a quota, or a process killed while saving leaves such a file: free space and resume from an "
+    "earlier checkpoint that checks out."
+)
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint that cannot be read back: its :class:`Verdict` (``TFD716``) says why."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.message)
+        self.verdict = verdict
+
+
+def _torch_load(path: str, weights_only: bool) -> Any:
+    try:  # memory-mapped where the format allows: checking keys and shapes reads no tensor data
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except RuntimeError as err:
+        if "mmap" not in str(err).lower() and "legacy" not in str(err).lower():
+            raise
+        return torch.load(path, map_location="cpu", weights_only=weights_only)  # legacy (non-zip) format
+
+
+def load_checkpoint(path: str, *, written_by_this_run: bool) -> tuple[Any, bool]:
+    """Open a checkpoint file safely: ``(checkpoint, weights_only)``.
+
+    ``torch.load(weights_only=True)`` first: tensors and plain containers, no code runs. Only a file this run wrote
+    itself (its content came from this process: hyper-parameters, callback state that hold other objects) falls
+    back to a full unpickling; any other file that needs one is refused.
+
+    Raises:
+        DamagedCheckpoint: the file is empty, cut short or not a valid archive (``TFD716``).
+        pickle.UnpicklingError: a file not written by this run holds objects other than data.
+    """
+    size = os.path.getsize(path)
+    try:
+        return _torch_load(path, weights_only=True), True
+    except pickle.UnpicklingError:  # holds objects other than data (`weights_only` refused them)
+        if not written_by_this_run:
+            raise
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise DamagedCheckpoint(damaged_verdict(path, size, err)) from None
+    try:
+        return _torch_load(path, weights_only=False), False
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        raise DamagedCheckpoint(damaged_verdict(path, size, err)) from None
+
+
+def damaged_verdict(path: str, size: int, error: BaseException) -> Verdict:
+    """``TFD716``: the checkpoint file at ``path`` (``size`` bytes) could not be read back."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return _verdict(
+        "TFD716",
+        f"Checkpoint {path} ({size} bytes) cannot be read back: it is truncated or corrupt ({first}).",
+        {"path": path, "bytes": size, "error": f"{type(error).__name__}: {first}"},
+        HINT_DAMAGED,
+    )
+
+
+def sharded_problems(directory: str) -> list[Verdict]:
+    """Whether a distributed-checkpoint (``torch.distributed.checkpoint``) directory is complete.
+
+    Reads only its ``.metadata`` (no tensor data): the metadata must exist and load, and every shard file it lists
+    must exist and be long enough for every item it is said to hold. Returns ``TFD716`` verdicts (empty: complete).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta_path = os.path.join(directory, ".metadata")
+    if not os.path.isfile(meta_path):
+        return [
+            _verdict(
+                "TFD716",
+                f"Sharded checkpoint {directory} has no `.metadata`: the save did not finish (rank 0 writes it last).",
+                {"path": directory},
+                HINT_DAMAGED,
+            )
+        ]
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as err:  # a cut or foreign metadata file
+        return [damaged_verdict(meta_path, os.path.getsize(meta_path), err)]
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is not None:
+            end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+            needed[relative] = max(needed.get(relative, 0), end)
+    missing = sorted(name for name in needed if not os.path.isfile(os.path.join(directory, name)))
+    short = sorted(
+        name
+        for name, end in needed.items()
+        if name not in missing and os.path.getsize(os.path.join(directory, name)) < end
+    )
+    if not missing and not short:
+        return []
+    return [
+        _verdict(
+            "TFD716",
+            f"Sharded checkpoint {directory} is incomplete: "
+            + "; ".join(
+                part
+                for part in (
+                    f"{len(missing)} shard file(s) its metadata lists are missing ({', '.join(missing[:4])})"
+                    if missing
+                    else "",
+                    f"{len(short)} shard file(s) are shorter than the items they hold ({', '.join(short[:4])})"
+                    if short
+                    else "",
+                )
+                if part
+            )
+            + ".",
+            {"path": directory, "missing": missing, "short": short, "files": len(needed)},
+            HINT_DAMAGED,
+        )
+    ]

@@ -272,16 +272,17 @@ def context_failure_verdict(limit: int, error: BaseException) -> Verdict:
     )
 
 
-def context_limit_verdict(limit: int, past_limit_error: BaseException | None) -> Verdict:
-    """``TFD208`` (info): the context limit, and what one token past it does."""
-    if past_limit_error is None:
-        outcome = "runs without error (positions past the limit were never trained)"
-    else:
-        outcome = f"fails with {type(past_limit_error).__name__}: {str(past_limit_error)[:200]}"
+def context_limit_verdict(limit: int, source: str = "") -> Verdict:
+    """``TFD208`` (info): the context limit, where it was read, and that a sequence of that length runs.
+
+    Nothing longer is ever sent to the model: past its limit a model fails natively (an inductor kernel aborts the
+    process, CUDA raises a device-side assert), which no handler can catch."""
+    where = f" (read from {source})" if source else ""
     return Verdict(
         "TFD208",
-        f"Context limit: {limit} tokens. A sequence of {limit + 1} tokens {outcome}.",
-        {"context_limit": limit},
+        f"Context limit: {limit} tokens{where}; a sequence of {limit} tokens runs. Longer batches must be cut or "
+        "chunked before the forward.",
+        {"context_limit": limit, "source": source},
     )
 
 

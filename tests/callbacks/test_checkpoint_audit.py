@@ -7,6 +7,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_tfdebug import CheckpointAudit
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from lightning_tfdebug.functional import checkpoints
 from tests.callbacks.torch_calls import TorchCalls
 from tests.helpers import make_trainer, run_distributed
 
@@ -256,18 +257,31 @@ def test_ddp_rank_zero_verifies_and_every_rank_raises_together(tmp_path):
 
 
 @pytest.mark.ddp
-def test_fsdp2_sharded_checkpoints_are_reported_not_checked(tmp_path):
+def test_fsdp2_sharded_checkpoints_are_checked_from_their_metadata(tmp_path):
     spec = {
         "strategy": "fsdp2",
         "model": SMALL,
         "data": {"batch_size": 4},
-        "trainer": {"max_steps": 2, "enable_checkpointing": True},
+        "trainer": {"max_steps": 4, "enable_checkpointing": True},
         "callbacks": [{"class_path": "lightning_tfdebug.CheckpointAudit"}, SAVER],
     }
     rank0, rank1 = run_distributed(tmp_path, spec)
     assert rank0["error"] is None and rank1["error"] is None, (rank0["error"], rank1["error"])
-    assert [f["code"] for f in rank0["findings"]["CheckpointAudit"]] == ["TFD709"]
+    assert rank0["findings"]["CheckpointAudit"] == []  # both directories complete: silent
     assert rank1["findings"]["CheckpointAudit"] == []
+    directories = sorted(p for p in (tmp_path / "ckpt").iterdir() if p.is_dir())
+    assert len(directories) == 2 and all(checkpoints.sharded_problems(str(d)) == [] for d in directories)
+    # what a full disk or a killed save leaves: a shard cut short, a shard missing, no metadata
+    shards = sorted(directories[0].glob("*.distcp"))
+    shards[0].write_bytes(shards[0].read_bytes()[:100])
+    [short] = checkpoints.sharded_problems(str(directories[0]))
+    assert short.code == "TFD716" and short.evidence["short"] == [shards[0].name]
+    shards[-1].unlink()
+    [missing] = checkpoints.sharded_problems(str(directories[0]))
+    assert missing.evidence["missing"] == [shards[-1].name] and "missing" in missing.message
+    (directories[1] / ".metadata").unlink()
+    [unfinished] = checkpoints.sharded_problems(str(directories[1]))
+    assert "has no `.metadata`" in unfinished.message
 
 
 @pytest.mark.ddp

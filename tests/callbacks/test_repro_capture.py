@@ -61,7 +61,7 @@ def test_a_crash_writes_a_complete_bundle_before_the_exception_propagates(tmp_pa
     assert late.existed
     path = tfdebug_dir(tmp_path) / "repro" / "step3-rank0"
     assert capture.bundles == [str(path)]
-    assert sorted(p.name for p in path.iterdir()) == ["batch.pt", "bundle.json", "model.pt", "rng.pt"]
+    assert sorted(p.name for p in path.iterdir()) == ["batch.pt", "bundle.json", "model.pt", "rng.pt", "training.pt"]
     assert not list(path.parent.glob(".tmp-*"))
     bundle = load_bundle(path)
     meta = bundle.meta

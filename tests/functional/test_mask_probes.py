@@ -128,7 +128,7 @@ def test_alignment_rtol_widens_for_half_precision_losses():
 
 def test_context_verdicts():
     assert mp.context_failure_verdict(64, IndexError("index out of range")).code == "TFD207"
-    fine = mp.context_limit_verdict(64, None)
-    assert fine.code == "TFD208" and "runs without error" in fine.message
-    assert "fails with IndexError" in mp.context_limit_verdict(64, IndexError("x")).message
+    fine = mp.context_limit_verdict(64, "hparams['context_length']")
+    assert fine.code == "TFD208" and "64 tokens (read from hparams['context_length'])" in fine.message
+    assert fine.evidence == {"context_limit": 64, "source": "hparams['context_length']"}
     assert mp.unpadded_mask_verdict("attention_mask").evidence == {"mask_key": "attention_mask"}
