@@ -519,9 +519,14 @@ _RULES: tuple[Rule, ...] = (
         "warning",
         "LossAtInit",
         title=(
-            "the step-0 loss far below ln(V): the target leaks into the input, or the loss is not a V-way cross-entropy"
+            "the step-0 loss far below ln(V): the loss is not the logits' V-way cross-entropy, or the target leaks "
+            "into the input (info for a pretrained model)"
         ),
-        trigger="the step-0 loss is below `(1 - init_tolerance) ln(V)`",
+        trigger=(
+            "the step-0 loss is below `(1 - init_tolerance) ln(V)` and the logits' own cross-entropy is not, or the "
+            "logits reach it by predicting the current input token; info when the logits give that loss themselves "
+            "without copying (weights trained before: fine-tuning)"
+        ),
         hint=(
             "Usual causes: the target leaks into the input (labels not shifted and the model copies its input, no "
             "causal mask); NLLLoss fed raw logits or probabilities instead of log_softmax; the mean taken over "
@@ -546,8 +551,12 @@ _RULES: tuple[Rule, ...] = (
         "TFD225",
         "warning",
         "LossAtInit",
-        title='at `check_step` the loss is still at ln(V) ("stalled at the uniform loss")',
-        trigger="at `check_step` the training loss is within `stall_tolerance` of ln(V)",
+        title='at the check the loss is still at ln(V), flat over a window ("stalled at the uniform loss")',
+        trigger=(
+            "at `check_step` (5x for masked-LM labels) the training loss is within `stall_tolerance` of ln(V) and fell"
+            " by less than `stall_tolerance` of ln(V) since half-way to the check; the message compares it with the "
+            "labels' unigram entropy"
+        ),
         hint=(
             "Usual causes: softmax applied in forward before a cross-entropy (double softmax, see TFD220); a learning"
             " rate far too low or still in warm-up; parameters not in the optimizer; the loss detached from the "
@@ -602,6 +611,55 @@ _RULES: tuple[Rule, ...] = (
             "(labels != ignore_index).sum()); do not divide by accumulate_grad_batches yourself (Lightning does); "
             "weight extra loss terms so they do not dominate. A summed loss makes the step size depend on the batch "
             "and sequence length; with Adam it also breaks gradient clipping and the epsilon balance."
+        ),
+    ),
+    Rule(
+        "TFD230",
+        "warning",
+        "LossAtInit",
+        title="the loss is pinned at the floor of outputs squashed into a bounded range (sigmoid, tanh, clamp)",
+        trigger=(
+            "at the check the logits' cross-entropy has left ln(V) and lies within 30% of the way from "
+            "`ln(1 + (V-1) e^-w)` (the lowest loss logits of range `w` allow, per row) up to ln(V), and that floor is "
+            "above the labels' unigram entropy by 5% of ln(V)"
+        ),
+        hint=(
+            "Feed the loss raw, unbounded logits: remove the sigmoid, tanh, clamp or normalisation applied to the "
+            "output layer (or move it to inference). For logits confined to a range of width w, no cross-entropy over"
+            " V classes is below ln(1 + (V-1) e^-w), whatever the model learns."
+        ),
+    ),
+    Rule(
+        "TFD231",
+        "warning",
+        "LossAtInit",
+        title="labels from other samples: the loss sits at the unigram entropy and ignores which sample it is",
+        trigger=(
+            "at the check the loss is at the labels' unigram entropy (0.85x to 1.1x), the loss against labels rolled "
+            "by one sample along the batch is within 1% of it, and the labels do not repeat their own inputs more "
+            "than a neighbour's"
+        ),
+        hint=(
+            "The labels do not belong to their inputs: look for an off-by-one in the join of inputs and labels, a "
+            "label column shuffled or sorted separately from the inputs, or labels built from another batch. For a "
+            "task whose labels never repeat the input (classification, translation), the model may instead ignore "
+            "its inputs: check what reaches the model."
+        ),
+    ),
+    Rule(
+        "TFD232",
+        "warning",
+        "LossAtInit",
+        title="the model ignores its context: the loss stalls at the labels' unigram entropy (token frequencies only)",
+        trigger=(
+            "at the check the loss is flat at the labels' unigram entropy (0.85x to 1.1x), the loss against labels "
+            "rolled by one sample is within 1% of it, and the labels repeat their own inputs (so they are right)"
+        ),
+        hint=(
+            "The model predicts from token frequencies alone: its inputs do not reach the prediction. Look for an "
+            "attention mask that hides every token, inputs replaced or zeroed before the model (the wrong key, an "
+            "embedding never used), a residual path that drops the context, or a learning rate too low to get past "
+            "the plateau."
         ),
     ),
     # ---------------------------------------------------------------- GradNormMonitor
@@ -772,13 +830,17 @@ _RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "TFD322",
-        "warning",
+        "info",
         "OptimizerAudit",
-        title="frozen parameters still in the optimizer",
-        trigger="frozen parameters (`requires_grad=False`) still in the optimizer",
+        title="frozen parameters still in the optimizer (a warning once one of them moves)",
+        trigger=(
+            "frozen parameters (`requires_grad=False`) still in the optimizer: info, since torch optimizers skip "
+            "parameters without a gradient; a warning when a measured step changes one of them"
+        ),
         hint=(
-            "Weight decay and momentum can move frozen parameters; build the optimizer from `[p for p in "
-            "model.parameters() if p.requires_grad]`."
+            "Harmless with torch optimizers, which skip parameters whose .grad is None. An optimizer that steps them "
+            "anyway (weight decay or momentum applied without a gradient, a custom optimizer, a .grad set by hand) "
+            "moves frozen weights: build the optimizer from `[p for p in model.parameters() if p.requires_grad]`."
         ),
     ),
     Rule(
@@ -851,13 +913,19 @@ _RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "TFD330",
-        "warning",
+        "info",
         "OptimizerAudit",
-        title="no learning-rate warm-up on a transformer",
-        trigger="a transformer's LR at a later measured step is not above its first-step LR (no warm-up)",
+        title="no learning-rate warm-up on a transformer (a warning once the early loss spikes)",
+        trigger=(
+            "a transformer trained from step 0 has an LR at a later measured step that is not above its first-step LR;"
+            " a warning when a measured loss in the first `warmup_window` steps is not finite, rises above the first "
+            "step's loss or doubles from its lowest point (what a warm-up prevents). Never decided from the first "
+            "step after a resume"
+        ),
         hint=(
-            "Add a linear warm-up (a few hundred to a few thousand steps) before the peak LR; Adam's early updates on"
-            " attention and embeddings are large without it."
+            "Many runs train well without warm-up (fine-tuning, small models, constant LR). If the early loss spikes "
+            "or diverges, add a linear warm-up (a few hundred to a few thousand steps) before the peak LR: Adam's "
+            "early updates on attention and embeddings are large without it."
         ),
     ),
     Rule(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,26 @@ from lightning_tfdebug.core.batch import IGNORE_INDEX, LABELS_KEYS, BatchKeys, S
 from lightning_tfdebug.core.distributed import packed_reduce, world_size
 from lightning_tfdebug.core.model import in_training_step
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional.loss import copy_sums, init_loss_sums, uniform_loss
-from lightning_tfdebug.functional.loss_checks import check_verdicts, classify_init_loss, summarize_init
+from lightning_tfdebug.functional.loss import (
+    bounded_floor_sums,
+    copy_sums,
+    init_loss_sums,
+    label_counts,
+    label_input_match_sums,
+    masked_input_sums,
+    rolled_label_sums,
+    uniform_loss,
+    unigram_entropy,
+)
+from lightning_tfdebug.functional.loss_checks import (
+    MASKED_LM_CHECK_FACTOR,
+    bounded_output_verdict,
+    check_verdicts,
+    classify_init_loss,
+    context_verdict,
+    flat_window,
+    summarize_init,
+)
 from lightning_tfdebug.functional.verdicts import Verdict
 
 _INIT_KEYS = (
@@ -32,9 +51,31 @@ _INIT_KEYS = (
     "positions",
     "label_rows",
     "copies",
+    "repeats",
     "count",
+    "mask_share_top",
+    "mask_share_count",
 )
-_CHECK_KEYS = ("ce_sum", "ce_count", "copies", "repeats", "count")
+_CHECK_KEYS = (
+    "ce_sum",
+    "ce_count",
+    "copies",
+    "repeats",
+    "count",
+    "own_ce_sum",
+    "rolled_ce_sum",
+    "rolled_count",
+    "own_match",
+    "rolled_match",
+    "match_count",
+    "floor_sum",
+    "range_sum",
+    "floor_count",
+)
+_UNIGRAM_BATCHES = 8
+"""The labels' unigram entropy is counted over this many measured batches (every rank's), then kept."""
+_HISTORY = 64
+"""Measured losses kept for the stall window."""
 
 
 def _missing(batch: Any, key: str | int) -> str:
@@ -73,6 +114,17 @@ class LossAtInit(DebugCallback):
     supervised labels (not ``ignore_index``). At ``check_step`` it captures the logits again and checks whether the
     loss is still at ln(V) and whether the model predicts the *current* input token instead of the next.
 
+    Data-aware baselines: on its measuring steps (``every_n_steps``) it reads the training loss, and over the first
+    8 measured batches it counts the supervised labels (reduced over ranks) for their unigram entropy H: the loss of a
+    model that learned the token frequencies and ignores its context. At the check the loss is judged against both
+    ln(V) and H: a stall (``TFD225``) is a loss flat over the window since half-way to the check, not one point; a
+    loss at H whose predictions fit the sample's own labels no better than its neighbour's (labels rolled by one
+    along the batch) is ``TFD231`` (labels from other samples) or ``TFD232`` (the model ignores its context), told
+    apart by whether the labels repeat their own inputs; a loss pinned at the floor ``ln(1 + (V-1) e^-w)`` that the
+    logits' range ``w`` allows, above H, is ``TFD230`` (outputs squashed into a bounded range). Masked-LM labels
+    (recognised at step 0: few supervised positions, most of them holding one input token, the mask) sit at H for a
+    while before they learn, so their check runs at ``5 * check_step``.
+
     Alignment: with ``shift_labels=True`` (default) the logits at position ``t`` are scored against the label at
     ``t + 1``, as in causal LMs that shift internally (Hugging Face models, ``TinyGPT``) and take
     ``labels == input_ids``. Set ``shift_labels=False`` when labels are already aligned with the logits (shifted in
@@ -80,8 +132,9 @@ class LossAtInit(DebugCallback):
     observed loss is the one the training step returned, and the copy check compares the argmax at ``t`` with the
     input token at ``t`` (``input_key``; the labels when ``shift_labels`` and the batch has no input ids).
 
-    Nothing runs on other steps: hooks exist only during the forward of these two steps, and the captured outputs
-    are reduced to a few scalars in ``on_before_backward`` and released.
+    Nothing runs on other steps: hooks exist only during the forward of step 0 and of the check, the captured outputs
+    are reduced to a few scalars in ``on_before_backward`` and released; the other measuring steps read the loss
+    (and, on the first 8, count the labels) with one host transfer.
 
     Logged keys:
 
@@ -92,13 +145,20 @@ class LossAtInit(DebugCallback):
     | `loss_at_init/recomputed` | 0 | cross-entropy recomputed from the captured outputs and labels |
     | `loss_at_init/logit_std` | 0 | spread of the outputs across the vocabulary (root mean of per-row variances) |
     | `loss_at_init/supervised_frac` | 0 | fraction of label positions that are not `ignore_index` |
-    | `loss_at_init/check_loss` | `check_step` | the training step's loss at `check_step` |
-    | `loss_at_init/copy_rate` | 0 and `check_step` | fraction of positions whose argmax is the current input token |
+    | `loss_at_init/check_loss` | check | the training step's loss at the check (`check_step`, 5x for masked LM) |
+    | `loss_at_init/copy_rate` | 0 and check | fraction of positions whose argmax is the current input token |
+    | `loss_at_init/rolled_loss` | check | cross-entropy against the labels rolled by one sample along the batch |
+    | `loss_at_init/loss_floor` | check | the lowest loss the logits' range allows, `ln(1 + (V-1) e^-range)` |
+    | `loss_at_init/loss` | measuring steps | the training loss (the returned loss, undivided by accumulation) |
+    | `loss_at_init/ln_vocab` | measuring steps | ln(V), the loss of a uniform guess |
+    | `loss_at_init/unigram_entropy` | measuring steps, once known | entropy of the supervised labels' frequencies |
 
     Findings: ``TFD220`` outputs are probabilities, ``TFD221`` outputs are log-probabilities, ``TFD222`` initial
     loss far above ln(V), ``TFD223`` far below, ``TFD224`` no supervised tokens, ``TFD225`` loss still at ln(V) at
     ``check_step``, ``TFD226`` the model copies its current input token, ``TFD227`` initial loss not finite,
-    ``TFD229`` the returned loss is a multiple of the logits' cross-entropy (a sum, or divided twice);
+    ``TFD229`` the returned loss is a multiple of the logits' cross-entropy (a sum, or divided twice), ``TFD230``
+    the loss pinned at the floor of bounded outputs, ``TFD231`` labels from other samples, ``TFD232`` the model
+    ignores its context (loss at the unigram entropy);
     ``TFD228`` when logits or labels cannot be found (it then stands aside); see ``docs/findings.md``.
 
     Args:
@@ -118,14 +178,19 @@ class LossAtInit(DebugCallback):
         label_smoothing: the loss's label smoothing, used in the recomputed loss.
         vocab_size: V for ln(V); ``None`` takes the logits' last dimension.
         init_tolerance: ``TFD222``/``TFD223`` when the initial loss is above ``(1 + init_tolerance) ln(V)`` or
-            below ``(1 - init_tolerance) ln(V)``.
-        check_step: optimizer step of the later checks; ``None`` disables them.
-        stall_tolerance: ``TFD225`` when the loss at ``check_step`` is within this fraction of ln(V).
+            below ``(1 - init_tolerance) ln(V)`` (``TFD223`` is info when the logits themselves give that loss: a
+            pretrained model).
+        check_step: optimizer step of the later checks (``5 * check_step`` for masked-LM labels); ``None`` disables
+            them.
+        stall_tolerance: ``TFD225`` when the loss at the check is within this fraction of ln(V) and fell by less
+            than this fraction of ln(V) since half-way to the check.
         copy_threshold: ``TFD226`` when the copy rate at ``check_step`` exceeds this, and exceeds the rate at which
             the data repeats a token by at least 0.25, and has risen by at least 0.1 since step 0 (tied embeddings make
             an untrained model copy).
         max_rows: positions sampled from the logits for the statistics (bounds the cost for long sequences and
             large vocabularies).
+        every_n_steps: the measuring steps that read the loss and count labels (``global_step % every_n_steps ==
+            0``); default: the Trainer's ``log_every_n_steps``.
 
     Raises:
         ValueError: on an argument outside its allowed range.
@@ -163,8 +228,9 @@ class LossAtInit(DebugCallback):
         stall_tolerance: float = 0.05,
         copy_threshold: float = 0.5,
         max_rows: int = 2048,
+        every_n_steps: int | None = None,
     ) -> None:
-        super().__init__(every_n_steps=None, on_finding=on_finding)
+        super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         _check_key("labels_key", labels_key)
         _check_key("input_key", input_key)
         if logits_module is not None and not isinstance(logits_module, str):
@@ -205,6 +271,16 @@ class LossAtInit(DebugCallback):
         self._view: StepBatch | None = None  # the shared reading of the armed step's batch
         self._pl_module: pl.LightningModule | None = None
         self._collected: _Collected | None = None
+        self._check_at = check_step  # 5 * check_step once step 0 shows masked-LM labels
+        self._masked_lm = False
+        self._vocab: int | None = vocab_size  # V, once known
+        self._probabilities = False  # TFD220 at step 0: the bounded-output floor is that finding's
+        self._history: list[tuple[int, float]] = []  # (step, loss) of the measuring steps, for the stall window
+        self._measuring: int | None = None  # the step whose loss this batch reads (first micro-batch only)
+        self._last_measured = -1
+        self._label_counts: Tensor | None = None  # this rank's label counts over the first measured batches
+        self._counted_batches = 0
+        self._unigram: float | None = None  # the labels' unigram entropy (nats), reduced over ranks
 
     @property
     def state_key(self) -> str:
@@ -220,11 +296,14 @@ class LossAtInit(DebugCallback):
         if step == 0 and not self._init_done:
             self._init_done = True  # the first micro-batch only
             phase = "init"
-        elif self.check_step is not None and step == self.check_step and not self._check_done:
+        elif self._check_at is not None and step == self._check_at and not self._check_done:
             self._check_done = True
             phase = "check"
         else:
+            if step != self._last_measured and self.should_measure(trainer):
+                self._measuring = step  # read this batch's loss at its end (the first micro-batch of the step)
             return
+        self._last_measured = step
         self._armed, self._armed_step, self._batch, self._pl_module = phase, step, batch, pl_module
         self._view = step_batch(trainer, batch, self._keys)
         self._captured.clear()
@@ -283,14 +362,17 @@ class LossAtInit(DebugCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._measuring is not None:
+            step, self._measuring = self._measuring, None
+            self._last_measured = step
+            self._measure_loss(trainer, pl_module, outputs, batch, step)
+            return
         if self._armed is None:
             return
         phase, step = self._armed, self._armed_step
         try:
             self._remove_hooks()
-            loss = loss_of(outputs)
-            if loss is not None and pl_module.automatic_optimization:
-                loss = loss * trainer.accumulate_grad_batches  # Lightning divides the returned loss by it
+            loss = self._training_loss(trainer, pl_module, outputs)
             with torch.no_grad():
                 collected = self._collected or self._collect(pl_module)  # no backward ran (manual optimization)
                 if phase == "init":
@@ -302,6 +384,55 @@ class LossAtInit(DebugCallback):
             self._view = None
             self._captured.clear()
             self._raw.clear()
+
+    @staticmethod
+    def _training_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> Tensor | None:
+        loss = loss_of(outputs)
+        if loss is not None and pl_module.automatic_optimization:
+            loss = loss * trainer.accumulate_grad_batches  # Lightning divides the returned loss by it
+        return loss
+
+    def _count_labels(self, labels: Tensor | None, device: torch.device) -> None:
+        """Add this batch's supervised labels to this rank's counts (device work, no sync), on the first
+        ``_UNIGRAM_BATCHES`` measured batches once V is known."""
+        if self._vocab is None or self._counted_batches >= _UNIGRAM_BATCHES or self._unigram_done:
+            return
+        self._counted_batches += 1
+        if self._label_counts is None:
+            self._label_counts = torch.zeros(self._vocab, device=device)
+        if labels is not None and not labels.is_floating_point():
+            self._label_counts += label_counts(labels.to(device), self._vocab, self.ignore_index)
+
+    @property
+    def _unigram_done(self) -> bool:
+        return self._unigram is not None and self._label_counts is None
+
+    def _measure_loss(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, step: int
+    ) -> None:
+        """A measuring step between the two captured ones: the training loss and, while counting, the labels."""
+        loss = self._training_loss(trainer, pl_module, outputs)
+        device = loss.device if loss is not None else _device_of(pl_module)
+        with torch.no_grad():
+            self._count_labels(step_batch(trainer, batch, self._keys).labels, device)
+            host = self._reduce({}, (), loss, True, device)
+        self._record(trainer, host, step)
+
+    def _record(self, trainer: pl.Trainer, host: dict[str, float], step: int) -> float:
+        """Keep this step's loss for the stall window and log the dashboard keys; returns the loss (NaN: none)."""
+        loss = host["loss_sum"] / host["loss_n"] if host["loss_n"] else float("nan")
+        if "unigram_entropy" in host and math.isfinite(host["unigram_entropy"]):
+            self._unigram = host["unigram_entropy"]
+            if self._counted_batches >= _UNIGRAM_BATCHES:
+                self._label_counts = None  # counted: the entropy is kept, the counts let go
+        self._history = [*self._history, (step, loss)][-_HISTORY:]
+        metrics = {"loss_at_init/loss": loss}
+        if self._vocab is not None:
+            metrics["loss_at_init/ln_vocab"] = uniform_loss(self._vocab)
+        if self._unigram is not None:
+            metrics["loss_at_init/unigram_entropy"] = self._unigram
+        self.log_scalars(trainer, {k: v for k, v in metrics.items() if math.isfinite(v)}, step=step)
+        return loss
 
     def _inputs(self, pl_module: pl.LightningModule) -> tuple[Tensor | None, Tensor | None, str]:
         """The captured logits and the labels, or a reason naming the argument to set.
@@ -405,8 +536,9 @@ class LossAtInit(DebugCallback):
         return None, f"{_missing(batch, 'labels')} (nor under {names})"
 
     def _shift(self, logits: Tensor) -> bool:
-        """Whether to score position ``t`` against label ``t + 1``: never when the logits have no time dimension."""
-        return self.shift_labels and logits.ndim >= 3
+        """Whether to score position ``t`` against label ``t + 1``: never when the logits have no time dimension,
+        nor once step 0 showed masked-LM labels (aligned with the logits by construction)."""
+        return self.shift_labels and logits.ndim >= 3 and not self._masked_lm
 
     def _plain_child_logits(self, labels: Tensor) -> Tensor | None:
         """The last direct child's plain tensor output that can be the logits for ``labels``, or None.
@@ -437,9 +569,16 @@ class LossAtInit(DebugCallback):
             torch.tensor(float(loss_ok), device=device),
             torch.tensor(float(ok), device=device),
         ]
-        sums, _ = packed_reduce(torch.stack(values), collective=world_size() > 1)
-        host = self.to_host({k: sums[i] for i, k in enumerate((*keys, "loss_sum", "loss_n", "ok"))})
-        return host
+        names = (*keys, "loss_sum", "loss_n", "ok")
+        counting = self._label_counts is not None and self._counted_batches > 0
+        packed = torch.stack(values)
+        if counting:  # the label counts travel in the same collective
+            packed = torch.cat([packed, self._label_counts.to(device)])  # type: ignore[union-attr]
+        sums, _ = packed_reduce(packed, collective=world_size() > 1)
+        scalars: dict[str, Tensor] = {k: sums[i] for i, k in enumerate(names)}
+        if counting:
+            scalars["unigram_entropy"] = unigram_entropy(sums[len(names) :])
+        return self.to_host(scalars)  # host sync: the one transfer of this measuring step
 
     def _collect(self, pl_module: pl.LightningModule) -> _Collected:
         """Sums and counts (device scalars) from the captured outputs and the labels, for the armed phase; then the
@@ -462,15 +601,25 @@ class LossAtInit(DebugCallback):
                 label_smoothing=self.label_smoothing,
                 max_rows=self.max_rows,
             )
+            shift = self._shift(logits)
+            inputs = self._current_tokens(labels)
+            fits = inputs is not None and tuple(inputs.shape) == tuple(labels.shape)
             if self._armed == "init":
                 found.stats = sums
+                if fits:  # masked-LM labels: most supervised inputs are one token (the mask)
+                    found.stats.update(masked_input_sums(inputs, labels, found.vocab, self.ignore_index))
             else:
                 found.stats = {"ce_sum": sums["ce_sum"], "ce_count": sums["ce_count"]}
+                options = {"shift_labels": shift, "ignore_index": self.ignore_index, "max_rows": self.max_rows}
+                found.stats.update(rolled_label_sums(logits, labels, **options))
+                found.stats.update(bounded_floor_sums(logits, labels, **options))
+                if fits and self._view is not None and self._view.input_ids is not None:
+                    found.stats.update(label_input_match_sums(labels, inputs, self.ignore_index))
             # the copy rate at init too: with tied input/output embeddings an untrained model already predicts its
             # current token, and only a rise from there says the model learned to copy
-            inputs = self._current_tokens(labels)
-            if inputs is not None and logits.ndim == 3 and tuple(inputs.shape) == tuple(logits.shape[:2]):
+            if fits and logits.ndim == 3 and tuple(inputs.shape) == tuple(logits.shape[:2]):
                 found.stats.update(copy_sums(logits, inputs, labels != self.ignore_index, max_rows=self.max_rows))
+            found.labels = labels
         self._captured.clear()
         self._raw.clear()
         return found
@@ -491,16 +640,32 @@ class LossAtInit(DebugCallback):
 
     def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict], step: int) -> None:
         for verdict in verdicts:  # from reduced values: every rank reaches the same findings
-            self.emit(trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, step=step)
+            self.emit(
+                trainer,
+                verdict.code,
+                verdict.message,
+                verdict.evidence,
+                hint=verdict.hint,
+                severity=verdict.severity,
+                step=step,
+            )
 
     def _measure_init(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
         host = self._reduce(found.stats, _INIT_KEYS, loss, found.ok, found.device)
         if self._stand_aside_if_missing(trainer, host, found.reason, step):
             return
+        # every rank found logits of the same width: V is known alike everywhere, and the counts of this batch go
+        # into the next measuring step's collective
+        self._vocab = self._vocab or found.vocab
+        self._count_labels(found.labels, found.device)
         init = summarize_init(host, found.vocab)
         if init.copy_rate is not None:
             self._init_copy_rate = init.copy_rate
+        self._masked_lm = init.masked_lm
+        if init.masked_lm and self.check_step is not None:
+            self._check_at = MASKED_LM_CHECK_FACTOR * self.check_step
         self.log_scalars(trainer, init.metrics(), step=step)
+        self._record(trainer, {**host, "loss_sum": init.observed, "loss_n": 1.0}, step)
         verdicts = classify_init_loss(
             init,
             init_tolerance=self.init_tolerance,
@@ -509,24 +674,40 @@ class LossAtInit(DebugCallback):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             ranks=world_size(),
         )
+        self._probabilities = any(v.code == "TFD220" for v in verdicts)
         self._emit(trainer, verdicts, step)
 
     def _measure_check(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
+        self._count_labels(found.labels, found.device)  # V is known alike on every rank (or on none)
         host = self._reduce(found.stats, _CHECK_KEYS, loss, found.ok, found.device)
         if self._stand_aside_if_missing(trainer, host, found.reason, step):
             return
-        recomputed = host["ce_sum"] / host["ce_count"] if host["ce_count"] else float("nan")
+        self._vocab = self._vocab or found.vocab
+        window = [(s, v) for s, v in self._history if s >= step // 2]  # measured before this check, in its window
+        nan = float("nan")
+        recomputed = host["ce_sum"] / host["ce_count"] if host["ce_count"] else nan
         current = host["loss_sum"] / host["loss_n"] if host["loss_n"] else recomputed
+        self._record(trainer, {**host, "loss_sum": current, "loss_n": 1.0}, step)
+        expected, unigram = uniform_loss(found.vocab), self._unigram if self._unigram is not None else nan
         metrics = {"loss_at_init/check_loss": current}
-        copy_rate = repeat_rate = float("nan")
+        copy_rate = repeat_rate = nan
         if host["count"]:  # reduced: every rank takes the same branch
             copy_rate, repeat_rate = host["copies"] / host["count"], host["repeats"] / host["count"]
             metrics["loss_at_init/copy_rate"] = copy_rate
+        own = rolled = floor = logit_range = nan
+        if host["rolled_count"]:
+            own, rolled = host["own_ce_sum"] / host["rolled_count"], host["rolled_ce_sum"] / host["rolled_count"]
+            metrics["loss_at_init/rolled_loss"] = rolled
+        if host["floor_count"]:
+            floor, logit_range = host["floor_sum"] / host["floor_count"], host["range_sum"] / host["floor_count"]
+            metrics["loss_at_init/loss_floor"] = floor
         self.log_scalars(trainer, metrics, step=step)
         verdicts = check_verdicts(
             current,
-            uniform_loss(found.vocab),
+            expected,
             step,
+            window=window,
+            unigram_entropy=unigram,
             stall_tolerance=self.stall_tolerance,
             copy_rate=copy_rate,
             repeat_rate=repeat_rate,
@@ -535,6 +716,23 @@ class LossAtInit(DebugCallback):
             learning_rates=[group["lr"] for opt in trainer.optimizers for group in opt.param_groups],
             shift_labels=self.shift_labels,
         )
+        if not self._probabilities:  # exact probabilities are TFD220's, found at step 0
+            bounded = bounded_output_verdict(
+                recomputed, floor, logit_range, expected, unigram, step, stall_tolerance=self.stall_tolerance
+            )
+            verdicts += [bounded] if bounded is not None else []
+        matched = host["match_count"]
+        context = context_verdict(
+            own,
+            rolled,
+            unigram,
+            step,
+            own_match=host["own_match"] / matched if matched else nan,
+            rolled_match=host["rolled_match"] / matched if matched else nan,
+            flat=flat_window(window, current, expected, self.stall_tolerance),
+            window_steps=step - min((s for s, _ in window), default=step),
+        )
+        verdicts += [context] if context is not None else []
         self._emit(trainer, verdicts, step)
 
     def _current_tokens(self, labels: Tensor) -> Tensor | None:
@@ -554,6 +752,12 @@ class LossAtInit(DebugCallback):
             "init_done": self._init_done,
             "check_done": self._check_done,
             "init_copy_rate": self._init_copy_rate,
+            "check_at": self._check_at,
+            "masked_lm": self._masked_lm,
+            "vocab": self._vocab,
+            "unigram_entropy": self._unigram if self._unigram_done else None,
+            "history": [list(point) for point in self._history],
+            "probabilities": self._probabilities,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -562,6 +766,14 @@ class LossAtInit(DebugCallback):
         self._check_done = bool(state_dict.get("check_done", False))
         rate = state_dict.get("init_copy_rate")
         self._init_copy_rate = float(rate) if rate is not None else None
+        self._check_at = state_dict.get("check_at", self.check_step)
+        self._masked_lm = bool(state_dict.get("masked_lm", False))
+        self._vocab = state_dict.get("vocab") or self._vocab
+        self._unigram = state_dict.get("unigram_entropy")
+        self._label_counts = None
+        self._counted_batches = _UNIGRAM_BATCHES if self._unigram is not None else 0
+        self._history = [(int(s), float(v)) for s, v in state_dict.get("history", [])]
+        self._probabilities = bool(state_dict.get("probabilities", False))
 
 
 @dataclass
@@ -574,6 +786,7 @@ class _Collected:
     vocab: int
     device: torch.device
     shifted: bool = False
+    labels: Tensor | None = None  # for the label counts; released with the rest at the end of the batch
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.batch import loss_of
 from lightning_tfdebug.core.distributed import clean_param_name, local_tensor
 from lightning_tfdebug.core.groups import training_model
 from lightning_tfdebug.core.model import grad_scaler_of
@@ -49,8 +50,9 @@ class OptimizerAudit(DebugCallback):
     - every trainable parameter must sit in exactly one param group of one optimizer: missing ones are an error
       naming them (``TFD320``: a head or adapter left out, or an optimizer built before the model was moved or
       rebuilt), parameters listed twice get ``TFD321``, frozen parameters (``requires_grad=False``) still in the
-      optimizer get ``TFD322`` (weight decay and momentum keep moving them), and tensors in the optimizer that are not
-      parameters of the module get ``TFD323`` (stale copies);
+      optimizer get ``TFD322`` (info: torch optimizers skip parameters without a gradient, as in a LoRA fine-tune
+      whose optimizer was built from all parameters; a warning once a measured step changes one of them), and
+      tensors in the optimizer that are not parameters of the module get ``TFD323`` (stale copies);
     - weight decay on 1-D parameters (norm weights, biases) is ``TFD324``; on embedding tables ``TFD325`` (info;
       common practice excludes them); ``Adam``-family optimizers with ``weight_decay > 0`` (coupled L2, not decoupled
       decay) get ``TFD326``: use ``AdamW``; over float16 parameters (moments in float16 too) with ``eps`` below
@@ -64,9 +66,12 @@ class OptimizerAudit(DebugCallback):
 
     Every optimizer step, without touching tensors: an LR scheduler whose ``last_epoch`` (its count of ``step()``
     calls) advanced more than once since its optimizer's previous step (``TFD329``: stepped per micro-batch, or by
-    hand and by Lightning). On measuring steps: the effective
-    LR of every param group is logged (``optimizer_audit/lr/<group>``); a transformer whose LR at a later step is not above its LR at
-    the first step has no warm-up (``TFD330``); an LR that reached zero before 90% of the run (``TFD331``); and one
+    hand and by Lightning). On measuring steps: the effective LR of every param group is logged
+    (``optimizer_audit/lr/<group>``); a transformer trained from step 0 whose LR at a later step is not above its LR
+    at the first step has no warm-up (``TFD330``: info, since many runs train well without one; a warning when a
+    measured loss in the first ``warmup_window`` steps shows what a warm-up prevents: not finite, above the first
+    step's loss by 10%, or doubled from its lowest point; never decided from the first step after a resume, which
+    is past any warm-up); an LR that reached zero before 90% of the run (``TFD331``); and one
     parameter per group is snapshotted before the step and compared byte for byte after it: unchanged on
     ``patience`` consecutive measured steps although it had a gradient and a non-zero LR is ``TFD332``. Steps the
     fp16 GradScaler skipped are not counted. At the first backward after an optimizer step on a measuring step, a
@@ -98,6 +103,7 @@ class OptimizerAudit(DebugCallback):
             ``log_every_n_steps``.
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         check_warmup: check that a transformer's LR warms up (``TFD330``).
+        warmup_window: the first optimizer steps in which a loss spike makes a missing warm-up a warning.
         zero_lr_fraction: ``TFD331`` when the LR is zero before this fraction of the run's steps.
         patience: consecutive measured steps a parameter must stay byte-identical for ``TFD332``.
 
@@ -128,12 +134,15 @@ class OptimizerAudit(DebugCallback):
         check_warmup: bool = True,
         zero_lr_fraction: float = 0.9,
         patience: int = 2,
+        warmup_window: int = 1000,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         if not isinstance(check_warmup, bool):
             raise TypeError(f"`check_warmup` must be True or False; got {check_warmup!r}.")
         check_number("zero_lr_fraction", zero_lr_fraction, low=0.0, high=1.0)
         check_number("patience", patience, low=1, integer=True)
+        check_number("warmup_window", warmup_window, low=1, integer=True)
+        self.warmup_window = warmup_window
         self.check_warmup = check_warmup
         self.zero_lr_fraction = float(zero_lr_fraction)
         self.patience = patience
@@ -148,6 +157,13 @@ class OptimizerAudit(DebugCallback):
         self._compare_due = False
         self._transformer = False
         self._stepped = False  # an optimizer step ran since the last backward
+        self._no_warmup: dict[str, Any] | None = None  # the evidence of TFD330 (info) until the early loss shows harm
+        self._first_loss: float | None = None  # the loss of step 0, read on that measuring step
+        self._lowest_loss = math.inf
+        self._measured_step = 0  # the optimizer step whose snapshot is compared at the end of its batch
+        self._spike: dict[str, Any] | None = None  # the first early loss spike, kept until the warm-up is decided
+        self._frozen_in_optimizer: set[int] = set()  # ids of frozen parameters the optimizer holds (TFD322)
+        self._frozen_snaps: list[tuple[str, Tensor, Tensor]] = []
 
     @property
     def state_key(self) -> str:
@@ -182,6 +198,8 @@ class OptimizerAudit(DebugCallback):
                         strangers += 1
                         continue
                     name = named[id(param)][0]
+                    if not param.requires_grad:
+                        continue  # frozen: the optimizer skips it (no gradient), so no decay reaches it either
                     if decay > 0 and param.ndim <= 1:
                         one_d.append(name)
                     elif decay > 0 and id(param) in embeddings:
@@ -235,11 +253,14 @@ class OptimizerAudit(DebugCallback):
                 f"{len(twice)} parameters appear in more than one param group or optimizer: {_names(twice)}.",
                 {"count": len(twice), "names": twice[:50]},
             )
+        self._frozen_in_optimizer = {pid for pid, (_, p) in named.items() if not p.requires_grad and pid in membership}
         if frozen:
             self.emit(
                 trainer,
                 "TFD322",
-                f"{len(frozen)} frozen parameters (requires_grad=False) are still in the optimizer: {_names(frozen)}.",
+                f"{len(frozen)} frozen parameters (requires_grad=False) are in the optimizer: {_names(frozen)}. Torch "
+                "optimizers skip parameters without a gradient, so they stay put unless this optimizer steps them "
+                "anyway (checked on measuring steps).",
                 {"count": len(frozen), "names": frozen[:50]},
             )
         if strangers:
@@ -400,7 +421,11 @@ class OptimizerAudit(DebugCallback):
             return
         self._stepped = True
         self._check_scheduler_cadence(trainer, optimizer)
-        first = self._first_lr is None
+        first = self._first_lr is None and not self._warmup_decided
+        if first and trainer.global_step > 0:
+            # resumed without this callback's state: the first LR seen is past any warm-up, so no schedule is
+            # inferred from it (TFD330 is not decided in this run)
+            self._warmup_decided, first = True, False
         if not (first or self.should_measure(trainer)):
             return
         lrs = self._read_lrs(trainer)
@@ -413,6 +438,7 @@ class OptimizerAudit(DebugCallback):
             self._check_lr(trainer, top, first)
             self._snapshot(trainer, optimizer)
             self._compare_due = True  # on every rank: the comparison after the step resolves findings together
+            self._measured_step = trainer.global_step
 
     def _check_scheduler_cadence(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
         for config in trainer.lr_scheduler_configs:
@@ -469,13 +495,51 @@ class OptimizerAudit(DebugCallback):
         if self._transformer and first_lr > 0 and top <= first_lr * (1 + 1e-9):
             if top >= first_lr * (1 - 1e-9) and self._stuck_below_base(trainer, top):
                 return
+            self._no_warmup = {"first_lr": first_lr, "lr": top, "step": step}
             self.emit(
                 trainer,
                 "TFD330",
                 f"No learning-rate warm-up: the LR at step {step} ({top:.3g}) is not above the LR of the first "
-                f"step ({first_lr:.3g}), so this transformer starts at its peak LR.",
-                {"first_lr": first_lr, "lr": top, "step": step},
+                f"step ({first_lr:.3g}), so this transformer starts at its peak LR. Advice only while the early loss "
+                "stays well-behaved (watched for the first warmup_window steps).",
+                self._no_warmup,
             )
+            self._escalate_warmup(trainer)
+
+    def _check_early_loss(self, trainer: pl.Trainer, loss: float, step: int) -> None:
+        """``TFD330`` as a warning: without a warm-up, a measured loss early in the run shows what one prevents."""
+        if self._first_loss is None:
+            if step == 0:
+                self._first_loss, self._lowest_loss = loss, loss
+            return
+        first, lowest = self._first_loss, self._lowest_loss
+        spike = None
+        if not math.isfinite(loss):
+            spike = f"the loss at step {step} is {loss}"
+        elif loss > 1.1 * first:
+            spike = f"the loss at step {step} ({loss:.4g}) rose above the first step's ({first:.4g})"
+        elif loss > 2.0 * lowest and loss - lowest > 0.1 * first:
+            spike = f"the loss at step {step} ({loss:.4g}) doubled from its lowest measured value ({lowest:.4g})"
+        if math.isfinite(loss):
+            self._lowest_loss = min(lowest, loss)
+        if spike is not None and self._spike is None:
+            self._spike = {"spike": spike, "loss": loss, "first_loss": first, "lowest_loss": lowest, "spike_step": step}
+        self._escalate_warmup(trainer)
+
+    def _escalate_warmup(self, trainer: pl.Trainer) -> None:
+        if self._spike is None or self._no_warmup is None:
+            return
+        self.emit(
+            trainer,
+            "TFD330",
+            f"No learning-rate warm-up, and the early loss spiked: {self._spike['spike']}, with the LR at its peak "
+            f"from the first step ({self._no_warmup['first_lr']:.3g}).",
+            {**self._no_warmup, **self._spike},
+            severity="warning",
+            key="spike",
+            step=self._spike["spike_step"],
+            synchronized=False,  # each rank's own loss; resolved together after the comparison
+        )
 
     def _stuck_below_base(self, trainer: pl.Trainer, top: float) -> bool:
         """``TFD335``: the LR has not moved since the first step and sits far below the schedulers' base LR.
@@ -519,6 +583,22 @@ class OptimizerAudit(DebugCallback):
                     continue
                 name = clean_param_name(named.get(id(param), f"group{gi}.param"))
                 snaps.append((name, param, local_tensor(param.detach()).clone()))
+            # one frozen parameter the optimizer holds: torch optimizers skip it (no gradient); TFD322 becomes a
+            # warning if this one moves
+            frozen = next(
+                (
+                    p
+                    for group in optimizer.param_groups
+                    for p in group["params"]
+                    if id(p) in self._frozen_in_optimizer and local_tensor(p.detach()).numel() > 0
+                ),
+                None,
+            )
+            self._frozen_snaps = (
+                [(clean_param_name(named.get(id(frozen), "frozen")), frozen, local_tensor(frozen.detach()).clone())]
+                if frozen is not None
+                else []
+            )
             scale = getattr(grad_scaler_of(trainer), "_scale", None)
             self._scale_before = scale.detach().clone() if isinstance(scale, Tensor) else None
         self._snapshots = snaps or None
@@ -530,23 +610,57 @@ class OptimizerAudit(DebugCallback):
         if not self._compare_due:
             return
         self._compare_due = False
-        self._compare_snapshots(trainer)
+        loss = loss_of(outputs) if self._watching_loss() else None
+        self._compare_snapshots(trainer, loss)
         # TFD332 compares each rank's own shard, so it is rank-local under FSDP; every rank that measured this step
         # (all of them: the step was chosen from global_step) resolves it here together.
         self.resolve_local_findings(trainer)
 
-    def _compare_snapshots(self, trainer: pl.Trainer) -> None:
-        snaps, self._snapshots = self._snapshots, None
-        if not snaps:
+    def _watching_loss(self) -> bool:
+        """Whether this measuring step reads the loss: the early window of a run trained from step 0, while a
+        missing warm-up may still be found or shown harmful."""
+        return (
+            self.check_warmup
+            and self._transformer
+            and self._first_lr is not None
+            and self._measured_step <= self.warmup_window
+            and (self._first_loss is not None or self._measured_step == 0)
+        )
+
+    def _compare_snapshots(self, trainer: pl.Trainer, loss: Tensor | None = None) -> None:
+        snaps, self._snapshots = self._snapshots or [], None
+        frozen, self._frozen_snaps = self._frozen_snaps, []
+        if not snaps and not frozen and loss is None:
             return
         with torch.no_grad():
             values: dict[str, Tensor | float] = {
                 name: (local_tensor(param.detach()) != before).any().float() for name, param, before in snaps
             }
+            values.update(
+                {f"__frozen:{name}": (local_tensor(p.detach()) != before).any().float() for name, p, before in frozen}
+            )
+            if loss is not None:
+                values["__loss"] = loss.detach().float().reshape(())
             scale = getattr(grad_scaler_of(trainer), "_scale", None)
             if self._scale_before is not None and isinstance(scale, Tensor):
                 values["__skipped"] = (scale < self._scale_before).float()
-        host = self.to_host(values)  # host sync: one per measuring step, for all of this check's flags
+        host = self.to_host(values)  # host sync: one per measuring step, for all of this check's flags and the loss
+        if "__loss" in host:
+            self._check_early_loss(trainer, host.pop("__loss"), self._measured_step)
+        for key in [k for k in host if k.startswith("__frozen:")]:
+            if host.pop(key) > 0:
+                name = key.split(":", 1)[1]
+                self.emit(
+                    trainer,
+                    "TFD322",
+                    f"Frozen parameter {name} (requires_grad=False) changed at an optimizer step: this optimizer "
+                    "steps frozen parameters (weight decay or momentum without a gradient, or a gradient set by "
+                    "hand), so the weights meant to stay fixed drift.",
+                    {"parameter": name},
+                    severity="warning",
+                    key="moved",
+                    synchronized=False,
+                )
         if host.pop("__skipped", 0.0) > 0:
             return  # the GradScaler skipped this step: nothing should have changed
         for name, changed in host.items():
@@ -574,6 +688,9 @@ class OptimizerAudit(DebugCallback):
             "first_lr": self._first_lr,
             "peak_lr": self._peak_lr,
             "warmup_decided": self._warmup_decided,
+            "first_loss": self._first_loss,
+            "lowest_loss": self._lowest_loss if math.isfinite(self._lowest_loss) else None,
+            "no_warmup": self._no_warmup,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -581,3 +698,7 @@ class OptimizerAudit(DebugCallback):
         self._first_lr = state_dict.get("first_lr")
         self._peak_lr = float(state_dict.get("peak_lr", 0.0))
         self._warmup_decided = bool(state_dict.get("warmup_decided", False))
+        self._first_loss = state_dict.get("first_loss")
+        lowest = state_dict.get("lowest_loss")
+        self._lowest_loss = float(lowest) if lowest is not None else math.inf
+        self._no_warmup = state_dict.get("no_warmup")

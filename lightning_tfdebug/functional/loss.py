@@ -163,3 +163,141 @@ def copy_sums(
         "repeats": ((current == nxt) & mask).sum(dtype=f32),
         "count": mask.sum(dtype=f32),
     }
+
+
+def label_counts(labels: Tensor, vocab_size: int, ignore_index: int = -100) -> Tensor:
+    """How often each class occurs among the supervised labels: a float ``(vocab_size,)`` count vector.
+
+    A scatter-add into a fixed-size vector, not ``torch.bincount``, so its shape does not depend on the values (no
+    host sync on an accelerator). Labels outside ``[0, vocab_size)`` other than ``ignore_index`` are not counted.
+    """
+    flat = labels.detach().reshape(-1)
+    keep = (flat != ignore_index) & (flat >= 0) & (flat < vocab_size)
+    index = torch.where(keep, flat, torch.zeros_like(flat)).long()
+    counts = torch.zeros(vocab_size, dtype=torch.float32, device=flat.device)
+    return counts.scatter_add_(0, index, keep.float())
+
+
+def unigram_entropy(counts: Tensor) -> Tensor:
+    """Entropy (nats) of the label distribution ``counts`` describe: the loss of a model that learned the classes'
+    frequencies and nothing else (it ignores its context).
+
+    The plug-in estimate is biased low on a small sample; the Miller-Madow term ``(K - 1) / 2N`` (``K`` classes seen,
+    ``N`` labels) corrects most of that. A device scalar; NaN when nothing was counted.
+    """
+    counts = counts.float()
+    total = counts.sum()
+    p = counts / total.clamp(min=1.0)
+    plug_in = -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum()
+    seen = (counts > 0).sum().float()
+    value = plug_in + (seen - 1.0).clamp(min=0.0) / (2.0 * total.clamp(min=1.0))
+    return torch.where(total > 0, value, torch.full_like(value, float("nan")))
+
+
+def masked_input_sums(inputs: Tensor, labels: Tensor, vocab_size: int, ignore_index: int = -100) -> dict[str, Tensor]:
+    """What the inputs hold where the labels are supervised (labels and inputs aligned, unshifted): a masked-LM
+    objective replaces most of those inputs with one mask token, a causal LM's inputs there are as varied as its text.
+
+    Returns ``mask_share_top`` (the count of the most common input token at supervised positions) and
+    ``mask_share_count`` (supervised positions); their ratio near 1 (BERT: 80% ``[MASK]``) recognises masked-LM
+    labels. Counted over a fixed ``vocab_size`` vector (no sync); ids outside it are not counted.
+    """
+    if tuple(inputs.shape) != tuple(labels.shape):
+        zero = torch.zeros((), device=labels.device)
+        return {"mask_share_top": zero, "mask_share_count": zero}
+    supervised = labels.detach() != ignore_index
+    ids = torch.where(supervised, inputs.detach().to(labels.device), torch.full_like(labels, ignore_index))
+    counts = label_counts(ids, vocab_size, ignore_index)
+    return {"mask_share_top": counts.max(), "mask_share_count": supervised.sum(dtype=torch.float32)}
+
+
+def rolled_label_sums(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    shift_labels: bool = True,
+    ignore_index: int = -100,
+    max_rows: int = 2048,
+) -> dict[str, Tensor]:
+    """Cross-entropy of the logits against the batch's own labels and against labels rolled by one sample.
+
+    A model that uses its context predicts its own sample's labels better than its neighbour's: ``rolled_ce_sum``
+    exceeds ``own_ce_sum``. A gap of zero means its predictions carry nothing specific to the sample: the labels do
+    not depend on the inputs (they belong to other samples) or the model ignores its inputs. Both sums run over the
+    sampled rows where the own *and* the rolled label are supervised (``rolled_count``), so they compare like with
+    like. A batch of one sample has no neighbour: the counts are then 0.
+    """
+    zero = torch.zeros((), device=logits.device)
+    if labels.shape[0] < 2:
+        return {"own_ce_sum": zero, "rolled_ce_sum": zero, "rolled_count": zero}
+    rows, own = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
+    _, rolled = align(logits.detach(), labels.detach().roll(1, 0), shift_labels, ignore_index)
+    idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
+    x = rows.index_select(0, idx).float()
+    own, rolled = own.index_select(0, idx).to(x.device), rolled.index_select(0, idx).to(x.device)
+    mask = (own != ignore_index) & (rolled != ignore_index) & (own < x.shape[-1]) & (rolled < x.shape[-1])
+    mask &= (own >= 0) & (rolled >= 0)
+    logp = x.log_softmax(-1)
+
+    def nll(target: Tensor) -> Tensor:
+        safe = torch.where(mask, target, torch.zeros_like(target)).long()
+        return torch.where(mask, -logp.gather(-1, safe[:, None]).squeeze(-1), torch.zeros_like(x[:, 0])).sum()
+
+    return {"own_ce_sum": nll(own), "rolled_ce_sum": nll(rolled), "rolled_count": mask.sum(dtype=torch.float32)}
+
+
+def label_input_match_sums(labels: Tensor, inputs: Tensor, ignore_index: int = -100) -> dict[str, Tensor]:
+    """How often a supervised label repeats its own sample's input token, against another sample's.
+
+    A language model's labels are its inputs, aligned (``labels == input_ids``, shifted inside the model) or
+    shifted by one (``labels[t] == input_ids[t + 1]``, shifted in the collator); the better of the two alignments is
+    counted (``own_match``). ``rolled_match`` counts the same against the inputs of the neighbouring sample (rolled by
+    one along the batch): labels that belong to their own inputs match them far more often than a neighbour's; labels
+    joined off by one row match the neighbour's; labels that never repeat their inputs (classification, translation,
+    masked-LM targets) match neither, and this relation then says nothing. ``match_count``: supervised positions.
+    """
+    zero = torch.zeros((), device=labels.device)
+    if labels.ndim != 2 or tuple(inputs.shape) != tuple(labels.shape) or labels.shape[0] < 2 or labels.shape[1] < 2:
+        return {"own_match": zero, "rolled_match": zero, "match_count": zero}
+    labels = labels.detach()
+    inputs = inputs.detach().to(labels.device)
+    supervised = (labels != ignore_index)[:, :-1]
+    f32 = torch.float32
+
+    def best(ids: Tensor) -> Tensor:
+        same = ((labels[:, :-1] == ids[:, :-1]) & supervised).sum(dtype=f32)
+        nxt = ((labels[:, :-1] == ids[:, 1:]) & supervised).sum(dtype=f32)
+        return torch.maximum(same, nxt)
+
+    own, rolled = best(inputs), best(inputs.roll(1, 0))
+    return {"own_match": own, "rolled_match": rolled, "match_count": supervised.sum(dtype=f32)}
+
+
+def bounded_floor_sums(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    shift_labels: bool = True,
+    ignore_index: int = -100,
+    max_rows: int = 2048,
+) -> dict[str, Tensor]:
+    """The lowest cross-entropy the logits' own range allows, summed over the sampled supervised rows.
+
+    A row whose logits span a range of width ``w`` (max minus min) gives every class at least ``e^-w`` of the
+    target's weight, so its cross-entropy is at least ``ln(1 + (V - 1) e^-w)``: the best case puts the target at the
+    top and every other class at the bottom. A sigmoid or tanh on the logits, a clamp, or a normalisation that is not
+    an exact softmax confines ``w`` for good, and the loss can never fall below that floor. Returns ``floor_sum``,
+    ``range_sum`` (the widths ``w``) and ``floor_count``.
+    """
+    rows, targets = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
+    idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
+    x = rows.index_select(0, idx).float()
+    mask = targets.index_select(0, idx).to(x.device) != ignore_index
+    width = x.amax(-1) - x.amin(-1)
+    floor = torch.log1p((x.shape[-1] - 1) * torch.exp(-width))
+    zeros = torch.zeros_like(width)
+    return {
+        "floor_sum": torch.where(mask, floor, zeros).sum(),
+        "range_sum": torch.where(mask, width, zeros).sum(),
+        "floor_count": mask.sum(dtype=torch.float32),
+    }

@@ -1,6 +1,8 @@
 """LossAtInit's decisions, without a Trainer: what the first loss and the model's outputs say about the loss wiring
-(``TFD220``-``TFD224``, ``TFD227``, ``TFD229``), and whether training has left ln(V) or learned to copy its input
-(``TFD225``, ``TFD226``).
+(``TFD220``-``TFD224``, ``TFD227``, ``TFD229``), and, later in the run, whether training has left ln(V) or learned to
+copy its input (``TFD225``, ``TFD226``), whether the outputs are squashed into a range whose floor holds the loss up
+(``TFD230``), and whether the loss sits at the labels' unigram entropy because the labels belong to other samples
+(``TFD231``) or the model ignores its context (``TFD232``).
 
 The inputs are host floats: the sums and counts of :func:`~lightning_tfdebug.functional.loss.init_loss_sums` and
 :func:`~lightning_tfdebug.functional.loss.copy_sums`, added over ranks and moved to the host once by the callback.
@@ -16,6 +18,30 @@ from typing import Any
 from lightning_tfdebug.functional.loss import uniform_loss
 from lightning_tfdebug.functional.verdicts import Verdict
 
+MASKED_LM_SHARE = 0.5
+"""A masked-LM objective: one input token (the mask) fills at least this share of the supervised positions."""
+MASKED_LM_SUPERVISED = 0.5
+"""... and at most this fraction of the label positions is supervised (BERT masks 15%)."""
+MASKED_LM_CHECK_FACTOR = 5
+"""Masked-LM objectives sit at the unigram entropy for a while before they learn: their check runs this many times
+later than ``check_step``."""
+CONTEXT_GAP = 0.01
+"""TFD231/TFD232 when the loss on the batch's own labels is better than on its neighbour's by less than this
+fraction."""
+UNIGRAM_BAND = (0.85, 1.1)
+"""The loss counts as "at the unigram entropy" between these multiples of it."""
+FLOOR_PINNED = 0.3
+"""TFD230 when the loss is above the floor by at most this fraction of the way from the floor up to ln(V): the
+outputs put the target at the top of the range and the rest at the bottom (an unbounded model that learns spreads
+its logits, and its loss stays well above its floor: 0.4 of that way and more in the tests' healthy runs)."""
+FLOOR_ABOVE_DATA = 0.05
+"""... and the floor is above the labels' unigram entropy by at least this fraction of ln(V)."""
+STALL_STEPS = 20
+"""TFD232 claims a stall at the unigram entropy only over a window of at least this many optimizer steps: models
+pass through the unigram level (and a lightly pretrained one starts there), so a short window is no stall."""
+RELATION_MARGIN = 0.2
+"""Labels belong to inputs (or to the neighbour's) when they repeat them at half the positions and this much more
+often than the other's."""
 COPY_RISE = 0.1
 """TFD226 needs the copy rate to have risen by this much since init (tied embeddings copy from the start)."""
 NORMALIZED_ROWS = 0.99
@@ -40,6 +66,17 @@ class InitLoss:
     positions: float  # label positions, over every rank
     label_rows: float  # sequences, over every rank
     vocab: int
+    repeat_rate: float | None = None  # the data repeats a token (inputs[t] == inputs[t + 1]); None when not measured
+    mask_share: float | None = None  # share of supervised positions holding the most common input token
+
+    @property
+    def masked_lm(self) -> bool:
+        """Masked-LM labels: a few positions supervised, and most of their inputs one token (the mask)."""
+        return (
+            self.mask_share is not None
+            and self.mask_share >= MASKED_LM_SHARE
+            and 0 < self.supervised_frac <= MASKED_LM_SUPERVISED
+        )
 
     def metrics(self) -> dict[str, float]:
         """The logged keys of step 0."""
@@ -77,6 +114,8 @@ def summarize_init(host: Mapping[str, float], vocab: int) -> InitLoss:
         positions=host["positions"],
         label_rows=host["label_rows"],
         vocab=vocab,
+        repeat_rate=_mean(host.get("repeats", 0.0), host["count"]) if host.get("count") else None,
+        mask_share=_mean(host["mask_share_top"], host["mask_share_count"]) if host.get("mask_share_count") else None,
     )
 
 
@@ -155,15 +194,60 @@ def classify_init_loss(
             )
         )
     elif observed < (1.0 - init_tolerance) * expected:
-        out.append(
-            Verdict(
-                "TFD223",
-                f"The initial loss {observed:.3f} is far below ln(V) = {expected:.3f} (V={vocab}) before any "
-                "training: the model can see the answer, or the loss is not a cross-entropy over V classes.",
-                evidence,
-            )
-        )
+        out.append(_below_uniform(init, init_tolerance, evidence))
     return out
+
+
+def _below_uniform(init: InitLoss, tolerance: float, evidence: Mapping[str, Any]) -> Verdict:
+    """``TFD223``: the first loss far below ln(V). Its severity depends on whether the logits themselves give it.
+
+    An untrained model's logits are near uniform, so a returned loss far below ln(V) is not their cross-entropy: the
+    loss is not a V-way cross-entropy (NLLLoss on raw logits, a wrong ``vocab_size``, padding averaged in), a warning.
+    When the logits' own cross-entropy is that low too, the model already predicts its labels: weights trained before
+    (fine-tuning, the common case) unless it does so by predicting its current input token, a leak (warning).
+    """
+    observed, expected, recomputed = init.observed, init.expected, init.recomputed
+    predicts = (
+        math.isfinite(recomputed)
+        and recomputed < (1.0 - tolerance) * expected
+        and abs(observed - recomputed) <= tolerance * max(recomputed, 1e-6)
+    )
+    copying = (
+        init.copy_rate is not None
+        and init.copy_rate >= 0.5
+        and init.copy_rate >= (init.repeat_rate or 0.0) + 0.25
+        and not init.masked_lm
+    )
+    evidence = {**evidence, "copy_rate": init.copy_rate, "repeat_rate": init.repeat_rate}
+    if predicts and not copying:
+        return Verdict(
+            "TFD223",
+            f"The initial loss {observed:.3f} is far below ln(V) = {expected:.3f} (V={init.vocab}), and the logits' "
+            f"own cross-entropy ({recomputed:.3f}) agrees: the model already predicts its labels, as weights trained "
+            "before (fine-tuning) do. Nothing to fix for a pretrained model.",
+            {**evidence, "pretrained": True},
+            hint=(
+                "If this model was not trained before, its inputs show it the answer: look for labels that are not "
+                "shifted with a causal mask missing, or the target copied into the input."
+            ),
+            severity="info",
+        )
+    if predicts:
+        because = (
+            f"the logits give it ({recomputed:.3f}) by predicting the current input token at {init.copy_rate:.0%} of "
+            f"positions (the data repeats a token at {init.repeat_rate or 0.0:.0%}): the answer is in the input"
+        )
+    else:
+        because = (
+            f"the logits' own cross-entropy is {recomputed:.3f}: the returned loss is not the V-way cross-entropy of "
+            "these logits"
+        )
+    return Verdict(
+        "TFD223",
+        f"The initial loss {observed:.3f} is far below ln(V) = {expected:.3f} (V={init.vocab}) before any update; "
+        f"{because}.",
+        {**evidence, "pretrained": False},
+    )
 
 
 def batch_counts(
@@ -226,12 +310,22 @@ def scaled_loss_verdict(
     )
 
 
+def flat_window(window: Sequence[tuple[int, float]], loss: float, expected: float, tolerance: float) -> bool:
+    """Whether the loss has stayed flat over ``window`` (``(step, loss)`` pairs measured before this check): it fell
+    by less than ``tolerance`` of ln(V) from the window's highest point. A window with no earlier finite point is
+    judged from the one point (True)."""
+    earlier = [value for _, value in window if math.isfinite(value)]
+    return not earlier or max(earlier) - loss <= tolerance * expected
+
+
 def check_verdicts(
     loss: float,
     expected: float,
     step: int,
     *,
     stall_tolerance: float,
+    window: Sequence[tuple[int, float]] = (),
+    unigram_entropy: float = float("nan"),
     copy_rate: float = float("nan"),
     repeat_rate: float = float("nan"),
     init_copy_rate: float | None = None,
@@ -239,17 +333,43 @@ def check_verdicts(
     learning_rates: Sequence[float] = (),
     shift_labels: bool = True,
 ) -> list[Verdict]:
-    """The findings at ``check_step``: the loss still within ``stall_tolerance`` of ln(V) (``TFD225``); the model
-    predicting its current input token (``TFD226``) more often than ``copy_threshold``, than the data repeats a token
-    (by 0.25) and than at init (by :data:`COPY_RISE`)."""
+    """The findings at the check: a loss still within ``stall_tolerance`` of ln(V) and flat over ``window`` (the
+    ``(step, loss)`` points measured since half-way to the check) (``TFD225``); the model predicting its current input
+    token (``TFD226``) more often than ``copy_threshold``, than the data repeats a token (by 0.25) and than at init
+    (by :data:`COPY_RISE`).
+
+    With the labels' ``unigram_entropy`` known, the message says whether the loss is above what the classes'
+    frequencies alone give (not learning at all) or the frequencies are themselves near uniform.
+    """
     out: list[Verdict] = []
-    if math.isfinite(loss) and abs(loss - expected) <= stall_tolerance * expected:
+    flat = flat_window(window, loss, expected, stall_tolerance)
+    if math.isfinite(loss) and abs(loss - expected) <= stall_tolerance * expected and flat:
+        since = min((s for s, v in window if math.isfinite(v)), default=step)
+        if math.isfinite(unigram_entropy) and unigram_entropy < (1.0 - stall_tolerance) * expected:
+            what = (
+                f"above the labels' unigram entropy ({unigram_entropy:.3f}, what learning the token frequencies alone "
+                "gives): the model has not started to learn, not even the frequencies"
+            )
+        elif math.isfinite(unigram_entropy):
+            what = (
+                f"and the labels' unigram entropy ({unigram_entropy:.3f}) is itself near ln(V): the model has learned "
+                "nothing beyond near-uniform frequencies"
+            )
+        else:
+            what = "the loss of a uniform guess: the model has not started to learn"
         out.append(
             Verdict(
                 "TFD225",
-                f"After {step} steps the loss {loss:.3f} is still within {stall_tolerance:.0%} of ln(V) = "
-                f"{expected:.3f}, the loss of a uniform guess: the model has not started to learn.",
-                {"loss": loss, "expected_loss": expected, "step": step, "learning_rates": list(learning_rates)[:8]},
+                f"From step {since} to step {step} the loss stayed flat at {loss:.3f}, within {stall_tolerance:.0%} of "
+                f"ln(V) = {expected:.3f}, {what}.",
+                {
+                    "loss": loss,
+                    "expected_loss": expected,
+                    "step": step,
+                    "window_start": since,
+                    "unigram_entropy": unigram_entropy,
+                    "learning_rates": list(learning_rates)[:8],
+                },
             )
         )
     init_rate = init_copy_rate if init_copy_rate is not None else 0.0
@@ -275,3 +395,125 @@ def check_verdicts(
             )
         )
     return out
+
+
+def bounded_output_verdict(
+    loss: float,
+    floor: float,
+    logit_range: float,
+    expected: float,
+    unigram_entropy: float,
+    step: int,
+    *,
+    stall_tolerance: float,
+) -> Verdict | None:
+    """``TFD230``: the loss is pinned at the floor the logits' range allows, far above what the data allows.
+
+    ``floor`` is the mean over supervised rows of ``ln(1 + (V - 1) e^-w)``, ``w`` each row's logit range (see
+    :func:`~lightning_tfdebug.functional.loss.bounded_floor_sums`): no cross-entropy of these logits can be lower.
+    The finding needs the loss (the logits' own cross-entropy) to have left ln(V) (the model is learning), to sit
+    within :data:`FLOOR_PINNED` of the way from the floor up to ln(V) (pinned at the floor), and the floor to be
+    above the labels' unigram entropy by :data:`FLOOR_ABOVE_DATA` of ln(V): the range forbids even the loss of a
+    model that learned the token frequencies alone, which the data allows any model. An unbounded model that learns
+    widens its logits and drops its floor far below the loss; a bounded one cannot.
+    """
+    if not (math.isfinite(loss) and math.isfinite(floor) and math.isfinite(unigram_entropy)):
+        return None
+    if loss > (1.0 - stall_tolerance) * expected or floor < unigram_entropy + FLOOR_ABOVE_DATA * expected:
+        return None
+    if loss - floor > FLOOR_PINNED * (expected - floor):
+        return None
+    return Verdict(
+        "TFD230",
+        f"At step {step} the loss {loss:.3f} sits on the floor its outputs allow ({floor:.3f}): the logits span a "
+        f"range of only {logit_range:.3g} per position, and no cross-entropy over V={round(math.exp(expected))} "
+        f"classes of such logits can fall below ln(1 + (V-1) e^-range). The labels' unigram entropy is "
+        f"{unigram_entropy:.3f}, so the outputs are squashed into a bounded range before the loss (a sigmoid, tanh, "
+        "clamp or normalisation on the logits).",
+        {
+            "loss": loss,
+            "floor": floor,
+            "logit_range": logit_range,
+            "expected_loss": expected,
+            "unigram_entropy": unigram_entropy,
+            "step": step,
+        },
+    )
+
+
+def context_verdict(
+    loss: float,
+    rolled_loss: float,
+    unigram_entropy: float,
+    step: int,
+    *,
+    own_match: float = float("nan"),
+    rolled_match: float = float("nan"),
+    flat: bool = True,
+    window_steps: int = STALL_STEPS,
+) -> Verdict | None:
+    """``TFD231`` / ``TFD232``: the loss sits at the labels' unigram entropy and the model predicts its own sample's
+    labels no better than its neighbour's (``rolled_loss``, labels rolled by one sample).
+
+    Both mean the predictions carry nothing specific to the sample; the labels' relation to the inputs tells which
+    side is at fault. ``own_match`` / ``rolled_match``: the fraction of supervised labels that repeat their own
+    sample's input tokens / the neighbour's (:func:`~lightning_tfdebug.functional.loss.label_input_match_sums`; NaN
+    when not measured):
+
+    * labels that repeat the neighbour's inputs, not their own: they belong to other samples (``TFD231``);
+    * labels that repeat their own inputs: the labels are right and the model ignores its context (``TFD232``,
+      only once the loss is ``flat`` over a window of at least :data:`STALL_STEPS` steps, ``window_steps``: a model
+      may pass through the unigram level on its way down);
+    * labels that repeat neither: labels from other samples (a shuffled label column), or, for a task whose labels
+      never repeat their inputs (classification, translation), a model that ignores its inputs; both are named
+      (``TFD231``).
+    """
+    if not (math.isfinite(loss) and math.isfinite(rolled_loss) and math.isfinite(unigram_entropy)):
+        return None
+    low, high = UNIGRAM_BAND
+    if not (low * unigram_entropy <= loss <= high * unigram_entropy):
+        return None
+    gap = rolled_loss - loss
+    if gap > CONTEXT_GAP * loss:
+        return None
+    evidence = {
+        "loss": loss,
+        "rolled_loss": rolled_loss,
+        "unigram_entropy": unigram_entropy,
+        "own_match": own_match,
+        "rolled_match": rolled_match,
+        "step": step,
+        "window_steps": window_steps,
+    }
+    measured = math.isfinite(own_match) and math.isfinite(rolled_match)
+    head = (
+        f"At step {step} the loss {loss:.3f} sits at the labels' unigram entropy ({unigram_entropy:.3f}: token "
+        f"frequencies only), and the model predicts its own sample's labels no better than its neighbour's "
+        f"({rolled_loss:.3f} with the labels rolled by one sample)"
+    )
+    if measured and own_match >= 0.5 and own_match >= rolled_match + RELATION_MARGIN:
+        if not flat or window_steps < STALL_STEPS:
+            return None
+        return Verdict(
+            "TFD232",
+            f"{head}. The labels repeat their own inputs ({own_match:.0%} of positions), so they are right: the model "
+            "ignores its context.",
+            evidence,
+        )
+    if measured and rolled_match >= 0.5 and rolled_match >= own_match + RELATION_MARGIN:
+        why = (
+            f"the labels repeat the *neighbouring* sample's inputs ({rolled_match:.0%} of positions, their own only "
+            f"{own_match:.0%}): the labels are joined to the inputs off by one row"
+        )
+    elif measured:
+        why = (
+            f"the labels repeat neither their own inputs ({own_match:.0%} of positions) nor a neighbour's "
+            f"({rolled_match:.0%}): they come from other samples (a shuffled label column), unless this task's labels "
+            "never repeat their inputs (classification, translation), in which case the model ignores its inputs"
+        )
+    else:
+        why = (
+            "the labels do not depend on the inputs (they belong to other samples), or the model ignores its inputs; "
+            "with no token inputs shaped like the labels this cannot be told apart here"
+        )
+    return Verdict("TFD231", f"{head}: {why}.", evidence)

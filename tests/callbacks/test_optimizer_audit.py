@@ -21,6 +21,7 @@ def codes(callback, with_info=False):
     "kwargs, match",
     [
         ({"zero_lr_fraction": 1.5}, "zero_lr_fraction"),
+        ({"warmup_window": 0}, "warmup_window"),
         ({"patience": 0}, "patience"),
         ({"check_warmup": "no"}, "check_warmup"),
         ({"on_finding": "explode"}, "on_finding"),
@@ -156,7 +157,7 @@ class StaleCopies(TinyGPT):
 @pytest.mark.parametrize(
     "model_cls, expected",
     [
-        (FrozenStillInOptimizer, ["TFD322", "TFD330"]),
+        (FrozenStillInOptimizer, ["TFD322", "TFD330"]),  # both info: AdamW skips the frozen weight, no spike
         (DuplicateParameter, ["TFD321"]),
         (StaleCopies, ["TFD320", "TFD323", "TFD330"]),
     ],
@@ -164,7 +165,8 @@ class StaleCopies(TinyGPT):
 def test_wiring_findings(tmp_path, model_cls, expected):
     audit = OptimizerAudit()
     fit(tmp_path, [audit], model=model_cls(**SMALL))
-    assert codes(audit) == expected
+    assert codes(audit, with_info=True) == expected
+    assert all(f.severity != "warning" for f in audit.findings if f.code in {"TFD322", "TFD330"})
 
 
 class SchedulerSteppedTwice(TinyGPT):
@@ -186,11 +188,11 @@ def test_scheduler_cadence_and_schedule_shape(tmp_path):
     assert codes(audit) == ["TFD329"]
     audit = OptimizerAudit(every_n_steps=1)
     fit(tmp_path / "zero", [audit], model=DecaysToZeroEarly(**SMALL), max_steps=8)
-    assert codes(audit) == ["TFD330", "TFD331"]
+    assert codes(audit, with_info=True) == ["TFD330", "TFD331"]
     assert next(f for f in audit.findings if f.code == "TFD331").step == 3
     audit = OptimizerAudit(every_n_steps=1)
     fit(tmp_path / "nowarmup", [audit], model=TinyGPT(**SMALL, warmup_steps=0))
-    assert codes(audit) == ["TFD330"]
+    assert codes(audit, with_info=True) == ["TFD330"] and codes(audit) == []
 
 
 class ManualSteps(TinyGPT):
@@ -265,7 +267,79 @@ def test_a_step_sized_warmup_stepped_per_epoch_is_a_frozen_lr_not_a_missing_warm
     # at its peak from the first step (no scheduler warm-up at all) it stays TFD330
     audit = OptimizerAudit(every_n_steps=2)
     fit(tmp_path / "flat", [audit], model=TinyGPT(**SMALL, warmup_steps=0), max_steps=5)
-    assert codes(audit) == ["TFD330"]
+    assert codes(audit, with_info=True) == ["TFD330"]
+
+
+class ConstantLR(TinyGPT):
+    """Fine-tuning style: AdamW at a constant LR, no scheduler at all."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.0)
+
+
+def test_no_warmup_is_advice_until_the_early_loss_spikes(tmp_path):
+    """TFD330 is info on a constant LR that trains well, a warning when the loss spikes in the first steps."""
+    calm = OptimizerAudit(every_n_steps=1)
+    fit(tmp_path / "constant", [calm], model=ConstantLR(**SMALL), max_steps=12)
+    [advice] = calm.findings
+    assert (advice.code, advice.severity) == ("TFD330", "info") and "Advice only" in advice.message
+    assert calm._first_loss is not None and calm._lowest_loss < calm._first_loss  # the loss was watched
+    hot = OptimizerAudit(every_n_steps=1)
+    fit(tmp_path / "hot", [hot], model=TinyGPT(**SMALL, lr=1.0, warmup_steps=0, weight_decay=0.0), max_steps=6)
+    [warned] = [f for f in hot.findings if f.code == "TFD330" and f.severity == "warning"]
+    assert warned.evidence["loss"] > 1.1 * warned.evidence["first_loss"] and warned.evidence["first_lr"] == 1.0
+    # the same run with a warm-up: no TFD330 at any severity
+    warm = OptimizerAudit(every_n_steps=1)
+    fit(tmp_path / "warm", [warm], model=TinyGPT(**SMALL, lr=1e-3, warmup_steps=4, weight_decay=0.0), max_steps=6)
+    assert "TFD330" not in codes(warm, with_info=True)
+
+
+def test_a_run_resumed_past_its_warmup_infers_no_schedule(tmp_path):
+    """Resumed from a checkpoint past its warm-up by an audit without saved state: the first LR it sees is the
+    peak, which says nothing about a warm-up."""
+    trainer = fit(tmp_path / "first", [], model=TinyGPT(**SMALL, warmup_steps=3), max_steps=5)
+    ckpt = tmp_path / "past_warmup.ckpt"
+    trainer.save_checkpoint(ckpt)
+    audit = OptimizerAudit(every_n_steps=1)
+    fit(tmp_path / "resumed", [audit], model=TinyGPT(**SMALL, warmup_steps=3), max_steps=9, ckpt_path=str(ckpt))
+    assert codes(audit, with_info=True) == [] and audit._first_lr is None and audit._warmup_decided
+
+
+class FrozenWithDecayAll(FrozenStillInOptimizer):
+    """A custom optimizer that applies weight decay to every parameter it holds, gradient or not."""
+
+    def configure_optimizers(self):
+        self.ln_f.weight.requires_grad_(False)
+        return DecayAll(self.parameters(), lr=1e-3)
+
+
+class DecayAll(torch.optim.Optimizer):
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        with torch.no_grad():
+            self._decay_then_step()
+        return loss
+
+    def _decay_then_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(1 - group["lr"])  # decay without looking at .grad
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_frozen_parameters_in_the_optimizer_are_a_warning_only_once_one_moves(tmp_path):
+    skipped = OptimizerAudit(every_n_steps=1)
+    fit(tmp_path / "adamw", [skipped], model=FrozenStillInOptimizer(**SMALL))
+    assert [f.severity for f in skipped.findings if f.code == "TFD322"] == ["info"]
+    moved = OptimizerAudit(every_n_steps=1)
+    fit(tmp_path / "decay_all", [moved], model=FrozenWithDecayAll(**SMALL))
+    info, warning = [f for f in moved.findings if f.code == "TFD322"]
+    assert (info.severity, warning.severity) == ("info", "warning") and warning.evidence["parameter"] == "ln_f.weight"
 
 
 def test_updates_that_underflow_bf16_weights(tmp_path):

@@ -1,0 +1,199 @@
+"""LossAtInit's data-aware baselines and the failure classes they expose, on two model families each (TinyGPT and
+Hugging Face GPT-2 / Llama built from tiny configs), with healthy controls: the labels' unigram entropy, the
+bounded-output floor (TFD230), labels from other samples (TFD231), a model that ignores its context (TFD232), a
+stall judged over a window (TFD225), masked-LM labels, and a pretrained model's first loss (TFD223 info)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_tfdebug import LossAtInit, OptimizerAudit, TFDebugWarning
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.healthy_models import HFLM, build, data, pretrain, with_lora
+from tests.helpers import SMALL, fit_tiny, make_trainer, read_scalars
+
+LN_V = math.log(259)
+CHECK = 100  # long enough for the tests' models to reach the labels' unigram entropy
+
+
+def codes(callback):
+    return [f.code for f in callback.findings]
+
+
+class Relabelled(TinyTextDataModule):
+    """The bundled text with labels that belong to other samples: ``"roll"`` joins each row's labels to the next
+    row's inputs (an off-by-one in an index join), ``"shuffle"`` permutes the label column within the batch."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(batch_size=8)
+        inner, self.how = self.collator, how
+
+        def collate(samples):
+            batch = inner(samples)
+            labels = batch["labels"]
+            batch["labels"] = labels.roll(1, 0) if how == "roll" else labels[torch.randperm(labels.shape[0])]
+            return batch
+
+        self.collator = collate
+
+
+class TanhTinyGPT(TinyGPT):
+    """Logits squashed by a tanh before the loss: a range of width 2 at most."""
+
+    def forward(self, input_ids, attention_mask=None):
+        return super().forward(input_ids, attention_mask).tanh()
+
+
+class BlindTinyGPT(TinyGPT):
+    """Every input token replaced by token 0 before the model: it sees positions only, never its context."""
+
+    def forward(self, input_ids, attention_mask=None):
+        return super().forward(torch.zeros_like(input_ids), attention_mask)
+
+
+class SquashedHF(HFLM):
+    """A Hugging Face causal LM whose output layer ends in a squashing activation."""
+
+    def __init__(self, family: str, squash: nn.Module) -> None:
+        super().__init__(family)
+        self.model.lm_head = nn.Sequential(self.model.lm_head, squash)
+
+
+class BlindHF(HFLM):
+    def training_step(self, batch, batch_idx):
+        blind = torch.zeros_like(batch["input_ids"])
+        return self.model(input_ids=blind, attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+
+
+def fit(tmp_path, model, data=None, check_step=CHECK, **kwargs):
+    monitor = LossAtInit(check_step=check_step, every_n_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = fit_tiny(tmp_path, [monitor], model, data, max_steps=check_step + 1, **kwargs)
+    return monitor, trainer
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(lambda: TanhTinyGPT(**SMALL, lr=2e-3), id="tinygpt-tanh"),
+        pytest.param(lambda: SquashedHF("llama", nn.Sigmoid()), id="llama-sigmoid"),
+    ],
+)
+def test_outputs_squashed_into_a_bounded_range_pin_the_loss_at_their_floor(tmp_path, model):
+    monitor, trainer = fit(tmp_path, model())
+    [finding] = monitor.findings
+    assert finding.code == "TFD230" and finding.severity == "warning" and finding.step == CHECK
+    evidence = finding.evidence
+    # the floor is the bound of the measured range, and it is above what learning the frequencies gives
+    assert evidence["logit_range"] <= 2.0
+    assert evidence["floor"] == pytest.approx(math.log1p(258 * math.exp(-evidence["logit_range"])), rel=0.05)
+    assert evidence["unigram_entropy"] < evidence["floor"] <= evidence["loss"] < 0.95 * LN_V
+    assert trainer.callback_metrics["loss_at_init/loss_floor"].item() == pytest.approx(evidence["floor"])
+
+
+@pytest.mark.parametrize(
+    "model, how, relation",
+    [
+        pytest.param(lambda: TinyGPT(**SMALL, lr=2e-3), "roll", "neighbouring", id="tinygpt-off-by-one"),
+        pytest.param(lambda: HFLM("gpt2"), "shuffle", "neither", id="gpt2-shuffled"),
+    ],
+)
+def test_labels_that_belong_to_other_samples(tmp_path, model, how, relation):
+    monitor, _ = fit(tmp_path, model(), Relabelled(how))
+    [finding] = monitor.findings
+    assert finding.code == "TFD231" and finding.step == CHECK and relation in finding.message
+    evidence = finding.evidence
+    assert evidence["rolled_loss"] - evidence["loss"] <= 0.01 * evidence["loss"]  # no better on its own labels
+    assert 0.85 * evidence["unigram_entropy"] <= evidence["loss"] <= 1.1 * evidence["unigram_entropy"]
+    if how == "roll":  # the labels are the next row's inputs
+        assert evidence["rolled_match"] > 0.9 > 0.3 > evidence["own_match"]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(lambda: BlindTinyGPT(**SMALL, lr=2e-3), id="tinygpt"),
+        pytest.param(lambda: BlindHF("gpt2"), id="gpt2"),
+    ],
+)
+def test_a_model_that_ignores_its_context_stalls_at_the_unigram_entropy(tmp_path, model):
+    monitor, _ = fit(tmp_path, model())
+    [finding] = monitor.findings
+    assert finding.code == "TFD232" and "ignores its context" in finding.message
+    assert finding.evidence["own_match"] > 0.9  # the labels are right: they repeat their own inputs
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(lambda: TinyGPT(**SMALL, lr=2e-3), id="tinygpt"),
+        pytest.param(lambda: HFLM("gpt2"), id="gpt2"),
+        pytest.param(lambda: HFLM("llama"), id="llama"),
+    ],
+)
+def test_healthy_runs_raise_nothing_and_log_the_baselines(tmp_path, model):
+    monitor, _ = fit(tmp_path, model())
+    assert codes(monitor) == []
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    assert [s for s, _ in scalars["loss_at_init/loss"]] == list(range(0, CHECK + 1, 10))
+    assert scalars["loss_at_init/ln_vocab"][0] == (0, pytest.approx(LN_V))
+    entropy = dict(scalars["loss_at_init/unigram_entropy"])
+    assert min(entropy) == 10  # step 0's labels are reduced with the next measuring step's
+    assert 0.4 * LN_V < entropy[CHECK] < 0.6 * LN_V  # English bytes: about 2.9 nats of ln(259) = 5.56
+    losses = dict(scalars["loss_at_init/loss"])
+    assert losses[0] == pytest.approx(LN_V, rel=0.05) and losses[CHECK] < entropy[CHECK]
+    assert dict(scalars["loss_at_init/rolled_loss"])[CHECK] > 1.05 * losses[CHECK]  # it uses its context
+
+
+def test_a_stall_is_a_flat_window_not_one_point(tmp_path):
+    """A learning rate so low the loss creeps: at ln(V) at the check but still falling is no stall, a flat one is."""
+    monitor = LossAtInit(check_step=20, every_n_steps=2)
+    fit_tiny(tmp_path / "flat", [monitor], TinyGPT(**SMALL, lr=1e-6, warmup_steps=0), max_steps=21)
+    [stall] = monitor.findings
+    assert stall.code == "TFD225" and stall.evidence["window_start"] == 10
+    assert stall.evidence["unigram_entropy"] < 0.6 * LN_V and "not even the frequencies" in stall.message
+
+
+def test_masked_lm_labels_are_recognised_and_checked_later(tmp_path):
+    """BERT's masking recipe: few supervised positions, most of their inputs the mask token. Its loss sits at the
+    unigram entropy for a while, so the check moves to 5x check_step, with the labels aligned (no shift)."""
+    monitor = LossAtInit(check_step=4, every_n_steps=2)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=21)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(build("bert_mlm"), data("bert_mlm"))
+    assert monitor._masked_lm and monitor._check_at == 20 and monitor._check_done
+    assert codes(monitor) == []
+    assert "loss_at_init/check_loss" in trainer.callback_metrics
+    state = monitor.state_dict()
+    restored = LossAtInit(check_step=4)
+    restored.load_state_dict(state)
+    assert restored._check_at == 20 and restored._masked_lm and restored._unigram == pytest.approx(monitor._unigram)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fine_tuning_a_pretrained_model_is_no_warning(tmp_path, lora):
+    """A pretrained model's first loss is far below ln(V) (TFD223 info, not a leak); LoRA with an optimizer built
+    from every parameter holds frozen weights that AdamW skips (TFD322 info); a constant fine-tuning LR without
+    warm-up is advice only (TFD330 info)."""
+    weights = pretrain(tmp_path, "gpt2", steps=60)
+    model = HFLM("gpt2", lr=5e-4, warmup_steps=0)
+    model.model.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
+    if lora:
+        model = with_lora(model, "gpt2")
+        model.configure_optimizers = lambda: torch.optim.AdamW(model.parameters(), lr=5e-4)  # all, frozen too
+    monitor, audit = LossAtInit(check_step=10, every_n_steps=5), OptimizerAudit(every_n_steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        fit_tiny(tmp_path / "tune", [monitor, audit], model, max_steps=12)
+    [first] = monitor.findings
+    assert (first.code, first.severity) == ("TFD223", "info") and first.evidence["pretrained"]
+    assert first.evidence["observed_loss"] < 0.75 * LN_V
+    severities = {(f.code, f.severity) for f in audit.findings}
+    assert ("TFD330", "info") in severities and all(s == "info" for _, s in severities)
+    assert (("TFD322", "info") in severities) == lora
