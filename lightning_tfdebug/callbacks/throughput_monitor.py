@@ -12,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
@@ -54,6 +55,19 @@ def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[
     return fn
 
 
+def _trimmed_positions(mask: Tensor | None, positions: int) -> Tensor | int:
+    """Positions of a batch padded only to its longest row: rows x the span of columns holding a real token. A device
+    tensor (no sync) when the batch has a 2-D attention mask, else ``positions``."""
+    if mask is None or mask.ndim != 2 or mask.numel() == 0:
+        return positions
+    with torch.no_grad():
+        columns = (mask != 0).any(0)
+        index = torch.arange(columns.numel(), device=mask.device)
+        last = torch.where(columns, index, -1).amax()
+        first = torch.where(columns, index, columns.numel()).amin()
+        return (last - first + 1).clamp(min=0) * mask.shape[0]
+
+
 class ThroughputMonitor(DebugCallback):
     r"""Measures how fast training really goes, over all ranks, and says why it is slow.
 
@@ -77,7 +91,8 @@ class ThroughputMonitor(DebugCallback):
     | `memory/peak_allocated_gib` | CUDA: peak allocated memory; CPU: peak resident set size (worst rank) |
     | `memory/reserved_gib` | CUDA: memory reserved by the caching allocator; CPU: resident set size now (worst rank) |
 
-    Findings: ``TFD601`` data-loading bound, ``TFD602`` padding waste, ``TFD603`` step time regressed against the
+    Findings: ``TFD601`` data-loading bound, ``TFD602`` padding waste (info; a warning when most computed positions
+    are padding, with the speed-up packing or dynamic padding would give), ``TFD603`` step time regressed against the
     early steps, ``TFD604`` memory close to capacity, ``TFD605`` (info) the step time regressed while other
     processes loaded the machine's CPUs and this process waited for cores (Linux, from ``/proc/stat`` and its
     threads' ``schedstat``), so it is not blamed on the run, ``TFD606``
@@ -190,6 +205,8 @@ class ThroughputMonitor(DebugCallback):
         self.length_fn = length_fn
         self._length_fn = resolve_length_fn(length_fn)
         self.peak_flops = float(peak_flops) if peak_flops is not None else None
+        if not isinstance(measure_flops, bool):
+            raise TypeError(f"`measure_flops` must be True or False; got {measure_flops!r}.")
         self.measure_flops = measure_flops
         self.wait_threshold = float(wait_threshold)
         self.padding_threshold = float(padding_threshold)
@@ -223,6 +240,7 @@ class ThroughputMonitor(DebugCallback):
         self._prev_end: float | None = None  # host time the previous batch ended (after this callback's work)
         self._wait_s = 0.0
         self._tokens = CountWindow()  # real tokens of the window (device counts in a torchmetrics SumMetric)
+        self._trimmed = CountWindow()  # positions had each batch been padded only to its longest row
         self._positions = 0
         self._samples = 0
         self._step_marks: list[Any] = []  # clock marks at optimizer-step ends since the last measurement
@@ -285,6 +303,7 @@ class ThroughputMonitor(DebugCallback):
         view = step_batch(trainer, batch, self._batch_keys)  # the step's shared reading and token count
         tokens, positions, samples = batch_counts(view, self._length_fn)
         self._tokens.add(tokens)  # in place on the device: no sync, no collective
+        self._trimmed.add(_trimmed_positions(view.attention_mask, positions))
         self._positions += positions
         self._samples += samples
         if (
@@ -425,8 +444,9 @@ class ThroughputMonitor(DebugCallback):
             ],
             dtype=torch.float64,
         )
-        tokens = self._tokens.total(device)  # a device scalar, no sync; the window starts again
-        packed = torch.cat([tokens.reshape(1), host.to(device)])
+        tokens = self._tokens.total(device)  # device scalars, no sync; the windows start again
+        trimmed = self._trimmed.total(device)
+        packed = torch.cat([tokens.reshape(1), host.to(device), trimmed.reshape(1)])
         # collective: one all-gather of the packed vector, on every rank, on the same (global_step-decided) steps
         gathered = all_gather_vector(packed)
         rows = gathered.tolist()  # host sync: the one transfer of this measuring step

@@ -185,7 +185,15 @@ def test_padding_waste(tmp_path):
     monitor = ThroughputMonitor(every_n_steps=1, patience=2)
     fit(tmp_path, [monitor], data=PaddedData(batch_size=8), max_steps=3)
     [finding] = [f for f in monitor.findings if f.code == "TFD602"]
-    assert finding.severity == "info" and finding.evidence["padding_frac"] > 0.5
+    # most computed positions are padding: a warning, with the speed-ups measured from the real counts
+    padding = finding.evidence["padding_frac"]
+    assert finding.severity == "warning" and padding > 0.5
+    assert finding.evidence["speedup_packing"] == pytest.approx(1 / (1 - padding), rel=1e-6)
+    # rows are cut to 24 tokens and padded past them: trimming each batch to its longest row alone gains width / 24
+    batch = PaddedData(batch_size=8)
+    batch.setup("fit")
+    width = next(iter(batch.train_dataloader()))["input_ids"].shape[1]
+    assert finding.evidence["speedup_trim_to_longest"] == pytest.approx(width / 24, rel=0.2)
 
 
 class SlowsDown(TinyGPT):
