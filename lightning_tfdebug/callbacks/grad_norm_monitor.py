@@ -102,6 +102,8 @@ class GradNormMonitor(DebugCallback):
         check_number("patience", patience, low=1, integer=True)
         self.groups = dict(groups) if groups else None
         self.group_depth = group_depth
+        if not isinstance(log_groups, bool):
+            raise TypeError(f"`log_groups` must be True or False; got {log_groups!r}.")
         self.log_groups = log_groups
         self.explosion_factor = float(explosion_factor)
         self.warmup_measurements = warmup_measurements

@@ -153,6 +153,9 @@ class PerRankLogger(DebugCallback):
         check_number("straggler_min_ms", straggler_min_ms, low=0.0)
         check_number("loss_spread", loss_spread, low=0.0, low_inclusive=False)
         check_number("patience", patience, low=1, integer=True)
+        for flag, value in (("log_per_rank", log_per_rank), ("compare_parameters", compare_parameters)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{flag}` must be True or False; got {value!r}.")
         self.log_per_rank = log_per_rank
         self.straggler_factor = float(straggler_factor)
         self.straggler_min_ms = float(straggler_min_ms)
