@@ -434,5 +434,6 @@ def test_fsdp2_measures_sharded_models_with_loss_at_init_alongside(tmp_path):
         }
         for r in results
     ]
-    # 4 activation keys; observed, expected, recomputed, logit_std, supervised_frac and copy_rate at step 0
-    assert len(ours[0]) == 4 + 6 and ours[0] == ours[1]  # reduced values: the same on every rank
+    # 4 activation keys; observed, expected, recomputed, logit_std, supervised_frac and copy_rate at step 0; loss,
+    # ln_vocab and unigram_entropy on LossAtInit's measuring steps
+    assert len(ours[0]) == 4 + 6 + 3 and ours[0] == ours[1]  # reduced values: the same on every rank
