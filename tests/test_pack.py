@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_tfdebug as tfd
 from lightning_tfdebug.demo import ByteTokenizer, TinyGPT
 from lightning_tfdebug.rules import RULES
+from tests.healthy_models import periodic_text
 from tests.helpers import SMALL, fit_tiny
 
 try:
@@ -106,14 +107,6 @@ class EncoderLM(pl.LightningModule):
 
     def configure_optimizers(self):
         return adamw_with_warmup(self, self.lr)
-
-
-def periodic_text(rows: int = 256, length: int = 33, seed: int = 0) -> torch.Tensor:
-    """Rows of a repeating byte pattern with a random phase: learnable, so losses fall from ln(V)."""
-    g = torch.Generator().manual_seed(seed)
-    pattern = torch.tensor(list(b"the quick brown fox jumps over the lazy dog. "))
-    start = torch.randint(0, len(pattern), (rows, 1), generator=g)
-    return pattern[(start + torch.arange(length)) % len(pattern)]
 
 
 def tuple_loader(batch_size: int = 16) -> DataLoader:
