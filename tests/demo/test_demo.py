@@ -82,6 +82,9 @@ def test_demo_config_parses_with_lightning_cli():
 
     config = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
     cli = LightningCLI(TinyGPT, TinyTextDataModule, run=False, args=["--config", str(config)])
-    names = {type(c).__name__ for c in cli.trainer.callbacks}
-    assert {"GradNormMonitor", "UpdateRatio"} <= names
+    packs = [c for c in cli.trainer.callbacks if type(c).__name__ == "TFDebug"]
+    assert len(packs) == 1
+    # preset "full": every member, with the demo's overrides applied
+    assert {"GradNormMonitor", "UpdateRatio", "MaskProbe", "CheckpointAudit"} <= set(packs[0].members)
+    assert packs[0].members["DeadActivation"].every_n_steps == 25
     assert cli.trainer.max_steps == 300
