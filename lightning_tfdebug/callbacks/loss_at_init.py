@@ -14,7 +14,16 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.batch import IGNORE_INDEX, LABELS_KEYS, BatchKeys, StepBatch, logits_of, loss_of, step_batch
+from lightning_tfdebug.core.batch import (
+    IGNORE_INDEX,
+    LABELS_KEYS,
+    BatchKeys,
+    StepBatch,
+    logits_for_labels,
+    logits_of,
+    loss_of,
+    step_batch,
+)
 from lightning_tfdebug.core.distributed import packed_reduce, world_size
 from lightning_tfdebug.core.model import in_training_step
 from lightning_tfdebug.findings import OnFinding
@@ -490,7 +499,8 @@ class LossAtInit(DebugCallback):
                     "indices are elsewhere in the batch, set `labels_key`"
                 ),
             )
-        if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        aligned = logits_for_labels(logits, labels)
+        if aligned is None:
             return (
                 None,
                 None,
@@ -499,7 +509,7 @@ class LossAtInit(DebugCallback):
                     "logits' shape without the last dimension); set `labels_key` or `logits_module`"
                 ),
             )
-        return logits, labels, ""
+        return aligned, labels, ""
 
     def _labels(self) -> tuple[Tensor | None, str]:
         """The labels, from the shared reading of the batch (``labels_key``, else the usual names).
@@ -546,7 +556,8 @@ class LossAtInit(DebugCallback):
         Shape alone does not tell logits from hidden states (an embedding's or a final norm's output is
         ``(batch, time, d_model)`` too), so the class dimension must also exceed every supervised label.
         """
-        fitting = [t for t in self._raw.values() if tuple(t.shape[:-1]) == tuple(labels.shape) and t.shape[-1] > 1]
+        views = (logits_for_labels(t, labels) for t in self._raw.values())
+        fitting = [t for t in views if t is not None and t.shape[-1] > 1]
         if not fitting:
             return None
         # host sync: on the two measured steps only, and only when the logits come from this fallback

@@ -285,3 +285,24 @@ def loss_of(output: Any) -> Tensor | None:
     elif not isinstance(output, Tensor):
         output = getattr(output, "loss", None)
     return output if isinstance(output, Tensor) and output.numel() == 1 else None
+
+
+def logits_for_labels(logits: Tensor, labels: Tensor) -> Tensor | None:
+    """``logits`` viewed as ``labels.shape + (V,)``, or None when they cannot be the logits for these labels.
+
+    Accepts the layouts models return: already ``(B, T, V)`` for labels ``(B, T)``; flattened to ``(B*T, V)`` (a
+    model that returns ``output.view(-1, V)`` for an NLL loss over ``target.view(-1)``); sequence-first ``(T, B, V)``
+    (``nn.Transformer`` without ``batch_first``), transposed. Log-probabilities pass as they are: the cross-entropy
+    of log-probabilities equals their NLL. A view, no copy and no sync.
+    """
+    if logits.ndim < 2 or labels.ndim < 1:
+        return None
+    vocab = int(logits.shape[-1])
+    target = (*labels.shape, vocab)
+    if tuple(logits.shape) == target:
+        return logits
+    if logits.ndim == 2 and logits.shape[0] == labels.numel():
+        return logits.reshape(target)
+    if labels.ndim == 2 and logits.ndim == 3 and tuple(logits.shape[:2]) == (labels.shape[1], labels.shape[0]):
+        return logits.transpose(0, 1)
+    return None
