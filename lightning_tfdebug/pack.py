@@ -26,7 +26,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -49,6 +48,7 @@ from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_choice, check_number
 from lightning_tfdebug.core.compat import Callback
+from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.dashboard import write_dashboard
 from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding
 
@@ -112,6 +112,36 @@ _FORWARDED = tuple(
     and name.startswith("on_")
     and name not in ("on_save_checkpoint", "on_load_checkpoint", "on_fit_start", "on_fit_end", "on_exception")
 )
+
+
+#: What a collective reports when the process at the other end is gone (gloo's TCP transport, NCCL, the store).
+_LOST_PEER_MESSAGES = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "remote process exited",
+    "socket timeout",
+    "connection refused",
+)
+
+
+def lost_peer_hint(error: BaseException, world_size: int) -> str | None:
+    """One sentence for a multi-process run that failed because another rank stopped answering, else None.
+
+    A rank that dies without a word (killed by the out-of-memory killer, a lost node, a native crash) shows on the
+    others only as a low-level error from their next collective (gloo: ``Connection reset by peer``), which names
+    neither the rank nor the cause.
+    """
+    if world_size <= 1:
+        return None
+    text = f"{type(error).__name__}: {error}".lower()
+    if type(error).__name__ != "DistBackendError" and not any(m in text for m in _LOST_PEER_MESSAGES):
+        return None
+    return (
+        "another rank stopped answering in a collective: its process most likely died (killed by the out-of-memory "
+        "killer or the scheduler, a lost node, a native crash); this rank's findings up to here are on disk. Read "
+        "the other ranks' own logs for the cause."
+    )
 
 
 def _member_name(name: Any, what: str) -> str:
@@ -247,9 +277,11 @@ class TFDebug(Callback):
                 raise TypeError(f"`overrides[{name!r}]`: {name} takes no argument {key!r}.")
             kwargs[key] = value
         try:
-            return cls(**kwargs)
+            member = cls(**kwargs)
         except (TypeError, ValueError) as err:
             raise type(err)(f"TFDebug member {name}: {err}") from err
+        member.in_pack = True  # the pack's summary lists the members that did not run
+        return member
 
     def _index_hooks(self) -> None:
         """For each forwarded hook, the bound methods of the members that implement it (looked up once)."""
@@ -343,8 +375,7 @@ class TFDebug(Callback):
                 quiet.append(type(cb).__name__)
         result = os.environ.get(CHECK_RESULT_ENV)
         if result and trainer.is_global_zero:
-            with open(result, "w", encoding="utf-8") as f:
-                json.dump({"log_dir": self._log_dir, "checkpoint_callbacks_silenced": quiet}, f)
+            write_text(result, json.dumps({"log_dir": self._log_dir, "checkpoint_callbacks_silenced": quiet}))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for hook in self._hooks["on_fit_start"]:
@@ -375,29 +406,30 @@ class TFDebug(Callback):
             "members": list(self.members),
             "running": list(self.running),
             "by_hand": self.by_hand,
-            # the checks that did not run, and why: what the report lists apart from the findings
-            "stood_aside": {n: m._aside_reason for n, m in self.running.items() if m._aside_reason is not None},
+            # the checks that did not run, why, and the setting that would let each run: what the report lists apart
+            # from the findings (rank 0's view; every rank's members also record themselves in stood-aside-rank<r>)
+            "stood_aside": {
+                n: {"reason": m._aside_reason, "setting": m._aside_setting}
+                for n, m in self.running.items()
+                if m._aside_reason is not None
+            },
             "settings": {
                 k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in self.shared.items()
             },
             "step": trainer.global_step,
             "failed": None if failed is None else f"{type(failed).__name__}: {failed}",
+            "failed_because": None if failed is None else lost_peer_hint(failed, trainer.world_size),
         }
-        try:
-            os.makedirs(tfdebug_dir, exist_ok=True)
-            with open(os.path.join(tfdebug_dir, "pack.json"), "w", encoding="utf-8") as f:
-                json.dump(info, f, indent=2)
-        except OSError as err:  # a debugging aid never takes the run down: say so and go on
-            rank_zero_warn(f"TFDebug could not write {tfdebug_dir}/pack.json ({err}).", category=TFDebugWarning)
+        # through the one writer: a refused write warns once and the summary below still prints
+        write_text(os.path.join(tfdebug_dir, "pack.json"), json.dumps(info, indent=2, default=str))
         if not self.summary:
             return
-        from lightning_tfdebug.report import load_run, render_short
+        from lightning_tfdebug.report import Run, load_run, render_short
 
         try:
             run = load_run(self._log_dir or ".")
-        except (OSError, ValueError) as err:
-            print(f"lightning_tfdebug: no report ({err})", file=sys.stderr)
-            return
+        except (OSError, ValueError):  # the files were refused (warned once): summarize what rank 0 holds in memory
+            run = Run(self._log_dir or ".", tfdebug_dir, self.findings, info)
         print("\n" + render_short(run), flush=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -24,7 +24,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,61 @@ class MergedFinding:
         }
 
 
+@dataclass(frozen=True)
+class StoodAside:
+    """One check that did not run, as the report lists it apart from the findings: merged over ranks."""
+
+    check: str
+    reason: str
+    setting: str | None
+    ranks: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"check": self.check, "reason": self.reason, "setting": self.setting, "ranks": list(self.ranks)}
+
+    def line(self) -> str:
+        """``check: reason`` and, when there is one, what would let it run."""
+        tail = f" To let it run: {self.setting}." if self.setting else ""
+        return f"{self.check}: {self.reason}{tail}"
+
+
+def merge_stood_aside(records: Sequence[Mapping[str, Any]]) -> list[StoodAside]:
+    """One entry per (check, reason, setting), with the ranks that reported it, in the order first seen."""
+    groups: dict[tuple[str, str, str | None], set[int]] = {}
+    for record in records:
+        key = (str(record.get("check")), str(record.get("reason")), record.get("setting"))
+        ranks = groups.setdefault(key, set())
+        if record.get("rank") is not None:
+            ranks.add(int(record["rank"]))
+    return [StoodAside(c, r, s, tuple(sorted(ranks))) for (c, r, s), ranks in groups.items()]
+
+
+def _pack_stood_aside(pack: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """``pack.json``'s ``stood_aside`` (rank 0's members) as records; the older form ``{name: reason}`` too."""
+    out = []
+    for name, entry in ((pack or {}).get("stood_aside") or {}).items():
+        if isinstance(entry, Mapping):
+            out.append({"check": name, "reason": entry.get("reason"), "setting": entry.get("setting"), "rank": 0})
+        else:
+            out.append({"check": name, "reason": entry, "setting": None, "rank": 0})
+    return out
+
+
+def read_stood_aside(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a ``stood-aside-rank<r>.jsonl`` file; a line that is not one (cut by a crash) is skipped."""
+    out = []
+    with open(path, "rb") as f:
+        data = f.read()  # one read: a snapshot
+    for raw in data.split(b"\n"):
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(record, dict) and record.get("check") and record.get("reason"):
+            out.append(record)
+    return out
+
+
 @dataclass
 class Run:
     """What the report knows of one run."""
@@ -92,15 +147,23 @@ class Run:
     pack: dict[str, Any] | None = None
     nan_reports: list[str] = field(default_factory=list)
     other_runs: list[str] = field(default_factory=list)
+    aside_records: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def merged(self) -> list[MergedFinding]:
         return merge_findings(self.findings)
 
     @property
+    def did_not_run(self) -> list[StoodAside]:
+        """The checks that did not run, why, and the setting that would let each run: every rank's
+        ``stood-aside-rank<r>.jsonl`` (callbacks on their own and the pack's members) merged with ``pack.json``'s
+        list, one entry per check and reason with the ranks that reported it."""
+        return merge_stood_aside([*self.aside_records, *_pack_stood_aside(self.pack)])
+
+    @property
     def stood_aside(self) -> dict[str, str]:
-        """Checks that did not run, and why (from the pack's ``pack.json``; empty without it)."""
-        return dict((self.pack or {}).get("stood_aside") or {})
+        """``{check: reason}`` of :attr:`did_not_run`."""
+        return {entry.check: entry.reason for entry in self.did_not_run}
 
     @property
     def ranks(self) -> list[int]:
@@ -154,7 +217,15 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         except (OSError, ValueError):
             pack = None  # cut short by a crash: the findings still stand
     nan_reports = sorted(glob.glob(os.path.join(tfdebug_dir, "nan-step*-rank*.txt")))
-    return Run(log_dir, tfdebug_dir, findings, pack, nan_reports, runs[1:])
+    aside = [r for p in sorted(glob.glob(os.path.join(tfdebug_dir, "stood-aside-rank*.jsonl"))) for r in _read_aside(p)]
+    return Run(log_dir, tfdebug_dir, findings, pack, nan_reports, runs[1:], aside)
+
+
+def _read_aside(path: str) -> list[dict[str, Any]]:
+    try:
+        return read_stood_aside(path)
+    except OSError:
+        return []
 
 
 def merge_findings(findings: Sequence[Finding]) -> list[MergedFinding]:
@@ -197,7 +268,7 @@ def summary_line(run: Run, merged: Sequence[MergedFinding] | None = None) -> str
     merged = run.merged if merged is None else merged
     c = counts(merged)
     parts = [_plural(c["error"], "error"), _plural(c["warning"], "warning"), f"{c['info']} info"]
-    aside = len(run.stood_aside)
+    aside = len({entry.check for entry in run.did_not_run})
     tail = f"; {_plural(aside, 'check')} did not run" if aside else ""
     return f"lightning_tfdebug: {', '.join(parts)}{tail} ({run.log_dir})"
 
@@ -226,10 +297,28 @@ def render_short(run: Run) -> str:
             lines.append(f"  {m.severity:<7} {m.code}  step {m.step:<6} {m.source}: {m.message}")
     if info > SHORT_INFO_LINES:
         lines.append(f"  ... and {_plural(info, 'info finding')}")
-    for name, why in run.stood_aside.items():
-        lines.append(f"  not run  {name}: {why}")
+    lines += _failure_lines(run, "  ")
+    if run.did_not_run:
+        lines.append("  did not run (not findings; what would let each run):")
+        lines += [f"    {_aside_line(entry, run)}" for entry in run.did_not_run]
     lines.append(f"  full report: tfdebug report {run.log_dir} [--format html --output report.html]")
     return "\n".join(lines)
+
+
+def _aside_line(entry: StoodAside, run: Run) -> str:
+    ranks = f" ({_ranks(entry.ranks)})" if len(run.ranks) > 1 and entry.ranks else ""
+    return f"{entry.check}{ranks}: {entry.reason}" + (f" To let it run: {entry.setting}." if entry.setting else "")
+
+
+def _failure_lines(run: Run, indent: str) -> list[str]:
+    """The run's failure and, when it is known, what it means (another rank died)."""
+    pack = run.pack or {}
+    if not pack.get("failed"):
+        return []
+    lines = [f"{indent}the run failed at step {pack.get('step')}: {_short(pack['failed'])}"]
+    if pack.get("failed_because"):
+        lines.append(f"{indent}  {pack['failed_because']}")
+    return lines
 
 
 def render_text(run: Run) -> str:
@@ -241,9 +330,10 @@ def render_text(run: Run) -> str:
             lines.append("        evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in m.evidence.items()))
         if m.hint:
             lines.append(f"        hint: {m.hint}")
-    if run.stood_aside:
-        lines.append("Checks that did not run (not findings: say what would let each run):")
-        lines.extend(f"  {name}: {why}" for name, why in run.stood_aside.items())
+    lines += _failure_lines(run, "")
+    if run.did_not_run:
+        lines.append("Checks that did not run (not findings; what would let each run):")
+        lines.extend(f"  {_aside_line(entry, run)}" for entry in run.did_not_run)
     for path in run.nan_reports:
         lines.append(f"NaN report: {path}")
     lines.append(summary_line(run, merged))
@@ -275,9 +365,20 @@ def render_markdown(run: Run) -> str:
         for m in merged:
             cells = [m.severity, m.code, str(m.step), ",".join(map(str, m.ranks)), m.source, m.message, m.hint]
             out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
-    if run.stood_aside:
-        out += ["", "## Checks that did not run", ""]
-        out += [f"- **{name}**: {why}" for name, why in run.stood_aside.items()]
+    failure = _failure_lines(run, "")
+    if failure:
+        out += ["", "## The run failed", "", *failure]
+    if run.did_not_run:
+        out += [
+            "",
+            "## Checks that did not run",
+            "",
+            "| check | ranks | why | what would let it run |",
+            "| --- | --- | --- | --- |",
+        ]
+        for entry in run.did_not_run:
+            cells = [entry.check, ",".join(map(str, entry.ranks)), entry.reason, entry.setting or "-"]
+            out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -289,7 +390,7 @@ def render_json(run: Run, fail_on: str = "error") -> str:
         "exit_status": exit_status(merged, fail_on),
         "fail_on": fail_on,
         "findings": [m.to_dict() for m in merged],
-        "stood_aside": run.stood_aside,
+        "did_not_run": [entry.to_dict() for entry in run.did_not_run],
         "pack": run.pack,
         "nan_reports": run.nan_reports,
         "other_runs": run.other_runs,
@@ -381,9 +482,12 @@ def render_html(run: Run) -> str:
                 f"<td>{esc(','.join(map(str, m.ranks)))}</td><td>{esc(m.source)}</td><td>{detail}</td></tr>"
             )
         parts.append("</table>")
-    if run.stood_aside:
+    if run.did_not_run:
         parts.append("<h2>Checks that did not run</h2><ul>")
-        parts += [f"<li><b>{esc(n)}</b>: {esc(w)}</li>" for n, w in run.stood_aside.items()]
+        for entry in run.did_not_run:
+            setting = f" <i>To let it run: {esc(entry.setting)}.</i>" if entry.setting else ""
+            ranks = f" ({esc(_ranks(entry.ranks))})" if len(run.ranks) > 1 and entry.ranks else ""
+            parts.append(f"<li><b>{esc(entry.check)}</b>{ranks}: {esc(entry.reason)}{setting}</li>")
         parts.append("</ul>")
     pictures = 0
     missing_plotting = False

@@ -360,7 +360,8 @@ class DeadActivation(DebugCallback):
                 "no activation module (ReLU, GELU, SiLU, Tanh, Sigmoid, ...) "
                 + (f"matching `layers={self.layers!r}` " if self.layers else "")
                 + "was found in the model. If forward applies activations as functions, name the modules whose "
-                "outputs feed them with `preactivations={regex: kind}`."
+                "outputs feed them with `preactivations={regex: kind}`.",
+                setting="`preactivations`" if not self.layers else "`layers` matching an activation module",
             )
             return
         self._layers, self._modules = layers, modules
@@ -611,7 +612,7 @@ class DeadActivation(DebugCallback):
             step=step,
         )
         self._remove_hooks()
-        self.stand_aside(reason)
+        self.stand_aside(reason, setting="an uncompiled model (no torch.compile)" if compiled else "`preactivations`")
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

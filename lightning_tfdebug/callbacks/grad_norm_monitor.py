@@ -168,7 +168,10 @@ class GradNormMonitor(DebugCallback):
         if self._layout is None:
             self._layout = build_layout(training_model(trainer, pl_module), groups=self.groups, depth=self.group_depth)
             if self._layout is None:
-                self.stand_aside("the model has no trainable parameters, so there are no gradients to measure.")
+                self.stand_aside(
+                    "the model has no trainable parameters, so there are no gradients to measure.",
+                    setting="a model with trainable parameters (`requires_grad=True`)",
+                )
                 return
         with torch.no_grad():
             self._measure(trainer, optimizer)

@@ -646,7 +646,12 @@ class LossAtInit(DebugCallback):
             {"labels_key": self.labels_key, "logits_module": self.logits_module},
             step=step,
         )
-        self.stand_aside(text + ".")
+        self.stand_aside(
+            text + ".",
+            setting=next(
+                (s for s in ("`labels_key`", "`logits_module`") if s in text), "`labels_key` or `logits_module`"
+            ),
+        )
         return True
 
     def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict], step: int) -> None:

@@ -153,7 +153,10 @@ class UpdateRatio(DebugCallback):
         if self._layout is None:
             self._layout = build_layout(training_model(trainer, pl_module), groups=self.groups, depth=self.group_depth)
             if self._layout is None:
-                self.stand_aside("the model has no trainable parameters, so no update can be measured.")
+                self.stand_aside(
+                    "the model has no trainable parameters, so no update can be measured.",
+                    setting="a model with trainable parameters (`requires_grad=True`)",
+                )
                 return
         layout = self._layout
         with torch.no_grad():

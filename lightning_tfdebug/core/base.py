@@ -6,13 +6,17 @@ Subclasses call, in their hooks:
 * :meth:`DebugCallback.to_host` once per measuring step to move all their device statistics to the host together;
 * :meth:`DebugCallback.log_scalars` to send scalars to ``trainer.callback_metrics`` and every logger;
 * :meth:`DebugCallback.emit` to raise a finding of a rule registered in :mod:`lightning_tfdebug.rules`, written to
-  ``<log_dir>/tfdebug/findings-rank<r>.jsonl`` at once and then handled as ``on_finding`` says.
+  ``<log_dir>/tfdebug/findings-rank<r>.jsonl`` at once and then handled as ``on_finding`` says;
+* :meth:`DebugCallback.stand_aside` when the check cannot run on this model or set-up: recorded in
+  ``<log_dir>/tfdebug/stood-aside-rank<r>.jsonl`` with the reason and the setting that would let it run, listed by the
+  report and the end-of-run summary apart from the findings, and said at info level (not a warning).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import sys
 import traceback
@@ -22,7 +26,7 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
@@ -41,6 +45,8 @@ from lightning_tfdebug.rules import rule
 
 # Lightning's hooks: every `on_*` method of `Callback`, plus `setup` and `teardown`.
 _HOOKS = frozenset(n for n in dir(Callback) if n.startswith("on_") or n in ("setup", "teardown"))
+#: The file, per rank, where the checks that stood aside record themselves (one JSON line each); read by the report.
+STOOD_ASIDE_FILE = "stood-aside-rank{rank}.jsonl"
 # Hooks that still run after a callback failed, so it can remove its module hooks and release what it holds.
 _CLEANUP_HOOKS = frozenset({"teardown", "on_train_end", "on_fit_end", "on_exception"})
 
@@ -98,8 +104,12 @@ def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
         if self.__dict__.get("_in_hook"):  # a hook calling another (`super().setup`): the outer one guards
             return hook(self, *args, **kwargs)
         self.__dict__["_in_hook"] = True
+        self.__dict__["_hook_step"] = getattr(args[0], "global_step", None) if args else None
         try:
-            return hook(self, *args, **kwargs)
+            result = hook(self, *args, **kwargs)
+            if name == "on_fit_end":
+                self._announce_aside()
+            return result
         except TFDebugError:
             raise  # raised on purpose (on_finding="raise"); the same on every rank
         except Exception as err:  # the callback's own failure; BaseException (KeyboardInterrupt) passes
@@ -180,6 +190,11 @@ class DebugCallback(Callback):
         self._warned_codes: set[str] = set()
         self._pending_local: list[Finding] = []
         self._aside_reason: str | None = None
+        self._aside_setting: str | None = None
+        self._aside_step: int | None = None
+        self._aside_recorded = False  # written to stood-aside-rank<r>.jsonl
+        self._aside_announced = False  # said once more at the end of fit (a callback on its own, not in the pack)
+        self.in_pack = False  # set by TFDebug on its members: the pack's summary lists them instead
         self.failure: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -188,6 +203,9 @@ class DebugCallback(Callback):
         self._rank = trainer.global_rank
         # `trainer.log_dir` broadcasts from rank 0: a collective that every rank reaches here, once.
         self._log_dir = trainer.log_dir or trainer.default_root_dir
+        self._aside_announced = False
+        if self._aside_reason is not None and not self._aside_recorded and self.failure is None:
+            self._record_aside()  # stood aside before the log directory was known
         if not trainer.loggers and not getattr(trainer, "_tfdebug_warned_no_logger", False):
             trainer._tfdebug_warned_no_logger = True  # once per Trainer, not once per callback
             rank_zero_warn(
@@ -202,11 +220,71 @@ class DebugCallback(Callback):
         """False once the callback has stood aside (a set-up it cannot serve); hooks then return at once."""
         return self._aside_reason is None
 
-    def stand_aside(self, reason: str) -> None:
-        """Warn once, clearly, and stop doing anything for the rest of the run. Never crashes training."""
+    @property
+    def stood_aside(self) -> dict[str, Any] | None:
+        """Why this check did not run, or None while it runs: ``{"check", "reason", "setting", "step", "rank"}``.
+
+        ``setting`` is the one argument or set-up that would let it run (``"`labels_key`"``, ``"an uncompiled
+        model"``), or None when there is none (a callback whose own code failed: see ``failure``).
+        """
         if self._aside_reason is None:
-            self._aside_reason = reason
-            rank_zero_warn(f"{type(self).__name__} stands aside: {reason}", category=TFDebugWarning)
+            return None
+        return {
+            "check": type(self).__name__,
+            "reason": self._aside_reason,
+            "setting": self._aside_setting,
+            "step": self._aside_step,
+            "rank": self._rank,
+        }
+
+    def stand_aside(self, reason: str, setting: str | None = None, *, warn: bool = False) -> None:
+        """Stop doing anything for the rest of the run, and say why once. Never crashes training.
+
+        A check that does not apply to this model or set-up (no trainable parameters, a compiled forward, labels it
+        cannot find) is not a fault of the model: it is said at info level (``rank_zero_info``) and recorded in
+        ``<log_dir>/tfdebug/stood-aside-rank<r>.jsonl``, from which ``tfdebug report`` and the end-of-run summary list
+        it under "did not run", with the reason and the setting that would let it run. A callback used on its own
+        (not inside :class:`~lightning_tfdebug.TFDebug`) also says it again in one line at the end of ``fit``.
+
+        Args:
+            reason: one sentence: why the check cannot run.
+            setting: the one argument or set-up that would let it run, e.g. ``"`labels_key`"``, ``"an uncompiled
+                model (no torch.compile)"``; None when nothing would.
+            warn: say it as a :class:`TFDebugWarning` instead: only for a real fault the user must see.
+        """
+        if self._aside_reason is not None:
+            return
+        self._aside_reason = reason
+        self._aside_setting = setting
+        self._aside_step = self.__dict__.get("_hook_step")  # the step of the hook in progress (set by the guard)
+        text = f"{type(self).__name__} stands aside: {reason}"
+        if setting:
+            text += f" To let it run: {setting}."
+        if warn:
+            rank_zero_warn(text, category=TFDebugWarning)
+        else:
+            rank_zero_info(f"lightning_tfdebug: {text}")
+        self._record_aside()
+
+    def _record_aside(self) -> None:
+        """Append this check's stand-aside record to ``stood-aside-rank<r>.jsonl`` (once; through the one writer)."""
+        if self._log_dir is None or self._aside_recorded:
+            return  # set-up records it once the log directory is known
+        self._aside_recorded = True
+        path = os.path.join(self.tfdebug_dir, STOOD_ASIDE_FILE.format(rank=self._rank))
+        append_line(path, json.dumps(self.stood_aside, default=str))
+
+    def _announce_aside(self) -> None:
+        """At the end of fit, one rank-0 info line for a callback on its own that stood aside (the pack lists its
+        members in its summary instead)."""
+        if self._aside_reason is None or self._aside_announced or self.in_pack or self.failure is not None:
+            return
+        self._aside_announced = True
+        setting = f"; to let it run: {self._aside_setting}" if self._aside_setting else ""
+        rank_zero_info(f"lightning_tfdebug: {type(self).__name__} did not run: {self._aside_reason}{setting}")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Nothing of its own: the guard around every ``on_fit_end`` says, once, that a check stood aside."""
 
     def callback_failed(self, hook: str, error: Exception, trainer: pl.Trainer | None) -> None:
         """Handle an exception from this callback's own code in ``hook``: called by the guard around every hook.
