@@ -476,6 +476,22 @@ _RULES: tuple[Rule, ...] = (
             "Validation and generation are then noisy as well."
         ),
     ),
+    Rule(
+        "TFD214",
+        "error",
+        "MaskProbe",
+        title="the model reads the labels it is trained to predict through one of its inputs (a target leak)",
+        trigger=(
+            "in the call `training_step` makes, replacing the tokens of an argument that carries the labels (a "
+            "decoder input, a second sequence) from the position of an output's own label on changed that output"
+        ),
+        hint=(
+            "The loss falls fast and the model learns to copy. A decoder input must be the labels shifted right "
+            "(start token first: `decoder_input_ids[t] = labels[t-1]`), under a causal mask; an encoder must not see "
+            "the text the decoder predicts (in a language model both sides read the same text, so the encoder needs "
+            "a causal mask too, or use a decoder-only model)."
+        ),
+    ),
     # ---------------------------------------------------------------- LossAtInit
     Rule(
         "TFD220",

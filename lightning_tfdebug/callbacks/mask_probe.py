@@ -12,9 +12,12 @@ from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, logits_of, loss_of, step_batch
+from lightning_tfdebug.core.calls import record_calls
 from lightning_tfdebug.core.model import find_context_length, import_object, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional import call_probes
 from lightning_tfdebug.functional import mask_probes as probes
+from lightning_tfdebug.functional.call_probes import CallPlan
 from lightning_tfdebug.functional.mask_probes import ALIGNMENT_RETRY_STEPS, ModelCaller
 from lightning_tfdebug.functional.probes import (
     alignment_losses,
@@ -219,6 +222,8 @@ class MaskProbe(DebugCallback):
         self.probe_rows = probe_rows
         self.probe_length = probe_length
         self._caller: ModelCaller | None = None
+        self._plan: CallPlan | None = None  # the call training_step makes, recorded at each probe
+        self._replayed: Any = None  # what the recording replay of training_step returned (the alignment's loss)
         self._mask_path: str | None = None  # where the mask was found in the batch (evidence of TFD204)
         self._last_probe_step: int | None = None
         self._positions_done = False
@@ -241,6 +246,7 @@ class MaskProbe(DebugCallback):
         self._alignment_decided = not self._targets_wanted
         self._is_causal = self.causal
         self._caller = None
+        self._plan = None
         strategy = type(trainer.strategy).__name__
         if "FSDP" in strategy or "ModelParallel" in strategy or "DeepSpeed" in strategy:
             self._setup_aside = True  # the same on every rank
@@ -300,12 +306,55 @@ class MaskProbe(DebugCallback):
         return None
 
     def _logits(self, ids: Tensor, mask: Tensor | None) -> Tensor:
+        if self._plan is not None:
+            return self._plan_logits(ids, mask)
         assert self._caller is not None
         logits = logits_of(self._caller.call(ids, mask if self._caller.takes_mask else None))
         if logits is None or logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
             shape = None if logits is None else tuple(logits.shape)
             raise _CallError(f"the model's output is not logits of shape (batch, time, vocab) (got {shape})")
         return logits
+
+    def _plan_logits(self, ids: Tensor, mask: Tensor | None) -> Tensor:
+        """The recorded call with its token ids (and mask) replaced by ``ids`` (and ``mask``); the call's other token
+        tensors of the ids' length follow (cut to the same rows and length, or extended with ids from the batch)."""
+        plan = self._plan
+        assert plan is not None and plan.primary is not None
+        primary = plan.primary
+        b, t = ids.shape
+        changes: dict[Any, Tensor] = {primary.path: ids}
+        if plan.mask_path is not None and mask is not None:
+            changes[plan.mask_path] = plan.mask_value(mask)
+        for slot in plan.slots:
+            if slot.primary or slot.length != primary.length:
+                continue
+            companion = plan.batch_first(slot)[:b, :t].contiguous()
+            if companion.shape[1] < t:
+                extra = plan.random_ids((b, t - companion.shape[1]), self._generator).to(companion.dtype)
+                companion = torch.cat([companion, extra], 1)
+            changes[slot.path] = companion
+        logits = plan.run(changes, rows=b)
+        return logits
+
+    def _record(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, fields: tuple
+    ) -> str | None:
+        """Replay ``training_step`` on the batch with every module call recorded, and plan the probes on the call
+        that takes the token ids; returns why not (the caller then falls back to calling ``forward`` by signature).
+        Inside the probe's eval / no_grad / RNG-fork context; probing steps only."""
+        self._plan, self._replayed = None, None
+        if not pl_module.automatic_optimization:
+            return "a manual-optimization `training_step` steps its optimizers, so it is never replayed"
+        ids, mask, labels = fields
+        try:
+            returned, calls = record_calls(pl_module, lambda: quiet_training_step(pl_module, batch, batch_idx))
+        except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
+            return f"replaying `training_step` failed ({type(err).__name__}: {err})"
+        plan = call_probes.plan_call(calls, ids, mask, labels, self.ignore_index)
+        if isinstance(plan, str):
+            return plan
+        self._plan, self._replayed = plan, returned
+        return None
 
     def _emit(self, trainer: pl.Trainer, verdict: Verdict | None, **kwargs: Any) -> None:
         if verdict is not None:  # every MaskProbe finding is this rank's own: resolved together at the step's end
@@ -331,17 +380,9 @@ class MaskProbe(DebugCallback):
                 trainer,
                 f"the batch holds no 2-D integer token ids {where}; set `input_key` (a key, dotted path or tuple "
                 "position) or `forward_fn`.",
+                setting="input_key",
             )
             return
-        if self._caller is None:
-            reason = self._build_caller(pl_module)
-            if reason is not None:
-                self._cannot_call(trainer, reason)
-                return
-        if self._is_causal is None:
-            self._is_causal = self._decide_causal(trainer, ids, labels)
-            if not self._is_causal:
-                self._targets_wanted, self._alignment_decided = False, True
         modes = {m: m.training for m in pl_module.modules()}
         devices = [ids.device.index or 0] if ids.device.type == "cuda" else []
         values: dict[str, Tensor | float] = {}
@@ -354,20 +395,44 @@ class MaskProbe(DebugCallback):
                 trainer.precision_plugin.train_step_context(),
             ):
                 pl_module.eval()
-                gen = torch.Generator().manual_seed(1234 + trainer.global_step)
+                self._generator = torch.Generator().manual_seed(1234 + trainer.global_step)
+                # How to call the model: `forward_fn` when given; else the call training_step itself makes, recorded
+                # on a replay of it; else `forward` by its signature.
+                recorded = (
+                    None
+                    if self.forward_fn is not None
+                    else self._record(trainer, pl_module, batch, batch_idx, (ids, mask, labels))
+                )
+                if self._plan is None and self._caller is None:
+                    reason = self._build_caller(pl_module)
+                    if reason is not None:
+                        why = f"{recorded}; and by signature: {reason}" if recorded else reason
+                        self._cannot_call(trainer, why, setting="forward_fn")
+                        return
+                if self._is_causal is None:
+                    self._is_causal = self._decide_causal(trainer, ids, labels)
+                    if not self._is_causal:
+                        self._targets_wanted, self._alignment_decided = False, True
                 if full:
-                    self._probe_masks(trainer, ids, mask, gen, values, decisions)
+                    self._probe_masks(trainer, ids, mask, self._generator, values, decisions)
                     if self.check_positions and not self._positions_done:
                         self._positions_done = True
                         self._probe_positions(trainer, pl_module, ids, values, decisions)
                 if not self._alignment_decided:
                     self._probe_alignment(trainer, pl_module, batch, batch_idx, ids, mask, labels, values, decisions)
         except Exception as err:  # never crash training: say how to make the model callable and stand aside
-            self._cannot_call(trainer, f"calling the model failed ({type(err).__name__}: {err}); set `forward_fn`.")
+            self._cannot_call(
+                trainer,
+                f"calling the model failed ({type(err).__name__}: {err}); set `forward_fn`.",
+                setting="forward_fn",
+            )
             return
         finally:
             for module, flag in modes.items():
                 module.training = flag
+            self._replayed = None  # the replay's outputs do not outlive the probe
+            if self._plan is not None:
+                self._plan = None
         values["mask_probe/seconds"] = time.perf_counter() - start
         host = self.to_host(values)  # host sync: one transfer for all of the probe's scalars (probing steps only)
         self.last_report = {k: v for k, v in host.items() if k.startswith("mask_probe/")}
@@ -388,6 +453,13 @@ class MaskProbe(DebugCallback):
 
     def _decide_causal(self, trainer: pl.Trainer, ids: Tensor, labels: Tensor | None) -> bool:
         """Decoder (True) or encoder (False), from what the labels ask the model to predict."""
+        plan = self._plan
+        if plan is not None and plan.related():
+            # some argument of the model call carries the labels: there are tokens the model must not see. The
+            # target-alignment check applies when the token ids themselves carry them (a decoder-only model).
+            if plan.primary is None or plan.primary.offset is None:
+                self._targets_wanted, self._alignment_decided = False, True
+            return True
         if labels is None:
             return True  # no token labels to read the objective from: decoders are the common case
         with torch.no_grad():
@@ -396,7 +468,7 @@ class MaskProbe(DebugCallback):
         self._emit(trainer, verdict)
         return verdict is None
 
-    def _cannot_call(self, trainer: pl.Trainer, reason: str) -> None:
+    def _cannot_call(self, trainer: pl.Trainer, reason: str, setting: str = "forward_fn") -> None:
         self.emit(
             trainer,
             "TFD211",
@@ -405,10 +477,14 @@ class MaskProbe(DebugCallback):
             "give `forward_fn` (and `input_key` / `mask_key` / `labels_key` to point at the batch's fields).",
             synchronized=False,
         )
-        self.stand_aside(reason)
+        self.stand_aside(reason, setting=f"`{setting}`")
 
     def _rows(self, t: Tensor | None) -> Tensor | None:
-        return None if t is None else t[: self.probe_rows, : self.probe_length]
+        if t is None:
+            return None
+        if self._plan is not None and not self._plan.time_cut_safe:
+            return t[: self.probe_rows]  # other tensors of the call have the sequence's length: keep it whole
+        return t[: self.probe_rows, : self.probe_length]
 
     def _probe_masks(
         self,
@@ -419,18 +495,28 @@ class MaskProbe(DebugCallback):
         values: dict[str, Tensor | float],
         decisions: list[Decision],
     ) -> None:
+        plan = self._plan
+        if plan is not None and plan.primary is None:
+            # the recorded call takes tensors derived from the ids (slices), not the ids: only the leak probe applies
+            self._probe_repeat_and_leaks(gen, values, decisions)
+            return
         ids = self._rows(ids_full)
         mask = self._rows(mask_full)
-        assert ids is not None and self._caller is not None
+        assert ids is not None and (self._caller is not None or plan is not None)
         b, t = ids.shape
         ones = torch.ones_like(ids)
-        base = self._logits(ids, ones)
-        tol = logit_tolerance(base)
-        # the same input again: every comparison below assumes an eval-mode forward is a function of its input
-        repeat, where = max_change(base, self._logits(ids, ones))
-        values.update({"mask_probe/repeat_max_change": repeat, "_repeat_row": where[0], "_repeat_pos": where[1]})
-        values["_repeat_tol"] = tol
-        if self._is_causal and t >= 2:
+        if plan is not None and self._is_causal and plan.related():
+            self._probe_repeat_and_leaks(gen, values, decisions)
+            base = self._logits(ids, ones)
+            tol = logit_tolerance(base)
+        else:
+            base = self._logits(ids, ones)
+            tol = logit_tolerance(base)
+            # the same input again: every comparison below assumes an eval-mode forward is a function of its input
+            repeat, where = max_change(base, self._logits(ids, ones))
+            values.update({"mask_probe/repeat_max_change": repeat, "_repeat_row": where[0], "_repeat_pos": where[1]})
+            values["_repeat_tol"] = tol
+        if self._is_causal and t >= 2 and not (plan is not None and plan.related()):
             cut = probes.causal_cut(t)
             changed = self._logits(replace_after(ids, cut, gen), ones)
             change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))
@@ -448,18 +534,25 @@ class MaskProbe(DebugCallback):
             )
         if not self.check_padding:
             return
-        if not self._caller.takes_mask:
+        caller = plan if plan is not None else self._caller
+        assert caller is not None
+        # whether output position p is the ids' position p (a decoder-only model), not a decoder's of another sequence
+        aligned = plan is None or (plan.primary is not None and plan.primary.offset is not None)
+        if plan is not None and plan.mask_opaque:
+            return  # a mask reaches the model in an encoding of its own (additive, other shape): not probed
+        if not caller.takes_mask:
             if mask_full is not None and bool((mask_full == 0).any()):  # host sync: probe step only
                 self._emit(trainer, probes.unpadded_mask_verdict(self._mask_path))
             return
-        if mask_full is None and not self._caller.mask_named:
+        if mask_full is None and not caller.mask_named:
             return  # only `**kwargs` could take a mask, and the batch has none: nothing claims mask support
         # (a) masked positions are ignored: mask a block of positions after the first, change its ids, compare the rest
         block = probes.masked_block(ids, gen)
         if block is not None:
             masked, other, k = block
             first = self._logits(ids, masked)
-            change, where = max_change(first, self._logits(other, masked), masked.bool())
+            # outputs at the ids' real positions; every output when they follow another sequence (a decoder's)
+            change, where = max_change(first, self._logits(other, masked), masked.bool() if aligned else None)
             values.update({"mask_probe/padding_max_change": change, "_pad_pos": where[1], "_pad_tol": tol})
             decisions.append(
                 lambda h, k=k: probes.decide_padding(
@@ -467,6 +560,10 @@ class MaskProbe(DebugCallback):
                 )
             )
         # (b) adding padding on the side the batch pads must not change the real tokens' logits
+        if plan is not None and (plan.companions() or not aligned):
+            # another sequence of the call has the ids' length (a decoder input), or the outputs are not the ids'
+            # positions (an encoder-decoder's outputs follow its decoder): padding the ids says nothing position-wise
+            return
         side = probes.probe_padding_side(self.padding_side, mask_full)  # host sync on "auto": probe step only
         real = mask if mask is not None else ones
         # Learned from configuration, else from the batch: a padded probe never exceeds the configured context limit,
@@ -493,6 +590,52 @@ class MaskProbe(DebugCallback):
             )
         )
 
+    def _probe_repeat_and_leaks(
+        self, gen: torch.Generator, values: dict[str, Tensor | float], decisions: list[Decision]
+    ) -> None:
+        """Through the recorded call: the repeat check, then for each argument that carries the labels, replace its
+        tokens from the first position an output at or before the cut must not see, and compare those outputs."""
+        plan = self._plan
+        assert plan is not None
+        rows = min(self.probe_rows, plan.batch_size)
+        base = plan.run({}, rows=rows)
+        tol = logit_tolerance(base)
+        repeat, where = max_change(base, plan.run({}, rows=rows))
+        values.update({"mask_probe/repeat_max_change": repeat, "_repeat_row": where[0], "_repeat_pos": where[1]})
+        values["_repeat_tol"] = tol
+        length = int(base.shape[1])
+        if length < 2:
+            return
+        cut = probes.causal_cut(length)
+        valid = causal_valid_positions(rows, length, cut, base.device)
+        changes = []
+        for i, slot in enumerate(plan.related()):
+            assert slot.offset is not None
+            start = max(0, cut + plan.shift + slot.offset)
+            perturbed = plan.perturb_from(slot, start, rows, gen)
+            if perturbed is None:
+                continue
+            changed = plan.run({slot.path: perturbed}, rows=rows)
+            if changed.shape != base.shape:
+                continue
+            change, where = max_change(base, changed, valid)
+            changes.append(change)
+            values.update({f"_leak{i}": change, f"_leak{i}_row": where[0], f"_leak{i}_pos": where[1]})
+            decisions.append(
+                lambda h, i=i, slot=slot, start=start: call_probes.decide_leak(
+                    h[f"_leak{i}"],
+                    int(h[f"_leak{i}_row"]),
+                    int(h[f"_leak{i}_pos"]),
+                    cut,
+                    start,
+                    slot,
+                    plan.shift,
+                    h["_repeat_tol"],
+                )
+            )
+        if changes:
+            values["mask_probe/causal_max_change"] = torch.stack(changes).max()
+
     def _limit_for(self, trainer: pl.Trainer) -> int | None:
         return self.context_limit or find_context_length(trainer.lightning_module)[0]
 
@@ -507,6 +650,8 @@ class MaskProbe(DebugCallback):
         values: dict[str, Tensor | float],
         decisions: list[Decision],
     ) -> None:
+        if self._plan is not None and (self._plan.primary is None or self._plan.companions()):
+            return  # the call takes other sequences shaped like the ids: a longer row says nothing certain about them
         row = ids_full[:1]
         limit = self._limit_for(trainer)
         if self.kv_cache_fn is not None:
@@ -579,8 +724,14 @@ class MaskProbe(DebugCallback):
             return
         if labels is None:
             labels = ids.masked_fill(mask == 0, self.ignore_index) if mask is not None else ids
+        if labels.shape != ids.shape and labels.numel() == ids.numel():
+            labels = labels.reshape(ids.shape)  # labels flattened in the batch
         try:
-            returned = loss_of(quiet_training_step(pl_module, batch, batch_idx))
+            if self._plan is not None:  # the recording replay already ran training_step on this batch
+                output = self._replayed
+            else:
+                output = quiet_training_step(pl_module, batch, batch_idx)
+            returned = loss_of(output)
         except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
             self._alignment_decided = True
             self.emit(
@@ -599,7 +750,14 @@ class MaskProbe(DebugCallback):
                 synchronized=False,
             )
             return
-        logits = self._logits(ids, mask)
+        if self._plan is not None:
+            # the logits of the very call whose loss training_step returned
+            logits = call_probes.read_logits(self._plan.call.output, ids.shape[0], self._plan.out_seq_first)
+            if logits is None or tuple(logits.shape[:2]) != tuple(labels.shape):
+                self._alignment_decided = True  # outputs not position-aligned with the labels: nothing to compare
+                return
+        else:
+            logits = self._logits(ids, mask)
         losses = alignment_losses(logits, labels, self.ignore_index)
         values.update(
             {

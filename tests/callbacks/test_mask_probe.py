@@ -344,14 +344,41 @@ def call_dict_forward(pl_module, input_ids, attention_mask):
     return pl_module({"input_ids": input_ids, "attention_mask": attention_mask})
 
 
+class ManualDictForwardGPT(DictForwardGPT):
+    """Manual optimization (its training_step is never replayed) and a forward taking the whole dict: no call to
+    record and no signature to guess."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.loss(self(batch), batch["labels"])
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
 def test_cannot_call_says_which_argument_and_stands_aside(tmp_path):
     probe = MaskProbe()
-    with pytest.warns(TFDebugWarning, match="forward_fn"):
-        trainer = make_trainer(tmp_path, [probe], max_steps=2)
-        trainer.fit(DictForwardGPT(**SMALL), TinyTextDataModule(batch_size=8))
+    trainer = make_trainer(tmp_path, [probe], max_steps=2)
+    trainer.fit(ManualDictForwardGPT(**SMALL), TinyTextDataModule(batch_size=8))
     assert [f.code for f in probe.findings] == ["TFD211"]
+    assert "forward_fn" in probe.findings[0].hint
     assert not probe.active
     assert trainer.global_step == 2  # training went on
+
+
+@pytest.mark.parametrize("no_causal_mask, expected", [(False, []), (True, ["TFD201"])])
+def test_a_forward_taking_the_whole_batch_is_probed_through_the_call_training_step_makes(
+    tmp_path, no_causal_mask, expected
+):
+    probe = MaskProbe()
+    fit(tmp_path, [probe], model=DictForwardGPT(**SMALL, no_causal_mask=no_causal_mask))
+    assert probe.active and "TFD211" not in [f.code for f in probe.findings]
+    assert problems(probe) == expected
 
 
 def test_forward_fn_makes_an_unusual_model_callable(tmp_path):

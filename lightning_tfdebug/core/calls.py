@@ -1,0 +1,147 @@
+"""Recording the model calls a ``training_step`` makes, and re-issuing one with some of its tensors replaced.
+
+A probe that guesses how to call a model fails on the models users actually write: ``forward(inputs, target)``, a
+LightningModule without ``forward`` whose ``training_step`` calls ``self.model(x, y)``, a dict passed whole. Recording
+the call ``training_step`` makes (module, positional and keyword arguments, output) and re-issuing it with perturbed
+copies of its token tensors reaches all of them. Nothing here measures or decides; the recording is meant for
+probing steps only (it adds hooks to every submodule for the duration of one call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+Path = tuple[Any, ...]
+"""Where a tensor sits in a call: ``("args", 0)``, ``("kwargs", "labels")``, then keys or indices into containers."""
+
+
+@dataclass
+class RecordedCall:
+    """One module call: the module, its arguments as they were passed, and what it returned."""
+
+    module: nn.Module
+    name: str  # the module's qualified name under the recording root ("" for the root itself)
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+
+    def leaves(self) -> list[tuple[Path, Tensor]]:
+        """Every tensor in the arguments, with its path (containers: dict-likes, lists, tuples, dataclasses)."""
+        return tensor_leaves(self.args, ("args",)) + tensor_leaves(self.kwargs, ("kwargs",))
+
+    def call(self, replacements: Mapping[Path, Tensor] | None = None) -> Any:
+        """Call the module again with the same arguments, the tensors at ``replacements``' paths replaced."""
+        args, kwargs = self.args, self.kwargs
+        if replacements:
+            args = replace_leaves(args, {p[1:]: t for p, t in replacements.items() if p[0] == "args"})
+            kwargs = replace_leaves(kwargs, {p[1:]: t for p, t in replacements.items() if p[0] == "kwargs"})
+        return self.module(*args, **kwargs)
+
+    def keyword(self, path: Path) -> str | None:
+        """The argument name a tensor was passed under: the keyword, or the forward's parameter name for a positional
+        argument (None when it cannot be read)."""
+        if path[0] == "kwargs":
+            return str(path[1])
+        try:
+            import inspect
+
+            params = [
+                p.name
+                for p in inspect.signature(self.module.forward).parameters.values()
+                if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            return None
+        index = path[1]
+        return params[index] if isinstance(index, int) and index < len(params) else None
+
+    def describe(self, path: Path) -> str:
+        """A name for the tensor at ``path`` in messages: ``target`` (argument 2 of Transformer.forward)."""
+        name = self.keyword(path)
+        where = ".".join(str(p) for p in path[2:])
+        label = name or (f"positional argument {path[1]}" if path[0] == "args" else str(path[1]))
+        return f"{label}.{where}" if where else label
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (Mapping, list, tuple)) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    )
+
+
+def tensor_leaves(obj: Any, prefix: Path = ()) -> list[tuple[Path, Tensor]]:
+    """``(path, tensor)`` for every tensor inside ``obj`` (nested dict-likes, lists, tuples and dataclasses)."""
+    if isinstance(obj, Tensor):
+        return [(prefix, obj)]
+    out: list[tuple[Path, Tensor]] = []
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            out += tensor_leaves(value, (*prefix, key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            out += tensor_leaves(value, (*prefix, i))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            out += tensor_leaves(getattr(obj, f.name), (*prefix, f.name))
+    return out
+
+
+def replace_leaves(obj: Any, replacements: Mapping[Path, Tensor], prefix: Path = ()) -> Any:
+    """A copy of ``obj`` with the tensors at the given paths replaced; containers are rebuilt, the rest shared."""
+    if prefix in replacements:
+        return replacements[prefix]
+    if not any(p[: len(prefix)] == prefix for p in replacements) or not _is_container(obj):
+        return obj
+    if isinstance(obj, Mapping):
+        items = {k: replace_leaves(v, replacements, (*prefix, k)) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except Exception:  # a mapping type that cannot be built from a dict: a plain dict works for `**`
+            return items
+    if isinstance(obj, (list, tuple)):
+        items_list = [replace_leaves(v, replacements, (*prefix, i)) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*items_list)
+        return type(obj)(items_list)
+    changes = {
+        f.name: replace_leaves(getattr(obj, f.name), replacements, (*prefix, f.name)) for f in dataclasses.fields(obj)
+    }
+    return dataclasses.replace(obj, **changes)
+
+
+def record_calls(root: nn.Module, run: Callable[[], Any]) -> tuple[Any, list[RecordedCall]]:
+    """Run ``run()`` with a forward hook on ``root`` and every submodule; returns its result and the outermost module
+    calls it made, in call order.
+
+    "Outermost": calls made while no other recorded module was running, i.e. the calls ``training_step`` itself
+    makes (``self(x)``, ``self.model(x, y)``, ``self.loss_fn(...)``), not the layers inside them. The hooks are
+    removed before this returns, also when ``run`` raises. Meant for probing steps only: adding a hook to every
+    submodule is a Python loop over the modules.
+    """
+    depth = [0]
+    calls: list[RecordedCall] = []
+    names = {id(m): n for n, m in root.named_modules()}
+    handles = []
+
+    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        depth[0] += 1
+
+    def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            calls.append(RecordedCall(module, names.get(id(module), ""), args, dict(kwargs), output))
+
+    try:
+        for module in root.modules():
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        result = run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return result, calls

@@ -1,0 +1,377 @@
+"""Probing a model through the call its ``training_step`` really makes (see :mod:`lightning_tfdebug.core.calls`).
+
+:func:`plan_call` picks, among the calls a replayed ``training_step`` made, the one that takes the batch's token ids
+and returns logits, and reads its token tensors ("slots"): which is the batch's ids, which carry the labels and at
+what offset, which is the attention mask, and whether each is batch- or sequence-first. :class:`CallPlan` re-issues
+the call with perturbed slots and reads the logits back as ``(batch, time, vocab)``, whatever layout the model
+returns: ``(B, T, V)``, flattened ``(B*T, V)``, sequence-first ``(T, B, V)``, inside tuples, dicts or model outputs.
+
+The labels fix what a leak is. Output position ``p`` is trained on label ``p + shift`` (``shift`` is 1 when the
+labels equal the ids, so the model or its loss shifts them; 0 when the data holds next-token labels, or for a
+decoder's own targets). A slot whose position ``t`` carries label ``t - offset`` must not reach output ``p`` from any
+position ``t >= p + shift + offset``: the decoder input of an encoder-decoder that is the labels themselves
+(``offset`` 0, ``shift`` 0) leaks each position's own label, and an encoder that sees the whole text of a language
+model leaks the next token. Slots unrelated to the labels (a translation's source) are not perturbed: an encoder
+may see all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_tfdebug.core.batch import LABELS_KEYS, MASK_KEYS, logits_of
+from lightning_tfdebug.core.calls import Path, RecordedCall
+from lightning_tfdebug.functional.verdicts import Verdict
+
+RELATION_FRACTION = 0.5
+"""A slot carries the labels when it equals them, at one offset, at this fraction of the supervised positions or more
+(as :func:`~lightning_tfdebug.functional.mask_probes.decide_objective` reads a next-token objective)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A token tensor in the recorded call."""
+
+    path: Path
+    name: str
+    seq_first: bool
+    length: int
+    offset: int | None  # position t carries label t - offset; None: unrelated to the labels
+    primary: bool  # the batch's token ids
+    label_like: bool  # passed under a labels name (labels, targets, ...): read by the loss, not by the network
+
+
+@dataclass
+class CallPlan:
+    """A recorded call and what its tensors are, able to re-issue it with perturbed slots."""
+
+    call: RecordedCall
+    batch_size: int
+    slots: list[Slot]
+    shift: int
+    mask_path: Path | None = None
+    mask_inverted: bool = False  # a padding mask (True = padding) rather than an attention mask (1 = real)
+    mask_seq_first: bool = False
+    mask_named: bool = False  # the forward names a mask parameter
+    mask_opaque: bool = False  # a mask is passed, in an encoding not read here (additive floats, 4-D): not probed
+    out_seq_first: bool = False
+    vocab: Tensor | None = None  # the distinct token ids seen, for replacements
+    ignore_index: int = -100
+    _tensors: dict[Path, Tensor] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def primary(self) -> Slot | None:
+        return next((s for s in self.slots if s.primary), None)
+
+    @property
+    def takes_mask(self) -> bool:
+        return self.mask_path is not None
+
+    def tensor(self, path: Path) -> Tensor:
+        return self._tensors[path]
+
+    def batch_first(self, slot: Slot) -> Tensor:
+        t = self._tensors[slot.path]
+        return t.transpose(0, 1) if slot.seq_first else t
+
+    def related(self) -> list[Slot]:
+        """The slots that carry the labels, the ones a leak probe perturbs."""
+        return [s for s in self.slots if s.offset is not None]
+
+    def companions(self) -> list[Slot]:
+        """Other sequences of the ids' length that are not passed under a labels name (a decoder input, position
+        ids): resizing the ids says nothing certain about what they should become."""
+        primary = self.primary
+        if primary is None:
+            return []
+        return [s for s in self.slots if not s.primary and not s.label_like and s.length == primary.length]
+
+    @property
+    def time_cut_safe(self) -> bool:
+        """Whether the sequences can be cut shorter: no other tensor of the call has a dimension of their length
+        (a ``(T, T)`` causal mask, float features per position)."""
+        primary = self.primary
+        if primary is None:
+            return False
+        known = {s.path for s in self.slots} | ({self.mask_path} if self.mask_path is not None else set())
+        return not any(
+            primary.length in tuple(t.shape) for p, t in self._tensors.items() if p not in known and t.ndim >= 1
+        )
+
+    # ------------------------------------------------------------------ re-issuing
+    def run(self, changes: dict[Path, Tensor], rows: int | None = None) -> Tensor:
+        """Call again with the slots at ``changes`` replaced (batch-first ``(b, t)`` tensors; converted to each slot's
+        layout), every other batch-shaped tensor cut to ``rows``; returns the logits ``(b, T_out, V)``."""
+        b = rows or self.batch_size
+        replacements: dict[Path, Tensor] = {}
+        for path, value in self._tensors.items():
+            slot = next((s for s in self.slots if s.path == path), None)
+            if path in changes:
+                new = changes[path]
+                transposed = slot.seq_first if slot is not None else path == self.mask_path and self.mask_seq_first
+                if transposed:
+                    new = new.transpose(0, 1)
+                replacements[path] = new.to(value.dtype) if path == self.mask_path else new
+            elif b != self.batch_size:
+                axis = 1 if slot is not None and slot.seq_first else 0
+                if value.ndim > axis and value.shape[axis] == self.batch_size:
+                    replacements[path] = value.narrow(axis, 0, b)
+        logits = read_logits(self.call.call(replacements), b, self.out_seq_first)
+        if logits is None:
+            raise ValueError("the recorded call did not return logits for the probe's rows")
+        return logits
+
+    def mask_value(self, real: Tensor) -> Tensor:
+        """The recorded mask's encoding of ``real`` (1 = real token), batch-first."""
+        return (real == 0) if self.mask_inverted else real
+
+    def random_ids(self, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+        assert self.vocab is not None
+        idx = torch.randint(0, self.vocab.numel(), shape, generator=generator, device="cpu").to(self.vocab.device)
+        return self.vocab[idx]
+
+    def perturb_from(self, slot: Slot, start: int, rows: int, generator: torch.Generator) -> Tensor | None:
+        """The slot's first ``rows`` rows (batch-first) with every supervised position from ``start`` on replaced by
+        another id; None when there is nothing to replace."""
+        original = self.batch_first(slot)[:rows]
+        if start >= original.shape[1] or self.vocab is None or self.vocab.numel() < 2:
+            return None
+        out = original.clone()
+        tail = out[:, start:]
+        new = self.random_ids(tuple(tail.shape), generator).to(tail.dtype)
+        alt = self.vocab[(torch.searchsorted(self.vocab, new.to(self.vocab.dtype)) + 1) % self.vocab.numel()]
+        new = torch.where(new == tail, alt.to(tail.dtype), new)
+        keep = tail == self.ignore_index
+        out[:, start:] = torch.where(keep, tail, new)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- reading outputs
+def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor | None:
+    """The logits in a call's output as ``(batch, time, vocab)``: ``(B, T, V)`` as is, ``(T, B, V)`` transposed when
+    the call is sequence-first (or when only that reading fits), ``(B*T, V)`` reshaped (``(T*B, V)`` for a
+    sequence-first call). None when no float tensor fits."""
+    logits = logits_of(output)
+    if logits is None:
+        return None
+    if logits.ndim == 3:
+        if logits.shape[0] == batch_size and not (seq_first and logits.shape[1] == batch_size):
+            return logits
+        if logits.shape[1] == batch_size:
+            return logits.transpose(0, 1)
+        return None
+    if logits.ndim == 2 and logits.shape[0] % batch_size == 0 and logits.shape[0] > batch_size:
+        if seq_first:
+            return logits.reshape(-1, batch_size, logits.shape[-1]).transpose(0, 1)
+        return logits.reshape(batch_size, -1, logits.shape[-1])
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------ planning
+def _layout(t: Tensor, batch_size: int) -> bool | None:
+    """False when ``t`` is batch-first ``(B, T)``, True when sequence-first ``(T, B)``, None when neither."""
+    if t.ndim != 2:
+        return None
+    if t.shape[0] == batch_size:
+        return False
+    if t.shape[1] == batch_size:
+        return True
+    return None
+
+
+def _is_ids(t: Tensor) -> bool:
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def relation_offset(
+    slot: Tensor, reference: Tensor, ignore_index: int, offsets: tuple[int, ...] = (0, 1, -1)
+) -> int | None:
+    """The offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` holds at :data:`RELATION_FRACTION` or more of
+    the positions where ``reference`` is supervised (not ``ignore_index``), over the positions both have; the best
+    such offset, or None. Both batch-first with the same number of rows. Host syncs: probing steps only."""
+    best, best_frac = None, RELATION_FRACTION
+    ts, tr = slot.shape[1], reference.shape[1]
+    for o in offsets:
+        lo, hi = max(0, o), min(ts, tr + o)
+        if hi - lo < 2:
+            continue
+        s = slot[:, lo:hi]
+        r = reference[:, lo - o : hi - o]
+        supervised = r != ignore_index
+        n = int(supervised.sum())
+        if n == 0:
+            continue
+        frac = int(((s == r) & supervised).sum()) / n
+        if frac >= best_frac and (best is None or frac > best_frac):
+            best, best_frac = o, frac
+    return best
+
+
+def plan_call(
+    calls: list[RecordedCall],
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    labels: Tensor | None,
+    ignore_index: int = -100,
+) -> CallPlan | str:
+    """The :class:`CallPlan` of the first recorded call that takes the batch's token ids (or, failing that, a token
+    tensor of the batch's size) and returns logits; a sentence saying why not otherwise."""
+    b = int(input_ids.shape[0])
+    chosen: tuple[RecordedCall, list[tuple[Path, Tensor, bool]]] | None = None
+    fallback = None
+    for call in calls:
+        seqs = [(p, t, _layout(t, b)) for p, t in call.leaves() if _is_ids(t) and _layout(t, b) is not None]
+        if not seqs:
+            continue
+        ids_layout = next((sf for _, t, sf in seqs if _matches_ids(t, sf, input_ids)), None)
+        if read_logits(call.output, b, bool(ids_layout if ids_layout is not None else seqs[0][2])) is None:
+            continue
+        if ids_layout is not None:
+            chosen = (call, seqs)
+            break
+        fallback = fallback or (call, seqs)
+    chosen = chosen or fallback
+    if chosen is None:
+        names = ", ".join(sorted({type(c.module).__name__ for c in calls})) or "none"
+        return (
+            f"no call made in `training_step` takes the batch's token ids and returns logits (modules called: {names})"
+        )
+    call, seqs = chosen
+    primary_path = next((p for p, t, sf in seqs if _matches_ids(t, sf, input_ids)), None)
+    seq_first = next((sf for p, t, sf in seqs if p == primary_path), seqs[0][2])
+    tensors = {p: t for p, t in call.leaves()}
+    # the mask: the batch's attention mask (or its inverse, a padding mask) passed in the call
+    mask_path, inverted, mask_seq_first = None, False, False
+    for p, t in call.leaves():
+        if attention_mask is None or t.ndim != 2:
+            continue
+        transposed = t.shape != attention_mask.shape
+        view = t.transpose(0, 1) if transposed else t
+        if view.shape != attention_mask.shape or (call.keyword(p) or "") in LABELS_KEYS:
+            continue
+        if torch.equal(view.to(attention_mask.dtype), attention_mask):
+            mask_path, mask_seq_first = p, transposed
+            break
+        if torch.equal(view.bool(), attention_mask == 0):
+            mask_path, inverted, mask_seq_first = p, True, transposed
+            break
+    opaque = mask_path is None and any(
+        (call.keyword(p) or "") in MASK_KEYS or str(p[-1]) in MASK_KEYS for p, _ in call.leaves()
+    )
+    seqs = [(p, t, sf) for p, t, sf in seqs if p != mask_path]
+    # the labels every slot is compared with: the batch's, else the ids' next tokens (virtual next-token labels)
+    ref, base = _reference(input_ids, labels, b)
+    shift = 0
+    if ref is not None and labels is not None and primary_path is not None:
+        ids_offset = relation_offset(input_ids, ref, ignore_index, offsets=(0,))
+        shift = 1 if ids_offset == 0 else 0
+    slots = []
+    for p, t, sf in seqs:
+        bf = t.transpose(0, 1) if sf else t
+        offset = None
+        if ref is not None and bf.shape[0] == ref.shape[0]:
+            o = relation_offset(bf, ref, ignore_index)
+            offset = None if o is None else o + base
+        name = call.keyword(p) or ""
+        slots.append(
+            Slot(
+                path=p,
+                name=call.describe(p),
+                seq_first=sf,
+                length=int(bf.shape[1]),
+                offset=offset,
+                primary=p == primary_path,
+                label_like=name in LABELS_KEYS or str(p[-1]) in LABELS_KEYS,
+            )
+        )
+    values = [input_ids.flatten()]
+    values += [tensors[s.path].flatten() for s in slots]
+    vocab = torch.unique(torch.cat([v.to(input_ids.device, input_ids.dtype) for v in values]))
+    vocab = vocab[vocab != ignore_index]
+    vocab = vocab[vocab >= 0]
+    return CallPlan(
+        call=call,
+        batch_size=b,
+        slots=slots,
+        shift=shift,
+        mask_path=mask_path,
+        mask_inverted=inverted,
+        mask_seq_first=mask_seq_first,
+        mask_named=_names_a_mask(call),
+        mask_opaque=opaque,
+        out_seq_first=seq_first,
+        vocab=vocab,
+        ignore_index=ignore_index,
+        _tensors=tensors,
+    )
+
+
+def _matches_ids(t: Tensor, seq_first: bool | None, input_ids: Tensor) -> bool:
+    view = t.transpose(0, 1) if seq_first else t
+    if view.shape != input_ids.shape:
+        return False
+    return bool(torch.equal(view.to(input_ids.device).long(), input_ids.long()))
+
+
+def _reference(input_ids: Tensor, labels: Tensor | None, batch_size: int) -> tuple[Tensor | None, int]:
+    """``(reference, base)``: the labels as ``(B, T)``, with ``base`` 0; or, without labels, the ids standing for
+    next-token labels (label t is id t+1), with ``base`` 1 added to every offset read against them."""
+    if labels is not None and not labels.is_floating_point() and labels.numel() % batch_size == 0:
+        return labels.reshape(batch_size, -1), 0
+    return input_ids, 1
+
+
+def decide_leak(
+    change: float, row: int, position: int, cut: int, start: int, slot: Slot, shift: int, tolerance: float
+) -> Verdict | None:
+    """A leak through ``slot``: replacing its tokens from ``start`` on moved an output at or before ``cut``.
+
+    ``TFD201`` when the slot is the batch's token ids one step behind the labels (future tokens reach past outputs,
+    a causal-mask bug or an encoder that sees the whole text); ``TFD214`` for any other argument that carries the
+    labels (a decoder input that is the labels themselves, not shifted right).
+    """
+    if change <= tolerance:  # NaN falls through: a NaN output is not a clean pass
+        return None
+    evidence = {
+        "max_change": change,
+        "position": position,
+        "row": row,
+        "cut": cut,
+        "replaced_from": start,
+        "argument": slot.name,
+        "label_offset": slot.offset,
+        "tolerance": tolerance,
+    }
+    if slot.primary and slot.offset is not None and slot.offset + shift >= 1:
+        return Verdict(
+            "TFD201",
+            f"Future tokens change past logits: replacing the tokens of `{slot.name}` from position {start} on changed "
+            f"the output at position {position} (row {row}) by {change:.3g} (tolerance {tolerance:.2g}); outputs up "
+            f"to {cut} must not see them.",
+            evidence,
+        )
+    carries = (
+        "the label of its own position" if slot.offset == 0 and shift == 0 else "labels the outputs are trained on"
+    )
+    return Verdict(
+        "TFD214",
+        f"Target leak: the model reads `{slot.name}`, which carries {carries} (label offset {slot.offset}); replacing "
+        f"its tokens from position {start} on changed the output at position {position} (row {row}) by "
+        f"{change:.3g} (tolerance {tolerance:.2g}), so the model can copy the answer instead of predicting it.",
+        evidence,
+    )
+
+
+def _names_a_mask(call: RecordedCall) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(call.module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in params for name in MASK_KEYS) or any("mask" in name for name in params)
