@@ -101,11 +101,10 @@ def _emit_report(run, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
     if output is None:
         sys.stdout.write(text)
     else:
-        try:
-            with open(output, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as err:
-            print(f"error: cannot write the report to {output}: {err}", file=sys.stderr)
+        from lightning_tfdebug.core.io import write_failures, write_text
+
+        if not write_text(output, text, warn=False):  # the one writer: atomic, no half-written report
+            print(f"error: cannot write the report to {output}: {write_failures()[-1].error}", file=sys.stderr)
             return 2
         print(summary_line(run))
         print(f"Report: {output}")

@@ -9,7 +9,8 @@ chart, so a straggler stands out.
 
 :func:`dashboard_layout` builds the layout (a plain dict, TensorBoard's ``add_custom_scalars`` format) from the
 members that run; :func:`write_dashboard` writes it to every logger whose experiment can take it (TensorBoard's
-``SummaryWriter`` from ``torch.utils.tensorboard`` or tensorboardX). :func:`read_dashboard` reads it back from an event
+``SummaryWriter`` from ``torch.utils.tensorboard`` or tensorboardX; a write the disk refuses warns once, through
+:mod:`lightning_tfdebug.core.io`, and never stops training). :func:`read_dashboard` reads it back from an event
 directory.
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lightning_tfdebug.core.compat import is_lightning_instance
+from lightning_tfdebug.core.io import refused
 
 Chart = list[Any]  # ["Multiline", [regex, ...]] or ["Margin", [value, lower, upper]]
 Layout = dict[str, dict[str, Chart]]
@@ -130,8 +132,11 @@ def write_dashboard(trainer: Any, pl_module: Any, members: Mapping[str, Any]) ->
     groups = _update_groups(trainer, pl_module, members["UpdateRatio"]) if "UpdateRatio" in members else ()
     layout = dashboard_layout(members, groups)
     for writer in writers:
-        writer.add_custom_scalars(layout)
-        writer.flush()
+        try:
+            writer.add_custom_scalars(layout)
+            writer.flush()
+        except OSError as err:  # the event file refused (full disk, read-only): warned once, training goes on
+            refused(getattr(writer, "log_dir", None) or getattr(writer, "logdir", None) or ".", err)
     return layout
 
 

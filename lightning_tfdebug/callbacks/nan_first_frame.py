@@ -276,7 +276,32 @@ class NaNFirstFrame(DebugCallback):
         write_text(json_path, json.dumps(summary, indent=1, default=str, allow_nan=False))
         write_text(txt_path, "\n".join(lines) + "\n")
         self.reports.append(txt_path)
+        if error is not None and self._sharded and world_size() > 1:
+            self._end_after_sharded_replay_failure(trainer, step, bad_ranks, error, txt_path)
         self._emit(trainer, summary, txt_path, json_path, bad_ranks, frame_ranks, error)
+
+    def _end_after_sharded_replay_failure(
+        self, trainer: pl.Trainer, step: int, bad_ranks: list[int], error: str, txt_path: str
+    ) -> None:
+        """End the run on this rank: its FSDP2 replay failed part-way, so the other ranks may be waiting in one of the
+        replay's all-gathers or reduce-scatters that this rank will never join. Any next collective from here would
+        be matched against the wrong one (gloo aborts the process natively, NCCL hangs), so none is run: the finding
+        is recorded on this rank alone, and the error ends this process; the other ranks' pending collective then
+        fails at once (their peer is gone), their own replay fails and they end here too."""
+        self.emit(
+            trainer,
+            "TFD403",
+            f"The loss or gradients became non-finite at step {step} on rank(s) {bad_ranks}, and replaying the batch "
+            f"to locate the first bad frame failed on rank {trainer.global_rank}: {error}. Report: {txt_path}",
+            {"ranks": bad_ranks, "report": txt_path, "replay_error": error},
+            key=f"step{step}",
+            synchronized=False,  # no collective: the ranks are no longer in step
+        )
+        raise RuntimeError(
+            f"NaNFirstFrame's replay of step {step} failed on rank {trainer.global_rank} ({error}) under a sharded "
+            "(FSDP2) model: the other ranks' replay collectives can no longer be matched, so the run ends on every "
+            f"rank instead of hanging. This rank's report: {txt_path}."
+        )
 
     # ------------------------------------------------------------------ replay (lazy mode)
     def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[FrameRecorder, str | None]:

@@ -61,13 +61,20 @@ def _warning_scope(path: str) -> str:
         probe = parent
 
 
-def _refused(path: str, err: OSError) -> None:
+def refused(path: str | os.PathLike[str], err: OSError, *, warn: bool = True) -> WriteFailure:
+    """Record that the file system refused a write to ``path`` and warn once per ``tfdebug`` directory.
+
+    For writes this module does not make itself (a TensorBoard writer's flush): the same one warning, the same
+    record in :func:`write_failures`. ``warn=False`` only records it (a command line that reports the error itself).
+    """
+    path = os.fspath(path)
     directory = _warning_scope(path)
     failure = WriteFailure(os.path.abspath(path), f"{type(err).__name__}: {err}")
     with _lock:
         _failures.append(failure)
-        first = directory not in _warned_dirs
-        _warned_dirs.add(directory)
+        first = warn and directory not in _warned_dirs
+        if warn:
+            _warned_dirs.add(directory)
     if first:
         warnings.warn(
             f"lightning_tfdebug could not write {failure.path} ({failure.error}). Training goes on; findings stay "
@@ -75,8 +82,13 @@ def _refused(path: str, err: OSError) -> None:
             f"{directory} are not warned about again. Free the disk or point the Trainer's log dir at a writable "
             "place to get the files.",
             category=TFDebugWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
+    return failure
+
+
+def _refused(path: str, err: OSError, warn: bool = True) -> None:
+    refused(path, err, warn=warn)
 
 
 def make_dirs(directory: str | os.PathLike[str]) -> bool:
@@ -90,12 +102,12 @@ def make_dirs(directory: str | os.PathLike[str]) -> bool:
         return False
 
 
-def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> bool:
+def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None], *, warn: bool = True) -> bool:
     """Have ``write(tmp)`` produce the file at a temporary path beside ``path``, then rename it into place.
 
     ``write`` receives a path (so ``torch.save``, a profiler's ``export_chrome_trace`` or a text writer can all use
-    it). The temporary file is removed if anything fails. Returns False (warned once) when the file system refuses;
-    any other exception from ``write`` propagates.
+    it). The temporary file is removed if anything fails. Returns False (warned once; with ``warn=False`` only
+    recorded in :func:`write_failures`) when the file system refuses; any other exception from ``write`` propagates.
     """
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
@@ -111,7 +123,7 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
         tmp = None
         return True
     except OSError as err:
-        _refused(path, err)
+        _refused(path, err, warn)
         return False
     finally:
         if tmp is not None and os.path.exists(tmp):
@@ -119,14 +131,15 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
                 os.remove(tmp)
 
 
-def write_text(path: str | os.PathLike[str], text: str) -> bool:
-    """Write ``text`` to ``path`` atomically; False (warned once) when the file system refuses."""
+def write_text(path: str | os.PathLike[str], text: str, *, warn: bool = True) -> bool:
+    """Write ``text`` to ``path`` atomically; False (warned once, or only recorded with ``warn=False``) when the file
+    system refuses."""
 
     def _write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
 
-    return write_atomic(path, _write)
+    return write_atomic(path, _write, warn=warn)
 
 
 def append_line(path: str | os.PathLike[str], line: str, *, sync: bool = True) -> bool:
@@ -181,4 +194,13 @@ def publish_dir(build: Callable[[str], None], root: str | os.PathLike[str], name
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["WriteFailure", "append_line", "make_dirs", "publish_dir", "write_atomic", "write_failures", "write_text"]
+__all__ = [
+    "WriteFailure",
+    "append_line",
+    "make_dirs",
+    "publish_dir",
+    "refused",
+    "write_atomic",
+    "write_failures",
+    "write_text",
+]
