@@ -95,6 +95,41 @@ def test_a_full_disk_enospc_never_stops_training(tmp_path):
     assert sum("could not write" in m for m in messages) == 1
 
 
+def test_the_pack_with_a_file_in_place_of_its_directory_finishes_and_still_summarizes(tmp_path, capsys):
+    """The pack's own files (pack.json, the dashboard's event) go through the one writer: one warning for the whole
+    run, and the end-of-fit summary is made from the findings held in memory."""
+    from lightning_tfdebug import TFDebug
+
+    blocker = tfdebug_dir(tmp_path)
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a directory")
+    before = len(io.write_failures())
+    pack = TFDebug(every_n_steps=2, labels_key="targets")  # LossAtInit stands aside: its record is refused too
+    trainer, messages = fit_collecting_warnings(tmp_path, [pack], max_steps=4)
+    assert trainer.state.finished and not pack.members["LossAtInit"].active
+    assert sum("could not write" in m for m in messages) == 1
+    failed = {Path(f.path).name for f in io.write_failures()[before:]}
+    assert {"pack.json", "stood-aside-rank0.jsonl", "findings-rank0.jsonl"} <= failed
+    summary = capsys.readouterr().out
+    assert "lightning_tfdebug: " in summary and "1 check did not run" in summary and "LossAtInit" in summary
+
+
+def test_a_dashboard_the_disk_refuses_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_tfdebug import TFDebug
+
+    def full_disk(self, layout):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(SummaryWriter, "add_custom_scalars", full_disk)  # the disk, not the code under test
+    before = len(io.write_failures())
+    trainer, messages = fit_collecting_warnings(tmp_path, [TFDebug(every_n_steps=2, summary=False)], max_steps=2)
+    assert trainer.state.finished
+    assert [m for m in messages if "could not write" in m and "No space left" in m]
+    assert any("No space left" in f.error for f in io.write_failures()[before:])
+
+
 def test_atomic_writes_that_hit_enospc_leave_nothing_behind(tmp_path):
     def full_disk(_tmp):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
-from lightning_tfdebug import TFDebug
+from lightning_tfdebug import GradNormMonitor, TFDebug
 from lightning_tfdebug.__main__ import main
 from lightning_tfdebug.demo import TinyGPT
 from lightning_tfdebug.findings import Finding
@@ -124,3 +127,113 @@ def test_check_explains_a_command_it_cannot_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as bad:
         main(["check", "--steps", "0", "--", "python", "x.py", "fit"])
     assert bad.value.code == 2
+
+
+# ------------------------------------------------------------------ checks that did not run (issue 15, part 3)
+class TupleBatchGPT(TinyGPT):
+    """Batches as ``(input_ids, labels)`` tuples: with ``labels_key="targets"`` LossAtInit cannot find its labels."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return (batch["input_ids"], batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        input_ids, labels = batch
+        return self.loss(self(input_ids), labels)
+
+
+class FrozenGPT(TinyGPT):
+    """No trainable parameter: GradNormMonitor has no gradient to measure."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    def training_step(self, batch, batch_idx):
+        return (self(batch["input_ids"]).sum() * 0).requires_grad_()
+
+
+def fit_recording(tmp_path: Path, callbacks: list, model, caplog, **kwargs) -> list[str]:
+    """Fit; return the TFDebugWarnings' texts. Info logs land in ``caplog``."""
+    from lightning_tfdebug import TFDebugWarning
+    from lightning_tfdebug.demo import TinyTextDataModule
+    from tests.helpers import make_trainer
+
+    trainer = make_trainer(tmp_path, callbacks, **kwargs)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always", TFDebugWarning)
+        trainer.fit(model, TinyTextDataModule(batch_size=4))
+    return [str(w.message) for w in caught if issubclass(w.category, TFDebugWarning)]
+
+
+def test_a_standalone_callback_that_stands_aside_is_listed_with_its_setting_and_is_no_warning(tmp_path, caplog, capsys):
+    monitor = GradNormMonitor(every_n_steps=1)
+    frozen = FrozenGPT(d_model=16, n_layers=1, n_heads=2)
+    frozen.requires_grad_(False)
+    warned = fit_recording(tmp_path, [monitor], frozen, caplog, max_steps=3)
+    assert not monitor.active and not any("GradNormMonitor" in w for w in warned), warned
+    said = [r.getMessage() for r in caplog.records if "GradNormMonitor" in r.getMessage()]
+    assert any("stands aside: the model has no trainable parameters" in m for m in said), said
+    # one line more at the end of fit, for a callback on its own
+    assert sum("GradNormMonitor did not run" in m for m in said) == 1, said
+    assert all(r.levelno == logging.INFO for r in caplog.records if "GradNormMonitor" in r.getMessage())
+    record = json.loads((tmp_path / "tb" / "version_0" / "tfdebug" / "stood-aside-rank0.jsonl").read_text())
+    assert record["check"] == "GradNormMonitor" and record["setting"].startswith("a model with trainable parameters")
+    assert record["rank"] == 0 and record["step"] == 0
+    capsys.readouterr()
+
+    run_dir = str(tmp_path / "tb" / "version_0")
+    assert main(["report", run_dir]) == 0  # a check that did not run is not a finding: nothing fails
+    text = capsys.readouterr().out
+    assert "Checks that did not run (not findings; what would let each run):" in text
+    assert "  GradNormMonitor: the model has no trainable parameters" in text
+    assert "To let it run: a model with trainable parameters (`requires_grad=True`)." in text
+    assert "1 check did not run" in text
+    assert main(["report", run_dir, "--format", "json"]) == 0
+    [entry] = json.loads(capsys.readouterr().out)["did_not_run"]
+    assert entry["check"] == "GradNormMonitor" and entry["ranks"] == [0]
+    assert entry["setting"] == "a model with trainable parameters (`requires_grad=True`)"
+    assert "no trainable parameters" in entry["reason"]
+    assert main(["report", run_dir, "--format", "markdown"]) == 0
+    markdown = capsys.readouterr().out
+    assert "## Checks that did not run" in markdown
+    assert "| GradNormMonitor | 0 | the model has no trainable parameters" in markdown
+    assert "| a model with trainable parameters (`requires_grad=True`) |" in markdown
+    html_file = tmp_path / "r.html"
+    assert main(["report", run_dir, "--format", "html", "--output", str(html_file)]) == 0
+    assert "To let it run: a model with trainable parameters" in html_file.read_text()
+
+
+def test_the_pack_summary_has_a_did_not_run_block_and_the_report_merges_it(tmp_path, caplog, capsys):
+    pack = TFDebug(labels_key="targets", every_n_steps=1)
+    warned = fit_recording(tmp_path, [pack], TupleBatchGPT(**SMALL), caplog, max_steps=3)
+    assert not pack.members["LossAtInit"].active
+    assert not any("stands aside" in w or "did not run" in w for w in warned), warned
+    # the pack's members are listed by the pack's summary, not each by a line of its own at the end of fit
+    assert not any("LossAtInit did not run" in r.getMessage() for r in caplog.records)
+    summary = capsys.readouterr().out
+    block = summary[summary.index("  did not run (not findings; what would let each run):") :]
+    assert "    LossAtInit: the batch is a tuple of 2 items, which has no tensor at 'targets'" in block
+    assert "To let it run: `labels_key`." in block
+    assert "; 1 check did not run" in summary
+    run = load_run(tmp_path / "tb" / "version_0")
+    # pack.json's list and the member's own record are one entry
+    [entry] = run.did_not_run
+    assert (entry.check, entry.setting, entry.ranks) == ("LossAtInit", "`labels_key`", (0,))
+    assert run.pack["stood_aside"]["LossAtInit"]["setting"] == "`labels_key`"
+
+
+def test_did_not_run_merges_the_ranks_and_reads_older_pack_files(tmp_path):
+    from lightning_tfdebug.report import merge_stood_aside
+
+    tfdebug = tmp_path / "version_0" / "tfdebug"
+    tfdebug.mkdir(parents=True)
+    record = {"check": "DeadActivation", "reason": "compiled.", "setting": "an uncompiled model", "step": 0}
+    for rank in (0, 1):
+        (tfdebug / f"stood-aside-rank{rank}.jsonl").write_text(json.dumps({**record, "rank": rank}) + "\n{cut")
+    (tfdebug / "pack.json").write_text(json.dumps({"stood_aside": {"LossAtInit": "no labels."}}))  # the older form
+    run = load_run(tmp_path)
+    assert [(e.check, e.ranks, e.setting) for e in run.did_not_run] == [
+        ("DeadActivation", (0, 1), "an uncompiled model"),
+        ("LossAtInit", (0,), None),
+    ]
+    assert run.stood_aside == {"DeadActivation": "compiled.", "LossAtInit": "no labels."}
+    assert merge_stood_aside([]) == []
