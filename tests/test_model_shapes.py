@@ -18,8 +18,8 @@ from tests.wild_models import (
     HFSeq2Seq,
     MiniGPTModule,
     Seq2SeqModule,
+    cipher_pairs,
     lightning_demo_transformer,
-    reversal_pairs,
     stream_pairs,
 )
 
@@ -56,10 +56,10 @@ def test_the_lightning_demo_transformer_leaks_its_targets_and_every_probe_runs(t
     [(None, set()), ("unshifted_decoder_input", {"TFD214"}), ("no_decoder_mask", {"TFD214"})],
 )
 def test_forward_src_tgt_encoder_decoder(tmp_path, bug, expected):
-    """nn.Transformer with forward(src, tgt), a reversal task: the source is not the labels, so the encoder may see
+    """nn.Transformer with forward(src, tgt), a cipher task: the source is not the labels, so the encoder may see
     all of it; the decoder input must be the labels shifted right, under a causal mask."""
     probe, init = MaskProbe(), LossAtInit(check_step=None)
-    fit_tiny(tmp_path, [probe, init], model=Seq2SeqModule(bug=bug), data=reversal_pairs(), max_steps=1)
+    fit_tiny(tmp_path, [probe, init], model=Seq2SeqModule(bug=bug), data=cipher_pairs(), max_steps=1)
     assert_ran(probe, init)
     problems = {f.code for f in probe.findings if f.severity != "info"}
     assert problems == expected
@@ -128,8 +128,29 @@ def test_a_call_without_the_batch_mask_is_named(tmp_path):
 
 def test_recorded_call_restores_modes_and_leaves_no_hooks(tmp_path):
     module = Seq2SeqModule()
-    fit_tiny(tmp_path, [MaskProbe()], model=module, data=reversal_pairs(), max_steps=2)
+    fit_tiny(tmp_path, [MaskProbe()], model=module, data=cipher_pairs(), max_steps=2)
     assert module.training
     for m in module.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
     assert isinstance(next(module.parameters()), torch.nn.Parameter)
+
+
+HEALTHY_SHAPES = {
+    "seq2seq_forward_src_tgt": (lambda: Seq2SeqModule(), cipher_pairs),
+    "small_gpt_self_model_x_y": (lambda: MiniGPTModule(), stream_pairs),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(HEALTHY_SHAPES))
+def test_the_pack_at_its_defaults_is_silent_on_the_healthy_shapes(tmp_path, shape):
+    """The healthy-matrix rule on these shapes: every callback at its defaults, no warning and no error, and no check
+    stood aside. LossAtInit's later check (step 100) runs too."""
+    from tests.healthy_models import the_pack_at_defaults
+
+    build, loader = HEALTHY_SHAPES[shape]
+    pack = the_pack_at_defaults()
+    fit_tiny(tmp_path, pack, model=build(), data=loader(rows=960), max_steps=110)
+    assert [f.format() for c in pack for f in c.findings if f.severity in ("warning", "error")] == []
+    aside = {type(c).__name__: c._aside_reason for c in pack if c._aside_reason is not None}
+    # the sharded-strategy and precision checks that do not apply to a single-device fp32 run are the only ones out
+    assert set(aside) <= {"ScalerWatch", "CheckpointAudit"}, aside

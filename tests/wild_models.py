@@ -8,8 +8,6 @@ data are generated.
 
 from __future__ import annotations
 
-import math
-
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -27,11 +25,13 @@ def stream_pairs(rows: int = 64, length: int = 24, batch_size: int = 8) -> DataL
     return DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=batch_size, shuffle=False)
 
 
-def reversal_pairs(rows: int = 64, length: int = 12, vocab: int = 40, batch_size: int = 8) -> DataLoader:
-    """``(source, labels)`` tuple batches of a sequence-to-sequence task: the labels are the source reversed."""
+def cipher_pairs(rows: int = 64, length: int = 12, vocab: int = 40, batch_size: int = 8) -> DataLoader:
+    """``(source, labels)`` tuple batches of a sequence-to-sequence task: each label is its source token under a
+    fixed substitution (a cipher), so no label equals its source token."""
     g = torch.Generator().manual_seed(0)
     src = torch.randint(2, vocab, (rows, length), generator=g)
-    return DataLoader(TensorDataset(src, src.flip(1)), batch_size=batch_size, shuffle=False)
+    labels = (src - 2 + 7) % (vocab - 2) + 2
+    return DataLoader(TensorDataset(src, labels), batch_size=batch_size, shuffle=False)
 
 
 # --------------------------------------------------------------------------------------- the Lightning demo, as is
@@ -59,12 +59,12 @@ class Seq2SeqNet(nn.Module):
         self.vocab, self.d, self.causal_decoder = vocab, d, causal_decoder
         self.embed = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(64, d)
-        self.transformer = nn.Transformer(d, 2, 1, 1, 64, dropout=0.1, batch_first=True)
+        self.transformer = nn.Transformer(d, 2, 1, 1, 64, dropout=0.0, batch_first=True)
         self.head = nn.Linear(d, vocab)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         def embed(x: torch.Tensor) -> torch.Tensor:
-            return self.embed(x) * math.sqrt(self.d) + self.pos(torch.arange(x.shape[1], device=x.device))
+            return self.embed(x) + self.pos(torch.arange(x.shape[1], device=x.device))
 
         t = tgt.shape[1]
         mask = nn.Transformer.generate_square_subsequent_mask(t) if self.causal_decoder else None
@@ -73,7 +73,7 @@ class Seq2SeqNet(nn.Module):
 
 
 class Seq2SeqModule(pl.LightningModule):
-    """Reversal with teacher forcing: the decoder reads the labels shifted right (BOS first).
+    """A cipher with teacher forcing: the decoder reads the labels shifted right (BOS first).
 
     ``bug``: ``"unshifted_decoder_input"`` feeds the labels themselves to the decoder; ``"no_decoder_mask"`` drops
     the decoder's causal mask."""
@@ -96,7 +96,7 @@ class Seq2SeqModule(pl.LightningModule):
         return F.nll_loss(out, labels.reshape(-1))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
 
 
 # ------------------------------------------------------------------------------- a small GPT, wrapped the usual way
@@ -145,7 +145,13 @@ class MiniGPTModule(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        # decay on matrices only, as such GPTs configure it
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=1e-3)
 
 
 # ------------------------------------------------------------------------------- Hugging Face, labels inside the call
