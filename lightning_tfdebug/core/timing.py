@@ -58,5 +58,33 @@ def fetch_timer(trainer: pl.Trainer) -> FetchTimer | None:
     if fetcher._start_profiler != timer.start:
         timer._inner_start, timer._inner_stop = fetcher._start_profiler, fetcher._stop_profiler
         fetcher._start_profiler, fetcher._stop_profiler = timer.start, timer.stop
-    timer.batch_arrived()
+    _mark_arrival_after_transfer(trainer, timer)
+    timer.batch_arrived()  # the first batch (transferred before this was installed); a no-op afterwards
     return timer
+
+
+def _mark_arrival_after_transfer(trainer: pl.Trainer, timer: FetchTimer) -> None:
+    """Count a batch as arrived when the strategy has moved it to the device, not when a callback first sees it.
+
+    Between the two, the Trainer runs every callback's ``on_train_batch_start``: the pack's own probes and
+    measurements there (a MaskProbe probe, LossAtInit arming its hooks) are not data loading, and counting them made a
+    tiny model's healthy run look data-bound. One clock read per batch; installed once per strategy, reading the
+    current timer.
+    """
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or not callable(getattr(strategy, "batch_to_device", None)):
+        return
+    strategy.__dict__["_tfdebug_fetch_timer"] = timer
+    if "_tfdebug_transfer_wrapped" in strategy.__dict__:
+        return
+    original = strategy.batch_to_device
+
+    def batch_to_device(*args: object, **kwargs: object) -> object:
+        out = original(*args, **kwargs)
+        current = strategy.__dict__.get("_tfdebug_fetch_timer")
+        if current is not None:
+            current.batch_arrived()
+        return out
+
+    strategy.__dict__["batch_to_device"] = batch_to_device
+    strategy.__dict__["_tfdebug_transfer_wrapped"] = True
