@@ -77,15 +77,29 @@ class MaskProbe(DebugCallback):
       1, 5, 20, 50, 100, 200, 500 until it decides. A loss that matches neither (label smoothing, auxiliary losses)
       gives ``TFD210`` (info) once it has been tried on a trained-enough model.
 
-    How the model is called: with ``forward_fn`` (import path of ``fn(pl_module, input_ids, attention_mask) ->
-    logits or model output``), or automatically when ``pl_module.forward`` takes ``input_ids`` by keyword (Hugging
-    Face style, ``**kwargs`` included) or the ids as its first positional argument (the mask is passed when the
-    forward names one). The logits are the output itself, its ``.logits``, ``["logits"]`` or the first tensor of a
-    tuple. The batch is read by the pack's shared reader (:mod:`lightning_tfdebug.core.batch`): dicts, Hugging Face
-    ``BatchEncoding``, dataclasses and tuples, with the ids, mask and labels found by their usual names, or in tuples
-    by position (the first 2-D integer tensor is the ids, the next of the same shape the labels), unless
-    ``input_key`` / ``mask_key`` / ``labels_key`` say where. When it cannot call the model MaskProbe says which
-    argument to set (``TFD211``) and stands aside.
+    - **Target leaks** (every argument of the model call that carries the labels): see below; ``TFD214`` for a
+      decoder input (or any second sequence) that carries the labels its outputs are trained on, ``TFD201`` for the
+      token ids themselves.
+
+    How the model is called: through the call ``training_step`` itself makes. Each probe replays ``training_step``
+    on the batch (eval mode, ``no_grad``, ``self.log`` silenced) with a forward hook on every submodule and keeps
+    the outermost call that took the batch's token ids and returned logits (``self(x)``, ``self.model(x, y)``,
+    ``self.model(**batch)``, ``self(src, tgt)``); the probes re-issue it with every argument as recorded except the
+    token tensors they perturb (:mod:`lightning_tfdebug.core.calls`, :mod:`lightning_tfdebug.functional.call_probes`).
+    Each token tensor of the call is compared with the labels: one that equals them at an offset (95% of the
+    supervised positions) carries them, and output ``p`` (trained on label ``p``, or ``p + 1`` when the labels equal
+    the ids) must not read it from the position carrying its own label on. A tensor unrelated to the labels (a
+    translation's source) is never perturbed. Outputs may be ``(B, T, V)``, flattened ``(B*T, V)``, sequence-first
+    ``(T, B, V)``, log-probabilities, alone or in a tuple, dict or model output. Without a replay (manual
+    optimization, a ``training_step`` that raises) the model is called by signature: ``pl_module.forward`` with
+    ``input_ids`` by keyword (``**kwargs`` included) or the ids as its first positional argument (the mask when the
+    forward names one). ``forward_fn`` (import path of ``fn(pl_module, input_ids, attention_mask) -> logits or
+    model output``) overrides both. The batch is read by the pack's shared reader
+    (:mod:`lightning_tfdebug.core.batch`): dicts, Hugging Face ``BatchEncoding``, dataclasses and tuples, with the
+    ids, mask and labels found by their usual names, or in tuples by position (the first 2-D integer tensor is the
+    ids, the next of the same size the labels), unless ``input_key`` / ``mask_key`` / ``labels_key`` say where. When
+    it cannot call the model MaskProbe says which setting would let it run (``TFD211``) and stands aside; the check
+    is listed among those that did not run in the end-of-run summary and the report.
 
     Logged keys (on probing steps, values in the units named):
 
@@ -108,7 +122,8 @@ class MaskProbe(DebugCallback):
     ``TFD205`` unshifted labels, ``TFD206`` labels shifted twice, ``TFD207`` fails within its context limit,
     ``TFD208`` (info) the context limit and what happens past it, ``TFD209`` incremental decoding differs,
     ``TFD210`` (info) target alignment undetermined, ``TFD211`` (info) cannot call the model, ``TFD212`` (info)
-    treated as an encoder because the labels are a masked-LM objective, ``TFD213`` the eval-mode forward is random.
+    treated as an encoder because the labels are a masked-LM objective, ``TFD213`` the eval-mode forward is random,
+    ``TFD214`` the model reads the labels it predicts through one of its inputs.
 
     Distributed: each rank probes its own batch with plain forward passes on the unwrapped module (no collective);
     findings are rank-local and resolved together. Under sharded strategies (FSDP, ``ModelParallelStrategy``) a
