@@ -192,7 +192,7 @@ class DebugCallback(Callback):
         self._aside_reason: str | None = None
         self._aside_setting: str | None = None
         self._aside_step: int | None = None
-        self._aside_recorded = False  # written to stood-aside-rank<r>.jsonl
+        self._aside_recorded_in: str | None = None  # the log directory whose stood-aside-rank<r>.jsonl holds it
         self._aside_announced = False  # said once more at the end of fit (a callback on its own, not in the pack)
         self.in_pack = False  # set by TFDebug on its members: the pack's summary lists them instead
         self.failure: dict[str, Any] | None = None
@@ -204,8 +204,8 @@ class DebugCallback(Callback):
         # `trainer.log_dir` broadcasts from rank 0: a collective that every rank reaches here, once.
         self._log_dir = trainer.log_dir or trainer.default_root_dir
         self._aside_announced = False
-        if self._aside_reason is not None and not self._aside_recorded and self.failure is None:
-            self._record_aside()  # stood aside before the log directory was known
+        if self._aside_reason is not None and self.failure is None:
+            self._record_aside()  # stood aside before the log directory was known, or in an earlier fit elsewhere
         if not trainer.loggers and not getattr(trainer, "_tfdebug_warned_no_logger", False):
             trainer._tfdebug_warned_no_logger = True  # once per Trainer, not once per callback
             rank_zero_warn(
@@ -267,10 +267,11 @@ class DebugCallback(Callback):
         self._record_aside()
 
     def _record_aside(self) -> None:
-        """Append this check's stand-aside record to ``stood-aside-rank<r>.jsonl`` (once; through the one writer)."""
-        if self._log_dir is None or self._aside_recorded:
+        """Append this check's stand-aside record to ``stood-aside-rank<r>.jsonl`` (once per log directory; through
+        the one writer)."""
+        if self._log_dir is None or self._aside_recorded_in == self._log_dir:
             return  # set-up records it once the log directory is known
-        self._aside_recorded = True
+        self._aside_recorded_in = self._log_dir
         path = os.path.join(self.tfdebug_dir, STOOD_ASIDE_FILE.format(rank=self._rank))
         append_line(path, json.dumps(self.stood_aside, default=str))
 
