@@ -755,10 +755,13 @@ _RULES: tuple[Rule, ...] = (
         "TFD310",
         "warning",
         "UpdateRatio",
-        title="updates too small for the LR plateau: LR too low",
+        title="updates too small for the LR plateau, and the loss barely moves: LR too low",
         trigger=(
             "update:weight ratio below `low` for `patience` measurements while the LR is at its plateau (not in "
-            "warm-up, not decayed below `decayed_lr_fraction` of its peak)"
+            "warm-up, not decayed below `decayed_lr_fraction` of its peak), and over them the mean training loss "
+            "fell by less than 0.1% of itself per step and, like an untrained model's, differed by less than 1% "
+            "from batch to batch (a fine-tune of trained weights at a fine-tuning LR updates by a small ratio on "
+            "purpose; its loss varies with each batch's content)"
         ),
         hint=(
             "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR range "
@@ -1352,15 +1355,16 @@ _RULES: tuple[Rule, ...] = (
         "info",
         "ThroughputMonitor",
         title=(
-            "the step time regressed as for TFD603, but other processes were keeping at least max(0.5, a tenth of the"
-            " cores) more CPU cores busy than during the quietest early window: the machine is contended, not the run"
-            " slower"
+            "the step time regressed as for TFD603, but the run waited for CPU cores that other processes took: the "
+            "machine is contended, not the run slower"
         ),
         trigger=(
-            "as TFD603, but during the slow streak every regressed rank saw other processes use >= max(0.5, 0.1 x "
-            "cores) more CPU cores than in the quietest early window (Linux `/proc/stat`) and its own threads' "
-            "run-queue wait per step rose by at least half the extra step time (`/proc/self/task/*/schedstat`): the "
-            "machine is contended (TFD603 then needs `patience` slow, uncontended measurements in a row)"
+            "as TFD603, but during the slow streak every regressed rank's threads waited on the run queue for at "
+            "least half the extra step time more than in the early windows (`/proc/self/task/*/schedstat`), and "
+            "either other processes used >= max(0.5, 0.1 x cores) more CPU cores than in the quietest early window "
+            "(Linux `/proc/stat`) or, on a machine already full, the run's own CPU time per step rose by less than "
+            "half as much as its step time (same work, a smaller share of the cores); all judged over the steps the "
+            "median step time covers (TFD603 then needs `patience` slow, uncontended measurements in a row)"
         ),
         hint=(
             "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "

@@ -40,11 +40,13 @@ from lightning_tfdebug.functional.loss import (
 )
 from lightning_tfdebug.functional.loss_checks import (
     MASKED_LM_CHECK_FACTOR,
+    OTHER_ALIGNMENT,
     bounded_output_verdict,
     check_verdicts,
     classify_init_loss,
     context_verdict,
     flat_window,
+    follow_returned_loss,
     summarize_init,
 )
 from lightning_tfdebug.functional.verdicts import Verdict
@@ -64,6 +66,8 @@ _INIT_KEYS = (
     "count",
     "mask_share_top",
     "mask_share_count",
+    "other_ce_sum",
+    "other_ce_count",
 )
 _CHECK_KEYS = (
     "ce_sum",
@@ -80,6 +84,11 @@ _CHECK_KEYS = (
     "floor_sum",
     "range_sum",
     "floor_count",
+    *(
+        OTHER_ALIGNMENT + key
+        for key in ("ce_sum", "ce_count", "own_ce_sum", "rolled_ce_sum", "rolled_count", "floor_sum", "range_sum")
+    ),
+    OTHER_ALIGNMENT + "floor_count",
 )
 _UNIGRAM_BATCHES = 8
 """The labels' unigram entropy is counted over this many measured batches (every rank's), then kept."""
@@ -613,17 +622,39 @@ class LossAtInit(DebugCallback):
                 max_rows=self.max_rows,
             )
             shift = self._shift(logits)
+            # either alignment is possible (a time dimension, not masked-LM labels): the sums are taken under both,
+            # and the loss the training step returned picks one on the host (`follow_returned_loss`)
+            alignments = (
+                {"": shift, OTHER_ALIGNMENT: not shift} if logits.ndim >= 3 and not self._masked_lm else {"": shift}
+            )
             inputs = self._current_tokens(labels)
             fits = inputs is not None and tuple(inputs.shape) == tuple(labels.shape)
             if self._armed == "init":
                 found.stats = sums
+                if OTHER_ALIGNMENT in alignments:
+                    other = init_loss_sums(
+                        logits,
+                        labels,
+                        shift_labels=not shift,
+                        ignore_index=self.ignore_index,
+                        label_smoothing=self.label_smoothing,
+                        max_rows=self.max_rows,
+                    )
+                    found.stats.update({OTHER_ALIGNMENT + k: other[k] for k in ("ce_sum", "ce_count")})
                 if fits:  # masked-LM labels: most supervised inputs are one token (the mask)
                     found.stats.update(masked_input_sums(inputs, labels, found.vocab, self.ignore_index))
             else:
                 found.stats = {"ce_sum": sums["ce_sum"], "ce_count": sums["ce_count"]}
-                options = {"shift_labels": shift, "ignore_index": self.ignore_index, "max_rows": self.max_rows}
-                found.stats.update(rolled_label_sums(logits, labels, **options))
-                found.stats.update(bounded_floor_sums(logits, labels, **options))
+                for prefix, shifted in alignments.items():
+                    options = {"shift_labels": shifted, "ignore_index": self.ignore_index, "max_rows": self.max_rows}
+                    rolled = rolled_label_sums(logits, labels, **options)
+                    if (
+                        prefix
+                    ):  # the own labels' cross-entropy under this alignment, over the rows `init_loss_sums` takes
+                        ce = init_loss_sums(logits, labels, label_smoothing=self.label_smoothing, **options)
+                        rolled.update({"ce_sum": ce["ce_sum"], "ce_count": ce["ce_count"]})
+                    rolled.update(bounded_floor_sums(logits, labels, **options))
+                    found.stats.update({prefix + k: v for k, v in rolled.items()})
                 if fits and self._view is not None and self._view.input_ids is not None:
                     found.stats.update(label_input_match_sums(labels, inputs, self.ignore_index))
             # the copy rate at init too: with tied input/output embeddings an untrained model already predicts its
@@ -670,6 +701,8 @@ class LossAtInit(DebugCallback):
         host = self._reduce(found.stats, _INIT_KEYS, loss, found.ok, found.device)
         if self._stand_aside_if_missing(trainer, host, found.reason, step):
             return
+        returned = host["loss_sum"] / host["loss_n"] if host["loss_n"] else float("nan")
+        host, other_alignment = follow_returned_loss(host, returned)
         # every rank found logits of the same width: V is known alike everywhere, and the counts of this batch go
         # into the next measuring step's collective
         self._vocab = self._vocab or found.vocab
@@ -686,7 +719,7 @@ class LossAtInit(DebugCallback):
             init,
             init_tolerance=self.init_tolerance,
             ignore_index=self.ignore_index,
-            shifted=found.shifted,
+            shifted=found.shifted != other_alignment,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             ranks=world_size(),
         )
@@ -698,6 +731,8 @@ class LossAtInit(DebugCallback):
         host = self._reduce(found.stats, _CHECK_KEYS, loss, found.ok, found.device)
         if self._stand_aside_if_missing(trainer, host, found.reason, step):
             return
+        returned = host["loss_sum"] / host["loss_n"] if host["loss_n"] else float("nan")
+        host, _ = follow_returned_loss(host, returned)
         self._vocab = self._vocab or found.vocab
         window = [(s, v) for s, v in self._history if s >= step // 2]  # measured before this check, in its window
         nan = float("nan")

@@ -55,6 +55,18 @@ def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[
     return fn
 
 
+def _span_rates(windows: deque[tuple[int, float, float, float, float]]) -> tuple[float, float, float]:
+    """Over the measuring windows kept: run-queue wait (ms) and own CPU time (ms) per step, and the cores other
+    processes kept busy. Windows whose reading is missing (NaN) are left out of that rate; NaN when none has it."""
+
+    def rate(value: int, per: int, scale: float) -> float:
+        kept = [(w[value], w[per]) for w in windows if w[value] == w[value] and w[per] == w[per]]
+        total = sum(p for _, p in kept)
+        return scale * sum(v for v, _ in kept) / total if kept and total > 0 else math.nan
+
+    return rate(1, 0, 1e3), rate(2, 0, 1e3), rate(3, 4, 1.0)
+
+
 def _trimmed_positions(mask: Tensor | None, positions: int) -> Tensor | int:
     """Positions of a batch padded only to its longest row: rows x the span of columns holding a real token. A device
     tensor (no sync) when the batch has a 2-D attention mask, else ``positions``."""
@@ -226,6 +238,7 @@ class ThroughputMonitor(DebugCallback):
         self._steps_seen = 0
         self._other_base = RunningWindow(16)  # other processes' CPU cores during the early window
         self._delay_base = RunningWindow(16)  # run-queue wait per step (ms) during the early window
+        self._cpu_base = RunningWindow(16)  # this process's CPU time per step (ms) during the early window
         self.flops_per_token: float | None = None  # model FLOPs per computed token position (measured once)
         self._peak: float | None = None
         self._reset_timing()
@@ -255,6 +268,9 @@ class ThroughputMonitor(DebugCallback):
         self._timer: FetchTimer | None = None
         self._fetch_seen: float | None = None  # the fetch timer's total at the start of the window
         self._other = OtherLoad()  # other processes' CPU use over the current window
+        # per measuring window since the step-time median's oldest step: (steps, run-queue wait s, own CPU s, other
+        # processes' core-seconds, wall s), so that contention is judged over the steps the median is taken over
+        self._load_windows: deque[tuple[int, float, float, float, float]] = deque()
         self._graphs_ref: float | None = None  # torch.compile graphs when the early window ended
         self._limit_ref = math.nan  # recompile-limit hits when training started
         self._diagnosis.graphs_prev = math.nan
@@ -403,16 +419,31 @@ class ThroughputMonitor(DebugCallback):
                 self._baseline.add(t)
         baseline_ready = len(self._baseline) >= self.baseline_steps
         other = self._other.cores()  # file reads: /proc/stat and this process's threads' schedstat
-        delay = self._other.run_delay_s * 1e3 / len(times) if times else math.nan  # ms per step
+        load = self._other
+        delay = load.run_delay_s * 1e3 / len(times) if times else math.nan  # ms per step
+        cpu = load.own_cpu_s * 1e3 / len(times) if times else math.nan  # ms per step
         if len(self._baseline) > in_baseline:  # this window's steps are part of the early window
             if other is not None:
                 self._other_base.add(other)
             if delay == delay:
                 self._delay_base.add(delay)
-        delay_rise = delay - self._delay_base.median() if len(self._delay_base) else math.nan
+            self._cpu_base.add(cpu)
+        # The step time is a median over the last `window` steps, and one measuring window is a handful of steps of
+        # a few ms each: on a shared machine its readings are noise. Contention is judged over the same steps as the
+        # median (the windows since its oldest step), not over the last window alone.
+        if times:
+            other_seconds = other * load.wall_s if other is not None else math.nan
+            self._load_windows.append((len(times), load.run_delay_s, load.own_cpu_s, other_seconds, load.wall_s))
+        while self._load_windows and sum(w[0] for w in self._load_windows) - self._load_windows[0][0] >= self.window:
+            self._load_windows.popleft()
+        span_delay, span_cpu, span_other = _span_rates(self._load_windows)
+        delay_rise = span_delay - self._delay_base.median() if len(self._delay_base) else math.nan
+        cpu_ratio = (
+            span_cpu / self._cpu_base.median() if len(self._cpu_base) and self._cpu_base.median() > 0 else math.nan
+        )
         # against the quietest early window: a passing spike during the early window must not hide later load
         quiet = min(self._other_base.values, default=math.nan)
-        other_extra = other - quiet if other is not None else math.nan
+        other_extra = span_other - quiet
         graphs, hits = compile_counts()  # host-side counters
         if baseline_ready and self._graphs_ref is None:
             self._graphs_ref = graphs  # compiling during warm-up and the early window is expected
@@ -446,7 +477,8 @@ class ThroughputMonitor(DebugCallback):
         )
         tokens = self._tokens.total(device)  # device scalars, no sync; the windows start again
         trimmed = self._trimmed.total(device)
-        packed = torch.cat([tokens.reshape(1), host.to(device), trimmed.reshape(1)])
+        cpu_slot = torch.tensor([cpu_ratio], dtype=torch.float64, device=device)
+        packed = torch.cat([tokens.reshape(1), host.to(device), trimmed.reshape(1), cpu_slot])
         # collective: one all-gather of the packed vector, on every rank, on the same (global_step-decided) steps
         gathered = all_gather_vector(packed)
         rows = gathered.tolist()  # host sync: the one transfer of this measuring step
@@ -511,6 +543,7 @@ class ThroughputMonitor(DebugCallback):
             "baseline": self._baseline.state_dict(),
             "other_baseline": self._other_base.state_dict(),
             "delay_baseline": self._delay_base.state_dict(),
+            "cpu_baseline": self._cpu_base.state_dict(),
             "steps_seen": self._steps_seen,
             "flops_per_token": self.flops_per_token,
         }
@@ -521,5 +554,6 @@ class ThroughputMonitor(DebugCallback):
         self._baseline.load_state_dict(state_dict.get("baseline", {}))
         self._other_base.load_state_dict(state_dict.get("other_baseline", {}))
         self._delay_base.load_state_dict(state_dict.get("delay_baseline", {}))
+        self._cpu_base.load_state_dict(state_dict.get("cpu_baseline", {}))
         self._steps_seen = int(state_dict.get("steps_seen", 0))
         self.flops_per_token = state_dict.get("flops_per_token")

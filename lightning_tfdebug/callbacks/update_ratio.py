@@ -12,12 +12,19 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.distributed import local_tensor, packed_reduce
+from lightning_tfdebug.core.batch import loss_of
+from lightning_tfdebug.core.distributed import local_tensor, packed_reduce, world_size
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.norms import grouped_sq_norms
+from lightning_tfdebug.functional.update_checks import (
+    LOSS_FALL_PER_STEP,
+    loss_fall_per_step,
+    loss_still_falling,
+    trained,
+)
 
 
 class UpdateRatio(DebugCallback):
@@ -28,7 +35,11 @@ class UpdateRatio(DebugCallback):
     Any optimizer and any parameter groups work, because nothing is recomputed from the optimizer's formula. A step
     that the fp16 GradScaler skipped is recognised from the scale backing off, and is neither logged as a zero
     update nor counted in the diagnoses. Under FSDP1/FSDP2 each rank snapshots and differences only its own shard;
-    one packed collective combines the shards. Under DDP no collective runs.
+    one packed collective combines the shards. Under DDP the weights are the same on every rank, and the one packed
+    collective of a measuring step only adds up the training losses.
+
+    The training loss returned by ``training_step`` is added up on the device at every batch (no sync) and read with
+    the ratios, as the mean loss of each measuring interval: tiny updates are only a problem when the loss shows it.
 
     Logged keys (on measuring steps):
 
@@ -54,7 +65,9 @@ class UpdateRatio(DebugCallback):
     under 5% of the largest group's at the start of the window (zero-initialised biases, positions) are left out:
     growing from nothing is normal.
 
-    Findings: ``TFD310`` too low, ``TFD311`` too high, ``TFD312`` a group that got gradients but did not change
+    Findings: ``TFD310`` too low while the loss barely falls (less than 0.1% of itself per step over the low
+    streak; a fine-tune at a fine-tuning LR updates trained weights by a small ratio on purpose, and its loss keeps
+    falling), ``TFD311`` too high, ``TFD312`` a group that got gradients but did not change
     (left out of the optimizer), ``TFD313`` weights growing fast, ``TFD314`` weights shrinking fast (the median
     group norm below ``1 / growth_limit`` of its value within ``growth_window``: weight decay far too strong). See
     ``docs/findings.md``.
@@ -65,7 +78,8 @@ class UpdateRatio(DebugCallback):
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         groups: ``{group_name: regex}`` to group parameters by name instead of by block.
         group_depth: group by the first ``group_depth`` segments of parameter names.
-        low: ``TFD310`` when the total ratio stays below this for ``patience`` consecutive measurements.
+        low: ``TFD310`` when the total ratio stays below this for ``patience`` consecutive measurements, and the
+            mean training loss fell by less than 0.1% of itself per step over them (or cannot be read).
         high: ``TFD311`` when the total ratio exceeds this on any measurement.
         patience: consecutive measurements for ``TFD310`` and ``TFD312``.
         decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen (a schedule
@@ -134,6 +148,14 @@ class UpdateRatio(DebugCallback):
         self._lr: float = 0.0
         self._peak_lr = 0.0
         self._recent_lr: deque[float] = deque(maxlen=patience)
+        self._losses: deque[tuple[int, float]] = deque(maxlen=patience)  # (step, mean loss of the interval)
+        self._spreads: deque[float] = deque(maxlen=patience)  # batch-to-batch spread of the loss, per interval
+        # training losses since the last measurement, on the device: their sum and the sum of squared differences
+        # between consecutive batches' losses (a spread that a falling trend does not inflate)
+        self._loss_sums: Tensor | None = None
+        self._loss_prev: Tensor | None = None  # the previous batch's loss (kept across measurements)
+        self._loss_batches = 0
+        self._loss_diffs = 0
         self._streak = Streak()
         self.skipped_measurements = 0
 
@@ -176,6 +198,16 @@ class UpdateRatio(DebugCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        loss = loss_of(outputs) if self.active and not trainer.sanity_checking else None
+        if loss is not None:
+            with torch.no_grad():  # on the device: no sync
+                value = loss.detach().float().reshape(())
+                prev = self._loss_prev if self._loss_prev is not None else value
+                pair = torch.stack([value, (value - prev).square()])
+                self._loss_sums = pair if self._loss_sums is None else self._loss_sums + pair
+                self._loss_diffs += self._loss_prev is not None
+                self._loss_prev = value
+            self._loss_batches += 1
         if self._before is None:
             return
         layout = self._layout
@@ -189,8 +221,19 @@ class UpdateRatio(DebugCallback):
             delta_sq, _ = grouped_sq_norms(delta, layout.index, layout.n_groups, weights)
             param_sq, _ = grouped_sq_norms(after, layout.index, layout.n_groups, weights)
             n = layout.n_groups
-            sums, _ = packed_reduce(torch.cat([delta_sq, param_sq, self._grad_sq]), collective=layout.sharded)
-            delta_sq, param_sq, grad_sq = sums[:n], sums[n : 2 * n], sums[2 * n :]
+            zero = delta_sq.new_zeros(1)
+            sums_of_losses = self._loss_sums.to(zero) if self._loss_sums is not None else zero.repeat(2)
+            counts = torch.tensor([float(self._loss_batches), float(self._loss_diffs)]).to(zero)
+            losses = torch.cat([sums_of_losses, counts])
+            self._loss_sums, self._loss_batches, self._loss_diffs = None, 0, 0
+            # collective: one all-gather of the packed vector on the same (global_step-decided) steps on every rank;
+            # under DDP only for the losses, the weights being the same everywhere
+            world = world_size()
+            sums, _ = packed_reduce(
+                torch.cat([delta_sq, param_sq, self._grad_sq.to(zero), losses]), collective=layout.sharded or world > 1
+            )
+            norms = sums[: 3 * n] if layout.sharded else sums[: 3 * n] / world  # replicated: every rank sent the same
+            delta_sq, param_sq, grad_sq = norms[:n], norms[n : 2 * n], norms[2 * n :]
             values: dict[str, Tensor | float] = {
                 "update_ratio/total": delta_sq.sum().sqrt() / param_sq.sum().sqrt().clamp_min(1e-12),
                 "update_ratio/param_norm/total": param_sq.sum().sqrt(),
@@ -200,6 +243,8 @@ class UpdateRatio(DebugCallback):
                 values[f"update_ratio/param_norm/{name}"] = param_sq[g].sqrt()
                 values[f"_delta/{name}"] = delta_sq[g]
                 values[f"_grad/{name}"] = grad_sq[g]
+            for i, key in enumerate(("_loss_sum", "_loss_diff_sq", "_loss_batches", "_loss_diffs")):
+                values[key] = sums[3 * n + i]
             scaler = grad_scaler_of(trainer)
             scale_after = getattr(scaler, "_scale", None)
             if self._scale_before is not None and isinstance(scale_after, Tensor):
@@ -224,6 +269,12 @@ class UpdateRatio(DebugCallback):
         ratio = host["update_ratio/total"]
         self._peak_lr = max(self._peak_lr, self._lr)
         self._recent_lr.append(self._lr)
+        batches, diffs = host["_loss_batches"], host["_loss_diffs"]
+        mean = host["_loss_sum"] / batches if batches else math.nan
+        self._losses.append((step, mean))
+        # consecutive batches' losses differ by sqrt(2) x their spread when the batches are independent draws
+        spread = math.sqrt(host["_loss_diff_sq"] / (2 * diffs)) / abs(mean) if diffs and mean else math.nan
+        self._spreads.append(spread)
         band = {"low": self.low, "high": self.high}
 
         at_plateau = (
@@ -231,14 +282,30 @@ class UpdateRatio(DebugCallback):
             and len(self._recent_lr) == self._recent_lr.maxlen
             and max(self._recent_lr) <= 1.1 * min(self._recent_lr)
         )
-        if self._streak.update("low", ratio < self.low) >= self.patience and at_plateau:
+        # tiny updates whose loss keeps falling are doing their work (a fine-tune at a fine-tuning LR): no finding
+        low_streak = self._streak.update("low", ratio < self.low) >= self.patience
+        if low_streak and at_plateau and not loss_still_falling(self._losses) and not trained(self._spreads):
             below = [g for g in names if host[f"update_ratio/{g}"] < self.low]
+            fall = loss_fall_per_step(self._losses)
+            since = self._losses[0][0]
+            barely = (
+                f", while the mean training loss fell by only {fall:.3%} of itself per step since step {since} "
+                f"(a loss the updates move falls by {LOSS_FALL_PER_STEP:.1%} per step or more)"
+                if math.isfinite(fall)
+                else ""
+            )
             self.emit(
                 trainer,
                 "TFD310",
                 f"Updates are tiny: ||dW||/||W|| = {ratio:.3g} (healthy band {self.low:g} to {self.high:g}) for "
-                f"{self.patience} measurements at a learning rate of {self._lr:.3g}.",
-                {"update_ratio": ratio, "lr": self._lr, "band": band, "groups_below": below},
+                f"{self.patience} measurements at a learning rate of {self._lr:.3g}{barely}.",
+                {
+                    "update_ratio": ratio,
+                    "lr": self._lr,
+                    "band": band,
+                    "groups_below": below,
+                    "loss_fall_per_step": fall,
+                },
                 step=step,
             )
         if ratio > self.high:  # one step that rewrites this much of the weights is damage already: no patience
@@ -347,6 +414,7 @@ class UpdateRatio(DebugCallback):
             "streak": self._streak.state_dict(),
             "peak_lr": self._peak_lr,
             "recent_lr": list(self._recent_lr),
+            "losses": [list(point) for point in self._losses],
             "skipped_measurements": self.skipped_measurements,
             "norms": [[step, norms] for step, norms in self._norms],
         }
@@ -356,5 +424,8 @@ class UpdateRatio(DebugCallback):
         self._streak.load_state_dict(state_dict.get("streak", {}))
         self._peak_lr = float(state_dict.get("peak_lr", 0.0))
         self._recent_lr = deque(state_dict.get("recent_lr", []), maxlen=self.patience)
+        self._losses = deque(
+            ((int(step), float(loss)) for step, loss in state_dict.get("losses", [])), maxlen=self.patience
+        )
         self.skipped_measurements = int(state_dict.get("skipped_measurements", 0))
         self._norms = deque((int(step), dict(norms)) for step, norms in state_dict.get("norms", []))

@@ -96,6 +96,38 @@ def _mean(total: float, count: float, default: float = float("nan")) -> float:
     return total / count if count else default
 
 
+OTHER_ALIGNMENT = "other_"
+"""Prefix of the sums taken under the other label alignment (shifted by one position, or not)."""
+
+
+def follow_returned_loss(host: Mapping[str, float], observed: float) -> tuple[dict[str, float], bool]:
+    """The sums of the label alignment that the loss ``training_step`` returned agrees with.
+
+    ``host`` holds the sums under the configured alignment (``ce_sum``, ``own_ce_sum``, ...) and, where the logits
+    have a time dimension, the same sums under the other one (``other_ce_sum``, ...: :data:`OTHER_ALIGNMENT`). Whether
+    position ``t`` is scored against label ``t`` or ``t + 1`` depends on whether the data or the model shifts the
+    labels, which ``shift_labels`` can only assume (a tuple batch of already shifted targets, a seq2seq decoder's
+    labels). The returned loss is what the user's loss computed, so it says which one is in use: the alignment whose
+    recomputed cross-entropy is closer to it. An untrained model gives ln(V) under either alignment, so the choice
+    changes nothing there; a trained (fine-tuned) model gives its loss only under the right one, and judged under the
+    wrong one its logits look unrelated to its loss.
+
+    Returns the values with the matching alignment's sums under the plain names, and whether that is the other one.
+    """
+    out = {k: v for k, v in host.items() if not k.startswith(OTHER_ALIGNMENT)}
+    count, other_count = host.get("ce_count", 0.0), host.get(OTHER_ALIGNMENT + "ce_count", 0.0)
+    if not (count and other_count and math.isfinite(observed)):
+        return out, False
+    configured = host["ce_sum"] / count
+    other = host[OTHER_ALIGNMENT + "ce_sum"] / other_count
+    if not (math.isfinite(other) and abs(observed - other) < abs(observed - configured)):
+        return out, False
+    for key, value in host.items():
+        if key.startswith(OTHER_ALIGNMENT):
+            out[key[len(OTHER_ALIGNMENT) :]] = value
+    return out, True
+
+
 def summarize_init(host: Mapping[str, float], vocab: int) -> InitLoss:
     """:class:`InitLoss` from the reduced ``init_loss_sums`` and ``copy_sums`` plus ``loss_sum`` / ``loss_n`` (the
     returned loss summed over the ranks that have one)."""

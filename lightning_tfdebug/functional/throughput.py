@@ -316,20 +316,30 @@ class OtherLoad:
 
     Other processes' use also rises when this one stops using the CPU (it sleeps, waits for I/O or a device): on a
     full machine they take the cores it leaves. Only a rise in this process's own run-queue wait says the others
-    slowed it down.
+    slowed it down. And on a machine whose cores were already all busy, more competitors cannot raise the others' use
+    much (there is no core left to take), they shrink this process's share: its run-queue wait rises while the CPU
+    time it spends per step stays what its work needs. ``own_cpu_s`` (this process's CPU time over the window, every
+    thread) and ``wall_s`` are kept for that comparison.
     """
 
     def __init__(self) -> None:
         self._start: tuple[float, float, float] | None = None
         self._delays: dict[str, int] | None = None
+        self._own_start = time.process_time()
+        self._wall_start = time.perf_counter()
         self.run_delay_s: float = math.nan
+        self.own_cpu_s: float = math.nan
+        self.wall_s: float = math.nan
 
     def start(self) -> None:
+        self._own_start, self._wall_start = time.process_time(), time.perf_counter()
         busy = machine_busy_seconds()
         self._start = None if busy is None else (time.perf_counter(), busy, time.process_time())
         self._delays = thread_run_delays()
 
     def cores(self) -> float | None:
+        self.own_cpu_s = time.process_time() - self._own_start
+        self.wall_s = time.perf_counter() - self._wall_start
         self.run_delay_s = math.nan
         now = thread_run_delays()
         if self._delays is not None and now is not None:

@@ -35,6 +35,7 @@ SLOTS: tuple[str, ...] = (
     "limit_hits",  # torch.compile recompile-limit hits since training started
     "delay_rise_ms",  # run-queue wait per step of this process's threads beyond the early windows' (nan: unknown)
     "trimmed_positions",  # positions had each batch been padded only to its longest row (mask span x rows)
+    "cpu_ratio",  # this process's CPU time per step over the early windows' (nan: unknown)
 )
 """Slots of the packed per-rank vector that one all-gather moves on a measuring step, in order."""
 
@@ -60,6 +61,34 @@ def padding_speedups(tokens: float, positions: float, trimmed: float) -> dict[st
 CONTENDED_CORES = max(0.5, 0.1 * (os.cpu_count() or 1))
 """Other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
 of a big machine (where background activity of half a core is noise)."""
+EXPLAINS = 0.5
+"""The run-queue wait explains a slowdown when it rose by at least this share of the extra step time; the run's own
+work explains it when its CPU time per step rose by this share of the step time's rise."""
+
+
+def contended(stat: dict[str, float], regression_factor: float) -> bool:
+    """Whether a slow rank's slowdown came from other processes taking its cores, not from the run itself.
+
+    The extra step time must be at least :data:`EXPLAINS` spent waiting for a core (the rise of this process's
+    run-queue wait per step, against the early windows'), and that wait must come from others: either they took
+    :data:`CONTENDED_CORES` more cores than in the quietest early window, or, on a machine whose cores were already all
+    busy (where others cannot take much more), this process's CPU time per step stayed near its early value while its
+    step time rose (``cpu_ratio``): it did the same work and waited longer for a core. A run that slows itself does
+    more work per step (its CPU time rises with its step time) or stops asking for a core (sleep, I/O, a device: its
+    run-queue wait does not rise).
+    """
+    base, step = stat["baseline_ms"], stat["step_ms"]
+    if not (base > 0 and step / base > regression_factor):
+        return False
+    extra = step - base
+    delay = stat["delay_rise_ms"]
+    if delay < EXPLAINS * extra:  # NaN (not measured) passes: others' rise alone decides, as before
+        return False
+    if stat["other_extra"] >= CONTENDED_CORES:
+        return True
+    cpu = stat.get("cpu_ratio", math.nan)
+    same_work = cpu - 1.0 < EXPLAINS * (step / base - 1.0)  # False when not measured (NaN)
+    return delay == delay and same_work
 
 
 def rows_to_stats(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
@@ -107,6 +136,7 @@ class ThroughputDiagnosis:
     patience: int = 3
     streaks: Streak = field(default_factory=Streak)
     contended_extra: float | None = None  # other load seen during the current slow streak
+    contended_row: dict[str, float] | None = None  # the slow rank's row when the streak was last seen contended
     graphs_prev: float = math.nan
 
     def _sustained(self, key: str, condition: bool) -> bool:
@@ -183,30 +213,35 @@ class ThroughputDiagnosis:
         ]
         ratio = max(ratios) if ratios else float("nan")
         slow = [s for s in stats if s["baseline_ms"] > 0 and s["step_ms"] / s["baseline_ms"] > self.regression_factor]
-        # contended: other processes took more cores than early on, and this process's threads waited for a core
-        # for at least half of the extra step time. When this process slows itself down (it sleeps, waits on I/O),
-        # others on a full machine take the cores it leaves, but its own run-queue wait does not grow.
-        contended = bool(slow) and all(
-            s["other_extra"] >= CONTENDED_CORES and not s["delay_rise_ms"] < 0.5 * (s["step_ms"] - s["baseline_ms"])
-            for s in slow
-        )
+        # contended: this process's threads waited for a core for at least half of the extra step time, because
+        # others took more cores or, on a machine already full, took a larger share of them (see `contended`)
+        is_contended = bool(slow) and all(contended(s, self.regression_factor) for s in slow)
         # TFD603 needs `patience` slow measurements in a row with no sign of other load; a slow streak in which
         # other processes loaded the machine at some point is TFD605 instead (a reading can dip between windows)
-        regressed = self._sustained("regression", ratio > self.regression_factor and not contended)
+        regressed = self._sustained("regression", ratio > self.regression_factor and not is_contended)
         slow_any = self._sustained("regression_any", ratio > self.regression_factor)
-        if contended:
+        if is_contended:
             self.contended_extra = min(s["other_extra"] for s in slow)
+            self.contended_row = min(slow, key=lambda s: s["other_extra"])
         elif not ratio > self.regression_factor:
-            self.contended_extra = None
+            self.contended_extra, self.contended_row = None, None
         if slow_any and not regressed and self.contended_extra is not None:
-            extra = self.contended_extra
+            extra, row = self.contended_extra, self.contended_row or {}
+            delay, cpu = row.get("delay_rise_ms", math.nan), row.get("cpu_ratio", math.nan)
+            waited = f"this process waited {delay:.1f} ms more per step for a CPU core, " if delay == delay else ""
+            same = f"doing the same work ({cpu:.2f}x its early CPU time per step), " if cpu == cpu else ""
             return [
                 Verdict(
                     "TFD605",
-                    f"The median step time rose to {ratio:.2f}x the early steps' median while other processes on the "
-                    f"machine kept {extra:.1f} more CPU cores busy than they did then: the machine is contended, so "
-                    "this is not reported as a slowdown of the run itself (TFD603).",
-                    {"ratio_to_early": ratio, "other_extra_cores": extra},
+                    f"The median step time rose to {ratio:.2f}x the early steps' median while {waited}{same}and other "
+                    f"processes on the machine kept {extra:.1f} more CPU cores busy than they did then: the machine is "
+                    "contended, so this is not reported as a slowdown of the run itself (TFD603).",
+                    {
+                        "ratio_to_early": ratio,
+                        "other_extra_cores": extra,
+                        "delay_rise_ms_per_step": delay,
+                        "cpu_ratio": cpu,
+                    },
                 )
             ]
         if regressed:

@@ -244,3 +244,27 @@ def test_fine_tuning_a_pretrained_model_is_no_warning(tmp_path, lora):
     severities = {(f.code, f.severity) for f in audit.findings}
     assert ("TFD330", "info") in severities and all(s == "info" for _, s in severities)
     assert (("TFD322", "info") in severities) == lora
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["encoder_lm", pytest.param("t5", marks=pytest.mark.slow)],
+    ids=["encoder-lm-shifted-targets", "t5-decoder-labels"],
+)
+def test_a_pretrained_model_whose_labels_are_already_aligned_is_recognised(tmp_path, family):
+    """Tuple batches of targets shifted by the data, and a seq2seq decoder's labels, are scored at their own position,
+    not the next: ``shift_labels`` (default True) assumes otherwise. An untrained model gives ln(V) under either
+    alignment; a trained one gives its loss only under the right one, so the loss the training step returned picks
+    it, and the fine-tune's low first loss is the pretrained model's (info), not a loss unrelated to its logits."""
+    weights = pretrain(tmp_path, family, steps=60)
+    model = build(family, lr=2e-4)
+    model.load_state_dict(weights)
+    monitor = LossAtInit(check_step=20, every_n_steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(tmp_path / "tune", [monitor], max_steps=21)
+        trainer.fit(model, data(family))
+    [first] = [f for f in monitor.findings if f.code == "TFD223"]
+    assert first.severity == "info" and first.evidence["pretrained"] and not first.evidence["shift_labels"]
+    assert first.evidence["recomputed_loss"] == pytest.approx(first.evidence["observed_loss"], rel=0.05)
+    assert all(f.severity == "info" for f in monitor.findings), [f.format() for f in monitor.findings]

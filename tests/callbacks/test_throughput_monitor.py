@@ -245,7 +245,11 @@ def test_a_slowdown_from_other_processes_is_not_blamed_on_the_run(tmp_path):
         pytest.skip("this machine has cores to spare: the load did not slow the run")
     assert "TFD603" not in {f.code for f in monitor.findings}
     [finding] = [f for f in monitor.findings if f.code == "TFD605"]
-    assert finding.severity == "info" and finding.evidence["other_extra_cores"] >= 0.5
+    evidence = finding.evidence
+    assert finding.severity == "info" and not evidence["delay_rise_ms_per_step"] <= 0  # it waited for a core
+    # others took more cores, or (a machine already full of other work) a larger share of them while the run did the
+    # same work per step
+    assert evidence["other_extra_cores"] >= 0.5 or evidence["cpu_ratio"] < 1 + 0.5 * (evidence["ratio_to_early"] - 1)
     assert finding.evidence["ratio_to_early"] > 2.0 and finding.step >= 16
 
 

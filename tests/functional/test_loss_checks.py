@@ -89,3 +89,24 @@ def test_check_step_verdicts():
     assert tied == []  # an untrained model with tied embeddings copied as much already
     repeats = check_verdicts(1.0, LN_V, 100, stall_tolerance=0.05, copy_rate=0.9, repeat_rate=0.8)
     assert repeats == []  # the data repeats tokens that often
+
+
+def test_the_returned_loss_picks_the_label_alignment():
+    from lightning_tfdebug.functional.loss_checks import follow_returned_loss
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (4, 17))
+    targets = tokens[:, 1:]  # shifted by the data (a tuple batch's targets): scored at their own position
+    logits = torch.nn.functional.one_hot(targets, 50).float() * 6.0  # a trained model: predicts the next token
+    aligned = init_loss_sums(logits, targets, shift_labels=False)
+    shifted = init_loss_sums(logits, targets, shift_labels=True)  # what `shift_labels=True` assumes
+    host = {k: float(v) for k, v in shifted.items()}
+    host.update({"other_ce_sum": float(aligned["ce_sum"]), "other_ce_count": float(aligned["ce_count"])})
+    returned = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1)).item()
+    picked, other = follow_returned_loss(host, returned)
+    assert other and picked["ce_sum"] / picked["ce_count"] == pytest.approx(returned, rel=1e-5)
+    assert not any(k.startswith("other_") for k in picked)
+    # the configured alignment stays when it is the one that agrees, when nothing else was measured, or without a loss
+    assert not follow_returned_loss(host, host["ce_sum"] / host["ce_count"])[1]
+    assert not follow_returned_loss({k: v for k, v in host.items() if not k.startswith("other_")}, returned)[1]
+    assert not follow_returned_loss(host, math.nan)[1]
