@@ -551,8 +551,6 @@ class MaskProbe(DebugCallback):
             return
         caller = plan if plan is not None else self._caller
         assert caller is not None
-        # whether output position p is the ids' position p (a decoder-only model), not a decoder's of another sequence
-        aligned = plan is None or (plan.primary is not None and plan.primary.offset is not None)
         if plan is not None and plan.mask_opaque:
             return  # a mask reaches the model in an encoding of its own (additive, other shape): not probed
         if not caller.takes_mask:
@@ -566,19 +564,23 @@ class MaskProbe(DebugCallback):
         if block is not None:
             masked, other, k = block
             first = self._logits(ids, masked)
-            # outputs at the ids' real positions; every output when they follow another sequence (a decoder's)
-            change, where = max_change(first, self._logits(other, masked), masked.bool() if aligned else None)
+            second = self._logits(other, masked)
+            change, where = max_change(first, second, masked.bool() if first.shape[:2] == masked.shape else None)
             values.update({"mask_probe/padding_max_change": change, "_pad_pos": where[1], "_pad_tol": tol})
-            decisions.append(
-                lambda h, k=k: probes.decide_padding(
-                    h["mask_probe/padding_max_change"], int(h["_pad_pos"]), k, h["_pad_tol"]
-                )
-            )
+            # When the outputs follow another sequence of the call (an encoder-decoder's decoder, seen by the leak
+            # probe), every output must ignore the masked source tokens, not only those at the ids' real positions.
+            every, where_every = max_change(first, second) if first.shape == second.shape else (change, where)
+            values.update({"_pad_every": every, "_pad_every_pos": where_every[1]})
+
+            def decide_padding(h: dict[str, float], k: int = k) -> Verdict | None:
+                if _follows_other(h):
+                    return probes.decide_padding(h["_pad_every"], int(h["_pad_every_pos"]), k, h["_pad_tol"])
+                return probes.decide_padding(h["mask_probe/padding_max_change"], int(h["_pad_pos"]), k, h["_pad_tol"])
+
+            decisions.append(decide_padding)
         # (b) adding padding on the side the batch pads must not change the real tokens' logits
-        if plan is not None and (plan.companions() or not aligned):
-            # another sequence of the call has the ids' length (a decoder input), or the outputs are not the ids'
-            # positions (an encoder-decoder's outputs follow its decoder): padding the ids says nothing position-wise
-            return
+        if plan is not None and plan.companions():
+            return  # another sequence of the call has the ids' length (a decoder input): padding the ids says nothing
         side = probes.probe_padding_side(self.padding_side, mask_full)  # host sync on "auto": probe step only
         real = mask if mask is not None else ones
         # Learned from configuration, else from the batch: a padded probe never exceeds the configured context limit,
@@ -595,13 +597,19 @@ class MaskProbe(DebugCallback):
             raise
         except Exception:  # the longer sequence is past the model's real limit: the position checks report that
             return
+        if longer.shape != plain.shape:
+            return  # the outputs do not follow the ids' positions
         change, where = max_change(plain, longer, real.bool())
         values.update(
             {"mask_probe/pad_side_max_change": change, "_side_pos": where[1], "_side_tol": logit_tolerance(plain)}
         )
         decisions.append(
-            lambda h, side=side, extra=extra: probes.decide_pad_side(
-                h["mask_probe/pad_side_max_change"], int(h["_side_pos"]), side, extra, h["_side_tol"]
+            lambda h, side=side, extra=extra: (
+                None
+                if _follows_other(h)  # outputs are a decoder's positions: the ids' padding moves nothing position-wise
+                else probes.decide_pad_side(
+                    h["mask_probe/pad_side_max_change"], int(h["_side_pos"]), side, extra, h["_side_tol"]
+                )
             )
         )
 
@@ -623,7 +631,8 @@ class MaskProbe(DebugCallback):
             return
         cut = probes.causal_cut(length)
         valid = causal_valid_positions(rows, length, cut, base.device)
-        changes = []
+        changes: list[Tensor] = []
+        dependence: list[Tensor] = []
         for i, slot in enumerate(plan.related()):
             assert slot.offset is not None
             start = max(0, cut + plan.shift + slot.offset)
@@ -635,6 +644,8 @@ class MaskProbe(DebugCallback):
                 continue
             change, where = max_change(base, changed, valid)
             changes.append(change)
+            if not slot.primary:  # do the outputs follow this sequence at all (a decoder input)?
+                dependence.append(max_change(base, changed)[0])
             values.update({f"_leak{i}": change, f"_leak{i}_row": where[0], f"_leak{i}_pos": where[1]})
             decisions.append(
                 lambda h, i=i, slot=slot, start=start: call_probes.decide_leak(
@@ -650,6 +661,8 @@ class MaskProbe(DebugCallback):
             )
         if changes:
             values["mask_probe/causal_max_change"] = torch.stack(changes).max()
+        if dependence:
+            values["_other_dep"] = torch.stack(dependence).max()
 
     def _limit_for(self, trainer: pl.Trainer) -> int | None:
         return self.context_limit or find_context_length(trainer.lightning_module)[0]
@@ -808,6 +821,12 @@ class MaskProbe(DebugCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._alignment_decided = bool(state_dict.get("alignment_decided", False))
+
+
+def _follows_other(host: dict[str, float]) -> bool:
+    """Whether the outputs moved when another sequence of the call than the ids changed (the leak probe's
+    measurement): they are then a decoder's positions, not the ids'."""
+    return host.get("_other_dep", 0.0) > host.get("_repeat_tol", float("inf"))
 
 
 class _CallError(RuntimeError):
