@@ -759,7 +759,7 @@ _RULES: tuple[Rule, ...] = (
         trigger=(
             "update:weight ratio below `low` for `patience` measurements while the LR is at its plateau (not in "
             "warm-up, not decayed below `decayed_lr_fraction` of its peak), and over them the mean training loss "
-            "fell by less than 0.1% of itself per step and, like an untrained model's, differed by less than 1% "
+            "fell by less than 0.1% of itself per step and, like an untrained model's, differed by less than 0.5% "
             "from batch to batch (a fine-tune of trained weights at a fine-tuning LR updates by a small ratio on "
             "purpose; its loss varies with each batch's content)"
         ),

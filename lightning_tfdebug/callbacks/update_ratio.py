@@ -65,12 +65,16 @@ class UpdateRatio(DebugCallback):
     under 5% of the largest group's at the start of the window (zero-initialised biases, positions) are left out:
     growing from nothing is normal.
 
-    Findings: ``TFD310`` too low while the loss barely falls (less than 0.1% of itself per step over the low
-    streak; a fine-tune at a fine-tuning LR updates trained weights by a small ratio on purpose, and its loss keeps
-    falling), ``TFD311`` too high, ``TFD312`` a group that got gradients but did not change
-    (left out of the optimizer), ``TFD313`` weights growing fast, ``TFD314`` weights shrinking fast (the median
-    group norm below ``1 / growth_limit`` of its value within ``growth_window``: weight decay far too strong). See
-    ``docs/findings.md``.
+    Tiny updates need the loss to show the harm. A fine-tune at a fine-tuning LR updates trained weights by a small
+    ratio on purpose: its loss keeps falling, or it varies from batch to batch with what each batch holds, as only a
+    trained model's does (an untrained model scores every batch alike, about ln(V)). So ``TFD310`` also needs the
+    mean training loss over the low streak to fall by less than 0.1% of itself per step and its batch-to-batch spread
+    to stay under 0.5% of it (:mod:`lightning_tfdebug.functional.update_checks`).
+
+    Findings: ``TFD310`` too low while the loss barely moves, ``TFD311`` too high, ``TFD312`` a group that got
+    gradients but did not change (left out of the optimizer), ``TFD313`` weights growing fast, ``TFD314`` weights
+    shrinking fast (the median group norm below ``1 / growth_limit`` of its value within ``growth_window``: weight
+    decay far too strong). See ``docs/findings.md``.
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -79,7 +83,8 @@ class UpdateRatio(DebugCallback):
         groups: ``{group_name: regex}`` to group parameters by name instead of by block.
         group_depth: group by the first ``group_depth`` segments of parameter names.
         low: ``TFD310`` when the total ratio stays below this for ``patience`` consecutive measurements, and the
-            mean training loss fell by less than 0.1% of itself per step over them (or cannot be read).
+            training loss shows an untrained model that barely learns (see above; the ratio alone decides when the
+            training step returns no loss).
         high: ``TFD311`` when the total ratio exceeds this on any measurement.
         patience: consecutive measurements for ``TFD310`` and ``TFD312``.
         decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen (a schedule

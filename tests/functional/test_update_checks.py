@@ -22,3 +22,4 @@ def test_a_loss_that_varies_from_batch_to_batch_is_a_trained_model_s():
     assert not trained([0.001, 0.0012, 0.0008])  # an untrained one scores every batch alike (about ln(V))
     assert not trained([math.nan, math.nan])  # unknown
     assert trained([math.nan, 0.02, 0.03])
+    assert trained([0.013, 0.02, 0.035]) and not trained([0.0007, 0.0013, 0.02])  # the median of the streak decides
