@@ -492,6 +492,22 @@ _RULES: tuple[Rule, ...] = (
             "a causal mask too, or use a decoder-only model)."
         ),
     ),
+    Rule(
+        "TFD215",
+        "error",
+        "MaskProbe",
+        title="the model ignores token order: no position information reaches the attention",
+        trigger=(
+            "from step 100, reversing the tokens before a position leaves that position's output unchanged while "
+            "replacing them moves it by over 100x the tolerance"
+        ),
+        hint=(
+            "Check that positions are added for every position: a sinusoidal table indexed as `pe[:, x.size(1)]` "
+            "adds one row to all positions (use `pe[:, : x.size(1)]`); position ids that are all zero or never "
+            "passed; a position embedding added to the wrong tensor; rotary embeddings applied with a constant "
+            "offset."
+        ),
+    ),
     # ---------------------------------------------------------------- LossAtInit
     Rule(
         "TFD220",

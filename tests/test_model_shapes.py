@@ -154,3 +154,26 @@ def test_the_pack_at_its_defaults_is_silent_on_the_healthy_shapes(tmp_path, shap
     aside = {type(c).__name__: c._aside_reason for c in pack if c._aside_reason is not None}
     # the sharded-strategy and precision checks that do not apply to a single-device fp32 run are the only ones out
     assert set(aside) <= {"ScalerWatch", "CheckpointAudit"}, aside
+
+
+@pytest.mark.parametrize("family", ["small_gpt", "seq2seq"])
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_model_that_positions_do_not_reach_is_named_once_it_has_trained(tmp_path, family, broken):
+    """TFD215 from the mechanism (an output invariant to the order of the tokens before it, not to their content) on
+    a decoder-only model and an encoder-decoder whose position table gives every position the same vector (as the
+    Lightning demo's `pe[:, x.size(1)]` does); silent when the positions reach the attention."""
+    if family == "small_gpt":
+        module, loader = MiniGPTModule(), stream_pairs(rows=1700)
+        table = module.model.wpe
+    else:
+        module, loader = Seq2SeqModule(), cipher_pairs(rows=1700)
+        table = module.model.pos
+    if broken:
+        torch.nn.init.zeros_(table.weight)
+        table.weight.requires_grad_(False)
+    probe = MaskProbe()
+    fit_tiny(tmp_path, [probe], model=module, data=loader, max_steps=101)
+    assert_ran(probe)
+    order = [f for f in probe.findings if f.code == "TFD215"]
+    assert bool(order) == broken, [f.message for f in probe.findings]
+    assert probe.last_report["mask_probe/content_change"] > 0

@@ -18,7 +18,7 @@ from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import call_probes
 from lightning_tfdebug.functional import mask_probes as probes
 from lightning_tfdebug.functional.call_probes import CallPlan
-from lightning_tfdebug.functional.mask_probes import ALIGNMENT_RETRY_STEPS, ModelCaller
+from lightning_tfdebug.functional.mask_probes import ALIGNMENT_RETRY_STEPS, ORDER_STEPS, ModelCaller
 from lightning_tfdebug.functional.probes import (
     alignment_losses,
     causal_valid_positions,
@@ -77,6 +77,10 @@ class MaskProbe(DebugCallback):
       1, 5, 20, 50, 100, 200, 500 until it decides. A loss that matches neither (label smoothing, auxiliary losses)
       gives ``TFD210`` (info) once it has been tried on a trained-enough model.
 
+    - **Token order** (at steps 100, 200 and 500 until decided, once the model has trained: a fresh model's nearly
+      uniform attention hardly depends on order even when positions reach it): the tokens before a position are
+      reversed, and separately replaced; an output that ignores the reversal but not the replacement means no
+      position information reaches the attention (``TFD215``).
     - **Target leaks** (every argument of the model call that carries the labels): see below; ``TFD214`` for a
       decoder input (or any second sequence) that carries the labels its outputs are trained on, ``TFD201`` for the
       token ids themselves.
@@ -115,6 +119,8 @@ class MaskProbe(DebugCallback):
     | `mask_probe/loss_shifted2` | the same, position t against label t+2 |
     | `mask_probe/loss_unshifted` | the same, position t against label t |
     | `mask_probe/context_limit` | the context limit used for the position checks |
+    | `mask_probe/order_change` | largest change of a position's output when the tokens before it are reversed |
+    | `mask_probe/content_change` | largest change of that output when the tokens before it are replaced |
     | `mask_probe/seconds` | wall time of the probe |
 
     Findings: ``TFD201`` future tokens change past logits, ``TFD202`` masked tokens change real tokens' logits,
@@ -123,7 +129,8 @@ class MaskProbe(DebugCallback):
     ``TFD208`` (info) the context limit and what happens past it, ``TFD209`` incremental decoding differs,
     ``TFD210`` (info) target alignment undetermined, ``TFD211`` (info) cannot call the model, ``TFD212`` (info)
     treated as an encoder because the labels are a masked-LM objective, ``TFD213`` the eval-mode forward is random,
-    ``TFD214`` the model reads the labels it predicts through one of its inputs.
+    ``TFD214`` the model reads the labels it predicts through one of its inputs, ``TFD215`` the model ignores token
+    order.
 
     Distributed: each rank probes its own batch with plain forward passes on the unwrapped module (no collective);
     findings are rank-local and resolved together. Under sharded strategies (FSDP, ``ModelParallelStrategy``) a
@@ -243,6 +250,7 @@ class MaskProbe(DebugCallback):
         self._last_probe_step: int | None = None
         self._positions_done = False
         self._alignment_decided = False
+        self._order_decided = not check_positions
         self._targets_wanted = causal is not False and check_targets
         self._is_causal: bool | None = causal  # resolved at the first probe of a fit when None
         self._setup_aside = False
@@ -259,6 +267,7 @@ class MaskProbe(DebugCallback):
         self._positions_done = False
         self._targets_wanted = self.causal is not False and self.check_targets
         self._alignment_decided = not self._targets_wanted
+        self._order_decided = not self.check_positions
         self._is_causal = self.causal
         self._caller = None
         self._plan = None
@@ -283,13 +292,15 @@ class MaskProbe(DebugCallback):
         periodic = self.every_n_steps is not None and step % self.every_n_steps == 0
         # from the configuration only, not from what this rank decided, so that every rank takes the same steps
         retry_step = self.causal is not False and self.check_targets and step in ALIGNMENT_RETRY_STEPS
-        if not (first or periodic or retry_step):
+        order_step = self.check_positions and step in ORDER_STEPS
+        if not (first or periodic or retry_step or order_step):
             return  # a step that does not probe: no batch reading, no tensor work, no sync
         # Whether this step is a probing step depends on global_step only, so every rank gets here on the same steps
         # and reaches `resolve_local_findings` (a collective unless on_finding="warn") together, even when a rank
         # has already decided the target alignment or stood aside after a failed call.
         self._last_probe_step = step
-        if self.active and (first or periodic or not self._alignment_decided):
+        pending = (retry_step and not self._alignment_decided) or (order_step and not self._order_decided)
+        if self.active and (first or periodic or pending):
             self._probe(trainer, pl_module, batch, batch_idx, full=first or periodic)
         self.resolve_local_findings(trainer)
 
@@ -435,6 +446,8 @@ class MaskProbe(DebugCallback):
                         self._probe_positions(trainer, pl_module, ids, values, decisions)
                 if not self._alignment_decided:
                     self._probe_alignment(trainer, pl_module, batch, batch_idx, ids, mask, labels, values, decisions)
+                if not self._order_decided and trainer.global_step in ORDER_STEPS:
+                    self._probe_order(trainer, ids, mask, values, decisions)
         except Exception as err:  # never crash training: say how to make the model callable and stand aside
             self._cannot_call(
                 trainer,
@@ -814,13 +827,66 @@ class MaskProbe(DebugCallback):
 
         decisions.append(decide_alignment)
 
+    def _probe_order(
+        self,
+        trainer: pl.Trainer,
+        ids_full: Tensor,
+        mask_full: Tensor | None,
+        values: dict[str, Tensor | float],
+        decisions: list[Decision],
+    ) -> None:
+        """Token order: reverse the tokens before a position, and separately replace them; a model that positions
+        reach must move that position's output under the first, not only under the second."""
+        plan = self._plan
+        if plan is not None and plan.primary is None:
+            self._order_decided = True  # the call takes slices of the ids: no position of them to hold fixed
+            return
+        ids, mask = self._rows(ids_full), self._rows(mask_full)
+        assert ids is not None
+        position = probes.order_probe_position(mask, ids.shape[1])  # host sync: probe step only
+        if position is None:
+            return
+        # only the tokens before `position` change between the three calls; those after it stay as they are
+        real = torch.ones_like(ids) if mask is None else mask
+        try:
+            base = self._logits(ids, real)
+            reordered = self._logits(probes.reorder_prefix(ids, position), real)
+            replaced = ids.clone()
+            replaced[:, :position] = replace_after(ids[:, :position], -1, self._generator)
+            content = self._logits(replaced, real)
+        except Exception:  # the other probes ran on this call: a failure here only means this check cannot run
+            self._order_decided = True
+            return
+        if reordered.shape != base.shape or content.shape != base.shape:
+            self._order_decided = True
+            return
+        at = min(position, base.shape[1] - 1)  # an encoder-decoder's outputs follow its decoder
+        values["mask_probe/order_change"] = (reordered[:, at] - base[:, at]).float().abs().max()
+        values["mask_probe/content_change"] = (content[:, at] - base[:, at]).float().abs().max()
+        values["_order_tol"] = logit_tolerance(base)
+        step, last_try = trainer.global_step, trainer.global_step >= ORDER_STEPS[-1]
+
+        def decide_order(h: dict[str, float]) -> Verdict | None:
+            decided, verdict = probes.decide_order(
+                h["mask_probe/order_change"], h["mask_probe/content_change"], position, h["_order_tol"], step, last_try
+            )
+            self._order_decided = self._order_decided or decided
+            return verdict
+
+        decisions.append(decide_order)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "alignment_decided": self._alignment_decided}
+        return {
+            **super().state_dict(),
+            "alignment_decided": self._alignment_decided,
+            "order_decided": self._order_decided,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._alignment_decided = bool(state_dict.get("alignment_decided", False))
+        self._order_decided = bool(state_dict.get("order_decided", self._order_decided))
 
 
 def _follows_other(host: dict[str, float]) -> bool:

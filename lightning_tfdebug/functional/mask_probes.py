@@ -22,6 +22,9 @@ from lightning_tfdebug.functional.probes import classify_alignment, padding_side
 from lightning_tfdebug.functional.verdicts import Verdict
 
 ALIGNMENT_RETRY_STEPS = (1, 5, 20, 50, 100, 200, 500)
+ORDER_STEPS = (100, 200, 500)
+"""Steps at which the token-order check runs until it decides. Not before step 100: attention of a freshly initialised
+model is nearly uniform, so its outputs hardly depend on token order even when positions reach it."""
 """Steps at which a target-alignment check that could not decide yet (losses of the two alignments too close on a
 freshly initialised model) is tried again. Fixed, so every rank tries at the same steps."""
 
@@ -357,3 +360,52 @@ def decide_alignment(
             ),
         )
     return False, None
+
+
+# --------------------------------------------------------------------------------------------------------- token order
+def order_probe_position(attention_mask: Tensor | None, length: int) -> int | None:
+    """The position whose output the token-order check reads: the last one real in every probe row (right padding),
+    None when the rows pad on the left or fewer than 4 positions are real everywhere. Host sync: probe steps only."""
+    if attention_mask is None:
+        return length - 1 if length >= 4 else None
+    real = attention_mask.bool()
+    if not bool(real[:, 0].all()):
+        return None
+    prefix = real.long().cumprod(dim=1).sum(dim=1)  # leading real positions per row
+    p = int(prefix.min()) - 1
+    return p if p >= 3 else None
+
+
+def reorder_prefix(input_ids: Tensor, position: int) -> Tensor:
+    """A copy of ``input_ids`` whose tokens before ``position`` are in reverse order (the token at it and after it
+    unchanged)."""
+    out = input_ids.clone()
+    out[:, :position] = input_ids[:, :position].flip(1)
+    return out
+
+
+def decide_order(
+    order_change: float, content_change: float, position: int, tolerance: float, step: int, last_try: bool
+) -> tuple[bool, Verdict | None]:
+    """``(decided, verdict)`` of the token-order check: ``TFD215`` when reversing the tokens before ``position`` left
+    its output unchanged while replacing them moved it by far more than the tolerance: the model reads which tokens
+    came before, not where. Decided without a finding as soon as order clearly matters."""
+    if order_change > 10 * tolerance:
+        return True, None
+    if step < ORDER_STEPS[0] or not content_change > 100 * tolerance:
+        return last_try, None
+    if order_change > tolerance:
+        return last_try, None
+    return True, Verdict(
+        "TFD215",
+        f"The model ignores token order: reversing the {position} tokens before position {position} left its output "
+        f"unchanged (largest change {order_change:.3g}, tolerance {tolerance:.2g}) while replacing them moved it by "
+        f"{content_change:.3g}. No position information reaches the attention.",
+        {
+            "order_change": order_change,
+            "content_change": content_change,
+            "position": position,
+            "tolerance": tolerance,
+            "step": step,
+        },
+    )
