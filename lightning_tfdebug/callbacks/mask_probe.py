@@ -12,8 +12,8 @@ from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, logits_of, loss_of, step_batch
-from lightning_tfdebug.core.calls import record_calls
-from lightning_tfdebug.core.model import find_context_length, import_object, quiet_training_step
+from lightning_tfdebug.core.calls import CallRecorder, record_calls
+from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import call_probes
 from lightning_tfdebug.functional import mask_probes as probes
@@ -246,6 +246,9 @@ class MaskProbe(DebugCallback):
         self._caller: ModelCaller | None = None
         self._plan: CallPlan | None = None  # the call training_step makes, recorded at each probe
         self._replayed: Any = None  # what the recording replay of training_step returned (the alignment's loss)
+        # manual optimization: the calls of the real training_step, recorded from batch start to batch end
+        self._recorder: CallRecorder | None = None
+        self._manual: tuple[Any, bool] | None = None  # (recorded calls and output, full probe) for the batch end
         self._mask_path: str | None = None  # where the mask was found in the batch (evidence of TFD204)
         self._last_probe_step: int | None = None
         self._positions_done = False
@@ -301,8 +304,34 @@ class MaskProbe(DebugCallback):
         self._last_probe_step = step
         pending = (retry_step and not self._alignment_decided) or (order_step and not self._order_decided)
         if self.active and (first or periodic or pending):
+            if not pl_module.automatic_optimization and self.forward_fn is None:
+                # A manual-optimization training_step steps its optimizers: it is never replayed. Record the calls
+                # the real one makes instead, and probe through them at the batch's end.
+                self._recorder = CallRecorder(pl_module, keep=lambda: in_training_step(pl_module)).start()
+                self._manual = (None, first or periodic)
+                return
             self._probe(trainer, pl_module, batch, batch_idx, full=first or periodic)
         self.resolve_local_findings(trainer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._recorder is None or self._manual is None:
+            return
+        calls = self._recorder.stop()
+        full = self._manual[1]
+        self._recorder, self._manual = None, (calls, outputs)
+        try:
+            if self.active:
+                self._probe(trainer, pl_module, batch, batch_idx, full=full)
+        finally:
+            self._manual = None
+        self.resolve_local_findings(trainer)  # every rank armed on the same step, so every rank resolves here
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._recorder is not None:
+            self._recorder.stop()
+        self._recorder, self._manual = None, None
 
     # ------------------------------------------------------------------ batch and model access
     def _extract(self, trainer: pl.Trainer, batch: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -369,13 +398,16 @@ class MaskProbe(DebugCallback):
         that takes the token ids; returns why not (the caller then falls back to calling ``forward`` by signature).
         Inside the probe's eval / no_grad / RNG-fork context; probing steps only."""
         self._plan, self._replayed = None, None
-        if not pl_module.automatic_optimization:
-            return "a manual-optimization `training_step` steps its optimizers, so it is never replayed"
         ids, mask, labels = fields
-        try:
-            returned, calls = record_calls(pl_module, lambda: quiet_training_step(pl_module, batch, batch_idx))
-        except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
-            return f"replaying `training_step` failed ({type(err).__name__}: {err})"
+        if self._manual is not None:  # recorded during the real training_step (manual optimization)
+            calls, returned = self._manual
+        elif not pl_module.automatic_optimization:
+            return "a manual-optimization `training_step` steps its optimizers, so it is never replayed"
+        else:
+            try:
+                returned, calls = record_calls(pl_module, lambda: quiet_training_step(pl_module, batch, batch_idx))
+            except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
+                return f"replaying `training_step` failed ({type(err).__name__}: {err})"
         plan = call_probes.plan_call(calls, ids, mask, labels, self.ignore_index)
         if isinstance(plan, str):
             return plan
@@ -760,7 +792,7 @@ class MaskProbe(DebugCallback):
         values: dict[str, Tensor | float],
         decisions: list[Decision],
     ) -> None:
-        if not pl_module.automatic_optimization:
+        if not pl_module.automatic_optimization and self._plan is None:
             self._alignment_decided = True  # a manual training_step would step the optimizer: never call it
             return
         if labels is None:
@@ -781,6 +813,9 @@ class MaskProbe(DebugCallback):
                 f"Target alignment not checked: calling `training_step` on the batch failed ({type(err).__name__}).",
                 synchronized=False,
             )
+            return
+        if returned is None and not pl_module.automatic_optimization:
+            self._alignment_decided = True  # a manual training_step need not return its loss: nothing to compare
             return
         if returned is None or returned.numel() != 1:
             self._alignment_decided = True

@@ -114,34 +114,52 @@ def replace_leaves(obj: Any, replacements: Mapping[Path, Tensor], prefix: Path =
     return dataclasses.replace(obj, **changes)
 
 
-def record_calls(root: nn.Module, run: Callable[[], Any]) -> tuple[Any, list[RecordedCall]]:
-    """Run ``run()`` with a forward hook on ``root`` and every submodule; returns its result and the outermost module
-    calls it made, in call order.
+class CallRecorder:
+    """Records the outermost module calls under ``root`` between :meth:`start` and :meth:`stop`.
 
-    "Outermost": calls made while no other recorded module was running, i.e. the calls ``training_step`` itself
-    makes (``self(x)``, ``self.model(x, y)``, ``self.loss_fn(...)``), not the layers inside them. The hooks are
-    removed before this returns, also when ``run`` raises. Meant for probing steps only: adding a hook to every
-    submodule is a Python loop over the modules.
+    "Outermost": calls made while no other module under ``root`` was running, i.e. the calls ``training_step`` itself
+    makes (``self(x)``, ``self.model(x, y)``, ``self.loss_fn(...)``), not the layers inside them. ``keep`` decides,
+    at each such call, whether to keep it (e.g. only inside the Trainer's ``training_step``). Adding a hook to every
+    submodule is a Python loop over the modules: for probing steps only.
     """
-    depth = [0]
-    calls: list[RecordedCall] = []
-    names = {id(m): n for n, m in root.named_modules()}
-    handles = []
 
-    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        depth[0] += 1
+    def __init__(self, root: nn.Module, keep: Callable[[], bool] | None = None) -> None:
+        self.root = root
+        self.keep = keep
+        self.calls: list[RecordedCall] = []
+        self._depth = 0
+        self._handles: list[Any] = []
 
-    def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        depth[0] -= 1
-        if depth[0] == 0:
-            calls.append(RecordedCall(module, names.get(id(module), ""), args, dict(kwargs), output))
+    def start(self) -> CallRecorder:
+        names = {id(m): n for n, m in self.root.named_modules()}
 
+        def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._depth += 1
+
+        def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            self._depth -= 1
+            if self._depth == 0 and (self.keep is None or self.keep()):
+                self.calls.append(RecordedCall(module, names.get(id(module), ""), args, dict(kwargs), output))
+
+        for module in self.root.modules():
+            self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        return self
+
+    def stop(self) -> list[RecordedCall]:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._depth = 0
+        return self.calls
+
+
+def record_calls(root: nn.Module, run: Callable[[], Any]) -> tuple[Any, list[RecordedCall]]:
+    """Run ``run()`` under a :class:`CallRecorder` on ``root``; returns its result and the outermost module calls it
+    made, in call order. The hooks are removed before this returns, also when ``run`` raises."""
+    recorder = CallRecorder(root).start()
     try:
-        for module in root.modules():
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
         result = run()
     finally:
-        for handle in handles:
-            handle.remove()
+        calls = recorder.stop()
     return result, calls

@@ -225,6 +225,7 @@ def plan_call(
     """The :class:`CallPlan` of the first recorded call that takes the batch's token ids (or, failing that, a token
     tensor of the batch's size) and returns logits; a sentence saying why not otherwise."""
     b = int(input_ids.shape[0])
+    top_id = int(input_ids.max()) if input_ids.numel() else -1  # host sync: probing steps only
     chosen: tuple[RecordedCall, list[tuple[Path, Tensor, bool]]] | None = None
     fallback = None
     for call in calls:
@@ -232,8 +233,9 @@ def plan_call(
         if not seqs:
             continue
         ids_layout = next((sf for _, t, sf in seqs if _matches_ids(t, sf, input_ids)), None)
-        if read_logits(call.output, b, bool(ids_layout if ids_layout is not None else seqs[0][2])) is None:
-            continue
+        logits = read_logits(call.output, b, bool(ids_layout if ids_layout is not None else seqs[0][2]))
+        if logits is None or logits.shape[-1] <= top_id:
+            continue  # no output, or one narrower than the token ids (an embedding's hidden states, not logits)
         if ids_layout is not None:
             chosen = (call, seqs)
             break

@@ -345,8 +345,7 @@ def call_dict_forward(pl_module, input_ids, attention_mask):
 
 
 class ManualDictForwardGPT(DictForwardGPT):
-    """Manual optimization (its training_step is never replayed) and a forward taking the whole dict: no call to
-    record and no signature to guess."""
+    """Manual optimization (its training_step is never replayed) and a forward taking the whole dict."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -361,14 +360,40 @@ class ManualDictForwardGPT(DictForwardGPT):
         return loss
 
 
+class PiecewiseManualGPT(ManualDictForwardGPT):
+    """training_step runs the layers one by one: no single call takes the ids and returns logits, and the forward
+    takes a dict, so there is nothing to record and no signature to guess."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        ids = batch["input_ids"]
+        x = self.tok_emb(ids) + self.pos_emb(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x, batch.get("attention_mask"))
+        loss = self.loss(self.head(self.ln_f(x)), batch["labels"])
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
 def test_cannot_call_says_which_argument_and_stands_aside(tmp_path):
     probe = MaskProbe()
     trainer = make_trainer(tmp_path, [probe], max_steps=2)
-    trainer.fit(ManualDictForwardGPT(**SMALL), TinyTextDataModule(batch_size=8))
+    trainer.fit(PiecewiseManualGPT(**SMALL), TinyTextDataModule(batch_size=8))
     assert [f.code for f in probe.findings] == ["TFD211"]
     assert "forward_fn" in probe.findings[0].hint
     assert not probe.active
     assert trainer.global_step == 2  # training went on
+
+
+@pytest.mark.parametrize("no_causal_mask, expected", [(False, []), (True, ["TFD201"])])
+def test_manual_optimization_is_probed_through_the_calls_of_the_real_training_step(tmp_path, no_causal_mask, expected):
+    probe = MaskProbe()
+    trainer = make_trainer(tmp_path, [probe], max_steps=2)
+    trainer.fit(ManualDictForwardGPT(**SMALL, no_causal_mask=no_causal_mask), TinyTextDataModule(batch_size=8))
+    assert probe.active and "TFD211" not in [f.code for f in probe.findings]
+    assert problems(probe) == expected
+    assert "mask_probe/causal_max_change" in probe.last_report
 
 
 @pytest.mark.parametrize("no_causal_mask, expected", [(False, []), (True, ["TFD201"])])
