@@ -94,8 +94,9 @@ class MaskProbe(DebugCallback):
     supervised positions) carries them, and output ``p`` (trained on label ``p``, or ``p + 1`` when the labels equal
     the ids) must not read it from the position carrying its own label on. A tensor unrelated to the labels (a
     translation's source) is never perturbed. Outputs may be ``(B, T, V)``, flattened ``(B*T, V)``, sequence-first
-    ``(T, B, V)``, log-probabilities, alone or in a tuple, dict or model output. Without a replay (manual
-    optimization, a ``training_step`` that raises) the model is called by signature: ``pl_module.forward`` with
+    ``(T, B, V)``, log-probabilities, alone or in a tuple, dict or model output. Under manual optimization the
+    calls of the real ``training_step`` are recorded instead and probed at the batch's end. Without any recorded
+    call (a ``training_step`` that raises when replayed) the model is called by signature: ``pl_module.forward`` with
     ``input_ids`` by keyword (``**kwargs`` included) or the ids as its first positional argument (the mask when the
     forward names one). ``forward_fn`` (import path of ``fn(pl_module, input_ids, attention_mask) -> logits or
     model output``) overrides both. The batch is read by the pack's shared reader
