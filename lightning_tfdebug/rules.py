@@ -652,8 +652,10 @@ _RULES: tuple[Rule, ...] = (
         title="the loss is pinned at the floor of outputs squashed into a bounded range (sigmoid, tanh, clamp)",
         trigger=(
             "at the check the logits' cross-entropy has left ln(V) and lies within 30% of the way from "
-            "`ln(1 + (V-1) e^-w)` (the lowest loss logits of range `w` allow, per row) up to ln(V), and that floor is "
-            "above the labels' unigram entropy by 5% of ln(V)"
+            "`ln(1 + (V-1) e^-w)` (the lowest loss logits of range `w` allow, per row) up to ln(V), that floor is "
+            "above the labels' unigram entropy by 5% of ln(V), and the rows' ranges are alike (standard deviation at "
+            "most 5% of their mean: a bound holds every row at the same width; the loss is the alignment the returned "
+            "loss agrees with)"
         ),
         hint=(
             "Feed the loss raw, unbounded logits: remove the sigmoid, tanh, clamp or normalisation applied to the "
@@ -669,7 +671,8 @@ _RULES: tuple[Rule, ...] = (
         trigger=(
             "at the check the loss is at the labels' unigram entropy (0.85x to 1.1x), the loss against labels rolled "
             "by one sample along the batch is within 1% of it, and the labels do not repeat their own inputs more "
-            "than a neighbour's"
+            "than a neighbour's (masked-LM labels: do not sit on their own inputs' mask tokens more than on a "
+            "neighbour's)"
         ),
         hint=(
             "The labels do not belong to their inputs: look for an off-by-one in the join of inputs and labels, a "
@@ -685,7 +688,9 @@ _RULES: tuple[Rule, ...] = (
         title="the model ignores its context: the loss stalls at the labels' unigram entropy (token frequencies only)",
         trigger=(
             "at the check the loss is flat at the labels' unigram entropy (0.85x to 1.1x), the loss against labels "
-            "rolled by one sample is within 1% of it, and the labels repeat their own inputs (so they are right)"
+            "rolled by one sample is within 1% of it, and the labels repeat their own inputs (so they are right); "
+            "info for masked-LM labels that sit on their own inputs' mask tokens (the masked-LM plateau, longer at a "
+            "lower learning rate)"
         ),
         hint=(
             "The model predicts from token frequencies alone: its inputs do not reach the prediction. Look for an "

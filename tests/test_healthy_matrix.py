@@ -52,17 +52,7 @@ FAST = {
 }
 """The cases in the default run (about 40 s on 2 cores); the rest run under ``-m slow``."""
 
-_LEAK = "TFD223: LossAtInit reads the fine-tuned model's low step-0 loss as a target leak"
-_LOW = "TFD310: UpdateRatio's `low` band is a from-scratch band; a full fine-tune at lr 2e-4 updates less on purpose"
-KNOWN: dict[tuple[str, str], str] = {
-    ("encoder_lm", "finetune_full"): f"{_LEAK}; {_LOW}",
-    ("encoder_lm", "finetune_lora"): _LEAK,
-    ("t5", "finetune_full"): f"{_LEAK}; {_LOW}",
-    (
-        "bert_mlm",
-        "finetune_full",
-    ): "TFD231: LossAtInit takes the fine-tuned masked LM's loss for labels from other samples",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 """Cases where a callback still raises a false alarm: ``(family, setting) -> reason`` (marked xfail, not strict)."""
 
 

@@ -83,11 +83,13 @@ _CHECK_KEYS = (
     "match_count",
     "floor_sum",
     "range_sum",
+    "range_sq_sum",
     "floor_count",
     *(
         OTHER_ALIGNMENT + key
         for key in ("ce_sum", "ce_count", "own_ce_sum", "rolled_ce_sum", "rolled_count", "floor_sum", "range_sum")
     ),
+    OTHER_ALIGNMENT + "range_sq_sum",
     OTHER_ALIGNMENT + "floor_count",
 )
 _UNIGRAM_BATCHES = 8
@@ -655,7 +657,17 @@ class LossAtInit(DebugCallback):
                         rolled.update({"ce_sum": ce["ce_sum"], "ce_count": ce["ce_count"]})
                     rolled.update(bounded_floor_sums(logits, labels, **options))
                     found.stats.update({prefix + k: v for k, v in rolled.items()})
-                if fits and self._view is not None and self._view.input_ids is not None:
+                if fits and self._view is not None and self._view.input_ids is not None and self._masked_lm:
+                    # masked-LM labels never repeat their inputs (the input there is the mask): they belong to their
+                    # own inputs when their supervised positions are where those inputs hold the mask token
+                    own_mask = masked_input_sums(inputs, labels, found.vocab, self.ignore_index)
+                    rolled_mask = masked_input_sums(inputs.roll(1, 0), labels, found.vocab, self.ignore_index)
+                    found.stats.update(
+                        own_match=own_mask["mask_share_top"],
+                        rolled_match=rolled_mask["mask_share_top"],
+                        match_count=own_mask["mask_share_count"],
+                    )
+                elif fits and self._view is not None and self._view.input_ids is not None:
                     found.stats.update(label_input_match_sums(labels, inputs, self.ignore_index))
             # the copy rate at init too: with tied input/output embeddings an untrained model already predicts its
             # current token, and only a rise from there says the model learned to copy
@@ -745,12 +757,14 @@ class LossAtInit(DebugCallback):
         if host["count"]:  # reduced: every rank takes the same branch
             copy_rate, repeat_rate = host["copies"] / host["count"], host["repeats"] / host["count"]
             metrics["loss_at_init/copy_rate"] = copy_rate
-        own = rolled = floor = logit_range = nan
+        own = rolled = floor = logit_range = range_spread = nan
         if host["rolled_count"]:
             own, rolled = host["own_ce_sum"] / host["rolled_count"], host["rolled_ce_sum"] / host["rolled_count"]
             metrics["loss_at_init/rolled_loss"] = rolled
         if host["floor_count"]:
             floor, logit_range = host["floor_sum"] / host["floor_count"], host["range_sum"] / host["floor_count"]
+            spread_sq = host["range_sq_sum"] / host["floor_count"] - logit_range**2
+            range_spread = math.sqrt(max(spread_sq, 0.0)) / logit_range if logit_range > 0 else nan
             metrics["loss_at_init/loss_floor"] = floor
         self.log_scalars(trainer, metrics, step=step)
         verdicts = check_verdicts(
@@ -769,7 +783,14 @@ class LossAtInit(DebugCallback):
         )
         if not self._probabilities:  # exact probabilities are TFD220's, found at step 0
             bounded = bounded_output_verdict(
-                recomputed, floor, logit_range, expected, unigram, step, stall_tolerance=self.stall_tolerance
+                recomputed,
+                floor,
+                logit_range,
+                expected,
+                unigram,
+                step,
+                stall_tolerance=self.stall_tolerance,
+                range_spread=range_spread,
             )
             verdicts += [bounded] if bounded is not None else []
         matched = host["match_count"]
@@ -782,6 +803,7 @@ class LossAtInit(DebugCallback):
             rolled_match=host["rolled_match"] / matched if matched else nan,
             flat=flat_window(window, current, expected, self.stall_tolerance),
             window_steps=step - min((s for s, _ in window), default=step),
+            masked=self._masked_lm,
         )
         verdicts += [context] if context is not None else []
         self._emit(trainer, verdicts, step)

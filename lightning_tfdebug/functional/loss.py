@@ -287,7 +287,8 @@ def bounded_floor_sums(
     target's weight, so its cross-entropy is at least ``ln(1 + (V - 1) e^-w)``: the best case puts the target at the
     top and every other class at the bottom. A sigmoid or tanh on the logits, a clamp, or a normalisation that is not
     an exact softmax confines ``w`` for good, and the loss can never fall below that floor. Returns ``floor_sum``,
-    ``range_sum`` (the widths ``w``) and ``floor_count``.
+    ``range_sum`` (the widths ``w``), ``range_sq_sum`` (their squares: how alike the rows' widths are) and
+    ``floor_count``.
     """
     rows, targets = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
     idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
@@ -299,5 +300,6 @@ def bounded_floor_sums(
     return {
         "floor_sum": torch.where(mask, floor, zeros).sum(),
         "range_sum": torch.where(mask, width, zeros).sum(),
+        "range_sq_sum": torch.where(mask, width.square(), zeros).sum(),
         "floor_count": mask.sum(dtype=torch.float32),
     }

@@ -36,6 +36,11 @@ outputs put the target at the top of the range and the rest at the bottom (an un
 its logits, and its loss stays well above its floor: 0.4 of that way and more in the tests' healthy runs)."""
 FLOOR_ABOVE_DATA = 0.05
 """... and the floor is above the labels' unigram entropy by at least this fraction of ln(V)."""
+RANGE_SPREAD = 0.05
+"""... and the rows' logit ranges differ by at most this fraction of their mean (standard deviation over mean): a
+bound confines every row to the same width once the loss presses against it (a saturated tanh: 0.009); an unbounded
+model that learned a confident answer early (a model copying its input at step 25, its logits still narrow: 0.13)
+or a healthy one (0.12) spreads them."""
 STALL_STEPS = 20
 """TFD232 claims a stall at the unigram entropy only over a window of at least this many optimizer steps: models
 pass through the unigram level (and a lightly pretrained one starts there), so a short window is no stall."""
@@ -438,6 +443,7 @@ def bounded_output_verdict(
     step: int,
     *,
     stall_tolerance: float,
+    range_spread: float = float("nan"),
 ) -> Verdict | None:
     """``TFD230``: the loss is pinned at the floor the logits' range allows, far above what the data allows.
 
@@ -447,13 +453,16 @@ def bounded_output_verdict(
     within :data:`FLOOR_PINNED` of the way from the floor up to ln(V) (pinned at the floor), and the floor to be
     above the labels' unigram entropy by :data:`FLOOR_ABOVE_DATA` of ln(V): the range forbids even the loss of a
     model that learned the token frequencies alone, which the data allows any model. An unbounded model that learns
-    widens its logits and drops its floor far below the loss; a bounded one cannot.
+    widens its logits and drops its floor far below the loss; a bounded one cannot. And a bound holds every row at
+    the same width: ``range_spread`` (the rows' ranges' standard deviation over their mean; NaN: not measured) must be
+    at most :data:`RANGE_SPREAD`, which tells a bound from an unbounded model whose logits are still narrow when it has
+    learned an easy answer early.
     """
     if not (math.isfinite(loss) and math.isfinite(floor) and math.isfinite(unigram_entropy)):
         return None
     if loss > (1.0 - stall_tolerance) * expected or floor < unigram_entropy + FLOOR_ABOVE_DATA * expected:
         return None
-    if loss - floor > FLOOR_PINNED * (expected - floor):
+    if loss - floor > FLOOR_PINNED * (expected - floor) or range_spread > RANGE_SPREAD:
         return None
     return Verdict(
         "TFD230",
@@ -468,6 +477,7 @@ def bounded_output_verdict(
             "logit_range": logit_range,
             "expected_loss": expected,
             "unigram_entropy": unigram_entropy,
+            "range_spread": range_spread,
             "step": step,
         },
     )
@@ -483,6 +493,7 @@ def context_verdict(
     rolled_match: float = float("nan"),
     flat: bool = True,
     window_steps: int = STALL_STEPS,
+    masked: bool = False,
 ) -> Verdict | None:
     """``TFD231`` / ``TFD232``: the loss sits at the labels' unigram entropy and the model predicts its own sample's
     labels no better than its neighbour's (``rolled_loss``, labels rolled by one sample).
@@ -499,6 +510,10 @@ def context_verdict(
     * labels that repeat neither: labels from other samples (a shuffled label column), or, for a task whose labels
       never repeat their inputs (classification, translation), a model that ignores its inputs; both are named
       (``TFD231``).
+
+    ``masked``: masked-LM labels, which never repeat their inputs (the input at a supervised position is the mask
+    token); ``own_match`` / ``rolled_match`` are then the share of supervised positions where the sample's own / the
+    neighbour's inputs hold their most common token (the mask): labels that belong to their inputs sit on its masks.
     """
     if not (math.isfinite(loss) and math.isfinite(rolled_loss) and math.isfinite(unigram_entropy)):
         return None
@@ -526,10 +541,26 @@ def context_verdict(
     if measured and own_match >= 0.5 and own_match >= rolled_match + RELATION_MARGIN:
         if not flat or window_steps < STALL_STEPS:
             return None
+        relation = (
+            f"sit where their own inputs hold the mask token ({own_match:.0%} of positions, the neighbour's "
+            f"{rolled_match:.0%})"
+            if masked
+            else f"repeat their own inputs ({own_match:.0%} of positions)"
+        )
+        if masked:
+            # the masked-LM plateau: these objectives sit at the unigram entropy before they learn to read the
+            # context, for longer the lower the learning rate; at one check that is no evidence of a fault
+            return Verdict(
+                "TFD232",
+                f"{head}. The labels {relation}, so they are right: the model does not use its context yet. Masked-LM "
+                "objectives sit at this level (their plateau) before they learn to, the longer the lower the learning "
+                "rate; if it lasts, the model cannot see its inputs.",
+                evidence,
+                severity="info",
+            )
         return Verdict(
             "TFD232",
-            f"{head}. The labels repeat their own inputs ({own_match:.0%} of positions), so they are right: the model "
-            "ignores its context.",
+            f"{head}. The labels {relation}, so they are right: the model ignores its context.",
             evidence,
         )
     if measured and rolled_match >= 0.5 and rolled_match >= own_match + RELATION_MARGIN:

@@ -91,6 +91,12 @@ def test_bounded_output_decision():
     assert bounded_output_verdict(LN_V, LN_V - 0.01, 0.01, LN_V, h, 100, stall_tolerance=0.05) is None  # not moved
     assert bounded_output_verdict(floor + 0.1, floor, 1.0, LN_V, floor, 100, stall_tolerance=0.05) is None  # data
     assert bounded_output_verdict(0.8 * LN_V, 0.3, 6.0, LN_V, h, 100, stall_tolerance=0.05) is None  # far above
+    # a bound holds every row at the same width (a saturated tanh: 0.009 of the mean); an unbounded model that learned
+    # an easy answer early (copying its input at step 25) still has narrow logits near their floor, but rows of unlike
+    # widths (0.13)
+    pinned = dict(stall_tolerance=0.05)
+    assert bounded_output_verdict(floor + 0.1, floor, 1.0, LN_V, h, 25, range_spread=0.009, **pinned).code == "TFD230"
+    assert bounded_output_verdict(floor + 0.1, floor, 1.0, LN_V, h, 25, range_spread=0.13, **pinned) is None
 
 
 def test_context_decision_names_the_side_at_fault():
@@ -107,6 +113,21 @@ def test_context_decision_names_the_side_at_fault():
     assert neither.code == "TFD231" and "unless this task's labels never repeat" in neither.message
     unmeasured = context_verdict(2.0, 2.0, **kwargs)
     assert unmeasured.code == "TFD231" and "cannot be told apart" in unmeasured.message
+
+
+def test_masked_lm_labels_belong_to_the_inputs_whose_masks_they_sit_on():
+    """Masked-LM labels never repeat their inputs (the input there is the mask); the relation is where the masks are.
+    On their own inputs' masks, they are right and the model does not use its context yet: the masked-LM plateau,
+    longer at a lower learning rate (the fine-tuned BERT of the healthy matrix at lr 2e-4 still sits there at step
+    520), stated as info. On a neighbour's masks, or on none, they belong to other samples."""
+    kwargs = dict(unigram_entropy=2.9, step=520, masked=True)
+    plateau = context_verdict(3.1, 3.08, own_match=0.84, rolled_match=0.2, window_steps=250, **kwargs)
+    assert (plateau.code, plateau.severity) == ("TFD232", "info") and "mask token" in plateau.message
+    assert context_verdict(3.1, 3.08, own_match=0.84, rolled_match=0.2, window_steps=250, flat=False, **kwargs) is None
+    joined = context_verdict(3.1, 3.08, own_match=0.2, rolled_match=0.84, **kwargs)
+    assert joined.code == "TFD231" and joined.severity != "info"  # the rule's own severity, a warning
+    shuffled = context_verdict(3.1, 3.08, own_match=0.15, rolled_match=0.15, **kwargs)
+    assert shuffled.code == "TFD231" and shuffled.severity != "info"
 
 
 def test_a_stall_needs_a_flat_window():
