@@ -229,7 +229,11 @@ class ThroughputDiagnosis:
             extra, row = self.contended_extra, self.contended_row or {}
             delay, cpu = row.get("delay_rise_ms", math.nan), row.get("cpu_ratio", math.nan)
             waited = f"this process waited {delay:.1f} ms more per step for a CPU core, " if delay == delay else ""
-            same = f"doing the same work ({cpu:.2f}x its early CPU time per step), " if cpu == cpu else ""
+            same = (
+                f"its CPU time per step rose only {cpu:.2f}x (its work did not grow with its step time), "
+                if cpu == cpu
+                else ""
+            )
             return [
                 Verdict(
                     "TFD605",
