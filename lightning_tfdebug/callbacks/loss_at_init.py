@@ -140,17 +140,21 @@ class LossAtInit(DebugCallback):
     ln(V) and H: a stall (``TFD225``) is a loss flat over the window since half-way to the check, not one point; a
     loss at H whose predictions fit the sample's own labels no better than its neighbour's (labels rolled by one
     along the batch) is ``TFD231`` (labels from other samples) or ``TFD232`` (the model ignores its context), told
-    apart by whether the labels repeat their own inputs; a loss pinned at the floor ``ln(1 + (V-1) e^-w)`` that the
-    logits' range ``w`` allows, above H, is ``TFD230`` (outputs squashed into a bounded range). Masked-LM labels
-    (recognised at step 0: few supervised positions, most of them holding one input token, the mask) sit at H for a
-    while before they learn, so their check runs at ``5 * check_step``.
+    apart by whether the labels repeat their own inputs (masked-LM labels: whether they sit on their own inputs' mask
+    tokens; there ``TFD232`` is info, the masked-LM plateau); a loss pinned at the floor ``ln(1 + (V-1) e^-w)`` that
+    the logits' range ``w`` allows, above H, with every row at the same width, is ``TFD230`` (outputs squashed into a
+    bounded range). Masked-LM labels (recognised at step 0: few supervised positions, most of them holding one input
+    token, the mask) sit at H for a while before they learn, so their check runs at ``5 * check_step``.
 
     Alignment: with ``shift_labels=True`` (default) the logits at position ``t`` are scored against the label at
     ``t + 1``, as in causal LMs that shift internally (Hugging Face models, ``TinyGPT``) and take
     ``labels == input_ids``. Set ``shift_labels=False`` when labels are already aligned with the logits (shifted in
-    the collator, classification, seq2seq decoders). The alignment matters only for the recomputed loss; the
-    observed loss is the one the training step returned, and the copy check compares the argmax at ``t`` with the
-    input token at ``t`` (``input_key``; the labels when ``shift_labels`` and the batch has no input ids).
+    the collator, classification, seq2seq decoders). The observed loss is the one the training step returned, and
+    it has the last word: where the logits have a time dimension (not masked-LM labels), the recomputed statistics
+    are taken under both alignments and the one the returned loss agrees with is used (an untrained model gives ln(V)
+    under either; a pretrained one fed already-shifted targets gives its loss only under the right one). The copy
+    check compares the argmax at ``t`` with the input token at ``t`` (``input_key``; the labels when
+    ``shift_labels`` and the batch has no input ids).
 
     Nothing runs on other steps: hooks exist only during the forward of step 0 and of the check, the captured outputs
     are reduced to a few scalars in ``on_before_backward`` and released; the other measuring steps read the loss
