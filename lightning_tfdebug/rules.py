@@ -1384,7 +1384,7 @@ _RULES: tuple[Rule, ...] = (
             "least half the extra step time more than in the early windows (`/proc/self/task/*/schedstat`), and "
             "either other processes used >= max(0.5, 0.1 x cores) more CPU cores than in the quietest early window "
             "(Linux `/proc/stat`) or, on a machine already full, the run's own CPU time per step rose by less than "
-            "half as much as its step time (same work, a smaller share of the cores); all judged over the steps the "
+            "0.9x as much as its step time (no more work, a smaller share of the cores); all judged over the steps the "
             "median step time covers (TFD603 then needs `patience` slow, uncontended measurements in a row)"
         ),
         hint=(

@@ -62,8 +62,13 @@ CONTENDED_CORES = max(0.5, 0.1 * (os.cpu_count() or 1))
 """Other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
 of a big machine (where background activity of half a core is noise)."""
 EXPLAINS = 0.5
-"""The run-queue wait explains a slowdown when it rose by at least this share of the extra step time; the run's own
-work explains it when its CPU time per step rose by this share of the step time's rise."""
+"""The run-queue wait explains a slowdown when it rose by at least this share of the extra step time."""
+OWN_WORK = 0.9
+"""The run's own work explains a slowdown when its CPU time per step rose by at least this share of its step time's
+rise (as ratios to the early windows'). More work per step raises both alike (1.0); under contention torch's worker
+threads spin while a peer waits for a core, so the CPU time rises too, but less: measured 0.4 (9.4x the step time,
+4.4x the CPU, two busy loops on a 2-core machine) to 0.75 (BERT in the healthy matrix on a 2-core machine with a load
+average of 8)."""
 
 
 def contended(stat: dict[str, float], regression_factor: float) -> bool:
@@ -72,10 +77,10 @@ def contended(stat: dict[str, float], regression_factor: float) -> bool:
     The extra step time must be at least :data:`EXPLAINS` spent waiting for a core (the rise of this process's
     run-queue wait per step, against the early windows'), and that wait must come from others: either they took
     :data:`CONTENDED_CORES` more cores than in the quietest early window, or, on a machine whose cores were already all
-    busy (where others cannot take much more), this process's CPU time per step stayed near its early value while its
-    step time rose (``cpu_ratio``): it did the same work and waited longer for a core. A run that slows itself does
-    more work per step (its CPU time rises with its step time) or stops asking for a core (sleep, I/O, a device: its
-    run-queue wait does not rise).
+    busy (where others cannot take much more), this process's CPU time per step rose by less than :data:`OWN_WORK` of
+    its step time's rise (``cpu_ratio``): it waited longer for a core without doing more work. A run that slows
+    itself does more work per step (its CPU time rises with its step time) or stops asking for a core (sleep, I/O, a
+    device: its run-queue wait does not rise).
     """
     base, step = stat["baseline_ms"], stat["step_ms"]
     if not (base > 0 and step / base > regression_factor):
@@ -87,7 +92,7 @@ def contended(stat: dict[str, float], regression_factor: float) -> bool:
     if stat["other_extra"] >= CONTENDED_CORES:
         return True
     cpu = stat.get("cpu_ratio", math.nan)
-    same_work = cpu - 1.0 < EXPLAINS * (step / base - 1.0)  # False when not measured (NaN)
+    same_work = cpu - 1.0 < OWN_WORK * (step / base - 1.0)  # False when not measured (NaN)
     return delay == delay and same_work
 
 
@@ -249,12 +254,20 @@ class ThroughputDiagnosis:
                 )
             ]
         if regressed:
+            worst = max(slow, key=lambda s: s["step_ms"] / s["baseline_ms"], default={})
             return [
                 Verdict(
                     "TFD603",
                     f"The median step time rose to {metrics['throughput/step_time_ms']:.1f} ms, {ratio:.2f}x the early "
                     f"steps' median, for {self.patience} measurements in a row.",
-                    {"step_time_ms": metrics["throughput/step_time_ms"], "ratio_to_early": ratio},
+                    {
+                        "step_time_ms": metrics["throughput/step_time_ms"],
+                        "ratio_to_early": ratio,
+                        # what ruled out contention, on the slowest rank (NaN: not measured)
+                        "other_extra_cores": worst.get("other_extra", math.nan),
+                        "delay_rise_ms_per_step": worst.get("delay_rise_ms", math.nan),
+                        "cpu_ratio": worst.get("cpu_ratio", math.nan),
+                    },
                 )
             ]
         return []

@@ -226,13 +226,13 @@ def test_diagnosis_needs_patience_and_tells_contention_from_a_slowdown():
     assert codes(ThroughputDiagnosis(patience=2), contended, 2) == [[], ["TFD605"]]
     self_inflicted = [row(step_ms=40.0, other_extra=8.0, delay_rise_ms=0.0)]  # others took the cores it left
     assert codes(ThroughputDiagnosis(patience=2), self_inflicted, 2) == [[], ["TFD603"]]
-    # a machine already full: others cannot take more cores, they take a larger share of them. The run does the same
-    # work per step (its CPU time per step unchanged) and waits for a core for the extra time: contended
-    full = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=15.0, cpu_ratio=1.05)]
+    # a machine already full: others cannot take more cores, they take a larger share of them. The run waits for a core
+    # for the extra time and its CPU time per step rises less than its step time (only its spinning threads): contended
+    full = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=15.0, cpu_ratio=1.75)]  # spinning threads: 0.75x
     assert codes(ThroughputDiagnosis(patience=2), full, 2) == [[], ["TFD605"]]
     # on the same full machine, a run that does twice the work per step also waits longer for a core (it is
     # runnable for longer); its CPU time per step doubled with its step time: its own slowdown
-    heavier = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=15.0, cpu_ratio=2.0)]
+    heavier = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=15.0, cpu_ratio=1.95)]
     assert codes(ThroughputDiagnosis(patience=2), heavier, 2) == [[], ["TFD603"]]
     unknown = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=float("nan"), cpu_ratio=1.0)]  # no schedstat
     assert codes(ThroughputDiagnosis(patience=2), unknown, 2) == [[], ["TFD603"]]
