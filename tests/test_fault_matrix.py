@@ -166,21 +166,32 @@ def check_killed_rank(tmp_path: Path, strategy: str) -> float:
         "trainer": {"max_steps": 8},
         "callbacks": [{"class_path": "lightning_tfdebug.TFDebug", "init_args": {"every_n_steps": 1}}],
     }
-    results, output, wall = run_ranks(tmp_path, spec)
+    results, output, wall = run_ranks(tmp_path, spec)  # ended within LIMIT_S, or the test failed as a hang
     assert 1 not in results, "rank 1 was killed: it cannot have written a result"
-    assert 0 in results, f"rank 0 wrote no result:\n{output[-4000:]}"
-    error = results[0]["error"]
-    assert error, "rank 0 must end with an error, not train on alone"
-    assert results[0]["global_step"] <= NAN_STEP + 1
-    # the files rank 0 leaves are valid: its findings read back strictly, pack.json records the failure
+    # Rank 0 ends one of two ways, whichever comes first: its next collective fails (gloo: "Connection reset by
+    # peer") and the fit raises; or Lightning's launcher, which watches the rank processes it started, sees rank 1
+    # die and kills the whole group ("Child process ... terminated with code -9. Forcefully terminating all other
+    # processes"), sometimes before rank 0 has written its result file.
+    observer = "Forcefully terminating all other processes" in output
+    assert 0 in results or observer, f"rank 0 neither ended with an error nor was ended:\n{output[-4000:]}"
+    if 0 in results:
+        error = results[0]["error"]
+        assert error, "rank 0 must end with an error, not train on alone"
+        assert results[0]["global_step"] <= NAN_STEP + 1
+        # the summary printed on rank 0 says what the low-level error means
+        assert "another rank" in output and "stopped answering" in output, output[-3000:]
+        print(f"rank 0: {error['type']}: {error['message'][:200]}")
+    else:
+        print("rank 0 was ended by Lightning's launcher before it wrote its result")
+    # the files rank 0 leaves are valid whichever way it ended: the findings read back strictly, and pack.json
+    # (written atomically: complete or absent) records the failure
     findings = tfdebug_dir(tmp_path) / "findings-rank0.jsonl"
     if findings.exists():
         read_findings(findings, strict=True)
-    pack = json.loads((tfdebug_dir(tmp_path) / "pack.json").read_text())
-    assert pack["failed"] and pack["step"] <= NAN_STEP + 1
-    # the summary printed on rank 0 says what probably happened
-    assert "another rank" in output and "stopped answering" in output, output[-3000:]
-    print(f"rank 0: {error['type']}: {error['message'][:200]}")
+    pack_file = tfdebug_dir(tmp_path) / "pack.json"
+    if 0 in results or pack_file.exists():
+        pack = json.loads(pack_file.read_text())
+        assert pack["failed"] and pack["step"] <= NAN_STEP + 1
     return wall
 
 

@@ -240,3 +240,29 @@ def test_the_demo_config_uses_the_one_entry_with_every_member():
     assert entry["class_path"] == "lightning_tfdebug.TFDebug"
     pack = TFDebug(**{**entry["init_args"], "tokenizer": None})
     assert list(pack.members) == list(MEMBERS)
+
+
+@pytest.mark.ddp
+def test_a_member_that_stands_aside_on_every_rank_is_one_did_not_run_entry_with_the_rank_list(tmp_path):
+    spec = {
+        "strategy": "ddp",
+        "model_class": "tests.test_report:TupleBatchGPT",
+        "callbacks": [
+            {"class_path": "lightning_tfdebug.TFDebug", "init_args": {"every_n_steps": 2, "labels_key": "targets"}}
+        ],
+        "trainer": {"max_steps": 4},
+        "model": SMALL,
+        "data": {"batch_size": 4},
+    }
+    results = run_distributed(tmp_path, spec)
+    assert all(r["error"] is None for r in results)
+    run = load_run(results[0]["log_dir"])
+    assert {p.name for p in (tmp_path / "tb" / "version_0" / "tfdebug").glob("stood-aside-rank*.jsonl")} == {
+        "stood-aside-rank0.jsonl",
+        "stood-aside-rank1.jsonl",
+    }
+    [entry] = [e for e in run.did_not_run if e.check == "LossAtInit"]
+    assert entry.ranks == (0, 1) and entry.setting == "`labels_key`"
+    from lightning_tfdebug.report import render_text
+
+    assert "  LossAtInit (ranks 0,1): the batch is a tuple of 2 items" in render_text(run)
