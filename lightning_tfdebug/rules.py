@@ -1352,7 +1352,8 @@ _RULES: tuple[Rule, ...] = (
         title="the median step time regressed to more than `regression_factor` x the early window, sustained",
         trigger=(
             "the median step time above `regression_factor` x the early window's median (after `skip_steps`, over "
-            "`baseline_steps`) for `patience` measurements"
+            "`baseline_steps`), and the mean step time over the same `window` steps above `regression_factor` x the "
+            "early windows' (time lost, not only the median moved), for `patience` measurements"
         ),
         hint=(
             "Look for growth over time: a Python list or tensor kept across steps (retained graph, metrics "

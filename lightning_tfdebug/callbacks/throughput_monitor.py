@@ -239,6 +239,7 @@ class ThroughputMonitor(DebugCallback):
         self._other_base = RunningWindow(16)  # other processes' CPU cores during the early window
         self._delay_base = RunningWindow(16)  # run-queue wait per step (ms) during the early window
         self._cpu_base = RunningWindow(16)  # this process's CPU time per step (ms) during the early window
+        self._wall_base = RunningWindow(16)  # wall time per step (ms) of the early windows: their mean step time
         self.flops_per_token: float | None = None  # model FLOPs per computed token position (measured once)
         self._peak: float | None = None
         self._reset_timing()
@@ -428,6 +429,7 @@ class ThroughputMonitor(DebugCallback):
             if delay == delay:
                 self._delay_base.add(delay)
             self._cpu_base.add(cpu)
+            self._wall_base.add(load.wall_s * 1e3 / len(times) if times else math.nan)
         # The step time is a median over the last `window` steps, and one measuring window is a handful of steps of
         # a few ms each: on a shared machine its readings are noise. Contention is judged over the same steps as the
         # median (the windows since its oldest step), not over the last window alone.
@@ -437,6 +439,10 @@ class ThroughputMonitor(DebugCallback):
         while self._load_windows and sum(w[0] for w in self._load_windows) - self._load_windows[0][0] >= self.window:
             self._load_windows.popleft()
         span_delay, span_cpu, span_other = _span_rates(self._load_windows)
+        steps_in_span = sum(w[0] for w in self._load_windows)
+        span_wall = 1e3 * sum(w[4] for w in self._load_windows) / steps_in_span if steps_in_span else math.nan
+        wall_base = self._wall_base.median() if len(self._wall_base) else math.nan
+        mean_ratio = span_wall / wall_base if wall_base > 0 else math.nan
         delay_rise = span_delay - self._delay_base.median() if len(self._delay_base) else math.nan
         cpu_ratio = (
             span_cpu / self._cpu_base.median() if len(self._cpu_base) and self._cpu_base.median() > 0 else math.nan
@@ -477,7 +483,7 @@ class ThroughputMonitor(DebugCallback):
         )
         tokens = self._tokens.total(device)  # device scalars, no sync; the windows start again
         trimmed = self._trimmed.total(device)
-        cpu_slot = torch.tensor([cpu_ratio], dtype=torch.float64, device=device)
+        cpu_slot = torch.tensor([cpu_ratio, mean_ratio], dtype=torch.float64, device=device)
         packed = torch.cat([tokens.reshape(1), host.to(device), trimmed.reshape(1), cpu_slot])
         # collective: one all-gather of the packed vector, on every rank, on the same (global_step-decided) steps
         gathered = all_gather_vector(packed)
@@ -544,6 +550,7 @@ class ThroughputMonitor(DebugCallback):
             "other_baseline": self._other_base.state_dict(),
             "delay_baseline": self._delay_base.state_dict(),
             "cpu_baseline": self._cpu_base.state_dict(),
+            "wall_baseline": self._wall_base.state_dict(),
             "steps_seen": self._steps_seen,
             "flops_per_token": self.flops_per_token,
         }
@@ -555,5 +562,6 @@ class ThroughputMonitor(DebugCallback):
         self._other_base.load_state_dict(state_dict.get("other_baseline", {}))
         self._delay_base.load_state_dict(state_dict.get("delay_baseline", {}))
         self._cpu_base.load_state_dict(state_dict.get("cpu_baseline", {}))
+        self._wall_base.load_state_dict(state_dict.get("wall_baseline", {}))
         self._steps_seen = int(state_dict.get("steps_seen", 0))
         self.flops_per_token = state_dict.get("flops_per_token")

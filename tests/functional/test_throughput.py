@@ -192,6 +192,7 @@ def row(**values):
         delay_rise_ms=0.0,
         trimmed_positions=1000.0,
         cpu_ratio=1.0,
+        mean_ratio=float("nan"),
     )
     base.update(values)
     return base
@@ -236,6 +237,11 @@ def test_diagnosis_needs_patience_and_tells_contention_from_a_slowdown():
     assert codes(ThroughputDiagnosis(patience=2), heavier, 2) == [[], ["TFD603"]]
     unknown = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=float("nan"), cpu_ratio=1.0)]  # no schedstat
     assert codes(ThroughputDiagnosis(patience=2), unknown, 2) == [[], ["TFD603"]]
+    # a slowdown is lost time: a median that rose while the mean step time over the same steps did not is the shape of
+    # the step times changing under time slicing, not a slower run
+    reshuffled = [row(step_ms=40.0, mean_ratio=1.1)]
+    assert codes(ThroughputDiagnosis(patience=2), reshuffled, 2) == [[], []]
+    assert codes(ThroughputDiagnosis(patience=2), [row(step_ms=40.0, mean_ratio=1.9)], 2) == [[], ["TFD603"]]
     assert codes(ThroughputDiagnosis(patience=2), [row()], 3) == [[], [], []]
 
 
