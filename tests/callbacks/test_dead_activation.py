@@ -7,7 +7,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.checkpoint import checkpoint
 
-from lightning_tfdebug import DeadActivation, TFDebugWarning
+from lightning_tfdebug import DeadActivation
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
 from tests.helpers import fit_tiny as fit
@@ -184,11 +184,11 @@ def test_after_discovery_the_mode_runs_only_inside_modules_that_call_activation_
 
 def test_activations_called_as_functions_are_measured_through_preactivations(tmp_path):
     aside = DeadActivation(every_n_steps=1, functional=False)
-    with pytest.warns(TFDebugWarning, match="preactivations"):
-        make_trainer(tmp_path / "a", [aside], max_steps=1).fit(
-            FunctionalGPT(mlp_bias_init=-5.0, **SMALL), TinyTextDataModule(batch_size=8)
-        )
+    make_trainer(tmp_path / "a", [aside], max_steps=1).fit(
+        FunctionalGPT(mlp_bias_init=-5.0, **SMALL), TinyTextDataModule(batch_size=8)
+    )
     assert not aside.active
+    assert aside.stood_aside["setting"] == "`preactivations`"
     monitor = DeadActivation(every_n_steps=1, preactivations={r"mlp\.fc$": "relu"}, functional=False)
     trainer = fit(tmp_path / "b", [monitor], model=FunctionalGPT(mlp_bias_init=-5.0, **SMALL), max_steps=2)
     assert trainer.callback_metrics["dead_activation/dead_frac/blocks.0.mlp.fc"].item() == 1.0
