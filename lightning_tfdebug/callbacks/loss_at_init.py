@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.base import DebugCallback, check_number, eager_model_calls, model_is_compiled
 from lightning_tfdebug.core.batch import (
     IGNORE_INDEX,
     LABELS_KEYS,
@@ -25,7 +25,7 @@ from lightning_tfdebug.core.batch import (
     step_batch,
 )
 from lightning_tfdebug.core.distributed import packed_reduce, world_size
-from lightning_tfdebug.core.model import in_training_step
+from lightning_tfdebug.core.model import in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import (
     bounded_floor_sums,
@@ -288,6 +288,8 @@ class LossAtInit(DebugCallback):
         self._armed: str | None = None  # "init" or "check" while a step is being captured
         self._armed_step = 0
         self._handles: list[RemovableHandle] = []
+        self._replay = False  # compiled model: the armed step's logits come from an eager replay at its end
+        self._replaying = False
         self._captured: dict[str, Tensor] = {}  # the root's or the named module's logits, and children's `.logits`
         self._raw: dict[str, Tensor] = {}  # direct children's plain tensor outputs, in call order (a fallback)
         self._output_types: dict[str, str] = {}
@@ -333,8 +335,34 @@ class LossAtInit(DebugCallback):
         self._captured.clear()
         self._raw.clear()
         self._output_types.clear()
+        if model_is_compiled(trainer, pl_module):
+            # Hooks that come and go on compiled code make Dynamo recompile it (and a recompiled graph with them has
+            # failed in AOT autograd): read the logits from an eager replay of this batch at its end instead.
+            self._replay = True
+            return
+        self._replay = False
         for name, module in self._candidates(pl_module):
             self._handles.append(module.register_forward_hook(self._make_hook(name)))
+
+    def _replay_outputs(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
+        """Run ``training_step`` again on the batch, eagerly, under ``no_grad`` with the RNG restored and ``self.log``
+        silenced, with the capture hooks on; returns what it returned (the loss the captured logits belong to).
+        For compiled models, on the two armed steps only."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        handles = [m.register_forward_hook(self._make_hook(n)) for n, m in self._candidates(pl_module)]
+        self._replaying = True
+        try:
+            with (
+                eager_model_calls(),
+                torch.random.fork_rng(devices=devices),
+                torch.no_grad(),
+                trainer.precision_plugin.train_step_context(),
+            ):
+                return quiet_training_step(pl_module, batch, batch_idx)
+        finally:
+            self._replaying = False
+            for handle in handles:
+                handle.remove()
 
     def _candidates(self, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
         if self.logits_module is not None:
@@ -344,7 +372,7 @@ class LossAtInit(DebugCallback):
 
     def _make_hook(self, name: str):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if name in self._output_types or not in_training_step(self._pl_module):
+            if name in self._output_types or not (self._replaying or in_training_step(self._pl_module)):
                 return  # the first call in the training step only; not another callback's probe forward
             self._output_types[name] = type(output).__name__
             child = self.logits_module is None and name != ""
@@ -364,7 +392,7 @@ class LossAtInit(DebugCallback):
         self._handles.clear()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._armed is None or self._collected is not None:
+        if self._armed is None or self._collected is not None or self._replay:
             return
         # The forward is over: remove the hooks (activation checkpointing re-runs forwards in backward), reduce the
         # captured outputs to a few device scalars and let the logits go, so they do not outlive the backward.
@@ -397,6 +425,12 @@ class LossAtInit(DebugCallback):
         try:
             self._remove_hooks()
             loss = self._training_loss(trainer, pl_module, outputs)
+            if self._replay and pl_module.automatic_optimization:
+                try:
+                    loss = loss_of(self._replay_outputs(trainer, pl_module, batch, batch_idx))
+                except Exception:  # a training_step that cannot be replayed: nothing captured, stand aside below
+                    self._captured.clear()
+                    self._raw.clear()
             with torch.no_grad():
                 collected = self._collected or self._collect(pl_module)  # no backward ran (manual optimization)
                 if phase == "init":
