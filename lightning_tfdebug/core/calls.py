@@ -25,7 +25,6 @@ class RecordedCall:
     """One module call: the module, its arguments as they were passed, and what it returned."""
 
     module: nn.Module
-    name: str  # the module's qualified name under the recording root ("" for the root itself)
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     output: Any
@@ -131,15 +130,13 @@ class CallRecorder:
         self._handles: list[Any] = []
 
     def start(self) -> CallRecorder:
-        names = {id(m): n for n, m in self.root.named_modules()}
-
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._depth += 1
 
         def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             self._depth -= 1
             if self._depth == 0 and (self.keep is None or self.keep()):
-                self.calls.append(RecordedCall(module, names.get(id(module), ""), args, dict(kwargs), output))
+                self.calls.append(RecordedCall(module, args, dict(kwargs), output))
 
         for module in self.root.modules():
             self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))

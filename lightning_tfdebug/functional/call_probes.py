@@ -73,9 +73,6 @@ class CallPlan:
     def takes_mask(self) -> bool:
         return self.mask_path is not None
 
-    def tensor(self, path: Path) -> Tensor:
-        return self._tensors[path]
-
     def batch_first(self, slot: Slot) -> Tensor:
         t = self._tensors[slot.path]
         return t.transpose(0, 1) if slot.seq_first else t
