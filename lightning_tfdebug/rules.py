@@ -49,6 +49,9 @@ class Rule:
         title: a few words saying what is wrong (the callback page's table).
         trigger: the measured condition that raises it.
         hint: what to do; a finding with a more specific hint carries its own.
+        reason: why the rule has its severity, under the severity policy (``docs/severity.md``): what makes the run
+            unable to succeed (error), the harm measured or the work lost (warning), or why it is only an
+            observation (info).
     """
 
     code: str
@@ -57,6 +60,7 @@ class Rule:
     title: str
     trigger: str
     hint: str
+    reason: str = ""
 
     def __post_init__(self) -> None:
         check_code(self.code)
