@@ -1,0 +1,472 @@
+"""The bug matrix: every row of the bug zoo (``shared/bugzoo.md``) that a callback claims, injected into three model
+families where users put it, must be flagged by its owner at its severity.
+
+Families (``tests/bug_models.py``, built on the healthy matrix's ``tests/healthy_models.py``): ``encoder_lm``, a causal
+LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple batches, or the bundled padded dict
+batches for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug
+needs PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
+TinyGPT. Every case runs the whole pack at its defaults (the thirteen callbacks, as the healthy matrix does; that
+includes MaskProbe and CheckpointAudit, which ``TFDebug()``'s default preset leaves out) on the buggy run, for the
+fewest steps that let the owner decide, and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run
+under DDP with two gloo processes (``tests/helpers.run_distributed``).
+
+Row 29 (attention logits without the 1/sqrt(d) scale) is left out: no callback claims it yet.
+
+A few fast cases run by default; the whole matrix runs under ``-m slow``. ``docs/bug-matrix.md`` has the table of
+rows, families, placements and codes. :data:`KNOWN_MISSES` lists the cases where the owner misses the bug today
+(xfail, not strict), with what it saw.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_tfdebug.findings import SEVERITIES, Finding
+from lightning_tfdebug.rules import RULES
+from tests.bug_models import (
+    BugEncoderLM,
+    BugHFLM,
+    BugTinyGPT,
+    TokenRowLM,
+    dict_data,
+    token_rows,
+    tuple_loader,
+)
+from tests.healthy_models import PACK_NAMES, the_pack_at_defaults
+from tests.helpers import make_trainer, run_distributed
+
+pytest.importorskip("transformers")
+
+CHECK_STEP = 100  # LossAtInit's default check_step; MaskProbe's token-order check runs from step 100 too
+AFTER_CHECK = CHECK_STEP + 10
+
+
+@dataclass(frozen=True)
+class Expect:
+    """One of ``codes``, from its owner, at ``severity`` or above; with no codes, any code of ``source``."""
+
+    codes: tuple[str, ...] = ()
+    severity: str = "warning"
+    source: str = ""
+
+    def met_by(self, finding: Any) -> bool:
+        if self.codes:
+            ours = finding.code in self.codes and RULES[finding.code].source == finding.source
+        else:
+            ours = finding.source == self.source
+        return ours and SEVERITIES.index(finding.severity) >= SEVERITIES.index(self.severity)
+
+    def __str__(self) -> str:
+        what = "/".join(f"{RULES[c].source} {c}" for c in self.codes) or f"{self.source} (any code)"
+        return f"{what} at {self.severity} or above"
+
+
+def owner(*codes: str, severity: str | None = None) -> Expect:
+    """One of ``codes`` from its owner, at the least of the rules' severities (or at ``severity``)."""
+    least = min(SEVERITIES.index(RULES[c].severity) for c in codes)
+    return Expect(codes, severity or SEVERITIES[least])
+
+
+def any_code(source: str, severity: str = "warning") -> Expect:
+    """Any code of ``source`` at ``severity`` or above (rows whose detector is being built: code not pinned yet)."""
+    return Expect((), severity, source)
+
+
+@dataclass
+class Case:
+    """One row on one family: how to build the buggy run and what its owner must say."""
+
+    module: Callable[[], Any]
+    data: Callable[[], Any]
+    expect: tuple[Expect, ...]
+    placement: str
+    steps: int = 3
+    trainer: dict[str, Any] = field(default_factory=dict)
+    callbacks: Callable[[Path], list] = lambda tmp_path: []
+    raises: bool = False  # the bug ends the run with an exception (after the pack has spoken)
+
+
+FAMILIES = ("encoder_lm", "gpt2", "tinygpt")
+
+
+def enc(**kw: Any) -> Callable[[], BugEncoderLM]:
+    return lambda: BugEncoderLM(**kw)
+
+
+def gpt2(**kw: Any) -> Callable[[], BugHFLM]:
+    return lambda: BugHFLM("gpt2", **kw)
+
+
+def tiny(**kw: Any) -> Callable[[], BugTinyGPT]:
+    return lambda: BugTinyGPT(**kw)
+
+
+def tuples(**kw: Any) -> Callable[[], Any]:
+    return lambda: tuple_loader(**kw)
+
+
+def dicts(**kw: Any) -> Callable[[], Any]:
+    return lambda: dict_data(**kw)
+
+
+def fp16() -> dict[str, Any]:
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+
+
+def saver(**kw: Any) -> Callable[[Path], list]:
+    return lambda tmp_path: [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, **kw)]
+
+
+def row_cases() -> dict[tuple[int, str], Case]:
+    """Every (row, family) of the single-process matrix."""
+    c: dict[tuple[int, str], Case] = {}
+    # 1: softmax in the forward, cross-entropy after it
+    for fam, module, data in (
+        ("encoder_lm", enc(output_squash="softmax"), tuples()),
+        ("gpt2", gpt2(output_squash="softmax"), dicts()),
+        ("tinygpt", tiny(softmax_output=True), dicts()),
+    ):
+        c[1, fam] = Case(module, data, (owner("TFD220"),), "forward returns softmax(logits)")
+    # 2: every label ignored (data)
+    for fam, module, data in (
+        ("encoder_lm", enc(), tuples(all_ignored=True)),
+        ("gpt2", gpt2(), dicts(all_labels_ignored=True)),
+        ("tinygpt", tiny(), dicts(all_labels_ignored=True)),
+    ):
+        c[2, fam] = Case(module, data, (owner("TFD114", "TFD224"),), "collator/dataset sets every label to -100")
+    # 3: pad positions supervised (collator)
+    for fam, module in (("encoder_lm", enc()), ("gpt2", gpt2()), ("tinygpt", tiny())):
+        c[3, fam] = Case(module, dicts(pad_labels_supervised=True), (owner("TFD115"),), "collator keeps pad labels")
+    # 4, 5: one batch too long / one bad token id (data); the model then fails, ReproCapture writes its bundle
+    for row, code, tup, dic, what in (
+        (4, "TFD111", dict(long_every=3), dict(long_batch_every=3), "the 3rd batch longer than the position table"),
+        (5, "TFD110", dict(bad_token_every=3), dict(bad_token_every=3), "the 3rd batch carries id >= V"),
+    ):
+        for fam, module, data in (
+            ("encoder_lm", enc(), tuples(**tup)),
+            ("gpt2", gpt2(), dicts(**dic)),
+            ("tinygpt", tiny(), dicts(**dic)),
+        ):
+            c[row, fam] = Case(module, data, (owner(code), owner("TFD130")), what, steps=5, raises=True)
+    # 6: dtype drift in one batch (data)
+    for fam, module, data in (
+        ("encoder_lm", enc(), tuples(int32_every=3)),
+        ("gpt2", gpt2(), dicts(dtype_drift_every=3)),
+        ("tinygpt", tiny(), dicts(dtype_drift_every=3)),
+    ):
+        c[6, fam] = Case(module, data, (owner("TFD103"),), "the 3rd batch has int32 labels", steps=5, raises=True)
+    # 7: no causal mask (forward)
+    for fam, module, data in (
+        ("encoder_lm", enc(causal=False), tuples()),
+        ("gpt2", gpt2(bidirectional_mask=True), dicts()),
+        ("tinygpt", tiny(no_causal_mask=True), dicts()),
+    ):
+        c[7, fam] = Case(module, data, (owner("TFD201"),), "forward attends without the causal mask")
+    # 8: padding not masked (forward)
+    for fam, module in (
+        ("encoder_lm", enc(padding_mask=False)),
+        ("gpt2", gpt2(pass_mask=False)),
+        ("tinygpt", tiny(no_padding_mask=True)),
+    ):
+        c[8, fam] = Case(module, dicts(), (owner("TFD202", "TFD203", "TFD204"),), "forward drops the padding mask")
+    # 9: labels not shifted (data for the tuple pipeline, the step for the others)
+    for fam, module, data, where in (
+        ("encoder_lm", enc(), tuples(unshifted=True), "dataset targets = tokens"),
+        ("gpt2", gpt2(shift=False), dicts(), "step's loss without the shift"),
+        ("tinygpt", tiny(unshifted_labels=True), dicts(), "step's loss without the shift"),
+    ):
+        c[9, fam] = Case(module, data, (owner("TFD205", "TFD226"),), where)
+    # 10: a submodule left out of the optimizer (configure_optimizers)
+    for fam, module, data in (
+        ("encoder_lm", enc(left_out="out."), tuples()),
+        ("gpt2", gpt2(left_out="model.transformer.h.1."), dicts()),
+        ("tinygpt", tiny(head_not_in_optimizer=True), dicts()),
+    ):
+        c[10, fam] = Case(module, data, (owner("TFD312", "TFD320"),), "configure_optimizers leaves it out", steps=12)
+    # 11: learning rate 100x too low (configuration)
+    for fam, module, data in (
+        ("encoder_lm", enc(lr=2e-5), tuples()),
+        ("gpt2", gpt2(lr=2e-5), dicts()),
+        ("tinygpt", tiny(lr=2e-5), dicts()),
+    ):
+        c[11, fam] = Case(module, data, (owner("TFD310"),), "lr 2e-5 (100x below 2e-3)", steps=45)
+    # 12: learning rate 100x too high, no warm-up (configuration)
+    for fam, module, data in (
+        ("encoder_lm", enc(lr=0.2, warmup_steps=0), tuples()),
+        ("gpt2", gpt2(lr=0.2, warmup_steps=0), dicts()),
+        ("tinygpt", tiny(lr=0.2, warmup_steps=0), dicts()),
+    ):
+        c[12, fam] = Case(
+            module, data, (owner("TFD301", "TFD311", "TFD313"),), "lr 0.2 (100x above 2e-3), no warm-up", steps=31
+        )
+    # 13: a deep stack without residuals, saturating activations (model structure)
+    for fam, module, data, where in (
+        ("encoder_lm", enc(deep_head=8), tuples(), "8 sigmoid layers without residuals before the output layer"),
+        ("gpt2", gpt2(deep_head=8), dicts(), "8 sigmoid layers without residuals before the LM head"),
+        ("tinygpt", tiny(n_layers=8, no_residual=True, activation="sigmoid"), dicts(), "8 blocks, no residuals"),
+    ):
+        c[13, fam] = Case(module, data, (owner("TFD302"),), where, steps=40)
+    # 14: large negative bias before ReLU (initialisation)
+    for fam, module, data in (
+        ("encoder_lm", enc(dead_bias=-20.0), tuples()),
+        ("gpt2", gpt2(activation="relu", mlp_bias_init=-20.0), dicts()),
+        ("tinygpt", tiny(activation="relu", mlp_bias_init=-5.0), dicts()),
+    ):
+        c[14, fam] = Case(module, data, (owner("TFD340", "TFD341"),), "MLP input bias initialised negative", steps=30)
+    # 15: an activation past the fp16 range under 16-bit AMP with a GradScaler
+    for fam, module, data in (
+        ("encoder_lm", enc(overflow_module="encoder.layers.0.linear1"), tuples()),
+        ("gpt2", gpt2(overflow_module="model.transformer.h.0.mlp.c_fc"), dicts()),
+        ("tinygpt", tiny(overflow_module="blocks.0.mlp.fc"), dicts()),
+    ):
+        c[15, fam] = Case(
+            module,
+            data,
+            (owner("TFD401", "TFD411", "TFD412"),),
+            "first MLP layer's output x 1e5, 16-mixed",
+            steps=12,
+            trainer=fp16(),
+        )
+    # 19: a slow __getitem__ (data)
+    for fam, module, data in (
+        ("encoder_lm", enc(), tuples(slow_s=0.005)),
+        ("gpt2", gpt2(), dicts(slow_getitem_s=0.01)),
+        ("tinygpt", tiny(), dicts(slow_getitem_s=0.01)),
+    ):
+        c[19, fam] = Case(module, data, (owner("TFD601"),), "dataset sleeps in __getitem__", steps=45)
+    # 20: Adam with coupled L2 weight decay (configure_optimizers)
+    for fam, module, data in (
+        ("encoder_lm", enc(adam_l2=0.1), tuples()),
+        ("gpt2", gpt2(adam_l2=0.1), dicts()),
+        ("tinygpt", tiny(adam_l2=True), dicts()),
+    ):
+        c[20, fam] = Case(module, data, (owner("TFD326"),), "torch.optim.Adam(weight_decay=0.1)")
+    # 21: the module in eval mode during training (a hook)
+    for fam, module, data in (
+        ("encoder_lm", enc(eval_mode=True), tuples()),
+        ("gpt2", gpt2(eval_mode=True), dicts()),
+        ("tinygpt", tiny(eval_mode=True), dicts()),
+    ):
+        c[21, fam] = Case(module, data, (owner("TFD327"),), "on_train_epoch_start calls self.eval()")
+    # 22: checkpoints without optimizer / scheduler state (on_save_checkpoint)
+    for fam, module, data in (
+        ("encoder_lm", enc(drop_optimizer_state=True), tuples()),
+        ("gpt2", gpt2(drop_optimizer_state=True), dicts()),
+        ("tinygpt", tiny(drop_optimizer_state=True), dicts()),
+    ):
+        c[22, fam] = Case(
+            module,
+            data,
+            (owner("TFD703", "TFD705"),),
+            "on_save_checkpoint pops the optimizer and scheduler state",
+            steps=5,
+            trainer={"enable_checkpointing": True},
+            callbacks=saver(),
+        )
+    # 24: outputs squashed in the forward
+    for fam, module, data, what in (
+        ("encoder_lm", enc(output_squash="sigmoid"), tuples(), "sigmoid"),
+        ("gpt2", gpt2(output_squash="tanh"), dicts(), "tanh"),
+        ("tinygpt", tiny(output_squash="clamp"), dicts(), "clamp(-1, 1)"),
+    ):
+        c[24, fam] = Case(module, data, (owner("TFD230"),), f"forward returns {what}(logits)", steps=AFTER_CHECK)
+    # 25: attention mask built as ids != pad_id, pad id a real token (collator)
+    for fam, module in (("encoder_lm", enc()), ("gpt2", gpt2()), ("tinygpt", tiny())):
+        c[25, fam] = Case(
+            module,
+            dicts(collator="pad_is_real"),
+            (owner("TFD122"),),
+            "collator: mask = ids != pad_id, pad id = the space byte",
+        )
+    # 26: labels joined to the wrong samples (collator)
+    for fam, module in (("encoder_lm", enc()), ("gpt2", gpt2()), ("tinygpt", tiny())):
+        c[26, fam] = Case(
+            module,
+            dicts(collator="wrong_labels"),
+            (owner("TFD231"),),
+            "collator rolls the labels by one sample",
+            steps=AFTER_CHECK,
+        )
+    # 27: most positions padding (collator pads to the full context)
+    for fam, module in (("encoder_lm", enc()), ("gpt2", gpt2()), ("tinygpt", tiny())):
+        c[27, fam] = Case(
+            module,
+            dicts(collator="max_length"),
+            (owner("TFD602", severity="warning"),),
+            "collator pads 8-token documents to 64",
+            steps=45,
+        )
+    # 28: position ids constant or missing (forward)
+    for fam, module, data, where in (
+        ("encoder_lm", enc(positions=False), tuples(), "forward adds no position table"),
+        ("gpt2", gpt2(constant_positions=True), dicts(), "forward passes position_ids of zeros"),
+        ("tinygpt", tiny(constant_positions=True), dicts(), "forward uses position 0 everywhere"),
+    ):
+        c[28, fam] = Case(module, data, (owner("TFD215"),), where, steps=AFTER_CHECK)
+    # 30: the squashing of row 24 in training_step
+    for fam, module, data, what in (
+        ("encoder_lm", enc(step_squash="sigmoid"), tuples(), "sigmoid"),
+        ("gpt2", gpt2(step_squash="tanh"), dicts(), "tanh"),
+        ("tinygpt", tiny(step_squash="sigmoid"), dicts(), "sigmoid"),
+    ):
+        c[30, fam] = Case(
+            module, data, (any_code("LossAtInit"),), f"training_step applies {what} before the loss", steps=AFTER_CHECK
+        )
+    # 31: the same batch at every step
+    for fam, module, data, trainer, where in (
+        ("encoder_lm", enc(), tuples(), {"limit_train_batches": 1}, "Trainer(limit_train_batches=1), no shuffle"),
+        ("gpt2", gpt2(), dicts(same_index=True), {}, "dataset __getitem__ ignores its index"),
+        ("tinygpt", tiny(), dicts(), {"overfit_batches": 1}, "Trainer(overfit_batches=1) left on"),
+    ):
+        c[31, fam] = Case(module, data, (any_code("BatchGuard"),), where, steps=20, trainer=trainer)
+    # 32: eos never supervised (collator pads with eos and masks labels equal to the pad id)
+    for fam, module in (("encoder_lm", enc()), ("gpt2", gpt2()), ("tinygpt", tiny())):
+        c[32, fam] = Case(
+            module, dicts(collator="eos_pad"), (any_code("BatchGuard"),), "collator: pad = eos, labels == pad masked"
+        )
+    # 33: a loss-only wrapper over token rows, built with a non-causal stack
+    for fam, where in (
+        ("encoder_lm", "wrapper over nn.TransformerEncoder without a mask"),
+        ("gpt2", "wrapper over transformers.BertLMHeadModel(is_decoder=False)"),
+        ("tinygpt", "wrapper over TinyGPT(no_causal_mask=True)"),
+    ):
+        c[33, fam] = Case(lambda fam=fam: TokenRowLM(fam), token_rows, (owner("TFD201"),), where)
+    # 34: learning rate far too low on PyTorch's default initialisation
+    for fam, module, data in (
+        ("encoder_lm", enc(lr=1e-8, layers=3), tuples()),
+        ("gpt2", lambda: BugHFLM("llama", lr=1e-8, default_init=True), dicts()),
+        ("tinygpt", tiny(lr=1e-8, pytorch_init=True), dicts()),
+    ):
+        c[34, fam] = Case(module, data, (owner("TFD310"),), "lr 1e-8, PyTorch's default init", steps=60)
+    # 35: every checkpoint weights-only (ModelCheckpoint configuration)
+    for fam, module, data in (("encoder_lm", enc(), tuples()), ("gpt2", gpt2(), dicts()), ("tinygpt", tiny(), dicts())):
+        c[35, fam] = Case(
+            module,
+            data,
+            (any_code("CheckpointAudit"),),
+            "ModelCheckpoint(save_weights_only=True)",
+            steps=5,
+            trainer={"enable_checkpointing": True},
+            callbacks=saver(save_weights_only=True),
+        )
+    return c
+
+
+CASES = row_cases()
+
+FAST = {(1, "encoder_lm"), (2, "tinygpt"), (7, "gpt2"), (9, "gpt2"), (20, "gpt2"), (21, "tinygpt")}
+"""The cases in the default run (a few seconds each); the rest run under ``-m slow``."""
+
+KNOWN_MISSES: dict[tuple[int, str], str] = {}
+"""Cases where the owner misses the bug today: ``(row, family) -> what it saw`` (xfail, not strict)."""
+
+
+def run_case(tmp_path: Path, case: Case) -> tuple[list, BaseException | None]:
+    """Fit the buggy run with the whole pack at its defaults; return the pack and the exception the bug raised."""
+    pack = the_pack_at_defaults()
+    kwargs = {"max_steps": case.steps, "log_every_n_steps": 10, **case.trainer}
+    trainer = make_trainer(tmp_path, pack + case.callbacks(tmp_path), **kwargs)
+    error = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer.fit(case.module(), case.data())
+        except Exception as err:  # the bug's own failure, after the pack has spoken
+            if not case.raises:
+                raise
+            error = err
+    for finding in (f for c in pack for f in c.findings):  # every finding is a registered rule's, from its owner
+        assert RULES[finding.code].source == finding.source, finding.format()
+    return pack, error
+
+
+def cases():
+    for row, family in CASES:
+        marks = [] if (row, family) in FAST else [pytest.mark.slow]
+        if (row, family) in KNOWN_MISSES:
+            marks.append(pytest.mark.xfail(strict=False, reason=KNOWN_MISSES[row, family]))
+        yield pytest.param(row, family, marks=marks, id=f"row{row}-{family}")
+
+
+@pytest.mark.parametrize("row, family", list(cases()))
+def test_the_owner_flags_the_bug(tmp_path, row, family):
+    case = CASES[row, family]
+    pack, error = run_case(tmp_path, case)
+    found = [f for c in pack for f in c.findings]
+    said = [f"{f.code} {f.severity} {f.source}: {f.message}" for f in found]
+    for expect in case.expect:
+        assert any(expect.met_by(f) for f in found), f"row {row} on {family}: expected {expect}; the pack said {said}"
+    if case.raises:
+        assert error is not None, "the bug was expected to end the run"
+
+
+# ------------------------------------------------------------------------------------------------------------ DDP
+DDP_MODELS = {
+    "encoder_lm": ("tests.bug_models:BugEncoderLM", {}),
+    "gpt2": ("tests.bug_models:BugHFLM", {"family": "gpt2"}),
+    "tinygpt": ("tests.bug_models:BugTinyGPT", {}),
+}
+PERTURBED = {"encoder_lm": "out.bias", "gpt2": "model.transformer.ln_f.weight"}
+NAN_MODULE = {"encoder_lm": "encoder.layers.1.linear1", "gpt2": "model.transformer.h.1.mlp.c_fc"}
+NAN_MODULE["tinygpt"] = "blocks.1.mlp.fc"
+
+
+def ddp_case(row: int, family: str) -> tuple[dict[str, Any], dict[str, Any], Expect, str]:
+    """Model kwargs, Trainer kwargs, the expectation on every rank, and the placement of row ``row``."""
+    if row == 16:
+        return {}, {"use_distributed_sampler": False}, owner("TFD501"), "Trainer(use_distributed_sampler=False)"
+    if row == 17:
+        if family == "tinygpt":
+            model = {"perturb_rank": 1, "perturb_at_step": 3}
+        else:
+            model = {"perturb_rank": 1, "perturb_at_step": 3, "perturb_param": PERTURBED[family]}
+        return model, {}, owner("TFD502"), "training_step changes a weight on rank 1 at step 3"
+    if row == 18:
+        return {"slow_rank": 1, "slow_rank_s": 0.2}, {}, owner("TFD503"), "training_step sleeps 0.2 s on rank 1"
+    if row == 23:
+        model = {"nan_module": NAN_MODULE[family], "nan_module_rank": 1, "nan_at_step": 3}
+        return model, {}, owner("TFD401"), "an MLP layer's output turns NaN on rank 1 at step 3"
+    raise ValueError(row)
+
+
+DDP_ROWS = (16, 17, 18, 23)
+DDP_STEPS = 8
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("row", DDP_ROWS)
+def test_the_owner_flags_the_bug_under_ddp(tmp_path, row, family):
+    if (row, family) in KNOWN_MISSES:
+        pytest.xfail(KNOWN_MISSES[row, family])
+    model_class, model = DDP_MODELS[family]
+    extra_model, trainer, expect, _ = ddp_case(row, family)
+    spec = {
+        "strategy": "ddp",
+        "model_class": model_class,
+        "model": {**model, **extra_model},
+        "data": {"batch_size": 8},
+        "trainer": {"max_steps": DDP_STEPS, "log_every_n_steps": 1, **trainer},
+        "callbacks": [{"class_path": f"lightning_tfdebug.{name}"} for name in PACK_NAMES],
+    }
+    results = run_distributed(tmp_path, spec, timeout=300)
+    for result in results:  # every rank reaches the owner's finding
+        found = [f for findings in result["findings"].values() for f in findings]
+        said = [f"{f['code']} {f['severity']} {f['source']}: {f['message']}" for f in found]
+        assert any(expect.met_by(Finding(**f)) for f in found), (
+            f"rank {result['rank']}: expected {expect}; the pack said {said}"
+        )
+        if row == 23:  # the report names the rank and the module, and no rank hangs
+            [nan] = [f for f in found if f["code"] == "TFD401"]
+            assert 1 in nan["evidence"].get("ranks", [nan["evidence"].get("rank")]), nan
+            assert NAN_MODULE[family] in str(nan["evidence"]), nan
