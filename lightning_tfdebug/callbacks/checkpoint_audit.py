@@ -72,7 +72,8 @@ class CheckpointAudit(DebugCallback):
 
     Findings: ``TFD701`` weights missing, ``TFD702`` wrong shapes, ``TFD703`` optimizer state missing, ``TFD704``
     optimizer state incomplete, ``TFD705`` scheduler state missing, ``TFD706`` GradScaler state missing,
-    ``TFD707`` loop progress missing, ``TFD708`` callback state missing, ``TFD709`` (info) not checked or weights-only,
+    ``TFD707`` loop progress missing, ``TFD708`` callback state missing, ``TFD709`` (info) not checked or weights-only (a warning when no checkpoint the
+    run keeps can resume it),
     ``TFD710`` restored weights differ, ``TFD711`` optimizer step counts differ, ``TFD712`` learning rate differs,
     ``TFD713`` loss scale differs, ``TFD714`` global step differs, ``TFD715`` probe loss differs after resume,
     ``TFD716`` a checkpoint this run wrote is truncated, corrupt or incomplete.
@@ -132,6 +133,7 @@ class CheckpointAudit(DebugCallback):
         self._sharded_due = False  # a sharded save happened; rank 0 checks its directory at the next batch end
         self._resolve_due = False
         self._verified_since_save = True
+        self._full_saved = False  # a full (resumable) checkpoint of this run was read back
         self._io: Any = None
         self._restored: dict[str, Any] | None = None
         self.checked_files: list[str] = []
@@ -300,20 +302,9 @@ class CheckpointAudit(DebugCallback):
             self._verified_since_save = True
             self.checked_files.append(path)
             if not expected:  # written without on_save_checkpoint: a weights-only save
-                self.emit(
-                    trainer,
-                    "TFD709",
-                    f"Checkpoint {os.path.basename(path)} is weights-only (no optimizer, scheduler or loop state), so "
-                    "only its existence was checked; it serves inference or fine-tuning, not resuming this run.",
-                    {"path": path},
-                    hint=(
-                        "Keep at least one full checkpoint (`save_weights_only=False`, e.g. `save_last=True`) to "
-                        "resume."
-                    ),
-                    key="weights_only",
-                    synchronized=False,
-                )
+                self._report_weights_only(trainer, path)
                 continue
+            self._full_saved = True
             for verdict in checkpoints.content_problems(loaded, expected):
                 self._emit(
                     trainer,
@@ -324,6 +315,41 @@ class CheckpointAudit(DebugCallback):
                     synchronized=False,
                 )
         self._pending_files = still
+
+    def _report_weights_only(self, trainer: pl.Trainer, path: str) -> None:
+        """``TFD709`` for a weights-only file: info when another checkpoint the run keeps can resume it, a warning
+        when none can (a crash then loses the optimizer, scheduler and loop state: the run cannot be resumed)."""
+        full = checkpoints.resumable_savers(trainer.checkpoint_callbacks)
+        name = os.path.basename(path)
+        if full or self._full_saved:
+            self.emit(
+                trainer,
+                "TFD709",
+                f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state), so only its existence "
+                "was checked; it serves inference or fine-tuning, while "
+                + (f"{', '.join(full)} keeps full checkpoints to resume from." if full else "this run also wrote a full "
+                   "checkpoint to resume from."),
+                {"path": path, "resumable_savers": full, "resumable": True},
+                key="weights_only",
+                synchronized=False,
+            )
+            return
+        savers = [type(cb).__name__ for cb in trainer.checkpoint_callbacks]
+        self.emit(
+            trainer,
+            "TFD709",
+            f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state), and no checkpoint this run "
+            f"keeps can resume it ({len(savers)} checkpoint callback(s), none saving full checkpoints): after a crash "
+            "the run restarts from step 0 or resumes with a fresh optimizer and schedule.",
+            {"path": path, "resumable_savers": [], "resumable": False},
+            severity="warning",
+            hint=(
+                "Keep at least one full checkpoint: `save_weights_only=False` on this ModelCheckpoint, or a second "
+                "`ModelCheckpoint(save_last=True)` beside it."
+            ),
+            key="weights_only",
+            synchronized=False,
+        )
 
     def _not_checked(self, trainer: pl.Trainer, path: str, why: str) -> None:
         self.emit(

@@ -30,6 +30,21 @@ def _verdict(code: str, message: str, evidence: dict[str, Any], hint: str, sever
     return Verdict(code, message, evidence, hint=hint, severity=severity)
 
 
+def resumable_savers(savers: Sequence[Any]) -> list[str]:
+    """The checkpoint callbacks (``ModelCheckpoint`` or alike, read by attribute) that keep full checkpoints this run
+    can resume from: not ``save_weights_only`` and keeping something (``save_top_k != 0`` or ``save_last``). Each is
+    named by its class and directory. Host attributes only."""
+    out = []
+    for saver in savers:
+        if getattr(saver, "save_weights_only", False):
+            continue
+        if getattr(saver, "save_top_k", 1) == 0 and not getattr(saver, "save_last", False):
+            continue
+        where = getattr(saver, "dirpath", None)
+        out.append(f"{type(saver).__name__}({where})" if where else type(saver).__name__)
+    return out
+
+
 def max_step(state: Mapping[Any, Any]) -> float | None:
     """Largest ``step`` count over an optimizer's per-parameter states (host floats; resume / save time only)."""
     steps = []

@@ -47,15 +47,33 @@ def test_healthy_saves_are_opened_and_pass(tmp_path):
     assert state["probe_loss_step"] == 4 and state["probe_batch"]["input_ids"].shape[0] == 2
 
 
-def test_weights_only_saves_are_named_as_such(tmp_path):
+def fit_with_savers(tmp_path, savers, model=None, data=None):
     audit = CheckpointAudit()
-    saver = ModelCheckpoint(dirpath=tmp_path / "w", every_n_train_steps=2, save_weights_only=True)
-    trainer = make_trainer(tmp_path, [audit, saver], enable_checkpointing=True, max_steps=2)
+    trainer = make_trainer(tmp_path, [audit, *savers], enable_checkpointing=True, max_steps=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
+        trainer.fit(model or TinyGPT(**SMALL), data or TinyTextDataModule(batch_size=8))
+    return audit
+
+
+def test_a_run_whose_only_checkpoint_is_weights_only_cannot_be_resumed(tmp_path):  # issue 22, run 2
+    from tests.healthy_models import build, data
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "w", every_n_train_steps=2, save_weights_only=True)
+    audit = fit_with_savers(tmp_path, [saver], model=build("encoder_lm"), data=data("encoder_lm"))
+    [finding] = audit.findings
+    assert (finding.code, finding.severity) == ("TFD709", "warning"), finding.format()
+    assert "no checkpoint this run keeps can resume it" in finding.message
+    assert finding.evidence["resumable"] is False and "save_last=True" in finding.hint
+
+
+def test_a_weights_only_save_beside_a_full_one_is_info(tmp_path):
+    weights = ModelCheckpoint(dirpath=tmp_path / "w", every_n_train_steps=2, save_weights_only=True)
+    full = ModelCheckpoint(dirpath=tmp_path / "full", every_n_train_steps=1, save_top_k=1)
+    audit = fit_with_savers(tmp_path, [weights, full])
     [finding] = audit.findings
     assert (finding.code, finding.severity) == ("TFD709", "info") and "weights-only" in finding.message
+    assert finding.evidence["resumable"] is True and "full" in finding.evidence["resumable_savers"][0]
 
 
 def test_bug_zoo_row_22_optimizer_and_scheduler_state_dropped(tmp_path):
