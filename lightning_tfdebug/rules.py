@@ -300,6 +300,46 @@ _RULES: tuple[Rule, ...] = (
             "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."
         ),
     ),
+    Rule(
+        "TFD123",
+        "warning",
+        "BatchGuard",
+        title="the same batches come back sooner than the data allows (overfit_batches, a Dataset ignoring its index)",
+        trigger=(
+            "of the batches a rank read, fewer are different than min(read, the training DataLoader's length): the "
+            "excess reaches 3 and more than `max_repeated_fraction` of min(read, length); map-style loaders only"
+        ),
+        hint=(
+            "Remove Trainer(overfit_batches=...) or a limit_train_batches on an unshuffled DataLoader left on from "
+            "debugging (every epoch then reads the same first batches); otherwise find what makes the data repeat: a "
+            "Dataset whose __getitem__ ignores its index, a DataLoader or sampler that yields the same batch."
+        ),
+        reason=(
+            "evidence of harm in this run: the model trains on a fraction of its data and the loss falls by "
+            "memorising it, while the rest of the dataset is never read"
+        ),
+    ),
+    Rule(
+        "TFD124",
+        "warning",
+        "BatchGuard",
+        title="the end-of-sequence token occurs in the inputs and is never supervised (the model never learns to stop)",
+        trigger=(
+            "over the first `special_token_batches` checked batches of a causal LM (or a decoder's targets), EOS "
+            "occurs among the real input tokens often enough that `min_eos_expected` supervised EOS are expected, "
+            "and no supervised label is EOS; masked-LM labels are not judged"
+        ),
+        hint=(
+            "Find where the labels lose the EOS: a collator that masks by id (labels == pad_id while pad id == EOS "
+            "id, as DataCollatorForLanguageModeling with tokenizer.pad_token = tokenizer.eos_token does), a "
+            "completion-only mask that ends before the EOS. Mask padding by position (attention_mask == 0) or give "
+            "the tokenizer a pad token of its own."
+        ),
+        reason=(
+            "evidence of harm in this run: the labels it trains on never contain EOS, so the model is never taught "
+            "to end a sequence and generates until the length limit"
+        ),
+    ),
     # ---------------------------------------------------------------- ReproCapture
     Rule(
         "TFD130",

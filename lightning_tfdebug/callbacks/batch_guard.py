@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
+from lightning_tfdebug.core.base import STOOD_ASIDE_FILE, DebugCallback, TFDebugWarning, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, StepBatch, is_id_tensor, step_batch
 from lightning_tfdebug.core.compat import is_lightning_instance
-from lightning_tfdebug.core.io import write_text
+from lightning_tfdebug.core.io import append_line, write_text
 from lightning_tfdebug.core.model import find_context_length, find_vocab_size, load_tokenizer
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.batch_checks import (
@@ -23,11 +25,14 @@ from lightning_tfdebug.functional.batch_checks import (
     PACKING_KEYS,
     BatchPaths,
     LengthWindow,
+    RepeatPeriod,
     RepeatTracker,
+    SpecialTokenTally,
     ValueRules,
     batch_metrics,
     decoded_examples,
     drift_verdicts,
+    learn_special_ids,
     mask_hole_verdict,
     too_long,
     value_verdicts,
@@ -40,6 +45,7 @@ from lightning_tfdebug.functional.batches import (
     describe_leaves,
     learn_schema,
     parse_declared_schema,
+    special_token_statistics,
     token_statistics,
     unpack_statistics,
 )
@@ -53,6 +59,46 @@ def _reads_a_stream(trainer: pl.Trainer) -> bool:
     loader = getattr(trainer.fit_loop, "_combined_loader", None)
     loaders = getattr(loader, "flattened", None) or [trainer.train_dataloader]
     return not all(isinstance(dl, DataLoader) and not isinstance(dl.dataset, IterableDataset) for dl in loaders)
+
+
+def _loader_length(trainer: pl.Trainer) -> int | None:
+    """Batches per epoch of the one training DataLoader over a map-style dataset, before any Trainer limit; None for
+    a stream, several loaders or a loader without a length (host metadata, once per epoch)."""
+    loader = getattr(trainer.fit_loop, "_combined_loader", None)
+    loaders = getattr(loader, "flattened", None) or [trainer.train_dataloader]
+    if len(loaders) != 1 or not isinstance(loaders[0], DataLoader) or isinstance(loaders[0].dataset, IterableDataset):
+        return None
+    try:
+        return len(loaders[0])
+    except TypeError:
+        return None
+
+
+def _limit_setting(trainer: pl.Trainer) -> str | None:
+    """The Trainer setting that makes every epoch read the same subset of the data, when one is set."""
+    overfit = getattr(trainer, "overfit_batches", 0)
+    if overfit:
+        return f"Trainer(overfit_batches={overfit!r})"
+    limit = getattr(trainer, "limit_train_batches", 1.0)
+    if limit is not None and limit != 1.0:
+        return f"Trainer(limit_train_batches={limit!r})"
+    return None
+
+
+def _special_sources(trainer: pl.Trainer, pl_module: pl.LightningModule, tokenizer: Any) -> list[tuple[str, Any]]:
+    """Where the special token ids may be read, most specific first: the `tokenizer` argument, a `tokenizer`
+    attribute of the DataModule or of the LightningModule, then Hugging Face configs (and generation configs) of the
+    model's modules."""
+    sources: list[tuple[str, Any]] = [("`tokenizer`", tokenizer)]
+    datamodule = getattr(trainer, "datamodule", None)
+    sources.append(("the DataModule's tokenizer", getattr(datamodule, "tokenizer", None)))
+    sources.append(("the LightningModule's tokenizer", getattr(pl_module, "tokenizer", None)))
+    for name, module in pl_module.named_modules():
+        for attr in ("config", "generation_config"):
+            config = getattr(module, attr, None)
+            if config is not None and hasattr(config, "eos_token_id"):
+                sources.append((f"{name or type(module).__name__}.{attr}", config))
+    return sources
 
 
 def _token_fields(view: StepBatch) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -110,7 +156,10 @@ class BatchGuard(DebugCallback):
     mask not binary, ``TFD113`` label outside the vocabulary, ``TFD114`` every label ignored, ``TFD115`` padding
     positions supervised, ``TFD116`` sequence without BOS, ``TFD117`` several EOS, ``TFD118`` tokens after EOS,
     ``TFD119`` truncation rate, ``TFD120`` length distribution shift, ``TFD121`` batches read twice in one epoch,
-    ``TFD122`` an attention mask with holes: real tokens masked out inside the text (see ``docs/findings.md``).
+    ``TFD122`` an attention mask with holes: real tokens masked out inside the text, ``TFD123`` the same batches
+    coming back sooner than the DataLoader's length allows (``overfit_batches``, ``limit_train_batches``, a Dataset
+    ignoring its index), ``TFD124`` an end-of-sequence token in the inputs that no label supervises (see
+    ``docs/findings.md``).
 
     Args:
         every_n_steps: log the `batch_guard/*` keys when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -144,7 +193,15 @@ class BatchGuard(DebugCallback):
         length_shift_tolerance: ``TFD120`` when a window's mean length moves by more than this fraction of the
             reference mean.
         max_repeated_fraction: ``TFD121`` when more than this fraction of the batches seen in one epoch (and at
-            least 3) have the same token ids as an earlier batch of that epoch.
+            least 3) have the same token ids as an earlier batch of that epoch; ``TFD123`` when the batches read
+            fall short of ``min(read, len(train DataLoader))`` different ones by more than this fraction (and 3).
+        special_token_batches: checked batches over which the special tokens (EOS, SEP, a pad id that is also a real
+            token) are counted among the real inputs and the supervised labels for ``TFD124``; 0 turns the count
+            off. The ids come from ``eos_id``, ``tokenizer``, a ``tokenizer`` attribute of the DataModule or the
+            LightningModule, or the model's Hugging Face config (``eos_token_id``, ``pad_token_id``,
+            ``sep_token_id``).
+        min_eos_expected: ``TFD124`` needs EOS to be expected among the supervised labels at least this many times
+            (its count among the real inputs times the supervised share of the tokens) while none is.
         tokenizer: an object with ``decode`` or an import path to one; the first ``decode_examples`` sequences
             of the first batch are logged decoded, with their label masks, to TensorBoard text at fit start.
         decode_examples: how many sequences to decode.
@@ -190,6 +247,8 @@ class BatchGuard(DebugCallback):
         max_repeated_fraction: float = 0.1,
         tokenizer: Any = None,
         decode_examples: int = 4,
+        special_token_batches: int = 8,
+        min_eos_expected: float = 8.0,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         if schema is not None and (not isinstance(schema, Mapping) or not schema):
@@ -207,6 +266,8 @@ class BatchGuard(DebugCallback):
         check_number("length_shift_tolerance", length_shift_tolerance, low=0.0, low_inclusive=False)
         check_number("max_repeated_fraction", max_repeated_fraction, low=0.0, high=1.0, low_inclusive=False)
         check_number("decode_examples", decode_examples, low=0, integer=True)
+        check_number("special_token_batches", special_token_batches, low=0, integer=True)
+        check_number("min_eos_expected", min_eos_expected, low=0.0, low_inclusive=False)
         # raises a TypeError naming the argument when a key is not a string, a tuple position or None
         self._batch_keys = BatchKeys(
             input_key, mask_key, labels_key, ignore_index=IGNORE_INDEX if ignore_index is None else ignore_index
@@ -224,6 +285,8 @@ class BatchGuard(DebugCallback):
         self.max_repeated_fraction = float(max_repeated_fraction)
         self.tokenizer = load_tokenizer(tokenizer)
         self.decode_examples = decode_examples
+        self.special_token_batches = special_token_batches
+        self.min_eos_expected = float(min_eos_expected)
         self._vocab: int | None = vocab_size
         self._encoder_decoder = False  # labels are the decoder's targets, not aligned with the input ids
         self._context: int | None = max_length
@@ -233,8 +296,15 @@ class BatchGuard(DebugCallback):
         self._examples_logged = False
         self._lengths = LengthWindow(length_window, self.length_shift_tolerance)
         self._repeats = RepeatTracker(self.max_repeated_fraction)
-        self._prints: list[tuple[int, int, bool, Tensor]] = []  # (epoch, step, stream, device fingerprint) unread
+        self._period = RepeatPeriod(self.max_repeated_fraction)
+        self._repeats_found = False  # TFD121 was emitted: TFD123 would say the same again
+        # (epoch, step, stream, epoch facts, device fingerprint) not yet read; epoch facts: the DataLoader's length,
+        # the batches the Trainer reads per epoch, the Trainer limit in force
+        self._prints: list[tuple[int, int, bool, tuple[int | None, int | None, str | None], Tensor]] = []
         self._stream = False  # the training data is a stream, not a map-style dataset (set per epoch)
+        self._epoch_facts: tuple[int | None, int | None, str | None] = (None, None, None)
+        self._tally: SpecialTokenTally | None = None  # TFD124's count, None when off or done
+        self._checks_aside: dict[str, str] = {}  # check -> why it stood aside (the rest of BatchGuard runs on)
         self._last: tuple[StepBatch, str, bool] | None = None  # this step's batch, where, values checked
 
     @property
@@ -271,9 +341,40 @@ class BatchGuard(DebugCallback):
                     f"BatchGuard: {where}; the sequence-length check is off. Pass `max_length`.",
                     category=TFDebugWarning,
                 )
+        self._tally = None
+        if self.special_token_batches:
+            ids = learn_special_ids(_special_sources(trainer, pl_module, self.tokenizer), self.eos_id)
+            if ids.eos:
+                self._tally = SpecialTokenTally(ids, self.min_eos_expected, self.special_token_batches)
+            else:
+                self._check_aside(
+                    "EOS supervision (TFD124)",
+                    "no end-of-sequence id is known (no `eos_id`, no tokenizer, no Hugging Face config naming one).",
+                    "`eos_id` or `tokenizer`",
+                )
+
+    def _check_aside(self, check: str, reason: str, setting: str | None) -> None:
+        """One check of BatchGuard stands aside, once, while the others run on: said at info level and recorded with
+        the callback's stand-aside records (``stood-aside-rank<r>.jsonl``), as :meth:`stand_aside` does for a whole
+        callback."""
+        if check in self._checks_aside:
+            return
+        self._checks_aside[check] = reason
+        name = f"{type(self).__name__} ({check})"
+        tail = f" To let it run: {setting}." if setting else ""
+        rank_zero_info(f"lightning_tfdebug: {name} stands aside: {reason}{tail}")
+        if self._log_dir is not None:
+            record = {"check": name, "reason": reason, "setting": setting, "step": None, "rank": self._rank}
+            append_line(os.path.join(self.tfdebug_dir, STOOD_ASIDE_FILE.format(rank=self._rank)), json.dumps(record))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stream = _reads_a_stream(trainer)  # host metadata, once per epoch
+        per_epoch = trainer.num_training_batches
+        self._epoch_facts = (
+            _loader_length(trainer),
+            int(per_epoch) if isinstance(per_epoch, (int, float)) and math.isfinite(per_epoch) else None,
+            _limit_setting(trainer),
+        )
 
     # ------------------------------------------------------------------ every batch (hot path: host metadata and
     # one device fingerprint, no sync; values only on checked steps)
@@ -299,7 +400,9 @@ class BatchGuard(DebugCallback):
         if ids is not None:
             with torch.no_grad():
                 fingerprint = batch_fingerprint(ids)  # device work, no sync: read with the next checked batch
-            self._prints.append((trainer.current_epoch, trainer.global_step, self._stream, fingerprint))
+            self._prints.append(
+                (trainer.current_epoch, trainer.global_step, self._stream, self._epoch_facts, fingerprint)
+            )
         if checks:
             self._check_values(trainer, view, where)
         # Findings are rank-local (each rank sees its own batch). With "stop"/"raise" this is one boolean all-reduce,
@@ -372,18 +475,84 @@ class BatchGuard(DebugCallback):
                 labels_aligned=not self._encoder_decoder,
             )
 
+    def _special_statistics(self, view: StepBatch) -> tuple[Tensor, bool] | None:
+        """TFD124's counts of this batch on the device (no sync), and whether its labels align with the ids; None
+        when the count is off or done, or the batch cannot serve it (then that check stands aside, once)."""
+        tally = self._tally
+        if tally is None or tally.done:
+            return None
+        ids, mask, labels = _token_fields(view)
+        assert ids is not None
+        check = "EOS supervision (TFD124)"
+        if labels is None:
+            self._check_aside(check, "the batches have no integer token labels to count EOS among.", "`labels_key`")
+            return None
+        rows = ids.shape[0] if ids.ndim >= 2 else 1
+        aligned = not self._encoder_decoder and labels.numel() == ids.numel()
+        if not aligned and (labels.ndim < 2 or labels.shape[0] != rows):
+            self._check_aside(check, "the labels are not token sequences (one value per row: a classifier).", None)
+            return None
+        if mask is None and set(tally.ids.pad) & set(tally.ids.eos):
+            self._check_aside(
+                check,
+                "the pad id is the EOS id and the batches have no attention mask, so a real EOS cannot be told from "
+                "padding.",
+                "`mask_key`",
+            )
+            return None
+        with torch.no_grad():
+            stats = special_token_statistics(
+                ids, mask, labels, tally.ids.ordered(), ignore_index=self.ignore_index, labels_aligned=aligned
+            )
+        return stats, aligned
+
+    def _read_prints(self, trainer: pl.Trainer, prints: list, fingerprints: list[float]) -> None:
+        """TFD121 and TFD123 from fingerprints that reached the host, in the order their batches were read."""
+        for (epoch, step, stream, (length, per_epoch, setting), _), fingerprint in zip(prints, fingerprints):
+            found = self._repeats.add(epoch, step, int(fingerprint), stream, trainer.global_rank)
+            self._repeats_found = self._repeats_found or found is not None
+            self._emit(trainer, found, step)
+            period = self._period.add(
+                step,
+                int(fingerprint),
+                None if stream else length,
+                per_epoch=per_epoch,
+                setting=setting,
+                rank=trainer.global_rank,
+            )
+            if not self._repeats_found:  # TFD121 already named these repeats, from inside one epoch
+                self._emit(trainer, period, step)
+
     def _check_values(self, trainer: pl.Trainer, view: StepBatch, where: str) -> None:
         stats = self._statistics(view)
         prints, self._prints = self._prints, []
         if stats is None:
             return
-        values = torch.cat([stats, torch.stack([p[3] for p in prints]).to(stats.dtype)]) if prints else stats
-        host = (
-            values.tolist()
-        )  # host sync: the one transfer of this checked batch (and the fingerprints since the last)
+        special = self._special_statistics(view)
+        parts = [stats]
+        if special is not None:
+            parts.append(special[0].to(stats.dtype))
+        if prints:
+            parts.append(torch.stack([p[4] for p in prints]).to(stats.dtype))
+        values = torch.cat(parts) if len(parts) > 1 else stats
+        # host sync: the one transfer of this checked batch (its statistics, TFD124's counts while they are taken,
+        # and the fingerprints since the last checked batch)
+        host = values.tolist()
         s = unpack_statistics(host[: stats.numel()])
-        for (epoch, step, stream, _), fingerprint in zip(prints, host[stats.numel() :]):
-            self._emit(trainer, self._repeats.add(epoch, step, int(fingerprint), stream, trainer.global_rank), step)
+        offset = stats.numel()
+        if special is not None and self._tally is not None:
+            width = special[0].numel()
+            self._emit(
+                trainer,
+                self._tally.add(
+                    host[offset : offset + width],
+                    special[1],
+                    view.fields.paths["labels"],
+                    view.fields.attention_mask is not None,
+                ),
+            )
+            offset += width
+        self._read_prints(trainer, prints, host[offset:])
         ids, mask, labels = _token_fields(view)
         paths = BatchPaths(**{k: view.fields.paths[k] for k in ("input_ids", "attention_mask", "labels")})
         rules = self._rules
@@ -405,9 +574,8 @@ class BatchGuard(DebugCallback):
         prints, self._prints = self._prints, []
         if not prints:
             return
-        host = torch.stack([p[3] for p in prints]).tolist()  # host sync: once, at the end of training
-        for (epoch, step, stream, _), fingerprint in zip(prints, host):
-            self._emit(trainer, self._repeats.add(epoch, step, int(fingerprint), stream, trainer.global_rank), step)
+        host = torch.stack([p[4] for p in prints]).tolist()  # host sync: once, at the end of training
+        self._read_prints(trainer, prints, host)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.active:

@@ -407,3 +407,243 @@ class LengthWindow:
             f"{ref['mean']:.1f} (std {ref['std']:.1f}) in the first ones.",
             {"window_mean": mean, "reference_mean": ref["mean"], "reference_std": ref["std"]},
         )
+
+
+MIN_EXCESS_REPEATS = 3
+"""``TFD123`` needs at least this many batches beyond the distinct ones the data would have delivered."""
+
+
+@dataclass
+class RepeatPeriod:
+    """``TFD123``: the same batches come back sooner than the data allows, across epochs.
+
+    A map-style DataLoader of ``N`` batches per epoch delivers ``min(read, N)`` different batches in its first
+    ``read`` batches whatever the sampler (shuffled or not, distributed or not): a sample comes back only after the
+    epoch, and a multi-epoch run over a small dataset repeats at the epoch's length, as expected. Fewer different
+    batches than that means the data repeats sooner: ``Trainer(overfit_batches=...)`` or ``limit_train_batches`` on
+    an unshuffled loader (every epoch reads the same first batches), a Dataset whose ``__getitem__`` ignores its
+    index, a loader that yields one fixed batch. The excess ``min(read, N) - distinct`` must reach
+    :data:`MIN_EXCESS_REPEATS` and exceed ``max_repeated_fraction`` of ``min(read, N)`` (duplicated rows in a dataset
+    read one sample per batch stay below it). Needs the loader's length (``None``: a stream, not judged). Feed batches
+    in order with :meth:`add`; host values only.
+    """
+
+    max_repeated_fraction: float = 0.1
+    read: int = 0
+    seen: dict[int, int] = field(default_factory=dict)  # fingerprint -> step first read
+    first_repeat: tuple[int, int] | None = None  # (step, step of the earlier identical batch)
+    saturated: bool = False  # more than MAX_EPOCH_PRINTS different batches: the data does not repeat early
+
+    def add(
+        self,
+        step: int,
+        fingerprint: int,
+        loader_length: int | None,
+        *,
+        per_epoch: int | None = None,
+        setting: str | None = None,
+        rank: int = 0,
+    ) -> Verdict | None:
+        """Count one batch; ``loader_length`` is the training DataLoader's length (batches per epoch before any
+        Trainer limit), ``per_epoch`` the batches the Trainer reads per epoch, ``setting`` the Trainer limit in force
+        (``"Trainer(overfit_batches=1)"``) or None."""
+        self.read += 1
+        earlier = self.seen.get(fingerprint)
+        if earlier is None:
+            if len(self.seen) >= MAX_EPOCH_PRINTS:
+                self.saturated = True
+            else:
+                self.seen[fingerprint] = step
+        elif self.first_repeat is None:
+            self.first_repeat = (step, earlier)
+        if loader_length is None or loader_length <= 0 or self.saturated:
+            return None
+        allowed = min(self.read, loader_length)
+        distinct = len(self.seen)
+        excess = allowed - distinct
+        if excess < MIN_EXCESS_REPEATS or excess <= self.max_repeated_fraction * allowed:
+            return None
+        first_step, earlier_step = self.first_repeat or (step, -1)
+        if setting is not None:
+            per = f"{per_epoch} batch(es)" if per_epoch is not None else "the same batches"
+            cause = (
+                f" {setting} is set: every epoch reads the same {per} of the {loader_length} the DataLoader holds, and"
+                " the loss falls by memorising them."
+            )
+        else:
+            cause = (
+                " No Trainer limit is set: the data itself repeats (a Dataset whose __getitem__ ignores its index, a "
+                "DataLoader or sampler that yields the same batch)."
+            )
+        return Verdict(
+            "TFD123",
+            f"Rank {rank} read {self.read} batches and only {distinct} of them are different, while its training "
+            f"DataLoader holds {loader_length} batches per epoch: the same batches come back sooner than the data "
+            f"allows (the first repeat, at step {first_step}, repeats step {earlier_step}).{cause}",
+            {
+                "read": self.read,
+                "distinct": distinct,
+                "loader_length": loader_length,
+                "batches_per_epoch": per_epoch,
+                "setting": setting,
+                "step": first_step,
+                "repeats_step": earlier_step,
+            },
+        )
+
+
+# ------------------------------------------------------------------------------------------------ special tokens
+SPECIAL_ROLES: tuple[str, ...] = ("eos", "sep", "pad", "bos")
+CAUSAL_MATCH = 0.8
+"""Aligned labels are a causal LM's when at least this share of the supervised ones equal the id at the same position
+(Hugging Face) or at the next one (shifted by the data); a masked LM's match mostly neither (about 10%: the tokens
+kept unmasked)."""
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """The special token ids a batch is read against (empty: unknown), and where the EOS came from."""
+
+    eos: tuple[int, ...] = ()
+    sep: tuple[int, ...] = ()
+    pad: tuple[int, ...] = ()
+    bos: tuple[int, ...] = ()
+    source: str = ""
+
+    def ordered(self) -> tuple[int, ...]:
+        """Every id once, EOS first: the order of :func:`~lightning_tfdebug.functional.batches.
+        special_token_statistics`' pairs."""
+        out: list[int] = []
+        for role in SPECIAL_ROLES:
+            out += [i for i in getattr(self, role) if i not in out]
+        return tuple(out)
+
+
+def _ids_of(value: Any) -> tuple[int, ...]:
+    if isinstance(value, bool):
+        return ()
+    if isinstance(value, int):
+        return (value,) if value >= 0 else ()
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return tuple(v for v in value if v >= 0)
+    return ()
+
+
+def learn_special_ids(sources: list[tuple[str, Any]], eos_id: int | None = None) -> SpecialIds:
+    """The special ids of the first source that names each: ``eos_id`` given by the user, then each ``(name, obj)``
+    of ``sources`` in order (a tokenizer, a Hugging Face config): ``<role>_token_id`` or ``<role>_id`` attributes
+    (a list for several EOS ids, as Llama 3's configs have). Host only; an attribute that raises is skipped."""
+    found: dict[str, tuple[int, ...]] = {}
+    source = ""
+    if eos_id is not None:
+        found["eos"], source = (eos_id,), "`eos_id`"
+    for name, obj in sources:
+        if obj is None:
+            continue
+        for role in SPECIAL_ROLES:
+            if role in found:
+                continue
+            for attr in (f"{role}_token_id", f"{role}_id"):
+                try:
+                    ids = _ids_of(getattr(obj, attr, None))
+                except Exception:  # a tokenizer property that complains about an unset token
+                    ids = ()
+                if ids:
+                    found[role] = ids
+                    if role == "eos":
+                        source = name
+                    break
+    return SpecialIds(**found, source=source)
+
+
+@dataclass
+class SpecialTokenTally:
+    """``TFD124``: an end-of-sequence token present among the real inputs and never supervised.
+
+    Sums :func:`~lightning_tfdebug.functional.batches.special_token_statistics` over the first ``max_batches`` checked
+    batches. Judged only where EOS is a target: a causal LM (labels aligned with the ids that match them, directly or
+    shifted by one, for at least :data:`CAUSAL_MATCH` of the supervised ones) or a decoder's targets (labels not
+    aligned with the inputs); a masked LM's labels (aligned, matching neither way) teach no EOS and are left alone.
+    EOS must be expected among the labels: its count among the real inputs times the supervised share of the tokens
+    (``min(1, supervised / real)``) reaches ``min_expected``, while not one label is EOS. BOS is never judged (it is
+    not predicted); an EOS used as BOS (the first real token of a row) is not counted. Done (silent) at the first
+    supervised EOS or after ``max_batches`` batches.
+    """
+
+    ids: SpecialIds
+    min_expected: float = 8.0
+    max_batches: int = 8
+    totals: list[float] = field(default_factory=list)
+    batches: int = 0
+    aligned: bool = True
+    done: bool = False
+
+    def add(self, host: list[float], aligned: bool, labels_key: str | None, has_mask: bool) -> Verdict | None:
+        """Count one batch's statistics (``host``: the vector, on the host); ``aligned``: the labels align with the
+        ids position for position."""
+        if self.done:
+            return None
+        self.totals = [a + b for a, b in zip(self.totals, host)] if self.totals else list(host)
+        self.batches += 1
+        self.aligned = self.aligned and aligned
+        order = self.ids.ordered()
+        counts = {token: (self.totals[5 + 2 * k], self.totals[6 + 2 * k]) for k, token in enumerate(order)}
+        real, supervised, aligned_supervised, identity, shift = self.totals[:5]
+        eos_inputs = sum(counts[t][0] for t in self.ids.eos)
+        eos_supervised = sum(counts[t][1] for t in self.ids.eos)
+        if eos_supervised > 0:
+            self.done = True
+            return None
+        match = max(identity, shift) / aligned_supervised if aligned_supervised else 0.0
+        if self.aligned:
+            layout = "causal" if match >= CAUSAL_MATCH else "masked"
+        else:
+            layout = "targets"
+        share = min(1.0, supervised / real) if real else 0.0
+        expected = eos_inputs * share
+        if layout == "masked" or expected < self.min_expected:
+            self.done = self.batches >= self.max_batches
+            return None
+        self.done = True
+        eos = self.ids.eos[0] if len(self.ids.eos) == 1 else list(self.ids.eos)
+        pad_is_eos = bool(set(self.ids.pad) & set(self.ids.eos))
+        where = f"'{labels_key}'" if labels_key else "the labels"
+        inputs = "real input tokens (attention mask 1)" if has_mask else "input tokens"
+        message = (
+            f"Over the first {self.batches} checked batches the end-of-sequence token {eos} occurs {int(eos_inputs)} "
+            f"times among the {inputs} and is never supervised: none of the {int(supervised)} supervised labels in "
+            f"{where} is EOS (about {expected:.0f} expected at this data's supervised share of {share:.0%}). The model "
+            "never learns to stop: it generates until the length limit."
+        )
+        hint = None
+        if pad_is_eos:
+            message += (
+                f" The pad id is the EOS id ({self.ids.pad[0]}): a collator that masks labels where labels == pad_id "
+                "(Hugging Face DataCollatorForLanguageModeling(mlm=False) with tokenizer.pad_token = "
+                "tokenizer.eos_token) masks every real EOS along with the padding."
+            )
+            hint = (
+                "Mask padding by position, not by id: labels[attention_mask == 0] = -100 (e.g. a collator of your own "
+                "after tokenizer.pad), or give the tokenizer a pad token of its own (tokenizer.add_special_tokens("
+                "{'pad_token': '<pad>'}) and model.resize_token_embeddings(len(tokenizer)))."
+            )
+        evidence: dict[str, Any] = {
+            "eos_id": eos,
+            "eos_source": self.ids.source,
+            "eos_in_inputs": eos_inputs,
+            "eos_supervised": eos_supervised,
+            "supervised_labels": supervised,
+            "real_tokens": real,
+            "expected_supervised": expected,
+            "batches": self.batches,
+            "labels_layout": layout,
+            "pad_is_eos": pad_is_eos,
+        }
+        for role in ("sep", "pad"):
+            for token in getattr(self.ids, role):
+                evidence[f"{role}_{token}"] = {"inputs": counts[token][0], "supervised": counts[token][1]}
+        return Verdict("TFD124", message, evidence, hint=hint)

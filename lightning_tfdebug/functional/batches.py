@@ -474,3 +474,66 @@ def length_shift(reference_mean: float, reference_std: float, window_mean: float
         return False
     delta = abs(window_mean - reference_mean)
     return delta > tolerance * reference_mean and delta > reference_std
+
+
+# ------------------------------------------------------------------------------------------ special-token supervision
+
+SPECIAL_HEAD: tuple[str, ...] = (
+    "real_tokens",  # input positions with attention mask 1
+    "supervised",  # labels that are not ignore_index
+    "aligned_supervised",  # supervised labels aligned with the ids position for position (0 when not aligned)
+    "identity_matches",  # of those, labels equal to the id at the same position (Hugging Face causal-LM labels)
+    "shift_matches",  # supervised labels equal to the next position's id (labels shifted by the data)
+)
+"""The leading entries of :func:`special_token_statistics`; then two per special id: ``(in inputs, supervised)``."""
+
+
+def special_token_statistics(
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    labels: Tensor,
+    special_ids: Sequence[int],
+    *,
+    ignore_index: int = -100,
+    labels_aligned: bool = True,
+) -> Tensor:
+    """How often each of ``special_ids`` occurs among the real input tokens and among the supervised labels of one
+    batch, with what tells a causal-LM batch from a masked-LM one; one float64 vector (float32 on MPS) in the order of
+    :data:`SPECIAL_HEAD`, then ``(in inputs, supervised)`` per special id.
+
+    A special token is counted among the inputs where the attention mask is 1 and it is not the first real token of
+    its row (a BOS, or an EOS used as BOS, need not be predicted). Labels are counted wherever they are supervised,
+    whatever their alignment (Hugging Face labels equal to the ids, labels shifted by the data, a decoder's targets).
+    When the labels align with the ids element for element (and ``labels_aligned``), ``identity_matches`` and
+    ``shift_matches`` count the supervised labels equal to the id at the same position or at the next one: a causal
+    LM's labels match one way almost everywhere, a masked LM's (the original token where the input is the mask token)
+    mostly neither. Runs on the inputs' device under ``no_grad``; no host sync.
+    """
+    with torch.no_grad():
+        ids = input_ids if input_ids.ndim >= 2 else input_ids.reshape(1, -1)
+        ids = ids.reshape(ids.shape[0], -1).long()
+        n, width = ids.shape
+        device = ids.device
+        acc = torch.float32 if device.type == "mps" else torch.float64
+        if attention_mask is not None and attention_mask.numel() == ids.numel():
+            real = attention_mask.reshape(n, width) != 0
+        else:
+            real = torch.ones_like(ids, dtype=torch.bool)
+        positions = torch.arange(width, device=device).expand(n, width)
+        first_real = torch.where(real, positions, width).amin(1, keepdim=True)
+        counted = real & (positions > first_real)
+        lab = labels.reshape(-1).long()
+        supervised = lab != ignore_index
+        zero = torch.zeros((), device=device, dtype=acc)
+        if labels_aligned and lab.numel() == ids.numel():
+            lab2, sup2 = lab.reshape(n, width), supervised.reshape(n, width)
+            aligned = sup2.sum().to(acc)
+            identity = (sup2 & (lab2 == ids)).sum().to(acc)
+            shift = (sup2[:, :-1] & (lab2[:, :-1] == ids[:, 1:])).sum().to(acc)
+        else:
+            aligned = identity = shift = zero
+        values = [real.sum().to(acc), supervised.sum().to(acc), aligned, identity, shift]
+        for token in special_ids:
+            values.append(((ids == token) & counted).sum().to(acc))
+            values.append(((lab == token) & supervised).sum().to(acc))
+        return torch.stack([v.reshape(()) for v in values])
