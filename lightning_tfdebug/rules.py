@@ -306,8 +306,9 @@ _RULES: tuple[Rule, ...] = (
         "BatchGuard",
         title="the same batches come back sooner than the data allows (overfit_batches, a Dataset ignoring its index)",
         trigger=(
-            "of the batches a rank read, fewer are different than min(read, the training DataLoader's length): the "
-            "excess reaches 3 and more than `max_repeated_fraction` of min(read, length); map-style loaders only"
+            "of the batches a rank read, fewer are different than min(read, the training DataLoader's length) by at "
+            "least 3 and more than `max_repeated_fraction` of that (map-style loaders), or the repeats inside epochs "
+            "summed over the run reach 3 and that fraction of the batches read; silent once TFD121 has spoken"
         ),
         hint=(
             "Remove Trainer(overfit_batches=...) or a limit_train_batches on an unshuffled DataLoader left on from "

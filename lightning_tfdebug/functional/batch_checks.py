@@ -424,13 +424,16 @@ class RepeatPeriod:
     an unshuffled loader (every epoch reads the same first batches), a Dataset whose ``__getitem__`` ignores its
     index, a loader that yields one fixed batch. The excess ``min(read, N) - distinct`` must reach
     :data:`MIN_EXCESS_REPEATS` and exceed ``max_repeated_fraction`` of ``min(read, N)`` (duplicated rows in a dataset
-    read one sample per batch stay below it). Needs the loader's length (``None``: a stream, not judged). Feed batches
-    in order with :meth:`add`; host values only.
+    read one sample per batch stay below it); the loader's length is needed (``None``: a stream). The repeats inside
+    epochs (``TFD121``'s, per epoch) are also summed over the run: epochs of two or three batches never hold three
+    repeats each, but a Dataset ignoring its index repeats in every one of them. Feed batches in order with
+    :meth:`add`; host values only.
     """
 
     max_repeated_fraction: float = 0.1
     read: int = 0
     seen: dict[int, int] = field(default_factory=dict)  # fingerprint -> step first read
+    within: int = 0  # batches that repeated an earlier batch of their own epoch, summed over epochs
     first_repeat: tuple[int, int] | None = None  # (step, step of the earlier identical batch)
     saturated: bool = False  # more than MAX_EPOCH_PRINTS different batches: the data does not repeat early
 
@@ -440,14 +443,17 @@ class RepeatPeriod:
         fingerprint: int,
         loader_length: int | None,
         *,
+        within_epoch: bool = False,
         per_epoch: int | None = None,
         setting: str | None = None,
         rank: int = 0,
     ) -> Verdict | None:
         """Count one batch; ``loader_length`` is the training DataLoader's length (batches per epoch before any
-        Trainer limit), ``per_epoch`` the batches the Trainer reads per epoch, ``setting`` the Trainer limit in force
+        Trainer limit), ``within_epoch`` whether the batch repeats one of its own epoch (``TFD121``'s reading),
+        ``per_epoch`` the batches the Trainer reads per epoch, ``setting`` the Trainer limit in force
         (``"Trainer(overfit_batches=1)"``) or None."""
         self.read += 1
+        self.within += int(within_epoch)
         earlier = self.seen.get(fingerprint)
         if earlier is None:
             if len(self.seen) >= MAX_EPOCH_PRINTS:
@@ -456,14 +462,22 @@ class RepeatPeriod:
                 self.seen[fingerprint] = step
         elif self.first_repeat is None:
             self.first_repeat = (step, earlier)
-        if loader_length is None or loader_length <= 0 or self.saturated:
-            return None
-        allowed = min(self.read, loader_length)
+        known = loader_length is not None and loader_length > 0 and not self.saturated
+        allowed = min(self.read, loader_length) if known and loader_length else self.read
         distinct = len(self.seen)
-        excess = allowed - distinct
-        if excess < MIN_EXCESS_REPEATS or excess <= self.max_repeated_fraction * allowed:
+        excess = allowed - distinct if known else 0
+        early = excess >= MIN_EXCESS_REPEATS and excess > self.max_repeated_fraction * allowed
+        inside = self.within >= MIN_EXCESS_REPEATS and self.within > self.max_repeated_fraction * self.read
+        if not (early or inside):
             return None
         first_step, earlier_step = self.first_repeat or (step, -1)
+        if known:
+            what = (
+                f"Rank {rank} read {self.read} batches and only {distinct} of them are different, while its training "
+                f"DataLoader holds {loader_length} batches per epoch"
+            )
+        else:
+            what = f"Rank {rank} read {self.read} batches from a stream and {self.within} repeat a recent one"
         if setting is not None:
             per = f"{per_epoch} batch(es)" if per_epoch is not None else "the same batches"
             cause = (
@@ -477,12 +491,12 @@ class RepeatPeriod:
             )
         return Verdict(
             "TFD123",
-            f"Rank {rank} read {self.read} batches and only {distinct} of them are different, while its training "
-            f"DataLoader holds {loader_length} batches per epoch: the same batches come back sooner than the data "
-            f"allows (the first repeat, at step {first_step}, repeats step {earlier_step}).{cause}",
+            f"{what}: the same batches come back sooner than the data allows ({self.within} of them repeat a batch of "
+            f"their own epoch; the first repeat, at step {first_step}, repeats step {earlier_step}).{cause}",
             {
                 "read": self.read,
                 "distinct": distinct,
+                "repeats_within_epochs": self.within,
                 "loader_length": loader_length,
                 "batches_per_epoch": per_epoch,
                 "setting": setting,

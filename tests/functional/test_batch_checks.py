@@ -1,18 +1,29 @@
 import pytest
 import torch
 
+from lightning_tfdebug.demo.data import ByteTokenizer
 from lightning_tfdebug.functional.batch_checks import (
     STREAM_REPEAT_WINDOW,
     BatchPaths,
     LengthWindow,
+    RepeatPeriod,
     RepeatTracker,
+    SpecialIds,
+    SpecialTokenTally,
     ValueRules,
     batch_metrics,
     drift_verdicts,
+    learn_special_ids,
     too_long,
     value_verdicts,
 )
-from lightning_tfdebug.functional.batches import Drift, FieldSpec, token_statistics, unpack_statistics
+from lightning_tfdebug.functional.batches import (
+    Drift,
+    FieldSpec,
+    special_token_statistics,
+    token_statistics,
+    unpack_statistics,
+)
 
 PATHS = BatchPaths("input_ids", "attention_mask", "labels")
 RULES = ValueRules(vocab_size=10, context=6, ignore_index=-100, bos_id=1, eos_id=2, max_truncated_fraction=0.5)
@@ -206,3 +217,121 @@ def test_legitimately_non_contiguous_masks_are_left_alone():
     g = torch.Generator().manual_seed(0)
     mlm = (torch.rand(4, 32, generator=g) < 0.15).long()
     assert hole_verdict(torch.randint(3, 9, (4, 32), generator=g), mlm) is None
+
+
+# ---------------------------------------------------------------- TFD123: batches back sooner than the data allows
+def feed(period, prints, length, **kwargs):
+    verdicts = [period.add(step, p, length, **kwargs) for step, p in enumerate(prints)]
+    return [v for v in verdicts if v is not None]
+
+
+def test_batches_back_sooner_than_the_loader_length_are_named_with_the_trainer_setting():
+    overfit = feed(RepeatPeriod(), [7] * 6, 237, per_epoch=1, setting="Trainer(overfit_batches=1)")
+    assert len(overfit) == 3  # read 4, 5, 6: 1 different where 4, 5, 6 were allowed
+    assert overfit[0].evidence | {} == {
+        "read": 4, "distinct": 1, "repeats_within_epochs": 0, "loader_length": 237, "batches_per_epoch": 1,
+        "setting": "Trainer(overfit_batches=1)", "step": 1, "repeats_step": 0,
+    }  # fmt: skip
+    assert (
+        "Trainer(overfit_batches=1) is set" in overfit[0].message
+        and "same 1 batch(es) of the 237" in overfit[0].message
+    )
+    # limit_train_batches=3 on an unshuffled loader: the same three batches every epoch
+    limited = feed(RepeatPeriod(), [1, 2, 3] * 3, 100, per_epoch=3, setting="Trainer(limit_train_batches=3)")
+    assert limited and limited[0].evidence["read"] == 6 and limited[0].evidence["distinct"] == 3
+    # no setting: the data repeats by itself
+    [first, *_] = feed(RepeatPeriod(), [5] * 5, 40)
+    assert "ignores its index" in first.message
+
+
+def test_epochs_of_a_small_dataset_repeat_at_their_length_and_stay_silent():
+    assert feed(RepeatPeriod(), [1, 2, 3, 4] * 10, 4) == []  # unshuffled, 10 epochs
+    g = torch.Generator().manual_seed(0)
+    shuffled = [int(i) for _ in range(10) for i in torch.randperm(6, generator=g)]  # one sample per batch, shuffled
+    assert feed(RepeatPeriod(), shuffled, 6) == []  # a sample may come back 1 batch later, across an epoch's end
+    # a dataset with a few duplicated rows (one per batch): under max_repeated_fraction of the loader's length
+    assert feed(RepeatPeriod(), [*range(38), 0, 1] * 3, 40) == []
+    assert feed(RepeatPeriod(), [3] * 50, None) == []  # a stream: the length is unknown
+
+
+def test_repeats_inside_short_epochs_add_up():
+    # a Dataset ignoring its index, two batches per epoch: one repeat per epoch, never three in one (TFD121's)
+    period, verdicts = RepeatPeriod(), []
+    for epoch in range(4):
+        verdicts += [period.add(2 * epoch + i, 9, 2, within_epoch=i == 1) for i in range(2)]
+    found = [v for v in verdicts if v is not None]
+    assert found and found[0].evidence["repeats_within_epochs"] == 3 and found[0].evidence["read"] == 6
+
+
+# ---------------------------------------------------------------- TFD124: EOS in the inputs, never supervised
+SPECIAL = SpecialIds(eos=(8,), pad=(8,), bos=(7,), source="`tokenizer`")
+
+
+def tally_of(batches, ids=SPECIAL, aligned=True, **kwargs):
+    tally = SpecialTokenTally(ids, **kwargs)
+    out = []
+    for batch in batches:
+        host = special_token_statistics(*batch, ids.ordered(), labels_aligned=aligned).tolist()
+        out.append(tally.add(host, aligned, "labels", has_mask=True))
+    return tally, [v for v in out if v is not None]
+
+
+def causal(eos_supervised, rows=4, shift=False):
+    ids = torch.tensor([[7, 3, 4, 5, 8, 8, 8], [7, 3, 8, 8, 8, 8, 8]] * (rows // 2))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0]] * (rows // 2))
+    labels = ids.masked_fill(mask == 0, -100) if eos_supervised else ids.masked_fill(ids == 8, -100)
+    if shift:
+        labels = torch.cat([labels[:, 1:], torch.full((rows, 1), -100)], 1)
+    return ids, mask, labels
+
+
+def test_an_eos_masked_with_the_padding_is_named_with_the_collator_pattern():
+    tally, [verdict] = tally_of([causal(False)] * 4)
+    # 4 EOS per batch among the real inputs, 75% of the real tokens supervised: 9 EOS expected after three batches
+    assert verdict.code == "TFD124" and tally.done and tally.batches == 3
+    assert verdict.evidence["eos_in_inputs"] == 12 and verdict.evidence["eos_supervised"] == 0
+    assert verdict.evidence["pad_is_eos"] and verdict.evidence["labels_layout"] == "causal"
+    assert "DataCollatorForLanguageModeling" in verdict.message and "attention_mask == 0" in verdict.hint
+    _, [shifted] = tally_of([causal(False, shift=True)] * 4)  # labels shifted by the data: the same verdict
+    assert shifted.evidence["labels_layout"] == "causal"
+
+
+def test_eos_supervised_bos_unsupervised_masked_lm_and_few_eos_stay_silent():
+    tally, found = tally_of([causal(True)] * 3)
+    assert found == [] and tally.done and tally.batches == 1  # done at the first supervised EOS
+    # BOS (7) never supervised (labels shifted by the data drop the first position); EOS supervised
+    assert tally_of([causal(True, shift=True)] * 3)[1] == []
+    # masked LM: 15% of the positions supervised with the original token where the input is the mask token
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 100, (16, 20), generator=g)
+    ids[:, -1] = 8  # an EOS-like end token in every row, never chosen for masking
+    chosen = (torch.rand(ids.shape, generator=g) < 0.15) & (ids != 8)
+    mlm = (ids.masked_fill(chosen, 103), torch.ones_like(ids), ids.masked_fill(~chosen, -100))
+    tally, found = tally_of([mlm] * 8)
+    assert found == [] and tally.done and tally.batches == 8
+    # too few EOS for supervision to be expected: silent after the window
+    assert tally_of([causal(False, rows=2)] * 3, max_batches=3, min_expected=20)[1] == []
+
+
+def test_decoder_targets_without_eos_are_named_and_with_eos_are_not():
+    sources = torch.tensor([[3, 4, 5, 8], [6, 8, 0, 0]] * 4)
+    mask = (sources != 0).long()
+    ids = SpecialIds(eos=(8,), pad=(0,))
+    with_eos = torch.tensor([[9, 9, 8, -100], [9, 8, -100, -100]] * 4)
+    assert tally_of([(sources, mask, with_eos)] * 2, ids, aligned=False)[1] == []
+    [verdict] = tally_of([(sources, mask, with_eos.masked_fill(with_eos == 8, -100))] * 2, ids, aligned=False)[1]
+    assert verdict.evidence["labels_layout"] == "targets" and not verdict.evidence["pad_is_eos"]
+
+
+def test_special_ids_are_learned_from_the_first_source_that_names_them():
+    class Tokenizer:
+        eos_token_id, pad_token_id, sep_token_id = 2, 2, None
+
+    class Config:
+        eos_token_id, pad_token_id, bos_token_id, sep_token_id = [5, 6], 0, 1, 3
+
+    ids = learn_special_ids([("`tokenizer`", Tokenizer()), ("model.config", Config())])
+    assert (ids.eos, ids.pad, ids.sep, ids.bos, ids.source) == ((2,), (2,), (3,), (1,), "`tokenizer`")
+    assert learn_special_ids([("`tokenizer`", None), ("model.config", Config())]).eos == (5, 6)
+    assert learn_special_ids([("model.config", Config())], eos_id=9).eos == (9,)
+    assert learn_special_ids([("demo", ByteTokenizer())]).ordered() == (258, 256, 257)  # eos_id / pad_id attributes

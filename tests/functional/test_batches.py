@@ -8,6 +8,7 @@ from lightning_tfdebug.functional.batches import (
     learn_schema,
     length_shift,
     parse_declared_schema,
+    special_token_statistics,
     token_statistics,
     unpack_statistics,
 )
@@ -182,3 +183,53 @@ def test_labels_of_another_shape_get_range_and_ignored_counts_but_no_padding_che
     classes = torch.tensor([IGN])  # one class label per row, all ignored
     s = unpack_statistics(token_statistics(ids, mask, classes, vocab_size=10, ignore_index=IGN).tolist())
     assert s["labels_ignored"] == s["labels_total"] == 1
+
+
+# ---------------------------------------------------------------- special-token supervision (TFD124's counts)
+def special_reference(ids, mask, labels, specials, ignore=-100, aligned=True):
+    """Plain Python loops over the rows: the numbers special_token_statistics must give."""
+    real = [[m != 0 for m in row] for row in mask.tolist()]
+    rows, labs = ids.tolist(), labels.tolist()
+    flat_labels = [x for row in labs for x in row]
+    supervised = [x != ignore for x in flat_labels]
+    out = [sum(map(sum, real)), sum(supervised), 0, 0, 0]
+    if aligned:
+        for r, row in enumerate(rows):
+            for t, token in enumerate(row):
+                if labs[r][t] == ignore:
+                    continue
+                out[2] += 1
+                out[3] += labs[r][t] == token
+                out[4] += t + 1 < len(row) and labs[r][t] == row[t + 1]
+    for s in specials:
+        inputs = 0
+        for r, row in enumerate(rows):
+            first = min((t for t, m in enumerate(real[r]) if m), default=len(row))
+            inputs += sum(1 for t, token in enumerate(row) if token == s and real[r][t] and t > first)
+        out += [inputs, sum(1 for x, sup in zip(flat_labels, supervised) if sup and x == s)]
+    return out
+
+
+def test_special_token_statistics_match_a_plain_reference():
+    ids = torch.tensor([[BOS, 3, 4, EOS, EOS, EOS], [EOS, 5, EOS, 6, EOS, EOS], [EOS, EOS, BOS, 2, 3, EOS]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]])  # right- and left-padded
+    masked_by_id = ids.masked_fill(ids == EOS, -100)  # the pad == eos collator: every EOS masked
+    shifted = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], 1).masked_fill(
+        torch.cat([mask[:, 1:], mask[:, :1] * 0], 1) == 0, -100
+    )
+    for labels in (masked_by_id, ids.masked_fill(mask == 0, -100), shifted):
+        got = special_token_statistics(ids, mask, labels, (EOS, BOS, PAD)).tolist()
+        assert got == special_reference(ids, mask, labels, (EOS, BOS, PAD))
+    by_position = special_token_statistics(ids, mask, ids.masked_fill(mask == 0, -100), (EOS,)).tolist()
+    # row 1 begins with an EOS used as BOS: not counted among the inputs; the padding EOS are not real tokens
+    assert by_position[5:] == [4, 5]  # labels count wherever supervised, the first position too
+    assert special_token_statistics(ids, mask, masked_by_id, (EOS,)).tolist()[5:] == [4, 0]
+
+
+def test_special_token_statistics_of_targets_that_do_not_align_with_the_inputs():
+    sources = torch.tensor([[3, 4, EOS], [5, EOS, PAD]])
+    targets = torch.tensor([[6, EOS, -100, -100], [3, 4, 5, EOS]])  # a decoder's labels: another width
+    got = special_token_statistics(sources, (sources != PAD).long(), targets, (EOS,)).tolist()
+    assert got == [5, 6, 0, 0, 0, 2, 2]
+    unaligned = special_token_statistics(sources, None, sources, (EOS,), labels_aligned=False).tolist()
+    assert unaligned[2:5] == [0, 0, 0] and unaligned[5:] == [2, 2]  # no mask: every position is real
