@@ -21,7 +21,13 @@ from lightning_tfdebug.core.base import (
     model_is_compiled,
 )
 from lightning_tfdebug.core.batch import loss_of
-from lightning_tfdebug.core.distributed import all_gather_vector, local_tensor, world_size
+from lightning_tfdebug.core.distributed import (
+    all_gather_vector,
+    any_rank,
+    gradients_replicated,
+    local_tensor,
+    world_size,
+)
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
@@ -61,12 +67,18 @@ class NaNFirstFrame(DebugCallback):
     Modes:
 
     * ``"lazy"`` (default): each step checks on the device whether the loss (every micro-batch) and, without a
-      GradScaler, the gradients are finite; one small host read per step (plus, with several processes, one
-      ``all_gather`` of three flags so every rank takes the same decision on the same step). On the first
-      non-finite step, the micro-batches of that step are replayed with the same RNG state (dropout masks repeat)
-      and with frame hooks attached. Every rank replays, so collectives inside the model (FSDP2) stay matched.
+      GradScaler, the gradients are finite; one small host read per step. On the first non-finite step, the
+      micro-batches of that step are replayed with the same RNG state (dropout masks repeat) and with frame hooks
+      attached. Every rank replays, so collectives inside the model (FSDP2) stay matched.
     * ``"eager"``: frame hooks on every training step, for inf/nan that never reach the loss (a masked-out
       position, a discarded branch). Statistics stay on the device; one host read per step, not one per module.
+
+    Every rank must take the same decision on the same step. Under DDP (lazy mode, gradients checked) it needs no
+    collective: DDP's reducer has all-reduced the gradients before the check, so they are identical on every rank,
+    and a non-finite loss on one rank has made every rank's gradients non-finite too. Where the flag a rank sees is
+    its own (FSDP / FSDP2 gradient shards, eager mode's frame flags, ``check_gradients=False`` or a GradScaler,
+    where only the rank-local loss decides), one one-element ``all_reduce`` (max) per step shares it. Only on a bad
+    step (rare, and the same on every rank) does an ``all_gather`` of three flags per rank say which ranks were bad.
 
     Under a GradScaler (fp16), overflowing gradients are the scaler's business (it skips those steps; see
     :class:`~lightning_tfdebug.ScalerWatch`); NaNFirstFrame then triggers on a non-finite loss, i.e. an overflow
@@ -141,6 +153,8 @@ class NaNFirstFrame(DebugCallback):
         self._micro: list[tuple[Any, int, dict[str, Any]]] = []
         self._recorder: FrameRecorder | None = None
         self._mode: Mode = mode  # the mode this fit runs in: eager falls back to lazy on a compiled model
+        self._check_grads = check_gradients  # this fit checks the gradients (not under a GradScaler)
+        self._replicated = False  # this fit's decision flag is identical on every rank: no collective per step
 
     @property
     def state_key(self) -> str:
@@ -164,6 +178,15 @@ class NaNFirstFrame(DebugCallback):
         if self._mode == "eager" and self.active:
             self._recorder = FrameRecorder(pl_module, backward=True).attach()
             self._recorder.enabled = False
+        self._check_grads = self.check_gradients and grad_scaler_of(trainer) is None
+        # Under DDP the gradients are all-reduced before `on_before_optimizer_step`: a gradient flag is the same on
+        # every rank, and a rank-local non-finite loss has made every rank's gradients non-finite. Lazy mode then
+        # decides from the gradient flag alone, with no collective on any healthy step.
+        self._replicated = (
+            self._mode == "lazy"
+            and self._check_grads
+            and gradients_replicated(getattr(trainer.strategy, "model", None), self._params)
+        )
 
     def _detach(self) -> None:
         if self._recorder is not None:
@@ -220,7 +243,7 @@ class NaNFirstFrame(DebugCallback):
         zero = torch.zeros((), device=device)
         loss_bad = self._loss_bad.to(device) if self._loss_bad is not None else zero
         grad_bad = zero
-        if self.check_gradients and grad_scaler_of(trainer) is None:
+        if self._check_grads:
             # Deliberate, every step: a list over the parameters (cached per fit) to collect this step's `.grad`
             # tensors, which are new objects each step when `zero_grad` sets them to None; the check itself is one
             # fused `_foreach_norm` (about 0.2 ms for 0.9M float32 gradients on one CPU thread, memory bound).
@@ -241,17 +264,26 @@ class NaNFirstFrame(DebugCallback):
         device = pl_module.device
         with torch.no_grad():
             local = self._local_flags(trainer, device)
-        # The decision must be identical on every rank: a loss is rank-local and an FSDP2 gradient shard may hold
-        # the only nan, so the flags of all ranks are gathered (one small collective, every step, same shape).
-        table = all_gather_vector(local) if world_size() > 1 else local.unsqueeze(0)
+            if world_size() == 1:
+                decision = local.amax()
+            elif self._replicated:
+                decision = local[1]  # DDP: the all-reduced gradients' flag, identical on every rank; no collective
+            else:
+                # Collective, every step, and deliberate: a loss is rank-local (the only flag under a GradScaler or
+                # with check_gradients=False), an FSDP gradient shard or an eager frame may hold the only inf/nan, so
+                # every rank must learn whether any rank's step is bad. One one-element all_reduce (max).
+                decision = any_rank(local.amax())
         # Host sync, the callback's one read per step, and deliberate: a bad step must be skipped (its gradients set
         # to None) *before* `optimizer.step()` applies inf/nan to the weights and the optimizer's moments, and no
         # device-side trick can make an arbitrary optimizer skip a step (multiplying the gradients by zero still
         # applies weight decay and momentum; 0 * nan is nan). Measured on CPU (one thread, 4-layer d=128 model):
-        # the read of three flags costs about 1 us, against 0.2-0.7 ms for the gradient check. On CUDA it waits for the
+        # the read of one flag costs about 1 us, against 0.2-0.7 ms for the gradient check. On CUDA it waits for the
         # backward's queued kernels, which `optimizer.step()` queues behind anyway; what it costs is the overlap of
         # the optimizer's kernel launches with the end of backward.
-        rows = table.tolist()
+        if not decision.item():
+            return
+        # A bad step, the same on every rank: which ranks were bad (collective, only on such a step).
+        rows = (all_gather_vector(local) if world_size() > 1 else local.unsqueeze(0)).tolist()
         bad_ranks, frame_ranks = flagged_ranks(rows)
         if not bad_ranks and not frame_ranks:
             return

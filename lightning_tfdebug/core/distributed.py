@@ -147,3 +147,24 @@ def all_gather_vector(values: Tensor) -> Tensor:
     gathered = [torch.empty_like(values) for _ in range(world_size())]
     dist.all_gather(gathered, values.contiguous())
     return torch.stack(gathered)
+
+
+def gradients_replicated(strategy_model: torch.nn.Module | None, params: Iterable[Tensor]) -> bool:
+    """Whether, after backward, every rank holds the same full gradients: the model is wrapped in torch's
+    ``DistributedDataParallel`` (whose reducer all-reduces every gradient before ``optimizer.step()``) and no
+    parameter is a DTensor shard. Then a flag computed from the gradients is already identical on every rank and
+    deciding on it needs no collective. False in a single process, under FSDP / FSDP2 / DeepSpeed (each rank holds a
+    shard or a partition) and for any wrapper not known to replicate gradients."""
+    if world_size() == 1 or not isinstance(strategy_model, torch.nn.parallel.DistributedDataParallel):
+        return False
+    return not any(isinstance(p, DTensor) for p in params)
+
+
+def any_rank(flag: Tensor) -> Tensor:
+    """The maximum of a one-element float ``flag`` over every rank (``flag`` itself in a single process).
+
+    Collective: one one-element ``all_reduce``; every rank must call it on the same step."""
+    flag = flag.detach().reshape(1).to(torch.float32, copy=True)
+    if world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag

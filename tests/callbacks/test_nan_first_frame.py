@@ -297,3 +297,32 @@ def test_a_loss_that_is_nan_while_every_module_is_finite_is_said_so(tmp_path):
     first = next(f for f in nan.findings if f.code == "TFD401")
     assert "no module output held inf/nan" in first.message and "loss computed in training_step" in first.message
     assert "ignore_index" in first.hint
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("check_gradients", [True, False])
+def test_a_nan_loss_on_one_ddp_rank_stops_every_rank_with_or_without_the_gradient_check(tmp_path, check_gradients):
+    """Issue 25: under DDP the gradient check decides with no collective (the all-reduced gradients are non-finite on
+    every rank when one rank's loss is); without it (check_gradients=False) a one-element all_reduce of the rank-local
+    loss flag does. Either way every rank stops at step 3 and names rank 1."""
+    spec = {
+        "strategy": "ddp",
+        "model": {**SMALL, "nan_on_rank": 1, "nan_at_step": 3},
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 8},
+        "callbacks": [
+            {
+                "class_path": "lightning_tfdebug.NaNFirstFrame",
+                "init_args": {"on_finding": "stop", "check_gradients": check_gradients},
+            }
+        ],
+        "extra": "tests.callbacks.test_nan_first_frame:dist_extra",
+    }
+    results = run_distributed(tmp_path, spec, timeout=150)
+    for r in results:
+        [finding] = r["findings"]["NaNFirstFrame"]
+        assert finding["code"] == "TFD401" and finding["step"] == 3, finding
+        assert finding["evidence"]["ranks"] == [1]
+        assert finding["evidence"]["module"] == "training_step" and finding["evidence"]["module_rank"] == 1
+        assert r["error"] is None and r["global_step"] == 4 and r["extra"]["skipped"] == 1
