@@ -183,3 +183,148 @@ class HFSeq2Seq(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+# ------------------------------------------------------------------- token rows and loss-only wrappers (bug-zoo row 33)
+def token_rows(rows: int = 64, length: int = 24, batch_size: int = 8, as_list: bool = False) -> DataLoader:
+    """Batches that are one integer tensor of token rows ``(B, length + 1)``, no labels (or, ``as_list``, a list
+    whose first item is that tensor, as ``TensorDataset`` gives): the step or the model shifts the rows itself."""
+    text = periodic_text(rows, length + 1).contiguous()
+    batches = [text[i : i + batch_size] for i in range(0, len(text), batch_size)]
+    return DataLoader([[b] for b in batches] if as_list else batches, batch_size=None, shuffle=False)
+
+
+class RowNet(nn.Module):
+    """A library's stack: the same constructor builds the decoder (``causal=True``) or the encoder (``causal=False``,
+    no mask: every position sees the whole sequence). ``forward(ids)`` returns ``(logits, cache)`` (the cache: each
+    layer's output, for generation), or only the logits with ``with_cache=False``; ``probabilities``: softmax
+    probabilities instead of logits (bug-zoo row 1, when the loss applies cross-entropy to them)."""
+
+    def __init__(
+        self,
+        vocab: int = 259,
+        d: int = 32,
+        layers: int = 2,
+        context: int = 64,
+        causal: bool = True,
+        with_cache: bool = True,
+        probabilities: bool = False,
+    ) -> None:
+        super().__init__()
+        self.causal, self.with_cache, self.probabilities = causal, with_cache, probabilities
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, 2, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor):
+        t = ids.shape[1]
+        x = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=ids.device) if self.causal else None
+        cache = []
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=self.causal)
+            cache.append(x)
+        logits = self.head(self.norm(x))
+        if self.probabilities:
+            logits = logits.softmax(-1)
+        return (logits, cache) if self.with_cache else logits
+
+
+class ShiftInsideWrapper(nn.Module):
+    """A loss-only wrapper: takes the token rows, shifts them itself (inputs ``rows[:, :-1]``, targets ``rows[:, 1:]``),
+    calls its inner network and returns only the loss. ``unshifted``: the targets are the inputs themselves."""
+
+    def __init__(self, net: nn.Module, unshifted: bool = False) -> None:
+        super().__init__()
+        self.net, self.unshifted = net, unshifted
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        x = rows[:, :-1]
+        y = x if self.unshifted else rows[:, 1:]
+        logits, _cache = self.net(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+class DropLastLogitWrapper(nn.Module):
+    """A loss-only wrapper that feeds the whole row and drops the last output: ``logits[:, :-1]`` against
+    ``rows[:, 1:]``. ``unshifted``: against ``rows[:, :-1]``."""
+
+    def __init__(self, net: nn.Module, unshifted: bool = False) -> None:
+        super().__init__()
+        self.net, self.unshifted = net, unshifted
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        logits, _cache = self.net(rows)
+        y = rows[:, :-1] if self.unshifted else rows[:, 1:]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+STYLES = ("shift_inside", "drop_last", "step_slices")
+
+
+class TokenRowLM(pl.LightningModule):
+    """A language model trained on token rows ``(B, T+1)`` without labels, in the three shapes users write.
+
+    ``style``: ``"shift_inside"`` (``training_step`` returns ``self.model(batch)``, a wrapper that slices the rows,
+    calls the inner network, a grandchild of this module, and returns only the loss), ``"drop_last"`` (the same with
+    a wrapper that feeds the whole row and drops the last logit), ``"step_slices"`` (``x, y = batch[:, :-1],
+    batch[:, 1:]; logits = self.model(x)`` in the step). ``bug``: ``"encoder"`` builds the stack without its causal
+    mask (the library's encoder used as a causal LM: it sees the future); ``"unshifted"`` scores each position on its
+    own token; ``"probabilities"``: the inner network returns softmax probabilities, scored by cross-entropy again."""
+
+    def __init__(self, style: str = "shift_inside", bug: str | None = None, lr: float = 3e-3) -> None:
+        super().__init__()
+        if style not in STYLES or bug not in (None, "encoder", "unshifted", "probabilities"):
+            raise ValueError(f"style={style!r}, bug={bug!r}")
+        self.style, self.bug, self.lr = style, bug, lr
+        torch.manual_seed(0)
+        net = RowNet(causal=bug != "encoder", with_cache=style != "step_slices", probabilities=bug == "probabilities")
+        unshifted = bug == "unshifted"
+        if style == "shift_inside":
+            self.model: nn.Module = ShiftInsideWrapper(net, unshifted)
+        elif style == "drop_last":
+            self.model = DropLastLogitWrapper(net, unshifted)
+        else:
+            self.model = net
+
+    def training_step(self, batch, batch_idx):
+        rows = batch[0] if isinstance(batch, (list, tuple)) else batch
+        if self.style != "step_slices":
+            return self.model(rows)
+        x, y = rows[:, :-1], rows[:, 1:]
+        logits = self.model(x)
+        target = x if self.bug == "unshifted" else y
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class EmbeddingRowsLM(pl.LightningModule):
+    """Bad input for the token probes: the batch is float vectors ``(B, T+1, d)`` (embeddings fed directly), no integer
+    tensor at all; the model predicts each next vector (mean squared error)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True)
+        self.net = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch[:, :-1], batch[:, 1:]
+        t = x.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t)
+        return F.mse_loss(self.net(x, mask=mask, is_causal=True), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def embedding_rows(rows: int = 32, length: int = 12, d: int = 16, batch_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    vectors = torch.randn(rows, length + 1, d, generator=g)
+    return DataLoader([vectors[i : i + batch_size] for i in range(0, rows, batch_size)], batch_size=None)

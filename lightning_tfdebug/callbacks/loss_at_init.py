@@ -24,9 +24,11 @@ from lightning_tfdebug.core.batch import (
     loss_of,
     step_batch,
 )
+from lightning_tfdebug.core.calls import CallRecorder, RecordedCall, takes_tokens
 from lightning_tfdebug.core.distributed import packed_reduce, world_size
 from lightning_tfdebug.core.model import in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.call_probes import token_row_logits
 from lightning_tfdebug.functional.loss import (
     bounded_floor_sums,
     copy_sums,
@@ -292,6 +294,11 @@ class LossAtInit(DebugCallback):
         self._replaying = False
         self._captured: dict[str, Tensor] = {}  # the root's or the named module's logits, and children's `.logits`
         self._raw: dict[str, Tensor] = {}  # direct children's plain tensor outputs, in call order (a fallback)
+        # token rows without labels (a loss-only wrapper's inner call): the calls that took tokens, at any depth
+        self._recorder: CallRecorder | None = None
+        self._calls: list[RecordedCall] = []
+        self._row_tokens: Tensor | None = None  # the tokens that call received (the copy check's inputs)
+        self._token_rows = False  # the labels are the batch's token rows (read at step 0): count them for H
         self._output_types: dict[str, str] = {}
         self._batch: Any = None
         self._view: StepBatch | None = None  # the shared reading of the armed step's batch
@@ -341,6 +348,7 @@ class LossAtInit(DebugCallback):
             self._replay = True
             return
         self._replay = False
+        self._record_token_calls(pl_module)
         for name, module in self._candidates(pl_module):
             self._handles.append(module.register_forward_hook(self._make_hook(name)))
 
@@ -350,6 +358,7 @@ class LossAtInit(DebugCallback):
         For compiled models, on the two armed steps only."""
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         handles = [m.register_forward_hook(self._make_hook(n)) for n, m in self._candidates(pl_module)]
+        self._record_token_calls(pl_module)
         self._replaying = True
         try:
             with (
@@ -361,6 +370,7 @@ class LossAtInit(DebugCallback):
                 return quiet_training_step(pl_module, batch, batch_idx)
         finally:
             self._replaying = False
+            self._stop_recording()
             for handle in handles:
                 handle.remove()
 
@@ -386,7 +396,30 @@ class LossAtInit(DebugCallback):
 
         return hook
 
+    def _record_token_calls(self, pl_module: pl.LightningModule) -> None:
+        """Token rows without labels (``training_step`` returns ``self.model(batch)``, a wrapper that slices the rows
+        and returns only the loss): record the calls that take tokens, at any depth, to find the inner call that
+        returns the logits. A hook on every module, on the two armed steps only."""
+        view = self._view
+        if self.logits_module is not None or self.labels_key is not None or view is None or view.labels is not None:
+            return
+        ids = view.input_ids
+        if ids is None or ids.ndim != 2 or ids.is_floating_point():
+            return
+        module = pl_module
+
+        def keep() -> bool:
+            return self._replaying or in_training_step(module)  # not another callback's probe forward
+
+        self._recorder = CallRecorder(pl_module, keep=keep, nested=True, want=takes_tokens).start()
+
+    def _stop_recording(self) -> None:
+        if self._recorder is not None:
+            self._calls = self._recorder.stop()
+            self._recorder = None
+
     def _remove_hooks(self) -> None:
+        self._stop_recording()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -406,6 +439,7 @@ class LossAtInit(DebugCallback):
         self._view = None
         self._captured.clear()
         self._raw.clear()
+        self._calls = []
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._remove_hooks()
@@ -472,7 +506,11 @@ class LossAtInit(DebugCallback):
         loss = self._training_loss(trainer, pl_module, outputs)
         device = loss.device if loss is not None else _device_of(pl_module)
         with torch.no_grad():
-            self._count_labels(step_batch(trainer, batch, self._keys).labels, device)
+            view = step_batch(trainer, batch, self._keys)
+            labels = view.labels
+            if labels is None and self._token_rows:
+                labels = self._row_targets(view)
+            self._count_labels(labels, device)
             host = self._reduce({}, (), loss, True, device)
         self._record(trainer, host, step)
 
@@ -644,6 +682,15 @@ class LossAtInit(DebugCallback):
         """Sums and counts (device scalars) from the captured outputs and the labels, for the armed phase; then the
         captured tensors are released."""
         logits, labels, reason = self._inputs(pl_module)
+        self._row_tokens = None
+        if logits is None and self._calls and self._view is not None and self._view.input_ids is not None:
+            # token rows without labels: the logits of the call that received the rows (or rows[:, :-1]), the labels
+            # its own loss derives from them (host syncs choosing the call: armed steps only)
+            rows = token_row_logits(self._calls, self._view.input_ids, self._view.attention_mask, self.ignore_index)
+            if rows is not None:
+                logits, labels, self._row_tokens = (t.detach() for t in rows)
+                self._token_rows, reason = self._token_rows or self._armed == "init", ""
+        self._calls = []
         found = _Collected(
             stats={},
             reason=reason,
@@ -711,9 +758,11 @@ class LossAtInit(DebugCallback):
             # current token, and only a rise from there says the model learned to copy
             if fits and logits.ndim == 3 and tuple(inputs.shape) == tuple(logits.shape[:2]):
                 found.stats.update(copy_sums(logits, inputs, labels != self.ignore_index, max_rows=self.max_rows))
-            found.labels = labels
+            # for the unigram counts: the rows' next-token targets (token rows), else the labels
+            found.labels = labels if self._row_tokens is None else self._row_targets(self._view)
         self._captured.clear()
         self._raw.clear()
+        self._row_tokens = None
         return found
 
     def _stand_aside_if_missing(self, trainer: pl.Trainer, host: dict[str, float], reason: str, step: int) -> bool:
@@ -846,11 +895,22 @@ class LossAtInit(DebugCallback):
         verdicts += [context] if context is not None else []
         self._emit(trainer, verdicts, step)
 
+    def _row_targets(self, view: StepBatch | None) -> Tensor | None:
+        """Token rows without labels: every token after the first is a next-token target (padding excluded)."""
+        ids = None if view is None else view.input_ids
+        if ids is None or ids.ndim != 2 or ids.is_floating_point():
+            return None
+        mask = view.attention_mask  # type: ignore[union-attr]
+        targets = ids[:, 1:]
+        return targets if mask is None else targets.masked_fill(mask[:, 1:] == 0, self.ignore_index)
+
     def _current_tokens(self, labels: Tensor) -> Tensor | None:
-        """The input token ids, for the copy check: from the shared reading (``input_key``, else found by name or as
-        a tuple's first 2-D integer tensor); else, with ``shift_labels``, the labels (a causal LM's labels mirror
-        its inputs)."""
+        """The input token ids, for the copy check: the tokens the recorded call received (token rows without
+        labels); from the shared reading (``input_key``, else found by name or as a tuple's first 2-D integer
+        tensor); else, with ``shift_labels``, the labels (a causal LM's labels mirror its inputs)."""
         assert self._view is not None
+        if self._row_tokens is not None:
+            return self._row_tokens
         inputs = self._view.input_ids
         if inputs is not None and not inputs.is_floating_point():
             return inputs
@@ -869,6 +929,7 @@ class LossAtInit(DebugCallback):
             "unigram_entropy": self._unigram if self._unigram_done else None,
             "history": [list(point) for point in self._history],
             "probabilities": self._probabilities,
+            "token_rows": self._token_rows,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -885,6 +946,7 @@ class LossAtInit(DebugCallback):
         self._counted_batches = _UNIGRAM_BATCHES if self._unigram is not None else 0
         self._history = [(int(s), float(v)) for s, v in state_dict.get("history", [])]
         self._probabilities = bool(state_dict.get("probabilities", False))
+        self._token_rows = bool(state_dict.get("token_rows", False))
 
 
 @dataclass

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, logits_of, loss_of, step_batch
-from lightning_tfdebug.core.calls import CallRecorder, record_calls
+from lightning_tfdebug.core.calls import CallRecorder, record_calls, takes_tokens
 from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import call_probes
@@ -308,7 +308,9 @@ class MaskProbe(DebugCallback):
             if not pl_module.automatic_optimization and self.forward_fn is None:
                 # A manual-optimization training_step steps its optimizers: it is never replayed. Record the calls
                 # the real one makes instead, and probe through them at the batch's end.
-                self._recorder = CallRecorder(pl_module, keep=lambda: in_training_step(pl_module)).start()
+                self._recorder = CallRecorder(
+                    pl_module, keep=lambda: in_training_step(pl_module), nested=True, want=takes_tokens
+                ).start()
                 self._manual = (None, first or periodic)
                 return
             self._probe(trainer, pl_module, batch, batch_idx, full=first or periodic)
@@ -406,7 +408,9 @@ class MaskProbe(DebugCallback):
             return "a manual-optimization `training_step` steps its optimizers, so it is never replayed"
         else:
             try:
-                returned, calls = record_calls(pl_module, lambda: quiet_training_step(pl_module, batch, batch_idx))
+                returned, calls = record_calls(
+                    pl_module, lambda: quiet_training_step(pl_module, batch, batch_idx), nested=True, want=takes_tokens
+                )
             except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
                 return f"replaying `training_step` failed ({type(err).__name__}: {err})"
         plan = call_probes.plan_call(calls, ids, mask, labels, self.ignore_index)
@@ -434,12 +438,10 @@ class MaskProbe(DebugCallback):
         start = time.perf_counter()
         ids, mask, labels = self._extract(trainer, batch)
         if ids is None:
-            where = f"under `input_key={self.input_key!r}`" if self.input_key is not None else "by name or position"
             self._cannot_call(
                 trainer,
-                f"the batch holds no 2-D integer token ids {where}; set `input_key` (a key, dotted path or tuple "
-                "position) or `forward_fn`.",
-                setting="input_key",
+                probes.no_token_ids_reason(step_batch(trainer, batch, self._keys).fields.leaves, self.input_key),
+                setting="`input_key` (where the token ids are) or `forward_fn` (a function calling the model on ids)",
             )
             return
         modes = {m: m.training for m in pl_module.modules()}
@@ -466,26 +468,31 @@ class MaskProbe(DebugCallback):
                     reason = self._build_caller(pl_module)
                     if reason is not None:
                         why = f"{recorded}; and by signature: {reason}" if recorded else reason
-                        self._cannot_call(trainer, why, setting="forward_fn")
+                        self._cannot_call(trainer, why)
                         return
                 if self._is_causal is None:
                     self._is_causal = self._decide_causal(trainer, ids, labels)
                     if not self._is_causal:
                         self._targets_wanted, self._alignment_decided = False, True
+                # Token rows sliced in the step or the model (`rows[:, :-1]`): the probes perturb the tokens the call
+                # received; the target alignment reads its outputs against the whole rows.
+                call_ids, call_mask = ids, mask
+                if self._plan is not None and self._plan.sliced:
+                    call_ids, call_mask = self._plan.columns(ids), self._plan.columns(mask)
+                    assert call_ids is not None
                 if full:
-                    self._probe_masks(trainer, ids, mask, self._generator, values, decisions)
+                    self._probe_masks(trainer, call_ids, call_mask, self._generator, values, decisions)
                     if self.check_positions and not self._positions_done:
                         self._positions_done = True
-                        self._probe_positions(trainer, pl_module, ids, values, decisions)
+                        self._probe_positions(trainer, pl_module, call_ids, values, decisions)
                 if not self._alignment_decided:
                     self._probe_alignment(trainer, pl_module, batch, batch_idx, ids, mask, labels, values, decisions)
                 if not self._order_decided and trainer.global_step in ORDER_STEPS:
-                    self._probe_order(trainer, ids, mask, values, decisions)
+                    self._probe_order(trainer, call_ids, call_mask, values, decisions)
         except Exception as err:  # never crash training: say how to make the model callable and stand aside
             self._cannot_call(
                 trainer,
                 f"calling the model failed ({type(err).__name__}: {err}); set `forward_fn`.",
-                setting="forward_fn",
             )
             return
         finally:
@@ -529,7 +536,7 @@ class MaskProbe(DebugCallback):
         self._emit(trainer, verdict)
         return verdict is None
 
-    def _cannot_call(self, trainer: pl.Trainer, reason: str, setting: str = "forward_fn") -> None:
+    def _cannot_call(self, trainer: pl.Trainer, reason: str, setting: str = "`forward_fn`") -> None:
         self.emit(
             trainer,
             "TFD211",
@@ -538,7 +545,7 @@ class MaskProbe(DebugCallback):
             "give `forward_fn` (and `input_key` / `mask_key` / `labels_key` to point at the batch's fields).",
             synchronized=False,
         )
-        self.stand_aside(reason, setting=f"`{setting}`")
+        self.stand_aside(reason, setting=setting)
 
     def _rows(self, t: Tensor | None) -> Tensor | None:
         if t is None:
@@ -827,15 +834,19 @@ class MaskProbe(DebugCallback):
                 synchronized=False,
             )
             return
+        offset = 0
         if self._plan is not None:
             # the logits of the very call whose loss training_step returned
             logits = call_probes.read_logits(self._plan.call.output, ids.shape[0], self._plan.out_seq_first)
-            if logits is None or tuple(logits.shape[:2]) != tuple(labels.shape):
+            # a call that received a slice of the rows: its output p stands at row position p + ids_start
+            offset = self._plan.ids_start
+            expected = len(range(labels.shape[1])[self._plan.ids_start : self._plan.ids_stop])
+            if logits is None or tuple(logits.shape[:2]) != (labels.shape[0], expected):
                 self._alignment_decided = True  # outputs not position-aligned with the labels: nothing to compare
                 return
         else:
             logits = self._logits(ids, mask)
-        losses = alignment_losses(logits, labels, self.ignore_index)
+        losses = alignment_losses(logits, labels, self.ignore_index, offset=offset)
         values.update(
             {
                 "mask_probe/loss_returned": returned.detach().float(),

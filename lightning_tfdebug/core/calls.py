@@ -5,6 +5,11 @@ LightningModule without ``forward`` whose ``training_step`` calls ``self.model(x
 the call ``training_step`` makes (module, positional and keyword arguments, output) and re-issuing it with perturbed
 copies of its token tensors reaches all of them. Nothing here measures or decides; the recording is meant for
 probing steps only (it adds hooks to every submodule for the duration of one call).
+
+A library's loss-only wrapper (``training_step`` returns ``self.model(batch)``; the wrapper slices the token rows,
+calls its inner network and returns only the loss) makes the call that returns logits one level down: with
+``nested=True`` the recorder also keeps the calls made inside other calls, at any depth, each with its depth and the
+order in which it started.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 Path = tuple[Any, ...]
@@ -28,6 +34,8 @@ class RecordedCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     output: Any
+    depth: int = 0  # 0: made by training_step itself; 1: made inside such a call (a wrapper's inner network); ...
+    order: int = 0  # when it started, among the recorded calls
 
     def leaves(self) -> list[tuple[Path, Tensor]]:
         """Every tensor in the arguments, with its path (containers: dict-likes, lists, tuples, dataclasses)."""
@@ -114,29 +122,47 @@ def replace_leaves(obj: Any, replacements: Mapping[Path, Tensor], prefix: Path =
 
 
 class CallRecorder:
-    """Records the outermost module calls under ``root`` between :meth:`start` and :meth:`stop`.
+    """Records the module calls under ``root`` between :meth:`start` and :meth:`stop`.
 
-    "Outermost": calls made while no other module under ``root`` was running, i.e. the calls ``training_step`` itself
-    makes (``self(x)``, ``self.model(x, y)``, ``self.loss_fn(...)``), not the layers inside them. ``keep`` decides,
-    at each such call, whether to keep it (e.g. only inside the Trainer's ``training_step``). Adding a hook to every
-    submodule is a Python loop over the modules: for probing steps only.
+    By default the outermost calls only: calls made while no other module under ``root`` was running, i.e. the calls
+    ``training_step`` itself makes (``self(x)``, ``self.model(x, y)``, ``self.loss_fn(...)``), not the layers inside
+    them. With ``nested=True`` the calls at every depth, those inside others included (a loss-only wrapper's inner
+    network); ``want(module, args, kwargs)``, asked when a nested call starts, keeps only the calls worth holding
+    (their outputs stay alive until :meth:`stop`), and the outermost calls are always kept. :meth:`stop` returns the
+    calls in the order they started. ``keep`` decides, at each call, whether to keep it (e.g. only inside the
+    Trainer's ``training_step``). Adding a hook to every submodule is a Python loop over the modules: for probing
+    steps only.
     """
 
-    def __init__(self, root: nn.Module, keep: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        keep: Callable[[], bool] | None = None,
+        nested: bool = False,
+        want: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool] | None = None,
+    ) -> None:
         self.root = root
         self.keep = keep
+        self.nested = nested
+        self.want = want
         self.calls: list[RecordedCall] = []
         self._depth = 0
+        self._started = 0
+        self._stack: list[tuple[int, bool]] = []  # (order, recorded) of the calls in progress
         self._handles: list[Any] = []
 
     def start(self) -> CallRecorder:
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            order, self._started = self._started, self._started + 1
+            wanted = self._depth == 0 or (self.nested and (self.want is None or self.want(module, args, kwargs)))
+            self._stack.append((order, wanted))
             self._depth += 1
 
         def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             self._depth -= 1
-            if self._depth == 0 and (self.keep is None or self.keep()):
-                self.calls.append(RecordedCall(module, args, dict(kwargs), output))
+            order, wanted = self._stack.pop() if self._stack else (self._started, self._depth == 0)
+            if wanted and (self.keep is None or self.keep()):
+                self.calls.append(RecordedCall(module, args, dict(kwargs), output, depth=self._depth, order=order))
 
         for module in self.root.modules():
             self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
@@ -148,15 +174,34 @@ class CallRecorder:
             handle.remove()
         self._handles.clear()
         self._depth = 0
+        self._stack.clear()
+        self.calls.sort(key=lambda c: c.order)  # inner calls end first: give them back in the order they started
         return self.calls
 
 
-def record_calls(root: nn.Module, run: Callable[[], Any]) -> tuple[Any, list[RecordedCall]]:
-    """Run ``run()`` under a :class:`CallRecorder` on ``root``; returns its result and the outermost module calls it
-    made, in call order. The hooks are removed before this returns, also when ``run`` raises."""
-    recorder = CallRecorder(root).start()
+def record_calls(
+    root: nn.Module,
+    run: Callable[[], Any],
+    nested: bool = False,
+    want: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool] | None = None,
+) -> tuple[Any, list[RecordedCall]]:
+    """Run ``run()`` under a :class:`CallRecorder` on ``root``; returns its result and the module calls it made (the
+    outermost ones, or with ``nested`` those at every depth that ``want`` keeps), in the order they started. The
+    hooks are removed before this returns, also when ``run`` raises."""
+    recorder = CallRecorder(root, nested=nested, want=want).start()
     try:
         result = run()
     finally:
         calls = recorder.stop()
     return result, calls
+
+
+def takes_tokens(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call passes a 2-D integer tensor (token ids, or a slice of them), and is not an embedding lookup (whose
+    output is hidden states, never logits): the nested calls worth recording for the token probes."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return False
+    return any(
+        t.ndim == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+        for _, t in tensor_leaves(args) + tensor_leaves(kwargs)
+    )

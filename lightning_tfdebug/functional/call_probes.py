@@ -13,6 +13,12 @@ position ``t >= p + shift + offset``: the decoder input of an encoder-decoder th
 (``offset`` 0, ``shift`` 0) leaks each position's own label, and an encoder that sees the whole text of a language
 model leaks the next token. Slots unrelated to the labels (a translation's source) are not perturbed: an encoder
 may see all of them.
+
+Token rows without labels: a batch that is one integer tensor ``(B, T+1)`` (or a tuple whose first item is one) is
+sliced inside the step or the model (``x, y = rows[:, :-1], rows[:, 1:]``). The calls are then recorded at every
+depth, and the chosen call may take the rows themselves or a slice of them without the last or the first column; the
+plan keeps which columns it received (:attr:`CallPlan.ids_start`), so the probes perturb the call's own tokens and the
+alignment of its outputs with the next tokens is read against the whole row.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.batch import LABELS_KEYS, MASK_KEYS, logits_of
-from lightning_tfdebug.core.calls import Path, RecordedCall
+from lightning_tfdebug.core.calls import Path, RecordedCall, tensor_leaves
 from lightning_tfdebug.functional.verdicts import Verdict
 
 RELATION_FRACTION = 0.95
@@ -62,6 +68,8 @@ class CallPlan:
     out_seq_first: bool = False
     vocab: Tensor | None = None  # the distinct token ids seen, for replacements
     ignore_index: int = -100
+    ids_start: int = 0  # the call's token ids are the batch's ids from this column ...
+    ids_stop: int | None = None  # ... to this one (None: to the end): a slice of token rows, e.g. rows[:, :-1]
     _tensors: dict[Path, Tensor] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ views
@@ -72,6 +80,15 @@ class CallPlan:
     @property
     def takes_mask(self) -> bool:
         return self.mask_path is not None
+
+    @property
+    def sliced(self) -> bool:
+        """Whether the call received a slice of the batch's token rows rather than the rows themselves."""
+        return self.ids_start != 0 or self.ids_stop is not None
+
+    def columns(self, t: Tensor | None) -> Tensor | None:
+        """``t`` (batch-first, shaped like the batch's ids) cut to the columns the call received."""
+        return None if t is None else t[:, self.ids_start : self.ids_stop]
 
     def batch_first(self, slot: Slot) -> Tensor:
         t = self._tensors[slot.path]
@@ -153,8 +170,11 @@ class CallPlan:
 def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor | None:
     """The logits in a call's output as ``(batch, time, vocab)``: ``(B, T, V)`` as is, ``(T, B, V)`` transposed when
     the call is sequence-first (or when only that reading fits), ``(B*T, V)`` reshaped (``(T*B, V)`` for a
-    sequence-first call). None when no float tensor fits."""
+    sequence-first call). The logits are ``.logits`` / ``["logits"]``, else the first float tensor of the output (a
+    tuple ``(logits, cache)``, a dict or a dataclass of other names). None when no float tensor fits."""
     logits = logits_of(output)
+    if logits is None:
+        logits = next((t for _, t in tensor_leaves(output) if t.is_floating_point() and t.ndim >= 2), None)
     if logits is None:
         return None
     if logits.ndim == 3:
@@ -219,47 +239,57 @@ def plan_call(
     labels: Tensor | None,
     ignore_index: int = -100,
 ) -> CallPlan | str:
-    """The :class:`CallPlan` of the first recorded call that takes the batch's token ids (or, failing that, a token
-    tensor of the batch's size) and returns logits; a sentence saying why not otherwise."""
+    """The :class:`CallPlan` of the call that takes the batch's token ids, or a slice of them without the last or the
+    first column, and returns logits (outputs wider than every token id) over those positions; among several, the
+    outermost (lowest depth), then the first. Failing that, an outermost call that takes a token tensor of the batch's
+    size and returns logits. A sentence saying why not otherwise. ``calls`` may hold calls at every depth
+    (:class:`~lightning_tfdebug.core.calls.CallRecorder` with ``nested``): a loss-only wrapper's inner network."""
     b = int(input_ids.shape[0])
     top_id = int(input_ids.max()) if input_ids.numel() else -1  # host sync: probing steps only
-    chosen: tuple[RecordedCall, list[tuple[Path, Tensor, bool]]] | None = None
+    chosen: tuple[RecordedCall, list[tuple[Path, Tensor, bool]], Path | None, tuple[int, int | None]] | None = None
     fallback = None
-    for call in calls:
+    for call in sorted(calls, key=lambda c: (c.depth, c.order)):
+        if isinstance(call.module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            continue  # an embedding's output is hidden states, whatever its width
         seqs = [(p, t, _layout(t, b)) for p, t in call.leaves() if _is_ids(t) and _layout(t, b) is not None]
         if not seqs:
             continue
-        ids_layout = next((sf for _, t, sf in seqs if _matches_ids(t, sf, input_ids)), None)
-        logits = read_logits(call.output, b, bool(ids_layout if ids_layout is not None else seqs[0][2]))
+        match = _ids_match(seqs, input_ids)
+        seq_first = bool(match[1] if match is not None else seqs[0][2])
+        logits = read_logits(call.output, b, seq_first)
         if logits is None or logits.shape[-1] <= top_id:
             continue  # no output, or one narrower than the token ids (an embedding's hidden states, not logits)
-        if ids_layout is not None:
-            chosen = (call, seqs)
+        if match is not None:
+            path, _, columns = match
+            if columns != (0, None) and logits.shape[1] != int(input_ids.shape[1]) - 1:
+                continue  # a slice of the rows, but the outputs are not one per position of it
+            chosen = (call, seqs, path, columns)
             break
-        fallback = fallback or (call, seqs)
+        if call.depth == 0:
+            fallback = fallback or (call, seqs, None, (0, None))
     chosen = chosen or fallback
     if chosen is None:
-        names = ", ".join(sorted({type(c.module).__name__ for c in calls})) or "none"
+        names = ", ".join(sorted({type(c.module).__name__ for c in calls if c.depth == 0})) or "none"
         return (
             f"no call made in `training_step` takes the batch's token ids and returns logits (modules called: {names})"
         )
-    call, seqs = chosen
-    primary_path = next((p for p, t, sf in seqs if _matches_ids(t, sf, input_ids)), None)
+    call, seqs, primary_path, (start, stop) = chosen
     seq_first = next((sf for p, t, sf in seqs if p == primary_path), seqs[0][2])
     tensors = {p: t for p, t in call.leaves()}
-    # the mask: the batch's attention mask (or its inverse, a padding mask) passed in the call
+    # the mask: the batch's attention mask (or its inverse, a padding mask), cut like the ids, passed in the call
     mask_path, inverted, mask_seq_first = None, False, False
+    call_mask = None if attention_mask is None else attention_mask[:, start:stop]
     for p, t in call.leaves():
-        if attention_mask is None or t.ndim != 2:
+        if call_mask is None or t.ndim != 2:
             continue
-        transposed = t.shape != attention_mask.shape
+        transposed = t.shape != call_mask.shape
         view = t.transpose(0, 1) if transposed else t
-        if view.shape != attention_mask.shape or (call.keyword(p) or "") in LABELS_KEYS:
+        if view.shape != call_mask.shape or (call.keyword(p) or "") in LABELS_KEYS:
             continue
-        if torch.equal(view.to(attention_mask.dtype), attention_mask):
+        if torch.equal(view.to(call_mask.dtype), call_mask):
             mask_path, mask_seq_first = p, transposed
             break
-        if torch.equal(view.bool(), attention_mask == 0):
+        if torch.equal(view.bool(), call_mask == 0):
             mask_path, inverted, mask_seq_first = p, True, transposed
             break
     opaque = mask_path is None and any(
@@ -272,6 +302,8 @@ def plan_call(
     if ref is not None and labels is not None and primary_path is not None:
         ids_offset = relation_offset(input_ids, ref, ignore_index, offsets=(0,))
         shift = 1 if ids_offset == 0 else 0
+    # output p of a call that received the rows from column `start` on stands at row position p + start
+    shift += start
     slots = []
     for p, t, sf in seqs:
         bf = t.transpose(0, 1) if sf else t
@@ -309,8 +341,30 @@ def plan_call(
         out_seq_first=seq_first,
         vocab=vocab,
         ignore_index=ignore_index,
+        ids_start=start,
+        ids_stop=stop,
         _tensors=tensors,
     )
+
+
+ROW_SLICES: tuple[tuple[int, int | None], ...] = ((0, None), (0, -1), (1, None))
+"""The columns of the batch's ids a call may receive, in order of preference: all of them, all but the last (the
+inputs of a next-token loss, ``rows[:, :-1]``), all but the first (``rows[:, 1:]``)."""
+
+
+def _ids_match(
+    seqs: list[tuple[Path, Tensor, bool | None]], input_ids: Tensor
+) -> tuple[Path, bool | None, tuple[int, int | None]] | None:
+    """``(path, seq_first, columns)`` of the call's tensor that is the batch's ids, or a slice of them (see
+    :data:`ROW_SLICES`), preferring the whole ids; None when none is."""
+    for columns in ROW_SLICES:
+        if columns != (0, None) and input_ids.shape[1] < 3:
+            break  # a slice of a row of two tokens says nothing
+        part = input_ids[:, columns[0] : columns[1]]
+        for p, t, sf in seqs:
+            if _matches_ids(t, sf, part):
+                return p, sf, columns
+    return None
 
 
 def _matches_ids(t: Tensor, seq_first: bool | None, input_ids: Tensor) -> bool:
@@ -377,3 +431,25 @@ def _names_a_mask(call: RecordedCall) -> bool:
     except (TypeError, ValueError):
         return False
     return any(name in params for name in MASK_KEYS) or any("mask" in name for name in params)
+
+
+def token_row_logits(
+    calls: list[RecordedCall], input_ids: Tensor, attention_mask: Tensor | None, ignore_index: int = -100
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """For a batch of token ids without labels: ``(logits, labels, tokens)`` of the recorded call (at any depth) that
+    received the ids, or a slice of them without the last or the first column, and returned logits ``(B, L, V)``, one
+    per position it received. ``tokens`` are the ids that call received, ``(B, L)``; ``labels`` the same with the
+    batch's padding set to ``ignore_index``: the labels a model that shifts them itself scores position ``t`` against
+    at ``t + 1`` (``rows[:, :-1]`` fed to the model: every target but the row's last). None when no such call was
+    recorded. Host syncs (choosing the call): for the steps that record only."""
+    plan = plan_call(calls, input_ids, attention_mask, None, ignore_index)
+    if isinstance(plan, str) or plan.primary is None:
+        return None
+    logits = read_logits(plan.call.output, plan.batch_size, plan.out_seq_first)
+    tokens = plan.columns(input_ids)
+    assert tokens is not None
+    if logits is None or tuple(logits.shape[:2]) != tuple(tokens.shape):
+        return None
+    mask = plan.columns(attention_mask)
+    labels = tokens if mask is None or mask.shape != tokens.shape else tokens.masked_fill(mask == 0, ignore_index)
+    return logits, labels, tokens

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.core.batch import MASK_KEYS
+from lightning_tfdebug.core.batch import MASK_KEYS, is_id_tensor
 from lightning_tfdebug.functional.probes import classify_alignment, padding_side, random_ids_like
 from lightning_tfdebug.functional.verdicts import Verdict
 
@@ -99,6 +99,33 @@ def build_caller(
 
 
 # ----------------------------------------------------------------------------------------------------- the objective
+def no_token_ids_reason(leaves: dict[str, Any], input_key: str | int | None) -> str:
+    """Why the batch gives the token probes no ids, in the words of what it holds (``leaves``: the batch's leaves by
+    path, from :func:`~lightning_tfdebug.core.batch.flatten_batch`)."""
+    tensors = {path: value for path, value in leaves.items() if isinstance(value, Tensor)}
+
+    def named(path: str) -> str:
+        return f"`{path}`" if path else "the batch itself"
+
+    described = ", ".join(
+        f"{named(path)} {str(t.dtype).replace('torch.', '')} {tuple(t.shape)}" for path, t in list(tensors.items())[:4]
+    )
+    if input_key is not None:
+        return (
+            f"`input_key={input_key!r}` names no 2-D integer tensor of the batch (it holds "
+            f"{described or 'no tensor'}); the token probes need the token ids."
+        )
+    if tensors and not any(is_id_tensor(t) for t in tensors.values()):
+        return (
+            f"the batch holds no integer tensor, only {described} (embeddings or features fed to the model "
+            "directly?): the token probes perturb token ids, and there are none to perturb."
+        )
+    return (
+        f"the batch holds no 2-D integer token ids by name or position (it holds {described or 'no tensor'}); "
+        "the token probes need them."
+    )
+
+
 def objective_counts(input_ids: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
     """``(4,)`` device tensor: supervised labels, labels equal to their input, labels equal to the next input, and
     supervised labels that have a next input. Read by :func:`decide_objective` after one host transfer."""

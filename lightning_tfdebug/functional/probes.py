@@ -55,23 +55,31 @@ def causal_valid_positions(batch: int, length: int, cut: int, device: torch.devi
     return (torch.arange(length, device=device) <= cut).expand(batch, length)
 
 
-def alignment_losses(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> dict[str, Tensor]:
-    """Mean cross-entropy of ``logits`` ``(B, T, V)`` against ``labels`` ``(B, T)`` under three alignments.
+def alignment_losses(
+    logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX, offset: int = 0
+) -> dict[str, Tensor]:
+    """Mean cross-entropy of ``logits`` ``(B, L, V)`` against ``labels`` ``(B, T)`` under three alignments.
 
     ``"shifted"``: position t is scored against label t+1 (what a causal LM loss does when labels are the inputs).
     ``"unshifted"``: position t is scored against label t.
-    ``"shifted2"``: position t is scored against label t+2 (labels shifted twice); NaN for sequences under 3 tokens.
+    ``"shifted2"``: position t is scored against label t+2 (labels shifted twice).
+    ``offset``: the logits' position t stands at the labels' position t + ``offset`` (a call that received token rows
+    from that column on); the labels may run past the logits (``rows[:, :-1]`` fed to the model, ``rows`` the labels:
+    the row's last token is a target only). Each alignment scores every position that has its label; NaN when none
+    has (``"shifted2"`` on sequences under 3 tokens).
     """
     logits = logits.detach().float()
     labels = labels.long()
-    flat = logits.flatten(0, 1)
-    unshifted = F.cross_entropy(flat, labels.flatten(), ignore_index=ignore_index)
-    shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=ignore_index)
-    if logits.shape[1] > 2:
-        shifted2 = F.cross_entropy(logits[:, :-2].flatten(0, 1), labels[:, 2:].flatten(), ignore_index=ignore_index)
-    else:
-        shifted2 = logits.new_tensor(float("nan"))
-    return {"shifted": shifted, "unshifted": unshifted, "shifted2": shifted2}
+    length, available = logits.shape[1], labels.shape[1] - offset
+
+    def loss(ahead: int) -> Tensor:
+        n = min(length, available - ahead)
+        if n < 1:
+            return logits.new_tensor(float("nan"))
+        target = labels[:, offset + ahead : offset + ahead + n]
+        return F.cross_entropy(logits[:, :n].flatten(0, 1), target.flatten(), ignore_index=ignore_index)
+
+    return {"shifted": loss(1), "unshifted": loss(0), "shifted2": loss(2)}
 
 
 def labels_relation(
