@@ -619,3 +619,89 @@ def test_an_encoder_decoders_labels_of_the_sources_width_are_not_taken_for_super
     decoder = BatchGuard()
     fit(tmp_path / "decoder", [decoder], HFLM("gpt2"), DataLoader([batch] * 3, batch_size=None), max_steps=3)
     assert "TFD115" in codes(decoder)
+
+
+# ---------------------------------------------------------------- batches back sooner than the data allows (TFD123)
+def repeat_codes(guard):
+    return [f for f in guard.findings if f.code in ("TFD121", "TFD123")]
+
+
+@pytest.mark.parametrize("setting, family", [("overfit_batches", "gpt2"), ("limit_train_batches", "llama")])
+def test_a_trainer_limit_that_rereads_the_same_batches_is_named(tmp_path, setting, family):
+    # written on TinyGPT; checked here on Hugging Face models
+    from tests.healthy_models import build
+
+    guard = BatchGuard()
+    # limit_train_batches=2 on an unshuffled loader reads the same first two batches every epoch
+    data = TinyTextDataModule(batch_size=8, n_documents=200)
+    if setting == "limit_train_batches":
+        data.train_dataloader = lambda: DataLoader(data.train_set, batch_size=8, collate_fn=data.collator, drop_last=True)
+    fit(tmp_path, [guard], build(family), data, max_steps=8, **{setting: 1 if setting == "overfit_batches" else 2})
+    [finding] = repeat_codes(guard)
+    assert finding.code == "TFD123" and finding.severity == "warning"
+    assert f"Trainer({setting}=" in finding.message and finding.evidence["loader_length"] == 23
+    assert finding.evidence["distinct"] == (1 if setting == "overfit_batches" else 2)
+
+    shuffled = BatchGuard()  # the same limit on a shuffled loader reads new batches every epoch: silent
+    fit(tmp_path / "shuffled", [shuffled], build(family), TinyTextDataModule(batch_size=8, n_documents=200),
+        max_steps=8, limit_train_batches=2)  # fmt: skip
+    assert repeat_codes(shuffled) == []
+
+
+class IgnoresIndexSmall(IgnoresIndex):
+    def __len__(self):
+        return 16  # two batches of 8 per epoch: one repeat per epoch, never three in one
+
+
+def test_a_dataset_ignoring_its_index_and_a_loader_of_one_fixed_batch_are_named_across_short_epochs(tmp_path):
+    from tests.healthy_models import build
+
+    guard = BatchGuard()
+    fit(tmp_path, [guard], build("llama"), DataLoader(IgnoresIndexSmall(), batch_size=8, collate_fn=ids_only),
+        max_steps=8)  # fmt: skip
+    [finding] = repeat_codes(guard)
+    assert finding.code == "TFD123" and finding.evidence["repeats_within_epochs"] == 3
+    assert "ignores its index" in finding.message and finding.evidence["setting"] is None
+    # tuple batches of a causal LM on nn.TransformerEncoder: a loader over two copies of one batch
+    text = torch.arange(9 * 17).reshape(9, 17) % 250
+    tokens, targets = text[:, :-1], text[:, 1:]
+    fixed = BatchGuard()
+    fit(tmp_path / "fixed", [fixed], build("encoder_lm"), DataLoader([(tokens, targets)] * 2, batch_size=None),
+        max_steps=8)  # fmt: skip
+    [finding] = repeat_codes(fixed)
+    assert finding.code == "TFD123" and finding.evidence["distinct"] == 1
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_many_epochs_over_a_small_dataset_with_accumulation_are_not_repeats(tmp_path, shuffle):
+    from tests.healthy_models import build, periodic_text
+
+    text = periodic_text(rows=32, length=17)
+    per_batch = BatchGuard()  # 4 batches of 8 per epoch, 2 micro-batches per step: 12 epochs
+    loader = DataLoader(torch.utils.data.TensorDataset(text[:, :-1], text[:, 1:]), batch_size=8, shuffle=shuffle)
+    fit(tmp_path, [per_batch], build("encoder_lm"), loader, max_steps=24, accumulate_grad_batches=2)
+    assert repeat_codes(per_batch) == [] and per_batch._period.read == 48
+    # one row per batch: a shuffled sample may come back a batch after it was read, across an epoch's end
+    rows = torch.randperm(250)[:6, None] + torch.arange(17)
+    one = BatchGuard()
+    loader = DataLoader(torch.utils.data.TensorDataset(rows[:, :-1], rows[:, 1:]), batch_size=1, shuffle=shuffle)
+    fit(tmp_path / "one", [one], build("encoder_lm"), loader, max_steps=30)
+    assert repeat_codes(one) == [] and one._period.read == 30 and len(one._period.seen) == 6
+
+
+@pytest.mark.ddp
+def test_ddp_epochs_over_a_distributed_sampler_are_silent_and_overfit_batches_is_named(tmp_path):
+    spec = {
+        "strategy": "ddp",
+        "model": SMALL,
+        "data": {"batch_size": 4, "n_documents": 100},  # 95 documents: 48 per rank, 12 batches of 4 per epoch
+        "callbacks": [{"class_path": "lightning_tfdebug.BatchGuard"}],
+    }
+    healthy = run_distributed(tmp_path / "healthy", {**spec, "trainer": {"max_steps": 36}})
+    assert [r["global_step"] for r in healthy] == [36, 36]
+    assert all(r["findings"]["BatchGuard"] == [] for r in healthy)
+    overfit = run_distributed(tmp_path / "overfit", {**spec, "trainer": {"max_steps": 8, "overfit_batches": 2}})
+    for rank, result in enumerate(overfit):
+        [finding] = result["findings"]["BatchGuard"]
+        assert finding["code"] == "TFD123" and finding["rank"] == rank
+        assert "Trainer(overfit_batches=2)" in finding["message"] and finding["evidence"]["loader_length"] == 12
