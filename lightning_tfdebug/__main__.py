@@ -16,11 +16,12 @@ import argparse
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lightning_tfdebug.report import FAIL_ON, FORMATS
 
@@ -164,24 +165,21 @@ def check_command(args: argparse.Namespace) -> int:
     env = {**os.environ, CHECK_RESULT_ENV: result}
     print(f"tfdebug check: {' '.join(cmd)}  (+ {' '.join(added)})", flush=True)
     try:
-        rc = subprocess.call([*cmd, *added], env=env)
+        proc = subprocess.Popen([*cmd, *added], env=env, stderr=subprocess.PIPE)
     except OSError as err:
         print(f"error: cannot run {cmd[0]!r}: {err}", file=sys.stderr)
         return 2
     try:
-        with open(result, encoding="utf-8") as f:
-            log_dir = json.load(f)["log_dir"]
-    except (OSError, ValueError, KeyError):
-        print(
-            f"error: the command exited with status {rc} before the pack started. tfdebug check needs a script that "
-            "builds a LightningCLI and runs `fit` (the arguments it adds are LightningCLI's own "
-            "`--trainer.callbacks+=...`); see the command's own error above.",
-            file=sys.stderr,
-        )
-        return 2
+        held = _relay_stderr(proc, started=lambda: bool(_read_result(result).get("log_dir")))
+        rc = proc.wait()
+        started = _read_result(result)
     finally:
         if os.path.exists(result):
             os.remove(result)
+    log_dir = started.get("log_dir")
+    if not log_dir:
+        print(_not_started(rc, started, held), file=sys.stderr)
+        return 2
     try:
         run = load_run(log_dir)
     except (OSError, ValueError) as err:
@@ -192,6 +190,83 @@ def check_command(args: argparse.Namespace) -> int:
         print(f"tfdebug check: the training command failed (exit status {rc}); see its error above.", file=sys.stderr)
         return max(status, 1)
     return status
+
+
+def _read_result(path: str) -> dict:  # type: ignore[type-arg]
+    """What the preflight pack wrote for ``tfdebug check``: its log directory once it started, or who refused the run
+    (``refused_by``, ``error``); empty when it wrote nothing."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return dict(json.load(f))
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
+def _relay_stderr(proc: subprocess.Popen, started: Callable[[], bool]) -> list[str]:  # type: ignore[type-arg]
+    """Copy the command's standard error to ours as it comes, except a traceback printed before the pack started.
+
+    Such a traceback is the command refusing the preflight (a bad argument, a callback or Lightning rejecting the
+    Trainer): :func:`_not_started` turns it into one sentence. The lines held back are returned; a traceback printed
+    once the pack has started is the training failing, and is shown as it is.
+    """
+    held: list[str] = []
+    assert proc.stderr is not None
+    for raw in iter(proc.stderr.readline, b""):
+        line = raw.decode(errors="replace")
+        if held or (line.startswith("Traceback (most recent call last)") and not started()):
+            if started():  # the pack started after all: what was held back is the run's own output
+                sys.stderr.write("".join(held))
+                held = []
+            else:
+                held.append(line)
+                continue
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    return held
+
+
+def _last_exception(lines: Sequence[str]) -> str | None:
+    """``Type: message`` of the last traceback in ``lines`` (its first line), or None."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1 :]:
+        if line.strip() and not line[0].isspace():
+            text = line.strip()
+            return text if len(text) <= 600 else text[:597] + "..."
+    return None
+
+
+_DUPLICATE_KEY = re.compile(r"more than one stateful callback of type `([^`]+)`")
+
+
+def _not_started(rc: int, started: dict, held: Sequence[str]) -> str:  # type: ignore[type-arg]
+    """One message for a command that stopped before the pack started, naming the callback and the reason if known."""
+    error = started.get("error") or _last_exception(held)
+    hidden = " (its traceback is not shown: run the command without `tfdebug check` to see it)" if held else ""
+    if started.get("refused_by"):
+        return (
+            f"error: the callback {started['refused_by']} stopped the preflight run before the pack started: "
+            f"{(error or '').rstrip('.')}{hidden}. tfdebug check adds the pack and sets --trainer.max_steps and "
+            "--trainer.limit_val_batches; a callback that cannot run with them cannot be preflighted as configured."
+        )
+    duplicate = _DUPLICATE_KEY.search(error or "")
+    if duplicate:
+        name = duplicate.group(1)
+        why = (
+            " Your config already holds a TFDebug with `preflight: true` and the same members, so the one tfdebug "
+            "check adds has the same state key: remove `preflight: true` from the config."
+            if name == "TFDebug"
+            else ""
+        )
+        return f"error: Lightning refused the Trainer: two {name} callbacks have the same state key.{why}{hidden}"
+    if error:
+        return f"error: the command stopped before the pack started: {error.rstrip('.')}{hidden}."
+    return (
+        f"error: the command exited with status {rc} before the pack started. tfdebug check needs a script that "
+        "builds a LightningCLI and runs `fit` (the arguments it adds are LightningCLI's own "
+        "`--trainer.callbacks+=...`); see the command's own error above."
+    )
 
 
 def replay_command(args: argparse.Namespace) -> int:

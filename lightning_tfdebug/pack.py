@@ -49,6 +49,8 @@ from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_choice, check_number
 from lightning_tfdebug.core.compat import Callback
 from lightning_tfdebug.core.io import write_text
+from lightning_tfdebug.core.messages import pack_warning
+from lightning_tfdebug.core.reduction import StepReduction
 from lightning_tfdebug.dashboard import write_dashboard
 from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding
 
@@ -91,6 +93,9 @@ PRESET_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
 #: What a preflight run (``tfdebug check``) changes: a run of a few dozen steps cannot show a stalled loss.
 PREFLIGHT_SETTINGS: dict[str, dict[str, Any]] = {"LossAtInit": {"check_step": None}}
 CHECK_RESULT_ENV = "TFDEBUG_CHECK_RESULT"
+#: The settings a preflight pack takes over from a pack configured in the same run (``tfdebug check`` on a config
+#: that already holds a ``TFDebug``): how to read the batch. Its cadence and ``on_finding`` stay the preflight's.
+ADOPTED = ("input_key", "mask_key", "labels_key", "ignore_index", "tokenizer", "vocab_size")
 
 #: The settings given once and passed to every member whose constructor takes them.
 SHARED = (
@@ -172,8 +177,11 @@ class TFDebug(Callback):
             run (``tfdebug check`` uses it).
         every_n_steps: measuring cadence of every member that has one (default: the Trainer's ``log_every_n_steps``).
         on_finding: ``"warn"`` | ``"stop"`` | ``"raise"``, for every member (see :class:`DebugCallback`).
-        input_key, mask_key, labels_key, ignore_index: how to read the batch (names, dotted paths or tuple
-            positions), for every member that reads it; default: found from common names.
+        input_key: where the batch holds the input ids (a name, dotted path or tuple position), for every member
+            that reads the batch; default: found from common names.
+        mask_key: where the batch holds the attention mask, likewise.
+        labels_key: where the batch holds the labels, likewise.
+        ignore_index: the label value the loss ignores; default: -100, PyTorch's and Hugging Face's.
         tokenizer: a tokenizer (or its import path) for BatchGuard's decoded examples.
         vocab_size: the vocabulary size, for the members that check ids and the loss against ln V.
         include: members to run on top of the preset (names as in :data:`MEMBERS`, any case).
@@ -184,14 +192,18 @@ class TFDebug(Callback):
         summary: print the short run report on rank 0 at the end of ``fit`` (and after a failed one).
         preflight: a short trial run (what ``tfdebug check`` sets): checkpoint callbacks save nothing, the loss is not
             judged for a stall (a few steps cannot show one), and the log directory is written to the file named by
-            the ``TFDEBUG_CHECK_RESULT`` environment variable, for ``tfdebug check`` to report on.
+            the ``TFDEBUG_CHECK_RESULT`` environment variable, for ``tfdebug check`` to report on. A preflight pack
+            has its own ``state_key``, so it can join a Trainer whose config already holds a ``TFDebug``: it runs
+            instead of that pack, with that pack's batch settings (``input_key`` ... ``vocab_size``), its
+            ``exclude`` and its member overrides (cadence and ``on_finding`` stay the preflight's).
 
     Raises:
         ValueError: on an unknown preset, member name, or a value a member rejects (the message names the member).
         TypeError: on an argument of the wrong type, or an override a member does not take.
 
     A member of the same class also listed by hand in ``Trainer(callbacks=[...])`` wins: the pack's own copy stands
-    aside at set-up with one warning, so nothing runs twice.
+    aside at set-up with one warning, so nothing runs twice. Of two packs in one Trainer only one runs: a preflight
+    pack if there is one, else the first; the other stands aside with one line saying so.
     """
 
     def __init__(
@@ -255,7 +267,13 @@ class TFDebug(Callback):
         self.idle = False  # True when another TFDebug in trainer.callbacks runs the pack
         self.by_hand: list[str] = []  # members also listed in trainer.callbacks: that copy runs, the pack's does not
         self._hooks: dict[str, tuple[Callable[..., Any], ...]] = {}
-        self._state_key = self._generate_state_key(preset=preset, members=tuple(chosen))
+        # a preflight pack's key differs from that of a configured pack with the same members, so that `tfdebug check`
+        # can add one to a config that already holds a TFDebug (Lightning refuses two callbacks with one state key)
+        identity: dict[str, Any] = {"preset": preset, "members": tuple(chosen)}
+        if preflight:
+            identity["preflight"] = True
+        self._state_key = self._generate_state_key(**identity)
+        self._set_up = False  # setup ran (a failure before it means another callback or Lightning refused the run)
         self._log_dir: str | None = None
         self._summarized = False
         self._index_hooks()
@@ -284,8 +302,13 @@ class TFDebug(Callback):
         return member
 
     def _index_hooks(self) -> None:
-        """For each forwarded hook, the bound methods of the members that implement it (looked up once)."""
+        """For each forwarded hook, the bound methods of the members that implement it (looked up once); the running
+        members declare their measuring steps' statistics into the pack's one reduction."""
         running = list(self.running.values())
+        if "_reduction" not in self.__dict__:
+            self._reduction = StepReduction()  # one collective per measuring step for every member (issue 25)
+        for member in self.members.values():
+            member.shared_reduction = self._reduction if any(member is m for m in running) else None
         self._hooks = {hook: tuple(getattr(m, hook) for m in running if _overridden(m, hook)) for hook in _FORWARDED}
         self._hooks["setup"] = tuple(m.setup for m in running)
         self._hooks["teardown"] = tuple(m.teardown for m in running)
@@ -340,13 +363,23 @@ class TFDebug(Callback):
         leader = next((p for p in packs if p.preflight), packs[0]) if packs else self  # a preflight pack wins
         self.idle = self is not leader
         self.by_hand = []
-        if self.idle:
+        self._set_up = True
+        if self.idle and leader.preflight and not self.preflight:
+            if trainer.is_global_zero:
+                pack_warning(
+                    f"the preflight pack (tfdebug check) runs instead of the configured {self._describe()}, with its "
+                    "batch settings, exclude and overrides; the configured pack stands aside for this run.",
+                    TFDebugWarning,
+                )
+        elif self.idle:
             rank_zero_warn(
                 "TFDebug is listed more than once in trainer.callbacks; only one runs"
                 + (" (the preflight one)." if leader.preflight else " (the first)."),
                 category=TFDebugWarning,
             )
         else:
+            if self.preflight:
+                self._take_over([p for p in packs if p is not self and not p.preflight])
             others = [cb for cb in trainer.callbacks if not isinstance(cb, TFDebug)]
             self.by_hand = [n for n, m in self.members.items() if any(isinstance(cb, type(m)) for cb in others)]
             if self.by_hand:
@@ -366,6 +399,37 @@ class TFDebug(Callback):
             self._start_preflight(trainer)
         for hook in self._hooks["setup"]:
             hook(trainer, pl_module, stage)
+
+    def _describe(self) -> str:
+        return f"TFDebug(preset={self.preset!r})"
+
+    def _take_over(self, configured: Sequence[TFDebug]) -> None:
+        """A preflight pack in a Trainer whose config already holds a pack: run with that pack's view of the batch.
+
+        The configured pack knows the user's batch layout (``input_key`` ...), the members the user turned off and
+        their per-member settings; without them the preflight would read the batch by guesswork and could report
+        what the real run never would. Settings the preflight pack was given itself win; the cadence, ``on_finding``
+        and the preflight's own settings (:data:`PREFLIGHT_SETTINGS`) are never taken over.
+        """
+        changed = False
+        for pack in configured:
+            for key in ADOPTED:
+                if self.shared[key] is None and pack.shared[key] is not None:
+                    self.shared[key] = pack.shared[key]
+                    changed = True
+            for name in pack.exclude:
+                if name in self.members and name not in self.include:
+                    del self.members[name]
+                    self.exclude.append(name)
+            for name, args in pack.overrides.items():
+                fixed = set(PREFLIGHT_SETTINGS.get(name, {})) | {"every_n_steps", "on_finding"}
+                mine = self.overrides.setdefault(name, {})
+                for key, value in args.items():
+                    if key not in fixed and key not in mine:
+                        mine[key] = value
+                        changed = True
+        if changed:  # the members are rebuilt before any of them set up; the configured pack checked these values
+            self.members = {name: self._build(name) for name in self.members}
 
     def _start_preflight(self, trainer: pl.Trainer) -> None:
         quiet = []
@@ -392,9 +456,24 @@ class TFDebug(Callback):
         self._finish(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not self._set_up:
+            # fit failed before the pack was set up (another callback's setup, the strategy, the model's): the members
+            # never started, so there is nothing of theirs to close or report. A preflight run tells `tfdebug check`
+            # who refused it.
+            if self.preflight:
+                self._refused(trainer, exception)
+            return
         for hook in self._hooks["on_exception"]:
             hook(trainer, pl_module, exception)
         self._finish(trainer, failed=exception)  # no barrier: the other ranks may be gone
+
+    def _refused(self, trainer: pl.Trainer, exception: BaseException) -> None:
+        result = os.environ.get(CHECK_RESULT_ENV)
+        if not result or not trainer.is_global_zero:
+            return
+        culprit = _raising_callback(exception, trainer)
+        error = f"{type(exception).__name__}: {exception}".strip()
+        write_text(result, json.dumps({"log_dir": None, "refused_by": culprit, "error": error}))
 
     def _finish(self, trainer: pl.Trainer, failed: BaseException | None = None) -> None:
         if self._summarized or self.idle or not trainer.is_global_zero:
@@ -433,14 +512,39 @@ class TFDebug(Callback):
         print("\n" + render_short(run), flush=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._reduction.clear()
         for hook in self._hooks["teardown"]:
             hook(trainer, pl_module, stage)
+
+
+def _is_callback(obj: object) -> bool:
+    """A Lightning callback, of either package (``lightning.pytorch`` or the standalone ``pytorch_lightning``)."""
+    return any(
+        c.__name__ == "Callback" and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+        for c in type(obj).__mro__
+    )
+
+
+def _raising_callback(exception: BaseException, trainer: pl.Trainer) -> str | None:
+    """The class name of the innermost callback (not a pack or its member) whose method raised ``exception``."""
+    ours = {id(cb) for cb in trainer.callbacks if isinstance(cb, TFDebug)}
+    ours |= {id(m) for cb in trainer.callbacks if isinstance(cb, TFDebug) for m in cb.members.values()}
+    found = None
+    tb = exception.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) not in ours and _is_callback(owner):
+            found = type(owner).__name__
+        tb = tb.tb_next
+    return found
 
 
 def _make_forwarder(hook: str) -> Callable[..., None]:
     def forward(self: TFDebug, *args: Any, **kwargs: Any) -> None:
         for method in self._hooks[hook]:
             method(*args, **kwargs)
+        if self._reduction.pending:  # members declared statistics in this hook (a measuring step): one collective
+            self._reduction.run(args[0])
 
     forward.__name__ = hook
     forward.__doc__ = f"Calls ``{hook}`` on every running member that implements it."

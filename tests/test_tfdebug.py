@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,3 +272,118 @@ def test_a_member_that_stands_aside_on_every_rank_is_one_did_not_run_entry_with_
     from lightning_tfdebug.report import render_text
 
     assert "  LossAtInit (ranks 0,1): the batch is a tuple of 2 items" in render_text(run)
+
+
+# ------------------------------------------------------------------ tfdebug check on any config (issue 23)
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "tests" / "apps" / "encoder_cli.py"
+
+
+def _check_with_config(tmp_path: Path, callbacks: list, *extra: str, steps: int = 8) -> subprocess.CompletedProcess:
+    """``tfdebug check`` (the console script) on the test app with a YAML config holding ``callbacks``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"callbacks": callbacks, "enable_progress_bar": False}}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    tfdebug = Path(sys.executable).with_name("tfdebug")
+    cmd = [str(tfdebug), "check", "--steps", str(steps), "--", sys.executable, str(APP), "fit", "--config", str(config)]
+    cmd += ["--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator=cpu", *extra]
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+
+
+def _pack_json(tmp_path: Path) -> dict:
+    [path] = tmp_path.rglob("tfdebug/pack.json")
+    return json.loads(path.read_text())
+
+
+def _checkpoints(every_n_train_steps: int = 2) -> list[dict]:
+    return [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"monitor": "val_loss"}},
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"every_n_train_steps": every_n_train_steps, "save_top_k": -1, "filename": "every-{step}"},
+        },
+    ]
+
+
+STOOD_ASIDE = "the preflight pack (tfdebug check) runs instead of the configured TFDebug(preset='full')"
+
+
+def test_check_on_a_config_holding_a_full_pack_and_two_checkpoints_runs_one_pack_with_its_settings(tmp_path):
+    """The README's situation (a config that already holds TFDebug(preset="full")): Lightning used to refuse the
+    Trainer (two callbacks with one state key, exit 2). Now the preflight pack runs, with the configured pack's batch
+    settings, exclude and overrides, and the configured one says once that it stands aside."""
+    pack = {
+        "class_path": "lightning_tfdebug.TFDebug",
+        "init_args": {
+            "preset": "full",
+            "every_n_steps": 50,
+            "input_key": "input_ids",
+            "exclude": ["DeadActivation"],
+            "overrides": {"GradNormMonitor": {"explosion_factor": 25.0}, "LossAtInit": {"check_step": 4}},
+        },
+    }
+    done = _check_with_config(tmp_path, [pack, *_checkpoints()], "--model.lr=2e-3")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.count(STOOD_ASIDE) == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    info = _pack_json(tmp_path)
+    assert info["running"] == [n for n in MEMBERS if n != "DeadActivation"]  # the configured exclude holds
+    assert info["settings"]["input_key"] == "input_ids" and info["settings"]["every_n_steps"] == 1  # 8 // 25 -> 1
+    assert not list(tmp_path.rglob("*.ckpt"))  # both checkpoint callbacks saved nothing in the trial run
+    assert "preset full, 12 members, step 8" in done.stdout
+
+
+def test_check_on_an_always_pack_and_members_listed_by_hand_reports_the_bug_and_exits_1(tmp_path):
+    callbacks = [
+        {"class_path": "lightning_tfdebug.TFDebug", "init_args": {"preset": "always"}},
+        {"class_path": "lightning_tfdebug.GradNormMonitor", "init_args": {"every_n_steps": 2}},
+        *_checkpoints(every_n_train_steps=3),
+    ]
+    done = _check_with_config(tmp_path, callbacks, "--model.bug=head_frozen")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "error   TFD312" in done.stdout and "head" in done.stdout
+    assert "the configured TFDebug(preset='always')" in done.stderr
+    info = _pack_json(tmp_path)
+    assert info["by_hand"] == ["GradNormMonitor"] and "GradNormMonitor" not in info["running"]
+    assert "MaskProbe" in info["running"]  # the preflight's preset (full), not the configured one's
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_check_names_the_callback_that_refuses_the_preflight_in_one_message_and_exits_2(tmp_path):
+    refuses = {"class_path": "tests.apps.strict_callbacks.FullValidationOnly"}
+    done = _check_with_config(tmp_path, [refuses], steps=3)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert "the callback FullValidationOnly stopped the preflight run" in line
+    assert "limit_val_batches is 2" in line  # the callback's own reason
+
+
+def test_check_on_a_config_that_already_holds_a_preflight_pack_says_why_it_cannot_add_one(tmp_path):
+    same = {"class_path": "lightning_tfdebug.TFDebug", "init_args": {"preset": "full", "preflight": True}}
+    done = _check_with_config(tmp_path, [same], steps=3)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert "two TFDebug callbacks have the same state key" in line and "remove `preflight: true`" in line
+
+
+def test_a_preflight_pack_has_its_own_state_key():
+    assert TFDebug(preset="full").state_key != TFDebug(preset="full", preflight=True).state_key
+    assert TFDebug(preset="full").state_key == TFDebug(preset="full", every_n_steps=3).state_key  # resumes still load
+
+
+@pytest.mark.slow
+def test_the_readme_preflight_line_exits_1_on_the_demo_with_the_head_left_out_naming_it(tmp_path):
+    """The README's preflight line, from a copy of the examples, with the documented bug flag (the healthy line runs
+    as written in tests/test_docs_commands.py)."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    tfdebug = Path(sys.executable).with_name("tfdebug")
+    cmd = [str(tfdebug), "check", "--", sys.executable, "examples/train.py", "fit", "--config", "examples/demo.yaml"]
+    done = subprocess.run(
+        [*cmd, "--model.head_not_in_optimizer", "true"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "error   TFD312" in done.stdout and "Group(s) head" in done.stdout
+    assert done.stderr.count(STOOD_ASIDE) == 1
