@@ -58,6 +58,8 @@ class CorruptOnRank(Callback):
         ({"input_key": ["input_ids"]}, "input_key"),
         ({"ignore_index": "x"}, "ignore_index"),
         ({"on_finding": "explode"}, "on_finding"),
+        ({"special_token_batches": -1}, "special_token_batches"),
+        ({"min_eos_expected": 0}, "min_eos_expected"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
@@ -635,7 +637,9 @@ def test_a_trainer_limit_that_rereads_the_same_batches_is_named(tmp_path, settin
     # limit_train_batches=2 on an unshuffled loader reads the same first two batches every epoch
     data = TinyTextDataModule(batch_size=8, n_documents=200)
     if setting == "limit_train_batches":
-        data.train_dataloader = lambda: DataLoader(data.train_set, batch_size=8, collate_fn=data.collator, drop_last=True)
+        data.train_dataloader = lambda: DataLoader(
+            data.train_set, batch_size=8, collate_fn=data.collator, drop_last=True
+        )
     fit(tmp_path, [guard], build(family), data, max_steps=8, **{setting: 1 if setting == "overfit_batches" else 2})
     [finding] = repeat_codes(guard)
     assert finding.code == "TFD123" and finding.severity == "warning"
@@ -705,3 +709,154 @@ def test_ddp_epochs_over_a_distributed_sampler_are_silent_and_overfit_batches_is
         [finding] = result["findings"]["BatchGuard"]
         assert finding["code"] == "TFD123" and finding["rank"] == rank
         assert "Trainer(overfit_batches=2)" in finding["message"] and finding["evidence"]["loader_length"] == 12
+
+
+# ---------------------------------------------------------------- EOS never supervised (TFD124)
+EOS, BOS = ByteTokenizer.eos_id, ByteTokenizer.bos_id
+
+
+def char_tokenizer(pad_is_eos=True):
+    """A Hugging Face fast tokenizer built here (nothing downloaded): printable characters keep their byte ids, and
+    the specials are ByteTokenizer's (pad 256, bos 257, eos 258)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(32, 127)} | {"<unk>": 0, "<pad>": 256, "<bos>": BOS, "<eos>": EOS}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")),
+        unk_token="<unk>", pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+    )  # fmt: skip
+    if pad_is_eos:
+        tok.pad_token = tok.eos_token  # the usual fix-up for GPT-2 / Llama tokenizers, which have no pad token
+    return tok
+
+
+def documents(tok, n=64, bos=False, eos=True):
+    from lightning_tfdebug.demo.data import generate_corpus
+
+    rows = []
+    for doc in generate_corpus(n, seed=3):
+        ids = tok(doc)["input_ids"][:56]
+        rows.append({"input_ids": [BOS] * bos + ids + [EOS] * eos})
+    return rows
+
+
+def labels_by_position(tok, mask_first=False):
+    """A healthy collator: padding masked by position (attention mask 0), not by id."""
+
+    def collate(features):
+        batch = dict(tok.pad(features, return_tensors="pt"))
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        if mask_first:
+            batch["labels"][:, 0] = -100  # the BOS is never a target
+        return batch
+
+    return collate
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_an_eos_masked_by_a_collator_that_masks_the_pad_id_is_named(tmp_path, family):
+    # written on TinyGPT's ByteTokenizer batches; checked here on Hugging Face models with Hugging Face's own collator
+    from transformers import DataCollatorForLanguageModeling
+
+    from tests.healthy_models import build
+
+    tok = char_tokenizer(pad_is_eos=True)
+    module = build(family)
+    if family == "llama":  # the ids come from the model's config alone, as model.config.pad_token_id = eos is set
+        module.model.config.eos_token_id = module.model.config.pad_token_id = EOS
+        guard = BatchGuard()
+    else:
+        guard = BatchGuard(tokenizer=tok)
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)  # labels[labels == pad_token_id] = -100
+    fit(tmp_path, [guard], module, DataLoader(documents(tok), batch_size=8, collate_fn=collator), max_steps=3)
+    [finding] = [f for f in guard.findings if f.code == "TFD124"]
+    # 8 EOS per batch, 98% of the real tokens supervised: 8 expected after the second batch
+    assert finding.severity == "warning" and finding.step == 1
+    assert finding.evidence["eos_id"] == EOS and finding.evidence["eos_supervised"] == 0
+    assert finding.evidence["eos_in_inputs"] == 16 and finding.evidence["pad_is_eos"]
+    assert finding.evidence["eos_source"] == ("model.config" if family == "llama" else "`tokenizer`")
+    assert "DataCollatorForLanguageModeling" in finding.message and "attention_mask == 0" in finding.hint
+
+    # the same data with padding masked by position, a BOS in front that is never a target: silent
+    healthy = BatchGuard(tokenizer=tok)
+    data = DataLoader(documents(tok, bos=True), batch_size=8, collate_fn=labels_by_position(tok, mask_first=True))
+    fit(tmp_path / "ok", [healthy], build(family), data, max_steps=3)
+    assert [f for f in healthy.findings if f.severity != "info"] == [] and healthy._tally.done
+
+
+def test_an_eos_used_as_bos_and_never_predicted_is_not_an_unsupervised_eos(tmp_path):
+    # GPT-2's convention: <|endoftext|> in front of each document as its BOS, padding with it too (mask 0)
+    from tests.healthy_models import build
+
+    tok = char_tokenizer(pad_is_eos=True)
+    rows = [{"input_ids": [EOS] + r["input_ids"]} for r in documents(tok, eos=False)]
+    guard = BatchGuard(tokenizer=tok)
+    fit(tmp_path, [guard], build("llama"), DataLoader(rows, batch_size=8, collate_fn=labels_by_position(tok, True)),
+        max_steps=3)  # fmt: skip
+    assert [f for f in guard.findings if f.severity != "info"] == []
+    assert guard._tally.totals[5:7] == [0.0, 0.0]  # the leading EOS is not counted among the inputs
+
+
+def test_masked_lm_and_seq2seq_batches_are_not_taken_for_an_unsupervised_eos(tmp_path):
+    from tests.healthy_models import MLM_MASK_ID, PAD, _documents, _right_pad, build
+
+    def mlm_without_specials(rows):  # Hugging Face's MLM recipe: special tokens are never chosen for masking
+        ids, mask = _right_pad(rows, PAD)
+        chosen = (torch.rand(ids.shape) < 0.15) & (mask == 1) & (ids < 256)
+        labels = ids.masked_fill(~chosen, -100)
+        return {"input_ids": ids.masked_fill(chosen, MLM_MASK_ID), "attention_mask": mask, "labels": labels}
+
+    mlm = BatchGuard(tokenizer=ByteTokenizer())  # every row ends with EOS, never supervised
+    rows = [[*r[:40], EOS] for r in _documents().samples]
+    fit(tmp_path / "mlm", [mlm], build("bert_mlm"), DataLoader(rows, batch_size=16, collate_fn=mlm_without_specials),
+        max_steps=10)  # fmt: skip
+    assert [f for f in mlm.findings if f.severity != "info"] == []
+    # 128 EOS or more over the 8 batches, 15% of the tokens supervised: 19 EOS would be expected of a causal LM
+    assert mlm._tally.done and mlm._tally.batches == 8 and mlm._tally.totals[5] >= 128
+
+    def seq2seq(rows, drop_eos=False):  # T5's tokenizer ends sources and targets with EOS
+        sources, mask = _right_pad([[*r[1 : len(r) // 2], EOS] for r in rows], 0)
+        targets, target_mask = _right_pad([r[len(r) // 2 :] for r in rows], 0)
+        labels = targets.masked_fill(target_mask == 0, -100)
+        if drop_eos:
+            labels = labels.masked_fill(labels == EOS, -100)
+        return {"input_ids": sources, "attention_mask": mask, "labels": labels}
+
+    t5 = BatchGuard(tokenizer=ByteTokenizer())
+    fit(tmp_path / "t5", [t5], build("t5"), DataLoader(_documents(), batch_size=8, collate_fn=seq2seq), max_steps=3)
+    assert [f for f in t5.findings if f.severity != "info"] == [] and t5._tally.done
+    lost = BatchGuard(tokenizer=ByteTokenizer())  # a decoder whose targets lose their EOS is named
+    data = DataLoader(_documents(), batch_size=8, collate_fn=lambda rows: seq2seq(rows, drop_eos=True))
+    fit(tmp_path / "lost", [lost], build("t5"), data, max_steps=3)
+    [finding] = [f for f in lost.findings if f.code == "TFD124"]
+    assert finding.evidence["labels_layout"] == "targets" and not finding.evidence["pad_is_eos"]
+
+
+def test_the_eos_check_stands_aside_alone_when_the_batch_cannot_serve_it(tmp_path):
+    from tests.healthy_models import build
+
+    unknown = BatchGuard()  # the encoder LM names no EOS anywhere
+    text = torch.arange(32 * 17).reshape(32, 17) % 250
+    fit(tmp_path / "unknown", [unknown], build("encoder_lm"),
+        DataLoader(torch.utils.data.TensorDataset(text[:, :-1], text[:, 1:]), batch_size=8), max_steps=2)  # fmt: skip
+    assert list(unknown._checks_aside) == ["EOS supervision (TFD124)"] and unknown.active
+    aside = tmp_path / "unknown" / "tb" / "version_0" / "tfdebug" / "stood-aside-rank0.jsonl"
+    assert "`eos_id` or `tokenizer`" in aside.read_text()
+
+    class NoMask(TinyTextDataModule):  # pad id == EOS id and no attention mask: a real EOS looks like padding
+        def train_dataloader(self):
+            def collate(rows):
+                ids = self.collator(rows)["input_ids"]
+                ids[ids == ByteTokenizer.pad_id] = EOS
+                return {"input_ids": ids, "labels": ids.masked_fill(ids == EOS, -100)}
+
+            return DataLoader(self.train_set, batch_size=8, collate_fn=collate)
+
+    class PadIsEos(ByteTokenizer):
+        pad_id = EOS
+
+    guard = BatchGuard(tokenizer=PadIsEos())
+    fit(tmp_path / "nomask", [guard], data=NoMask(), max_steps=3)
+    assert "no attention mask" in guard._checks_aside["EOS supervision (TFD124)"] and guard.active
+    assert "TFD124" not in codes(guard) and guard._last is None
