@@ -72,9 +72,9 @@ class CheckpointAudit(DebugCallback):
 
     Findings: ``TFD701`` weights missing, ``TFD702`` wrong shapes, ``TFD703`` optimizer state missing, ``TFD704``
     optimizer state incomplete, ``TFD705`` scheduler state missing, ``TFD706`` GradScaler state missing,
-    ``TFD707`` loop progress missing, ``TFD708`` callback state missing, ``TFD709`` (info) not checked or weights-only (a warning when no checkpoint the
-    run keeps can resume it),
-    ``TFD710`` restored weights differ, ``TFD711`` optimizer step counts differ, ``TFD712`` learning rate differs,
+    ``TFD707`` loop progress missing, ``TFD708`` callback state missing, ``TFD709`` (info) not checked or
+    weights-only (a warning when no checkpoint the run keeps can resume it), ``TFD710`` restored weights differ,
+    ``TFD711`` optimizer step counts differ, ``TFD712`` learning rate differs,
     ``TFD713`` loss scale differs, ``TFD714`` global step differs, ``TFD715`` probe loss differs after resume,
     ``TFD716`` a checkpoint this run wrote is truncated, corrupt or incomplete.
 
@@ -322,13 +322,12 @@ class CheckpointAudit(DebugCallback):
         full = checkpoints.resumable_savers(trainer.checkpoint_callbacks)
         name = os.path.basename(path)
         if full or self._full_saved:
+            resume_from = f"{', '.join(full)} keeps full checkpoints" if full else "this run also wrote a full one"
             self.emit(
                 trainer,
                 "TFD709",
                 f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state), so only its existence "
-                "was checked; it serves inference or fine-tuning, while "
-                + (f"{', '.join(full)} keeps full checkpoints to resume from." if full else "this run also wrote a full "
-                   "checkpoint to resume from."),
+                f"was checked; it serves inference or fine-tuning, while {resume_from} to resume from.",
                 {"path": path, "resumable_savers": full, "resumable": True},
                 key="weights_only",
                 synchronized=False,

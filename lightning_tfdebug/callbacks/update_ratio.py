@@ -12,19 +12,24 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.batch import loss_of
+from lightning_tfdebug.core.batch import loss_of, step_batch
 from lightning_tfdebug.core.distributed import local_tensor, packed_reduce, world_size
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
-from lightning_tfdebug.core.model import grad_scaler_of
+from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.learning import learned, progress
+from lightning_tfdebug.functional.loss import unigram_entropy
 from lightning_tfdebug.functional.norms import grouped_sq_norms
 from lightning_tfdebug.functional.update_checks import (
     LOSS_FALL_PER_STEP,
+    label_counts,
     loss_fall_per_step,
     loss_still_falling,
-    trained,
 )
+
+_UNIGRAM_BATCHES = 8
+"""The supervised labels of this many measured batches (every rank's) are counted for their unigram entropy."""
 
 
 class UpdateRatio(DebugCallback):
@@ -66,10 +71,12 @@ class UpdateRatio(DebugCallback):
     growing from nothing is normal.
 
     Tiny updates need the loss to show the harm. A fine-tune at a fine-tuning LR updates trained weights by a small
-    ratio on purpose: its loss keeps falling, or it varies from batch to batch with what each batch holds, as only a
-    trained model's does (an untrained model scores every batch alike, about ln(V)). So ``TFD310`` also needs the
-    mean training loss over the low streak to fall by less than 0.1% of itself per step and its batch-to-batch spread
-    to stay under 0.5% of it (:mod:`lightning_tfdebug.functional.update_checks`).
+    ratio on purpose. So ``TFD310`` also needs the mean training loss over the low streak to fall by less than 0.1% of
+    itself per step (:mod:`lightning_tfdebug.functional.update_checks`), and the model not to have learned
+    (:mod:`lightning_tfdebug.functional.learning`): its first measured loss still near ln(V) (V from the model's input
+    embedding), not most of the way down to the supervised labels' unigram entropy as a fine-tune's starts, and its
+    latest loss not below that entropy. The labels of the first 8 measured batches are counted for the entropy (on
+    the device, reduced with the ratios).
 
     Findings: ``TFD310`` too low while the loss barely moves, ``TFD311`` too high, ``TFD312`` a group that got
     gradients but did not change (left out of the optimizer), ``TFD313`` weights growing fast, ``TFD314`` weights
@@ -154,13 +161,15 @@ class UpdateRatio(DebugCallback):
         self._peak_lr = 0.0
         self._recent_lr: deque[float] = deque(maxlen=patience)
         self._losses: deque[tuple[int, float]] = deque(maxlen=patience)  # (step, mean loss of the interval)
-        self._spreads: deque[float] = deque(maxlen=patience)  # batch-to-batch spread of the loss, per interval
-        # training losses since the last measurement, on the device: their sum and the sum of squared differences
-        # between consecutive batches' losses (a spread that a falling trend does not inflate)
-        self._loss_sums: Tensor | None = None
-        self._loss_prev: Tensor | None = None  # the previous batch's loss (kept across measurements)
+        self._loss_sum: Tensor | None = None  # training losses since the last measurement, summed on the device
         self._loss_batches = 0
-        self._loss_diffs = 0
+        # "has this model learned?": the first measured interval's mean loss, ln(V), the labels' unigram entropy
+        self._first_loss: float | None = None
+        self._ln_vocab: float | None = None
+        self._vocab: int | None = None
+        self._unigram = math.nan
+        self._counted_batches = 0
+        self._counts: Tensor | None = None  # this measuring step's label counts, until reduced
         self._streak = Streak()
         self.skipped_measurements = 0
 
@@ -207,17 +216,14 @@ class UpdateRatio(DebugCallback):
         if loss is not None:
             with torch.no_grad():  # on the device: no sync
                 value = loss.detach().float().reshape(())
-                prev = self._loss_prev if self._loss_prev is not None else value
-                pair = torch.stack([value, (value - prev).square()])
-                self._loss_sums = pair if self._loss_sums is None else self._loss_sums + pair
-                self._loss_diffs += self._loss_prev is not None
-                self._loss_prev = value
+                self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
             self._loss_batches += 1
         if self._before is None:
             return
         layout = self._layout
         assert layout is not None
         before, self._before = self._before, None
+        self._count_labels(trainer, pl_module, batch)
         with torch.no_grad():
             after = [local_tensor(p.detach()).float() for p in layout.groups.params]
             delta = torch._foreach_sub(after, before)
@@ -227,15 +233,17 @@ class UpdateRatio(DebugCallback):
             param_sq, _ = grouped_sq_norms(after, layout.index, layout.n_groups, weights)
             n = layout.n_groups
             zero = delta_sq.new_zeros(1)
-            sums_of_losses = self._loss_sums.to(zero) if self._loss_sums is not None else zero.repeat(2)
-            counts = torch.tensor([float(self._loss_batches), float(self._loss_diffs)]).to(zero)
-            losses = torch.cat([sums_of_losses, counts])
-            self._loss_sums, self._loss_batches, self._loss_diffs = None, 0, 0
+            loss_sum = self._loss_sum.to(zero).reshape(1) if self._loss_sum is not None else zero
+            losses = torch.cat([loss_sum, torch.tensor([float(self._loss_batches)]).to(zero)])
+            self._loss_sum, self._loss_batches = None, 0
+            counts = self._counts.to(zero) if self._counts is not None else zero[:0]
+            self._counts = None
             # collective: one all-gather of the packed vector on the same (global_step-decided) steps on every rank;
-            # under DDP only for the losses, the weights being the same everywhere
+            # under DDP only for the losses and label counts, the weights being the same everywhere
             world = world_size()
             sums, _ = packed_reduce(
-                torch.cat([delta_sq, param_sq, self._grad_sq.to(zero), losses]), collective=layout.sharded or world > 1
+                torch.cat([delta_sq, param_sq, self._grad_sq.to(zero), losses, counts]),
+                collective=layout.sharded or world > 1,
             )
             norms = sums[: 3 * n] if layout.sharded else sums[: 3 * n] / world  # replicated: every rank sent the same
             delta_sq, param_sq, grad_sq = norms[:n], norms[n : 2 * n], norms[2 * n :]
@@ -248,8 +256,10 @@ class UpdateRatio(DebugCallback):
                 values[f"update_ratio/param_norm/{name}"] = param_sq[g].sqrt()
                 values[f"_delta/{name}"] = delta_sq[g]
                 values[f"_grad/{name}"] = grad_sq[g]
-            for i, key in enumerate(("_loss_sum", "_loss_diff_sq", "_loss_batches", "_loss_diffs")):
+            for i, key in enumerate(("_loss_sum", "_loss_batches")):
                 values[key] = sums[3 * n + i]
+            if counts.numel():
+                values["_unigram"] = unigram_entropy(sums[3 * n + 2 :])
             scaler = grad_scaler_of(trainer)
             scale_after = getattr(scaler, "_scale", None)
             if self._scale_before is not None and isinstance(scale_after, Tensor):
@@ -274,12 +284,13 @@ class UpdateRatio(DebugCallback):
         ratio = host["update_ratio/total"]
         self._peak_lr = max(self._peak_lr, self._lr)
         self._recent_lr.append(self._lr)
-        batches, diffs = host["_loss_batches"], host["_loss_diffs"]
+        batches = host["_loss_batches"]
         mean = host["_loss_sum"] / batches if batches else math.nan
         self._losses.append((step, mean))
-        # consecutive batches' losses differ by sqrt(2) x their spread when the batches are independent draws
-        spread = math.sqrt(host["_loss_diff_sq"] / (2 * diffs)) / abs(mean) if diffs and mean else math.nan
-        self._spreads.append(spread)
+        if "_unigram" in host and math.isfinite(host["_unigram"]):
+            self._unigram = host["_unigram"]
+        if self._first_loss is None and math.isfinite(mean):
+            self._first_loss = mean
         band = {"low": self.low, "high": self.high}
 
         at_plateau = (
@@ -289,7 +300,7 @@ class UpdateRatio(DebugCallback):
         )
         # tiny updates whose loss keeps falling are doing their work (a fine-tune at a fine-tuning LR): no finding
         low_streak = self._streak.update("low", ratio < self.low) >= self.patience
-        if low_streak and at_plateau and not loss_still_falling(self._losses) and not trained(self._spreads):
+        if low_streak and at_plateau and not loss_still_falling(self._losses) and not self._has_learned(mean):
             below = [g for g in names if host[f"update_ratio/{g}"] < self.low]
             fall = loss_fall_per_step(self._losses)
             since = self._losses[0][0]
@@ -299,6 +310,11 @@ class UpdateRatio(DebugCallback):
                 if math.isfinite(fall)
                 else ""
             )
+            if self._ln_vocab is not None and self._first_loss is not None and math.isfinite(mean):
+                barely += (
+                    f"; the loss ({mean:.3f}, {self._first_loss:.3f} at the first measurement) is still near ln(V) = "
+                    f"{self._ln_vocab:.3f}: the model has not learned"
+                )
             self.emit(
                 trainer,
                 "TFD310",
@@ -310,6 +326,7 @@ class UpdateRatio(DebugCallback):
                     "band": band,
                     "groups_below": below,
                     "loss_fall_per_step": fall,
+                    **self._learning_evidence(mean),
                 },
                 step=step,
             )
@@ -339,6 +356,38 @@ class UpdateRatio(DebugCallback):
                 {"groups": frozen, "grad_norms": {g: host[f"_grad/{g}"] ** 0.5 for g in frozen}},
                 step=step,
             )
+
+    def _count_labels(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """On the first measuring steps: count this batch's supervised labels over V bins, on the device (reduced
+        with the ratios). ln(V) comes from the model's input embedding, found once."""
+        if self._vocab is None:
+            vocab, _ = find_vocab_size(training_model(trainer, pl_module))  # a walk over modules, once
+            self._vocab = vocab or 0
+            self._ln_vocab = math.log(vocab) if vocab and vocab >= 2 else None
+        if self._vocab < 2 or self._counted_batches >= _UNIGRAM_BATCHES:
+            return
+        self._counted_batches += 1  # on every rank alike: the packed vector has the same length everywhere
+        view = step_batch(trainer, batch)
+        with torch.no_grad():
+            self._counts = label_counts(view.labels, self._vocab, view.keys.ignore_index, device=pl_module.device)
+
+    def _has_learned(self, latest: float) -> bool:
+        """The shared reading (:func:`~lightning_tfdebug.functional.learning.learned`); unknown (no loss, no V) is
+        not learned: the ratio and the loss's fall decide, as they always did."""
+        if self._first_loss is None or self._ln_vocab is None:
+            return False
+        return bool(learned(self._first_loss, latest, self._ln_vocab, self._unigram))
+
+    def _learning_evidence(self, latest: float) -> dict[str, Any]:
+        if self._first_loss is None or self._ln_vocab is None:
+            return {}
+        return {
+            "first_loss": self._first_loss,
+            "ln_vocab": self._ln_vocab,
+            "unigram_entropy": self._unigram,
+            "progress_first": progress(self._first_loss, self._ln_vocab, self._unigram),
+            "progress_latest": progress(latest, self._ln_vocab, self._unigram),
+        }
 
     def _check_growth(self, trainer: pl.Trainer, norms: dict[str, float], step: int) -> None:
         """``TFD313``: the median group norm grew past ``growth_limit`` x within ``growth_window`` steps."""
@@ -420,6 +469,8 @@ class UpdateRatio(DebugCallback):
             "peak_lr": self._peak_lr,
             "recent_lr": list(self._recent_lr),
             "losses": [list(point) for point in self._losses],
+            "first_loss": self._first_loss,
+            "unigram_entropy": self._unigram if math.isfinite(self._unigram) else None,
             "skipped_measurements": self.skipped_measurements,
             "norms": [[step, norms] for step, norms in self._norms],
         }
@@ -433,4 +484,8 @@ class UpdateRatio(DebugCallback):
             ((int(step), float(loss)) for step, loss in state_dict.get("losses", [])), maxlen=self.patience
         )
         self.skipped_measurements = int(state_dict.get("skipped_measurements", 0))
+        self._first_loss = state_dict.get("first_loss")
+        unigram = state_dict.get("unigram_entropy")
+        self._unigram = float(unigram) if unigram is not None else math.nan
+        self._counted_batches = _UNIGRAM_BATCHES if unigram is not None else 0
         self._norms = deque((int(step), dict(norms)) for step, norms in state_dict.get("norms", []))

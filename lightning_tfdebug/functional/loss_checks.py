@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_tfdebug.functional.learning import trained_before
 from lightning_tfdebug.functional.loss import uniform_loss
 from lightning_tfdebug.functional.verdicts import Verdict
 
@@ -244,8 +245,10 @@ def _below_uniform(init: InitLoss, tolerance: float, evidence: Mapping[str, Any]
     (fine-tuning, the common case) unless it does so by predicting its current input token, a leak (warning).
     """
     observed, expected, recomputed = init.observed, init.expected, init.recomputed
+    # weights trained before: the shared reading of "has this model learned?" (functional/learning.py), on the
+    # logits' own loss (the labels' unigram entropy is not counted yet at step 0)
     predicts = (
-        math.isfinite(recomputed)
+        bool(trained_before(recomputed, expected))
         and recomputed < (1.0 - tolerance) * expected
         and abs(observed - recomputed) <= tolerance * max(recomputed, 1e-6)
     )

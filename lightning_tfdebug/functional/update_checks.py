@@ -1,4 +1,5 @@
-"""UpdateRatio's decisions that need more than the ratio itself, without a Trainer: host floats only.
+"""UpdateRatio's decisions that need more than the ratio itself, without a Trainer: host floats, and the label count
+it reads the unigram entropy from (see :mod:`lightning_tfdebug.functional.learning` for whether the model learned).
 
 Tiny updates are a problem when they are too small to move the loss: a learning rate far too low shows as a loss that
 barely falls. A fine-tune at a fine-tuning learning rate also has a small update-to-weight ratio (trained weights are
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+import torch
+from torch import Tensor
 
 LOSS_FALL_PER_STEP = 1e-3
 """The loss is still falling when its mean fell by at least this fraction of itself per optimizer step over the low
@@ -37,24 +41,15 @@ def loss_still_falling(losses: Sequence[tuple[int, float]], min_fall_per_step: f
     return math.isfinite(rate) and rate >= min_fall_per_step
 
 
-TRAINED_SPREAD = 0.005
-"""The loss is a trained model's when it differs from batch to batch by at least this fraction of itself (0.5%). An
-untrained classifier predicts near-uniformly whatever its input, so every batch costs about ln(C): measured 0.07% to
-0.13% on TinyGPT and GPT-2 from scratch at a learning rate 100x too low. A trained model's loss depends on what each
-batch holds: 1.3% to 3.5% per interval of 10 steps on the T5 fine-tune at lr 2e-4, 2% to 6% on TinyGPT from
-scratch once it learns. The line sits a factor of 4 or more from the untrained runs and 2.5 from the lowest trained
-interval (the median of the streak's intervals decides)."""
-
-
-def trained(spreads: Sequence[float], min_spread: float = TRAINED_SPREAD) -> bool:
-    """Whether the batch-to-batch spread of the loss (per measuring interval, a fraction of the loss; NaN unknown)
-    says the model was trained before: its median over the intervals at least ``min_spread``.
-
-    A small update-to-weight ratio means a learning rate too low for a model that still has everything to learn; for
-    weights trained before (a fine-tune), a small ratio at a fine-tuning learning rate is the intent. The loss tells
-    the two apart without knowing the model: an untrained model's predictions do not depend on its input, so its
-    loss is the same on every batch. (A regression model's loss varies with its targets from the start: there this
-    reads as trained.)
-    """
-    known = sorted(s for s in spreads if math.isfinite(s))
-    return bool(known) and known[len(known) // 2] >= min_spread
+def label_counts(labels: Tensor | None, vocab_size: int, ignore_index: int, device: torch.device) -> Tensor:
+    """How often each class ``0 .. vocab_size - 1`` occurs among the supervised labels (not ``ignore_index``, inside
+    the vocabulary): a float vector of ``vocab_size`` on the device, zeros when there are no labels. No host sync
+    (out-of-range labels go to a spare bin that is dropped, instead of a boolean index)."""
+    counts = torch.zeros(vocab_size + 1, device=device)
+    if labels is None or labels.is_floating_point() or labels.dtype == torch.bool:
+        return counts[:vocab_size]
+    flat = labels.detach().reshape(-1).to(device=device, dtype=torch.long)
+    valid = (flat >= 0) & (flat < vocab_size) & (flat != ignore_index)
+    index = torch.where(valid, flat, torch.full_like(flat, vocab_size))
+    counts.scatter_add_(0, index, torch.ones_like(index, dtype=counts.dtype))
+    return counts[:vocab_size]

@@ -1,10 +1,17 @@
+import math
+
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_tfdebug import UpdateRatio
+from lightning_tfdebug import GradNormMonitor, UpdateRatio
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from lightning_tfdebug.demo.data import generate_corpus
 from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
 from tests.helpers import fit_tiny as fit
 from tests.reference import ReferenceUpdateRatio
@@ -202,3 +209,69 @@ def test_distributed_ratio_matches_the_unsharded_reference(tmp_path, strategy):
         assert r["error"] is None, r["error"]
         assert r["metrics"]["update_ratio/total"] == pytest.approx(r["extra"]["update_ratio"]["3"], rel=1e-4)
         assert r["findings"]["UpdateRatio"] == []
+
+
+class DefaultInitLM(pl.LightningModule):
+    """A 3-layer causal transformer LM left at PyTorch's default initialisation (embeddings N(0, 1), Linear layers
+    Kaiming-uniform): its untrained logits depend on the input, so its loss varies from batch to batch by more than
+    an untrained std-0.02 model's. V = 128 (ASCII). Not one of the families the learning reading was tuned on."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+        self.embed = nn.Embedding(128, 64)
+        self.pos = nn.Embedding(32, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 128)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t)
+        x = self.embed(tokens) + self.pos(torch.arange(t))
+        return self.head(self.blocks(x, mask=mask, is_causal=True))
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        logits = self(inputs)
+        return F.cross_entropy(logits.reshape(-1, 128), targets.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def ascii_pairs():
+    """``(inputs, targets)`` rows of 33 ASCII bytes (every id below 128) of the generated corpus's sentences."""
+    stream = torch.tensor(list(" ".join(generate_corpus(400, seed=3)).encode("ascii")))
+    rows = stream[: len(stream) // 33 * 33].view(-1, 33)
+    return DataLoader(TensorDataset(rows[:, :-1], rows[:, 1:]), batch_size=16, shuffle=True)
+
+
+def fit_default_init(tmp_path, model, steps=200):
+    pack = [GradNormMonitor(), UpdateRatio()]
+    fit(tmp_path, pack, model=model, data=ascii_pairs(), max_steps=steps, log_every_n_steps=50)
+    return pack[1]
+
+
+def test_an_untrained_model_with_default_init_at_a_learning_rate_that_moves_nothing(tmp_path):  # issue 22, run 1
+    torch.manual_seed(0)
+    monitor = fit_default_init(tmp_path, DefaultInitLM(lr=1e-8))
+    [finding] = [f for f in monitor.findings if f.code == "TFD310"]
+    evidence = finding.evidence
+    assert evidence["ln_vocab"] == pytest.approx(math.log(128))
+    # the loss starts near ln(V) (a little below it at this init) and stays there: no progress towards the unigram
+    # entropy, which a fine-tune's first loss has all but reached
+    assert abs(evidence["progress_first"]) < 0.2 and abs(evidence["progress_latest"]) < 0.2
+    assert evidence["unigram_entropy"] < 0.8 * math.log(128)
+    assert "has not learned" in finding.message
+
+
+def test_a_fine_tune_of_the_same_model_at_a_fine_tuning_learning_rate_is_not_a_learning_rate_too_low(tmp_path):
+    torch.manual_seed(0)
+    model = DefaultInitLM(lr=2e-3)
+    fit(tmp_path / "pretrain", [], model=model, data=ascii_pairs(), max_steps=60, logger=False)
+    model.lr = 1e-5  # a cautious fine-tuning LR: updates far below the band, and the loss barely moves
+    monitor = fit_default_init(tmp_path / "finetune", model)
+    assert "TFD310" not in codes(monitor), [f.format() for f in monitor.findings]
+    # what held it back: the run starts most of the way down from ln(V) to the labels' unigram entropy
+    assert monitor._first_loss < 0.6 * math.log(128)

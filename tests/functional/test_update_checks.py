@@ -1,8 +1,9 @@
 import math
 
 import pytest
+import torch
 
-from lightning_tfdebug.functional.update_checks import loss_fall_per_step, loss_still_falling, trained
+from lightning_tfdebug.functional.update_checks import label_counts, loss_fall_per_step, loss_still_falling
 
 
 def test_the_fall_of_the_loss_per_step_is_a_fraction_of_the_loss():
@@ -17,9 +18,9 @@ def test_the_fall_of_the_loss_per_step_is_a_fraction_of_the_loss():
     assert not loss_still_falling([(10, 1.0)])  # unknown: the ratio alone decides
 
 
-def test_a_loss_that_varies_from_batch_to_batch_is_a_trained_model_s():
-    assert trained([0.03, 0.05, 0.04])  # a trained model: its loss depends on each batch's content
-    assert not trained([0.001, 0.0012, 0.0008])  # an untrained one scores every batch alike (about ln(V))
-    assert not trained([math.nan, math.nan])  # unknown
-    assert trained([math.nan, 0.02, 0.03])
-    assert trained([0.013, 0.02, 0.035]) and not trained([0.0007, 0.0013, 0.02])  # the median of the streak decides
+def test_label_counts_skip_ignored_and_out_of_range_labels_without_a_sync():
+    labels = torch.tensor([[1, 2, 2, -100], [3, 7, 2, 1]])
+    counts = label_counts(labels, 5, -100, torch.device("cpu"))
+    assert counts.tolist() == [0.0, 2.0, 3.0, 1.0, 0.0]  # 7 is outside the vocabulary, -100 ignored
+    assert label_counts(None, 4, -100, torch.device("cpu")).tolist() == [0.0] * 4
+    assert label_counts(torch.rand(2, 3), 4, -100, torch.device("cpu")).sum() == 0  # not class indices
