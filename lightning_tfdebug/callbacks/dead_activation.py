@@ -522,10 +522,27 @@ class DeadActivation(DebugCallback):
             [_fit_length(layer.alive, n, device) for layer, n in zip(layers, self._units)]
             or [torch.zeros(0, device=device)]
         )
-        # One collective per measuring step (under DDP/FSDP): counts add up over ranks, and a unit is alive if it
-        # was alive on any rank's batch (max), i.e. dead only if dead everywhere.
-        sums, alive = packed_reduce(sums, alive, collective=distributed)
-        sums = sums.view(len(layers), 4)
+        # Declared into the step's one reduction over ranks (the pack's shared collective; on its own, one of its
+        # own): counts add up over ranks, and a unit is alive if it was alive on any rank's batch, i.e. dead only if
+        # dead everywhere.
+        self.reduce_then(
+            trainer,
+            lambda reduced: self._conclude(trainer, pl_module, layers, reduced.sums, reduced.anys, step),
+            device,
+            sums=sums,
+            anys=alive,
+        )
+
+    def _conclude(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        layers: list[_Layer],
+        sums: Tensor,
+        alive: Tensor,
+        step: int,
+    ) -> None:
+        sums = sums.float().view(len(layers), 4)
         values: dict[str, Tensor | float] = {}
         offset = 0
         for i, (layer, n) in enumerate(zip(layers, self._units)):

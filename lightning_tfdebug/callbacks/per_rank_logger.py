@@ -17,7 +17,6 @@ from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, is_id_tensor, loss_of, step_batch
 from lightning_tfdebug.core.distributed import (
     DTensor,
-    all_gather_vector,
     clean_param_name,
     local_tensor,
     plan_sharding,
@@ -52,9 +51,10 @@ _SLOTS = (
 class PerRankLogger(DebugCallback):
     r"""Records every rank's loss, timing, memory, batch fingerprint and parameter checksum, and compares the ranks.
 
-    On a measuring step every rank appends one JSON line to its own ``<log_dir>/tfdebug/rank<r>.jsonl``, then one
-    all-gather of a packed vector lets every rank see every other rank's numbers: rank 0 logs them per rank and as
-    spreads, and every rank reaches the same findings. Every rank runs that one collective on the same steps
+    On a measuring step every rank appends one JSON line to its own ``<log_dir>/tfdebug/rank<r>.jsonl``; its packed
+    row goes into the step's one reduction over ranks (one collective, shared by the whole pack inside
+    :class:`~lightning_tfdebug.TFDebug`), which lets every rank see every other rank's numbers: rank 0 logs them per
+    rank and as spreads, and every rank reaches the same findings. Every rank declares its row on the same steps
     (decided from ``global_step``), with a vector of the same length. On other steps the callback reads the
     data-loading timer (host arithmetic) and does nothing else: no tensor work, no sync, no collective.
 
@@ -308,14 +308,18 @@ class PerRankLogger(DebugCallback):
             ]
         )
         packed = torch.cat([head, checksums if compare else checksums[:0]])
-        # collective: one all-gather of the packed vector, every rank, same steps, same length (the parameter
-        # count is the same on every replica; under sharding no per-tensor checksums are sent)
-        rows = all_gather_vector(packed).tolist()  # host sync: the one transfer of this measuring step
+        # Every rank's row, declared into the step's one reduction over ranks (the pack's shared collective; on its
+        # own, one collective of its own): every rank, same steps, same length (the parameter count is the same on
+        # every replica; under sharding no per-tensor checksums are sent).
+        self.reduce_then(trainer, lambda reduced: self._conclude(trainer, reduced.rows, step), device, rows=packed)
+
+    def _conclude(self, trainer: pl.Trainer, table: Tensor, step: int) -> None:
+        rows = table.tolist()  # host sync: the one transfer of this measuring step
         stats = [dict(zip(_SLOTS, row)) for row in rows]
         mine = stats[trainer.global_rank] if trainer.global_rank < len(stats) else stats[0]
         self._write_record(trainer, step, mine)
         self.log_scalars(trainer, per_rank_metrics(stats, self.log_per_rank), step=step)
-        # every value comes from the all-gather: every rank takes the same decisions (synchronized findings)
+        # every value comes from the reduced table: every rank takes the same decisions (synchronized findings)
         checksums = [row[len(_SLOTS) :] for row in rows]
         for verdict, key in self._diagnosis.update(stats, checksums, self._param_names, step):
             self.emit(trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, key=key, step=step)

@@ -16,7 +16,6 @@ from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
-from lightning_tfdebug.core.distributed import all_gather_vector
 from lightning_tfdebug.core.io import write_atomic, write_text
 from lightning_tfdebug.core.model import import_object
 from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
@@ -84,8 +83,9 @@ class ThroughputMonitor(DebugCallback):
     r"""Measures how fast training really goes, over all ranks, and says why it is slow.
 
     Counts real (non-padding) tokens of every micro-batch on every rank, times the wall clock between measuring
-    steps, and on measuring steps gathers one packed vector per rank (one collective) so the logged throughput is
-    the sum over ranks, not rank 0's number times the world size. Time spent waiting for the next batch (data
+    steps, and on measuring steps declares one packed row per rank into the step's one reduction over ranks (one
+    collective, shared by the whole pack inside :class:`~lightning_tfdebug.TFDebug`) so the logged throughput is the
+    sum over ranks, not rank 0's number times the world size. Time spent waiting for the next batch (data
     loading, collation, host-to-device copy) is measured between batches. No device sync on other steps: per-step
     times come from CUDA events (host clock on CPU), and a measuring step waits once for the last event.
 
@@ -485,11 +485,13 @@ class ThroughputMonitor(DebugCallback):
         trimmed = self._trimmed.total(device)
         cpu_slot = torch.tensor([cpu_ratio, mean_ratio], dtype=torch.float64, device=device)
         packed = torch.cat([tokens.reshape(1), host.to(device), trimmed.reshape(1), cpu_slot])
-        # collective: one all-gather of the packed vector, on every rank, on the same (global_step-decided) steps
-        gathered = all_gather_vector(packed)
-        rows = gathered.tolist()  # host sync: the one transfer of this measuring step
         self._positions, self._samples, self._wait_s = 0, 0, 0.0
+        # Every rank's row (sums, worst ranks and medians are taken from the table): declared into the step's one
+        # reduction over ranks (the pack's shared collective; on its own, one collective of its own).
+        self.reduce_then(trainer, lambda reduced: self._conclude(trainer, reduced.rows, step), device, rows=packed)
 
+    def _conclude(self, trainer: pl.Trainer, table: Tensor, step: int) -> None:
+        rows = table.tolist()  # host sync: the one transfer of this measuring step
         stats = rows_to_stats(rows)
         metrics = throughput_metrics(stats, self.flops_per_token, self._peak)
         self.log_scalars(trainer, metrics, step=step)
@@ -497,7 +499,7 @@ class ThroughputMonitor(DebugCallback):
 
     # ------------------------------------------------------------------ findings
     def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict], step: int) -> None:
-        # every value behind a verdict comes from the all-gather, so every rank reaches the same (synchronized)
+        # every value behind a verdict comes from the reduced table, so every rank reaches the same (synchronized)
         for v in verdicts:
             self.emit(trainer, v.code, v.message, v.evidence, severity=v.severity, hint=v.hint, step=step)
 

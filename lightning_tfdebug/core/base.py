@@ -196,6 +196,7 @@ class DebugCallback(Callback):
         self._aside_announced = False  # said once more at the end of fit (a callback on its own, not in the pack)
         self.in_pack = False  # set by TFDebug on its members: the pack's summary lists them instead
         self.failure: dict[str, Any] | None = None
+        self.shared_reduction: Any = None  # TFDebug's StepReduction while the pack runs this member, else None
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -334,6 +335,54 @@ class DebugCallback(Callback):
     def tfdebug_dir(self) -> str:
         """``<trainer.log_dir>/tfdebug``: where reports and findings of this run go."""
         return os.path.join(self._log_dir or ".", "tfdebug")
+
+    # ------------------------------------------------------------------ the step's reduction over ranks
+    def reduce_then(
+        self,
+        trainer: pl.Trainer,
+        then: Callable[[Any], None],
+        device: torch.device,
+        *,
+        sums: Any = None,
+        anys: Any = None,
+        maxes: Any = None,
+        rows: Any = None,
+    ) -> None:
+        """Declare this measuring step's statistics and decide from them once they are reduced over the ranks.
+
+        ``then(reduced)`` receives a :class:`~lightning_tfdebug.core.reduction.Reduced` (``sums`` added up over
+        ranks, ``anys`` 1.0 where some rank set the flag, ``maxes`` the maximum, ``rows`` every rank's row). Inside
+        :class:`~lightning_tfdebug.TFDebug` the declarations of every member are reduced together, with one
+        collective, after the hook in which they were made; on its own, the callback reduces its own at once (one
+        collective). Every rank must declare on the same steps with parts of the same sizes.
+        """
+        from lightning_tfdebug.core.reduction import StepReduction, declaration
+
+        declared = declaration(self, then, device, sums=sums, anys=anys, maxes=maxes, rows=rows)
+        if self.shared_reduction is not None:
+            self.shared_reduction.add(declared)
+            return
+        own = StepReduction()
+        own.add(declared)
+        own.run(trainer)
+
+    def conclude(self, trainer: pl.Trainer, then: Callable[[Any], None], reduced: Any) -> None:
+        """Run ``then(reduced)`` under the same guard as a hook (called by the step's reduction)."""
+        if self.failure is not None:
+            return
+        if self.__dict__.get("_in_hook"):  # on its own: inside the hook that declared, which guards it
+            then(reduced)
+            return
+        self.__dict__["_in_hook"] = True
+        self.__dict__["_hook_step"] = getattr(trainer, "global_step", None)
+        try:
+            then(reduced)
+        except TFDebugError:
+            raise
+        except Exception as err:  # the callback's own failure, after the collective: every rank got its values
+            self.callback_failed("on_train_batch_end", err, trainer)
+        finally:
+            self.__dict__["_in_hook"] = False
 
     # ------------------------------------------------------------------ metrics
     @staticmethod

@@ -1,0 +1,156 @@
+"""One reduction per measuring step for the whole pack (issue 25).
+
+On a measuring step each member declares what it needs from the other ranks, as device tensors:
+
+* ``sums``: values added up over ranks (counts, weighted sums of squares, token counts);
+* ``anys``: 0/1 flags, 1 where any rank set them (a unit alive on some rank, a non-finite loss somewhere);
+* ``maxes``: real values whose maximum over ranks is wanted (the worst rank's memory or data wait);
+* ``rows``: a vector per rank that a decision needs whole (PerRankLogger's straggler and divergence checks).
+
+:meth:`DebugCallback.reduce_then <lightning_tfdebug.core.base.DebugCallback.reduce_then>` hands the declaration and
+a continuation to a :class:`StepReduction`; inside :class:`~lightning_tfdebug.TFDebug` one is shared by every member
+and runs once, after the hook in which they declared (``on_train_batch_end``), with **one** ``all_reduce``; a
+callback used alone runs its own at once. Each continuation then gets a :class:`Reduced` and decides from it.
+
+What travels (float64, so counts and fingerprints stay exact): ``[sums | anys | world x (maxes + rows)]``, summed
+over ranks. Sums and flags cost one slot each whatever the world size (a flag is "any" when its sum is positive).
+Maxima and rows cost one slot per rank: each rank writes its own block and zeros elsewhere, so the sum is the
+gathered table, and a maximum is taken from it locally. Keep maxima and rows to a few scalars; what grows with the
+model (per-tensor checksums, per-unit flags) belongs in sums or anys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_tfdebug.core.distributed import world_size
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """What one member declared, reduced over every rank (float64 device tensors).
+
+    Attributes:
+        sums: ``(n_sums,)`` summed over ranks.
+        anys: ``(n_anys,)`` 1.0 where any rank set the flag, else 0.0.
+        maxes: ``(n_maxes,)`` maximum over ranks.
+        rows: ``(world_size, n_rows)``: every rank's row, rank ``r`` at index ``r``.
+    """
+
+    sums: Tensor
+    anys: Tensor
+    maxes: Tensor
+    rows: Tensor
+
+
+@dataclass
+class Declaration:
+    """One member's part of a step's reduction: its tensors and what to do with the result."""
+
+    owner: Any
+    then: Callable[[Reduced], None]
+    sums: Tensor
+    anys: Tensor
+    maxes: Tensor
+    rows: Tensor
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        return self.sums.numel(), self.anys.numel(), self.maxes.numel(), self.rows.numel()
+
+
+def declaration(
+    owner: Any,
+    then: Callable[[Reduced], None],
+    device: torch.device,
+    sums: Tensor | Sequence[Any] | None = None,
+    anys: Tensor | Sequence[Any] | None = None,
+    maxes: Tensor | Sequence[Any] | None = None,
+    rows: Tensor | Sequence[Any] | None = None,
+) -> Declaration:
+    """A :class:`Declaration` with every part a 1-D float64 tensor on ``device`` (None: empty)."""
+
+    def flat(value: Tensor | Sequence[Any] | None) -> Tensor:
+        if value is None or (not isinstance(value, Tensor) and len(value) == 0):
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        if not isinstance(value, Tensor):
+            value = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in value])
+        return value.detach().reshape(-1).to(device=device, dtype=torch.float64)
+
+    return Declaration(owner, then, flat(sums), flat(anys), flat(maxes), flat(rows))
+
+
+def reduce_declarations(declared: Sequence[Declaration]) -> list[Reduced]:
+    """Reduce every declaration over the ranks with one ``all_reduce`` (none in a single process).
+
+    Every rank must call this on the same step with declarations of the same sizes in the same order.
+    """
+    if not declared:
+        return []
+    world = world_size()
+    device = declared[0].sums.device
+    if world == 1:
+        return [Reduced(d.sums, (d.anys > 0).double(), d.maxes, d.rows.unsqueeze(0)) for d in declared]
+    rank = dist.get_rank()
+    sums = torch.cat([d.sums.to(device) for d in declared])
+    anys = torch.cat([d.anys.to(device) for d in declared])
+    own = torch.cat([t.to(device) for d in declared for t in (d.maxes, d.rows)])
+    table = torch.zeros(world, own.numel(), dtype=torch.float64, device=device)
+    table[rank] = own  # this rank's block; the others' stay zero, so the sum over ranks is the gathered table
+    packed = torch.cat([sums, anys, table.reshape(-1)])
+    # collective: the pack's one all_reduce of this measuring step, the same length on every rank
+    dist.all_reduce(packed)
+    n_sums, n_anys = sums.numel(), anys.numel()
+    sums, anys = packed[:n_sums], packed[n_sums : n_sums + n_anys] > 0
+    table = packed[n_sums + n_anys :].view(world, own.numel())
+    out: list[Reduced] = []
+    s = a = o = 0
+    for d in declared:
+        n_s, n_a, n_m, n_r = d.sizes
+        maxes = table[:, o : o + n_m].amax(0) if n_m else table.new_zeros(0)
+        rows = table[:, o + n_m : o + n_m + n_r]
+        out.append(Reduced(sums[s : s + n_s], anys[a : a + n_a].double(), maxes, rows))
+        s, a, o = s + n_s, a + n_a, o + n_m + n_r
+    return out
+
+
+def payload_slots(declared: Sequence[Declaration], world: int) -> int:
+    """Number of float64 slots one rank sends in :func:`reduce_declarations` for ``world`` ranks."""
+    return sum(d.sizes[0] + d.sizes[1] + world * (d.sizes[2] + d.sizes[3]) for d in declared)
+
+
+@dataclass
+class StepReduction:
+    """The declarations of one measuring step, reduced together by :meth:`run` (one collective).
+
+    Inside :class:`~lightning_tfdebug.TFDebug` one instance is shared by every running member; the pack calls
+    :meth:`run` after each hook it forwards, so the members that declared in that hook are served by one collective.
+    Every rank holds the same declarations at the same point (members declare on steps chosen from
+    ``global_step``), so every rank runs the same collective.
+    """
+
+    pending: list[Declaration] = field(default_factory=list)
+    last_slots: int = 0  # slots per rank of the last reduction run (for the payload figures)
+
+    def add(self, declared: Declaration) -> None:
+        self.pending.append(declared)
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+    def run(self, trainer: Any) -> None:
+        """Reduce what was declared (one collective) and hand each member its part, under that member's guard."""
+        if not self.pending:
+            return
+        declared, self.pending = self.pending, []
+        self.last_slots = payload_slots(declared, world_size())
+        with torch.no_grad():
+            results = reduce_declarations(declared)
+        for d, reduced in zip(declared, results):
+            d.owner.conclude(trainer, d.then, reduced)
