@@ -18,9 +18,11 @@ from tests.wild_models import (
     HFSeq2Seq,
     MiniGPTModule,
     Seq2SeqModule,
+    TokenRowLM,
     cipher_pairs,
     lightning_demo_transformer,
     stream_pairs,
+    token_rows,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -138,6 +140,12 @@ def test_recorded_call_restores_modes_and_leaves_no_hooks(tmp_path):
 HEALTHY_SHAPES = {
     "seq2seq_forward_src_tgt": (lambda: Seq2SeqModule(), cipher_pairs),
     "small_gpt_self_model_x_y": (lambda: MiniGPTModule(), stream_pairs),
+    # token rows (B, T+1), no labels; `self.model(batch)` is a wrapper that shifts them and returns only the loss
+    "token_rows_loss_only_wrapper": (lambda: TokenRowLM("shift_inside"), token_rows),
+    # the step slices the rows itself: `x, y = batch[:, :-1], batch[:, 1:]; logits = self.model(x)`
+    "token_rows_sliced_in_the_step": (lambda: TokenRowLM("step_slices"), token_rows),
+    # padded rows with their mask, both sliced by the wrapper and passed to the inner network
+    "token_rows_padded_with_a_mask": (lambda: TokenRowLM(), lambda rows: token_rows(rows=rows, padded=True)),
 }
 
 

@@ -137,6 +137,21 @@ def test_unshifted_targets_are_flagged(tmp_path, style):
     assert problems(probe) == {"TFD205"}
 
 
+@pytest.mark.parametrize("bug, expected", [(None, set()), ("mask_ignored", {"TFD202"})])
+def test_padded_rows_sliced_with_their_mask_run_the_padding_probes(tmp_path, bug, expected):
+    """``{"input_ids", "attention_mask"}`` batches whose wrapper slices both and passes the mask to the inner
+    network: the mask is found in the inner call as the slice of the batch's mask, and the padding probes vary it."""
+    probe, init = MaskProbe(), LossAtInit(check_step=None)
+    fit_tiny(tmp_path, [probe, init], model=TokenRowLM(bug=bug), data=token_rows(padded=True), max_steps=1)
+    assert_ran(probe, init)
+    assert problems(probe, init) == expected
+    assert {"mask_probe/padding_max_change", "mask_probe/pad_side_max_change"} <= set(probe.last_report)
+    # the padding is not a target of the wrapper's loss, nor of the alignment read against the rows
+    assert probe.last_report["mask_probe/loss_returned"] == pytest.approx(
+        probe.last_report["mask_probe/loss_shifted"], rel=1e-5
+    )
+
+
 def test_loss_at_init_reads_the_inner_calls_outputs(tmp_path):
     """The inner network returns probabilities and the wrapper scores them by cross-entropy again (bug-zoo row 1):
     LossAtInit finds that in the outputs of the call the step never makes itself."""

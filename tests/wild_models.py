@@ -8,6 +8,8 @@ data are generated.
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -186,10 +188,23 @@ class HFSeq2Seq(pl.LightningModule):
 
 
 # ------------------------------------------------------------------- token rows and loss-only wrappers (bug-zoo row 33)
-def token_rows(rows: int = 64, length: int = 24, batch_size: int = 8, as_list: bool = False) -> DataLoader:
+def token_rows(
+    rows: int = 64, length: int = 24, batch_size: int = 8, as_list: bool = False, padded: bool = False
+) -> DataLoader:
     """Batches that are one integer tensor of token rows ``(B, length + 1)``, no labels (or, ``as_list``, a list
-    whose first item is that tensor, as ``TensorDataset`` gives): the step or the model shifts the rows itself."""
+    whose first item is that tensor, as ``TensorDataset`` gives): the step or the model shifts the rows itself.
+    ``padded``: ``{"input_ids", "attention_mask"}`` dicts, every other row right-padded (id 0) by 1 to 8 tokens."""
     text = periodic_text(rows, length + 1).contiguous()
+    if padded:
+        g = torch.Generator().manual_seed(0)
+        cut = length + 1 - torch.randint(1, 9, (rows, 1), generator=g) * (torch.arange(rows)[:, None] % 2)
+        mask = (torch.arange(length + 1) < cut).long()
+        text = text.masked_fill(mask == 0, 0)
+        batches = [
+            {"input_ids": text[i : i + batch_size], "attention_mask": mask[i : i + batch_size]}
+            for i in range(0, len(text), batch_size)
+        ]
+        return DataLoader(batches, batch_size=None, shuffle=False)
     batches = [text[i : i + batch_size] for i in range(0, len(text), batch_size)]
     return DataLoader([[b] for b in batches] if as_list else batches, batch_size=None, shuffle=False)
 
@@ -198,7 +213,8 @@ class RowNet(nn.Module):
     """A library's stack: the same constructor builds the decoder (``causal=True``) or the encoder (``causal=False``,
     no mask: every position sees the whole sequence). ``forward(ids)`` returns ``(logits, cache)`` (the cache: each
     layer's output, for generation), or only the logits with ``with_cache=False``; ``probabilities``: softmax
-    probabilities instead of logits (bug-zoo row 1, when the loss applies cross-entropy to them)."""
+    probabilities instead of logits (bug-zoo row 1, when the loss applies cross-entropy to them). An
+    ``attention_mask`` (1 = real token) keeps padding out of the attention, unless ``ignore_mask`` (bug-zoo row 8)."""
 
     def __init__(
         self,
@@ -209,9 +225,11 @@ class RowNet(nn.Module):
         causal: bool = True,
         with_cache: bool = True,
         probabilities: bool = False,
+        ignore_mask: bool = False,
     ) -> None:
         super().__init__()
         self.causal, self.with_cache, self.probabilities = causal, with_cache, probabilities
+        self.ignore_mask = ignore_mask
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(context, d)
         self.layers = nn.ModuleList(
@@ -221,13 +239,16 @@ class RowNet(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
-    def forward(self, ids: torch.Tensor):
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         t = ids.shape[1]
         x = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=ids.device) if self.causal else None
+        padding = None
+        if attention_mask is not None and not self.ignore_mask:
+            padding = torch.zeros(attention_mask.shape, device=ids.device).masked_fill(attention_mask == 0, -math.inf)
         cache = []
         for layer in self.layers:
-            x = layer(x, src_mask=mask, is_causal=self.causal)
+            x = layer(x, src_mask=mask, src_key_padding_mask=padding, is_causal=self.causal)
             cache.append(x)
         logits = self.head(self.norm(x))
         if self.probabilities:
@@ -243,10 +264,14 @@ class ShiftInsideWrapper(nn.Module):
         super().__init__()
         self.net, self.unshifted = net, unshifted
 
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = rows[:, :-1]
         y = x if self.unshifted else rows[:, 1:]
-        logits, _cache = self.net(x)
+        if attention_mask is None:
+            logits, _cache = self.net(x)
+        else:  # padded rows: the mask is sliced with the ids, and padding is not a target
+            logits, _cache = self.net(x, attention_mask=attention_mask[:, :-1])
+            y = y.masked_fill(attention_mask[:, 1:] == 0, -100)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
@@ -275,15 +300,22 @@ class TokenRowLM(pl.LightningModule):
     a wrapper that feeds the whole row and drops the last logit), ``"step_slices"`` (``x, y = batch[:, :-1],
     batch[:, 1:]; logits = self.model(x)`` in the step). ``bug``: ``"encoder"`` builds the stack without its causal
     mask (the library's encoder used as a causal LM: it sees the future); ``"unshifted"`` scores each position on its
-    own token; ``"probabilities"``: the inner network returns softmax probabilities, scored by cross-entropy again."""
+    own token; ``"probabilities"``: the inner network returns softmax probabilities, scored by cross-entropy again;
+    ``"mask_ignored"``: the inner network ignores the attention mask of padded rows (``token_rows(padded=True)``:
+    ``{"input_ids", "attention_mask"}`` batches, the wrapper slices both)."""
 
     def __init__(self, style: str = "shift_inside", bug: str | None = None, lr: float = 3e-3) -> None:
         super().__init__()
-        if style not in STYLES or bug not in (None, "encoder", "unshifted", "probabilities"):
+        if style not in STYLES or bug not in (None, "encoder", "unshifted", "probabilities", "mask_ignored"):
             raise ValueError(f"style={style!r}, bug={bug!r}")
         self.style, self.bug, self.lr = style, bug, lr
         torch.manual_seed(0)
-        net = RowNet(causal=bug != "encoder", with_cache=style != "step_slices", probabilities=bug == "probabilities")
+        net = RowNet(
+            causal=bug != "encoder",
+            with_cache=style != "step_slices",
+            probabilities=bug == "probabilities",
+            ignore_mask=bug == "mask_ignored",
+        )
         unshifted = bug == "unshifted"
         if style == "shift_inside":
             self.model: nn.Module = ShiftInsideWrapper(net, unshifted)
@@ -293,6 +325,8 @@ class TokenRowLM(pl.LightningModule):
             self.model = net
 
     def training_step(self, batch, batch_idx):
+        if isinstance(batch, dict):  # padded rows
+            return self.model(batch["input_ids"], batch["attention_mask"])
         rows = batch[0] if isinstance(batch, (list, tuple)) else batch
         if self.style != "step_slices":
             return self.model(rows)
@@ -302,7 +336,11 @@ class TokenRowLM(pl.LightningModule):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        decay = [p for p in self.parameters() if p.ndim >= 2]  # no decay on norms and biases
+        rest = [p for p in self.parameters() if p.ndim < 2]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=self.lr
+        )
 
 
 class EmbeddingRowsLM(pl.LightningModule):

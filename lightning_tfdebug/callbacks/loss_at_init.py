@@ -403,6 +403,8 @@ class LossAtInit(DebugCallback):
         view = self._view
         if self.logits_module is not None or self.labels_key is not None or view is None or view.labels is not None:
             return
+        if self._labels()[0] is not None:
+            return  # labels of another kind (float targets, a tuple's last item): the labels path reports on them
         ids = view.input_ids
         if ids is None or ids.ndim != 2 or ids.is_floating_point():
             return
