@@ -136,6 +136,13 @@ class LossAtInit(DebugCallback):
     supervised labels (not ``ignore_index``). At ``check_step`` it captures the logits again and checks whether the
     loss is still at ln(V) and whether the model predicts the *current* input token instead of the next.
 
+    Token rows without labels (the batch is one integer tensor ``(B, T+1)``, or a list whose first item is one, and
+    ``training_step`` returns ``self.model(batch)``, a wrapper that slices the rows and returns only the loss): the
+    calls that take tokens are recorded at every depth on the two captured steps, the logits are those of the call
+    that received the rows, ``rows[:, :-1]`` or ``rows[:, 1:]`` (its output, or the first tensor of ``(logits,
+    cache)``), its tokens are the labels (the wrapper's loss shifts them) and the copy check's inputs, and every
+    token after a row's first counts towards the unigram entropy.
+
     Data-aware baselines: on its measuring steps (``every_n_steps``) it reads the training loss, and over the first
     8 measured batches it counts the supervised labels (reduced over ranks) for their unigram entropy H: the loss of a
     model that learned the token frequencies and ignores its context. At the check the loss is judged against both

@@ -86,10 +86,14 @@ class MaskProbe(DebugCallback):
       token ids themselves.
 
     How the model is called: through the call ``training_step`` itself makes. Each probe replays ``training_step``
-    on the batch (eval mode, ``no_grad``, ``self.log`` silenced) with a forward hook on every submodule and keeps
-    the outermost call that took the batch's token ids and returned logits (``self(x)``, ``self.model(x, y)``,
-    ``self.model(**batch)``, ``self(src, tgt)``); the probes re-issue it with every argument as recorded except the
-    token tensors they perturb (:mod:`lightning_tfdebug.core.calls`, :mod:`lightning_tfdebug.functional.call_probes`).
+    on the batch (eval mode, ``no_grad``, ``self.log`` silenced) with a forward hook on every submodule, records the
+    calls that take token tensors at any depth, and keeps the outermost one that took the batch's token ids and
+    returned logits (``self(x)``, ``self.model(x, y)``, ``self.model(**batch)``, ``self(src, tgt)``, or the inner
+    network a loss-only wrapper calls); the probes re-issue it with every argument as recorded except the token
+    tensors they perturb (:mod:`lightning_tfdebug.core.calls`, :mod:`lightning_tfdebug.functional.call_probes`).
+    Token rows without labels (a batch that is one integer tensor ``(B, T+1)``, sliced by the step or the model):
+    the call may receive the rows or ``rows[:, :-1]`` / ``rows[:, 1:]``; the probes perturb what it received, and
+    its outputs are aligned with the rows' next tokens from the columns it received.
     Each token tensor of the call is compared with the labels: one that equals them at an offset (95% of the
     supervised positions) carries them, and output ``p`` (trained on label ``p``, or ``p + 1`` when the labels equal
     the ids) must not read it from the position carrying its own label on. A tensor unrelated to the labels (a
