@@ -184,3 +184,29 @@ def test_a_batch_without_integer_tensors_makes_the_token_probes_stand_aside_once
     lines = (tmp_path / "tb" / "version_0" / "tfdebug" / "stood-aside-rank0.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["setting"] for r in records if r["check"] == "MaskProbe"] == [probe._aside_setting]
+
+
+class ManualTokenRowLM(TokenRowLM):
+    """The loss-only wrapper under manual optimization: the step is never replayed, so the calls of the real one are
+    recorded, at every depth."""
+
+    def __init__(self, bug: str | None = None) -> None:
+        super().__init__(bug=bug)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+@pytest.mark.parametrize("bug, expected", [(None, set()), ("encoder", {"TFD201"})])
+def test_manual_optimization_records_the_inner_call_of_the_real_step(tmp_path, bug, expected):
+    probe, init = MaskProbe(), LossAtInit(check_step=None)
+    fit_tiny(tmp_path, [probe, init], model=ManualTokenRowLM(bug=bug), data=token_rows(), max_steps=1)
+    assert_ran(probe, init)
+    assert problems(probe, init) == expected
+    assert "mask_probe/causal_max_change" in probe.last_report
