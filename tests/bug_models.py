@@ -87,7 +87,8 @@ class RankBugs:
     ``bugs`` keys: ``perturb_rank``/``perturb_at_step``/``perturb_param`` (row 17), ``slow_rank``/``slow_rank_s``
     (row 18), ``nan_module``/``nan_module_rank``/``nan_at_step`` (row 23), ``overflow_module`` (row 15),
     ``eval_mode`` (row 21), ``drop_optimizer_state`` (row 22), ``left_out`` (a parameter-name prefix left out of the
-    optimizer: row 10), ``adam_l2`` (Adam with this coupled weight decay: row 20), ``default_init`` (row 34).
+    optimizer: row 10), ``decay_all`` (AdamW with this decay on every parameter: row 20), ``adam_l2`` (Adam with
+    this coupled weight decay), ``default_init`` (row 34).
     """
 
     bugs: dict[str, Any]
@@ -132,6 +133,11 @@ class RankBugs:
             checkpoint.pop("lr_schedulers", None)
 
     def configure_optimizers(self):
+        if self.bugs.get("decay_all"):  # what many recipes do: one group, decay on norms and biases too
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.bugs["decay_all"])
+            warm = max(1, self.warmup_steps)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
         if self.bugs.get("adam_l2"):
             return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.bugs["adam_l2"])
         config = adamw_with_warmup(self, self.lr, self.warmup_steps)
