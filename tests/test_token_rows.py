@@ -11,6 +11,7 @@ inner call). A batch with no integer tensor at all makes the token probes stand 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -77,6 +78,49 @@ def test_the_plan_reads_which_columns_of_the_rows_the_call_received(columns, sta
     # p + start + 1 (shift `start` against the rows' next tokens), so it must not read the call's own tokens from
     # position p + 1 on (shift + offset = 1): the leak probe perturbs from there
     assert plan.shift == start and plan.shift + plan.primary.offset == 1
+
+
+@dataclasses.dataclass
+class _Out:
+    scores: torch.Tensor
+    cache: list
+
+
+class StructuredNet(torch.nn.Module):
+    """An inner network whose output is a dict or a dataclass, the logits under a name of its own."""
+
+    def __init__(self, wrap: str) -> None:
+        super().__init__()
+        self.net, self.wrap = RowNet(), wrap
+
+    def forward(self, ids):
+        logits, cache = self.net(ids)
+        return {"scores": logits, "cache": cache} if self.wrap == "dict" else _Out(logits, cache)
+
+
+class ReturnsInnerOutput(torch.nn.Module):
+    """A wrapper fed the whole rows that returns its inner network's output for ``rows[:, :-1]``."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, rows):
+        return self.inner(rows[:, :-1])
+
+
+@pytest.mark.parametrize("wrap", ["dict", "dataclass"])
+def test_the_first_float_tensor_of_a_dict_or_dataclass_output_is_read_as_the_logits(wrap):
+    torch.manual_seed(0)
+    wrapper = ReturnsInnerOutput(StructuredNet(wrap))
+    rows = torch.randint(0, 200, (2, 10))
+    _, calls = record_calls(wrapper, lambda: wrapper(rows), nested=True, want=takes_tokens)
+    # the wrapper takes the rows and returns 9 positions of logits: the inner call that received rows[:, :-1] and
+    # returned one output per position of it is the one probed
+    plan = plan_call(calls, rows, None, None)
+    assert not isinstance(plan, str) and isinstance(plan.call.module, StructuredNet) and plan.sliced
+    chosen = token_row_logits(calls, rows, None)
+    assert chosen is not None and chosen[0].shape == (2, 9, 259)
 
 
 def test_alignment_losses_read_a_slice_against_the_whole_row():

@@ -244,11 +244,15 @@ def plan_call(
     outermost (lowest depth), then the first. Failing that, an outermost call that takes a token tensor of the batch's
     size and returns logits. A sentence saying why not otherwise. ``calls`` may hold calls at every depth
     (:class:`~lightning_tfdebug.core.calls.CallRecorder` with ``nested``): a loss-only wrapper's inner network."""
-    b = int(input_ids.shape[0])
+    b, length = int(input_ids.shape[0]), int(input_ids.shape[1])
     top_id = int(input_ids.max()) if input_ids.numel() else -1  # host sync: probing steps only
-    chosen: tuple[RecordedCall, list[tuple[Path, Tensor, bool]], Path | None, tuple[int, int | None]] | None = None
-    fallback = None
+    Choice = tuple[RecordedCall, list[tuple[Path, Tensor, bool]], Path | None, tuple[int, int | None]]
+    positional: Choice | None = None  # takes the ids or a slice, one output per position it received
+    other_length: Choice | None = None  # takes the ids, outputs over other positions (a decoder's, a shifted wrapper's)
+    fallback: Choice | None = None
     for call in sorted(calls, key=lambda c: (c.depth, c.order)):
+        if positional is not None:
+            break
         if isinstance(call.module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
             continue  # an embedding's output is hidden states, whatever its width
         seqs = [(p, t, _layout(t, b)) for p, t in call.leaves() if _is_ids(t) and _layout(t, b) is not None]
@@ -261,12 +265,20 @@ def plan_call(
             continue  # no output, or one narrower than the token ids (an embedding's hidden states, not logits)
         if match is not None:
             path, _, columns = match
-            if columns != (0, None) and logits.shape[1] != int(input_ids.shape[1]) - 1:
-                continue  # a slice of the rows, but the outputs are not one per position of it
-            chosen = (call, seqs, path, columns)
-            break
-        if call.depth == 0:
+            received = length if columns == (0, None) else length - 1
+            if logits.shape[1] == received:
+                positional = (call, seqs, path, columns)
+            elif columns == (0, None):
+                other_length = other_length or (call, seqs, path, columns)
+        elif call.depth == 0:
             fallback = fallback or (call, seqs, None, (0, None))
+    # A call whose outputs follow the positions it received is preferred: a wrapper fed the whole rows that returns
+    # the logits of rows[:, :-1] is passed over for the inner call that received that slice. Outputs over other
+    # positions (an encoder-decoder's decoder) come next, then a call that takes some token tensor of the batch.
+    if positional is not None and other_length is not None and other_length[0].depth < positional[0].depth:
+        chosen = positional if positional[3] != (0, None) else other_length
+    else:
+        chosen = positional or other_length
     chosen = chosen or fallback
     if chosen is None:
         names = ", ".join(sorted({type(c.module).__name__ for c in calls if c.depth == 0})) or "none"
