@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -14,10 +13,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_tfdebug.core.base import STOOD_ASIDE_FILE, DebugCallback, TFDebugWarning, check_number
+from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, StepBatch, is_id_tensor, step_batch
 from lightning_tfdebug.core.compat import is_lightning_instance
-from lightning_tfdebug.core.io import append_line, write_text
+from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.model import find_context_length, find_vocab_size, load_tokenizer
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.batch_checks import (
@@ -341,6 +340,8 @@ class BatchGuard(DebugCallback):
                     f"BatchGuard: {where}; the sequence-length check is off. Pass `max_length`.",
                     category=TFDebugWarning,
                 )
+        self._period = RepeatPeriod(self.max_repeated_fraction)  # a new fit reads its data anew
+        self._repeats_found = False
         self._tally = None
         if self.special_token_batches:
             ids = learn_special_ids(_special_sources(trainer, pl_module, self.tokenizer), self.eos_id)
@@ -353,19 +354,20 @@ class BatchGuard(DebugCallback):
                     "`eos_id` or `tokenizer`",
                 )
 
+    @property
+    def checks_aside(self) -> dict[str, str]:
+        """The checks of BatchGuard that stood aside while the others ran on: ``{check: reason and setting}``."""
+        return dict(self._checks_aside)
+
     def _check_aside(self, check: str, reason: str, setting: str | None) -> None:
-        """One check of BatchGuard stands aside, once, while the others run on: said at info level and recorded with
-        the callback's stand-aside records (``stood-aside-rank<r>.jsonl``), as :meth:`stand_aside` does for a whole
-        callback."""
+        """One check of BatchGuard stands aside, once, while the others run on: said at info level, with the setting
+        that would let it run, and kept in :attr:`checks_aside`. Not :meth:`stand_aside`, which stops the whole
+        callback, nor its ``stood-aside`` record, which lists the callbacks that did not run (BatchGuard does)."""
         if check in self._checks_aside:
             return
-        self._checks_aside[check] = reason
-        name = f"{type(self).__name__} ({check})"
         tail = f" To let it run: {setting}." if setting else ""
-        rank_zero_info(f"lightning_tfdebug: {name} stands aside: {reason}{tail}")
-        if self._log_dir is not None:
-            record = {"check": name, "reason": reason, "setting": setting, "step": None, "rank": self._rank}
-            append_line(os.path.join(self.tfdebug_dir, STOOD_ASIDE_FILE.format(rank=self._rank)), json.dumps(record))
+        self._checks_aside[check] = reason + tail
+        rank_zero_info(f"lightning_tfdebug: {type(self).__name__}'s check of {check} stands aside: {reason}{tail}")
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stream = _reads_a_stream(trainer)  # host metadata, once per epoch
