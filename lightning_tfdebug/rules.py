@@ -109,6 +109,10 @@ _RULES: tuple[Rule, ...] = (
         title="a key of the schema is missing",
         trigger="a key of the schema (declared, or learned from the first batches) is missing from a batch",
         hint=("build every batch through the same collate path; a key that only some samples carry needs a default"),
+        reason=(
+            "A batch without a field the step reads fails that step or feeds the model something else; the run cannot "
+            "go through its data as configured"
+        ),
     ),
     Rule(
         "TFD102",
@@ -117,6 +121,9 @@ _RULES: tuple[Rule, ...] = (
         title="a key the learned schema does not have",
         trigger="a batch carries a key the learned schema does not have",
         hint="as TFD101; if the key is legitimate and optional, declare the `schema`",
+        reason=(
+            "Measured in this run's batches: two collate paths build them, so some batches are not what the rest are"
+        ),
     ),
     Rule(
         "TFD103",
@@ -127,6 +134,10 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "build every field with an explicit dtype (`torch.tensor(x, dtype=torch.long)`); no cast in one branch only"
         ),
+        reason=(
+            "The ops that take the field fail or change meaning with its dtype (cross_entropy takes int64 class "
+            "indices; a float mask is added, not applied)"
+        ),
     ),
     Rule(
         "TFD104",
@@ -135,6 +146,10 @@ _RULES: tuple[Rule, ...] = (
         title="number of dimensions changed (a squeezed batch of one)",
         trigger="a key's number of dimensions differs (a batch of one squeezed to 1-D)",
         hint="never `squeeze()` a batch; keep the batch dimension (`x[None]`, `unsqueeze(0)`)",
+        reason=(
+            "A squeezed batch breaks the shapes the model and the loss rely on: the step fails or broadcasts into a "
+            "wrong result"
+        ),
     ),
     Rule(
         "TFD105",
@@ -146,6 +161,10 @@ _RULES: tuple[Rule, ...] = (
             "shorter than input ids)"
         ),
         hint="pad / truncate every key of a batch together; check the declared sizes",
+        reason=(
+            "Fields that no longer line up (labels shorter than the ids) fail the step or score positions against the "
+            "wrong labels"
+        ),
     ),
     Rule(
         "TFD110",
@@ -161,6 +180,10 @@ _RULES: tuple[Rule, ...] = (
             "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a "
             "device-side assert."
         ),
+        reason=(
+            "An embedding lookup outside the table fails the step (a device-side assert on CUDA): the run cannot go "
+            "through this batch"
+        ),
     ),
     Rule(
         "TFD111",
@@ -171,6 +194,10 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to the "
             "context length; check sequence packing and concatenation code."
+        ),
+        reason=(
+            "Positions past the model's table fail the step or read rows that were never trained: the run cannot go "
+            "through this batch"
         ),
     ),
     Rule(
@@ -185,6 +212,10 @@ _RULES: tuple[Rule, ...] = (
             "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside "
             "the model, not in the batch."
         ),
+        reason=(
+            "A mask with values other than 0 and 1 is applied as weights or added to the scores, so attention is wrong "
+            "on every such batch"
+        ),
     ),
     Rule(
         "TFD113",
@@ -196,6 +227,9 @@ _RULES: tuple[Rule, ...] = (
             "raised)"
         ),
         hint="Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
+        reason=(
+            "Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails"
+        ),
     ),
     Rule(
         "TFD114",
@@ -207,6 +241,10 @@ _RULES: tuple[Rule, ...] = (
             "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer "
             "away, or labels built from the wrong field."
         ),
+        reason=(
+            "A batch with no supervised label gives a loss of 0 or NaN, and a NaN loss ruins the weights: nothing can "
+            "be learned from it"
+        ),
     ),
     Rule(
         "TFD115",
@@ -217,6 +255,7 @@ _RULES: tuple[Rule, ...] = (
             "padding positions (mask 0) carry a label that is not `ignore_index`: the model learns to predict padding"
         ),
         hint="`labels[attention_mask == 0] = -100` in the collate function",
+        reason="Measured in the batches: the loss spends its weight on predicting padding, which the model then learns",
     ),
     Rule(
         "TFD116",
@@ -225,6 +264,7 @@ _RULES: tuple[Rule, ...] = (
         title="sequences without BOS",
         trigger="sequences whose first real token is not `bos_id`",
         hint=("The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it."),
+        reason="Measured against the `bos_id` you declared: the model trains on a format it will not see at inference",
     ),
     Rule(
         "TFD117",
@@ -236,6 +276,9 @@ _RULES: tuple[Rule, ...] = (
             "EOS added twice (by the template and the tokenizer), or documents packed without an attention boundary. "
             "If you pack on purpose, leave eos_id unset."
         ),
+        reason=(
+            "Measured in the batches: the model is trained to continue past its end token, so it does not learn to stop"
+        ),
     ),
     Rule(
         "TFD118",
@@ -244,6 +287,7 @@ _RULES: tuple[Rule, ...] = (
         title="real tokens after EOS",
         trigger="real (mask 1) tokens after the first EOS",
         hint="The pad token equals EOS but the mask is 1 on padding, or sequences were packed.",
+        reason="Measured in the batches: text after the end token is trained as a continuation of the document",
     ),
     Rule(
         "TFD119",
@@ -252,6 +296,7 @@ _RULES: tuple[Rule, ...] = (
         title="truncation rate above `max_truncated_fraction`",
         trigger="more than `max_truncated_fraction` of a batch's sequences fill the maximum length with no EOS",
         hint="Raise the context length, split long documents, or check that truncation keeps the answer.",
+        reason="Measured in the batches: most sequences are cut before their end, so the model rarely sees endings",
     ),
     Rule(
         "TFD120",
@@ -265,6 +310,10 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum data, or a"
             " truncation setting that differs between files."
+        ),
+        reason=(
+            "Measured in this run: the batches seen later differ from the early ones (data sorted or grouped), so the "
+            "gradient follows data order"
         ),
     ),
     Rule(
@@ -284,6 +333,10 @@ _RULES: tuple[Rule, ...] = (
             " torch.utils.data.get_worker_info()), a Dataset whose __getitem__ ignores its index, a sampler with "
             "replacement, or duplicated rows in the data."
         ),
+        reason=(
+            "Measured in this run: one epoch reads the same batches more than once, so it trains on duplicates instead "
+            "of the data"
+        ),
     ),
     Rule(
         "TFD122",
@@ -298,6 +351,9 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "A mask built as input_ids != pad_id where the pad id is also a real token (GPT-2 / Llama reuse EOS as "
             "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."
+        ),
+        reason=(
+            "Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them"
         ),
     ),
     Rule(
@@ -349,6 +405,10 @@ _RULES: tuple[Rule, ...] = (
         title="training failed; a bundle was written (the message has its path and the replay command)",
         trigger="training raised an exception; a repro bundle was written (path in the message)",
         hint="`python -m lightning_tfdebug replay <bundle> --config <your LightningCLI config>`",
+        reason=(
+            "The failure itself propagates as the exception; the finding only points at the bundle written to reproduce"
+            " it"
+        ),
     ),
     Rule(
         "TFD131",
@@ -357,6 +417,7 @@ _RULES: tuple[Rule, ...] = (
         title="the bundle could not be written; the original exception propagates unchanged",
         trigger=("the bundle could not be written (disk full, no permission); the original exception still propagates"),
         hint="Check free disk space and write permission on the log directory.",
+        reason="Loses work: the evidence needed to replay the crash is gone, though the crash itself still propagates",
     ),
     # ---------------------------------------------------------------- MaskProbe
     Rule(
@@ -372,6 +433,10 @@ _RULES: tuple[Rule, ...] = (
             "The decoder's attention does not apply a causal mask (or applies it wrongly): check the mask "
             "construction, `is_causal`, and any custom attention kernel. For an encoder, set `causal=False`."
         ),
+        reason=(
+            "A causal model that sees the future learns to copy it; it cannot generate, so the run cannot succeed as "
+            "configured"
+        ),
     ),
     Rule(
         "TFD202",
@@ -385,6 +450,10 @@ _RULES: tuple[Rule, ...] = (
             "The attention mask does not reach the attention (or is inverted): check that the mask is passed through "
             "every layer and combined with the causal mask."
         ),
+        reason=(
+            "Measured: tokens the mask hides change real tokens' logits, so every padded batch trains on noise and "
+            "inference depends on padding"
+        ),
     ),
     Rule(
         "TFD203",
@@ -396,6 +465,10 @@ _RULES: tuple[Rule, ...] = (
             "Mask padding in attention; with left padding, derive position ids from the attention mask; avoid "
             "normalisations or poolings that run over padded positions."
         ),
+        reason=(
+            "Measured: real tokens' logits depend on how much padding the batch has, so the trained model computes a "
+            "different function per batch"
+        ),
     ),
     Rule(
         "TFD204",
@@ -404,6 +477,7 @@ _RULES: tuple[Rule, ...] = (
         title="the batch is padded but the model is called without a mask",
         trigger="the batch pads (mask has zeros) but the model is called without an attention mask",
         hint="Pass the attention mask to the model's forward (or give MaskProbe a `forward_fn` that does).",
+        reason="The recorded call shows the model attends to the padding the batch marks, as if it were text",
     ),
     Rule(
         "TFD205",
@@ -415,6 +489,7 @@ _RULES: tuple[Rule, ...] = (
             "to the inputs, no shift)"
         ),
         hint="Shift in the loss (`logits[:, :-1]` against `labels[:, 1:]`) or in the data, exactly once.",
+        reason="Position t scored against token t teaches the model to copy its input: the run cannot learn the task",
     ),
     Rule(
         "TFD206",
@@ -430,6 +505,10 @@ _RULES: tuple[Rule, ...] = (
             "Shift exactly once: in the data collator or in the loss, not both. Hugging Face causal LMs shift "
             "`labels` inside the model: pass labels equal to input_ids (padding as -100)."
         ),
+        reason=(
+            "Position t scored against token t+2 trains a different task than next-token prediction: the run cannot "
+            "succeed as configured"
+        ),
     ),
     Rule(
         "TFD207",
@@ -440,6 +519,9 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "Check the position table / rotary cache size against the configured context length, or pass the real "
             "limit as `context_limit`."
+        ),
+        reason=(
+            "A sequence of the length the model claims to accept fails: the run fails when the data reaches that length"
         ),
     ),
     Rule(
@@ -452,6 +534,7 @@ _RULES: tuple[Rule, ...] = (
             "ever sent to the model)"
         ),
         hint=("Cut or chunk batches to the context limit before the forward (BatchGuard checks batches against it)."),
+        reason="An observation: the context limit and where it was read, for the reader to confirm",
     ),
     Rule(
         "TFD209",
@@ -464,6 +547,10 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "Check the cache position / offset passed at each decoding step, rotary offsets, and the mask used with a"
             " cache."
+        ),
+        reason=(
+            "Measured: incremental decoding computes different logits than training, so the trained model generates "
+            "wrongly"
         ),
     ),
     Rule(
@@ -478,6 +565,7 @@ _RULES: tuple[Rule, ...] = (
             "could not be replayed"
         ),
         hint="nothing if expected; otherwise check `labels_key` / `ignore_index`",
+        reason="An observation: the alignment could not be decided from the loss, so nothing was claimed about it",
     ),
     Rule(
         "TFD211",
@@ -486,6 +574,7 @@ _RULES: tuple[Rule, ...] = (
         title="MaskProbe cannot call the model or read the batch; names the argument to set; stands aside",
         trigger="MaskProbe cannot call the model or read the batch; it says which argument to set and stands aside",
         hint="set `forward_fn` / `input_key` / `mask_key` / `labels_key`",
+        reason="The probe stands aside and names the argument that would let it run; nothing was measured",
     ),
     Rule(
         "TFD212",
@@ -501,6 +590,9 @@ _RULES: tuple[Rule, ...] = (
             "checked"
         ),
         hint=("If this model is a decoder, set `causal=True` to check its causal mask; `causal=False` silences this."),
+        reason=(
+            "An observation of the objective (a masked-LM or denoising task), which makes the causal probes not apply"
+        ),
     ),
     Rule(
         "TFD213",
@@ -520,6 +612,10 @@ _RULES: tuple[Rule, ...] = (
             "`scaled_dot_product_attention` without checking `self.training`, or noise / sampling in `forward`. "
             "Validation and generation are then noisy as well."
         ),
+        reason=(
+            "Measured: the model is random in eval mode, so evaluation and inference of the trained model give "
+            "different answers each call"
+        ),
     ),
     Rule(
         "TFD214",
@@ -535,6 +631,10 @@ _RULES: tuple[Rule, ...] = (
             "(start token first: `decoder_input_ids[t] = labels[t-1]`), under a causal mask; an encoder must not see "
             "the text the decoder predicts (in a language model both sides read the same text, so the encoder needs "
             "a causal mask too, or use a decoder-only model)."
+        ),
+        reason=(
+            "Measured: the model reads the labels it must predict; it learns to copy them and cannot do the task "
+            "without them"
         ),
     ),
     Rule(
@@ -552,6 +652,10 @@ _RULES: tuple[Rule, ...] = (
             "passed; a position embedding added to the wrong tensor; rotary embeddings applied with a constant "
             "offset."
         ),
+        reason=(
+            "Measured: no position information reaches attention, so the model cannot use token order: a language model"
+            " cannot succeed"
+        ),
     ),
     # ---------------------------------------------------------------- LossAtInit
     Rule(
@@ -567,6 +671,10 @@ _RULES: tuple[Rule, ...] = (
             "Return raw logits from forward (remove the softmax) and apply softmax only at inference. If the loss is "
             "NLLLoss, feed it log_softmax(logits) instead of probabilities."
         ),
+        reason=(
+            "Softmax applied twice holds the loss near ln(V) with vanishing gradients: the run cannot learn as "
+            "configured"
+        ),
     ),
     Rule(
         "TFD221",
@@ -578,6 +686,7 @@ _RULES: tuple[Rule, ...] = (
             "Nothing to fix if the loss is NLLLoss or cross_entropy. Make sure nothing applies softmax to them as if "
             "they were probabilities."
         ),
+        reason="An observation: log-probabilities are correct input to NLLLoss and harmless to cross_entropy",
     ),
     Rule(
         "TFD222",
@@ -589,6 +698,10 @@ _RULES: tuple[Rule, ...] = (
             "The logits are too large at init: initialise the output layer with a small std (e.g. 0.02 or "
             "1/sqrt(d_model)), keep the 1/sqrt(d) attention/residual scaling, check a tied embedding's scale. Or the "
             "loss is not a mean (reduction='sum')."
+        ),
+        reason=(
+            "Measured at step 0: confidently wrong logits, which the first steps must undo and which saturate the "
+            "softmax's gradient"
         ),
     ),
     Rule(
@@ -609,6 +722,10 @@ _RULES: tuple[Rule, ...] = (
             "causal mask); NLLLoss fed raw logits or probabilities instead of log_softmax; the mean taken over "
             "padding positions (set ignore_index); a vocab_size different from the logits' width."
         ),
+        reason=(
+            "Measured at step 0: the returned loss is not the logits' cross-entropy, or the logits reach it by reading "
+            "the answer from the input"
+        ),
     ),
     Rule(
         "TFD224",
@@ -623,6 +740,7 @@ _RULES: tuple[Rule, ...] = (
             "covering the whole sequence, truncation cutting every answer). With shift_labels=True only labels after "
             "the first position count."
         ),
+        reason="With no supervised label the loss is 0 or NaN: nothing can be learned as configured",
     ),
     Rule(
         "TFD225",
@@ -639,6 +757,7 @@ _RULES: tuple[Rule, ...] = (
             " rate far too low or still in warm-up; parameters not in the optimizer; the loss detached from the "
             "graph. Run the overfit-one-batch test."
         ),
+        reason="Measured: the loss has not left ln(V) by the check, so the run so far has learned nothing",
     ),
     Rule(
         "TFD226",
@@ -653,6 +772,7 @@ _RULES: tuple[Rule, ...] = (
             "The labels are not shifted: position t is trained to predict token t, which it can see. Shift them "
             "(logits[:, :-1] against labels[:, 1:]) in the loss or the collator, not both."
         ),
+        reason="Measured: the trained model predicts its current input token, the harm of labels that are not shifted",
     ),
     Rule(
         "TFD227",
@@ -664,6 +784,10 @@ _RULES: tuple[Rule, ...] = (
             "Look for log(0), division by zero or an overflow in the forward or the loss; NaNFirstFrame names the "
             "first module that produced a non-finite value."
         ),
+        reason=(
+            "A loss that is not finite before any update turns the first step's weights into NaN: the run cannot "
+            "succeed"
+        ),
     ),
     Rule(
         "TFD228",
@@ -672,6 +796,7 @@ _RULES: tuple[Rule, ...] = (
         title="logits or labels cannot be found; names the argument to set, then stands aside",
         trigger="the logits or labels cannot be found; LossAtInit names the argument to set and stands aside",
         hint="Set the named argument; LossAtInit does nothing else in this run.",
+        reason="The check stands aside and names the argument that would let it run; nothing was measured",
     ),
     Rule(
         "TFD229",
@@ -688,6 +813,10 @@ _RULES: tuple[Rule, ...] = (
             "(labels != ignore_index).sum()); do not divide by accumulate_grad_batches yourself (Lightning does); "
             "weight extra loss terms so they do not dominate. A summed loss makes the step size depend on the batch "
             "and sequence length; with Adam it also breaks gradient clipping and the epsilon balance."
+        ),
+        reason=(
+            "Measured: the loss, and with it every gradient, is scaled by a count of the batch: the effective learning "
+            "rate is not the one set"
         ),
     ),
     Rule(
@@ -707,6 +836,7 @@ _RULES: tuple[Rule, ...] = (
             "output layer (or move it to inference). For logits confined to a range of width w, no cross-entropy over"
             " V classes is below ln(1 + (V-1) e^-w), whatever the model learns."
         ),
+        reason="Measured: the loss sits on the floor that bounded outputs allow, above what the data allows",
     ),
     Rule(
         "TFD231",
@@ -724,6 +854,10 @@ _RULES: tuple[Rule, ...] = (
             "label column shuffled or sorted separately from the inputs, or labels built from another batch. For a "
             "task whose labels never repeat the input (classification, translation), the model may instead ignore "
             "its inputs: check what reaches the model."
+        ),
+        reason=(
+            "Measured: the loss stopped at what token frequencies give, and it does not matter which sample the labels "
+            "are scored against"
         ),
     ),
     Rule(
@@ -743,6 +877,10 @@ _RULES: tuple[Rule, ...] = (
             "embedding never used), a residual path that drops the context, or a learning rate too low to get past "
             "the plateau."
         ),
+        reason=(
+            "Measured: the loss is flat at what token frequencies give and the labels are right, so the model does not "
+            "use its context"
+        ),
     ),
     # ---------------------------------------------------------------- GradNormMonitor
     Rule(
@@ -755,6 +893,7 @@ _RULES: tuple[Rule, ...] = (
             "Usual causes: learning rate too high or no warm-up, a bad batch, attention logits growing. Lower the LR,"
             " add warm-up, or clip gradients (Trainer(gradient_clip_val=1.0))."
         ),
+        reason="Measured: a gradient far above this run's own history, the step that moves weights the most",
     ),
     Rule(
         "TFD302",
@@ -766,6 +905,7 @@ _RULES: tuple[Rule, ...] = (
             "Those layers barely learn. Usual causes: missing residual connections, saturating activations "
             "(sigmoid/tanh), post-norm without warm-up, or a detach() in the forward."
         ),
+        reason="Measured, sustained: a group whose gradient is far below the others' barely trains",
     ),
     Rule(
         "TFD303",
@@ -776,6 +916,10 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "Add NaNFirstFrame to find the first module that produced them; check the learning rate, the loss (log of"
             " zero, division by zero) and fp16 ranges."
+        ),
+        reason=(
+            "A step with inf/nan gradients and no GradScaler to skip it writes NaN into the weights: the run cannot "
+            "recover"
         ),
     ),
     Rule(
@@ -788,6 +932,9 @@ _RULES: tuple[Rule, ...] = (
             "They are not used in the forward that produces the loss (dead branch, a detach, a module called outside "
             "forward). Freeze them (requires_grad=False) or fix the forward."
         ),
+        reason=(
+            "Measured: trainable parameters that never get a gradient never train (a branch the loss does not reach)"
+        ),
     ),
     Rule(
         "TFD305",
@@ -799,6 +946,7 @@ _RULES: tuple[Rule, ...] = (
             "divided by the loss scale here"
         ),
         hint=("Nothing to fix. Note that Trainer-side clipping and any other hook reading .grad see scaled values."),
+        reason="An observation about how the norm was measured; the training itself is unaffected",
     ),
     Rule(
         "TFD306",
@@ -814,6 +962,9 @@ _RULES: tuple[Rule, ...] = (
             " transformers with a mean loss) so that it only cuts spikes. With SGD the step shrinks by that factor; "
             "with Adam the clipped gradients can fall below eps and the step shrinks too. A norm this far above any "
             "sane clip can also mean a summed loss (LossAtInit names it)."
+        ),
+        reason=(
+            "Measured: clipping cuts every step by over 100x, which makes the learning rate set 100x too high in effect"
         ),
     ),
     # ---------------------------------------------------------------- UpdateRatio
@@ -833,6 +984,7 @@ _RULES: tuple[Rule, ...] = (
             "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR range "
             "test; check that the scheduler is not stuck at its initial factor."
         ),
+        reason="Measured: updates too small to move the weights, and the loss shows the model has not learned",
     ),
     Rule(
         "TFD311",
@@ -844,6 +996,7 @@ _RULES: tuple[Rule, ...] = (
             "The learning rate is probably too high, or there is no warm-up: each step rewrites a large part of the "
             "weights. Lower the LR or add warm-up; GradNormMonitor shows whether gradients explode too."
         ),
+        reason="Measured: one optimizer step rewrote a large part of the weights",
     ),
     Rule(
         "TFD312",
@@ -854,6 +1007,10 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "Their parameters are probably not in the optimizer (built before the module was added, or filtered out "
             "in configure_optimizers). Add them, or set requires_grad=False if they should stay fixed."
+        ),
+        reason=(
+            "A group that receives gradients but never changes is not being trained: the model cannot learn as "
+            "configured"
         ),
     ),
     Rule(
@@ -873,6 +1030,7 @@ _RULES: tuple[Rule, ...] = (
             "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 and "
             "1e-3 (a few times more for tiny models). Lower it, and keep a warm-up."
         ),
+        reason="Measured: the weights inflate within a short window, which a learning rate far too high does",
     ),
     Rule(
         "TFD314",
@@ -892,6 +1050,7 @@ _RULES: tuple[Rule, ...] = (
             " weights' scale. Lower weight_decay; check it is not an L2 coefficient meant for SGD scaled up, or "
             "applied twice (by the optimizer and a penalty in the loss)."
         ),
+        reason="Measured: the weights deflate within a short window, which weight decay far too strong does",
     ),
     # ---------------------------------------------------------------- OptimizerAudit
     Rule(
@@ -904,6 +1063,7 @@ _RULES: tuple[Rule, ...] = (
             "Build the optimizer from all trainable parameters (after the model is complete and moved), or freeze "
             "these with requires_grad=False if that is the intent."
         ),
+        reason="Parameters in no param group never change: part of the model cannot be trained as configured",
     ),
     Rule(
         "TFD321",
@@ -912,6 +1072,10 @@ _RULES: tuple[Rule, ...] = (
         title="parameters in more than one param group or optimizer",
         trigger="a parameter in more than one param group / optimizer",
         hint="Each parameter must be stepped by exactly one param group; build the groups from disjoint sets.",
+        reason=(
+            "A parameter stepped by two groups or optimizers gets two updates per step (or the optimizer refuses it): "
+            "the run is not the one configured"
+        ),
     ),
     Rule(
         "TFD322",
@@ -927,6 +1091,10 @@ _RULES: tuple[Rule, ...] = (
             "anyway (weight decay or momentum applied without a gradient, a custom optimizer, a .grad set by hand) "
             "moves frozen weights: build the optimizer from `[p for p in model.parameters() if p.requires_grad]`."
         ),
+        reason=(
+            "Torch optimizers skip parameters without a gradient, so frozen ones stay put; a warning once one is "
+            "measured to move"
+        ),
     ),
     Rule(
         "TFD323",
@@ -938,16 +1106,28 @@ _RULES: tuple[Rule, ...] = (
             "The optimizer was built before the model was moved, copied or rebuilt; build it in "
             "`configure_optimizers` from `self.parameters()`."
         ),
+        reason=(
+            "The optimizer updates tensors the model does not use, so the model's own weights are not the ones being "
+            "trained"
+        ),
     ),
     Rule(
         "TFD324",
-        "warning",
+        "info",
         "OptimizerAudit",
-        title="weight decay on 1-D parameters (norm weights, biases)",
-        trigger="weight decay > 0 on 1-D parameters (norm weights, biases)",
+        title="weight decay on 1-D parameters (norm weights, biases); a warning once they are measured to shrink",
+        trigger=(
+            "weight decay > 0 on 1-D parameters (norm weights, biases); a warning when their norm, measured on "
+            "measuring steps, fell by more than 10% of its first measured value and the decay alone "
+            "(`1 - exp(-sum lr * weight_decay)`) accounts for at least half of that fall"
+        ),
         hint=(
             "Put biases and norm weights in a param group with weight_decay=0.0 (decay only parameters with ndim >= "
             "2); shrinking norm gains toward zero hurts training."
+        ),
+        reason=(
+            "A lint: at common decay values and run lengths nothing measurable happens to norm gains and biases; a "
+            "warning when their norm is measured to shrink"
         ),
     ),
     Rule(
@@ -957,14 +1137,19 @@ _RULES: tuple[Rule, ...] = (
         title="weight decay on embedding tables",
         trigger="weight decay > 0 on embedding tables",
         hint="Many transformer recipes exclude embeddings from weight decay; check it is intended.",
+        reason="A lint: common practice excludes embeddings from decay, but no harm is measured",
     ),
     Rule(
         "TFD326",
-        "warning",
+        "info",
         "OptimizerAudit",
         title="Adam-family optimizer with `weight_decay > 0` (coupled L2): use AdamW",
         trigger="`Adam`-family optimizer with `weight_decay > 0` (coupled L2)",
         hint="Use torch.optim.AdamW (decoupled weight decay), with a no-decay group for biases and norms.",
+        reason=(
+            "A lint: coupled L2 is rescaled by Adam's step, so the decay is weaker and uneven, but no harm is measured "
+            "in the run"
+        ),
     ),
     Rule(
         "TFD327",
@@ -976,6 +1161,10 @@ _RULES: tuple[Rule, ...] = (
             "Something calls `.eval()` (a hook, an inference helper, a generation callback) without calling "
             "`.train()` after; Lightning sets train mode before each epoch, so look at hooks that run later."
         ),
+        reason=(
+            "Training in eval mode turns dropout off and freezes normalisation statistics: the run is not the training "
+            "configured"
+        ),
     ),
     Rule(
         "TFD328",
@@ -984,6 +1173,7 @@ _RULES: tuple[Rule, ...] = (
         title="mode-dependent submodules in eval mode while the module trains",
         trigger="dropout / norm submodules in eval mode while the module trains",
         hint="Deliberate for frozen BatchNorm; otherwise a submodule was left in eval mode.",
+        reason="An observation: deliberate for frozen normalisation layers, and no harm is measured",
     ),
     Rule(
         "TFD329",
@@ -994,6 +1184,10 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "Step the scheduler once per optimizer step (not per micro-batch under gradient accumulation), and not by"
             " hand when Lightning already steps it (`interval: step` in configure_optimizers)."
+        ),
+        reason=(
+            "Measured: the schedule runs several times faster than the optimizer steps, so the learning rate applied is"
+            " not the one planned"
         ),
     ),
     Rule(
@@ -1012,6 +1206,7 @@ _RULES: tuple[Rule, ...] = (
             "or diverges, add a linear warm-up (a few hundred to a few thousand steps) before the peak LR: Adam's "
             "early updates on attention and embeddings are large without it."
         ),
+        reason="A lint: many runs train well without a warm-up; a warning once the early loss is measured to spike",
     ),
     Rule(
         "TFD331",
@@ -1023,6 +1218,7 @@ _RULES: tuple[Rule, ...] = (
             "Size the schedule (total / decay steps) in optimizer steps of this run, accounting for gradient "
             "accumulation and the number of devices."
         ),
+        reason="Loses work: the steps after the learning rate reached zero train nothing",
     ),
     Rule(
         "TFD332",
@@ -1034,6 +1230,7 @@ _RULES: tuple[Rule, ...] = (
             "The update underflows the parameter's dtype (bf16/fp16 weights with a small LR: keep fp32 master "
             "weights), or the optimizer steps other tensors than the model uses."
         ),
+        reason="Measured: a parameter with a gradient and a learning rate did not change over several steps",
     ),
     Rule(
         "TFD333",
@@ -1052,6 +1249,10 @@ _RULES: tuple[Rule, ...] = (
             "Keep fp32 master weights and optimizer state (precision='16-mixed' or 'bf16-mixed' instead of "
             "'16-true'), or raise eps to 1e-4 or more for float16 optimizer math."
         ),
+        reason=(
+            "Any gradient below 1.7e-4, which every run has, makes its step lr * m / eps: huge or infinite steps at "
+            "this configuration"
+        ),
     ),
     Rule(
         "TFD334",
@@ -1065,6 +1266,9 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "With manual optimization call `optimizer.zero_grad()` once per optimizer step (before the backward of "
             "the next accumulation window, or right after `optimizer.step()`)."
+        ),
+        reason=(
+            "Gradients never zeroed add every step's gradient to all earlier ones: the run cannot train as configured"
         ),
     ),
     Rule(
@@ -1084,6 +1288,9 @@ _RULES: tuple[Rule, ...] = (
             "configure_optimizers returns (Lightning's default, also for a bare scheduler, is 'epoch': one step of "
             "the schedule per epoch). If the schedule is meant per epoch, its first epochs run at this LR."
         ),
+        reason=(
+            "Measured: the learning rate has not moved from a fraction of the one configured, so the warm-up is frozen"
+        ),
     ),
     Rule(
         "TFD336",
@@ -1100,6 +1307,10 @@ _RULES: tuple[Rule, ...] = (
             " put in the wrong place; with a usual weight_decay, the learning rate itself is far too high "
             "(UpdateRatio shows what it does to the weights)."
         ),
+        reason=(
+            "At this rate decay alone halves every decayed weight in under 140 steps, so decay rather than the loss "
+            "sets their scale"
+        ),
     ),
     # ---------------------------------------------------------------- DeadActivation
     Rule(
@@ -1114,6 +1325,7 @@ _RULES: tuple[Rule, ...] = (
             "`dead_threshold` for `patience` measurements"
         ),
         hint="lower the LR / add warm-up; zero-initialise biases before ReLU; use GELU/SiLU/LeakyReLU",
+        reason="Measured, sustained: dead units no longer learn and the layer loses their capacity",
     ),
     Rule(
         "TFD341",
@@ -1127,6 +1339,7 @@ _RULES: tuple[Rule, ...] = (
             "without falling back"
         ),
         hint=("units are dying during training: lower the LR, add warm-up or gradient clipping, switch the activation"),
+        reason="Measured: units are dying during training, capacity the layer keeps losing",
     ),
     Rule(
         "TFD342",
@@ -1138,6 +1351,7 @@ _RULES: tuple[Rule, ...] = (
             "GELU/SiLU/Mish deep in the negative tail) above `saturation_threshold` for `patience` measurements"
         ),
         hint="normalise the layer's input, shrink init or LR, prefer GELU/SiLU over tanh/sigmoid in deep stacks",
+        reason="Measured, sustained: saturated units pass almost no gradient",
     ),
     Rule(
         "TFD343",
@@ -1153,6 +1367,7 @@ _RULES: tuple[Rule, ...] = (
             "measure in an uncompiled debugging run; name the inputs of activations written as arithmetic with "
             "`preactivations`"
         ),
+        reason="The check stands aside (compiled or unhooked model); nothing was measured",
     ),
     Rule(
         "TFD344",
@@ -1170,6 +1385,7 @@ _RULES: tuple[Rule, ...] = (
             "pre-activations are growing: lower the LR, normalise the layer's input, add weight decay or clipping, "
             "prefer GELU/SiLU"
         ),
+        reason="Measured: saturation is rising during training, so ever less gradient passes the layer",
     ),
     # ---------------------------------------------------------------- NaNFirstFrame
     Rule(
@@ -1191,10 +1407,11 @@ _RULES: tuple[Rule, ...] = (
             " that module in fp32 or use bf16, lower the LR, add warm-up or clipping; a nan with finite inputs points"
             " at the module's math (`log(0)`, `sqrt` of 0 in backward, 0/0)"
         ),
+        reason="A non-finite loss or gradient destroys the weights at the step it reaches: the run cannot continue",
     ),
     Rule(
         "TFD402",
-        "warning",
+        "info",
         "NaNFirstFrame",
         title="eager mode: a module produced inf/nan that did not reach the loss",
         trigger=(
@@ -1204,6 +1421,10 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "Masked or discarded positions still hold inf/nan (e.g. a softmax over a fully masked row, log(0) at "
             "padding). Harmless until a mask or branch changes; fix the math at the named module."
+        ),
+        reason=(
+            "Inf/nan inside the forward that reached neither the loss nor the gradients did no measurable harm (a fully"
+            " masked row, a discarded branch)"
         ),
     ),
     Rule(
@@ -1216,6 +1437,7 @@ _RULES: tuple[Rule, ...] = (
             " report holds the error"
         ),
         hint="Run with mode='eager' to record frames during the step itself.",
+        reason="The run produced a non-finite loss or gradient; only its location is missing",
     ),
     # ---------------------------------------------------------------- ScalerWatch
     Rule(
@@ -1225,6 +1447,7 @@ _RULES: tuple[Rule, ...] = (
         title="no GradScaler (bf16 or 32-bit): nothing to watch",
         trigger="precision uses no GradScaler (bf16 or 32-bit): ScalerWatch has nothing to watch and stays idle",
         hint="Nothing to fix. Remove ScalerWatch, or keep it: it costs nothing without a scaler.",
+        reason="An observation: without a GradScaler there is nothing for ScalerWatch to watch",
     ),
     Rule(
         "TFD411",
@@ -1239,6 +1462,7 @@ _RULES: tuple[Rule, ...] = (
             "Something overflows fp16 on every step: add NaNFirstFrame to name the module, keep it in fp32 or switch "
             "to bf16; lower the LR or add warm-up if it started after a spike."
         ),
+        reason="A collapsed loss scale underflows every gradient or skips every step: the run cannot train",
     ),
     Rule(
         "TFD412",
@@ -1253,6 +1477,7 @@ _RULES: tuple[Rule, ...] = (
             "Skipped steps are lost updates. Find the overflowing module (NaNFirstFrame), keep it in fp32, use bf16, "
             "or lower GradScaler's init_scale if only the first steps skip."
         ),
+        reason="Loses work: a large share of the steps was skipped for overflow",
     ),
     Rule(
         "TFD413",
@@ -1267,6 +1492,7 @@ _RULES: tuple[Rule, ...] = (
             "Fix the overflow that skips steps; or step the scheduler only when the scale did not drop (compare "
             "scaler.get_scale() before and after update())."
         ),
+        reason="Measured: the schedule advanced on steps the optimizer skipped, so it runs ahead of the updates",
     ),
     Rule(
         "TFD414",
@@ -1278,6 +1504,7 @@ _RULES: tuple[Rule, ...] = (
             "Overflows recur regularly: look for the module near the fp16 limit (NaNFirstFrame, eager mode) or switch"
             " to bf16."
         ),
+        reason="Measured: the scale never grew, so overflow keeps skipping steps",
     ),
     # ---------------------------------------------------------------- PerRankLogger
     Rule(
@@ -1296,6 +1523,7 @@ _RULES: tuple[Rule, ...] = (
             "Use a DistributedSampler: keep Trainer(use_distributed_sampler=True) (the default) or, with a custom "
             "sampler or IterableDataset, shard by trainer.global_rank / world_size yourself."
         ),
+        reason="Loses work: every rank trains on the same batches, N x the compute for 1 x the data",
     ),
     Rule(
         "TFD502",
@@ -1312,6 +1540,7 @@ _RULES: tuple[Rule, ...] = (
             "rank) stays different for ever. Seed every rank the same before building the model, and make weight "
             "updates outside the optimizer identical on every rank."
         ),
+        reason="Replicas whose weights differ are no longer one model: the ranks train different runs",
     ),
     Rule(
         "TFD503",
@@ -1329,6 +1558,7 @@ _RULES: tuple[Rule, ...] = (
             "samples, longer sequences), and per-rank code paths (logging or checkpointing on one rank inside the "
             "step). Compare tfdebug/rank<r>.jsonl files."
         ),
+        reason="Measured: one rank is slower every step and the whole job waits for it",
     ),
     Rule(
         "TFD504",
@@ -1346,6 +1576,7 @@ _RULES: tuple[Rule, ...] = (
             "that rank sees different data, computes its loss differently (rank-dependent code) or runs different "
             "weights (see TFD502); compare the `rank<r>.jsonl` files"
         ),
+        reason="Measured, sustained: one rank's loss is far from the others', so its data or its replica differs",
     ),
     Rule(
         "TFD505",
@@ -1358,6 +1589,7 @@ _RULES: tuple[Rule, ...] = (
             "the first module that produced it. Under DDP the NaN reaches every rank with the next gradient "
             "all-reduce."
         ),
+        reason="A non-finite loss on a rank poisons the averaged gradient on every rank: the run cannot continue",
     ),
     # ---------------------------------------------------------------- ThroughputMonitor
     Rule(
@@ -1373,6 +1605,7 @@ _RULES: tuple[Rule, ...] = (
             "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "
             "prefetch_factor, and move tokenization or heavy transforms out of __getitem__ (pre-tokenize)."
         ),
+        reason="Measured: the run waits for data a large share of its time, compute paid for and idle",
     ),
     Rule(
         "TFD602",
@@ -1388,6 +1621,10 @@ _RULES: tuple[Rule, ...] = (
         hint=(
             "Group sequences of similar length (length-bucketed sampler), pad to the batch maximum rather than a "
             "fixed length, or pack several sequences per row."
+        ),
+        reason=(
+            "An observation of padding; a warning when padding is most of the computed positions (compute measured "
+            "lost)"
         ),
     ),
     Rule(
@@ -1405,10 +1642,11 @@ _RULES: tuple[Rule, ...] = (
             "accumulated with .append), rising sequence lengths, memory fragmentation, thermal throttling, or other "
             "jobs on the machine. Run with profile_steps=[a, b] early and late, and compare the tables."
         ),
+        reason="Measured, sustained: the step time regressed against the run's own early steps",
     ),
     Rule(
         "TFD604",
-        "warning",
+        "info",
         "ThroughputMonitor",
         title="memory above `memory_threshold` of the device's (or machine's) capacity",
         trigger="peak memory above `memory_threshold` of the device's capacity (CPU: the machine's physical memory)",
@@ -1416,6 +1654,7 @@ _RULES: tuple[Rule, ...] = (
             "Lower the micro-batch size and use gradient accumulation, enable activation checkpointing, use bf16 "
             "mixed precision, or shard parameters and optimizer state (FSDP)."
         ),
+        reason="An observation: memory near capacity is a risk, not harm (caching allocators keep what they reserved)",
     ),
     Rule(
         "TFD605",
@@ -1437,6 +1676,7 @@ _RULES: tuple[Rule, ...] = (
             "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
             "compare ratios measured in the same period."
         ),
+        reason="The slowdown is the machine's (other processes took the cores), not the run's",
     ),
     Rule(
         "TFD606",
@@ -1453,6 +1693,7 @@ _RULES: tuple[Rule, ...] = (
             "dynamic), or Python values passed in (the step number, a changing float, a dict with new keys). "
             'TORCH_LOGS="recompiles" prints the failing guard.'
         ),
+        reason="Measured: recompiling keeps costing time after the early window",
     ),
     Rule(
         "TFD607",
@@ -1465,6 +1706,7 @@ _RULES: tuple[Rule, ...] = (
             "values; pad to fixed buckets, mark dimensions dynamic, or raise torch._dynamo.config.recompile_limit "
             "only if the variants are few and worth compiling."
         ),
+        reason="Measured: the code that hit the limit now runs uncompiled, slower than configured",
     ),
     # ---------------------------------------------------------------- CheckpointAudit
     Rule(
@@ -1474,6 +1716,10 @@ _RULES: tuple[Rule, ...] = (
         title="weights missing from the file",
         trigger="the saved file lacks weights for tensors of the module's `state_dict`",
         hint="check `on_save_checkpoint` overrides and how the checkpoint is written",
+        reason=(
+            "A checkpoint without all the weights cannot restore the model: resuming from it fails or resumes another "
+            "model"
+        ),
     ),
     Rule(
         "TFD702",
@@ -1482,6 +1728,7 @@ _RULES: tuple[Rule, ...] = (
         title="saved tensors with the wrong shape",
         trigger="saved tensors with the wrong shape",
         hint="save full (gathered) tensors; the model was not rebuilt between save and load",
+        reason="Tensors saved with the wrong shape cannot be loaded back: the checkpoint cannot restore this run",
     ),
     Rule(
         "TFD703",
@@ -1490,6 +1737,10 @@ _RULES: tuple[Rule, ...] = (
         title="optimizer state missing (in a saved file, or in a checkpoint being resumed)",
         trigger="optimizer state missing from the file (or from a checkpoint being resumed)",
         hint="do not drop `optimizer_states`; not `save_weights_only` for resumable checkpoints",
+        reason=(
+            "Without optimizer state, resuming fails (Lightning requires it) or restarts the optimizer: the run cannot "
+            "be resumed as saved"
+        ),
     ),
     Rule(
         "TFD704",
@@ -1498,6 +1749,9 @@ _RULES: tuple[Rule, ...] = (
         title="optimizer state incomplete: param groups, per-parameter state or step counts",
         trigger="optimizer state incomplete: param groups, per-parameter state or step counts missing",
         hint="save the optimizer's full `state_dict()`",
+        reason=(
+            "Incomplete optimizer state resumes with moments or step counts lost: the resumed run is not the run saved"
+        ),
     ),
     Rule(
         "TFD705",
@@ -1506,6 +1760,9 @@ _RULES: tuple[Rule, ...] = (
         title="LR scheduler state missing",
         trigger="LR scheduler state missing",
         hint="do not drop `lr_schedulers`",
+        reason=(
+            "Without scheduler state a resumed run restarts its schedule (a second warm-up): it is not the run saved"
+        ),
     ),
     Rule(
         "TFD706",
@@ -1514,6 +1771,7 @@ _RULES: tuple[Rule, ...] = (
         title="fp16 GradScaler state missing",
         trigger="fp16 GradScaler state missing under the precision plugin's key",
         hint="keep the precision plugin's entry in the checkpoint",
+        reason="Without GradScaler state a resumed fp16 run restarts its loss scale: it is not the run saved",
     ),
     Rule(
         "TFD707",
@@ -1522,6 +1780,9 @@ _RULES: tuple[Rule, ...] = (
         title="loop progress missing or inconsistent with the step it was saved at",
         trigger="loop progress (`loops`, `global_step`, `epoch`) missing or inconsistent",
         hint="keep Lightning's loop state",
+        reason=(
+            "Without consistent loop progress a resumed run restarts or skips steps and data: it is not the run saved"
+        ),
     ),
     Rule(
         "TFD708",
@@ -1530,6 +1791,7 @@ _RULES: tuple[Rule, ...] = (
         title="a callback's state missing",
         trigger="a callback's state missing",
         hint='keep `checkpoint["callbacks"]`',
+        reason="Loses work: a callback's state (early-stopping counters, an EMA) restarts on resume",
     ),
     Rule(
         "TFD709",
@@ -1537,13 +1799,18 @@ _RULES: tuple[Rule, ...] = (
         "CheckpointAudit",
         title=(
             "a checkpoint not checked (sharded directory, written outside the CheckpointIO, unreadable), or "
-            "weights-only"
+            "weights-only (a warning when no checkpoint the run keeps can resume it)"
         ),
         trigger=(
             "a checkpoint not checked (sharded distributed-checkpoint directory, written outside the CheckpointIO, "
-            "unreadable), or a weights-only checkpoint (not resumable)"
+            "unreadable), or a weights-only checkpoint (not resumable): a warning when no checkpoint callback of the "
+            "run keeps full checkpoints and the run wrote none"
         ),
         hint="verify by resuming: the resume checks still run; keep one full checkpoint to resume from",
+        reason=(
+            "Info when another checkpoint the run keeps can resume it; a warning when none can (a crash then loses the "
+            "optimizer, schedule and loop state)"
+        ),
     ),
     Rule(
         "TFD710",
@@ -1552,6 +1819,7 @@ _RULES: tuple[Rule, ...] = (
         title="weights after resume differ from the checkpoint, or changed dtype",
         trigger="restored weights differ from the checkpoint (checksums) or changed dtype",
         hint="nothing may re-initialise or convert the module after loading",
+        reason="Measured: weights after resume are not the checkpoint's, so the resumed run is another run",
     ),
     Rule(
         "TFD711",
@@ -1560,6 +1828,10 @@ _RULES: tuple[Rule, ...] = (
         title="optimizer step counts after resume differ from the checkpoint",
         trigger="optimizer step counts after resume differ from the checkpoint",
         hint="the optimizer was rebuilt or reset after loading",
+        reason=(
+            "Measured: the optimizer's step counts changed on resume (bias correction restarts): the resumed run is "
+            "another run"
+        ),
     ),
     Rule(
         "TFD712",
@@ -1568,6 +1840,7 @@ _RULES: tuple[Rule, ...] = (
         title="learning rates after resume differ from the checkpoint",
         trigger="learning rates after resume differ from the checkpoint",
         hint="the scheduler or param groups were rebuilt after loading",
+        reason="Measured: the learning rates changed on resume: the resumed run is not the run saved",
     ),
     Rule(
         "TFD713",
@@ -1576,6 +1849,7 @@ _RULES: tuple[Rule, ...] = (
         title="GradScaler scale after resume differs from the checkpoint",
         trigger="GradScaler scale after resume differs from the checkpoint",
         hint="the scaler was replaced after loading",
+        reason="Measured: the loss scale changed on resume: the resumed run is not the run saved",
     ),
     Rule(
         "TFD714",
@@ -1584,6 +1858,7 @@ _RULES: tuple[Rule, ...] = (
         title="global step after resume differs from the checkpoint",
         trigger="global step after resume differs from the checkpoint",
         hint=("keep the loop state: resume from a checkpoint with `loops`, and do not drop it in `on_load_checkpoint`"),
+        reason="Measured: the global step changed on resume: schedules and step-based logic follow another run",
     ),
     Rule(
         "TFD715",
@@ -1592,6 +1867,9 @@ _RULES: tuple[Rule, ...] = (
         title="the loss on the probe batch after resuming differs from the loss at save time",
         trigger="the loss on the stored probe batch right after resuming differs from the loss at save time",
         hint="the model that trains is not the one saved: re-initialised, dtype or architecture changed",
+        reason=(
+            "Measured: the same batch gives a different loss after resuming, so the model restored is not the one saved"
+        ),
     ),
     Rule(
         "TFD716",
@@ -1606,6 +1884,7 @@ _RULES: tuple[Rule, ...] = (
             "a full disk, a quota, or a process killed while saving; free space, then resume from an earlier "
             "checkpoint that checks out"
         ),
+        reason="A checkpoint this run wrote cannot be read back: resuming from it will fail",
     ),
 )
 
@@ -1664,14 +1943,17 @@ def _cell(text: str) -> str:
 
 
 def render_rule_table(source: str, detail: bool) -> str:
-    """The markdown table of ``source``'s rules: ``code | severity | trigger | what to do`` when ``detail`` (the
-    findings page), else ``code | severity | meaning`` (the callback's own page)."""
+    """The markdown table of ``source``'s rules: ``code | severity | trigger | what to do | why this severity`` when
+    ``detail`` (the findings page; the last column is the rule's ``reason`` under ``docs/severity.md``), else ``code |
+    severity | meaning`` (the callback's own page)."""
     rows = rules_of(source)
     if not rows:
         raise ValueError(f"No rules registered for {source!r}.")
     if detail:
-        lines = ["| code | severity | trigger | what to do |", "| --- | --- | --- | --- |"]
-        lines += [f"| {r.code} | {r.severity} | {_cell(r.trigger)} | {_cell(r.hint)} |" for r in rows]
+        lines = ["| code | severity | trigger | what to do | why this severity |", "| --- | --- | --- | --- | --- |"]
+        lines += [
+            f"| {r.code} | {r.severity} | {_cell(r.trigger)} | {_cell(r.hint)} | {_cell(r.reason)} |" for r in rows
+        ]
     else:
         lines = ["| code | severity | meaning |", "| --- | --- | --- |"]
         lines += [f"| {r.code} | {r.severity} | {_cell(r.title)} |" for r in rows]

@@ -16,6 +16,7 @@ from lightning_tfdebug.core.distributed import clean_param_name, local_tensor
 from lightning_tfdebug.core.groups import training_model
 from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.optimizer_checks import decayed_norms_shrink
 
 # Optimizers whose ``weight_decay`` is L2 added to the gradient (coupled), unless ``decoupled_weight_decay`` is set.
 _COUPLED_DECAY = frozenset({"Adam", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop"})
@@ -53,11 +54,14 @@ class OptimizerAudit(DebugCallback):
       optimizer get ``TFD322`` (info: torch optimizers skip parameters without a gradient, as in a LoRA fine-tune
       whose optimizer was built from all parameters; a warning once a measured step changes one of them), and
       tensors in the optimizer that are not parameters of the module get ``TFD323`` (stale copies);
-    - weight decay on 1-D parameters (norm weights, biases) is ``TFD324``; on embedding tables ``TFD325`` (info;
-      common practice excludes them); ``Adam``-family optimizers with ``weight_decay > 0`` (coupled L2, not decoupled
-      decay) get ``TFD326``: use ``AdamW``; over float16 parameters (moments in float16 too) with ``eps`` below
-      1.7e-5, ``TFD333``: the second moment of gradients below 1.7e-4 underflows and the step becomes
-      ``lr * m / eps``, over 10x Adam's normal one (a division by zero at the default 1e-8).
+    - weight decay on 1-D parameters (norm weights, biases) is ``TFD324`` (info: at the decay values and run lengths
+      of published recipes nothing measurable happens to them; a warning once their norm, measured on measuring
+      steps, fell by more than 10% of its first measured value and the decay accounts for at least half of that
+      fall); on embedding tables ``TFD325`` (info; common practice excludes them); ``Adam``-family optimizers
+      with ``weight_decay > 0`` (coupled L2, not decoupled decay) get ``TFD326`` (info): use ``AdamW``; over
+      float16 parameters (moments in float16 too) with ``eps`` below 1.7e-5, ``TFD333``: the second moment of
+      gradients below 1.7e-4 underflows and the step becomes ``lr * m / eps``, over 10x Adam's normal one (a
+      division by zero at the default 1e-8).
 
     At the first batch of each epoch and the first batch after each validation run, once its forward has run (so an
     ``.eval()`` from a module hook or from ``training_step`` itself is seen): the module must be in train
@@ -164,6 +168,13 @@ class OptimizerAudit(DebugCallback):
         self._spike: dict[str, Any] | None = None  # the first early loss spike, kept until the warm-up is decided
         self._frozen_in_optimizer: set[int] = set()  # ids of frozen parameters the optimizer holds (TFD322)
         self._frozen_snaps: list[tuple[str, Tensor, Tensor]] = []
+        # TFD324 measured: the decayed 1-D parameters, their groups, their first measured norm and the decay since
+        self._decayed_1d: list[nn.Parameter] = []
+        self._decay_groups: list[dict[str, Any]] = []
+        self._decay_evidence: dict[str, Any] = {}
+        self._decay_first: tuple[int, float] | None = None
+        self._decay_exposure = 0.0  # sum of lr * weight_decay over the optimizer steps since the first norm
+        self._decay_last_step: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -180,6 +191,7 @@ class OptimizerAudit(DebugCallback):
 
     def _audit_wiring(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = training_model(trainer, pl_module)
+        self._decayed_1d, self._decay_groups, self._decay_evidence = [], [], {}
         named: dict[int, tuple[str, nn.Parameter]] = {}
         for name, param in model.named_parameters(remove_duplicate=True):
             named.setdefault(id(param), (clean_param_name(name), param))
@@ -209,10 +221,18 @@ class OptimizerAudit(DebugCallback):
                         trainer,
                         "TFD324",
                         f"Weight decay {decay:g} is applied to {len(one_d)} one-dimensional parameters (norm weights, "
-                        f"biases) in param group {label}: {_names(one_d)}.",
+                        f"biases) in param group {label}: {_names(one_d)}. Advice only while their norm is not "
+                        "measured to shrink (watched on measuring steps).",
                         {"group": label, "weight_decay": decay, "count": len(one_d)},
                         key=label,
                     )
+                    self._decayed_1d.extend(
+                        p for p in group["params"] if p.requires_grad and p.ndim <= 1 and id(p) in named
+                    )
+                    self._decay_groups.append(group)
+                    self._decay_evidence.setdefault("groups", []).append(label)
+                    self._decay_evidence["weight_decay"] = max(decay, self._decay_evidence.get("weight_decay", 0.0))
+                    self._decay_evidence["count"] = self._decay_evidence.get("count", 0) + len(one_d)
                 if embed:
                     self.emit(
                         trainer,
@@ -435,10 +455,40 @@ class OptimizerAudit(DebugCallback):
         self._peak_lr = max(self._peak_lr, top)
         if self.should_measure(trainer):
             self.log_scalars(trainer, lrs)
+            self._add_decay_exposure(trainer.global_step)
             self._check_lr(trainer, top, first)
             self._snapshot(trainer, optimizer)
             self._compare_due = True  # on every rank: the comparison after the step resolves findings together
             self._measured_step = trainer.global_step
+
+    def _add_decay_exposure(self, step: int) -> None:
+        """Add up ``lr * weight_decay`` of the groups decaying 1-D parameters since the last measuring step: the
+        strongest group's rate now, times the steps since (the LRs were just read on this measuring step)."""
+        if not self._decay_groups:
+            return
+        rate = max(float(g["lr"]) * float(g.get("weight_decay", 0.0) or 0.0) for g in self._decay_groups)
+        if self._decay_last_step is not None and self._decay_first is not None:
+            self._decay_exposure += rate * max(step - self._decay_last_step, 0)
+        self._decay_last_step = step
+
+    def _check_decay_shrink(self, trainer: pl.Trainer, norm: float) -> None:
+        """``TFD324`` as a warning: the decayed 1-D parameters' norm measured to fall, the decay accounting for it."""
+        step = self._measured_step
+        if self._decay_first is None:
+            self._decay_first, self._decay_exposure = (step, norm), 0.0
+            return
+        verdict = decayed_norms_shrink(self._decay_first, (step, norm), self._decay_exposure, self._decay_evidence)
+        if verdict is not None:
+            self.emit(
+                trainer,
+                verdict.code,
+                verdict.message,
+                verdict.evidence,
+                severity=verdict.severity,
+                key="shrink",
+                step=step,
+                synchronized=False,  # each rank's own shard under FSDP; resolved together after the comparison
+            )
 
     def _check_scheduler_cadence(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
         for config in trainer.lr_scheduler_configs:
@@ -630,7 +680,7 @@ class OptimizerAudit(DebugCallback):
     def _compare_snapshots(self, trainer: pl.Trainer, loss: Tensor | None = None) -> None:
         snaps, self._snapshots = self._snapshots or [], None
         frozen, self._frozen_snaps = self._frozen_snaps, []
-        if not snaps and not frozen and loss is None:
+        if not snaps and not frozen and loss is None and not self._decayed_1d:
             return
         with torch.no_grad():
             values: dict[str, Tensor | float] = {
@@ -641,12 +691,19 @@ class OptimizerAudit(DebugCallback):
             )
             if loss is not None:
                 values["__loss"] = loss.detach().float().reshape(())
+            shards = [t for t in (local_tensor(p.detach()) for p in self._decayed_1d) if t.numel()]
+            if shards:  # the decayed 1-D parameters' norm (this rank's shards under FSDP), on the device
+                values["__decayed_norm"] = torch.linalg.vector_norm(
+                    torch.stack([n.float() for n in torch._foreach_norm(shards)])
+                )
             scale = getattr(grad_scaler_of(trainer), "_scale", None)
             if self._scale_before is not None and isinstance(scale, Tensor):
                 values["__skipped"] = (scale < self._scale_before).float()
         host = self.to_host(values)  # host sync: one per measuring step, for all of this check's flags and the loss
         if "__loss" in host:
             self._check_early_loss(trainer, host.pop("__loss"), self._measured_step)
+        if "__decayed_norm" in host:
+            self._check_decay_shrink(trainer, host.pop("__decayed_norm"))
         for key in [k for k in host if k.startswith("__frozen:")]:
             if host.pop(key) > 0:
                 name = key.split(":", 1)[1]
@@ -691,6 +748,9 @@ class OptimizerAudit(DebugCallback):
             "first_loss": self._first_loss,
             "lowest_loss": self._lowest_loss if math.isfinite(self._lowest_loss) else None,
             "no_warmup": self._no_warmup,
+            "decay_first": list(self._decay_first) if self._decay_first is not None else None,
+            "decay_exposure": self._decay_exposure,
+            "decay_last_step": self._decay_last_step,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -702,3 +762,8 @@ class OptimizerAudit(DebugCallback):
         lowest = state_dict.get("lowest_loss")
         self._lowest_loss = float(lowest) if lowest is not None else math.inf
         self._no_warmup = state_dict.get("no_warmup")
+        first = state_dict.get("decay_first")
+        self._decay_first = (int(first[0]), float(first[1])) if first else None
+        self._decay_exposure = float(state_dict.get("decay_exposure", 0.0))
+        last = state_dict.get("decay_last_step")
+        self._decay_last_step = int(last) if last is not None else None
