@@ -13,7 +13,7 @@ one of:
   ``<!-- docs-test: skip (why) -->`` illustration only, not run (the reason is required: a network, a path of the
   reader's own run, a recursive test run, a GPU); ``<!-- docs-test: slow -->`` run only under ``pytest -m slow``;
   ``<!-- docs-test: setup (code) -->`` a python block runs after ``code`` (the names the page takes from the block
-  before, or a model to fit); ``<!-- docs-test: exit N -->`` a bash block's expected exit status (default 0).
+  before, or a model to fit); ``<!-- docs-test: exit N (why) -->`` a bash block's expected exit status (default 0).
 
 Short-run overrides, the only change made to what the docs say: a command running ``examples/train.py fit`` gets
 ``--trainer.max_steps 20`` appended unless it sets ``--trainer.max_steps`` itself or is a ``tfdebug check`` line
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = {"bash", "sh", "shell", "python", "py", "yaml", "yml"}
 OUTPUT = {"", "text", "json"}
 COMMAND_WORDS = ("python ", "tfdebug ", "bash ", "pip ", "pytest ", ".venv/", "$ ", "mkdocs ", "ruff ")
-MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(skip|slow|setup|exit)\b\s*(?:\((.*)\))?\s*(\S*)\s*-->\s*$")
+MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(skip|slow|setup|exit)\b\s*(\d+)?\s*(?:\((.*)\))?\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)```\s*([\w+-]*)\s*$")
 SHORT_RUN = "--trainer.max_steps 20"
 
@@ -97,7 +97,7 @@ def parse(path: Path) -> list[Block]:
                 if "docs-test" in lines[above]:
                     block.errors.append(f"unreadable marker {lines[above].strip()!r}")
                 break
-            kind, text, rest = marker.groups()
+            kind, number, text = marker.groups()
             if kind == "skip":
                 if not (text or "").strip():
                     block.errors.append("`docs-test: skip` needs a reason: <!-- docs-test: skip (why) -->")
@@ -106,8 +106,10 @@ def parse(path: Path) -> list[Block]:
                 block.slow = True
             elif kind == "setup":
                 block.setup = text or ""
+            elif number is None:
+                block.errors.append("`docs-test: exit` needs a status: <!-- docs-test: exit 1 (why) -->")
             else:
-                block.exit = int(text if text is not None else rest)
+                block.exit = int(number)
             above -= 1
         blocks.append(block)
         i += 1
@@ -137,9 +139,11 @@ def test_every_block_is_run_output_or_marked_with_a_reason():
 def test_docs_blocks_are_counted(capsys):
     counts = {k: sum(b.kind == k for b in BLOCKS) for k in ("run", "slow", "skip", "output")}
     assert counts["run"] >= 20  # the collector finds the callback pages' snippets, the README's, the CLI pages'
+    langs = {lang: sum(b.kind == "run" and b.lang == lang for b in BLOCKS) for lang in ("bash", "python", "yaml")}
     with capsys.disabled():
         print(
-            f"\ndocs blocks in {len(pages())} pages: {counts['run']} run by default, {counts['slow']} under -m slow, "
+            f"\ndocs blocks in {len(pages())} pages: {counts['run']} run by default ({langs['bash']} bash, "
+            f"{langs['python']} python, {langs['yaml']} yaml), {counts['slow']} under -m slow, "
             f"{counts['skip']} skipped (illustration, marked with why), {counts['output']} output"
         )
 
@@ -294,3 +298,11 @@ def test_the_short_run_override_leaves_the_readme_preflight_line_as_written():
     assert commands("python examples/train.py fit --config x.yaml --model.lr 1e-5   # row 11\n") == [
         f"python examples/train.py fit --config x.yaml --model.lr 1e-5 {SHORT_RUN}"
     ]
+
+
+def test_the_contributors_routine_runs_the_readme_preflight_line_as_printed():
+    readme = next(b for b in BLOCKS if b.page == "README.md" and "tfdebug check" in b.code)
+    line = commands(readme.code)[0]
+    routine = (ROOT / "docs" / "contributing.md").read_text().split("## Before you stop", 1)
+    assert len(routine) == 2, "docs/contributing.md has no `## Before you stop` section"
+    assert line in routine[1].split("\n## ", 1)[0], f"the before-stop routine does not run `{line}` as printed"

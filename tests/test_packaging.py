@@ -78,6 +78,22 @@ def test_supported_versions_are_stated_and_ci_runs_the_lower_bounds():
         assert str(lower_bound(reqs[name])) in page, f"docs/installation.md does not state {name}'s lower bound"
 
 
+def test_ci_runs_what_a_user_installs_and_the_lower_bounds_in_a_lane_of_its_own():
+    """`.ci/run`'s main lane is the README's set-up: bootstrap with no constraints (the newest versions the bounds
+    allow), then the README's test command; its lower lane pins .ci/lower-bounds.txt in a second venv."""
+    script = (ROOT / ".ci" / "run").read_text()
+    main_lane = script.split("main_lane() {", 1)[1].split("\n}", 1)[0]
+    lower_lane = script.split("lower_lane() {", 1)[1].split("\n}", 1)[0]
+    readme = (ROOT / "README.md").read_text()
+    tests_line = re.search(r"^bash scripts/bootstrap\.sh && (\S.*?)\s+# the tests$", readme, re.M)
+    assert tests_line, "README.md no longer has its `bash scripts/bootstrap.sh && ... # the tests` line"
+    assert "unset PIP_CONSTRAINT" in main_lane and "bash scripts/bootstrap.sh" in main_lane
+    assert tests_line.group(1) in main_lane, f"the main lane does not run the README's `{tests_line.group(1)}`"
+    assert "mkdocs build --strict" in main_lane and "ruff check" in main_lane
+    assert 'PIP_CONSTRAINT="$PWD/.ci/lower-bounds.txt"' in lower_lane and "TFDEBUG_LOWER_BOUNDS=1" in lower_lane
+    assert "VENV=.ci/venv-lower" in lower_lane and "-m pytest" in lower_lane
+
+
 def _copy_sources(dest: Path) -> None:
     """The files git would ship (tracked and untracked-not-ignored), so nothing is built inside the checkout."""
     listed = subprocess.run(
