@@ -569,7 +569,7 @@ class MaskProbe(DebugCallback):
     ) -> None:
         plan = self._plan
         if plan is not None and plan.primary is None:
-            # the recorded call takes tensors derived from the ids (slices), not the ids: only the leak probe applies
+            # the call takes tensors derived from the ids, neither the ids nor a slice of them: only the leak probe
             self._probe_repeat_and_leaks(gen, values, decisions)
             return
         ids = self._rows(ids_full)
@@ -890,7 +890,7 @@ class MaskProbe(DebugCallback):
         reach must move that position's output under the first, not only under the second."""
         plan = self._plan
         if plan is not None and plan.primary is None:
-            self._order_decided = True  # the call takes slices of the ids: no position of them to hold fixed
+            self._order_decided = True  # the call takes tensors derived from the ids: no position of them to hold
             return
         ids, mask = self._rows(ids_full), self._rows(mask_full)
         assert ids is not None
