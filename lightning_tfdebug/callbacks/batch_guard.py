@@ -79,7 +79,8 @@ def _limit_setting(trainer: pl.Trainer) -> str | None:
     if overfit:
         return f"Trainer(overfit_batches={overfit!r})"
     limit = getattr(trainer, "limit_train_batches", 1.0)
-    if limit is not None and limit != 1.0:
+    # an int is a number of batches (1 is one batch), a float a fraction of the epoch (1.0 is all of it)
+    if limit is not None and (isinstance(limit, int) or limit < 1.0):
         return f"Trainer(limit_train_batches={limit!r})"
     return None
 
