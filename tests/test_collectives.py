@@ -109,7 +109,12 @@ class CountingGPT(TinyGPT):
 
 
 def counts_extra(trainer: Any, model: Any, callbacks: Any) -> dict[str, Any]:
-    return {"calls": dict(_STATE["calls"])}
+    from lightning_tfdebug import TFDebug
+
+    packs = [c for c in callbacks if isinstance(c, TFDebug)]
+    # float64 slots each rank sent in the pack's last shared reduction (a measuring step)
+    slots = packs[0]._reduction.last_slots if packs else None
+    return {"calls": dict(_STATE["calls"]), "slots": slots}
 
 
 def count_collectives(tmp_path: Path, devices: int, callbacks: list[dict[str, Any]], steps: int = 12, **spec: Any):
@@ -128,6 +133,8 @@ def count_collectives(tmp_path: Path, devices: int, callbacks: list[dict[str, An
     results = run_distributed(tmp_path, spec, timeout=400)
     for r in results:
         assert r["error"] is None, r["error"]
+    for r in results:
+        print(f"rank {r['rank']}: the pack's shared reduction sent {r['extra']['slots']} float64 slots")
     return [r["extra"]["calls"] for r in results]
 
 

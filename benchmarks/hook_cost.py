@@ -1,0 +1,113 @@
+"""Host time the pack spends in its own hooks, per step, member by member (issue 25).
+
+Usage::
+
+    python benchmarks/hook_cost.py --steps 200 --preset always
+
+Trains the benchmark model of ``benchmarks/overhead.py`` (4 layers, d_model 128, batch 16, one torch thread) under
+``TFDebug(preset=...)`` and times, with ``time.perf_counter``, every member hook the pack calls and the pack's
+shared reduction. Prints the mean milliseconds per step of each member (and in all), separately for the steps that
+measure (``global_step % every_n_steps == 0``) and the steps that do not; the first ``--skip`` steps are left out.
+A fixed cost is reported in milliseconds per step: the ratio of ``benchmarks/overhead.py`` depends on how long the
+step is, this does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_tfdebug import TFDebug
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+
+
+class HookClock(pl.Callback):
+    """Wraps, at set-up, every member hook of the pack (and its reduction) with a timer."""
+
+    def __init__(self, pack: TFDebug, every_n_steps: int) -> None:
+        self.pack = pack
+        self.every = every_n_steps
+        self.step = -1
+        self.seconds: dict[tuple[int, str], float] = defaultdict(float)  # (step, member) -> seconds
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        pack = self.pack
+        for hook, methods in pack._hooks.items():
+            pack._hooks[hook] = tuple(self._timed(hook, m) for m in methods)
+        reduction = pack._reduction
+        reduction.run = self._timed("reduction", reduction.run, owner="(shared reduction)")
+
+    def _timed(self, hook: str, method: Callable[..., Any], owner: str | None = None) -> Callable[..., Any]:
+        name = owner or type(getattr(method, "__self__", method)).__name__
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if hook == "on_train_batch_start" and args:
+                self.step = args[0].global_step
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[(self.step, name)] += time.perf_counter() - start
+
+        return timed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--skip", type=int, default=10)
+    parser.add_argument("--preset", default="always", choices=["always", "full"])
+    parser.add_argument("--every-n-steps", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    pack = TFDebug(preset=args.preset, every_n_steps=args.every_n_steps, summary=False, dashboard=False)
+    clock = HookClock(pack, args.every_n_steps)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.steps,
+        callbacks=[pack, clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=args.every_n_steps,
+        default_root_dir="/tmp/tfdebug-hook-cost",
+    )
+    model = TinyGPT(d_model=args.d_model, n_layers=args.n_layers, n_heads=4)
+    trainer.fit(model, TinyTextDataModule(batch_size=args.batch_size))
+    steps = range(args.skip, args.steps)
+    measuring = [s for s in steps if s % args.every_n_steps == 0]
+    other = [s for s in steps if s % args.every_n_steps]
+    members = sorted({m for _, m in clock.seconds})
+    rows = []
+    for member in members:
+        on = sum(clock.seconds.get((s, member), 0.0) for s in measuring) / max(1, len(measuring)) * 1e3
+        off = sum(clock.seconds.get((s, member), 0.0) for s in other) / max(1, len(other)) * 1e3
+        rows.append((member, on, off))
+    rows.sort(key=lambda r: -r[2])
+    print(f"TFDebug(preset={args.preset!r}), every_n_steps={args.every_n_steps}: host ms per step in the pack's hooks")
+    print(f"{'member':<22} {'measuring step':>15} {'other step':>11}")
+    for member, on, off in rows:
+        print(f"{member:<22} {on:>15.3f} {off:>11.3f}")
+    total_on, total_off = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    mean = (total_on * len(measuring) + total_off * len(other)) / max(1, len(measuring) + len(other))
+    print(f"{'all':<22} {total_on:>15.3f} {total_off:>11.3f}   mean over steps: {mean:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The pack's one reduction per measuring step (core/reduction.py), over real gloo groups, against plain references."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_tfdebug.core.reduction import Reduced, StepReduction, declaration, payload_slots, reduce_declarations
+
+
+class _Owner:
+    """Stands in for a callback: what the reduction calls back (``conclude``) after its collective."""
+
+    def __init__(self) -> None:
+        self.got: list[Reduced] = []
+
+    def conclude(self, trainer, then, reduced):
+        then(reduced)
+
+
+def _values(rank: int) -> dict[str, list[float]]:
+    """Two members' declarations on ``rank``: counts, flags, a maximum and rows that differ by rank."""
+    return {
+        "a_sums": [1.0 + rank, 10.0 * rank],
+        "a_anys": [float(rank == 1), 0.0, 1.0],
+        "a_maxes": [float(-rank), 3.0 * rank],
+        "b_sums": [2.0**53 - 1 if rank == 0 else 0.0],  # float64: exact where float32 would round
+        "b_rows": [float(rank), 2.0**40 + rank],
+    }
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        v = _values(rank)
+        a, b = _Owner(), _Owner()
+        reduction = StepReduction()
+        device = torch.device("cpu")
+        reduction.add(declaration(a, a.got.append, device, sums=v["a_sums"], anys=v["a_anys"], maxes=v["a_maxes"]))
+        reduction.add(declaration(b, b.got.append, device, sums=torch.tensor(v["b_sums"], dtype=torch.float64), rows=v["b_rows"]))
+        calls = []
+        original = dist.all_reduce
+
+        def counted(*args, **kwargs):
+            calls.append("all_reduce")
+            return original(*args, **kwargs)
+
+        dist.all_reduce = counted
+        try:
+            reduction.run(trainer=None)
+        finally:
+            dist.all_reduce = original
+        torch.save(
+            {"a": a.got[0], "b": b.got[0], "calls": calls, "slots": reduction.last_slots, "left": reduction.pending},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("world", [3])
+def test_one_all_reduce_serves_every_member_with_sums_flags_maxima_and_rows(tmp_path, world):
+    init_file = tempfile.mktemp(dir=tmp_path)
+    mp.start_processes(_worker, args=(world, init_file, str(tmp_path)), nprocs=world, join=True, start_method="spawn")
+    ranks = [_values(r) for r in range(world)]
+    for rank in range(world):
+        r = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert r["calls"] == ["all_reduce"] and r["left"] == []  # one collective for both members
+        a, b = r["a"], r["b"]
+        assert a.sums.tolist() == [sum(v["a_sums"][i] for v in ranks) for i in range(2)]
+        assert a.anys.tolist() == [1.0, 0.0, 1.0]
+        assert a.maxes.tolist() == [max(v["a_maxes"][i] for v in ranks) for i in range(2)]
+        assert a.rows.shape == (world, 0)
+        assert b.sums.tolist() == [2.0**53 - 1]
+        assert b.rows.tolist() == [v["b_rows"] for v in ranks]  # every rank's row, exactly
+        assert b.maxes.numel() == 0 and b.anys.numel() == 0
+        # per rank: 2 + 1 sums, 3 flags, world x (2 maxima + 2 row values)
+        assert r["slots"] == 6 + world * 4
+
+
+def test_a_single_process_needs_no_collective_and_keeps_its_values():
+    got: list[Reduced] = []
+    owner = _Owner()
+    declared = declaration(owner, got.append, torch.device("cpu"), sums=[1, 2], anys=[0.0, 3.0], maxes=[5], rows=[7])
+    [reduced] = reduce_declarations([declared])
+    assert reduced.sums.tolist() == [1.0, 2.0] and reduced.anys.tolist() == [0.0, 1.0]
+    assert reduced.maxes.tolist() == [5.0] and reduced.rows.tolist() == [[7.0]]
+    assert reduced.sums.dtype == torch.float64
+    assert payload_slots([declared], 1024) == 4 + 1024 * 2
+    empty = declaration(owner, got.append, torch.device("cpu"), sums=[])
+    assert empty.sums.numel() == 0
