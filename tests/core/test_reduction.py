@@ -40,7 +40,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         reduction = StepReduction()
         device = torch.device("cpu")
         reduction.add(declaration(a, a.got.append, device, sums=v["a_sums"], anys=v["a_anys"], maxes=v["a_maxes"]))
-        reduction.add(declaration(b, b.got.append, device, sums=torch.tensor(v["b_sums"], dtype=torch.float64), rows=v["b_rows"]))
+        reduction.add(
+            declaration(b, b.got.append, device, sums=torch.tensor(v["b_sums"], dtype=torch.float64), rows=v["b_rows"])
+        )
         calls = []
         original = dist.all_reduce
 
