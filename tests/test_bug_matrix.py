@@ -117,7 +117,7 @@ BUGS: dict[int, str] = {
     17: "a parameter changed on one rank",
     18: "one rank much slower",
     19: "a slow dataset __getitem__",
-    20: "Adam with coupled L2 weight decay",
+    20: "weight decay on norm weights and biases, strong enough to shrink them",
     21: "model left in eval() during training",
     22: "checkpoint without optimizer / scheduler state",
     23: "NaN on one DDP rank",
@@ -297,13 +297,11 @@ def row_cases() -> dict[tuple[int, str], Case]:
     # 20: weight decay on every parameter, norms and biases included (configure_optimizers), strong enough to shrink
     # the norm gains measurably (the registry makes TFD324 a warning only then; coupled L2 in Adam, TFD326, is info)
     for fam, module, data in (
-        ("encoder_lm", enc(decay_all=1.0), tuples()),
-        ("gpt2", gpt2(decay_all=1.0), dicts()),
-        ("tinygpt", tiny(decay_norms=True, weight_decay=1.0), dicts()),
+        ("encoder_lm", enc(decay_all=2.0), tuples()),
+        ("gpt2", gpt2(decay_all=2.0), dicts()),
+        ("tinygpt", tiny(decay_norms=True, weight_decay=2.0), dicts()),
     ):
-        c[20, fam] = Case(
-            module, data, (owner("TFD324"),), "AdamW(model.parameters(), weight_decay=1.0)", steps=AFTER_CHECK
-        )
+        c[20, fam] = Case(module, data, (owner("TFD324"),), "AdamW(model.parameters(), weight_decay=2.0)", steps=60)
     # 21: the module in eval mode during training (a hook)
     for fam, module, data in (
         ("encoder_lm", enc(eval_mode=True), tuples()),
@@ -420,7 +418,17 @@ CASES = row_cases()
 FAST = {(1, "encoder_lm"), (2, "tinygpt"), (7, "gpt2"), (9, "gpt2"), (10, "encoder_lm"), (21, "tinygpt")}
 """The cases in the default run (a few seconds each); the rest run under ``-m slow``."""
 
-KNOWN_MISSES: dict[tuple[int, str], str] = {}
+_NOPE = (
+    "MaskProbe TFD215 decides that order matters: with two causal layers the causal mask alone carries order (the "
+    "second layer reads first-layer states built from different prefixes), so reversing the prefix moved the output "
+    "by {order} against {content} for replacing it (step 100): more than 10x the tolerance. TFD215 holds for one "
+    "causal layer or a bidirectional stack"
+)
+KNOWN_MISSES: dict[tuple[int, str], str] = {
+    (28, "encoder_lm"): _NOPE.format(order=0.714, content=1.749),
+    (28, "gpt2"): _NOPE.format(order=0.0083, content=0.476),
+    (28, "tinygpt"): _NOPE.format(order=0.114, content=1.857),
+}
 """Cases where the owner misses the bug today: ``(row, family) -> what it saw`` (xfail, not strict)."""
 
 
@@ -461,6 +469,23 @@ def test_the_owner_flags_the_bug(tmp_path, row, family):
         assert any(expect.met_by(f) for f in found), f"row {row} on {family}: expected {expect}; the pack said {said}"
     if case.raises is True:
         assert error is not None, "the bug was expected to end the run"
+
+
+CONTROLS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+    "encoder_lm_dict_batches": (enc(), dicts()),
+    "token_rows_encoder_lm_causal": (lambda: TokenRowLM("encoder_lm", causal=True), token_rows),
+    "token_rows_bert_decoder": (lambda: TokenRowLM("gpt2", causal=True), token_rows),
+    "token_rows_tinygpt_causal": (lambda: TokenRowLM("tinygpt", causal=True), token_rows),
+}
+"""The variants this module adds to the healthy matrix's families, without their bug."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("control", sorted(CONTROLS))
+def test_the_variants_without_their_bug_are_silent(tmp_path, control):
+    module, data = CONTROLS[control]
+    pack, _ = run_case(tmp_path, Case(module, data, (), "healthy", steps=AFTER_CHECK))
+    assert [f.format() for c in pack for f in c.findings if f.severity in ("warning", "error")] == []
 
 
 # ------------------------------------------------------------------------------------------------------------ DDP
