@@ -387,3 +387,25 @@ def test_the_readme_preflight_line_exits_1_on_the_demo_with_the_head_left_out_na
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "error   TFD312" in done.stdout and "Group(s) head" in done.stdout
     assert done.stderr.count(STOOD_ASIDE) == 1
+
+
+def test_a_preflight_pack_takes_over_the_configured_packs_view_of_the_batch_but_not_its_cadence(tmp_path):
+    configured = TFDebug(
+        preset="always",
+        every_n_steps=50,
+        on_finding="raise",
+        input_key="input_ids",
+        exclude=["DeadActivation"],
+        overrides={"GradNormMonitor": {"explosion_factor": 25.0}, "LossAtInit": {"check_step": 2}},
+        summary=False,
+    )
+    preflight = TFDebug(preset="full", preflight=True, every_n_steps=1, summary=False)
+    fit_tiny(tmp_path, [configured, preflight], max_steps=3)
+    assert configured.idle and not preflight.idle
+    assert "DeadActivation" not in preflight.running and "MaskProbe" in preflight.running
+    members = preflight.members
+    assert members["GradNormMonitor"].explosion_factor == 25.0  # the configured override
+    assert members["LossAtInit"].check_step is None  # the preflight's own setting wins over the configured one
+    assert members["MaskProbe"]._keys.input_key == "input_ids"  # the configured batch reading
+    assert all(m.on_finding == "warn" for m in members.values())  # the preflight's, not the configured "raise"
+    assert members["GradNormMonitor"].every_n_steps == 1
