@@ -25,7 +25,13 @@ from lightning_tfdebug.core.groups import training_model
 from lightning_tfdebug.core.io import append_line, make_dirs
 from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional.rank_checks import RankDiagnosis, per_rank_metrics
+from lightning_tfdebug.functional.rank_checks import (
+    CHECKSUM_RTOL,
+    RankDiagnosis,
+    agreement_sums,
+    disagreeing_tensors,
+    per_rank_metrics,
+)
 from lightning_tfdebug.functional.throughput import (
     StepClock,
     batch_fingerprint,
@@ -307,21 +313,33 @@ class PerRankLogger(DebugCallback):
                 (checksums * weights).sum(),
             ]
         )
-        packed = torch.cat([head, checksums if compare else checksums[:0]])
-        # Every rank's row, declared into the step's one reduction over ranks (the pack's shared collective; on its
-        # own, one collective of its own): every rank, same steps, same length (the parameter count is the same on
-        # every replica; under sharding no per-tensor checksums are sent).
-        self.reduce_then(trainer, lambda reduced: self._conclude(trainer, reduced.rows, step), device, rows=packed)
+        # Per-tensor agreement over the replicas as sums (8 per checksum, whatever the world size; not sent under
+        # sharding, where ranks hold different shards by design), and this rank's row of fixed slots: declared into
+        # the step's one reduction over ranks (the pack's shared collective; on its own, one collective of its own),
+        # every rank, same steps, same lengths (the parameter count is the same on every replica).
+        agreement = agreement_sums(checksums, CHECKSUM_RTOL) if compare else None
+        self.reduce_then(
+            trainer,
+            lambda reduced: self._conclude(trainer, reduced.rows, reduced.sums if compare else None, step),
+            device,
+            sums=agreement,
+            rows=head,
+        )
 
-    def _conclude(self, trainer: pl.Trainer, table: Tensor, step: int) -> None:
-        rows = table.tolist()  # host sync: the one transfer of this measuring step
+    def _conclude(self, trainer: pl.Trainer, table: Tensor, agreement: Tensor | None, step: int) -> None:
+        host = torch.cat([table.reshape(-1), agreement if agreement is not None else table.new_zeros(0)]).tolist()
+        # host sync: the one transfer of this measuring step (rows and agreement sums together)
+        world = table.shape[0]
+        rows = [host[r * len(_SLOTS) : (r + 1) * len(_SLOTS)] for r in range(world)]
         stats = [dict(zip(_SLOTS, row)) for row in rows]
         mine = stats[trainer.global_rank] if trainer.global_rank < len(stats) else stats[0]
         self._write_record(trainer, step, mine)
         self.log_scalars(trainer, per_rank_metrics(stats, self.log_per_rank), step=step)
-        # every value comes from the reduced table: every rank takes the same decisions (synchronized findings)
-        checksums = [row[len(_SLOTS) :] for row in rows]
-        for verdict, key in self._diagnosis.update(stats, checksums, self._param_names, step):
+        # every value comes from the reduction: every rank takes the same decisions (synchronized findings)
+        differing = None
+        if agreement is not None:
+            differing = disagreeing_tensors(host[world * len(_SLOTS) :], world, self._param_names)
+        for verdict, key in self._diagnosis.update(stats, [], self._param_names, step, differing=differing):
             self.emit(trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, key=key, step=step)
 
     def _write_record(self, trainer: pl.Trainer, step: int, mine: dict[str, float]) -> None:

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.throughput import (
     differing_ranks,
@@ -23,11 +26,65 @@ from lightning_tfdebug.functional.verdicts import Verdict
 
 LOGGED: tuple[str, ...] = ("loss", "step_time_ms", "busy_ms", "dataloader_wait_ms", "peak_memory_gib")
 CHECKSUM_RTOL = 1e-6
+#: Two primes below 2**16: a value's bucket is sent modulo each, so the sums over ranks stay exact in float64.
+_PRIMES = (65521.0, 65519.0)
+_SPECIAL = 1e10  # bucket codes of zero, nan, +inf and -inf: far from any bucket of a finite non-zero value
 _DATA = "a corrupt shard, a different tokenizer or preprocessing"
 _LOSS_HINT = (
     "computes its loss differently (rank-dependent code in training_step), or runs different weights (see TFD502). "
     "Compare the ranks' files in tfdebug/."
 )
+
+
+def agreement_sums(values: Tensor, rtol: float = CHECKSUM_RTOL) -> Tensor:
+    """Eight numbers per value whose sums over the ranks tell whether every rank holds the same value within about
+    ``rtol`` (see :func:`disagreeing`), whatever the number of ranks: a fixed payload where a gather of the values
+    would grow with the world.
+
+    Each value is placed in a bucket of a logarithmic grid of relative width ``log1p(rtol)``, and of the same grid
+    shifted by half a bucket; sign, zero (below 1e-18), nan and infinities have buckets of their own. Per grid and per
+    prime ``p`` of :data:`_PRIMES` it sends ``h = bucket mod p`` and ``h**2``: every rank holds the same ``h`` exactly
+    when ``world * sum(h**2) == sum(h)**2`` (Cauchy-Schwarz), which float64 sums decide exactly up to 2**21 ranks.
+    Values within ``rtol / 2`` of each other share a bucket on at least one grid; values further apart than ``rtol``
+    share none. Device work, no host sync.
+    """
+    x = values.detach().double().reshape(-1)
+    u = torch.log(x.abs().clamp_min(1e-300)) / math.log1p(rtol)
+    special = torch.full_like(x, _SPECIAL)
+    special = torch.where(x.isnan(), special + 1, special)
+    special = torch.where(x == math.inf, special + 2, special)
+    special = torch.where(x == -math.inf, special + 3, special)
+    plain = x.isfinite() & (x.abs() >= 1e-18)
+    codes = []
+    for shift in (0.0, 0.5):
+        bucket = torch.where(plain, 2 * torch.floor(u + shift) + (x < 0).double(), special)
+        for prime in _PRIMES:
+            h = torch.remainder(bucket, prime)
+            codes += [h, h * h]
+    return torch.stack(codes, dim=1).reshape(-1)
+
+
+def disagreeing(sums: Sequence[float], world: int) -> list[bool]:
+    """From the sums over ``world`` ranks of :func:`agreement_sums`, per value: True when the ranks disagree."""
+    out = []
+    for i in range(0, len(sums), 8):
+        grids = []
+        for g in (0, 4):
+            same = True
+            for j in (0, 2):
+                total, squares = int(sums[i + g + j]), int(sums[i + g + j + 1])
+                same = same and world * squares == total * total
+            grids.append(same)
+        out.append(not any(grids))
+    return out
+
+
+def disagreeing_tensors(sums: Sequence[float], world: int, names: Sequence[str]) -> list[str]:
+    """Names of the tensors whose checksums (:func:`~lightning_tfdebug.functional.throughput.parameter_checksums`:
+    norms, then sums) the ranks disagree on, from the reduced :func:`agreement_sums`."""
+    flags = disagreeing(sums, world)
+    n = len(names)
+    return [name for i, name in enumerate(names) if any(flags[i + k * n] for k in range(len(flags) // max(n, 1)))]
 
 
 def per_rank_metrics(stats: Sequence[dict[str, float]], log_per_rank: bool = True) -> dict[str, float]:
@@ -68,7 +125,11 @@ class RankDiagnosis:
         checksums: Sequence[Sequence[float]],
         names: Sequence[str],
         step: int,
+        differing: Sequence[str] | None = None,
     ) -> list[tuple[Verdict, str | None]]:
+        """The verdicts of one measurement. ``checksums``: every rank's per-tensor checksums (or empty); or, from the
+        pack's reduction, ``differing``: the tensors the ranks disagree on (:func:`disagreeing_tensors`), the ranks
+        then named from each rank's weighted total (``stats[r]["checksum"]``)."""
         out: list[tuple[Verdict, str | None]] = []
         nonfinite = [r for r, s in enumerate(stats) if s["has_loss"] and not math.isfinite(s["loss"])]
         if nonfinite:
@@ -87,7 +148,9 @@ class RankDiagnosis:
         if len(stats) < 2:
             return out
         out += self._batches(stats)
-        if checksums and checksums[0]:
+        if differing:
+            out += self._parameters(stats, [[s["checksum"]] for s in stats], names, step, list(differing))
+        elif checksums and checksums[0]:
             out += self._parameters(stats, checksums, names, step)
         out += self._stragglers(stats)
         out += self._losses(stats)
@@ -110,12 +173,19 @@ class RankDiagnosis:
 
     @staticmethod
     def _parameters(
-        stats: Sequence[dict[str, float]], checksums: Sequence[Sequence[float]], names: Sequence[str], step: int
+        stats: Sequence[dict[str, float]],
+        checksums: Sequence[Sequence[float]],
+        names: Sequence[str],
+        step: int,
+        tensors: list[str] | None = None,
     ) -> list[tuple[Verdict, str | None]]:
-        ranks = differing_ranks(checksums, CHECKSUM_RTOL)
-        if not ranks:
-            return []
-        tensors = differing_tensors(checksums, names, CHECKSUM_RTOL)
+        if tensors is None:
+            ranks = differing_ranks(checksums, CHECKSUM_RTOL)
+            if not ranks:
+                return []
+            tensors = differing_tensors(checksums, names, CHECKSUM_RTOL)
+        else:  # the tensors are known to differ; the weighted totals name the ranks (exactly: replicas are equal)
+            ranks = differing_ranks(checksums, 0.0)
         message = (
             f"Parameters or buffers differ between DDP replicas at step {step}: rank(s) {', '.join(map(str, ranks))} "
             f"disagree with the others on {len(tensors)} tensor(s): {', '.join(tensors[:5])}"

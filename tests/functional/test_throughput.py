@@ -331,3 +331,31 @@ def test_rank_diagnosis_names_the_rank_after_patience_measurements():
     assert run([rank_row(), rank_row(loss=9.0)]) == [[], [("TFD504", "pair")]]
     [[(code, _)]] = run([rank_row(), rank_row()], times=1, checksums=[[1.0, 2.0], [1.0, 2.5]], names=["w"])
     assert code == "TFD502"
+
+
+def test_agreement_sums_tell_whether_replicas_agree_whatever_the_world_size():
+    """Issue 25: PerRankLogger compares per-tensor checksums through sums of a fixed size (8 per value) instead of
+    gathering every rank's vector: within rtol/2 they agree, beyond rtol they differ, nan/inf/zero/sign count."""
+    import torch
+
+    from lightning_tfdebug.functional.rank_checks import agreement_sums, disagreeing, disagreeing_tensors
+
+    def reduced(*ranks):
+        return sum(agreement_sums(torch.tensor(v, dtype=torch.float64)) for v in ranks).tolist(), len(ranks)
+
+    nan, inf = float("nan"), float("inf")
+    assert agreement_sums(torch.tensor([1.0, 2.0])).numel() == 16
+    assert disagreeing(*reduced(*[[1.0, -2.0, 0.0, nan, inf]] * 5)) == [False] * 5
+    assert disagreeing(*reduced([1.0, 2.0, -3.0], [1.0, 2.0 * (1 + 1e-5), -3.0], [1.0, 2.0, 3.0])) == [
+        False,
+        True,
+        True,
+    ]
+    assert disagreeing(*reduced([1.0], [1.0 + 3e-7])) == [False]  # within rtol / 2
+    assert disagreeing(*reduced([1.0], [1.0 + 2e-6])) == [True]  # beyond rtol
+    assert disagreeing(*reduced([0.0], [1e-20])) == [False] and disagreeing(*reduced([inf], [nan])) == [True]
+    # checksums are [norms..., sums...]: a tensor differs when either of its values does
+    assert disagreeing_tensors(*reduced([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.5]), ["a", "b"]) == ["b"]
+    # the same answer from 64 ranks, one of them off
+    many = [[1.0, 2.0, 3.0, 4.0]] * 63 + [[1.5, 2.0, 3.0, 4.0]]
+    assert disagreeing_tensors(*reduced(*many), ["a", "b"]) == ["a"]
