@@ -60,13 +60,13 @@ class Rule:
     title: str
     trigger: str
     hint: str
-    reason: str = ""
+    reason: str = ""  # required (checked below); a default only so that it can follow `hint` as a keyword
 
     def __post_init__(self) -> None:
         check_code(self.code)
         if self.severity not in SEVERITIES:
             raise ValueError(f"Rule {self.code}: severity must be one of {SEVERITIES}, got {self.severity!r}.")
-        for name in ("source", "title", "trigger", "hint"):
+        for name in ("source", "title", "trigger", "hint", "reason"):
             if not getattr(self, name).strip():
                 raise ValueError(f"Rule {self.code}: `{name}` must not be empty.")
 
@@ -976,9 +976,9 @@ _RULES: tuple[Rule, ...] = (
         trigger=(
             "update:weight ratio below `low` for `patience` measurements while the LR is at its plateau (not in "
             "warm-up, not decayed below `decayed_lr_fraction` of its peak), and over them the mean training loss "
-            "fell by less than 0.1% of itself per step and, like an untrained model's, differed by less than 0.5% "
-            "from batch to batch (a fine-tune of trained weights at a fine-tuning LR updates by a small ratio on "
-            "purpose; its loss varies with each batch's content)"
+            "fell by less than 0.1% of itself per step, and the model has not learned: its first measured loss made "
+            "less than 0.35 of the way from ln(V) to the labels' unigram entropy (a fine-tune starts most of the way "
+            "down) and its latest loss is not below that entropy (`lightning_tfdebug.functional.learning`)"
         ),
         hint=(
             "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR range "

@@ -111,12 +111,31 @@ def test_register_rule_refuses_a_different_rule_under_a_taken_code():
     same = RULES["TFD312"]
     assert register_rule(same) is same
     with pytest.raises(ValueError, match="TFD312 is already registered by UpdateRatio"):
-        register_rule(Rule("TFD312", "info", "Mine", title="t", trigger="t", hint="h"))
+        register_rule(Rule("TFD312", "info", "Mine", title="t", trigger="t", hint="h", reason="r"))
     with pytest.raises(TypeError):
         register_rule({"code": "TFD396"})
     with pytest.raises(ValueError, match="must look like 'TFD301'"):
-        Rule("TFD999", "info", "Mine", title="t", trigger="t", hint="h")
+        Rule("TFD999", "info", "Mine", title="t", trigger="t", hint="h", reason="r")
     with pytest.raises(ValueError, match="severity must be one of"):
-        Rule("TFD396", "fatal", "Mine", title="t", trigger="t", hint="h")
+        Rule("TFD396", "fatal", "Mine", title="t", trigger="t", hint="h", reason="r")
     with pytest.raises(KeyError):
         rule("TFD396")
+
+
+def test_every_rule_names_the_reason_for_its_severity_and_the_findings_page_shows_it():
+    # the severity policy (docs/severity.md): every registry entry says why it has its severity
+    assert [code for code in BUILTIN_CODES if len(RULES[code].reason.strip()) < 20] == []
+    with pytest.raises(ValueError, match="`reason` must not be empty"):
+        Rule("TFD396", "info", "Mine", title="t", trigger="t", hint="h")
+    findings = (ROOT / "docs" / "findings.md").read_text()
+    assert "why this severity" in findings and "(severity.md)" in findings
+    for code in ("TFD324", "TFD709", "TFD310"):
+        row = next(line for line in findings.splitlines() if line.startswith(f"| {code} |"))
+        assert row.rstrip(" |").endswith(RULES[code].reason.replace("|", "\\|").rstrip(" |")), code
+
+
+def test_the_severities_the_policy_set():
+    # info unless the run measures harm (escalated by the callbacks with their evidence)
+    assert {c: RULES[c].severity for c in ("TFD324", "TFD326", "TFD402", "TFD604", "TFD709")} == dict.fromkeys(
+        ("TFD324", "TFD326", "TFD402", "TFD604", "TFD709"), "info"
+    )

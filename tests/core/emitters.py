@@ -8,7 +8,17 @@ from lightning_tfdebug import DebugCallback
 from lightning_tfdebug.rules import Rule, register_rule
 
 for _code, _source in (("TFD399", "StepEmitter"), ("TFD398", "RankLocalEmitter")):
-    register_rule(Rule(_code, "warning", _source, title="test rule", trigger="a test asks for it", hint="none"))
+    register_rule(
+        Rule(
+            _code,
+            "warning",
+            _source,
+            title="test rule",
+            trigger="a test asks for it",
+            hint="none",
+            reason="a test's own rule",
+        )
+    )
 
 
 class StepEmitter(DebugCallback):
