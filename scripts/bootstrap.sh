@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv and install the package with its dev extras (tests,
-# ruff, the docs site). Set PIP_CONSTRAINT to pin versions (CI pins the lower bounds: .ci/lower-bounds.txt).
+# ruff, the docs site): the newest versions pyproject.toml's bounds allow, which is what CI's main lane runs. VENV picks
+# another directory and PIP_CONSTRAINT pins versions (CI's lower lane: VENV=.ci/venv-lower with .ci/lower-bounds.txt).
 # torch goes in first, pinned to a CPU build, so that resolving `lightning` never pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
