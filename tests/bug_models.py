@@ -517,9 +517,11 @@ def tuple_loader(**bugs: Any) -> DataLoader:
 
 class EosPaddedCollator(Collator):
     """Row 32: a collator that pads with the end-of-sequence id (pad id == eos id, as with GPT-2's tokenizer) and
-    masks every label equal to the pad id: the eos of every document goes unsupervised."""
+    masks every label equal to the pad id: the eos of every document goes unsupervised. Documents cut to the context
+    keep their eos (the tokenizer adds it after truncation)."""
 
     def __call__(self, samples: list[list[int]]) -> dict[str, Tensor]:
+        samples = [s if s[-1] == EOS else [*s[:-1], EOS] for s in samples]
         width = max(len(s) for s in samples)
         ids = torch.full((len(samples), width), EOS, dtype=torch.long)
         mask = torch.zeros((len(samples), width), dtype=torch.long)
