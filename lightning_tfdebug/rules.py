@@ -882,6 +882,65 @@ _RULES: tuple[Rule, ...] = (
             "use its context"
         ),
     ),
+    Rule(
+        "TFD233",
+        "warning",
+        "LossAtInit",
+        title=(
+            "the loss is pinned at the floor of a bounded transform applied after the forward (sigmoid or tanh in "
+            "training_step or a loss wrapper)"
+        ),
+        trigger=(
+            "on every compared step (the measuring steps nearest half-way and three quarters to the check, and the "
+            "check) the returned loss is above the recorded logits' cross-entropy by more than 3%, it fell by at most "
+            "4% of itself over those steps, it stays above the logits' best loss at any temperature by 10% of ln(V) "
+            "and above the labels' unigram entropy by 5% of ln(V), and the logits' range grew by 10% or more; the "
+            "message names the width w whose floor ln(1 + (V-1) e^-w) the loss sits on"
+        ),
+        hint=(
+            "Something between the model's output and the loss confines the logits to a range (a sigmoid, tanh, "
+            "clamp or normalisation in training_step or in a loss module): give the loss the raw logits and apply the "
+            "squashing only where probabilities or scores are needed."
+        ),
+        reason=(
+            "Measured: the loss stays at a floor above what the data allows while the model's own logits predict "
+            "better; no training can lower it"
+        ),
+    ),
+    Rule(
+        "TFD234",
+        "info",
+        "LossAtInit",
+        title="the returned loss is the cross-entropy of the logits divided by a temperature T",
+        trigger=(
+            "on every compared step the returned loss differs from the recorded logits' cross-entropy by more than 3% "
+            "and equals the cross-entropy of logits / T for one T (within 3%) at all of them, T outside [0.8, 1.25]"
+        ),
+        hint=(
+            "If the temperature is deliberate, use the same T wherever the logits are read (evaluation, sampling, a "
+            "validation loss); if not, remove the division or multiplication of the logits before the loss."
+        ),
+        reason=(
+            "An observation: a temperature rescales the logits the model learns, and the run still trains; the harm, "
+            "if any, is in code that reads the logits without it"
+        ),
+    ),
+    Rule(
+        "TFD235",
+        "info",
+        "LossAtInit",
+        title="the returned loss is not the cross-entropy of the model's logits, and no known transform explains it",
+        trigger=(
+            "on every compared step the returned loss differs from the recorded logits' cross-entropy by more than "
+            "3%, and neither a bound (TFD233), label smoothing, a temperature (TFD234), a constant factor nor an "
+            "added term of at most 20% explains it; the message gives both numbers"
+        ),
+        hint=(
+            "Check what training_step does to the logits before the loss, or point `logits_module` at the module "
+            "whose output the loss reads."
+        ),
+        reason="An observation: the disagreement is measured, but no harm to this run is",
+    ),
     # ---------------------------------------------------------------- GradNormMonitor
     Rule(
         "TFD301",

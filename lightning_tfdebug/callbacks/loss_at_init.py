@@ -30,11 +30,13 @@ from lightning_tfdebug.core.model import in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.call_probes import token_row_logits
 from lightning_tfdebug.functional.loss import (
+    TEMPERATURE_GRID,
     bounded_floor_sums,
     copy_sums,
     init_loss_sums,
     label_counts,
     label_input_match_sums,
+    loss_transform_sums,
     masked_input_sums,
     rolled_label_sums,
     uniform_loss,
@@ -43,12 +45,15 @@ from lightning_tfdebug.functional.loss import (
 from lightning_tfdebug.functional.loss_checks import (
     MASKED_LM_CHECK_FACTOR,
     OTHER_ALIGNMENT,
+    LossReading,
     bounded_output_verdict,
     check_verdicts,
     classify_init_loss,
     context_verdict,
     flat_window,
     follow_returned_loss,
+    loss_reading,
+    loss_transform_verdict,
     summarize_init,
 )
 from lightning_tfdebug.functional.verdicts import Verdict
@@ -94,6 +99,20 @@ _CHECK_KEYS = (
     OTHER_ALIGNMENT + "range_sq_sum",
     OTHER_ALIGNMENT + "floor_count",
 )
+_TRANSFORM_KEYS = (
+    "tx_ce_sum",
+    "tx_ce_sq_sum",
+    "tx_count",
+    "tx_total",
+    "tx_positions",
+    "tx_uniform_sum",
+    "tx_range_sum",
+    *(f"tx_beta_{k}" for k in range(len(TEMPERATURE_GRID))),
+)
+"""The sums of `loss_transform_sums` reduced on the compared steps (the check's and the two before it)."""
+COMPARE_FRACTIONS = (0.5, 0.75)
+"""Besides the check, the returned loss is compared with the recorded logits on the first measuring steps at or after
+these fractions of the way to it."""
 _UNIGRAM_BATCHES = 8
 """The labels' unigram entropy is counted over this many measured batches (every rank's), then kept."""
 _HISTORY = 64
@@ -321,6 +340,8 @@ class LossAtInit(DebugCallback):
         self._label_counts: Tensor | None = None  # this rank's label counts over the first measured batches
         self._counted_batches = 0
         self._unigram: float | None = None  # the labels' unigram entropy (nats), reduced over ranks
+        self._compared: list[int] = []  # the compared steps before the check that were armed
+        self._readings: list[LossReading] = []  # the returned loss against the logits, on the compared steps
 
     @property
     def state_key(self) -> str:
@@ -339,6 +360,9 @@ class LossAtInit(DebugCallback):
         elif self._check_at is not None and step == self._check_at and not self._check_done:
             self._check_done = True
             phase = "check"
+        elif step in self._compare_steps() and step not in self._compared:
+            self._compared.append(step)  # the first micro-batch only
+            phase = "compare"
         else:
             if step != self._last_measured and self.should_measure(trainer):
                 self._measuring = step  # read this batch's loss at its end (the first micro-batch of the step)
@@ -478,6 +502,8 @@ class LossAtInit(DebugCallback):
                 collected = self._collected or self._collect(pl_module)  # no backward ran (manual optimization)
                 if phase == "init":
                     self._measure_init(trainer, collected, loss, step)
+                elif phase == "compare":
+                    self._measure_compare(trainer, collected, loss, step)
                 else:
                     self._measure_check(trainer, collected, loss, step)
         finally:
@@ -485,6 +511,15 @@ class LossAtInit(DebugCallback):
             self._view = None
             self._captured.clear()
             self._raw.clear()
+
+    def _compare_steps(self) -> tuple[int, ...]:
+        """The measuring steps before the check on which the returned loss is compared with the recorded logits (the
+        first ones at or after :data:`COMPARE_FRACTIONS` of the way to the check); decided from steps alone."""
+        if self._check_at is None:
+            return ()
+        n = self._interval
+        steps = (-(-math.ceil(self._check_at * f) // n) * n for f in COMPARE_FRACTIONS)
+        return tuple(sorted({s for s in steps if 0 < s < self._check_at}))
 
     @staticmethod
     def _training_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> Tensor | None:
@@ -739,7 +774,7 @@ class LossAtInit(DebugCallback):
                     found.stats.update({OTHER_ALIGNMENT + k: other[k] for k in ("ce_sum", "ce_count")})
                 if fits:  # masked-LM labels: most supervised inputs are one token (the mask)
                     found.stats.update(masked_input_sums(inputs, labels, found.vocab, self.ignore_index))
-            else:
+            elif self._armed == "check":
                 found.stats = {"ce_sum": sums["ce_sum"], "ce_count": sums["ce_count"]}
                 for prefix, shifted in alignments.items():
                     options = {"shift_labels": shifted, "ignore_index": self.ignore_index, "max_rows": self.max_rows}
@@ -763,9 +798,21 @@ class LossAtInit(DebugCallback):
                     )
                 elif fits and self._view is not None and self._view.input_ids is not None:
                     found.stats.update(label_input_match_sums(labels, inputs, self.ignore_index))
+            if self._armed in ("compare", "check"):  # the returned loss against these logits (and transforms of them)
+                found.stats.update(
+                    loss_transform_sums(
+                        logits,
+                        labels,
+                        shift_labels=shift,
+                        ignore_index=self.ignore_index,
+                        max_rows=self.max_rows,
+                        both_alignments=OTHER_ALIGNMENT in alignments,
+                    )
+                )
             # the copy rate at init too: with tied input/output embeddings an untrained model already predicts its
             # current token, and only a rise from there says the model learned to copy
-            if fits and logits.ndim == 3 and tuple(inputs.shape) == tuple(logits.shape[:2]):
+            copy_check = fits and logits.ndim == 3 and tuple(inputs.shape) == tuple(logits.shape[:2])
+            if copy_check and self._armed != "compare":
                 found.stats.update(copy_sums(logits, inputs, labels != self.ignore_index, max_rows=self.max_rows))
             # for the unigram counts: the rows' next-token targets (token rows), else the labels
             found.labels = labels if self._row_tokens is None else self._row_targets(self._view)
@@ -834,9 +881,25 @@ class LossAtInit(DebugCallback):
         self._probabilities = any(v.code == "TFD220" for v in verdicts)
         self._emit(trainer, verdicts, step)
 
+    def _measure_compare(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
+        """A compared step before the check: the returned loss, the recorded logits' cross-entropy and the sums that
+        may explain a difference, kept for the check (and the labels counted, as on any measuring step)."""
+        self._count_labels(found.labels, found.device)
+        host = self._reduce(found.stats, _TRANSFORM_KEYS, loss, found.ok, found.device)
+        if self._stand_aside_if_missing(trainer, host, found.reason, step):
+            return
+        self._vocab = self._vocab or found.vocab
+        self._add_reading(trainer, host, self._record(trainer, host, step), step)
+
+    def _add_reading(self, trainer: pl.Trainer, host: dict[str, float], loss: float, step: int) -> None:
+        reading = loss_reading(host, loss, step)
+        if reading is not None:
+            self._readings = [*self._readings, reading][-(len(COMPARE_FRACTIONS) + 1) :]
+            self.log_scalars(trainer, {"loss_at_init/logits_loss": reading.ce}, step=step)
+
     def _measure_check(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
         self._count_labels(found.labels, found.device)  # V is known alike on every rank (or on none)
-        host = self._reduce(found.stats, _CHECK_KEYS, loss, found.ok, found.device)
+        host = self._reduce(found.stats, (*_CHECK_KEYS, *_TRANSFORM_KEYS), loss, found.ok, found.device)
         if self._stand_aside_if_missing(trainer, host, found.reason, step):
             return
         returned = host["loss_sum"] / host["loss_n"] if host["loss_n"] else float("nan")
@@ -902,6 +965,13 @@ class LossAtInit(DebugCallback):
             masked=self._masked_lm,
         )
         verdicts += [context] if context is not None else []
+        # the returned loss against the recorded logits, on this and the compared steps before it
+        self._add_reading(trainer, host, returned, step)
+        transform = loss_transform_verdict(self._readings, found.vocab, unigram)
+        if transform is not None and transform.code == "TFD233":
+            # the loss does not train these logits: how they relate to the labels says nothing about the labels
+            verdicts = [v for v in verdicts if v.code not in ("TFD231", "TFD232")]
+        verdicts += [transform] if transform is not None else []
         self._emit(trainer, verdicts, step)
 
     def _row_targets(self, view: StepBatch | None) -> Tensor | None:
@@ -939,6 +1009,8 @@ class LossAtInit(DebugCallback):
             "history": [list(point) for point in self._history],
             "probabilities": self._probabilities,
             "token_rows": self._token_rows,
+            "compared": list(self._compared),
+            "loss_readings": [r.to_list() for r in self._readings],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -956,6 +1028,8 @@ class LossAtInit(DebugCallback):
         self._history = [(int(s), float(v)) for s, v in state_dict.get("history", [])]
         self._probabilities = bool(state_dict.get("probabilities", False))
         self._token_rows = bool(state_dict.get("token_rows", False))
+        self._compared = [int(s) for s in state_dict.get("compared", [])]
+        self._readings = [LossReading.from_list(r) for r in state_dict.get("loss_readings", [])]
 
 
 @dataclass

@@ -303,3 +303,78 @@ def bounded_floor_sums(
         "range_sq_sum": torch.where(mask, width.square(), zeros).sum(),
         "floor_count": mask.sum(dtype=torch.float32),
     }
+
+
+TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-16, 17))
+"""Multipliers ``b`` of the logits (``b = 1/T``) at which :func:`loss_transform_sums` takes the cross-entropy:
+``1/16`` to ``16`` in steps of ``2^(1/4)``."""
+
+
+def loss_transform_sums(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    shift_labels: bool = True,
+    ignore_index: int = -100,
+    max_rows: int = 2048,
+    both_alignments: bool = False,
+) -> dict[str, Tensor]:
+    """What the logits' own cross-entropy is, and what simple transforms of it would be, to hold the loss a training
+    step returns against.
+
+    Returns float scalars (sums over the sampled supervised rows, so a caller can add them over ranks):
+
+    * ``tx_ce_sum``, ``tx_ce_sq_sum``, ``tx_count``: the cross-entropy of the logits per row, its square (for the
+      sample's standard error) and the number of rows; ``tx_total``: supervised rows in the whole batch (the sample
+      is all of them when they are as many); ``tx_positions``: label positions in the batch, supervised or not;
+    * ``tx_uniform_sum``: ``-mean_v log p_v`` per row, the cross-entropy against a uniform target (label smoothing
+      ``e`` gives ``(1 - e) ce + e uniform``);
+    * ``tx_range_sum``: the logits' range (max minus min) per row;
+    * ``tx_beta_<k>``: the cross-entropy of ``b * logits`` for ``b = TEMPERATURE_GRID[k]`` (a temperature ``1/b``);
+    * ``tx_other``: 1 when the other label alignment was taken.
+
+    ``both_alignments``: the rows are scored under the alignment whose cross-entropy is the lower of ``shift_labels``
+    and its opposite (decided on the device, no sync): once a model has learned, its logits predict the labels the
+    loss trains them on far better than the labels one position away, whatever the loss did to them on the way.
+    """
+    rows, targets = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
+    idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
+    x = rows.index_select(0, idx).float()
+    logp = x.log_softmax(-1)
+    f32 = torch.float32
+
+    def nll(target: Tensor) -> tuple[Tensor, Tensor]:
+        mask = (target != ignore_index) & (target >= 0) & (target < x.shape[-1])
+        safe = torch.where(mask, target, torch.zeros_like(target)).long()
+        return -logp.gather(-1, safe[:, None]).squeeze(-1), mask
+
+    t = targets.index_select(0, idx).to(x.device)
+    total = (targets != ignore_index).sum(dtype=f32)
+    other = torch.zeros((), device=x.device)
+    if both_alignments:
+        _, other_targets = align(logits.detach(), labels.detach(), not shift_labels, ignore_index)
+        t_other = other_targets.index_select(0, idx).to(x.device)
+        (ce, mask), (ce_other, mask_other) = nll(t), nll(t_other)
+        mean = torch.where(mask, ce, 0.0).sum() / mask.sum().clamp(min=1)
+        mean_other = torch.where(mask_other, ce_other, 0.0).sum() / mask_other.sum().clamp(min=1)
+        other = (mean_other < mean).to(f32)
+        t = torch.where(other.bool(), t_other, t)
+        total = torch.where(other.bool(), (other_targets != ignore_index).sum(dtype=f32), total)
+    ce, mask = nll(t)
+    zeros = torch.zeros_like(ce)
+    safe = torch.where(mask, t, torch.zeros_like(t)).long()
+    picked = x.gather(-1, safe[:, None]).squeeze(-1)
+    out = {
+        "tx_ce_sum": torch.where(mask, ce, zeros).sum(),
+        "tx_ce_sq_sum": torch.where(mask, ce.square(), zeros).sum(),
+        "tx_count": mask.sum(dtype=f32),
+        "tx_total": total,
+        "tx_positions": torch.tensor(float(targets.numel()), device=x.device),
+        "tx_uniform_sum": torch.where(mask, -logp.mean(-1), zeros).sum(),
+        "tx_range_sum": torch.where(mask, x.amax(-1) - x.amin(-1), zeros).sum(),
+        "tx_other": other,
+    }
+    for k, beta in enumerate(TEMPERATURE_GRID):  # one pass over the sampled rows per multiplier
+        scaled = torch.logsumexp(x * beta, -1) - beta * picked
+        out[f"tx_beta_{k}"] = torch.where(mask, scaled, zeros).sum()
+    return out

@@ -583,3 +583,245 @@ def context_verdict(
             "with no token inputs shaped like the labels this cannot be told apart here"
         )
     return Verdict("TFD231", f"{head}: {why}.", evidence)
+
+
+# ------------------------------------------------------------------ the returned loss against the logits' own
+AGREE = 0.03
+"""The returned loss agrees with its logits' cross-entropy within this fraction of it (or three standard errors of the
+sampled rows' mean, when the rows are a sample): 0 on every healthy run of the tests, where the loss is that
+cross-entropy; 6% and more under a temperature of 2, 20% and more under a bound."""
+PINNED_FALL = 0.04
+"""A bounded transform pins the loss: it fell by at most this fraction of its value over the compared steps (the
+tests' sigmoid and tanh in the step: 1.8% and 2.5% from step 50 to 100; healthy runs, with or without label smoothing
+or a temperature: 17% and more; ``2 tanh(x / 2)``, a bound the loss has not reached yet: 10%)."""
+PINNED_GAP = 0.1
+"""... and sits above what the recorded logits reach at their best temperature by at least this fraction of ln(V)
+(1.4 and 1.9 nats in the tests, 0.56 at V = 259) ..."""
+RANGE_GROWTH = 0.1
+"""... while the logits' range grew by at least this fraction over the compared steps: a squash past the forward
+keeps pushing its input outwards and the loss does not move (22% and 61% in the tests); a loss at rest because the
+model has stopped learning leaves the logits at rest too."""
+SMOOTHING_SPREAD = (0.01, 0.1)
+"""Label smoothing ``e`` explains the loss when ``e = (loss - ce) / (uniform - ce)`` is the same at every compared
+step: within ``max(0.01, 0.1 e)`` (exactly 0.100 at every step for ``label_smoothing=0.1`` in the tests)."""
+TEMPERATURE_MATCH = 0.03
+"""A temperature explains the loss when one multiplier ``b = 1/T`` of the logits gives it at every compared step, within
+this fraction of ``b`` (exact in the tests; label smoothing's nearest multiplier drifts 7% over the same steps, a
+sigmoid's 50%)."""
+TEMPERATURE_MIN = math.log(1.25)
+"""... and ``|ln b|`` is at least this: a temperature within 25% of 1 is no transform worth naming."""
+SCALE_SPREAD = math.log(1.1)
+"""A constant factor explains the loss (``loss / k`` for manual accumulation, a sum over one count divided by
+another) when ``loss / ce`` varies by at most 10% over the compared steps."""
+ADDED_TERM = 0.2
+"""An added term (a z-loss, an auxiliary loss) explains a returned loss above the logits' cross-entropy by at most
+this fraction of it."""
+
+
+@dataclass(frozen=True)
+class LossReading:
+    """One compared step: the loss ``training_step`` returned and what the recorded logits give (host floats)."""
+
+    step: int
+    loss: float  # the returned loss (averaged over ranks, undivided by Lightning's accumulation)
+    ce: float  # the logits' own cross-entropy (sampled rows)
+    ce_error: float  # standard error of ``ce`` as a sample's mean (0 when every row was taken)
+    uniform: float  # the logits' cross-entropy against a uniform target
+    logit_range: float  # mean over rows of max - min
+    beta_ce: tuple[float, ...]  # cross-entropy of b * logits for b in TEMPERATURE_GRID
+    supervised_share: float = float("nan")  # supervised label positions over all of them, in the whole batch
+
+    def to_list(self) -> list[Any]:
+        return [
+            self.step,
+            self.loss,
+            self.ce,
+            self.ce_error,
+            self.uniform,
+            self.logit_range,
+            list(self.beta_ce),
+            self.supervised_share,
+        ]
+
+    @classmethod
+    def from_list(cls, value: Sequence[Any]) -> LossReading:
+        step, loss, ce, error, uniform, logit_range, betas, *rest = value
+        return cls(
+            int(step),
+            float(loss),
+            float(ce),
+            float(error),
+            float(uniform),
+            float(logit_range),
+            tuple(float(b) for b in betas),
+            float(rest[0]) if rest else float("nan"),
+        )
+
+    @property
+    def best(self) -> float:
+        """The lowest cross-entropy of the logits at any temperature of the grid."""
+        return min((v for v in self.beta_ce if math.isfinite(v)), default=self.ce)
+
+    def temperatures(self) -> list[float]:
+        """The multipliers ``b`` (``1/T``) at which the logits' cross-entropy equals the returned loss, interpolated
+        in ``ln b`` between the grid's points (a convex curve in ``b``: at most two)."""
+        from lightning_tfdebug.functional.loss import TEMPERATURE_GRID
+
+        out: list[float] = []
+        values = self.beta_ce
+        for k in range(len(values) - 1):
+            a, b = values[k] - self.loss, values[k + 1] - self.loss
+            if not (math.isfinite(a) and math.isfinite(b)) or a * b > 0 or a == b:
+                continue
+            lo, hi = math.log(TEMPERATURE_GRID[k]), math.log(TEMPERATURE_GRID[k + 1])
+            root = math.exp(lo + a / (a - b) * (hi - lo))
+            if not out or abs(math.log(root / out[-1])) > 1e-6:
+                out.append(root)
+        return out
+
+
+def loss_reading(host: Mapping[str, float], loss: float, step: int) -> LossReading | None:
+    """:class:`LossReading` from the reduced sums of :func:`~lightning_tfdebug.functional.loss.loss_transform_sums`;
+    None when no row was supervised or no loss was returned."""
+    from lightning_tfdebug.functional.loss import TEMPERATURE_GRID
+
+    n, total = host.get("tx_count", 0.0), host.get("tx_total", 0.0)
+    if not n or not math.isfinite(loss):
+        return None
+    ce = host["tx_ce_sum"] / n
+    variance = max(host["tx_ce_sq_sum"] / n - ce**2, 0.0)
+    sampled = max(1.0 - n / total, 0.0) if total else 0.0  # finite population: no error when every row was taken
+    return LossReading(
+        step=step,
+        loss=loss,
+        ce=ce,
+        ce_error=math.sqrt(variance / n * sampled),
+        uniform=host["tx_uniform_sum"] / n,
+        logit_range=host["tx_range_sum"] / n,
+        beta_ce=tuple(host[f"tx_beta_{k}"] / n for k in range(len(TEMPERATURE_GRID))),
+        supervised_share=total / host["tx_positions"] if host.get("tx_positions") else float("nan"),
+    )
+
+
+def bound_width(loss: float, vocab: int) -> float:
+    """The range width ``w`` whose floor ``ln(1 + (V - 1) e^-w)`` equals ``loss`` (below ln(V))."""
+    return math.log((vocab - 1) / math.expm1(loss)) if 0 < loss < math.log(vocab) else float("nan")
+
+
+def loss_transform_verdict(
+    readings: Sequence[LossReading], vocab: int, unigram_entropy: float = float("nan")
+) -> Verdict | None:
+    """``TFD233``-``TFD235``: the returned loss disagrees with the cross-entropy of the recorded logits at every
+    compared step (at least two), and what explains it.
+
+    First match wins:
+
+    * it agrees at some step (within :data:`AGREE`, or three standard errors of a sampled mean): nothing;
+    * the loss is pinned above what the logits and the data allow (:data:`PINNED_FALL`, :data:`PINNED_GAP`,
+      :data:`RANGE_GROWTH`, and above the labels' unigram entropy by :data:`FLOOR_ABOVE_DATA` of ln(V) when it is
+      known): a bounded transform between the logits and the loss, ``TFD233`` (warning), with the width ``w`` whose
+      floor the loss sits on;
+    * label smoothing (:data:`SMOOTHING_SPREAD`): nothing;
+    * a temperature (:data:`TEMPERATURE_MATCH`, :data:`TEMPERATURE_MIN`): ``TFD234`` (info), with ``T``;
+    * a constant factor (:data:`SCALE_SPREAD`) or a small added term (:data:`ADDED_TERM`): nothing;
+    * else ``TFD235`` (info) with both numbers.
+    """
+    points = [r for r in readings if math.isfinite(r.loss) and math.isfinite(r.ce) and r.ce > 0]
+    if len(points) < 2:
+        return None
+    if any(abs(r.loss - r.ce) <= max(AGREE * r.ce, 3.0 * r.ce_error) for r in points):
+        return None
+    first, last = points[0], points[-1]
+    expected = uniform_loss(vocab)
+    steps = [r.step for r in points]
+    evidence: dict[str, Any] = {
+        "steps": steps,
+        "returned_loss": [r.loss for r in points],
+        "logits_loss": [r.ce for r in points],
+        "best_temperature_loss": [r.best for r in points],
+        "logit_range": [r.logit_range for r in points],
+        "expected_loss": expected,
+        "unigram_entropy": unigram_entropy,
+    }
+    head = (
+        f"From step {first.step} to step {last.step} the loss training_step returned "
+        f"({_series(r.loss for r in points)}) is not the cross-entropy of the model's logits "
+        f"({_series(r.ce for r in points)})"
+    )
+    above_data = not math.isfinite(unigram_entropy) or last.loss >= unigram_entropy + FLOOR_ABOVE_DATA * expected
+    if (
+        all(r.loss > r.ce for r in points)
+        and first.loss - last.loss <= PINNED_FALL * last.loss
+        and all(r.loss - r.best >= PINNED_GAP * expected for r in points)
+        and last.logit_range >= (1.0 + RANGE_GROWTH) * first.logit_range
+        and above_data
+        and last.loss < expected
+    ):
+        width = bound_width(last.loss, vocab)
+        data = (
+            f", above the labels' unigram entropy ({unigram_entropy:.3f}) that learning the token frequencies alone "
+            "gives"
+            if math.isfinite(unigram_entropy)
+            else ""
+        )
+        return Verdict(
+            "TFD233",
+            f"{head}: the loss stays at {last.loss:.3f}{data}, while the logits reach {last.best:.3f} and their range "
+            f"keeps growing ({first.logit_range:.3g} -> {last.logit_range:.3g}). That is the floor "
+            f"ln(1 + (V-1) e^-w) = {last.loss:.3f} of outputs confined to a range of width w = {width:.2f} "
+            f"(V={vocab}): "
+            "something between the model's output and the loss squashes the logits (a sigmoid, tanh, clamp or "
+            "normalisation in training_step or a loss wrapper), and no cross-entropy of squashed logits can go lower.",
+            {**evidence, "width": width, "floor": last.loss},
+        )
+    eps = [(r.loss - r.ce) / (r.uniform - r.ce) for r in points if r.uniform > r.ce]
+    if len(eps) == len(points) and min(eps) > 0 and max(eps) <= 0.5:
+        mean = sum(eps) / len(eps)
+        low, rel = SMOOTHING_SPREAD
+        if max(eps) - min(eps) <= max(low, rel * mean):
+            return None  # label smoothing: healthy
+    shared = _shared_temperature(points)
+    if shared is not None and abs(math.log(shared)) >= TEMPERATURE_MIN:
+        temperature = 1.0 / shared
+        return Verdict(
+            "TFD234",
+            f"{head}: it is the cross-entropy of logits / T with T = {temperature:.3g} at every compared step. "
+            f"The loss trains logits / {temperature:.3g}, so the model's own logits are {temperature:.3g}x "
+            f"{'sharper' if temperature > 1 else 'flatter'} than its predictions during training: anything that reads "
+            "them without that temperature (evaluation, sampling, a validation loss) sees another model.",
+            {**evidence, "temperature": temperature},
+            severity="info",
+        )
+    ratios = [r.loss / r.ce for r in points]
+    if min(ratios) > 0 and math.log(max(ratios) / min(ratios)) <= SCALE_SPREAD:
+        return None  # a constant factor: loss / k for manual accumulation, another count's mean (TFD229 at step 0)
+    if all(abs(math.log(q / r.supervised_share)) <= SCALE_SPREAD for q, r in zip(ratios, points) if q > 0) and all(
+        q > 0 for q in ratios
+    ):
+        return None  # a sum over the supervised tokens divided by every label position (padding included)
+    if all(0 < r.loss - r.ce <= ADDED_TERM * r.ce for r in points):
+        return None  # an added term: z-loss, auxiliary loss
+    return Verdict(
+        "TFD235",
+        f"{head}, and neither a bound, label smoothing, a temperature, a constant factor nor a small added term "
+        f"explains it: at step {last.step} the returned loss is {last.loss:.4g}, the logits' cross-entropy "
+        f"{last.ce:.4g}. The loss trains something other than these logits.",
+        evidence,
+        severity="info",
+    )
+
+
+def _series(values: Any) -> str:
+    return ", ".join(f"{v:.3f}" for v in values)
+
+
+def _shared_temperature(points: Sequence[LossReading]) -> float | None:
+    """The multiplier ``b`` that gives the returned loss at every point within :data:`TEMPERATURE_MATCH`, or None."""
+    roots = [r.temperatures() for r in points]
+    if not all(roots):
+        return None
+    for candidate in roots[0]:
+        matched = [min(rs, key=lambda b: abs(math.log(b / candidate))) for rs in roots]
+        if all(abs(math.log(b / candidate)) <= TEMPERATURE_MATCH for b in matched):
+            return math.exp(sum(math.log(b) for b in matched) / len(matched))
+    return None
