@@ -133,6 +133,10 @@ def count_collectives(tmp_path: Path, devices: int, callbacks: list[dict[str, An
     results = run_distributed(tmp_path, spec, timeout=400)
     for r in results:
         assert r["error"] is None, r["error"]
+        # a healthy run: the shared reduction's decisions (replicas compared through agreement sums included) are
+        # silent
+        found = [f for findings in r["findings"].values() for f in findings]
+        assert [f"{f['code']} {f['message']}" for f in found if f["severity"] in ("warning", "error")] == []
     for r in results:
         print(f"rank {r['rank']}: the pack's shared reduction sent {r['extra']['slots']} float64 slots")
     return [r["extra"]["calls"] for r in results]
