@@ -877,6 +877,7 @@ class LossAtInit(DebugCallback):
             shifted=found.shifted != other_alignment,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             ranks=world_size(),
+            manual_optimization=not trainer.lightning_module.automatic_optimization,
         )
         self._probabilities = any(v.code == "TFD220" for v in verdicts)
         self._emit(trainer, verdicts, step)
