@@ -1,0 +1,140 @@
+"""The returned loss against the logits' own cross-entropy, without a Trainer: the sums of ``loss_transform_sums`` and
+the explanations of ``loss_transform_verdict`` (a bound, a temperature, label smoothing, a factor, an added term)."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_tfdebug.functional.loss import TEMPERATURE_GRID, loss_transform_sums
+from lightning_tfdebug.functional.loss_checks import (
+    LossReading,
+    bound_width,
+    loss_reading,
+    loss_transform_verdict,
+)
+from lightning_tfdebug.rules import RULES
+
+V = 50
+
+
+def readings_of(logits_per_step, labels, transform):
+    """Readings of the loss ``transform(logits)`` gives, at steps 50, 80, 100."""
+    out = []
+    for step, logits in zip((50, 80, 100), logits_per_step):
+        sums = {k: float(v) for k, v in loss_transform_sums(logits, labels, shift_labels=False).items()}
+        returned = float(transform(logits, labels))
+        out.append(loss_reading(sums, returned, step))
+    return out
+
+
+def trained_logits(sharpness, seed=0):
+    """Logits of a model that puts most of its weight on the label, more so the sharper."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (4, 16), generator=g)
+    logits = torch.randn(4, 16, V, generator=g) + sharpness * F.one_hot(labels, V)
+    return logits, labels
+
+
+def ce(logits, labels, **kwargs):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **kwargs)
+
+
+def test_the_sums_give_the_logits_cross_entropy_and_its_value_at_every_temperature():
+    logits, labels = trained_logits(3.0)
+    sums = loss_transform_sums(logits, labels, shift_labels=False)
+    n = float(sums["tx_count"])
+    assert n == labels.numel() == float(sums["tx_total"]) == float(sums["tx_positions"])
+    assert float(sums["tx_ce_sum"]) / n == pytest.approx(float(ce(logits, labels)), rel=1e-5)
+    for k in (0, 8, 16, 24, 32):
+        beta = TEMPERATURE_GRID[k]
+        assert float(sums[f"tx_beta_{k}"]) / n == pytest.approx(float(ce(beta * logits, labels)), rel=1e-4)
+    smoothed = float(ce(logits, labels, label_smoothing=0.1))
+    uniform = float(sums["tx_uniform_sum"]) / n
+    assert 0.9 * float(sums["tx_ce_sum"]) / n + 0.1 * uniform == pytest.approx(smoothed, rel=1e-5)
+
+
+def test_the_lower_alignment_is_taken_when_both_are_possible():
+    logits, labels = trained_logits(6.0)
+    shifted_labels = torch.cat([labels[:, :1], labels[:, :-1]], dim=1)  # label t + 1 is what position t predicts
+    sums = loss_transform_sums(logits, shifted_labels, shift_labels=False, both_alignments=True)
+    assert float(sums["tx_other"]) == 1.0
+    assert float(sums["tx_ce_sum"]) / float(sums["tx_count"]) < 1.0  # scored against the labels they predict
+
+
+def test_a_temperature_is_recovered_from_the_loss_alone():
+    logits, labels = trained_logits(4.0)
+    [reading] = readings_of([logits], labels, lambda x, y: ce(x / 3.0, y))
+    assert any(b == pytest.approx(1 / 3.0, rel=0.01) for b in reading.temperatures())
+
+
+def _verdict(steps_logits, labels, transform, unigram=float("nan")):
+    return loss_transform_verdict(readings_of(steps_logits, labels, transform), V, unigram)
+
+
+def test_a_temperature_at_every_step_is_info_with_its_value():
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
+    verdict = _verdict(steps, labels, lambda x, y: ce(x / 2.0, y))
+    assert verdict.code == "TFD234" and verdict.severity == "info"
+    assert verdict.evidence["temperature"] == pytest.approx(2.0, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "name, transform",
+    [
+        ("plain", lambda x, y: ce(x, y)),
+        ("label smoothing", lambda x, y: ce(x, y, label_smoothing=0.1)),
+        ("z-loss", lambda x, y: ce(x, y) + 1e-4 * x.logsumexp(-1).square().mean()),
+        ("accumulation", lambda x, y: ce(x, y) / 8),
+        ("added term", lambda x, y: ce(x, y) + 0.05),
+    ],
+)
+def test_healthy_transforms_are_explained_and_say_nothing(name, transform):
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
+    assert _verdict(steps, labels, transform) is None
+
+
+def test_an_unexplained_disagreement_is_info_with_both_numbers():
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
+    verdict = _verdict(steps, labels, lambda x, y: ce(x, y) * (1.5 + x.std()))  # neither factor nor term is fixed
+    assert verdict.code == "TFD235" and verdict.severity == "info"
+    assert f"{verdict.evidence['returned_loss'][-1]:.4g}" in verdict.message
+    assert f"{verdict.evidence['logits_loss'][-1]:.4g}" in verdict.message
+
+
+def _reading(step, loss, ce_value, logit_range, best=None):
+    """A reading whose cross-entropy over the temperature grid falls from ln(V) to ``best`` at a multiplier that moves
+    with the step (a bound's loss is given by no one temperature)."""
+    best = ce_value if best is None else best
+    edge = 4 + step // 10
+    curve = tuple(math.log(V) if k < edge else best for k in range(len(TEMPERATURE_GRID)))
+    return LossReading(step, loss, ce_value, 0.0, 10.0, logit_range, curve)
+
+
+def test_a_loss_pinned_above_the_data_while_the_logits_learn_is_a_bound():
+    pinned = [_reading(50, 3.0, 2.0, 5.0), _reading(80, 2.97, 1.8, 5.8), _reading(100, 2.96, 1.6, 6.5)]
+    verdict = loss_transform_verdict(pinned, V, unigram_entropy=2.5)
+    assert verdict.code == "TFD233" and RULES["TFD233"].severity == "warning"
+    assert verdict.evidence["width"] == pytest.approx(bound_width(2.96, V))
+    assert math.log1p((V - 1) * math.exp(-verdict.evidence["width"])) == pytest.approx(2.96)
+    # a loss the data alone could bring that low is no floor; logits at rest are no squash pushing them outwards
+    assert loss_transform_verdict(pinned, V, unigram_entropy=2.9).code == "TFD235"
+    at_rest = [_reading(50, 3.0, 2.0, 6.0), _reading(80, 2.97, 1.8, 6.1), _reading(100, 2.96, 1.6, 6.2)]
+    assert loss_transform_verdict(at_rest, V, unigram_entropy=2.5).code == "TFD235"
+
+
+def test_one_reading_or_agreement_says_nothing():
+    assert loss_transform_verdict([_reading(100, 3.0, 2.0, 5.0)], V) is None
+    agreeing = [_reading(50, 3.0, 2.99, 5.0), _reading(100, 2.5, 2.49, 6.0)]
+    assert loss_transform_verdict(agreeing, V) is None
+
+
+def test_readings_round_trip_through_plain_values():
+    reading = dataclasses.replace(_reading(80, 2.97, 1.8, 5.8), supervised_share=0.9)
+    assert LossReading.from_list(reading.to_list()) == reading
+    assert LossReading.from_list(reading.to_list()[:7]).supervised_share != reading.supervised_share  # older state
