@@ -184,9 +184,19 @@ class LossAtInit(DebugCallback):
     check compares the argmax at ``t`` with the input token at ``t`` (``input_key``; the labels when
     ``shift_labels`` and the batch has no input ids).
 
-    Nothing runs on other steps: hooks exist only during the forward of step 0 and of the check, the captured outputs
-    are reduced to a few scalars in ``on_before_backward`` and released; the other measuring steps read the loss
-    (and, on the first 8, count the labels) with one host transfer.
+    The loss where the bug lives: a squash or a temperature applied in ``training_step`` or in a loss module, between
+    the model's output and the loss, leaves the recorded logits unbounded. So on the compared steps (the check and the
+    first measuring steps at or after half-way and three quarters of the way to it) the loss the step returned is held
+    against the recorded logits' own cross-entropy, under the label alignment those logits predict best. A
+    disagreement at every compared step is explained: a loss pinned at the floor ``ln(1 + (V-1) e^-w)`` of some
+    width ``w``, above what the labels' frequencies allow, while the logits learn and widen (``TFD233``); the
+    cross-entropy of ``logits / T`` for one ``T`` (``TFD234``, info); label smoothing, an added term (z-loss,
+    auxiliary loss), a constant factor (``loss / k`` when accumulating by hand) or a sum divided by every label
+    position (silent); anything else is ``TFD235`` (info, both numbers).
+
+    Nothing runs on other steps: hooks exist only during the forward of step 0, of the compared steps and of the
+    check, the captured outputs are reduced to a few scalars in ``on_before_backward`` and released; the other
+    measuring steps read the loss (and, on the first 8, count the labels) with one host transfer.
 
     Logged keys:
 
@@ -204,6 +214,7 @@ class LossAtInit(DebugCallback):
     | `loss_at_init/loss` | measuring steps | the training loss (the returned loss, undivided by accumulation) |
     | `loss_at_init/ln_vocab` | measuring steps | ln(V), the loss of a uniform guess |
     | `loss_at_init/unigram_entropy` | measuring steps, once known | entropy of the supervised labels' frequencies |
+    | `loss_at_init/logits_loss` | compared steps, check | the recorded logits' cross-entropy (the loss should be it) |
 
     Findings: ``TFD220`` outputs are probabilities, ``TFD221`` outputs are log-probabilities, ``TFD222`` initial
     loss far above ln(V), ``TFD223`` far below, ``TFD224`` no supervised tokens, ``TFD225`` loss still at ln(V) at
@@ -211,6 +222,8 @@ class LossAtInit(DebugCallback):
     ``TFD229`` the returned loss is a multiple of the logits' cross-entropy (a sum, or divided twice), ``TFD230``
     the loss pinned at the floor of bounded outputs, ``TFD231`` labels from other samples, ``TFD232`` the model
     ignores its context (loss at the unigram entropy);
+    ``TFD233`` the loss pinned at the floor of a bound applied after the forward, ``TFD234`` a temperature between the
+    logits and the loss, ``TFD235`` a returned loss that is not the logits' cross-entropy for no known reason;
     ``TFD228`` when logits or labels cannot be found (it then stands aside); see ``docs/findings.md``.
 
     Args:

@@ -374,7 +374,14 @@ def loss_transform_sums(
         "tx_range_sum": torch.where(mask, x.amax(-1) - x.amin(-1), zeros).sum(),
         "tx_other": other,
     }
-    for k, beta in enumerate(TEMPERATURE_GRID):  # one pass over the sampled rows per multiplier
-        scaled = torch.logsumexp(x * beta, -1) - beta * picked
-        out[f"tx_beta_{k}"] = torch.where(mask, scaled, zeros).sum()
+    # one pass over the sampled rows per multiplier, in chunks of at most 2^24 values (64 MB of float32) whatever V
+    chunk = max(1, (1 << 24) // x.shape[-1])
+    for k, beta in enumerate(TEMPERATURE_GRID):
+        parts = [
+            torch.where(
+                mask[i : i + chunk], torch.logsumexp(x[i : i + chunk] * beta, -1) - beta * picked[i : i + chunk], 0.0
+            ).sum()
+            for i in range(0, x.shape[0], chunk)
+        ]
+        out[f"tx_beta_{k}"] = torch.stack(parts).sum() if parts else zeros.sum()
     return out
