@@ -309,6 +309,7 @@ class TFDebug(Callback):
             self._reduction = StepReduction()  # one collective per measuring step for every member (issue 25)
         for member in self.members.values():
             member.shared_reduction = self._reduction if any(member is m for m in running) else None
+        self._reduction.members = running  # the order of the declarations, the same on every rank
         self._hooks = {hook: tuple(getattr(m, hook) for m in running if _overridden(m, hook)) for hook in _FORWARDED}
         self._hooks["setup"] = tuple(m.setup for m in running)
         self._hooks["teardown"] = tuple(m.teardown for m in running)
@@ -541,10 +542,14 @@ def _raising_callback(exception: BaseException, trainer: pl.Trainer) -> str | No
 
 def _make_forwarder(hook: str) -> Callable[..., None]:
     def forward(self: TFDebug, *args: Any, **kwargs: Any) -> None:
+        if hook == "on_train_batch_start":
+            self._reduction.step_at_start = args[0].global_step
         for method in self._hooks[hook]:
             method(*args, **kwargs)
-        if self._reduction.pending:  # members declared statistics in this hook (a measuring step): one collective
-            self._reduction.run(args[0])
+        if self._reduction.pending or hook == "on_train_batch_end":
+            # members declared statistics in this hook (a measuring step): one collective; at a batch's end also the
+            # stand-in of a member that failed on this rank, on the steps it would have declared
+            self._reduction.run(args[0], hook)
 
     forward.__name__ = hook
     forward.__doc__ = f"Calls ``{hook}`` on every running member that implements it."

@@ -271,6 +271,10 @@ class PerRankLogger(DebugCallback):
             self._measuring = False
 
     # ------------------------------------------------------------------ measuring
+    def declares_at(self, step: int, stepped: bool) -> bool:
+        """It declares its row at the end of every measuring step's last batch (cadence from ``global_step``)."""
+        return stepped and step % self._interval == 0
+
     def _timings(self) -> tuple[float, float]:
         clock = self._clock
         assert clock is not None

@@ -386,6 +386,10 @@ class ThroughputMonitor(DebugCallback):
         self._maybe_stop_profiler(trainer, None)
 
     # ------------------------------------------------------------------ measuring
+    def declares_at(self, step: int, stepped: bool) -> bool:
+        """It declares its row at the end of every measuring step's last batch (cadence from ``global_step``)."""
+        return stepped and step % self._interval == 0
+
     def _step_times_since_last(self) -> list[float]:
         clock = self._clock
         assert clock is not None

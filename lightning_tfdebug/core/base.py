@@ -312,6 +312,19 @@ class DebugCallback(Callback):
         path = os.path.join(self.tfdebug_dir, f"callback-errors-rank{rank}.txt")
         append_line(path, f"=== {type(self).__name__}.{hook} at step {step} (rank {rank})\n{text}")
         world = getattr(trainer, "world_size", 1) if trainer is not None else 1
+        shared = self.shared_reduction
+        if world > 1 and type(self).runs_collectives and shared is not None and shared.can_stand_in(self):
+            # Its only collective is the pack's shared reduction, whose layout for it is known: this rank sends zeros
+            # in its place, flagged, at its next measuring step, and every rank stands it aside there together.
+            self.failure["everywhere"] = False
+            warnings.warn(
+                f"{type(self).__name__} failed in its own code ({hook} at step {step}, rank {rank}: "
+                f"{type(error).__name__}: {error}) and stands aside for the rest of the run, on every rank from its "
+                f"next measuring step; training continues. Traceback: {path}.",
+                category=TFDebugWarning,
+                stacklevel=3,
+            )
+            return
         if world > 1 and type(self).runs_collectives:
             raise TFDebugCallbackError(
                 f"{type(self).__name__}.{hook} failed on rank {rank} at step {step} with {type(error).__name__}: "
@@ -365,6 +378,33 @@ class DebugCallback(Callback):
         own = StepReduction()
         own.add(declared)
         own.run(trainer)
+
+    def declares_at(self, step: int, stepped: bool) -> bool | None:
+        """Whether this callback declares into the step's reduction at the end of the batch that started at optimizer
+        step ``step`` (``stepped``: that batch ended with an optimizer step), from its cadence alone; None when its
+        declarations do not follow a cadence (then a failure on one rank of many ends the run instead)."""
+        return None
+
+    def failed_on_some_rank(self, trainer: pl.Trainer, ranks: int, hook: str) -> None:
+        """The step's reduction says this callback's own code failed on ``ranks`` rank(s): it stands aside on every
+        rank, here, at the same step (its hooks return at once from now on)."""
+        if self.failure is not None:  # the rank (or one of those) where it failed
+            self.failure["everywhere"] = True
+            return
+        step = getattr(trainer, "global_step", None)
+        self.failure = {
+            "hook": hook,
+            "error": f"its own code failed on {ranks} other rank(s)",
+            "step": step,
+            "traceback": "",
+            "everywhere": True,
+        }
+        self._aside_reason = self._aside_reason or f"its own code failed on {ranks} other rank(s)"
+        rank_zero_warn(
+            f"{type(self).__name__} failed in its own code on {ranks} rank(s) (see callback-errors-rank<r>.txt) and "
+            f"stands aside on every rank from step {step}; training continues.",
+            category=TFDebugWarning,
+        )
 
     def conclude(self, trainer: pl.Trainer, then: Callable[[Any], None], reduced: Any) -> None:
         """Run ``then(reduced)`` under the same guard as a hook (called by the step's reduction)."""

@@ -54,11 +54,12 @@ class Declaration:
     """One member's part of a step's reduction: its tensors and what to do with the result."""
 
     owner: Any
-    then: Callable[[Reduced], None]
+    then: Callable[[Reduced], None] | None
     sums: Tensor
     anys: Tensor
     maxes: Tensor
     rows: Tensor
+    failed: bool = False  # the member's own code failed on this rank: zeros of its usual sizes, and this flag
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -91,14 +92,22 @@ def reduce_declarations(declared: Sequence[Declaration]) -> list[Reduced]:
 
     Every rank must call this on the same step with declarations of the same sizes in the same order.
     """
+    return _reduce(declared)[0]
+
+
+def _reduce(declared: Sequence[Declaration]) -> tuple[list[Reduced], list[int]]:
+    """The reduced declarations, and per declaration the number of ranks on which its member failed."""
     if not declared:
-        return []
+        return [], []
     world = world_size()
     device = declared[0].sums.device
     if world == 1:
-        return [Reduced(d.sums, (d.anys > 0).double(), d.maxes, d.rows.unsqueeze(0)) for d in declared]
+        reduced = [Reduced(d.sums, (d.anys > 0).double(), d.maxes, d.rows.unsqueeze(0)) for d in declared]
+        return reduced, [int(d.failed) for d in declared]
     rank = dist.get_rank()
     sums = torch.cat([d.sums.to(device) for d in declared])
+    # one count per declaration at the end of the sums: on how many ranks its member failed (0 on a healthy step)
+    sums = torch.cat([sums, torch.tensor([float(d.failed) for d in declared], dtype=torch.float64, device=device)])
     anys = torch.cat([d.anys.to(device) for d in declared])
     own = torch.cat([t.to(device) for d in declared for t in (d.maxes, d.rows)])
     table = torch.zeros(world, own.numel(), dtype=torch.float64, device=device)
@@ -109,6 +118,7 @@ def reduce_declarations(declared: Sequence[Declaration]) -> list[Reduced]:
     n_sums, n_anys = sums.numel(), anys.numel()
     sums, anys = packed[:n_sums], packed[n_sums : n_sums + n_anys] > 0
     table = packed[n_sums + n_anys :].view(world, own.numel())
+    failures = [int(v) for v in sums[n_sums - len(declared) :].tolist()]  # host sync: with the members' own read
     out: list[Reduced] = []
     s = a = o = 0
     for d in declared:
@@ -117,12 +127,12 @@ def reduce_declarations(declared: Sequence[Declaration]) -> list[Reduced]:
         rows = table[:, o + n_m : o + n_m + n_r]
         out.append(Reduced(sums[s : s + n_s], anys[a : a + n_a].double(), maxes, rows))
         s, a, o = s + n_s, a + n_a, o + n_m + n_r
-    return out
+    return out, failures
 
 
 def payload_slots(declared: Sequence[Declaration], world: int) -> int:
     """Number of float64 slots one rank sends in :func:`reduce_declarations` for ``world`` ranks."""
-    return sum(d.sizes[0] + d.sizes[1] + world * (d.sizes[2] + d.sizes[3]) for d in declared)
+    return sum(1 + d.sizes[0] + d.sizes[1] + world * (d.sizes[2] + d.sizes[3]) for d in declared)
 
 
 @dataclass
@@ -137,6 +147,11 @@ class StepReduction:
 
     pending: list[Declaration] = field(default_factory=list)
     last_slots: int = 0  # slots per rank of the last reduction run (for the payload figures)
+    members: list[Any] = field(default_factory=list)  # the members that declare into it, in the pack's order
+    step_at_start: int = -1  # global_step when the current batch started (set by the pack)
+    #: per member (by id): the hook it declares in and the sizes of its declaration, from the last reduction (the same
+    #: on every rank): what a rank whose member failed sends in its place
+    layouts: dict[int, tuple[str, tuple[int, int, int, int], torch.device]] = field(default_factory=dict)
 
     def add(self, declared: Declaration) -> None:
         self.pending.append(declared)
@@ -144,13 +159,49 @@ class StepReduction:
     def clear(self) -> None:
         self.pending.clear()
 
-    def run(self, trainer: Any) -> None:
-        """Reduce what was declared (one collective) and hand each member its part, under that member's guard."""
+    def can_stand_in(self, member: Any) -> bool:
+        """Whether a failure of ``member`` on this rank alone can be told to the other ranks through this reduction:
+        its declarations have a known layout and come on steps its cadence decides (see :meth:`run`)."""
+        known = id(member) in self.layouts and any(m is member for m in self.members)
+        return known and member.declares_at(0, True) is not None
+
+    def _stand_ins(self, trainer: Any, hook: str) -> None:
+        """Zeros with the failure flag for every member that failed on this rank and would declare in ``hook`` now,
+        so the collective keeps its shape and every rank learns of the failure at the same step."""
+        stepped = getattr(trainer, "global_step", self.step_at_start) != self.step_at_start
+        declared = {id(d.owner) for d in self.pending}
+        for member in self.members:
+            failure = getattr(member, "failure", None)
+            layout = self.layouts.get(id(member))
+            if failure is None or failure.get("everywhere") is not False or layout is None or layout[0] != hook:
+                continue
+            if id(member) in declared:  # it declared, then failed in the same hook: its declaration carries the flag
+                for d in self.pending:
+                    if d.owner is member:
+                        d.failed = True
+                continue
+            if not member.declares_at(self.step_at_start, stepped):
+                continue
+            zeros = [torch.zeros(n, dtype=torch.float64, device=layout[2]) for n in layout[1]]
+            self.pending.append(Declaration(member, None, *zeros, failed=True))
+
+    def run(self, trainer: Any, hook: str = "on_train_batch_end") -> None:
+        """Reduce what was declared in ``hook`` (one collective) and hand each member its part, under its guard.
+
+        A member whose own code failed on some rank gets no part: it stands aside on every rank at this step."""
+        self._stand_ins(trainer, hook)
         if not self.pending:
             return
-        declared, self.pending = self.pending, []
+        order = {id(m): i for i, m in enumerate(self.members)}
+        declared = sorted(self.pending, key=lambda d: order.get(id(d.owner), len(order)))  # the same on every rank
+        self.pending = []
         self.last_slots = payload_slots(declared, world_size())
         with torch.no_grad():
-            results = reduce_declarations(declared)
-        for d, reduced in zip(declared, results):
-            d.owner.conclude(trainer, d.then, reduced)
+            results, failures = _reduce(declared)
+        for d, reduced, failed in zip(declared, results, failures):
+            if not d.failed:
+                self.layouts[id(d.owner)] = (hook, d.sizes, d.sums.device)
+            if failed:
+                d.owner.failed_on_some_rank(trainer, failed, hook)
+            elif d.then is not None:
+                d.owner.conclude(trainer, d.then, reduced)

@@ -80,8 +80,8 @@ def test_one_all_reduce_serves_every_member_with_sums_flags_maxima_and_rows(tmp_
         assert b.sums.tolist() == [2.0**53 - 1]
         assert b.rows.tolist() == [v["b_rows"] for v in ranks]  # every rank's row, exactly
         assert b.maxes.numel() == 0 and b.anys.numel() == 0
-        # per rank: 2 + 1 sums, 3 flags, world x (2 maxima + 2 row values)
-        assert r["slots"] == 6 + world * 4
+        # per rank: 2 + 1 sums, 3 flags, world x (2 maxima + 2 row values), one failure count per member
+        assert r["slots"] == 8 + world * 4
 
 
 def test_a_single_process_needs_no_collective_and_keeps_its_values():
@@ -92,6 +92,6 @@ def test_a_single_process_needs_no_collective_and_keeps_its_values():
     assert reduced.sums.tolist() == [1.0, 2.0] and reduced.anys.tolist() == [0.0, 1.0]
     assert reduced.maxes.tolist() == [5.0] and reduced.rows.tolist() == [[7.0]]
     assert reduced.sums.dtype == torch.float64
-    assert payload_slots([declared], 1024) == 4 + 1024 * 2
+    assert payload_slots([declared], 1024) == 5 + 1024 * 2
     empty = declaration(owner, got.append, torch.device("cpu"), sums=[])
     assert empty.sums.numel() == 0
