@@ -1,7 +1,8 @@
 """PerRankLogger's arithmetic and decisions: from every rank's gathered row to the logged spreads and the findings
 ``TFD501``-``TFD505``. Host numbers only, no Trainer: every rule here is testable with plain lists.
 
-Every rank holds the same rows after the all-gather, so every rank reaches the same verdicts (synchronized findings).
+Every rank holds the same rows after the step's reduction over ranks, so every rank reaches the same verdicts
+(synchronized findings).
 """
 
 from __future__ import annotations

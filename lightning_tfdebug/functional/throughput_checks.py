@@ -3,7 +3,7 @@ the findings. Host numbers only, no Trainer: every rule here is testable with pl
 
 A measuring step gathers one row per rank (the :data:`SLOTS` of the packed vector); :func:`throughput_metrics` turns
 the rows into the logged keys, and :class:`ThroughputDiagnosis` keeps the streaks across measurements and returns
-:class:`~lightning_tfdebug.functional.verdicts.Verdict` objects. Every rank holds the same rows after the all-gather,
+:class:`~lightning_tfdebug.functional.verdicts.Verdict` objects. Every rank holds the same rows after the reduction,
 so every rank reaches the same verdicts.
 """
 
@@ -38,7 +38,7 @@ SLOTS: tuple[str, ...] = (
     "cpu_ratio",  # this process's CPU time per step over the early windows' (nan: unknown)
     "mean_ratio",  # mean wall time per step over the median's steps, over the early windows' (nan: unknown)
 )
-"""Slots of the packed per-rank vector that one all-gather moves on a measuring step, in order."""
+"""Slots of the packed per-rank vector that the step's one reduction over ranks moves, in order."""
 
 MOST_PADDING = 0.5
 """``TFD602`` is a warning once padding is most of the computed positions: it is then the largest speed problem of the
