@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_tfdebug import LossAtInit
+from lightning_tfdebug.demo import TinyGPT
 from tests.healthy_models import HFLM, EncoderLM, HealthyTinyGPT, data
-from tests.helpers import fit_tiny
+from tests.helpers import SMALL, fit_tiny, run_distributed
 
 LN_V = math.log(259)
 CHECK = 100
@@ -103,6 +104,13 @@ class StepHF(HFLM):
     def training_step(self, batch, batch_idx):
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return _transform(self, self.how, logits, batch["labels"], shifted_ce)
+
+
+class SigmoidStepGPT(TinyGPT):
+    """TinyGPT (any of its arguments) with ``logits.sigmoid()`` in ``training_step``, for the distributed run."""
+
+    def training_step(self, batch, batch_idx):
+        return shifted_ce(self(batch["input_ids"], batch.get("attention_mask")).sigmoid(), batch["labels"])
 
 
 class ManualAccumulationGPT(HealthyTinyGPT):
@@ -244,3 +252,26 @@ def test_compared_readings_survive_a_resume(tmp_path):
         fit_tiny(tmp_path / "b", [resumed], model, datamodule, max_steps=CHECK + 1, ckpt_path=str(path))
     assert [r.step for r in resumed._readings] == [50, 80, 100]
     assert [f.code for f in transform_findings(resumed)] == ["TFD234"]
+
+
+@pytest.mark.ddp
+def test_ddp_every_rank_compares_on_the_same_steps_and_reaches_the_same_finding(tmp_path):
+    spec = {
+        "strategy": "ddp",
+        "model_class": "tests.callbacks.test_loss_at_init_transforms:SigmoidStepGPT",
+        "model": {**SMALL, "lr": 2e-3},
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 61},
+        "callbacks": [
+            {"class_path": "lightning_tfdebug.LossAtInit", "init_args": {"check_step": 60, "every_n_steps": 10}}
+        ],
+    }
+    results = run_distributed(tmp_path, spec)
+    evidence = []
+    for r in results:
+        assert r["error"] is None, r["error"]
+        [finding] = [f for f in r["findings"]["LossAtInit"] if f["code"] in ("TFD233", "TFD234", "TFD235")]
+        assert finding["code"] == "TFD233" and finding["evidence"]["steps"] == [30, 50, 60]
+        evidence.append(finding["evidence"])
+    assert evidence[0]["returned_loss"] == evidence[1]["returned_loss"]  # reduced over ranks: the same numbers
+    assert evidence[0]["logits_loss"] == evidence[1]["logits_loss"]
