@@ -19,7 +19,7 @@ from torch import nn
 from lightning_tfdebug import LossAtInit
 from lightning_tfdebug.demo import TinyGPT
 from tests.healthy_models import HFLM, EncoderLM, HealthyTinyGPT, data
-from tests.helpers import SMALL, fit_tiny, run_distributed
+from tests.helpers import SMALL, fit_tiny, read_scalars, run_distributed
 
 LN_V = math.log(259)
 CHECK = 100
@@ -148,6 +148,11 @@ def fit(tmp_path, model, datamodule, check_step=CHECK, max_steps=None, **kwargs)
     return monitor, trainer
 
 
+def compared(tmp_path):
+    """``(step, the recorded logits' cross-entropy)`` on the compared steps, as logged."""
+    return read_scalars(tmp_path / "tb" / "version_0").get("loss_at_init/logits_loss", [])
+
+
 def transform_findings(monitor):
     return [f for f in monitor.findings if f.code in ("TFD233", "TFD234", "TFD235")]
 
@@ -216,13 +221,14 @@ def test_healthy_differences_between_the_loss_and_the_logits_stay_silent(tmp_pat
         model, datamodule = build(family, how)
     monitor, _ = fit(tmp_path, model, datamodule)
     assert monitor.findings == []
-    assert [r.step for r in monitor._readings] == [50, 80, 100]
+    assert [step for step, _ in compared(tmp_path)] == [50, 80, 100]
 
 
 def test_manual_accumulation_that_divides_the_loss_stays_silent(tmp_path):
     monitor, _ = fit(tmp_path, ManualAccumulationGPT(), data("tinygpt"), max_steps=CHECK + 1)
     assert monitor.findings == []  # nor TFD223 at step 0: Lightning does not divide a manual loss
-    ratios = [r.loss / r.ce for r in monitor._readings]
+    losses = dict(read_scalars(tmp_path / "tb" / "version_0")["loss_at_init/loss"])
+    ratios = [losses[step] / logits_loss for step, logits_loss in compared(tmp_path)]
     assert len(ratios) == 3 and all(q == pytest.approx(0.25, rel=1e-3) for q in ratios)
 
 
@@ -234,14 +240,14 @@ def test_one_step_of_disagreement_is_not_persistent(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fit_tiny(tmp_path, [monitor], model, datamodule, max_steps=31)
-    assert [r.step for r in monitor._readings] == [30]
+    assert [step for step, _ in compared(tmp_path)] == [30]
     assert transform_findings(monitor) == []
 
 
 def test_compared_readings_survive_a_resume(tmp_path):
     model, datamodule = build("tinygpt", "temperature")
-    first, trainer = fit(tmp_path / "a", model, datamodule, max_steps=81)
-    assert [r.step for r in first._readings] == [50, 80]
+    _, trainer = fit(tmp_path / "a", model, datamodule, max_steps=81)
+    assert [step for step, _ in compared(tmp_path / "a")] == [50, 80]
     path = tmp_path / "mid.ckpt"
     trainer.save_checkpoint(path)
     model, datamodule = build("tinygpt", "temperature")
@@ -250,8 +256,8 @@ def test_compared_readings_survive_a_resume(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fit_tiny(tmp_path / "b", [resumed], model, datamodule, max_steps=CHECK + 1, ckpt_path=str(path))
-    assert [r.step for r in resumed._readings] == [50, 80, 100]
-    assert [f.code for f in transform_findings(resumed)] == ["TFD234"]
+    [finding] = transform_findings(resumed)
+    assert finding.code == "TFD234" and finding.evidence["steps"] == [50, 80, 100]  # 50 and 80 from the checkpoint
 
 
 @pytest.mark.ddp
