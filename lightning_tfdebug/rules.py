@@ -1041,7 +1041,9 @@ _RULES: tuple[Rule, ...] = (
         ),
         hint=(
             "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR range "
-            "test; check that the scheduler is not stuck at its initial factor."
+            "test; check that the scheduler is not stuck at its initial factor. Groups named in "
+            "`groups_below_resolution` did not change at all: the optimizer stepped them by less than half the float "
+            "spacing of their weights (AdamW at lr 1e-8 on fp32 norm gains of 1.0), and they rounded back."
         ),
         reason="Measured: updates too small to move the weights, and the loss shows the model has not learned",
     ),
@@ -1062,10 +1064,15 @@ _RULES: tuple[Rule, ...] = (
         "error",
         "UpdateRatio",
         title="a group got gradients but did not change: not in the optimizer",
-        trigger="a group received gradients but did not change when the optimizer stepped",
+        trigger=(
+            "a group received gradients but did not change when the optimizer stepped, `patience` measurements in a "
+            "row, and holds parameters in none of the optimizers' param groups (when the optimizer holds copies and "
+            "that cannot be told: its expected step is not below half the float spacing of its weights). A group in "
+            "the optimizer whose step rounds away is TFD310's evidence instead"
+        ),
         hint=(
-            "Their parameters are probably not in the optimizer (built before the module was added, or filtered out "
-            "in configure_optimizers). Add them, or set requires_grad=False if they should stay fixed."
+            "Their parameters are not in the optimizer (built before the module was added, or filtered out in "
+            "configure_optimizers). Add them, or set requires_grad=False if they should stay fixed."
         ),
         reason=(
             "A group that receives gradients but never changes is not being trained: the model cannot learn as "

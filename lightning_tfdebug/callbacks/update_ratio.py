@@ -23,9 +23,12 @@ from lightning_tfdebug.functional.loss import unigram_entropy
 from lightning_tfdebug.functional.norms import grouped_sq_norms
 from lightning_tfdebug.functional.update_checks import (
     LOSS_FALL_PER_STEP,
+    below_resolution,
+    expected_step,
     label_counts,
     loss_fall_per_step,
     loss_still_falling,
+    outside_optimizers,
 )
 
 _UNIGRAM_BATCHES = 8
@@ -77,6 +80,14 @@ class UpdateRatio(DebugCallback):
     embedding), not most of the way down to the supervised labels' unigram entropy as a fine-tune's starts, and its
     latest loss not below that entropy. The labels of the first 8 measured batches are counted for the entropy (on
     the device, reduced with the ratios).
+
+    A group that gets gradients but does not change is either left out of the optimizer or stepped by less than its
+    weights can show: Adam moves each element by about the LR, and at lr 1e-8 fp32 norm gains of 1.0 (half a float
+    spacing: 6e-8) round back to themselves. The callback tells the two apart by whether the group's parameters are
+    in the optimizer's param groups (read once, with the groups), and, for a group in the optimizer or when that
+    cannot be told, by comparing its expected step (its param group's LR, times ``rms(grad)`` for SGD-like
+    optimizers) with half the float spacing of its weights (``torch.finfo(dtype).eps * rms(W) / 2``). Only the first
+    is ``TFD312``; the second is a learning rate far too low, named in ``TFD310``'s message and evidence.
 
     Findings: ``TFD310`` too low while the loss barely moves, ``TFD311`` too high, ``TFD312`` a group that got
     gradients but did not change (left out of the optimizer), ``TFD313`` weights growing fast, ``TFD314`` weights
@@ -171,6 +182,12 @@ class UpdateRatio(DebugCallback):
         self._counted_batches = 0
         self._counts: Tensor | None = None  # this measuring step's label counts, until reduced
         self._streak = Streak()
+        # per group, read once with the layout: any parameter in no optimizer's param groups (None: cannot tell),
+        # the element count and the coarsest float spacing (torch.finfo(dtype).eps) of its parameters
+        self._outside: list[bool] | None = None
+        self._numel: list[int] = []
+        self._eps: list[float] = []
+        self._rounded: dict[str, dict[str, float]] = {}  # groups whose updates round away: TFD310's evidence
         self.skipped_measurements = 0
 
     @property
@@ -194,6 +211,7 @@ class UpdateRatio(DebugCallback):
                     setting="a model with trainable parameters (`requires_grad=True`)",
                 )
                 return
+            self._read_groups(trainer, self._layout)
         layout = self._layout
         with torch.no_grad():
             locals_ = [local_tensor(p.detach()) for p in layout.groups.params]
@@ -293,6 +311,15 @@ class UpdateRatio(DebugCallback):
             self._first_loss = mean
         band = {"low": self.low, "high": self.high}
 
+        # groups that got gradients and did not change: left out of the optimizer (TFD312), or rounded back (TFD310)
+        stepped = sum(host[f"_delta/{g}"] for g in names) > 0
+        stuck = []
+        for g in names:
+            unchanged = stepped and host[f"_grad/{g}"] > 0 and host[f"_delta/{g}"] == 0.0
+            if self._streak.update(f"zero:{g}", unchanged) >= self.patience:
+                stuck.append(g)
+        frozen = self._left_out(trainer, host, stuck)
+
         at_plateau = (
             self._lr >= self.decayed_lr_fraction * self._peak_lr
             and len(self._recent_lr) == self._recent_lr.maxlen
@@ -315,6 +342,11 @@ class UpdateRatio(DebugCallback):
                     f"; the loss ({mean:.3f}, {self._first_loss:.3f} at the first measurement) is still near ln(V) = "
                     f"{self._ln_vocab:.3f}: the model has not learned"
                 )
+            if self._rounded:
+                barely += (
+                    f"; group(s) {', '.join(self._rounded)} did not change at all: they are in the optimizer, but each "
+                    f"step is below half the float spacing of their weights, which round back"
+                )
             self.emit(
                 trainer,
                 "TFD310",
@@ -325,6 +357,7 @@ class UpdateRatio(DebugCallback):
                     "lr": self._lr,
                     "band": band,
                     "groups_below": below,
+                    "groups_below_resolution": dict(self._rounded),
                     "loss_fall_per_step": fall,
                     **self._learning_evidence(mean),
                 },
@@ -341,21 +374,73 @@ class UpdateRatio(DebugCallback):
                 step=step,
             )
         self._check_growth(trainer, {g: host[f"update_ratio/param_norm/{g}"] for g in names}, step)
-        stepped = sum(host[f"_delta/{g}"] for g in names) > 0
-        frozen = []
-        for g in names:
-            stuck = stepped and host[f"_grad/{g}"] > 0 and host[f"_delta/{g}"] == 0.0
-            if self._streak.update(f"zero:{g}", stuck) >= self.patience:
-                frozen.append(g)
         if frozen:
             self.emit(
                 trainer,
                 "TFD312",
                 f"Group(s) {', '.join(frozen)} received gradients but did not change when the optimizer stepped, "
-                f"{self.patience} times in a row.",
+                f"{self.patience} times in a row: their parameters are in none of the optimizer's param groups.",
                 {"groups": frozen, "grad_norms": {g: host[f"_grad/{g}"] ** 0.5 for g in frozen}},
                 step=step,
             )
+
+    def _read_groups(self, trainer: pl.Trainer, layout: ReductionLayout) -> None:
+        """Once per layout, on the host (no tensor data read): which groups hold parameters outside every optimizer,
+        and each group's element count and float spacing, for telling TFD312 from updates that round away."""
+        n = layout.n_groups
+        outside = outside_optimizers(layout.groups.params, trainer.optimizers)
+        group_outside = [False] * n
+        self._numel, self._eps = [0] * n, [0.0] * n
+        for i, (g, p) in enumerate(zip(layout.groups.index, layout.groups.params)):
+            self._numel[g] += p.numel()
+            eps = torch.finfo(p.dtype).eps if p.is_floating_point() else 0.0
+            self._eps[g] = max(self._eps[g], eps)
+            group_outside[g] = group_outside[g] or (outside is not None and outside[i])
+        self._outside = None if outside is None else group_outside
+
+    def _left_out(self, trainer: pl.Trainer, host: dict[str, float], stuck: list[str]) -> list[str]:
+        """Of the groups that got gradients and did not change for ``patience`` measurements, those left out of the
+        optimizer (TFD312). A group wholly in the optimizer is not: when its expected step (the LR of its param group
+        times the optimizer's typical step per element) is below half the float spacing of its weights, the optimizer
+        did step it and the weights rounded back, which is a learning rate far too low for them and goes to TFD310's
+        evidence; above it (a param group at lr 0), nothing is said. When membership cannot be told, the same
+        comparison decides, against the optimizers' largest step, and a group whose step should have shown is TFD312.
+        Host floats only (a tensor LR is read to the host here), and only when a group is stuck."""
+        self._rounded = {}
+        if not stuck:
+            return []
+        layout = self._layout
+        assert layout is not None
+        position = {name: i for i, name in enumerate(layout.groups.group_names)}
+        # the LR and kind of each parameter's optimizer param group: host floats, read only now
+        settings = {
+            id(p): (float(group["lr"]), "betas" in group)
+            for optimizer in trainer.optimizers
+            for group in optimizer.param_groups
+            for p in group["params"]
+        }
+        frozen = []
+        for name in stuck:
+            g = position[name]
+            if self._outside is not None and self._outside[g]:
+                frozen.append(name)
+                continue
+            held = [
+                settings[id(p)]
+                for p, i in zip(layout.groups.params, layout.groups.index)
+                if i == g and id(p) in settings
+            ]
+            if not held:  # the optimizer holds copies: judge by the most generous of its param groups
+                held = list(set(settings.values()))
+            numel = max(self._numel[g], 1)
+            weight_rms = math.sqrt(host[f"update_ratio/param_norm/{name}"] ** 2 / numel)
+            grad_rms = math.sqrt(host[f"_grad/{name}"] / numel)
+            step = max((expected_step(lr, adaptive, grad_rms) for lr, adaptive in held), default=0.0)
+            if held and below_resolution(step, weight_rms, self._eps[g]):
+                self._rounded[name] = {"expected_step": step, "half_spacing": self._eps[g] * weight_rms / 2}
+            elif self._outside is None:
+                frozen.append(name)
+        return frozen
 
     def _count_labels(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """On the first measuring steps: count this batch's supervised labels over V bins, on the device (reduced

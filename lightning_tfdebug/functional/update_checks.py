@@ -53,3 +53,26 @@ def label_counts(labels: Tensor | None, vocab_size: int, ignore_index: int, devi
     index = torch.where(valid, flat, torch.full_like(flat, vocab_size))
     counts.scatter_add_(0, index, torch.ones_like(index, dtype=counts.dtype))
     return counts[:vocab_size]
+
+
+def outside_optimizers(params: Sequence[Tensor], optimizers: Sequence[torch.optim.Optimizer]) -> list[bool] | None:
+    """For each of ``params``, whether it is in none of the ``optimizers``' param groups (compared by identity). None
+    when that cannot be told: no parameter of ``params`` is held by any optimizer (a strategy whose optimizer holds
+    copies or flattened views of the model's parameters), which says more about the wrapping than about the model."""
+    held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    outside = [id(p) not in held for p in params]
+    return None if all(outside) else outside
+
+
+def expected_step(lr: float, adaptive: bool, grad_rms: float) -> float:
+    """The typical change of one element in one optimizer step: about ``lr`` for the Adam family (the step is
+    ``lr * m / (sqrt(v) + eps)``, of order one times the LR), ``lr * rms(grad)`` for SGD-like optimizers."""
+    return lr if adaptive else lr * grad_rms
+
+
+def below_resolution(step: float, weight_rms: float, eps: float) -> bool:
+    """Whether a change of ``step`` to weights of size ``weight_rms`` rounds back to the same weights: below half the
+    spacing of their dtype's floats there (``eps * |w| / 2``; ``eps`` is ``torch.finfo(dtype).eps``: 1.2e-7 for fp32,
+    7.8e-3 for bf16). Adam at lr 1e-8 cannot move fp32 norm gains of 1.0 (half a ulp is 6e-8); it moves matrices of
+    rms 0.02 (half a ulp 1.2e-9)."""
+    return weight_rms > 0 and step < eps * weight_rms / 2

@@ -147,6 +147,56 @@ def test_a_group_left_out_of_the_optimizer(tmp_path):  # bug 10
     assert finding.evidence["groups"] == ["head"]
 
 
+class NormGainLM(pl.LightningModule):
+    """Embedding, RMSNorm (gains at 1.0), head; AdamW over every parameter, or with the head left out."""
+
+    def __init__(self, lr: float, head_in_optimizer: bool = True):
+        super().__init__()
+        self.lr, self.head_in_optimizer = lr, head_in_optimizer
+        self.embed = nn.Embedding(64, 32)
+        self.norm = nn.RMSNorm(32)
+        self.head = nn.Linear(32, 64)
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return F.cross_entropy(self.head(self.norm(self.embed(inputs))).reshape(-1, 64), targets.reshape(-1))
+
+    def configure_optimizers(self):
+        params = [p for n, p in self.named_parameters() if self.head_in_optimizer or not n.startswith("head.")]
+        return torch.optim.AdamW(params, lr=self.lr)
+
+
+def random_tokens():
+    rows = torch.randint(0, 64, (256, 17), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(rows[:, :-1], rows[:, 1:]), batch_size=16)
+
+
+NORM_GROUPS = {"norm": r"^norm\.", "head": r"^head\.", "embed": r"^embed\."}
+
+
+def test_norm_gains_the_optimizer_steps_below_their_float_spacing_are_not_left_out_of_it(tmp_path):  # issue: row 34
+    # AdamW moves each element by about the LR, 1e-8, below half the fp32 spacing at 1.0 (6e-8): the gains round back
+    # to 1.0 at every step, while the embedding and the head (rms ~1 and ~0.1) do change
+    torch.manual_seed(0)
+    monitor = UpdateRatio(every_n_steps=2, groups=NORM_GROUPS)
+    fit(tmp_path, [monitor], model=NormGainLM(lr=1e-8), data=random_tokens(), max_steps=24)
+    assert "TFD312" not in codes(monitor), [f.format() for f in monitor.findings]
+    [finding] = [f for f in monitor.findings if f.code == "TFD310"][:1]
+    rounded = finding.evidence["groups_below_resolution"]
+    assert list(rounded) == ["norm"] and rounded["norm"]["expected_step"] == pytest.approx(1e-8)
+    assert rounded["norm"]["half_spacing"] == pytest.approx(torch.finfo(torch.float32).eps / 2, rel=1e-3)
+    assert "round back" in finding.message
+
+
+def test_a_head_left_out_of_the_optimizer_is_still_named_at_a_learning_rate_below_the_float_spacing(tmp_path):
+    torch.manual_seed(0)
+    monitor = UpdateRatio(every_n_steps=2, groups=NORM_GROUPS)
+    fit(tmp_path, [monitor], model=NormGainLM(lr=1e-8, head_in_optimizer=False), data=random_tokens(), max_steps=24)
+    findings = [f for f in monitor.findings if f.code == "TFD312"]
+    assert findings and all(f.evidence["groups"] == ["head"] for f in findings)
+    assert "in none of the optimizer's param groups" in findings[0].message
+
+
 class OverflowOnce(TinyGPT):
     """Pushes one step's activations past the fp16 range, so the GradScaler skips that step."""
 
