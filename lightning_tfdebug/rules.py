@@ -657,6 +657,26 @@ _RULES: tuple[Rule, ...] = (
             " cannot succeed"
         ),
     ),
+    Rule(
+        "TFD216",
+        "warning",
+        "MaskProbe",
+        title="a position table gets the same row at every position, or is never read",
+        trigger=(
+            "in one forward pass of the probe rows: an embedding or position parameter of the token table's width "
+            "with at least as many rows as the sequence is looked up with indices constant along the sequence "
+            "(longer than 1), or is read by no torch function while the token table is looked up"
+        ),
+        hint=(
+            "Pass position ids that count along the sequence (`torch.arange(t)`, or the mask's cumulative sum minus "
+            "one with left padding), not zeros; add the position table to the token embeddings in the forward."
+        ),
+        reason=(
+            "Breaks a rule that always holds for a model built with a position table: every position reads its own "
+            "row. The harm is measured only indirectly (with causal layers the mask alone carries some order), so a "
+            "warning, not an error"
+        ),
+    ),
     # ---------------------------------------------------------------- LossAtInit
     Rule(
         "TFD220",

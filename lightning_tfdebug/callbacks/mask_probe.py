@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, logits_of, loss_of, step_batch
-from lightning_tfdebug.core.calls import CallRecorder, record_calls, takes_tokens
+from lightning_tfdebug.core.calls import CallRecorder, TableReads, record_calls, takes_tokens
 from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import call_probes
@@ -81,6 +81,11 @@ class MaskProbe(DebugCallback):
       uniform attention hardly depends on order even when positions reach it): the tokens before a position are
       reversed, and separately replaced; an output that ignores the reversal but not the replacement means no
       position information reaches the attention (``TFD215``).
+    - **Position tables** (once per fit, at the first probe): one forward pass of the probe rows watches every
+      embedding weight and hand-held table parameter; a table of the token table's width with at least as many rows
+      as the sequence must be read, and looked up with indices that vary along the sequence (``TFD216``: position
+      ids all zero, or a table the forward never adds). With two causal layers the causal mask alone carries some
+      order, so the token-order check cannot see these.
     - **Target leaks** (every argument of the model call that carries the labels): see below; ``TFD214`` for a
       decoder input (or any second sequence) that carries the labels its outputs are trained on, ``TFD201`` for the
       token ids themselves.
@@ -135,7 +140,7 @@ class MaskProbe(DebugCallback):
     ``TFD210`` (info) target alignment undetermined, ``TFD211`` (info) cannot call the model, ``TFD212`` (info)
     treated as an encoder because the labels are a masked-LM objective, ``TFD213`` the eval-mode forward is random,
     ``TFD214`` the model reads the labels it predicts through one of its inputs, ``TFD215`` the model ignores token
-    order.
+    order, ``TFD216`` a position table gets the same row at every position or is never read.
 
     Distributed: each rank probes its own batch with plain forward passes on the unwrapped module (no collective);
     findings are rank-local and resolved together. Under sharded strategies (FSDP, ``ModelParallelStrategy``) a
@@ -489,6 +494,7 @@ class MaskProbe(DebugCallback):
                     if self.check_positions and not self._positions_done:
                         self._positions_done = True
                         self._probe_positions(trainer, pl_module, call_ids, values, decisions)
+                        self._probe_tables(pl_module, call_ids, call_mask, values, decisions)
                 if not self._alignment_decided:
                     self._probe_alignment(trainer, pl_module, batch, batch_idx, ids, mask, labels, values, decisions)
                 if not self._order_decided and trainer.global_step in ORDER_STEPS:
@@ -755,6 +761,53 @@ class MaskProbe(DebugCallback):
         # Never past the limit: a sequence the model cannot take fails natively in compiled code (an inductor kernel
         # aborts the process) and as a device-side assert on CUDA, neither of which any handler can catch.
         self._emit(trainer, probes.context_limit_verdict(limit, source=self._limit_source(trainer)))
+
+    def _probe_tables(
+        self,
+        pl_module: pl.LightningModule,
+        ids_full: Tensor,
+        mask_full: Tensor | None,
+        values: dict[str, Tensor | float],
+        decisions: list[Decision],
+    ) -> None:
+        """Position tables: one forward pass of the probe rows watching every embedding weight and hand-held table
+        parameter; a table of the token table's width with at least as many rows as the sequence must be read, and
+        looked up with indices that vary along the sequence (``TFD216``). Once per fit."""
+        ids, mask = self._rows(ids_full), self._rows(mask_full)
+        assert ids is not None
+        length = ids.shape[1]
+        if length < 2:
+            return
+        named = call_probes.watched_tables(pl_module)
+        if not named:
+            return
+        watcher = TableReads(list(named.values()))
+        try:
+            with watcher:
+                self._logits(ids, torch.ones_like(ids) if mask is None else mask)
+        except Exception:  # the other probes ran on this call: a failure here only means this check cannot run
+            return
+        # host sync (probe step, once per fit): which lookup took the call's token ids
+        found = call_probes.table_lookups(named, watcher.use.lookups, watcher.use.read, ids)
+        if found is None:
+            return  # no lookup of the call's token ids: the token table's width is unknown
+        token_table, tables = found
+        flags: list[tuple[str, int, bool, bool, int]] = []
+        for k, (name, rows, read, constant) in enumerate(tables):
+            if constant is not None:
+                values[f"_table{k}_constant"] = constant.float()
+            flags.append((name, rows, read, constant is not None, k))
+        if not flags:
+            return
+
+        def decide_tables(h: dict[str, float]) -> Verdict | None:
+            reports = [
+                call_probes.PositionTable(name, rows, read, looked_up, h.get(f"_table{k}_constant", 0.0) > 0.5)
+                for name, rows, read, looked_up, k in flags
+            ]
+            return call_probes.decide_position_tables(reports, length, token_table)
+
+        decisions.append(decide_tables)
 
     def _probe_kv_cache(
         self,

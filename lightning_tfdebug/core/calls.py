@@ -205,3 +205,42 @@ def takes_tokens(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         t.ndim == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
         for _, t in tensor_leaves(args) + tensor_leaves(kwargs)
     )
+
+
+@dataclass
+class TableUse:
+    """What one forward pass did with a set of watched tables (embedding weights, position parameters): which were
+    read at all, and the index tensors each was looked up with (``F.embedding``, or indexing with an integer tensor)."""
+
+    read: set[int] = dataclasses.field(default_factory=set)  # id() of every watched table read
+    lookups: list[tuple[int, Tensor]] = dataclasses.field(default_factory=list)  # (id of the table, indices)
+
+
+class TableReads(torch.overrides.TorchFunctionMode):
+    """Watches, during one forward pass, every torch function that takes one of ``tables`` (weights or parameters):
+    a table that no function takes is never read; ``F.embedding(indices, table)`` and ``table[indices]`` with an
+    integer index tensor are lookups, kept with their indices. The ``id()`` of the tensors is the key. A Python hook on
+    every torch function of the pass: for probing steps only."""
+
+    def __init__(self, tables: list[Tensor]) -> None:
+        super().__init__()
+        self._ids = {id(t) for t in tables}
+        self.use = TableUse()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.embedding:
+            weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
+            indices = kwargs.get("input", args[0] if args else None)
+            if weight is not None and id(weight) in self._ids and isinstance(indices, Tensor):
+                self.use.lookups.append((id(weight), indices))
+        elif func is Tensor.__getitem__ and args and id(args[0]) in self._ids:
+            index = args[1] if len(args) > 1 else None
+            if isinstance(index, Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
+                self.use.lookups.append((id(args[0]), index))
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, Tensor) and id(value) in self._ids:
+                self.use.read.add(id(value))
+            elif isinstance(value, (list, tuple)):
+                self.use.read.update(id(v) for v in value if isinstance(v, Tensor) and id(v) in self._ids)
+        return func(*args, **kwargs)

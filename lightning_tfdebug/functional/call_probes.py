@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_tfdebug.core.batch import LABELS_KEYS, MASK_KEYS, logits_of
 from lightning_tfdebug.core.calls import Path, RecordedCall, tensor_leaves
@@ -465,3 +465,115 @@ def token_row_logits(
     mask = plan.columns(attention_mask)
     labels = tokens if mask is None or mask.shape != tokens.shape else tokens.masked_fill(mask == 0, ignore_index)
     return logits, labels, tokens
+
+
+# ---------------------------------------------------------------------------------------------------- position tables
+_LAYER_TENSORS = ("weight", "bias")
+
+
+def watched_tables(model: nn.Module) -> dict[str, Tensor]:
+    """The tensors that may be a token or position table, by qualified name: every ``nn.Embedding``'s weight, and every
+    2-D or ``(1, rows, width)`` parameter held directly by a module outside ``torch.nn`` that is not a layer's
+    ``weight`` or ``bias`` (a hand-written model's ``self.pos = nn.Parameter(...)``). Which of them is the token table
+    and which are position tables is read from one forward pass (:func:`position_tables`)."""
+    out: dict[str, Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            out[f"{name}.weight" if name else "weight"] = module.weight
+            continue
+        if type(module).__module__.startswith("torch.nn"):
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if pname in _LAYER_TENSORS or not (param.ndim == 2 or (param.ndim == 3 and param.shape[0] == 1)):
+                continue
+            out[f"{name}.{pname}" if name else pname] = param
+    return out
+
+
+def table_rows(table: Tensor) -> tuple[int, int]:
+    """``(rows, width)`` of a table: ``(R, d)`` or ``(1, R, d)``."""
+    return int(table.shape[-2]), int(table.shape[-1])
+
+
+def is_token_lookup(indices: Tensor, input_ids: Tensor) -> bool:
+    """Whether a lookup's indices are the call's token ids (the token table's lookup)."""
+    return tuple(indices.shape) == tuple(input_ids.shape) and bool(torch.equal(indices.to(input_ids.device), input_ids))
+
+
+def constant_along_sequence(indices: Tensor) -> Tensor | None:
+    """A device bool: every row of ``indices`` holds one value along its last (sequence) dimension; None when that
+    dimension has one position or fewer (nothing to vary)."""
+    if indices.ndim == 0 or indices.shape[-1] < 2:
+        return None
+    return (indices == indices[..., :1]).all()
+
+
+def table_lookups(
+    named: dict[str, Tensor], lookups: list[tuple[int, Tensor]], read: set[int], input_ids: Tensor
+) -> tuple[str, list[tuple[str, int, bool, Tensor | None]]] | None:
+    """From one watched forward pass (:class:`~lightning_tfdebug.core.calls.TableReads`): the token table (the one
+    looked up with ``input_ids``) and, for every other watched table of its width with at least ``input_ids.shape[1]``
+    rows, ``(name, rows, read, constant)``: ``constant`` a device bool, every lookup of it along the sequence constant
+    (None: never looked up along a sequence longer than 1). None when no table took the token ids. Host sync: the
+    comparison with the token ids (probe steps only)."""
+    length = input_ids.shape[1]
+    token_ids = {i for i, indices in lookups if is_token_lookup(indices, input_ids)}
+    token_table = next((name for name, t in named.items() if id(t) in token_ids), None)
+    if token_table is None:
+        return None
+    width = table_rows(named[token_table])[1]
+    out: list[tuple[str, int, bool, Tensor | None]] = []
+    for name, t in named.items():
+        rows, w = table_rows(t)
+        if id(t) in token_ids or w != width or rows < length:
+            continue
+        flags = [c for i, indices in lookups if i == id(t) and (c := constant_along_sequence(indices)) is not None]
+        out.append((name, rows, id(t) in read, torch.stack(flags).all() if flags else None))
+    return token_table, out
+
+
+@dataclass(frozen=True)
+class PositionTable:
+    """A table of at least the call's length in rows and of the token table's width, and what the forward did with
+    it: ``read`` (taken by any torch function), ``looked_up`` (indexed along the sequence, longer than 1), and
+    ``constant`` (every such lookup's indices constant along the sequence; a host bool)."""
+
+    name: str
+    rows: int
+    read: bool
+    looked_up: bool
+    constant: bool
+
+
+def decide_position_tables(tables: list[PositionTable], length: int, token_table: str) -> Verdict | None:
+    """``TFD216`` when a position table (rows >= ``length`` > 1, the token table's width) is looked up with indices
+    constant along the sequence (every position gets the same row: position ids all zero), or is never read by the
+    forward (positions never added). None otherwise: a table looked up with ids that vary (left padding starting
+    later, packed documents restarting) is in use; a model with no such table (rotary, relative bias) has none."""
+    if length < 2:
+        return None
+    constant = [t for t in tables if t.looked_up and t.constant]
+    unread = [t for t in tables if not t.read]
+    if constant:
+        t = constant[0]
+        return Verdict(
+            "TFD216",
+            f"Every position gets the same row of the position table `{t.name}` ({t.rows} rows): the forward looks it "
+            f"up with indices that are constant along the sequence ({length} tokens), so no position information "
+            "reaches the model beyond what a causal mask implies.",
+            {"table": t.name, "rows": t.rows, "length": length, "kind": "constant", "token_table": token_table},
+            hint=f"Pass position ids that count along the sequence to the lookup of `{t.name}` (e.g. "
+            "`torch.arange(t)`, or the mask's cumulative sum minus one with left padding), not zeros.",
+        )
+    if unread:
+        t = unread[0]
+        return Verdict(
+            "TFD216",
+            f"The model holds a position table `{t.name}` ({t.rows} rows, the width of the token table "
+            f"`{token_table}`) that the forward never reads: the token embedding is looked up, positions are never "
+            "added.",
+            {"table": t.name, "rows": t.rows, "length": length, "kind": "unread", "token_table": token_table},
+            hint=f"Add `{t.name}` (its first {length} rows, or its lookup of the position ids) to the token "
+            "embeddings in the forward.",
+        )
+    return None

@@ -594,3 +594,40 @@ def test_steps_that_do_not_probe_cost_nothing(tmp_path, every_n_steps, probing):
     calls = TorchCalls()
     fit(tmp_path, calls.around(MaskProbe(every_n_steps=every_n_steps)), max_steps=7)
     assert set(calls.counts) == probing
+
+
+class _BertWithPositionIds(pl.LightningModule):
+    """Hugging Face BERT (masked LM), the healthy matrix's tiny config; ``zero_positions`` passes ``position_ids`` of
+    zeros in the step (bug-zoo row 28 on a family the bug matrix does not use for it)."""
+
+    def __init__(self, zero_positions: bool) -> None:
+        super().__init__()
+        from tests.healthy_models import hf_model
+
+        self.model, self.zero_positions = hf_model("bert_mlm"), zero_positions
+
+    def training_step(self, batch, batch_idx):
+        extra = {"position_ids": torch.zeros_like(batch["input_ids"])} if self.zero_positions else {}
+        return self.model(**batch, **extra).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("zero_positions", [True, False], ids=["position_ids_zero", "healthy"])
+def test_position_ids_all_zero_on_bert(tmp_path, zero_positions):
+    pytest.importorskip("transformers")
+    from tests.healthy_models import data
+
+    probe = MaskProbe()
+    trainer = make_trainer(tmp_path, [probe], max_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_BertWithPositionIds(zero_positions), data("bert_mlm"))
+    if zero_positions:
+        assert problems(probe) == ["TFD216"]
+        finding = next(f for f in probe.findings if f.code == "TFD216")
+        assert finding.severity == "warning" and finding.evidence["kind"] == "constant"
+        assert finding.evidence["table"] == "model.bert.embeddings.position_embeddings.weight"
+    else:  # its token-type table is looked up with zeros too, but has 2 rows: not a position table
+        assert problems(probe) == []
