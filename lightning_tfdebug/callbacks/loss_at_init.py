@@ -44,6 +44,8 @@ from lightning_tfdebug.functional.loss import (
 )
 from lightning_tfdebug.functional.loss_checks import (
     MASKED_LM_CHECK_FACTOR,
+    MASKED_LM_SHARE,
+    MASKED_LM_SUPERVISED,
     OTHER_ALIGNMENT,
     LossReading,
     bounded_output_verdict,
@@ -76,6 +78,10 @@ _INIT_KEYS = (
     "other_ce_sum",
     "other_ce_count",
 )
+_LATE_KEYS = ("late_mask_top", "late_mask_count", "late_supervised", "late_positions")
+"""At the check of a run whose step 0 this callback did not see (resumed from a checkpoint written without it): what
+step 0 would have read to tell masked-LM labels (:func:`~lightning_tfdebug.functional.loss.masked_input_sums` and the
+supervised share)."""
 _CHECK_KEYS = (
     "ce_sum",
     "ce_count",
@@ -98,6 +104,7 @@ _CHECK_KEYS = (
     ),
     OTHER_ALIGNMENT + "range_sq_sum",
     OTHER_ALIGNMENT + "floor_count",
+    *_LATE_KEYS,
 )
 _TRANSFORM_KEYS = (
     "tx_ce_sum",
@@ -811,6 +818,14 @@ class LossAtInit(DebugCallback):
                     )
                 elif fits and self._view is not None and self._view.input_ids is not None:
                     found.stats.update(label_input_match_sums(labels, inputs, self.ignore_index))
+                if fits and not self._init_done:  # step 0 unseen: its masked-LM reading is taken here instead
+                    late = masked_input_sums(inputs, labels, found.vocab, self.ignore_index)
+                    found.stats.update(
+                        late_mask_top=late["mask_share_top"],
+                        late_mask_count=late["mask_share_count"],
+                        late_supervised=(labels != self.ignore_index).sum(dtype=torch.float32),
+                        late_positions=torch.tensor(float(labels.numel()), device=labels.device),
+                    )
             if self._armed in ("compare", "check"):  # the returned loss against these logits (and transforms of them)
                 found.stats.update(
                     loss_transform_sums(
@@ -911,6 +926,24 @@ class LossAtInit(DebugCallback):
             self._readings = [*self._readings, reading][-(len(COMPARE_FRACTIONS) + 1) :]
             self.log_scalars(trainer, {"loss_at_init/logits_loss": reading.ce}, step=step)
 
+    def _late_masked_lm(self, host: dict[str, float], step: int) -> bool:
+        """A run resumed without this callback's state never showed step 0, where masked-LM labels are recognised and
+        their check moved to ``MASKED_LM_CHECK_FACTOR * check_step`` (a masked LM sits at the unigram entropy far
+        longer than a causal LM). Recognise them at the check instead, from the same reading; True when the check
+        was moved (nothing is judged at this step)."""
+        if self._masked_lm or not host["late_mask_count"] or not host["late_positions"]:
+            return False
+        share = host["late_mask_top"] / host["late_mask_count"]
+        supervised = host["late_supervised"] / host["late_positions"]
+        if not (share >= MASKED_LM_SHARE and 0 < supervised <= MASKED_LM_SUPERVISED):
+            return False
+        self._masked_lm = True
+        later = MASKED_LM_CHECK_FACTOR * self.check_step if self.check_step is not None else None
+        if later is None or step >= later:
+            return False  # judged now, as a masked LM
+        self._check_at, self._check_done = later, False
+        return True
+
     def _measure_check(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
         self._count_labels(found.labels, found.device)  # V is known alike on every rank (or on none)
         host = self._reduce(found.stats, (*_CHECK_KEYS, *_TRANSFORM_KEYS), loss, found.ok, found.device)
@@ -919,6 +952,9 @@ class LossAtInit(DebugCallback):
         returned = host["loss_sum"] / host["loss_n"] if host["loss_n"] else float("nan")
         host, _ = follow_returned_loss(host, returned)
         self._vocab = self._vocab or found.vocab
+        if not self._init_done and self._late_masked_lm(host, step):
+            self._record(trainer, {**host, "loss_sum": returned, "loss_n": 1.0}, step)
+            return  # a masked LM seen first here: its check moves to its own later step, as step 0 would have set
         window = [(s, v) for s, v in self._history if s >= step // 2]  # measured before this check, in its window
         nan = float("nan")
         recomputed = host["ce_sum"] / host["ce_count"] if host["ce_count"] else nan
