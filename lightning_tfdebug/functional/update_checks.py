@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.functional.loss import label_counts as count_labels
+
 LOSS_FALL_PER_STEP = 1e-3
 """The loss is still falling when its mean fell by at least this fraction of itself per optimizer step over the low
 streak (0.1%: at that pace it falls by a tenth in 100 steps). Measured: full fine-tunes at lr 2e-4 fall by about
@@ -42,17 +44,12 @@ def loss_still_falling(losses: Sequence[tuple[int, float]], min_fall_per_step: f
 
 
 def label_counts(labels: Tensor | None, vocab_size: int, ignore_index: int, device: torch.device) -> Tensor:
-    """How often each class ``0 .. vocab_size - 1`` occurs among the supervised labels (not ``ignore_index``, inside
-    the vocabulary): a float vector of ``vocab_size`` on the device, zeros when there are no labels. No host sync
-    (out-of-range labels go to a spare bin that is dropped, instead of a boolean index)."""
-    counts = torch.zeros(vocab_size + 1, device=device)
+    """How often each class ``0 .. vocab_size - 1`` occurs among the supervised labels, on ``device``: LossAtInit's
+    count (:func:`lightning_tfdebug.functional.loss.label_counts`, no host sync), and zeros when the batch holds no
+    integer labels, so every rank packs a vector of the same length."""
     if labels is None or labels.is_floating_point() or labels.dtype == torch.bool:
-        return counts[:vocab_size]
-    flat = labels.detach().reshape(-1).to(device=device, dtype=torch.long)
-    valid = (flat >= 0) & (flat < vocab_size) & (flat != ignore_index)
-    index = torch.where(valid, flat, torch.full_like(flat, vocab_size))
-    counts.scatter_add_(0, index, torch.ones_like(index, dtype=counts.dtype))
-    return counts[:vocab_size]
+        return torch.zeros(vocab_size, device=device)
+    return count_labels(labels.to(device), vocab_size, ignore_index)
 
 
 def outside_optimizers(params: Sequence[Tensor], optimizers: Sequence[torch.optim.Optimizer]) -> list[bool] | None:
