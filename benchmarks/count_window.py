@@ -1,18 +1,17 @@
-"""ThroughputMonitor's token window on torchmetrics: what it costs per micro-batch, and why its cross-rank part stays
-one packed all-gather.
+"""ThroughputMonitor's token window: what it costs per micro-batch, against a ``torchmetrics.SumMetric``.
 
 Usage::
 
     python benchmarks/count_window.py --updates 20000
 
-1. Per micro-batch: ``CountWindow.add`` (a ``torchmetrics.SumMetric`` update in place, float64, NaN check off)
-   against the former ``list.append`` of the count tensor; per measuring step: ``CountWindow.total`` against the
-   former stack-and-sum of the list. Mean time per call, one torch thread, the mask reduction that produces the count
+1. Per micro-batch: ``CountWindow.add`` (an in-place ``add_`` into one float64 device scalar) against
+   ``torchmetrics.SumMetric.update`` (float64, NaN check off: what the window used before issue 25); per measuring
+   window: add + total for both. Mean time per call, one torch thread, the mask reduction that produces the count
    included in both (it is the same work).
 2. Host syncs and collectives on a step that does not measure: counted by wrapping ``Tensor.item/tolist/cpu/
    __bool__`` and ``torch.distributed`` collectives during ``add``.
 3. Cross-rank: collectives that torchmetrics' own ``sync()`` runs for one ``SumMetric`` (a 1-process gloo group),
-   against the callback's one packed all-gather of every statistic.
+   against the pack's one shared reduction per measuring step.
 """
 
 from __future__ import annotations
@@ -49,10 +48,12 @@ def main() -> None:
     mask[:, 200:] = 0
 
     window = CountWindow()
-    listed: list[torch.Tensor] = []
+    metric = SumMetric(nan_strategy="disable", sync_on_compute=False).set_dtype(torch.float64)
     add_new = per_call_us(lambda: window.add(mask.sum()), args.updates)
-    add_old = per_call_us(lambda: listed.append(mask.sum()), args.updates)
-    print(f"per micro-batch  CountWindow.add (SumMetric) {add_new:7.2f} us   list.append {add_old:7.2f} us")
+    add_old = per_call_us(lambda: metric.update(mask.sum()), args.updates)
+    print(f"per micro-batch  CountWindow.add (in place) {add_new:7.2f} us   SumMetric.update {add_old:7.2f} us")
+    window.total(torch.device("cpu"))
+    metric.reset()
 
     def fill_new() -> torch.Tensor:
         for _ in range(args.window):
@@ -60,13 +61,16 @@ def main() -> None:
         return window.total(torch.device("cpu"))
 
     def fill_old() -> torch.Tensor:
-        items = [mask.sum() for _ in range(args.window)]
-        return torch.stack([t.to(torch.float64) for t in items]).sum()
+        for _ in range(args.window):
+            metric.update(mask.sum())
+        total = metric.compute()
+        metric.reset()
+        return total
 
     reps = max(1, args.updates // args.window)
     new = per_call_us(fill_new, reps)
     old = per_call_us(fill_old, reps)
-    print(f"per window of {args.window}: SumMetric add+total {new:8.1f} us   list+stack+sum {old:8.1f} us")
+    print(f"per window of {args.window}: CountWindow add+total {new:8.1f} us   SumMetric update+compute {old:8.1f} us")
     assert fill_new().item() == fill_old().item()  # the same sum
 
     # 2. syncs and collectives in `add`
@@ -104,8 +108,8 @@ def main() -> None:
             metric.compute()  # sync_on_compute=True: torchmetrics gathers the state
             print(f"torchmetrics sync of one SumMetric: {len(calls)} collectives {calls}")
             print(
-                "ThroughputMonitor's packed gather of all its statistics: 1 collective at any world size "
-                "(core.distributed.all_gather_vector; torchmetrics' count above is its minimum, at world size 1)"
+                "ThroughputMonitor's statistics travel in the pack's one shared reduction of a measuring step "
+                "(core.reduction: one all_reduce for every member; torchmetrics' count above is per metric state)"
             )
         finally:
             for name, fn in dist_originals.items():

@@ -25,15 +25,18 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_tfdebug import TFDebug
+from lightning_tfdebug.core.base import BATCH_HOOKS
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from lightning_tfdebug.pack import _overridden
 
 
 class HookClock(pl.Callback):
     """Wraps, at set-up, every member hook of the pack (and its reduction) with a timer."""
 
-    def __init__(self, pack: TFDebug, every_n_steps: int) -> None:
+    def __init__(self, pack: TFDebug, every_n_steps: int, by_hook: bool = False) -> None:
         self.pack = pack
         self.every = every_n_steps
+        self.by_hook = by_hook  # one row per member and hook instead of one per member
         self.step = -1
         self.seconds: dict[tuple[int, str], float] = defaultdict(float)  # (step, member) -> seconds
 
@@ -41,11 +44,18 @@ class HookClock(pl.Callback):
         pack = self.pack
         for hook, methods in pack._hooks.items():
             pack._hooks[hook] = tuple(self._timed(hook, m) for m in methods)
+        # the per-batch hooks are looked up on the members when the pack builds its per-step tables (first batch)
+        for member in pack.running.values():
+            for hook in BATCH_HOOKS:
+                if _overridden(member, hook):
+                    setattr(member, hook, self._timed(hook, getattr(member, hook)))
         reduction = pack._reduction
         reduction.run = self._timed("reduction", reduction.run, owner="(shared reduction)")
 
     def _timed(self, hook: str, method: Callable[..., Any], owner: str | None = None) -> Callable[..., Any]:
         name = owner or type(getattr(method, "__self__", method)).__name__
+        if self.by_hook and owner is None:
+            name = f"{name}.{hook}"
 
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -70,11 +80,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--by-hook", action="store_true", help="one row per member and hook")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     pack = TFDebug(preset=args.preset, every_n_steps=args.every_n_steps, summary=False, dashboard=False)
-    clock = HookClock(pack, args.every_n_steps)
+    clock = HookClock(pack, args.every_n_steps, by_hook=args.by_hook)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -101,12 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((member, on, off))
     rows.sort(key=lambda r: -r[2])
     print(f"TFDebug(preset={args.preset!r}), every_n_steps={args.every_n_steps}: host ms per step in the pack's hooks")
-    print(f"{'member':<22} {'measuring step':>15} {'other step':>11}")
+    width = max(22, *(len(r[0]) for r in rows))
+    print(f"{'member':<{width}} {'measuring step':>15} {'other step':>11}")
     for member, on, off in rows:
-        print(f"{member:<22} {on:>15.3f} {off:>11.3f}")
+        if on >= 0.0005 or off >= 0.0005:
+            print(f"{member:<{width}} {on:>15.3f} {off:>11.3f}")
     total_on, total_off = sum(r[1] for r in rows), sum(r[2] for r in rows)
     mean = (total_on * len(measuring) + total_off * len(other)) / max(1, len(measuring) + len(other))
-    print(f"{'all':<22} {total_on:>15.3f} {total_off:>11.3f}   mean over steps: {mean:.3f} ms")
+    print(f"{'all':<{width}} {total_on:>15.3f} {total_off:>11.3f}   mean over steps: {mean:.3f} ms")
 
 
 if __name__ == "__main__":

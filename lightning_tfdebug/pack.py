@@ -46,7 +46,7 @@ from lightning_tfdebug.callbacks.repro_capture import ReproCapture
 from lightning_tfdebug.callbacks.scaler_watch import ScalerWatch
 from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
-from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_choice, check_number
+from lightning_tfdebug.core.base import BATCH_HOOKS, DebugCallback, TFDebugWarning, check_choice, check_number
 from lightning_tfdebug.core.compat import Callback
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.messages import pack_warning
@@ -315,6 +315,28 @@ class TFDebug(Callback):
         self._hooks["teardown"] = tuple(m.teardown for m in running)
         for hook in ("on_fit_start", "on_fit_end", "on_exception", "on_save_checkpoint", "on_load_checkpoint"):
             self._hooks[hook] = tuple(getattr(m, hook) for m in running if _overridden(m, hook))
+        self._running_list = running
+        self._tables: dict[tuple[bool, ...], dict[str, tuple[Callable[..., Any], ...]]] = {}
+        self._batch_table: dict[str, tuple[Callable[..., Any], ...]] | None = None
+
+    def _table_at(self, step: int) -> dict[str, tuple[Callable[..., Any], ...]]:
+        """The batch hooks to call on the batches that train optimizer step ``step``: per member, all of them where it
+        is busy at that step (:meth:`DebugCallback.busy_at`), else only its :attr:`~DebugCallback.every_batch_hooks`.
+        One tuple of booleans per batch (host arithmetic); the tables for each pattern are built once."""
+        running = self._running_list
+        busy = tuple(m.failure is None and _busy(m, step) for m in running)
+        table = self._tables.get(busy)
+        if table is None:
+            table = {
+                hook: tuple(
+                    getattr(m, hook)
+                    for m, b in zip(running, busy)
+                    if _overridden(m, hook) and (b or hook in m.every_batch_hooks)
+                )
+                for hook in BATCH_HOOKS
+            }
+            self._tables[busy] = table
+        return table
 
     # ------------------------------------------------------------------ identity and state
     @property
@@ -540,13 +562,26 @@ def _raising_callback(exception: BaseException, trainer: pl.Trainer) -> str | No
     return found
 
 
+def _busy(member: DebugCallback, step: int) -> bool:
+    try:
+        return bool(member.busy_at(step))
+    except Exception:  # the member's own bug: call all its hooks, whose guard reports it
+        return True
+
+
 def _make_forwarder(hook: str) -> Callable[..., None]:
+    per_batch = hook in BATCH_HOOKS
+
     def forward(self: TFDebug, *args: Any, **kwargs: Any) -> None:
         if hook == "on_train_batch_start":
             self._reduction.step_at_start = args[0].global_step
-        for method in self._hooks[hook]:
+            self._batch_table = self._table_at(args[0].global_step)
+        table = self._batch_table if per_batch else None
+        for method in table[hook] if table is not None else self._hooks[hook]:
             method(*args, **kwargs)
-        if self._reduction.pending or hook == "on_train_batch_end":
+        if hook == "on_train_batch_end":
+            self._batch_table = None
+        if self._reduction.pending or (hook == "on_train_batch_end" and self._reduction.stand_in_due):
             # members declared statistics in this hook (a measuring step): one collective; at a batch's end also the
             # stand-in of a member that failed on this rank, on the steps it would have declared
             self._reduction.run(args[0], hook)

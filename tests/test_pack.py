@@ -412,3 +412,58 @@ def test_labels_shifted_by_hand_and_again_inside_gpt2_are_named(tmp_path):
     [finding] = [f for f in probe.findings if f.code == "TFD206"]
     assert finding.evidence["labels_relation"] == "inputs"
     assert finding.evidence["loss_returned"] == pytest.approx(finding.evidence["loss_shifted2"], rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------- per-step dispatch
+class _HookLog(pl.Callback):
+    """Notes, per optimizer step, which batch hooks of the pack's members ran (instance-level wrappers)."""
+
+    def __init__(self, pack: tfd.TFDebug) -> None:
+        self.pack = pack
+        self.step = -1
+        self.calls: dict[int, set[str]] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_tfdebug.core.base import BATCH_HOOKS
+        from lightning_tfdebug.pack import _overridden
+
+        for name, member in self.pack.running.items():
+            for hook in BATCH_HOOKS:
+                if _overridden(member, hook):
+                    setattr(member, hook, self._wrap(f"{name}.{hook}", getattr(member, hook)))
+
+    def _wrap(self, label: str, method):
+        def wrapped(*args, **kwargs):
+            if label.endswith("on_train_batch_start"):
+                self.step = args[0].global_step
+            self.calls.setdefault(self.step, set()).add(label)
+            return method(*args, **kwargs)
+
+        return wrapped
+
+
+def test_the_pack_calls_a_member_s_batch_hooks_only_on_the_steps_it_works(tmp_path):
+    """Issue 25: on a step that does not measure, only the members with per-batch work run (NaNFirstFrame's check,
+    ThroughputMonitor's clock and token count, BatchGuard's and ReproCapture's per-batch reading, UpdateRatio's loss
+    sum, PerRankLogger's data wait, OptimizerAudit's scheduler cadence); the measuring members run on measuring steps,
+    LossAtInit also on its own compared and check steps. What they find is unchanged: the healthy run stays silent
+    and every measuring member logged on its measuring steps."""
+    pack = tfd.TFDebug(preset="always", every_n_steps=5, overrides={"LossAtInit": {"check_step": 16}})
+    log = _HookLog(pack)
+    fit_tiny(tmp_path, [pack, log], max_steps=20)
+    idle = {"GradNormMonitor", "DeadActivation", "LossAtInit", "ScalerWatch"}
+    compare = set(pack.members["LossAtInit"]._compare_steps())
+    for step, ran in log.calls.items():
+        members = {label.split(".")[0] for label in ran}
+        assert {"NaNFirstFrame", "ThroughputMonitor", "BatchGuard", "ReproCapture", "UpdateRatio"} <= members, step
+        if step % 5 == 0:
+            assert "GradNormMonitor.on_before_optimizer_step" in ran and "DeadActivation.on_train_batch_start" in ran
+            assert "UpdateRatio.on_before_optimizer_step" in ran and "PerRankLogger.on_train_batch_end" in ran
+        elif step in compare or step == 16:
+            assert members & idle == {"LossAtInit"}, (step, sorted(ran))
+        else:
+            assert not members & idle, (step, sorted(ran))  # nothing to do: not called at all
+            assert "UpdateRatio.on_before_optimizer_step" not in ran and "PerRankLogger.on_train_batch_end" not in ran
+    assert [f.code for f in pack.findings if f.severity in ("warning", "error")] == []
+    assert all(m.failure is None for m in pack.running.values())
+    assert pack.members["LossAtInit"]._check_done  # its check step ran although the cadence skips step 16

@@ -366,6 +366,10 @@ class DeadActivation(DebugCallback):
             return
         self._layers, self._modules = layers, modules
 
+    def busy_at(self, step: int) -> bool:
+        """Hooks go on the layers on measuring steps only (and come off within the same batch)."""
+        return step % self._interval == 0 or self._armed_step is not None
+
     # ------------------------------------------------------------------ hooks on / off
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self._layers is None or not self.should_measure(trainer) or self._measured_step == trainer.global_step:

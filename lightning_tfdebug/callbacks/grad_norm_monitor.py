@@ -160,6 +160,10 @@ class GradNormMonitor(DebugCallback):
         self._patched_plugin = plugin
 
     # ------------------------------------------------------------------ measuring
+    def busy_at(self, step: int) -> bool:
+        """Its one hook measures on measuring steps only."""
+        return step % self._interval == 0
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:

@@ -31,7 +31,7 @@ from lightning_tfdebug.core.distributed import (
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional.finite import flagged_ranks, grads_nonfinite_flag, nonfinite_flag
+from lightning_tfdebug.functional.finite import flagged_ranks, grads_nonfinite_flag
 from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_frames, weight_ranges, window
 
 Mode = Literal["lazy", "eager"]
@@ -219,8 +219,10 @@ class NaNFirstFrame(DebugCallback):
         if not self.active:
             return
         with torch.no_grad():
-            bad = nonfinite_flag(loss)  # on the device
-            self._loss_bad = bad if self._loss_bad is None else torch.maximum(self._loss_bad, bad)
+            bad = torch.isfinite(loss.detach()).logical_not_()  # on the device: a bool, no sync
+            if bad.ndim:
+                bad = bad.any()
+            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         if self._recorder is not None and self._recorder.enabled:
             self._recorder.record_value(_LOSS_FRAME, "loss", loss)
 
@@ -238,50 +240,56 @@ class NaNFirstFrame(DebugCallback):
                 self._recorder.enabled = False
                 self._recorder.clear()
 
-    def _local_flags(self, trainer: pl.Trainer, device: torch.device) -> Tensor:
-        """``[loss_nonfinite, grad_nonfinite, frame_nonfinite]`` for this rank, on the device, no host sync."""
-        zero = torch.zeros((), device=device)
-        loss_bad = self._loss_bad.to(device) if self._loss_bad is not None else zero
-        grad_bad = zero
+    def _step_flags(self) -> tuple[Tensor | None, Tensor | None]:
+        """This rank's ``(grad_nonfinite, frame_nonfinite)`` flags of the step, device tensors or None; no host sync."""
+        grad_bad = None
         if self._check_grads:
             # Deliberate, every step: a list over the parameters (cached per fit) to collect this step's `.grad`
             # tensors, which are new objects each step when `zero_grad` sets them to None; the check itself is one
-            # fused `_foreach_norm` (about 0.2 ms for 0.9M float32 gradients on one CPU thread, memory bound).
+            # fused kernel over every gradient (about 0.3 ms for 0.9M float32 gradients on one CPU thread, memory
+            # bound; see `grads_nonfinite_flag`).
             grads = [p.grad for p in self._params if p.grad is not None]
             if self._sharded:
                 grads = [local_tensor(g) for g in grads]
-            flag = grads_nonfinite_flag(grads)
-            if flag is not None:
-                grad_bad = flag.to(device)
-        frame_bad = zero
-        if self._recorder is not None:
-            any_bad = self._recorder.any_nonfinite()
-            if any_bad is not None:
-                frame_bad = any_bad.to(device)
-        return torch.stack([loss_bad, grad_bad, frame_bad])
+            grad_bad = grads_nonfinite_flag(grads)
+        frame_bad = self._recorder.any_nonfinite() if self._recorder is not None else None
+        return grad_bad, frame_bad
+
+    def _local_flags(self, device: torch.device, grad_bad: Tensor | None, frame_bad: Tensor | None) -> Tensor:
+        """``[loss_nonfinite, grad_nonfinite, frame_nonfinite]`` for this rank, on the device, no host sync."""
+        zero = torch.zeros((), device=device)
+        flags = (self._loss_bad, grad_bad, frame_bad)
+        return torch.stack([zero if f is None else f.to(device=device, dtype=zero.dtype).reshape(()) for f in flags])
 
     def _check_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device
         with torch.no_grad():
-            local = self._local_flags(trainer, device)
+            grad_bad, frame_bad = self._step_flags()
+            local: Tensor | None = None
             if world_size() == 1:
-                decision = local.amax()
+                # the fewest kernels on the path every step takes: the flags added up, the table only if one is set
+                present = [f for f in (self._loss_bad, grad_bad, frame_bad) if f is not None]
+                if not present:
+                    return
+                if len(present) == 1:
+                    decision = present[0]
+                elif len(present) == 2 and frame_bad is None and present[0].device == present[1].device:
+                    decision = present[0] + present[1]  # the loss's and the gradients' flags: one kernel
+                else:
+                    decision = torch.stack([f.to(device, torch.float32).reshape(()) for f in present]).sum()
             elif self._replicated:
-                decision = local[1]  # DDP: the all-reduced gradients' flag, identical on every rank; no collective
+                # DDP: the all-reduced gradients' flag, identical on every rank; no collective
+                decision = grad_bad if grad_bad is not None else torch.zeros((), device=device)
             else:
                 # Collective, every step, and deliberate: a loss is rank-local (the only flag under a GradScaler or
                 # with check_gradients=False), an FSDP gradient shard or an eager frame may hold the only inf/nan, so
                 # every rank must learn whether any rank's step is bad. One one-element all_reduce (max).
+                local = self._local_flags(device, grad_bad, frame_bad)
                 decision = any_rank(local.amax())
-        # Host sync, the callback's one read per step, and deliberate: a bad step must be skipped (its gradients set
-        # to None) *before* `optimizer.step()` applies inf/nan to the weights and the optimizer's moments, and no
-        # device-side trick can make an arbitrary optimizer skip a step (multiplying the gradients by zero still
-        # applies weight decay and momentum; 0 * nan is nan). Measured on CPU (one thread, 4-layer d=128 model):
-        # the read of one flag costs about 1 us, against 0.2-0.7 ms for the gradient check. On CUDA it waits for the
-        # backward's queued kernels, which `optimizer.step()` queues behind anyway; what it costs is the overlap of
-        # the optimizer's kernel launches with the end of backward.
         if not decision.item():
             return
+        if local is None:
+            local = self._local_flags(device, grad_bad, frame_bad)
         # A bad step, the same on every rank: which ranks were bad (collective, only on such a step).
         rows = (all_gather_vector(local) if world_size() > 1 else local.unsqueeze(0)).tolist()
         bad_ranks, frame_ranks = flagged_ranks(rows)

@@ -221,6 +221,13 @@ class PerRankLogger(DebugCallback):
         elif any(s in strategy for s in ("FSDP", "DeepSpeed", "ModelParallel")):
             self._checksum_skip_reason = f"{strategy} shards parameters by design"
 
+    #: every batch's start reads the data loader's wait (host arithmetic): the measuring step's wait is its own
+    every_batch_hooks = frozenset({"on_train_batch_start"})
+
+    def busy_at(self, step: int) -> bool:
+        """Marks and the measurement on measuring steps only."""
+        return step % self._interval == 0 or self._measuring
+
     # ------------------------------------------------------------------ hooks (other steps: host arithmetic only)
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -165,6 +165,10 @@ class ScalerWatch(DebugCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._scheduler_position = None if self._idle else _step_scheduler_position(trainer)
 
+    def busy_at(self, step: int) -> bool:
+        """With a GradScaler every step counts (a skipped step, a growth, a back-off); without one, none does."""
+        return not self._idle
+
     # ------------------------------------------------------------------ per step
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

@@ -66,17 +66,27 @@ def _span_rates(windows: deque[tuple[int, float, float, float, float]]) -> tuple
     return rate(1, 0, 1e3), rate(2, 0, 1e3), rate(3, 4, 1.0)
 
 
+_SPAN_WEIGHTS: dict[tuple[int, torch.device], Tensor] = {}  # per mask width and device: rows [index, width - index]
+
+
 def _trimmed_positions(mask: Tensor | None, positions: int) -> Tensor | int:
     """Positions of a batch padded only to its longest row: rows x the span of columns holding a real token. A device
-    tensor (no sync) when the batch has a 2-D attention mask, else ``positions``."""
+    tensor (no sync) when the batch has a 2-D attention mask, else ``positions``.
+
+    Every micro-batch, so few kernels: the columns holding a real token, times a cached ``(2, width)`` table whose
+    rows are ``index`` and ``width - index``; the row maxima are the last real column and ``width - first``, so the
+    span is their sum minus ``width - 1`` (clamped at 0 for a mask without any real token)."""
     if mask is None or mask.ndim != 2 or mask.numel() == 0:
         return positions
+    width = mask.shape[1]
+    key = (width, mask.device)
+    weights = _SPAN_WEIGHTS.get(key)
+    if weights is None:
+        index = torch.arange(width, device=mask.device)
+        weights = _SPAN_WEIGHTS.setdefault(key, torch.stack([index, width - index]))
     with torch.no_grad():
-        columns = (mask != 0).any(0)
-        index = torch.arange(columns.numel(), device=mask.device)
-        last = torch.where(columns, index, -1).amax()
-        first = torch.where(columns, index, columns.numel()).amin()
-        return (last - first + 1).clamp(min=0) * mask.shape[0]
+        ends = (weights * mask.any(0)).amax(1)  # [last real column, width - first real column]; zeros if none
+        return (ends.sum() - (width - 1)).clamp_(min=0) * mask.shape[0]
 
 
 class ThroughputMonitor(DebugCallback):
@@ -253,7 +263,7 @@ class ThroughputMonitor(DebugCallback):
         self._window_start: float | None = None  # host time the current measuring window began
         self._prev_end: float | None = None  # host time the previous batch ended (after this callback's work)
         self._wait_s = 0.0
-        self._tokens = CountWindow()  # real tokens of the window (device counts in a torchmetrics SumMetric)
+        self._tokens = CountWindow()  # real tokens of the window (device counts added in place, no sync)
         self._trimmed = CountWindow()  # positions had each batch been padded only to its longest row
         self._positions = 0
         self._samples = 0

@@ -49,6 +49,16 @@ _HOOKS = frozenset(n for n in dir(Callback) if n.startswith("on_") or n in ("set
 STOOD_ASIDE_FILE = "stood-aside-rank{rank}.jsonl"
 # Hooks that still run after a callback failed, so it can remove its module hooks and release what it holds.
 _CLEANUP_HOOKS = frozenset({"teardown", "on_train_end", "on_fit_end", "on_exception"})
+#: The hooks Lightning calls within one training batch, from its start to its end: the ones the pack dispatches per
+#: step (:meth:`DebugCallback.busy_at`).
+BATCH_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_zero_grad",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+)
 
 
 class TFDebugCallbackError(RuntimeError):
@@ -168,6 +178,18 @@ class DebugCallback(Callback):
     runs_collectives: ClassVar[bool] = True
     """Whether the callback's hooks may run collectives; if so, a failure on one rank of a multi-process run ends the
     run (see :meth:`callback_failed`) rather than leave the other ranks waiting."""
+
+    every_batch_hooks: ClassVar[frozenset[str]] = frozenset()
+    """The training-batch hooks (:data:`BATCH_HOOKS`) this callback needs on every batch, whatever
+    :meth:`busy_at` says: per-batch bookkeeping such as a batch's arrival time or a running loss sum."""
+
+    def busy_at(self, step: int) -> bool:
+        """Whether the batches that train optimizer step ``step`` have work for this callback's batch hooks beyond
+        :attr:`every_batch_hooks`. Inside :class:`~lightning_tfdebug.TFDebug` the pack asks at each batch's start and
+        does not call the other batch hooks of a member that says False (issue 25: a step the pack barely touches).
+        Default: True (every hook on every batch). Must be True on every step the callback measures or arms on, and
+        while something armed earlier is still in flight."""
+        return True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -317,6 +339,7 @@ class DebugCallback(Callback):
             # Its only collective is the pack's shared reduction, whose layout for it is known: this rank sends zeros
             # in its place, flagged, at its next measuring step, and every rank stands it aside there together.
             self.failure["everywhere"] = False
+            shared.stand_in_due = True
             warnings.warn(
                 f"{type(self).__name__} failed in its own code ({hook} at step {step}, rank {rank}: "
                 f"{type(error).__name__}: {error}) and stands aside for the rest of the run, on every rank from its "

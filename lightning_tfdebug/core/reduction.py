@@ -149,6 +149,9 @@ class StepReduction:
     last_slots: int = 0  # slots per rank of the last reduction run (for the payload figures)
     members: list[Any] = field(default_factory=list)  # the members that declare into it, in the pack's order
     step_at_start: int = -1  # global_step when the current batch started (set by the pack)
+    #: a member failed on this rank alone and waits for its stand-in (see :meth:`_stand_ins`): from then on the pack
+    #: runs this reduction at every batch's end, not only after declarations
+    stand_in_due: bool = False
     #: per member (by id): the hook it declares in and the sizes of its declaration, from the last reduction (the same
     #: on every rank): what a rank whose member failed sends in its place
     layouts: dict[int, tuple[str, tuple[int, int, int, int], torch.device]] = field(default_factory=dict)

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torchmetrics import SumMetric
 
 from lightning_tfdebug.core.batch import StepBatch
 from lightning_tfdebug.functional.norms import per_tensor_norms
@@ -53,18 +52,21 @@ def batch_counts(view: StepBatch, length_fn: Callable[[Any], Any] | None = None)
     return view.tokens(), positions, samples
 
 
-_WEIGHTS: dict[tuple[int, torch.device], Tensor] = {}  # position weights of the fingerprint, per length and device
+#: per length and device: the position weights of the fingerprint, and the constant its sum adds
+_WEIGHTS: dict[tuple[int, torch.device], tuple[Tensor, int]] = {}
 
 
-def _fingerprint_weights(numel: int, device: torch.device) -> Tensor:
+def _fingerprint_weights(numel: int, device: torch.device) -> tuple[Tensor, int]:
     key = (numel, device)
-    weights = _WEIGHTS.get(key)
-    if weights is None:
+    found = _WEIGHTS.get(key)
+    if found is None:
         if len(_WEIGHTS) > 64:  # many distinct lengths (unpadded batches): keep the cache small
             _WEIGHTS.clear()
         positions = torch.arange(1, numel + 1, device=device, dtype=torch.int64)
-        weights = _WEIGHTS[key] = (positions * _HASH_MULTIPLIER + 12345) % _HASH_MODULUS
-    return weights
+        weights = (positions * _HASH_MULTIPLIER + 12345) % _HASH_MODULUS
+        # sum((x + 1) * w) + n == sum(x * w) + (sum(w) + n): the constant part, computed once (host read, cached)
+        found = _WEIGHTS[key] = (weights, int(weights.sum()) + numel)
+    return found
 
 
 def batch_fingerprint(ids: Tensor) -> Tensor:
@@ -72,17 +74,17 @@ def batch_fingerprint(ids: Tensor) -> Tensor:
     ``[0, 2**31 - 1)``.
 
     Two equal tensors always give the same value; different ones collide with probability about 1 in 2**31. Floating
-    tensors are hashed through their bit pattern.
+    tensors are hashed through their bit pattern. Every micro-batch, so three kernels on integer ids: a weighted sum
+    with cached position weights, a cached constant added, the remainder.
     """
     flat = ids.detach().reshape(-1)
     if flat.is_floating_point():
         bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()]
         flat = flat.contiguous().view(bits)
     flat = flat.to(torch.int64)
-    weights = _fingerprint_weights(flat.numel(), flat.device)  # built once per length and device
-    # int64 products may wrap around: harmless for a hash, and identical on every rank
-    mixed = (flat % _HASH_MODULUS + 1) * weights
-    return (mixed.sum() + flat.numel()) % _HASH_MODULUS
+    weights, constant = _fingerprint_weights(flat.numel(), flat.device)
+    # int64 products and sums may wrap around: harmless for a hash, and identical on every rank
+    return ((flat * weights).sum() + constant) % _HASH_MODULUS
 
 
 def combine_fingerprints(a: Tensor | None, b: Tensor) -> Tensor:
@@ -212,35 +214,39 @@ class CountWindow:
     """Running sum of a per-micro-batch count over one measuring window, kept where the count lives.
 
     Counts arrive as host ints (read from shapes) or as device tensors (read from an attention mask, or returned by a
-    ``length_fn``). Device counts go to a :class:`torchmetrics.SumMetric`: its state is one float64 scalar on their
-    device, updated in place without a host sync (``nan_strategy="disable"``: torchmetrics' NaN check would read
-    the value on the host) and without a collective (``sync_on_compute=False``: the callback gathers every rank's
-    window in its own single packed all-gather, one collective, where torchmetrics' sync would run two per state,
-    sizes then values). Host counts stay a Python number. :meth:`total` returns both as one device scalar, still
-    without a sync, and starts the next window.
+    ``length_fn``). Device counts are added in place into one float64 scalar on their device (``add_``: one kernel,
+    no host sync, no collective); host counts stay a Python number. :meth:`total` returns both as one device scalar,
+    still without a sync, and starts the next window. The cross-rank sum is the pack's one reduction per measuring
+    step, not a per-state sync of a metric object.
+
+    Why not a ``torchmetrics.SumMetric`` (what this was until issue 25): its ``update`` costs about 21 us of host
+    time per call against 2-4 us for the in-place add (``benchmarks/count_window.py``), and ThroughputMonitor adds
+    two counts on every micro-batch, the hot path the pack must barely touch.
     """
 
     def __init__(self) -> None:
-        self._device_sum = SumMetric(nan_strategy="disable", sync_on_compute=False).set_dtype(torch.float64)
+        self._device_sum: Tensor | None = None
         self._host_sum = 0.0
-        self._updates = 0
 
     def add(self, count: Tensor | int | float) -> None:
         if isinstance(count, Tensor):
-            if count.device != self._device_sum.device:  # once: the state follows the counts' device
-                self._device_sum.to(count.device)
-            self._device_sum.update(count.detach())
-            self._updates += 1
+            count = count.detach()
+            if self._device_sum is None or self._device_sum.device != count.device:
+                start = self._device_sum.to(count.device) if self._device_sum is not None else None
+                self._device_sum = torch.zeros((), dtype=torch.float64, device=count.device)
+                if start is not None:
+                    self._device_sum.add_(start)
+            self._device_sum.add_(count.reshape(()))  # in place on the device: no sync, no collective
         else:
             self._host_sum += float(count)
 
     def total(self, device: torch.device) -> Tensor:
         """The window's sum as a float64 scalar on ``device`` (no sync); then the window starts again empty."""
         total = torch.full((), self._host_sum, dtype=torch.float64, device=device)  # a fill: no host-to-device copy
-        if self._updates:
-            total = total + self._device_sum.compute().to(device=device, dtype=torch.float64)
-        self._device_sum.reset()
-        self._host_sum, self._updates = 0.0, 0
+        if self._device_sum is not None:
+            total = total + self._device_sum.to(device=device)
+            self._device_sum = None
+        self._host_sum = 0.0
         return total
 
 

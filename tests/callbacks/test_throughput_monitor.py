@@ -508,3 +508,22 @@ def test_the_pack_reads_each_batch_once_and_counts_its_tokens_once(tmp_path):
     pack = [BatchGuard(), ThroughputMonitor(), PerRankLogger(), probe]
     fit(tmp_path, pack, max_steps=4)
     assert probe.views == [1, 1, 1, 1] and all(probe.counted)
+
+
+def test_trimmed_positions_is_rows_times_the_span_of_real_columns():
+    """The per-batch padding-to-longest count (few kernels on the hot path) against a loop over the columns: random
+    masks of every density, left and right padding, bool and integer masks, and a mask with no real token."""
+    from lightning_tfdebug.callbacks.throughput_monitor import _trimmed_positions
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        rows, width = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 20, (1,), generator=g))
+        mask = (torch.rand(rows, width, generator=g) < torch.rand(1, generator=g)).long()
+        if trial % 3 == 0:
+            mask = mask.bool()
+        real = [c for c in range(width) if bool(mask[:, c].any())]
+        expected = rows * (real[-1] - real[0] + 1) if real else 0
+        assert int(_trimmed_positions(mask, rows * width)) == expected, mask
+    left_padded = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    assert int(_trimmed_positions(left_padded, 8)) == 2 * 3
+    assert _trimmed_positions(None, 12) == 12  # no mask: every position counts

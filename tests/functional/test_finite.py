@@ -36,6 +36,39 @@ def test_grads_nonfinite_flag_fp16_large_but_finite_gradients_are_finite():
     assert grads_nonfinite_flag(grads).item() == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grads_nonfinite_flag_leaves_every_gradient_bit_for_bit_unchanged(dtype):
+    # the CPU check writes each gradient back times exactly 1.0: the values (signed zeros, subnormals, the largest
+    # finite value, inf) must come back identical
+    info = torch.finfo(dtype)
+    special = torch.tensor([0.0, -0.0, info.tiny / 4, -info.max, info.max, 1.0 / 3.0], dtype=torch.float32).to(dtype)
+    grads = [torch.randn(33, 7).to(dtype), special.clone(), torch.randn(5, 4).t().to(dtype)]  # one not contiguous
+    before = [g.clone() for g in grads]
+    assert grads_nonfinite_flag(grads).item() == 0.0
+    for g, b in zip(grads, before):
+        assert torch.equal(
+            g.view(torch.int16 if dtype != torch.float32 else torch.int32),
+            b.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        )
+    grads[1][2] = float("inf")
+    assert grads_nonfinite_flag(grads).item() == 1.0
+    assert grads[1][2].item() == float("inf")
+
+
+def test_grads_nonfinite_flag_mixed_dtypes_and_gradients_that_require_grad():
+    mixed = [torch.randn(4), torch.randn(4).to(torch.bfloat16), torch.randn(4).to(torch.float16)]
+    mixed[2][1] = float("nan")
+    assert grads_nonfinite_flag(mixed).item() == 1.0
+    # backward(create_graph=True): the gradient is part of a graph and must not be written in place
+    w = torch.randn(3, requires_grad=True)
+    (w**3).sum().backward(create_graph=True)
+    assert w.grad is not None and w.grad.requires_grad
+    version = w.grad._version
+    assert grads_nonfinite_flag([w.grad]).item() == 0.0
+    assert w.grad._version == version
+    w.grad.sum().backward()  # the gradient of the gradient still works
+
+
 def test_flagged_ranks_prefers_the_ranks_whose_loss_was_bad():
     # rank 1's loss went nan; its gradients reached every rank through the all-reduce
     assert flagged_ranks([[0, 1, 0], [1, 1, 0], [0, 1, 0]]) == ([1], [])
