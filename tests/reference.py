@@ -31,10 +31,12 @@ class ReferenceGradNorm(pl.Callback):
 
 
 class ReferenceUpdateRatio(pl.Callback):
-    """Records ``||W_after - W_before|| / ||W_after||`` over all trainable parameters, every step."""
+    """Records ``||W_after - W_before|| / ||W_after||`` and ``||W_after||`` over all trainable parameters, every
+    step."""
 
     def __init__(self) -> None:
         self.ratios: dict[int, float] = {}
+        self.param_norms: dict[int, float] = {}
         self._before: list[torch.Tensor] | None = None
         self._step = -1
 
@@ -49,6 +51,7 @@ class ReferenceUpdateRatio(pl.Callback):
         delta = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(after, self._before)))
         norm = torch.sqrt(sum((a**2).sum() for a in after))
         self.ratios[self._step] = float(delta / norm)
+        self.param_norms[self._step] = float(norm)
         self._before = None
 
 
@@ -60,6 +63,7 @@ def reference_results(trainer: pl.Trainer, model: pl.LightningModule, callbacks:
             out["grad_norm"] = cb.norms
         if isinstance(cb, ReferenceUpdateRatio):
             out["update_ratio"] = cb.ratios
+            out["param_norm"] = cb.param_norms
     return out
 
 

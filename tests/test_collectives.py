@@ -148,10 +148,10 @@ def per_step(calls: dict[str, list[str]], steps: int) -> dict[int, list[str]]:
 
 ALWAYS = [{"class_path": "lightning_tfdebug.TFDebug", "init_args": {"preset": "always", "every_n_steps": 5}}]
 STEPS = 12  # measuring steps 0, 5 and 10
-#: Collectives of the pack on a measuring step (after the first), in the order they run: until UpdateRatio and
-#: LossAtInit declare into the pack's shared reduction, their own all_gathers, then the pack's one all_reduce
-#: (DeadActivation, ThroughputMonitor and PerRankLogger declare into it).
-MEASURING = ["all_gather <- loss_at_init.py", "all_gather <- update_ratio.py", "all_reduce <- reduction.py"]
+#: Collectives of the pack on a measuring step (after the first): the pack's one all_reduce, into which every member
+#: of the preset that needs other ranks' values declares (UpdateRatio, LossAtInit, DeadActivation, ThroughputMonitor
+#: and PerRankLogger; GradNormMonitor and ScalerWatch need none under DDP).
+MEASURING = ["all_reduce <- reduction.py"]
 
 
 def pack_calls(made: list[str]) -> list[str]:

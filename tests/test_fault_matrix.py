@@ -335,3 +335,88 @@ def member_extra(trainer, model, callbacks) -> dict[str, Any]:
 def test_a_member_failing_on_one_rank_while_declaring_stands_aside_on_every_rank_at_the_same_step(tmp_path):
     wall = check_member_fails_while_declaring(tmp_path)
     print(f"a member failing while declaring on rank 1: stood aside on every rank, the run ended in {wall:.1f} s")
+
+
+class UpdateRatioFailsOnRank1(TinyGPT):
+    """UpdateRatio's own code raises on rank 1 only at optimizer step 4 (measuring steps 0 and 2 have passed on both
+    ranks, its label counts still travel in its declaration): in ``on_before_optimizer_step`` (``should_measure``),
+    before it declares, or in ``on_train_batch_end`` while it computes what it declares (``_count_labels``). Methods
+    that its guarded hooks call are patched, not the hooks themselves (the guard wraps those)."""
+
+    def __init__(self, fail_in: str = "should_measure", fail_at: int = 4, **kwargs):
+        super().__init__(**kwargs)
+        from lightning_tfdebug import UpdateRatio
+
+        original = getattr(UpdateRatio, fail_in)
+        at = fail_at if fail_in == "should_measure" else fail_at + 1  # global_step has moved on at the batch's end
+
+        def failing(callback, trainer, *args, **kwargs):
+            if trainer.global_rank == 1 and trainer.global_step == at:
+                raise RuntimeError("UpdateRatio fails on rank 1 only")
+            return original(callback, trainer, *args, **kwargs)
+
+        setattr(UpdateRatio, fail_in, failing)
+
+
+def update_ratio_extra(trainer, model, callbacks) -> dict[str, Any]:
+    [pack] = callbacks
+    member = pack.members["UpdateRatio"]
+    failure = member.failure or {}
+    others = [n for n, m in pack.members.items() if n != "UpdateRatio" and m.failure is not None]
+    return {
+        "failure": {k: failure.get(k) for k in ("step", "error", "everywhere")},
+        "others_failed": others,
+        "measured": sorted({s for s, _ in member._norms}),
+    }
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(LIMIT_S + 30)
+@pytest.mark.parametrize("fail_in", ["should_measure", "_count_labels"])
+def test_update_ratio_failing_on_one_rank_stands_aside_on_every_rank_at_the_same_step(tmp_path, fail_in):
+    """UpdateRatio declares on a cadence (``declares_at``): rank 1 sends zeros of its usual sizes, flagged, in the
+    pack's one all_reduce at step 4, and both ranks stand it aside there; training goes on to the end."""
+    spec = {
+        "strategy": "ddp",
+        "model_class": "tests.test_fault_matrix:UpdateRatioFailsOnRank1",
+        "model": {**SMALL, "fail_in": fail_in},
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 8},
+        "callbacks": [{"class_path": "lightning_tfdebug.TFDebug", "init_args": {"every_n_steps": 2}}],
+        "extra": "tests.test_fault_matrix:update_ratio_extra",
+    }
+    results, output, wall = run_ranks(tmp_path, spec)
+    assert set(results) == {0, 1}, f"a rank wrote no result:\n{output[-4000:]}"
+    for rank, r in results.items():
+        assert r["error"] is None and r["global_step"] == 8, (rank, r["error"], output[-3000:])
+        assert r["extra"]["failure"]["step"] in (4, 5), (rank, r["extra"])
+        assert r["extra"]["failure"]["everywhere"] is True
+        assert r["extra"]["others_failed"] == [], (rank, r["extra"])
+    assert results[0]["extra"]["measured"] == [0, 2], results[0]["extra"]  # step 4 reached no one's diagnosis
+    assert "UpdateRatio fails on rank 1 only" in results[1]["extra"]["failure"]["error"]
+    assert "failed on 1 other rank(s)" in results[0]["extra"]["failure"]["error"]
+    print(f"UpdateRatio failing in {fail_in} on rank 1: stood aside on every rank, the run ended in {wall:.1f} s")
+
+
+@pytest.mark.ddp
+@pytest.mark.timeout(LIMIT_S + 30)
+def test_update_ratio_failing_on_one_rank_when_its_sizes_change_ends_every_rank(tmp_path):
+    """Measuring every step, UpdateRatio's declarations carry label counts on steps 0 to 7 and none from step 8: a
+    stand-in with the sizes of step 7's would not fit, so ``declares_at`` says None there and a failure on rank 1 at
+    step 8 ends the run loudly (``TFDebugCallbackError`` on rank 1, a lost peer on rank 0) instead of hanging."""
+    spec = {
+        "strategy": "ddp",
+        "model_class": "tests.test_fault_matrix:UpdateRatioFailsOnRank1",
+        "model": {**SMALL, "fail_in": "should_measure", "fail_at": 8},
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 12},
+        "callbacks": [{"class_path": "lightning_tfdebug.TFDebug", "init_args": {"every_n_steps": 1}}],
+    }
+    results, output, wall = run_ranks(tmp_path, spec)
+    assert set(results) == {0, 1}, f"a rank wrote no result:\n{output[-4000:]}"
+    for rank, r in results.items():
+        assert r["error"], f"rank {rank} trained on past a member its peer could not stand in for"
+        assert r["global_step"] in (8, 9), (rank, r["global_step"])
+    assert results[1]["error"]["type"] == "TFDebugCallbackError", results[1]["error"]
+    assert "UpdateRatio" in results[1]["error"]["message"]
+    print(f"UpdateRatio failing on rank 1 at step 8: every rank ended in {wall:.1f} s")

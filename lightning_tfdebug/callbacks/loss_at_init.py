@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +25,9 @@ from lightning_tfdebug.core.batch import (
     step_batch,
 )
 from lightning_tfdebug.core.calls import CallRecorder, RecordedCall, takes_tokens
-from lightning_tfdebug.core.distributed import packed_reduce, world_size
+from lightning_tfdebug.core.distributed import world_size
 from lightning_tfdebug.core.model import in_training_step, quiet_training_step
+from lightning_tfdebug.core.reduction import Reduced
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.call_probes import token_row_logits
 from lightning_tfdebug.functional.loss import (
@@ -574,9 +575,8 @@ class LossAtInit(DebugCallback):
             labels = view.labels
             if labels is None and self._token_rows:
                 labels = self._row_targets(view)
-            self._count_labels(labels, device)
-            host = self._reduce({}, (), loss, True, device)
-        self._record(trainer, host, step)
+            self._count_labels(labels, device)  # before the declaration: these counts travel in it
+            self._reduce(trainer, {}, (), loss, True, device, lambda host: self._record(trainer, host, step))
 
     def _record(self, trainer: pl.Trainer, host: dict[str, float], step: int) -> float:
         """Keep this step's loss for the stall window and log the dashboard keys; returns the loss (NaN: none)."""
@@ -716,12 +716,23 @@ class LossAtInit(DebugCallback):
         return next((t for t in reversed(fitting) if t.shape[-1] > top), None)
 
     def _reduce(
-        self, stats: dict[str, Tensor], keys: tuple[str, ...], loss: Tensor | None, ok: bool, device: torch.device
-    ) -> dict[str, float]:
-        """One packed collective (under DDP/FSDP) and the one host transfer of this step.
+        self,
+        trainer: pl.Trainer,
+        stats: dict[str, Tensor],
+        keys: tuple[str, ...],
+        loss: Tensor | None,
+        ok: bool,
+        device: torch.device,
+        then: Callable[[dict[str, float]], Any],
+    ) -> None:
+        """Declare this step's sums into the step's one reduction over ranks, and call ``then(host)`` with them reduced
+        and on the host (the one host transfer of this step).
 
-        Every rank reaches this on the same step whatever it found: a rank without logits sends zeros and
-        ``ok = 0``, so no rank is left waiting in the collective.
+        Inside :class:`~lightning_tfdebug.TFDebug` the declaration travels in the pack's one collective, run after
+        this hook, and ``then`` runs then; on its own the callback reduces it at once and ``then`` runs before this
+        returns. Every rank reaches this on the same step whatever it found: a rank without logits sends zeros and
+        ``ok = 0``, so every rank's declaration has the same sizes. The label counts in the declaration are those
+        counted until now; counts added after it go into the next measuring step's.
         """
         zero = torch.zeros((), device=device)
         loss_ok = loss is not None
@@ -734,13 +745,19 @@ class LossAtInit(DebugCallback):
         names = (*keys, "loss_sum", "loss_n", "ok")
         counting = self._label_counts is not None and self._counted_batches > 0
         packed = torch.stack(values)
-        if counting:  # the label counts travel in the same collective
+        if counting:  # the label counts travel in the same reduction (a copy: later counts do not change it)
             packed = torch.cat([packed, self._label_counts.to(device)])  # type: ignore[union-attr]
-        sums, _ = packed_reduce(packed, collective=world_size() > 1)
-        scalars: dict[str, Tensor] = {k: sums[i] for i, k in enumerate(names)}
-        if counting:
-            scalars["unigram_entropy"] = unigram_entropy(sums[len(names) :])
-        return self.to_host(scalars)  # host sync: the one transfer of this measuring step
+
+        def conclude(reduced: Reduced) -> None:
+            with torch.no_grad():
+                sums = reduced.sums.float()
+                scalars: dict[str, Tensor] = {k: sums[i] for i, k in enumerate(names)}
+                if counting:
+                    scalars["unigram_entropy"] = unigram_entropy(sums[len(names) :])
+                host = self.to_host(scalars)  # host sync: the one transfer of this measuring step
+                then(host)
+
+        self.reduce_then(trainer, conclude, device, sums=packed)
 
     def _collect(self, pl_module: pl.LightningModule) -> _Collected:
         """Sums and counts (device scalars) from the captured outputs and the labels, for the armed phase; then the
@@ -881,13 +898,23 @@ class LossAtInit(DebugCallback):
             )
 
     def _measure_init(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
-        host = self._reduce(found.stats, _INIT_KEYS, loss, found.ok, found.device)
+        self._reduce(
+            trainer,
+            found.stats,
+            _INIT_KEYS,
+            loss,
+            found.ok,
+            found.device,
+            lambda host: self._conclude_init(trainer, found, host, step),
+        )
+
+    def _conclude_init(self, trainer: pl.Trainer, found: _Collected, host: dict[str, float], step: int) -> None:
         if self._stand_aside_if_missing(trainer, host, found.reason, step):
             return
         returned = host["loss_sum"] / host["loss_n"] if host["loss_n"] else float("nan")
         host, other_alignment = follow_returned_loss(host, returned)
         # every rank found logits of the same width: V is known alike everywhere, and the counts of this batch go
-        # into the next measuring step's collective
+        # into the next measuring step's reduction (this one's declaration is made)
         self._vocab = self._vocab or found.vocab
         self._count_labels(found.labels, found.device)
         init = summarize_init(host, found.vocab)
@@ -913,12 +940,15 @@ class LossAtInit(DebugCallback):
     def _measure_compare(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
         """A compared step before the check: the returned loss, the recorded logits' cross-entropy and the sums that
         may explain a difference, kept for the check (and the labels counted, as on any measuring step)."""
-        self._count_labels(found.labels, found.device)
-        host = self._reduce(found.stats, _TRANSFORM_KEYS, loss, found.ok, found.device)
-        if self._stand_aside_if_missing(trainer, host, found.reason, step):
-            return
-        self._vocab = self._vocab or found.vocab
-        self._add_reading(trainer, host, self._record(trainer, host, step), step)
+        self._count_labels(found.labels, found.device)  # before the declaration: these counts travel in it
+
+        def conclude(host: dict[str, float]) -> None:
+            if self._stand_aside_if_missing(trainer, host, found.reason, step):
+                return
+            self._vocab = self._vocab or found.vocab
+            self._add_reading(trainer, host, self._record(trainer, host, step), step)
+
+        self._reduce(trainer, found.stats, _TRANSFORM_KEYS, loss, found.ok, found.device, conclude)
 
     def _add_reading(self, trainer: pl.Trainer, host: dict[str, float], loss: float, step: int) -> None:
         reading = loss_reading(host, loss, step)
@@ -945,8 +975,19 @@ class LossAtInit(DebugCallback):
         return True
 
     def _measure_check(self, trainer: pl.Trainer, found: _Collected, loss: Tensor | None, step: int) -> None:
-        self._count_labels(found.labels, found.device)  # V is known alike on every rank (or on none)
-        host = self._reduce(found.stats, (*_CHECK_KEYS, *_TRANSFORM_KEYS), loss, found.ok, found.device)
+        # V is known alike on every rank (or on none); before the declaration: these counts travel in it
+        self._count_labels(found.labels, found.device)
+        self._reduce(
+            trainer,
+            found.stats,
+            (*_CHECK_KEYS, *_TRANSFORM_KEYS),
+            loss,
+            found.ok,
+            found.device,
+            lambda host: self._conclude_check(trainer, found, host, step),
+        )
+
+    def _conclude_check(self, trainer: pl.Trainer, found: _Collected, host: dict[str, float], step: int) -> None:
         if self._stand_aside_if_missing(trainer, host, found.reason, step):
             return
         returned = host["loss_sum"] / host["loss_n"] if host["loss_n"] else float("nan")

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import loss_of, step_batch
-from lightning_tfdebug.core.distributed import local_tensor, packed_reduce, world_size
+from lightning_tfdebug.core.distributed import local_tensor, world_size
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of
 from lightning_tfdebug.core.tracking import Streak
@@ -43,8 +43,9 @@ class UpdateRatio(DebugCallback):
     Any optimizer and any parameter groups work, because nothing is recomputed from the optimizer's formula. A step
     that the fp16 GradScaler skipped is recognised from the scale backing off, and is neither logged as a zero
     update nor counted in the diagnoses. Under FSDP1/FSDP2 each rank snapshots and differences only its own shard;
-    one packed collective combines the shards. Under DDP the weights are the same on every rank, and the one packed
-    collective of a measuring step only adds up the training losses.
+    the step's reduction over ranks (inside :class:`~lightning_tfdebug.TFDebug`, the pack's one collective of the
+    step) combines the shards. Under DDP the weights are the same on every rank, and that reduction only adds up the
+    training losses and label counts.
 
     The training loss returned by ``training_step`` is added up on the device at every batch (no sync) and read with
     the ratios, as the mean loss of each measuring interval: tiny updates are only a problem when the loss shows it.
@@ -189,6 +190,8 @@ class UpdateRatio(DebugCallback):
         self._eps: list[float] = []
         self._rounded: dict[str, dict[str, float]] = {}  # groups whose updates round away: TFD310's evidence
         self.skipped_measurements = 0
+        self._automatic = True  # automatic optimization: at most one optimizer step per batch
+        self._same_sizes_next = False  # the next declaration has the sizes of the last one (see `declares_at`)
 
     @property
     def state_key(self) -> str:
@@ -197,6 +200,8 @@ class UpdateRatio(DebugCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._layout = None
+        self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        self._same_sizes_next = False  # a new fit: nothing declared in it yet
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -241,6 +246,7 @@ class UpdateRatio(DebugCallback):
         layout = self._layout
         assert layout is not None
         before, self._before = self._before, None
+        step = trainer.global_step - 1  # the optimizer step measured has already incremented global_step
         self._count_labels(trainer, pl_module, batch)
         with torch.no_grad():
             after = [local_tensor(p.detach()).float() for p in layout.groups.params]
@@ -249,20 +255,64 @@ class UpdateRatio(DebugCallback):
             weights = layout.weights if layout.sharded else None
             delta_sq, _ = grouped_sq_norms(delta, layout.index, layout.n_groups, weights)
             param_sq, _ = grouped_sq_norms(after, layout.index, layout.n_groups, weights)
-            n = layout.n_groups
             zero = delta_sq.new_zeros(1)
             loss_sum = self._loss_sum.to(zero).reshape(1) if self._loss_sum is not None else zero
             losses = torch.cat([loss_sum, torch.tensor([float(self._loss_batches)]).to(zero)])
             self._loss_sum, self._loss_batches = None, 0
             counts = self._counts.to(zero) if self._counts is not None else zero[:0]
             self._counts = None
-            # collective: one all-gather of the packed vector on the same (global_step-decided) steps on every rank;
-            # under DDP only for the losses and label counts, the weights being the same everywhere
-            world = world_size()
-            sums, _ = packed_reduce(
-                torch.cat([delta_sq, param_sq, self._grad_sq.to(zero), losses, counts]),
-                collective=layout.sharded or world > 1,
+            packed = torch.cat([delta_sq, param_sq, self._grad_sq.to(zero), losses, counts])
+            # a step the fp16 GradScaler skipped: its scale backed off (the same on every rank, no collective)
+            scaler = grad_scaler_of(trainer)
+            scale_after = getattr(scaler, "_scale", None)
+            skipped = (
+                (scale_after < self._scale_before).float().sum()
+                if self._scale_before is not None and isinstance(scale_after, Tensor)
+                else None
             )
+            self._scale_before = self._grad_sq = None
+        # the next declaration carries label counts or not; a stand-in for this member (its failure on one rank) has
+        # the sizes of this one, so it can take this one's place only while the two agree (see `declares_at`)
+        self._same_sizes_next = bool(counts.numel()) == self._counting
+        # Declared into the step's one reduction over ranks (the pack's shared collective; on its own, one of its
+        # own): under FSDP the weighted partial sums of each rank's shard add up to the norms; under DDP the weights
+        # are the same everywhere and only the losses and label counts need adding up.
+        counted, world = bool(counts.numel()), world_size()
+        self.reduce_then(
+            trainer,
+            lambda reduced: self._conclude(trainer, layout, reduced.sums.float(), counted, skipped, world, step),
+            packed.device,
+            sums=packed,
+        )
+
+    def declares_at(self, step: int, stepped: bool) -> bool | None:
+        """It declares at the end of a batch whose optimizer step measured: armed in ``on_before_optimizer_step`` when
+        ``step % every_n_steps == 0`` (``should_measure``), declared in ``on_train_batch_end`` of the same batch.
+        None (no stand-in: a failure on one rank of many ends the run) under manual optimization, where one batch may
+        step several times and measure at a ``global_step`` other than ``step``; before its first declaration; and
+        when its next declaration will not have the sizes of its last one (the label counts start or stop)."""
+        if not self._automatic or not self._same_sizes_next:
+            return None
+        return stepped and step % self._interval == 0
+
+    @property
+    def _counting(self) -> bool:
+        """Whether the next measuring step counts labels (its declaration then carries V counts)."""
+        return self._vocab is None or (self._vocab >= 2 and self._counted_batches < _UNIGRAM_BATCHES)
+
+    def _conclude(
+        self,
+        trainer: pl.Trainer,
+        layout: ReductionLayout,
+        sums: Tensor,
+        counted: bool,
+        skipped: Tensor | None,
+        world: int,
+        step: int,
+    ) -> None:
+        """Log and diagnose the measuring step ``step`` from its ``sums`` reduced over ranks."""
+        n = layout.n_groups
+        with torch.no_grad():
             norms = sums[: 3 * n] if layout.sharded else sums[: 3 * n] / world  # replicated: every rank sent the same
             delta_sq, param_sq, grad_sq = norms[:n], norms[n : 2 * n], norms[2 * n :]
             values: dict[str, Tensor | float] = {
@@ -276,16 +326,12 @@ class UpdateRatio(DebugCallback):
                 values[f"_grad/{name}"] = grad_sq[g]
             for i, key in enumerate(("_loss_sum", "_loss_batches")):
                 values[key] = sums[3 * n + i]
-            if counts.numel():
+            if counted:
                 values["_unigram"] = unigram_entropy(sums[3 * n + 2 :])
-            scaler = grad_scaler_of(trainer)
-            scale_after = getattr(scaler, "_scale", None)
-            if self._scale_before is not None and isinstance(scale_after, Tensor):
-                values["_skipped"] = (scale_after < self._scale_before).float().sum()
-            self._scale_before = self._grad_sq = None
+            if skipped is not None:
+                values["_skipped"] = skipped
 
         host = self.to_host(values)  # the one host transfer of this measuring step
-        step = trainer.global_step - 1  # the optimizer step measured has already incremented global_step
         if host.get("_skipped", 0.0) > 0:
             self.skipped_measurements += 1  # the GradScaler skipped this step: nothing was applied, nothing to judge
             return

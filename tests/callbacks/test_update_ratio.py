@@ -241,24 +241,32 @@ def test_built_from_lightning_cli_yaml(tmp_path):
 
 
 @pytest.mark.ddp
+@pytest.mark.parametrize("packed", [False, True], ids=["alone", "in_the_pack"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_distributed_ratio_matches_the_unsharded_reference(tmp_path, strategy):
+def test_distributed_ratio_matches_the_unsharded_reference(tmp_path, strategy, packed):
+    """On its own it reduces its own declaration; in the pack it declares into the pack's one reduction of the step.
+    Either way the replicated (DDP) norms are divided by the world size and the sharded (FSDP2) ones add up."""
+    monitor = (
+        {"class_path": "lightning_tfdebug.TFDebug", "init_args": {"every_n_steps": 1}}
+        if packed
+        else {"class_path": "lightning_tfdebug.UpdateRatio", "init_args": {"every_n_steps": 1}}
+    )
     spec = {
         "strategy": strategy,
         "model": SMALL,
         "data": {"batch_size": 4},
         "trainer": {"max_steps": 4},
-        "callbacks": [
-            {"class_path": "tests.reference.ReferenceUpdateRatio"},
-            {"class_path": "lightning_tfdebug.UpdateRatio", "init_args": {"every_n_steps": 1}},
-        ],
+        "callbacks": [{"class_path": "tests.reference.ReferenceUpdateRatio"}, monitor],
         "extra": "tests.reference:reference_results",
     }
     results = run_distributed(tmp_path, spec)
     for r in results:
         assert r["error"] is None, r["error"]
         assert r["metrics"]["update_ratio/total"] == pytest.approx(r["extra"]["update_ratio"]["3"], rel=1e-4)
-        assert r["findings"]["UpdateRatio"] == []
+        # the norm itself too: a replicated sum left undivided by the world size would not change the ratio
+        assert r["metrics"]["update_ratio/param_norm/total"] == pytest.approx(r["extra"]["param_norm"]["3"], rel=1e-4)
+        found = r["findings"]["TFDebug" if packed else "UpdateRatio"]
+        assert [f for f in found if f["source"] == "UpdateRatio"] == []
 
 
 class DefaultInitLM(pl.LightningModule):
