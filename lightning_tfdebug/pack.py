@@ -324,7 +324,10 @@ class TFDebug(Callback):
         is busy at that step (:meth:`DebugCallback.busy_at`), else only its :attr:`~DebugCallback.every_batch_hooks`.
         One tuple of booleans per batch (host arithmetic); the tables for each pattern are built once."""
         running = self._running_list
-        busy = tuple(m.failure is None and _busy(m, step) for m in running)
+        if self.__dict__.get("_per_step_dispatch", True):
+            busy = tuple(m.failure is None and _busy(m, step) for m in running)
+        else:
+            busy = tuple(True for _ in running)
         table = self._tables.get(busy)
         if table is None:
             table = {
@@ -412,6 +415,9 @@ class TFDebug(Callback):
                     category=TFDebugWarning,
                 )
         self._index_hooks()
+        # manual optimization may step the optimizer several times in one batch (global_step moves inside it), so a
+        # decision taken at the batch's start cannot say which steps it trains: every hook runs on every batch
+        self._per_step_dispatch = bool(getattr(pl_module, "automatic_optimization", True))
         if "ReproCapture" in self.running and stage == "fit" and trainer.callbacks and trainer.callbacks[0] is not self:
             # ReproCapture must take the batch before another callback can reject it; a new list (Lightning is
             # iterating the current one to call `setup`).

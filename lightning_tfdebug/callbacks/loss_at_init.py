@@ -370,6 +370,12 @@ class LossAtInit(DebugCallback):
         labels_key = "labels" if self.labels_key is None else self.labels_key
         return self._generate_state_key(labels_key=labels_key, logits_module=self.logits_module)
 
+    def busy_at(self, step: int) -> bool:
+        """Step 0, the compared steps, the check and the measuring steps; and while a capture is in flight."""
+        if self._armed is not None or self._measuring is not None:
+            return True
+        return step == 0 or step % self._interval == 0 or step == self._check_at or step in self._compare_steps()
+
     # ------------------------------------------------------------------ capture
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if not self.active or trainer.sanity_checking or self._armed is not None:

@@ -203,6 +203,13 @@ class UpdateRatio(DebugCallback):
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
         self._same_sizes_next = False  # a new fit: nothing declared in it yet
 
+    #: the training loss is summed on the device on every batch (the window's mean loss beside the ratios)
+    every_batch_hooks = frozenset({"on_train_batch_end"})
+
+    def busy_at(self, step: int) -> bool:
+        """The weights are read before and after the step on measuring steps only."""
+        return step % self._interval == 0 or self._before is not None
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
