@@ -248,7 +248,7 @@ class NaNFirstFrame(DebugCallback):
             # tensors, which are new objects each step when `zero_grad` sets them to None; the check itself is one
             # fused kernel over every gradient (about 0.3 ms for 0.9M float32 gradients on one CPU thread, memory
             # bound; see `grads_nonfinite_flag`).
-            grads = [p.grad for p in self._params if p.grad is not None]
+            grads = [g for g in [p.grad for p in self._params] if g is not None]  # one `.grad` read per parameter
             if self._sharded:
                 grads = [local_tensor(g) for g in grads]
             grad_bad = grads_nonfinite_flag(grads)
@@ -262,11 +262,12 @@ class NaNFirstFrame(DebugCallback):
         return torch.stack([zero if f is None else f.to(device=device, dtype=zero.dtype).reshape(()) for f in flags])
 
     def _check_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        device = pl_module.device
+        device = trainer.strategy.root_device
+        world = trainer.world_size  # a Trainer attribute: no call into torch.distributed on the hot path
         with torch.no_grad():
             grad_bad, frame_bad = self._step_flags()
             local: Tensor | None = None
-            if world_size() == 1:
+            if world == 1:
                 # the fewest kernels on the path every step takes: the flags added up, the table only if one is set
                 present = [f for f in (self._loss_bad, grad_bad, frame_bad) if f is not None]
                 if not present:
@@ -291,7 +292,7 @@ class NaNFirstFrame(DebugCallback):
         if local is None:
             local = self._local_flags(device, grad_bad, frame_bad)
         # A bad step, the same on every rank: which ranks were bad (collective, only on such a step).
-        rows = (all_gather_vector(local) if world_size() > 1 else local.unsqueeze(0)).tolist()
+        rows = (all_gather_vector(local) if world > 1 else local.unsqueeze(0)).tolist()
         bad_ranks, frame_ranks = flagged_ranks(rows)
         if not bad_ranks and not frame_ranks:
             return

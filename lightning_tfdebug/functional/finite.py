@@ -17,6 +17,17 @@ def nonfinite_flag(value: Tensor) -> Tensor:
     return torch.isfinite(value.detach()).all().logical_not().float()
 
 
+_ONES: dict[torch.device, Tensor] = {}
+
+
+def _one(device: torch.device) -> Tensor:
+    """A cached ``1.0`` on ``device`` (the scale the CPU check multiplies by), never written."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), device=device)
+    return one
+
+
 def grads_nonfinite_flag(grads: Sequence[Tensor]) -> Tensor | None:
     """``1.0`` if any of ``grads`` holds inf or nan, else ``0.0`` (0-d float32 on the first gradient's device); None
     when there are no gradients. One pass over the gradient memory, no host sync.
@@ -37,9 +48,9 @@ def grads_nonfinite_flag(grads: Sequence[Tensor]) -> Tensor | None:
     grads = list(grads)
     device = grads[0].device
     if device.type == "cpu" and not any(g.requires_grad or g.is_sparse for g in grads):
-        found = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=device))
-        return found.reshape(())
+        found = torch.zeros((), device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _one(device))
+        return found
     norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
     return nonfinite_flag(torch.stack(norms).sum())
 
