@@ -32,7 +32,14 @@ from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.finite import flagged_ranks, grads_nonfinite_flag
-from lightning_tfdebug.functional.frames import Frame, FrameRecorder, format_frames, weight_ranges, window
+from lightning_tfdebug.functional.frames import (
+    Frame,
+    FrameFlags,
+    FrameRecorder,
+    format_frames,
+    weight_ranges,
+    window,
+)
 
 Mode = Literal["lazy", "eager"]
 _MODES = ("lazy", "eager")
@@ -70,8 +77,13 @@ class NaNFirstFrame(DebugCallback):
       GradScaler, the gradients are finite; one small host read per step. On the first non-finite step, the
       micro-batches of that step are replayed with the same RNG state (dropout masks repeat) and with frame hooks
       attached. Every rank replays, so collectives inside the model (FSDP2) stay matched.
-    * ``"eager"``: frame hooks on every training step, for inf/nan that never reach the loss (a masked-out
-      position, a discarded branch). Statistics stay on the device; one host read per step, not one per module.
+    * ``"eager"``: for inf/nan that never reach the loss (a masked-out position, a discarded branch) and for a
+      non-finite value a replay may not reproduce. Every step, a forward hook on every module records one device
+      scalar per floating-point output (its float32 sum: one kernel, no host sync; no abs ranges, no gradient
+      hooks); the sums join the loss/gradient flags in the same single host read. On a flagged step the first
+      non-finite output of that step is named from the sums, and the step is replayed as in lazy mode for the full
+      frames (abs ranges, weights, backward). A flag the replay shows to be a float32 overflow of finite values is
+      dropped; one the replay does not reproduce is still reported, named from the step's sums.
 
     Every rank must take the same decision on the same step. Under DDP (lazy mode, gradients checked) it needs no
     collective: DDP's reducer has all-reduced the gradients before the check, so they are identical on every rank,
@@ -151,7 +163,7 @@ class NaNFirstFrame(DebugCallback):
         self._sharded = False  # some parameter is a DTensor (FSDP2): gradients are read through their local shard
         self._loss_bad: Tensor | None = None
         self._micro: list[tuple[Any, int, dict[str, Any]]] = []
-        self._recorder: FrameRecorder | None = None
+        self._flags: FrameFlags | None = None  # eager mode: one output sum per module call, every step
         self._mode: Mode = mode  # the mode this fit runs in: eager falls back to lazy on a compiled model
         self._check_grads = check_gradients  # this fit checks the gradients (not under a GradScaler)
         self._replicated = False  # this fit's decision flag is identical on every rank: no collective per step
@@ -176,8 +188,8 @@ class NaNFirstFrame(DebugCallback):
                 category=TFDebugWarning,
             )
         if self._mode == "eager" and self.active:
-            self._recorder = FrameRecorder(pl_module, backward=True).attach()
-            self._recorder.enabled = False
+            self._flags = FrameFlags(pl_module).attach()
+            self._flags.enabled = False
         self._check_grads = self.check_gradients and grad_scaler_of(trainer) is None
         # Under DDP the gradients are all-reduced before `on_before_optimizer_step`: a gradient flag is the same on
         # every rank, and a rank-local non-finite loss has made every rank's gradients non-finite. Lazy mode then
@@ -189,9 +201,9 @@ class NaNFirstFrame(DebugCallback):
         )
 
     def _detach(self) -> None:
-        if self._recorder is not None:
-            self._recorder.detach()
-            self._recorder = None
+        if self._flags is not None:
+            self._flags.detach()
+            self._flags = None
         self._micro.clear()
         self._loss_bad = None
 
@@ -208,12 +220,13 @@ class NaNFirstFrame(DebugCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if not self.active:
             return
-        if self._mode == "lazy":
-            if len(self._micro) >= _MAX_KEPT_MICRO_BATCHES:
-                self._micro.pop(0)
-            self._micro.append((batch, idx, _rng_state(pl_module.device)))  # a reference, no copy
-        elif self._recorder is not None:
-            self._recorder.enabled = True
+        # both modes: a bad step is replayed with frame hooks (eager mode names the first frame from its own flags
+        # even when the replay does not reproduce it)
+        if len(self._micro) >= _MAX_KEPT_MICRO_BATCHES:
+            self._micro.pop(0)
+        self._micro.append((batch, idx, _rng_state(pl_module.device)))  # a reference, no copy
+        if self._flags is not None:
+            self._flags.enabled = True
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if not self.active:
@@ -223,8 +236,8 @@ class NaNFirstFrame(DebugCallback):
             if bad.ndim:
                 bad = bad.any()
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
-        if self._recorder is not None and self._recorder.enabled:
-            self._recorder.record_value(_LOSS_FRAME, "loss", loss)
+        if self._flags is not None and self._flags.enabled:
+            self._flags.record_value(_LOSS_FRAME, "loss", loss)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -236,9 +249,9 @@ class NaNFirstFrame(DebugCallback):
         finally:
             self._micro.clear()
             self._loss_bad = None
-            if self._recorder is not None:
-                self._recorder.enabled = False
-                self._recorder.clear()
+            if self._flags is not None:
+                self._flags.enabled = False
+                self._flags.clear()
 
     def _step_flags(self) -> tuple[Tensor | None, Tensor | None]:
         """This rank's ``(grad_nonfinite, frame_nonfinite)`` flags of the step, device tensors or None; no host sync."""
@@ -252,7 +265,7 @@ class NaNFirstFrame(DebugCallback):
             if self._sharded:
                 grads = [local_tensor(g) for g in grads]
             grad_bad = grads_nonfinite_flag(grads)
-        frame_bad = self._recorder.any_nonfinite() if self._recorder is not None else None
+        frame_bad = self._flags.nonfinite() if self._flags is not None else None
         return grad_bad, frame_bad
 
     def _local_flags(self, device: torch.device, grad_bad: Tensor | None, frame_bad: Tensor | None) -> Tensor:
@@ -304,22 +317,33 @@ class NaNFirstFrame(DebugCallback):
             self.log_scalars(trainer, {"nan_first_frame/skipped_steps": float(self.skipped_steps)})
         if len(self.reports) >= self.max_reports:
             return
-        if self._mode == "lazy" and bad_ranks:
-            recorder, error = self._replay(trainer, pl_module)
-        elif self._mode == "eager" and self._recorder is not None:
-            recorder, error = self._recorder, None
-        else:
+        if self._mode == "lazy" and not bad_ranks:
             return
-        summary, lines = self._report(trainer, recorder, rows, bad_ranks, frame_ranks, error)
+        step_first = None
+        if self._flags is not None:
+            self._flags.enabled = False  # the replay below records into its own flags
+            if rows[trainer.global_rank][2] > 0:
+                step_first = self._flags.first_nonfinite()  # this step's first non-finite output (one host read)
+        recorder, replay_flags, error = self._replay(trainer, pl_module, flags=self._flags is not None)
+        summary, lines = self._report(trainer, recorder, rows, bad_ranks, frame_ranks, error, step_first, replay_flags)
         stem = f"nan-step{step}-rank{trainer.global_rank}"
         txt_path, json_path = (os.path.join(self.tfdebug_dir, stem + ext) for ext in (".txt", ".json"))
+        if error is not None and self._sharded and world_size() > 1:
+            self._write(summary, lines, txt_path, json_path)
+            self._end_after_sharded_replay_failure(trainer, step, bad_ranks, error, txt_path)
+        everyone = self._share(trainer, summary)
+        if not bad_ranks and not any(r["forward"] for r in everyone):
+            # Every flagged output sum was a float32 overflow of finite values (the replay's exact abs ranges are
+            # finite where its sums overflow again): no inf/nan, nothing to report. The same verdict on every rank.
+            return
+        self._write(summary, lines, txt_path, json_path)
+        self._emit(trainer, summary, txt_path, json_path, bad_ranks, frame_ranks, error, everyone)
+
+    def _write(self, summary: dict[str, Any], lines: list[str], txt_path: str, json_path: str) -> None:
         # Through the pack's writer: a refused write warns once and the report still reaches the finding's evidence.
         write_text(json_path, json.dumps(summary, indent=1, default=str, allow_nan=False))
         write_text(txt_path, "\n".join(lines) + "\n")
         self.reports.append(txt_path)
-        if error is not None and self._sharded and world_size() > 1:
-            self._end_after_sharded_replay_failure(trainer, step, bad_ranks, error, txt_path)
-        self._emit(trainer, summary, txt_path, json_path, bad_ranks, frame_ranks, error)
 
     def _end_after_sharded_replay_failure(
         self, trainer: pl.Trainer, step: int, bad_ranks: list[int], error: str, txt_path: str
@@ -344,21 +368,36 @@ class NaNFirstFrame(DebugCallback):
             f"rank instead of hanging. This rank's report: {txt_path}."
         )
 
-    # ------------------------------------------------------------------ replay (lazy mode)
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[FrameRecorder, str | None]:
+    # ------------------------------------------------------------------ replay
+    def _replay(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, flags: bool = False
+    ) -> tuple[FrameRecorder, FrameFlags | None, str | None]:
         """Re-run this step's micro-batches with the same RNG state and frame hooks; every rank does it.
+
+        With ``flags`` (eager mode) the replay also records the output sums eager mode flags a step with, so that a
+        flag whose exact abs ranges are finite can be told apart: its sum overflows again (a float32 overflow of
+        finite values, deterministic), or it does not (the non-finite value did not reproduce).
 
         The model is called directly (not through the DDP wrapper), so DDP's reducer does not all-reduce the
         replayed gradients; under FSDP2 the replay runs the same all-gathers and reduce-scatters on every rank,
-        which is why every rank replays all micro-batches whatever it finds. Gradients are dropped afterwards.
+        which is why every rank replays all micro-batches whatever it finds. The replay's gradients are dropped and
+        the step's own are put back.
         """
         device = pl_module.device
         recorder = FrameRecorder(pl_module, backward=True)
+        replay_flags = FrameFlags(pl_module) if flags else None
         saved = _rng_state(device)
         scaler = grad_scaler_of(trainer)
         error: str | None = None
+        # The step's own gradients (None after a skipped bad step) are put back afterwards: a step whose only flag is
+        # a module output (TFD402) is still applied, and the replay's backward must not accumulate into them.
+        grads = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
         try:
             recorder.attach()
+            if replay_flags is not None:
+                replay_flags.attach()
             for batch, batch_idx, rng in list(self._micro):
                 _set_rng_state(rng, device)
                 # eagerly under torch.compile: the frame hooks run, and the replay compiles nothing new
@@ -367,6 +406,8 @@ class NaNFirstFrame(DebugCallback):
                 if loss is None:
                     continue
                 recorder.record_value(_LOSS_FRAME, "loss", loss)
+                if replay_flags is not None:
+                    replay_flags.record_value(_LOSS_FRAME, "loss", loss)
                 if scaler is not None:
                     loss = scaler.scale(loss)
                 if loss.requires_grad:
@@ -375,10 +416,12 @@ class NaNFirstFrame(DebugCallback):
             error = f"{type(err).__name__}: {err}"
         finally:
             recorder.detach()
+            if replay_flags is not None:
+                replay_flags.detach()
             _set_rng_state(saved, device)
-            for p in self._params:
-                p.grad = None
-        return recorder, error
+            for p, g in zip(self._params, grads):
+                p.grad = g
+        return recorder, replay_flags, error
 
     # ------------------------------------------------------------------ report
     def _section(self, recorder: FrameRecorder, phase: str) -> tuple[int | None, list[Frame]]:
@@ -406,6 +449,8 @@ class NaNFirstFrame(DebugCallback):
         bad_ranks: list[int],
         frame_ranks: list[int],
         error: str | None,
+        step_first: tuple[int, str, str, str] | None = None,
+        replay_flags: FrameFlags | None = None,
     ) -> tuple[dict[str, Any], list[str]]:
         first_fwd, fwd = self._section(recorder, "forward")
         first_bwd, bwd = self._section(recorder, "backward")
@@ -415,7 +460,33 @@ class NaNFirstFrame(DebugCallback):
                 return None
             frame = next(f for f in frames if f.index == first)
             bad = next((e.label for e in frame.entries if not e.finite), None)
-            return {"module": frame.module, "module_type": frame.module_type, "index": first, "tensor": bad}
+            return {
+                "module": frame.module,
+                "module_type": frame.module_type,
+                "index": first,
+                "tensor": bad,
+                "source": "replay",
+            }
+
+        replayed_fwd = pick(first_fwd, fwd)
+        first_forward = replayed_fwd
+        reproduced: bool | None = None  # eager mode: did the replay reproduce this step's flagged output?
+        overflow = False  # eager mode: the flag was a float32 overflow of the sum of finite values
+        if step_first is not None:
+            _, module, module_type, label = step_first
+            reproduced = replayed_fwd is not None
+            if not reproduced and error is None and replay_flags is not None and replay_flags.first_nonfinite():
+                overflow = True  # the exact abs ranges are finite and the sum overflows again: no inf/nan
+                first_forward = None
+            else:
+                # this step's own flags name the first frame (the replay's exact frames give the detail)
+                first_forward = {
+                    "module": module,
+                    "module_type": module_type,
+                    "index": first_fwd if replayed_fwd is not None and replayed_fwd["module"] == module else None,
+                    "tensor": label,
+                    "source": "step",
+                }
 
         rank = trainer.global_rank
         micro = [idx for _, idx, _ in self._micro]
@@ -431,8 +502,11 @@ class NaNFirstFrame(DebugCallback):
             "grad_nonfinite": bool(rows[rank][1] > 0),
             "nonfinite_ranks": bad_ranks,
             "frame_nonfinite_ranks": frame_ranks,
-            "first_forward": pick(first_fwd, fwd),
+            "first_forward": first_forward,
             "first_backward": pick(first_bwd, bwd),
+            "replay_first_forward": replayed_fwd,
+            "replay_reproduced": reproduced,
+            "flag_was_sum_overflow": overflow,
             "frames_recorded": {"forward": recorder.count("forward"), "backward": recorder.count("backward")},
             "replay_error": error,
             "forward_frames": [f.to_dict() for f in fwd],
@@ -449,6 +523,18 @@ class NaNFirstFrame(DebugCallback):
             "first non-finite gradient on this rank reached the output of: "
             + (f"{fb['module']} ({fb['module_type']})" if fb else "none"),
         ]
+        if reproduced is False and not overflow:
+            lines.append(
+                "the first forward frame is named from this step's output sums: the replay did not reproduce the "
+                "non-finite value (a nondeterministic inf/nan); the frames below are the replay's"
+            )
+        elif reproduced and replayed_fwd is not None and ff is not None and replayed_fwd["module"] != ff["module"]:
+            lines.append(f"the replay's first non-finite forward frame differs: {replayed_fwd['module']}")
+        if overflow:
+            lines.append(
+                "this step's flagged output sum overflowed float32 while every value was finite (exact abs ranges "
+                "of the replay): no inf/nan"
+            )
         if error:
             lines.append(f"the replay failed: {error}")
         lines.append("")
@@ -456,6 +542,21 @@ class NaNFirstFrame(DebugCallback):
         lines.append("")
         lines += format_frames(f"Last {len(bwd)} backward frames (order gradients arrived):", bwd)
         return summary, lines
+
+    def _share(self, trainer: pl.Trainer, summary: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's first forward/backward module names (and whether the replay reproduced this step's flags)."""
+        mine = {
+            "rank": trainer.global_rank,
+            "forward": (summary["first_forward"] or {}).get("module"),
+            "backward": (summary["first_backward"] or {}).get("module"),
+            "reproduced": summary["replay_reproduced"],
+        }
+        everyone: list[Any] = [mine]
+        if world_size() > 1:
+            # Only on a reporting step, which every rank reached from the same gathered flags: share the names.
+            everyone = [None] * world_size()
+            dist.all_gather_object(everyone, mine)  # collective
+        return [r for r in everyone if r]
 
     def _emit(
         self,
@@ -466,19 +567,12 @@ class NaNFirstFrame(DebugCallback):
         bad_ranks: list[int],
         frame_ranks: list[int],
         error: str | None,
+        everyone: list[dict[str, Any]],
     ) -> None:
-        mine = {
-            "rank": trainer.global_rank,
-            "forward": (summary["first_forward"] or {}).get("module"),
-            "backward": (summary["first_backward"] or {}).get("module"),
-        }
-        everyone = [mine]
-        if world_size() > 1:
-            # Only on a reporting step, which every rank reached from the same gathered flags: share the names.
-            everyone = [None] * world_size()
-            dist.all_gather_object(everyone, mine)  # collective
         named = [r for r in everyone if r and r["forward"]] or [r for r in everyone if r and r["backward"]]
         culprit = named[0] if named else None
+        if not bad_ranks:  # eager mode: the ranks whose flagged outputs held inf/nan (not a float32 sum overflow)
+            frame_ranks = [r for r in frame_ranks if any(e["rank"] == r and e["forward"] for e in everyone)]
         evidence = {
             "module": culprit["forward"] if culprit else None,
             "backward_module": culprit["backward"] if culprit else None,
@@ -490,6 +584,9 @@ class NaNFirstFrame(DebugCallback):
             "report": txt_path,
             "report_json": json_path,
         }
+        not_reproduced = bool(culprit and culprit["forward"] and culprit.get("reproduced") is False)
+        if not_reproduced:
+            evidence["replay_reproduced"] = False
         loss_only = bool(culprit and culprit["forward"] == _LOSS_FRAME)
         if loss_only:
             where = (
@@ -503,6 +600,8 @@ class NaNFirstFrame(DebugCallback):
             )
         else:
             where = "no module output held inf/nan in the replay"
+        if not_reproduced:
+            where += " (named from that step's own output sums: the replay did not reproduce the inf/nan)"
         if culprit and culprit["backward"]:
             where += f"; the first non-finite gradient reached the output of `{culprit['backward']}`"
         hint = (
@@ -514,7 +613,7 @@ class NaNFirstFrame(DebugCallback):
             "next operation may overflow. Under fp16 keep that module in fp32 (or use bf16), lower the LR, add "
             "warm-up or clipping; a nan from log(0), sqrt(0) backward or 0/0 points at the named module's math."
         )
-        if error:
+        if error and bad_ranks:
             self.emit(
                 trainer,
                 "TFD403",
@@ -538,7 +637,7 @@ class NaNFirstFrame(DebugCallback):
                 trainer,
                 "TFD402",
                 f"At step {summary['step']} a module produced inf/nan that did not reach the loss, on rank(s) "
-                f"{frame_ranks}: {where}. Report: {txt_path}",
+                f"{frame_ranks}: {where}.{f' The replay failed: {error}.' if error else ''} Report: {txt_path}",
                 evidence,
                 key=f"step{summary['step']}",
             )

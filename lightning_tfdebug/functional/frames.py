@@ -141,10 +141,12 @@ class _Record:
     stats: list[Tensor]  # 2 * len(labels) 0-d tensors: abs_min, abs_max per entry
 
 
+_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _graph_task_running() -> bool:
     """True inside the autograd engine, e.g. while activation checkpointing recomputes a forward."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    return _TASK_ID is not None and _TASK_ID() != -1
 
 
 class FrameRecorder:
@@ -296,6 +298,141 @@ class FrameRecorder:
             return self.modules[self.names.index(name)]
         except ValueError:
             return None
+
+
+def output_sum(tensor: Tensor) -> Tensor:
+    """A 0-d float32 device tensor that is non-finite when ``tensor`` holds inf or nan: its sum, in one kernel.
+
+    A nan or an inf propagates into the sum. The converse is not exact: finite values whose float32 sum passes
+    ~3.4e38 also give inf (never in a healthy run); :class:`FrameFlags` users confirm a flag with exact abs ranges.
+    """
+    t = tensor.detach()
+    if type(t) is not Tensor:
+        t = local_tensor(t)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.sum(dtype=torch.float32)
+
+
+class FrameFlags:
+    """The cheap every-step counterpart of :class:`FrameRecorder`: one device scalar per module output, no ranges.
+
+    A forward hook on every submodule appends ``(module index, output_sum(tensor))`` for each floating-point tensor
+    of the output: one reduction kernel per output tensor and no host sync. Inputs are not recorded (a module's
+    input is an earlier module's output), and no gradient hooks are registered. :meth:`nonfinite` turns a pass into
+    one device flag (one ``stack``, one ``isfinite``); :meth:`first_nonfinite` names the first module call whose
+    output sum was non-finite, in call order, with one host read. A flag is a suspicion, exact up to a float32
+    overflow of the sum of finite values: confirm it with :class:`FrameRecorder`'s abs ranges before calling
+    anything finite non-finite.
+
+    Frames recorded while the autograd engine runs (activation-checkpoint recomputation) are skipped, recording is
+    paused while :attr:`enabled` is False, and at most ``max_records`` entries are kept per pass.
+    """
+
+    def __init__(self, model: nn.Module, max_records: int = 100_000) -> None:
+        self.max_records = max_records
+        self.names: list[str] = []
+        self.types: list[str] = []
+        self.modules: list[nn.Module] = []
+        for name, module in model.named_modules():
+            self.names.append(clean_param_name(name) or "<root>")
+            self.types.append(type(module).__name__)
+            self.modules.append(module)
+        self.indices: list[int] = []  # module index per entry
+        self.labels: list[str] = []  # tensor label per entry
+        self.sums: list[Tensor] = []  # output_sum per entry
+        self.enabled = True
+        self._handles: list[Any] = []
+        self._extra_names: dict[str, int] = {}
+
+    def attach(self) -> FrameFlags:
+        if not self._handles:
+            self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> FrameFlags:
+        return self.attach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def _hook(self, index: int) -> Any:
+        indices, labels, sums = self.indices, self.labels, self.sums
+        tensor_type, float32 = Tensor, torch.float32
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            # the path every call of every module takes on every step: as few Python calls and torch ops as possible
+            if not self.enabled or len(sums) >= self.max_records or (_TASK_ID is not None and _TASK_ID() != -1):
+                return
+            if type(output) is tensor_type and output.is_floating_point():  # the common case, inlined
+                indices.append(index)
+                labels.append("output")
+                sums.append(output.detach().sum(dtype=float32))
+                return
+            for label, tensor in iter_float_tensors(output, "output"):
+                indices.append(index)
+                labels.append(label)
+                sums.append(output_sum(tensor))
+
+        return hook
+
+    def record_value(self, name: str, label: str, value: Any) -> None:
+        """Record an entry for something that is not a module (e.g. the loss ``training_step`` returned)."""
+        if not self.enabled:
+            return
+        if name not in self._extra_names:
+            self._extra_names[name] = len(self.names)
+            self.names.append(name)
+            self.types.append("-")
+            self.modules.append(nn.Module())
+        for lab, tensor in iter_float_tensors(value, label):
+            self.indices.append(self._extra_names[name])
+            self.labels.append(lab)
+            self.sums.append(output_sum(tensor))
+
+    def clear(self) -> None:
+        self.indices.clear()
+        self.labels.clear()
+        self.sums.clear()
+
+    def count(self) -> int:
+        return len(self.sums)
+
+    def _stacked(self) -> Tensor | None:
+        if not self.sums:
+            return None
+        device = self.sums[0].device
+        return torch.stack([s if s.device == device else s.to(device) for s in self.sums])
+
+    def nonfinite(self) -> Tensor | None:
+        """1.0 when some recorded sum is inf or nan, else 0.0; a device scalar, no host sync (None if empty)."""
+        stacked = self._stacked()
+        return None if stacked is None else torch.isfinite(stacked).logical_not_().any().float()
+
+    def first_nonfinite(self) -> tuple[int, str, str, str] | None:
+        """``(entry position, module name, module type, tensor label)`` of the first non-finite sum, or None.
+
+        One host read (report time only).
+        """
+        stacked = self._stacked()
+        if stacked is None:
+            return None
+        flags = torch.isfinite(stacked).logical_not_()
+        found, entry = torch.stack([flags.any().float(), flags.int().argmax().float()]).tolist()  # host sync (one)
+        if not found:
+            return None
+        i = int(entry)
+        module = self.indices[i]
+        return i, self.names[module], self.types[module], self.labels[i]
 
 
 def weight_ranges(module: nn.Module) -> list[Entry]:

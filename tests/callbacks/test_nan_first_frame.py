@@ -326,3 +326,148 @@ def test_a_nan_loss_on_one_ddp_rank_stops_every_rank_with_or_without_the_gradien
         assert finding["evidence"]["ranks"] == [1]
         assert finding["evidence"]["module"] == "training_step" and finding["evidence"]["module_rank"] == 1
         assert r["error"] is None and r["global_step"] == 4 and r["extra"]["skipped"] == 1
+
+
+# ---------------------------------------------------------------- issue 25: eager mode's every-step cost
+class HookCounts(pl.Callback):
+    """Counts, per step, the abs ranges computed and the tensor (gradient) hooks registered up to the optimizer step,
+    and how many output sums eager mode's flags held then. Listed before NaNFirstFrame, so it sees the step before
+    NaNFirstFrame's check (and any replay) runs."""
+
+    def __init__(self, nff, monkeypatch):
+        import lightning_tfdebug.functional.frames as frames
+
+        self.nff, self.calls, self.per_step, self.sums = nff, {"abs_range": 0, "register_hook": 0}, {}, {}
+        abs_range, register_hook = frames.abs_range, torch.Tensor.register_hook
+
+        def counted_abs_range(tensor):
+            self.calls["abs_range"] += 1
+            return abs_range(tensor)
+
+        def counted_register_hook(tensor, hook):
+            self.calls["register_hook"] += 1
+            return register_hook(tensor, hook)
+
+        monkeypatch.setattr(frames, "abs_range", counted_abs_range)
+        monkeypatch.setattr(torch.Tensor, "register_hook", counted_register_hook)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.start = dict(self.calls)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.per_step[trainer.global_step] = {k: v - self.start[k] for k, v in self.calls.items()}
+        self.sums[trainer.global_step] = self.nff._flags.count()
+
+
+def test_eager_healthy_steps_record_one_sum_per_output_and_no_ranges_and_a_nan_step_is_named(tmp_path, monkeypatch):
+    """Healthy steps: no abs range, no gradient hook, only output sums. The NaN injected in blocks.1.attn.proj at
+    step 2 is named from the step's own flags, and the replay gives the full frames (forward and backward)."""
+    nff = NaNFirstFrame(mode="eager", on_finding="stop")
+    counts = HookCounts(nff, monkeypatch)
+    model = TinyGPT(nan_module="blocks.1.attn.proj", nan_at_step=2, **SMALL)
+    fit(tmp_path, [counts, nff], model=model, max_steps=6)
+    assert counts.per_step == {s: {"abs_range": 0, "register_hook": 0} for s in range(3)}
+    calls = sum(1 for m in model.modules() if m is not model) + 1  # every submodule call, the root and the loss
+    assert all(n >= calls - 1 for n in counts.sums.values()), (counts.sums, calls)
+    assert counts.calls["abs_range"] > 0 and counts.calls["register_hook"] > 0  # the replay of step 2, only
+    [finding] = nff.findings
+    assert finding.code == "TFD401" and finding.step == 2 and finding.evidence["module"] == "blocks.1.attn.proj"
+    report = json.loads(Path(finding.evidence["report_json"]).read_text())
+    assert report["mode"] == "eager" and report["replay_reproduced"] is True
+    first = report["first_forward"]
+    assert (first["module"], first["source"], first["tensor"]) == ("blocks.1.attn.proj", "step", "output")
+    assert next(f for f in report["forward_frames"] if f["index"] == first["index"])["module"] == first["module"]
+    assert report["first_backward"] is not None and report["frames_recorded"]["backward"] > 0
+    assert nff.skipped_steps == 1 and hooks_left(model) == 0
+
+
+class FlakyNaNGPT(TinyGPT):
+    """blocks.0.mlp.fc turns nan on the first call at step 2 only: a replay of the step does not reproduce it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fired = False
+        self.blocks[0].mlp.fc.register_forward_hook(self._flaky)
+
+    def _flaky(self, module, args, output):
+        trainer = self._trainer
+        if trainer is None or not self.training or trainer.global_step != 2 or self.fired:
+            return output
+        self.fired = True
+        return output * float("nan")
+
+
+def test_eager_names_a_nan_that_the_replay_does_not_reproduce_from_the_steps_flags(tmp_path):
+    nff = NaNFirstFrame(mode="eager")
+    fit(tmp_path, [nff], model=FlakyNaNGPT(**SMALL), max_steps=4)
+    [finding] = nff.findings
+    assert finding.code == "TFD401" and finding.step == 2 and nff.skipped_steps == 1
+    assert finding.evidence["module"] == "blocks.0.mlp.fc" and finding.evidence["replay_reproduced"] is False
+    assert "did not reproduce" in finding.message
+    report = json.loads(Path(finding.evidence["report_json"]).read_text())
+    assert report["replay_reproduced"] is False and report["replay_first_forward"] is None
+    assert report["first_forward"]["module"] == "blocks.0.mlp.fc" and report["first_forward"]["source"] == "step"
+    assert "did not reproduce" in Path(finding.evidence["report"]).read_text()
+    lazy = NaNFirstFrame()  # lazy mode has only the replay: it cannot name the module
+    fit(tmp_path / "lazy", [lazy], model=FlakyNaNGPT(**SMALL), max_steps=4)
+    [finding] = lazy.findings
+    assert finding.code == "TFD401" and finding.evidence["module"] != "blocks.0.mlp.fc"
+
+
+class MaskedScores(nn.Module):
+    def forward(self, scores, mask):
+        return scores.masked_fill(mask, float("-inf"))
+
+
+class MaskedScoresGPT(TinyGPT):
+    """Attention-style -inf at masked positions: the module's output holds -inf, softmax turns it into 0, so the loss
+    and the gradients stay finite."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.masked = MaskedScores()
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = super().forward(input_ids, attention_mask)
+        mask = torch.zeros_like(logits, dtype=torch.bool)
+        mask[..., -1] = True
+        probs = torch.softmax(self.masked(logits, mask), dim=-1)
+        return logits * (1 + 0 * probs)
+
+
+def test_eager_finds_a_masked_inf_that_never_reaches_the_loss_and_still_applies_the_step(tmp_path):
+    snaps, nff = Snapshots(), NaNFirstFrame(mode="eager")
+    fit(tmp_path, [snaps, nff], model=MaskedScoresGPT(**SMALL), max_steps=2)
+    [finding] = nff.findings
+    assert finding.code == "TFD402" and finding.severity == "info" and finding.step == 0
+    assert finding.evidence["module"] == "masked" and finding.evidence["ranks"] == [0]
+    assert nff.skipped_steps == 0
+    report = json.loads(Path(finding.evidence["report_json"]).read_text())
+    assert not report["loss_nonfinite"] and not report["grad_nonfinite"] and report["replay_reproduced"] is True
+    frame = next(f for f in report["forward_frames"] if f["index"] == report["first_forward"]["index"])
+    assert frame["module"] == "masked" and frame["entries"][-1]["abs_max"] == "inf"
+    changed = [n for n, w in snaps.weights[0].items() if not torch.equal(w, snaps.weights[1][n])]
+    assert changed  # the step was applied with its own gradients (the replay's were dropped)
+
+
+class HugeSideGPT(TinyGPT):
+    """A discarded branch whose finite output (3e38 per value) sums past float32's range: no inf, no nan."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.huge = Huge()
+
+    def forward(self, input_ids, attention_mask=None):
+        self.huge(input_ids)
+        return super().forward(input_ids, attention_mask)
+
+
+class Huge(nn.Module):
+    def forward(self, ids):
+        return torch.full((4,), 3e38)
+
+
+def test_eager_does_not_report_a_finite_output_whose_sum_overflows(tmp_path):
+    nff = NaNFirstFrame(mode="eager")
+    fit(tmp_path, [nff], model=HugeSideGPT(**SMALL), max_steps=2)
+    assert nff.findings == [] and nff.reports == [] and nff.skipped_steps == 0

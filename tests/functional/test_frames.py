@@ -157,3 +157,38 @@ def test_weights_ring_window_and_report_files(tmp_path):
     assert json.loads(Path(js).read_text())["x"][2]["entries"][-1]["abs_max"] == "nan"
     assert Path(txt).read_text().startswith("frames")
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["nan-step0-rank0.json", "nan-step0-rank0.txt"]
+
+
+def test_frame_flags_name_the_first_nonfinite_output_with_one_sum_per_tensor():
+    from lightning_tfdebug.functional.frames import FrameFlags, output_sum
+
+    net = Net()
+    with FrameFlags(net) as flags:
+        net(torch.ones(2, 4)).backward()
+    assert [flags.names[i] for i in flags.indices] == ["a.lin", "a", "b", "b", "c", "c", "<root>"]
+    assert flags.labels[2:4] == ["output['out']", "output['log']"]
+    assert all(s.ndim == 0 and s.dtype == torch.float32 for s in flags.sums)
+    assert flags.nonfinite().item() == 1.0 and flags.first_nonfinite() == (3, "b", "DictModule", "output['log']")
+    assert sum(len(m._forward_hooks) for m in net.modules()) == 0
+    flags.clear()
+    assert flags.nonfinite() is None and flags.first_nonfinite() is None
+    flags.record_value("training_step", "loss", torch.tensor(float("inf")))
+    assert flags.first_nonfinite() == (0, "training_step", "-", "loss")
+    assert math.isinf(output_sum(torch.full((2,), 3e38)).item())  # a finite overflow: only a suspicion
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_frame_flags_skip_checkpoint_recomputation_and_pause_when_disabled(mode):
+    from lightning_tfdebug.functional.frames import FrameFlags
+
+    counts = {}
+    for use in (None, mode):
+        net = Net(use_checkpoint=use)
+        with FrameFlags(net) as flags:
+            net(torch.ones(2, 4, requires_grad=True)).backward()
+        counts[use] = [flags.names[i] for i in flags.indices]
+    assert counts[None] == counts[mode]
+    with FrameFlags(net) as flags:
+        flags.enabled = False
+        net(torch.ones(2, 4))
+    assert flags.count() == 0
