@@ -79,9 +79,10 @@ MEMBERS: dict[str, type[DebugCallback]] = {
 }
 
 #: ``always``: the members meant to stay on in every run. They work on measuring steps only (or once), and together
-#: cost about 2% of a small model's step (``benchmarks/overhead.py``). ``full`` adds the two that re-run the model
-#: outside the training step: MaskProbe (perturbed forward passes on the first batch) and CheckpointAudit (reloads
-#: every checkpoint the run saves), and puts NaNFirstFrame in eager mode (hooks on every module, every step).
+#: cost a few percent of a small model's step (``benchmarks/overhead.py``, ``docs/benchmarks.md``). ``full`` adds the
+#: two that re-run the model outside the training step: MaskProbe (perturbed forward passes on the first batch) and
+#: CheckpointAudit (reloads every checkpoint the run saves), and puts NaNFirstFrame in eager mode (one output sum per
+#: module call on every step).
 PRESET_MEMBERS: dict[str, tuple[str, ...]] = {
     "always": tuple(name for name in MEMBERS if name not in ("MaskProbe", "CheckpointAudit")),
     "full": tuple(MEMBERS),

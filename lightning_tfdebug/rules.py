@@ -1484,7 +1484,8 @@ _RULES: tuple[Rule, ...] = (
         ),
         trigger=(
             "the loss of a micro-batch or (without a GradScaler) a gradient became inf/nan; the step is not applied "
-            "and replayed with frame hooks (lazy) or read from this step's frames (eager); names the first module "
+            "and replayed with frame hooks (in eager mode the first non-finite output is also named from this "
+            "step's own per-module output sums, even when the replay does not reproduce); names the first module "
             "whose forward output and whose output gradient held inf/nan, the rank(s), and the report "
             "`<log_dir>/tfdebug/nan-step<k>-rank<r>.txt`"
         ),
