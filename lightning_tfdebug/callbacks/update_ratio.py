@@ -321,24 +321,30 @@ class UpdateRatio(DebugCallback):
         n = layout.n_groups
         with torch.no_grad():
             norms = sums[: 3 * n] if layout.sharded else sums[: 3 * n] / world  # replicated: every rank sent the same
-            delta_sq, param_sq, grad_sq = norms[:n], norms[n : 2 * n], norms[2 * n :]
-            values: dict[str, Tensor | float] = {
-                "update_ratio/total": delta_sq.sum().sqrt() / param_sq.sum().sqrt().clamp_min(1e-12),
-                "update_ratio/param_norm/total": param_sq.sum().sqrt(),
-            }
-            for g, name in enumerate(layout.groups.group_names):
-                values[f"update_ratio/{name}"] = delta_sq[g].sqrt() / param_sq[g].sqrt().clamp_min(1e-12)
-                values[f"update_ratio/param_norm/{name}"] = param_sq[g].sqrt()
-                values[f"_delta/{name}"] = delta_sq[g]
-                values[f"_grad/{name}"] = grad_sq[g]
-            for i, key in enumerate(("_loss_sum", "_loss_batches")):
-                values[key] = sums[3 * n + i]
+            parts = [norms, sums[3 * n : 3 * n + 2]]
             if counted:
-                values["_unigram"] = unigram_entropy(sums[3 * n + 2 :])
+                parts.append(unigram_entropy(sums[3 * n + 2 :]).reshape(1).to(norms))
             if skipped is not None:
-                values["_skipped"] = skipped
-
-        host = self.to_host(values)  # the one host transfer of this measuring step
+                parts.append(skipped.reshape(1).to(norms))
+            # host sync: the one transfer of this measuring step; the per-group ratios are then host arithmetic
+            # (a handful of kernels per group on the device would cost more than the step's one read)
+            flat = torch.cat(parts).tolist()
+        delta_sq, param_sq, grad_sq = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+        host: dict[str, float] = {
+            "update_ratio/total": math.sqrt(sum(delta_sq)) / max(math.sqrt(sum(param_sq)), 1e-12),
+            "update_ratio/param_norm/total": math.sqrt(sum(param_sq)),
+        }
+        for g, name in enumerate(layout.groups.group_names):
+            host[f"update_ratio/{name}"] = math.sqrt(delta_sq[g]) / max(math.sqrt(param_sq[g]), 1e-12)
+            host[f"update_ratio/param_norm/{name}"] = math.sqrt(param_sq[g])
+            host[f"_delta/{name}"] = delta_sq[g]
+            host[f"_grad/{name}"] = grad_sq[g]
+        host["_loss_sum"], host["_loss_batches"] = flat[3 * n], flat[3 * n + 1]
+        k = 3 * n + 2
+        if counted:
+            host["_unigram"], k = flat[k], k + 1
+        if skipped is not None:
+            host["_skipped"] = flat[k]
         if host.get("_skipped", 0.0) > 0:
             self.skipped_measurements += 1  # the GradScaler skipped this step: nothing was applied, nothing to judge
             return
