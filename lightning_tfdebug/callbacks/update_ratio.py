@@ -227,7 +227,10 @@ class UpdateRatio(DebugCallback):
         layout = self._layout
         with torch.no_grad():
             locals_ = [local_tensor(p.detach()) for p in layout.groups.params]
-            self._before = [t.to(torch.float32, copy=True) for t in locals_]
+            if all(t.dtype == torch.float32 for t in locals_):
+                self._before = list(torch._foreach_mul(locals_, 1.0))  # fresh copies in one call (x * 1.0 == x)
+            else:
+                self._before = [t.to(torch.float32, copy=True) for t in locals_]
             grads = [
                 local_tensor(p.grad) if p.grad is not None else t[:0] for p, t in zip(layout.groups.params, locals_)
             ]

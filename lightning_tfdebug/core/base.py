@@ -476,7 +476,9 @@ class DebugCallback(Callback):
         if not metrics:
             return
         step = trainer.global_step if step is None else step
-        trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
+        # one tensor for every value (views of it in callback_metrics): one allocation instead of one per key
+        values = torch.tensor([float(v) for v in metrics.values()]).unbind()
+        trainer.callback_metrics.update(zip(metrics.keys(), values))
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(dict(metrics), step=step)

@@ -14,6 +14,8 @@ def per_tensor_norms(tensors: Sequence[Tensor]) -> Tensor:
         return torch.zeros(0)
     norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
     device = norms[0].device
+    if all(n.device == device for n in norms):  # the usual case: no per-tensor copy call
+        return torch.stack(norms)
     return torch.stack([n.to(device) for n in norms])
 
 

@@ -117,7 +117,8 @@ def parameter_checksums(tensors: Sequence[Tensor]) -> Tensor:
     if wide:
         wide_norms = torch._foreach_norm([values[i].double() for i in wide], 2)
         norms[torch.tensor(wide, device=device)] = torch.stack([n.to(device) for n in wide_norms])
-    sums = torch.stack([v.sum(dtype=torch.float64).to(device) for v in values])
+    sums = [v.sum(dtype=torch.float64) for v in values]
+    sums = torch.stack(sums if all(t.device == device for t in sums) else [t.to(device) for t in sums])
     return torch.cat([norms, sums])
 
 
