@@ -1,4 +1,6 @@
+import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -140,19 +142,36 @@ def test_no_logger_warns_once_and_findings_still_reach_the_file(tmp_path):
 
 @pytest.mark.parametrize("callback_cls", ["GradNormMonitor", "UpdateRatio"])
 def test_one_host_transfer_per_measuring_step_and_none_in_between(tmp_path, monkeypatch, callback_cls):
+    """Every read of a tensor's value on the host made from the callback's own code (``tolist``, ``item``,
+    ``float()``/``int()``/``bool()`` of a tensor), counted with the step it happened on: one per measuring step, each
+    moving all of that step's statistics at once, and none on the other steps."""
+    import inspect
+
     import lightning_tfdebug
 
-    calls = []
-    original = DebugCallback.to_host
+    module = inspect.getmodule(getattr(lightning_tfdebug, callback_cls)).__file__
+    ours = {module, inspect.getmodule(DebugCallback).__file__}
+    trainer_ref: dict[str, Any] = {}
+    reads: list[tuple[int, int]] = []  # (global_step, values read)
 
-    def counting(values):
-        calls.append(len(values))
-        return original(values)
+    def spy(name):
+        original = getattr(torch.Tensor, name)
 
-    monkeypatch.setattr(DebugCallback, "to_host", staticmethod(counting))
+        def counted(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller in ours and "trainer" in trainer_ref:
+                reads.append((trainer_ref["trainer"].global_step, self.numel()))
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    for name in ("tolist", "item", "__float__", "__int__", "__bool__"):
+        spy(name)
     callback = getattr(lightning_tfdebug, callback_cls)(every_n_steps=5)
-    make_trainer(tmp_path, [callback], max_steps=12).fit(
-        TinyGPT(d_model=16, n_layers=1, n_heads=2), TinyTextDataModule(batch_size=4)
-    )
-    assert len(calls) == 3  # steps 0, 5 and 10, each moving all of its statistics at once
-    assert all(n > 5 for n in calls)
+    trainer = make_trainer(tmp_path, [callback], max_steps=12)
+    trainer_ref["trainer"] = trainer
+    trainer.fit(TinyGPT(d_model=16, n_layers=1, n_heads=2), TinyTextDataModule(batch_size=4))
+    # read at the end of the measured batch, when global_step has moved on (GradNormMonitor reads before the step)
+    steps = sorted({step if callback_cls == "GradNormMonitor" else step - 1 for step, _ in reads})
+    assert steps == [0, 5, 10], reads
+    assert len(reads) == 3 and all(n > 5 for _, n in reads), reads  # one transfer each, every statistic at once
