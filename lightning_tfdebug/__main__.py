@@ -150,6 +150,10 @@ def check_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if cmd[0] in ("python", "python3"):
+        # A bare `python`: the interpreter tfdebug itself runs in, which has the pack and its dependencies (the one
+        # on PATH may be another, e.g. when tfdebug is called as `.venv/bin/tfdebug` without activating the venv).
+        cmd = [sys.executable, *cmd[1:]]
     every = max(1, args.steps // 25)
     added = [
         "--trainer.callbacks+=lightning_tfdebug.TFDebug",

@@ -291,6 +291,24 @@ def _check_with_config(tmp_path: Path, callbacks: list, *extra: str, steps: int 
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
 
 
+def test_check_runs_a_bare_python_with_the_interpreter_tfdebug_runs_in(tmp_path):
+    """The README's line as printed, `tfdebug check -- python ...`, called as `.venv/bin/tfdebug` without the venv
+    on PATH: `python` there is another interpreter (here: none at all), so the command would fail with "No module
+    named lightning". tfdebug check runs a bare `python` with its own interpreter instead."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"enable_progress_bar": False}}))
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {**os.environ, "PATH": str(empty), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    tfdebug = Path(sys.executable).with_name("tfdebug")
+    cmd = [str(tfdebug), "check", "--steps", "4", "--", "python", str(APP), "fit", "--config", str(config)]
+    cmd += ["--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator=cpu"]
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert done.returncode in (0, 1), done.stdout[-2000:] + done.stderr[-2000:]  # it ran: 0 clean, 1 findings
+    assert f"tfdebug check: {sys.executable} " in done.stdout
+    assert _pack_json(tmp_path)["running"]
+
+
 def _pack_json(tmp_path: Path) -> dict:
     [path] = tmp_path.rglob("tfdebug/pack.json")
     return json.loads(path.read_text())
