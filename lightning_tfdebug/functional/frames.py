@@ -149,7 +149,58 @@ def _graph_task_running() -> bool:
     return _TASK_ID is not None and _TASK_ID() != -1
 
 
-class FrameRecorder:
+class _ModuleHooks:
+    """What :class:`FrameRecorder` and :class:`FrameFlags` share: every submodule named by `clean_param_name`
+    (wrapper segments dropped), one forward hook on each (:meth:`_hook`, attached and detached together), and extra
+    names for values that are not modules (the loss)."""
+
+    def __init__(self, model: nn.Module, max_records: int) -> None:
+        self.max_records = max_records
+        self.names: list[str] = []
+        self.types: list[str] = []
+        self.modules: list[nn.Module] = []
+        for name, module in model.named_modules():
+            self.names.append(clean_param_name(name) or "<root>")
+            self.types.append(type(module).__name__)
+            self.modules.append(module)
+        self.enabled = True
+        self._handles: list[Any] = []
+        self._extra_names: dict[str, int] = {}
+
+    def _hook(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def attach(self) -> Any:
+        if not self._handles:
+            self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> Any:
+        return self.attach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def _extra_index(self, name: str) -> int:
+        """The index of a named value that is not a module (added once, with type ``-``)."""
+        if name not in self._extra_names:
+            self._extra_names[name] = len(self.names)
+            self.names.append(name)
+            self.types.append("-")
+            self.modules.append(nn.Module())
+        return self._extra_names[name]
+
+
+class FrameRecorder(_ModuleHooks):
     """Attach forward (and optionally gradient) hooks to every submodule and record frames on the device.
 
     Args:
@@ -163,45 +214,13 @@ class FrameRecorder:
     """
 
     def __init__(self, model: nn.Module, backward: bool = True, max_records: int = 100_000) -> None:
+        super().__init__(model, max_records)
         self.model = model
         self.backward = backward
-        self.max_records = max_records
-        self.names: list[str] = []
-        self.types: list[str] = []
-        self.modules: list[nn.Module] = []
-        for name, module in model.named_modules():
-            self.names.append(clean_param_name(name) or "<root>")
-            self.types.append(type(module).__name__)
-            self.modules.append(module)
         self.records: list[_Record] = []
-        self.enabled = True
-        self._handles: list[Any] = []
-        self._extra_names: dict[str, int] = {}
 
     # ---------------------------------------------------------------- hooks
-    def attach(self) -> FrameRecorder:
-        if self._handles:
-            return self
-        for i, module in enumerate(self.modules):
-            self._handles.append(module.register_forward_hook(self._forward_hook(i)))
-        return self
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def __enter__(self) -> FrameRecorder:
-        return self.attach()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.detach()
-
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
-
-    def _forward_hook(self, index: int) -> Any:
+    def _hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.enabled or len(self.records) >= self.max_records or _graph_task_running():
                 return
@@ -235,13 +254,9 @@ class FrameRecorder:
 
     def record_value(self, name: str, label: str, value: Any, phase: str = "forward") -> None:
         """Record a frame for something that is not a module (e.g. the loss ``training_step`` returned)."""
-        if name not in self._extra_names:
-            self._extra_names[name] = len(self.names)
-            self.names.append(name)
-            self.types.append("-")
-            self.modules.append(nn.Module())
+        index = self._extra_index(name)
         with torch.no_grad():
-            self._record(phase, self._extra_names[name], [(label, value)])
+            self._record(phase, index, [(label, value)])
 
     def clear(self) -> None:
         self.records.clear()
@@ -314,7 +329,7 @@ def output_sum(tensor: Tensor) -> Tensor:
     return t.sum(dtype=torch.float32)
 
 
-class FrameFlags:
+class FrameFlags(_ModuleHooks):
     """The cheap every-step counterpart of :class:`FrameRecorder`: one device scalar per module output, no ranges.
 
     A forward hook on every submodule appends ``(module index, output_sum(tensor))`` for each floating-point tensor
@@ -330,40 +345,10 @@ class FrameFlags:
     """
 
     def __init__(self, model: nn.Module, max_records: int = 100_000) -> None:
-        self.max_records = max_records
-        self.names: list[str] = []
-        self.types: list[str] = []
-        self.modules: list[nn.Module] = []
-        for name, module in model.named_modules():
-            self.names.append(clean_param_name(name) or "<root>")
-            self.types.append(type(module).__name__)
-            self.modules.append(module)
+        super().__init__(model, max_records)
         self.indices: list[int] = []  # module index per entry
         self.labels: list[str] = []  # tensor label per entry
         self.sums: list[Tensor] = []  # output_sum per entry
-        self.enabled = True
-        self._handles: list[Any] = []
-        self._extra_names: dict[str, int] = {}
-
-    def attach(self) -> FrameFlags:
-        if not self._handles:
-            self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
-        return self
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def __enter__(self) -> FrameFlags:
-        return self.attach()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.detach()
-
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
 
     def _hook(self, index: int) -> Any:
         indices, labels, sums = self.indices, self.labels, self.sums
@@ -389,13 +374,9 @@ class FrameFlags:
         """Record an entry for something that is not a module (e.g. the loss ``training_step`` returned)."""
         if not self.enabled:
             return
-        if name not in self._extra_names:
-            self._extra_names[name] = len(self.names)
-            self.names.append(name)
-            self.types.append("-")
-            self.modules.append(nn.Module())
+        index = self._extra_index(name)
         for lab, tensor in iter_float_tensors(value, label):
-            self.indices.append(self._extra_names[name])
+            self.indices.append(index)
             self.labels.append(lab)
             self.sums.append(output_sum(tensor))
 
