@@ -73,9 +73,9 @@ def _trimmed_positions(mask: Tensor | None, positions: int) -> Tensor | int:
     """Positions of a batch padded only to its longest row: rows x the span of columns holding a real token. A device
     tensor (no sync) when the batch has a 2-D attention mask, else ``positions``.
 
-    Every micro-batch, so few kernels: the columns holding a real token, times a cached ``(2, width)`` table whose
-    rows are ``index`` and ``width - index``; the row maxima are the last real column and ``width - first``, so the
-    span is their sum minus ``width - 1`` (clamped at 0 for a mask without any real token)."""
+    On the micro-batches of measuring steps, in few kernels: the columns holding a real token, times a cached
+    ``(2, width)`` table whose rows are ``index`` and ``width - index``; the row maxima are the last real column and
+    ``width - first``, so the span is their sum minus ``width - 1`` (clamped at 0 for a mask without any real token)."""
     if mask is None or mask.ndim != 2 or mask.numel() == 0:
         return positions
     width = mask.shape[1]
@@ -264,7 +264,10 @@ class ThroughputMonitor(DebugCallback):
         self._prev_end: float | None = None  # host time the previous batch ended (after this callback's work)
         self._wait_s = 0.0
         self._tokens = CountWindow()  # real tokens of the window (device counts added in place, no sync)
-        self._trimmed = CountWindow()  # positions had each batch been padded only to its longest row
+        # positions had each batch been padded only to its longest row, over the micro-batches of measuring steps
+        # (a sample: see `on_train_batch_start`), and the positions of those same micro-batches
+        self._trimmed = CountWindow()
+        self._sampled_positions = 0
         self._positions = 0
         self._samples = 0
         self._step_marks: list[Any] = []  # clock marks at optimizer-step ends since the last measurement
@@ -330,7 +333,12 @@ class ThroughputMonitor(DebugCallback):
         view = step_batch(trainer, batch, self._batch_keys)  # the step's shared reading and token count
         tokens, positions, samples = batch_counts(view, self._length_fn)
         self._tokens.add(tokens)  # in place on the device: no sync, no collective
-        self._trimmed.add(_trimmed_positions(view.attention_mask, positions))
+        if self._measuring:
+            # The padding span (how much shorter the batch would be, padded only to its longest row) is a ratio
+            # sampled on the measuring step's micro-batches, not 6 kernels on every batch: TFD602's trim factor is
+            # a property of the data pipeline (collation, fixed length), the same on every batch it builds.
+            self._trimmed.add(_trimmed_positions(view.attention_mask, positions))
+            self._sampled_positions += positions
         self._positions += positions
         self._samples += samples
         if (
@@ -496,7 +504,12 @@ class ThroughputMonitor(DebugCallback):
             dtype=torch.float64,
         )
         tokens = self._tokens.total(device)  # device scalars, no sync; the windows start again
-        trimmed = self._trimmed.total(device)
+        trimmed = self._trimmed.total(device)  # of the sampled micro-batches: scaled to the window's positions
+        if self._sampled_positions > 0:
+            trimmed = trimmed * (self._positions / self._sampled_positions)
+        else:
+            trimmed = torch.full((), float(self._positions), dtype=torch.float64, device=device)
+        self._sampled_positions = 0
         cpu_slot = torch.tensor([cpu_ratio, mean_ratio], dtype=torch.float64, device=device)
         packed = torch.cat([tokens.reshape(1), host.to(device), trimmed.reshape(1), cpu_slot])
         self._positions, self._samples, self._wait_s = 0, 0, 0.0

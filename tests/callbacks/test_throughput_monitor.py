@@ -196,6 +196,20 @@ def test_padding_waste(tmp_path):
     assert finding.evidence["speedup_trim_to_longest"] == pytest.approx(width / 24, rel=0.2)
 
 
+def test_padding_span_is_sampled_on_measuring_steps_and_scaled_to_the_window(tmp_path):
+    # measuring every 4th step: the span is read on steps 0, 4 and 8 only, and the trim factor is still width / 24
+    # (a ratio of positions to trimmed positions of the same micro-batches), while the padding fraction comes from
+    # every batch's real-token count
+    monitor = ThroughputMonitor(every_n_steps=4, patience=2)
+    fit(tmp_path, [monitor], data=PaddedData(batch_size=8), max_steps=9)
+    [finding] = [f for f in monitor.findings if f.code == "TFD602"]
+    batch = PaddedData(batch_size=8)
+    batch.setup("fit")
+    width = next(iter(batch.train_dataloader()))["input_ids"].shape[1]
+    assert finding.evidence["speedup_trim_to_longest"] == pytest.approx(width / 24, rel=0.2)
+    assert monitor._sampled_positions == 0  # the sample starts again with each window
+
+
 class SlowsDown(TinyGPT):
     def training_step(self, batch, batch_idx):
         if self.trainer.global_step >= 14:
