@@ -44,6 +44,7 @@ from lightning_tfdebug.functional.frames import (
 Mode = Literal["lazy", "eager"]
 _MODES = ("lazy", "eager")
 _MAX_KEPT_MICRO_BATCHES = 64
+_MAX_PENDING_LOSSES = 16  # micro-batch losses kept as references before they are folded into one flag
 _LOSS_FRAME = "training_step"  # the pseudo-module under which the loss returned by training_step is recorded
 
 
@@ -161,7 +162,8 @@ class NaNFirstFrame(DebugCallback):
         self.skipped_steps = 0
         self._params: list[Tensor] = []  # the trainable parameters, listed once per fit
         self._sharded = False  # some parameter is a DTensor (FSDP2): gradients are read through their local shard
-        self._loss_bad: Tensor | None = None
+        self._losses: list[Tensor] = []  # this step's micro-batch losses, detached references (no kernel per batch)
+        self._loss_bad: Tensor | None = None  # the flag of losses folded early (many micro-batches in one step)
         self._micro: list[tuple[Any, int, dict[str, Any]]] = []
         self._flags: FrameFlags | None = None  # eager mode: one output sum per module call, every step
         self._mode: Mode = mode  # the mode this fit runs in: eager falls back to lazy on a compiled model
@@ -205,6 +207,7 @@ class NaNFirstFrame(DebugCallback):
             self._flags.detach()
             self._flags = None
         self._micro.clear()
+        self._losses.clear()
         self._loss_bad = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -231,11 +234,11 @@ class NaNFirstFrame(DebugCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if not self.active:
             return
-        with torch.no_grad():
-            bad = torch.isfinite(loss.detach()).logical_not_()  # on the device: a bool, no sync
-            if bad.ndim:
-                bad = bad.any()
-            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        # a reference, no kernel: the loss is checked with the gradients, before the optimizer step
+        self._losses.append(loss.detach())
+        if len(self._losses) >= _MAX_PENDING_LOSSES:  # long gradient accumulation: fold into one flag, no sync
+            self._loss_bad = self._loss_flag()
+            self._losses = []
         if self._flags is not None and self._flags.enabled:
             self._flags.record_value(_LOSS_FRAME, "loss", loss)
 
@@ -248,10 +251,21 @@ class NaNFirstFrame(DebugCallback):
             self._check_step(trainer, pl_module)
         finally:
             self._micro.clear()
+            self._losses = []
             self._loss_bad = None
             if self._flags is not None:
                 self._flags.enabled = False
                 self._flags.clear()
+
+    def _loss_flag(self) -> Tensor | None:
+        """Whether a loss of this step (the pending ones and any folded earlier) is inf/nan: a device bool, no sync."""
+        flag = self._loss_bad
+        with torch.no_grad():
+            for loss in self._losses:
+                bad = torch.isfinite(loss).logical_not_()
+                bad = bad.any() if bad.ndim else bad
+                flag = bad if flag is None else flag | bad.to(flag.device)
+        return flag
 
     def _step_flags(self) -> tuple[Tensor | None, Tensor | None]:
         """This rank's ``(grad_nonfinite, frame_nonfinite)`` flags of the step, device tensors or None; no host sync."""
@@ -271,18 +285,39 @@ class NaNFirstFrame(DebugCallback):
     def _local_flags(self, device: torch.device, grad_bad: Tensor | None, frame_bad: Tensor | None) -> Tensor:
         """``[loss_nonfinite, grad_nonfinite, frame_nonfinite]`` for this rank, on the device, no host sync."""
         zero = torch.zeros((), device=device)
-        flags = (self._loss_bad, grad_bad, frame_bad)
+        flags = (self._loss_flag(), grad_bad, frame_bad)
         return torch.stack([zero if f is None else f.to(device=device, dtype=zero.dtype).reshape(()) for f in flags])
+
+    def _one_pass_decision(self) -> Tensor | None:
+        """One process, CPU gradients, lazy mode: the step's losses and gradients checked in one fused pass (the
+        losses stacked into a fresh tensor first: the check writes ``x * 1.0`` back and the losses stay untouched).
+        None where that does not apply; the caller then adds up the separate flags."""
+        if not self._check_grads or self._flags is not None or self._sharded or self._loss_bad is not None:
+            return None
+        # Deliberate, every step: one `.grad` read per parameter (a list cached per fit); see `_step_flags`.
+        grads = [g for g in [p.grad for p in self._params] if g is not None]
+        if not grads or grads[0].device.type != "cpu":
+            return None
+        losses = self._losses
+        if losses and not all(t.device == grads[0].device and t.is_floating_point() for t in losses):
+            return None
+        if losses:  # a fresh tensor (one kernel): the check must not write into the losses themselves
+            grads.append(torch.cat([t.reshape(-1) for t in losses]))
+        return grads_nonfinite_flag(grads)
 
     def _check_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = trainer.strategy.root_device
         world = trainer.world_size  # a Trainer attribute: no call into torch.distributed on the hot path
+        grad_bad = frame_bad = None
         with torch.no_grad():
-            grad_bad, frame_bad = self._step_flags()
             local: Tensor | None = None
-            if world == 1:
-                # the fewest kernels on the path every step takes: the flags added up, the table only if one is set
-                present = [f for f in (self._loss_bad, grad_bad, frame_bad) if f is not None]
+            decision = self._one_pass_decision() if world == 1 else None
+            if decision is not None:
+                pass  # the common path: the losses and the gradients in one fused pass, nothing else to add
+            elif world == 1:
+                # the fewest kernels on the other paths: the flags added up, the table only if one is set
+                grad_bad, frame_bad = self._step_flags()
+                present = [f for f in (self._loss_flag(), grad_bad, frame_bad) if f is not None]
                 if not present:
                     return
                 if len(present) == 1:
@@ -293,16 +328,20 @@ class NaNFirstFrame(DebugCallback):
                     decision = torch.stack([f.to(device, torch.float32).reshape(()) for f in present]).sum()
             elif self._replicated:
                 # DDP: the all-reduced gradients' flag, identical on every rank; no collective
+                grad_bad, frame_bad = self._step_flags()
                 decision = grad_bad if grad_bad is not None else torch.zeros((), device=device)
             else:
                 # Collective, every step, and deliberate: a loss is rank-local (the only flag under a GradScaler or
                 # with check_gradients=False), an FSDP gradient shard or an eager frame may hold the only inf/nan, so
                 # every rank must learn whether any rank's step is bad. One one-element all_reduce (max).
+                grad_bad, frame_bad = self._step_flags()
                 local = self._local_flags(device, grad_bad, frame_bad)
                 decision = any_rank(local.amax())
         if not decision.item():
             return
         if local is None:
+            if grad_bad is None and frame_bad is None:  # the one-pass path: the separate flags, on a bad step only
+                grad_bad, frame_bad = self._step_flags()
             local = self._local_flags(device, grad_bad, frame_bad)
         # A bad step, the same on every rank: which ranks were bad (collective, only on such a step).
         rows = (all_gather_vector(local) if world > 1 else local.unsqueeze(0)).tolist()

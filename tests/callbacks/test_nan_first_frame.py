@@ -1,6 +1,7 @@
 import contextlib
 import io
 import json
+import math
 import re
 import warnings
 from pathlib import Path
@@ -471,3 +472,56 @@ def test_eager_does_not_report_a_finite_output_whose_sum_overflows(tmp_path):
     nff = NaNFirstFrame(mode="eager")
     fit(tmp_path, [nff], model=HugeSideGPT(**SMALL), max_steps=2)
     assert nff.findings == [] and nff.reports == [] and nff.skipped_steps == 0
+
+
+class NaNConstantInLoss(TinyGPT):
+    """Adds a nan constant to the loss at one micro-batch: the loss is nan, every gradient stays finite."""
+
+    def __init__(self, bad_batch: int, **kwargs):
+        super().__init__(**kwargs)
+        self.bad_batch = bad_batch
+        self.seen = []  # (batch_idx, the loss value Lightning got back) for every micro-batch
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == self.bad_batch:
+            loss = loss + torch.tensor(float("nan"))  # a constant: no gradient flows through it
+        self.seen.append((batch_idx, loss.detach()))
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # the loss object Lightning hands back after the step: the check must not have written into it
+        self.after = [*getattr(self, "after", []), float(outputs["loss"])]
+
+
+@pytest.mark.parametrize("accumulate", [1, 20])
+def test_a_nan_loss_with_finite_gradients_is_caught_in_the_fused_check_and_left_unchanged(tmp_path, accumulate):
+    # one process, CPU gradients: the losses and the gradients are checked in one pass; with 20 micro-batches per
+    # step the first 16 losses are folded into a flag on the way (long gradient accumulation)
+    bad = 3 * accumulate + accumulate - 1  # the last micro-batch of step 3
+    model = NaNConstantInLoss(bad, **SMALL)
+    nff = NaNFirstFrame()
+    fit(tmp_path, [nff], model=model, max_steps=5, accumulate_grad_batches=accumulate)
+    [finding] = [f for f in nff.findings if f.code == "TFD401"]
+    assert finding.step == 3 and nff.skipped_steps == 1
+    # the values Lightning saw are the values the step computed (finite ones stay finite, the nan stays nan)
+    # (the bad micro-batch appears twice: the step, then its replay)
+    assert all(math.isfinite(float(v)) == (i != bad) for i, v in model.seen) and len(model.seen) > bad
+    assert all(math.isfinite(v) for i, v in enumerate(model.after) if i != bad)
+
+
+def test_the_fused_check_leaves_a_healthy_step_s_loss_and_gradients_bit_for_bit(tmp_path):
+    nff = NaNFirstFrame()
+    fit(tmp_path, [nff], max_steps=1)  # set up its parameter list on a real fit
+    params = nff._params
+    for i, p in enumerate(params):
+        p.grad = torch.randn_like(p) * 10.0 ** (i % 7 - 3)
+    grads = [p.grad.clone() for p in params]
+    loss = torch.tensor(2.5, requires_grad=True) * 1.0
+    nff._losses = [loss.detach()]
+    decision = nff._one_pass_decision()
+    assert decision is not None and float(decision) == 0.0
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads)) and loss.item() == 2.5
+    assert loss._version == 0  # the loss was copied, not written into
+    nff._losses = [loss.detach(), torch.tensor(float("inf"))]
+    assert float(nff._one_pass_decision()) == 1.0
