@@ -274,6 +274,7 @@ def token_statistics(
     max_length: int | None = None,
     position_ids: Tensor | None = None,
     labels_aligned: bool = True,
+    host_reads: bool | None = None,
 ) -> Tensor:
     """All value statistics of one language-model batch as one float64 vector (float32 on MPS, which has no
     float64), in the order of :data:`STAT_NAMES`.
@@ -281,9 +282,14 @@ def token_statistics(
     1-D inputs are treated as one sequence. ``labels`` may have any shape; supervised padding is counted only when
     they align with the ids element for element (and ``labels_aligned``: an encoder-decoder's labels are the
     decoder's targets, unrelated to the encoder's padding even when their widths happen to match). Runs on the
-    inputs' device under ``no_grad``; no host sync: the caller moves the vector to the host once. Statistics that do
-    not apply (no mask, no labels, no BOS id) are 0. The mask hole statistics are :func:`mask_hole_statistics`
-    (``position_ids`` of the ids' shape tell packed rows apart).
+    inputs' device under ``no_grad``. Statistics that do not apply (no mask, no labels, no BOS id) are 0. The mask
+    hole statistics are :func:`mask_hole_statistics` (``position_ids`` of the ids' shape tell packed rows apart).
+
+    ``host_reads`` (default: the ids are on the CPU) lets it read a few counts on the host and skip the kernels whose
+    result they already give (where the first out-of-range id is, when there is none). On the CPU such a read waits
+    for nothing: the values are in host memory and CPU kernels have finished when they return. On an accelerator it
+    is left off: kernels run asynchronously and a read would be a device sync, so every statistic is computed on
+    the device and the caller moves the vector to the host once. Both ways give the same vector.
     """
     with torch.no_grad():
         ids = input_ids if input_ids.ndim >= 2 else input_ids.reshape(1, -1)
@@ -291,77 +297,84 @@ def token_statistics(
         n, width = ids.shape
         device = ids.device
         acc = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-        zero = torch.zeros((), device=device, dtype=acc)
-        if attention_mask is not None and attention_mask.numel() == ids.numel():
+        lazy = (device.type == "cpu" if host_reads is None else host_reads) and ids.numel() > 0
+        has_mask = attention_mask is not None and attention_mask.numel() == ids.numel()
+        # host reads below (`_read`) happen only when `lazy`: CPU tensors, no device sync
+        if has_mask:
+            assert attention_mask is not None
             raw_mask = attention_mask.reshape(n, width)
-            non_binary = ((raw_mask != 0) & (raw_mask != 1)).reshape(-1)
-            mask_non_binary = non_binary.sum().to(acc)
-            first_mask = torch.where(non_binary.any(), raw_mask.reshape(-1)[non_binary.long().argmax()].to(acc), 0)
             real = raw_mask != 0
+            mask_non_binary, first_mask = _non_binary(raw_mask, real, acc, lazy)
         else:
-            mask_non_binary = first_mask = zero
+            mask_non_binary = first_mask = 0
             real = torch.ones_like(ids, dtype=torch.bool)
-        lengths = real.sum(1).to(acc)
+        lengths = real.sum(1)
+        length_sum = lengths.sum()
 
-        if vocab_size is not None:
-            bad = (ids < 0) | (ids >= vocab_size)
-            n_bad = bad.sum().to(acc)
-            flat = bad.reshape(-1)
-            first = flat.long().argmax()  # first True (0 when none; masked out below)
-            has = flat.any()
-            row = torch.where(has, first // width, -1).to(acc)
-            col = torch.where(has, first % width, -1).to(acc)
-            val = torch.where(has, ids.reshape(-1)[first], -1).to(acc)
+        if ids.numel() == 0:
+            ids_min = ids_max = 0
         else:
-            n_bad, row, col, val = zero, zero - 1, zero - 1, zero - 1
-        ids_min = ids.min().to(acc) if ids.numel() else zero
-        ids_max = ids.max().to(acc) if ids.numel() else zero
+            ids_min, ids_max = torch.aminmax(ids)
+        n_bad: Tensor | int = 0
+        row: Tensor | int = -1
+        col: Tensor | int = -1
+        val: Tensor | int = -1
+        if vocab_size is not None and not (lazy and _read(ids_min) >= 0 and _read(ids_max) < vocab_size):
+            bad = (ids < 0) | (ids >= vocab_size)
+            n_bad = bad.sum()
+            found = _locate(bad, n_bad, lazy)
+            if found is not None:
+                first, has = found
+                row = _where(has, first // width, -1)
+                col = _where(has, first % width, -1)
+                val = _where(has, ids.reshape(-1)[first], -1)
 
+        labels_total = labels_ignored = labels_bad = first_lab = pad_supervised = 0
         if labels is not None and labels.numel() > 0:
             # Labels of any shape (seq2seq targets, one class per row) get the range and ignored counts; the
             # padding check needs labels aligned with the ids, position for position.
             lab = labels.reshape(-1).long()
             ignored = lab == ignore_index
-            labels_total = torch.full((), float(lab.numel()), device=device, dtype=acc)
-            labels_ignored = ignored.sum().to(acc)
+            labels_total = lab.numel()
+            labels_ignored = ignored.sum()
             if vocab_size is not None:
-                bad_lab = ~ignored & ((lab < 0) | (lab >= vocab_size))
-                labels_bad = bad_lab.sum().to(acc)
-                first_lab = torch.where(bad_lab.any(), lab[bad_lab.long().argmax()], 0).to(acc)
-            else:
-                labels_bad, first_lab = zero, zero
-            if labels_aligned and lab.numel() == ids.numel():
-                pad_supervised = (~real & ~ignored.reshape(n, width)).sum().to(acc)
-            else:
-                pad_supervised = zero
-        else:
-            labels_total = labels_ignored = labels_bad = first_lab = pad_supervised = zero
-        pad_positions = (~real).sum().to(acc)
+                in_range = False
+                if lazy:  # the labels that are not ignored, all within [0, vocab): nothing to count or locate
+                    lab_min, lab_max = torch.aminmax(torch.where(ignored, 0, lab))
+                    in_range = _read(lab_min) >= 0 and _read(lab_max) < vocab_size
+                if not in_range:
+                    bad_lab = ~ignored & ((lab < 0) | (lab >= vocab_size))
+                    labels_bad = bad_lab.sum()
+                    found = _locate(bad_lab, labels_bad, lazy)
+                    if found is not None:
+                        first, has = found
+                        first_lab = _where(has, lab[first], 0)
+            if labels_aligned and lab.numel() == ids.numel() and not (lazy and _read(length_sum) == ids.numel()):
+                pad_supervised = (~real & ~ignored.reshape(n, width)).sum()
+        pad_positions = ids.numel() - _read(length_sum) if lazy else (~real).sum()
 
         positions = torch.arange(width, device=device).expand(n, width)
+        bos_missing: Tensor | int = 0
         if bos_id is not None:
             first_real = torch.where(real, positions, width).amin(1).clamp(max=width - 1)
             first_tok = ids.gather(1, first_real[:, None]).squeeze(1)
-            bos_missing = ((first_tok != bos_id) & (lengths > 0)).sum().to(acc)
-        else:
-            bos_missing = zero
+            bos_missing = ((first_tok != bos_id) & (lengths > 0)).sum()
+        eos_multiple: Tensor | int = 0
+        eos_then_tokens: Tensor | int = 0
+        truncated: Tensor | int = 0
         if eos_id is not None:
             is_eos = (ids == eos_id) & real
             eos_count = is_eos.sum(1)
-            eos_multiple = (eos_count > 1).sum().to(acc)
+            eos_multiple = (eos_count > 1).sum()
             first_eos = torch.where(is_eos, positions, width).amin(1)
             after = real & (positions > first_eos[:, None])
-            eos_then_tokens = after.any(1).sum().to(acc)
+            eos_then_tokens = after.any(1).sum()
             if max_length is not None:
-                truncated = ((lengths >= max_length) & (eos_count == 0)).sum().to(acc)
-            else:
-                truncated = zero
-        else:
-            eos_multiple = eos_then_tokens = truncated = zero
+                truncated = ((lengths >= max_length) & (eos_count == 0)).sum()
 
-        values = [
-            torch.full((), float(n), device=device, dtype=acc),
-            torch.full((), float(width), device=device, dtype=acc),
+        values: list[Tensor | float] = [
+            n,
+            width,
             n_bad,
             row,
             col,
@@ -376,26 +389,89 @@ def token_statistics(
             first_lab,
             pad_supervised,
             pad_positions,
-            lengths.sum(),
+            length_sum,
             lengths.square().sum(),
             bos_missing,
             eos_multiple,
             eos_then_tokens,
             truncated,
         ]
-        if attention_mask is not None and attention_mask.numel() == ids.numel():
+        if has_mask:
             pos_ids = position_ids if position_ids is not None and position_ids.numel() == ids.numel() else None
-            values += mask_hole_statistics(ids, real, pos_ids)
+            values += mask_hole_statistics(ids, real, pos_ids, lengths=lengths, host_reads=lazy)
         else:
-            values += [zero] * 5 + [zero - 1] * 5 + [zero]
-        return torch.stack([v.reshape(()).to(acc) for v in values])
+            values += [0] * 5 + [-1] * 5 + [0]
+        return _pack(values, device, acc, lazy)
+
+
+def _read(value: Tensor | float) -> float:
+    """A scalar's value on the host. Called only on the ``host_reads`` path (CPU tensors: no device sync)."""
+    return value.item() if isinstance(value, Tensor) else value
+
+
+def _locate(flags: Tensor, count: Tensor, lazy: bool) -> tuple[Tensor, Tensor | bool] | None:
+    """The flat index of the first True of ``flags`` and whether there is one (``count > 0``). With ``lazy`` (host
+    reads allowed) None when ``count`` is 0, without the search; otherwise the search always runs and the caller masks
+    its result with the returned flag."""
+    if lazy:
+        if not count.item():  # the host_reads path: CPU tensors, no device sync
+            return None
+        return flags.reshape(-1).long().argmax(), True
+    return flags.reshape(-1).long().argmax(), count > 0
+
+
+def _where(has: Tensor | bool, value: Tensor, default: int) -> Tensor:
+    """``value`` where ``has`` (known True on the host, or a device flag), else ``default``."""
+    return value if has is True else torch.where(has, value, default)
+
+
+def _non_binary(raw_mask: Tensor, real: Tensor, acc: torch.dtype, lazy: bool) -> tuple[Tensor | int, Tensor | int]:
+    """Entries of the mask that are neither 0 nor 1, and the first of them (0 when none)."""
+    if raw_mask.dtype == torch.bool:
+        return 0, 0  # a boolean mask holds nothing else
+    if lazy and not raw_mask.is_floating_point() and not raw_mask.is_complex():
+        low, high = torch.aminmax(raw_mask)
+        if low.item() >= 0 and high.item() <= 1:  # an integer mask within [0, 1] is binary (host_reads: no sync)
+            return 0, 0
+    non_binary = real & (raw_mask != 1)
+    count = non_binary.sum()
+    found = _locate(non_binary, count, lazy)
+    if found is None:
+        return count, 0
+    first, has = found
+    return count, _where(has, raw_mask.reshape(-1)[first].to(acc), 0)
+
+
+def _pack(values: Sequence[Tensor | float], device: torch.device, acc: torch.dtype, lazy: bool) -> Tensor:
+    """The statistics as one vector of ``acc`` on ``device``."""
+    if lazy:
+        # host_reads (CPU): reading the scalars waits for nothing, and one tensor built from host numbers costs less
+        # than a conversion kernel per statistic and a stack
+        return torch.tensor([_read(v) for v in values], dtype=acc, device=device)
+    constants: dict[float, Tensor] = {}
+    out = []
+    for v in values:
+        if isinstance(v, Tensor):
+            out.append(v.reshape(()).to(acc))
+        else:
+            if v not in constants:
+                constants[v] = torch.full((), float(v), device=device, dtype=acc)
+            out.append(constants[v])
+    return torch.stack(out)
 
 
 _NO_ID = torch.iinfo(torch.int64).min  # a sentinel no token id equals
 _ROW_STRIDE = 2**32  # row * stride + id: a key unique per (row, id) for ids below 2**32
 
 
-def mask_hole_statistics(ids: Tensor, real: Tensor, position_ids: Tensor | None = None) -> list[Tensor]:
+def mask_hole_statistics(
+    ids: Tensor,
+    real: Tensor,
+    position_ids: Tensor | None = None,
+    *,
+    lengths: Tensor | None = None,
+    host_reads: bool | None = None,
+) -> list[Tensor | int]:
     """How the attention mask ``real`` (bool, ``[rows, width]``) breaks the one-run-per-row shape of padding.
 
     Padding fills one end of a row: a right-padded row is ``1 1 1 0 0``, a left-padded one ``0 0 1 1 1``. A *hole* is
@@ -406,16 +482,45 @@ def mask_hole_statistics(ids: Tensor, real: Tensor, position_ids: Tensor | None 
     whose position id does not exceed that of an earlier attended position of the row: packed rows restart their
     positions per document, and their masks may legitimately have holes.
 
-    Returns the device scalars named ``mask_hole_rows`` to ``position_resets`` in :data:`STAT_NAMES`. No host sync.
+    ``lengths`` is ``real.sum(1)`` when the caller has it. ``host_reads`` (default: the ids are on the CPU, where a
+    read is no device sync) first asks whether any row has a hole at all, and when none has, skips the kernels that
+    describe holes; on an accelerator everything runs on the device, with no host sync.
+
+    Returns the values named ``mask_hole_rows`` to ``position_resets`` in :data:`STAT_NAMES`: device scalars, or
+    ints where ``host_reads`` already knew them.
     """
     n, width = ids.shape
     device = ids.device
-    pos = torch.arange(width, device=device).expand(n, width)
-    lengths = real.sum(1)
+    ids64 = ids.long()
+    lazy = (device.type == "cpu" if host_reads is None else host_reads) and ids.numel() > 0
+    if lengths is None:
+        lengths = real.sum(1)
     has = lengths > 0
+    masked = ~real & has[:, None]
+
+    if position_ids is not None:
+        p = position_ids.reshape(n, width).long()
+        attended = torch.where(real, p, _NO_ID)
+        earlier = torch.cat([torch.full_like(p[:, :1], _NO_ID), attended.cummax(1).values[:, :-1]], 1)
+        resets: Tensor | int = (real & (p <= earlier) & (earlier != _NO_ID)).sum()
+    else:
+        resets = 0
+
+    # A row holds a hole exactly when its mask changes value at least twice: one run of padding at one end changes
+    # it once (1 1 0 0, 0 0 1 1), a 0 between 1s or padding at both ends twice or more (1 0 1, 0 1 1 0).
+    if lazy and (width < 2 or (real[:, 1:] != real[:, :-1]).sum(1).max().item() < 2):  # CPU: no device sync
+        # no hole: every masked position is padding
+        padding_ids = ids64.masked_select(masked)
+        pad_min = pad_max = -1
+        if padding_ids.numel():
+            low, high = torch.aminmax(padding_ids)
+            # as the full path's amax over the row with -1 outside the padding: never below -1
+            pad_min, pad_max = low.item(), max(high.item(), -1)
+        return [0, 0, 0, 0, 0, -1, -1, -1, pad_min, pad_max, resets]
+
+    pos = torch.arange(width, device=device).expand(n, width)
     first = torch.where(real, pos, width).amin(1, keepdim=True)
     last = torch.where(real, pos, -1).amax(1, keepdim=True)
-    masked = ~real & has[:, None]
     lead, trail = masked & (pos < first), masked & (pos > last)
     both_ends = lead.any(1) & trail.any(1)
     lead_is_hole = lead.sum(1) <= trail.sum(1)  # in a row masked at both ends, the shorter end is not padding
@@ -424,7 +529,6 @@ def mask_hole_statistics(ids: Tensor, real: Tensor, position_ids: Tensor | None 
     hole_rows = holes.any(1)
 
     # ids at attended positions, per row and over the batch (sort-based membership: no host sync)
-    ids64 = ids.long()
     rows = torch.arange(n, device=device, dtype=torch.int64)[:, None] * _ROW_STRIDE
     keyed = rows + ids64
     no_id = torch.full_like(ids64, _NO_ID)
@@ -439,14 +543,6 @@ def mask_hole_statistics(ids: Tensor, real: Tensor, position_ids: Tensor | None 
     pad_min = torch.where(padding, ids64, big).amin()
     pad_max = torch.where(padding, ids64, -1).amax()
     pad_min = torch.where(padding.any(), pad_min, -1)
-
-    if position_ids is not None:
-        p = position_ids.reshape(n, width).long()
-        attended = torch.where(real, p, _NO_ID)
-        earlier = torch.cat([torch.full_like(p[:, :1], _NO_ID), attended.cummax(1).values[:, :-1]], 1)
-        resets = (real & (p <= earlier) & (earlier != _NO_ID)).sum()
-    else:
-        resets = torch.zeros((), device=device, dtype=torch.int64)
     return [
         hole_rows.sum(),
         holes.sum(),

@@ -233,3 +233,57 @@ def test_special_token_statistics_of_targets_that_do_not_align_with_the_inputs()
     assert got == [5, 6, 0, 0, 0, 2, 2]
     unaligned = special_token_statistics(sources, None, sources, (EOS,), labels_aligned=False).tolist()
     assert unaligned[2:5] == [0, 0, 0] and unaligned[5:] == [2, 2]  # no mask: every position is real
+
+
+def statistic_batches():
+    """Batches for comparing the two paths of token_statistics: padding at either end, holes, packed rows with
+    position ids, non-binary and boolean masks, ids and labels outside the vocabulary, labels of another shape."""
+    g = torch.Generator().manual_seed(0)
+    rows, width = 5, 8
+    ids = torch.randint(0, 10, (rows, width), generator=g)
+    lengths = torch.tensor([[8], [5], [1], [0], [3]])
+    right = (torch.arange(width) < lengths).long()
+    left = right.flip(1)
+    holes = right.clone()
+    holes[0, 3] = 0  # between real tokens
+    holes[1, 0] = 0  # a row masked at both ends
+    packed = torch.tensor([[1, 1, 0, 1, 1, 1, 0, 0]] * rows)
+    positions = torch.tensor([[0, 1, 0, 0, 1, 2, 0, 0]] * rows)
+    bad_ids = ids.clone()
+    bad_ids[2, 4], bad_ids[4, 0] = 12, -3
+    labels = ids.masked_fill(right == 0, IGN)
+    bad_labels = labels.clone()
+    bad_labels[3, 6] = 40
+    for mask in (right, left, holes, packed, right.bool(), right.float() * 0.5 + right.float() * 0.5, None):
+        for batch_ids in (ids, bad_ids):
+            yield batch_ids, mask, labels, None
+        yield ids, mask, bad_labels, None
+        yield ids, mask, torch.tensor([3, IGN, 50]), None  # one class per row: not aligned
+    yield ids, packed, labels, positions
+    yield ids, torch.tensor([[0, 2, 1, 1, 0, 0, 1, 3]] * rows), labels, None  # not binary
+    yield ids[0], right[0], labels[0], None  # one squeezed sequence
+
+
+def test_the_host_read_path_of_token_statistics_gives_the_device_path_s_vector(monkeypatch):
+    """On the CPU a few counts are read on the host to skip kernels; the no-sync path (every kernel, as on CUDA)
+    must give the same vector on every kind of batch, and a healthy batch must skip the hole detail."""
+    for ids, mask, labels, positions in statistic_batches():
+        for options in ({}, {"vocab_size": 10, "bos_id": BOS, "eos_id": EOS, "max_length": 6}):
+            kwargs = dict(ignore_index=IGN, position_ids=positions, **options)
+            read = token_statistics(ids, mask, labels, host_reads=True, **kwargs)
+            no_sync = token_statistics(ids, mask, labels, host_reads=False, **kwargs)
+            assert read.dtype == no_sync.dtype == torch.float64
+            assert read.tolist() == no_sync.tolist(), (ids, mask, labels, options)
+            assert token_statistics(ids, mask, labels, **kwargs).tolist() == read.tolist()  # CPU: the host path
+    s = unpack_statistics(token_statistics(*next(statistic_batches())[:3], host_reads=True).tolist())
+    assert s["mask_holes"] == 0 and s["padding_id_min"] >= 0 and s["first_hole_row"] == -1
+    searched = []
+    original = torch.isin
+    monkeypatch.setattr(torch, "isin", lambda *a, **k: searched.append(1) or original(*a, **k))
+    ids, mask, labels, _ = next(statistic_batches())
+    token_statistics(ids, mask, labels, vocab_size=10, ignore_index=IGN)
+    assert not searched  # no row has a hole: the hole detail did not run
+    holed = mask.clone()
+    holed[0, 3] = 0
+    assert unpack_statistics(token_statistics(ids, holed, labels, vocab_size=10).tolist())["mask_holes"] == 1
+    assert searched
