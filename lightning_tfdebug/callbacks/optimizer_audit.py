@@ -182,6 +182,7 @@ class OptimizerAudit(DebugCallback):
 
     # ------------------------------------------------------------------ set-up and static audit
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._named_ids = None  # a new fit: the parameter names are walked again at the first snapshot
         if not self.active:
             return
         self._transformer = is_transformer(pl_module)
@@ -618,8 +619,17 @@ class OptimizerAudit(DebugCallback):
         )
         return True
 
+    def _names_by_id(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+        """The parameter names by ``id``: walked once per fit, and again only when the optimizer holds a parameter the
+        last walk did not see (a walk over every module on every measuring step costs more than the snapshot)."""
+        named = self.__dict__.get("_named_ids")
+        if named is None or any(id(p) not in named for g in optimizer.param_groups for p in g["params"]):
+            model = training_model(trainer, trainer.lightning_module)
+            named = self._named_ids = {id(p): n for n, p in model.named_parameters()}
+        return named
+
     def _snapshot(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
-        named = {id(p): n for n, p in training_model(trainer, trainer.lightning_module).named_parameters()}
+        named = self._names_by_id(trainer, optimizer)
         snaps = []
         with torch.no_grad():
             for gi, group in enumerate(optimizer.param_groups):
