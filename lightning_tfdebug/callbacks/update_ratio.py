@@ -33,6 +33,8 @@ from lightning_tfdebug.functional.update_checks import (
 
 _UNIGRAM_BATCHES = 8
 """The supervised labels of this many measured batches (every rank's) are counted for their unigram entropy."""
+_LOSSES_HELD = 64
+"""At most this many batches' loss tensors are held between measurements before they are summed (long intervals)."""
 
 
 class UpdateRatio(DebugCallback):
@@ -47,8 +49,9 @@ class UpdateRatio(DebugCallback):
     step) combines the shards. Under DDP the weights are the same on every rank, and that reduction only adds up the
     training losses and label counts.
 
-    The training loss returned by ``training_step`` is added up on the device at every batch (no sync) and read with
-    the ratios, as the mean loss of each measuring interval: tiny updates are only a problem when the loss shows it.
+    The training loss returned by ``training_step`` is kept at every batch (a reference to the detached tensor: no
+    kernel, no sync), added up on the device on the measuring step and read with the ratios, as the mean loss of each
+    measuring interval: tiny updates are only a problem when the loss shows it.
 
     Logged keys (on measuring steps):
 
@@ -173,7 +176,10 @@ class UpdateRatio(DebugCallback):
         self._peak_lr = 0.0
         self._recent_lr: deque[float] = deque(maxlen=patience)
         self._losses: deque[tuple[int, float]] = deque(maxlen=patience)  # (step, mean loss of the interval)
-        self._loss_sum: Tensor | None = None  # training losses since the last measurement, summed on the device
+        # the training losses since the last measurement: the detached loss tensors themselves (no kernel per batch),
+        # added up on the measuring step; past `_LOSSES_HELD` of them, folded into `_loss_sum` (one sum on the device)
+        self._loss_list: list[Tensor] = []
+        self._loss_sum: Tensor | None = None
         self._loss_batches = 0
         # "has this model learned?": the first measured interval's mean loss, ln(V), the labels' unigram entropy
         self._first_loss: float | None = None
@@ -247,10 +253,10 @@ class UpdateRatio(DebugCallback):
     ) -> None:
         loss = loss_of(outputs) if self.active and not trainer.sanity_checking else None
         if loss is not None:
-            with torch.no_grad():  # on the device: no sync
-                value = loss.detach().float().reshape(())
-                self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+            self._loss_list.append(loss.detach())  # a reference, no kernel: summed on the measuring step
             self._loss_batches += 1
+            if len(self._loss_list) >= _LOSSES_HELD:  # a long interval: bounded, one sum on the device, no sync
+                self._fold_losses()
         if self._before is None:
             return
         layout = self._layout
@@ -259,13 +265,15 @@ class UpdateRatio(DebugCallback):
         step = trainer.global_step - 1  # the optimizer step measured has already incremented global_step
         self._count_labels(trainer, pl_module, batch)
         with torch.no_grad():
-            after = [local_tensor(p.detach()).float() for p in layout.groups.params]
-            delta = torch._foreach_sub(after, before)
-            del before
+            after = [local_tensor(p.detach()) for p in layout.groups.params]
+            # the snapshot becomes before - after in place (no second fp32 copy): its norm is the norm of the change
+            torch._foreach_sub_(before, after)
             weights = layout.weights if layout.sharded else None
-            delta_sq, _ = grouped_sq_norms(delta, layout.index, layout.n_groups, weights)
+            delta_sq, _ = grouped_sq_norms(before, layout.index, layout.n_groups, weights)
+            del before
             param_sq, _ = grouped_sq_norms(after, layout.index, layout.n_groups, weights)
             zero = delta_sq.new_zeros(1)
+            self._fold_losses()
             loss_sum = self._loss_sum.to(zero).reshape(1) if self._loss_sum is not None else zero
             losses = torch.cat([loss_sum, torch.tensor([float(self._loss_batches)]).to(zero)])
             self._loss_sum, self._loss_batches = None, 0
@@ -294,6 +302,15 @@ class UpdateRatio(DebugCallback):
             packed.device,
             sums=packed,
         )
+
+    def _fold_losses(self) -> None:
+        """Adds the held loss tensors into ``_loss_sum`` (fp32, on the device: no sync) and lets them go."""
+        if not self._loss_list:
+            return
+        with torch.no_grad():  # one stack and one sum, whatever the number of batches; stack promotes mixed dtypes
+            total = torch.stack([loss.reshape(()) for loss in self._loss_list]).float().sum()
+        self._loss_sum = total if self._loss_sum is None else self._loss_sum + total
+        self._loss_list = []
 
     def declares_at(self, step: int, stepped: bool) -> bool | None:
         """It declares at the end of a batch whose optimizer step measured: armed in ``on_before_optimizer_step`` when

@@ -57,6 +57,47 @@ def test_ratio_matches_a_plain_reference_and_reaches_the_loggers(tmp_path):
     assert [int(r["step"]) for r in rows] == [0, 2, 4, 6]
 
 
+class LossRecorder(pl.Callback):
+    """The loss each batch returned, read on the host (a test's plain reference); and, after UpdateRatio's hook of the
+    same batch, how many loss tensors it holds."""
+
+    def __init__(self, monitor: UpdateRatio) -> None:
+        self.monitor = monitor
+        self.losses: list[float] = []
+        self.held: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        self.held.append(len(self.monitor._loss_list))
+
+
+@pytest.mark.parametrize("every, steps", [(3, 10), (100, 101)])  # short intervals; one longer than the held losses
+def test_mean_loss_of_each_interval_matches_the_losses_returned(tmp_path, every, steps):
+    monitor = UpdateRatio(every_n_steps=every, patience=10)
+    recorder = LossRecorder(monitor)
+    fit(tmp_path, [monitor, recorder], max_steps=steps)
+    measured = list(range(0, steps, every))
+    assert [step for step, _ in monitor._losses] == measured
+    # the interval of a measurement: the batches since the previous one's, its own included
+    starts = [0] + [m + 1 for m in measured[:-1]]
+    for (step, mean), start in zip(monitor._losses, starts):
+        expected = sum(recorder.losses[start : step + 1]) / (step + 1 - start)
+        assert mean == pytest.approx(expected, rel=1e-6)
+    assert max(recorder.held) <= 64  # held as tensors, bounded: folded into one device sum past 64 batches
+    assert max(recorder.held) == min(every - 1, 63)
+
+
+def test_ratio_of_bf16_weights_matches_a_plain_reference(tmp_path):
+    # the fp32 snapshot of bf16 weights, and the change taken in place against the bf16 weights after the step
+    reference, monitor = ReferenceUpdateRatio(), UpdateRatio(every_n_steps=2)
+    fit(tmp_path, [reference, monitor], max_steps=5, precision="bf16-true")
+    logged = dict(read_scalars(tmp_path / "tb" / "version_0")["update_ratio/total"])
+    assert sorted(logged) == [0, 2, 4]
+    for step, value in logged.items():
+        assert value > 0
+        assert value == pytest.approx(reference.ratios[step], rel=1e-3)
+
+
 def test_healthy_runs_stay_inside_the_band(tmp_path):
     for lr in (3e-4, 3e-3):
         monitor = UpdateRatio(every_n_steps=10)
