@@ -44,22 +44,30 @@ def flatten_batch(batch: Any, prefix: str = "") -> dict[str, Any]:
     """Leaves of a batch by path: mapping keys, dataclass fields and sequence indices joined with ``.``
     (``"input_ids"``, ``"0"``, ``"inputs.pixel_values"``). A bare tensor is the single leaf ``""``. Strings are
     leaves, and so is a list or tuple holding no tensors or containers (per-sample ids or texts)."""
-    if isinstance(batch, Mapping):
-        out: dict[str, Any] = {}
+    out: dict[str, Any] = {}
+    _flatten_into(out, batch, prefix)
+    return out
+
+
+def _flatten_into(out: dict[str, Any], batch: Any, prefix: str) -> None:
+    # Every batch, every step: a tensor (the usual leaf) is told apart first, with one plain isinstance, before the
+    # abstract-class and dataclass checks that containers need.
+    if isinstance(batch, Tensor):
+        out[prefix[:-1] if prefix else ""] = batch
+    elif isinstance(batch, Mapping):
         for k, v in batch.items():
-            out.update(flatten_batch(v, f"{prefix}{k}."))
-        return out
-    if _is_dataclass_instance(batch):
-        out = {}
+            if isinstance(v, Tensor):
+                out[f"{prefix}{k}"] = v
+            else:
+                _flatten_into(out, v, f"{prefix}{k}.")
+    elif _is_dataclass_instance(batch):
         for f in dataclasses.fields(batch):
-            out.update(flatten_batch(getattr(batch, f.name), f"{prefix}{f.name}."))
-        return out
-    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and any(_is_container(v) for v in batch):
-        out = {}
+            _flatten_into(out, getattr(batch, f.name), f"{prefix}{f.name}.")
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and any(_is_container(v) for v in batch):
         for i, v in enumerate(batch):
-            out.update(flatten_batch(v, f"{prefix}{i}."))
-        return out
-    return {prefix[:-1] if prefix else "": batch}
+            _flatten_into(out, v, f"{prefix}{i}.")
+    else:
+        out[prefix[:-1] if prefix else ""] = batch
 
 
 def is_id_tensor(value: Any) -> bool:
@@ -99,18 +107,29 @@ class BatchKeys:
             raise TypeError(f"`ignore_index` must be an integer; got {self.ignore_index!r}.")
 
 
-def _by_name(leaves: Mapping[str, Any], given: str | None, names: Sequence[str]) -> str | None:
-    """The path of the leaf ``given`` names (exact path, else a unique leaf whose last part is ``given``), or, when
-    nothing is given, of the first tensor leaf whose last part is one of ``names``."""
+def _tails(leaves: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The paths of the tensor leaves by the last part of their path, in the batch's order."""
+    out: dict[str, list[str]] = {}
+    for path, value in leaves.items():
+        if isinstance(value, Tensor):
+            out.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+    return out
+
+
+def _by_name(
+    leaves: Mapping[str, Any], tails: Mapping[str, list[str]], given: str | None, names: Sequence[str]
+) -> str | None:
+    """The path of the leaf ``given`` names (exact path, else a unique tensor leaf whose last part is ``given``), or,
+    when nothing is given, of the first tensor leaf whose last part is one of ``names`` (``tails``: :func:`_tails`)."""
     if given is not None:
         if isinstance(leaves.get(given), Tensor):
             return given
-        tail = [p for p in leaves if p.rsplit(".", 1)[-1] == given and isinstance(leaves[p], Tensor)]
+        tail = tails.get(given, ())
         return tail[0] if len(tail) == 1 else None
     for name in names:
-        for path, value in leaves.items():
-            if path.rsplit(".", 1)[-1] == name and isinstance(value, Tensor):
-                return path
+        paths = tails.get(name)
+        if paths:
+            return paths[0]
     return None
 
 
@@ -137,15 +156,16 @@ def read_batch(batch: Any, keys: BatchKeys | None = None) -> BatchFields:
     """
     keys = keys or BatchKeys()
     leaves = flatten_batch(batch)
-    ids_path = _by_name(leaves, keys.input_key, IDS_KEYS)
+    tails = _tails(leaves)
+    ids_path = _by_name(leaves, tails, keys.input_key, IDS_KEYS)
     if ids_path is not None and keys.input_key is None and not is_id_tensor(leaves[ids_path]):
         ids_path = None  # a float `x` (features) is not token ids
     by_position = False
     if ids_path is None and keys.input_key is None:
         ids_path = next((p for p, v in leaves.items() if is_id_tensor(v) and v.ndim == 2), None)
         by_position = ids_path is not None
-    mask_path = _by_name(leaves, keys.mask_key, MASK_KEYS)
-    labels_path = _by_name(leaves, keys.labels_key, LABELS_KEYS)
+    mask_path = _by_name(leaves, tails, keys.mask_key, MASK_KEYS)
+    labels_path = _by_name(leaves, tails, keys.labels_key, LABELS_KEYS)
     if labels_path is not None and keys.labels_key is None and not is_id_tensor(leaves[labels_path]):
         labels_path = None
     if labels_path is None and keys.labels_key is None and by_position and ids_path is not None:
@@ -159,7 +179,7 @@ def read_batch(batch: Any, keys: BatchKeys | None = None) -> BatchFields:
             ),
             None,
         )
-    position_path = _by_name(leaves, keys.position_key, POSITION_KEYS)
+    position_path = _by_name(leaves, tails, keys.position_key, POSITION_KEYS)
     return BatchFields(
         leaves=leaves,
         input_ids=leaves.get(ids_path) if ids_path is not None else None,

@@ -93,6 +93,53 @@ def test_given_keys_win_and_name_a_dotted_path_a_leaf_or_a_tuple_position():
     assert read_batch(batch, BatchKeys(input_key="missing")).input_ids is None
 
 
+def test_names_are_matched_in_priority_then_batch_order_and_a_given_name_must_be_unique():
+    ids, mask, labels = lm_batch()
+    # `ids` and `tokens` both name ids: `tokens` comes first in the names' priority, not in the batch's order
+    batch = {"ids": ids + 1, "text": ["a", "b"], "enc": {"tokens": ids}, "dec": {"tokens": ids + 2}, "mask": mask}
+    fields = read_batch(batch)
+    assert fields.paths["input_ids"] == "enc.tokens" and torch.equal(fields.input_ids, ids)  # the first of two
+    assert fields.paths["attention_mask"] == "mask"
+    assert read_batch(batch, BatchKeys(input_key="tokens")).input_ids is None  # two leaves end in `tokens`
+    assert read_batch(batch, BatchKeys(input_key="dec.tokens")).paths["input_ids"] == "dec.tokens"
+    # a leaf that is not a tensor is never a field, whatever its name
+    assert read_batch({"input_ids": ids, "labels": [1, 2], "targets": labels}).paths["labels"] == "targets"
+    assert flatten_batch({"a": {"b": [ids, "t"]}, "c": ()}) == {"a.b.0": ids, "a.b.1": "t", "c": ()}
+
+
+def test_each_new_batch_is_read_anew_when_its_structure_changes_mid_run():
+    """step_batch keeps nothing from one batch to the next: a batch whose keys move is read as it is."""
+
+    class Trainer:
+        pass
+
+    trainer, (ids, mask, labels) = Trainer(), lm_batch()
+    batches = [
+        {"input_ids": ids, "attention_mask": mask, "labels": labels},
+        {"input_ids": ids, "attention_mask": mask, "labels": labels},
+        {"inputs": {"input_ids": ids}, "labels": labels.int()},  # nested, no mask
+        (ids, labels),  # by position
+        {"input_ids": ids.float(), "labels": torch.tensor([0, 1])},  # float features, a class per row
+        {"input_ids": ids, "attention_mask": mask, "labels": labels},
+    ]
+    expected = [
+        ("input_ids", "attention_mask", "labels"),
+        ("input_ids", "attention_mask", "labels"),
+        ("inputs.input_ids", None, "labels"),
+        ("0", None, "1"),
+        (None, None, "labels"),
+        ("input_ids", "attention_mask", "labels"),
+    ]
+    for batch, paths in zip(batches, expected):
+        view = step_batch(trainer, batch)
+        assert step_batch(trainer, batch) is view  # shared within the step
+        assert (view.fields.paths["input_ids"], view.fields.paths["attention_mask"], view.fields.paths["labels"]) == (
+            paths
+        )
+        if paths[0] is not None:
+            assert view.input_ids is not None and view.input_ids.data_ptr() == ids.data_ptr()
+
+
 def test_float_features_are_not_token_ids():
     fields = read_batch({"x": torch.randn(2, 4), "y": torch.tensor([0, 1])})
     assert fields.input_ids is None and fields.paths["labels"] == "y"  # class labels by name are still labels
