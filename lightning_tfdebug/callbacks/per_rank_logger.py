@@ -20,6 +20,7 @@ from lightning_tfdebug.core.distributed import (
     clean_param_name,
     local_tensor,
     plan_sharding,
+    world_size,
 )
 from lightning_tfdebug.core.groups import training_model
 from lightning_tfdebug.core.io import append_line, make_dirs
@@ -103,7 +104,8 @@ class PerRankLogger(DebugCallback):
         compare_parameters: compare per-tensor checksums (L2 norm and signed sum) of every parameter and buffer
             across replicas (``TFD502``); running statistics of BatchNorm/InstanceNorm layers, which each replica
             updates from its own batch, are left out. Skipped automatically under sharded strategies (FSDP, FSDP2,
-            DeepSpeed, ``ModelParallelStrategy``), where ranks hold different shards by design.
+            DeepSpeed, ``ModelParallelStrategy``), where ranks hold different shards by design, and in a single process,
+            where there is no replica to compare with.
         input_key: where the batch's token ids are, as for every callback of the pack
             (:mod:`lightning_tfdebug.core.batch`); ``None`` finds them by their usual names (``input_ids`` ...) or, in a
             tuple batch, by position. The fingerprint hashes the ids (dict, tuple, dataclass and Hugging Face
@@ -307,7 +309,9 @@ class PerRankLogger(DebugCallback):
         losses, self._losses = self._losses, []
         loss = torch.stack(losses).mean().to(device=device, dtype=torch.float64) if losses else None
         fingerprint, self._fingerprint = self._fingerprint, None
-        compare = self._checksum_skip_reason is None and self._params is not None
+        # one process: no replica to compare with (TFD502 needs two ranks), so no agreement sums to build or read;
+        # the checksums are still taken, for the file's `param_checksum`
+        compare = self._checksum_skip_reason is None and self._params is not None and world_size() > 1
         local = [local_tensor(p) for p in self._params or []]  # DTensor shards: this rank's part, no collective
         checksums = parameter_checksums(local).to(device)  # [norms..., sums...] of parameters and buffers
         weights = torch.arange(1, checksums.numel() + 1, device=device, dtype=torch.float64)

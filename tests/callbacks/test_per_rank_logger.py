@@ -69,6 +69,37 @@ def test_single_process_writes_its_file_and_logs_rank0_without_cross_rank_checks
     assert logger.findings == []
 
 
+class ChecksumReference(pl.Callback):
+    """After PerRankLogger's hook of a measured batch: the file's ``param_checksum`` computed plainly, in float64, from
+    the weights the optimizer step left (position-weighted per-tensor norms, then signed sums)."""
+
+    def __init__(self, every):
+        self.every, self.totals = every, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step - 1
+        if step % self.every:
+            return
+        values = [p.detach().double() for p in pl_module.parameters()]
+        checks = [torch.linalg.vector_norm(v) for v in values] + [v.sum() for v in values]
+        self.totals[step] = float(sum((i + 1) * c for i, c in enumerate(checks)))
+
+
+def test_single_process_checksum_is_kept_and_no_replica_comparison_is_built(tmp_path, monkeypatch):
+    import lightning_tfdebug.callbacks.per_rank_logger as module
+
+    built = []
+    real = module.agreement_sums
+    monkeypatch.setattr(module, "agreement_sums", lambda *a, **k: built.append(1) or real(*a, **k))
+    logger, reference = PerRankLogger(every_n_steps=2), ChecksumReference(2)
+    fit(tmp_path, [logger, reference], max_steps=5)
+    rows = records(tmp_path)
+    assert [r["step"] for r in rows] == [0, 2, 4]
+    for row in rows:  # the documented column is still written, from this process's own weights
+        assert row["param_checksum"] == pytest.approx(reference.totals[row["step"]], rel=1e-6)
+    assert built == []  # one process: nothing to compare the checksums with, so no agreement sums are made
+
+
 def test_non_finite_loss_names_the_rank(tmp_path):
     logger = PerRankLogger(every_n_steps=1)
     fit(tmp_path, [logger], model=TinyGPT(nan_on_rank=0, nan_at_step=2, **SMALL), max_steps=4)
