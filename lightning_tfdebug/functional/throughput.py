@@ -110,11 +110,13 @@ def parameter_checksums(tensors: Sequence[Tensor]) -> Tensor:
     narrow = [i for i, v in enumerate(values) if v.is_floating_point() and v.dtype != torch.float64]
     narrow_set = set(narrow)
     wide = [i for i in range(len(values)) if i not in narrow_set]
-    norms = torch.zeros(len(values), dtype=torch.float64, device=device)
-    if narrow:
-        narrow_norms = per_tensor_norms([values[i] for i in narrow])
-        norms[torch.tensor(narrow, device=device)] = narrow_norms.to(device=device, dtype=torch.float64)
-    if wide:
+    if not wide:  # the usual case, every tensor fp32/bf16/fp16: the fused norms are the vector, no scatter
+        norms = per_tensor_norms(values).to(device=device, dtype=torch.float64)
+    else:
+        norms = torch.zeros(len(values), dtype=torch.float64, device=device)
+        if narrow:
+            narrow_norms = per_tensor_norms([values[i] for i in narrow])
+            norms[torch.tensor(narrow, device=device)] = narrow_norms.to(device=device, dtype=torch.float64)
         wide_norms = torch._foreach_norm([values[i].double() for i in wide], 2)
         norms[torch.tensor(wide, device=device)] = torch.stack([n.to(device) for n in wide_norms])
     sums = [v.sum(dtype=torch.float64) for v in values]
