@@ -45,6 +45,7 @@ from lightning_tfdebug.functional.batches import (
     learn_schema,
     parse_declared_schema,
     special_token_statistics,
+    structure_key,
     token_statistics,
     unpack_statistics,
 )
@@ -305,7 +306,10 @@ class BatchGuard(DebugCallback):
         self._epoch_facts: tuple[int | None, int | None, str | None] = (None, None, None)
         self._tally: SpecialTokenTally | None = None  # TFD124's count, None when off or done
         self._checks_aside: dict[str, str] = {}  # check -> why it stood aside (the rest of BatchGuard runs on)
-        self._last: tuple[StepBatch, str, bool] | None = None  # this step's batch, where, values checked
+        self._last: tuple[StepBatch, tuple[int, int, int, int], bool] | None = None  # batch, _where's parts, checked
+        # the structure of the last batch whose full structural check found nothing (learning over), or None: a batch
+        # of the same structure would find nothing either
+        self._clean_structure: tuple | None = None
 
     @property
     def state_key(self) -> str:
@@ -342,6 +346,7 @@ class BatchGuard(DebugCallback):
                     category=TFDebugWarning,
                 )
         self._period = RepeatPeriod(self.max_repeated_fraction)  # a new fit reads its data anew
+        self._clean_structure = None  # the context may have changed with the model
         self._repeats_found = False
         self._tally = None
         if self.special_token_batches:
@@ -359,6 +364,11 @@ class BatchGuard(DebugCallback):
     def checks_aside(self) -> dict[str, str]:
         """The checks of BatchGuard that stood aside while the others ran on: ``{check: reason and setting}``."""
         return dict(self._checks_aside)
+
+    @staticmethod
+    def _where(parts: tuple[int, int, int, int]) -> str:
+        """The batch named in a finding, from ``(batch_idx, step, epoch, rank)``: formatted only when needed."""
+        return "Batch {} (step {}, epoch {}, rank {})".format(*parts)
 
     def _check_aside(self, check: str, reason: str, setting: str | None) -> None:
         """One check of BatchGuard stands aside, once, while the others run on: said at info level, with the setting
@@ -386,28 +396,24 @@ class BatchGuard(DebugCallback):
     ) -> None:
         if not self.active or trainer.sanity_checking:
             return
-        where = (
-            f"Batch {batch_idx} (step {trainer.global_step}, epoch {trainer.current_epoch}, rank {trainer.global_rank})"
-        )
+        step, epoch = trainer.global_step, trainer.current_epoch
+        where = (batch_idx, step, epoch, trainer.global_rank)  # the sentence is built only for a finding
         view = step_batch(trainer, batch, self._batch_keys)  # the step's one reading of the batch, shared
         if not self._keys_announced:
             self._announce_keys(view)
-        specs = describe_leaves(view.fields.leaves)  # host metadata only
-        self._check_structure(trainer, specs, view, where)
+        self._check_structure(trainer, view, where)
         checks = self.should_measure(trainer) or (
-            self.check_values_every_n_steps is not None and trainer.global_step % self.check_values_every_n_steps == 0
+            self.check_values_every_n_steps is not None and step % self.check_values_every_n_steps == 0
         )
         # a reference, no copy: if the forward raises, `on_exception` diagnoses this batch
         self._last = (view, where, checks)
         ids = _token_fields(view)[0]
         if ids is not None:
-            with torch.no_grad():
-                fingerprint = batch_fingerprint(ids)  # device work, no sync: read with the next checked batch
-            self._prints.append(
-                (trainer.current_epoch, trainer.global_step, self._stream, self._epoch_facts, fingerprint)
-            )
+            # device work, no sync: read with the next checked batch (integer ids carry no autograd history)
+            fingerprint = batch_fingerprint(ids)
+            self._prints.append((epoch, step, self._stream, self._epoch_facts, fingerprint))
         if checks:
-            self._check_values(trainer, view, where)
+            self._check_values(trainer, view, self._where(where))
         # Findings are rank-local (each rank sees its own batch). With "stop"/"raise" this is one boolean all-reduce,
         # on every batch and on every rank alike (decided from nothing but the hook being called), so all ranks act
         # together before the forward; with "warn" it does nothing.
@@ -444,20 +450,33 @@ class BatchGuard(DebugCallback):
                 step=step,
             )
 
-    def _check_structure(self, trainer: pl.Trainer, specs: dict[str, FieldSpec], view: StepBatch, where: str) -> None:
+    def _check_structure(self, trainer: pl.Trainer, view: StepBatch, parts: tuple[int, int, int, int]) -> None:
+        """Schema drift and a sequence longer than the context, from host metadata. Once the schema is learned (or
+        declared), a batch with the keys, dtypes and shapes of the last batch that passed passes too: the findings
+        depend on nothing else (the schema and the context stay fixed), so it is not compared again."""
+        structure = structure_key(view.fields.leaves)  # host metadata only
+        if structure == self._clean_structure:
+            return
+        specs = describe_leaves(view.fields.leaves)
+        where = self._where(parts)
         declared = self._declared is not None
-        if not declared and len(self._learned) < self.learn_batches:
+        found: list[Verdict] = []
+        learning = not declared and len(self._learned) < self.learn_batches
+        if learning:
             drifts = []
             if self._schema is not None:  # compare against what was learned so far; shared sizes not yet
                 drifts = [d for d in compare_schema(self._schema, specs) if d.kind != "size"]
-                self._emit(trainer, drift_verdicts(drifts, where, declared))
+                found = drift_verdicts(drifts, where, declared)
             if not drifts:  # a drifting batch does not teach the schema
                 self._learned.append(specs)
                 self._schema = learn_schema(self._learned)
         elif self._schema is not None:
-            self._emit(trainer, drift_verdicts(compare_schema(self._schema, specs), where, declared))
+            found = drift_verdicts(compare_schema(self._schema, specs), where, declared)
         ids_path = view.fields.paths["input_ids"]
-        self._emit(trainer, too_long(where, ids_path, specs.get(ids_path or ""), self._context))
+        long = too_long(where, ids_path, specs.get(ids_path or ""), self._context)
+        self._emit(trainer, found)
+        self._emit(trainer, long)
+        self._clean_structure = structure if not learning and not found and long is None else None
 
     # ------------------------------------------------------------------ checked batches
     def _statistics(self, view: StepBatch) -> Tensor | None:
@@ -593,7 +612,8 @@ class BatchGuard(DebugCallback):
         last, self._last, self._prints = self._last, None, []
         if last is None or not self.active or not isinstance(exception, Exception):
             return
-        view, where, checked = last
+        view, parts, checked = last
+        where = self._where(parts)
         if checked:  # its values were checked before the forward
             return
         try:
@@ -666,6 +686,7 @@ class BatchGuard(DebugCallback):
         if learned and self._declared is None:
             self._schema = Schema({k: KeySchema(v["dtype"], v["dims"]) for k, v in learned.items()})
             self._learned = [{}] * self.learn_batches  # learning is over: compare from the first batch on
+            self._clean_structure = None
         self._lengths.reference = state_dict.get("reference")
         self._lengths.sums = list(state_dict.get("window", [0.0, 0.0, 0.0, 0]))
         self._examples_logged = bool(state_dict.get("examples_logged", False))

@@ -60,6 +60,15 @@ def describe_leaves(leaves: Mapping[str, Any]) -> dict[str, FieldSpec]:
     return out
 
 
+def structure_key(leaves: Mapping[str, Any]) -> tuple:
+    """What :func:`describe_leaves` reads of every leaf (path, dtype and shape of a tensor, type of anything else), as
+    one tuple: two batches with equal keys have equal specs. Cheaper than the specs; host metadata only."""
+    return tuple(
+        (path, value.dtype, value.shape) if isinstance(value, Tensor) else (path, type(value))
+        for path, value in leaves.items()
+    )
+
+
 _DECLARED = re.compile(r"^\s*([A-Za-z0-9_]+)\s*(?:\[(.*)\])?\s*$")
 
 
@@ -353,7 +362,8 @@ def token_statistics(
                 pad_supervised = (~real & ~ignored.reshape(n, width)).sum()
         pad_positions = ids.numel() - _read(length_sum) if lazy else (~real).sum()
 
-        positions = torch.arange(width, device=device).expand(n, width)
+        if bos_id is not None or eos_id is not None:
+            positions = torch.arange(width, device=device).expand(n, width)
         bos_missing: Tensor | int = 0
         if bos_id is not None:
             first_real = torch.where(real, positions, width).amin(1).clamp(max=width - 1)

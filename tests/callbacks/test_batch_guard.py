@@ -213,6 +213,38 @@ def test_a_new_key_in_a_later_batch_is_a_warning(tmp_path):
     assert declared.findings == []
 
 
+def test_a_drift_after_many_batches_of_one_structure_is_caught_at_that_batch(tmp_path, monkeypatch):
+    """A batch with the structure of the last one that passed is not compared again; a batch that differs in a dtype,
+    a size or its width is, and its finding names that very batch."""
+    import lightning_tfdebug.callbacks.batch_guard as module
+
+    compared = []
+    original = module.compare_schema
+    monkeypatch.setattr(
+        module, "compare_schema", lambda schema, specs: compared.append(len(compared)) or original(schema, specs)
+    )
+    loader = lm_batches([5 + i % 7 for i in range(32)])
+    batches = loader.dataset
+    batches[12]["labels"] = batches[12]["labels"].int()  # TFD103
+    wide = batches[20]  # 25 wide: longer than max_length, every key alike (TFD111 only)
+    for key, pad in (("input_ids", 256), ("attention_mask", 0), ("labels", -100)):
+        wide[key] = torch.cat([wide[key], torch.full((4, 1), pad)], 1)
+    for i, batch in enumerate(batches):  # a key the model does not read, as wide as the ids
+        batch["token_type_ids"] = torch.zeros(4, 23 if i == 26 else batch["input_ids"].shape[1], dtype=torch.long)
+    guard = BatchGuard(max_length=24)
+    fit(tmp_path, [guard], data=loader, max_steps=32)
+    assert [(f.code, f.evidence["key"], f.step) for f in guard.findings] == [
+        ("TFD103", "labels", 12),
+        ("TFD111", "input_ids", 20),
+        ("TFD105", "token_type_ids", 26),  # no longer as wide as the ids
+    ]
+    assert [f.message.split(":")[0] for f in guard.findings] == [
+        f"Batch {b} (step {b}, epoch 0, rank 0)" for b in (12, 20, 26)
+    ]
+    # compared while learning (batches 1-3), then on the first learned batch, each changed batch and the one after
+    assert len(compared) == 10, compared
+
+
 def test_an_attention_mask_that_is_not_binary_is_an_error(tmp_path):
     guard = BatchGuard()
     batches = lm_batches([5, 6, 7, 5])
