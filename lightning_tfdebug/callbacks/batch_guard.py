@@ -530,9 +530,10 @@ class BatchGuard(DebugCallback):
 
     def _read_prints(self, trainer: pl.Trainer, prints: list, fingerprints: list[float]) -> None:
         """TFD121 and TFD123 from fingerprints that reached the host, in the order their batches were read."""
+        rank = trainer.global_rank
         for (epoch, step, stream, (length, per_epoch, setting), _), fingerprint in zip(prints, fingerprints):
             earlier = self._repeats.repeated if self._repeats.epoch == epoch else 0  # the tracker resets per epoch
-            found = self._repeats.add(epoch, step, int(fingerprint), stream, trainer.global_rank)
+            found = self._repeats.add(epoch, step, int(fingerprint), stream, rank)
             within = self._repeats.repeated > earlier  # this batch repeats one of its own epoch
             self._repeats_found = self._repeats_found or found is not None
             self._emit(trainer, found, step)
@@ -543,7 +544,7 @@ class BatchGuard(DebugCallback):
                 within_epoch=within,
                 per_epoch=per_epoch,
                 setting=setting,
-                rank=trainer.global_rank,
+                rank=rank,
             )
             if not self._repeats_found:  # TFD121 already named these repeats, from inside one epoch
                 self._emit(trainer, period, step)

@@ -359,7 +359,8 @@ def token_statistics(
                         first, has = found
                         first_lab = _where(has, lab[first], 0)
             if labels_aligned and lab.numel() == ids.numel() and not (lazy and _read(length_sum) == ids.numel()):
-                pad_supervised = (~real & ~ignored.reshape(n, width)).sum()
+                # masked and not ignored: every position but those attended or ignored
+                pad_supervised = ids.numel() - (real | ignored.reshape(n, width)).sum()
         pad_positions = ids.numel() - _read(length_sum) if lazy else (~real).sum()
 
         if bos_id is not None or eos_id is not None:
