@@ -18,7 +18,7 @@ from lightning_tfdebug.core.groups import ReductionLayout, build_layout, trainin
 from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms
+from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms, step_norms
 
 _OVERCLIP = 100.0
 """TFD306 when every step's gradient norm is more than this many times ``gradient_clip_val``."""
@@ -194,7 +194,11 @@ class GradNormMonitor(DebugCallback):
         positions = torch.tensor(present, device=device)
         grads = [local_tensor(params[i].grad) for i in present]
         group_sq, flags = grouped_sq_norms(
-            grads, layout.index[positions], layout.n_groups, layout.weights[positions] if layout.sharded else None
+            grads,
+            layout.index[positions],
+            layout.n_groups,
+            layout.weights[positions] if layout.sharded else None,
+            norms=step_norms(trainer, grads),  # shared with UpdateRatio on the same step: one pass over the grads
         )
         # one packed collective under sharding (sums of squares; per-tensor non-finite flags by max); none under DDP
         all_flags = torch.zeros(len(params), device=device).index_copy_(0, positions, flags)

@@ -20,7 +20,7 @@ from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.learning import learned, progress
 from lightning_tfdebug.functional.loss import unigram_entropy
-from lightning_tfdebug.functional.norms import grouped_sq_norms
+from lightning_tfdebug.functional.norms import grouped_sq_norms, step_norms
 from lightning_tfdebug.functional.update_checks import (
     LOSS_FALL_PER_STEP,
     below_resolution,
@@ -241,7 +241,9 @@ class UpdateRatio(DebugCallback):
                 local_tensor(p.grad) if p.grad is not None else t[:0] for p, t in zip(layout.groups.params, locals_)
             ]
             weights = layout.weights if layout.sharded else None
-            self._grad_sq, _ = grouped_sq_norms(grads, layout.index, layout.n_groups, weights)
+            # shared with GradNormMonitor on the same step (the same gradient tensors): one pass over the gradients
+            norms = step_norms(trainer, grads)
+            self._grad_sq, _ = grouped_sq_norms(grads, layout.index, layout.n_groups, weights, norms=norms)
             scaler = grad_scaler_of(trainer)
             scale = getattr(scaler, "_scale", None)
             self._scale_before = scale.detach().clone() if isinstance(scale, Tensor) else None

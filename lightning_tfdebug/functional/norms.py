@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,13 +20,37 @@ def per_tensor_norms(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack([n.to(device) for n in norms])
 
 
+_STEP_NORMS = "_tfdebug_step_norms"  # trainer attribute: ((global_step, ids of the tensors), their norms)
+
+
+def step_norms(trainer: Any, tensors: Sequence[Tensor]) -> Tensor:
+    """:func:`per_tensor_norms` of ``tensors``, computed once per optimizer step for the same tensors.
+
+    GradNormMonitor and UpdateRatio both read every gradient before the same ``optimizer.step()`` on a measuring
+    step; the second one reuses the first one's norms instead of a second pass over the gradient memory (issue 25).
+    The key is the step and the identity of each tensor (the objects are alive throughout the hook that asks, so an
+    ``id`` cannot be reused there); only the small norm vector is held, never the tensors.
+    """
+    key = (getattr(trainer, "global_step", None), tuple(map(id, tensors)))
+    held = trainer.__dict__.get(_STEP_NORMS)
+    if held is not None and held[0] == key:
+        return held[1]
+    norms = per_tensor_norms(tensors)
+    trainer.__dict__[_STEP_NORMS] = (key, norms)
+    return norms
+
+
 def group_sums(values: Tensor, index: Tensor, n_groups: int) -> Tensor:
     """Sum ``values`` into ``n_groups`` buckets given each value's bucket ``index``."""
     return values.new_zeros(n_groups).index_add_(0, index, values)
 
 
 def grouped_sq_norms(
-    tensors: Sequence[Tensor], index: Tensor, n_groups: int, weights: Tensor | None = None
+    tensors: Sequence[Tensor],
+    index: Tensor,
+    n_groups: int,
+    weights: Tensor | None = None,
+    norms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Weighted sum of squared L2 norms per group, and the per-tensor non-finite flags.
 
@@ -34,12 +59,14 @@ def grouped_sq_norms(
         index: ``(len(tensors),)`` long tensor, the group of each tensor.
         n_groups: number of groups.
         weights: ``(len(tensors),)`` factors applied to each squared norm (``1/replicas`` under sharding).
+        norms: the per-tensor norms of ``tensors`` when already computed (:func:`step_norms`).
 
     Returns:
         ``(group_sq, nonfinite)``: ``(n_groups,)`` sums of squares, and ``(len(tensors),)`` float flags that are 1.0
         where a tensor holds an inf or nan.
     """
-    norms = per_tensor_norms(tensors)
+    if norms is None:
+        norms = per_tensor_norms(tensors)
     sq = norms.square()
     if weights is not None:
         sq = sq * weights

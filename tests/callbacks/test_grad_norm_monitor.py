@@ -232,3 +232,32 @@ def test_gradients_still_scaled_by_amp_are_divided_by_the_scale(tmp_path):
     assert logged[0] == pytest.approx(reference.norms[0] / 2.0**10, rel=1e-4)
     [finding] = [f for f in monitor.findings if f.code == "TFD305"]
     assert finding.severity == "info" and finding.evidence["loss_scale"] == 1024.0
+
+
+def test_grad_norm_monitor_and_update_ratio_share_one_pass_over_the_gradients(tmp_path, monkeypatch):
+    import lightning_tfdebug.functional.norms as norms_module
+    from lightning_tfdebug import UpdateRatio
+
+    passes = []  # (global step, number of tensors) of each per-tensor norm pass over gradients
+    original = norms_module.per_tensor_norms
+
+    class Counting(ReferenceGradNorm):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.step = trainer.global_step
+            self.grad_ids = {id(p.grad) for p in pl_module.parameters() if p.grad is not None}
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    reference = Counting()
+
+    def counted(tensors):
+        if tensors and all(id(t) in reference.grad_ids for t in tensors):
+            passes.append(reference.step)
+        return original(tensors)
+
+    monkeypatch.setattr(norms_module, "per_tensor_norms", counted)
+    monitor, ratio = GradNormMonitor(every_n_steps=3), UpdateRatio(every_n_steps=3)
+    fit(tmp_path, [reference, monitor, ratio], max_steps=7)
+    # one pass per measuring step for both members; the values are still the reference's
+    assert passes == [0, 3, 6]
+    logged = dict(read_scalars(tmp_path / "tb" / "version_0")["grad_norm/total"])
+    assert all(logged[s] == pytest.approx(reference.norms[s], rel=1e-5) for s in (0, 3, 6))
