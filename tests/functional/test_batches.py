@@ -287,3 +287,19 @@ def test_the_host_read_path_of_token_statistics_gives_the_device_path_s_vector(m
     holed[0, 3] = 0
     assert unpack_statistics(token_statistics(ids, holed, labels, vocab_size=10).tolist())["mask_holes"] == 1
     assert searched
+
+
+def test_the_no_sync_path_of_token_statistics_reads_nothing_on_the_host(monkeypatch):
+    """``host_reads=False`` is the path taken on an accelerator: no value may be read on the host there (each read
+    would wait for the device). Checked on the CPU by refusing every read while it runs."""
+    batches = list(statistic_batches())
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a host read on the no-sync path")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    options = dict(vocab_size=10, bos_id=BOS, eos_id=EOS, max_length=6, ignore_index=IGN, host_reads=False)
+    vectors = [token_statistics(ids, mask, labels, position_ids=p, **options) for ids, mask, labels, p in batches]
+    monkeypatch.undo()
+    assert len(vectors) == len(batches) and all(v.shape == vectors[0].shape for v in vectors)
