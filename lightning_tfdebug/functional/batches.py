@@ -318,7 +318,12 @@ def token_statistics(
             mask_non_binary = first_mask = 0
             real = torch.ones_like(ids, dtype=torch.bool)
         lengths = real.sum(1)
-        length_sum = lengths.sum()
+        if lazy:  # host_reads: the rows' lengths summed on the host (CPU: no sync), two kernels fewer
+            host_lengths = lengths.tolist()
+            length_sum: Tensor | int = sum(host_lengths)
+            length_sq_sum: Tensor | int = sum(length * length for length in host_lengths)
+        else:
+            length_sum, length_sq_sum = lengths.sum(), lengths.square().sum()
 
         if ids.numel() == 0:
             ids_min = ids_max = 0
@@ -401,7 +406,7 @@ def token_statistics(
             pad_supervised,
             pad_positions,
             length_sum,
-            lengths.square().sum(),
+            length_sq_sum,
             bos_missing,
             eos_multiple,
             eos_then_tokens,
