@@ -484,6 +484,8 @@ class BatchGuard(DebugCallback):
         if ids is None:
             return None
         with torch.no_grad():
+            # on the CPU it reads a few counts on the host to skip kernels (no sync: the data are in host memory);
+            # on an accelerator everything stays on the device until the checked batch's one transfer
             return token_statistics(
                 ids,
                 mask,
