@@ -445,13 +445,14 @@ class _HookLog(pl.Callback):
 def test_the_pack_calls_a_member_s_batch_hooks_only_on_the_steps_it_works(tmp_path):
     """Issue 25: on a step that does not measure, only the members with per-batch work run (NaNFirstFrame's check,
     ThroughputMonitor's clock and token count, BatchGuard's and ReproCapture's per-batch reading, UpdateRatio's loss
-    sum, PerRankLogger's data wait, OptimizerAudit's scheduler cadence); the measuring members run on measuring steps,
-    LossAtInit also on its own compared and check steps. What they find is unchanged: the healthy run stays silent
-    and every measuring member logged on its measuring steps."""
+    sum, PerRankLogger's data wait); the measuring members run on measuring steps, LossAtInit also on its own
+    compared and check steps, OptimizerAudit also at an epoch's first batch (its train-mode check) and the batch
+    after a measuring step (its comparison). What they find is unchanged: the healthy run stays silent and every
+    measuring member logged on its measuring steps."""
     pack = tfd.TFDebug(preset="always", every_n_steps=5, overrides={"LossAtInit": {"check_step": 16}})
     log = _HookLog(pack)
     fit_tiny(tmp_path, [pack, log], max_steps=20)
-    idle = {"GradNormMonitor", "DeadActivation", "LossAtInit", "ScalerWatch"}
+    idle = {"GradNormMonitor", "DeadActivation", "LossAtInit", "ScalerWatch", "OptimizerAudit"}
     compare = set(pack.members["LossAtInit"]._compare_steps())
     for step, ran in log.calls.items():
         members = {label.split(".")[0] for label in ran}
@@ -460,10 +461,28 @@ def test_the_pack_calls_a_member_s_batch_hooks_only_on_the_steps_it_works(tmp_pa
             assert "GradNormMonitor.on_before_optimizer_step" in ran and "DeadActivation.on_train_batch_start" in ran
             assert "UpdateRatio.on_before_optimizer_step" in ran and "PerRankLogger.on_train_batch_end" in ran
         elif step in compare or step == 16:
-            assert members & idle == {"LossAtInit"}, (step, sorted(ran))
+            assert members & idle - {"OptimizerAudit"} == {"LossAtInit"}, (step, sorted(ran))
         else:
             assert not members & idle, (step, sorted(ran))  # nothing to do: not called at all
             assert "UpdateRatio.on_before_optimizer_step" not in ran and "PerRankLogger.on_train_batch_end" not in ran
     assert [f.code for f in pack.findings if f.severity in ("warning", "error")] == []
     assert all(m.failure is None for m in pack.running.values())
     assert pack.members["LossAtInit"]._check_done  # its check step ran although the cadence skips step 16
+
+
+def test_a_scheduler_stepped_twice_per_step_is_named_when_the_pack_reads_it_only_on_measuring_steps(tmp_path):
+    """OptimizerAudit reads the scheduler's cadence where the pack calls it (measuring steps): 2n calls over n steps."""
+
+    class SteppedTwice(TinyGPT):
+        def training_step(self, batch, batch_idx):
+            self.lr_schedulers().step()  # by hand, and Lightning steps it again (interval: step)
+            return super().training_step(batch, batch_idx)
+
+    pack = tfd.TFDebug(preset="always", every_n_steps=5)
+    log = _HookLog(pack)
+    fit_tiny(tmp_path, [pack, log], model=SteppedTwice(**SMALL), max_steps=12)
+    [finding] = [f for f in pack.findings if f.code == "TFD329"]
+    assert finding.step == 5 and finding.evidence["calls"] == 10 and finding.evidence["optimizer_steps"] == 5
+    assert "10 times over 5 optimizer steps" in finding.message
+    audit_steps = sorted(s for s, ran in log.calls.items() if any(r.startswith("OptimizerAudit.") for r in ran))
+    assert 3 not in audit_steps and 7 not in audit_steps  # not called between measuring steps

@@ -151,7 +151,7 @@ class OptimizerAudit(DebugCallback):
         self.zero_lr_fraction = float(zero_lr_fraction)
         self.patience = patience
         self._check_mode = False
-        self._sched_seen: dict[int, int] = {}
+        self._sched_seen: dict[int, tuple[int, int]] = {}  # id(scheduler) -> (its step() calls, global step)
         self._first_lr: float | None = None
         self._peak_lr = 0.0
         self._warmup_decided = False
@@ -160,7 +160,7 @@ class OptimizerAudit(DebugCallback):
         self._unchanged: dict[str, int] = defaultdict(int)
         self._compare_due = False
         self._transformer = False
-        self._stepped = False  # an optimizer step ran since the last backward
+        self._backward_step = -1  # the global step of the last backward seen: a new one is the first after a step
         self._no_warmup: dict[str, Any] | None = None  # the evidence of TFD330 (info) until the early loss shows harm
         self._first_loss: float | None = None  # the loss of step 0, read on that measuring step
         self._lowest_loss = math.inf
@@ -370,7 +370,9 @@ class OptimizerAudit(DebugCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         # after the forward: the mode it ran in (the LightningModule's own `on_train_batch_start` runs after ours)
         self._check_train_mode(trainer, pl_module)
-        stepped, self._stepped = self._stepped, False
+        # the first backward at a new global step comes after an optimizer step (global_step counts them)
+        step = trainer.global_step
+        stepped, self._backward_step = step != self._backward_step and step > 0, step
         if stepped and self.active and self.should_measure(trainer):
             self._check_grads_zeroed(trainer)
 
@@ -435,12 +437,22 @@ class OptimizerAudit(DebugCallback):
             )
 
     # ------------------------------------------------------------------ per step
+    def busy_at(self, step: int) -> bool:
+        """Measuring steps, and the steps with a check pending: the module's train mode (once per epoch and after
+        validation), the comparison after a snapshot, the first learning rate. The scheduler's cadence is read at
+        each of them (calls against the optimizer steps since), so nothing is needed on the steps between."""
+        return (
+            step % self._interval == 0
+            or self._check_mode
+            or self._compare_due
+            or (self._first_lr is None and not self._warmup_decided)
+        )
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if not self.active:
             return
-        self._stepped = True
         self._check_scheduler_cadence(trainer, optimizer)
         first = self._first_lr is None and not self._warmup_decided
         if first and trainer.global_step > 0:
@@ -500,16 +512,26 @@ class OptimizerAudit(DebugCallback):
             now = getattr(scheduler, "last_epoch", None)
             if not isinstance(now, int):
                 continue
+            # read on the steps this callback is called at (measuring steps inside TFDebug): the calls since the last
+            # reading against the optimizer steps since, so a scheduler stepped twice per step shows as 2n in n
+            step = trainer.global_step
             before = self._sched_seen.get(id(scheduler))
-            self._sched_seen[id(scheduler)] = now
-            calls = now - before if before is not None else 0
-            if calls > 1:
+            self._sched_seen[id(scheduler)] = (now, step)
+            if before is None or step <= before[1]:
+                continue
+            calls, steps = now - before[0], step - before[1]
+            if calls > steps:
+                per_step = (
+                    f"{calls} times between two optimizer steps"
+                    if steps == 1
+                    else (f"{calls} times over {steps} optimizer steps")
+                )
                 self.emit(
                     trainer,
                     "TFD329",
-                    f"The LR scheduler {type(scheduler).__name__} was stepped {calls} times between two optimizer "
-                    "steps: a schedule sized in optimizer steps runs that many times too fast.",
-                    {"calls": calls, "scheduler": type(scheduler).__name__},
+                    f"The LR scheduler {type(scheduler).__name__} was stepped {per_step}: a schedule sized in "
+                    "optimizer steps runs that many times too fast.",
+                    {"calls": calls, "optimizer_steps": steps, "scheduler": type(scheduler).__name__},
                     key=str(id(scheduler)),
                 )
 
