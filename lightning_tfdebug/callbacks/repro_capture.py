@@ -119,7 +119,7 @@ class ReproCapture(DebugCallback):
         self.capture_exceptions_outside_training = capture_exceptions_outside_training
         self.bundles: list[str] = []
         self._batch: Any = None
-        self._batch_type: str | None = None
+        self._batch_type: type | None = None  # named (a string) only when a bundle is written
         self._after_step = False  # the step's forward and backward are done; its batch-end hooks are running
         self._batch_idx: int | None = None
         self._step: int | None = None
@@ -151,7 +151,7 @@ class ReproCapture(DebugCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_type = class_path(batch)
+        self._batch_type = type(batch)
         if self.copy_batch == "always" or (self.copy_batch == "auto" and holds_device_tensors(batch)):
             self._batch = host_copy(batch)  # CUDA tensors: queued non-blocking copies into pinned memory, no sync
             share_host_copy(trainer, batch, self._batch)  # BatchGuard reads it after a CUDA device-side assert
@@ -254,7 +254,7 @@ class ReproCapture(DebugCallback):
             "exception": describe_exception(exception),
             "in_training_batch": in_batch,
             "after_step": in_batch and self._after_step,
-            "batch_type": self._batch_type if in_batch else None,
+            "batch_type": class_path(self._batch_type) if in_batch and self._batch_type is not None else None,
             "run": self._run or run_info(trainer, pl_module),
         }
         model_state, reason = self._model_state(pl_module)
