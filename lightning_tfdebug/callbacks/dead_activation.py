@@ -23,6 +23,7 @@ from lightning_tfdebug.functional.activations import (
     FUNCTION_KINDS,
     OUTPUT_SATURATING,
     TAIL_SATURATING,
+    ZEROING,
     alive_units,
     apply_activation,
     dead_fraction,
@@ -416,7 +417,7 @@ class DeadActivation(DebugCallback):
     def _accumulate(self, layer: _Layer, pre: Tensor | None, out: Tensor, grad_threshold: float) -> None:
         """Add one call's counts to ``layer`` (device tensors; no host sync)."""
         if layer.counts_zeros:
-            zeros = zero_count(out)
+            zeros = zero_count(out, zeroing=layer.kind in ZEROING)
             alive = alive_units(out)
             layer.zeros = zeros if layer.zeros is None else layer.zeros + zeros
             if layer.alive is None:

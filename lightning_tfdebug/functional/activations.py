@@ -30,6 +30,10 @@ OUTPUT_SATURATING: frozenset[str] = frozenset({"tanh", "sigmoid"})
 TAIL_SATURATING: frozenset[str] = frozenset({"gelu", "silu", "mish"})
 """Kinds whose saturation is read from the pre-activation's negative tail."""
 
+ZEROING: frozenset[str] = frozenset({"relu", "relu6"})
+"""Kinds whose output is exactly zero on a whole half-line: their zero count is taken branch-free
+(:func:`zero_count`)."""
+
 # Ordered: the first token found in a lower-cased class name decides (``gelu`` before ``elu``, ``relu6`` before
 # ``relu``, leaky variants before ``relu``).
 _CLASS_TOKENS: tuple[tuple[str, str], ...] = (
@@ -139,11 +143,17 @@ def tail_cutoff(kind: str, grad_threshold: float) -> float:
     return float(x[first - 1].detach()) if first > 0 else -math.inf
 
 
-def zero_count(output: Tensor) -> Tensor:
-    """Number of exactly-zero elements (a float scalar on the device).
+def zero_count(output: Tensor, zeroing: bool = False) -> Tensor:
+    """Number of exactly-zero elements (a float scalar on the device); ``zeroing``: ``output`` comes from a kind that
+    outputs exact zeros over half its domain (:data:`ZEROING`).
 
-    ``count_nonzero`` reads the tensor once with no temporary mask: about 3x faster on CPU than ``(output == 0).sum()``.
+    ``count_nonzero`` reads the tensor once with no temporary mask, about 3x faster on CPU than ``(output == 0).sum()``
+    when zeros are rare (GELU, SiLU: 0.29 ms for 0.5M float32 on one thread), but it branches per element: on a ReLU's
+    output, zeros in a random half of the positions, it takes 2.6 ms. There a boolean view summed is branch-free and
+    takes 0.41 ms whatever the data (nan counts as non-zero in both).
     """
+    if zeroing:
+        return (output.numel() - output.bool().sum()).float()
     return (output.numel() - torch.count_nonzero(output)).float()
 
 
