@@ -23,14 +23,12 @@ from lightning_tfdebug.functional.activations import (
     FUNCTION_KINDS,
     OUTPUT_SATURATING,
     TAIL_SATURATING,
-    ZEROING,
-    alive_units,
     apply_activation,
     dead_fraction,
     kind_of_module,
     saturated_count,
     tail_cutoff,
-    zero_count,
+    zeros_and_alive,
 )
 
 
@@ -417,8 +415,7 @@ class DeadActivation(DebugCallback):
     def _accumulate(self, layer: _Layer, pre: Tensor | None, out: Tensor, grad_threshold: float) -> None:
         """Add one call's counts to ``layer`` (device tensors; no host sync)."""
         if layer.counts_zeros:
-            zeros = zero_count(out, zeroing=layer.kind in ZEROING)
-            alive = alive_units(out)
+            zeros, alive = zeros_and_alive(out)  # one boolean view: branch-free whatever the activation
             layer.zeros = zeros if layer.zeros is None else layer.zeros + zeros
             if layer.alive is None:
                 layer.alive = alive

@@ -30,10 +30,6 @@ OUTPUT_SATURATING: frozenset[str] = frozenset({"tanh", "sigmoid"})
 TAIL_SATURATING: frozenset[str] = frozenset({"gelu", "silu", "mish"})
 """Kinds whose saturation is read from the pre-activation's negative tail."""
 
-ZEROING: frozenset[str] = frozenset({"relu", "relu6"})
-"""Kinds whose output is exactly zero on a whole half-line: their zero count is taken branch-free
-(:func:`zero_count`)."""
-
 # Ordered: the first token found in a lower-cased class name decides (``gelu`` before ``elu``, ``relu6`` before
 # ``relu``, leaky variants before ``relu``).
 _CLASS_TOKENS: tuple[tuple[str, str], ...] = (
@@ -143,18 +139,31 @@ def tail_cutoff(kind: str, grad_threshold: float) -> float:
     return float(x[first - 1].detach()) if first > 0 else -math.inf
 
 
-def zero_count(output: Tensor, zeroing: bool = False) -> Tensor:
-    """Number of exactly-zero elements (a float scalar on the device); ``zeroing``: ``output`` comes from a kind that
-    outputs exact zeros over half its domain (:data:`ZEROING`).
+def zero_count(output: Tensor) -> Tensor:
+    """Number of exactly-zero elements (a float scalar on the device).
 
-    ``count_nonzero`` reads the tensor once with no temporary mask, about 3x faster on CPU than ``(output == 0).sum()``
-    when zeros are rare (GELU, SiLU: 0.29 ms for 0.5M float32 on one thread), but it branches per element: on a ReLU's
-    output, zeros in a random half of the positions, it takes 2.6 ms. There a boolean view summed is branch-free and
-    takes 0.41 ms whatever the data (nan counts as non-zero in both).
+    ``count_nonzero`` reads the tensor once with no temporary mask: about 3x faster on CPU than ``(output == 0).sum()``
+    when zeros are rare; :func:`zeros_and_alive` is faster still where the per-unit reading is wanted too.
     """
-    if zeroing:
-        return (output.numel() - output.bool().sum()).float()
     return (output.numel() - torch.count_nonzero(output)).float()
+
+
+def zeros_and_alive(output: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`zero_count` and :func:`alive_units` of ``output`` from one boolean view (``x != 0``; nan counts as
+    non-zero in both): the view summed, and its per-unit (last dimension) maximum, as bytes.
+
+    Branch-free, so the cost does not depend on where the zeros are: 0.44 ms for 0.5M float32 values on one CPU thread
+    against 2.9 ms for ``count_nonzero`` plus ``abs().amax`` on a ReLU's output (zeros at random positions, where
+    ``count_nonzero`` mispredicts its branch) and 0.53 ms on a GELU's.
+    """
+    rows = output.reshape(-1, output.shape[-1]) if output.ndim else output.reshape(1, 1)
+    if rows.shape[0] == 0:
+        return output.new_zeros((), dtype=torch.float32), torch.zeros(
+            rows.shape[1], dtype=torch.bool, device=output.device
+        )
+    nonzero = rows.bool().view(torch.uint8)
+    zeros = (rows.numel() - nonzero.sum()).float()
+    return zeros, nonzero.amax(dim=0).bool()
 
 
 def alive_units(output: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ from lightning_tfdebug.functional.activations import (
     saturated_count,
     tail_cutoff,
     zero_count,
+    zeros_and_alive,
 )
 
 
@@ -59,19 +60,24 @@ def test_hugging_face_style_class_names():
 def test_zero_count_alive_units_and_dead_fraction():
     y = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], [[0.0, 2.0, 0.0], [0.0, 0.0, 3.0]]])  # (2, 2, 3)
     assert zero_count(y).item() == 9
-    assert zero_count(y, zeroing=True).item() == 9
+    zeros, alive = zeros_and_alive(y)
+    assert zeros.item() == 9 and alive.tolist() == [False, True, True]
     assert alive_units(y).tolist() == [False, True, True]
     assert dead_fraction(alive_units(y)).item() == pytest.approx(1 / 3)
     assert dead_fraction(torch.zeros(0, dtype=torch.bool)).item() == 0.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_branch_free_zero_count_equals_count_nonzero_on_relu_outputs(dtype):
-    # ReLU outputs (zeros at random positions), signed zeros, nan and inf: both ways count the same zeros
+def test_zeros_and_alive_equal_the_separate_readings_on_relu_and_gelu_outputs(dtype):
+    # ReLU outputs (zeros at random positions), a dead unit, signed zeros, nan and inf: the same counts and units
     torch.manual_seed(0)
-    y = torch.relu(torch.randn(64, 257)).to(dtype)
-    y[0, :4] = torch.tensor([-0.0, float("nan"), float("inf"), 0.0], dtype=dtype)
-    assert zero_count(y, zeroing=True).item() == zero_count(y).item() == (y == 0).sum().item()
+    for y in (torch.relu(torch.randn(3, 64, 257)), torch.nn.functional.gelu(torch.randn(3, 64, 257))):
+        y = y.to(dtype)
+        y[..., 7] = 0.0  # a dead unit
+        y[0, 0, :4] = torch.tensor([-0.0, float("nan"), float("inf"), 0.0], dtype=dtype)
+        zeros, alive = zeros_and_alive(y)
+        assert zeros.item() == zero_count(y).item() == (y == 0).sum().item()
+        assert torch.equal(alive, alive_units(y)) and not alive[7] and alive[1]
 
 
 def test_saturation_of_tanh_and_sigmoid_is_read_from_the_output():
