@@ -150,20 +150,21 @@ def zero_count(output: Tensor) -> Tensor:
 
 def zeros_and_alive(output: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`zero_count` and :func:`alive_units` of ``output`` from one boolean view (``x != 0``; nan counts as
-    non-zero in both): the view summed, and its per-unit (last dimension) maximum, as bytes.
+    non-zero in both): its count of non-zeros, and its per-unit (last dimension) maximum, as bytes.
 
-    Branch-free, so the cost does not depend on where the zeros are: 0.44 ms for 0.5M float32 values on one CPU thread
-    against 2.9 ms for ``count_nonzero`` plus ``abs().amax`` on a ReLU's output (zeros at random positions, where
-    ``count_nonzero`` mispredicts its branch) and 0.53 ms on a GELU's.
+    Branch-free, so the cost does not depend on where the zeros are: 0.2 ms for 0.5M float32 values on one CPU thread
+    against 2.9 ms for ``count_nonzero`` of the floats plus ``abs().amax`` on a ReLU's output (zeros at random
+    positions, where ``count_nonzero`` of floats mispredicts its branch) and 0.53 ms on a GELU's.
     """
     rows = output.reshape(-1, output.shape[-1]) if output.ndim else output.reshape(1, 1)
     if rows.shape[0] == 0:
         return output.new_zeros((), dtype=torch.float32), torch.zeros(
             rows.shape[1], dtype=torch.bool, device=output.device
         )
-    nonzero = rows.bool().view(torch.uint8)
-    zeros = (rows.numel() - nonzero.sum()).float()
-    return zeros, nonzero.amax(dim=0).bool()
+    nonzero = rows.bool()
+    # count_nonzero of a bool tensor does not branch per element; the per-unit maximum of its bytes vectorises
+    zeros = (rows.numel() - torch.count_nonzero(nonzero)).float()
+    return zeros, nonzero.view(torch.uint8).amax(dim=0).bool()
 
 
 def alive_units(output: Tensor) -> Tensor:
