@@ -290,9 +290,12 @@ class NaNFirstFrame(DebugCallback):
 
     def _one_pass_decision(self) -> Tensor | None:
         """One process, CPU gradients, lazy mode: the step's losses and gradients checked in one fused pass (the
-        losses stacked into a fresh tensor first: the check writes ``x * 1.0`` back and the losses stay untouched).
-        None where that does not apply; the caller then adds up the separate flags."""
+        losses concatenated into a fresh tensor first: the check writes ``x * 1.0`` back and the losses stay
+        untouched). None where that does not apply (decided before reading any gradient, so the caller's own pass does
+        not read them twice); the caller then adds up the separate flags."""
         if not self._check_grads or self._flags is not None or self._sharded or self._loss_bad is not None:
+            return None
+        if not self._params or self._params[0].device.type != "cpu":
             return None
         # Deliberate, every step: one `.grad` read per parameter (a list cached per fit); see `_step_flags`.
         grads = [g for g in [p.grad for p in self._params] if g is not None]
