@@ -166,7 +166,9 @@ def _accepts(cls: type, argument: str) -> bool:
 
 
 def _overridden(member: Callback, hook: str) -> bool:
-    return getattr(type(member), hook, None) is not getattr(Callback, hook)
+    """Whether ``member`` does something in ``hook`` (the base class's guarded batch-start no-op does not)."""
+    method = getattr(type(member), hook, None)
+    return method is not getattr(Callback, hook) and not getattr(method, "_tfdebug_noop", False)
 
 
 class TFDebug(Callback):

@@ -486,3 +486,72 @@ def test_a_scheduler_stepped_twice_per_step_is_named_when_the_pack_reads_it_only
     assert "10 times over 5 optimizer steps" in finding.message
     audit_steps = sorted(s for s, ran in log.calls.items() if any(r.startswith("OptimizerAudit.") for r in ran))
     assert 3 not in audit_steps and 7 not in audit_steps  # not called between measuring steps
+
+
+class _StepAtStart(pl.Callback):
+    """Notes the optimizer step a batch trains (``global_step`` at its start; its end sees the next one)."""
+
+    def __init__(self) -> None:
+        self.step = -1
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.step = trainer.global_step
+
+
+def _spying(cls: type, ran: dict[int, set[str]], clock: _StepAtStart) -> type:
+    """A subclass of ``cls`` whose batch hooks note, per optimizer step, that their body ran (the guard wraps the
+    subclass's methods as it wraps every callback's, so a skipped hook leaves no note)."""
+    from lightning_tfdebug.core.base import BATCH_HOOKS
+
+    def make(hook: str):
+        def method(self, trainer, *args, **kwargs):
+            ran.setdefault(clock.step, set()).add(f"{cls.__name__}.{hook}")
+            return getattr(super(spy, self), hook)(trainer, *args, **kwargs)
+
+        method.__name__ = hook
+        return method
+
+    spy = type(f"Spy{cls.__name__}", (cls,), {h: make(h) for h in BATCH_HOOKS if h in vars(cls)})
+    return spy
+
+
+def test_a_callback_on_its_own_skips_the_batch_hooks_it_has_no_work_for(tmp_path):
+    """Issue 25, outside the pack: the guard asks a lone callback's ``busy_at`` at each batch's start and does not run
+    its other batch hooks on a step without work, except its ``every_batch_hooks``; measuring steps run them all, and
+    what the callbacks log and find is unchanged (each logged on every measuring step, nothing to report)."""
+    ran: dict[int, set[str]] = {}
+    classes = (tfd.GradNormMonitor, tfd.UpdateRatio, tfd.DeadActivation, tfd.OptimizerAudit, tfd.PerRankLogger)
+    clock = _StepAtStart()
+    callbacks = [_spying(cls, ran, clock)(every_n_steps=5) for cls in classes]
+    trainer = fit_tiny(tmp_path, [clock, *callbacks], max_steps=12)
+    for step in range(12):
+        names = ran.get(step, set())
+        if step % 5 == 0:
+            assert {
+                "GradNormMonitor.on_before_optimizer_step",
+                "UpdateRatio.on_before_optimizer_step",
+                "DeadActivation.on_train_batch_start",
+                "OptimizerAudit.on_before_optimizer_step",
+                "PerRankLogger.on_train_batch_end",
+            } <= names, (step, sorted(names))
+        else:
+            # the per-batch bookkeeping still runs; nothing else of these five
+            assert "UpdateRatio.on_train_batch_end" in names and "PerRankLogger.on_train_batch_start" in names
+            assert not {n for n in names if n.startswith(("GradNormMonitor", "DeadActivation"))}, (step, names)
+            assert "UpdateRatio.on_before_optimizer_step" not in names and "PerRankLogger.on_train_batch_end" not in names
+    logged = trainer.callback_metrics
+    assert any(k.startswith("grad_norm/") for k in logged) and any(k.startswith("update_ratio/") for k in logged)
+    assert any(k.startswith("dead_activation/") for k in logged)
+    for callback in callbacks:
+        assert callback.failure is None
+        assert [f.code for f in callback.findings if f.severity in ("warning", "error")] == []
+
+
+def test_a_lone_callback_s_dispatch_can_be_turned_off_and_then_runs_every_hook(tmp_path):
+    """The switch the pack has (``_per_step_dispatch``) works on a lone callback too: every batch hook runs."""
+    ran: dict[int, set[str]] = {}
+    clock = _StepAtStart()
+    monitor = _spying(tfd.GradNormMonitor, ran, clock)(every_n_steps=5)
+    monitor._per_step_dispatch = False
+    fit_tiny(tmp_path, [clock, monitor], max_steps=4)
+    assert all("GradNormMonitor.on_before_optimizer_step" in ran[step] for step in range(4))

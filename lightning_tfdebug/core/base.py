@@ -103,16 +103,39 @@ def model_is_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> boo
     return False
 
 
+def _busy_standalone(callback: DebugCallback, step: int | None) -> bool:
+    """Whether ``callback``, used on its own, has work on the batches of optimizer step ``step`` (its
+    :meth:`~DebugCallback.busy_at`); True when the step is unknown or the method itself fails (every hook is then
+    called, and the guard reports the failure where it happens)."""
+    if step is None:
+        return True
+    try:
+        return bool(callback.busy_at(step))
+    except Exception:
+        return True
+
+
 def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap one hook method so that an exception from the callback's own code never ends training (see
     :meth:`DebugCallback.callback_failed`). A :class:`TFDebugError` (``on_finding="raise"``) passes unchanged."""
 
+    batch_hook = name in BATCH_HOOKS
+    starts_batch = name == "on_train_batch_start"
+
     @functools.wraps(hook)
     def guarded(self: DebugCallback, *args: Any, **kwargs: Any) -> Any:
-        if self.__dict__.get("failure") is not None and name not in _CLEANUP_HOOKS:
+        state = self.__dict__
+        if state.get("failure") is not None and name not in _CLEANUP_HOOKS:
             return None  # failed earlier: stands aside
-        if self.__dict__.get("_in_hook"):  # a hook calling another (`super().setup`): the outer one guards
+        if state.get("_in_hook"):  # a hook calling another (`super().setup`): the outer one guards
             return hook(self, *args, **kwargs)
+        if batch_hook and not state.get("in_pack") and state.get("_per_step_dispatch", True):
+            # On its own, a callback skips the batch hooks it has no work for on this step, as the pack does for
+            # its members (issue 25): decided once per batch, from the step alone, so every rank skips alike.
+            if starts_batch:
+                state["_busy_batch"] = _busy_standalone(self, args[0].global_step if args else None)
+            if not state.get("_busy_batch", True) and name not in type(self).every_batch_hooks:
+                return None
         self.__dict__["_in_hook"] = True
         self.__dict__["_hook_step"] = getattr(args[0], "global_step", None) if args else None
         try:
@@ -186,10 +209,17 @@ class DebugCallback(Callback):
     def busy_at(self, step: int) -> bool:
         """Whether the batches that train optimizer step ``step`` have work for this callback's batch hooks beyond
         :attr:`every_batch_hooks`. Inside :class:`~lightning_tfdebug.TFDebug` the pack asks at each batch's start and
-        does not call the other batch hooks of a member that says False (issue 25: a step the pack barely touches).
-        Default: True (every hook on every batch). Must be True on every step the callback measures or arms on, and
-        while something armed earlier is still in flight."""
+        does not call the other batch hooks of a member that says False (issue 25: a step the pack barely touches);
+        a callback used on its own asks the same through its guard, at the start of each batch. Default: True (every
+        hook on every batch). Must be True on every step the callback measures or arms on, and while something armed
+        earlier is still in flight."""
         return True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        """Nothing here: where a callback has no batch-start work of its own, its guard still learns at each batch's
+        start whether the batch has work for its other batch hooks (:meth:`busy_at`)."""
+
+    on_train_batch_start._tfdebug_noop = True  # type: ignore[attr-defined]  # the pack does not call it
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -607,3 +637,4 @@ class DebugCallback(Callback):
 
 for _name in _HOOKS & set(DebugCallback.__dict__):  # the base's own hooks (`setup`) are guarded the same way
     setattr(DebugCallback, _name, _guard(_name, DebugCallback.__dict__[_name]))
+
