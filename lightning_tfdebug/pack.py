@@ -51,6 +51,7 @@ from lightning_tfdebug.core.compat import Callback
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.messages import pack_warning
 from lightning_tfdebug.core.reduction import StepReduction
+from lightning_tfdebug.core.scalars import ScalarSink
 from lightning_tfdebug.dashboard import write_dashboard
 from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding
 
@@ -266,6 +267,7 @@ class TFDebug(Callback):
                 f"`overrides` configures {', '.join(unused)}, which the pack does not run (preset {preset!r}, "
                 f"exclude {self.exclude}); add them to `include` or drop the overrides."
             )
+        self._scalars = ScalarSink()  # the members' scalars of one forwarded hook call, written at its end
         self.members: dict[str, DebugCallback] = {name: self._build(name) for name in chosen}
         self.idle = False  # True when another TFDebug in trainer.callbacks runs the pack
         self.by_hand: list[str] = []  # members also listed in trainer.callbacks: that copy runs, the pack's does not
@@ -302,6 +304,7 @@ class TFDebug(Callback):
         except (TypeError, ValueError) as err:
             raise type(err)(f"TFDebug member {name}: {err}") from err
         member.in_pack = True  # the pack's summary lists the members that did not run
+        member._scalar_sink = self._scalars  # what it logs in a forwarded hook goes out with the others, at the end
         return member
 
     def _index_hooks(self) -> None:
@@ -545,6 +548,7 @@ class TFDebug(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._reduction.clear()
+        self._scalars.clear()
         for hook in self._hooks["teardown"]:
             hook(trainer, pl_module, stage)
 
@@ -586,14 +590,21 @@ def _make_forwarder(hook: str) -> Callable[..., None]:
             self._reduction.step_at_start = args[0].global_step
             self._batch_table = self._table_at(args[0].global_step)
         table = self._batch_table if per_batch else None
-        for method in table[hook] if table is not None else self._hooks[hook]:
-            method(*args, **kwargs)
-        if hook == "on_train_batch_end":
-            self._batch_table = None
-        if self._reduction.pending or (hook == "on_train_batch_end" and self._reduction.stand_in_due):
-            # members declared statistics in this hook (a measuring step): one collective; at a batch's end also the
-            # stand-in of a member that failed on this rank, on the steps it would have declared
-            self._reduction.run(args[0], hook)
+        sink = self._scalars
+        sink.depth += 1  # the members' scalars wait for the end of this call: one write per logger and step
+        try:
+            for method in table[hook] if table is not None else self._hooks[hook]:
+                method(*args, **kwargs)
+            if hook == "on_train_batch_end":
+                self._batch_table = None
+            if self._reduction.pending or (hook == "on_train_batch_end" and self._reduction.stand_in_due):
+                # members declared statistics in this hook (a measuring step): one collective; at a batch's end also
+                # the stand-in of a member that failed on this rank, on the steps it would have declared
+                self._reduction.run(args[0], hook)
+        finally:
+            sink.depth -= 1
+            if not sink.depth and sink.pending:
+                sink.flush(args[0])
 
     forward.__name__ = hook
     forward.__doc__ = f"Calls ``{hook}`` on every running member that implements it."

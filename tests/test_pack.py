@@ -538,7 +538,9 @@ def test_a_callback_on_its_own_skips_the_batch_hooks_it_has_no_work_for(tmp_path
             # the per-batch bookkeeping still runs; nothing else of these five
             assert "UpdateRatio.on_train_batch_end" in names and "PerRankLogger.on_train_batch_start" in names
             assert not {n for n in names if n.startswith(("GradNormMonitor", "DeadActivation"))}, (step, names)
-            assert "UpdateRatio.on_before_optimizer_step" not in names and "PerRankLogger.on_train_batch_end" not in names
+            assert (
+                "UpdateRatio.on_before_optimizer_step" not in names and "PerRankLogger.on_train_batch_end" not in names
+            )
     logged = trainer.callback_metrics
     assert any(k.startswith("grad_norm/") for k in logged) and any(k.startswith("update_ratio/") for k in logged)
     assert any(k.startswith("dead_activation/") for k in logged)

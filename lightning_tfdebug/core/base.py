@@ -32,6 +32,7 @@ from torch import Tensor
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
 from lightning_tfdebug.core.io import append_line
 from lightning_tfdebug.core.messages import pack_warning
+from lightning_tfdebug.core.scalars import write_scalars
 from lightning_tfdebug.findings import (
     ON_FINDING_CHOICES,
     Finding,
@@ -502,16 +503,19 @@ class DebugCallback(Callback):
         return dict(zip(keys, host))
 
     def log_scalars(self, trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Send host scalars to ``trainer.callback_metrics`` (every rank) and every logger (rank 0) at ``step``."""
+        """Send host scalars to ``trainer.callback_metrics`` (every rank) and every logger (rank 0) at ``step``.
+
+        Inside :class:`~lightning_tfdebug.TFDebug` they wait for the end of the hook the pack is calling and go out
+        with every other member's, one call per logger and step (:class:`~lightning_tfdebug.core.scalars.ScalarSink`).
+        """
         if not metrics:
             return
         step = trainer.global_step if step is None else step
-        # one tensor for every value (views of it in callback_metrics): one allocation instead of one per key
-        values = torch.tensor([float(v) for v in metrics.values()]).unbind()
-        trainer.callback_metrics.update(zip(metrics.keys(), values))
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(dict(metrics), step=step)
+        sink = self.__dict__.get("_scalar_sink")
+        if sink is not None and sink.open:
+            sink.add(step, metrics)
+            return
+        write_scalars(trainer, metrics, step)
 
     # ------------------------------------------------------------------ findings
     def emit(
@@ -637,4 +641,3 @@ class DebugCallback(Callback):
 
 for _name in _HOOKS & set(DebugCallback.__dict__):  # the base's own hooks (`setup`) are guarded the same way
     setattr(DebugCallback, _name, _guard(_name, DebugCallback.__dict__[_name]))
-
