@@ -32,7 +32,7 @@ from torch import Tensor
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
 from lightning_tfdebug.core.io import append_line
 from lightning_tfdebug.core.messages import pack_warning
-from lightning_tfdebug.core.scalars import write_scalars
+from lightning_tfdebug.core.scalars import refused_scalars, write_scalars
 from lightning_tfdebug.findings import (
     ON_FINDING_CHOICES,
     Finding,
@@ -515,7 +515,13 @@ class DebugCallback(Callback):
         if sink is not None and sink.open:
             sink.add(step, metrics)
             return
-        write_scalars(trainer, metrics, step)
+        values = {k: float(v) for k, v in metrics.items()}  # a value that is not a number fails here, in the hook
+        try:
+            write_scalars(trainer, values, step)
+        except Exception as err:  # the logger's own failure: the callback goes on without those curves
+            if not self.__dict__.get("_logger_refused"):
+                self.__dict__["_logger_refused"] = True
+                warnings.warn(refused_scalars(type(self).__name__, step, err), TFDebugWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ findings
     def emit(

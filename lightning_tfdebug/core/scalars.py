@@ -37,7 +37,8 @@ def _tensorboard_writer(logger: Any) -> Any | None:
 
 
 def write_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
-    """Send host scalars to ``trainer.callback_metrics`` (every rank) and every logger (rank 0) at ``step``."""
+    """Send host scalars to ``trainer.callback_metrics`` (every rank) and every logger (rank 0) at ``step``. A logger
+    that raises does not keep the others from the scalars; its error is raised after they have them."""
     if not metrics:
         return
     values = [float(v) for v in metrics.values()]
@@ -45,16 +46,31 @@ def write_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) 
     trainer.callback_metrics.update(zip(metrics.keys(), torch.tensor(values).unbind()))
     if not trainer.is_global_zero:
         return
+    failed: Exception | None = None
     for logger in trainer.loggers:
-        writer = _tensorboard_writer(logger)
-        if writer is None:
-            logger.log_metrics(dict(metrics), step=step)
-            continue
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        try:
+            writer = _tensorboard_writer(logger)
+            if writer is None:
+                logger.log_metrics(dict(metrics), step=step)
+                continue
+            from tensorboard.compat.proto.summary_pb2 import Summary
 
-        # what `add_scalar` writes for each value (an old-style `simple_value`), all of them in one event
-        summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in zip(metrics.keys(), values)])
-        writer._get_file_writer().add_summary(summary, step)
+            # what `add_scalar` writes for each value (an old-style `simple_value`), all of them in one event
+            summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in zip(metrics.keys(), values)])
+            writer._get_file_writer().add_summary(summary, step)
+        except Exception as err:  # one logger's failure: the others still get the scalars; raised after them
+            failed = failed or err
+    if failed is not None:
+        raise failed
+
+
+def refused_scalars(who: str, step: int, err: BaseException) -> str:
+    """The warning for a logger that raised while taking ``who``'s scalars of ``step`` (given once per sender)."""
+    return (
+        f"lightning_tfdebug: a logger refused {who}'s scalars of step {step} ({type(err).__name__}: {err}); those "
+        "curves are missing from it (the other loggers and `trainer.callback_metrics` have them), the findings are "
+        "not affected. Later refusals are not reported."
+    )
 
 
 class ScalarSink:
@@ -62,8 +78,8 @@ class ScalarSink:
 
     The pack opens it around each hook it forwards (:meth:`DebugCallback.log_scalars` adds to it while it is open) and
     flushes it at the end of the call, also when the call raises, so nothing logged is lost or held past the hook.
-    A logger that fails while the sink is flushed is warned about once and its scalars of that call are dropped:
-    the members that logged them keep working, as they would if the logger had dropped them itself.
+    A logger that fails while the sink is flushed is warned about once and misses those scalars; the other loggers
+    get them, and the members that logged them keep working, as they would if the logger had dropped them itself.
     """
 
     def __init__(self) -> None:
@@ -96,13 +112,7 @@ class ScalarSink:
                     self._warned = True
                     from lightning_tfdebug.core.base import TFDebugWarning
 
-                    warnings.warn(
-                        f"lightning_tfdebug: a logger refused the pack's scalars of step {step} "
-                        f"({type(err).__name__}: {err}); those curves are missing from it, the findings are not "
-                        "affected. Later refusals are not reported.",
-                        TFDebugWarning,
-                        stacklevel=2,
-                    )
+                    warnings.warn(refused_scalars("the pack", step, err), TFDebugWarning, stacklevel=2)
 
     def clear(self) -> None:
         self._by_step.clear()
