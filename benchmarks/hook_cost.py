@@ -53,6 +53,9 @@ class HookClock(pl.Callback):
                     setattr(member, hook, self._timed(hook, getattr(member, hook)))
         reduction = pack._reduction
         reduction.run = self._timed("reduction", reduction.run, owner="(shared reduction)")
+        # the members' scalars, written to the loggers at the end of each hook call the pack forwards
+        sink = pack._scalars
+        sink.flush = self._timed("scalars", sink.flush, owner="(scalars written to the loggers)")
         # DeadActivation's forward hooks (measuring steps) run inside the forward, not in a Lightning hook: their
         # statistics, where nearly all their time goes, are timed through the method they call
         dead = pack.running.get("DeadActivation")
@@ -88,6 +91,15 @@ class HookClock(pl.Callback):
         return timed
 
 
+def _logger(kind: str, root: str) -> Any:
+    """The Trainer's logger: TensorBoard (the pack's own, and the default), CSV, or none."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    if kind == "none":
+        return False
+    return TensorBoardLogger(root, name="bench") if kind == "tensorboard" else CSVLogger(root, name="bench")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -99,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--by-hook", action="store_true", help="one row per member and hook")
+    parser.add_argument(
+        "--logger", default="tensorboard", choices=["tensorboard", "csv", "none"], help="where the scalars go"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -109,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=1,
         max_steps=args.steps,
         callbacks=[pack, clock],
-        logger=False,
+        logger=_logger(args.logger, "/tmp/tfdebug-hook-cost"),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -6,7 +6,8 @@ Usage::
     python benchmarks/overhead.py --only "whole pack" "design card" --steps 300 --repeats 7
 
 Every case trains the tiny transformer (4 layers, d_model 128 by default) for ``--steps`` optimizer steps, one torch
-thread, ``log_every_n_steps=10`` (so the callbacks' default cadence measures every 10th step). Each round runs every
+thread, ``log_every_n_steps=10`` (so the callbacks' default cadence measures every 10th step), a TensorBoard logger
+(``--logger csv`` for the CSV logger of the tables before issue 25's fourth session). Each round runs every
 case once, in a new random order, so slow phases of a noisy machine hit every case alike. A run's step time is the
 **mean** over its steps, measuring steps included (the first ``--skip`` steps, compilation and allocator warm-up,
 are dropped); the median would hide exactly the steps that cost. The table prints each case's mean step time
@@ -30,7 +31,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 
@@ -284,7 +285,7 @@ def run_case(case: Case, args: argparse.Namespace, log_dir: str) -> tuple[list[f
         accelerator=args.accelerator,
         devices=1,
         max_steps=args.steps,
-        logger=CSVLogger(log_dir, name="bench"),
+        logger=(TensorBoardLogger if args.logger == "tensorboard" else CSVLogger)(log_dir, name="bench"),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -315,6 +316,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the case order")
     parser.add_argument("--only", nargs="*", help="substrings: run only matching cases (and their baselines)")
     parser.add_argument("--log-dir", default="benchmarks/results")
+    parser.add_argument(
+        "--logger",
+        default="tensorboard",
+        choices=["tensorboard", "csv"],
+        help="every case's logger (TensorBoard, the pack's own; CSV, the setting before issue 25's fourth session)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 

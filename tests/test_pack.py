@@ -557,3 +557,28 @@ def test_a_lone_callback_s_dispatch_can_be_turned_off_and_then_runs_every_hook(t
     monitor._per_step_dispatch = False
     fit_tiny(tmp_path, [clock, monitor], max_steps=4)
     assert all("GradNormMonitor.on_before_optimizer_step" in ran[step] for step in range(4))
+
+
+def test_a_lone_callback_under_manual_optimization_runs_every_batch_hook(tmp_path):
+    """Under manual optimization one batch may step the optimizer several times, so nothing is skipped there: a lone
+    callback's batch hooks run on every batch, as the pack's members' do."""
+
+    class Manual(TinyGPT):
+        def __init__(self):
+            super().__init__(**SMALL)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            optimizer.step()
+            return loss
+
+    ran: dict[int, set[str]] = {}
+    clock = _StepAtStart()
+    monitor = _spying(tfd.GradNormMonitor, ran, clock)(every_n_steps=5)
+    fit_tiny(tmp_path, [clock, monitor], model=Manual(), max_steps=4)
+    assert monitor._manual_optimization and monitor.failure is None
+    assert all("GradNormMonitor.on_before_optimizer_step" in ran[step] for step in range(4)), ran

@@ -130,7 +130,12 @@ def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
             return None  # failed earlier: stands aside
         if state.get("_in_hook"):  # a hook calling another (`super().setup`): the outer one guards
             return hook(self, *args, **kwargs)
-        if batch_hook and not state.get("in_pack") and state.get("_per_step_dispatch", True):
+        if (
+            batch_hook
+            and not state.get("in_pack")
+            and not state.get("_manual_optimization")
+            and state.get("_per_step_dispatch", 1)
+        ):
             # On its own, a callback skips the batch hooks it has no work for on this step, as the pack does for
             # its members (issue 25): decided once per batch, from the step alone, so every rank skips alike.
             if starts_batch:
@@ -255,6 +260,8 @@ class DebugCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._interval = self.every_n_steps or max(1, int(trainer.log_every_n_steps))
         self._rank = trainer.global_rank
+        # under manual optimization one batch may step the optimizer several times: every hook runs on every batch
+        self._manual_optimization = not bool(getattr(pl_module, "automatic_optimization", True))
         # `trainer.log_dir` broadcasts from rank 0: a collective that every rank reaches here, once.
         self._log_dir = trainer.log_dir or trainer.default_root_dir
         self._aside_announced = False
