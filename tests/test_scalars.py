@@ -9,14 +9,13 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 import lightning_tfdebug as tfd
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from tests.helpers import SMALL, fit_tiny, read_scalars
+from tests.helpers import SMALL, fit_tiny, make_trainer, read_scalars
 
 _OURS = (
     "grad_norm/",
@@ -120,18 +119,8 @@ def test_a_logger_that_refuses_the_scalars_costs_curves_not_findings(tmp_path, a
     still gets its curves."""
     refusing = _RefusingLogger()
     callbacks = [tfd.UpdateRatio(every_n_steps=2)] if alone else [tfd.TFDebug(preset="always", every_n_steps=2)]
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=12,
-        logger=[refusing, CSVLogger(tmp_path, name="csv", version=0)],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        log_every_n_steps=1,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-    )
+    logger = [refusing, CSVLogger(tmp_path, name="csv", version=0)]
+    trainer = make_trainer(tmp_path, callbacks, logger=logger, max_steps=12)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TinyGPT(head_not_in_optimizer=True, **SMALL), TinyTextDataModule(batch_size=8))
