@@ -96,27 +96,10 @@ Blocks.setup = _setup  # type: ignore[method-assign]
 
 
 def _callbacks(case: str, every_n_steps: int) -> list[pl.Callback]:
-    if case == "whole":  # the 13 callbacks on their own, at their defaults, as benchmarks/overhead.py's whole pack
-        import lightning_tfdebug as tfd
+    if case == "whole":  # the 13 callbacks on their own, at their defaults: overhead.py's whole-pack row
+        from overhead import the_pack  # benchmarks/ is on sys.path: this script runs from it
 
-        return [
-            cls()
-            for cls in (
-                tfd.GradNormMonitor,
-                tfd.UpdateRatio,
-                tfd.DeadActivation,
-                tfd.LossAtInit,
-                tfd.NaNFirstFrame,
-                tfd.ScalerWatch,
-                tfd.PerRankLogger,
-                tfd.ThroughputMonitor,
-                tfd.BatchGuard,
-                tfd.ReproCapture,
-                tfd.MaskProbe,
-                tfd.OptimizerAudit,
-                tfd.CheckpointAudit,
-            )
-        ]
+        return the_pack()
     return [TFDebug(preset=case, every_n_steps=every_n_steps, summary=False, dashboard=False)]
 
 
