@@ -50,16 +50,18 @@ class BundleError(RuntimeError):
 # ------------------------------------------------------------------------------------------------- RNG
 
 
-def capture_rng(host: bool = True) -> dict[str, Any]:
+def capture_rng(host: bool = True, cpu: torch.Tensor | None = None) -> dict[str, Any]:
     """The generators a training step may draw from: torch CPU and, if initialised, this process's CUDA device (each
     rank writes its own bundle; the other devices' generators are not this rank's), and with ``host`` Python's and
     NumPy's global generators.
 
     Host-side, no device sync (CUDA generator states live on the host). The torch states are small tensors copied
     as they are (about 1 us each); Python's and NumPy's states are converted to tuples and cost 10-40 us, so
-    ReproCapture reads them only when the run's steps draw from them (see :func:`host_rng_moved`).
+    ReproCapture reads them only when the run's steps draw from them (see :func:`host_rng_moved`). ``cpu``: the torch
+    CPU state already taken at this batch's start (:func:`~lightning_tfdebug.core.batch.step_rng_state`), not copied
+    again.
     """
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    state: dict[str, Any] = {"torch": torch.get_rng_state() if cpu is None else cpu}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [torch.cuda.get_rng_state()]  # the current device
     if host:

@@ -49,7 +49,7 @@ from lightning_tfdebug.functional.batches import (
     token_statistics,
     unpack_statistics,
 )
-from lightning_tfdebug.functional.throughput import batch_fingerprint
+from lightning_tfdebug.functional.throughput import batch_fingerprint, host_fingerprint
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.repro import shared_host_copy
 
@@ -138,8 +138,9 @@ class BatchGuard(DebugCallback):
 
     **Between checked batches** nothing is read on the host: a batch whose ids, mask or labels would crash the model
     (``TFD110``, ``TFD112``, ``TFD113``) is diagnosed in ``on_exception`` when the forward raises, before the
-    exception reaches the user, naming the batch, the key and the bad value. Every batch's ids are fingerprinted on
-    the device (no sync) for ``TFD121``; the fingerprints are read with the next checked batch's transfer.
+    exception reaches the user, naming the batch, the key and the bad value. Every batch's ids are fingerprinted for
+    ``TFD121``: on the device (no sync; read with the next checked batch's transfer), or, for a CPU batch, on the
+    host from its bytes (no kernel).
 
     Logged keys (every ``every_n_steps`` steps, from the last checked batch):
 
@@ -299,9 +300,10 @@ class BatchGuard(DebugCallback):
         self._repeats = RepeatTracker(self.max_repeated_fraction)
         self._period = RepeatPeriod(self.max_repeated_fraction)
         self._repeats_found = False  # TFD121 was emitted: TFD123 would say the same again
-        # (epoch, step, stream, epoch facts, device fingerprint) not yet read; epoch facts: the DataLoader's length,
-        # the batches the Trainer reads per epoch, the Trainer limit in force
-        self._prints: list[tuple[int, int, bool, tuple[int | None, int | None, str | None], Tensor]] = []
+        # (epoch, step, stream, epoch facts, fingerprint) not yet read; the fingerprint is a host int for a CPU batch,
+        # else a device scalar; epoch facts: the DataLoader's length, the batches the Trainer reads per epoch, the
+        # Trainer limit in force
+        self._prints: list[tuple[int, int, bool, tuple[int | None, int | None, str | None], Tensor | int]] = []
         self._stream = False  # the training data is a stream, not a map-style dataset (set per epoch)
         self._epoch_facts: tuple[int | None, int | None, str | None] = (None, None, None)
         self._tally: SpecialTokenTally | None = None  # TFD124's count, None when off or done
@@ -390,7 +392,7 @@ class BatchGuard(DebugCallback):
         )
 
     # ------------------------------------------------------------------ every batch (hot path: host metadata and
-    # one device fingerprint, no sync; values only on checked steps)
+    # one fingerprint, no sync; values only on checked steps)
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -409,8 +411,11 @@ class BatchGuard(DebugCallback):
         self._last = (view, where, checks)
         ids = _token_fields(view)[0]
         if ids is not None:
-            # device work, no sync: read with the next checked batch (integer ids carry no autograd history)
-            fingerprint = batch_fingerprint(ids)
+            # a CPU batch: a host int (its bytes' CRC, no kernel); else device work, no sync, read with the next
+            # checked batch (integer ids carry no autograd history)
+            fingerprint = host_fingerprint(ids)
+            if fingerprint is None:
+                fingerprint = batch_fingerprint(ids)
             self._prints.append((epoch, step, self._stream, self._epoch_facts, fingerprint))
         if checks:
             self._check_values(trainer, view, self._where(where))
@@ -560,8 +565,9 @@ class BatchGuard(DebugCallback):
         parts = [stats]
         if special is not None:
             parts.append(special[0].to(stats.dtype))
-        if prints:
-            parts.append(torch.stack([p[4] for p in prints]).to(stats.dtype))
+        on_device = [p[4] for p in prints if isinstance(p[4], Tensor)]
+        if on_device:
+            parts.append(torch.stack(on_device).to(stats.dtype))
         values = torch.cat(parts) if len(parts) > 1 else stats
         # host sync: the one transfer of this checked batch (its statistics, TFD124's counts while they are taken,
         # and the fingerprints since the last checked batch)
@@ -580,7 +586,7 @@ class BatchGuard(DebugCallback):
                 ),
             )
             offset += width
-        self._read_prints(trainer, prints, host[offset:])
+        self._read_prints(trainer, prints, _merged_prints(prints, host[offset:]))
         ids, mask, labels = _token_fields(view)
         paths = BatchPaths(**{k: view.fields.paths[k] for k in ("input_ids", "attention_mask", "labels")})
         rules = self._rules
@@ -602,8 +608,9 @@ class BatchGuard(DebugCallback):
         prints, self._prints = self._prints, []
         if not prints:
             return
-        host = torch.stack([p[4] for p in prints]).tolist()  # host sync: once, at the end of training
-        self._read_prints(trainer, prints, host)
+        on_device = [p[4] for p in prints if isinstance(p[4], Tensor)]
+        host = torch.stack(on_device).tolist() if on_device else []  # host sync: once, at the end of training
+        self._read_prints(trainer, prints, _merged_prints(prints, host))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.active:
@@ -693,3 +700,10 @@ class BatchGuard(DebugCallback):
         self._lengths.reference = state_dict.get("reference")
         self._lengths.sums = list(state_dict.get("window", [0.0, 0.0, 0.0, 0]))
         self._examples_logged = bool(state_dict.get("examples_logged", False))
+
+
+def _merged_prints(prints: list, device_values: list[float]) -> list[float]:
+    """The fingerprints of ``prints`` in order: host ints as they are, device ones from ``device_values`` (read back
+    in the order they were stacked)."""
+    read = iter(device_values)
+    return [next(read) if isinstance(p[4], Tensor) else p[4] for p in prints]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ from lightning_tfdebug.core.base import (
     eager_model_calls,
     model_is_compiled,
 )
-from lightning_tfdebug.core.batch import loss_of
+from lightning_tfdebug.core.batch import loss_of, step_rng_state
 from lightning_tfdebug.core.distributed import (
     all_gather_vector,
     any_rank,
@@ -48,8 +49,8 @@ _MAX_PENDING_LOSSES = 16  # micro-batch losses kept as references before they ar
 _LOSS_FRAME = "training_step"  # the pseudo-module under which the loss returned by training_step is recorded
 
 
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+def _rng_state(device: torch.device, cpu: Tensor | None = None) -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state() if cpu is None else cpu}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)  # a host copy of the generator's seed and offset
     return state
@@ -227,7 +228,8 @@ class NaNFirstFrame(DebugCallback):
         # even when the replay does not reproduce it)
         if len(self._micro) >= _MAX_KEPT_MICRO_BATCHES:
             self._micro.pop(0)
-        self._micro.append((batch, idx, _rng_state(pl_module.device)))  # a reference, no copy
+        # a reference to the batch, no copy; the CPU generator's state is the batch's one shared copy (ReproCapture's)
+        self._micro.append((batch, idx, _rng_state(pl_module.device, step_rng_state(trainer, batch, idx))))
         if self._flags is not None:
             self._flags.enabled = True
 
@@ -304,7 +306,12 @@ class NaNFirstFrame(DebugCallback):
         losses = self._losses
         if losses and not all(t.device == grads[0].device and t.is_floating_point() for t in losses):
             return None
-        if losses:  # a fresh tensor (one kernel): the check must not write into the losses themselves
+        if len(losses) == 1 and losses[0].ndim == 0:
+            # the usual case, one scalar loss on the CPU: read on the host (no sync on a CPU tensor, and no kernel;
+            # a bad loss decides the step at once, the gradients then read in the separate flags)
+            if not math.isfinite(losses[0].item()):
+                return torch.ones((), device=grads[0].device)
+        elif losses:  # a fresh tensor (one kernel): the check must not write into the losses themselves
             grads.append(torch.cat([t.reshape(-1) for t in losses]))
         return grads_nonfinite_flag(grads)
 

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
+from lightning_tfdebug.core.batch import step_rng_state
 from lightning_tfdebug.core.distributed import DTensor
 from lightning_tfdebug.core.io import write_failures
 from lightning_tfdebug.findings import OnFinding
@@ -165,7 +166,8 @@ class ReproCapture(DebugCallback):
             # torch's generators (dropout) every batch: small tensors copied as they are, no device sync. Python's and
             # NumPy's cost 10-40 us to convert, so they are read only once a probed batch showed the step uses them.
             self._probing = not self._host_rng_used and (self._probed < _PROBE_STEPS or self.should_measure(trainer))
-            self._rng = capture_rng(host=self._host_rng_used or self._probing)
+            cpu = step_rng_state(trainer, batch, batch_idx)  # the batch's one copy, shared with NaNFirstFrame
+            self._rng = capture_rng(host=self._host_rng_used or self._probing, cpu=cpu)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # Keep the batch until the next one, validation or the end of the epoch: ReproCapture runs first, so a later

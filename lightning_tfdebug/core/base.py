@@ -143,7 +143,7 @@ def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
             if not state.get("_busy_batch", True) and name not in type(self).every_batch_hooks:
                 return None
         self.__dict__["_in_hook"] = True
-        self.__dict__["_hook_step"] = getattr(args[0], "global_step", None) if args else None
+        self.__dict__["_hook_trainer"] = args[0] if args else None  # its step is read only if the callback stands aside
         try:
             result = hook(self, *args, **kwargs)
             if name == "on_fit_end":
@@ -156,6 +156,7 @@ def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
             return None
         finally:
             self.__dict__["_in_hook"] = False
+            self.__dict__["_hook_trainer"] = None  # no reference to the Trainer outlives the hook
 
     guarded._tfdebug_guarded = True  # type: ignore[attr-defined]
     return guarded
@@ -317,7 +318,8 @@ class DebugCallback(Callback):
             return
         self._aside_reason = reason
         self._aside_setting = setting
-        self._aside_step = self.__dict__.get("_hook_step")  # the step of the hook in progress (set by the guard)
+        # the step of the hook in progress (its trainer set by the guard)
+        self._aside_step = getattr(self.__dict__.get("_hook_trainer"), "global_step", None)
         text = f"{type(self).__name__} stands aside: {reason}"
         if setting:
             text += f" To let it run: {setting}."
@@ -475,7 +477,7 @@ class DebugCallback(Callback):
             then(reduced)
             return
         self.__dict__["_in_hook"] = True
-        self.__dict__["_hook_step"] = getattr(trainer, "global_step", None)
+        self.__dict__["_hook_trainer"] = trainer
         try:
             then(reduced)
         except TFDebugError:
@@ -484,6 +486,7 @@ class DebugCallback(Callback):
             self.callback_failed("on_train_batch_end", err, trainer)
         finally:
             self.__dict__["_in_hook"] = False
+            self.__dict__["_hook_trainer"] = None  # no reference to the Trainer outlives the hook
 
     # ------------------------------------------------------------------ metrics
     @staticmethod

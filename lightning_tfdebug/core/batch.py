@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -68,6 +69,23 @@ def _flatten_into(out: dict[str, Any], batch: Any, prefix: str) -> None:
             _flatten_into(out, v, f"{prefix}{i}.")
     else:
         out[prefix[:-1] if prefix else ""] = batch
+
+
+#: dtypes NumPy reads from a CPU tensor without a copy (not bfloat16, which NumPy lacks): CPU batches are read on
+#: the host with NumPy where that saves torch kernels on the hot path
+NUMPY_READABLE = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    }
+)
 
 
 def is_id_tensor(value: Any) -> bool:
@@ -239,11 +257,18 @@ class StepBatch:
         return 0 if source is None else int(source.numel())
 
     def tokens(self) -> Tensor | int:
-        """Real (non-padding) tokens: the mask's non-zero entries (a device tensor), or every position when the batch
-        has no mask (a host int)."""
+        """Real (non-padding) tokens: the mask's non-zero entries (a device tensor; a host int for a CPU mask), or
+        every position when the batch has no mask (a host int)."""
         if "tokens" not in self._cache:
             mask = self.attention_mask
-            self._cache["tokens"] = torch.count_nonzero(mask) if mask is not None else self.positions
+            if mask is None:
+                self._cache["tokens"] = self.positions
+            elif mask.device.type == "cpu" and mask.dtype in NUMPY_READABLE and not mask.requires_grad:
+                # a CPU mask is host memory already: NumPy counts it without a torch kernel (about 1 us against
+                # 10-20 us of dispatch on the hot path, every batch) and the count stays a host int
+                self._cache["tokens"] = int(np.count_nonzero(mask.numpy()))
+            else:
+                self._cache["tokens"] = torch.count_nonzero(mask)
         return self._cache["tokens"]
 
     def supervised(self) -> Tensor | None:
@@ -326,3 +351,20 @@ def logits_for_labels(logits: Tensor, labels: Tensor) -> Tensor | None:
     if labels.ndim == 2 and logits.ndim == 3 and tuple(logits.shape[:2]) == (labels.shape[1], labels.shape[0]):
         return logits.transpose(0, 1)
     return None
+
+
+_RNG_ATTR = "_tfdebug_step_rng"
+
+
+def step_rng_state(trainer: Any, batch: Any, batch_idx: int) -> Tensor:
+    """The torch CPU generator's state as this batch's training step starts (``torch.get_rng_state()``, a host copy,
+    no device work), taken by the first callback that asks at the batch's start and shared with the others:
+    NaNFirstFrame and ReproCapture both replay the step from it, and one copy serves both on the hot path. Keyed on
+    the batch object, its index and the step, so a later batch never gets an earlier one's state. Callers must not
+    modify the tensor."""
+    key = (trainer.global_step, batch_idx)
+    held = trainer.__dict__.get(_RNG_ATTR)
+    if held is None or held[0] is not batch or held[1] != key:
+        held = (batch, key, torch.get_rng_state())
+        trainer.__dict__[_RNG_ATTR] = held
+    return held[2]

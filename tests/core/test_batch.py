@@ -15,6 +15,7 @@ from lightning_tfdebug.core.batch import (
     loss_of,
     read_batch,
     step_batch,
+    step_rng_state,
 )
 
 try:
@@ -195,3 +196,19 @@ def test_logits_and_loss_are_found_in_what_models_and_steps_return():
             self.logits, self.loss = logits, loss
 
     assert logits_of(Output()) is logits and loss_of(Output()) is loss
+
+
+def test_step_rng_state_is_one_copy_per_batch_and_never_an_earlier_batchs():
+    class Trainer:  # what the helper reads of a Trainer: the step
+        global_step = 3
+
+    trainer, batch = Trainer(), {"input_ids": torch.zeros(2, 3, dtype=torch.long)}
+    first = step_rng_state(trainer, batch, 0)
+    assert torch.equal(first, torch.get_rng_state())
+    torch.rand(5)  # the step draws: the batch's state stays the one taken at its start
+    assert step_rng_state(trainer, batch, 0) is first
+    assert not torch.equal(step_rng_state(trainer, dict(batch), 0), first)  # another batch object: a new copy
+    later = step_rng_state(trainer, batch, 1)  # the same object at another index (a dataloader that reuses it)
+    assert later is not first and torch.equal(later, torch.get_rng_state())
+    trainer.global_step = 4
+    assert step_rng_state(trainer, batch, 1) is not later

@@ -11,8 +11,10 @@ from lightning_tfdebug.functional.throughput import (
     batch_fingerprint,
     combine_fingerprints,
     compute_precision,
+    device_fingerprint,
     differing_ranks,
     differing_tensors,
+    host_fingerprint,
     loss_outliers,
     max_over_median,
     median_of_others,
@@ -32,9 +34,13 @@ def test_batch_counts_prefer_the_attention_mask_and_read_shapes_without_a_sync()
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     view = StepBatch({"input_ids": ids, "attention_mask": mask, "labels": ids}, BatchKeys())
     tokens, positions, samples = batch_counts(view)
-    assert isinstance(tokens, torch.Tensor) and int(tokens) == 9
+    assert isinstance(tokens, int) and tokens == 9  # a CPU mask is counted on the host, with NumPy: no kernel
     assert (positions, samples) == (15, 3)
     assert batch_counts(view)[0] is tokens  # the step's one count, shared
+    # a mask NumPy cannot read (bfloat16) is counted by torch, as a device tensor would be
+    bf16 = StepBatch({"input_ids": ids, "attention_mask": mask.to(torch.bfloat16)}, BatchKeys())
+    counted = batch_counts(bf16)[0]
+    assert isinstance(counted, torch.Tensor) and int(counted) == 9
 
 
 def test_batch_counts_without_a_mask_count_every_position_of_the_input():
@@ -69,6 +75,52 @@ def test_batch_fingerprint_is_equal_for_equal_values_and_sensitive_to_values_and
     x = torch.randn(4, 4)
     assert int(batch_fingerprint(x)) == int(batch_fingerprint(x.clone()))
     assert int(batch_fingerprint(x)) != int(batch_fingerprint(x + 1e-3))
+
+
+def _fingerprint_by_torch_kernels(ids):
+    """The device formula, with torch's int64 kernels (what a CUDA batch gets), written out independently."""
+    flat = ids.reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[flat.element_size()])
+    flat = flat.to(torch.int64)
+    n = flat.numel()
+    weights = (torch.arange(1, n + 1, dtype=torch.int64) * 1_103_515_245 + 12345) % (2**31 - 1)
+    return int(((flat * weights).sum() + (int(weights.sum()) + n)) % (2**31 - 1))
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        torch.randint(0, 50_000, (6, 64)),
+        torch.randint(-(2**62), 2**62, (100,)),  # products and sums wrap around int64
+        torch.randint(0, 2**31, (3, 7), dtype=torch.int32),
+        torch.randn(5, 9),
+        torch.randn(4, 3).half(),
+        torch.randint(0, 100, (8, 64))[:, ::2],  # not contiguous
+    ],
+)
+def test_fingerprints_on_the_host_and_on_a_device_tell_batches_apart_alike(ids):
+    # a CPU batch is hashed on the host (CRC-32 of its bytes, no torch kernel on the hot path); a device batch by the
+    # weighted-sum kernels. Each: equal values give equal numbers, a one-element change or another order does not.
+    changed = ids.clone()
+    changed.view(-1)[0] += 1
+    flipped = ids.flip(0)
+    host = host_fingerprint(ids)
+    assert host is not None and 0 <= host < 2**31 - 1
+    assert host == host_fingerprint(ids.clone()) == host_fingerprint(ids.contiguous())
+    assert host_fingerprint(changed) != host and host_fingerprint(flipped) != host
+    assert int(batch_fingerprint(ids)) == host  # what BatchGuard and PerRankLogger get for a CPU batch
+    on_device = int(device_fingerprint(ids))
+    assert on_device == _fingerprint_by_torch_kernels(ids)
+    assert int(device_fingerprint(ids.clone())) == on_device
+    assert int(device_fingerprint(changed)) != on_device and int(device_fingerprint(flipped)) != on_device
+
+
+def test_host_fingerprint_leaves_tensors_numpy_cannot_read_to_the_device_formula():
+    ids = torch.randint(0, 9, (2, 5))
+    assert host_fingerprint(ids.to(torch.bfloat16)) is None
+    assert host_fingerprint(torch.randn(3, requires_grad=True)) is None
+    assert int(batch_fingerprint(ids.to(torch.bfloat16))) == int(device_fingerprint(ids.to(torch.bfloat16)))
 
 
 def test_combine_fingerprints_is_order_sensitive():
