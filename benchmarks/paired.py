@@ -5,6 +5,7 @@ Usage::
     python benchmarks/paired.py --case always --every-n-steps 50 --block 50 --blocks 24 --rounds 3
     python benchmarks/paired.py --case whole --every-n-steps 50 --block 50 --blocks 24 --rounds 3
     python benchmarks/paired.py --case always --every-n-steps 10 --block 10 --blocks 120 --rounds 3
+    python benchmarks/paired.py --case always --exclude NaNFirstFrame --rounds 4
 
 ``benchmarks/overhead.py`` compares separate runs, seconds or minutes apart; on a shared machine the speed of the core
 drifts over that time by more than the few percent to be measured (its row of a callback that does nothing reads
@@ -95,17 +96,21 @@ def _setup(self: Blocks, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None
 Blocks.setup = _setup  # type: ignore[method-assign]
 
 
-def _callbacks(case: str, every_n_steps: int) -> list[pl.Callback]:
+def _callbacks(case: str, every_n_steps: int, exclude: list[str] | None = None) -> list[pl.Callback]:
     if case == "whole":  # the 13 callbacks on their own, at their defaults: overhead.py's whole-pack row
         from overhead import the_pack  # benchmarks/ is on sys.path: this script runs from it
 
-        return the_pack()
-    return [TFDebug(preset=case, every_n_steps=every_n_steps, summary=False, dashboard=False)]
+        pack = the_pack()
+        unknown = set(exclude or ()) - {type(cb).__name__ for cb in pack}
+        if unknown:
+            raise SystemExit(f"--exclude: not one of the 13 callbacks: {', '.join(sorted(unknown))}")
+        return [cb for cb in pack if type(cb).__name__ not in (exclude or ())]
+    return [TFDebug(preset=case, every_n_steps=every_n_steps, summary=False, dashboard=False, exclude=exclude)]
 
 
 def one_round(args: argparse.Namespace, seed: int) -> dict[str, float]:
     torch.manual_seed(seed)
-    blocks = Blocks(_callbacks(args.case, args.every_n_steps), args.block)
+    blocks = Blocks(_callbacks(args.case, args.every_n_steps, args.exclude), args.block)
     root = "/tmp/tfdebug-paired"
     logger = TensorBoardLogger(root, name="bench") if args.logger == "tensorboard" else CSVLogger(root, name="bench")
     trainer = pl.Trainer(
@@ -148,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         "--case", default="always", choices=["always", "full", "whole"], help="TFDebug's preset, or the 13 callbacks"
     )
     parser.add_argument("--every-n-steps", type=int, default=50)
+    parser.add_argument(
+        "--exclude", nargs="+", default=None, metavar="MEMBER", help="members left out (one member's share of the cost)"
+    )
     parser.add_argument("--block", type=int, default=50, help="steps per block; a multiple of --every-n-steps")
     parser.add_argument("--blocks", type=int, default=24, help="blocks per round (half on, half off)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -163,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--blocks must be even and at least 6")
     torch.set_num_threads(args.threads)
     results = [one_round(args, seed) for seed in range(args.rounds)]
+    case = args.case + (f" without {', '.join(args.exclude)}" if args.exclude else "")
     print(
-        f"\n{args.case} on/off in blocks of {args.block} steps, {args.blocks} blocks x "
+        f"\n{case} on/off in blocks of {args.block} steps, {args.blocks} blocks x "
         f"{args.rounds} rounds, every_n_steps {args.every_n_steps}, batch {args.batch_size}, d_model {args.d_model}, "
         f"{args.n_layers} layers, {args.threads} torch thread(s), {args.logger}, torch {torch.__version__}"
     )

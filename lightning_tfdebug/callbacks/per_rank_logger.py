@@ -74,7 +74,7 @@ class PerRankLogger(DebugCallback):
     | `busy_ms` | the step outside backward passes (forward, loss, optimizer): no DDP rank waits for another there |
     | `dataloader_wait_ms` | time spent getting this step's batches onto the device (`next()` plus the copy) |
     | `peak_memory_gib` | CUDA: peak allocated memory; CPU: peak resident set size |
-    | `batch_fingerprint` (file only) | a hash of the input ids, computed on the device |
+    | `batch_fingerprint` (file only) | a hash of the input ids (on the device; on the host for a CPU batch) |
     | `param_checksum` (file only) | a checksum of the parameters and buffers (weighted per-tensor norms and sums) |
 
     Why `busy_ms`: under DDP the fast ranks wait for a slow one inside the gradient all-reduce of the backward pass,
