@@ -263,7 +263,12 @@ class StepBatch:
             mask = self.attention_mask
             if mask is None:
                 self._cache["tokens"] = self.positions
-            elif mask.device.type == "cpu" and mask.dtype in NUMPY_READABLE and not mask.requires_grad:
+            elif (
+                mask.device.type == "cpu"
+                and mask.dtype in NUMPY_READABLE
+                and not mask.requires_grad
+                and not mask.is_neg()  # a lazy negation: NumPy cannot read it
+            ):
                 # a CPU mask is host memory already: NumPy counts it without a torch kernel (about 1 us against
                 # 10-20 us of dispatch on the hot path, every batch) and the count stays a host int
                 self._cache["tokens"] = int(np.count_nonzero(mask.numpy()))

@@ -79,8 +79,8 @@ def host_fingerprint(ids: Tensor) -> int | None:
     give equal fingerprints, as on a device; the two formulas give different numbers, and a run uses one of them (its
     batches are on one kind of device), so its fingerprints compare with each other, across steps and ranks.
     """
-    if ids.device.type != "cpu" or ids.dtype not in NUMPY_READABLE or ids.requires_grad:
-        return None
+    if ids.device.type != "cpu" or ids.dtype not in NUMPY_READABLE or ids.requires_grad or ids.is_neg():
+        return None  # (a negative-bit view is a lazy negation NumPy cannot read)
     array = ids.numpy()
     if not array.flags.c_contiguous:
         array = array.copy()  # a strided view: its elements in order (the CRC reads one contiguous buffer)

@@ -120,6 +120,9 @@ def test_host_fingerprint_leaves_tensors_numpy_cannot_read_to_the_device_formula
     ids = torch.randint(0, 9, (2, 5))
     assert host_fingerprint(ids.to(torch.bfloat16)) is None
     assert host_fingerprint(torch.randn(3, requires_grad=True)) is None
+    negated = torch._neg_view(ids)  # a lazy negation (the negative bit): NumPy cannot read it
+    assert host_fingerprint(negated) is None
+    assert int(batch_fingerprint(negated)) == int(device_fingerprint(-ids))
     assert int(batch_fingerprint(ids.to(torch.bfloat16))) == int(device_fingerprint(ids.to(torch.bfloat16)))
 
 
