@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+import numpy as np  # installed with torchmetrics and tensorboard (both require it); not a dependency of its own
 import torch
 from torch import Tensor
 
