@@ -71,9 +71,8 @@ def _flatten_into(out: dict[str, Any], batch: Any, prefix: str) -> None:
         out[prefix[:-1] if prefix else ""] = batch
 
 
-#: dtypes NumPy reads from a CPU tensor without a copy (not bfloat16, which NumPy lacks): CPU batches are read on
-#: the host with NumPy where that saves torch kernels on the hot path
-NUMPY_READABLE = frozenset(
+#: dtypes NumPy reads from a CPU tensor without a copy (not bfloat16, which NumPy lacks)
+_NUMPY_READABLE = frozenset(
     {
         torch.bool,
         torch.uint8,
@@ -86,6 +85,15 @@ NUMPY_READABLE = frozenset(
         torch.float64,
     }
 )
+
+
+def host_array(tensor: Tensor) -> np.ndarray | None:
+    """``tensor``'s memory as a NumPy array (no copy) when it is a CPU tensor NumPy can read: no autograd history, no
+    lazy negation (the negative bit), a dtype NumPy has. Else None, and the caller uses torch. A CPU batch is read on
+    the host this way where that saves torch kernels on the hot path (its fingerprint, its mask's token count)."""
+    if tensor.device.type != "cpu" or tensor.dtype not in _NUMPY_READABLE or tensor.requires_grad or tensor.is_neg():
+        return None
+    return tensor.numpy()
 
 
 def is_id_tensor(value: Any) -> bool:
@@ -263,17 +271,11 @@ class StepBatch:
             mask = self.attention_mask
             if mask is None:
                 self._cache["tokens"] = self.positions
-            elif (
-                mask.device.type == "cpu"
-                and mask.dtype in NUMPY_READABLE
-                and not mask.requires_grad
-                and not mask.is_neg()  # a lazy negation: NumPy cannot read it
-            ):
+            else:
                 # a CPU mask is host memory already: NumPy counts it without a torch kernel (about 1 us against
                 # 10-20 us of dispatch on the hot path, every batch) and the count stays a host int
-                self._cache["tokens"] = int(np.count_nonzero(mask.numpy()))
-            else:
-                self._cache["tokens"] = torch.count_nonzero(mask)
+                array = host_array(mask)
+                self._cache["tokens"] = int(np.count_nonzero(array)) if array is not None else torch.count_nonzero(mask)
         return self._cache["tokens"]
 
     def supervised(self) -> Tensor | None:

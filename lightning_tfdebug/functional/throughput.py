@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.batch import NUMPY_READABLE, StepBatch
+from lightning_tfdebug.core.batch import StepBatch, host_array
 from lightning_tfdebug.functional.norms import per_tensor_norms
 
 _HASH_MODULUS = 2_147_483_647  # 2**31 - 1: a fingerprint fits exactly in a float64 slot of a packed collective
@@ -79,27 +79,12 @@ def host_fingerprint(ids: Tensor) -> int | None:
     give equal fingerprints, as on a device; the two formulas give different numbers, and a run uses one of them (its
     batches are on one kind of device), so its fingerprints compare with each other, across steps and ranks.
     """
-    if ids.device.type != "cpu" or ids.dtype not in NUMPY_READABLE or ids.requires_grad or ids.is_neg():
-        return None  # (a negative-bit view is a lazy negation NumPy cannot read)
-    array = ids.numpy()
+    array = host_array(ids)
+    if array is None:
+        return None
     if not array.flags.c_contiguous:
         array = array.copy()  # a strided view: its elements in order (the CRC reads one contiguous buffer)
     return zlib.crc32(array) % _HASH_MODULUS
-
-
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-    }
-)
 
 
 def batch_fingerprint(ids: Tensor) -> Tensor:

@@ -41,6 +41,9 @@ def test_batch_counts_prefer_the_attention_mask_and_read_shapes_without_a_sync()
     bf16 = StepBatch({"input_ids": ids, "attention_mask": mask.to(torch.bfloat16)}, BatchKeys())
     counted = batch_counts(bf16)[0]
     assert isinstance(counted, torch.Tensor) and int(counted) == 9
+    negated = StepBatch({"input_ids": ids, "attention_mask": torch._neg_view(mask)}, BatchKeys())  # lazy negation
+    counted = batch_counts(negated)[0]
+    assert isinstance(counted, torch.Tensor) and int(counted) == 9
 
 
 def test_batch_counts_without_a_mask_count_every_position_of_the_input():
