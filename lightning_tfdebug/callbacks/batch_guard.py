@@ -49,7 +49,7 @@ from lightning_tfdebug.functional.batches import (
     token_statistics,
     unpack_statistics,
 )
-from lightning_tfdebug.functional.throughput import batch_fingerprint, host_fingerprint
+from lightning_tfdebug.functional.throughput import device_fingerprint, host_fingerprint
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.repro import shared_host_copy
 
@@ -415,7 +415,7 @@ class BatchGuard(DebugCallback):
             # checked batch (integer ids carry no autograd history)
             fingerprint = host_fingerprint(ids)
             if fingerprint is None:
-                fingerprint = batch_fingerprint(ids)
+                fingerprint = device_fingerprint(ids)
             self._prints.append((epoch, step, self._stream, self._epoch_facts, fingerprint))
         if checks:
             self._check_values(trainer, view, self._where(where))
