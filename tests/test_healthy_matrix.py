@@ -58,7 +58,10 @@ KNOWN: dict[tuple[str, str], str] = {}
 
 
 def problems(pack) -> list[str]:
-    return [f.format() for c in pack for f in c.findings if f.severity in ("warning", "error")]
+    """Every warning and error of the pack, with its evidence (a failure shows the numbers behind a false alarm)."""
+    return [
+        f"{f.format()} evidence={f.evidence}" for c in pack for f in c.findings if f.severity in ("warning", "error")
+    ]
 
 
 def report(case: str, pack) -> None:
@@ -68,7 +71,8 @@ def report(case: str, pack) -> None:
     with open(path, "a") as f:
         for c in pack:
             for finding in c.findings:
-                f.write(json.dumps({"case": case, "code": finding.code, "severity": finding.severity}) + "\n")
+                row = {"case": case, "code": finding.code, "severity": finding.severity, "step": finding.step}
+                f.write(json.dumps(row | {"evidence": finding.evidence}, default=str) + "\n")
 
 
 def run_case(tmp_path: Path, family: str, setting: str) -> list:
