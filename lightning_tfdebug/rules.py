@@ -1748,8 +1748,8 @@ _RULES: tuple[Rule, ...] = (
         "info",
         "ThroughputMonitor",
         title=(
-            "the step time regressed as for TFD603, but the run waited for CPU cores that other processes took: the "
-            "machine is contended, not the run slower"
+            "the step time regressed as for TFD603, but the machine is to blame: the run waited for CPU cores that "
+            "other processes took, or a fixed reference computation slowed as much"
         ),
         trigger=(
             "as TFD603, but during the slow streak every regressed rank's threads waited on the run queue for at "
@@ -1757,13 +1757,21 @@ _RULES: tuple[Rule, ...] = (
             "either other processes used >= max(0.5, 0.1 x cores) more CPU cores than in the quietest early window "
             "(Linux `/proc/stat`) or, on a machine already full, the run's own CPU time per step rose by less than "
             "0.9x as much as its step time (no more work, a smaller share of the cores); all judged over the steps the "
-            "median step time covers (TFD603 then needs `patience` slow, uncontended measurements in a row)"
+            "median step time covers. Or, with or without `/proc`: a fixed CPU computation (two 192x192 matrix "
+            "products and a 4 MiB copy, repeated for 20 ms, timed on the early measuring steps and again on the slow "
+            "one) took longer by at least half as much as the mean step time rose, while the run's CPU use per "
+            "second of wall time did not rise past 1.25x its early one (steal, a lower clock, a saturated memory bus, "
+            "other processes on a machine without `/proc`). TFD603 then needs `patience` slow, uncontended "
+            "measurements in a row"
         ),
         hint=(
             "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
             "compare ratios measured in the same period."
         ),
-        reason="The slowdown is the machine's (other processes took the cores), not the run's",
+        reason=(
+            "The slowdown is the machine's (other processes took the cores, or the same work takes longer), not the "
+            "run's"
+        ),
     ),
     Rule(
         "TFD606",

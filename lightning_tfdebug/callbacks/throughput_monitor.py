@@ -32,9 +32,14 @@ from lightning_tfdebug.functional.throughput import (
     peak_rss_bytes,
     physical_memory_bytes,
     process_rss_bytes,
+    reference_work_ms,
 )
 from lightning_tfdebug.functional.throughput_checks import ThroughputDiagnosis, rows_to_stats, throughput_metrics
 from lightning_tfdebug.functional.verdicts import Verdict
+
+_REFERENCE_TIMINGS = 3
+"""The reference computation is timed on at least this many early measuring steps (more while the early window
+fills), so that one noisy timing does not set the machine's early speed."""
 
 
 def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
@@ -117,9 +122,10 @@ class ThroughputMonitor(DebugCallback):
     are padding, with the speed-up packing or dynamic padding would give), ``TFD603`` step time regressed against the
     early steps, ``TFD604`` memory close to capacity, ``TFD605`` (info) the step time regressed while other
     processes loaded the machine's CPUs and this process waited for cores (Linux, from ``/proc/stat`` and its
-    threads' ``schedstat``), so it is not blamed on the run, ``TFD606``
-    ``torch.compile`` still compiling new graphs after the early window, ``TFD607`` its recompile limit hit (that
-    code runs uncompiled) (see ``docs/findings.md``).
+    threads' ``schedstat``), or while a fixed reference computation (20 ms of host work, timed on the early
+    measuring steps and again on a slow one) slowed as much: the machine got slower, so it is not blamed on the run,
+    ``TFD606`` ``torch.compile`` still compiling new graphs after the early window, ``TFD607`` its recompile limit
+    hit (that code runs uncompiled) (see ``docs/findings.md``).
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -250,6 +256,7 @@ class ThroughputMonitor(DebugCallback):
         self._delay_base = RunningWindow(16)  # run-queue wait per step (ms) during the early window
         self._cpu_base = RunningWindow(16)  # this process's CPU time per step (ms) during the early window
         self._wall_base = RunningWindow(16)  # wall time per step (ms) of the early windows: their mean step time
+        self._reference_base = RunningWindow(16)  # ms of `reference_work_ms` on the early measuring steps
         self.flops_per_token: float | None = None  # model FLOPs per computed token position (measured once)
         self._peak: float | None = None
         self._reset_timing()
@@ -273,6 +280,7 @@ class ThroughputMonitor(DebugCallback):
         self._step_marks: list[Any] = []  # clock marks at optimizer-step ends since the last measurement
         self._last_mark: Any = None
         self._pause_ms = 0.0  # validation time to take off the next step time
+        self._reference_s = 0.0  # the reference computation's time on this measuring step (see `_measure`)
         self._step_at_start = -1
         self._measuring = False
         self._flop_counter: Any = None
@@ -376,6 +384,11 @@ class ThroughputMonitor(DebugCallback):
                 with torch.no_grad():
                     self._measure(trainer, now)
                 self._window_start = now
+                # The reference computation's time is the monitor's: the next step time does not count it (a probe
+                # of the run's own step time), the window's wall time does (throughput is what the run really got,
+                # every callback's work included, as the independent counts in the tests measure it)
+                self._pause_ms += self._reference_s * 1e3
+                self._reference_s = 0.0
                 self._other.start()
         self._prev_end = time.perf_counter()
 
@@ -478,6 +491,18 @@ class ThroughputMonitor(DebugCallback):
         new_graphs = graphs - self._graphs_ref if self._graphs_ref is not None else math.nan
         limit_hits = hits - self._limit_ref if hits == hits and self._limit_ref == self._limit_ref else math.nan
         step_ms = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else float("nan")
+        reference_ratio = math.nan
+        started = time.perf_counter()
+        slow = baseline_ready and step_ms > self.regression_factor * self._baseline.median()
+        if len(self._baseline) > in_baseline or (baseline_ready and len(self._reference_base) < _REFERENCE_TIMINGS):
+            # Deliberate host work (20 ms) on the early measuring steps only: how long a fixed computation takes on
+            # this machine while the early step times are taken
+            self._reference_base.add(reference_work_ms())
+        elif slow and len(self._reference_base):
+            # A slow measurement: the same computation again (20 ms of host work, only while the step time is up).
+            # Slower by as much as the step, the machine got slower; as fast as before, the run did.
+            reference_ratio = reference_work_ms() / self._reference_base.median()
+        self._reference_s = time.perf_counter() - started  # not the run's time: taken off the next step and window
         peak, reserved, capacity = self._memory(trainer)
         if self._timer is not None and self._fetch_seen is not None:
             self._wait_s += self._timer.total_s - self._fetch_seen
@@ -510,7 +535,7 @@ class ThroughputMonitor(DebugCallback):
         else:
             trimmed = torch.full((), float(self._positions), dtype=torch.float64, device=device)
         self._sampled_positions = 0
-        cpu_slot = torch.tensor([cpu_ratio, mean_ratio], dtype=torch.float64, device=device)
+        cpu_slot = torch.tensor([cpu_ratio, mean_ratio, reference_ratio], dtype=torch.float64, device=device)
         packed = torch.cat([tokens.reshape(1), host.to(device), trimmed.reshape(1), cpu_slot])
         self._positions, self._samples, self._wait_s = 0, 0, 0.0
         # Every rank's row (sums, worst ranks and medians are taken from the table): declared into the step's one
@@ -580,6 +605,7 @@ class ThroughputMonitor(DebugCallback):
             "delay_baseline": self._delay_base.state_dict(),
             "cpu_baseline": self._cpu_base.state_dict(),
             "wall_baseline": self._wall_base.state_dict(),
+            "reference_baseline": self._reference_base.state_dict(),
             "steps_seen": self._steps_seen,
             "flops_per_token": self.flops_per_token,
         }
@@ -592,5 +618,7 @@ class ThroughputMonitor(DebugCallback):
         self._delay_base.load_state_dict(state_dict.get("delay_baseline", {}))
         self._cpu_base.load_state_dict(state_dict.get("cpu_baseline", {}))
         self._wall_base.load_state_dict(state_dict.get("wall_baseline", {}))
+        # timed on the machine that saved it: a run resumed on a slower machine is recognised as the machine's
+        self._reference_base.load_state_dict(state_dict.get("reference_baseline", {}))
         self._steps_seen = int(state_dict.get("steps_seen", 0))
         self.flops_per_token = state_dict.get("flops_per_token")

@@ -390,6 +390,42 @@ class OtherLoad:
         return max(0.0, (busy - busy0) - (time.process_time() - own0)) / wall
 
 
+_REFERENCE_BUFFERS: tuple[Tensor, ...] = ()
+
+
+def reference_work_ms(span_ms: float = 20.0) -> float:
+    """Milliseconds this process takes now for a fixed piece of CPU work: rounds of two 192 x 192 float32 matrix
+    products and a 4 MiB copy (about 0.3-0.5 ms a round on one thread of a 2024 server core, with the process's torch
+    threads), repeated for at least ``span_ms`` of wall time (and at least twice); the mean wall time of a round.
+
+    Timed on the early measuring steps and again when the step time rises, it tells a machine that got slower (a
+    hypervisor taking the CPU, a lower clock, other processes on the cores or the memory bus: the same work takes
+    longer) from a run that got slower by itself (the same work takes as long as before). The wall time over a span
+    of rounds, not the fastest or the median round, and a span longer than a scheduler's time slices: a short timing
+    often runs whole inside one slice. Measured on 2 cores: with four busy loops beside, the median round was as fast
+    as on the idle machine and the mean 6 to 17x slower; with the process stopped for 8 ms out of every 16 (what
+    steal looks like), a timing of 2.4 ms read 1.1x on a measuring step that was 2.9x slower. Host work only, no
+    device; the buffers are made once per process (about 8.5 MiB) so that allocation is not timed.
+    """
+    global _REFERENCE_BUFFERS
+    if not _REFERENCE_BUFFERS:
+        generator = torch.Generator().manual_seed(0)  # fixed values, and the user's generator left alone
+        a, b = (torch.randn(192, 192, generator=generator) for _ in range(2))
+        source = torch.ones(1 << 20)
+        _REFERENCE_BUFFERS = (a, b, torch.empty(192, 192), source, torch.empty_like(source))
+    a, b, product, source, target = _REFERENCE_BUFFERS
+    rounds = 0
+    with torch.no_grad():
+        start = time.perf_counter()
+        end = start + span_ms / 1e3
+        while rounds < 2 or time.perf_counter() < end:
+            torch.mm(a, b, out=product)
+            torch.mm(b, a, out=product)
+            target.copy_(source)
+            rounds += 1
+        return 1e3 * (time.perf_counter() - start) / rounds
+
+
 def thread_run_delays() -> dict[str, int] | None:
     """Nanoseconds each thread of this process has waited on a run queue (runnable, not running), by thread id.
 

@@ -37,6 +37,7 @@ SLOTS: tuple[str, ...] = (
     "trimmed_positions",  # positions had each batch been padded only to its longest row (mask span x rows)
     "cpu_ratio",  # this process's CPU time per step over the early windows' (nan: unknown)
     "mean_ratio",  # mean wall time per step over the median's steps, over the early windows' (nan: unknown)
+    "reference_ratio",  # a fixed CPU computation's time now over the early windows' (nan: not timed)
 )
 """Slots of the packed per-rank vector that the step's one reduction over ranks moves, in order."""
 
@@ -72,8 +73,41 @@ threads spin while a peer waits for a core, so the CPU time rises too, but less:
 average of 8)."""
 
 
+OWN_UTILIZATION = 1.25
+"""A slowdown is the run's own, even when the reference computation slowed too, when the run's CPU use per second of
+wall time rose by more than this factor over the early windows' (``cpu_ratio / mean_ratio``): threads of the run
+itself (a busy background thread, more torch threads than cores) took the cores. A machine that got slower cannot
+give the run more CPU per second: under steal or a lower clock it is the same or less, under other processes' load
+the run's spinning worker threads raise it a little (measured 1.2 to 1.33 cores of 2 with one busy loop beside)."""
+
+
+def machine_slower(stat: dict[str, float]) -> bool:
+    """Whether the machine itself explains a slow rank's slowdown: the fixed reference computation
+    (:func:`~lightning_tfdebug.functional.throughput.reference_work_ms`, timed on the early measuring steps and again
+    on a slow one) slowed by at least :data:`EXPLAINS` of the mean step time's rise, and the run did not take more CPU
+    per second than early on (:data:`OWN_UTILIZATION`). This covers what leaves no trace in the run-queue wait or in
+    other processes' CPU use: a hypervisor taking the virtual CPU (steal), a lower clock, a neighbour saturating the
+    memory bus, and machines without ``/proc`` (macOS). A run that slows itself (more work, a sleep, I/O, a device)
+    leaves the reference computation as fast as it was. False where the reference was not timed (NaN)."""
+    base, step = stat["baseline_ms"], stat["step_ms"]
+    if not base > 0:
+        return False
+    # Like with like: the reference's mean wall time per round against the run's mean wall time per step over the
+    # median's steps (the median alone moves in steps when the lost time comes in slices: a 9 ms step on a CPU taken
+    # away for 8 ms out of every 16 takes two or three slices, and its median read 2.85x while the mean read 2.25x
+    # and the reference 1.8x). The median's ratio where the mean was not measured.
+    mean = stat.get("mean_ratio", math.nan)
+    rise = (mean if mean == mean else step / base) - 1.0
+    reference = stat.get("reference_ratio", math.nan)
+    if not (rise > 0 and reference - 1.0 >= EXPLAINS * rise):  # False when not timed (NaN)
+        return False
+    utilization = stat.get("cpu_ratio", math.nan) / stat.get("mean_ratio", math.nan)
+    return not utilization > OWN_UTILIZATION  # NaN (not measured): the reference alone decides
+
+
 def contended(stat: dict[str, float], regression_factor: float) -> bool:
-    """Whether a slow rank's slowdown came from other processes taking its cores, not from the run itself.
+    """Whether a slow rank's slowdown came from other processes taking its cores, or from the machine itself getting
+    slower (:func:`machine_slower`), not from the run.
 
     The extra step time must be at least :data:`EXPLAINS` spent waiting for a core (the rise of this process's
     run-queue wait per step, against the early windows'), and that wait must come from others: either they took
@@ -86,6 +120,8 @@ def contended(stat: dict[str, float], regression_factor: float) -> bool:
     base, step = stat["baseline_ms"], stat["step_ms"]
     if not (base > 0 and step / base > regression_factor):
         return False
+    if machine_slower(stat):
+        return True
     extra = step - base
     delay = stat["delay_rise_ms"]
     if delay < EXPLAINS * extra:  # NaN (not measured) passes: others' rise alone decides, as before
@@ -141,8 +177,7 @@ class ThroughputDiagnosis:
     memory_threshold: float = 0.92
     patience: int = 3
     streaks: Streak = field(default_factory=Streak)
-    contended_extra: float | None = None  # other load seen during the current slow streak
-    contended_row: dict[str, float] | None = None  # the slow rank's row when the streak was last seen contended
+    contended_row: dict[str, float] | None = None  # the slow rank's row when the current streak was last contended
     graphs_prev: float = math.nan
 
     def _sustained(self, key: str, condition: bool) -> bool:
@@ -230,40 +265,22 @@ class ThroughputDiagnosis:
         ]
         ratio = ratio if slow else min(ratio, self.regression_factor)
         # contended: this process's threads waited for a core for at least half of the extra step time, because
-        # others took more cores or, on a machine already full, took a larger share of them (see `contended`)
+        # others took more cores or, on a machine already full, took a larger share of them; or a fixed reference
+        # computation slowed as much, the machine itself got slower (see `contended` and `machine_slower`)
         is_contended = bool(slow) and all(contended(s, self.regression_factor) for s in slow)
         # TFD603 needs `patience` slow measurements in a row with no sign of other load; a slow streak in which
         # other processes loaded the machine at some point is TFD605 instead (a reading can dip between windows)
         regressed = self._sustained("regression", ratio > self.regression_factor and not is_contended)
         slow_any = self._sustained("regression_any", ratio > self.regression_factor)
         if is_contended:
-            self.contended_extra = min(s["other_extra"] for s in slow)
-            self.contended_row = min(slow, key=lambda s: s["other_extra"])
-        elif not ratio > self.regression_factor:
-            self.contended_extra, self.contended_row = None, None
-        if slow_any and not regressed and self.contended_extra is not None:
-            extra, row = self.contended_extra, self.contended_row or {}
-            delay, cpu = row.get("delay_rise_ms", math.nan), row.get("cpu_ratio", math.nan)
-            waited = f"this process waited {delay:.1f} ms more per step for a CPU core, " if delay == delay else ""
-            same = (
-                f"its CPU time per step rose only {cpu:.2f}x (its work did not grow with its step time), "
-                if cpu == cpu
-                else ""
+            # the row quoted: the slow rank with the fewest other-process cores (NaN, unknown, last)
+            self.contended_row = min(
+                slow, key=lambda s: s["other_extra"] if s["other_extra"] == s["other_extra"] else math.inf
             )
-            return [
-                Verdict(
-                    "TFD605",
-                    f"The median step time rose to {ratio:.2f}x the early steps' median while {waited}{same}and other "
-                    f"processes on the machine kept {extra:.1f} more CPU cores busy than they did then: the machine is "
-                    "contended, so this is not reported as a slowdown of the run itself (TFD603).",
-                    {
-                        "ratio_to_early": ratio,
-                        "other_extra_cores": extra,
-                        "delay_rise_ms_per_step": delay,
-                        "cpu_ratio": cpu,
-                    },
-                )
-            ]
+        elif not ratio > self.regression_factor:
+            self.contended_row = None
+        if slow_any and not regressed and self.contended_row is not None:
+            return [self._contended_verdict(ratio, self.contended_row)]
         if regressed:
             worst = max(slow, key=lambda s: s["step_ms"] / s["baseline_ms"], default={})
             return [
@@ -278,10 +295,45 @@ class ThroughputDiagnosis:
                         "other_extra_cores": worst.get("other_extra", math.nan),
                         "delay_rise_ms_per_step": worst.get("delay_rise_ms", math.nan),
                         "cpu_ratio": worst.get("cpu_ratio", math.nan),
+                        "reference_ratio": worst.get("reference_ratio", math.nan),
                     },
                 )
             ]
         return []
+
+    @staticmethod
+    def _contended_verdict(ratio: float, row: dict[str, float]) -> Verdict:
+        """``TFD605``: the slow streak's numbers, from the slow rank's row, and why they point at the machine."""
+        extra, delay = row.get("other_extra", math.nan), row.get("delay_rise_ms", math.nan)
+        cpu, reference = row.get("cpu_ratio", math.nan), row.get("reference_ratio", math.nan)
+        evidence = {
+            "ratio_to_early": ratio,
+            "other_extra_cores": extra,
+            "delay_rise_ms_per_step": delay,
+            "cpu_ratio": cpu,
+            "reference_ratio": reference,
+        }
+        head = f"The median step time rose to {ratio:.2f}x the early steps' median while "
+        tail = ", so this is not reported as a slowdown of the run itself (TFD603)."
+        if machine_slower(row):
+            return Verdict(
+                "TFD605",
+                head + f"a fixed reference computation, timed on the early steps and again now, ran {reference:.2f}x "
+                "slower too: the machine itself got slower (other processes, a shared, stolen or throttled CPU)" + tail,
+                evidence,
+            )
+        waited = f"this process waited {delay:.1f} ms more per step for a CPU core, " if delay == delay else ""
+        same = (
+            f"its CPU time per step rose only {cpu:.2f}x (its work did not grow with its step time), "
+            if cpu == cpu
+            else ""
+        )
+        others = f"{extra:.1f} more CPU cores busy than they did then" if extra == extra else "more CPU cores busy"
+        return Verdict(
+            "TFD605",
+            head + f"{waited}{same}and other processes on the machine kept {others}: the machine is contended" + tail,
+            evidence,
+        )
 
     def _compile(self, stats: Sequence[dict[str, float]]) -> list[Verdict]:
         out: list[Verdict] = []

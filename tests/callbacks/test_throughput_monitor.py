@@ -1,5 +1,7 @@
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -265,6 +267,99 @@ def test_a_slowdown_from_other_processes_is_not_blamed_on_the_run(tmp_path):
     # same work per step
     assert evidence["other_extra_cores"] >= 0.5 or evidence["cpu_ratio"] < 1 + 0.5 * (evidence["ratio_to_early"] - 1)
     assert finding.evidence["ratio_to_early"] > 2.0 and finding.step >= 16
+
+
+_PAUSER = """
+import os, signal, sys, time
+pid, stop_file = int(sys.argv[1]), sys.argv[2]
+try:
+    while not os.path.exists(stop_file):
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.008)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.008)
+finally:
+    os.kill(pid, signal.SIGCONT)
+"""
+
+
+class PausedByTheMachine(TinyGPT):
+    """From step 14 the process is stopped for 8 ms out of every 16, as a hypervisor that takes the virtual CPU away
+    (steal time) does: no run-queue wait, no other process's CPU use, the same CPU time per step, a longer wall."""
+
+    def __init__(self, stop_file: str, **kwargs):
+        super().__init__(**kwargs)
+        self.stop_file = stop_file
+        self.pauser: subprocess.Popen | None = None
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 14 and self.pauser is None:
+            self.pauser = subprocess.Popen([sys.executable, "-c", _PAUSER, str(os.getpid()), self.stop_file])
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="stops the process with SIGSTOP")
+def test_a_machine_that_takes_the_cpu_away_is_not_blamed_on_the_run(tmp_path):
+    monitor = ThroughputMonitor(
+        every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2, regression_factor=1.5
+    )
+    stop_file = tmp_path / "stop"
+    model = PausedByTheMachine(str(stop_file), **SMALL)
+    try:
+        fit(tmp_path, [monitor], model=model, max_steps=40)
+    finally:
+        stop_file.touch()
+        if model.pauser is not None:
+            model.pauser.wait(timeout=30)
+    found = {f.code for f in monitor.findings}
+    assert "TFD603" not in found, [(f.code, f.step, str(f.evidence)) for f in monitor.findings]
+    [finding] = [f for f in monitor.findings if f.code == "TFD605"]
+    evidence = finding.evidence
+    assert evidence["reference_ratio"] - 1 >= 0.5 * (evidence["ratio_to_early"] - 1), evidence
+    assert "reference computation" in finding.message and finding.step >= 16
+
+
+@pytest.fixture
+def without_proc(monkeypatch):
+    """A machine without ``/proc`` (macOS): neither other processes' CPU use nor run-queue waits can be read."""
+    import lightning_tfdebug.functional.throughput as throughput
+
+    monkeypatch.setattr(throughput, "machine_busy_seconds", lambda: None)
+    monkeypatch.setattr(throughput, "thread_run_delays", lambda: None)
+
+
+def test_without_proc_a_loaded_machine_is_told_from_the_run_by_a_fixed_reference_computation(tmp_path, without_proc):
+    monitor = ThroughputMonitor(
+        every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2, regression_factor=2.0
+    )
+    model = LoadsTheMachine(**SMALL)
+    try:
+        fit(tmp_path, [monitor], model=model, max_steps=36)
+    finally:
+        for hog in model.hogs:
+            hog.kill()
+            hog.wait()
+    if not any(f.code in ("TFD603", "TFD605") for f in monitor.findings):
+        pytest.skip("this machine has cores to spare: the load did not slow the run")
+    assert "TFD603" not in {f.code for f in monitor.findings}, [(f.code, f.evidence) for f in monitor.findings]
+    [finding] = [f for f in monitor.findings if f.code == "TFD605"]
+    evidence = finding.evidence
+    assert math.isnan(evidence["other_extra_cores"]) and math.isnan(evidence["delay_rise_ms_per_step"])  # no /proc
+    # the same fixed computation took at least half as much longer as the steps did
+    assert evidence["reference_ratio"] - 1 >= 0.5 * (evidence["ratio_to_early"] - 1)
+    assert "reference computation" in finding.message and finding.step >= 16
+
+
+def test_without_proc_a_run_that_slows_itself_is_its_own_slowdown(tmp_path, without_proc):
+    monitor = ThroughputMonitor(
+        every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2, regression_factor=3.0
+    )
+    fit(tmp_path, [monitor], model=SlowsDown(**SMALL), max_steps=24)
+    [finding] = [f for f in monitor.findings if f.code == "TFD603"]
+    # the steps took many times longer; the reference computation, timed on the slow measuring step, did not
+    assert finding.evidence["ratio_to_early"] > 3.0
+    assert finding.evidence["reference_ratio"] - 1 < 0.5 * (finding.evidence["ratio_to_early"] - 1)
+    assert "TFD605" not in {f.code for f in monitor.findings}
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads run-queue waits from /proc/self/task")
@@ -541,3 +636,32 @@ def test_trimmed_positions_is_rows_times_the_span_of_real_columns():
     left_padded = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
     assert int(_trimmed_positions(left_padded, 8)) == 2 * 3
     assert _trimmed_positions(None, 12) == 12  # no mask: every position counts
+
+
+def test_the_reference_computation_is_timed_early_only_and_its_early_speed_is_kept_with_the_state(
+    tmp_path, monkeypatch
+):
+    import lightning_tfdebug.callbacks.throughput_monitor as module
+
+    timed_at: list[int] = []
+    real = module.reference_work_ms
+
+    class Counting(ThroughputMonitor):
+        def _measure(self, trainer, now):
+            before = len(calls)
+            super()._measure(trainer, now)
+            if len(calls) > before:
+                timed_at.append(trainer.global_step)
+
+    calls: list[float] = []
+    monkeypatch.setattr(module, "reference_work_ms", lambda: calls.append(real()) or calls[-1])
+    # a factor no noise reaches: no measurement is slow, so only the early ones time the reference
+    monitor = Counting(every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2, regression_factor=100.0)
+    fit(tmp_path, [monitor], max_steps=30)
+    # the measuring steps that fill the early window (steps 2-9), then none while no measurement is slow
+    assert timed_at and max(timed_at) <= 12 and len(calls) >= 3, timed_at
+    state = monitor.state_dict()
+    assert len(state["reference_baseline"]["values"]) == len(calls)
+    resumed = ThroughputMonitor(every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2)
+    resumed.load_state_dict(state)
+    assert resumed._reference_base.median() == monitor._reference_base.median() > 0

@@ -251,6 +251,7 @@ def row(**values):
         trimmed_positions=1000.0,
         cpu_ratio=1.0,
         mean_ratio=float("nan"),
+        reference_ratio=float("nan"),
     )
     base.update(values)
     return base
@@ -301,6 +302,42 @@ def test_diagnosis_needs_patience_and_tells_contention_from_a_slowdown():
     assert codes(ThroughputDiagnosis(patience=2), reshuffled, 2) == [[], []]
     assert codes(ThroughputDiagnosis(patience=2), [row(step_ms=40.0, mean_ratio=1.9)], 2) == [[], ["TFD603"]]
     assert codes(ThroughputDiagnosis(patience=2), [row()], 3) == [[], [], []]
+
+
+def test_a_machine_that_got_slower_is_told_from_a_run_that_did_by_a_fixed_reference_computation():
+    from lightning_tfdebug.functional.throughput_checks import ThroughputDiagnosis, throughput_metrics
+
+    def verdicts(stats, times=2):
+        diagnosis = ThroughputDiagnosis(patience=2)
+        return [diagnosis.update(throughput_metrics(stats), stats) for _ in range(times)][-1]
+
+    # The step time doubled with no run-queue wait and no other process's CPU use (what a hypervisor taking the CPU,
+    # a lower clock or a saturated memory bus look like from inside): the reference computation slowed 1.9x too.
+    stolen = [row(step_ms=40.0, other_extra=0.0, delay_rise_ms=0.0, cpu_ratio=1.0, reference_ratio=1.9)]
+    [verdict] = verdicts(stolen)
+    assert verdict.code == "TFD605" and verdict.severity is None  # the rule's severity: info
+    assert "reference computation" in verdict.message and "1.90x" in verdict.message
+    assert verdict.evidence["reference_ratio"] == 1.9 and verdict.evidence["ratio_to_early"] == 2.0
+    # a lower clock: the run's CPU time per step rose with its step time (the same CPU per second), and so did the
+    # reference's
+    lower_clock = row(step_ms=40.0, cpu_ratio=2.0, mean_ratio=2.0, reference_ratio=1.8)
+    assert [v.code for v in verdicts([lower_clock])] == ["TFD605"]
+    # no /proc at all (macOS): the reference alone tells
+    unknown = dict(other_extra=float("nan"), delay_rise_ms=float("nan"), cpu_ratio=float("nan"))
+    [verdict] = verdicts([row(step_ms=40.0, reference_ratio=2.1, **unknown)])
+    assert verdict.code == "TFD605" and "nan" not in verdict.message
+    # the run slowed itself: the reference computation runs as fast as it did on the early steps
+    [verdict] = verdicts([row(step_ms=40.0, reference_ratio=1.05)])
+    assert verdict.code == "TFD603" and verdict.evidence["reference_ratio"] == 1.05
+    assert [v.code for v in verdicts([row(step_ms=40.0, reference_ratio=1.05, **unknown)])] == ["TFD603"]
+    # slower by less than half the step's rise: not the machine's doing (1.4x against a 3x step time)
+    assert [v.code for v in verdicts([row(step_ms=60.0, reference_ratio=1.4)])] == ["TFD603"]
+    # the run's own threads took the cores: the reference slowed, but the run used 1.75x the CPU per second it did
+    # early on (a busy thread of its own)
+    [verdict] = verdicts([row(step_ms=40.0, cpu_ratio=3.5, mean_ratio=2.0, reference_ratio=1.9)])
+    assert verdict.code == "TFD603"
+    # not timed (NaN): the other readings decide as before
+    assert [v.code for v in verdicts([row(step_ms=40.0)])] == ["TFD603"]
 
 
 def test_padding_waste_is_info_until_padding_is_most_of_the_positions_then_a_warning_with_the_speedups():
