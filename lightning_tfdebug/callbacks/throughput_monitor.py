@@ -37,10 +37,6 @@ from lightning_tfdebug.functional.throughput import (
 from lightning_tfdebug.functional.throughput_checks import ThroughputDiagnosis, rows_to_stats, throughput_metrics
 from lightning_tfdebug.functional.verdicts import Verdict
 
-_REFERENCE_TIMINGS = 3
-"""The reference computation is timed on at least this many early measuring steps (more while the early window
-fills), so that one noisy timing does not set the machine's early speed."""
-
 
 def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
     """Import ``"package.module.function"`` (or ``"package.module:function"``); callables pass through."""
@@ -494,9 +490,10 @@ class ThroughputMonitor(DebugCallback):
         reference_ratio = math.nan
         started = time.perf_counter()
         slow = baseline_ready and step_ms > self.regression_factor * self._baseline.median()
-        if len(self._baseline) > in_baseline or (baseline_ready and len(self._reference_base) < _REFERENCE_TIMINGS):
-            # Deliberate host work (20 ms) on the early measuring steps only: how long a fixed computation takes on
-            # this machine while the early step times are taken
+        if len(self._baseline) > in_baseline:
+            # Deliberate host work (20 ms) on the measuring steps whose steps form the early window, and no others:
+            # how long a fixed computation takes on this machine while the early step times are taken (one timing
+            # at the default cadence, a one-time cost of the fit)
             self._reference_base.add(reference_work_ms())
         elif slow and len(self._reference_base):
             # A slow measurement: the same computation again (20 ms of host work, only while the step time is up).
