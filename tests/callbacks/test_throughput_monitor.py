@@ -230,6 +230,36 @@ def test_step_time_regressing_against_the_early_window(tmp_path):
     assert finding.evidence["ratio_to_early"] > 3.0 and finding.step >= 16
 
 
+class KeepsEveryOutput(TinyGPT):
+    """A common slowdown of the run's own making: every step's logits are kept, and a statistic over all of them is
+    recomputed at every step, so each step does more work than the one before (from step 25, after the early
+    window, as when the statistic is switched on by a schedule)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"], batch.get("attention_mask"))
+        if self.trainer.global_step >= 25:
+            self.seen.append(logits.detach().repeat(3, 1, 1))  # a larger output: the growth shows within 100 steps
+            with torch.no_grad():
+                confidence = torch.cat(self.seen).softmax(-1).amax(-1).mean()
+            self.log("confidence", confidence)
+        return self.loss(logits, batch["labels"])
+
+
+def test_a_run_that_slows_itself_with_growing_work_is_its_own_slowdown_at_the_defaults(tmp_path):
+    # the monitor at its defaults but for the cadence: the reference computation, timed early and again on the slow
+    # measurements, stays at its early speed while the run's own work grows, so the slowdown is the run's
+    monitor = ThroughputMonitor(every_n_steps=10)
+    fit(tmp_path, [monitor], model=KeepsEveryOutput(**SMALL), max_steps=100)
+    slow = [f for f in monitor.findings if f.code == "TFD603"]
+    assert slow and "TFD605" not in {f.code for f in monitor.findings}, [(f.code, f.evidence) for f in monitor.findings]
+    evidence = slow[0].evidence
+    assert evidence["ratio_to_early"] > 1.5 and evidence["reference_ratio"] - 1 < 0.5 * (evidence["ratio_to_early"] - 1)
+
+
 class LoadsTheMachine(TinyGPT):
     """From step 14, other processes keep every core busy; the model's own work does not change."""
 
