@@ -409,10 +409,13 @@ def reference_work_ms(span_ms: float = 20.0) -> float:
     """
     global _REFERENCE_BUFFERS
     if not _REFERENCE_BUFFERS:
-        generator = torch.Generator().manual_seed(0)  # fixed values, and the user's generator left alone
-        a, b = (torch.randn(192, 192, generator=generator) for _ in range(2))
-        source = torch.ones(1 << 20)
-        _REFERENCE_BUFFERS = (a, b, torch.empty(192, 192), source, torch.empty_like(source))
+        # CPU float32 whatever the defaults (`torch.set_default_device("cuda")` would time kernel launches only);
+        # fixed values, and the user's generator left alone
+        cpu = dict(device="cpu", dtype=torch.float32)
+        generator = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(192, 192, generator=generator, **cpu) for _ in range(2))
+        source = torch.ones(1 << 20, **cpu)
+        _REFERENCE_BUFFERS = (a, b, torch.empty(192, 192, **cpu), source, torch.empty_like(source))
     a, b, product, source, target = _REFERENCE_BUFFERS
     rounds = 0
     with torch.no_grad():

@@ -454,3 +454,20 @@ def test_agreement_sums_tell_whether_replicas_agree_whatever_the_world_size():
     # the same answer from 64 ranks, one of them off
     many = [[1.0, 2.0, 3.0, 4.0]] * 63 + [[1.5, 2.0, 3.0, 4.0]]
     assert disagreeing_tensors(*reduced(*many), ["a", "b"]) == ["a"]
+
+
+def test_the_reference_computation_spans_its_time_on_the_cpu_and_leaves_the_users_generator_alone():
+    from lightning_tfdebug.functional import throughput
+
+    state = torch.get_rng_state()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # a user's default: the reference stays CPU float32, comparable over a fit
+    try:
+        start = time.perf_counter()
+        per_round = throughput.reference_work_ms(span_ms=5.0)
+        spent_ms = (time.perf_counter() - start) * 1e3
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert spent_ms >= 5.0 and 0 < per_round <= spent_ms / 2  # two rounds at least, and the mean of the rounds
+    assert all(b.device.type == "cpu" and b.dtype == torch.float32 for b in throughput._REFERENCE_BUFFERS)
