@@ -499,7 +499,7 @@ class ThroughputMonitor(DebugCallback):
             # A slow measurement: the same computation again (20 ms of host work, only while the step time is up).
             # Slower by as much as the step, the machine got slower; as fast as before, the run did.
             reference_ratio = reference_work_ms() / self._reference_base.median()
-        self._reference_s = time.perf_counter() - started  # not the run's time: taken off the next step and window
+        self._reference_s = time.perf_counter() - started  # the monitor's time, not the run's: off the next step time
         peak, reserved, capacity = self._memory(trainer)
         if self._timer is not None and self._fetch_seen is not None:
             self._wait_s += self._timer.total_s - self._fetch_seen

@@ -101,7 +101,7 @@ def machine_slower(stat: dict[str, float]) -> bool:
     reference = stat.get("reference_ratio", math.nan)
     if not (rise > 0 and reference - 1.0 >= EXPLAINS * rise):  # False when not timed (NaN)
         return False
-    utilization = stat.get("cpu_ratio", math.nan) / stat.get("mean_ratio", math.nan)
+    utilization = stat.get("cpu_ratio", math.nan) / mean if mean > 0 else math.nan
     return not utilization > OWN_UTILIZATION  # NaN (not measured): the reference alone decides
 
 
