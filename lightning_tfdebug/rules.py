@@ -979,7 +979,11 @@ _RULES: tuple[Rule, ...] = (
         "warning",
         "GradNormMonitor",
         title="vanishing: groups far below the largest group, sustained",
-        trigger="a group's norm below `vanishing_ratio` x the median group norm for `patience` measurements",
+        trigger=(
+            "a group's norm below `vanishing_ratio` x the largest group norm for `patience` measurements in a row, "
+            "among the groups an optimizer steps (a group in no optimizer's param groups is neither the reference nor "
+            "judged: it never learns, and its gradient stays at its initial size)"
+        ),
         hint=(
             "Those layers barely learn. Usual causes: missing residual connections, saturating activations "
             "(sigmoid/tanh), post-norm without warm-up, or a detach() in the forward."

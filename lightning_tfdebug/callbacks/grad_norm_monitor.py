@@ -19,6 +19,7 @@ from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms, step_norms
+from lightning_tfdebug.functional.update_checks import outside_optimizers
 
 _OVERCLIP = 100.0
 """TFD306 when every step's gradient norm is more than this many times ``gradient_clip_val``."""
@@ -115,6 +116,7 @@ class GradNormMonitor(DebugCallback):
         self._no_grad = Streak()
         self._overclip = Streak()
         self._layout: ReductionLayout | None = None
+        self._trained: tuple[bool, ...] = ()  # per group: an optimizer holds at least one of its parameters
         self._clip_count: Tensor | None = None  # device counter of clipped steps since the last log
         self._clip_steps = 0
         self._patched_plugin: Any = None  # the Trainer's precision plugin while its clipping is counted
@@ -127,6 +129,7 @@ class GradNormMonitor(DebugCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._layout = None
+        self._trained = ()
         if stage == "fit":
             self._install_clip_counter(trainer)
 
@@ -241,6 +244,10 @@ class GradNormMonitor(DebugCallback):
                 "multiplied by the AMP loss scale when measured; GradNormMonitor divided them by the scale.",
                 {"loss_scale": 1.0 / float(inv_scale)},
             )
+        if not self._trained:  # once per fit, host only: which groups an optimizer steps at all
+            outside = outside_optimizers(layout.groups.params, trainer.optimizers)
+            held = {g for i, g in enumerate(layout.groups.index) if outside is None or not outside[i]}
+            self._trained = tuple(g in held for g in range(layout.n_groups))
         self._diagnose(trainer, host, scaler is not None)
         self._diagnose_clipping(trainer, host)
         self._track_unused(trainer, missing, len(params))
@@ -276,22 +283,28 @@ class GradNormMonitor(DebugCallback):
 
         # Reference: the largest group norm. The median would sink with the groups it should expose when half of
         # a deep stack vanishes (bug 13), so vanishing groups are judged against the best-served group instead.
-        norms = [host[f"grad_norm/{g}"] for g in group_names]
-        reference = max(norms)
+        # Only groups an optimizer steps count, as reference or as vanishing: a group left out of every optimizer
+        # never learns, its gradient stays as large as at initialisation while the trained groups' fall, and every
+        # other group would look vanishing next to it (TFD320/TFD312 name that bug).
+        trained = [g for g, held in zip(group_names, self._trained or (True,) * len(group_names)) if held]
+        norms = [host[f"grad_norm/{g}"] for g in trained]
+        reference = max(norms, default=0.0)
         if len(norms) >= 2 and reference > 0:
             vanishing = []
-            for g, n in zip(group_names, norms):
+            for g, n in zip(trained, norms):
                 if self._vanishing.update(g, n < self.vanishing_ratio * reference) >= self.patience:
                     vanishing.append(g)
             if vanishing:
+                largest = trained[norms.index(reference)]
                 self.emit(
                     trainer,
                     "TFD302",
                     f"Gradients vanish in {', '.join(vanishing)}: below {self.vanishing_ratio:g} x the largest group "
-                    f"norm for {self.patience} measurements in a row.",
+                    f"norm ({largest}) for {self.patience} measurements in a row.",
                     {
                         "groups": vanishing,
                         "group_norms": {g: host[f"grad_norm/{g}"] for g in vanishing},
+                        "largest_group": largest,
                         "largest_group_norm": reference,
                     },
                 )

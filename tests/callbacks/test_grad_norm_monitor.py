@@ -129,6 +129,19 @@ def test_vanishing_groups_in_a_deep_stack_without_residuals(tmp_path):
     fit(tmp_path, [monitor], model=model, max_steps=30)
     [finding] = [f for f in monitor.findings if f.code == "TFD302"]
     assert "blocks.0" in finding.evidence["groups"] and "head" not in finding.evidence["groups"]
+    assert finding.evidence["largest_group"] in finding.message
+
+
+def test_a_group_no_optimizer_steps_is_not_the_reference_for_vanishing(tmp_path):
+    # bug 10: the head is in no optimizer. It never learns, its gradient stays ~100 while the trained groups' fall, and
+    # next to it the final LayerNorm looked vanishing (TFD302 at step 80 before). OptimizerAudit and UpdateRatio name
+    # the bug (TFD320, TFD312); the vanishing check judges the groups that train, against each other.
+    monitor = GradNormMonitor(every_n_steps=10)
+    fit(tmp_path, [monitor], model=TinyGPT(head_not_in_optimizer=True, **SMALL), max_steps=100)
+    assert "TFD302" not in codes(monitor), [(f.code, f.step, f.evidence) for f in monitor.findings]
+    assert monitor._trained and not all(monitor._trained)  # the head's group is known to be out of the optimizer
+    head = monitor._layout.groups.group_names.index("head")
+    assert monitor._trained[head] is False
 
 
 def test_healthy_runs_raise_nothing(tmp_path):
