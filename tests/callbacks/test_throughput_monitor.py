@@ -363,9 +363,15 @@ def test_without_proc_a_loaded_machine_is_told_from_the_run_by_a_fixed_reference
         every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2, regression_factor=2.0
     )
     model = LoadsTheMachine(**SMALL)
+    # One torch thread: with several, a step of many small parallel regions waits at each for its slowest thread, and
+    # on a machine oversubscribed many times over (this test's busy loops plus a loaded CI machine) it slowed 25x
+    # while the reference's few large regions slowed far less (the limitation in docs/callbacks/throughput_monitor.md)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         fit(tmp_path, [monitor], model=model, max_steps=36)
     finally:
+        torch.set_num_threads(threads)
         for hog in model.hogs:
             hog.kill()
             hog.wait()
