@@ -286,7 +286,7 @@ class GradNormMonitor(DebugCallback):
         # Only groups an optimizer steps count, as reference or as vanishing: a group left out of every optimizer
         # never learns, its gradient stays as large as at initialisation while the trained groups' fall, and every
         # other group would look vanishing next to it (TFD320/TFD312 name that bug).
-        trained = [g for g, held in zip(group_names, self._trained or (True,) * len(group_names)) if held]
+        trained = [g for g, held in zip(group_names, self._trained) if held]  # set in `_measure` before this
         norms = [host[f"grad_norm/{g}"] for g in trained]
         reference = max(norms, default=0.0)
         if len(norms) >= 2 and reference > 0:
