@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.io import publish_dir, write_text
+from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import _jsonable
 
 FORMAT_VERSION = 1
@@ -239,22 +240,20 @@ def host_copy(batch: Any) -> Any:
     return batch
 
 
-_HOST_COPY_ATTR = "_tfdebug_host_batch"
-
-
 def share_host_copy(trainer: Any, batch: Any, copy: Any) -> None:
     """Publish the host copy of this step's ``batch`` on the Trainer, for callbacks that diagnose a failed step.
 
     Only the latest batch is kept (a reference to a copy ReproCapture made anyway), so nothing outlives its step.
     """
-    trainer.__dict__[_HOST_COPY_ATTR] = (batch, copy)
+    state = step_state(trainer)
+    state.host_copy_of, state.host_copy = batch, copy
 
 
 def shared_host_copy(trainer: Any, batch: Any) -> Any | None:
     """The host copy of ``batch`` published by :func:`share_host_copy` on this Trainer, or None. After a CUDA
     device-side assert it is the only copy of the batch that can still be read."""
-    held = trainer.__dict__.get(_HOST_COPY_ATTR)
-    return held[1] if held is not None and held[0] is batch else None
+    state = step_state(trainer)
+    return state.host_copy if state.host_copy_of is batch else None
 
 
 def _sha256(path: str) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_tfdebug"
@@ -38,3 +40,270 @@ def test_functional_modules_need_no_trainer():
     for path in sorted((PACKAGE / "functional").glob("*.py")):
         bad = {m for m in imported_modules(path) if m.startswith(("lightning.pytorch", "pytorch_lightning"))}
         assert not bad, f"functional/{path.name} imports {sorted(bad)}: pure tensor code takes no Trainer"
+
+
+# ---------------------------------------------------------------------------------------------- the one shape
+# Every detector is measure -> reading -> rule -> finding (docs/architecture.md). These tests hold that shape on the
+# syntax tree. PENDING_* name what has not moved to it yet; an entry is removed when its module is restructured, and
+# a test below fails if a listed entry no longer breaks the rule (so the lists only shrink).
+
+MAX_CALLBACK_LINES = 400
+MAX_FUNCTION_LINES = 80
+CODE = re.compile(r"TFD[1-7]\d\d")
+
+PENDING_CODES_IN_CALLBACKS: set[str] = {
+    "batch_guard.py",
+    "checkpoint_audit.py",
+    "dead_activation.py",
+    "grad_norm_monitor.py",
+    "loss_at_init.py",
+    "mask_probe.py",
+    "nan_first_frame.py",
+    "optimizer_audit.py",
+    "repro_capture.py",
+    "scaler_watch.py",
+    "update_ratio.py",
+}
+PENDING_LONG_CALLBACKS: set[str] = {
+    "batch_guard.py",
+    "checkpoint_audit.py",
+    "dead_activation.py",
+    "loss_at_init.py",
+    "mask_probe.py",
+    "nan_first_frame.py",
+    "optimizer_audit.py",
+    "throughput_monitor.py",
+    "update_ratio.py",
+}
+PENDING_LONG_FUNCTIONS: set[str] = {
+    "callbacks/batch_guard.py:BatchGuard.__init__",
+    "callbacks/loss_at_init.py:LossAtInit._collect",
+    "callbacks/mask_probe.py:MaskProbe._probe",
+    "callbacks/mask_probe.py:MaskProbe._probe_alignment",
+    "callbacks/mask_probe.py:MaskProbe._probe_masks",
+    "callbacks/nan_first_frame.py:NaNFirstFrame._emit",
+    "callbacks/nan_first_frame.py:NaNFirstFrame._report",
+    "callbacks/optimizer_audit.py:OptimizerAudit._audit_wiring",
+    "callbacks/throughput_monitor.py:ThroughputMonitor.__init__",
+    "callbacks/throughput_monitor.py:ThroughputMonitor._measure",
+    "callbacks/update_ratio.py:UpdateRatio._diagnose",
+    "functional/batch_checks.py:value_verdicts",
+    "functional/batches.py:mask_hole_statistics",
+    "functional/batches.py:token_statistics",
+    "functional/call_probes.py:plan_call",
+    "functional/checkpoints.py:content_problems",
+    "functional/checkpoints.py:resume_problems",
+    "functional/loss_checks.py:classify_init_loss",
+    "functional/loss_checks.py:context_verdict",
+    "functional/loss_checks.py:loss_transform_verdict",
+    "repro.py:replay",
+    "repro.py:write_bundle",
+}
+PENDING_IMPURE_FUNCTIONAL: set[str] = {
+    "checkpoints.py",
+    "frames.py",
+    "throughput.py",
+    "throughput_checks.py",
+}
+PENDING_CYCLES: set[frozenset[str]] = {
+    frozenset(["lightning_tfdebug.core.base", "lightning_tfdebug.core.scalars"]),
+    frozenset(["lightning_tfdebug.core.io", "lightning_tfdebug.findings"]),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (module, class, function, and attribute docstrings)."""
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list) or not body:
+            continue
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+        for before, after in itertools.pairwise(body):
+            if isinstance(before, (ast.Assign, ast.AnnAssign)) and isinstance(after, ast.Expr):
+                out.add(id(after.value))
+    return out
+
+
+def codes_written(path: Path) -> set[str]:
+    """Finding codes written in a module's code (string constants and f-string parts), docstrings excepted."""
+    tree = ast.parse(path.read_text())
+    skip = _docstrings(tree)
+    return {
+        code
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+        for code in CODE.findall(node.value)
+    }
+
+
+def long_functions() -> dict[str, int]:
+    """``module:qualname`` of every function over MAX_FUNCTION_LINES lines, with its length."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+
+        def visit(node: ast.AST, prefix: str, name: str = name) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    qual = f"{prefix}{child.name}"
+                    if not isinstance(child, ast.ClassDef) and child.end_lineno - child.lineno + 1 > MAX_FUNCTION_LINES:
+                        out[f"{name}:{qual}"] = child.end_lineno - child.lineno + 1
+                    visit(child, qual + ".", name)
+
+        visit(ast.parse(path.read_text()), "")
+    return out
+
+
+def impurities(path: Path) -> list[str]:
+    """What makes a functional module more than host numbers and tensors in, readings or verdicts out."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.arg in ("trainer", "pl_module"):
+            found.append(f"a `{node.arg}` parameter (line {node.lineno})")
+        elif isinstance(node, ast.Attribute) and node.attr == "__dict__":
+            found.append(f"`__dict__` (line {node.lineno})")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "open":
+            found.append(f"file I/O (line {node.lineno})")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            for name in names:
+                if name.split(".")[0] in ("os", "lightning", "pytorch_lightning", "subprocess", "resource"):
+                    found.append(f"imports {name} (line {node.lineno})")
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, anywhere in it (a function-local import is still a dependency),
+    except under ``if TYPE_CHECKING:``."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for n in ast.walk(block)
+        }
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    base = ".".join(name.split(".")[: len(name.split(".")) - node.level] + ([base] if base else []))
+                candidates = [f"{base}.{a.name}" for a in node.names] + [base]
+            else:
+                candidates = [a.name for a in node.names]
+            deps.update(c for c in candidates if c in modules and c != name and c != "lightning_tfdebug")
+        graph[name] = deps
+    return graph
+
+
+def cycles() -> set[frozenset[str]]:
+    """The strongly connected groups of modules in the import graph (Tarjan), as sets of two or more modules."""
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: set[frozenset[str]] = set()
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.add(frozenset(group))
+
+    for v in graph:
+        if v not in index:
+            connect(v)
+    return out
+
+
+def test_no_callback_writes_a_finding_code():
+    """A code is decided by a rule in functional/*_checks.py; a callback only hands verdicts to `emit`."""
+    for path in sorted((PACKAGE / "callbacks").glob("*.py")):
+        codes = codes_written(path)
+        if path.name in PENDING_CODES_IN_CALLBACKS:
+            assert codes, f"callbacks/{path.name} writes no code any more: remove it from PENDING_CODES_IN_CALLBACKS"
+            continue
+        assert not codes, f"callbacks/{path.name} writes {sorted(codes)}: decide them in a rule of functional/"
+
+
+def test_callbacks_are_small():
+    for path in sorted((PACKAGE / "callbacks").glob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if path.name in PENDING_LONG_CALLBACKS:
+            assert lines > MAX_CALLBACK_LINES, f"callbacks/{path.name} is {lines} lines: remove it from the pending"
+            continue
+        assert lines <= MAX_CALLBACK_LINES, f"callbacks/{path.name} is {lines} lines (at most {MAX_CALLBACK_LINES})"
+
+
+def test_no_function_is_long():
+    found = long_functions()
+    for name in PENDING_LONG_FUNCTIONS:
+        assert name in found, f"{name} is short now (or gone): remove it from PENDING_LONG_FUNCTIONS"
+    extra = {k: v for k, v in found.items() if k not in PENDING_LONG_FUNCTIONS}
+    assert not extra, f"functions over {MAX_FUNCTION_LINES} lines: {extra}"
+
+
+def test_functional_is_pure():
+    """functional/: tensors and host numbers in, readings or verdicts out: no Trainer, no `__dict__`, no I/O."""
+    for path in sorted((PACKAGE / "functional").glob("*.py")):
+        found = impurities(path)
+        if path.name in PENDING_IMPURE_FUNCTIONAL:
+            assert found, f"functional/{path.name} is pure now: remove it from PENDING_IMPURE_FUNCTIONAL"
+            continue
+        assert not found, f"functional/{path.name}: {found}; move it to core/ (host readers: core/host.py)"
+
+
+def test_no_import_cycles():
+    found = cycles()
+    for group in PENDING_CYCLES:
+        assert group in found, f"the cycle {sorted(group)} is gone: remove it from PENDING_CYCLES"
+    extra = found - PENDING_CYCLES
+    assert not extra, f"import cycles: {[sorted(g) for g in extra]}"
+
+
+def test_the_layout_checks_see_what_they_check():
+    """The scanners find what they look for (a check that cannot fail is no check)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        bad = Path(folder) / "bad.py"
+        bad.write_text(
+            '"""TFD301 in a docstring is fine."""\n'
+            "import os\n\n\ndef f(trainer):\n"
+            '    """TFD302 too."""\n'
+            "    trainer.__dict__['x'] = open('f')\n"
+            '    return "TFD303 " + f"{trainer} TFD304"\n'
+        )
+        assert codes_written(bad) == {"TFD303", "TFD304"}
+        assert len(impurities(bad)) == 4

@@ -443,7 +443,7 @@ class BatchGuard(DebugCallback):
     def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict] | Verdict | None, step: int | None = None) -> None:
         """Emit decisions as rank-local findings (each rank judges its own batch); a schema finding once per key."""
         for v in [verdicts] if isinstance(verdicts, Verdict) else verdicts or []:
-            self.emit(
+            self.emit_code(
                 trainer,
                 v.code,
                 v.message,

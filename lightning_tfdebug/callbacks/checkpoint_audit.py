@@ -290,7 +290,7 @@ class CheckpointAudit(DebugCallback):
                 self._emit(trainer, damaged.verdict, key=f"damaged:{path}", synchronized=False)
                 continue
             except Exception as err:
-                self.emit(
+                self.emit_code(
                     trainer,
                     "TFD709",
                     f"Checkpoint {path} could not be opened for checking: {type(err).__name__}: {err}",
@@ -323,7 +323,7 @@ class CheckpointAudit(DebugCallback):
         name = os.path.basename(path)
         if full or self._full_saved:
             resume_from = f"{', '.join(full)} keeps full checkpoints" if full else "this run also wrote a full one"
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD709",
                 f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state), so only its existence "
@@ -334,7 +334,7 @@ class CheckpointAudit(DebugCallback):
             )
             return
         savers = [type(cb).__name__ for cb in trainer.checkpoint_callbacks]
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD709",
             f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state), and no checkpoint this run "
@@ -351,7 +351,7 @@ class CheckpointAudit(DebugCallback):
         )
 
     def _not_checked(self, trainer: pl.Trainer, path: str, why: str) -> None:
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD709",
             f"Checkpoint {path} not checked: {why}.",
@@ -431,7 +431,7 @@ class CheckpointAudit(DebugCallback):
         evidence: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        self.emit(
+        self.emit_code(
             trainer,
             verdict.code,
             verdict.message if message is None else message,

@@ -612,7 +612,7 @@ class DeadActivation(DebugCallback):
             for layer in layers
         ]
         for verdict in decide_activations(fractions, self._history, self._limits):
-            self.emit(trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, step=step)
+            self.emit_code(trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, step=step)
 
     def _report_unobservable(self, trainer: pl.Trainer, reason: str, compiled: bool, step: int | None = None) -> None:
         hint = (
@@ -622,7 +622,7 @@ class DeadActivation(DebugCallback):
             else "Check that the activations are modules called in the training forward; for activations applied as "
             "functions, name the modules feeding them with `preactivations`."
         )
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD343",
             f"DeadActivation cannot measure: {reason}",

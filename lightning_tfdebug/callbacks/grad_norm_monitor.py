@@ -16,9 +16,10 @@ from lightning_tfdebug.core.compat import overrides
 from lightning_tfdebug.core.distributed import DTensor, local_tensor, packed_reduce
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.model import grad_scaler_of
+from lightning_tfdebug.core.step import step_norms
 from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms, step_norms
+from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms
 from lightning_tfdebug.functional.update_checks import outside_optimizers
 
 _OVERCLIP = 100.0
@@ -237,7 +238,7 @@ class GradNormMonitor(DebugCallback):
             logged = {k: v for k, v in logged.items() if k in keep}
         self.log_scalars(trainer, logged)
         if still_scaled:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD305",
                 f"The optimizer ({type(optimizer).__name__}) unscales gradients inside step(), so they were still "
@@ -261,7 +262,7 @@ class GradNormMonitor(DebugCallback):
         nonfinite_groups = [g for g in group_names if host[f"_nonfinite/{g}"] > 0]
         if nonfinite_groups and not has_scaler:
             # under a GradScaler an overflowing step is skipped by design; ScalerWatch owns that diagnosis
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD303",
                 f"{int(host['grad_norm/nonfinite'])} parameter tensor(s) have inf/nan gradients, in groups "
@@ -273,7 +274,7 @@ class GradNormMonitor(DebugCallback):
             return
         median = self._history.median()
         if len(self._history) >= self.warmup_measurements and total > self.explosion_factor * median > 0:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD301",
                 f"The gradient norm exploded to {total:.4g}, {total / median:.1f}x its running median of {median:.4g}.",
@@ -296,7 +297,7 @@ class GradNormMonitor(DebugCallback):
                     vanishing.append(g)
             if vanishing:
                 largest = trained[norms.index(reference)]
-                self.emit(
+                self.emit_code(
                     trainer,
                     "TFD302",
                     f"Gradients vanish in {', '.join(vanishing)}: below {self.vanishing_ratio:g} x the largest group "
@@ -319,7 +320,7 @@ class GradNormMonitor(DebugCallback):
         over = frac >= 0.99 and total == total and total > _OVERCLIP * clip
         if self._overclip.update("total", over) < self.patience:
             return
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD306",
             f"Every step is clipped, by a factor of {total / clip:.3g}: the gradient norm is {total:.4g} and "
@@ -334,7 +335,7 @@ class GradNormMonitor(DebugCallback):
         for n in present:
             self._no_grad.counts.pop(n, None)
         if unused:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD304",
                 f"{len(unused)} of {n_params} trainable parameter tensor(s) never received a gradient in "

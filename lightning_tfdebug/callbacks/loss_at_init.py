@@ -876,7 +876,7 @@ class LossAtInit(DebugCallback):
         if host["ok"] >= world_size():
             return False
         text = reason or "another rank could not find the logits or labels (see its warning)"
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD228",
             f"LossAtInit cannot read the model's outputs or labels: {text}.",
@@ -893,7 +893,7 @@ class LossAtInit(DebugCallback):
 
     def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict], step: int) -> None:
         for verdict in verdicts:  # from reduced values: every rank reaches the same findings
-            self.emit(
+            self.emit_code(
                 trainer,
                 verdict.code,
                 verdict.message,

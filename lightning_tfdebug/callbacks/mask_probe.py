@@ -430,7 +430,7 @@ class MaskProbe(DebugCallback):
 
     def _emit(self, trainer: pl.Trainer, verdict: Verdict | None, **kwargs: Any) -> None:
         if verdict is not None:  # every MaskProbe finding is this rank's own: resolved together at the step's end
-            self.emit(
+            self.emit_code(
                 trainer,
                 verdict.code,
                 verdict.message,
@@ -547,7 +547,7 @@ class MaskProbe(DebugCallback):
         return verdict is None
 
     def _cannot_call(self, trainer: pl.Trainer, reason: str, setting: str = "`forward_fn`") -> None:
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD211",
             f"MaskProbe cannot call the model: {reason}",
@@ -820,7 +820,7 @@ class MaskProbe(DebugCallback):
         try:
             fn = import_object(self.kv_cache_fn)  # type: ignore[arg-type]
         except (ImportError, AttributeError, ValueError) as err:
-            self.emit(
+            self.emit_code(
                 trainer, "TFD211", f"`kv_cache_fn` could not be imported: {err}", synchronized=False, key="kv_cache_fn"
             )
             return
@@ -828,7 +828,7 @@ class MaskProbe(DebugCallback):
         incremental = logits_of(fn(pl_module, ids))
         if incremental is None or incremental.shape != full.shape:
             shape = None if incremental is None else tuple(incremental.shape)
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD211",
                 f"`kv_cache_fn` returned {shape}, not logits of shape {tuple(full.shape)}; the cache check is skipped.",
@@ -872,7 +872,7 @@ class MaskProbe(DebugCallback):
             returned = loss_of(output)
         except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
             self._alignment_decided = True
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD210",
                 f"Target alignment not checked: calling `training_step` on the batch failed ({type(err).__name__}).",
@@ -884,7 +884,7 @@ class MaskProbe(DebugCallback):
             return
         if returned is None or returned.numel() != 1:
             self._alignment_decided = True
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD210",
                 "Target alignment not checked: `training_step` did not return a scalar loss.",

@@ -402,7 +402,7 @@ class NaNFirstFrame(DebugCallback):
         be matched against the wrong one (gloo aborts the process natively, NCCL hangs), so none is run: the finding
         is recorded on this rank alone, and the error ends this process; the other ranks' pending collective then
         fails at once (their peer is gone), their own replay fails and they end here too."""
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD403",
             f"The loss or gradients became non-finite at step {step} on rank(s) {bad_ranks}, and replaying the batch "
@@ -663,7 +663,7 @@ class NaNFirstFrame(DebugCallback):
             "warm-up or clipping; a nan from log(0), sqrt(0) backward or 0/0 points at the named module's math."
         )
         if error and bad_ranks:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD403",
                 f"The loss or gradients became non-finite at step {summary['step']} on rank(s) {bad_ranks}, and "
@@ -672,7 +672,7 @@ class NaNFirstFrame(DebugCallback):
                 key=f"step{summary['step']}",
             )
         elif bad_ranks:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD401",
                 f"The loss or gradients became non-finite at step {summary['step']} on rank(s) {bad_ranks}: {where}. "
@@ -682,7 +682,7 @@ class NaNFirstFrame(DebugCallback):
                 key=f"step{summary['step']}",
             )
         else:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD402",
                 f"At step {summary['step']} a module produced inf/nan that did not reach the loss, on rank(s) "

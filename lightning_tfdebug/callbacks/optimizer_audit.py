@@ -218,7 +218,7 @@ class OptimizerAudit(DebugCallback):
                     elif decay > 0 and id(param) in embeddings:
                         embed.append(name)
                 if one_d:
-                    self.emit(
+                    self.emit_code(
                         trainer,
                         "TFD324",
                         f"Weight decay {decay:g} is applied to {len(one_d)} one-dimensional parameters (norm weights, "
@@ -235,7 +235,7 @@ class OptimizerAudit(DebugCallback):
                     self._decay_evidence["weight_decay"] = max(decay, self._decay_evidence.get("weight_decay", 0.0))
                     self._decay_evidence["count"] = self._decay_evidence.get("count", 0) + len(one_d)
                 if embed:
-                    self.emit(
+                    self.emit_code(
                         trainer,
                         "TFD325",
                         f"Weight decay {decay:g} is applied to embedding tables in param group {label}: "
@@ -247,7 +247,7 @@ class OptimizerAudit(DebugCallback):
                 self._check_half_eps(trainer, kind, label, group)
                 self._check_decay_rate(trainer, kind, label, group, decay)
                 if decay > 0 and kind in _COUPLED_DECAY and not group.get("decoupled_weight_decay", False):
-                    self.emit(
+                    self.emit_code(
                         trainer,
                         "TFD326",
                         f"{kind} with weight_decay={decay:g} adds L2 to the gradient, which the adaptive step then "
@@ -260,7 +260,7 @@ class OptimizerAudit(DebugCallback):
         frozen = [n for pid, (n, p) in named.items() if not p.requires_grad and pid in membership]
         twice = [n for pid, (n, _) in named.items() if len(membership.get(pid, ())) > 1]
         if missing:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD320",
                 f"{len(missing)} trainable parameters are in no optimizer param group and will never change: "
@@ -268,7 +268,7 @@ class OptimizerAudit(DebugCallback):
                 {"count": len(missing), "names": missing[:50]},
             )
         if twice:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD321",
                 f"{len(twice)} parameters appear in more than one param group or optimizer: {_names(twice)}.",
@@ -276,7 +276,7 @@ class OptimizerAudit(DebugCallback):
             )
         self._frozen_in_optimizer = {pid for pid, (_, p) in named.items() if not p.requires_grad and pid in membership}
         if frozen:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD322",
                 f"{len(frozen)} frozen parameters (requires_grad=False) are in the optimizer: {_names(frozen)}. Torch "
@@ -285,7 +285,7 @@ class OptimizerAudit(DebugCallback):
                 {"count": len(frozen), "names": frozen[:50]},
             )
         if strangers:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD323",
                 f"The optimizer holds {strangers} tensors that are not parameters of the module: they are updated "
@@ -310,7 +310,7 @@ class OptimizerAudit(DebugCallback):
         rate = float(lr) * decay  # a tensor LR is read once, at the start of training
         if not rate > _DECAY_PER_STEP:
             return
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD336",
             f"Weight decay {decay:g} at a learning rate of {float(lr):.3g} shrinks every decayed weight by "
@@ -338,7 +338,7 @@ class OptimizerAudit(DebugCallback):
             if eps16 == 0
             else f"that step becomes lr * m / eps, up to {factor:.3g}x the normal Adam step"
         )
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD333",
             f"{kind} steps float16 parameters with eps={eps:g} (group {label}): its moments are float16 too, the "
@@ -396,7 +396,7 @@ class OptimizerAudit(DebugCallback):
             # host sync: measuring steps only, and only when gradients were left allocated
             left = int(flags.sum().item())
             if left:
-                self.emit(
+                self.emit_code(
                     trainer,
                     "TFD334",
                     f"Gradients were not zeroed after the optimizer step: at the first backward of step "
@@ -414,7 +414,7 @@ class OptimizerAudit(DebugCallback):
         self._check_mode = False  # once per epoch start / after validation: a loop over modules, no tensor work
         where = f"epoch {trainer.current_epoch}, step {trainer.global_step}"
         if not pl_module.training:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD327",
                 f"The module is in eval mode at a training batch ({where}): dropout is off and batch norm uses "
@@ -429,7 +429,7 @@ class OptimizerAudit(DebugCallback):
             if not m.training and isinstance(m, _MODE_DEPENDENT) and (not isinstance(m, nn.Dropout) or m.p > 0)
         ]
         if stuck:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD328",
                 f"{len(stuck)} mode-dependent submodules are in eval mode while the module trains: {_names(stuck)}.",
@@ -492,7 +492,7 @@ class OptimizerAudit(DebugCallback):
             return
         verdict = decayed_norms_shrink(self._decay_first, (step, norm), self._decay_exposure, self._decay_evidence)
         if verdict is not None:
-            self.emit(
+            self.emit_code(
                 trainer,
                 verdict.code,
                 verdict.message,
@@ -526,7 +526,7 @@ class OptimizerAudit(DebugCallback):
                     if steps == 1
                     else (f"{calls} times over {steps} optimizer steps")
                 )
-                self.emit(
+                self.emit_code(
                     trainer,
                     "TFD329",
                     f"The LR scheduler {type(scheduler).__name__} was stepped {per_step}: a schedule sized in "
@@ -551,7 +551,7 @@ class OptimizerAudit(DebugCallback):
             self._decide_warmup(trainer, top)
         total = trainer.estimated_stepping_batches
         if self._peak_lr > 0 and top <= 1e-12 * self._peak_lr and step < self.zero_lr_fraction * float(total):
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD331",
                 f"The learning rate reached zero at step {step}, long before the end of the run "
@@ -569,7 +569,7 @@ class OptimizerAudit(DebugCallback):
             if top >= first_lr * (1 - 1e-9) and self._stuck_below_base(trainer, top):
                 return
             self._no_warmup = {"first_lr": first_lr, "lr": top, "step": step}
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD330",
                 f"No learning-rate warm-up: the LR at step {step} ({top:.3g}) is not above the LR of the first "
@@ -602,7 +602,7 @@ class OptimizerAudit(DebugCallback):
     def _escalate_warmup(self, trainer: pl.Trainer) -> None:
         if self._spike is None or self._no_warmup is None:
             return
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD330",
             f"No learning-rate warm-up, and the early loss spiked: {self._spike['spike']}, with the LR at its peak "
@@ -630,7 +630,7 @@ class OptimizerAudit(DebugCallback):
         intervals = sorted({str(c.interval) for c in configs})
         names = sorted({type(c.scheduler).__name__ for c in configs})
         step = trainer.global_step
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD335",
             f"The learning rate has not moved since the first step: at step {step} it is {top:.3g}, "
@@ -739,7 +739,7 @@ class OptimizerAudit(DebugCallback):
         for key in [k for k in host if k.startswith("__frozen:")]:
             if host.pop(key) > 0:
                 name = key.split(":", 1)[1]
-                self.emit(
+                self.emit_code(
                     trainer,
                     "TFD322",
                     f"Frozen parameter {name} (requires_grad=False) changed at an optimizer step: this optimizer "
@@ -755,7 +755,7 @@ class OptimizerAudit(DebugCallback):
         for name, changed in host.items():
             self._unchanged[name] = 0 if changed > 0 else self._unchanged[name] + 1
             if self._unchanged[name] >= self.patience:
-                self.emit(
+                self.emit_code(
                     trainer,
                     "TFD332",
                     f"Parameter {name} was byte-identical after {self._unchanged[name]} consecutive measured optimizer "

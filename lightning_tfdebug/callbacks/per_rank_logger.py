@@ -355,7 +355,9 @@ class PerRankLogger(DebugCallback):
         if agreement is not None:
             differing = disagreeing_tensors(host[world * len(_SLOTS) :], world, self._param_names)
         for verdict, key in self._diagnosis.update(stats, [], self._param_names, step, differing=differing):
-            self.emit(trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, key=key, step=step)
+            self.emit_code(
+                trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, key=key, step=step
+            )
 
     def _write_record(self, trainer: pl.Trainer, step: int, mine: dict[str, float]) -> None:
         record = {

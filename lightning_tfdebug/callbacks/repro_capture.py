@@ -203,7 +203,7 @@ class ReproCapture(DebugCallback):
                 refused = write_failures()
                 raise OSError(refused[-1].error if refused else f"the file system refused {self.repro_dir}")
         except Exception as err:  # never mask the exception that is propagating
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD131",
                 f"ReproCapture could not write a bundle for the {type(exception).__name__} at step "
@@ -227,7 +227,7 @@ class ReproCapture(DebugCallback):
                 " It came after that step's training_step and backward (a batch-end hook, the LR scheduler, or "
                 "loading the next batch); the bundle holds that step's batch."
             )
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD130",
             f"Training failed with {type(exception).__name__} at step {self._step if in_batch else trainer.global_step}"

@@ -154,7 +154,7 @@ class ScalerWatch(DebugCallback):
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         self._idle = not enabled
         if self._idle and stage == "fit":
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD410",
                 f"ScalerWatch has nothing to watch: precision {trainer.precision!r} uses no GradScaler (only fp16 "
@@ -296,7 +296,7 @@ class ScalerWatch(DebugCallback):
                 if scale < self.min_scale
                 else f"was reduced {recent_backoffs} times in the last {recent_steps} steps"
             )
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD411",
                 f"The fp16 loss scale collapsed: it {why}. Gradients overflow on most steps"
@@ -309,7 +309,7 @@ class ScalerWatch(DebugCallback):
             and recent_steps
             and recent_skipped / recent_steps > self.max_skipped_frac
         ):
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD412",
                 f"{recent_skipped} of the last {recent_steps} optimizer steps were skipped for fp16 overflow"
@@ -319,7 +319,7 @@ class ScalerWatch(DebugCallback):
             )
         step_schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
         if step_schedulers and self.lr_steps_on_skipped >= self.lr_skipped_steps:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD413",
                 f"A per-step LR scheduler ({type(step_schedulers[0].scheduler).__name__}) advanced on "
@@ -335,7 +335,7 @@ class ScalerWatch(DebugCallback):
         growth_interval = int(getattr(scaler, "get_growth_interval", lambda: 2000)())
         limit = self.no_growth_intervals * growth_interval
         if self.steps_total - self.last_growth_step >= limit:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD414",
                 f"The loss scale has not grown for {self.steps_total - self.last_growth_step} steps "

@@ -550,7 +550,7 @@ class ThroughputMonitor(DebugCallback):
     def _emit(self, trainer: pl.Trainer, verdicts: list[Verdict], step: int) -> None:
         # every value behind a verdict comes from the reduced table, so every rank reaches the same (synchronized)
         for v in verdicts:
-            self.emit(trainer, v.code, v.message, v.evidence, severity=v.severity, hint=v.hint, step=step)
+            self.emit_code(trainer, v.code, v.message, v.evidence, severity=v.severity, hint=v.hint, step=step)
 
     # ------------------------------------------------------------------ FLOPs and profiling
     def _stop_flop_counter(self) -> None:

@@ -16,11 +16,12 @@ from lightning_tfdebug.core.batch import loss_of, step_batch
 from lightning_tfdebug.core.distributed import local_tensor, world_size
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of
+from lightning_tfdebug.core.step import step_norms
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.learning import learned, progress
 from lightning_tfdebug.functional.loss import unigram_entropy
-from lightning_tfdebug.functional.norms import grouped_sq_norms, step_norms
+from lightning_tfdebug.functional.norms import grouped_sq_norms
 from lightning_tfdebug.functional.update_checks import (
     LOSS_FALL_PER_STEP,
     below_resolution,
@@ -428,7 +429,7 @@ class UpdateRatio(DebugCallback):
                     f"; group(s) {', '.join(self._rounded)} did not change at all: they are in the optimizer, but each "
                     f"step is below half the float spacing of their weights, which round back"
                 )
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD310",
                 f"Updates are tiny: ||dW||/||W|| = {ratio:.3g} (healthy band {self.low:g} to {self.high:g}) for "
@@ -446,7 +447,7 @@ class UpdateRatio(DebugCallback):
             )
         if ratio > self.high:  # one step that rewrites this much of the weights is damage already: no patience
             above = [g for g in names if host[f"update_ratio/{g}"] > self.high]
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD311",
                 f"Updates are huge: one optimizer step changed the weights by ||dW||/||W|| = {ratio:.3g} (healthy band "
@@ -456,7 +457,7 @@ class UpdateRatio(DebugCallback):
             )
         self._check_growth(trainer, {g: host[f"update_ratio/param_norm/{g}"] for g in names}, step)
         if frozen:
-            self.emit(
+            self.emit_code(
                 trainer,
                 "TFD312",
                 f"Group(s) {', '.join(frozen)} received gradients but did not change when the optimizer stepped, "
@@ -577,7 +578,7 @@ class UpdateRatio(DebugCallback):
             return
         if median <= self.growth_limit:
             return
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD313",
             f"Weights are growing fast: the median group norm grew {median:.3g}x in {step - start_step} optimizer "
@@ -613,7 +614,7 @@ class UpdateRatio(DebugCallback):
             if decay > 0
             else ""
         )
-        self.emit(
+        self.emit_code(
             trainer,
             "TFD314",
             f"Weights are shrinking fast: the median group norm fell to {median:.3g}x of its value in "

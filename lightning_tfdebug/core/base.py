@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -42,6 +42,7 @@ from lightning_tfdebug.findings import (
     TFDebugWarning,
     append_finding,
 )
+from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.rules import rule
 
 # Lightning's hooks: every `on_*` method of `Callback`, plus `setup` and `teardown`.
@@ -537,55 +538,54 @@ class DebugCallback(Callback):
     def emit(
         self,
         trainer: pl.Trainer,
-        code: str,
-        message: str,
-        evidence: Mapping[str, Any] | None = None,
+        verdicts: Verdict | Iterable[Verdict | None] | None,
         *,
-        severity: Severity | None = None,
-        hint: str | None = None,
-        key: str | None = None,
         synchronized: bool = True,
-        step: int | None = None,
-    ) -> Finding | None:
-        """Record a finding of a registered rule and act on it as ``on_finding`` says.
+    ) -> list[Finding]:
+        """Record the findings of rule verdicts and act on them as ``on_finding`` says: the one place where a
+        verdict becomes a finding.
 
         Args:
             trainer: the Trainer.
-            code: a code registered in :data:`lightning_tfdebug.rules.RULES`, e.g. ``"TFD301"``.
-            message: one sentence saying what is wrong, with the measured numbers.
-            evidence: the numbers that show it.
-            severity: overrides the rule's default severity (a callback escalating with evidence).
-            hint: a hint more specific than the rule's (naming the module at fault); default: the rule's hint.
-            key: findings are recorded once per ``(code, key)`` per callback instance; pass a distinct key (a group
-                name, a step) to record a code again.
-            synchronized: True when every rank reaches the same finding from the same reduced values; it is then
-                acted on at once. False for a finding only this rank sees; it is acted on at the next
+            verdicts: what rule functions returned (:meth:`~lightning_tfdebug.functional.verdicts.Rule.verdict`): one
+                verdict, several, or None entries for rules that found nothing.
+            synchronized: True when every rank reaches the same verdicts from the same reduced values; they are then
+                acted on at once. False for verdicts only this rank reaches; they are acted on at the next
                 :meth:`resolve_local_findings`, which all ranks call together.
-            step: the step the evidence belongs to (default ``trainer.global_step``).
 
         Returns:
-            The finding, or None if this ``(code, key)`` was already recorded.
+            The findings recorded now (a ``(code, key)`` already recorded by this callback is not recorded again).
 
         Raises:
-            KeyError: if ``code`` is not registered.
+            KeyError: if a verdict's code is not registered.
             ValueError: if this callback is not the rule's source.
         """
-        registered = rule(code)
+        if verdicts is None or isinstance(verdicts, Verdict):
+            verdicts = (verdicts,)
+        found = []
+        for verdict in verdicts:
+            finding = None if verdict is None else self._record(trainer, verdict, synchronized)
+            if finding is not None:
+                found.append(finding)
+        return found
+
+    def _record(self, trainer: pl.Trainer, verdict: Verdict, synchronized: bool) -> Finding | None:
+        registered = rule(verdict.code)
         if registered.source not in {cls.__name__ for cls in type(self).__mro__}:
-            raise ValueError(f"{type(self).__name__} emitted {code}, which belongs to {registered.source}.")
-        if (code, key) in self._emitted:
+            raise ValueError(f"{type(self).__name__} emitted {verdict.code}, which belongs to {registered.source}.")
+        if (verdict.code, verdict.key) in self._emitted:
             return None
-        self._emitted.add((code, key))
-        severity = registered.severity if severity is None else severity
+        self._emitted.add((verdict.code, verdict.key))
+        severity = registered.severity if verdict.severity is None else verdict.severity
         finding = Finding(
-            code=code,
+            code=verdict.code,
             severity=severity,
             source=type(self).__name__,
-            step=trainer.global_step if step is None else step,
+            step=trainer.global_step if verdict.step is None else verdict.step,
             rank=trainer.global_rank,
-            message=message,
-            evidence=dict(evidence or {}),
-            hint=registered.hint if hint is None else hint,
+            message=verdict.message,
+            evidence=dict(verdict.evidence),
+            hint=registered.hint if verdict.hint is None else verdict.hint,
         )
         self.findings.append(finding)
         append_finding(os.path.join(self.tfdebug_dir, f"findings-rank{trainer.global_rank}.jsonl"), finding)
@@ -599,6 +599,23 @@ class DebugCallback(Callback):
         else:
             self._pending_local.append(finding)
         return finding
+
+    def emit_code(
+        self,
+        trainer: pl.Trainer,
+        code: str,
+        message: str,
+        evidence: Mapping[str, Any] | None = None,
+        *,
+        severity: Severity | None = None,
+        hint: str | None = None,
+        key: str | None = None,
+        synchronized: bool = True,
+        step: int | None = None,
+    ) -> Finding | None:
+        """Deprecated shape, kept only while callbacks move to rule verdicts: emit one finding by code."""
+        verdict = Verdict(code, message, dict(evidence or {}), hint=hint, severity=severity, key=key, step=step)
+        return self._record(trainer, verdict, synchronized)
 
     def resolve_local_findings(self, trainer: pl.Trainer) -> None:
         """Act on rank-local findings: every rank must call this at the same point of the same step.

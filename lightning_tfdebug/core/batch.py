@@ -24,6 +24,8 @@ import numpy as np  # installed with torchmetrics and tensorboard (both require 
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.core.step import step_state
+
 IGNORE_INDEX = -100
 """PyTorch's default ``ignore_index`` of ``cross_entropy`` / ``nll_loss``, and Hugging Face's label padding."""
 
@@ -288,21 +290,16 @@ class StepBatch:
         return self._cache["supervised"]
 
 
-_STEP_ATTR = "_tfdebug_step_batches"
-
-
 def step_batch(trainer: Any, batch: Any, keys: BatchKeys | None = None) -> StepBatch:
     """The shared :class:`StepBatch` of ``batch``: built by the first callback that asks on this batch, reused by the
     others (per key settings). Only the latest batch is kept, so nothing outlives its step."""
     keys = keys or BatchKeys()
-    holder = trainer.__dict__.get(_STEP_ATTR)
-    if holder is None or holder[0] is not batch:
-        holder = (batch, {})
-        trainer.__dict__[_STEP_ATTR] = holder
-    views: dict[BatchKeys, StepBatch] = holder[1]
-    view = views.get(keys)
+    state = step_state(trainer)
+    if state.batch is not batch:
+        state.batch, state.batch_views = batch, {}
+    view = state.batch_views.get(keys)
     if view is None:
-        view = views[keys] = StepBatch(batch, keys)
+        view = state.batch_views[keys] = StepBatch(batch, keys)
     return view
 
 
@@ -360,18 +357,14 @@ def logits_for_labels(logits: Tensor, labels: Tensor) -> Tensor | None:
     return None
 
 
-_RNG_ATTR = "_tfdebug_step_rng"
-
-
 def step_rng_state(trainer: Any, batch: Any, batch_idx: int) -> Tensor:
     """The torch CPU generator's state as this batch's training step starts (``torch.get_rng_state()``, a host copy,
     no device work), taken by the first callback that asks at the batch's start and shared with the others:
     NaNFirstFrame and ReproCapture both replay the step from it, and one copy serves both on the hot path. Keyed on
     the batch object, its index and the step, so a later batch never gets an earlier one's state. Callers must not
     modify the tensor."""
+    state = step_state(trainer)
     key = (trainer.global_step, batch_idx)
-    held = trainer.__dict__.get(_RNG_ATTR)
-    if held is None or held[0] is not batch or held[1] != key:
-        held = (batch, key, torch.get_rng_state())
-        trainer.__dict__[_RNG_ATTR] = held
-    return held[2]
+    if state.rng is None or state.rng_key is None or state.rng_key[0] is not batch or state.rng_key[1] != key:
+        state.rng_key, state.rng = (batch, key), torch.get_rng_state()
+    return state.rng

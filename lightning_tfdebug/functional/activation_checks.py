@@ -10,7 +10,95 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_tfdebug.core.tracking import Streak
-from lightning_tfdebug.functional.verdicts import Verdict
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
+
+TFD340 = Rule(
+    "TFD340",
+    "warning",
+    "DeadActivation",
+    title=("layers with more than `dead_threshold` dead units for `patience` measurements, named with their fractions"),
+    trigger=(
+        "a layer's dead-unit fraction (units zero for every token of the batch, on every rank) above "
+        "`dead_threshold` for `patience` measurements"
+    ),
+    hint="lower the LR / add warm-up; zero-initialise biases before ReLU; use GELU/SiLU/LeakyReLU",
+    reason="Measured, sustained: dead units no longer learn and the layer loses their capacity",
+)
+
+TFD341 = Rule(
+    "TFD341",
+    "warning",
+    "DeadActivation",
+    title=("the dead fraction of a layer is rising: `dead_rise` above its lowest value for `patience` measurements"),
+    trigger=(
+        "a layer's dead-unit fraction risen by `dead_rise` above its lowest value, for `patience` measurements "
+        "without falling back"
+    ),
+    hint=("units are dying during training: lower the LR, add warm-up or gradient clipping, switch the activation"),
+    reason="Measured: units are dying during training, capacity the layer keeps losing",
+)
+
+TFD342 = Rule(
+    "TFD342",
+    "warning",
+    "DeadActivation",
+    title="layers with more than `saturation_threshold` saturated elements for `patience` measurements",
+    trigger=(
+        "a layer's saturated fraction (local gradient below `saturation_grad`: tanh/sigmoid near their bounds, "
+        "GELU/SiLU/Mish deep in the negative tail) above `saturation_threshold` for `patience` measurements"
+    ),
+    hint="normalise the layer's input, shrink init or LR, prefer GELU/SiLU over tanh/sigmoid in deep stacks",
+    reason="Measured, sustained: saturated units pass almost no gradient",
+)
+
+TFD343 = Rule(
+    "TFD343",
+    "info",
+    "DeadActivation",
+    title="activations cannot be observed (torch.compile, or no hooked module ran); the callback stands aside",
+    trigger=(
+        "activations cannot be observed: the model (or a submodule) is compiled with `torch.compile`, it has no "
+        "activation module and its submodules called no activation function, or no hooked module ran in the "
+        "training forward; DeadActivation stands aside"
+    ),
+    hint=(
+        "measure in an uncompiled debugging run; name the inputs of activations written as arithmetic with "
+        "`preactivations`"
+    ),
+    reason="The check stands aside (compiled or unhooked model); nothing was measured",
+)
+
+TFD344 = Rule(
+    "TFD344",
+    "warning",
+    "DeadActivation",
+    title=(
+        "the saturated fraction of a layer is rising: `saturation_rise` above its lowest value for `patience` "
+        "measurements"
+    ),
+    trigger=(
+        "a layer's saturated fraction risen by `saturation_rise` above its lowest value, for `patience` "
+        "measurements without falling back"
+    ),
+    hint=(
+        "pre-activations are growing: lower the LR, normalise the layer's input, add weight decay or clipping, "
+        "prefer GELU/SiLU"
+    ),
+    reason="Measured: saturation is rising during training, so ever less gradient passes the layer",
+)
+
+BLOCK = ("TFD340", "TFD349")
+"""The codes reserved for DeadActivation's rules."""
+
+RULES: tuple[Rule, ...] = (
+    TFD340,
+    TFD341,
+    TFD342,
+    TFD343,
+    TFD344,
+)
+"""The rules decided in this module, in code order."""
+
 
 CAUSES_DEAD = (
     "A dead unit outputs zero for every token and gets no gradient, so it never comes back. Usual causes: a "

@@ -12,7 +12,342 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_tfdebug.functional.batches import Drift, FieldSpec, length_shift
-from lightning_tfdebug.functional.verdicts import Verdict
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
+
+TFD101 = Rule(
+    "TFD101",
+    "error",
+    "BatchGuard",
+    title="a key of the schema is missing",
+    trigger="a key of the schema (declared, or learned from the first batches) is missing from a batch",
+    hint=("build every batch through the same collate path; a key that only some samples carry needs a default"),
+    reason=(
+        "A batch without a field the step reads fails that step or feeds the model something else; the run cannot "
+        "go through its data as configured"
+    ),
+)
+
+TFD102 = Rule(
+    "TFD102",
+    "warning",
+    "BatchGuard",
+    title="a key the learned schema does not have",
+    trigger="a batch carries a key the learned schema does not have",
+    hint="as TFD101; if the key is legitimate and optional, declare the `schema`",
+    reason=("Measured in this run's batches: two collate paths build them, so some batches are not what the rest are"),
+)
+
+TFD103 = Rule(
+    "TFD103",
+    "error",
+    "BatchGuard",
+    title="dtype changed (int32 labels, float mask)",
+    trigger="a key's dtype differs from the schema (int32 labels where int64 were, a float attention mask)",
+    hint=("build every field with an explicit dtype (`torch.tensor(x, dtype=torch.long)`); no cast in one branch only"),
+    reason=(
+        "The ops that take the field fail or change meaning with its dtype (cross_entropy takes int64 class "
+        "indices; a float mask is added, not applied)"
+    ),
+)
+
+TFD104 = Rule(
+    "TFD104",
+    "error",
+    "BatchGuard",
+    title="number of dimensions changed (a squeezed batch of one)",
+    trigger="a key's number of dimensions differs (a batch of one squeezed to 1-D)",
+    hint="never `squeeze()` a batch; keep the batch dimension (`x[None]`, `unsqueeze(0)`)",
+    reason=(
+        "A squeezed batch breaks the shapes the model and the loss rely on: the step fails or broadcasts into a "
+        "wrong result"
+    ),
+)
+
+TFD105 = Rule(
+    "TFD105",
+    "error",
+    "BatchGuard",
+    title="a size differs from the declared size or from the key it always matched",
+    trigger=(
+        "a dimension differs from the declared size, or from the key it matched in every early batch (labels "
+        "shorter than input ids)"
+    ),
+    hint="pad / truncate every key of a batch together; check the declared sizes",
+    reason=(
+        "Fields that no longer line up (labels shorter than the ids) fail the step or score positions against the "
+        "wrong labels"
+    ),
+)
+
+TFD110 = Rule(
+    "TFD110",
+    "error",
+    "BatchGuard",
+    title="token id outside `[0, vocab)`",
+    trigger=(
+        "an input id is outside `[0, vocab)` (on checked steps, or in the batch whose step raised); names the "
+        "row, position and value"
+    ),
+    hint=(
+        "The tokenizer and the model disagree on the vocabulary (added special tokens without "
+        "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a "
+        "device-side assert."
+    ),
+    reason=(
+        "An embedding lookup outside the table fails the step (a device-side assert on CUDA): the run cannot go "
+        "through this batch"
+    ),
+)
+
+TFD111 = Rule(
+    "TFD111",
+    "error",
+    "BatchGuard",
+    title="sequence longer than the model's context",
+    trigger="the sequence length exceeds the model's context (position table, config, `max_length`)",
+    hint=(
+        "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to the "
+        "context length; check sequence packing and concatenation code."
+    ),
+    reason=(
+        "Positions past the model's table fail the step or read rows that were never trained: the run cannot go "
+        "through this batch"
+    ),
+)
+
+TFD112 = Rule(
+    "TFD112",
+    "error",
+    "BatchGuard",
+    title="attention mask not binary",
+    trigger=(
+        "the attention mask holds values other than 0 and 1 (on checked steps, or in the batch whose step raised)"
+    ),
+    hint=(
+        "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside "
+        "the model, not in the batch."
+    ),
+    reason=(
+        "A mask with values other than 0 and 1 is applied as weights or added to the scores, so attention is wrong "
+        "on every such batch"
+    ),
+)
+
+TFD113 = Rule(
+    "TFD113",
+    "error",
+    "BatchGuard",
+    title="label outside `[0, vocab)` and not `ignore_index`",
+    trigger=(
+        "a label is outside `[0, vocab)` and is not `ignore_index` (on checked steps, or in the batch whose step "
+        "raised)"
+    ),
+    hint="Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
+    reason=(
+        "Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails"
+    ),
+)
+
+TFD114 = Rule(
+    "TFD114",
+    "error",
+    "BatchGuard",
+    title="every label ignored: nothing is learned",
+    trigger="every label of a batch is `ignore_index`: nothing is learned, the loss is 0 or NaN",
+    hint=(
+        "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer "
+        "away, or labels built from the wrong field."
+    ),
+    reason=(
+        "A batch with no supervised label gives a loss of 0 or NaN, and a NaN loss ruins the weights: nothing can "
+        "be learned from it"
+    ),
+)
+
+TFD115 = Rule(
+    "TFD115",
+    "warning",
+    "BatchGuard",
+    title="padding positions supervised",
+    trigger=(
+        "padding positions (mask 0) carry a label that is not `ignore_index`: the model learns to predict padding"
+    ),
+    hint="`labels[attention_mask == 0] = -100` in the collate function",
+    reason="Measured in the batches: the loss spends its weight on predicting padding, which the model then learns",
+)
+
+TFD116 = Rule(
+    "TFD116",
+    "warning",
+    "BatchGuard",
+    title="sequences without BOS",
+    trigger="sequences whose first real token is not `bos_id`",
+    hint=("The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it."),
+    reason="Measured against the `bos_id` you declared: the model trains on a format it will not see at inference",
+)
+
+TFD117 = Rule(
+    "TFD117",
+    "warning",
+    "BatchGuard",
+    title="several EOS in a sequence",
+    trigger="sequences with more than one `eos_id`",
+    hint=(
+        "EOS added twice (by the template and the tokenizer), or documents packed without an attention boundary. "
+        "If you pack on purpose, leave eos_id unset."
+    ),
+    reason=(
+        "Measured in the batches: the model is trained to continue past its end token, so it does not learn to stop"
+    ),
+)
+
+TFD118 = Rule(
+    "TFD118",
+    "warning",
+    "BatchGuard",
+    title="real tokens after EOS",
+    trigger="real (mask 1) tokens after the first EOS",
+    hint="The pad token equals EOS but the mask is 1 on padding, or sequences were packed.",
+    reason="Measured in the batches: text after the end token is trained as a continuation of the document",
+)
+
+TFD119 = Rule(
+    "TFD119",
+    "warning",
+    "BatchGuard",
+    title="truncation rate above `max_truncated_fraction`",
+    trigger="more than `max_truncated_fraction` of a batch's sequences fill the maximum length with no EOS",
+    hint="Raise the context length, split long documents, or check that truncation keeps the answer.",
+    reason="Measured in the batches: most sequences are cut before their end, so the model rarely sees endings",
+)
+
+TFD120 = Rule(
+    "TFD120",
+    "warning",
+    "BatchGuard",
+    title="the length distribution moved away from the early batches",
+    trigger=(
+        "the mean real length of a window of `length_window` checked batches moved by more than "
+        "`length_shift_tolerance` (and one std) from the first window"
+    ),
+    hint=(
+        "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum data, or a"
+        " truncation setting that differs between files."
+    ),
+    reason=(
+        "Measured in this run: the batches seen later differ from the early ones (data sorted or grouped), so the "
+        "gradient follows data order"
+    ),
+)
+
+TFD121 = Rule(
+    "TFD121",
+    "warning",
+    "BatchGuard",
+    title=("batches of one epoch repeat earlier batches of the same epoch token for token (data read more than once)"),
+    trigger=(
+        "more than `max_repeated_fraction` of one epoch's batches (and at least 3) have the same token "
+        "ids as an earlier batch of that epoch (from a stream, only within 16 batches)"
+    ),
+    hint=(
+        "Within one epoch a sampler draws every sample once, so identical batches mean the data is read more than"
+        " once: an IterableDataset read by several DataLoader workers that do not split the stream (shard it with"
+        " torch.utils.data.get_worker_info()), a Dataset whose __getitem__ ignores its index, a sampler with "
+        "replacement, or duplicated rows in the data."
+    ),
+    reason=(
+        "Measured in this run: one epoch reads the same batches more than once, so it trains on duplicates instead "
+        "of the data"
+    ),
+)
+
+TFD122 = Rule(
+    "TFD122",
+    "warning",
+    "BatchGuard",
+    title="attention mask with holes: real tokens masked out inside the text",
+    trigger=(
+        "a binary attention mask of the ids' shape masks positions between real tokens of a row (or at both ends "
+        "of it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "
+        "`cu_seqlens` / `document_ids`-like keys) or 3-D/4-D masks"
+    ),
+    hint=(
+        "A mask built as input_ids != pad_id where the pad id is also a real token (GPT-2 / Llama reuse EOS as "
+        "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."
+    ),
+    reason=("Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them"),
+)
+
+TFD123 = Rule(
+    "TFD123",
+    "warning",
+    "BatchGuard",
+    title="the same batches come back sooner than the data allows (overfit_batches, a Dataset ignoring its index)",
+    trigger=(
+        "of the batches a rank read, fewer are different than min(read, the training DataLoader's length) by at "
+        "least 3 and more than `max_repeated_fraction` of that (map-style loaders), or the repeats inside epochs "
+        "summed over the run reach 3 and that fraction of the batches read; silent once TFD121 has spoken"
+    ),
+    hint=(
+        "Remove Trainer(overfit_batches=...) or a limit_train_batches on an unshuffled DataLoader left on from "
+        "debugging (every epoch then reads the same first batches); otherwise find what makes the data repeat: a "
+        "Dataset whose __getitem__ ignores its index, a DataLoader or sampler that yields the same batch."
+    ),
+    reason=(
+        "evidence of harm in this run: the model trains on a fraction of its data and the loss falls by "
+        "memorising it, while the rest of the dataset is never read"
+    ),
+)
+
+TFD124 = Rule(
+    "TFD124",
+    "warning",
+    "BatchGuard",
+    title="the end-of-sequence token occurs in the inputs and is never supervised (the model never learns to stop)",
+    trigger=(
+        "over the first `special_token_batches` checked batches of a causal LM (or a decoder's targets), EOS "
+        "occurs among the real input tokens often enough that `min_eos_expected` supervised EOS are expected, "
+        "and no supervised label is EOS; masked-LM labels are not judged"
+    ),
+    hint=(
+        "Find where the labels lose the EOS: a collator that masks by id (labels == pad_id while pad id == EOS "
+        "id, as DataCollatorForLanguageModeling with tokenizer.pad_token = tokenizer.eos_token does), a "
+        "completion-only mask that ends before the EOS. Mask padding by position (attention_mask == 0) or give "
+        "the tokenizer a pad token of its own."
+    ),
+    reason=(
+        "evidence of harm in this run: the labels it trains on never contain EOS, so the model is never taught "
+        "to end a sequence and generates until the length limit"
+    ),
+)
+
+BLOCK = ("TFD101", "TFD129")
+"""The codes reserved for BatchGuard's rules."""
+
+RULES: tuple[Rule, ...] = (
+    TFD101,
+    TFD102,
+    TFD103,
+    TFD104,
+    TFD105,
+    TFD110,
+    TFD111,
+    TFD112,
+    TFD113,
+    TFD114,
+    TFD115,
+    TFD116,
+    TFD117,
+    TFD118,
+    TFD119,
+    TFD120,
+    TFD121,
+    TFD122,
+    TFD123,
+    TFD124,
+)
+"""The rules decided in this module, in code order."""
+
 
 STREAM_REPEAT_WINDOW = 16  # from a stream, a repeat counts only this close (a stream may cycle its data)
 MAX_EPOCH_PRINTS = 100_000  # fingerprints kept per epoch for TFD121 (a few MB at most)

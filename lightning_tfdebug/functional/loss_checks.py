@@ -17,7 +17,326 @@ from typing import Any
 
 from lightning_tfdebug.functional.learning import trained_before
 from lightning_tfdebug.functional.loss import uniform_loss
-from lightning_tfdebug.functional.verdicts import Verdict
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
+
+TFD220 = Rule(
+    "TFD220",
+    "error",
+    "LossAtInit",
+    title="the outputs are probabilities: softmax before a loss that applies it again (loss stuck at ln(V))",
+    trigger=(
+        "at step 0, >= 99% of the sampled output rows are non-negative and sum to 1: `forward` returns "
+        "probabilities (a cross-entropy then applies softmax again and the loss sits at ln(V))"
+    ),
+    hint=(
+        "Return raw logits from forward (remove the softmax) and apply softmax only at inference. If the loss is "
+        "NLLLoss, feed it log_softmax(logits) instead of probabilities."
+    ),
+    reason=(
+        "Softmax applied twice holds the loss near ln(V) with vanishing gradients: the run cannot learn as configured"
+    ),
+)
+
+TFD221 = Rule(
+    "TFD221",
+    "info",
+    "LossAtInit",
+    title="the outputs are log-probabilities (fine for NLLLoss and cross_entropy)",
+    trigger="at step 0, >= 99% of the sampled output rows are log-probabilities (all <= 0, logsumexp 0)",
+    hint=(
+        "Nothing to fix if the loss is NLLLoss or cross_entropy. Make sure nothing applies softmax to them as if "
+        "they were probabilities."
+    ),
+    reason="An observation: log-probabilities are correct input to NLLLoss and harmless to cross_entropy",
+)
+
+TFD222 = Rule(
+    "TFD222",
+    "warning",
+    "LossAtInit",
+    title="the step-0 loss far above ln(V): logits too large at init",
+    trigger="the step-0 loss is above `(1 + init_tolerance) ln(V)`",
+    hint=(
+        "The logits are too large at init: initialise the output layer with a small std (e.g. 0.02 or "
+        "1/sqrt(d_model)), keep the 1/sqrt(d) attention/residual scaling, check a tied embedding's scale. Or the "
+        "loss is not a mean (reduction='sum')."
+    ),
+    reason=(
+        "Measured at step 0: confidently wrong logits, which the first steps must undo and which saturate the "
+        "softmax's gradient"
+    ),
+)
+
+TFD223 = Rule(
+    "TFD223",
+    "warning",
+    "LossAtInit",
+    title=(
+        "the step-0 loss far below ln(V): the loss is not the logits' V-way cross-entropy, or the target leaks "
+        "into the input (info for a pretrained model)"
+    ),
+    trigger=(
+        "the step-0 loss is below `(1 - init_tolerance) ln(V)` and the logits' own cross-entropy is not, or the "
+        "logits reach it by predicting the current input token; info when the logits give that loss themselves "
+        "without copying (weights trained before: fine-tuning)"
+    ),
+    hint=(
+        "Usual causes: the target leaks into the input (labels not shifted and the model copies its input, no "
+        "causal mask); NLLLoss fed raw logits or probabilities instead of log_softmax; the mean taken over "
+        "padding positions (set ignore_index); a vocab_size different from the logits' width."
+    ),
+    reason=(
+        "Measured at step 0: the returned loss is not the logits' cross-entropy, or the logits reach it by reading "
+        "the answer from the input"
+    ),
+)
+
+TFD224 = Rule(
+    "TFD224",
+    "error",
+    "LossAtInit",
+    title="no supervised tokens: every label is `ignore_index`",
+    trigger=("no label of the first batch is supervised (all `ignore_index` after alignment): the loss is NaN or 0"),
+    hint=(
+        "Check the collator/labels: labels set to ignore_index everywhere (a mask inverted, the prompt mask "
+        "covering the whole sequence, truncation cutting every answer). With shift_labels=True only labels after "
+        "the first position count."
+    ),
+    reason="With no supervised label the loss is 0 or NaN: nothing can be learned as configured",
+)
+
+TFD225 = Rule(
+    "TFD225",
+    "warning",
+    "LossAtInit",
+    title='at the check the loss is still at ln(V), flat over a window ("stalled at the uniform loss")',
+    trigger=(
+        "at `check_step` (5x for masked-LM labels) the training loss is within `stall_tolerance` of ln(V) and fell"
+        " by less than `stall_tolerance` of ln(V) since half-way to the check; the message compares it with the "
+        "labels' unigram entropy"
+    ),
+    hint=(
+        "Usual causes: softmax applied in forward before a cross-entropy (double softmax, see TFD220); a learning"
+        " rate far too low or still in warm-up; parameters not in the optimizer; the loss detached from the "
+        "graph. Run the overfit-one-batch test."
+    ),
+    reason="Measured: the loss has not left ln(V) by the check, so the run so far has learned nothing",
+)
+
+TFD226 = Rule(
+    "TFD226",
+    "warning",
+    "LossAtInit",
+    title="at `check_step` the model predicts its current input token: labels not shifted",
+    trigger=(
+        "at `check_step` the argmax equals the current input token at more than `copy_threshold` of positions, "
+        "0.25 above the data's own repeat rate, and 0.1 above the rate at step 0 (tied embeddings copy from init)"
+    ),
+    hint=(
+        "The labels are not shifted: position t is trained to predict token t, which it can see. Shift them "
+        "(logits[:, :-1] against labels[:, 1:]) in the loss or the collator, not both."
+    ),
+    reason="Measured: the trained model predicts its current input token, the harm of labels that are not shifted",
+)
+
+TFD227 = Rule(
+    "TFD227",
+    "error",
+    "LossAtInit",
+    title="the step-0 loss is not finite although labels are supervised",
+    trigger="the step-0 loss is NaN/inf although labels are supervised",
+    hint=(
+        "Look for log(0), division by zero or an overflow in the forward or the loss; NaNFirstFrame names the "
+        "first module that produced a non-finite value."
+    ),
+    reason=(
+        "A loss that is not finite before any update turns the first step's weights into NaN: the run cannot succeed"
+    ),
+)
+
+TFD228 = Rule(
+    "TFD228",
+    "info",
+    "LossAtInit",
+    title="logits or labels cannot be found; names the argument to set, then stands aside",
+    trigger="the logits or labels cannot be found; LossAtInit names the argument to set and stands aside",
+    hint="Set the named argument; LossAtInit does nothing else in this run.",
+    reason="The check stands aside and names the argument that would let it run; nothing was measured",
+)
+
+TFD229 = Rule(
+    "TFD229",
+    "warning",
+    "LossAtInit",
+    title="the returned loss is a multiple of its logits' cross-entropy (summed, or divided twice)",
+    trigger=(
+        "the step-0 logits give a cross-entropy within `init_tolerance` of ln(V) but the returned loss is outside"
+        " that band: above by any factor, below by one over a count of the batch (rows, tokens, accumulation, "
+        "ranks)"
+    ),
+    hint=(
+        "Average the loss over supervised tokens (cross_entropy's default reduction='mean', or divide a sum by "
+        "(labels != ignore_index).sum()); do not divide by accumulate_grad_batches yourself (Lightning does); "
+        "weight extra loss terms so they do not dominate. A summed loss makes the step size depend on the batch "
+        "and sequence length; with Adam it also breaks gradient clipping and the epsilon balance."
+    ),
+    reason=(
+        "Measured: the loss, and with it every gradient, is scaled by a count of the batch: the effective learning "
+        "rate is not the one set"
+    ),
+)
+
+TFD230 = Rule(
+    "TFD230",
+    "warning",
+    "LossAtInit",
+    title="the loss is pinned at the floor of outputs squashed into a bounded range (sigmoid, tanh, clamp)",
+    trigger=(
+        "at the check the logits' cross-entropy has left ln(V) and lies within 30% of the way from "
+        "`ln(1 + (V-1) e^-w)` (the lowest loss logits of range `w` allow, per row) up to ln(V), that floor is "
+        "above the labels' unigram entropy by 5% of ln(V), and the rows' ranges are alike (standard deviation at "
+        "most 5% of their mean: a bound holds every row at the same width; the loss is the alignment the returned "
+        "loss agrees with)"
+    ),
+    hint=(
+        "Feed the loss raw, unbounded logits: remove the sigmoid, tanh, clamp or normalisation applied to the "
+        "output layer (or move it to inference). For logits confined to a range of width w, no cross-entropy over"
+        " V classes is below ln(1 + (V-1) e^-w), whatever the model learns."
+    ),
+    reason="Measured: the loss sits on the floor that bounded outputs allow, above what the data allows",
+)
+
+TFD231 = Rule(
+    "TFD231",
+    "warning",
+    "LossAtInit",
+    title="labels from other samples: the loss sits at the unigram entropy and ignores which sample it is",
+    trigger=(
+        "at the check the loss is at the labels' unigram entropy (0.85x to 1.1x), the loss against labels rolled "
+        "by one sample along the batch is within 1% of it, and the labels do not repeat their own inputs more "
+        "than a neighbour's (masked-LM labels: do not sit on their own inputs' mask tokens more than on a "
+        "neighbour's)"
+    ),
+    hint=(
+        "The labels do not belong to their inputs: look for an off-by-one in the join of inputs and labels, a "
+        "label column shuffled or sorted separately from the inputs, or labels built from another batch. For a "
+        "task whose labels never repeat the input (classification, translation), the model may instead ignore "
+        "its inputs: check what reaches the model."
+    ),
+    reason=(
+        "Measured: the loss stopped at what token frequencies give, and it does not matter which sample the labels "
+        "are scored against"
+    ),
+)
+
+TFD232 = Rule(
+    "TFD232",
+    "warning",
+    "LossAtInit",
+    title="the model ignores its context: the loss stalls at the labels' unigram entropy (token frequencies only)",
+    trigger=(
+        "at the check the loss is flat at the labels' unigram entropy (0.85x to 1.1x), the loss against labels "
+        "rolled by one sample is within 1% of it, and the labels repeat their own inputs (so they are right); "
+        "info for masked-LM labels that sit on their own inputs' mask tokens (the masked-LM plateau, longer at a "
+        "lower learning rate)"
+    ),
+    hint=(
+        "The model predicts from token frequencies alone: its inputs do not reach the prediction. Look for an "
+        "attention mask that hides every token, inputs replaced or zeroed before the model (the wrong key, an "
+        "embedding never used), a residual path that drops the context, or a learning rate too low to get past "
+        "the plateau."
+    ),
+    reason=(
+        "Measured: the loss is flat at what token frequencies give and the labels are right, so the model does not "
+        "use its context"
+    ),
+)
+
+TFD233 = Rule(
+    "TFD233",
+    "warning",
+    "LossAtInit",
+    title=(
+        "the loss is pinned at the floor of a bounded transform applied after the forward (sigmoid or tanh in "
+        "training_step or a loss wrapper)"
+    ),
+    trigger=(
+        "on every compared step (the measuring steps nearest half-way and three quarters to the check, and the "
+        "check) the returned loss is above the recorded logits' cross-entropy by more than 3%, it fell by at most "
+        "4% of itself over those steps, it stays above the logits' best loss at any temperature by 10% of ln(V) "
+        "and above the labels' unigram entropy by 5% of ln(V), and the logits' range grew by 10% or more; the "
+        "message names the width w whose floor ln(1 + (V-1) e^-w) the loss sits on"
+    ),
+    hint=(
+        "Something between the model's output and the loss confines the logits to a range (a sigmoid, tanh, "
+        "clamp or normalisation in training_step or in a loss module): give the loss the raw logits and apply the "
+        "squashing only where probabilities or scores are needed."
+    ),
+    reason=(
+        "Measured: the loss stays at a floor above what the data allows while the model's own logits predict "
+        "better; no training can lower it"
+    ),
+)
+
+TFD234 = Rule(
+    "TFD234",
+    "info",
+    "LossAtInit",
+    title="the returned loss is the cross-entropy of the logits divided by a temperature T",
+    trigger=(
+        "on every compared step the returned loss differs from the recorded logits' cross-entropy by more than 3% "
+        "and equals the cross-entropy of logits / T for one T (within 3%) at all of them, T outside [0.8, 1.25]"
+    ),
+    hint=(
+        "If the temperature is deliberate, use the same T wherever the logits are read (evaluation, sampling, a "
+        "validation loss); if not, remove the division or multiplication of the logits before the loss."
+    ),
+    reason=(
+        "An observation: a temperature rescales the logits the model learns, and the run still trains; the harm, "
+        "if any, is in code that reads the logits without it"
+    ),
+)
+
+TFD235 = Rule(
+    "TFD235",
+    "info",
+    "LossAtInit",
+    title="the returned loss is not the cross-entropy of the model's logits, and no known transform explains it",
+    trigger=(
+        "on every compared step the returned loss differs from the recorded logits' cross-entropy by more than "
+        "3%, and neither a bound (TFD233), label smoothing, a temperature (TFD234), a constant factor nor an "
+        "added term of at most 20% explains it; the message gives both numbers"
+    ),
+    hint=(
+        "Check what training_step does to the logits before the loss, or point `logits_module` at the module "
+        "whose output the loss reads."
+    ),
+    reason="An observation: the disagreement is measured, but no harm to this run is",
+)
+
+BLOCK = ("TFD220", "TFD239")
+"""The codes reserved for LossAtInit's rules."""
+
+RULES: tuple[Rule, ...] = (
+    TFD220,
+    TFD221,
+    TFD222,
+    TFD223,
+    TFD224,
+    TFD225,
+    TFD226,
+    TFD227,
+    TFD228,
+    TFD229,
+    TFD230,
+    TFD231,
+    TFD232,
+    TFD233,
+    TFD234,
+    TFD235,
+)
+"""The rules decided in this module, in code order."""
+
 
 MASKED_LM_SHARE = 0.5
 """A masked-LM objective: one input token (the mask) fills at least this share of the supervised positions."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,26 +17,6 @@ def per_tensor_norms(tensors: Sequence[Tensor]) -> Tensor:
     if all(n.device == device for n in norms):  # the usual case: no per-tensor copy call
         return torch.stack(norms)
     return torch.stack([n.to(device) for n in norms])
-
-
-_STEP_NORMS = "_tfdebug_step_norms"  # trainer attribute: ((global_step, ids of the tensors), their norms)
-
-
-def step_norms(trainer: Any, tensors: Sequence[Tensor]) -> Tensor:
-    """:func:`per_tensor_norms` of ``tensors``, computed once per optimizer step for the same tensors.
-
-    GradNormMonitor and UpdateRatio both read every gradient before the same ``optimizer.step()`` on a measuring
-    step; the second one reuses the first one's norms instead of a second pass over the gradient memory (issue 25).
-    The key is the step and the identity of each tensor (the objects are alive throughout the hook that asks, so an
-    ``id`` cannot be reused there); only the small norm vector is held, never the tensors.
-    """
-    key = (getattr(trainer, "global_step", None), tuple(map(id, tensors)))
-    held = trainer.__dict__.get(_STEP_NORMS)
-    if held is not None and held[0] == key:
-        return held[1]
-    norms = per_tensor_norms(tensors)
-    trainer.__dict__[_STEP_NORMS] = (key, norms)
-    return norms
 
 
 def group_sums(values: Tensor, index: Tensor, n_groups: int) -> Tensor:

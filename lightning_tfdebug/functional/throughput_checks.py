@@ -16,7 +16,149 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_tfdebug.core.tracking import Streak
-from lightning_tfdebug.functional.verdicts import Verdict
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
+
+TFD601 = Rule(
+    "TFD601",
+    "warning",
+    "ThroughputMonitor",
+    title="data-loading bound: the wait for the next batch above `wait_threshold` of wall time, sustained",
+    trigger=(
+        "waiting for the next batch took more than `wait_threshold` of wall time (worst rank) for `patience` "
+        "measurements"
+    ),
+    hint=(
+        "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "
+        "prefetch_factor, and move tokenization or heavy transforms out of __getitem__ (pre-tokenize)."
+    ),
+    reason="Measured: the run waits for data a large share of its time, compute paid for and idle",
+)
+
+TFD602 = Rule(
+    "TFD602",
+    "info",
+    "ThroughputMonitor",
+    title=("padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)"),
+    trigger=(
+        "padding above `padding_threshold` of the computed token positions for `patience` measurements; a warning "
+        "when padding is most (> 50%) of them, with the speed-up packing and dynamic padding would give"
+    ),
+    hint=(
+        "Group sequences of similar length (length-bucketed sampler), pad to the batch maximum rather than a "
+        "fixed length, or pack several sequences per row."
+    ),
+    reason=(
+        "An observation of padding; a warning when padding is most of the computed positions (compute measured lost)"
+    ),
+)
+
+TFD603 = Rule(
+    "TFD603",
+    "warning",
+    "ThroughputMonitor",
+    title="the median step time regressed to more than `regression_factor` x the early window, sustained",
+    trigger=(
+        "the median step time above `regression_factor` x the early window's median (after `skip_steps`, over "
+        "`baseline_steps`), and the mean step time over the same `window` steps above `regression_factor` x the "
+        "early windows' (time lost, not only the median moved), for `patience` measurements"
+    ),
+    hint=(
+        "Look for growth over time: a Python list or tensor kept across steps (retained graph, metrics "
+        "accumulated with .append), rising sequence lengths, memory fragmentation, thermal throttling, or other "
+        "jobs on the machine. Run with profile_steps=[a, b] early and late, and compare the tables."
+    ),
+    reason="Measured, sustained: the step time regressed against the run's own early steps",
+)
+
+TFD604 = Rule(
+    "TFD604",
+    "info",
+    "ThroughputMonitor",
+    title="memory above `memory_threshold` of the device's (or machine's) capacity",
+    trigger="peak memory above `memory_threshold` of the device's capacity (CPU: the machine's physical memory)",
+    hint=(
+        "Lower the micro-batch size and use gradient accumulation, enable activation checkpointing, use bf16 "
+        "mixed precision, or shard parameters and optimizer state (FSDP)."
+    ),
+    reason="An observation: memory near capacity is a risk, not harm (caching allocators keep what they reserved)",
+)
+
+TFD605 = Rule(
+    "TFD605",
+    "info",
+    "ThroughputMonitor",
+    title=(
+        "the step time regressed as for TFD603, but the machine is to blame: the run waited for CPU cores that "
+        "other processes took, or a fixed reference computation slowed as much"
+    ),
+    trigger=(
+        "as TFD603, but during the slow streak every regressed rank's threads waited on the run queue for at "
+        "least half the extra step time more than in the early windows (`/proc/self/task/*/schedstat`), and "
+        "either other processes used >= max(0.5, 0.1 x cores) more CPU cores than in the quietest early window "
+        "(Linux `/proc/stat`) or, on a machine already full, the run's own CPU time per step rose by less than "
+        "0.9x as much as its step time (no more work, a smaller share of the cores); all judged over the steps the "
+        "median step time covers. Or, with or without `/proc`: a fixed CPU computation (two 192x192 matrix "
+        "products and a 4 MiB copy, repeated for 20 ms, timed on the early measuring steps and again on the slow "
+        "one) took longer by at least half as much as the mean step time rose, while the run's CPU use per "
+        "second of wall time did not rise past 1.25x its early one (steal, a lower clock, a saturated memory bus, "
+        "other processes on a machine without `/proc`). TFD603 then needs `patience` slow, uncontended "
+        "measurements in a row"
+    ),
+    hint=(
+        "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
+        "compare ratios measured in the same period."
+    ),
+    reason=(
+        "The slowdown is the machine's (other processes took the cores, or the same work takes longer), not the run's"
+    ),
+)
+
+TFD606 = Rule(
+    "TFD606",
+    "warning",
+    "ThroughputMonitor",
+    title=("`torch.compile` keeps compiling new graphs after the early window, at each of `patience` measurements"),
+    trigger=(
+        "`torch.compile` compiled new graphs at each of `patience` measurements after the early window (counted "
+        "from TorchDynamo's counters)"
+    ),
+    hint=(
+        "Something the compiled code is guarded on changes from step to step: usually input shapes (variable "
+        "sequence lengths with dynamic=False or mark_static; pad to a few bucket lengths or let shapes be "
+        "dynamic), or Python values passed in (the step number, a changing float, a dict with new keys). "
+        'TORCH_LOGS="recompiles" prints the failing guard.'
+    ),
+    reason="Measured: recompiling keeps costing time after the early window",
+)
+
+TFD607 = Rule(
+    "TFD607",
+    "warning",
+    "ThroughputMonitor",
+    title="`torch.compile` hit its recompile limit during training: that code now runs uncompiled",
+    trigger="`torch.compile` hit its recompile limit during training, so that code runs uncompiled",
+    hint=(
+        'Find what forces the recompilations (TORCH_LOGS="recompiles"): usually changing input shapes or Python '
+        "values; pad to fixed buckets, mark dimensions dynamic, or raise torch._dynamo.config.recompile_limit "
+        "only if the variants are few and worth compiling."
+    ),
+    reason="Measured: the code that hit the limit now runs uncompiled, slower than configured",
+)
+
+BLOCK = ("TFD601", "TFD619")
+"""The codes reserved for ThroughputMonitor's rules."""
+
+RULES: tuple[Rule, ...] = (
+    TFD601,
+    TFD602,
+    TFD603,
+    TFD604,
+    TFD605,
+    TFD606,
+    TFD607,
+)
+"""The rules decided in this module, in code order."""
+
 
 GIB = float(2**30)
 SLOTS: tuple[str, ...] = (

@@ -16,6 +16,112 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.functional.loss import label_counts as count_labels
+from lightning_tfdebug.functional.verdicts import Rule
+
+TFD310 = Rule(
+    "TFD310",
+    "warning",
+    "UpdateRatio",
+    title="updates too small for the LR plateau, and the loss barely moves: LR too low",
+    trigger=(
+        "update:weight ratio below `low` for `patience` measurements while the LR is at its plateau (not in "
+        "warm-up, not decayed below `decayed_lr_fraction` of its peak), and over them the mean training loss "
+        "fell by less than 0.1% of itself per step, and the model has not learned: its first measured loss made "
+        "less than 0.35 of the way from ln(V) to the labels' unigram entropy (a fine-tune starts most of the way "
+        "down) and its latest loss is not below that entropy (`lightning_tfdebug.functional.learning`)"
+    ),
+    hint=(
+        "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR range "
+        "test; check that the scheduler is not stuck at its initial factor. Groups named in "
+        "`groups_below_resolution` did not change at all: the optimizer stepped them by less than half the float "
+        "spacing of their weights (AdamW at lr 1e-8 on fp32 norm gains of 1.0), and they rounded back."
+    ),
+    reason="Measured: updates too small to move the weights, and the loss shows the model has not learned",
+)
+
+TFD311 = Rule(
+    "TFD311",
+    "warning",
+    "UpdateRatio",
+    title="one step rewrote a large part of the weights: LR too high / no warm-up",
+    trigger="update:weight ratio above `high` on any measurement",
+    hint=(
+        "The learning rate is probably too high, or there is no warm-up: each step rewrites a large part of the "
+        "weights. Lower the LR or add warm-up; GradNormMonitor shows whether gradients explode too."
+    ),
+    reason="Measured: one optimizer step rewrote a large part of the weights",
+)
+
+TFD312 = Rule(
+    "TFD312",
+    "error",
+    "UpdateRatio",
+    title="a group got gradients but did not change: not in the optimizer",
+    trigger=(
+        "a group received gradients but did not change when the optimizer stepped, `patience` measurements in a "
+        "row, and holds parameters in none of the optimizers' param groups (when the optimizer holds copies and "
+        "that cannot be told: its expected step is not below half the float spacing of its weights). A group in "
+        "the optimizer whose step rounds away is TFD310's evidence instead"
+    ),
+    hint=(
+        "Their parameters are not in the optimizer (built before the module was added, or filtered out in "
+        "configure_optimizers). Add them, or set requires_grad=False if they should stay fixed."
+    ),
+    reason=(
+        "A group that receives gradients but never changes is not being trained: the model cannot learn as configured"
+    ),
+)
+
+TFD313 = Rule(
+    "TFD313",
+    "warning",
+    "UpdateRatio",
+    title=("the weights inflate (median group norm grew > `growth_limit` x in `growth_window` steps): LR far too high"),
+    trigger=(
+        "the median group weight norm grew more than `growth_limit` x within `growth_window` optimizer steps "
+        "(groups under 5% of the largest group's norm left out)"
+    ),
+    hint=(
+        "Each step moves the weights a lot against their own scale (Adam moves every weight by about the LR per "
+        "step), so they inflate instead of learning; the loss typically stalls on a plateau or spikes. The "
+        "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 and "
+        "1e-3 (a few times more for tiny models). Lower it, and keep a warm-up."
+    ),
+    reason="Measured: the weights inflate within a short window, which a learning rate far too high does",
+)
+
+TFD314 = Rule(
+    "TFD314",
+    "warning",
+    "UpdateRatio",
+    title=(
+        "the weights deflate (median group norm fell below 1/`growth_limit` in `growth_window` steps): decay far "
+        "too strong"
+    ),
+    trigger=(
+        "the median group weight norm fell below `1 / growth_limit` of its value within `growth_window` optimizer steps"
+    ),
+    hint=(
+        "Weight decay is far too strong for this learning rate (AdamW decays by lr x weight_decay every step: "
+        "typical products are 1e-5 to 1e-4, e.g. lr 3e-4 with weight_decay 0.1), so decay, not the loss, sets the"
+        " weights' scale. Lower weight_decay; check it is not an L2 coefficient meant for SGD scaled up, or "
+        "applied twice (by the optimizer and a penalty in the loss)."
+    ),
+    reason="Measured: the weights deflate within a short window, which weight decay far too strong does",
+)
+
+BLOCK = ("TFD310", "TFD319")
+"""The codes reserved for UpdateRatio's rules."""
+
+RULES: tuple[Rule, ...] = (
+    TFD310,
+    TFD311,
+    TFD312,
+    TFD313,
+    TFD314,
+)
+"""The rules decided in this module, in code order."""
+
 
 LOSS_FALL_PER_STEP = 1e-3
 """The loss is still falling when its mean fell by at least this fraction of itself per optimizer step over the low

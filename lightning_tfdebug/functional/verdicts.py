@@ -1,26 +1,106 @@
-"""What a decision rule returns: the finding it reached, as plain data, for the callback to emit.
+"""One shape for every detector: a :class:`Rule` (a finding code with its text) and the :class:`Verdict` it returns.
 
-The decisions of the pack (MaskProbe's tolerance checks, LossAtInit's reading of the first loss, CheckpointAudit's
-checks of a saved file) are pure functions of host numbers and plain objects. They return :class:`Verdict` objects
-instead of emitting, so each can be tested without a Trainer; the callback passes them to
-:meth:`~lightning_tfdebug.core.base.DebugCallback.emit`, which adds the step, the rank and the rule's defaults.
+Every finding of the pack is decided by a rule function in ``functional/<area>_checks.py``: host numbers (a
+*reading*) in, verdicts out. The module that decides a code also declares its :class:`Rule` (code, default severity,
+owner, title, trigger, hint, the reason for its severity and the message template), so a rule's decision and its
+text live side by side; :mod:`lightning_tfdebug.rules` builds the registry from those modules. A rule function
+returns ``TFD301.verdict(evidence, ...)``; the callback hands the verdicts to
+:meth:`~lightning_tfdebug.core.base.DebugCallback.emit`, the one place where a verdict becomes a finding (the step, the
+rank, the rule's defaults, the file, the warning and ``on_finding``).
+
+Example:
+    >>> rule = Rule("TFD301", "warning", "GradNormMonitor", title="t", trigger="t", hint="h", reason="r",
+    ...             message="the norm rose {factor:.1f}x")
+    >>> rule.verdict({"factor": 12.04}).message
+    'the norm rose 12.0x'
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_tfdebug.findings import Severity
+from lightning_tfdebug.findings import SEVERITIES, Severity, check_code
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """A finding a decision reached: the registered ``code``, the message with the measured numbers, the evidence,
-    and, only where the decision knows better than the rule, a ``hint`` and a ``severity`` (None: the rule's)."""
+    """A finding a rule reached, as plain data: the registered ``code``, the message with the measured numbers, the
+    evidence, and, only where the decision knows better than the rule, a ``hint`` and a ``severity`` (None: the
+    rule's). ``key``: a finding is recorded once per ``(code, key)`` per callback (a group name, a step, to record a
+    code again); ``step``: the step the evidence belongs to (None: the step at which it is emitted)."""
 
     code: str
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
     hint: str | None = None
     severity: Severity | None = None
+    key: str | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One finding code and everything said about it.
+
+    Attributes:
+        code: the stable identifier, ``TFD`` + area digit + two digits.
+        severity: the default severity; a rule function may escalate it when its evidence shows more harm.
+        source: the class name of the callback that measures what the rule decides.
+        title: a few words saying what is wrong (the callback page's table).
+        trigger: the measured condition that raises it.
+        hint: what to do; a verdict with a more specific hint carries its own.
+        reason: why the rule has its severity, under the severity policy (``docs/severity.md``): what makes the run
+            unable to succeed (error), the harm measured or the work lost (warning), or why it is only an
+            observation (info).
+        message: the finding's sentence, a :meth:`str.format` template filled from the evidence and the text fields
+            passed to :meth:`verdict` (``"the norm rose {factor:.1f}x"``).
+    """
+
+    code: str
+    severity: Severity
+    source: str
+    title: str
+    trigger: str
+    hint: str
+    reason: str = ""  # required (checked below); a default only so that it can follow `hint` as a keyword
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        check_code(self.code)
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"Rule {self.code}: severity must be one of {SEVERITIES}, got {self.severity!r}.")
+        for name in ("source", "title", "trigger", "hint", "reason"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"Rule {self.code}: `{name}` must not be empty.")
+
+    def verdict(
+        self,
+        evidence: Mapping[str, Any] | None = None,
+        *,
+        severity: Severity | None = None,
+        hint: str | None = None,
+        key: str | None = None,
+        step: int | None = None,
+        message: str | None = None,
+        **text: Any,
+    ) -> Verdict:
+        """This rule's verdict. The message is the rule's template filled from ``evidence`` and ``text`` (words
+        computed for the sentence only, such as a list of names), unless ``message`` is given.
+
+        Raises:
+            ValueError: if the rule has no template and no ``message`` is given, or the template names a field that
+                neither ``evidence`` nor ``text`` holds.
+        """
+        evidence = dict(evidence or {})
+        if message is None:
+            if not self.message:
+                raise ValueError(f"Rule {self.code} has no message template; pass `message`.")
+            try:
+                message = self.message.format(**evidence, **text)
+            except (KeyError, IndexError) as err:
+                raise ValueError(f"Rule {self.code}: its message template needs {err}, which was not given.") from None
+        if severity is not None and severity not in SEVERITIES:
+            raise ValueError(f"Rule {self.code}: severity must be one of {SEVERITIES}, got {severity!r}.")
+        return Verdict(self.code, message, evidence, hint=hint, severity=severity, key=key, step=step)

@@ -31,7 +31,7 @@ class StepEmitter(DebugCallback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at_step:
-            self.emit(trainer, "TFD399", "test finding.", {"step": trainer.global_step}, severity=self.severity)
+            self.emit_code(trainer, "TFD399", "test finding.", {"step": trainer.global_step}, severity=self.severity)
 
 
 class RankLocalEmitter(DebugCallback):
@@ -44,5 +44,5 @@ class RankLocalEmitter(DebugCallback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.at_step:
-            self.emit(trainer, "TFD398", "only this rank saw it.", severity="error", synchronized=False)
+            self.emit_code(trainer, "TFD398", "only this rank saw it.", severity="error", synchronized=False)
         self.resolve_local_findings(trainer)  # every rank, every batch: the collective runs in lockstep

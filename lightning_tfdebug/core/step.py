@@ -1,0 +1,73 @@
+"""The step's shared state: what one callback reads or copies on a step and the others reuse, in one typed place.
+
+Independent callbacks (standalone or inside ``TFDebug``) share no object but the Trainer. Rather than hanging private
+attributes on it, every shared per-step reading lives in one :class:`StepState` per Trainer, held in a weak mapping
+(so it goes with the Trainer) and reached through :func:`step_state`. Each field holds only the latest step's value,
+keyed by what it belongs to (the batch object, the step, the tensors), so nothing outlives its step and a later batch
+never reads an earlier one's value.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from lightning_tfdebug.functional.norms import per_tensor_norms
+
+
+@dataclass
+class StepState:
+    """What the callbacks share on the current step.
+
+    Attributes:
+        batch: the batch the views below belong to (compared by identity).
+        batch_views: the batch read once per key settings (``core.batch.StepBatch`` by ``BatchKeys``).
+        norms_key: ``(global_step, ids of the tensors)`` the ``norms`` belong to.
+        norms: the per-tensor gradient norms of that step (GradNormMonitor and UpdateRatio read the same gradients).
+        rng_key: ``(batch object, (global_step, batch_idx))`` the ``rng`` belongs to.
+        rng: the torch CPU generator's state as that batch's step started (NaNFirstFrame and ReproCapture replay it).
+        host_copy_of: the batch ``host_copy`` is a copy of.
+        host_copy: ReproCapture's host copy of that batch (BatchGuard reads it after a device-side assert).
+        model_call: the model call recorded on the probe batch (``core.calls.RecordedCall``), shared by the probes.
+    """
+
+    batch: Any = None
+    batch_views: dict[Any, Any] = field(default_factory=dict)
+    norms_key: Any = None
+    norms: Tensor | None = None
+    rng_key: Any = None
+    rng: Tensor | None = None
+    host_copy_of: Any = None
+    host_copy: Any = None
+    model_call: Any = None
+
+
+_STATES: weakref.WeakKeyDictionary[Any, StepState] = weakref.WeakKeyDictionary()
+
+
+def step_state(trainer: Any) -> StepState:
+    """The :class:`StepState` of ``trainer``, created on first use."""
+    state = _STATES.get(trainer)
+    if state is None:
+        state = _STATES[trainer] = StepState()
+    return state
+
+
+def step_norms(trainer: Any, tensors: Sequence[Tensor]) -> Tensor:
+    """:func:`~lightning_tfdebug.functional.norms.per_tensor_norms` of ``tensors``, computed once per optimizer step
+    for the same tensors.
+
+    GradNormMonitor and UpdateRatio both read every gradient before the same ``optimizer.step()`` on a measuring
+    step; the second one reuses the first one's norms instead of a second pass over the gradient memory. The key is
+    the step and the identity of each tensor (the objects are alive throughout the hook that asks, so an ``id`` cannot
+    be reused there); only the small norm vector is held, never the tensors.
+    """
+    state = step_state(trainer)
+    key = (getattr(trainer, "global_step", None), tuple(map(id, tensors)))
+    if state.norms is None or state.norms_key != key:
+        state.norms_key, state.norms = key, per_tensor_norms(tensors)
+    return state.norms
