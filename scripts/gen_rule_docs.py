@@ -1,14 +1,15 @@
-"""Write the findings tables of the docs from the rule registry (``lightning_tfdebug.rules.RULES``).
+"""Write the findings and logged-key tables of the docs from the rule registry and the callbacks' ``KEYS``.
 
 Usage::
 
     python scripts/gen_rule_docs.py          # rewrite docs/findings.md and docs/callbacks/*.md tables
     python scripts/gen_rule_docs.py --check  # exit 1, naming the files, when the docs drifted from the registry
 
-Only the regions between ``<!-- rules:<Source>[:detail] -->`` and ``<!-- /rules -->`` are written; the prose around
-them is hand-written. ``docs/findings.md`` holds each callback's detailed table (trigger, what to do, and why the
-rule has its severity: the rule's ``reason`` under the policy of ``docs/severity.md``), each callback's page its short
-table (meaning). ``tests/test_rules.py`` runs the check.
+Only the regions between ``<!-- rules:<Source>[:detail] -->`` and ``<!-- /rules -->`` (a callback's findings) and
+between ``<!-- keys:<Source> -->`` and ``<!-- /keys -->`` (its logged keys, from the class's ``KEYS``) are written;
+the prose around them is hand-written. ``docs/findings.md`` holds each callback's detailed table (trigger, what to
+do, and why the rule has its severity: the rule's ``reason`` under the policy of ``docs/severity.md``), each
+callback's page its short table (meaning). ``tests/test_rules.py`` runs the check.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import sys
 from pathlib import Path
 
 import lightning_tfdebug
+from lightning_tfdebug.core.keys import render_key_table
 from lightning_tfdebug.rules import BLOCKS, render_rule_table
 
 ROOT = Path(__file__).resolve().parent.parent
 _REGION = re.compile(r"(<!-- rules:(\w+)(:detail)? -->\n)(.*?)(<!-- /rules -->)", re.S)
+_KEYS = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
 
 
 def page_of(source: str) -> Path:
@@ -33,7 +36,10 @@ def page_of(source: str) -> Path:
 
 def render(text: str) -> str:
     """``text`` with every rules region filled from the registry."""
-    return _REGION.sub(lambda m: m.group(1) + render_rule_table(m.group(2), detail=bool(m.group(3))) + m.group(5), text)
+    text = _REGION.sub(lambda m: m.group(1) + render_rule_table(m.group(2), detail=bool(m.group(3))) + m.group(5), text)
+    return _KEYS.sub(
+        lambda m: m.group(1) + render_key_table(getattr(lightning_tfdebug, m.group(2)).KEYS) + m.group(4), text
+    )
 
 
 def regions(text: str) -> list[tuple[str, bool]]:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
 from lightning_tfdebug.core.io import append_line
+from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.messages import pack_warning
 from lightning_tfdebug.core.scalars import refused_scalars, write_scalars
 from lightning_tfdebug.findings import (
@@ -209,6 +210,10 @@ class DebugCallback(Callback):
     runs_collectives: ClassVar[bool] = True
     """Whether the callback's hooks may run collectives; if so, a failure on one rank of a multi-process run ends the
     run (see :meth:`callback_failed`) rather than leave the other ranks waiting."""
+
+    KEYS: ClassVar[tuple[Key, ...]] = ()
+    """Every scalar the callback logs (:class:`~lightning_tfdebug.core.keys.Key`): its docs table, its dashboard charts
+    and the scalar tests are derived from this one declaration."""
 
     every_batch_hooks: ClassVar[frozenset[str]] = frozenset()
     """The training-batch hooks (:data:`BATCH_HOOKS`) this callback needs on every batch, whatever
