@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_tfdebug.findings import TFDebugWarning
+from lightning_tfdebug.findings import Finding, TFDebugWarning
 
 
 @dataclass(frozen=True)
@@ -204,3 +204,13 @@ __all__ = [
     "write_failures",
     "write_text",
 ]
+
+
+def append_finding(path: str | os.PathLike[str], finding: Finding) -> bool:
+    """Append one finding as a JSON line and flush it to disk at once; False when the file system refused.
+
+    The file is opened in append mode for each finding (findings are rare), so several callbacks can share it and
+    nothing written earlier is ever overwritten. A refused write warns once (see :func:`append_line`)
+    and never raises: the finding is still held by the callback that made it.
+    """
+    return append_line(path, finding.to_json())
