@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lightning_tfdebug.functional.optimizers import GroupReading, WiringReading
+from lightning_tfdebug.functional.optimizers import GroupReading, ScheduleReading, WiringReading
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 COUPLED_DECAY = frozenset({"Adam", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop"})
@@ -263,6 +263,31 @@ def decayed_norms_shrink(
     }
     message = NORMS_SHRINK.format(**evidence)
     return TFD324.verdict(evidence, severity="warning", key="shrink", step=step, message=message)
+
+
+@dataclass
+class DecayedNormWatch:
+    """The decayed 1-D parameters' norm over a run, for :func:`decayed_norms_shrink`: its first measured ``(step,
+    norm)``, the decay's ``exposure`` since (``sum lr * weight_decay`` over the optimizer steps) and the step it was
+    last added up to; ``evidence``: :func:`decayed_1d_evidence` of the groups that decay them."""
+
+    first: tuple[int, float] | None = None
+    exposure: float = 0.0
+    last_step: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def add_exposure(self, rate: float, step: int) -> None:
+        """Add ``rate`` (the strongest group's ``lr * weight_decay`` at ``step``) for every step since the last."""
+        if self.last_step is not None and self.first is not None:
+            self.exposure += rate * max(step - self.last_step, 0)
+        self.last_step = step
+
+    def observe(self, step: int, norm: float) -> Verdict | None:
+        """The norm measured at ``step``: the first one is the reference; later ones are decided against it."""
+        if self.first is None:
+            self.first, self.exposure = (step, norm), 0.0
+            return None
+        return decayed_norms_shrink(self.first, (step, norm), self.exposure, self.evidence)
 
 
 TFD325 = Rule(
@@ -502,16 +527,6 @@ def scheduler_overstepped(scheduler: str, calls: int, steps: int, key: str | Non
     )
     evidence = {"calls": calls, "optimizer_steps": steps, "scheduler": scheduler}
     return TFD329.verdict(evidence, key=key, per_step=per_step)
-
-
-@dataclass(frozen=True)
-class ScheduleReading:
-    """The LR schedulers that record a base LR: the largest of those ``base_lrs``, their ``interval`` settings and their
-    class names (both sorted)."""
-
-    base_lr: float
-    intervals: tuple[str, ...] = ()
-    names: tuple[str, ...] = ()
 
 
 TFD330 = Rule(

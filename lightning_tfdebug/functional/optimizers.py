@@ -81,6 +81,11 @@ class Wiring:
     frozen_ids: set[int] = field(default_factory=set)
     """``id`` of the frozen parameters the optimizers hold: one is compared across a step (``TFD322``)."""
 
+    def decay_rate(self) -> float:
+        """The strongest ``lr * weight_decay`` of :attr:`decay_groups` now (0.0 without any): the rate at which the
+        decay shrinks the 1-D parameters per step. Their current ``lr``: read it on measuring steps only."""
+        return max((float(g["lr"]) * float(g.get("weight_decay", 0.0) or 0.0) for g in self.decay_groups), default=0.0)
+
 
 def group_label(optimizer_index: int, group_index: int, group: Mapping[str, Any], several: bool) -> str:
     """A param group's name: its ``name`` entry when it has one, else ``group<i>``; ``opt<j>.`` in front when there
@@ -158,6 +163,29 @@ def read_lrs(optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, float]:
     A tensor LR (capturable or compiled optimizers) costs a host sync here: call it on measuring steps only.
     """
     return {label: float(group["lr"]) for label, _, group in labelled_groups(optimizers)}
+
+
+@dataclass(frozen=True)
+class ScheduleReading:
+    """The LR schedulers that record a base LR: the largest of those ``base_lrs``, their ``interval`` settings and their
+    class names (both sorted)."""
+
+    base_lr: float
+    intervals: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+
+
+def read_schedules(configs: Iterable[Any]) -> ScheduleReading | None:
+    """A :class:`ScheduleReading` of Lightning's scheduler configs (``trainer.lr_scheduler_configs``: host-side
+    attributes only); None when no scheduler records ``base_lrs``."""
+    configs = [c for c in configs if getattr(c.scheduler, "base_lrs", None)]
+    if not configs:
+        return None
+    return ScheduleReading(
+        base_lr=max(float(lr) for c in configs for lr in c.scheduler.base_lrs),
+        intervals=tuple(sorted({str(c.interval) for c in configs})),
+        names=tuple(sorted({type(c.scheduler).__name__ for c in configs})),
+    )
 
 
 def is_transformer(module: nn.Module) -> bool:
