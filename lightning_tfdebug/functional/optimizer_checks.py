@@ -57,6 +57,11 @@ def shown(names: Sequence[str], limit: int = 8) -> str:
     return text + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _listed(rule: Rule, names: Sequence[str]) -> Verdict | None:
+    """``rule``'s verdict on the parameters ``names`` (their count, the first 50 in the evidence); None without any."""
+    return rule.verdict({"count": len(names), "names": list(names[:50])}, shown=shown(names)) if names else None
+
+
 # ---------------------------------------------------------------------------------------- parameters and groups
 TFD320 = Rule(
     "TFD320",
@@ -75,9 +80,7 @@ TFD320 = Rule(
 
 def untrained_parameters(names: Sequence[str]) -> Verdict | None:
     """``TFD320``: trainable parameters in no param group (``names``). None when there are none."""
-    if not names:
-        return None
-    return TFD320.verdict({"count": len(names), "names": list(names[:50])}, shown=shown(names))
+    return _listed(TFD320, names)
 
 
 TFD321 = Rule(
@@ -97,9 +100,7 @@ TFD321 = Rule(
 
 def parameters_held_twice(names: Sequence[str]) -> Verdict | None:
     """``TFD321``: parameters in more than one param group or optimizer. None when there are none."""
-    if not names:
-        return None
-    return TFD321.verdict({"count": len(names), "names": list(names[:50])}, shown=shown(names))
+    return _listed(TFD321, names)
 
 
 TFD322 = Rule(
@@ -138,9 +139,7 @@ FROZEN_MOVED = (
 
 def frozen_parameters_held(names: Sequence[str]) -> Verdict | None:
     """``TFD322`` (info): frozen parameters the optimizer holds. None when there are none."""
-    if not names:
-        return None
-    return TFD322.verdict({"count": len(names), "names": list(names[:50])}, shown=shown(names))
+    return _listed(TFD322, names)
 
 
 def frozen_parameter_moved(name: str, changed: bool) -> Verdict | None:
