@@ -8,18 +8,15 @@ value. Backward frames hold the same for the gradient that reaches each output o
 :meth:`FrameRecorder.first_nonfinite` finds the first frame holding inf or nan with one host read. Weights are not
 recorded per call (they do not change within a step); :func:`weight_ranges` measures them when a report is written.
 
-Report helpers turn frames into a human-readable table (the layout of Hugging Face's ``DebugUnderflowOverflow``,
-plus the fp16/bf16 headroom) and a JSON document, both written atomically.
+:func:`nan_report` turns the frames of a replayed bad step into NaNFirstFrame's report: a JSON-ready summary and a
+human-readable table (the layout of Hugging Face's ``DebugUnderflowOverflow``, plus the fp16/bf16 headroom).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -463,27 +460,132 @@ def format_frames(title: str, frames: list[Frame]) -> list[str]:
     return lines
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: readers never see half a file."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+def report_section(recorder: FrameRecorder, phase: str, max_frames: int) -> tuple[int | None, list[Frame]]:
+    """The first non-finite frame of ``phase`` (None: none) and the frames a report shows: the last ``max_frames`` up
+    to and including it (or the last ``max_frames``), forward frames led by their module's own weights. Host reads,
+    report time only."""
+    first = recorder.first_nonfinite(phase)
+    n = recorder.count(phase)
+    start, stop = window(first, max_frames) if first is not None else (max(0, n - max_frames), n)
+    frames = recorder.frames(phase, start, stop)
+    if phase == "forward":
+        cache: dict[str, list[Entry]] = {}
+        for frame in frames:
+            if frame.module not in cache:
+                module = recorder.module_of(frame.module)
+                cache[frame.module] = weight_ranges(module) if module is not None else []
+            frame.entries[:0] = cache[frame.module]
+    return first, frames
 
 
-def write_report(directory: str, stem: str, summary: dict[str, Any], text_lines: list[str]) -> tuple[str, str]:
-    """Write ``<stem>.json`` and ``<stem>.txt`` under ``directory`` atomically; return both paths."""
-    json_path = os.path.join(directory, stem + ".json")
-    txt_path = os.path.join(directory, stem + ".txt")
-    write_atomic(json_path, json.dumps(summary, indent=1, default=str, allow_nan=False))
-    write_atomic(txt_path, "\n".join(text_lines) + "\n")
-    return txt_path, json_path
+def _named(first: int | None, frames: list[Frame]) -> dict[str, Any] | None:
+    """The report's description of the replay's frame at position ``first``, or None."""
+    if first is None:
+        return None
+    frame = next(f for f in frames if f.index == first)
+    bad = next((e.label for e in frame.entries if not e.finite), None)
+    return {"module": frame.module, "module_type": frame.module_type, "index": first, "tensor": bad, "source": "replay"}
+
+
+def first_forward(
+    replayed: dict[str, Any] | None,
+    step_first: tuple[int, str, str, str] | None,
+    error: str | None,
+    replay_flags: FrameFlags | None,
+) -> tuple[dict[str, Any] | None, bool | None, bool]:
+    """``(first non-finite forward frame, reproduced, overflow)``. Lazy mode (no ``step_first``): the replay's. Eager
+    mode: named from this step's own flags (``step_first``, :meth:`FrameFlags.first_nonfinite`), the replay giving the
+    detail; ``reproduced``: the replay saw a non-finite forward frame too; ``overflow``: it did not, and its own sums
+    overflow again while its exact abs ranges are finite (a float32 overflow of finite values: no frame)."""
+    if step_first is None:
+        return replayed, None, False
+    _, module, module_type, label = step_first
+    reproduced = replayed is not None
+    if not reproduced and error is None and replay_flags is not None and replay_flags.first_nonfinite():
+        return None, reproduced, True
+    index = replayed["index"] if replayed is not None and replayed["module"] == module else None
+    return (
+        {"module": module, "module_type": module_type, "index": index, "tensor": label, "source": "step"},
+        reproduced,
+        False,
+    )
+
+
+def nan_report(
+    recorder: FrameRecorder,
+    header: Mapping[str, Any],
+    rows: Sequence[Sequence[float]],
+    ranks: tuple[list[int], list[int]],
+    *,
+    max_frames: int,
+    error: str | None = None,
+    step_first: tuple[int, str, str, str] | None = None,
+    replay_flags: FrameFlags | None = None,
+) -> tuple[dict[str, Any], list[str]]:
+    """NaNFirstFrame's report of a bad step: the summary (``header``: step, batch, rank... first) and its text lines.
+
+    Args:
+        recorder: the replay's frames.
+        header: ``step``, ``batch_idx``, ``micro_batches``, ``rank``, ``world_size``, ``precision``, ``mode``.
+        rows: every rank's ``[loss_nonfinite, grad_nonfinite, frame_nonfinite]``.
+        ranks: ``(bad_ranks, frame_ranks)`` (:func:`~lightning_tfdebug.functional.finite.flagged_ranks`).
+        max_frames: frames shown per direction.
+        error: the replay's error, if it failed.
+        step_first, replay_flags: eager mode, see :func:`first_forward`.
+    """
+    first_fwd, fwd = report_section(recorder, "forward", max_frames)
+    first_bwd, bwd = report_section(recorder, "backward", max_frames)
+    replayed = _named(first_fwd, fwd)
+    forward, reproduced, overflow = first_forward(replayed, step_first, error, replay_flags)
+    row = rows[header["rank"]]
+    summary: dict[str, Any] = {
+        **header,
+        "loss_nonfinite": bool(row[0] > 0),
+        "grad_nonfinite": bool(row[1] > 0),
+        "nonfinite_ranks": ranks[0],
+        "frame_nonfinite_ranks": ranks[1],
+        "first_forward": forward,
+        "first_backward": _named(first_bwd, bwd),
+        "replay_first_forward": replayed,
+        "replay_reproduced": reproduced,
+        "flag_was_sum_overflow": overflow,
+        "frames_recorded": {"forward": recorder.count("forward"), "backward": recorder.count("backward")},
+        "replay_error": error,
+        "forward_frames": [f.to_dict() for f in fwd],
+        "backward_frames": [f.to_dict() for f in bwd],
+    }
+    return summary, report_lines(summary, fwd, bwd)
+
+
+def report_lines(summary: Mapping[str, Any], fwd: list[Frame], bwd: list[Frame]) -> list[str]:
+    """The text of a report: what was found, then the forward and the backward frame tables."""
+    s, ff, fb, replayed = summary, summary["first_forward"], summary["first_backward"], summary["replay_first_forward"]
+    lines = [
+        f"NaNFirstFrame report: step {s['step']}, batch {s['batch_idx']}, rank {s['rank']} of {s['world_size']}, "
+        f"precision {s['precision']}, mode {s['mode']}",
+        f"non-finite loss or gradients on rank(s): {s['nonfinite_ranks'] or 'none'}; "
+        f"non-finite module outputs on rank(s): {s['frame_nonfinite_ranks'] or 'none'}",
+        "first non-finite forward frame on this rank: "
+        + (f"{ff['module']} ({ff['module_type']}), {ff['tensor']}" if ff else "none"),
+        "first non-finite gradient on this rank reached the output of: "
+        + (f"{fb['module']} ({fb['module_type']})" if fb else "none"),
+    ]
+    if s["replay_reproduced"] is False and not s["flag_was_sum_overflow"]:
+        lines.append(
+            "the first forward frame is named from this step's output sums: the replay did not reproduce the "
+            "non-finite value (a nondeterministic inf/nan); the frames below are the replay's"
+        )
+    elif s["replay_reproduced"] and replayed is not None and ff is not None and replayed["module"] != ff["module"]:
+        lines.append(f"the replay's first non-finite forward frame differs: {replayed['module']}")
+    if s["flag_was_sum_overflow"]:
+        lines.append(
+            "this step's flagged output sum overflowed float32 while every value was finite (exact abs ranges "
+            "of the replay): no inf/nan"
+        )
+    if s["replay_error"]:
+        lines.append(f"the replay failed: {s['replay_error']}")
+    lines.append("")
+    lines += format_frames(f"Last {len(fwd)} forward frames (call order):", fwd)
+    lines.append("")
+    lines += format_frames(f"Last {len(bwd)} backward frames (order gradients arrived):", bwd)
+    return lines
