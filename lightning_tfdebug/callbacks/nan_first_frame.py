@@ -27,25 +27,24 @@ from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_row, flagged_ranks
-from lightning_tfdebug.functional.frames import FrameFlags, FrameRecorder, nan_report
-from lightning_tfdebug.functional.nan_checks import LOSS_FRAME, NaNStep, nonfinite_step, replay_failed_on_rank
+from lightning_tfdebug.functional.frames import (
+    LOSS_FRAME,
+    FrameFlags,
+    FrameRecorder,
+    nan_report,
+    replay_frames,
+    rng_state,
+)
+from lightning_tfdebug.functional.nan_checks import (
+    NaNStep,
+    nonfinite_step,
+    rank_frames,
+    replay_failed_on_rank,
+)
 
 Mode = Literal["lazy", "eager"]
 _MODES = ("lazy", "eager")
 _MAX_KEPT_MICRO_BATCHES = 64
-
-
-def _rng_state(device: torch.device, cpu: Tensor | None = None) -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state() if cpu is None else cpu}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)  # a host copy of the generator's seed and offset
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 class NaNFirstFrame(DebugCallback):
@@ -215,7 +214,7 @@ class NaNFirstFrame(DebugCallback):
         if len(self._micro) >= _MAX_KEPT_MICRO_BATCHES:
             self._micro.pop(0)
         # a reference to the batch, no copy; the CPU generator's state is the batch's one shared copy (ReproCapture's)
-        self._micro.append((batch, idx, _rng_state(pl_module.device, step_rng_state(trainer, batch, idx))))
+        self._micro.append((batch, idx, rng_state(pl_module.device, step_rng_state(trainer, batch, idx))))
         if self._flags is not None:
             self._flags.enabled = True
 
@@ -293,7 +292,7 @@ class NaNFirstFrame(DebugCallback):
             self._flags.enabled = False  # the replay below records into its own flags
             if rows[rank][2] > 0:
                 step_first = self._flags.first_nonfinite()  # this step's first non-finite output (one host read)
-        recorder, replay_flags, error = self._replay(trainer, pl_module, flags=self._flags is not None)
+        recorder, replay_flags, error = self._replay(trainer, pl_module)
         micro = [idx for _, idx, _ in self._micro]
         header = {
             "step": step,
@@ -305,14 +304,7 @@ class NaNFirstFrame(DebugCallback):
             "mode": self._mode,
         }
         summary, lines = nan_report(
-            recorder,
-            header,
-            rows,
-            (bad_ranks, frame_ranks),
-            max_frames=self.max_frames,
-            error=error,
-            step_first=step_first,
-            replay_flags=replay_flags,
+            recorder, header, rows, self.max_frames, error=error, step_first=step_first, replay_flags=replay_flags
         )
         txt_path, json_path = (
             os.path.join(self.tfdebug_dir, f"nan-step{step}-rank{rank}{ext}") for ext in (".txt", ".json")
@@ -320,18 +312,8 @@ class NaNFirstFrame(DebugCallback):
         if error is not None and self._finite.sharded and world_size() > 1:
             self._write(summary, lines, txt_path, json_path)
             self._end_after_sharded_replay_failure(trainer, step, bad_ranks, error, txt_path)
-        reading = NaNStep(
-            step,
-            bad_ranks,
-            frame_ranks,
-            self._share(trainer, summary),
-            txt_path,
-            json_path,
-            batch_idx=header["batch_idx"],
-            precision=header["precision"],
-            error=error,
-            skipped=self.skip_nonfinite_steps,
-        )
+        everyone = self._share(trainer, summary)
+        reading = NaNStep.of(summary, everyone, txt_path, json_path, skipped=self.skip_nonfinite_steps)
         verdict = nonfinite_step(reading)
         if verdict is None:
             # Every flagged output sum was a float32 overflow of finite values (the replay's exact abs ranges are
@@ -364,67 +346,37 @@ class NaNFirstFrame(DebugCallback):
 
     # ------------------------------------------------------------------ replay
     def _replay(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, flags: bool = False
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> tuple[FrameRecorder, FrameFlags | None, str | None]:
-        """Re-run this step's micro-batches with the same RNG state and frame hooks; every rank does it.
-
-        With ``flags`` (eager mode) the replay also records the output sums eager mode flags a step with, so that a
-        flag whose exact abs ranges are finite can be told apart: its sum overflows again (a float32 overflow of
-        finite values, deterministic), or it does not (the non-finite value did not reproduce).
+        """Re-run this step's micro-batches with the same RNG state and frame hooks (:func:`replay_frames`); every rank
+        does it. In eager mode the replay also records output sums, to tell a float32 overflow of finite values from
+        a non-finite value that did not reproduce.
 
         The model is called directly (not through the DDP wrapper), so DDP's reducer does not all-reduce the
         replayed gradients; under FSDP2 the replay runs the same all-gathers and reduce-scatters on every rank,
-        which is why every rank replays all micro-batches whatever it finds. The replay's gradients are dropped and
-        the step's own are put back.
+        which is why every rank replays all micro-batches whatever it finds. The step's own gradients (None after a
+        skipped bad step) are put back: a step whose only flag is a module output (TFD402) is still applied.
         """
-        device = pl_module.device
-        recorder = FrameRecorder(pl_module, backward=True)
-        replay_flags = FrameFlags(pl_module) if flags else None
-        saved = _rng_state(device)
         scaler = grad_scaler_of(trainer)
-        error: str | None = None
-        # The step's own gradients (None after a skipped bad step) are put back afterwards: a step whose only flag is
-        # a module output (TFD402) is still applied, and the replay's backward must not accumulate into them.
-        grads = [p.grad for p in self._finite.params]
-        for p in self._finite.params:
-            p.grad = None
-        try:
-            recorder.attach()
-            if replay_flags is not None:
-                replay_flags.attach()
-            for batch, batch_idx, rng in list(self._micro):
-                _set_rng_state(rng, device)
-                # eagerly under torch.compile: the frame hooks run, and the replay compiles nothing new
-                with eager_model_calls(), torch.enable_grad(), trainer.precision_plugin.train_step_context():
-                    loss = loss_of(quiet_training_step(pl_module, batch, batch_idx))
-                if loss is None:
-                    continue
-                recorder.record_value(LOSS_FRAME, "loss", loss)
-                if replay_flags is not None:
-                    replay_flags.record_value(LOSS_FRAME, "loss", loss)
-                if scaler is not None:
-                    loss = scaler.scale(loss)
-                if loss.requires_grad:
-                    loss.backward()
-        except Exception as err:  # the report says the replay failed; training decides with on_finding
-            error = f"{type(err).__name__}: {err}"
-        finally:
-            recorder.detach()
-            if replay_flags is not None:
-                replay_flags.detach()
-            _set_rng_state(saved, device)
-            for p, g in zip(self._finite.params, grads):
-                p.grad = g
-        return recorder, replay_flags, error
+
+        def run_step(batch: Any, batch_idx: int) -> Tensor | None:
+            # eagerly under torch.compile: the frame hooks run, and the replay compiles nothing new
+            with eager_model_calls(), torch.enable_grad(), trainer.precision_plugin.train_step_context():
+                return loss_of(quiet_training_step(pl_module, batch, batch_idx))
+
+        return replay_frames(
+            pl_module,
+            pl_module.device,
+            self._micro,
+            run_step,
+            self._finite.params,
+            flags=self._flags is not None,
+            scale=scaler.scale if scaler is not None else None,
+        )
 
     def _share(self, trainer: pl.Trainer, summary: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's first forward/backward module names (and whether the replay reproduced this step's flags)."""
-        mine = {
-            "rank": trainer.global_rank,
-            "forward": (summary["first_forward"] or {}).get("module"),
-            "backward": (summary["first_backward"] or {}).get("module"),
-            "reproduced": summary["replay_reproduced"],
-        }
+        mine = rank_frames(trainer.global_rank, summary)
         everyone: list[Any] = [mine]
         if world_size() > 1:
             # Only on a reporting step, which every rank reached from the same gathered flags: share the names.

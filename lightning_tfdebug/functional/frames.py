@@ -14,9 +14,10 @@ human-readable table (the layout of Hugging Face's ``DebugUnderflowOverflow``, p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tfdebug.core.distributed import clean_param_name, local_tensor
+from lightning_tfdebug.functional.finite import flagged_ranks
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 _INF = float("inf")
+LOSS_FRAME = "training_step"
+"""The pseudo-module under which the loss ``training_step`` returned is recorded: a frame of its own."""
 
 
 def iter_float_tensors(obj: Any, label: str, _depth: int = 0) -> Iterator[tuple[str, Tensor]]:
@@ -460,6 +464,76 @@ def format_frames(title: str, frames: list[Frame]) -> list[str]:
     return lines
 
 
+def rng_state(device: torch.device, cpu: Tensor | None = None) -> dict[str, Any]:
+    """The torch generators a step on ``device`` draws from: the CPU's (``cpu``: a state already taken) and the
+    device's. Host copies, no device sync."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state() if cpu is None else cpu}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)  # a host copy of the generator's seed and offset
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def replay_frames(
+    model: nn.Module,
+    device: torch.device,
+    micro_batches: Sequence[tuple[Any, int, Mapping[str, Any]]],
+    run_step: Callable[[Any, int], Tensor | None],
+    params: Sequence[Tensor],
+    *,
+    flags: bool = False,
+    scale: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[FrameRecorder, FrameFlags | None, str | None]:
+    """Run a step's micro-batches again, each from its RNG state (:func:`rng_state`), with frame hooks attached.
+
+    Args:
+        model: the module whose frames are recorded.
+        device: its device (whose generator is restored with the CPU's).
+        micro_batches: ``(batch, batch_idx, rng_state)`` per micro-batch, in order.
+        run_step: the forward of one micro-batch, returning its loss (None: nothing to backward).
+        params: the parameters whose ``.grad`` the replay's backward must not touch: their gradients are set aside
+            and put back afterwards, and the replay's dropped.
+        flags: also record the output sums of :class:`FrameFlags` (eager mode), to tell a float32 overflow of finite
+            values (the sums overflow again) from a non-finite value the replay does not reproduce.
+        scale: applied to each loss before its backward (a GradScaler's ``scale``).
+
+    Returns:
+        ``(recorder, flags or None, error)``: ``error`` is the replay's exception as text (None when it ran through);
+        the hooks are removed and the RNG states put back either way.
+    """
+    recorder = FrameRecorder(model, backward=True)
+    replay_flags = FrameFlags(model) if flags else None
+    saved, grads, error = rng_state(device), [p.grad for p in params], None
+    for p in params:
+        p.grad = None
+    try:
+        with recorder, replay_flags if replay_flags is not None else contextlib.nullcontext():
+            for batch, batch_idx, rng in list(micro_batches):
+                set_rng_state(rng, device)
+                loss = run_step(batch, batch_idx)
+                if loss is None:
+                    continue
+                recorder.record_value(LOSS_FRAME, "loss", loss)
+                if replay_flags is not None:
+                    replay_flags.record_value(LOSS_FRAME, "loss", loss)
+                if scale is not None:
+                    loss = scale(loss)
+                if loss.requires_grad:
+                    loss.backward()
+    except Exception as err:  # the report says the replay failed; the caller decides what the run does
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        set_rng_state(saved, device)
+        for p, g in zip(params, grads):
+            p.grad = g
+    return recorder, replay_flags, error
+
+
 def report_section(recorder: FrameRecorder, phase: str, max_frames: int) -> tuple[int | None, list[Frame]]:
     """The first non-finite frame of ``phase`` (None: none) and the frames a report shows: the last ``max_frames`` up
     to and including it (or the last ``max_frames``), forward frames led by their module's own weights. Host reads,
@@ -515,9 +589,8 @@ def nan_report(
     recorder: FrameRecorder,
     header: Mapping[str, Any],
     rows: Sequence[Sequence[float]],
-    ranks: tuple[list[int], list[int]],
-    *,
     max_frames: int,
+    *,
     error: str | None = None,
     step_first: tuple[int, str, str, str] | None = None,
     replay_flags: FrameFlags | None = None,
@@ -528,7 +601,6 @@ def nan_report(
         recorder: the replay's frames.
         header: ``step``, ``batch_idx``, ``micro_batches``, ``rank``, ``world_size``, ``precision``, ``mode``.
         rows: every rank's ``[loss_nonfinite, grad_nonfinite, frame_nonfinite]``.
-        ranks: ``(bad_ranks, frame_ranks)`` (:func:`~lightning_tfdebug.functional.finite.flagged_ranks`).
         max_frames: frames shown per direction.
         error: the replay's error, if it failed.
         step_first, replay_flags: eager mode, see :func:`first_forward`.
@@ -537,13 +609,13 @@ def nan_report(
     first_bwd, bwd = report_section(recorder, "backward", max_frames)
     replayed = _named(first_fwd, fwd)
     forward, reproduced, overflow = first_forward(replayed, step_first, error, replay_flags)
-    row = rows[header["rank"]]
+    row, (bad_ranks, frame_ranks) = rows[header["rank"]], flagged_ranks(rows)
     summary: dict[str, Any] = {
         **header,
         "loss_nonfinite": bool(row[0] > 0),
         "grad_nonfinite": bool(row[1] > 0),
-        "nonfinite_ranks": ranks[0],
-        "frame_nonfinite_ranks": ranks[1],
+        "nonfinite_ranks": bad_ranks,
+        "frame_nonfinite_ranks": frame_ranks,
         "first_forward": forward,
         "first_backward": _named(first_bwd, bwd),
         "replay_first_forward": replayed,

@@ -12,10 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_tfdebug.functional.frames import LOSS_FRAME
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
-
-LOSS_FRAME = "training_step"
-"""The pseudo-module under which the loss ``training_step`` returned is recorded: a frame of its own."""
 
 TFD401 = Rule(
     "TFD401",
@@ -134,6 +132,41 @@ class NaNStep:
     precision: str = ""
     error: str | None = None
     skipped: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        summary: Mapping[str, Any],
+        everyone: Sequence[Mapping[str, Any]],
+        report: str,
+        report_json: str,
+        skipped: bool = False,
+    ) -> NaNStep:
+        """The reading of a rank's report ``summary`` (:func:`~lightning_tfdebug.functional.frames.nan_report`) and
+        every rank's :func:`rank_frames`."""
+        return cls(
+            summary["step"],
+            summary["nonfinite_ranks"],
+            summary["frame_nonfinite_ranks"],
+            everyone,
+            report,
+            report_json,
+            batch_idx=summary["batch_idx"],
+            precision=summary["precision"],
+            error=summary["replay_error"],
+            skipped=skipped,
+        )
+
+
+def rank_frames(rank: int, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """What a rank shares of its report (``summary``, :func:`~lightning_tfdebug.functional.frames.nan_report`): its
+    first non-finite forward and backward module, and whether its replay reproduced this step's flags."""
+    return {
+        "rank": rank,
+        "forward": (summary["first_forward"] or {}).get("module"),
+        "backward": (summary["first_backward"] or {}).get("module"),
+        "reproduced": summary["replay_reproduced"],
+    }
 
 
 def _where(culprit: Mapping[str, Any] | None) -> str:
