@@ -36,6 +36,7 @@ from lightning_tfdebug.functional.frames import (
     rng_state,
 )
 from lightning_tfdebug.functional.nan_checks import (
+    TFD402,
     NaNStep,
     nonfinite_step,
     rank_frames,
@@ -174,7 +175,7 @@ class NaNFirstFrame(DebugCallback):
             rank_zero_warn(
                 "NaNFirstFrame: the model is compiled with torch.compile, so eager mode's frame hooks would recompile "
                 "it at every step; running in lazy mode (a bad step is replayed eagerly, hooks on). Inf/nan that "
-                "never reaches the loss or the gradients (TFD402) is not looked for.",
+                f"never reaches the loss or the gradients ({TFD402.code}) is not looked for.",
                 category=TFDebugWarning,
             )
         if self._mode == "eager" and self.active:
