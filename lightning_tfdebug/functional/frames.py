@@ -150,6 +150,16 @@ def _graph_task_running() -> bool:
     return _TASK_ID is not None and _TASK_ID() != -1
 
 
+def _first_nonfinite(values: list[Tensor]) -> int | None:
+    """Index of the first of ``values`` (0-d device tensors) that is inf or nan, or None. One host read."""
+    if not values:
+        return None
+    device = values[0].device
+    flags = torch.isfinite(torch.stack([v if v.device == device else v.to(device) for v in values])).logical_not_()
+    found, entry = torch.stack([flags.any().float(), flags.int().argmax().float()]).tolist()  # host sync (one)
+    return int(entry) if found else None
+
+
 class _ModuleHooks:
     """What :class:`FrameRecorder` and :class:`FrameFlags` share: every submodule named by `clean_param_name`
     (wrapper segments dropped), one forward hook on each (:meth:`_hook`, attached and detached together), and extra
@@ -186,10 +196,6 @@ class _ModuleHooks:
 
     def __exit__(self, *exc: Any) -> None:
         self.detach()
-
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
 
     def _extra_index(self, name: str) -> int:
         """The index of a named value that is not a module (added once, with type ``-``)."""
@@ -263,26 +269,11 @@ class FrameRecorder(_ModuleHooks):
         self.records.clear()
 
     # ---------------------------------------------------------------- analysis
-    def _maxes(self, phase: str | None) -> tuple[list[_Record], Tensor | None]:
-        records = [r for r in self.records if phase is None or r.phase == phase]
-        maxes = [s for r in records for s in r.stats[1::2]]  # a nan shows in the max too
-        if not maxes:
-            return records, None
-        return records, torch.stack([m.to(maxes[0].device) for m in maxes])
-
-    def any_nonfinite(self, phase: str | None = None) -> Tensor | None:
-        """1.0 when any recorded entry (of ``phase``, or of all) holds inf or nan; a device scalar, no host sync."""
-        _, maxes = self._maxes(phase)
-        return None if maxes is None else (~torch.isfinite(maxes)).any().float()
-
     def first_nonfinite(self, phase: str) -> int | None:
         """Position (among frames of ``phase``) of the first frame holding inf or nan, or None. One host read."""
-        records, maxes = self._maxes(phase)
-        if maxes is None:
-            return None
-        flags = ~torch.isfinite(maxes)
-        found, entry = torch.stack([flags.any().float(), flags.int().argmax().float()]).tolist()  # host sync (one)
-        if not found:
+        records = [r for r in self.records if r.phase == phase]
+        entry = _first_nonfinite([s for r in records for s in r.stats[1::2]])  # a nan shows in the max too
+        if entry is None:
             return None
         seen = 0
         for position, r in enumerate(records):
@@ -405,14 +396,9 @@ class FrameFlags(_ModuleHooks):
 
         One host read (report time only).
         """
-        stacked = self._stacked()
-        if stacked is None:
+        i = _first_nonfinite(self.sums)
+        if i is None:
             return None
-        flags = torch.isfinite(stacked).logical_not_()
-        found, entry = torch.stack([flags.any().float(), flags.int().argmax().float()]).tolist()  # host sync (one)
-        if not found:
-            return None
-        i = int(entry)
         module = self.indices[i]
         return i, self.names[module], self.types[module], self.labels[i]
 
