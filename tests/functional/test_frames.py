@@ -187,3 +187,33 @@ def test_frame_flags_skip_checkpoint_recomputation_and_pause_when_disabled(mode)
         flags.enabled = False
         net(torch.ones(2, 4))
     assert flags.count() == 0
+
+
+def test_replay_frames_restores_gradients_and_generators_and_reports_its_error():
+    from lightning_tfdebug.functional.frames import LOSS_FRAME, replay_frames, rng_state
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    params = list(net.parameters())
+    own = [torch.full_like(p, 7.0) for p in params]
+    for p, g in zip(params, own):
+        p.grad = g
+    micro = [(torch.ones(2, 4), 0, rng_state(torch.device("cpu")))]
+    torch.rand(1)  # the generator moved on since the batch's state was taken
+
+    def run_step(batch, batch_idx):
+        return net(batch).sum() * float("nan")
+
+    before = torch.get_rng_state()
+    recorder, flags, error = replay_frames(net, torch.device("cpu"), micro, run_step, params, flags=True)
+    assert error is None and torch.equal(torch.get_rng_state(), before)  # put back after the replay
+    assert all(p.grad is g for p, g in zip(params, own))  # the step's own gradients, untouched
+    assert recorder.count("forward") == 4 and recorder.frames("forward")[-1].module == LOSS_FRAME
+    assert flags is not None and flags.first_nonfinite()[1] == LOSS_FRAME
+    assert recorder.first_nonfinite("backward") is not None
+
+    def failing(batch, batch_idx):
+        raise RuntimeError("boom")
+
+    recorder, flags, error = replay_frames(net, torch.device("cpu"), micro, failing, params)
+    assert error == "RuntimeError: boom" and flags is None and all(p.grad is g for p, g in zip(params, own))
+    assert not any(m._forward_hooks for m in net.modules())  # hooks removed
