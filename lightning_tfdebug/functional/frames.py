@@ -8,8 +8,9 @@ value. Backward frames hold the same for the gradient that reaches each output o
 :meth:`FrameRecorder.first_nonfinite` finds the first frame holding inf or nan with one host read. Weights are not
 recorded per call (they do not change within a step); :func:`weight_ranges` measures them when a report is written.
 
-:func:`nan_report` turns the frames of a replayed bad step into NaNFirstFrame's report: a JSON-ready summary and a
-human-readable table (the layout of Hugging Face's ``DebugUnderflowOverflow``, plus the fp16/bf16 headroom).
+:func:`replay_frames` runs a bad step's micro-batches again with the hooks attached, and :func:`nan_report` turns its
+frames into NaNFirstFrame's report: a JSON-ready summary and a human-readable table (the layout of Hugging Face's
+``DebugUnderflowOverflow``, plus the fp16/bf16 headroom). Nothing here writes a file.
 """
 
 from __future__ import annotations
