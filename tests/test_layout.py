@@ -58,9 +58,6 @@ PENDING_CODES_IN_CALLBACKS: set[str] = {
     "grad_norm_monitor.py",
     "loss_at_init.py",
     "mask_probe.py",
-    "nan_first_frame.py",
-    "optimizer_audit.py",
-    "repro_capture.py",
     "scaler_watch.py",
     "update_ratio.py",
 }
@@ -70,8 +67,6 @@ PENDING_LONG_CALLBACKS: set[str] = {
     "dead_activation.py",
     "loss_at_init.py",
     "mask_probe.py",
-    "nan_first_frame.py",
-    "optimizer_audit.py",
     "throughput_monitor.py",
     "update_ratio.py",
 }
@@ -81,9 +76,6 @@ PENDING_LONG_FUNCTIONS: set[str] = {
     "callbacks/mask_probe.py:MaskProbe._probe",
     "callbacks/mask_probe.py:MaskProbe._probe_alignment",
     "callbacks/mask_probe.py:MaskProbe._probe_masks",
-    "callbacks/nan_first_frame.py:NaNFirstFrame._emit",
-    "callbacks/nan_first_frame.py:NaNFirstFrame._report",
-    "callbacks/optimizer_audit.py:OptimizerAudit._audit_wiring",
     "callbacks/throughput_monitor.py:ThroughputMonitor.__init__",
     "callbacks/throughput_monitor.py:ThroughputMonitor._measure",
     "callbacks/update_ratio.py:UpdateRatio._diagnose",
@@ -96,12 +88,9 @@ PENDING_LONG_FUNCTIONS: set[str] = {
     "functional/loss_checks.py:classify_init_loss",
     "functional/loss_checks.py:context_verdict",
     "functional/loss_checks.py:loss_transform_verdict",
-    "repro.py:replay",
-    "repro.py:write_bundle",
 }
 PENDING_IMPURE_FUNCTIONAL: set[str] = {
     "checkpoints.py",
-    "frames.py",
     "throughput.py",
     "throughput_checks.py",
 }
