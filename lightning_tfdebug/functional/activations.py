@@ -15,6 +15,8 @@ has a zero derivative near ``x = -0.75`` too, which is not saturation, hence the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -202,3 +204,95 @@ def dead_fraction(alive: Tensor) -> Tensor:
     if alive.numel() == 0:
         return alive.new_zeros((), dtype=torch.float32)
     return 1.0 - alive.float().mean()
+
+
+@dataclass
+class LayerCounts:
+    """What the hooks of one activation layer added up over one measured forward (device tensors; no host sync).
+
+    ``zeros`` and ``alive`` (exact zeros, and each unit's "non-zero for some token") are counted for every kind but
+    tanh/sigmoid; ``saturated`` for the kinds that saturate. ``numel`` and ``calls`` are host shape arithmetic.
+    """
+
+    name: str
+    kind: str
+    calls: int = 0
+    numel: int = 0
+    zeros: Tensor | None = None
+    saturated: Tensor | None = None
+    alive: Tensor | None = None
+
+    @property
+    def counts_zeros(self) -> bool:
+        return self.kind not in OUTPUT_SATURATING
+
+    @property
+    def saturates(self) -> bool:
+        return self.kind in OUTPUT_SATURATING or self.kind in TAIL_SATURATING
+
+    def reset(self) -> None:
+        self.calls, self.numel, self.zeros, self.saturated, self.alive = 0, 0, None, None, None
+
+    def add(self, pre: Tensor | None, out: Tensor, grad_threshold: float) -> None:
+        """Add one call: ``out`` the activation's output, ``pre`` its input (None if unknown)."""
+        if self.counts_zeros:
+            zeros, alive = zeros_and_alive(out)  # one boolean view: branch-free whatever the activation
+            self.zeros = zeros if self.zeros is None else self.zeros + zeros
+            if self.alive is None:
+                self.alive = alive
+            elif self.alive.shape == alive.shape:  # a module called again in the same forward
+                self.alive = self.alive | alive
+        if self.saturates:
+            sat = saturated_count(self.kind, pre, out, grad_threshold)
+            if sat is not None:
+                self.saturated = sat if self.saturated is None else self.saturated + sat
+        self.numel += out.numel()
+        self.calls += 1
+
+
+def pack_counts(layers: Sequence[LayerCounts], units: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The counts of every layer as two vectors for one reduction over ranks: ``sums`` (zeros, saturated, elements,
+    calls per layer: they add up) and ``alive`` (each layer's ``units[i]`` alive flags as 0/1, zeros where this rank
+    saw nothing: a unit is alive if it was alive on any rank)."""
+    zero = torch.zeros((), device=device)
+    sums = torch.stack(
+        [
+            value
+            for layer in layers
+            for value in (
+                (layer.zeros if layer.zeros is not None else zero).float().to(device),
+                (layer.saturated if layer.saturated is not None else zero).float().to(device),
+                torch.tensor(float(layer.numel), device=device),
+                torch.tensor(float(layer.calls), device=device),
+            )
+        ]
+    )
+    alive = [torch.zeros(0, device=device)]
+    for layer, n in zip(layers, units):
+        flags = torch.zeros(n, device=device)
+        if layer.alive is not None and n:
+            m = min(n, layer.alive.numel())
+            flags[:m] = layer.alive[:m].float().to(device)
+        alive.append(flags)
+    return sums, torch.cat(alive)
+
+
+def layer_fractions(
+    layers: Sequence[LayerCounts], units: Sequence[int], sums: Tensor, alive: Tensor
+) -> dict[str, Tensor]:
+    """The reduced counts of :func:`pack_counts` as fractions per layer: ``zero_frac/<layer>`` and
+    ``dead_frac/<layer>`` (not for tanh/sigmoid), ``saturated_frac/<layer>`` (kinds that saturate), and
+    ``calls/<layer>`` (the calls over every rank; 0: the layer did not run). Device tensors."""
+    sums = sums.float().view(len(layers), 4)
+    out: dict[str, Tensor] = {}
+    offset = 0
+    for i, (layer, n) in enumerate(zip(layers, units)):
+        numel = sums[i, 2].clamp(min=1.0)
+        if layer.counts_zeros:
+            out[f"zero_frac/{layer.name}"] = sums[i, 0] / numel
+            out[f"dead_frac/{layer.name}"] = dead_fraction(alive[offset : offset + n])
+        if layer.saturates:
+            out[f"saturated_frac/{layer.name}"] = sums[i, 1] / numel
+        out[f"calls/{layer.name}"] = sums[i, 3]
+        offset += n
+    return out
