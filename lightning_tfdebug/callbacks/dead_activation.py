@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
+from lightning_tfdebug.core.activation_hooks import ActivationHooks, HookedLayer
 from lightning_tfdebug.core.base import DebugCallback, check_number, model_is_compiled
-from lightning_tfdebug.core.distributed import clean_param_name, packed_reduce, world_size
-from lightning_tfdebug.core.function_calls import FunctionCalls
+from lightning_tfdebug.core.distributed import packed_reduce, world_size
 from lightning_tfdebug.core.keys import Key
-from lightning_tfdebug.core.model import in_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.activation_checks import (
     ActivationHistory,
@@ -27,25 +23,7 @@ from lightning_tfdebug.functional.activation_checks import (
     silent_layers_reason,
     unobservable_verdict,
 )
-from lightning_tfdebug.functional.activations import (
-    ACTIVATION_KINDS,
-    FUNCTION_KINDS,
-    TAIL_SATURATING,
-    LayerCounts,
-    apply_activation,
-    kind_of_module,
-    layer_fractions,
-    pack_counts,
-    tail_cutoff,
-)
-
-
-@dataclass
-class _Layer(LayerCounts):
-    """One measured layer: what its hook counted on the current measuring step, and the hook while it exists."""
-
-    from_preactivation: bool = False  # the hooked module's output is the pre-activation; the activation is applied here
-    handles: list[RemovableHandle] = field(default_factory=list)
+from lightning_tfdebug.functional.activations import ACTIVATION_KINDS, layer_fractions, pack_counts
 
 
 class DeadActivation(DebugCallback):
@@ -182,71 +160,43 @@ class DeadActivation(DebugCallback):
             self.saturation_grad,
         )
         self._history = ActivationHistory()
+        self._hooks: ActivationHooks | None = None  # built at the start of training
+        self._units: list[int] | None = None  # global unit count per layer, learned at the first measurement
         self._armed_step: int | None = None  # the step whose forward the hooks are measuring
         self._measured_step: int | None = None
-        self._pl_module: pl.LightningModule | None = None
-        self._forget_model()
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.every_n_steps, layers=self.layers)
 
     # ------------------------------------------------------------------ set-up
-    def _forget_model(self) -> None:
-        self._layers: list[_Layer] | None = None  # None: not built yet (or standing aside)
-        self._modules: list[nn.Module] = []  # the hooked module of each of the first layers (the rest: function calls)
-        self._units: list[int] | None = None  # global unit count per layer, learned at the first measurement
-        self._calls: FunctionCalls | None = None
-        self._call_layers: dict[str, _Layer] = {}  # function-call layers, by name
-        self._discovering = False  # the first measuring step: new function-call layers may appear
-        self._callers: set[int] = set()  # ids of the modules whose forward calls a measured activation function
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        self._forget_model()
+        self._hooks, self._units = None, None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.active:
             return
         # Same model on every rank, so every rank stands aside together and no collective is left waiting.
-        if not self._unobservable(trainer, compiled_reason(model_is_compiled(trainer, pl_module)), compiled=True):
-            self._build(pl_module)
-
-    def _build(self, pl_module: pl.LightningModule) -> None:
-        layer_rx = re.compile(self.layers) if self.layers else None
-        pre = [(re.compile(p), k) for p, k in (self.preactivations or {}).items()]
-        layers: list[_Layer] = []
-        for raw, module in pl_module.named_modules():
-            name = clean_param_name(raw)
-            kind = next((k for rx, k in pre if rx.search(name)), None)
-            from_preactivation = kind is not None
-            if kind is None and (layer_rx is None or layer_rx.search(name)):
-                kind = kind_of_module(module)
-            if name and kind is not None:
-                layers.append(_Layer(name, kind, from_preactivation=from_preactivation))
-                self._modules.append(module)
-        for kind in {layer.kind for layer in layers} | set(FUNCTION_KINDS.values()):
-            if kind in TAIL_SATURATING:
-                tail_cutoff(kind, self.saturation_grad)  # cached; computed here, not inside a measured forward
-        if self.functional:  # `layers` narrows function-call layers by their module's name too
-            self._calls = FunctionCalls(
-                pl_module,
-                FUNCTION_KINDS,
-                self._record_call,
-                include=layer_rx.search if layer_rx else None,
-                skip=lambda module: kind_of_module(module) is not None,  # an activation module counts its own calls
-            )
-            self._discovering = True
-        elif not layers:
-            self.stand_aside(
-                "no activation module (ReLU, GELU, SiLU, Tanh, Sigmoid, ...) "
-                + (f"matching `layers={self.layers!r}` " if self.layers else "")
-                + "was found in the model. If forward applies activations as functions, name the modules whose "
-                "outputs feed them with `preactivations={regex: kind}`.",
-                setting="`preactivations`" if not self.layers else "`layers` matching an activation module",
-            )
+        if self._unobservable(trainer, compiled_reason(model_is_compiled(trainer, pl_module)), compiled=True):
             return
-        self._layers = layers
+        hooks = ActivationHooks(
+            pl_module,
+            layers=self.layers,
+            preactivations=self.preactivations,
+            functional=self.functional,
+            saturation_grad=self.saturation_grad,
+        )
+        if hooks.layers or self.functional:  # function-call layers are found at the first measurement
+            self._hooks = hooks
+            return
+        self.stand_aside(
+            "no activation module (ReLU, GELU, SiLU, Tanh, Sigmoid, ...) "
+            + (f"matching `layers={self.layers!r}` " if self.layers else "")
+            + "was found in the model. If forward applies activations as functions, name the modules whose "
+            "outputs feed them with `preactivations={regex: kind}`.",
+            setting="`preactivations`" if not self.layers else "`layers` matching an activation module",
+        )
 
     def busy_at(self, step: int) -> bool:
         """Hooks go on the layers on measuring steps only (and come off within the same batch)."""
@@ -254,66 +204,15 @@ class DeadActivation(DebugCallback):
 
     # ------------------------------------------------------------------ hooks on / off
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
-        if self._layers is None or not self.should_measure(trainer) or self._measured_step == trainer.global_step:
+        if self._hooks is None or not self.should_measure(trainer) or self._measured_step == trainer.global_step:
             return
         self._measured_step = trainer.global_step  # only the first micro-batch of a measuring step
         self._armed_step = trainer.global_step
-        self._pl_module = pl_module
-        for layer, module in zip(self._layers, self._modules):
-            layer.reset()
-            layer.handles.append(module.register_forward_hook(self._make_hook(layer)))
-        if self._calls is not None and (self._discovering or self._call_layers):
-            for layer in self._call_layers.values():
-                layer.reset()
-            # Only for this forward; stopped in on_before_backward at the latest. Discovery (first measuring step)
-            # watches the whole forward; later steps only the modules found calling activation functions, and a
-            # model with none (activations are modules) never starts the mode again.
-            self._calls.start(None if self._discovering else self._callers)
-
-    def _make_hook(self, layer: _Layer):
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not isinstance(output, Tensor) or not output.is_floating_point() or output.ndim == 0:
-                return
-            if not in_training_step(self._pl_module):
-                return  # another callback's probe forward, not the training batch
-            calls = self._calls
-            if calls is not None:
-                calls.paused = True  # our own F.gelu (preactivations) is not an activation the model called
-            try:
-                with torch.no_grad():
-                    if layer.from_preactivation:
-                        pre, out = output, apply_activation(layer.kind, output.float())
-                    else:
-                        first = args[0] if args else None
-                        pre, out = (first if isinstance(first, Tensor) else None), output
-                    layer.add(pre, out, self.saturation_grad)  # device tensors: no host sync
-            finally:
-                if calls is not None:
-                    calls.paused = False
-
-        return hook
-
-    def _record_call(self, name: str, kind: str, pre: Tensor, out: Any) -> None:
-        """An activation function called by a submodule during the measured forward (from :class:`FunctionCalls`)."""
-        if not isinstance(out, Tensor) or not out.is_floating_point() or out.ndim == 0:
-            return
-        if not in_training_step(self._pl_module):
-            return
-        layer = self._call_layers.get(name)
-        if layer is None:
-            if not self._discovering:
-                return  # the set was fixed at the first measurement (every rank measures the same layers)
-            layer = self._call_layers[name] = _Layer(name, kind)
-        with torch.no_grad():
-            layer.add(pre, out, self.saturation_grad)
+        self._hooks.attach()  # removed in on_before_backward at the latest
 
     def _remove_hooks(self) -> None:
-        for layer in self._layers or []:
-            for handle in layer.handles:
-                handle.remove()
-            layer.handles.clear()
-        if self._calls is not None and self._calls.active:
-            self._calls.stop()
+        if self._hooks is not None:
+            self._hooks.remove()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # The forward is over: remove the hooks before backward, where activation checkpointing re-runs forwards.
@@ -339,16 +238,16 @@ class DeadActivation(DebugCallback):
                 self._measure(trainer, pl_module, self._armed_step)
         finally:
             self._armed_step = None
-            for layer in self._layers or []:
-                layer.reset()
+            if self._hooks is not None:
+                self._hooks.reset()
 
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         """Reduce, log and diagnose what the hooks collected. ``step``: the optimizer step the batch belongs to
         (``global_step`` has already moved on when ``on_train_batch_end`` runs)."""
-        if self._discovering:
-            self._adopt_function_layers()
-        layers = self._layers
-        assert layers is not None
+        assert self._hooks is not None
+        if self._hooks.discovering:
+            self._hooks.adopt_function_layers()
+        layers = self._hooks.layers
         if self._unobservable(trainer, no_layer_reason(len(layers), self.layers), step=step):
             return
         device = _device_of(pl_module)
@@ -365,7 +264,7 @@ class DeadActivation(DebugCallback):
             anys=alive,
         )
 
-    def _agree_units(self, layers: list[_Layer], device: torch.device) -> list[int]:
+    def _agree_units(self, layers: list[HookedLayer], device: torch.device) -> list[int]:
         """Each layer's unit count, the same on every rank (a layer that did not run on this rank has none here)."""
         if self._units is not None and all(n for n, layer in zip(self._units, layers) if layer.counts_zeros):
             return self._units
@@ -384,7 +283,7 @@ class DeadActivation(DebugCallback):
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        layers: list[_Layer],
+        layers: list[HookedLayer],
         sums: Tensor,
         alive: Tensor,
         step: int,
@@ -404,28 +303,6 @@ class DeadActivation(DebugCallback):
         self.log_scalars(trainer, logged, step=step)
         fractions = [(name, host.get(f"dead_frac/{name}"), host.get(f"saturated_frac/{name}")) for name in ran]
         self.emit(trainer, decide_activations(fractions, self._history, self._limits, step))
-
-    def _adopt_function_layers(self) -> None:
-        """End of the first measurement: the function-call layers seen become fixed layers, the same on every rank.
-
-        A rank may not have called every function (a mixture-of-experts expert that got no token), so the names are
-        gathered once (a one-off collective on the first measuring step, which every rank reaches) and every rank
-        adopts the union, in the model's module order; a layer a rank did not see contributes zero counts.
-        """
-        self._discovering = False
-        assert self._layers is not None and self._calls is not None
-        kinds = {n: layer.kind for n, layer in self._call_layers.items()}
-        if world_size() > 1:
-            everyone: list[Any] = [None] * world_size()
-            dist.all_gather_object(everyone, kinds)  # collective: once per fit
-            for other in everyone:
-                for n, k in (other or {}).items():
-                    kinds.setdefault(n, k)
-        for n in self._calls.in_module_order(kinds):
-            self._layers.append(self._call_layers.setdefault(n, _Layer(n, kinds[n])))
-            caller = self._calls.caller_of(n)
-            if caller is not None:
-                self._callers.add(caller)
 
     # ------------------------------------------------------------------ findings
     def _unobservable(
