@@ -8,6 +8,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.checkpoint import checkpoint
 
 from lightning_tfdebug import DeadActivation
+from lightning_tfdebug.core.keys import declared
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
 from tests.helpers import fit_tiny as fit
@@ -70,6 +71,8 @@ def test_healthy_relu_and_gelu_runs_raise_nothing(tmp_path):
     trainer = fit(tmp_path / "gelu", [gelu], max_steps=21)
     assert codes(gelu) == []
     assert trainer.callback_metrics[f"dead_activation/saturated_frac/{ACTS[0]}"].item() < 0.05
+    logged = [k for k in trainer.callback_metrics if k.startswith("dead_activation/")]
+    assert len(logged) == 6 and all(declared(DeadActivation.KEYS, k) for k in logged)  # every key is in KEYS
 
 
 @pytest.mark.parametrize("activation", ["tanh", "sigmoid", "gelu"])

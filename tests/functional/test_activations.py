@@ -6,10 +6,13 @@ from torch import nn
 
 from lightning_tfdebug.functional.activations import (
     ACTIVATION_KINDS,
+    LayerCounts,
     alive_units,
     apply_activation,
     dead_fraction,
     kind_of_module,
+    layer_fractions,
+    pack_counts,
     saturated_count,
     tail_cutoff,
     zero_count,
@@ -139,3 +142,37 @@ def test_alive_units_counts_nan_as_alive_signed_zero_as_dead_and_handles_no_toke
         assert alive_units(y.to(dtype)).tolist() == [False, False, True, True]
     assert alive_units(torch.zeros(0, 4)).tolist() == [False] * 4
     assert zero_count(y).item() == 6.0
+
+
+def test_layer_counts_add_calls_up_and_reset():
+    relu = LayerCounts("fc.act", "relu")
+    relu.add(None, torch.tensor([[0.0, 1.0, 0.0], [0.0, 2.0, 3.0]]), 0.01)
+    relu.add(None, torch.tensor([[0.0, 0.0, 0.0], [4.0, 0.0, 0.0]]), 0.01)  # called again in the same forward
+    assert (relu.calls, relu.numel, relu.zeros.item(), relu.saturated) == (2, 12, 8.0, None)
+    assert relu.alive.tolist() == [True, True, True]  # alive in either call
+    tanh = LayerCounts("t", "tanh")
+    tanh.add(None, torch.tensor([0.9999, 0.1, -1.0]), 0.01)
+    assert (tanh.zeros, tanh.alive, tanh.saturated.item()) == (None, None, 2.0)  # no zeros for tanh
+    relu.reset()
+    assert (relu.calls, relu.numel, relu.zeros, relu.alive) == (0, 0, None, None)
+
+
+def test_packed_counts_become_fractions_per_layer():
+    relu, tanh, silent = LayerCounts("r", "relu"), LayerCounts("t", "tanh"), LayerCounts("s", "gelu")
+    relu.add(None, torch.tensor([[0.0, 1.0], [0.0, 0.0]]), 0.01)
+    tanh.add(None, torch.tensor([[1.0, 0.0]]), 0.01)
+    sums, alive = pack_counts([relu, tanh, silent], [2, 0, 3], torch.device("cpu"))
+    assert sums.tolist() == [3.0, 0.0, 4.0, 1.0, 0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert alive.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]  # the silent layer's 3 units: zeros (alive elsewhere, maybe)
+    fractions = {k: v.item() for k, v in layer_fractions([relu, tanh, silent], [2, 0, 3], sums, alive).items()}
+    assert fractions == {
+        "zero_frac/r": 0.75,
+        "dead_frac/r": 0.5,
+        "calls/r": 1.0,
+        "saturated_frac/t": 0.5,
+        "calls/t": 1.0,
+        "zero_frac/s": 0.0,
+        "dead_frac/s": 1.0,
+        "saturated_frac/s": 0.0,
+        "calls/s": 0.0,
+    }
