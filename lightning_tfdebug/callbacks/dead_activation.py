@@ -29,19 +29,16 @@ from lightning_tfdebug.functional.activations import ACTIVATION_KINDS, layer_fra
 class DeadActivation(DebugCallback):
     r"""Per activation layer: the fraction of exactly-zero outputs, of dead units, and of saturated elements.
 
-    On a measuring step, forward hooks are attached to every activation module (``nn.ReLU``, ``nn.GELU``,
-    ``nn.SiLU``, ``nn.Tanh``, ``nn.Sigmoid``, ``nn.LeakyReLU``, ``nn.ELU``, Hugging Face's ``GELUActivation`` ...,
-    recognised by class name) just before the training batch, and removed in ``on_before_backward``, before any
-    backward runs, so activation checkpointing's re-run of the forward is never counted. Activations called as
-    functions inside ``forward`` (``F.gelu(self.fc(x))``) are measured by naming the modules whose outputs are
-    the pre-activations in ``preactivations``, and found on their own: on a measuring step a
-    ``TorchFunctionMode`` sees the calls of ``F.relu``/``F.gelu``/``F.silu``/``F.leaky_relu``/``F.elu``/``F.mish``
-    (and ``torch.relu``, ``Tensor.relu``) made by a submodule's ``forward`` (``nn.TransformerEncoderLayer``, a
-    nanoGPT or Llama MLP), and logs them as ``<module>.<function>()``, e.g. ``encoder.layers.0.relu()``. The set of
-    such layers is fixed at the first measurement (agreed by every rank). ``functional=False`` turns that off. On
-    other steps there are no hooks, no mode and no work. Under gradient
-    accumulation, the first micro-batch of a measuring step is measured. Forwards that other callbacks run from
-    their own hooks are not counted.
+    On a measuring step, forward hooks are attached just before the training batch to every activation module
+    (``nn.ReLU``, ``nn.GELU``, ``nn.SiLU``, ``nn.Tanh``, Hugging Face's ``GELUActivation`` ..., recognised by class
+    name), to the modules named in ``preactivations``, and, through a ``TorchFunctionMode``, to the activation
+    functions a submodule's ``forward`` calls (``F.gelu(self.fc(x))``, logged as ``<module>.<function>()``, e.g.
+    ``encoder.layers.0.relu()``; the set is fixed at the first measurement, agreed by every rank). They are removed
+    in ``on_before_backward``, so activation checkpointing's re-run of the forward is never counted. On other steps
+    there are no hooks, no mode and no work. Under gradient accumulation the first micro-batch of a measuring step
+    is measured; forwards that other callbacks run from their own hooks are not counted. The hooks are
+    :class:`~lightning_tfdebug.core.activation_hooks.ActivationHooks`; the rules are in
+    :mod:`lightning_tfdebug.functional.activation_checks`; ``docs/callbacks/dead_activation.md`` says more.
 
     A unit (one feature of the last dimension) is *dead* when it was zero for every token of the measured batch
     (on every rank); ReLU units in that state receive no gradient and never recover.

@@ -1,12 +1,6 @@
-"""The forward hooks that count a model's activations on one measuring step, and nothing on the others.
-
-:class:`ActivationHooks` finds the activation layers of a model (activation modules, the modules named as
-pre-activations, and activation *functions* called inside a submodule's ``forward``), and on a measuring step attaches
-the forward hooks that add each layer's counts up on the device (:class:`~lightning_tfdebug.functional.activations.
-LayerCounts`); they are removed as soon as the forward is over. An activation written as a function call
-(``F.gelu(self.fc(x))``) has no module of its own to hook: :class:`FunctionCalls`, a ``TorchFunctionMode`` that exists
-only while a forward is measured, sees such calls and names the innermost module whose forward made each. Nothing here
-decides: :class:`~lightning_tfdebug.DeadActivation` reduces, logs and judges the counts.
+"""The forward hooks that count a model's activations on a measuring step (:class:`ActivationHooks`), and the
+``TorchFunctionMode`` that finds activations called as functions inside ``forward`` (:class:`FunctionCalls`). Nothing
+here decides: :class:`~lightning_tfdebug.DeadActivation` reduces, logs and judges the counts.
 """
 
 from __future__ import annotations

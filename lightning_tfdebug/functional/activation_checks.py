@@ -56,25 +56,15 @@ class ActivationHistory:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "lowest_dead": dict(self.lowest_dead),
-            "last_dead": dict(self.last_dead),
-            "dead_streak": self.dead_streak.state_dict(),
-            "rise_streak": self.rise_streak.state_dict(),
-            "sat_streak": self.sat_streak.state_dict(),
-            "lowest_sat": dict(self.lowest_sat),
-            "last_sat": dict(self.last_sat),
-            "sat_rise_streak": self.sat_rise_streak.state_dict(),
+            name: value.state_dict() if isinstance(value, Streak) else dict(value) for name, value in vars(self).items()
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.lowest_dead = {str(k): float(v) for k, v in state.get("lowest_dead", {}).items()}
-        self.last_dead = {str(k): float(v) for k, v in state.get("last_dead", {}).items()}
-        self.dead_streak.load_state_dict(state.get("dead_streak", {}))
-        self.rise_streak.load_state_dict(state.get("rise_streak", {}))
-        self.sat_streak.load_state_dict(state.get("sat_streak", {}))
-        self.lowest_sat = {str(k): float(v) for k, v in state.get("lowest_sat", {}).items()}
-        self.last_sat = {str(k): float(v) for k, v in state.get("last_sat", {}).items()}
-        self.sat_rise_streak.load_state_dict(state.get("sat_rise_streak", {}))
+        for name, value in vars(self).items():
+            if isinstance(value, Streak):
+                value.load_state_dict(state.get(name, {}))
+            else:
+                setattr(self, name, {str(k): float(v) for k, v in state.get(name, {}).items()})
 
 
 def climb(lowest: dict[str, float], last: dict[str, float], name: str, frac: float, rise: float) -> float | None:
@@ -150,15 +140,28 @@ TFD340 = Rule(
 def dead_units(dead: Mapping[str, float], limits: ActivationThresholds, step: int | None = None) -> Verdict | None:
     """``TFD340``: the layers whose dead fraction stayed above ``limits.dead`` for ``limits.patience`` measurements
     in a row (``{name: dead_fraction}``, from :func:`decide_activations`); None when there is none."""
-    if not dead:
+    return _above(TFD340, "dead_frac", dead, limits.dead, limits, CAUSES_DEAD, step)
+
+
+def _above(
+    rule: Rule,
+    stat: str,
+    fractions: Mapping[str, float],
+    threshold: float,
+    limits: ActivationThresholds,
+    hint: str,
+    step: int | None,
+) -> Verdict | None:
+    if not fractions:
         return None
-    return TFD340.verdict(
-        {"dead_frac": dict(dead), "threshold": limits.dead},
-        hint=CAUSES_DEAD,
+    return rule.verdict(
+        {stat: dict(fractions), "threshold": threshold},
+        hint=hint,
         step=step,
-        count=len(dead),
+        count=len(fractions),
         patience=limits.patience,
-        listed=_listed(f"{n} ({f:.0%})" for n, f in dead.items()),
+        saturation_grad=limits.saturation_grad,
+        listed=_listed(f"{n} ({f:.0%})" for n, f in fractions.items()),
     )
 
 
@@ -180,11 +183,17 @@ TFD341 = Rule(
 def dying_units(rising: Mapping[str, tuple[float, float]], step: int | None = None) -> Verdict | None:
     """``TFD341``: the layers whose dead fraction has climbed ``dead_rise`` above its lowest value for ``patience``
     measurements (``{name: (lowest, now)}``, from :func:`decide_activations`); None when there is none."""
+    return _rising(TFD341, "dead_frac", rising, CAUSES_DEAD, step)
+
+
+def _rising(
+    rule: Rule, stat: str, rising: Mapping[str, tuple[float, float]], hint: str, step: int | None
+) -> Verdict | None:
     if not rising:
         return None
-    return TFD341.verdict(
-        {"dead_frac": {n: now for n, (_, now) in rising.items()}, "lowest": {n: lo for n, (lo, _) in rising.items()}},
-        hint=CAUSES_DEAD,
+    return rule.verdict(
+        {stat: {n: now for n, (_, now) in rising.items()}, "lowest": {n: lo for n, (lo, _) in rising.items()}},
+        hint=hint,
         step=step,
         listed=_listed(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in rising.items()),
     )
@@ -214,17 +223,7 @@ def saturated_units(
     """``TFD342``: the layers whose saturated fraction stayed above ``limits.saturation`` for ``limits.patience``
     measurements in a row (``{name: saturated_fraction}``, from :func:`decide_activations`); None when there is
     none."""
-    if not saturated:
-        return None
-    return TFD342.verdict(
-        {"saturated_frac": dict(saturated), "threshold": limits.saturation},
-        hint=CAUSES_SATURATED,
-        step=step,
-        count=len(saturated),
-        saturation_grad=limits.saturation_grad,
-        patience=limits.patience,
-        listed=_listed(f"{n} ({f:.0%})" for n, f in saturated.items()),
-    )
+    return _above(TFD342, "saturated_frac", saturated, limits.saturation, limits, CAUSES_SATURATED, step)
 
 
 TFD344 = Rule(
@@ -254,17 +253,7 @@ def saturating_units(rising: Mapping[str, tuple[float, float]], step: int | None
     """``TFD344``: the layers whose saturated fraction has climbed ``saturation_rise`` above its lowest value for
     ``patience`` measurements (``{name: (lowest, now)}``, from :func:`decide_activations`); None when there is
     none."""
-    if not rising:
-        return None
-    return TFD344.verdict(
-        {
-            "saturated_frac": {n: now for n, (_, now) in rising.items()},
-            "lowest": {n: lo for n, (lo, _) in rising.items()},
-        },
-        hint=CAUSES_SATURATED,
-        step=step,
-        listed=_listed(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in rising.items()),
-    )
+    return _rising(TFD344, "saturated_frac", rising, CAUSES_SATURATED, step)
 
 
 TFD343 = Rule(

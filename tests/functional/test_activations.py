@@ -7,7 +7,6 @@ from torch import nn
 from lightning_tfdebug.functional.activations import (
     ACTIVATION_KINDS,
     LayerCounts,
-    alive_units,
     apply_activation,
     dead_fraction,
     kind_of_module,
@@ -15,9 +14,18 @@ from lightning_tfdebug.functional.activations import (
     pack_counts,
     saturated_count,
     tail_cutoff,
-    zero_count,
     zeros_and_alive,
 )
+
+
+def zero_count(y):
+    """A plain reference: the exact zeros (a signed zero is zero, nan is not)."""
+    return (y == 0).sum()
+
+
+def alive_units(y):
+    """A plain reference: per unit (last dimension), non-zero for some token (nan included)."""
+    return (y.reshape(-1, y.shape[-1]) != 0).any(dim=0)
 
 
 @pytest.mark.parametrize(
@@ -136,12 +144,13 @@ def test_gelu_cutoff_value():
     assert math.isfinite(tail_cutoff("silu", 0.001))
 
 
-def test_alive_units_counts_nan_as_alive_signed_zero_as_dead_and_handles_no_tokens():
+def test_zeros_and_alive_count_nan_as_alive_signed_zero_as_dead_and_handle_no_tokens():
     y = torch.tensor([[0.0, -0.0, float("nan"), -1.0], [0.0, 0.0, 0.0, 0.0]])
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        assert alive_units(y.to(dtype)).tolist() == [False, False, True, True]
-    assert alive_units(torch.zeros(0, 4)).tolist() == [False] * 4
-    assert zero_count(y).item() == 6.0
+        zeros, alive = zeros_and_alive(y.to(dtype))
+        assert alive.tolist() == [False, False, True, True] and zeros.item() == 6.0
+    zeros, alive = zeros_and_alive(torch.zeros(0, 4))
+    assert alive.tolist() == [False] * 4 and zeros.item() == 0.0
 
 
 def test_layer_counts_add_calls_up_and_reset():
