@@ -54,7 +54,6 @@ CODE = re.compile(r"TFD[1-7]\d\d")
 PENDING_CODES_IN_CALLBACKS: set[str] = {
     "batch_guard.py",
     "checkpoint_audit.py",
-    "dead_activation.py",
     "grad_norm_monitor.py",
     "loss_at_init.py",
     "mask_probe.py",
@@ -64,7 +63,6 @@ PENDING_CODES_IN_CALLBACKS: set[str] = {
 PENDING_LONG_CALLBACKS: set[str] = {
     "batch_guard.py",
     "checkpoint_audit.py",
-    "dead_activation.py",
     "loss_at_init.py",
     "mask_probe.py",
     "throughput_monitor.py",
