@@ -285,8 +285,8 @@ class ScalerWatch(DebugCallback):
         reading = ScalerReading(
             step=step,
             scale=scale,
+            skipped_steps=self.skipped_total,
             steps=self.steps_total,
-            skipped=self.skipped_total,
             recent_steps=sum(r[1] for r in self._recent),
             recent_skipped=sum(r[2] for r in self._recent),
             recent_backoffs=sum(r[3] for r in self._recent),

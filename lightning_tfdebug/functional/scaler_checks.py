@@ -8,7 +8,7 @@ verdict or None.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
@@ -16,13 +16,13 @@ from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 @dataclass(frozen=True)
 class ScalerReading:
-    """The GradScaler's record at one logging step, on the host.
+    """The GradScaler's record at one logging step, on the host; every field but ``step`` is the evidence of a finding.
 
     Attributes:
         step: the step it was read at.
         scale: the loss scale after this step's ``update()``.
+        skipped_steps: optimizer steps skipped for overflow since the start.
         steps: optimizer steps watched since the start.
-        skipped: of those, the steps skipped for overflow.
         recent_steps: optimizer steps within the last ``window``.
         recent_skipped: of those, the skipped ones.
         recent_backoffs: times the scale was reduced within the last ``window`` steps.
@@ -31,23 +31,16 @@ class ScalerReading:
 
     step: int
     scale: float
+    skipped_steps: int
     steps: int
-    skipped: int
     recent_steps: int
     recent_skipped: int
     recent_backoffs: int
     overflow_groups: tuple[str, ...] = ()
 
     def evidence(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "skipped_steps": self.skipped,
-            "steps": self.steps,
-            "recent_steps": self.recent_steps,
-            "recent_skipped": self.recent_skipped,
-            "recent_backoffs": self.recent_backoffs,
-            "overflow_groups": list(self.overflow_groups),
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "step"}
+        return {**out, "overflow_groups": list(self.overflow_groups)}
 
 
 TFD410 = Rule(

@@ -10,10 +10,11 @@ from lightning_tfdebug.functional.scaler_checks import (
     steps_on_skipped,
 )
 
+# ScalerReading(step, scale, skipped_steps, steps, recent_steps, recent_skipped, recent_backoffs, overflow_groups)
 # bug 15 after 20 steps: the scale halved on almost every step, 18 of 20 skipped, overflow entering at blocks.0
-OVERFLOW = ScalerReading(19, 0.25, 20, 18, 20, 18, 18, ("blocks.0", "head"))
+OVERFLOW = ScalerReading(19, 0.25, 18, 20, 20, 18, 18, ("blocks.0", "head"))
 # a healthy fp16 run: the scale grew, one probe past the limit skipped
-HEALTHY = ScalerReading(19, 2.0**18, 20, 1, 20, 1, 1, ())
+HEALTHY = ScalerReading(19, 2.0**18, 1, 20, 20, 1, 1, ())
 
 
 def test_no_scaler_is_an_observation_naming_the_precision():
@@ -31,7 +32,7 @@ def test_a_collapsed_scale_below_min_scale_or_halved_repeatedly():
         "The fp16 loss scale collapsed: it fell to 0.25 (below min_scale=1). Gradients overflow on most steps "
         "(overflowing groups: blocks.0, head)."
     )
-    halved = ScalerReading(9, 256.0, 10, 8, 10, 8, 8)
+    halved = ScalerReading(9, 256.0, 8, 10, 10, 8, 8)
     verdict = scale_collapsed(halved, min_scale=1.0, collapse_backoffs=8)
     assert verdict.message.endswith("it was reduced 8 times in the last 10 steps. Gradients overflow on most steps.")
     assert scale_collapsed(HEALTHY, min_scale=1.0, collapse_backoffs=8) is None
@@ -45,7 +46,7 @@ def test_many_skipped_steps_once_min_steps_were_watched():
     )
     assert many_skipped(OVERFLOW, min_steps=21, max_skipped_frac=0.25) is None  # too early to tell
     assert many_skipped(HEALTHY, min_steps=8, max_skipped_frac=0.25) is None
-    assert many_skipped(ScalerReading(0, 1.0, 10, 0, 0, 0, 0), min_steps=8, max_skipped_frac=0.25) is None
+    assert many_skipped(ScalerReading(0, 1.0, 0, 10, 0, 0, 0), min_steps=8, max_skipped_frac=0.25) is None
 
 
 def test_a_scheduler_that_advanced_on_skipped_steps():
@@ -61,7 +62,7 @@ def test_a_scheduler_that_advanced_on_skipped_steps():
 
 
 def test_a_scale_that_never_grew_for_several_growth_intervals():
-    every_third = ScalerReading(11, 2.0**14, 12, 4, 12, 4, 4)  # overflow every third step, growth_interval 4
+    every_third = ScalerReading(11, 2.0**14, 4, 12, 12, 4, 4)  # overflow every third step, growth_interval 4
     verdict = scale_never_grew(every_third, last_growth=0, growth_events=0, growth_interval=4, no_growth_intervals=2)
     assert verdict.code == "TFD414" and verdict.evidence["growth_interval"] == 4
     assert verdict.message.startswith("The loss scale has not grown for 12 steps (2 x growth_interval=4)")
