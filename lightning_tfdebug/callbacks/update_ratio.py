@@ -38,7 +38,7 @@ _NORMS = "parameter norm per group"
 
 
 class UpdateRatio(DebugCallback):
-    r"""Logs ``||ΔW|| / ||W||`` per group and in total, where ΔW is the change the optimizer step actually made.
+    r"""Logs ``||ΔW|| / ||W||`` per group and in total, where ΔW is the change the optimizer step really made.
 
     On a measuring step the trainable parameters are copied in fp32 just before ``optimizer.step()`` (that copy is
     the callback's memory cost, and exists only on measuring steps), and compared with the weights after the step.
@@ -71,8 +71,8 @@ class UpdateRatio(DebugCallback):
         groups: ``{group_name: regex}`` to group parameters by name instead of by block.
         group_depth: group by the first ``group_depth`` segments of parameter names.
         low: ``TFD310`` when the total ratio stays below this for ``patience`` consecutive measurements, and the
-            training loss shows an untrained model that barely learns (see above; the ratio alone decides when the
-            training step returns no loss).
+            training loss shows an untrained model that barely learns (``functional.update_checks.tiny_updates``; the
+            ratio alone decides when the training step returns no loss).
         high: ``TFD311`` when the total ratio exceeds this on any measurement.
         patience: consecutive measurements for ``TFD310`` and ``TFD312``.
         decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen (a schedule
