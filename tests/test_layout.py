@@ -54,11 +54,8 @@ CODE = re.compile(r"TFD[1-7]\d\d")
 PENDING_CODES_IN_CALLBACKS: set[str] = {
     "batch_guard.py",
     "checkpoint_audit.py",
-    "grad_norm_monitor.py",
     "loss_at_init.py",
     "mask_probe.py",
-    "scaler_watch.py",
-    "update_ratio.py",
 }
 PENDING_LONG_CALLBACKS: set[str] = {
     "batch_guard.py",
@@ -66,7 +63,6 @@ PENDING_LONG_CALLBACKS: set[str] = {
     "loss_at_init.py",
     "mask_probe.py",
     "throughput_monitor.py",
-    "update_ratio.py",
 }
 PENDING_LONG_FUNCTIONS: set[str] = {
     "callbacks/batch_guard.py:BatchGuard.__init__",
@@ -76,7 +72,6 @@ PENDING_LONG_FUNCTIONS: set[str] = {
     "callbacks/mask_probe.py:MaskProbe._probe_masks",
     "callbacks/throughput_monitor.py:ThroughputMonitor.__init__",
     "callbacks/throughput_monitor.py:ThroughputMonitor._measure",
-    "callbacks/update_ratio.py:UpdateRatio._diagnose",
     "functional/batch_checks.py:value_verdicts",
     "functional/batches.py:mask_hole_statistics",
     "functional/batches.py:token_statistics",
