@@ -193,6 +193,11 @@ def check_number(
         raise ValueError(f"`{name}` must be <= {high}; got {value!r}.")
 
 
+CALLBACKS: dict[str, type[DebugCallback]] = {}
+"""Every :class:`DebugCallback` subclass defined so far, by class name: what the report reads a source's ``KEYS``
+from."""
+
+
 class DebugCallback(Callback):
     """Base class of the pack's callbacks.
 
@@ -236,6 +241,7 @@ class DebugCallback(Callback):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        CALLBACKS[cls.__name__] = cls
         for name in _HOOKS:  # the one guard: every hook a subclass defines, wrapped once, here
             hook = cls.__dict__.get(name)
             if callable(hook) and not getattr(hook, "_tfdebug_guarded", False):
