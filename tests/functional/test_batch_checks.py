@@ -24,6 +24,13 @@ from lightning_tfdebug.functional.batches import (
     token_statistics,
     unpack_statistics,
 )
+from lightning_tfdebug.rules import rule
+
+
+def severity(verdict):
+    """The severity a verdict's finding takes: its own, else its rule's."""
+    return verdict.severity or rule(verdict.code).severity
+
 
 PATHS = BatchPaths("input_ids", "attention_mask", "labels")
 RULES = ValueRules(vocab_size=10, context=6, ignore_index=-100, bos_id=1, eos_id=2, max_truncated_fraction=0.5)
@@ -98,8 +105,13 @@ def test_drift_and_length_verdicts_from_host_metadata():
     [missing, extra] = drift_verdicts(
         [Drift("missing", "labels", "int64", "absent"), Drift("extra", "ids2", "absent", "int64[2]")], "B", False
     )
-    assert (missing.code, missing.severity, missing.evidence["key"]) == ("TFD101", "error", "labels")
-    assert (extra.code, extra.severity) == ("TFD102", "warning")
+    assert (missing.code, severity(missing), missing.evidence["key"], missing.key) == (
+        "TFD101",
+        "error",
+        "labels",
+        "labels",
+    )
+    assert (extra.code, severity(extra)) == ("TFD102", "warning")
     assert "learned from the first batches" in extra.message
     assert too_long("B", "input_ids", FieldSpec("int64", (2, 6)), 6) is None
     verdict = too_long("B", "input_ids", FieldSpec("int64", (2, 7)), 6)
