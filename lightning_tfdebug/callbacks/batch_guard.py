@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -163,26 +164,25 @@ class BatchGuard(DebugCallback):
         self.max_repeated_fraction = float(max_repeated_fraction)
         self.tokenizer, self.decode_examples = load_tokenizer(tokenizer), decode_examples
         self.special_token_batches, self.min_eos_expected = special_token_batches, float(min_eos_expected)
-        self._vocab, self._context = vocab_size, max_length  # read from the model at setup when not given
+        # the vocabulary and the context are read from the model at setup when not given
+        self._rules = checks.ValueRules(
+            vocab_size, max_length, self.ignore_index, bos_id, eos_id, self.max_truncated_fraction
+        )
         self._encoder_decoder = False  # labels are the decoder's targets, not aligned with the input ids
-        self._schema = checks.SchemaWatch(learn_batches, declared)
+        self._schema = checks.SchemaWatch(learn_batches, declared, max_length)
         self._lengths = checks.LengthWindow(length_window, self.length_shift_tolerance)
         self._repeats = checks.BatchRepeats(self.max_repeated_fraction)
         self._epoch = checks.EpochData()  # the training data of the current epoch (set per epoch)
         self._tally: checks.SpecialTokenTally | None = None  # TFD124's count, None when off
-        self._checks_aside: dict[str, str] = {}  # check -> why it stood aside (the rest of BatchGuard runs on)
-        self._last: tuple[StepBatch, tuple[int, int, int, int], bool] | None = None  # batch, _where's parts, checked
+        self.checks_aside: dict[str, str] = {}
+        """The checks of BatchGuard that stood aside while the others ran on: ``{check: reason and setting}``."""
+        # the batch of the step (a reference, diagnosed if its forward raises), batch_name's parts, checked or not
+        self._last: tuple[StepBatch, tuple[int, int, int, int], bool] | None = None
         self._keys_announced = self._examples_logged = False
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(input_key=self.input_key, labels_key=self.labels_key, schema=self.schema)
-
-    @property
-    def _rules(self) -> checks.ValueRules:
-        return checks.ValueRules(
-            self._vocab, self._context, self.ignore_index, self.bos_id, self.eos_id, self.max_truncated_fraction
-        )
 
     # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -194,22 +194,24 @@ class BatchGuard(DebugCallback):
         self._encoder_decoder = any(
             getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True for m in pl_module.modules()
         )
-        if self.vocab_size is None:
-            self._vocab, where = find_vocab_size(pl_module)
-            if self._vocab is None:
+        vocab, context = self.vocab_size, self.max_length
+        if vocab is None:
+            vocab, where = find_vocab_size(pl_module)
+            if vocab is None:
                 rank_zero_warn(
                     f"BatchGuard: {where}; token-id and label range checks are off. Pass `vocab_size`.",
                     category=TFDebugWarning,
                 )
-        if self.max_length is None:
-            self._context, where = find_context_length(pl_module)
-            if self._context is None:
+        if context is None:
+            context, where = find_context_length(pl_module)
+            if context is None:
                 rank_zero_warn(
                     f"BatchGuard: {where}; the sequence-length check is off. Pass `max_length`.",
                     category=TFDebugWarning,
                 )
+        self._rules = dataclasses.replace(self._rules, vocab_size=vocab, context=context)
         self._repeats.new_fit()  # a new fit reads its data anew
-        self._schema.clean = None  # the context may have changed with the model
+        self._schema.new_context(context)  # the context may have changed with the model
         self._tally = None
         if self.special_token_batches:
             ids = checks.learn_special_ids(special_token_sources(trainer, pl_module, self.tokenizer), self.eos_id)
@@ -219,24 +221,14 @@ class BatchGuard(DebugCallback):
             else:
                 self._check_aside(checks.EOS_CHECK, *aside)
 
-    @property
-    def checks_aside(self) -> dict[str, str]:
-        """The checks of BatchGuard that stood aside while the others ran on: ``{check: reason and setting}``."""
-        return dict(self._checks_aside)
-
-    @staticmethod
-    def _where(parts: tuple[int, int, int, int]) -> str:
-        """The batch named in a finding, from ``(batch_idx, step, epoch, rank)``: formatted only when needed."""
-        return "Batch {} (step {}, epoch {}, rank {})".format(*parts)
-
     def _check_aside(self, check: str, reason: str, setting: str | None) -> None:
         """One check of BatchGuard stands aside, once, while the others run on: said at info level, with the setting
         that would let it run, and kept in :attr:`checks_aside`. Not :meth:`stand_aside`, which stops the whole
         callback, nor its ``stood-aside`` record, which lists the callbacks that did not run (BatchGuard does)."""
-        if check in self._checks_aside:
+        if check in self.checks_aside:
             return
         tail = f" To let it run: {setting}." if setting else ""
-        self._checks_aside[check] = reason + tail
+        self.checks_aside[check] = reason + tail
         rank_zero_info(f"lightning_tfdebug: {type(self).__name__}'s check of {check} stands aside: {reason}{tail}")
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -252,12 +244,15 @@ class BatchGuard(DebugCallback):
         step, epoch = trainer.global_step, trainer.current_epoch
         where = (batch_idx, step, epoch, trainer.global_rank)  # the sentence is built only for a finding
         view = step_batch(trainer, batch, self._batch_keys)  # the step's one reading of the batch, shared
-        if not self._keys_announced:
-            self._announce_keys(view)
+        if not self._keys_announced:  # once: where the fields were found, when the user should know
+            self._keys_announced = True
+            notice = checks.fields_notice(view.fields.paths, view.fields.leaves, self._batch_keys.input_key)
+            if notice is not None:
+                rank_zero_warn(notice, category=TFDebugWarning)
         structure = structure_key(view.fields.leaves)  # host metadata only
         if structure != self._schema.clean:  # a batch shaped like the last one that passed would pass too
             ids_path = view.fields.paths["input_ids"]
-            found = self._schema.check(structure, view.fields.leaves, self._where(where), ids_path, self._context)
+            found = self._schema.check(structure, view.fields.leaves, ids_path, checks.batch_name(*where))
             self.emit(trainer, found, synchronized=False)  # rank-local: each rank judges its own batch
         checked = self.should_measure(trainer) or (
             self.check_values_every_n_steps is not None and step % self.check_values_every_n_steps == 0
@@ -268,28 +263,11 @@ class BatchGuard(DebugCallback):
         if ids is not None:
             self._repeats.add(epoch, step, self._epoch, ids)  # a fingerprint: no sync (a host int for a CPU batch)
         if checked:
-            self._check_values(trainer, view, self._where(where))
+            self._check_values(trainer, view, checks.batch_name(*where))
         # Findings are rank-local (each rank sees its own batch). With "stop"/"raise" this is one boolean all-reduce,
         # on every batch and on every rank alike (decided from nothing but the hook being called), so all ranks act
         # together before the forward; with "warn" it does nothing.
         self.resolve_local_findings(trainer)
-
-    def _announce_keys(self, view: StepBatch) -> None:
-        self._keys_announced = True
-        ids = view.fields.paths["input_ids"]
-        if ids is None:
-            text = (
-                f"BatchGuard: no token ids in the first batch (keys: {sorted(view.fields.leaves)}); the token, length "
-                "and label checks are off, the schema checks stay on. Set `input_key` (and `labels_key`, `mask_key`)."
-            )
-        elif ids != (self._batch_keys.input_key or "input_ids"):
-            text = (
-                f"BatchGuard: token ids taken from '{ids}' and labels from '{view.fields.paths['labels']}' (the batch "
-                "has no 'input_ids'); set `input_key` / `labels_key` if that is wrong."
-            )
-        else:
-            return
-        rank_zero_warn(text, category=TFDebugWarning)
 
     # ------------------------------------------------------------------ checked batches
     def _statistics(self, view: StepBatch) -> Tensor | None:
@@ -307,9 +285,7 @@ class BatchGuard(DebugCallback):
             return None
         ids, mask, labels = view.token_fields()
         assert ids is not None
-        rows = ids.shape[0] if ids.ndim >= 2 else 1
-        aligned = labels is not None and not self._encoder_decoder and labels.numel() == ids.numel()
-        sequences = aligned or (labels is not None and labels.ndim >= 2 and labels.shape[0] == rows)
+        aligned, sequences = checks.label_layout(ids, labels, self._encoder_decoder)
         aside = checks.eos_count_aside(
             tally.ids, has_labels=labels is not None, sequences=sequences, has_mask=mask is not None
         )
@@ -347,20 +323,20 @@ class BatchGuard(DebugCallback):
     def _value_verdicts(
         self, view: StepBatch, s: dict[str, float], where: str, crash_only: bool = False
     ) -> list[Verdict | None]:
-        """The rules of one batch's values (:func:`~lightning_tfdebug.functional.batch_checks.value_verdicts`), then,
-        unless ``crash_only``, its mask holes and the length window."""
+        """The rules of one batch's values, and, unless ``crash_only``, the length window."""
         _, mask, labels = view.token_fields()
-        paths, has_mask = checks.BatchPaths.of(view.fields.paths), mask is not None
-        found: list[Verdict | None] = [
-            *checks.value_verdicts(
-                s, where, paths, self._rules, has_mask=has_mask, has_labels=labels is not None, crash_only=crash_only
-            )
-        ]
-        if not crash_only:
-            packed = checks.packed_keys(view.fields.leaves)
-            found += [checks.mask_hole_verdict(s, where, paths, has_mask=has_mask, packed_keys=packed)]
-            found += [self._lengths.add(s, where)]
-        return found
+        paths, packed = checks.BatchPaths.of(view.fields.paths), checks.packed_keys(view.fields.leaves)
+        found = checks.batch_verdicts(
+            s,
+            where,
+            paths,
+            self._rules,
+            has_mask=mask is not None,
+            has_labels=labels is not None,
+            packed=packed,
+            crash_only=crash_only,
+        )
+        return [*found] if crash_only else [*found, self._lengths.add(s, where)]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         prints = self._repeats.take()
@@ -387,18 +363,16 @@ class BatchGuard(DebugCallback):
                 stats = None if copy is None else self._statistics(StepBatch(copy, self._batch_keys))
                 host = None if stats is None else stats.tolist()
             if host is not None:  # rank-local: warned and written to the findings file, never raised here
-                verdicts = self._value_verdicts(view, unpack_statistics(host), self._where(parts), crash_only=True)
+                verdicts = self._value_verdicts(
+                    view, unpack_statistics(host), checks.batch_name(*parts), crash_only=True
+                )
                 self.emit(trainer, verdicts, synchronized=False)
         except Exception as err:  # never mask the exception that is propagating
             rank_zero_warn(f"BatchGuard could not diagnose the failing batch: {err}", category=TFDebugWarning)
 
     # ------------------------------------------------------------------ decoded examples
     def _log_examples(self, trainer: pl.Trainer, ids: Tensor, labels: Tensor | None) -> None:
-        k = min(self.decode_examples, ids.shape[0] if ids.ndim >= 2 else 1)
-        rows = (ids if ids.ndim >= 2 else ids.reshape(1, -1))[:k].tolist()  # host sync: once per fit
-        label_rows = None
-        if labels is not None:
-            label_rows = (labels if labels.ndim >= 2 else labels.reshape(1, -1))[:k].tolist()
+        rows, label_rows = checks.example_rows(ids, labels, self.decode_examples)  # host sync: once per fit
         try:
             lines = checks.decoded_examples(self.tokenizer, rows, label_rows, self.ignore_index, trainer.global_rank)
         except Exception as err:  # a tokenizer that cannot decode must not break training

@@ -492,6 +492,28 @@ class EpochData(NamedTuple):
     setting: str | None = None
 
 
+def batch_name(batch_idx: int, step: int, epoch: int, rank: int) -> str:
+    """The batch a finding names (the ``where`` of the messages)."""
+    return f"Batch {batch_idx} (step {step}, epoch {epoch}, rank {rank})"
+
+
+def fields_notice(paths: Mapping[str, str | None], leaves: Mapping[str, Any], input_key: str | None) -> str | None:
+    """What the user should know of where the first batch's fields were found: no token ids (only the schema checks
+    run), or ids found under another name than asked; None when they are where expected."""
+    ids = paths.get("input_ids")
+    if ids is None:
+        return (
+            f"BatchGuard: no token ids in the first batch (keys: {sorted(leaves)}); the token, length and label checks "
+            "are off, the schema checks stay on. Set `input_key` (and `labels_key`, `mask_key`)."
+        )
+    if ids != (input_key or "input_ids"):
+        return (
+            f"BatchGuard: token ids taken from '{ids}' and labels from '{paths.get('labels')}' (the batch has no "
+            "'input_ids'); set `input_key` / `labels_key` if that is wrong."
+        )
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ host metadata
 DRIFT_RULES: dict[str, Rule] = {"missing": TFD101, "extra": TFD102, "dtype": TFD103, "ndim": TFD104, "size": TFD105}
 """The rule of each kind of :class:`~lightning_tfdebug.functional.batches.Drift`."""
@@ -531,6 +553,7 @@ class SchemaWatch:
 
     learn_batches: int = 4
     declared: Schema | None = None
+    context: int | None = None  # the model's context (None: unknown, TFD111 is off)
     schema: Schema | None = None
     learned: list[dict[str, FieldSpec]] = field(default_factory=list)
     clean: tuple | None = None  # the structure of the last batch that found nothing, learning over
@@ -538,10 +561,13 @@ class SchemaWatch:
     def __post_init__(self) -> None:
         self.schema = self.schema or self.declared
 
-    def check(
-        self, structure: tuple, leaves: Mapping[str, Any], where: str, ids_path: str | None, context: int | None
-    ) -> list[Verdict]:
-        """The drifts of the batch whose flattened ``leaves`` have ``structure``, and its width against ``context``."""
+    def new_context(self, context: int | None) -> None:
+        """The model's context (read at each fit's set-up): the next batch is compared in full."""
+        self.context, self.clean = context, None
+
+    def check(self, structure: tuple, leaves: Mapping[str, Any], ids_path: str | None, where: str) -> list[Verdict]:
+        """The drifts of the batch whose flattened ``leaves`` have ``structure`` (its ids at ``ids_path``, named
+        ``where`` in the messages), and its width against the model's context."""
         specs = describe_leaves(leaves)
         declared = self.declared is not None
         found: list[Verdict] = []
@@ -556,7 +582,7 @@ class SchemaWatch:
                 self.schema = learn_schema(self.learned)
         elif self.schema is not None:
             found = drift_verdicts(compare_schema(self.schema, specs), where, declared)
-        long = too_long(where, ids_path, specs.get(ids_path or ""), context)
+        long = too_long(where, ids_path, specs.get(ids_path or ""), self.context)
         self.clean = structure if not learning and not found and long is None else None
         return found if long is None else [*found, long]
 
@@ -788,6 +814,32 @@ def mask_hole_verdict(
         "holes_attended_in_row": int(s["holes_attended_in_row"]),
     }
     return TFD122.verdict(evidence, hint=hint, where=where, cause=cause)
+
+
+def batch_verdicts(
+    s: dict[str, float],
+    where: str,
+    paths: BatchPaths,
+    rules: ValueRules,
+    *,
+    has_mask: bool,
+    has_labels: bool,
+    packed: tuple[str, ...] = (),
+    crash_only: bool = False,
+) -> list[Verdict]:
+    """Every rule of one checked batch's values: :func:`value_verdicts`, then (unless ``crash_only``)
+    :func:`mask_hole_verdict` (``packed``: the batch's :func:`packed_keys`)."""
+    found = value_verdicts(s, where, paths, rules, has_mask=has_mask, has_labels=has_labels, crash_only=crash_only)
+    holes = None if crash_only else mask_hole_verdict(s, where, paths, has_mask=has_mask, packed_keys=packed)
+    return found if holes is None else [*found, holes]
+
+
+def example_rows(ids: Tensor, labels: Tensor | None, count: int) -> tuple[list[list[int]], list[list[int]] | None]:
+    """The first ``count`` rows of the ids (and of the labels) as host lists, for :func:`decoded_examples`. A host
+    sync: once per fit."""
+    rows = [t if t.ndim >= 2 else t.reshape(1, -1) for t in (ids, labels) if t is not None]
+    k = min(count, rows[0].shape[0])
+    return rows[0][:k].tolist(), rows[1][:k].tolist() if len(rows) > 1 else None
 
 
 def batch_metrics(s: dict[str, float], rules: ValueRules, has_labels: bool) -> dict[str, float]:
@@ -1133,6 +1185,17 @@ def learn_special_ids(sources: list[tuple[str, Any]], eos_id: int | None = None)
                         source = name
                     break
     return SpecialIds(**found, source=source)
+
+
+def label_layout(ids: Tensor, labels: Tensor | None, encoder_decoder: bool = False) -> tuple[bool, bool]:
+    """How a batch's labels lie against its ids (shapes only): aligned position for position (never an
+    encoder-decoder's, whose labels are its decoder's targets), and token sequences (aligned, or one row of targets
+    per row of ids, not one value per row)."""
+    if labels is None:
+        return False, False
+    aligned = not encoder_decoder and labels.numel() == ids.numel()
+    rows = ids.shape[0] if ids.ndim >= 2 else 1
+    return aligned, aligned or (labels.ndim >= 2 and labels.shape[0] == rows)
 
 
 EOS_CHECK = "EOS supervision (TFD124)"

@@ -71,7 +71,7 @@ def test_healthy_run_has_no_findings_logs_keys_and_decoded_examples(tmp_path):
     guard = BatchGuard(every_n_steps=2, tokenizer="lightning_tfdebug.demo.ByteTokenizer", bos_id=257)
     fit(tmp_path, [guard], max_steps=6)
     assert guard.findings == []
-    assert (guard._vocab, guard._context) == (259, 64)
+    assert (guard._rules.vocab_size, guard._rules.context) == (259, 64)
     scalars = read_scalars(tmp_path / "tb" / "version_0")
     assert [s for s, _ in scalars["batch_guard/width"]] == [0, 2, 4]
     assert 0 < dict(scalars["batch_guard/ignored_frac"])[0] < 1
