@@ -326,7 +326,7 @@ class BatchGuard(DebugCallback):
         """The rules of one batch's values, and, unless ``crash_only``, the length window."""
         _, mask, labels = view.token_fields()
         paths, packed = checks.BatchPaths.of(view.fields.paths), checks.packed_keys(view.fields.leaves)
-        found = checks.batch_verdicts(
+        found = checks.value_verdicts(
             s,
             where,
             paths,

@@ -119,8 +119,8 @@ TFD110 = Rule(
         "through this batch"
     ),
     message=(
-        "{where}: '{ids_key}' holds {count:.0f} token id(s) outside [0, {vocab_size}); the first is {value} "
-        "at row {row}, position {column}."
+        "{where}: '{ids_key}' holds {count:.0f} token id(s) outside [0, {vocab_size}); the first is {value} at row "
+        "{row}, position {column}."
     ),
 )
 
@@ -139,9 +139,8 @@ TFD111 = Rule(
         "through this batch"
     ),
     message=(
-        "{where}: '{key}' has sequence length {width}, longer than the model's context of {max_length}; "
-        "positions past it have no embedding (an index or shape error deep in the model, or silent "
-        "wrap-around)."
+        "{where}: '{key}' has sequence length {width}, longer than the model's context of {max_length}; positions past "
+        "it have no embedding (an index or shape error deep in the model, or silent wrap-around)."
     ),
 )
 
@@ -198,8 +197,8 @@ TFD114 = Rule(
         "be learned from it"
     ),
     message=(
-        "{where}: every label in '{labels_key}' is ignore_index={ignore_index}; this batch teaches nothing "
-        "(the loss is 0 or NaN)."
+        "{where}: every label in '{labels_key}' is ignore_index={ignore_index}; this batch teaches nothing (the loss "
+        "is 0 or NaN)."
     ),
 )
 
@@ -266,8 +265,8 @@ TFD119 = Rule(
     hint="Raise the context length, split long documents, or check that truncation keeps the answer.",
     reason="Measured in the batches: most sequences are cut before their end, so the model rarely sees endings",
     message=(
-        "{where}: {truncated} of {sequences} sequences fill the maximum length {max_length} with no EOS: they "
-        "were truncated."
+        "{where}: {truncated} of {sequences} sequences fill the maximum length {max_length} with no EOS: they were "
+        "truncated."
     ),
 )
 
@@ -314,8 +313,8 @@ TFD121 = Rule(
         "of the data"
     ),
     message=(
-        "{repeated} of the {checked} batches checked so far in epoch {epoch} (rank {rank}) repeat an earlier "
-        "batch of the same epoch token for token; the first, at step {step}, repeats step {repeats_step}."
+        "{repeated} of the {checked} batches checked so far in epoch {epoch} (rank {rank}) repeat an earlier batch of "
+        "the same epoch token for token; the first, at step {step}, repeats step {repeats_step}."
     ),
 )
 
@@ -336,9 +335,8 @@ TFD122 = Rule(
     reason=("Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them"),
     message=(
         "{where}: '{key}' masks {holes:.0f} position(s) inside the text of {rows} of {sequences} rows "
-        "({hole_fraction:.1%} of those rows' text; the first at row {first_hole[0]}, position "
-        "{first_hole[1]}, id {first_hole_id}): padding belongs at one end of a row, so real tokens are hidden "
-        "from attention. {cause}"
+        "({hole_fraction:.1%} of those rows' text; the first at row {first_hole[0]}, position {first_hole[1]}, id "
+        "{first_hole_id}): padding belongs at one end of a row, so real tokens are hidden from attention. {cause}"
     ),
 )
 
@@ -362,9 +360,8 @@ TFD123 = Rule(
         "memorising it, while the rest of the dataset is never read"
     ),
     message=(
-        "{what}: the same batches come back sooner than the data allows ({repeats_within_epochs} of them "
-        "repeat a batch of their own epoch; the first repeat, at step {step}, repeats step "
-        "{repeats_step}).{cause}"
+        "{what}: the same batches come back sooner than the data allows ({repeats_within_epochs} of them repeat a "
+        "batch of their own epoch; the first repeat, at step {step}, repeats step {repeats_step}).{cause}"
     ),
 )
 
@@ -389,11 +386,10 @@ TFD124 = Rule(
         "to end a sequence and generates until the length limit"
     ),
     message=(
-        "Over the first {batches} checked batches the end-of-sequence token {eos_id} occurs "
-        "{eos_in_inputs:.0f} times among the {inputs} and is never supervised: none of the "
-        "{supervised_labels:.0f} supervised labels in {labels_at} is EOS (about {expected_supervised:.0f} "
-        "expected at this data's supervised share of {share:.0%}). The model never learns to stop: it "
-        "generates until the length limit.{collator}"
+        "Over the first {batches} checked batches the end-of-sequence token {eos_id} occurs {eos_in_inputs:.0f} times "
+        "among the {inputs} and is never supervised: none of the {supervised_labels:.0f} supervised labels in "
+        "{labels_at} is EOS (about {expected_supervised:.0f} expected at this data's supervised share of {share:.0%}). "
+        "The model never learns to stop: it generates until the length limit.{collator}"
     ),
 )
 
@@ -695,31 +691,6 @@ def truncation_rate(s: dict[str, float], where: str, paths: BatchPaths, rules: V
     return TFD119.verdict(evidence, where=where, truncated=int(s["truncated"]), sequences=n)
 
 
-def value_verdicts(
-    s: dict[str, float],
-    where: str,
-    paths: BatchPaths,
-    rules: ValueRules,
-    *,
-    has_mask: bool,
-    has_labels: bool,
-    crash_only: bool = False,
-) -> list[Verdict]:
-    """``TFD110``, ``TFD112``-``TFD119`` from the unpacked statistics ``s`` of one batch, in code order. The mask
-    checks need a mask, the label and convention checks labels; ``crash_only`` keeps the problems that break a forward
-    (ids and labels outside the vocabulary, a mask that is not binary)."""
-    checks = [ids_outside_vocabulary]
-    if has_mask:
-        checks.append(mask_not_binary)
-    if has_labels:
-        checks.append(labels_outside_vocabulary)
-        if not crash_only:
-            checks += [every_label_ignored, *([padding_supervised] if has_mask else [])]
-            checks += [sequences_without_bos, several_eos, tokens_after_eos, truncation_rate]
-    found = (check(s, where, paths, rules) for check in checks)
-    return [v for v in found if v is not None]
-
-
 PACKING_KEYS: tuple[str, ...] = (
     "cu_seqlens",
     "cu_seq_lens_q",
@@ -816,7 +787,7 @@ def mask_hole_verdict(
     return TFD122.verdict(evidence, hint=hint, where=where, cause=cause)
 
 
-def batch_verdicts(
+def value_verdicts(
     s: dict[str, float],
     where: str,
     paths: BatchPaths,
@@ -827,11 +798,22 @@ def batch_verdicts(
     packed: tuple[str, ...] = (),
     crash_only: bool = False,
 ) -> list[Verdict]:
-    """Every rule of one checked batch's values: :func:`value_verdicts`, then (unless ``crash_only``)
-    :func:`mask_hole_verdict` (``packed``: the batch's :func:`packed_keys`)."""
-    found = value_verdicts(s, where, paths, rules, has_mask=has_mask, has_labels=has_labels, crash_only=crash_only)
-    holes = None if crash_only else mask_hole_verdict(s, where, paths, has_mask=has_mask, packed_keys=packed)
-    return found if holes is None else [*found, holes]
+    """``TFD110``, ``TFD112``-``TFD119`` and ``TFD122`` from the unpacked statistics ``s`` of one batch, in code order.
+    The mask checks need a mask (``packed``: the batch's :func:`packed_keys`), the label and convention checks labels;
+    ``crash_only`` keeps the problems that break a forward (ids and labels outside the vocabulary, a mask that is not
+    binary)."""
+    checks = [ids_outside_vocabulary]
+    if has_mask:
+        checks.append(mask_not_binary)
+    if has_labels:
+        checks.append(labels_outside_vocabulary)
+        if not crash_only:
+            checks += [every_label_ignored, *([padding_supervised] if has_mask else [])]
+            checks += [sequences_without_bos, several_eos, tokens_after_eos, truncation_rate]
+    found = [check(s, where, paths, rules) for check in checks]
+    if has_mask and not crash_only:
+        found.append(mask_hole_verdict(s, where, paths, has_mask=True, packed_keys=packed))
+    return [v for v in found if v is not None]
 
 
 def example_rows(ids: Tensor, labels: Tensor | None, count: int) -> tuple[list[list[int]], list[list[int]] | None]:

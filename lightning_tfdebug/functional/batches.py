@@ -28,10 +28,6 @@ class FieldSpec:
     dtype: str
     shape: tuple[int, ...] | None
 
-    @property
-    def ndim(self) -> int | None:
-        return None if self.shape is None else len(self.shape)
-
     def describe(self) -> str:
         if self.shape is None:
             return self.dtype
@@ -53,9 +49,7 @@ def describe_leaves(leaves: Mapping[str, Any]) -> dict[str, FieldSpec]:
     for path, value in leaves.items():
         if isinstance(value, Tensor):
             out[path] = FieldSpec(_dtype_name(value.dtype), tuple(value.shape))
-        elif isinstance(value, (list, tuple)):  # a list of plain values: its length is the batch size, not checked
-            out[path] = FieldSpec(type(value).__name__, None)
-        else:
+        else:  # a list of plain values too: its length is the batch size, not checked
             out[path] = FieldSpec(type(value).__name__, None)
     return out
 

@@ -55,8 +55,8 @@ TFD703 = Rule(
         "be resumed as saved"
     ),
     message=(
-        "The checkpoint holds optimizer state for {saved} of {expected} optimizers: a resume restarts Adam's "
-        "moments and step counts from zero. (file {file})"
+        "The checkpoint holds optimizer state for {saved} of {expected} optimizers: a resume restarts Adam's moments "
+        "and step counts from zero. (file {file})"
     ),
 )
 
@@ -71,8 +71,8 @@ TFD704 = Rule(
         "Incomplete optimizer state resumes with moments or step counts lost: the resumed run is not the run saved"
     ),
     message=(
-        "Optimizer {optimizer}'s saved state is incomplete: {groups} of {expected_groups} param groups, state "
-        "for {params_with_state} of {expected_with_state} parameters{no_step}. (file {file})"
+        "Optimizer {optimizer}'s saved state is incomplete: {groups} of {expected_groups} param groups, state for "
+        "{params_with_state} of {expected_with_state} parameters{no_step}. (file {file})"
     ),
 )
 
@@ -85,8 +85,8 @@ TFD705 = Rule(
     hint="do not drop `lr_schedulers`",
     reason=("Without scheduler state a resumed run restarts its schedule (a second warm-up): it is not the run saved"),
     message=(
-        "The checkpoint holds LR scheduler state for {saved} of {expected} schedulers: a resume restarts the "
-        "schedule (warm-up again from its first step). (file {file})"
+        "The checkpoint holds LR scheduler state for {saved} of {expected} schedulers: a resume restarts the schedule "
+        "(warm-up again from its first step). (file {file})"
     ),
 )
 
@@ -99,8 +99,8 @@ TFD706 = Rule(
     hint="keep the precision plugin's entry in the checkpoint",
     reason="Without GradScaler state a resumed fp16 run restarts its loss scale: it is not the run saved",
     message=(
-        "The checkpoint lacks the fp16 GradScaler state (key `{key}`): a resume restarts the loss scale at "
-        "its initial value and skips steps while it backs off again. (file {file})"
+        "The checkpoint lacks the fp16 GradScaler state (key `{key}`): a resume restarts the loss scale at its initial "
+        "value and skips steps while it backs off again. (file {file})"
     ),
 )
 
@@ -113,8 +113,8 @@ TFD707 = Rule(
     hint="keep Lightning's loop state",
     reason=("Without consistent loop progress a resumed run restarts or skips steps and data: it is not the run saved"),
     message=(
-        "The checkpoint lacks loop progress ({parts}): a resume restarts the epoch and step counters and the "
-        "data order. (file {file})"
+        "The checkpoint lacks loop progress ({parts}): a resume restarts the epoch and step counters and the data "
+        "order. (file {file})"
     ),
 )
 
@@ -219,8 +219,8 @@ TFD715 = Rule(
         "Measured: the same batch gives a different loss after resuming, so the model restored is not the one saved"
     ),
     message=(
-        "The loss on the probe batch right after resuming is {now:.6g}; at save time (step {saved_step}) it "
-        "was {saved:.6g}."
+        "The loss on the probe batch right after resuming is {now:.6g}; at save time (step {saved_step}) it was "
+        "{saved:.6g}."
     ),
 )
 
