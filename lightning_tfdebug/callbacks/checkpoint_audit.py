@@ -324,13 +324,13 @@ class CheckpointAudit(DebugCallback):
         restored, self._restored = self._restored, None
         if not self.active or restored is None:
             return
-        verdicts = checks.resume_problems(restored, live_state(trainer, pl_module, restored), self.weight_rtol)
-        if self._probe_loss is not None:
-            now_loss = self._loss_on_probe(trainer, pl_module)
-            if now_loss is not None:
-                verdicts.append(
-                    checks.probe_loss_problem(self._probe_loss, now_loss, self._probe_loss_step, self.loss_rtol)
-                )
+        live = live_state(trainer, pl_module, restored)  # host sync: one checksum transfer per resume
+        verdicts: list[Verdict | None] = [*checks.resume_problems(restored, live, self.weight_rtol)]
+        now_loss = None if self._probe_loss is None else self._loss_on_probe(trainer, pl_module)
+        if self._probe_loss is not None and now_loss is not None:
+            verdicts.append(
+                checks.probe_loss_problem(self._probe_loss, now_loss, self._probe_loss_step, self.loss_rtol)
+            )
         self.emit(trainer, verdicts, synchronized=False)
         self.resolve_local_findings(trainer)  # every rank resumes, so every rank reaches this point
 

@@ -6,8 +6,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_tfdebug import CheckpointAudit
-from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.core.checkpoints import read_sharded
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.functional.checkpoint_checks import sharded_problems
 from tests.callbacks.torch_calls import TorchCalls
 from tests.helpers import make_trainer, run_distributed
