@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,35 +13,19 @@ from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import loss_of, step_batch
-from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
+from lightning_tfdebug.core.checkpoints import (
+    DamagedCheckpoint,
+    expectation,
+    live_state,
+    load_checkpoint,
+    read_sharded,
+    resumable_savers,
+)
+from lightning_tfdebug.core.model import quiet_training_step
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional import checkpoints
-from lightning_tfdebug.functional.checkpoints import max_step
+from lightning_tfdebug.functional import checkpoint_checks as checks
+from lightning_tfdebug.functional.checkpoints import restored_state
 from lightning_tfdebug.functional.verdicts import Verdict
-
-
-def expectation(trainer: pl.Trainer, pl_module: pl.LightningModule, callback_keys: list[str]) -> dict[str, Any]:
-    """What a full checkpoint of this Trainer must hold, from the live objects (taken at save time); checked against
-    the file by :func:`~lightning_tfdebug.functional.checkpoints.content_problems`."""
-    optimizers = []
-    for optimizer in trainer.optimizers:
-        with_state = [s for s in optimizer.state.values() if isinstance(s, Mapping) and s]
-        optimizers.append(
-            {
-                "groups": len(optimizer.param_groups),
-                "with_state": len(with_state),
-                "has_step": any("step" in s for s in with_state),
-            }
-        )
-    plugin = trainer.precision_plugin
-    return {
-        "global_step": trainer.global_step,
-        "params": {k: list(v.shape) for k, v in pl_module.state_dict().items() if isinstance(v, Tensor)},
-        "optimizers": optimizers,
-        "schedulers": len(trainer.lr_scheduler_configs),
-        "scaler_key": type(plugin).__qualname__ if grad_scaler_of(trainer) is not None else None,
-        "callbacks": list(callback_keys),
-    }
 
 
 class CheckpointAudit(DebugCallback):
@@ -78,7 +61,8 @@ class CheckpointAudit(DebugCallback):
     ``TFD713`` loss scale differs, ``TFD714`` global step differs, ``TFD715`` probe loss differs after resume,
     ``TFD716`` a checkpoint this run wrote is truncated, corrupt or incomplete.
 
-    Logged keys: none (the audit is pass/fail; evidence goes into the findings).
+    Logged keys: none (the audit is pass/fail; evidence goes into the findings). Each code is decided by a rule of
+    :mod:`lightning_tfdebug.functional.checkpoint_checks`; files are read by :mod:`lightning_tfdebug.core.checkpoints`.
 
     Distributed: rank 0 writes and verifies the file; its findings are rank-local and every rank resolves them
     together at the next batch end (or at the end of training). Resume checks run on every rank.
@@ -264,102 +248,43 @@ class CheckpointAudit(DebugCallback):
         callback = trainer.checkpoint_callback
         path = getattr(callback, "_last_checkpoint_saved", "") or getattr(callback, "last_model_path", "")
         if not path or not os.path.isdir(path):
-            self._not_checked(trainer, path or "(sharded save)", "the sharded checkpoint directory was not found")
+            why = "the sharded checkpoint directory was not found"
+            self.emit(trainer, checks.checkpoint_not_checked(path or "(sharded save)", why), synchronized=False)
             return
-        verdicts = checkpoints.sharded_problems(path)
-        for verdict in verdicts:
-            self._emit(trainer, verdict, key=f"sharded:{path}", synchronized=False)
+        verdicts = checks.sharded_problems(read_sharded(path))
+        self.emit(trainer, verdicts, synchronized=False)
         if not verdicts:
             self.checked_files.append(path)
 
     def _verify_pending(self, trainer: pl.Trainer) -> None:
         still = []
         for path, expected in self._pending_files:
-            if os.path.isdir(path):
-                for verdict in checkpoints.sharded_problems(path):
-                    self._emit(trainer, verdict, key=f"sharded:{path}", synchronized=False)
+            if os.path.isdir(path):  # a sharded directory written through the CheckpointIO
+                self.emit(trainer, checks.sharded_problems(read_sharded(path)), synchronized=False)
                 self.checked_files.append(path)
-                continue
-            if not os.path.exists(path):
+            elif os.path.exists(path):
+                self.emit(trainer, self._check_file(trainer, path, expected), synchronized=False)
+            else:
                 still.append((path, expected))  # an asynchronous writer has not finished yet
-                continue
-            try:
-                # weights_only first; a full unpickling only because this run wrote the file itself
-                loaded, _ = checkpoints.load_checkpoint(path, written_by_this_run=True)
-            except checkpoints.DamagedCheckpoint as damaged:
-                self._emit(trainer, damaged.verdict, key=f"damaged:{path}", synchronized=False)
-                continue
-            except Exception as err:
-                self.emit_code(
-                    trainer,
-                    "TFD709",
-                    f"Checkpoint {path} could not be opened for checking: {type(err).__name__}: {err}",
-                    {"path": path},
-                    key=path,
-                    synchronized=False,
-                )
-                continue
-            self._verified_since_save = True
-            self.checked_files.append(path)
-            if not expected:  # written without on_save_checkpoint: a weights-only save
-                self._report_weights_only(trainer, path)
-                continue
-            self._full_saved = True
-            for verdict in checkpoints.content_problems(loaded, expected):
-                self._emit(
-                    trainer,
-                    verdict,
-                    f"{verdict.message} (file {os.path.basename(path)})",
-                    {**verdict.evidence, "path": path},
-                    key=verdict.code,
-                    synchronized=False,
-                )
         self._pending_files = still
 
-    def _report_weights_only(self, trainer: pl.Trainer, path: str) -> None:
-        """``TFD709`` for a weights-only file: info when another checkpoint the run keeps can resume it, a warning
-        when none can (a crash then loses the optimizer, scheduler and loop state: the run cannot be resumed)."""
-        full = checkpoints.resumable_savers(trainer.checkpoint_callbacks)
-        name = os.path.basename(path)
-        if full or self._full_saved:
-            resume_from = f"{', '.join(full)} keeps full checkpoints" if full else "this run also wrote a full one"
-            self.emit_code(
-                trainer,
-                "TFD709",
-                f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state), so only its existence "
-                f"was checked; it serves inference or fine-tuning, while {resume_from} to resume from.",
-                {"path": path, "resumable_savers": full, "resumable": True},
-                key="weights_only",
-                synchronized=False,
-            )
-            return
-        savers = [type(cb).__name__ for cb in trainer.checkpoint_callbacks]
-        self.emit_code(
-            trainer,
-            "TFD709",
-            f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state), and no checkpoint this run "
-            f"keeps can resume it ({len(savers)} checkpoint callback(s), none saving full checkpoints): after a crash "
-            "the run restarts from step 0 or resumes with a fresh optimizer and schedule.",
-            {"path": path, "resumable_savers": [], "resumable": False},
-            severity="warning",
-            hint=(
-                "Keep at least one full checkpoint: `save_weights_only=False` on this ModelCheckpoint, or a second "
-                "`ModelCheckpoint(save_last=True)` beside it."
-            ),
-            key="weights_only",
-            synchronized=False,
-        )
-
-    def _not_checked(self, trainer: pl.Trainer, path: str, why: str) -> None:
-        self.emit_code(
-            trainer,
-            "TFD709",
-            f"Checkpoint {path} not checked: {why}.",
-            {"path": path},
-            hint="Verify by resuming: the resume checks (TFD710-TFD715) still run.",
-            key="not_checked",
-            synchronized=False,
-        )
+    def _check_file(self, trainer: pl.Trainer, path: str, expected: dict[str, Any]) -> list[Verdict]:
+        """Open one file this run wrote and judge it against what it must hold (``expected``; empty: written without
+        ``on_save_checkpoint``, a weights-only save)."""
+        try:
+            # weights_only first; a full unpickling only because this run wrote the file itself
+            loaded, _ = load_checkpoint(path, written_by_this_run=True)
+        except DamagedCheckpoint as damaged:
+            return [damaged.verdict]
+        except Exception as err:
+            return [checks.unreadable_checkpoint(path, err)]
+        self._verified_since_save = True
+        self.checked_files.append(path)
+        if not expected:
+            savers = trainer.checkpoint_callbacks
+            return [checks.weights_only_checkpoint(path, resumable_savers(savers), self._full_saved, len(savers))]
+        self._full_saved = True
+        return checks.content_problems(loaded, expected, path)
 
     def _settle(self, trainer: pl.Trainer) -> None:
         """Verify files an asynchronous writer finished, then resolve rank-local findings on every rank together."""
@@ -372,9 +297,8 @@ class CheckpointAudit(DebugCallback):
         self._resolve_due = False  # set on every rank by on_save_checkpoint, so all ranks arrive here together
         if trainer.is_global_zero and not self._verified_since_save and not self._pending_files:
             self._verified_since_save = True
-            self._not_checked(
-                trainer, "(last save)", "it was written without going through the strategy's CheckpointIO"
-            )
+            why = "it was written without going through the strategy's CheckpointIO"
+            self.emit(trainer, checks.checkpoint_not_checked("(last save)", why), synchronized=False)
         self.resolve_local_findings(trainer)
 
     def on_train_batch_end(
@@ -393,53 +317,22 @@ class CheckpointAudit(DebugCallback):
     ) -> None:
         if not self.active:
             return
-        for verdict in checkpoints.load_problems(checkpoint):
-            self._emit(trainer, verdict, key="resume")
-        self._restored = checkpoints.restored_state(checkpoint)  # host sync: one checksum transfer per resume
+        self.emit(trainer, checks.load_problems(checkpoint))  # every rank loads the same checkpoint
+        self._restored = restored_state(checkpoint)  # host sync: one checksum transfer per resume
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
         if not self.active or restored is None:
             return
-        scaler = grad_scaler_of(trainer)
-        verdicts = checkpoints.resume_problems(
-            restored,
-            pl_module.state_dict(),
-            optimizer_steps=[max_step(opt.state) for opt in trainer.optimizers],
-            learning_rates=[[float(g["lr"]) for g in opt.param_groups] for opt in trainer.optimizers],
-            # host sync: resume time only, and only when the checkpoint holds a scale to compare with
-            scale=float(scaler.get_scale()) if scaler is not None and restored["scale"] is not None else None,
-            global_step=trainer.global_step,
-            weight_rtol=self.weight_rtol,
-        )
-        if self._probe_loss is not None:
-            now_loss = self._loss_on_probe(trainer, pl_module)
-            if now_loss is not None:
-                probe = checkpoints.probe_loss_problem(
-                    self._probe_loss, now_loss, self._probe_loss_step, self.loss_rtol
-                )
-                verdicts += [probe] if probe is not None else []
-        for verdict in verdicts:
-            self._emit(trainer, verdict, key="resume", synchronized=False)
+        live = live_state(trainer, pl_module, restored)  # host sync: one checksum transfer per resume
+        verdicts: list[Verdict | None] = [*checks.resume_problems(restored, live, self.weight_rtol)]
+        now_loss = None if self._probe_loss is None else self._loss_on_probe(trainer, pl_module)
+        if self._probe_loss is not None and now_loss is not None:
+            verdicts.append(
+                checks.probe_loss_problem(self._probe_loss, now_loss, self._probe_loss_step, self.loss_rtol)
+            )
+        self.emit(trainer, verdicts, synchronized=False)
         self.resolve_local_findings(trainer)  # every rank resumes, so every rank reaches this point
-
-    def _emit(
-        self,
-        trainer: pl.Trainer,
-        verdict: Verdict,
-        message: str | None = None,
-        evidence: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.emit_code(
-            trainer,
-            verdict.code,
-            verdict.message if message is None else message,
-            verdict.evidence if evidence is None else evidence,
-            severity=verdict.severity,
-            hint=verdict.hint,
-            **kwargs,
-        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

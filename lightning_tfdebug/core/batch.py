@@ -266,6 +266,16 @@ class StepBatch:
         source = self.fields.input_ids if self.fields.input_ids is not None else self.attention_mask
         return 0 if source is None else int(source.numel())
 
+    def token_fields(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The ids, mask and labels as token tensors: integer ids (else all three are None), a mask with one entry
+        per id, integer labels (float labels, for regression or soft targets, are not token labels). Host metadata."""
+        ids, mask, labels = self.fields.input_ids, self.fields.attention_mask, self.fields.labels
+        if ids is None or not is_id_tensor(ids) or ids.numel() == 0:
+            return None, None, None
+        mask = mask if isinstance(mask, Tensor) and mask.numel() == ids.numel() else None
+        labels = labels if isinstance(labels, Tensor) and labels.numel() and is_id_tensor(labels) else None
+        return ids, mask, labels
+
     def tokens(self) -> Tensor | int:
         """Real (non-padding) tokens: the mask's non-zero entries (a device tensor; a host int for a CPU mask), or
         every position when the batch has no mask (a host int)."""

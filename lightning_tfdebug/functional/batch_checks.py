@@ -1,17 +1,33 @@
-"""BatchGuard's decisions, as pure functions and small state machines: no Trainer, no device work.
+"""BatchGuard's rules: each finding code with its text, and the functions and small state machines that decide it.
 
 Each takes host values (the :class:`~lightning_tfdebug.functional.batches.FieldSpec` of a batch, the unpacked
 :func:`~lightning_tfdebug.functional.batches.token_statistics` of a batch, fingerprints) and returns
-:class:`~lightning_tfdebug.functional.verdicts.Verdict` objects: the finding code, its message and its evidence.
-The callback only emits them, so every rule here is testable without a Trainer.
+:class:`~lightning_tfdebug.functional.verdicts.Verdict` objects built by the rule of their code. The callback only
+emits them, so every rule here is testable with plain numbers, without a Trainer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from lightning_tfdebug.functional.batches import Drift, FieldSpec, length_shift
+import torch
+from torch import Tensor
+
+from lightning_tfdebug.functional.batches import (
+    Drift,
+    FieldSpec,
+    KeySchema,
+    Schema,
+    compare_schema,
+    describe_leaves,
+    learn_schema,
+    length_shift,
+    special_token_statistics,
+    token_statistics,
+)
+from lightning_tfdebug.functional.throughput import device_fingerprint, host_fingerprint
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 TFD101 = Rule(
@@ -25,6 +41,7 @@ TFD101 = Rule(
         "A batch without a field the step reads fails that step or feeds the model something else; the run cannot "
         "go through its data as configured"
     ),
+    message="{where}: key '{key}' is missing (expected {expected}) ({schema}).",
 )
 
 TFD102 = Rule(
@@ -35,6 +52,7 @@ TFD102 = Rule(
     trigger="a batch carries a key the learned schema does not have",
     hint="as TFD101; if the key is legitimate and optional, declare the `schema`",
     reason=("Measured in this run's batches: two collate paths build them, so some batches are not what the rest are"),
+    message="{where}: key '{key}' is new: {found}, absent from the earlier batches ({schema}).",
 )
 
 TFD103 = Rule(
@@ -48,6 +66,7 @@ TFD103 = Rule(
         "The ops that take the field fail or change meaning with its dtype (cross_entropy takes int64 class "
         "indices; a float mask is added, not applied)"
     ),
+    message="{where}: '{key}' has dtype {found}; expected {expected} ({schema}).",
 )
 
 TFD104 = Rule(
@@ -61,6 +80,7 @@ TFD104 = Rule(
         "A squeezed batch breaks the shapes the model and the loss rely on: the step fails or broadcasts into a "
         "wrong result"
     ),
+    message="{where}: '{key}' has {found}; expected {expected} ({schema}).",
 )
 
 TFD105 = Rule(
@@ -77,6 +97,7 @@ TFD105 = Rule(
         "Fields that no longer line up (labels shorter than the ids) fail the step or score positions against the "
         "wrong labels"
     ),
+    message="{where}: '{key}' has {found}; expected {expected} ({schema}).",
 )
 
 TFD110 = Rule(
@@ -97,6 +118,10 @@ TFD110 = Rule(
         "An embedding lookup outside the table fails the step (a device-side assert on CUDA): the run cannot go "
         "through this batch"
     ),
+    message=(
+        "{where}: '{ids_key}' holds {count:.0f} token id(s) outside [0, {vocab_size}); the first is {value} at row "
+        "{row}, position {column}."
+    ),
 )
 
 TFD111 = Rule(
@@ -112,6 +137,10 @@ TFD111 = Rule(
     reason=(
         "Positions past the model's table fail the step or read rows that were never trained: the run cannot go "
         "through this batch"
+    ),
+    message=(
+        "{where}: '{key}' has sequence length {width}, longer than the model's context of {max_length}; positions past "
+        "it have no embedding (an index or shape error deep in the model, or silent wrap-around)."
     ),
 )
 
@@ -131,6 +160,7 @@ TFD112 = Rule(
         "A mask with values other than 0 and 1 is applied as weights or added to the scores, so attention is wrong "
         "on every such batch"
     ),
+    message="{where}: '{key}' has {count:.0f} value(s) that are neither 0 nor 1 (e.g. {example:g}).",
 )
 
 TFD113 = Rule(
@@ -145,6 +175,10 @@ TFD113 = Rule(
     hint="Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
     reason=(
         "Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails"
+    ),
+    message=(
+        "{where}: '{labels_key}' holds {count:.0f} label(s) outside [0, {vocab_size}) that are not "
+        "ignore_index={ignore_index} (e.g. {value})."
     ),
 )
 
@@ -162,6 +196,10 @@ TFD114 = Rule(
         "A batch with no supervised label gives a loss of 0 or NaN, and a NaN loss ruins the weights: nothing can "
         "be learned from it"
     ),
+    message=(
+        "{where}: every label in '{labels_key}' is ignore_index={ignore_index}; this batch teaches nothing (the loss "
+        "is 0 or NaN)."
+    ),
 )
 
 TFD115 = Rule(
@@ -174,6 +212,10 @@ TFD115 = Rule(
     ),
     hint="`labels[attention_mask == 0] = -100` in the collate function",
     reason="Measured in the batches: the loss spends its weight on predicting padding, which the model then learns",
+    message=(
+        "{where}: '{labels_key}' supervises {pad_supervised:.0f} of {pad_positions:.0f} padding positions "
+        "('{mask_key}' 0, label not ignore_index={ignore_index}): the model is trained to predict padding."
+    ),
 )
 
 TFD116 = Rule(
@@ -184,6 +226,7 @@ TFD116 = Rule(
     trigger="sequences whose first real token is not `bos_id`",
     hint=("The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it."),
     reason="Measured against the `bos_id` you declared: the model trains on a format it will not see at inference",
+    message="{where}: {without_bos:.0f} of {sequences} sequences do not start with BOS ({bos_id}).",
 )
 
 TFD117 = Rule(
@@ -199,6 +242,7 @@ TFD117 = Rule(
     reason=(
         "Measured in the batches: the model is trained to continue past its end token, so it does not learn to stop"
     ),
+    message="{where}: {several_eos:.0f} of {sequences} sequences hold more than one EOS ({eos_id}).",
 )
 
 TFD118 = Rule(
@@ -209,6 +253,7 @@ TFD118 = Rule(
     trigger="real (mask 1) tokens after the first EOS",
     hint="The pad token equals EOS but the mask is 1 on padding, or sequences were packed.",
     reason="Measured in the batches: text after the end token is trained as a continuation of the document",
+    message="{where}: {tokens_after_eos:.0f} of {sequences} sequences have real tokens after their EOS.",
 )
 
 TFD119 = Rule(
@@ -219,6 +264,10 @@ TFD119 = Rule(
     trigger="more than `max_truncated_fraction` of a batch's sequences fill the maximum length with no EOS",
     hint="Raise the context length, split long documents, or check that truncation keeps the answer.",
     reason="Measured in the batches: most sequences are cut before their end, so the model rarely sees endings",
+    message=(
+        "{where}: {truncated} of {sequences} sequences fill the maximum length {max_length} with no EOS: they were "
+        "truncated."
+    ),
 )
 
 TFD120 = Rule(
@@ -237,6 +286,10 @@ TFD120 = Rule(
     reason=(
         "Measured in this run: the batches seen later differ from the early ones (data sorted or grouped), so the "
         "gradient follows data order"
+    ),
+    message=(
+        "{where}: the mean sequence length of the last {size} checked batches is {window_mean:.1f}, against "
+        "{reference_mean:.1f} (std {reference_std:.1f}) in the first ones."
     ),
 )
 
@@ -259,6 +312,10 @@ TFD121 = Rule(
         "Measured in this run: one epoch reads the same batches more than once, so it trains on duplicates instead "
         "of the data"
     ),
+    message=(
+        "{repeated} of the {checked} batches checked so far in epoch {epoch} (rank {rank}) repeat an earlier batch of "
+        "the same epoch token for token; the first, at step {step}, repeats step {repeats_step}."
+    ),
 )
 
 TFD122 = Rule(
@@ -276,6 +333,11 @@ TFD122 = Rule(
         "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."
     ),
     reason=("Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them"),
+    message=(
+        "{where}: '{key}' masks {holes:.0f} position(s) inside the text of {rows} of {sequences} rows "
+        "({hole_fraction:.1%} of those rows' text; the first at row {first_hole[0]}, position {first_hole[1]}, id "
+        "{first_hole_id}): padding belongs at one end of a row, so real tokens are hidden from attention. {cause}"
+    ),
 )
 
 TFD123 = Rule(
@@ -296,6 +358,10 @@ TFD123 = Rule(
     reason=(
         "evidence of harm in this run: the model trains on a fraction of its data and the loss falls by "
         "memorising it, while the rest of the dataset is never read"
+    ),
+    message=(
+        "{what}: the same batches come back sooner than the data allows ({repeats_within_epochs} of them repeat a "
+        "batch of their own epoch; the first repeat, at step {step}, repeats step {repeats_step}).{cause}"
     ),
 )
 
@@ -318,6 +384,12 @@ TFD124 = Rule(
     reason=(
         "evidence of harm in this run: the labels it trains on never contain EOS, so the model is never taught "
         "to end a sequence and generates until the length limit"
+    ),
+    message=(
+        "Over the first {batches} checked batches the end-of-sequence token {eos_id} occurs {eos_in_inputs:.0f} times "
+        "among the {inputs} and is never supervised: none of the {supervised_labels:.0f} supervised labels in "
+        "{labels_at} is EOS (about {expected_supervised:.0f} expected at this data's supervised share of {share:.0%}). "
+        "The model never learns to stop: it generates until the length limit.{collator}"
     ),
 )
 
@@ -351,16 +423,9 @@ RULES: tuple[Rule, ...] = (
 
 STREAM_REPEAT_WINDOW = 16  # from a stream, a repeat counts only this close (a stream may cycle its data)
 MAX_EPOCH_PRINTS = 100_000  # fingerprints kept per epoch for TFD121 (a few MB at most)
-CRASH_CODES = ("TFD110", "TFD112", "TFD113")  # value problems that break the forward (ids, mask, label range)
-DRIFT_CODES = {"missing": "TFD101", "extra": "TFD102", "dtype": "TFD103", "ndim": "TFD104", "size": "TFD105"}
-DRIFT_SEVERITY = {"missing": "error", "extra": "warning", "dtype": "error", "ndim": "error", "size": "error"}
-DRIFT_HINT = (
-    "A collate path that only some batches take: a last or single-sample batch squeezed, a dtype cast in one branch, "
-    "tensors built from Python lists (int32/float defaults). Build every field with an explicit dtype and keep the "
-    "batch dimension."
-)
 
 
+# ------------------------------------------------------------------------------------------------ readings
 @dataclass(frozen=True)
 class BatchPaths:
     """Where the ids, the attention mask and the labels of a batch are (``None``: the batch has none)."""
@@ -368,6 +433,11 @@ class BatchPaths:
     input_ids: str | None
     attention_mask: str | None
     labels: str | None
+
+    @classmethod
+    def of(cls, paths: Mapping[str, str | None]) -> BatchPaths:
+        """From :class:`~lightning_tfdebug.core.batch.BatchFields`' ``paths``."""
+        return cls(paths.get("input_ids"), paths.get("attention_mask"), paths.get("labels"))
 
 
 @dataclass(frozen=True)
@@ -381,30 +451,79 @@ class ValueRules:
     eos_id: int | None = None
     max_truncated_fraction: float = 0.5
 
+    def statistics(
+        self,
+        ids: Tensor,
+        mask: Tensor | None,
+        labels: Tensor | None,
+        position_ids: Tensor | None = None,
+        labels_aligned: bool = True,
+    ) -> Tensor:
+        """The :func:`~lightning_tfdebug.functional.batches.token_statistics` of one batch for these rules, on its
+        device: on the CPU it reads a few counts on the host to skip kernels (no sync: the data are in host memory);
+        on an accelerator everything stays on the device until the caller's one transfer."""
+        with torch.no_grad():
+            return token_statistics(
+                ids,
+                mask,
+                labels,
+                vocab_size=self.vocab_size,
+                ignore_index=self.ignore_index,
+                bos_id=self.bos_id,
+                eos_id=self.eos_id,
+                max_length=self.context,
+                position_ids=position_ids,
+                labels_aligned=labels_aligned,
+            )
+
+
+class EpochData(NamedTuple):
+    """What an epoch's training data is (host metadata, read once per epoch): a stream (no epochs of its own), the
+    DataLoader's length (batches per epoch before any Trainer limit; None for a stream or several loaders), the
+    batches the Trainer reads per epoch, and the Trainer limit in force (``"Trainer(overfit_batches=1)"``)."""
+
+    stream: bool = False
+    loader_length: int | None = None
+    per_epoch: int | None = None
+    setting: str | None = None
+
+
+def batch_name(batch_idx: int, step: int, epoch: int, rank: int) -> str:
+    """The batch a finding names (the ``where`` of the messages)."""
+    return f"Batch {batch_idx} (step {step}, epoch {epoch}, rank {rank})"
+
+
+def fields_notice(paths: Mapping[str, str | None], leaves: Mapping[str, Any], input_key: str | None) -> str | None:
+    """What the user should know of where the first batch's fields were found: no token ids (only the schema checks
+    run), or ids found under another name than asked; None when they are where expected."""
+    ids = paths.get("input_ids")
+    if ids is None:
+        return (
+            f"BatchGuard: no token ids in the first batch (keys: {sorted(leaves)}); the token, length and label checks "
+            "are off, the schema checks stay on. Set `input_key` (and `labels_key`, `mask_key`)."
+        )
+    if ids != (input_key or "input_ids"):
+        return (
+            f"BatchGuard: token ids taken from '{ids}' and labels from '{paths.get('labels')}' (the batch has no "
+            "'input_ids'); set `input_key` / `labels_key` if that is wrong."
+        )
+    return None
+
 
 # ------------------------------------------------------------------------------------------------ host metadata
+DRIFT_RULES: dict[str, Rule] = {"missing": TFD101, "extra": TFD102, "dtype": TFD103, "ndim": TFD104, "size": TFD105}
+"""The rule of each kind of :class:`~lightning_tfdebug.functional.batches.Drift`."""
+
+
 def drift_verdicts(drifts: list[Drift], where: str, declared: bool) -> list[Verdict]:
-    """``TFD101``-``TFD105``: one verdict per difference between a batch and its schema."""
-    source = "the declared schema" if declared else "the schema learned from the first batches"
-    out = []
-    for d in drifts:
-        what = {
-            "missing": f"key '{d.key}' is missing (expected {d.expected})",
-            "extra": f"key '{d.key}' is new: {d.found}, absent from the earlier batches",
-            "dtype": f"'{d.key}' has dtype {d.found}; expected {d.expected}",
-            "ndim": f"'{d.key}' has {d.found}; expected {d.expected}",
-            "size": f"'{d.key}' has {d.found}; expected {d.expected}",
-        }[d.kind]
-        out.append(
-            Verdict(
-                DRIFT_CODES[d.kind],
-                f"{where}: {what} ({source}).",
-                {"key": d.key, "expected": d.expected, "found": d.found},
-                severity=DRIFT_SEVERITY[d.kind],  # type: ignore[arg-type]
-                hint=DRIFT_HINT,
-            )
+    """``TFD101``-``TFD105``: one verdict per difference between a batch and its schema, recorded once per key."""
+    schema = "the declared schema" if declared else "the schema learned from the first batches"
+    return [
+        DRIFT_RULES[d.kind].verdict(
+            {"key": d.key, "expected": d.expected, "found": d.found}, key=d.key, where=where, schema=schema
         )
-    return out
+        for d in drifts
+    ]
 
 
 def too_long(where: str, ids_path: str | None, spec: FieldSpec | None, context: int | None) -> Verdict | None:
@@ -414,123 +533,162 @@ def too_long(where: str, ids_path: str | None, spec: FieldSpec | None, context: 
     width = spec.shape[-1]
     if width <= context:
         return None
-    return Verdict(
-        "TFD111",
-        f"{where}: '{ids_path}' has sequence length {width}, longer than the model's context of {context}; positions "
-        "past it have no embedding (an index or shape error deep in the model, or silent wrap-around).",
-        {"key": ids_path, "shape": list(spec.shape), "max_length": context},
-    )
+    return TFD111.verdict({"key": ids_path, "shape": list(spec.shape), "max_length": context}, where=where, width=width)
+
+
+@dataclass
+class SchemaWatch:
+    """``TFD101``-``TFD105`` and ``TFD111`` from host metadata: each batch against its schema, declared or learned.
+
+    A learned schema takes keys, dtypes and dimension counts from the first batch and the dimensions keys share from
+    the first ``learn_batches`` (:func:`~lightning_tfdebug.functional.batches.learn_schema`); a batch that drifts
+    while it is learned is reported and does not teach it. Once learning is over, a batch with the structure
+    (:func:`~lightning_tfdebug.functional.batches.structure_key`) of the last one that found nothing would find
+    nothing either: the caller skips :meth:`check` while ``structure == clean``.
+    """
+
+    learn_batches: int = 4
+    declared: Schema | None = None
+    context: int | None = None  # the model's context (None: unknown, TFD111 is off)
+    schema: Schema | None = None
+    learned: list[dict[str, FieldSpec]] = field(default_factory=list)
+    clean: tuple | None = None  # the structure of the last batch that found nothing, learning over
+
+    def __post_init__(self) -> None:
+        self.schema = self.schema or self.declared
+
+    def new_context(self, context: int | None) -> None:
+        """The model's context (read at each fit's set-up): the next batch is compared in full."""
+        self.context, self.clean = context, None
+
+    def check(self, structure: tuple, leaves: Mapping[str, Any], ids_path: str | None, where: str) -> list[Verdict]:
+        """The drifts of the batch whose flattened ``leaves`` have ``structure`` (its ids at ``ids_path``, named
+        ``where`` in the messages), and its width against the model's context."""
+        specs = describe_leaves(leaves)
+        declared = self.declared is not None
+        found: list[Verdict] = []
+        learning = not declared and len(self.learned) < self.learn_batches
+        if learning:
+            drifts = []
+            if self.schema is not None:  # compare against what was learned so far; shared sizes not yet
+                drifts = [d for d in compare_schema(self.schema, specs) if d.kind != "size"]
+                found = drift_verdicts(drifts, where, declared)
+            if not drifts:  # a drifting batch does not teach the schema
+                self.learned.append(specs)
+                self.schema = learn_schema(self.learned)
+        elif self.schema is not None:
+            found = drift_verdicts(compare_schema(self.schema, specs), where, declared)
+        long = too_long(where, ids_path, specs.get(ids_path or ""), self.context)
+        self.clean = structure if not learning and not found and long is None else None
+        return found if long is None else [*found, long]
+
+    def state(self) -> dict[str, Any] | None:
+        """The learned schema as plain values once learning is over (None while learning, or when declared)."""
+        if self.schema is None or self.declared is not None or len(self.learned) < self.learn_batches:
+            return None
+        return {k: {"dtype": v.dtype, "dims": v.dims} for k, v in self.schema.keys.items()}
+
+    def load(self, learned: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`state`: learning is over, batches are compared from the first on."""
+        if learned and self.declared is None:
+            self.schema = Schema({k: KeySchema(v["dtype"], v["dims"]) for k, v in learned.items()})
+            self.learned = [{}] * self.learn_batches
+            self.clean = None
 
 
 # ------------------------------------------------------------------------------------------------ values
-def value_verdicts(
-    s: dict[str, float],
-    where: str,
-    paths: BatchPaths,
-    rules: ValueRules,
-    *,
-    has_mask: bool,
-    has_labels: bool,
-    crash_only: bool = False,
-) -> list[Verdict]:
-    """``TFD110``, ``TFD112``-``TFD119`` from the unpacked statistics ``s`` of one batch. ``crash_only`` keeps the
-    problems that break a forward (ids and labels outside the vocabulary, a mask that is not binary)."""
-    out: list[Verdict] = []
+# Each takes the unpacked statistics ``s`` of one batch (:func:`~lightning_tfdebug.functional.batches.
+# token_statistics`), the batch's name ``where``, where its fields are and what they are compared against.
+def ids_outside_vocabulary(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD110``: input ids outside ``[0, vocab)``, naming the first (row, position, value)."""
+    if s["ids_out_of_range"] <= 0:
+        return None
+    evidence = {
+        "count": s["ids_out_of_range"],
+        "min": s["ids_min"],
+        "max": s["ids_max"],
+        "vocab_size": rules.vocab_size,
+    }
+    return TFD110.verdict(
+        evidence,
+        where=where,
+        ids_key=paths.input_ids,
+        value=int(s["first_bad_id_value"]),
+        row=int(s["first_bad_id_row"]),
+        column=int(s["first_bad_id_col"]),
+    )
+
+
+def mask_not_binary(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD112``: attention mask entries that are neither 0 nor 1."""
+    if s["mask_non_binary"] <= 0:
+        return None
+    evidence = {"key": paths.attention_mask, "count": s["mask_non_binary"], "example": s["first_bad_mask_value"]}
+    return TFD112.verdict(evidence, where=where)
+
+
+def labels_outside_vocabulary(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD113``: labels outside ``[0, vocab)`` that are not ``ignore_index``."""
+    if s["labels_out_of_range"] <= 0:
+        return None
+    evidence = {"count": s["labels_out_of_range"], "vocab_size": rules.vocab_size, "ignore_index": rules.ignore_index}
+    return TFD113.verdict(evidence, where=where, labels_key=paths.labels, value=int(s["first_bad_label_value"]))
+
+
+def every_label_ignored(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD114``: every label of the batch is ``ignore_index``."""
+    if not (s["labels_total"] > 0 and s["labels_ignored"] >= s["labels_total"]):
+        return None
+    evidence = {"labels": s["labels_total"], "ignored": s["labels_ignored"]}
+    return TFD114.verdict(evidence, where=where, labels_key=paths.labels, ignore_index=rules.ignore_index)
+
+
+def padding_supervised(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD115``: padding positions (mask 0) whose label is not ``ignore_index``."""
+    if s["pad_supervised"] <= 0:
+        return None
+    ignore = rules.ignore_index
+    return TFD115.verdict(
+        {"pad_supervised": s["pad_supervised"], "pad_positions": s["pad_positions"]},
+        hint=f"Set labels[attention_mask == 0] = {ignore} in the collate function.",
+        where=where,
+        labels_key=paths.labels,
+        mask_key=paths.attention_mask,
+        ignore_index=ignore,
+    )
+
+
+def sequences_without_bos(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD116``: sequences whose first real token is not ``bos_id`` (only with ``bos_id``)."""
+    if rules.bos_id is None or s["bos_missing"] <= 0:
+        return None
+    evidence = {"sequences": int(s["sequences"]), "without_bos": s["bos_missing"]}
+    return TFD116.verdict(evidence, where=where, bos_id=rules.bos_id)
+
+
+def several_eos(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD117``: sequences with more than one ``eos_id`` (only with ``eos_id``)."""
+    if rules.eos_id is None or s["eos_multiple"] <= 0:
+        return None
+    evidence = {"sequences": int(s["sequences"]), "several_eos": s["eos_multiple"]}
+    return TFD117.verdict(evidence, where=where, eos_id=rules.eos_id)
+
+
+def tokens_after_eos(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD118``: sequences with real tokens after their first EOS (only with ``eos_id``)."""
+    if rules.eos_id is None or s["eos_then_tokens"] <= 0:
+        return None
+    return TFD118.verdict({"sequences": int(s["sequences"]), "tokens_after_eos": s["eos_then_tokens"]}, where=where)
+
+
+def truncation_rate(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD119``: more than ``max_truncated_fraction`` of the sequences fill the context with no EOS (only with
+    ``eos_id`` and a known context)."""
     n = int(s["sequences"])
-    ids, mask, labels, ignore = paths.input_ids, paths.attention_mask, paths.labels, rules.ignore_index
-    if s["ids_out_of_range"] > 0:
-        out.append(
-            Verdict(
-                "TFD110",
-                f"{where}: '{ids}' holds {int(s['ids_out_of_range'])} token id(s) outside [0, {rules.vocab_size}); the "
-                f"first is {int(s['first_bad_id_value'])} at row {int(s['first_bad_id_row'])}, position "
-                f"{int(s['first_bad_id_col'])}.",
-                {
-                    "count": s["ids_out_of_range"],
-                    "min": s["ids_min"],
-                    "max": s["ids_max"],
-                    "vocab_size": rules.vocab_size,
-                },
-            )
-        )
-    if has_mask and s["mask_non_binary"] > 0:
-        out.append(
-            Verdict(
-                "TFD112",
-                f"{where}: '{mask}' has {int(s['mask_non_binary'])} value(s) that are neither 0 nor 1 "
-                f"(e.g. {s['first_bad_mask_value']:g}).",
-                {"key": mask, "count": s["mask_non_binary"], "example": s["first_bad_mask_value"]},
-            )
-        )
-    if has_labels and s["labels_out_of_range"] > 0:
-        out.append(
-            Verdict(
-                "TFD113",
-                f"{where}: '{labels}' holds {int(s['labels_out_of_range'])} label(s) outside [0, {rules.vocab_size}) "
-                f"that are not ignore_index={ignore} (e.g. {int(s['first_bad_label_value'])}).",
-                {"count": s["labels_out_of_range"], "vocab_size": rules.vocab_size, "ignore_index": ignore},
-            )
-        )
-    if crash_only or not has_labels:
-        return out
-    if s["labels_total"] > 0 and s["labels_ignored"] >= s["labels_total"]:
-        out.append(
-            Verdict(
-                "TFD114",
-                f"{where}: every label in '{labels}' is ignore_index={ignore}; this batch teaches nothing (the loss is "
-                "0 or NaN).",
-                {"labels": s["labels_total"], "ignored": s["labels_ignored"]},
-            )
-        )
-    if has_mask and s["pad_supervised"] > 0:
-        out.append(
-            Verdict(
-                "TFD115",
-                f"{where}: '{labels}' supervises {int(s['pad_supervised'])} of {int(s['pad_positions'])} padding "
-                f"positions ('{mask}' 0, label not ignore_index={ignore}): the model is trained to predict padding.",
-                {"pad_supervised": s["pad_supervised"], "pad_positions": s["pad_positions"]},
-                hint=f"Set labels[attention_mask == 0] = {ignore} in the collate function.",
-            )
-        )
-    if rules.bos_id is not None and s["bos_missing"] > 0:
-        out.append(
-            Verdict(
-                "TFD116",
-                f"{where}: {int(s['bos_missing'])} of {n} sequences do not start with BOS ({rules.bos_id}).",
-                {"sequences": n, "without_bos": s["bos_missing"]},
-            )
-        )
-    if rules.eos_id is not None and s["eos_multiple"] > 0:
-        out.append(
-            Verdict(
-                "TFD117",
-                f"{where}: {int(s['eos_multiple'])} of {n} sequences hold more than one EOS ({rules.eos_id}).",
-                {"sequences": n, "several_eos": s["eos_multiple"]},
-            )
-        )
-    if rules.eos_id is not None and s["eos_then_tokens"] > 0:
-        out.append(
-            Verdict(
-                "TFD118",
-                f"{where}: {int(s['eos_then_tokens'])} of {n} sequences have real tokens after their EOS.",
-                {"sequences": n, "tokens_after_eos": s["eos_then_tokens"]},
-            )
-        )
-    if (
-        rules.eos_id is not None
-        and rules.context is not None
-        and n
-        and s["truncated"] / n > rules.max_truncated_fraction
-    ):
-        out.append(
-            Verdict(
-                "TFD119",
-                f"{where}: {int(s['truncated'])} of {n} sequences fill the maximum length {rules.context} with no "
-                "EOS: they were truncated.",
-                {"truncated_frac": s["truncated"] / n, "max_length": rules.context},
-            )
-        )
-    return out
+    if rules.eos_id is None or rules.context is None or not n or s["truncated"] / n <= rules.max_truncated_fraction:
+        return None
+    evidence = {"truncated_frac": s["truncated"] / n, "max_length": rules.context}
+    return TFD119.verdict(evidence, where=where, truncated=int(s["truncated"]), sequences=n)
 
 
 PACKING_KEYS: tuple[str, ...] = (
@@ -555,6 +713,45 @@ MAX_HOLE_FRACTION = 0.5
 """Above this share of a row's text masked inside it, the mask is not an attention mask with holes but another mask
 read as one (masked-LM positions, a loss mask): ``TFD122`` stays silent."""
 
+HOLES_FROM_IDS_HINT = (
+    "Take the attention mask from the tokenizer (it marks padding by position, not by id), or pad with an id that "
+    "never occurs in text (add a dedicated pad token and resize the embeddings). GPT-2 and Llama reuse EOS as "
+    "padding: input_ids != pad_id then hides every EOS inside the text."
+)
+HOLES_IN_TEXT_HINT = (
+    "Build the attention mask together with the ids it belongs to (the tokenizer's, or padding positions only) and "
+    "keep it aligned through every transform. If the batch is packed on purpose, pass its position_ids (restarting "
+    "at each document) so the holes between documents are recognised."
+)
+
+
+def packed_keys(leaves: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys of a batch's flattened leaves named like :data:`PACKING_KEYS` (host: key names only)."""
+    return tuple(k for k in leaves if k.rsplit(".", 1)[-1] in PACKING_KEYS)
+
+
+def _hole_cause(s: dict[str, float]) -> tuple[str, str]:
+    """Why a mask has holes, and what to do: built from the ids (the holes' ids attended nowhere), or hiding tokens
+    attended elsewhere in their row."""
+    holes, hole_id = s["mask_holes"], int(s["first_hole_id"])
+    if int(s["holes_masked_everywhere"]) != holes:
+        cause = (
+            f"{int(s['holes_attended_in_row'])} of the {int(holes)} holes hold ids attended elsewhere in the same row: "
+            "the mask hides real tokens (built for other ids, shifted, or zeroed by a transform)."
+        )
+        return cause, HOLES_IN_TEXT_HINT
+    if int(s["padding_id_min"]) == int(s["padding_id_max"]) == hole_id:
+        cause = (
+            f"Every hole holds id {hole_id}, the id of the padding too, and that id is attended nowhere: the mask "
+            f"was built from the ids (input_ids != {hole_id}), and {hole_id} is also a real token of the text."
+        )
+    else:
+        cause = (
+            f"The holes' ids (the first is {hole_id}) are masked wherever they occur and attended nowhere: the "
+            "mask was built from the token ids (input_ids != some id) and that id is also a real token."
+        )
+    return cause, HOLES_FROM_IDS_HINT
+
 
 def mask_hole_verdict(
     s: dict[str, float], where: str, paths: BatchPaths, *, has_mask: bool, packed_keys: tuple[str, ...] = ()
@@ -574,55 +771,57 @@ def mask_hole_verdict(
     fraction = holes / max(holes + s["mask_hole_row_tokens"], 1.0)
     if fraction > MAX_HOLE_FRACTION:
         return None
-    n, rows = int(s["sequences"]), int(s["mask_hole_rows"])
-    hole_id, pad_lo, pad_hi = int(s["first_hole_id"]), int(s["padding_id_min"]), int(s["padding_id_max"])
-    everywhere, in_row = int(s["holes_masked_everywhere"]), int(s["holes_attended_in_row"])
-    mask = paths.attention_mask
-    if everywhere == holes:
-        if pad_lo == pad_hi == hole_id:
-            cause = (
-                f"Every hole holds id {hole_id}, the id of the padding too, and that id is attended nowhere: the mask "
-                f"was built from the ids (input_ids != {hole_id}), and {hole_id} is also a real token of the text."
-            )
-        else:
-            cause = (
-                f"The holes' ids (the first is {hole_id}) are masked wherever they occur and attended nowhere: the "
-                "mask was built from the token ids (input_ids != some id) and that id is also a real token."
-            )
-        hint = (
-            "Take the attention mask from the tokenizer (it marks padding by position, not by id), or pad with an id "
-            "that never occurs in text (add a dedicated pad token and resize the embeddings). GPT-2 and Llama reuse "
-            "EOS as padding: input_ids != pad_id then hides every EOS inside the text."
-        )
-    else:
-        cause = (
-            f"{in_row} of the {int(holes)} holes hold ids attended elsewhere in the same row: the mask hides real "
-            "tokens (built for other ids, shifted, or zeroed by a transform)."
-        )
-        hint = (
-            "Build the attention mask together with the ids it belongs to (the tokenizer's, or padding positions only) "
-            "and keep it aligned through every transform. If the batch is packed on purpose, pass its position_ids "
-            "(restarting at each document) so the holes between documents are recognised."
-        )
-    return Verdict(
-        "TFD122",
-        f"{where}: '{mask}' masks {int(holes)} position(s) inside the text of {rows} of {n} rows ({fraction:.1%} of "
-        f"those rows' text; the first at row {int(s['first_hole_row'])}, position {int(s['first_hole_col'])}, id "
-        f"{hole_id}): padding belongs at one end of a row, so real tokens are hidden from attention. {cause}",
-        {
-            "key": mask,
-            "rows": rows,
-            "sequences": n,
-            "holes": holes,
-            "hole_fraction": fraction,
-            "first_hole": [int(s["first_hole_row"]), int(s["first_hole_col"])],
-            "first_hole_id": hole_id,
-            "padding_ids": [pad_lo, pad_hi],
-            "holes_masked_everywhere": everywhere,
-            "holes_attended_in_row": in_row,
-        },
-        hint=hint,
-    )
+    cause, hint = _hole_cause(s)
+    evidence = {
+        "key": paths.attention_mask,
+        "rows": int(s["mask_hole_rows"]),
+        "sequences": int(s["sequences"]),
+        "holes": holes,
+        "hole_fraction": fraction,
+        "first_hole": [int(s["first_hole_row"]), int(s["first_hole_col"])],
+        "first_hole_id": int(s["first_hole_id"]),
+        "padding_ids": [int(s["padding_id_min"]), int(s["padding_id_max"])],
+        "holes_masked_everywhere": int(s["holes_masked_everywhere"]),
+        "holes_attended_in_row": int(s["holes_attended_in_row"]),
+    }
+    return TFD122.verdict(evidence, hint=hint, where=where, cause=cause)
+
+
+def value_verdicts(
+    s: dict[str, float],
+    where: str,
+    paths: BatchPaths,
+    rules: ValueRules,
+    *,
+    has_mask: bool,
+    has_labels: bool,
+    packed: tuple[str, ...] = (),
+    crash_only: bool = False,
+) -> list[Verdict]:
+    """``TFD110``, ``TFD112``-``TFD119`` and ``TFD122`` from the unpacked statistics ``s`` of one batch, in code order.
+    The mask checks need a mask (``packed``: the batch's :func:`packed_keys`), the label and convention checks labels;
+    ``crash_only`` keeps the problems that break a forward (ids and labels outside the vocabulary, a mask that is not
+    binary)."""
+    checks = [ids_outside_vocabulary]
+    if has_mask:
+        checks.append(mask_not_binary)
+    if has_labels:
+        checks.append(labels_outside_vocabulary)
+        if not crash_only:
+            checks += [every_label_ignored, *([padding_supervised] if has_mask else [])]
+            checks += [sequences_without_bos, several_eos, tokens_after_eos, truncation_rate]
+    found = [check(s, where, paths, rules) for check in checks]
+    if has_mask and not crash_only:
+        found.append(mask_hole_verdict(s, where, paths, has_mask=True, packed_keys=packed))
+    return [v for v in found if v is not None]
+
+
+def example_rows(ids: Tensor, labels: Tensor | None, count: int) -> tuple[list[list[int]], list[list[int]] | None]:
+    """The first ``count`` rows of the ids (and of the labels) as host lists, for :func:`decoded_examples`. A host
+    sync: once per fit."""
+    rows = [t if t.ndim >= 2 else t.reshape(1, -1) for t in (ids, labels) if t is not None]
+    k = min(count, rows[0].shape[0])
+    return rows[0][:k].tolist(), rows[1][:k].tolist() if len(rows) > 1 else None
 
 
 def batch_metrics(s: dict[str, float], rules: ValueRules, has_labels: bool) -> dict[str, float]:
@@ -683,6 +882,7 @@ class RepeatTracker:
         self.prints.clear()
 
     def add(self, epoch: int, step: int, fingerprint: int, stream: bool, rank: int = 0) -> Verdict | None:
+        """Count the batch of ``step``; its verdict belongs to that step."""
         if epoch != self.epoch:
             self.new_epoch(epoch)
         earlier = self.prints.get(fingerprint)
@@ -695,19 +895,14 @@ class RepeatTracker:
         if self.repeated < 3 or self.repeated <= self.max_repeated_fraction * self.checked:
             return None
         first_step, earlier_step = self.first_repeat or (step, -1)
-        return Verdict(
-            "TFD121",
-            f"{self.repeated} of the {self.checked} batches checked so far in epoch {epoch} (rank {rank}) repeat an "
-            f"earlier batch of the same epoch token for token; the first, at step {first_step}, repeats step "
-            f"{earlier_step}.",
-            {
-                "epoch": epoch,
-                "checked": self.checked,
-                "repeated": self.repeated,
-                "step": first_step,
-                "repeats_step": earlier_step,
-            },
-        )
+        evidence = {
+            "epoch": epoch,
+            "checked": self.checked,
+            "repeated": self.repeated,
+            "step": first_step,
+            "repeats_step": earlier_step,
+        }
+        return TFD121.verdict(evidence, step=step, rank=rank)
 
 
 @dataclass
@@ -736,12 +931,8 @@ class LengthWindow:
         ref = self.reference
         if not length_shift(ref["mean"], ref["std"], mean, self.tolerance):
             return None
-        return Verdict(
-            "TFD120",
-            f"{where}: the mean sequence length of the last {self.size} checked batches is {mean:.1f}, against "
-            f"{ref['mean']:.1f} (std {ref['std']:.1f}) in the first ones.",
-            {"window_mean": mean, "reference_mean": ref["mean"], "reference_std": ref["std"]},
-        )
+        evidence = {"window_mean": mean, "reference_mean": ref["mean"], "reference_std": ref["std"]}
+        return TFD120.verdict(evidence, where=where, size=self.size)
 
 
 MIN_EXCESS_REPEATS = 3
@@ -783,10 +974,10 @@ class RepeatPeriod:
         setting: str | None = None,
         rank: int = 0,
     ) -> Verdict | None:
-        """Count one batch; ``loader_length`` is the training DataLoader's length (batches per epoch before any
-        Trainer limit), ``within_epoch`` whether the batch repeats one of its own epoch (``TFD121``'s reading),
-        ``per_epoch`` the batches the Trainer reads per epoch, ``setting`` the Trainer limit in force
-        (``"Trainer(overfit_batches=1)"``) or None."""
+        """Count the batch of ``step`` (its verdict belongs to that step); ``loader_length`` is the training
+        DataLoader's length (batches per epoch before any Trainer limit), ``within_epoch`` whether the batch repeats
+        one of its own epoch (``TFD121``'s reading), ``per_epoch`` the batches the Trainer reads per epoch, ``setting``
+        the Trainer limit in force (``"Trainer(overfit_batches=1)"``) or None."""
         self.read += 1
         self.within += int(within_epoch)
         earlier = self.seen.get(fingerprint)
@@ -805,18 +996,24 @@ class RepeatPeriod:
         inside = self.within >= MIN_EXCESS_REPEATS and self.within > self.max_repeated_fraction * self.read
         if not (early or inside):
             return None
+        return self._verdict(step, loader_length if known else None, per_epoch, setting, rank)
+
+    def _verdict(
+        self, step: int, known_length: int | None, per_epoch: int | None, setting: str | None, rank: int
+    ) -> Verdict:
         first_step, earlier_step = self.first_repeat or (step, -1)
-        if known:
+        distinct = len(self.seen)
+        if known_length is not None:
             what = (
                 f"Rank {rank} read {self.read} batches and only {distinct} of them are different, while its training "
-                f"DataLoader holds {loader_length} batches per epoch"
+                f"DataLoader holds {known_length} batches per epoch"
             )
         else:
             what = f"Rank {rank} read {self.read} batches from a stream and {self.within} repeat a recent one"
         if setting is not None:
             per = f"{per_epoch} batch(es)" if per_epoch is not None else "the same batches"
             cause = (
-                f" {setting} is set: every epoch reads the same {per} of the {loader_length} the DataLoader holds, and"
+                f" {setting} is set: every epoch reads the same {per} of the {known_length} the DataLoader holds, and"
                 " the loss falls by memorising them."
             )
         else:
@@ -824,21 +1021,84 @@ class RepeatPeriod:
                 " No Trainer limit is set: the data itself repeats (a Dataset whose __getitem__ ignores its index, a "
                 "DataLoader or sampler that yields the same batch)."
             )
-        return Verdict(
-            "TFD123",
-            f"{what}: the same batches come back sooner than the data allows ({self.within} of them repeat a batch of "
-            f"their own epoch; the first repeat, at step {first_step}, repeats step {earlier_step}).{cause}",
-            {
-                "read": self.read,
-                "distinct": distinct,
-                "repeats_within_epochs": self.within,
-                "loader_length": loader_length,
-                "batches_per_epoch": per_epoch,
-                "setting": setting,
-                "step": first_step,
-                "repeats_step": earlier_step,
-            },
-        )
+        evidence = {
+            "read": self.read,
+            "distinct": distinct,
+            "repeats_within_epochs": self.within,
+            "loader_length": known_length,
+            "batches_per_epoch": per_epoch,
+            "setting": setting,
+            "step": first_step,
+            "repeats_step": earlier_step,
+        }
+        return TFD123.verdict(evidence, step=step, what=what, cause=cause)
+
+
+#: One batch's fingerprint waiting to be read: (epoch, step, the epoch's data, the fingerprint: a host int for a CPU
+#: batch, else a device scalar read with the next checked batch's transfer)
+PendingPrint = tuple[int, int, EpochData, Any]
+
+
+@dataclass
+class BatchRepeats:
+    """``TFD121`` and ``TFD123`` from the fingerprints of the batches read, in order.
+
+    Fingerprints wait in :attr:`pending` until they reach the host (device ones with a checked batch's transfer);
+    :meth:`read` then feeds them to :class:`RepeatTracker` (within each epoch) and :class:`RepeatPeriod` (across
+    epochs). Once ``TFD121`` has named the repeats, ``TFD123`` stays silent: it would say the same again.
+    """
+
+    max_repeated_fraction: float = 0.1
+    pending: list[PendingPrint] = field(default_factory=list)
+    spoken: bool = False  # TFD121 was reached
+
+    def __post_init__(self) -> None:
+        self.within = RepeatTracker(self.max_repeated_fraction)
+        self.period = RepeatPeriod(self.max_repeated_fraction)
+
+    def new_fit(self) -> None:
+        """A new fit reads its data anew: the run-long count starts over."""
+        self.period = RepeatPeriod(self.max_repeated_fraction)
+        self.spoken = False
+
+    def add(self, epoch: int, step: int, data: EpochData, ids: Tensor) -> None:
+        """Fingerprint the batch of ``step`` from its ``ids``: a CPU batch on the host from its bytes (a host int, no
+        kernel), else on the device with no sync, read with the next checked batch (integer ids carry no autograd
+        history). Every batch, on the hot path."""
+        fingerprint = host_fingerprint(ids)
+        self.pending.append((epoch, step, data, device_fingerprint(ids) if fingerprint is None else fingerprint))
+
+    def take(self) -> list[PendingPrint]:
+        """The fingerprints not yet read, in order; none are pending afterwards."""
+        prints, self.pending = self.pending, []
+        return prints
+
+    @staticmethod
+    def on_device(prints: list[PendingPrint]) -> list[Any]:
+        """The device fingerprints of ``prints``, in order (what :meth:`read` expects back on the host)."""
+        return [p[3] for p in prints if isinstance(p[3], Tensor)]
+
+    def read(self, prints: list[PendingPrint], device_values: list[float], rank: int = 0) -> list[Verdict]:
+        """Verdicts from ``prints`` once on the host: host ints as they are, the device ones from ``device_values``
+        (in the order :meth:`on_device` gave them)."""
+        values = iter(device_values)
+        out: list[Verdict] = []
+        for epoch, step, data, fingerprint in prints:
+            fingerprint = int(next(values) if isinstance(fingerprint, Tensor) else fingerprint)
+            earlier = self.within.repeated if self.within.epoch == epoch else 0  # the tracker resets per epoch
+            found = self.within.add(epoch, step, fingerprint, data.stream, rank)
+            self.spoken = self.spoken or found is not None
+            period = self.period.add(
+                step,
+                fingerprint,
+                None if data.stream else data.loader_length,
+                within_epoch=self.within.repeated > earlier,  # this batch repeats one of its own epoch
+                per_epoch=data.per_epoch,
+                setting=data.setting,
+                rank=rank,
+            )
+            out += [v for v in (found, None if self.spoken else period) if v is not None]
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ special tokens
@@ -909,6 +1169,55 @@ def learn_special_ids(sources: list[tuple[str, Any]], eos_id: int | None = None)
     return SpecialIds(**found, source=source)
 
 
+def label_layout(ids: Tensor, labels: Tensor | None, encoder_decoder: bool = False) -> tuple[bool, bool]:
+    """How a batch's labels lie against its ids (shapes only): aligned position for position (never an
+    encoder-decoder's, whose labels are its decoder's targets), and token sequences (aligned, or one row of targets
+    per row of ids, not one value per row)."""
+    if labels is None:
+        return False, False
+    aligned = not encoder_decoder and labels.numel() == ids.numel()
+    rows = ids.shape[0] if ids.ndim >= 2 else 1
+    return aligned, aligned or (labels.ndim >= 2 and labels.shape[0] == rows)
+
+
+EOS_CHECK = "EOS supervision (TFD124)"
+"""The name under which ``TFD124``'s count stands aside alone while the rest of BatchGuard runs on."""
+
+
+def eos_count_aside(
+    ids: SpecialIds, *, has_labels: bool = True, sequences: bool = True, has_mask: bool = True
+) -> tuple[str, str | None] | None:
+    """Why ``TFD124``'s count cannot run, and the setting that would let it (None: it can): no EOS id is known, the
+    batches have no token labels, their labels are not token sequences (``sequences``: aligned with the ids, or one
+    row of targets per row), or a pad id equal to the EOS id in batches without an attention mask."""
+    if not ids.eos:
+        reason = "no end-of-sequence id is known (no `eos_id`, no tokenizer, no Hugging Face config naming one)."
+        return reason, "`eos_id` or `tokenizer`"
+    if not has_labels:
+        return "the batches have no integer token labels to count EOS among.", "`labels_key`"
+    if not sequences:
+        return "the labels are not token sequences (one value per row: a classifier).", None
+    if not has_mask and set(ids.pad) & set(ids.eos):
+        reason = (
+            "the pad id is the EOS id and the batches have no attention mask, so a real EOS cannot be told from "
+            "padding."
+        )
+        return reason, "`mask_key`"
+    return None
+
+
+PAD_IS_EOS_MESSAGE = (
+    " The pad id is the EOS id ({pad}): a collator that masks labels where labels == pad_id (Hugging Face "
+    "DataCollatorForLanguageModeling(mlm=False) with tokenizer.pad_token = tokenizer.eos_token) masks every real EOS "
+    "along with the padding."
+)
+PAD_IS_EOS_HINT = (
+    "Mask padding by position, not by id: labels[attention_mask == 0] = -100 (e.g. a collator of your own after "
+    "tokenizer.pad), or give the tokenizer a pad token of its own (tokenizer.add_special_tokens({'pad_token': "
+    "'<pad>'}) and model.resize_token_embeddings(len(tokenizer)))."
+)
+
+
 @dataclass
 class SpecialTokenTally:
     """``TFD124``: an end-of-sequence token present among the real inputs and never supervised.
@@ -939,8 +1248,7 @@ class SpecialTokenTally:
         self.totals = [a + b for a, b in zip(self.totals, host)] if self.totals else list(host)
         self.batches += 1
         self.aligned = self.aligned and aligned
-        order = self.ids.ordered()
-        counts = {token: (self.totals[5 + 2 * k], self.totals[6 + 2 * k]) for k, token in enumerate(order)}
+        counts = self._counts()
         real, supervised, aligned_supervised, identity, shift = self.totals[:5]
         eos_inputs = sum(counts[t][0] for t in self.ids.eos)
         eos_supervised = sum(counts[t][1] for t in self.ids.eos)
@@ -958,30 +1266,8 @@ class SpecialTokenTally:
             self.done = self.batches >= self.max_batches
             return None
         self.done = True
-        eos = self.ids.eos[0] if len(self.ids.eos) == 1 else list(self.ids.eos)
-        pad_is_eos = bool(set(self.ids.pad) & set(self.ids.eos))
-        where = f"'{labels_key}'" if labels_key else "the labels"
-        inputs = "real input tokens (attention mask 1)" if has_mask else "input tokens"
-        message = (
-            f"Over the first {self.batches} checked batches the end-of-sequence token {eos} occurs {int(eos_inputs)} "
-            f"times among the {inputs} and is never supervised: none of the {int(supervised)} supervised labels in "
-            f"{where} is EOS (about {expected:.0f} expected at this data's supervised share of {share:.0%}). The model "
-            "never learns to stop: it generates until the length limit."
-        )
-        hint = None
-        if pad_is_eos:
-            message += (
-                f" The pad id is the EOS id ({self.ids.pad[0]}): a collator that masks labels where labels == pad_id "
-                "(Hugging Face DataCollatorForLanguageModeling(mlm=False) with tokenizer.pad_token = "
-                "tokenizer.eos_token) masks every real EOS along with the padding."
-            )
-            hint = (
-                "Mask padding by position, not by id: labels[attention_mask == 0] = -100 (e.g. a collator of your own "
-                "after tokenizer.pad), or give the tokenizer a pad token of its own (tokenizer.add_special_tokens("
-                "{'pad_token': '<pad>'}) and model.resize_token_embeddings(len(tokenizer)))."
-            )
         evidence: dict[str, Any] = {
-            "eos_id": eos,
+            "eos_id": self.ids.eos[0] if len(self.ids.eos) == 1 else list(self.ids.eos),
             "eos_source": self.ids.source,
             "eos_in_inputs": eos_inputs,
             "eos_supervised": eos_supervised,
@@ -990,9 +1276,32 @@ class SpecialTokenTally:
             "expected_supervised": expected,
             "batches": self.batches,
             "labels_layout": layout,
-            "pad_is_eos": pad_is_eos,
+            "pad_is_eos": bool(set(self.ids.pad) & set(self.ids.eos)),
         }
         for role in ("sep", "pad"):
             for token in getattr(self.ids, role):
                 evidence[f"{role}_{token}"] = {"inputs": counts[token][0], "supervised": counts[token][1]}
-        return Verdict("TFD124", message, evidence, hint=hint)
+        return self._verdict(evidence, share, labels_key, has_mask)
+
+    def statistics(self, ids: Tensor, mask: Tensor | None, labels: Tensor, ignore_index: int, aligned: bool) -> Tensor:
+        """One batch's :func:`~lightning_tfdebug.functional.batches.special_token_statistics` for these ids, on its
+        device (no sync); ``aligned``: the labels align with the ids position for position."""
+        with torch.no_grad():
+            return special_token_statistics(
+                ids, mask, labels, self.ids.ordered(), ignore_index=ignore_index, labels_aligned=aligned
+            )
+
+    def _counts(self) -> dict[int, tuple[float, float]]:
+        """Each special id's (count among the real inputs, count among the supervised labels) so far."""
+        return {t: (self.totals[5 + 2 * k], self.totals[6 + 2 * k]) for k, t in enumerate(self.ids.ordered())}
+
+    def _verdict(self, evidence: dict[str, Any], share: float, labels_key: str | None, has_mask: bool) -> Verdict:
+        pad_is_eos = evidence["pad_is_eos"]
+        return TFD124.verdict(
+            evidence,
+            hint=PAD_IS_EOS_HINT if pad_is_eos else None,
+            share=share,
+            inputs="real input tokens (attention mask 1)" if has_mask else "input tokens",
+            labels_at=f"'{labels_key}'" if labels_key else "the labels",
+            collator=PAD_IS_EOS_MESSAGE.format(pad=self.ids.pad[0]) if pad_is_eos else "",
+        )

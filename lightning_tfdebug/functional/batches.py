@@ -28,10 +28,6 @@ class FieldSpec:
     dtype: str
     shape: tuple[int, ...] | None
 
-    @property
-    def ndim(self) -> int | None:
-        return None if self.shape is None else len(self.shape)
-
     def describe(self) -> str:
         if self.shape is None:
             return self.dtype
@@ -53,9 +49,7 @@ def describe_leaves(leaves: Mapping[str, Any]) -> dict[str, FieldSpec]:
     for path, value in leaves.items():
         if isinstance(value, Tensor):
             out[path] = FieldSpec(_dtype_name(value.dtype), tuple(value.shape))
-        elif isinstance(value, (list, tuple)):  # a list of plain values: its length is the batch size, not checked
-            out[path] = FieldSpec(type(value).__name__, None)
-        else:
+        else:  # a list of plain values too: its length is the batch size, not checked
             out[path] = FieldSpec(type(value).__name__, None)
     return out
 
@@ -324,93 +318,19 @@ def token_statistics(
             length_sq_sum: Tensor | int = sum(length * length for length in host_lengths)
         else:
             length_sum, length_sq_sum = lengths.sum(), lengths.square().sum()
-
-        if ids.numel() == 0:
-            ids_min = ids_max = 0
-        else:
-            ids_min, ids_max = torch.aminmax(ids)
-        n_bad: Tensor | int = 0
-        row: Tensor | int = -1
-        col: Tensor | int = -1
-        val: Tensor | int = -1
-        if vocab_size is not None and not (lazy and _read(ids_min) >= 0 and _read(ids_max) < vocab_size):
-            bad = (ids < 0) | (ids >= vocab_size)
-            n_bad = bad.sum()
-            found = _locate(bad, n_bad, lazy)
-            if found is not None:
-                first, has = found
-                row = _where(has, first // width, -1)
-                col = _where(has, first % width, -1)
-                val = _where(has, ids.reshape(-1)[first], -1)
-
-        labels_total = labels_ignored = labels_bad = first_lab = pad_supervised = 0
-        if labels is not None and labels.numel() > 0:
-            # Labels of any shape (seq2seq targets, one class per row) get the range and ignored counts; the
-            # padding check needs labels aligned with the ids, position for position.
-            lab = labels.reshape(-1).long()
-            ignored = lab == ignore_index
-            labels_total = lab.numel()
-            labels_ignored = ignored.sum()
-            if vocab_size is not None:
-                in_range = False
-                if lazy:  # the labels that are not ignored, all within [0, vocab): nothing to count or locate
-                    lab_min, lab_max = torch.aminmax(torch.where(ignored, 0, lab))
-                    in_range = _read(lab_min) >= 0 and _read(lab_max) < vocab_size
-                if not in_range:
-                    bad_lab = ~ignored & ((lab < 0) | (lab >= vocab_size))
-                    labels_bad = bad_lab.sum()
-                    found = _locate(bad_lab, labels_bad, lazy)
-                    if found is not None:
-                        first, has = found
-                        first_lab = _where(has, lab[first], 0)
-            if labels_aligned and lab.numel() == ids.numel() and not (lazy and _read(length_sum) == ids.numel()):
-                # masked and not ignored: every position but those attended or ignored
-                pad_supervised = ids.numel() - (real | ignored.reshape(n, width)).sum()
+        labels_part = _label_counts(ids, real, labels, length_sum, vocab_size, ignore_index, labels_aligned, lazy)
         pad_positions = ids.numel() - _read(length_sum) if lazy else (~real).sum()
-
-        if bos_id is not None or eos_id is not None:
-            positions = torch.arange(width, device=device).expand(n, width)
-        bos_missing: Tensor | int = 0
-        if bos_id is not None:
-            first_real = torch.where(real, positions, width).amin(1).clamp(max=width - 1)
-            first_tok = ids.gather(1, first_real[:, None]).squeeze(1)
-            bos_missing = ((first_tok != bos_id) & (lengths > 0)).sum()
-        eos_multiple: Tensor | int = 0
-        eos_then_tokens: Tensor | int = 0
-        truncated: Tensor | int = 0
-        if eos_id is not None:
-            is_eos = (ids == eos_id) & real
-            eos_count = is_eos.sum(1)
-            eos_multiple = (eos_count > 1).sum()
-            first_eos = torch.where(is_eos, positions, width).amin(1)
-            after = real & (positions > first_eos[:, None])
-            eos_then_tokens = after.any(1).sum()
-            if max_length is not None:
-                truncated = ((lengths >= max_length) & (eos_count == 0)).sum()
-
         values: list[Tensor | float] = [
             n,
             width,
-            n_bad,
-            row,
-            col,
-            val,
-            ids_min,
-            ids_max,
+            *_ids_outside(ids, vocab_size, lazy),
             mask_non_binary,
             first_mask,
-            labels_total,
-            labels_ignored,
-            labels_bad,
-            first_lab,
-            pad_supervised,
+            *labels_part,
             pad_positions,
             length_sum,
             length_sq_sum,
-            bos_missing,
-            eos_multiple,
-            eos_then_tokens,
-            truncated,
+            *_conventions(ids, real, lengths, bos_id, eos_id, max_length),
         ]
         if has_mask:
             pos_ids = position_ids if position_ids is not None and position_ids.numel() == ids.numel() else None
@@ -418,6 +338,95 @@ def token_statistics(
         else:
             values += [0] * 5 + [-1] * 5 + [0]
         return _pack(values, device, acc, lazy)
+
+
+def _ids_outside(ids: Tensor, vocab_size: int | None, lazy: bool) -> list[Tensor | int]:
+    """``ids_out_of_range``, the first one's row, column and value (-1 when none), ``ids_min`` and ``ids_max`` of the
+    2-D ids; with ``lazy`` (host reads allowed) no search when every id is in range."""
+    width = ids.shape[1]
+    if ids.numel() == 0:
+        ids_min = ids_max = 0
+    else:
+        ids_min, ids_max = torch.aminmax(ids)
+    n_bad: Tensor | int = 0
+    row: Tensor | int = -1
+    col: Tensor | int = -1
+    val: Tensor | int = -1
+    if vocab_size is not None and not (lazy and _read(ids_min) >= 0 and _read(ids_max) < vocab_size):
+        bad = (ids < 0) | (ids >= vocab_size)
+        n_bad = bad.sum()
+        found = _locate(bad, n_bad, lazy)
+        if found is not None:
+            first, has = found
+            row = _where(has, first // width, -1)
+            col = _where(has, first % width, -1)
+            val = _where(has, ids.reshape(-1)[first], -1)
+    return [n_bad, row, col, val, ids_min, ids_max]
+
+
+def _label_counts(
+    ids: Tensor,
+    real: Tensor,
+    labels: Tensor | None,
+    length_sum: Tensor | int,
+    vocab_size: int | None,
+    ignore_index: int,
+    labels_aligned: bool,
+    lazy: bool,
+) -> list[Tensor | int]:
+    """``labels_total``, ``labels_ignored``, ``labels_out_of_range``, the first of those (0 when none) and
+    ``pad_supervised``. Labels of any shape (seq2seq targets, one class per row) get the range and ignored counts;
+    the padding count needs labels aligned with the ids, position for position."""
+    labels_total = labels_ignored = labels_bad = first_lab = pad_supervised = 0
+    if labels is None or labels.numel() == 0:
+        return [labels_total, labels_ignored, labels_bad, first_lab, pad_supervised]
+    lab = labels.reshape(-1).long()
+    ignored = lab == ignore_index
+    labels_total = lab.numel()
+    labels_ignored = ignored.sum()
+    if vocab_size is not None:
+        in_range = False
+        if lazy:  # the labels that are not ignored, all within [0, vocab): nothing to count or locate
+            lab_min, lab_max = torch.aminmax(torch.where(ignored, 0, lab))
+            in_range = _read(lab_min) >= 0 and _read(lab_max) < vocab_size
+        if not in_range:
+            bad_lab = ~ignored & ((lab < 0) | (lab >= vocab_size))
+            labels_bad = bad_lab.sum()
+            found = _locate(bad_lab, labels_bad, lazy)
+            if found is not None:
+                first, has = found
+                first_lab = _where(has, lab[first], 0)
+    if labels_aligned and lab.numel() == ids.numel() and not (lazy and _read(length_sum) == ids.numel()):
+        # masked and not ignored: every position but those attended or ignored
+        pad_supervised = ids.numel() - (real | ignored.reshape(ids.shape)).sum()
+    return [labels_total, labels_ignored, labels_bad, first_lab, pad_supervised]
+
+
+def _conventions(
+    ids: Tensor, real: Tensor, lengths: Tensor, bos_id: int | None, eos_id: int | None, max_length: int | None
+) -> list[Tensor | int]:
+    """``bos_missing``, ``eos_multiple``, ``eos_then_tokens`` and ``truncated`` (0 for a convention not given)."""
+    n, width = ids.shape
+    if bos_id is not None or eos_id is not None:
+        positions = torch.arange(width, device=ids.device).expand(n, width)
+    bos_missing: Tensor | int = 0
+    if bos_id is not None:
+        first_real = torch.where(real, positions, width).amin(1).clamp(max=width - 1)
+        first_tok = ids.gather(1, first_real[:, None]).squeeze(1)
+        bos_missing = ((first_tok != bos_id) & (lengths > 0)).sum()
+    eos_multiple: Tensor | int = 0
+    eos_then_tokens: Tensor | int = 0
+    truncated: Tensor | int = 0
+    if eos_id is not None:
+        is_eos = (ids == eos_id) & real
+        eos_count = is_eos.sum(1)
+        eos_multiple = (eos_count > 1).sum()
+        first_eos = torch.where(is_eos, positions, width).amin(1)
+        after = real & (positions > first_eos[:, None])
+        eos_then_tokens = after.any(1).sum()
+        if max_length is not None:
+            truncated = ((lengths >= max_length) & (eos_count == 0)).sum()
+    return [bos_missing, eos_multiple, eos_then_tokens, truncated]
 
 
 def _read(value: Tensor | float) -> float:
@@ -505,23 +514,13 @@ def mask_hole_statistics(
     Returns the values named ``mask_hole_rows`` to ``position_resets`` in :data:`STAT_NAMES`: device scalars, or
     ints where ``host_reads`` already knew them.
     """
-    n, width = ids.shape
-    device = ids.device
+    width = ids.shape[1]
     ids64 = ids.long()
-    lazy = (device.type == "cpu" if host_reads is None else host_reads) and ids.numel() > 0
+    lazy = (ids.device.type == "cpu" if host_reads is None else host_reads) and ids.numel() > 0
     if lengths is None:
         lengths = real.sum(1)
-    has = lengths > 0
-    masked = ~real & has[:, None]
-
-    if position_ids is not None:
-        p = position_ids.reshape(n, width).long()
-        attended = torch.where(real, p, _NO_ID)
-        earlier = torch.cat([torch.full_like(p[:, :1], _NO_ID), attended.cummax(1).values[:, :-1]], 1)
-        resets: Tensor | int = (real & (p <= earlier) & (earlier != _NO_ID)).sum()
-    else:
-        resets = 0
-
+    masked = ~real & (lengths > 0)[:, None]
+    resets = _position_resets(real, position_ids)
     # A row holds a hole exactly when its mask changes value at least twice: one run of padding at one end changes
     # it once (1 1 0 0, 0 0 1 1), a 0 between 1s or padding at both ends twice or more (1 0 1, 0 1 1 0).
     if lazy and (width < 2 or (real[:, 1:] != real[:, :-1]).sum(1).max().item() < 2):  # CPU: no device sync
@@ -533,7 +532,24 @@ def mask_hole_statistics(
             # as the full path's amax over the row with -1 outside the padding: never below -1
             pad_min, pad_max = low.item(), max(high.item(), -1)
         return [0, 0, 0, 0, 0, -1, -1, -1, pad_min, pad_max, resets]
+    return [*_holes(ids64, real, masked, lengths), resets]
 
+
+def _position_resets(real: Tensor, position_ids: Tensor | None) -> Tensor | int:
+    """Attended positions whose position id does not exceed that of an earlier attended position of the row (packed
+    rows restart their positions per document); 0 without position ids."""
+    if position_ids is None:
+        return 0
+    p = position_ids.reshape(real.shape).long()
+    attended = torch.where(real, p, _NO_ID)
+    earlier = torch.cat([torch.full_like(p[:, :1], _NO_ID), attended.cummax(1).values[:, :-1]], 1)
+    return (real & (p <= earlier) & (earlier != _NO_ID)).sum()
+
+
+def _holes(ids64: Tensor, real: Tensor, masked: Tensor, lengths: Tensor) -> list[Tensor]:
+    """The hole statistics of :func:`mask_hole_statistics` but the last, on the device (no host sync)."""
+    n, width = ids64.shape
+    device = ids64.device
     pos = torch.arange(width, device=device).expand(n, width)
     first = torch.where(real, pos, width).amin(1, keepdim=True)
     last = torch.where(real, pos, -1).amax(1, keepdim=True)
@@ -570,7 +586,6 @@ def mask_hole_statistics(
         torch.where(any_hole, ids64.reshape(-1)[first_hole], -1),
         pad_min,
         pad_max,
-        resets,
     ]
 
 

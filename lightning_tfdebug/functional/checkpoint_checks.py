@@ -1,8 +1,23 @@
-"""The rules CheckpointAudit decides: each finding code with its severity, text and hint."""
+"""CheckpointAudit's rules: each finding code with its text, and the functions that decide it.
+
+The inputs are host values: a loaded checkpoint (a mapping), what it must hold (taken from the live objects at save
+time), the reading of a sharded directory, and the state a resume restored against the live objects' (both of the
+shape of :func:`~lightning_tfdebug.functional.checkpoints.restored_state`). Reading files and live objects is
+:mod:`lightning_tfdebug.core.checkpoints`'s.
+"""
 
 from __future__ import annotations
 
-from lightning_tfdebug.functional.verdicts import Rule
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any
+
+from torch import Tensor
+
+from lightning_tfdebug.functional.checkpoints import max_step
+from lightning_tfdebug.functional.probes import relative_difference
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 TFD701 = Rule(
     "TFD701",
@@ -14,6 +29,7 @@ TFD701 = Rule(
     reason=(
         "A checkpoint without all the weights cannot restore the model: resuming from it fails or resumes another model"
     ),
+    message="The checkpoint lacks weights for {count} of the model's {total} tensors: {names}. (file {file})",
 )
 
 TFD702 = Rule(
@@ -24,6 +40,7 @@ TFD702 = Rule(
     trigger="saved tensors with the wrong shape",
     hint="save full (gathered) tensors; the model was not rebuilt between save and load",
     reason="Tensors saved with the wrong shape cannot be loaded back: the checkpoint cannot restore this run",
+    message="{count} saved tensors have the wrong shape: {shapes}. (file {file})",
 )
 
 TFD703 = Rule(
@@ -37,6 +54,10 @@ TFD703 = Rule(
         "Without optimizer state, resuming fails (Lightning requires it) or restarts the optimizer: the run cannot "
         "be resumed as saved"
     ),
+    message=(
+        "The checkpoint holds optimizer state for {saved} of {expected} optimizers: a resume restarts Adam's moments "
+        "and step counts from zero. (file {file})"
+    ),
 )
 
 TFD704 = Rule(
@@ -49,6 +70,10 @@ TFD704 = Rule(
     reason=(
         "Incomplete optimizer state resumes with moments or step counts lost: the resumed run is not the run saved"
     ),
+    message=(
+        "Optimizer {optimizer}'s saved state is incomplete: {groups} of {expected_groups} param groups, state for "
+        "{params_with_state} of {expected_with_state} parameters{no_step}. (file {file})"
+    ),
 )
 
 TFD705 = Rule(
@@ -59,6 +84,10 @@ TFD705 = Rule(
     trigger="LR scheduler state missing",
     hint="do not drop `lr_schedulers`",
     reason=("Without scheduler state a resumed run restarts its schedule (a second warm-up): it is not the run saved"),
+    message=(
+        "The checkpoint holds LR scheduler state for {saved} of {expected} schedulers: a resume restarts the schedule "
+        "(warm-up again from its first step). (file {file})"
+    ),
 )
 
 TFD706 = Rule(
@@ -69,6 +98,10 @@ TFD706 = Rule(
     trigger="fp16 GradScaler state missing under the precision plugin's key",
     hint="keep the precision plugin's entry in the checkpoint",
     reason="Without GradScaler state a resumed fp16 run restarts its loss scale: it is not the run saved",
+    message=(
+        "The checkpoint lacks the fp16 GradScaler state (key `{key}`): a resume restarts the loss scale at its initial "
+        "value and skips steps while it backs off again. (file {file})"
+    ),
 )
 
 TFD707 = Rule(
@@ -79,6 +112,10 @@ TFD707 = Rule(
     trigger="loop progress (`loops`, `global_step`, `epoch`) missing or inconsistent",
     hint="keep Lightning's loop state",
     reason=("Without consistent loop progress a resumed run restarts or skips steps and data: it is not the run saved"),
+    message=(
+        "The checkpoint lacks loop progress ({parts}): a resume restarts the epoch and step counters and the data "
+        "order. (file {file})"
+    ),
 )
 
 TFD708 = Rule(
@@ -89,6 +126,7 @@ TFD708 = Rule(
     trigger="a callback's state missing",
     hint='keep `checkpoint["callbacks"]`',
     reason="Loses work: a callback's state (early-stopping counters, an EMA) restarts on resume",
+    message="The checkpoint lacks the state of {count} callbacks: {names}. (file {file})",
 )
 
 TFD709 = Rule(
@@ -109,6 +147,7 @@ TFD709 = Rule(
         "Info when another checkpoint the run keeps can resume it; a warning when none can (a crash then loses the "
         "optimizer, schedule and loop state)"
     ),
+    message="Checkpoint {path} not checked: {why}.",
 )
 
 TFD710 = Rule(
@@ -119,6 +158,7 @@ TFD710 = Rule(
     trigger="restored weights differ from the checkpoint (checksums) or changed dtype",
     hint="nothing may re-initialise or convert the module after loading",
     reason="Measured: weights after resume are not the checkpoint's, so the resumed run is another run",
+    message="The weights at the start of the resumed training do not match the checkpoint: {detail}.",
 )
 
 TFD711 = Rule(
@@ -132,6 +172,7 @@ TFD711 = Rule(
         "Measured: the optimizer's step counts changed on resume (bias correction restarts): the resumed run is "
         "another run"
     ),
+    message="Optimizer {optimizer}'s step count after resume is {now}, the checkpoint holds {saved}.",
 )
 
 TFD712 = Rule(
@@ -142,6 +183,7 @@ TFD712 = Rule(
     trigger="learning rates after resume differ from the checkpoint",
     hint="the scheduler or param groups were rebuilt after loading",
     reason="Measured: the learning rates changed on resume: the resumed run is not the run saved",
+    message="Optimizer {optimizer}'s learning rates after resume are {now}, the checkpoint holds {saved}.",
 )
 
 TFD713 = Rule(
@@ -152,6 +194,7 @@ TFD713 = Rule(
     trigger="GradScaler scale after resume differs from the checkpoint",
     hint="the scaler was replaced after loading",
     reason="Measured: the loss scale changed on resume: the resumed run is not the run saved",
+    message="The GradScaler's scale after resume is {now:g}, the checkpoint holds {saved:g}.",
 )
 
 TFD714 = Rule(
@@ -162,6 +205,7 @@ TFD714 = Rule(
     trigger="global step after resume differs from the checkpoint",
     hint=("keep the loop state: resume from a checkpoint with `loops`, and do not drop it in `on_load_checkpoint`"),
     reason="Measured: the global step changed on resume: schedules and step-based logic follow another run",
+    message="The global step after resume is {now}, the checkpoint was saved at {saved}.",
 )
 
 TFD715 = Rule(
@@ -173,6 +217,10 @@ TFD715 = Rule(
     hint="the model that trains is not the one saved: re-initialised, dtype or architecture changed",
     reason=(
         "Measured: the same batch gives a different loss after resuming, so the model restored is not the one saved"
+    ),
+    message=(
+        "The loss on the probe batch right after resuming is {now:.6g}; at save time (step {saved_step}) it was "
+        "{saved:.6g}."
     ),
 )
 
@@ -190,6 +238,7 @@ TFD716 = Rule(
         "checkpoint that checks out"
     ),
     reason="A checkpoint this run wrote cannot be read back: resuming from it will fail",
+    message="Checkpoint {path} ({bytes} bytes) cannot be read back: it is truncated or corrupt ({first}).",
 )
 
 BLOCK = ("TFD701", "TFD719")
@@ -214,3 +263,343 @@ RULES: tuple[Rule, ...] = (
     TFD716,
 )
 """The rules decided in this module, in code order."""
+
+HINT_WEIGHTS = "Save with `trainer.save_checkpoint` / ModelCheckpoint; check `on_save_checkpoint` overrides."
+HINT_STATE = (
+    "Something drops it from the checkpoint: `save_weights_only=True`, or an `on_save_checkpoint` override that pops "
+    "`optimizer_states` / `lr_schedulers`. Resume needs them for the same training run."
+)
+HINT_DAMAGED = (
+    "A full disk, a quota, or a process killed while saving leaves such a file: free space and resume from an "
+    "earlier checkpoint that checks out."
+)
+
+
+def _file_name(path: str) -> str:
+    """The last part of a path (as ``os.path.basename``), named in the messages."""
+    return PurePath(path).name
+
+
+# ------------------------------------------------------------------------------------------------------ saved files
+# Each takes a loaded checkpoint (a mapping), what it must hold (:func:`~lightning_tfdebug.core.checkpoints.
+# expectation` at save time) and the file's path; a verdict is recorded once per code per run.
+def weights_problems(checkpoint: Mapping[str, Any], params: Mapping[str, list[int]], path: str) -> list[Verdict]:
+    """``TFD701``: weights missing (no ``state_dict`` at all, or tensors of the module's); ``TFD702``: saved tensors
+    of another shape than the module's."""
+    saved, file = checkpoint.get("state_dict"), _file_name(path)
+    if not isinstance(saved, Mapping):
+        message = f"The checkpoint holds no `state_dict` (model weights). (file {file})"
+        return [TFD701.verdict({"path": path}, hint=HINT_WEIGHTS, key="TFD701", message=message)]
+    out = []
+    missing = [k for k in params if k not in saved]
+    if missing:
+        names = f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        evidence = {"missing": missing[:50], "count": len(missing), "path": path}
+        out.append(TFD701.verdict(evidence, hint=HINT_WEIGHTS, key="TFD701", total=len(params), names=names, file=file))
+    wrong = [
+        f"{k} {list(saved[k].shape)} != {params[k]}"
+        for k in params
+        if k in saved and isinstance(saved[k], Tensor) and list(saved[k].shape) != params[k]
+    ]
+    if wrong:
+        hint = "Save the full (gathered) tensors, or check the model was not rebuilt between save and load."
+        evidence = {"mismatches": wrong[:50], "path": path}
+        out.append(
+            TFD702.verdict(evidence, hint=hint, key="TFD702", count=len(wrong), shapes="; ".join(wrong[:5]), file=file)
+        )
+    return out
+
+
+def optimizer_problems(
+    checkpoint: Mapping[str, Any], optimizers: Sequence[Mapping[str, Any]], path: str
+) -> list[Verdict]:
+    """``TFD703``: optimizer state for fewer optimizers than the run has; ``TFD704``: an optimizer's state with fewer
+    param groups, fewer parameters with state, or no step counts where the live one has them (``optimizers``: per
+    optimizer ``groups``, ``with_state``, ``has_step``)."""
+    states, file = checkpoint.get("optimizer_states"), _file_name(path)
+    if not optimizers:
+        return []
+    if not isinstance(states, list) or len(states) < len(optimizers):
+        evidence = {"saved": len(states) if isinstance(states, list) else 0, "expected": len(optimizers), "path": path}
+        return [TFD703.verdict(evidence, hint=HINT_STATE, key="TFD703", file=file)]
+    out = []
+    for i, (expected, state) in enumerate(zip(optimizers, states)):
+        groups = len(state.get("param_groups", [])) if isinstance(state, Mapping) else 0
+        per_param = state.get("state", {}) if isinstance(state, Mapping) else {}
+        with_state = sum(1 for s in per_param.values() if isinstance(s, Mapping) and s)
+        no_step = expected["has_step"] and max_step(per_param) is None
+        if groups != expected["groups"] or with_state < expected["with_state"] or no_step:
+            evidence = {"optimizer": i, "groups": groups, "params_with_state": with_state, "path": path}
+            verdict = TFD704.verdict(
+                evidence,
+                hint=HINT_STATE,
+                key="TFD704",
+                expected_groups=expected["groups"],
+                expected_with_state=expected["with_state"],
+                no_step=", no step counts" if no_step else "",
+                file=file,
+            )
+            out.append(verdict)
+    return out
+
+
+def scheduler_problem(checkpoint: Mapping[str, Any], schedulers: int, path: str) -> Verdict | None:
+    """``TFD705``: LR scheduler state for fewer schedulers than the run has."""
+    saved = checkpoint.get("lr_schedulers")
+    if not schedulers or (isinstance(saved, list) and len(saved) >= schedulers):
+        return None
+    evidence = {"saved": len(saved) if isinstance(saved, list) else 0, "expected": schedulers, "path": path}
+    return TFD705.verdict(evidence, hint=HINT_STATE, key="TFD705", file=_file_name(path))
+
+
+def scaler_problem(checkpoint: Mapping[str, Any], scaler_key: str | None, path: str) -> Verdict | None:
+    """``TFD706``: no fp16 GradScaler state (a ``scale``) under the precision plugin's key while the run has one."""
+    if not scaler_key or (isinstance(checkpoint.get(scaler_key), Mapping) and "scale" in checkpoint[scaler_key]):
+        return None
+    return TFD706.verdict({"key": scaler_key, "path": path}, hint=HINT_STATE, key="TFD706", file=_file_name(path))
+
+
+def progress_problem(checkpoint: Mapping[str, Any], global_step: int | None, path: str) -> Verdict | None:
+    """``TFD707``: loop progress (``global_step``, ``epoch``, ``loops.fit_loop``) missing, or a ``global_step`` other
+    than the step the checkpoint was saved at."""
+    loops, file = checkpoint.get("loops"), _file_name(path)
+    missing = [k for k in ("global_step", "epoch") if k not in checkpoint]
+    if not (isinstance(loops, Mapping) and "fit_loop" in loops):
+        missing.append("loops.fit_loop")
+    if missing:
+        evidence = {"missing": missing, "path": path}
+        return TFD707.verdict(evidence, hint=HINT_STATE, key="TFD707", parts=", ".join(missing), file=file)
+    saved = checkpoint.get("global_step")
+    if global_step is None or saved == global_step:
+        return None
+    message = f"The checkpoint's global_step is {saved} but it was saved at step {global_step}. (file {file})"
+    evidence = {"saved": saved, "expected": global_step, "path": path}
+    return TFD707.verdict(evidence, hint=HINT_STATE, key="TFD707", message=message)
+
+
+def callbacks_problem(checkpoint: Mapping[str, Any], callbacks: Sequence[str], path: str) -> Verdict | None:
+    """``TFD708``: the state of callbacks the run has is missing from ``checkpoint["callbacks"]``."""
+    saved = checkpoint.get("callbacks")
+    lost = [k for k in callbacks if not isinstance(saved, Mapping) or k not in saved]
+    if not lost:
+        return None
+    hint = (
+        "Something removed `checkpoint['callbacks']` entries (an `on_save_checkpoint` override?); early stopping, "
+        "checkpointing and the pack's callbacks lose their history on resume."
+    )
+    evidence = {"missing": lost, "path": path}
+    return TFD708.verdict(
+        evidence, hint=hint, key="TFD708", count=len(lost), names=", ".join(lost[:5]), file=_file_name(path)
+    )
+
+
+def content_problems(checkpoint: Mapping[str, Any], expected: Mapping[str, Any], path: str) -> list[Verdict]:
+    """A loaded checkpoint file against what it must hold (``expected``: ``params`` names and shapes, ``optimizers``
+    with ``groups`` / ``with_state`` / ``has_step``, ``schedulers``, ``scaler_key``, ``callbacks``, ``global_step``):
+    ``TFD701``-``TFD708``, in code order."""
+    found = [
+        *weights_problems(checkpoint, expected.get("params", {}), path),
+        *optimizer_problems(checkpoint, expected.get("optimizers", []), path),
+        scheduler_problem(checkpoint, int(expected.get("schedulers", 0)), path),
+        scaler_problem(checkpoint, expected.get("scaler_key"), path),
+        progress_problem(checkpoint, expected.get("global_step"), path),
+        callbacks_problem(checkpoint, expected.get("callbacks", []), path),
+    ]
+    return [v for v in found if v is not None]
+
+
+def weights_only_checkpoint(path: str, resumable_savers: list[str], full_saved: bool, savers: int) -> Verdict:
+    """``TFD709`` for a weights-only file (written without ``on_save_checkpoint``): info when a checkpoint callback
+    keeps full checkpoints (``resumable_savers``) or the run wrote one (``full_saved``), a warning when none can
+    resume the run (a crash then loses the optimizer, scheduler and loop state)."""
+    name = _file_name(path)
+    prefix = f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state)"
+    if resumable_savers or full_saved:
+        resume_from = f"{', '.join(resumable_savers)} keeps full checkpoints" if resumable_savers else ""
+        message = (
+            f"{prefix}, so only its existence was checked; it serves inference or fine-tuning, while "
+            f"{resume_from or 'this run also wrote a full one'} to resume from."
+        )
+        evidence = {"path": path, "resumable_savers": resumable_savers, "resumable": True}
+        return TFD709.verdict(evidence, key="weights_only", message=message)
+    message = (
+        f"{prefix}, and no checkpoint this run keeps can resume it ({savers} checkpoint callback(s), none saving full "
+        "checkpoints): after a crash the run restarts from step 0 or resumes with a fresh optimizer and schedule."
+    )
+    hint = (
+        "Keep at least one full checkpoint: `save_weights_only=False` on this ModelCheckpoint, or a second "
+        "`ModelCheckpoint(save_last=True)` beside it."
+    )
+    evidence = {"path": path, "resumable_savers": [], "resumable": False}
+    return TFD709.verdict(evidence, severity="warning", hint=hint, key="weights_only", message=message)
+
+
+def checkpoint_not_checked(path: str, why: str) -> Verdict:
+    """``TFD709``: a checkpoint that could not be checked (``why``); the resume checks still run."""
+    hint = "Verify by resuming: the resume checks (TFD710-TFD715) still run."
+    return TFD709.verdict({"path": path}, hint=hint, key="not_checked", why=why)
+
+
+def unreadable_checkpoint(path: str, error: BaseException) -> Verdict:
+    """``TFD709``: a file this run wrote that could not be opened for checking (not a damaged archive: ``TFD716``)."""
+    message = f"Checkpoint {path} could not be opened for checking: {type(error).__name__}: {error}"
+    return TFD709.verdict({"path": path}, key=path, message=message)
+
+
+def damaged_checkpoint(path: str, size: int, error: BaseException, key: str | None = None) -> Verdict:
+    """``TFD716``: the checkpoint file at ``path`` (``size`` bytes) could not be read back; ``key`` defaults to one
+    per file."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    evidence = {"path": path, "bytes": size, "error": f"{type(error).__name__}: {first}"}
+    return TFD716.verdict(evidence, hint=HINT_DAMAGED, key=key or f"damaged:{path}", first=first)
+
+
+@dataclass(frozen=True)
+class ShardedReading:
+    """What a distributed-checkpoint (``torch.distributed.checkpoint``) directory holds, read from its ``.metadata``
+    and the sizes of its files (no tensor data): whether the metadata exists, the error that loading it raised, the
+    bytes each shard file must hold for the items the metadata places in it, and each one's size (None: missing)."""
+
+    path: str
+    has_metadata: bool = True
+    metadata_path: str = ""
+    metadata_bytes: int = 0
+    metadata_error: BaseException | None = None
+    needed: dict[str, int] = field(default_factory=dict)
+    sizes: dict[str, int | None] = field(default_factory=dict)
+
+
+def sharded_problems(reading: ShardedReading) -> list[Verdict]:
+    """``TFD716`` for a sharded directory: no metadata (the save did not finish), metadata that does not load, shard
+    files the metadata lists that are missing or shorter than the items they hold. Empty: complete."""
+    path, key = reading.path, f"sharded:{reading.path}"
+    if not reading.has_metadata:
+        message = f"Sharded checkpoint {path} has no `.metadata`: the save did not finish (rank 0 writes it last)."
+        return [TFD716.verdict({"path": path}, hint=HINT_DAMAGED, key=key, message=message)]
+    if reading.metadata_error is not None:
+        return [damaged_checkpoint(reading.metadata_path, reading.metadata_bytes, reading.metadata_error, key=key)]
+    missing = sorted(name for name in reading.needed if reading.sizes.get(name) is None)
+    short = sorted(
+        name for name, end in reading.needed.items() if name not in missing and (reading.sizes[name] or 0) < end
+    )
+    if not missing and not short:
+        return []
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} shard file(s) its metadata lists are missing ({', '.join(missing[:4])})")
+    if short:
+        parts.append(f"{len(short)} shard file(s) are shorter than the items they hold ({', '.join(short[:4])})")
+    message = f"Sharded checkpoint {path} is incomplete: " + "; ".join(parts) + "."
+    evidence = {"path": path, "missing": missing, "short": short, "files": len(reading.needed)}
+    return [TFD716.verdict(evidence, hint=HINT_DAMAGED, key=key, message=message)]
+
+
+# ---------------------------------------------------------------------------------------------------------- resumes
+def load_problems(checkpoint: Mapping[str, Any]) -> list[Verdict]:
+    """A full checkpoint (with ``loops``) being resumed without optimizer (``TFD703``) or scheduler (``TFD705``)
+    state."""
+    if "loops" not in checkpoint:
+        return []
+    out = []
+    if "optimizer_states" not in checkpoint:
+        message = (
+            "Resuming from a checkpoint without optimizer state: Adam's moments and step counts restart from zero."
+        )
+        out.append(TFD703.verdict({}, hint=HINT_STATE, key="resume", message=message))
+    if "lr_schedulers" not in checkpoint:
+        message = "Resuming from a checkpoint without LR scheduler state: the schedule restarts from its first step."
+        out.append(TFD705.verdict({}, hint=HINT_STATE, key="resume", message=message))
+    return out
+
+
+# The resume rules take :func:`~lightning_tfdebug.functional.checkpoints.restored_state` (what the checkpoint being
+# loaded holds) and the live objects' reading of the same shape (:func:`~lightning_tfdebug.core.checkpoints.
+# live_state`); a verdict of theirs is recorded once per code per run.
+def weights_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any], weight_rtol: float) -> Verdict | None:
+    """``TFD710``: weights whose checksums (sum, sum of squares) differ from the checkpoint's beyond ``weight_rtol``,
+    or whose dtype changed."""
+    saved = dict(zip(restored["names"], restored["sums"]))
+    now = dict(zip(live["names"], live["sums"]))
+    names = [n for n in live["names"] if n in saved]
+    dtype_changed = [n for n in names if live["dtypes"][n] != restored["dtypes"][n]]
+    differ = [n for n in names if any(abs(x - y) > weight_rtol * max(1.0, abs(x)) for x, y in zip(saved[n], now[n]))]
+    if not differ and not dtype_changed:
+        return None
+    detail = f"{len(differ)} tensors differ from the checkpoint ({', '.join(differ[:5])})" if differ else ""
+    if dtype_changed:
+        first = dtype_changed[0]
+        change = f"{restored['dtypes'][first]} -> {live['dtypes'][first]}"
+        detail += (", " if detail else "") + f"{len(dtype_changed)} changed dtype ({first}: {change})"
+    hint = (
+        "Something re-initialises or converts the module after the checkpoint is loaded (`on_fit_start`, `setup`, a "
+        "precision change); load weights before building anything that overwrites them."
+    )
+    evidence = {"differ": differ[:50], "dtype_changed": dtype_changed[:50]}
+    return TFD710.verdict(evidence, hint=hint, key="resume", detail=detail)
+
+
+def steps_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> list[Verdict]:
+    """``TFD711``: an optimizer's largest step count other than the checkpoint's."""
+    hint = "The optimizer was rebuilt or its state reset after loading; bias correction restarts."
+    return [
+        TFD711.verdict({"optimizer": i, "saved": saved, "now": now}, hint=hint, key="resume")
+        for i, (saved, now) in enumerate(zip(restored["steps"], live["steps"]))
+        if saved is not None and now != saved
+    ]
+
+
+def learning_rates_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> list[Verdict]:
+    """``TFD712``: an optimizer's learning rates other than the checkpoint's (same number of param groups)."""
+    hint = (
+        "The scheduler or the param groups were rebuilt after loading, or the LR is set in code that runs after the "
+        "restore."
+    )
+    return [
+        TFD712.verdict({"optimizer": i, "saved": saved, "now": now}, hint=hint, key="resume")
+        for i, (saved, now) in enumerate(zip(restored["lrs"], live["lrs"]))
+        if len(saved) == len(now) and any(relative_difference(a, b) > 1e-9 for a, b in zip(saved, now))
+    ]
+
+
+def scale_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> Verdict | None:
+    """``TFD713``: the GradScaler's scale other than the checkpoint's (when both are known)."""
+    saved, now = restored["scale"], live["scale"]
+    if saved is None or now is None or relative_difference(now, saved) <= 1e-9:
+        return None
+    hint = "The precision plugin's scaler was replaced after loading."
+    return TFD713.verdict({"saved": saved, "now": now}, hint=hint, key="resume")
+
+
+def global_step_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> Verdict | None:
+    """``TFD714``: the global step other than the one the checkpoint was saved at."""
+    saved, now = restored["global_step"], live["global_step"]
+    if not isinstance(saved, int) or now == saved:
+        return None
+    hint = (
+        "The loop state was not restored: the checkpoint has no `loops` entry, or something removed it before "
+        "Lightning restored it (an `on_load_checkpoint` that drops it). Resume from a full checkpoint."
+    )
+    return TFD714.verdict({"saved": saved, "now": now}, hint=hint, key="resume")
+
+
+def resume_problems(restored: Mapping[str, Any], live: Mapping[str, Any], weight_rtol: float) -> list[Verdict]:
+    """The live objects at the start of a resumed fit against the checkpoint: ``TFD710``-``TFD714``, in code order."""
+    found = [
+        weights_after_resume(restored, live, weight_rtol),
+        *steps_after_resume(restored, live),
+        *learning_rates_after_resume(restored, live),
+        scale_after_resume(restored, live),
+        global_step_after_resume(restored, live),
+    ]
+    return [v for v in found if v is not None]
+
+
+def probe_loss_problem(saved: float, now: float, saved_step: int | None, loss_rtol: float) -> Verdict | None:
+    """``TFD715``: the loss on the probe batch right after resuming differs from the loss at save time."""
+    if relative_difference(now, saved) <= loss_rtol:
+        return None
+    hint = (
+        "The model that trains is not the model that was saved: re-initialised after loading, a different dtype or "
+        "precision, or a changed architecture."
+    )
+    return TFD715.verdict({"saved": saved, "now": now, "saved_step": saved_step}, hint=hint, key="resume")

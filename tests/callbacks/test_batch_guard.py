@@ -71,7 +71,7 @@ def test_healthy_run_has_no_findings_logs_keys_and_decoded_examples(tmp_path):
     guard = BatchGuard(every_n_steps=2, tokenizer="lightning_tfdebug.demo.ByteTokenizer", bos_id=257)
     fit(tmp_path, [guard], max_steps=6)
     assert guard.findings == []
-    assert (guard._vocab, guard._context) == (259, 64)
+    assert (guard._rules.vocab_size, guard._rules.context) == (259, 64)
     scalars = read_scalars(tmp_path / "tb" / "version_0")
     assert [s for s, _ in scalars["batch_guard/width"]] == [0, 2, 4]
     assert 0 < dict(scalars["batch_guard/ignored_frac"])[0] < 1
@@ -216,7 +216,7 @@ def test_a_new_key_in_a_later_batch_is_a_warning(tmp_path):
 def test_a_drift_after_many_batches_of_one_structure_is_caught_at_that_batch(tmp_path, monkeypatch):
     """A batch with the structure of the last one that passed is not compared again; a batch that differs in a dtype,
     a size or its width is, and its finding names that very batch."""
-    import lightning_tfdebug.callbacks.batch_guard as module
+    import lightning_tfdebug.functional.batch_checks as module
 
     compared = []
     original = module.compare_schema
@@ -413,7 +413,7 @@ def test_built_from_lightning_cli_yaml():
     assert isinstance(guard, BatchGuard)
     assert guard.on_finding == "raise" and guard.eos_id == 258 and guard.check_values_every_n_steps == 4
     assert isinstance(guard.tokenizer, ByteTokenizer)
-    assert guard._declared.describe() == {"input_ids": "int64[B, T]", "labels": "int64[B, T]"}
+    assert guard._schema.declared.describe() == {"input_ids": "int64[B, T]", "labels": "int64[B, T]"}
 
 
 @pytest.mark.ddp
@@ -716,13 +716,13 @@ def test_many_epochs_over_a_small_dataset_with_accumulation_are_not_repeats(tmp_
     per_batch = BatchGuard()  # 4 batches of 8 per epoch, 2 micro-batches per step: 12 epochs
     loader = DataLoader(torch.utils.data.TensorDataset(text[:, :-1], text[:, 1:]), batch_size=8, shuffle=shuffle)
     fit(tmp_path, [per_batch], build("encoder_lm"), loader, max_steps=24, accumulate_grad_batches=2)
-    assert repeat_codes(per_batch) == [] and per_batch._period.read == 48
+    assert repeat_codes(per_batch) == [] and per_batch._repeats.period.read == 48
     # one row per batch: a shuffled sample may come back a batch after it was read, across an epoch's end
     rows = torch.randperm(250)[:6, None] + torch.arange(17)
     one = BatchGuard()
     loader = DataLoader(torch.utils.data.TensorDataset(rows[:, :-1], rows[:, 1:]), batch_size=1, shuffle=shuffle)
     fit(tmp_path / "one", [one], build("encoder_lm"), loader, max_steps=30)
-    assert repeat_codes(one) == [] and one._period.read == 30 and len(one._period.seen) == 6
+    assert repeat_codes(one) == [] and one._repeats.period.read == 30 and len(one._repeats.period.seen) == 6
 
 
 @pytest.mark.ddp

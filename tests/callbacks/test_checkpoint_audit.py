@@ -6,8 +6,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_tfdebug import CheckpointAudit
+from lightning_tfdebug.core.checkpoints import read_sharded
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from lightning_tfdebug.functional import checkpoints
+from lightning_tfdebug.functional.checkpoint_checks import sharded_problems
 from tests.callbacks.torch_calls import TorchCalls
 from tests.helpers import make_trainer, run_distributed
 
@@ -288,17 +289,17 @@ def test_fsdp2_sharded_checkpoints_are_checked_from_their_metadata(tmp_path):
     assert rank0["findings"]["CheckpointAudit"] == []  # both directories complete: silent
     assert rank1["findings"]["CheckpointAudit"] == []
     directories = sorted(p for p in (tmp_path / "ckpt").iterdir() if p.is_dir())
-    assert len(directories) == 2 and all(checkpoints.sharded_problems(str(d)) == [] for d in directories)
+    assert len(directories) == 2 and all(sharded_problems(read_sharded(str(d))) == [] for d in directories)
     # what a full disk or a killed save leaves: a shard cut short, a shard missing, no metadata
     shards = sorted(directories[0].glob("*.distcp"))
     shards[0].write_bytes(shards[0].read_bytes()[:100])
-    [short] = checkpoints.sharded_problems(str(directories[0]))
+    [short] = sharded_problems(read_sharded(str(directories[0])))
     assert short.code == "TFD716" and short.evidence["short"] == [shards[0].name]
     shards[-1].unlink()
-    [missing] = checkpoints.sharded_problems(str(directories[0]))
+    [missing] = sharded_problems(read_sharded(str(directories[0])))
     assert missing.evidence["missing"] == [shards[-1].name] and "missing" in missing.message
     (directories[1] / ".metadata").unlink()
-    [unfinished] = checkpoints.sharded_problems(str(directories[1]))
+    [unfinished] = sharded_problems(read_sharded(str(directories[1])))
     assert "has no `.metadata`" in unfinished.message
 
 

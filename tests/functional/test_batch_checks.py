@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from lightning_tfdebug.demo.data import ByteTokenizer
+from lightning_tfdebug.functional import batch_checks as bc
 from lightning_tfdebug.functional.batch_checks import (
     STREAM_REPEAT_WINDOW,
     BatchPaths,
@@ -18,12 +19,20 @@ from lightning_tfdebug.functional.batch_checks import (
     value_verdicts,
 )
 from lightning_tfdebug.functional.batches import (
+    STAT_NAMES,
     Drift,
     FieldSpec,
     special_token_statistics,
     token_statistics,
     unpack_statistics,
 )
+from lightning_tfdebug.rules import rule
+
+
+def severity(verdict):
+    """The severity a verdict's finding takes: its own, else its rule's."""
+    return verdict.severity or rule(verdict.code).severity
+
 
 PATHS = BatchPaths("input_ids", "attention_mask", "labels")
 RULES = ValueRules(vocab_size=10, context=6, ignore_index=-100, bos_id=1, eos_id=2, max_truncated_fraction=0.5)
@@ -98,8 +107,13 @@ def test_drift_and_length_verdicts_from_host_metadata():
     [missing, extra] = drift_verdicts(
         [Drift("missing", "labels", "int64", "absent"), Drift("extra", "ids2", "absent", "int64[2]")], "B", False
     )
-    assert (missing.code, missing.severity, missing.evidence["key"]) == ("TFD101", "error", "labels")
-    assert (extra.code, extra.severity) == ("TFD102", "warning")
+    assert (missing.code, severity(missing), missing.evidence["key"], missing.key) == (
+        "TFD101",
+        "error",
+        "labels",
+        "labels",
+    )
+    assert (extra.code, severity(extra)) == ("TFD102", "warning")
     assert "learned from the first batches" in extra.message
     assert too_long("B", "input_ids", FieldSpec("int64", (2, 6)), 6) is None
     verdict = too_long("B", "input_ids", FieldSpec("int64", (2, 7)), 6)
@@ -335,3 +349,160 @@ def test_special_ids_are_learned_from_the_first_source_that_names_them():
     assert learn_special_ids([("`tokenizer`", None), ("model.config", Config())]).eos == (5, 6)
     assert learn_special_ids([("model.config", Config())], eos_id=9).eos == (9,)
     assert learn_special_ids([("demo", ByteTokenizer())]).ordered() == (258, 256, 257)  # eos_id / pad_id attributes
+
+
+# ---------------------------------------------------------------- each rule on plain numbers
+
+
+def plain(**values):
+    """A statistics reading of plain numbers: every statistic 0 (none found) but those given."""
+    s = dict.fromkeys(STAT_NAMES, 0.0)
+    s.update(sequences=4.0, width=8.0, first_hole_id=-1.0, padding_id_min=-1.0, padding_id_max=-1.0)
+    return {**s, **values}
+
+
+@pytest.mark.parametrize(
+    "rule, harmful, code, message",
+    [
+        (bc.ids_outside_vocabulary, dict(ids_out_of_range=2, first_bad_id_value=12, first_bad_id_row=1,
+         first_bad_id_col=3, ids_min=0, ids_max=12), "TFD110", "'input_ids' holds 2 token id(s) outside [0, 10); the "
+         "first is 12 at row 1, position 3."),
+        (bc.mask_not_binary, dict(mask_non_binary=1, first_bad_mask_value=0.5), "TFD112",
+         "'attention_mask' has 1 value(s) that are neither 0 nor 1 (e.g. 0.5)."),
+        (bc.labels_outside_vocabulary, dict(labels_out_of_range=3, first_bad_label_value=-1), "TFD113",
+         "'labels' holds 3 label(s) outside [0, 10) that are not ignore_index=-100 (e.g. -1)."),
+        (bc.every_label_ignored, dict(labels_total=32, labels_ignored=32), "TFD114",
+         "every label in 'labels' is ignore_index=-100; this batch teaches nothing"),
+        (bc.padding_supervised, dict(pad_supervised=5, pad_positions=9), "TFD115",
+         "'labels' supervises 5 of 9 padding positions ('attention_mask' 0, label not ignore_index=-100)"),
+        (bc.sequences_without_bos, dict(bos_missing=1), "TFD116", "1 of 4 sequences do not start with BOS (1)."),
+        (bc.several_eos, dict(eos_multiple=2), "TFD117", "2 of 4 sequences hold more than one EOS (2)."),
+        (bc.tokens_after_eos, dict(eos_then_tokens=3), "TFD118", "3 of 4 sequences have real tokens after their EOS."),
+        (bc.truncation_rate, dict(truncated=3), "TFD119",
+         "3 of 4 sequences fill the maximum length 6 with no EOS: they were truncated."),
+    ],
+)  # fmt: skip
+def test_each_value_rule_on_plain_numbers(rule, harmful, code, message):
+    assert rule(plain(), "Batch 3 (step 3, epoch 0, rank 1)", PATHS, RULES) is None  # the healthy side
+    verdict = rule(plain(**harmful), "Batch 3 (step 3, epoch 0, rank 1)", PATHS, RULES)
+    assert verdict.code == code and verdict.message.startswith("Batch 3 (step 3, epoch 0, rank 1): ")
+    assert message in verdict.message
+    assert verdict.severity is None  # the rule's own severity
+
+
+def test_value_rules_at_their_thresholds_and_without_their_settings():
+    none = ValueRules(vocab_size=10, context=None, ignore_index=-100)
+    assert bc.sequences_without_bos(plain(bos_missing=4), "B", PATHS, none) is None  # no bos_id: not judged
+    assert bc.several_eos(plain(eos_multiple=4), "B", PATHS, none) is None
+    assert bc.truncation_rate(plain(truncated=4), "B", PATHS, RULES).evidence == {
+        "truncated_frac": 1.0,
+        "max_length": 6,
+    }
+    assert bc.truncation_rate(plain(truncated=2), "B", PATHS, RULES) is None  # 2 of 4 is not above 0.5
+    assert bc.truncation_rate(plain(truncated=4, sequences=0), "B", PATHS, RULES) is None
+    assert bc.every_label_ignored(plain(labels_total=32, labels_ignored=31), "B", PATHS, RULES) is None
+    assert bc.every_label_ignored(plain(labels_total=0, labels_ignored=0), "B", PATHS, RULES) is None
+    kinds = {v.code for v in value_verdicts(plain(mask_non_binary=1, bos_missing=1), "B", PATHS, RULES,
+                                            has_mask=False, has_labels=False)}  # fmt: skip
+    assert kinds == set()  # the mask rules need a mask, the convention rules labels
+    crash = plain(ids_out_of_range=1, mask_non_binary=1, labels_out_of_range=1, bos_missing=1, pad_supervised=1)
+    found = value_verdicts(crash, "B", PATHS, RULES, has_mask=True, has_labels=True, crash_only=True)
+    assert [v.code for v in found] == ["TFD110", "TFD112", "TFD113"]
+    found = value_verdicts(crash, "B", PATHS, RULES, has_mask=True, has_labels=True)
+    assert [v.code for v in found] == ["TFD110", "TFD112", "TFD113", "TFD115", "TFD116"]
+
+
+def test_mask_holes_on_plain_numbers():
+    holes = plain(mask_holes=2, mask_hole_rows=2, mask_hole_row_tokens=10, holes_masked_everywhere=2,
+                  first_hole_row=0, first_hole_col=3, first_hole_id=9, padding_id_min=9, padding_id_max=9)  # fmt: skip
+    verdict = bc.mask_hole_verdict(holes, "B", PATHS, has_mask=True)
+    assert verdict.code == "TFD122" and verdict.evidence["hole_fraction"] == pytest.approx(2 / 12)
+    assert "masks 2 position(s) inside the text of 2 of 4 rows (16.7% of those rows' text" in verdict.message
+    assert "(input_ids != 9)" in verdict.message and verdict.hint == bc.HOLES_FROM_IDS_HINT
+    hidden = bc.mask_hole_verdict({**holes, "holes_masked_everywhere": 0, "holes_attended_in_row": 2}, "B", PATHS,
+                                  has_mask=True)  # fmt: skip
+    assert "2 of the 2 holes hold ids attended elsewhere" in hidden.message and hidden.hint == bc.HOLES_IN_TEXT_HINT
+    assert bc.mask_hole_verdict({**holes, "mask_hole_row_tokens": 1}, "B", PATHS, has_mask=True) is None  # mostly
+    assert bc.mask_hole_verdict({**holes, "position_resets": 1}, "B", PATHS, has_mask=True) is None  # packed
+    assert bc.mask_hole_verdict(holes, "B", PATHS, has_mask=True, packed_keys=("cu_seqlens",)) is None
+    assert bc.packed_keys({"input_ids": 0, "meta.cu_seqlens": 0, "labels": 0}) == ("meta.cu_seqlens",)
+
+
+def test_every_drift_kind_has_its_rule_and_is_recorded_once_per_key():
+    kinds = ["missing", "extra", "dtype", "ndim", "size"]
+    verdicts = drift_verdicts([Drift(k, f"k{i}", "e", "f") for i, k in enumerate(kinds)], "B", True)
+    assert [v.code for v in verdicts] == ["TFD101", "TFD102", "TFD103", "TFD104", "TFD105"]
+    assert [severity(v) for v in verdicts] == ["error", "warning", "error", "error", "error"]
+    assert [v.key for v in verdicts] == ["k0", "k1", "k2", "k3", "k4"]
+    assert verdicts[2].message == "B: 'k2' has dtype f; expected e (the declared schema)."
+
+
+def test_the_schema_watch_learns_compares_and_skips_a_clean_structure():
+    from lightning_tfdebug.core.batch import flatten_batch
+    from lightning_tfdebug.functional.batches import structure_key
+
+    def batch(width, dtype=torch.long):
+        return {"input_ids": torch.zeros(2, width, dtype=torch.long), "labels": torch.zeros(2, width, dtype=dtype)}
+
+    watch = bc.SchemaWatch(learn_batches=2, context=6)
+
+    def check(b):
+        leaves = flatten_batch(b)
+        return watch.check(structure_key(leaves), leaves, "input_ids", "B")
+
+    assert check(batch(4)) == [] and check(batch(5)) == [] and watch.clean is None  # learning: never clean
+    assert check(batch(5)) == [] and watch.clean == structure_key(flatten_batch(batch(5)))
+    [dtype] = check(batch(5, torch.int32))
+    assert dtype.code == "TFD103" and watch.clean is None
+    [long] = check(batch(7))
+    assert long.code == "TFD111" and long.evidence == {"key": "input_ids", "shape": [2, 7], "max_length": 6}
+    saved = watch.state()
+    assert saved == {"input_ids": {"dtype": "int64", "dims": ["d0:input_ids", "d1:input_ids"]},
+                     "labels": {"dtype": "int64", "dims": ["d0:input_ids", "d1:input_ids"]}}  # fmt: skip
+    resumed = bc.SchemaWatch(learn_batches=2)
+    resumed.load(saved)
+    assert resumed.state() == saved
+    leaves = flatten_batch(batch(5, torch.int32))
+    assert [v.code for v in resumed.check(structure_key(leaves), leaves, "input_ids", "B")] == ["TFD103"]
+    assert bc.SchemaWatch(learn_batches=2).state() is None  # nothing learned yet
+
+
+def test_batch_repeats_read_host_and_device_fingerprints_in_order_and_tfd121_silences_tfd123():
+    repeats = bc.BatchRepeats(max_repeated_fraction=0.1)
+    data = bc.EpochData(stream=False, loader_length=100, per_epoch=100)
+    for step in range(5):  # the same batch five times: host ints for even steps, "device" values for odd ones
+        repeats.pending.append((0, step, data, 7 if step % 2 == 0 else torch.tensor(7.0)))
+    prints = repeats.take()
+    assert repeats.pending == [] and len(bc.BatchRepeats.on_device(prints)) == 2
+    verdicts = repeats.read(prints, [7.0, 7.0], rank=1)
+    assert [(v.code, v.step) for v in verdicts] == [("TFD121", 3), ("TFD121", 4)]  # TFD123 would say the same
+    assert repeats.spoken and "(rank 1)" in verdicts[0].message
+    repeats.new_fit()
+    assert not repeats.spoken and repeats.period.read == 0
+
+
+def test_eos_count_aside_labels_layout_and_notices():
+    ids = SpecialIds(eos=(2,), pad=(2,))
+    assert bc.eos_count_aside(SpecialIds())[1] == "`eos_id` or `tokenizer`"
+    assert bc.eos_count_aside(ids, has_labels=False)[1] == "`labels_key`"
+    assert bc.eos_count_aside(ids, sequences=False) == (
+        "the labels are not token sequences (one value per row: a classifier).",
+        None,
+    )
+    assert bc.eos_count_aside(ids, has_mask=False)[1] == "`mask_key`"
+    assert (
+        bc.eos_count_aside(ids) is None and bc.eos_count_aside(SpecialIds(eos=(2,), pad=(0,)), has_mask=False) is None
+    )
+    two = torch.zeros(4, 6, dtype=torch.long)
+    assert bc.label_layout(two, two) == (True, True)
+    assert bc.label_layout(two, two, encoder_decoder=True) == (False, True)
+    assert bc.label_layout(two, torch.zeros(4, dtype=torch.long)) == (False, False)  # one class per row
+    assert bc.label_layout(two, None) == (False, False)
+    assert bc.batch_name(3, 2, 0, 1) == "Batch 3 (step 2, epoch 0, rank 1)"
+    paths = {"input_ids": "input_ids", "labels": "labels"}
+    assert bc.fields_notice(paths, {}, None) is None
+    assert "token ids taken from '0'" in bc.fields_notice({"input_ids": "0", "labels": "1"}, {}, None)
+    assert "no token ids in the first batch (keys: ['x'])" in bc.fields_notice({"input_ids": None}, {"x": 0}, None)
+    rows, labels = bc.example_rows(torch.arange(6).reshape(3, 2), None, 2)
+    assert rows == [[0, 1], [2, 3]] and labels is None
+    assert bc.example_rows(torch.arange(3), torch.arange(3), 4) == ([[0, 1, 2]], [[0, 1, 2]])

@@ -1,0 +1,147 @@
+"""CheckpointAudit's readers: checkpoint files and sharded directories on disk, and the live objects a checkpoint is
+compared with (what a save must hold, what a resume restored). The decisions are
+:mod:`lightning_tfdebug.functional.checkpoint_checks`'s."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_tfdebug.core.model import grad_scaler_of
+from lightning_tfdebug.functional.checkpoint_checks import ShardedReading, damaged_checkpoint
+from lightning_tfdebug.functional.checkpoints import checksums, max_step
+from lightning_tfdebug.functional.verdicts import Verdict
+
+
+# ------------------------------------------------------------------------------------------------------ live objects
+def expectation(trainer: pl.Trainer, pl_module: pl.LightningModule, callback_keys: list[str]) -> dict[str, Any]:
+    """What a full checkpoint of this Trainer must hold, from the live objects (taken at save time); checked against
+    the file by :func:`~lightning_tfdebug.functional.checkpoint_checks.content_problems`."""
+    optimizers = []
+    for optimizer in trainer.optimizers:
+        with_state = [s for s in optimizer.state.values() if isinstance(s, Mapping) and s]
+        optimizers.append(
+            {
+                "groups": len(optimizer.param_groups),
+                "with_state": len(with_state),
+                "has_step": any("step" in s for s in with_state),
+            }
+        )
+    plugin = trainer.precision_plugin
+    return {
+        "global_step": trainer.global_step,
+        "params": {k: list(v.shape) for k, v in pl_module.state_dict().items() if isinstance(v, Tensor)},
+        "optimizers": optimizers,
+        "schedulers": len(trainer.lr_scheduler_configs),
+        "scaler_key": type(plugin).__qualname__ if grad_scaler_of(trainer) is not None else None,
+        "callbacks": list(callback_keys),
+    }
+
+
+def live_state(trainer: pl.Trainer, pl_module: pl.LightningModule, restored: Mapping[str, Any]) -> dict[str, Any]:
+    """The live objects at the start of a resumed fit, in the shape of
+    :func:`~lightning_tfdebug.functional.checkpoints.restored_state`: the module's weights that the checkpoint held
+    (checksums: one host transfer), each optimizer's largest step count and learning rates, the GradScaler's scale
+    (read only when the checkpoint holds one), the global step. Resume time only."""
+    weights = pl_module.state_dict()
+    names = [n for n in restored["names"] if n in weights]
+    scaler = grad_scaler_of(trainer)
+    return {
+        "names": names,
+        "dtypes": {n: str(weights[n].dtype) for n in names},
+        "sums": checksums([weights[n] for n in names]),  # host sync: one per resume
+        "steps": [max_step(opt.state) for opt in trainer.optimizers],
+        "lrs": [[float(g["lr"]) for g in opt.param_groups] for opt in trainer.optimizers],
+        # host sync: resume time only, and only when the checkpoint holds a scale to compare with
+        "scale": float(scaler.get_scale()) if scaler is not None and restored["scale"] is not None else None,
+        "global_step": trainer.global_step,
+    }
+
+
+def resumable_savers(savers: Sequence[Any]) -> list[str]:
+    """The checkpoint callbacks (``ModelCheckpoint`` or alike, read by attribute) that keep full checkpoints this run
+    can resume from: not ``save_weights_only`` and keeping something (``save_top_k != 0`` or ``save_last``). Each is
+    named by its class and directory. Host attributes only."""
+    out = []
+    for saver in savers:
+        if getattr(saver, "save_weights_only", False):
+            continue
+        if getattr(saver, "save_top_k", 1) == 0 and not getattr(saver, "save_last", False):
+            continue
+        where = getattr(saver, "dirpath", None)
+        out.append(f"{type(saver).__name__}({where})" if where else type(saver).__name__)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------ files
+class DamagedCheckpoint(Exception):
+    """A checkpoint that cannot be read back: its :class:`Verdict` (``TFD716``) says why."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.message)
+        self.verdict = verdict
+
+
+def _torch_load(path: str, weights_only: bool) -> Any:
+    try:  # memory-mapped where the format allows: checking keys and shapes reads no tensor data
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except RuntimeError as err:
+        if "mmap" not in str(err).lower() and "legacy" not in str(err).lower():
+            raise
+        return torch.load(path, map_location="cpu", weights_only=weights_only)  # legacy (non-zip) format
+
+
+def load_checkpoint(path: str, *, written_by_this_run: bool) -> tuple[Any, bool]:
+    """Open a checkpoint file safely: ``(checkpoint, weights_only)``.
+
+    ``torch.load(weights_only=True)`` first: tensors and plain containers, no code runs. Only a file this run wrote
+    itself (its content came from this process: hyper-parameters, callback state that hold other objects) falls
+    back to a full unpickling; any other file that needs one is refused.
+
+    Raises:
+        DamagedCheckpoint: the file is empty, cut short or not a valid archive (``TFD716``).
+        pickle.UnpicklingError: a file not written by this run holds objects other than data.
+    """
+    size = os.path.getsize(path)
+    try:
+        return _torch_load(path, weights_only=True), True
+    except pickle.UnpicklingError:  # holds objects other than data (`weights_only` refused them)
+        if not written_by_this_run:
+            raise
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise DamagedCheckpoint(damaged_checkpoint(path, size, err)) from None
+    try:
+        return _torch_load(path, weights_only=False), False
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        raise DamagedCheckpoint(damaged_checkpoint(path, size, err)) from None
+
+
+def read_sharded(directory: str) -> ShardedReading:
+    """What a distributed-checkpoint (``torch.distributed.checkpoint``) directory holds, for
+    :func:`~lightning_tfdebug.functional.checkpoint_checks.sharded_problems`: its ``.metadata`` (loaded, no tensor
+    data read), the bytes each shard file must hold for the items it is said to hold, and each file's size."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta_path = os.path.join(directory, ".metadata")
+    if not os.path.isfile(meta_path):
+        return ShardedReading(directory, has_metadata=False, metadata_path=meta_path)
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as err:  # a cut or foreign metadata file
+        size = os.path.getsize(meta_path)
+        return ShardedReading(directory, metadata_path=meta_path, metadata_bytes=size, metadata_error=err)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is not None:
+            end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+            needed[relative] = max(needed.get(relative, 0), end)
+    files = {name: os.path.join(directory, name) for name in needed}
+    sizes = {name: os.path.getsize(file) if os.path.isfile(file) else None for name, file in files.items()}
+    return ShardedReading(directory, metadata_path=meta_path, needed=needed, sizes=sizes)
