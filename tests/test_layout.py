@@ -52,38 +52,27 @@ MAX_FUNCTION_LINES = 80
 CODE = re.compile(r"TFD[1-7]\d\d")
 
 PENDING_CODES_IN_CALLBACKS: set[str] = {
-    "batch_guard.py",
-    "checkpoint_audit.py",
     "loss_at_init.py",
     "mask_probe.py",
 }
 PENDING_LONG_CALLBACKS: set[str] = {
-    "batch_guard.py",
-    "checkpoint_audit.py",
     "loss_at_init.py",
     "mask_probe.py",
     "throughput_monitor.py",
 }
 PENDING_LONG_FUNCTIONS: set[str] = {
-    "callbacks/batch_guard.py:BatchGuard.__init__",
     "callbacks/loss_at_init.py:LossAtInit._collect",
     "callbacks/mask_probe.py:MaskProbe._probe",
     "callbacks/mask_probe.py:MaskProbe._probe_alignment",
     "callbacks/mask_probe.py:MaskProbe._probe_masks",
     "callbacks/throughput_monitor.py:ThroughputMonitor.__init__",
     "callbacks/throughput_monitor.py:ThroughputMonitor._measure",
-    "functional/batch_checks.py:value_verdicts",
-    "functional/batches.py:mask_hole_statistics",
-    "functional/batches.py:token_statistics",
     "functional/call_probes.py:plan_call",
-    "functional/checkpoints.py:content_problems",
-    "functional/checkpoints.py:resume_problems",
     "functional/loss_checks.py:classify_init_loss",
     "functional/loss_checks.py:context_verdict",
     "functional/loss_checks.py:loss_transform_verdict",
 }
 PENDING_IMPURE_FUNCTIONAL: set[str] = {
-    "checkpoints.py",
     "throughput.py",
     "throughput_checks.py",
 }

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
@@ -174,7 +174,6 @@ class BatchGuard(DebugCallback):
         self._repeats = checks.BatchRepeats(self.max_repeated_fraction)
         self._epoch = checks.EpochData()  # the training data of the current epoch (set per epoch)
         self._tally: checks.SpecialTokenTally | None = None  # TFD124's count, None when off
-        self.checks_aside: dict[str, str] = {}
         """The checks of BatchGuard that stood aside while the others ran on: ``{check: reason and setting}``."""
         # the batch of the step (a reference, diagnosed if its forward raises), batch_name's parts, checked or not
         self._last: tuple[StepBatch, tuple[int, int, int, int], bool] | None = None
@@ -219,17 +218,7 @@ class BatchGuard(DebugCallback):
             if aside is None:
                 self._tally = checks.SpecialTokenTally(ids, self.min_eos_expected, self.special_token_batches)
             else:
-                self._check_aside(checks.EOS_CHECK, *aside)
-
-    def _check_aside(self, check: str, reason: str, setting: str | None) -> None:
-        """One check of BatchGuard stands aside, once, while the others run on: said at info level, with the setting
-        that would let it run, and kept in :attr:`checks_aside`. Not :meth:`stand_aside`, which stops the whole
-        callback, nor its ``stood-aside`` record, which lists the callbacks that did not run (BatchGuard does)."""
-        if check in self.checks_aside:
-            return
-        tail = f" To let it run: {setting}." if setting else ""
-        self.checks_aside[check] = reason + tail
-        rank_zero_info(f"lightning_tfdebug: {type(self).__name__}'s check of {check} stands aside: {reason}{tail}")
+                self.check_aside(checks.EOS_CHECK, *aside)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch = epoch_data(trainer)  # host metadata, once per epoch
@@ -290,7 +279,7 @@ class BatchGuard(DebugCallback):
             tally.ids, has_labels=labels is not None, sequences=sequences, has_mask=mask is not None
         )
         if aside is not None:
-            self._check_aside(checks.EOS_CHECK, *aside)
+            self.check_aside(checks.EOS_CHECK, *aside)
             return None
         assert labels is not None
         return tally.statistics(ids, mask, labels, self.ignore_index, aligned), aligned

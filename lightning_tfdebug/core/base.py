@@ -265,7 +265,7 @@ class DebugCallback(Callback):
         self._aside_step: int | None = None
         self._aside_recorded_in: str | None = None  # the log directory whose stood-aside-rank<r>.jsonl holds it
         self._aside_announced = False  # said once more at the end of fit (a callback on its own, not in the pack)
-        self._aside_checks: dict[str, str] = {}  # one check of this callback that does not run -> why (and the setting)
+        self.checks_aside: dict[str, str] = {}  # one check of this callback that does not run -> why (and the setting)
         self._check_records: list[dict[str, Any]] = []  # their stood-aside records not yet written (no log dir yet)
         self.in_pack = False  # set by TFDebug on its members: the pack's summary lists them instead
         self.failure: dict[str, Any] | None = None
@@ -351,9 +351,9 @@ class DebugCallback(Callback):
             reason: one sentence: why it cannot run.
             setting: the argument or set-up that would let it run, or None.
         """
-        if check in self._aside_checks:
+        if check in self.checks_aside:
             return
-        self._aside_checks[check] = reason + (f" To let it run: {setting}." if setting else "")
+        self.checks_aside[check] = reason + (f" To let it run: {setting}." if setting else "")
         step = getattr(self.__dict__.get("_hook_trainer"), "global_step", None)
         name = f"{type(self).__name__}: {check}"
         self._check_records.append({"check": name, "reason": reason, "setting": setting, "step": step})

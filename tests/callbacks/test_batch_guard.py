@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import warnings
 from collections.abc import Mapping
 
@@ -875,6 +876,10 @@ def test_the_eos_check_stands_aside_alone_when_the_batch_cannot_serve_it(tmp_pat
     [(check, why)] = unknown.checks_aside.items()
     assert check == "EOS supervision (TFD124)" and "To let it run: `eos_id` or `tokenizer`." in why
     assert unknown.active and unknown.stood_aside is None  # the rest of BatchGuard runs on
+    # recorded once for the report's "did not run" block (not printed during the run)
+    [aside_file] = (tmp_path / "unknown").rglob("stood-aside-rank0.jsonl")
+    [record] = [json.loads(line) for line in aside_file.read_text().splitlines()]
+    assert record["check"] == "BatchGuard: EOS supervision (TFD124)" and record["setting"] == "`eos_id` or `tokenizer`"
 
     class NoMask(TinyTextDataModule):  # pad id == EOS id and no attention mask: a real EOS looks like padding
         def train_dataloader(self):
