@@ -42,6 +42,8 @@ from lightning_tfdebug.functional.batches import (
     Schema,
     compare_schema,
     describe_leaves,
+    device_fingerprint,
+    host_fingerprint,
     learn_schema,
     parse_declared_schema,
     special_token_statistics,
@@ -49,7 +51,6 @@ from lightning_tfdebug.functional.batches import (
     token_statistics,
     unpack_statistics,
 )
-from lightning_tfdebug.functional.throughput import device_fingerprint, host_fingerprint
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.repro import shared_host_copy
 
