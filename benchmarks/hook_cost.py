@@ -63,15 +63,15 @@ class HookClock(pl.Callback):
             dead._accumulate = self._timed("forward", dead._accumulate, owner="DeadActivation (forward hooks)")
         # the one pass over the gradients that must run on every step (device work on a GPU, host work here): timed
         # apart, inside NaNFirstFrame's row, so the host time around it can be read on its own
-        from lightning_tfdebug.callbacks import nan_first_frame
+        from lightning_tfdebug.functional import finite  # NaNFirstFrame's StepFinite calls it from there
 
-        self._flag = nan_first_frame.grads_nonfinite_flag
-        nan_first_frame.grads_nonfinite_flag = self._timed("check", self._flag, owner=KERNEL_ROW)
+        self._flag = finite.grads_nonfinite_flag
+        finite.grads_nonfinite_flag = self._timed("check", self._flag, owner=KERNEL_ROW)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_tfdebug.callbacks import nan_first_frame
+        from lightning_tfdebug.functional import finite
 
-        nan_first_frame.grads_nonfinite_flag = self._flag
+        finite.grads_nonfinite_flag = self._flag
 
     def _timed(self, hook: str, method: Callable[..., Any], owner: str | None = None) -> Callable[..., Any]:
         name = owner or type(getattr(method, "__self__", method)).__name__

@@ -61,9 +61,15 @@ def _parser() -> argparse.ArgumentParser:
         "TFDebug(preset='full') added through LightningCLI's own arguments (checkpoint callbacks save nothing, "
         "validation is limited to 2 batches), then print the report. Exit status as for `report`; 2 when the "
         "command is not a LightningCLI fit or did not start.",
-        usage="%(prog)s [--steps N] [--fail-on LEVEL] [--format FMT] [--output FILE] -- COMMAND ...",
+        usage="%(prog)s [--steps N] [--dir DIR] [--fail-on LEVEL] [--format FMT] [--output FILE] -- COMMAND ...",
     )
     check.add_argument("--steps", type=_positive_int, default=50, help="optimizer steps to run (default 50)")
+    check.add_argument(
+        "--dir",
+        default="tfdebug-check",
+        help="where the preflight writes its logs and findings (default ./tfdebug-check): never the run series the "
+        "configured logger will use",
+    )
     _report_options(check)
     check.add_argument("cmd", nargs=argparse.REMAINDER, help="the training command, after `--`")
     return parser
@@ -162,6 +168,12 @@ def check_command(args: argparse.Namespace) -> int:
         f"--trainer.callbacks.every_n_steps={every}",
         f"--trainer.max_steps={args.steps}",
         "--trainer.limit_val_batches=2",
+        # the preflight's own logger and root: the configured logger's series (runs/<name>/version_N) stays the real
+        # runs', so `tfdebug report runs/<name>` after a preflight still reads the newest real run
+        "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+        f"--trainer.logger.init_args.save_dir={os.path.abspath(args.dir)}",
+        "--trainer.logger.init_args.name=preflight",
+        f"--trainer.default_root_dir={os.path.abspath(args.dir)}",
     ]
     fd, result = tempfile.mkstemp(prefix="tfdebug-check-", suffix=".json")
     os.close(fd)
@@ -190,6 +202,7 @@ def check_command(args: argparse.Namespace) -> int:
         print(f"error: cannot read the run's output in {log_dir}: {err}", file=sys.stderr)
         return 2
     status = _emit_report(run, args)
+    print(f"tfdebug check: the preflight's logs and findings are in {log_dir}")
     if rc != 0:
         print(f"tfdebug check: the training command failed (exit status {rc}); see its error above.", file=sys.stderr)
         return max(status, 1)

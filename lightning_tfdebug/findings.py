@@ -156,18 +156,6 @@ def read_findings(path: str | os.PathLike[str], *, strict: bool = False) -> list
     return out
 
 
-def append_finding(path: str | os.PathLike[str], finding: Finding) -> bool:
-    """Append one finding as a JSON line and flush it to disk at once; False when the file system refused.
-
-    The file is opened in append mode for each finding (findings are rare), so several callbacks can share it and
-    nothing written earlier is ever overwritten. A refused write warns once (see :mod:`lightning_tfdebug.core.io`)
-    and never raises: the finding is still held by the callback that made it.
-    """
-    from lightning_tfdebug.core.io import append_line  # io imports this module for TFDebugWarning
-
-    return append_line(path, finding.to_json())
-
-
 def _jsonable(value: Any) -> Any:
     """Make evidence JSON-safe: tensors to numbers, non-finite floats to strings, tuples to lists."""
     if isinstance(value, dict):

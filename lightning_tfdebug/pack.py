@@ -99,18 +99,6 @@ CHECK_RESULT_ENV = "TFDEBUG_CHECK_RESULT"
 #: that already holds a ``TFDebug``): how to read the batch. Its cadence and ``on_finding`` stay the preflight's.
 ADOPTED = ("input_key", "mask_key", "labels_key", "ignore_index", "tokenizer", "vocab_size")
 
-#: The settings given once and passed to every member whose constructor takes them.
-SHARED = (
-    "every_n_steps",
-    "on_finding",
-    "input_key",
-    "mask_key",
-    "labels_key",
-    "ignore_index",
-    "tokenizer",
-    "vocab_size",
-)
-
 # Hooks the pack forwards as they are; setup, state and checkpoint hooks have their own methods below.
 _FORWARDED = tuple(
     name
@@ -523,9 +511,9 @@ class TFDebug(Callback):
             # the checks that did not run, why, and the setting that would let each run: what the report lists apart
             # from the findings (rank 0's view; every rank's members also record themselves in stood-aside-rank<r>)
             "stood_aside": {
-                n: {"reason": m._aside_reason, "setting": m._aside_setting}
+                n: {"reason": aside["reason"], "setting": aside["setting"]}
                 for n, m in self.running.items()
-                if m._aside_reason is not None
+                if (aside := m.stood_aside) is not None
             },
             "settings": {
                 k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in self.shared.items()

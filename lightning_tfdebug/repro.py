@@ -277,32 +277,15 @@ def state_size_bytes(state: Mapping[str, Any]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
 
 
-def write_bundle(
-    root: str | os.PathLike[str],
-    *,
-    step: int,
-    rank: int,
+def _host_parts(
     meta: dict[str, Any],
-    batch: Any = None,
-    rng: Mapping[str, Any] | None = None,
-    model_state: Mapping[str, Any] | None = None,
-    training_state: Mapping[str, Any] | None = None,
-) -> str | None:
-    """Write a bundle under ``root`` as ``step<k>-rank<r>`` (``-1``, ``-2``... if taken) and return its path.
-
-    Everything is written into a temporary directory beside the target, synced, and renamed in one step, so a
-    bundle either exists complete or not at all, and an earlier bundle is never overwritten. ``training_state``
-    (``{"optimizers": [...], "lr_schedulers": [...]}``, their ``state_dict()``s) goes to ``training.pt``.
-
-    Returns:
-        The bundle's path, or None when the file system refused (a warning says so once; see
-        :mod:`lightning_tfdebug.core.io`).
-    """
-    root = os.fspath(root)
-    meta = dict(meta)
-    meta.update(format_version=FORMAT_VERSION, step=step, rank=rank)
-    # Copy to the host first, each part on its own: after a CUDA device-side assert every CUDA call fails, and the
-    # parts that were already on the host (a batch from `host_copy`, the RNG states) must still be written.
+    batch: Any,
+    model_state: Mapping[str, Any] | None,
+    training_state: Mapping[str, Any] | None,
+) -> tuple[Any, dict[str, Tensor] | None, Any]:
+    """The batch, the model state and the training state copied to the host, each part on its own: after a CUDA
+    device-side assert every CUDA call fails, and the parts that were already on the host (a batch from
+    :func:`host_copy`, the RNG states) must still be written. What could not be copied is said in ``meta``."""
     plain_batch = None
     if batch is not None:
         dropped: list[str] = []
@@ -327,32 +310,55 @@ def write_bundle(
             meta["training_state_dropped"] = dropped_training
         except Exception as err:
             meta["training_state_error"] = f"could not be copied to the host: {type(err).__name__}: {err}"
+    return plain_batch, cpu_state, plain_training
+
+
+def _rng_tensors(rng: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """What ``rng.pt`` holds (torch's states, NumPy's key as a tensor); Python's and NumPy's scalars go to ``meta``."""
+    tensors: dict[str, Any] = {"torch": rng["torch"]}
+    if "cuda" in rng:
+        tensors["cuda"] = list(rng["cuda"])
+    if "numpy" in rng:
+        name, key, pos, has_gauss, cached = rng["numpy"]
+        tensors["numpy_key"] = torch.as_tensor(key.astype("int64"))
+        meta["rng_numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+    if "python" in rng:
+        version, internal, gauss = rng["python"]
+        meta["rng_python"] = {"version": version, "state": list(internal), "gauss": gauss}
+    return tensors
+
+
+def write_bundle(
+    root: str | os.PathLike[str],
+    *,
+    step: int,
+    rank: int,
+    meta: dict[str, Any],
+    batch: Any = None,
+    rng: Mapping[str, Any] | None = None,
+    model_state: Mapping[str, Any] | None = None,
+    training_state: Mapping[str, Any] | None = None,
+) -> str | None:
+    """Write a bundle under ``root`` as ``step<k>-rank<r>`` (``-1``, ``-2``... if taken) and return its path.
+
+    Everything is written into a temporary directory beside the target, synced, and renamed in one step, so a
+    bundle either exists complete or not at all, and an earlier bundle is never overwritten. ``training_state``
+    (``{"optimizers": [...], "lr_schedulers": [...]}``, their ``state_dict()``s) goes to ``training.pt``.
+
+    Returns:
+        The bundle's path, or None when the file system refused (a warning says so once; see
+        :mod:`lightning_tfdebug.core.io`).
+    """
+    meta = dict(meta)
+    meta.update(format_version=FORMAT_VERSION, step=step, rank=rank)
+    parts = _host_parts(meta, batch, model_state, training_state)
 
     def build(tmp: str) -> None:
         files: dict[str, str] = {}
-        if plain_batch is not None:
-            _save(plain_batch, tmp, "batch.pt", files)
-        if rng is not None:
-            tensors: dict[str, Any] = {"torch": rng["torch"]}
-            if "cuda" in rng:
-                tensors["cuda"] = list(rng["cuda"])
-            if "numpy" in rng:
-                name, key, pos, has_gauss, cached = rng["numpy"]
-                tensors["numpy_key"] = torch.as_tensor(key.astype("int64"))
-                meta["rng_numpy"] = {
-                    "name": name,
-                    "pos": int(pos),
-                    "has_gauss": int(has_gauss),
-                    "cached": float(cached),
-                }
-            if "python" in rng:
-                version, internal, gauss = rng["python"]
-                meta["rng_python"] = {"version": version, "state": list(internal), "gauss": gauss}
-            _save(tensors, tmp, "rng.pt", files)
-        if cpu_state is not None:
-            _save(cpu_state, tmp, "model.pt", files)
-        if plain_training is not None:
-            _save(plain_training, tmp, "training.pt", files)
+        rng_part = _rng_tensors(rng, meta) if rng is not None else None
+        for name, part in zip(("batch.pt", "rng.pt", "model.pt", "training.pt"), (parts[0], rng_part, *parts[1:])):
+            if part is not None:
+                _save(part, tmp, name, files)
         meta["files"] = files
         with open(os.path.join(tmp, BUNDLE_META), "w", encoding="utf-8") as f:
             json.dump(_jsonable(meta), f, indent=2)
@@ -360,7 +366,7 @@ def write_bundle(
             os.fsync(f.fileno())
 
     # Built in a temporary directory and renamed into place (complete or absent, never over an earlier bundle).
-    return publish_dir(build, root, f"step{step}-rank{rank}")
+    return publish_dir(build, os.fspath(root), f"step{step}-rank{rank}")
 
 
 @dataclass
@@ -559,6 +565,62 @@ def _load_state(module: Any, state: Mapping[str, Tensor], source: str) -> None:
         ) from None
 
 
+def _load_module_state(loaded: Bundle, module: Any, notes: list[str]) -> None:
+    """Load the bundle's model state into ``module``, or, when it holds none, the checkpoint it names."""
+    if loaded.model_state is not None:
+        _load_state(module, loaded.model_state, "the bundle's model state")
+        return
+    ckpt = (loaded.meta.get("model_state") or {}).get("checkpoint")
+    if not (ckpt and os.path.isfile(ckpt)):
+        notes.append("the bundle holds no model state and names no readable checkpoint: fresh weights")
+        return
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    except Exception as err:
+        raise BundleError(f"Could not read the checkpoint {ckpt} safely ({err}).") from None
+    _load_state(module, state, f"the checkpoint {ckpt}")
+    notes.append(f"model state from the last checkpoint {ckpt}, not from the failing step")
+
+
+def _placement(
+    run: Mapping[str, Any], accelerator: str | None, precision: str | None, notes: list[str]
+) -> tuple[str, str]:
+    """The replay's accelerator and precision: the given ones, else the run's where this machine has them."""
+    if accelerator is None:
+        ran_on_cuda = "CUDA" in str(run.get("accelerator", ""))
+        accelerator = "gpu" if ran_on_cuda and torch.cuda.is_available() else "cpu"
+        if ran_on_cuda and accelerator == "cpu":
+            notes.append("the run used CUDA; replaying on the CPU (a device-side assert shows as a CPU error here)")
+    if precision is None:
+        precision = str(run.get("precision") or "32-true")
+        if accelerator == "cpu" and precision.startswith("16"):
+            notes.append(f"precision {precision} is not available on the CPU; replaying in 32-true")
+            precision = "32-true"
+    return accelerator, precision
+
+
+def _fit_one_step(trainer: Any, module: Any, loaded: Bundle, result: ReplayResult) -> None:
+    """Train ``module`` on the bundle's batch for one step; what it raises goes into ``result``."""
+    from torch.utils.data import DataLoader
+
+    # The batch was saved after it reached the device: do not run the batch-transfer hooks on it a second time.
+    saved_hooks = {name: module.__dict__.get(name) for name in ("on_before_batch_transfer", "on_after_batch_transfer")}
+    module.on_before_batch_transfer = _identity_transfer
+    module.on_after_batch_transfer = _identity_transfer
+    loader = DataLoader([loaded.batch], batch_size=None, collate_fn=_identity)
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    except Exception as err:
+        result.exception = err
+        result.traceback = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    finally:
+        for name, hook in saved_hooks.items():
+            if hook is None:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, hook)
+
+
 def replay(
     bundle: str | os.PathLike[str] | Bundle,
     module: Any,
@@ -587,7 +649,6 @@ def replay(
         BundleError: the bundle is unusable or holds no batch.
     """
     import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
 
     loaded = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     if "batch.pt" not in loaded.meta.get("files", {}):
@@ -598,7 +659,6 @@ def replay(
             f"{loaded.path} holds no batch ({why}), so there is no step to replay. Read its traceback in bundle.json."
         )
     notes: list[str] = []
-    run = loaded.meta.get("run") or {}
     if loaded.rng is None:
         notes.append("the bundle holds no RNG states (capture_rng=False): dropout and other random ops will differ")
     elif "python" not in loaded.rng:
@@ -607,29 +667,15 @@ def replay(
             "torch's were restored"
         )
     if load_state:
-        if loaded.model_state is not None:
-            _load_state(module, loaded.model_state, "the bundle's model state")
-        else:
-            ckpt = (loaded.meta.get("model_state") or {}).get("checkpoint")
-            if ckpt and os.path.isfile(ckpt):
-                try:
-                    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
-                except Exception as err:
-                    raise BundleError(f"Could not read the checkpoint {ckpt} safely ({err}).") from None
-                _load_state(module, state, f"the checkpoint {ckpt}")
-                notes.append(f"model state from the last checkpoint {ckpt}, not from the failing step")
-            else:
-                notes.append("the bundle holds no model state and names no readable checkpoint: fresh weights")
-    if accelerator is None:
-        ran_on_cuda = "CUDA" in str(run.get("accelerator", ""))
-        accelerator = "gpu" if ran_on_cuda and torch.cuda.is_available() else "cpu"
-        if ran_on_cuda and accelerator == "cpu":
-            notes.append("the run used CUDA; replaying on the CPU (a device-side assert shows as a CPU error here)")
-    if precision is None:
-        precision = str(run.get("precision") or "32-true")
-        if accelerator == "cpu" and precision.startswith("16"):
-            notes.append(f"precision {precision} is not available on the CPU; replaying in 32-true")
-            precision = "32-true"
+        _load_module_state(loaded, module, notes)
+    accelerator, precision = _placement(loaded.meta.get("run") or {}, accelerator, precision, notes)
+    exc = loaded.exception
+    if str(exc.get("type", "")).endswith(".TFDebugError"):
+        notes.append(
+            "the run was stopped by a lightning_tfdebug finding (TFDebugError), often before the forward; the "
+            "replay runs without the pack's callbacks, so it shows what the model itself does with this batch"
+        )
+    result = ReplayResult(None, "", str(exc.get("type", "")), str(exc.get("message", "")), notes)
     # one step: no "GPU available" / tips / limit_train_batches banners; nothing left behind in the temp dir
     with _QuietLightning(), tempfile.TemporaryDirectory(prefix="tfdebug-replay-") as scratch:
         trainer = pl.Trainer(
@@ -647,31 +693,7 @@ def replay(
             callbacks=[_replay_callback(loaded, notes, load_state)],
             default_root_dir=scratch,
         )
-        # The batch was saved after it reached the device: do not run the batch-transfer hooks on it a second time.
-        saved_hooks = {
-            name: module.__dict__.get(name) for name in ("on_before_batch_transfer", "on_after_batch_transfer")
-        }
-        module.on_before_batch_transfer = _identity_transfer
-        module.on_after_batch_transfer = _identity_transfer
-        loader = DataLoader([loaded.batch], batch_size=None, collate_fn=_identity)
-        exc = loaded.exception
-        if str(exc.get("type", "")).endswith(".TFDebugError"):
-            notes.append(
-                "the run was stopped by a lightning_tfdebug finding (TFDebugError), often before the forward; the "
-                "replay runs without the pack's callbacks, so it shows what the model itself does with this batch"
-            )
-        result = ReplayResult(None, "", str(exc.get("type", "")), str(exc.get("message", "")), notes)
-        try:
-            trainer.fit(module, train_dataloaders=loader)
-        except Exception as err:
-            result.exception = err
-            result.traceback = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        finally:
-            for name, hook in saved_hooks.items():
-                if hook is None:
-                    module.__dict__.pop(name, None)
-                else:
-                    setattr(module, name, hook)
+        _fit_one_step(trainer, module, loaded, result)
     return result
 
 

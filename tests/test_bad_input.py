@@ -105,7 +105,8 @@ def _cli(argv: list[str], capsys) -> tuple[int, str]:
 
 def _a_run(tmp_path) -> str:
     """The smallest run the report can read: one findings file."""
-    from lightning_tfdebug.findings import Finding, append_finding
+    from lightning_tfdebug.core.io import append_finding
+    from lightning_tfdebug.findings import Finding
 
     run = tmp_path / "run"
     append_finding(

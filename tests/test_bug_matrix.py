@@ -19,6 +19,8 @@ rows, families, placements and codes. :data:`KNOWN_MISSES` lists the cases where
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -463,10 +465,22 @@ def test_the_owner_flags_the_bug(tmp_path, row, family):
     pack, error = run_case(tmp_path, case)
     found = [f for c in pack for f in c.findings]
     said = [f"{f.code} {f.severity} {f.source}: {f.message}" for f in found]
+    record(f"row{row}-{family}", found)
     for expect in case.expect:
         assert any(expect.met_by(f) for f in found), f"row {row} on {family}: expected {expect}; the pack said {said}"
     if case.raises is True:
         assert error is not None, "the bug was expected to end the run"
+
+
+def record(case: str, found: list[Any]) -> None:
+    """With ``TFD_BUG_REPORT=<file>``, append every finding of a case (code, severity, step) to that file as JSON lines:
+    two runs' files compared show whether a change moved any finding of the matrix."""
+    path = os.environ.get("TFD_BUG_REPORT")
+    if path:
+        with open(path, "a") as f:
+            for finding in found:
+                row = {"case": case, "code": finding.code, "severity": finding.severity, "step": finding.step}
+                f.write(json.dumps(row) + "\n")
 
 
 CONTROLS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
@@ -483,6 +497,7 @@ CONTROLS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
 def test_the_variants_without_their_bug_are_silent(tmp_path, control):
     module, data = CONTROLS[control]
     pack, _ = run_case(tmp_path, Case(module, data, (), "healthy", steps=AFTER_CHECK))
+    record(f"control-{control}", [f for c in pack for f in c.findings])
     assert [f.format() for c in pack for f in c.findings if f.severity in ("warning", "error")] == []
 
 
@@ -539,6 +554,7 @@ def test_the_owner_flags_the_bug_under_ddp(tmp_path, row, family):
     results = run_distributed(tmp_path, spec, timeout=300)
     for result in results:  # every rank reaches the owner's finding
         found = [f for findings in result["findings"].values() for f in findings]
+        record(f"ddp-row{row}-{family}-rank{result['rank']}", [Finding(**f) for f in found])
         said = [f"{f['code']} {f['severity']} {f['source']}: {f['message']}" for f in found]
         assert any(expect.met_by(Finding(**f)) for f in found), (
             f"rank {result['rank']}: expected {expect}; the pack said {said}"

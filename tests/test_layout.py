@@ -105,10 +105,7 @@ PENDING_IMPURE_FUNCTIONAL: set[str] = {
     "throughput.py",
     "throughput_checks.py",
 }
-PENDING_CYCLES: set[frozenset[str]] = {
-    frozenset(["lightning_tfdebug.core.base", "lightning_tfdebug.core.scalars"]),
-    frozenset(["lightning_tfdebug.core.io", "lightning_tfdebug.findings"]),
-}
+PENDING_CYCLES: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, Path]:

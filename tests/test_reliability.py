@@ -29,8 +29,9 @@ from lightning_tfdebug import (
     read_findings,
 )
 from lightning_tfdebug.core import io
+from lightning_tfdebug.core.io import append_finding
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from lightning_tfdebug.findings import Finding, append_finding
+from lightning_tfdebug.findings import Finding
 from lightning_tfdebug.repro import load_bundle, replay
 from tests.core.emitters import StepEmitter
 from tests.helpers import SMALL, make_trainer, run_distributed

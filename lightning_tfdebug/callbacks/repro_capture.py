@@ -14,6 +14,7 @@ from lightning_tfdebug.core.batch import step_rng_state
 from lightning_tfdebug.core.distributed import DTensor
 from lightning_tfdebug.core.io import write_failures
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.repro_checks import bundle_not_written, bundle_written
 from lightning_tfdebug.repro import (
     capture_rng,
     class_path,
@@ -203,43 +204,25 @@ class ReproCapture(DebugCallback):
                 refused = write_failures()
                 raise OSError(refused[-1].error if refused else f"the file system refused {self.repro_dir}")
         except Exception as err:  # never mask the exception that is propagating
-            self.emit_code(
-                trainer,
-                "TFD131",
-                f"ReproCapture could not write a bundle for the {type(exception).__name__} at step "
-                f"{trainer.global_step}: {type(err).__name__}: {err}",
-                {"error": f"{type(err).__name__}: {err}"},
-                key=f"{trainer.global_step}:{id(exception)}",
-                synchronized=False,
-            )
+            error = f"{type(err).__name__}: {err}"
+            key = f"{trainer.global_step}:{id(exception)}"
+            verdict = bundle_not_written(type(exception).__name__, error, step=trainer.global_step, key=key)
+            self.emit(trainer, verdict, synchronized=False)
             return
         finally:
             after_step = self._after_step
             self._forget_batch()
         self.bundles.append(path)
-        replayable = ""
-        if not in_batch:
-            replayable = " It holds no batch (the exception came outside a training batch)."
-        elif not os.path.exists(os.path.join(path, "batch.pt")):
-            replayable = " The batch could not be copied to the host (see bundle.json); it cannot be replayed."
-        elif after_step:
-            replayable = (
-                " It came after that step's training_step and backward (a batch-end hook, the LR scheduler, or "
-                "loading the next batch); the bundle holds that step's batch."
-            )
-        self.emit_code(
-            trainer,
-            "TFD130",
-            f"Training failed with {type(exception).__name__} at step {self._step if in_batch else trainer.global_step}"
-            f" (rank {trainer.global_rank}); a repro bundle was written to {path}.{replayable}",
-            {"bundle": path, "exception": type(exception).__name__},
-            hint=(
-                f"Replay the failing step: python -m lightning_tfdebug replay {path} "
-                "--config <your LightningCLI config>"
-            ),
-            key=path,
-            synchronized=False,
+        verdict = bundle_written(
+            path,
+            type(exception).__name__,
+            step=self._step if in_batch else trainer.global_step,
+            rank=trainer.global_rank,
+            in_batch=in_batch,
+            batch_saved=os.path.exists(os.path.join(path, "batch.pt")),
+            after_step=after_step,
         )
+        self.emit(trainer, verdict, synchronized=False)
 
     def _write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> str | None:
         in_batch = self._batch is not None

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
-from lightning_tfdebug.core.io import append_line
+from lightning_tfdebug.core.io import append_finding, append_line
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.messages import pack_warning
 from lightning_tfdebug.core.scalars import refused_scalars, write_scalars
@@ -41,7 +41,6 @@ from lightning_tfdebug.findings import (
     Severity,
     TFDebugError,
     TFDebugWarning,
-    append_finding,
 )
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.rules import rule
@@ -569,12 +568,12 @@ class DebugCallback(Callback):
             verdicts = (verdicts,)
         found = []
         for verdict in verdicts:
-            finding = None if verdict is None else self._record(trainer, verdict, synchronized)
+            finding = None if verdict is None else self._record_verdict(trainer, verdict, synchronized)
             if finding is not None:
                 found.append(finding)
         return found
 
-    def _record(self, trainer: pl.Trainer, verdict: Verdict, synchronized: bool) -> Finding | None:
+    def _record_verdict(self, trainer: pl.Trainer, verdict: Verdict, synchronized: bool) -> Finding | None:
         registered = rule(verdict.code)
         if registered.source not in {cls.__name__ for cls in type(self).__mro__}:
             raise ValueError(f"{type(self).__name__} emitted {verdict.code}, which belongs to {registered.source}.")
@@ -620,7 +619,7 @@ class DebugCallback(Callback):
     ) -> Finding | None:
         """Deprecated shape, kept only while callbacks move to rule verdicts: emit one finding by code."""
         verdict = Verdict(code, message, dict(evidence or {}), hint=hint, severity=severity, key=key, step=step)
-        return self._record(trainer, verdict, synchronized)
+        return self._record_verdict(trainer, verdict, synchronized)
 
     def resolve_local_findings(self, trainer: pl.Trainer) -> None:
         """Act on rank-local findings: every rank must call this at the same point of the same step.

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_tfdebug.findings import TFDebugWarning
+from lightning_tfdebug.findings import Finding, TFDebugWarning
 
 
 @dataclass(frozen=True)
@@ -102,12 +102,29 @@ def make_dirs(directory: str | os.PathLike[str]) -> bool:
         return False
 
 
+def process_umask() -> int:
+    """The process's file-creation mask, read without changing it where Linux says it (``/proc/self/status``);
+    elsewhere it is set and restored at once."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None], *, warn: bool = True) -> bool:
     """Have ``write(tmp)`` produce the file at a temporary path beside ``path``, then rename it into place.
 
     ``write`` receives a path (so ``torch.save``, a profiler's ``export_chrome_trace`` or a text writer can all use
     it). The temporary file is removed if anything fails. Returns False (warned once; with ``warn=False`` only
     recorded in :func:`write_failures`) when the file system refuses; any other exception from ``write`` propagates.
+    The file gets the mode an ordinary ``open(path, "w")`` would give it (``0o666`` less the umask): a temporary
+    file is created ``0o600``, and teammates on a shared cluster must be able to read the report.
     """
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
@@ -117,6 +134,7 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None], *, 
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
         os.close(fd)
         write(tmp)
+        os.chmod(tmp, 0o666 & ~process_umask())
         with open(tmp, "rb+") as f:  # make the content durable before the rename makes it visible
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -165,7 +183,8 @@ def append_line(path: str | os.PathLike[str], line: str, *, sync: bool = True) -
 def publish_dir(build: Callable[[str], None], root: str | os.PathLike[str], name: str) -> str | None:
     """Build a directory with ``build(tmp_dir)`` and rename it to ``root/name`` (``name-1``, ``name-2``... if taken).
 
-    The directory appears complete or not at all, and never replaces an earlier one. Returns its path, or None
+    The directory appears complete or not at all, never replaces an earlier one, and gets the mode ``os.makedirs``
+    would give it under the umask. Returns its path, or None
     (warned once) when the file system refuses; any other exception from ``build`` propagates.
     """
     root = os.fspath(root)
@@ -173,6 +192,7 @@ def publish_dir(build: Callable[[str], None], root: str | os.PathLike[str], name
     try:
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=root, prefix=f".tmp-{name}-")
+        os.chmod(tmp, 0o777 & ~process_umask())  # mkdtemp makes it 0o700; a bundle is for the team too
         build(tmp)
         suffix = 0
         while True:
@@ -198,9 +218,20 @@ __all__ = [
     "WriteFailure",
     "append_line",
     "make_dirs",
+    "process_umask",
     "publish_dir",
     "refused",
     "write_atomic",
     "write_failures",
     "write_text",
 ]
+
+
+def append_finding(path: str | os.PathLike[str], finding: Finding) -> bool:
+    """Append one finding as a JSON line and flush it to disk at once; False when the file system refused.
+
+    The file is opened in append mode for each finding (findings are rare), so several callbacks can share it and
+    nothing written earlier is ever overwritten. A refused write warns once (see :func:`append_line`)
+    and never raises: the finding is still held by the callback that made it.
+    """
+    return append_line(path, finding.to_json())

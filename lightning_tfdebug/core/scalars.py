@@ -110,7 +110,7 @@ class ScalarSink:
             except Exception as err:  # a logger's own failure: the debugging goes on without those curves
                 if not self._warned:
                     self._warned = True
-                    from lightning_tfdebug.core.base import TFDebugWarning
+                    from lightning_tfdebug.findings import TFDebugWarning
 
                     warnings.warn(refused_scalars("the pack", step, err), TFDebugWarning, stacklevel=2)
 

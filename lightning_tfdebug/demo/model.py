@@ -33,7 +33,6 @@ flag                         bug                                                
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Literal
 
@@ -298,8 +297,3 @@ class TinyGPT(pl.LightningModule):
         warmup = max(1, hp.warmup_steps)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-
-def perplexity_floor(vocab_size: int) -> float:
-    """Cross-entropy of a uniform prediction over ``vocab_size`` classes: ln(V)."""
-    return math.log(vocab_size)

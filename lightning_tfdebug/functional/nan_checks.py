@@ -1,8 +1,19 @@
-"""The rules NaNFirstFrame decides: each finding code with its severity, text and hint."""
+"""The rules NaNFirstFrame decides: each finding code with its severity, text and hint, and the decision itself.
+
+A bad step ends as a :class:`NaNStep` reading: which ranks had a non-finite loss or gradients, which had a
+non-finite module output (eager mode), each rank's first non-finite forward and backward module (shared among the
+ranks), whether the replay failed, and where the report lies. Every rank holds the same reading, so every rank reaches
+the same verdict (:func:`nonfinite_step`). Host values only, no Trainer.
+"""
 
 from __future__ import annotations
 
-from lightning_tfdebug.functional.verdicts import Rule
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_tfdebug.functional.frames import LOSS_FRAME
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 TFD401 = Rule(
     "TFD401",
@@ -25,6 +36,10 @@ TFD401 = Rule(
         " at the module's math (`log(0)`, `sqrt` of 0 in backward, 0/0)"
     ),
     reason="A non-finite loss or gradient destroys the weights at the step it reaches: the run cannot continue",
+    message=(
+        "The loss or gradients became non-finite at step {bad_step} on rank(s) {ranks}: {where}. {skipped}Report: "
+        "{report}"
+    ),
 )
 
 TFD402 = Rule(
@@ -44,6 +59,10 @@ TFD402 = Rule(
         "Inf/nan inside the forward that reached neither the loss nor the gradients did no measurable harm (a fully"
         " masked row, a discarded branch)"
     ),
+    message=(
+        "At step {bad_step} a module produced inf/nan that did not reach the loss, on rank(s) {ranks}: {where}."
+        "{replay_failed} Report: {report}"
+    ),
 )
 
 TFD403 = Rule(
@@ -57,6 +76,10 @@ TFD403 = Rule(
     ),
     hint="Run with mode='eager' to record frames during the step itself.",
     reason="The run produced a non-finite loss or gradient; only its location is missing",
+    message=(
+        "The loss or gradients became non-finite at step {bad_step} on rank(s) {ranks}, and replaying the batch to "
+        "locate the first bad frame failed{on_rank}: {error}. Report: {report}"
+    ),
 )
 
 BLOCK = ("TFD401", "TFD409")
@@ -68,3 +91,142 @@ RULES: tuple[Rule, ...] = (
     TFD403,
 )
 """The rules decided in this module, in code order."""
+
+
+_FRAMES_HINT = (
+    "Read the report's frames: the abs-max column shows where values grew; a small 'fp16 room' means the next "
+    "operation may overflow. Under fp16 keep that module in fp32 (or use bf16), lower the LR, add warm-up or "
+    "clipping; a nan from log(0), sqrt(0) backward or 0/0 points at the named module's math."
+)
+_LOSS_HINT = (
+    "Every module's output was finite: look at the loss itself. A batch whose labels are all ignore_index gives mean "
+    "cross-entropy 0/0 = nan (BatchGuard and LossAtInit name it); a hand-written loss taking log of a probability "
+    "that reached 0 gives -inf (use log_softmax / cross_entropy on logits)."
+)
+
+
+@dataclass(frozen=True)
+class NaNStep:
+    """A bad step, as every rank knows it once the ranks shared their first frames.
+
+    Attributes:
+        step: the optimizer step.
+        bad_ranks: the ranks whose loss (or, when no loss was, whose gradients) held inf/nan.
+        frame_ranks: the ranks where a module output held inf/nan (eager mode).
+        everyone: per rank, ``{"rank", "forward", "backward", "reproduced"}``: the first module whose forward output
+            and whose output gradient held inf/nan (None: none did), and whether the replay reproduced this step's
+            own flagged output (None: not asked, lazy mode).
+        report, report_json: this rank's report files.
+        batch_idx, precision: where and how the step ran.
+        error: the replay's error, if it failed.
+        skipped: the optimizer step was not applied.
+    """
+
+    step: int
+    bad_ranks: Sequence[int]
+    frame_ranks: Sequence[int]
+    everyone: Sequence[Mapping[str, Any]]
+    report: str
+    report_json: str
+    batch_idx: int | None = None
+    precision: str = ""
+    error: str | None = None
+    skipped: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        summary: Mapping[str, Any],
+        everyone: Sequence[Mapping[str, Any]],
+        report: str,
+        report_json: str,
+        skipped: bool = False,
+    ) -> NaNStep:
+        """The reading of a rank's report ``summary`` (:func:`~lightning_tfdebug.functional.frames.nan_report`) and
+        every rank's :func:`rank_frames`."""
+        return cls(
+            summary["step"],
+            summary["nonfinite_ranks"],
+            summary["frame_nonfinite_ranks"],
+            everyone,
+            report,
+            report_json,
+            batch_idx=summary["batch_idx"],
+            precision=summary["precision"],
+            error=summary["replay_error"],
+            skipped=skipped,
+        )
+
+
+def rank_frames(rank: int, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """What a rank shares of its report (``summary``, :func:`~lightning_tfdebug.functional.frames.nan_report`): its
+    first non-finite forward and backward module, and whether its replay reproduced this step's flags."""
+    return {
+        "rank": rank,
+        "forward": (summary["first_forward"] or {}).get("module"),
+        "backward": (summary["first_backward"] or {}).get("module"),
+        "reproduced": summary["replay_reproduced"],
+    }
+
+
+def _where(culprit: Mapping[str, Any] | None) -> str:
+    """The finding's sentence on where the first inf/nan appeared, forward and backward."""
+    forward = culprit["forward"] if culprit else None
+    if forward == LOSS_FRAME:
+        where = (
+            f"no module output held inf/nan; the first non-finite value is the loss computed in training_step on "
+            f"rank {culprit['rank']} (a mean over zero supervised tokens, or log(0) or 0/0 in the loss function)"
+        )
+    elif forward:
+        where = f"the first module whose forward output held inf/nan was `{forward}` on rank {culprit['rank']}"
+    else:
+        where = "no module output held inf/nan in the replay"
+    if forward and culprit.get("reproduced") is False:
+        where += " (named from that step's own output sums: the replay did not reproduce the inf/nan)"
+    if culprit and culprit["backward"]:
+        where += f"; the first non-finite gradient reached the output of `{culprit['backward']}`"
+    return where
+
+
+def nonfinite_step(reading: NaNStep) -> Verdict | None:
+    """TFD401 (a non-finite loss or gradients, located), TFD403 (the same, the replay failed) or TFD402 (eager mode: a
+    module output held inf/nan that reached neither); None when no rank's loss or gradients were non-finite and no
+    rank named a module (every flagged output sum was a float32 overflow of finite values)."""
+    everyone = [r for r in reading.everyone if r]
+    bad_ranks, frame_ranks = list(reading.bad_ranks), list(reading.frame_ranks)
+    if not bad_ranks and not any(r["forward"] for r in everyone):
+        return None
+    named = [r for r in everyone if r["forward"]] or [r for r in everyone if r["backward"]]
+    culprit = named[0] if named else None
+    if not bad_ranks:  # eager mode: the ranks whose flagged outputs held inf/nan (not a float32 sum overflow)
+        frame_ranks = [r for r in frame_ranks if any(e["rank"] == r and e["forward"] for e in everyone)]
+    evidence = {
+        "module": culprit["forward"] if culprit else None,
+        "backward_module": culprit["backward"] if culprit else None,
+        "module_rank": culprit["rank"] if culprit else None,
+        "ranks": bad_ranks or frame_ranks,
+        "per_rank": {str(r["rank"]): {"forward": r["forward"], "backward": r["backward"]} for r in everyone},
+        "batch_idx": reading.batch_idx,
+        "precision": reading.precision,
+        "report": reading.report,
+        "report_json": reading.report_json,
+    }
+    if culprit and culprit["forward"] and culprit.get("reproduced") is False:
+        evidence["replay_reproduced"] = False
+    key, error = f"step{reading.step}", reading.error
+    if error and bad_ranks:
+        return TFD403.verdict(evidence, key=key, bad_step=reading.step, on_rank="", error=error)
+    where = _where(culprit)
+    if bad_ranks:
+        hint = _LOSS_HINT if culprit and culprit["forward"] == LOSS_FRAME else _FRAMES_HINT
+        skipped = "The optimizer step was not applied. " if reading.skipped else ""
+        return TFD401.verdict(evidence, hint=hint, key=key, bad_step=reading.step, where=where, skipped=skipped)
+    replay_failed = f" The replay failed: {error}." if error else ""
+    return TFD402.verdict(evidence, key=key, bad_step=reading.step, where=where, replay_failed=replay_failed)
+
+
+def replay_failed_on_rank(step: int, bad_ranks: Sequence[int], rank: int, error: str, report: str) -> Verdict:
+    """TFD403 from one rank alone: its replay of a sharded (FSDP2) model failed part-way, so the ranks are out of step
+    and cannot share anything more."""
+    evidence = {"ranks": list(bad_ranks), "report": report, "replay_error": error}
+    return TFD403.verdict(evidence, key=f"step{step}", bad_step=step, on_rank=f" on rank {rank}", error=error)

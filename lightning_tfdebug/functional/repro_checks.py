@@ -1,8 +1,11 @@
-"""The rules ReproCapture decides: each finding code with its severity, text and hint."""
+"""The rules ReproCapture decides: each finding code with its severity, text and hint, and the decision itself.
+
+Both are rank-local (each rank writes its own bundle while an exception propagates): host values only, no Trainer.
+"""
 
 from __future__ import annotations
 
-from lightning_tfdebug.functional.verdicts import Rule
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 TFD130 = Rule(
     "TFD130",
@@ -14,6 +17,10 @@ TFD130 = Rule(
     reason=(
         "The failure itself propagates as the exception; the finding only points at the bundle written to reproduce it"
     ),
+    message=(
+        "Training failed with {exception} at step {failed_step} (rank {rank}); a repro bundle was written to "
+        "{bundle}.{replayable}"
+    ),
 )
 
 TFD131 = Rule(
@@ -24,6 +31,7 @@ TFD131 = Rule(
     trigger=("the bundle could not be written (disk full, no permission); the original exception still propagates"),
     hint="Check free disk space and write permission on the log directory.",
     reason="Loses work: the evidence needed to replay the crash is gone, though the crash itself still propagates",
+    message="ReproCapture could not write a bundle for the {exception} at step {failed_step}: {error}",
 )
 
 BLOCK = ("TFD130", "TFD139")
@@ -34,3 +42,30 @@ RULES: tuple[Rule, ...] = (
     TFD131,
 )
 """The rules decided in this module, in code order."""
+
+
+def bundle_written(
+    bundle: str, exception: str, *, step: int, rank: int, in_batch: bool, batch_saved: bool, after_step: bool
+) -> Verdict:
+    """TFD130: a bundle was written for ``exception`` (its class name) at ``step``; the message says what it can
+    replay: nothing without a batch (the exception came outside a training batch, or the batch never reached the
+    host), or, when the exception came after the step's forward and backward, that step's batch."""
+    if not in_batch:
+        replayable = " It holds no batch (the exception came outside a training batch)."
+    elif not batch_saved:
+        replayable = " The batch could not be copied to the host (see bundle.json); it cannot be replayed."
+    elif after_step:
+        replayable = (
+            " It came after that step's training_step and backward (a batch-end hook, the LR scheduler, or loading "
+            "the next batch); the bundle holds that step's batch."
+        )
+    else:
+        replayable = ""
+    hint = f"Replay the failing step: python -m lightning_tfdebug replay {bundle} --config <your LightningCLI config>"
+    evidence = {"bundle": bundle, "exception": exception}
+    return TFD130.verdict(evidence, hint=hint, key=bundle, failed_step=step, rank=rank, replayable=replayable)
+
+
+def bundle_not_written(exception: str, error: str, *, step: int, key: str) -> Verdict:
+    """TFD131: the bundle for ``exception`` (its class name) at ``step`` could not be written (``error``)."""
+    return TFD131.verdict({"error": error}, key=key, failed_step=step, exception=exception)

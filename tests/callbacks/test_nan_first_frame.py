@@ -513,15 +513,15 @@ def test_a_nan_loss_with_finite_gradients_is_caught_in_the_fused_check_and_left_
 def test_the_fused_check_leaves_a_healthy_step_s_loss_and_gradients_bit_for_bit(tmp_path):
     nff = NaNFirstFrame()
     fit(tmp_path, [nff], max_steps=1)  # set up its parameter list on a real fit
-    params = nff._params
+    params = nff._finite.params
     for i, p in enumerate(params):
         p.grad = torch.randn_like(p) * 10.0 ** (i % 7 - 3)
     grads = [p.grad.clone() for p in params]
     loss = torch.tensor(2.5, requires_grad=True) * 1.0
-    nff._losses = [loss.detach()]
-    decision = nff._one_pass_decision()
+    nff._finite.losses = [loss.detach()]
+    decision = nff._finite.one_pass()
     assert decision is not None and float(decision) == 0.0
     assert all(torch.equal(p.grad, g) for p, g in zip(params, grads)) and loss.item() == 2.5
     assert loss._version == 0  # the loss was copied, not written into
-    nff._losses = [loss.detach(), torch.tensor(float("inf"))]
-    assert float(nff._one_pass_decision()) == 1.0
+    nff._finite.losses = [loss.detach(), torch.tensor(float("inf"))]
+    assert float(nff._finite.one_pass()) == 1.0

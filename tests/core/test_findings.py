@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_tfdebug import Finding, read_findings
-from lightning_tfdebug.findings import append_finding
+from lightning_tfdebug.core.io import append_finding
 
 
 def make(**kw):

@@ -77,3 +77,25 @@ def test_flagged_ranks_prefers_the_ranks_whose_loss_was_bad():
 def test_flagged_ranks_falls_back_to_gradients_and_reports_frames_apart():
     assert flagged_ranks([[0, 1, 0], [0, 0, 1]]) == ([0], [1])
     assert flagged_ranks([[0.0, 0.0, 0.0]]) == ([], [])
+
+
+def test_step_finite_folds_many_losses_and_reads_gradients_only_when_asked():
+    from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_row
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    check = StepFinite(params, check_gradients=True)
+    assert not check.sharded and check.loss_flag() is None and check.grad_flag() is None  # no gradient yet
+    for i in range(20):  # long gradient accumulation: the first 16 are folded into one flag on the way
+        check.add_loss(torch.tensor(float("nan") if i == 3 else 1.0))
+    assert check.folded is not None and len(check.losses) == 4 and bool(check.loss_flag())
+    assert check.one_pass() is None  # folded losses: the separate flags decide
+    check.reset()
+    params[1].grad = torch.tensor([0.0, float("inf")])
+    check.add_loss(torch.tensor(2.0))
+    assert not bool(check.loss_flag()) and float(check.grad_flag()) == 1.0 and float(check.one_pass()) == 1.0
+    assert StepFinite(params, check_gradients=False).grad_flag() is None
+    row = flag_row(torch.device("cpu"), (check.loss_flag(), None, torch.tensor(1.0)))
+    assert row.tolist() == [0.0, 0.0, 1.0]
+    assert any_flag(None, None, None, torch.device("cpu")) is None
+    assert float(any_flag(torch.tensor(False), torch.tensor(1.0), None, torch.device("cpu"))) == 1.0
+    assert float(any_flag(torch.tensor(False), torch.tensor(0.0), torch.tensor(0.0), torch.device("cpu"))) == 0.0

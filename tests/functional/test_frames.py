@@ -2,7 +2,6 @@ import json
 import math
 from collections import namedtuple
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from lightning_tfdebug.functional.frames import (
     iter_float_tensors,
     weight_ranges,
     window,
-    write_report,
 )
 
 Pair = namedtuple("Pair", "first second")
@@ -101,7 +99,6 @@ def test_recorder_names_the_first_nonfinite_frame_and_its_tensor():
     assert [e.label for e in forward[3].entries] == ["input[0]", "output.hidden", "output.extra[0]"]
     assert recorder.first_nonfinite("forward") == 2
     assert not forward[2].finite and [e.label for e in forward[2].entries if not e.finite] == ["output['log']"]
-    assert recorder.any_nonfinite().item() == 1.0
     backward = recorder.frames("backward")
     assert backward and all(f.finite for f in backward) and recorder.first_nonfinite("backward") is None
 
@@ -138,7 +135,7 @@ def test_disabled_recorder_records_nothing():
     assert recorder.records == [] and recorder.first_nonfinite("forward") is None
 
 
-def test_weights_ring_window_and_report_files(tmp_path):
+def test_weights_ring_window_and_report_text():
     lin = nn.Linear(3, 2)
     with torch.no_grad():
         lin.weight.fill_(-2.0)
@@ -151,12 +148,10 @@ def test_weights_ring_window_and_report_files(tmp_path):
         net(torch.ones(2, 4))
     lines = format_frames("frames", recorder.frames("forward"))
     assert any("<-- non-finite" in line and line.startswith("[2] b DictModule") for line in lines)
-    txt, js = write_report(
-        str(tmp_path / "r"), "nan-step0-rank0", {"x": [f.to_dict() for f in recorder.frames("forward")]}, lines
-    )
-    assert json.loads(Path(js).read_text())["x"][2]["entries"][-1]["abs_max"] == "nan"
-    assert Path(txt).read_text().startswith("frames")
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["nan-step0-rank0.json", "nan-step0-rank0.txt"]
+    # a frame's dict is strict JSON (a non-finite number is written as its name), as the report's JSON file needs
+    document = json.dumps({"x": [f.to_dict() for f in recorder.frames("forward")]}, allow_nan=False)
+    assert json.loads(document)["x"][2]["entries"][-1]["abs_max"] == "nan"
+    assert lines[0] == "frames"
 
 
 def test_frame_flags_name_the_first_nonfinite_output_with_one_sum_per_tensor():
@@ -192,3 +187,33 @@ def test_frame_flags_skip_checkpoint_recomputation_and_pause_when_disabled(mode)
         flags.enabled = False
         net(torch.ones(2, 4))
     assert flags.count() == 0
+
+
+def test_replay_frames_restores_gradients_and_generators_and_reports_its_error():
+    from lightning_tfdebug.functional.frames import LOSS_FRAME, replay_frames, rng_state
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    params = list(net.parameters())
+    own = [torch.full_like(p, 7.0) for p in params]
+    for p, g in zip(params, own):
+        p.grad = g
+    micro = [(torch.ones(2, 4), 0, rng_state(torch.device("cpu")))]
+    torch.rand(1)  # the generator moved on since the batch's state was taken
+
+    def run_step(batch, batch_idx):
+        return net(batch).sum() * float("nan")
+
+    before = torch.get_rng_state()
+    recorder, flags, error = replay_frames(net, torch.device("cpu"), micro, run_step, params, flags=True)
+    assert error is None and torch.equal(torch.get_rng_state(), before)  # put back after the replay
+    assert all(p.grad is g for p, g in zip(params, own))  # the step's own gradients, untouched
+    assert recorder.count("forward") == 4 and recorder.frames("forward")[-1].module == LOSS_FRAME
+    assert flags is not None and flags.first_nonfinite()[1] == LOSS_FRAME
+    assert recorder.first_nonfinite("backward") is not None
+
+    def failing(batch, batch_idx):
+        raise RuntimeError("boom")
+
+    recorder, flags, error = replay_frames(net, torch.device("cpu"), micro, failing, params)
+    assert error == "RuntimeError: boom" and flags is None and all(p.grad is g for p, g in zip(params, own))
+    assert not any(m._forward_hooks for m in net.modules())  # hooks removed
