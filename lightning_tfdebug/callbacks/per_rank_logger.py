@@ -332,7 +332,7 @@ class PerRankLogger(DebugCallback):
         self.log_scalars(trainer, per_rank_metrics(stats, self.log_per_rank), step=step)
         # every value comes from the reduction: every rank takes the same decisions (synchronized findings)
         differing = disagreeing_tensors(host[world * width :], world, self._param_names) if compare else None
-        self.emit(trainer, self._diagnosis.update(stats, [], self._param_names, step, differing=differing))
+        self.emit(trainer, self._diagnosis.update(stats, step, differing=differing))
 
     def _write_record(self, trainer: pl.Trainer, step: int, mine: RankRow) -> None:
         record = {

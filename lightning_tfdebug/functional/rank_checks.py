@@ -19,7 +19,6 @@ from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.throughput import (
     differing_ranks,
-    differing_tensors,
     loss_outliers,
     max_over_median,
     median_of_others,
@@ -288,17 +287,9 @@ class RankDiagnosis:
     patience: int = 3
     streaks: Streak = field(default_factory=Streak)
 
-    def update(
-        self,
-        stats: Sequence[RankRow],
-        checksums: Sequence[Sequence[float]],
-        names: Sequence[str],
-        step: int,
-        differing: Sequence[str] | None = None,
-    ) -> list[Verdict]:
-        """The verdicts of one measurement. ``checksums``: every rank's per-tensor checksums (or empty); or, from the
-        pack's reduction, ``differing``: the tensors the ranks disagree on (:func:`disagreeing_tensors`), the ranks
-        then named from each rank's weighted total (``stats[r].checksum``)."""
+    def update(self, stats: Sequence[RankRow], step: int, differing: Sequence[str] | None = None) -> list[Verdict]:
+        """The verdicts of one measurement: ``stats`` every rank's row, ``differing`` the tensors whose checksums the
+        ranks disagree on (:func:`disagreeing_tensors`; None: not compared)."""
         out: list[Verdict] = []
         nonfinite = nonfinite_loss_verdict(stats, step)
         if nonfinite is not None:
@@ -307,9 +298,7 @@ class RankDiagnosis:
             return out
         out += self._batches(stats, step)
         if differing:
-            out += parameters_verdict(stats, [[s.checksum] for s in stats], names, step, list(differing))
-        elif checksums and checksums[0]:
-            out += parameters_verdict(stats, checksums, names, step)
+            out.append(parameters_verdict(stats, list(differing), step))
         out += self._stragglers(stats, step)
         out += self._losses(stats, step)
         return out
@@ -395,24 +384,10 @@ def nonfinite_loss_verdict(stats: Sequence[RankRow], step: int) -> Verdict | Non
     return TFD505.verdict(evidence, step=step, rank_list=", ".join(map(str, nonfinite)), at_step=step, others=others)
 
 
-def parameters_verdict(
-    stats: Sequence[RankRow],
-    checksums: Sequence[Sequence[float]],
-    names: Sequence[str],
-    step: int,
-    tensors: list[str] | None = None,
-) -> list[Verdict]:
-    """``TFD502``: the ranks whose parameter checksums differ from the majority's, and the tensors that differ.
-
-    ``tensors`` given: they are known to differ (from the reduced agreement sums), and ``checksums`` are each rank's
-    weighted total, which names the ranks exactly (replicas are equal)."""
-    if tensors is None:
-        ranks = differing_ranks(checksums, CHECKSUM_RTOL)
-        if not ranks:
-            return []
-        tensors = differing_tensors(checksums, names, CHECKSUM_RTOL)
-    else:
-        ranks = differing_ranks(checksums, 0.0)
+def parameters_verdict(stats: Sequence[RankRow], tensors: list[str], step: int) -> Verdict:
+    """``TFD502``: the ``tensors`` the replicas disagree on (from the reduced agreement sums), and the ranks that
+    differ from the majority, named from each rank's weighted total checksum (exactly: replicas are equal)."""
+    ranks = differing_ranks([[s.checksum] for s in stats], 0.0)
     evidence = {"ranks": ranks, "tensors": tensors[:50], "checksums": [s.checksum for s in stats]}
     text = {
         "at_step": step,
@@ -421,4 +396,4 @@ def parameters_verdict(
         "tensor_list": ", ".join(tensors[:5]),
         "more": " ..." * (len(tensors) > 5),
     }
-    return [TFD502.verdict(evidence, step=step, **text)]
+    return TFD502.verdict(evidence, step=step, **text)

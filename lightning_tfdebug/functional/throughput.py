@@ -149,26 +149,6 @@ def differing_ranks(values: Sequence[Sequence[float]], rtol: float = 1e-6) -> li
     return sorted(r for g in groups if g is not majority for r in g)
 
 
-def differing_tensors(values: Sequence[Sequence[float]], names: Sequence[str], rtol: float = 1e-6) -> list[str]:
-    """Names of the tensors whose checksum is not the same on every rank.
-
-    ``values[r]`` is rank ``r``'s checksum vector; it may hold several blocks of ``len(names)`` values (as
-    :func:`parameter_checksums` returns: norms, then sums); a tensor differs when any of its values does.
-    """
-    n = len(names)
-    if not n or not values:
-        return []
-    out = []
-    for i, name in enumerate(names):
-        for j in range(i, len(values[0]), n):
-            column = [v[j] for v in values]
-            ref = column[0]
-            if not all(_close(x, ref, rtol) for x in column[1:]):
-                out.append(name)
-                break
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------- windows
 class CountWindow:
     """Running sum of a per-micro-batch count over one measuring window, kept where the count lives.

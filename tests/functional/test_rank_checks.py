@@ -44,9 +44,9 @@ def test_per_rank_metrics_and_spreads():
 
 
 def test_rank_diagnosis_names_the_rank_after_patience_measurements():
-    def run(stats, times=2, checksums=(), names=()):
+    def run(stats, times=2, differing=None):
         diagnosis = RankDiagnosis(patience=2)
-        return [[(v.code, v.key) for v in diagnosis.update(stats, list(checksums), names, 7)] for _ in range(times)]
+        return [[(v.code, v.key) for v in diagnosis.update(stats, 7, differing)] for _ in range(times)]
 
     assert run([rank_row(), rank_row()]) == [[], []]
     assert run([rank_row(loss=float("nan"))], times=1) == [[("TFD505", None)]]
@@ -57,7 +57,7 @@ def test_rank_diagnosis_names_the_rank_after_patience_measurements():
     far = [rank_row(), rank_row(), rank_row(loss=9.0)]
     assert run(far) == [[], [("TFD504", "rank2")]]
     assert run([rank_row(), rank_row(loss=9.0)]) == [[], [("TFD504", "pair")]]
-    [[(code, _)]] = run([rank_row(), rank_row()], times=1, checksums=[[1.0, 2.0], [1.0, 2.5]], names=["w"])
+    [[(code, _)]] = run([rank_row(), rank_row(checksum=2.0)], times=1, differing=["w"])
     assert code == "TFD502"
 
 
@@ -109,50 +109,53 @@ def test_tfd505_names_the_ranks_with_a_non_finite_loss_at_once():
 def test_tfd501_identical_batches_on_two_ranks_after_patience():
     diagnosis = RankDiagnosis(patience=2)
     same = [rank_row(fingerprint=5.0), rank_row(fingerprint=5.0)]
-    assert diagnosis.update(same, [], [], 3) == []
-    [verdict] = diagnosis.update(same, [], [], 4)
+    assert diagnosis.update(same, 3) == []
+    [verdict] = diagnosis.update(same, 4)
     assert verdict.code == "TFD501" and verdict.evidence["identical_ranks"] == [[0, 1]] and verdict.step == 4
     assert verdict.message.startswith("Ranks [0, 1] trained on identical batches at 2 measured steps in a row")
-    assert RankDiagnosis(patience=1).update([rank_row(), rank_row()], [], [], 4) == []  # no ids (-1): no verdict
+    assert RankDiagnosis(patience=1).update([rank_row(), rank_row()], 4) == []  # no ids (-1): no verdict
 
 
 def test_tfd502_names_the_odd_replica_and_the_tensors():
+    # the tensors come from the reduced agreement sums; each rank's weighted total checksum names the odd replica
     stats = [rank_row(checksum=1.0), rank_row(checksum=1.0), rank_row(checksum=2.0)]
-    [verdict] = parameters_verdict(stats, [[1.0, 2.0], [1.0, 2.0], [1.0, 2.5]], ["a", "b"], 6)
+    verdict = parameters_verdict(stats, ["b"], 6)
     assert verdict.code == "TFD502" and verdict.evidence["ranks"] == [2] and verdict.evidence["tensors"] == ["b"]
+    assert verdict.evidence["checksums"] == [1.0, 1.0, 2.0] and verdict.step == 6
     assert verdict.message == (
         "Parameters or buffers differ between DDP replicas at step 6: rank(s) 2 disagree with the others on "
         "1 tensor(s): b."
     )
-    # from the reduced agreement sums: the tensors are known, the weighted totals name the rank
     names = [f"w{i}" for i in range(7)]
-    [verdict] = parameters_verdict(stats, [[s.checksum] for s in stats], names, 6, tensors=names)
-    assert verdict.evidence["ranks"] == [2] and verdict.message.endswith("w0, w1, w2, w3, w4 ....")
-    assert parameters_verdict(stats, [[1.0], [1.0], [1.0]], ["a"], 6) == []
+    verdict = parameters_verdict(stats, names, 6)
+    assert verdict.evidence["tensors"] == names and verdict.message.endswith("on 7 tensor(s): w0, w1, w2, w3, w4 ....")
+    # the pack's reduction found no tensor that differs: no verdict
+    assert RankDiagnosis(patience=1).update(stats, 6, differing=[]) == []
+    assert [v.code for v in RankDiagnosis(patience=1).update(stats, 6, differing=["b"])] == ["TFD502"]
 
 
 def test_tfd503_straggler_needs_the_factor_the_margin_and_patience():
     slow = [rank_row(busy_ms=60.0), rank_row(busy_ms=200.0), rank_row(busy_ms=60.0)]
     diagnosis = RankDiagnosis(patience=2)
-    assert diagnosis.update(slow, [], [], 4) == []
-    [verdict] = diagnosis.update(slow, [], [], 5)
+    assert diagnosis.update(slow, 4) == []
+    [verdict] = diagnosis.update(slow, 5)
     assert verdict.code == "TFD503" and verdict.key == "rank1" and verdict.evidence["others_median_ms"] == 65.0
     assert "Rank 1 is a straggler: its own work per step (205.0 ms" in verdict.message and "3.2x" in verdict.message
     # 1.4x the others: below the factor; 12 ms against 5 ms: 2.4x but less than straggler_min_ms more
-    assert RankDiagnosis(patience=1).update([rank_row(busy_ms=86.0), rank_row(), rank_row()], [], [], 5) == []
+    assert RankDiagnosis(patience=1).update([rank_row(busy_ms=86.0), rank_row(), rank_row()], 5) == []
     fast = [rank_row(busy_ms=7.0, dataloader_wait_ms=5.0), rank_row(busy_ms=0.0), rank_row(busy_ms=0.0)]
-    assert RankDiagnosis(patience=1).update(fast, [], [], 5) == []
+    assert RankDiagnosis(patience=1).update(fast, 5) == []
 
 
 def test_tfd504_one_odd_loss_among_many_and_both_of_two():
-    [verdict] = RankDiagnosis(patience=1).update([rank_row(), rank_row(), rank_row(loss=9.0)], [], [], 5)
+    [verdict] = RankDiagnosis(patience=1).update([rank_row(), rank_row(), rank_row(loss=9.0)], 5)
     assert verdict.code == "TFD504" and verdict.key == "rank2" and verdict.evidence["median"] == 2.0
     assert verdict.message == "Rank 2's loss (9) is far from the median over ranks (2) for 1 measurements in a row."
     assert verdict.hint.startswith("That rank sees different data")
-    [verdict] = RankDiagnosis(patience=1).update([rank_row(), rank_row(loss=9.0)], [], [], 5)
+    [verdict] = RankDiagnosis(patience=1).update([rank_row(), rank_row(loss=9.0)], 5)
     assert verdict.key == "pair" and verdict.evidence["ranks"] == [0, 1]
     assert verdict.message == (
         "The two ranks' losses (2 and 9) differ by more than 50% for 1 measurements in a row; with two ranks, "
         "which one is off cannot be told."
     )
-    assert RankDiagnosis(patience=1).update([rank_row(), rank_row(loss=2.5)], [], [], 5) == []
+    assert RankDiagnosis(patience=1).update([rank_row(), rank_row(loss=2.5)], 5) == []
