@@ -677,10 +677,12 @@ class SharedView(pl.Callback):
         self.views, self.counted = [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        held = trainer.__dict__["_tfdebug_step_batches"]
-        assert held[0] is batch
-        self.views.append(len(held[1]))
-        self.counted.append(all("tokens" in v._cache for v in held[1].values()))
+        from lightning_tfdebug.core.step import step_state
+
+        held = step_state(trainer)  # the step's shared state: the batch and its readings
+        assert held.batch is batch
+        self.views.append(len(held.batch_views))
+        self.counted.append(all("tokens" in v._cache for v in held.batch_views.values()))
 
 
 def test_the_pack_reads_each_batch_once_and_counts_its_tokens_once(tmp_path):
