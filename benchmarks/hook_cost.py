@@ -57,10 +57,12 @@ class HookClock(pl.Callback):
         sink = pack._scalars
         sink.flush = self._timed("scalars", sink.flush, owner="(scalars written to the loggers)")
         # DeadActivation's forward hooks (measuring steps) run inside the forward, not in a Lightning hook: their
-        # statistics, where nearly all their time goes, are timed through the method they call
-        dead = pack.running.get("DeadActivation")
-        if dead is not None:
-            dead._accumulate = self._timed("forward", dead._accumulate, owner="DeadActivation (forward hooks)")
+        # statistics, where nearly all their time goes, are timed through the method they call (restored in teardown)
+        from lightning_tfdebug.functional.activations import LayerCounts
+
+        self._add = LayerCounts.add
+        if "DeadActivation" in pack.running:
+            LayerCounts.add = self._timed("forward", self._add, owner="DeadActivation (forward hooks)")
         # the one pass over the gradients that must run on every step (device work on a GPU, host work here): timed
         # apart, inside NaNFirstFrame's row, so the host time around it can be read on its own
         from lightning_tfdebug.functional import finite  # NaNFirstFrame's StepFinite calls it from there
@@ -70,8 +72,10 @@ class HookClock(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lightning_tfdebug.functional import finite
+        from lightning_tfdebug.functional.activations import LayerCounts
 
         finite.grads_nonfinite_flag = self._flag
+        LayerCounts.add = self._add
 
     def _timed(self, hook: str, method: Callable[..., Any], owner: str | None = None) -> Callable[..., Any]:
         name = owner or type(getattr(method, "__self__", method)).__name__

@@ -8,103 +8,84 @@ of every layer, the loss against ln V and the unigram entropy, and each per-rank
 chart, so a straggler stands out.
 
 :func:`dashboard_layout` builds the layout (a plain dict, TensorBoard's ``add_custom_scalars`` format) from the
-members that run; :func:`write_dashboard` writes it to every logger whose experiment can take it (TensorBoard's
-``SummaryWriter`` from ``torch.utils.tensorboard`` or tensorboardX; a write the disk refuses warns once, through
-:mod:`lightning_tfdebug.core.io`, and never stops training). :func:`read_dashboard` reads it back from an event
-directory.
+``KEYS`` the members that run declare (each key's ``chart``); :func:`write_dashboard` writes it to every logger whose
+experiment can take it (TensorBoard's ``SummaryWriter`` from ``torch.utils.tensorboard`` or tensorboardX; a write the
+disk refuses warns once, through :mod:`lightning_tfdebug.core.io`, and never stops training). :func:`read_dashboard`
+reads it back from an event directory.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lightning_tfdebug.core.compat import is_lightning_instance
 from lightning_tfdebug.core.io import refused
+from lightning_tfdebug.core.keys import Key
 
 Chart = list[Any]  # ["Multiline", [regex, ...]] or ["Margin", [value, lower, upper]]
 Layout = dict[str, dict[str, Chart]]
 
-# Per-rank statistics PerRankLogger logs as per_rank/<stat>/rank<r>.
-_PER_RANK = ("step_time_ms", "busy_ms", "dataloader_wait_ms", "peak_memory_gib", "loss")
+CATEGORIES: dict[str, str] = {
+    "GradNormMonitor": "tfdebug: gradients and updates",
+    "UpdateRatio": "tfdebug: gradients and updates",
+    "LossAtInit": "tfdebug: loss and schedule",
+    "OptimizerAudit": "tfdebug: loss and schedule",
+    "DeadActivation": "tfdebug: activations",
+    "ThroughputMonitor": "tfdebug: throughput and data",
+    "BatchGuard": "tfdebug: throughput and data",
+    "ScalerWatch": "tfdebug: precision",
+    "NaNFirstFrame": "tfdebug: precision",
+    "PerRankLogger": "tfdebug: ranks",
+    "MaskProbe": "tfdebug: masks and targets",
+}
+"""The dashboard category of each member's charts, in the order the categories are shown."""
 
 
-def dashboard_layout(members: Iterable[str], update_groups: Iterable[str] = ()) -> Layout:
-    """The custom-scalars layout for the pack members named in ``members``.
+def member_charts(keys: Iterable[Key]) -> dict[str, list[str]]:
+    """``{chart title: [tag regex, ...]}`` from a member's declared keys (:class:`~lightning_tfdebug.core.keys.Key`).
+
+    A key family (``grad_norm/<group>``) would also match the member's literal keys drawn on other charts
+    (``grad_norm/total``); those are excluded from its pattern, so every series is drawn where it is declared."""
+    keys = tuple(keys)
+    charts: dict[str, list[str]] = {}
+    for key in keys:
+        if not key.chart:
+            continue
+        elsewhere = [k.name for k in keys if "<" not in k.name and k.chart != key.chart and key.matches(k.name)]
+        guard = f"(?!(?:{'|'.join(re.escape(n) for n in elsewhere)})$)" if elsewhere else ""
+        charts.setdefault(key.chart, []).append(f"^{guard}{key.pattern()}$")
+    return charts
+
+
+def dashboard_layout(members: Mapping[str, Any], update_groups: Iterable[str] = ()) -> Layout:
+    """The custom-scalars layout for the pack members that run, derived from their declared ``KEYS``.
 
     Args:
-        members: class names of the members that run (e.g. ``"GradNormMonitor"``); charts of absent members are left
-            out.
+        members: ``{class name: the callback or its class}`` of the members that run; charts of absent members are
+            left out.
         update_groups: UpdateRatio's parameter groups: one margin chart each (the ratio inside the healthy band).
 
     Returns:
         ``{category: {chart title: ["Multiline", [tag regex, ...]] | ["Margin", [value, lower, upper]]}}``.
     """
-    present = set(members)
     layout: Layout = {}
-    if "GradNormMonitor" in present or "UpdateRatio" in present:
+    for category in dict.fromkeys(CATEGORIES.values()):
         charts: dict[str, Chart] = {}
-        if "GradNormMonitor" in present:
-            charts["gradient norm per block"] = ["Multiline", [r"grad_norm/(?!total$|clip_frac$|nonfinite$).*"]]
-            charts["gradient norm: total, clipped and non-finite"] = [
-                "Multiline",
-                [r"grad_norm/(total|clip_frac|nonfinite)$"],
-            ]
-        if "UpdateRatio" in present:
-            charts["update ratio per group (band: healthy)"] = [
-                "Multiline",
-                [r"update_ratio/(?!param_norm/|band/).*", r"update_ratio/band/.*"],
-            ]
-            charts["parameter norm per group"] = ["Multiline", [r"update_ratio/param_norm/.*"]]
-            for group in ("total", *update_groups):
-                charts[f"update ratio: {group}"] = [
-                    "Margin",
-                    [f"update_ratio/{group}", "update_ratio/band/low", "update_ratio/band/high"],
-                ]
-        layout["tfdebug: gradients and updates"] = charts
-    if "LossAtInit" in present or "OptimizerAudit" in present:
-        charts = {}
-        if "LossAtInit" in present:
-            charts["loss against ln V and the unigram entropy"] = [
-                "Multiline",
-                [r"loss_at_init/(loss|ln_vocab|unigram_entropy)$"],
-            ]
-        if "OptimizerAudit" in present:
-            charts["learning rate per group"] = ["Multiline", [r"optimizer_audit/lr/.*"]]
-        layout["tfdebug: loss and schedule"] = charts
-    if "DeadActivation" in present:
-        layout["tfdebug: activations"] = {
-            "dead fraction per layer": ["Multiline", [r"dead_activation/dead_frac/.*"]],
-            "saturated fraction per layer": ["Multiline", [r"dead_activation/saturated_frac/.*"]],
-            "zero fraction per layer": ["Multiline", [r"dead_activation/zero_frac/.*"]],
-        }
-    if "ThroughputMonitor" in present or "BatchGuard" in present:
-        charts = {}
-        if "ThroughputMonitor" in present:
-            charts["tokens per second"] = ["Multiline", [r"throughput/tokens_per_sec.*"]]
-            charts["step time (ms)"] = ["Multiline", [r"throughput/step_time_ms"]]
-            charts["data wait and padding (fraction)"] = [
-                "Multiline",
-                [r"throughput/dataloader_wait_frac", r"throughput/padding_frac"],
-            ]
-            charts["model FLOPs utilisation"] = ["Multiline", [r"throughput/mfu"]]
-        if "BatchGuard" in present:
-            charts["batches"] = ["Multiline", [r"batch_guard/.*"]]
-        layout["tfdebug: throughput and data"] = charts
-    if "ScalerWatch" in present or "NaNFirstFrame" in present:
-        charts = {}
-        if "ScalerWatch" in present:
-            charts["loss scale"] = ["Multiline", [r"scaler/scale"]]
-            charts["skipped steps"] = ["Multiline", [r"scaler/skipped_(steps|frac)"]]
-        if "NaNFirstFrame" in present:
-            charts["steps skipped for non-finite values"] = ["Multiline", [r"nan_first_frame/skipped_steps"]]
-        layout["tfdebug: precision"] = charts
-    if "PerRankLogger" in present:
-        charts = {f"{stat}: every rank": ["Multiline", [rf"per_rank/{stat}/rank\d+"]] for stat in _PER_RANK}
-        charts["spread over ranks"] = ["Multiline", [r"per_rank/.*/max_(over|minus)_.*"]]
-        layout["tfdebug: ranks"] = charts
-    if "MaskProbe" in present:
-        layout["tfdebug: masks and targets"] = {"mask probes": ["Multiline", [r"mask_probe/.*"]]}
+        for name, member in members.items():
+            if CATEGORIES.get(name) != category:
+                continue
+            for title, patterns in member_charts(getattr(member, "KEYS", ())).items():
+                charts[title] = ["Multiline", patterns]
+            if name == "UpdateRatio":
+                for group in ("total", *update_groups):
+                    charts[f"update ratio: {group}"] = [
+                        "Margin",
+                        [f"update_ratio/{group}", "update_ratio/band/low", "update_ratio/band/high"],
+                    ]
+        if charts:
+            layout[category] = charts
     return layout
 
 

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_tfdebug.core.base import CALLBACKS
 from lightning_tfdebug.findings import SEVERITIES, Finding, read_findings
 
 FORMATS: tuple[str, ...] = ("text", "markdown", "json", "html")
@@ -35,19 +36,15 @@ FAIL_ON: tuple[str, ...] = ("info", "warning", "error", "never")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}  # info 0 < warning 1 < error 2
 SHORT_INFO_LINES = 8  # the end-of-fit summary lists info findings one by one up to this many, then counts them
 
+
 #: The TensorBoard series behind each callback's findings (regexes on tags), for the report's pictures.
-SERIES: dict[str, tuple[str, ...]] = {
-    "GradNormMonitor": (r"^grad_norm/",),
-    "UpdateRatio": (r"^update_ratio/(?!param_norm/)",),
-    "LossAtInit": (r"^loss_at_init/(loss|ln_vocab|unigram_entropy)$",),
-    "OptimizerAudit": (r"^optimizer_audit/lr/",),
-    "DeadActivation": (r"^dead_activation/(dead|saturated)_frac/",),
-    "ThroughputMonitor": (r"^throughput/(step_time_ms|dataloader_wait_frac|padding_frac)$",),
-    "PerRankLogger": (r"^per_rank/step_time_ms/rank\d+$", r"^per_rank/loss/rank\d+$"),
-    "ScalerWatch": (r"^scaler/(scale|skipped_frac)$",),
-    "NaNFirstFrame": (r"^grad_norm/total$", r"^nan_first_frame/skipped_steps$"),
-    "BatchGuard": (r"^batch_guard/",),
-}
+def series_of(source: str) -> tuple[str, ...]:
+    """The series behind a source's findings: the tag patterns of the keys its callback declares on a chart
+    (``KEYS``, :mod:`lightning_tfdebug.core.keys`); empty for a source that declares none."""
+    cls = CALLBACKS.get(source)
+    return tuple(f"^{key.pattern()}$" for key in getattr(cls, "KEYS", ()) if key.chart)
+
+
 _OVERVIEW = (r"^loss_at_init/(loss|ln_vocab|unigram_entropy)$", r"^grad_norm/total$")
 
 
@@ -491,9 +488,10 @@ def render_html(run: Run) -> str:
         parts.append("</ul>")
     pictures = 0
     missing_plotting = False
-    sources = list(dict.fromkeys(m.source for m in merged if m.source in SERIES))
+    sources = [s for s in dict.fromkeys(m.source for m in merged) if series_of(s)]
     sections = [
-        (f"{s}: the series behind its findings", SERIES[s], [m.step for m in merged if m.source == s]) for s in sources
+        (f"{s}: the series behind its findings", series_of(s), [m.step for m in merged if m.source == s])
+        for s in sources
     ]
     sections.append(("Overview: loss and gradient norm", _OVERVIEW, []))
     for title, patterns, marks in sections:

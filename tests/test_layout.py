@@ -54,26 +54,15 @@ CODE = re.compile(r"TFD[1-7]\d\d")
 PENDING_CODES_IN_CALLBACKS: set[str] = {
     "batch_guard.py",
     "checkpoint_audit.py",
-    "dead_activation.py",
-    "grad_norm_monitor.py",
     "loss_at_init.py",
     "mask_probe.py",
-    "nan_first_frame.py",
-    "optimizer_audit.py",
-    "repro_capture.py",
-    "scaler_watch.py",
-    "update_ratio.py",
 }
 PENDING_LONG_CALLBACKS: set[str] = {
     "batch_guard.py",
     "checkpoint_audit.py",
-    "dead_activation.py",
     "loss_at_init.py",
     "mask_probe.py",
-    "nan_first_frame.py",
-    "optimizer_audit.py",
     "throughput_monitor.py",
-    "update_ratio.py",
 }
 PENDING_LONG_FUNCTIONS: set[str] = {
     "callbacks/batch_guard.py:BatchGuard.__init__",
@@ -81,12 +70,8 @@ PENDING_LONG_FUNCTIONS: set[str] = {
     "callbacks/mask_probe.py:MaskProbe._probe",
     "callbacks/mask_probe.py:MaskProbe._probe_alignment",
     "callbacks/mask_probe.py:MaskProbe._probe_masks",
-    "callbacks/nan_first_frame.py:NaNFirstFrame._emit",
-    "callbacks/nan_first_frame.py:NaNFirstFrame._report",
-    "callbacks/optimizer_audit.py:OptimizerAudit._audit_wiring",
     "callbacks/throughput_monitor.py:ThroughputMonitor.__init__",
     "callbacks/throughput_monitor.py:ThroughputMonitor._measure",
-    "callbacks/update_ratio.py:UpdateRatio._diagnose",
     "functional/batch_checks.py:value_verdicts",
     "functional/batches.py:mask_hole_statistics",
     "functional/batches.py:token_statistics",
@@ -96,12 +81,9 @@ PENDING_LONG_FUNCTIONS: set[str] = {
     "functional/loss_checks.py:classify_init_loss",
     "functional/loss_checks.py:context_verdict",
     "functional/loss_checks.py:loss_transform_verdict",
-    "repro.py:replay",
-    "repro.py:write_bundle",
 }
 PENDING_IMPURE_FUNCTIONAL: set[str] = {
     "checkpoints.py",
-    "frames.py",
     "throughput.py",
     "throughput_checks.py",
 }

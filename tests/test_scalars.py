@@ -14,20 +14,13 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 import lightning_tfdebug as tfd
+from lightning_tfdebug.core.keys import declared
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from lightning_tfdebug.pack import MEMBERS
 from tests.helpers import SMALL, fit_tiny, make_trainer, read_scalars
 
-_OURS = (
-    "grad_norm/",
-    "update_ratio/",
-    "dead_activation/",
-    "throughput/",
-    "per_rank/",
-    "loss_at_init/",
-    "batch_guard/",
-    "optimizer_audit/",
-    "memory/",
-)
+KEYS = tuple(key for member in MEMBERS.values() for key in member.KEYS)
+_OURS = tuple(sorted({key.section + "/" for key in KEYS}))  # every section a member declares
 
 
 def _csv_scalars(path: Path) -> dict[str, dict[int, float]]:
@@ -132,3 +125,19 @@ def test_a_logger_that_refuses_the_scalars_costs_curves_not_findings(tmp_path, a
     assert all(m.failure is None for m in members), [(m, m.failure) for m in members if m.failure]
     assert codes & {"TFD312", "TFD320"}, sorted(codes)  # the head left out of the optimizer is still found
     assert any(k.startswith("update_ratio/") for k in _csv_scalars(tmp_path / "csv" / "version_0" / "metrics.csv"))
+
+
+def test_every_key_the_pack_logs_is_declared_by_its_member(tmp_path):
+    """The logged-key schema is the contract: every scalar of the pack's sections matches a key its member declares
+    in ``KEYS`` (from which the docs tables and the dashboard are derived), and each section belongs to one member."""
+    pack = tfd.TFDebug(preset="full", every_n_steps=2, summary=False)
+    fit_tiny(tmp_path, [pack], max_steps=6)
+    tags = [tag for tag in read_scalars(tmp_path / "tb" / "version_0") if tag.startswith(_OURS)]
+    assert len(tags) > 20
+    undeclared = [tag for tag in tags if declared(KEYS, tag) is None]
+    assert not undeclared, f"logged but not declared in any member's KEYS: {undeclared}"
+    owners: dict[str, set[str]] = {}
+    for name, member in MEMBERS.items():
+        for key in member.KEYS:
+            owners.setdefault(key.section, set()).add(name)
+    assert all(len(names) == 1 for names in owners.values()), owners

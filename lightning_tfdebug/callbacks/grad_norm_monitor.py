@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -15,15 +14,25 @@ from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.compat import overrides
 from lightning_tfdebug.core.distributed import DTensor, local_tensor, packed_reduce
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
+from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.core.step import step_norms
-from lightning_tfdebug.core.tracking import RunningWindow, Streak
+from lightning_tfdebug.core.tracking import RunningWindow
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.grad_checks import (
+    GradMemory,
+    GradReading,
+    grad_verdicts,
+    overclipping,
+    still_scaled,
+    unused_parameters,
+)
 from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms
 from lightning_tfdebug.functional.update_checks import outside_optimizers
+from lightning_tfdebug.functional.verdicts import Verdict
 
-_OVERCLIP = 100.0
-"""TFD306 when every step's gradient norm is more than this many times ``gradient_clip_val``."""
+_TOTALS = "gradient norm: total, clipped and non-finite"
+"""The dashboard chart of the total, the clipped fraction and the non-finite count."""
 
 
 class GradNormMonitor(DebugCallback):
@@ -36,14 +45,7 @@ class GradNormMonitor(DebugCallback):
     measure, the callback does no tensor work (with norm clipping on, it adds one device comparison to the norm
     that clipping computes anyway, to count clipped steps).
 
-    Logged keys (on measuring steps):
-
-    | key | meaning |
-    | --- | --- |
-    | `grad_norm/total` | L2 norm over all gradients (unscaled, before clipping) |
-    | `grad_norm/<group>` | L2 norm over one group (`blocks.0`, `embeddings`, `head`, `other`) |
-    | `grad_norm/nonfinite` | number of parameter tensors whose gradient holds inf or nan |
-    | `grad_norm/clip_frac` | fraction of optimizer steps since the last log whose norm exceeded `gradient_clip_val` |
+    Logged keys (on measuring steps): :attr:`KEYS`, tabled in ``docs/callbacks/grad_norm_monitor.md``.
 
     Findings: ``TFD301`` explosion, ``TFD302`` vanishing group, ``TFD303`` non-finite gradients, ``TFD304`` unused
     parameters, ``TFD305`` gradients still scaled by AMP, ``TFD306`` norm clipping cuts every step by over 100x
@@ -83,6 +85,22 @@ class GradNormMonitor(DebugCallback):
         ```
     """
 
+    KEYS: ClassVar[tuple[Key, ...]] = (
+        Key("grad_norm/total", "L2 norm over all gradients (unscaled, before clipping)", chart=_TOTALS),
+        Key(
+            "grad_norm/<group>",
+            "L2 norm over one group (`blocks.0`, `embeddings`, `head`, `other`, or your regex groups)",
+            chart="gradient norm per block",
+        ),
+        Key("grad_norm/nonfinite", "number of parameter tensors whose gradient holds inf or nan", chart=_TOTALS),
+        Key(
+            "grad_norm/clip_frac",
+            "fraction of optimizer steps since the last log whose norm exceeded `gradient_clip_val` (only with norm "
+            "clipping)",
+            chart=_TOTALS,
+        ),
+    )
+
     def __init__(
         self,
         every_n_steps: int | None = None,
@@ -112,10 +130,7 @@ class GradNormMonitor(DebugCallback):
         self.warmup_measurements = warmup_measurements
         self.vanishing_ratio = float(vanishing_ratio)
         self.patience = patience
-        self._history = RunningWindow(history)
-        self._vanishing = Streak()
-        self._no_grad = Streak()
-        self._overclip = Streak()
+        self._memory = GradMemory(RunningWindow(history))
         self._layout: ReductionLayout | None = None
         self._trained: tuple[bool, ...] = ()  # per group: an optimizer holds at least one of its parameters
         self._clip_count: Tensor | None = None  # device counter of clipped steps since the last log
@@ -182,6 +197,10 @@ class GradNormMonitor(DebugCallback):
                     setting="a model with trainable parameters (`requires_grad=True`)",
                 )
                 return
+        if not self._trained:  # once per fit, host only: the groups an optimizer steps at all
+            outside = outside_optimizers(self._layout.groups.params, trainer.optimizers)
+            held = {g for i, g in enumerate(self._layout.groups.index) if outside is None or not outside[i]}
+            self._trained = tuple(g in held for g in range(self._layout.n_groups))
         with torch.no_grad():
             self._measure(trainer, optimizer)
 
@@ -191,10 +210,35 @@ class GradNormMonitor(DebugCallback):
         names, params = layout.groups.names, layout.groups.params
         present = [i for i, p in enumerate(params) if p.grad is not None]
         missing = [names[i] for i, p in enumerate(params) if p.grad is None]
-        if not present:
-            self._track_unused(trainer, missing, len(params))
-            return
-        device = layout.index.device
+        verdicts: list[Verdict | None] = []
+        if present:
+            reading, loss_scale = self._read(trainer, optimizer, present)
+            self.log_scalars(trainer, reading.scalars(self.log_groups))
+            verdicts.append(still_scaled(type(optimizer).__name__, loss_scale))
+            verdicts += grad_verdicts(
+                reading,
+                self._memory,
+                trained=[g for g, held in zip(layout.groups.group_names, self._trained) if held],
+                has_scaler=grad_scaler_of(trainer) is not None,
+                explosion_factor=self.explosion_factor,
+                warmup=self.warmup_measurements,
+                vanishing_ratio=self.vanishing_ratio,
+                patience=self.patience,
+            )
+            clip = float(trainer.gradient_clip_val or 0.0)
+            verdicts.append(overclipping(reading, clip, self._memory.overclip, patience=self.patience))
+        present_names = [names[i] for i in present]
+        verdicts.append(unused_parameters(missing, present_names, self._memory.no_grad, patience=self.patience))
+        self.emit(trainer, verdicts)
+
+    def _read(
+        self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, present: list[int]
+    ) -> tuple[GradReading, float | None]:
+        """The reading of this step's gradients (``present``: the positions of the parameters that have one), and the
+        loss scale they were divided by when the optimizer unscales inside ``step()`` (else None)."""
+        layout = self._layout
+        assert layout is not None
+        params, device = layout.groups.params, layout.index.device
         positions = torch.tensor(present, device=device)
         grads = [local_tensor(params[i].grad) for i in present]
         group_sq, flags = grouped_sq_norms(
@@ -210,152 +254,35 @@ class GradNormMonitor(DebugCallback):
         group_nonfinite = group_sums(all_flags, layout.index, layout.n_groups)
 
         scaler = grad_scaler_of(trainer)
-        still_scaled = scaler is not None and _optimizer_handles_unscaling(optimizer)
-        if still_scaled:  # the optimizer unscales inside step(): divide by the scale here, on the device
+        scaled = scaler is not None and _optimizer_handles_unscaling(optimizer)
+        if scaled:  # the optimizer unscales inside step(): divide by the scale here, on the device
             inv_scale = 1.0 / scaler._scale.to(device=device, dtype=torch.float32).squeeze()
             group_sq = group_sq * inv_scale.square()
-
-        n = layout.n_groups
+        parts = [group_sq.float(), group_nonfinite.to(group_sq.device, torch.float32)]
+        if scaled:
+            parts.append(inv_scale.reshape(1).to(group_sq.device))
+        clipping = self._clipping_by_norm(trainer)
+        counted = clipping and self._patched_plugin is not None and self._clip_steps > 0
+        if counted:
+            parts.append(self._clip_count.reshape(1).to(group_sq.device, torch.float32))  # type: ignore[union-attr]
         # host sync: the one transfer of this measuring step; the per-group values are then host arithmetic (a few
         # kernels per group on the device would cost more than the read)
-        flat = torch.cat([group_sq.float(), group_nonfinite.to(group_sq.device, torch.float32)]).tolist()
-        squares, nonfinite = flat[:n], flat[n:]
-        host: dict[str, float] = {"grad_norm/total": math.sqrt(sum(squares))}
-        for g, name in enumerate(layout.groups.group_names):
-            host[f"grad_norm/{name}"] = math.sqrt(squares[g])
-        host["grad_norm/nonfinite"] = float(sum(nonfinite))
-        for g, name in enumerate(layout.groups.group_names):
-            host[f"_nonfinite/{name}"] = nonfinite[g]
-        clip_by_norm = self._clipping_by_norm(trainer)
-        if clip_by_norm and self._patched_plugin is not None and self._clip_steps:
-            host["grad_norm/clip_frac"] = self._clip_count / self._clip_steps  # type: ignore[operator]
-        elif clip_by_norm:  # fallback: whether this measured step will be clipped
-            host["grad_norm/clip_frac"] = float(host["grad_norm/total"] > float(trainer.gradient_clip_val))
+        flat = torch.cat(parts).tolist()
+        n = layout.n_groups
+        squares, nonfinite, rest = flat[:n], flat[n : 2 * n], flat[2 * n :]
+        loss_scale = 1.0 / rest.pop(0) if scaled else None
+        clip_frac = None
+        if counted:
+            clip_frac = rest.pop(0) / self._clip_steps
+        elif clipping:  # fallback: whether this measured step will be clipped
+            clip_frac = float(math.sqrt(sum(squares)) > float(trainer.gradient_clip_val))
         self._clip_count, self._clip_steps = None, 0
-        logged = {k: v for k, v in host.items() if not k.startswith("_")}
-        if not self.log_groups:
-            keep = ("grad_norm/total", "grad_norm/nonfinite", "grad_norm/clip_frac")
-            logged = {k: v for k, v in logged.items() if k in keep}
-        self.log_scalars(trainer, logged)
-        if still_scaled:
-            self.emit_code(
-                trainer,
-                "TFD305",
-                f"The optimizer ({type(optimizer).__name__}) unscales gradients inside step(), so they were still "
-                "multiplied by the AMP loss scale when measured; GradNormMonitor divided them by the scale.",
-                {"loss_scale": 1.0 / float(inv_scale)},
-            )
-        if not self._trained:  # once per fit, host only: which groups an optimizer steps at all
-            outside = outside_optimizers(layout.groups.params, trainer.optimizers)
-            held = {g for i, g in enumerate(layout.groups.index) if outside is None or not outside[i]}
-            self._trained = tuple(g in held for g in range(layout.n_groups))
-        self._diagnose(trainer, host, scaler is not None)
-        self._diagnose_clipping(trainer, host)
-        self._track_unused(trainer, missing, len(params))
-
-    # ------------------------------------------------------------------ findings
-    def _diagnose(self, trainer: pl.Trainer, host: Mapping[str, float], has_scaler: bool) -> None:
-        layout = self._layout
-        assert layout is not None
-        total = host["grad_norm/total"]
-        group_names = layout.groups.group_names
-        nonfinite_groups = [g for g in group_names if host[f"_nonfinite/{g}"] > 0]
-        if nonfinite_groups and not has_scaler:
-            # under a GradScaler an overflowing step is skipped by design; ScalerWatch owns that diagnosis
-            self.emit_code(
-                trainer,
-                "TFD303",
-                f"{int(host['grad_norm/nonfinite'])} parameter tensor(s) have inf/nan gradients, in groups "
-                f"{', '.join(nonfinite_groups)}.",
-                {"nonfinite_tensors": host["grad_norm/nonfinite"], "groups": nonfinite_groups},
-            )
-            return
-        if total != total or total == float("inf"):
-            return
-        median = self._history.median()
-        if len(self._history) >= self.warmup_measurements and total > self.explosion_factor * median > 0:
-            self.emit_code(
-                trainer,
-                "TFD301",
-                f"The gradient norm exploded to {total:.4g}, {total / median:.1f}x its running median of {median:.4g}.",
-                {"grad_norm": total, "running_median": median, "factor": total / median},
-            )
-        self._history.add(total)
-
-        # Reference: the largest group norm. The median would sink with the groups it should expose when half of
-        # a deep stack vanishes (bug 13), so vanishing groups are judged against the best-served group instead.
-        # Only groups an optimizer steps count, as reference or as vanishing: a group left out of every optimizer
-        # never learns, its gradient stays as large as at initialisation while the trained groups' fall, and every
-        # other group would look vanishing next to it (TFD320/TFD312 name that bug).
-        trained = [g for g, held in zip(group_names, self._trained) if held]  # set in `_measure` before this
-        norms = [host[f"grad_norm/{g}"] for g in trained]
-        reference = max(norms, default=0.0)
-        if len(norms) >= 2 and reference > 0:
-            vanishing = []
-            for g, n in zip(trained, norms):
-                if self._vanishing.update(g, n < self.vanishing_ratio * reference) >= self.patience:
-                    vanishing.append(g)
-            if vanishing:
-                largest = trained[norms.index(reference)]
-                self.emit_code(
-                    trainer,
-                    "TFD302",
-                    f"Gradients vanish in {', '.join(vanishing)}: below {self.vanishing_ratio:g} x the largest group "
-                    f"norm ({largest}) for {self.patience} measurements in a row.",
-                    {
-                        "groups": vanishing,
-                        "group_norms": {g: host[f"grad_norm/{g}"] for g in vanishing},
-                        "largest_group": largest,
-                        "largest_group_norm": reference,
-                    },
-                )
-
-    def _diagnose_clipping(self, trainer: pl.Trainer, host: Mapping[str, float]) -> None:
-        """``TFD306``: norm clipping that cuts every step by orders of magnitude (host values of this measurement)."""
-        frac = host.get("grad_norm/clip_frac")
-        if frac is None:
-            return
-        clip = float(trainer.gradient_clip_val)
-        total = host["grad_norm/total"]
-        over = frac >= 0.99 and total == total and total > _OVERCLIP * clip
-        if self._overclip.update("total", over) < self.patience:
-            return
-        self.emit_code(
-            trainer,
-            "TFD306",
-            f"Every step is clipped, by a factor of {total / clip:.3g}: the gradient norm is {total:.4g} and "
-            f"gradient_clip_val is {clip:g}, for {self.patience} measurements in a row. The clip value, not the "
-            "gradient, sets the update's size.",
-            {"grad_norm": total, "gradient_clip_val": clip, "factor": total / clip, "clip_frac": frac},
-        )
-
-    def _track_unused(self, trainer: pl.Trainer, missing: list[str], n_params: int) -> None:
-        unused = [n for n in missing if self._no_grad.update(n, True) >= self.patience]
-        present = set(self._layout.groups.names) - set(missing) if self._layout else set()
-        for n in present:
-            self._no_grad.counts.pop(n, None)
-        if unused:
-            self.emit_code(
-                trainer,
-                "TFD304",
-                f"{len(unused)} of {n_params} trainable parameter tensor(s) never received a gradient in "
-                f"{self.patience} measured steps: {', '.join(unused[:10])}{' ...' if len(unused) > 10 else ''}.",
-                {"parameters": unused[:50], "count": len(unused)},
-            )
+        return GradReading.from_squares(layout.groups.group_names, squares, nonfinite, clip_frac), loss_scale
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "history": self._history.state_dict(),
-            "vanishing": self._vanishing.state_dict(),
-            "no_grad": self._no_grad.state_dict(),
-            "overclip": self._overclip.state_dict(),
-        }
+        return {**super().state_dict(), **self._memory.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._history.load_state_dict(state_dict.get("history", {}))
-        self._vanishing.load_state_dict(state_dict.get("vanishing", {}))
-        self._no_grad.load_state_dict(state_dict.get("no_grad", {}))
-        self._overclip.load_state_dict(state_dict.get("overclip", {}))
+        self._memory.load_state_dict(state_dict)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -12,9 +12,19 @@ from torch import Tensor
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.distributed import local_tensor, packed_reduce
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model
+from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.norms import grouped_sq_norms
+from lightning_tfdebug.functional.scaler_checks import (
+    ScalerReading,
+    many_skipped,
+    no_scaler,
+    scale_collapsed,
+    scale_never_grew,
+    schedule_on_skipped,
+    steps_on_skipped,
+)
 
 
 def _found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> Tensor | None:
@@ -50,15 +60,7 @@ class ScalerWatch(DebugCallback):
     overflow flags are also measured (one fused norm kernel) so a skipped step can name the groups that overflowed.
     Under bf16 or 32-bit there is no scaler: one ``info`` finding (TFD410), and nothing after that.
 
-    Logged keys (on measuring steps):
-
-    | key | meaning |
-    | --- | --- |
-    | `scaler/scale` | the current loss scale |
-    | `scaler/skipped_steps` | optimizer steps skipped for overflow since the start (cumulative) |
-    | `scaler/skipped_frac` | fraction of optimizer steps skipped since the previous log |
-    | `scaler/growth_events` | times the scale grew (cumulative) |
-    | `scaler/backoff_events` | times the scale was reduced (cumulative) |
+    Logged keys (on measuring steps): :attr:`KEYS`, tabled in ``docs/callbacks/scaler_watch.md``.
 
     Findings: ``TFD410`` no scaler to watch (info), ``TFD411`` the scale collapsed, ``TFD412`` a high fraction of
     steps skipped (naming the groups that overflowed), ``TFD413`` the LR scheduler advanced on skipped steps,
@@ -96,6 +98,18 @@ class ScalerWatch(DebugCallback):
                 min_scale: 1.0
         ```
     """
+
+    KEYS: ClassVar[tuple[Key, ...]] = (
+        Key("scaler/scale", "the current loss scale", chart="loss scale"),
+        Key(
+            "scaler/skipped_steps",
+            "optimizer steps skipped for overflow since the start (cumulative)",
+            chart="skipped steps",
+        ),
+        Key("scaler/skipped_frac", "fraction of optimizer steps skipped since the previous log", chart="skipped steps"),
+        Key("scaler/growth_events", "times the scale grew (cumulative)"),
+        Key("scaler/backoff_events", "times the scale was reduced (cumulative)"),
+    )
 
     def __init__(
         self,
@@ -154,13 +168,7 @@ class ScalerWatch(DebugCallback):
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         self._idle = not enabled
         if self._idle and stage == "fit":
-            self.emit_code(
-                trainer,
-                "TFD410",
-                f"ScalerWatch has nothing to watch: precision {trainer.precision!r} uses no GradScaler (only fp16 "
-                "AMP does), so no step is ever skipped for overflow.",
-                {"precision": str(trainer.precision)},
-            )
+            self.emit(trainer, no_scaler(str(trainer.precision)))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._scheduler_position = None if self._idle else _step_scheduler_position(trainer)
@@ -250,10 +258,7 @@ class ScalerWatch(DebugCallback):
             self.last_growth_step = self.steps_total
         position = _step_scheduler_position(trainer)  # a host int: how often the scheduler stepped
         if position is not None and self._scheduler_position is not None:
-            # the scheduler stepped `advanced` times over `steps` optimizer steps of which `steps - skipped` were
-            # applied: every step beyond those was taken on a skipped one (a skip-aware scheduler takes none)
-            advanced = position - self._scheduler_position
-            self.lr_steps_on_skipped += max(0, min(skipped, advanced - (steps - skipped)))
+            self.lr_steps_on_skipped += steps_on_skipped(position - self._scheduler_position, steps, skipped)
         self._scheduler_position = position
         if host["this_step_skipped"] > 0 or skipped:
             for g in names:
@@ -277,73 +282,38 @@ class ScalerWatch(DebugCallback):
 
     # ------------------------------------------------------------------ findings
     def _diagnose(self, trainer: pl.Trainer, scaler: Any, scale: float, step: int) -> None:
-        recent_steps = sum(r[1] for r in self._recent)
-        recent_skipped = sum(r[2] for r in self._recent)
-        recent_backoffs = sum(r[3] for r in self._recent)
-        groups = sorted(self.overflow_groups, key=lambda g: -self.overflow_groups[g])
-        evidence = {
-            "scale": scale,
-            "skipped_steps": self.skipped_total,
-            "steps": self.steps_total,
-            "recent_steps": recent_steps,
-            "recent_skipped": recent_skipped,
-            "recent_backoffs": recent_backoffs,
-            "overflow_groups": groups,
-        }
-        if scale < self.min_scale or recent_backoffs >= self.collapse_backoffs:
-            why = (
-                f"fell to {scale:.3g} (below min_scale={self.min_scale:g})"
-                if scale < self.min_scale
-                else f"was reduced {recent_backoffs} times in the last {recent_steps} steps"
-            )
-            self.emit_code(
-                trainer,
-                "TFD411",
-                f"The fp16 loss scale collapsed: it {why}. Gradients overflow on most steps"
-                + (f" (overflowing groups: {', '.join(groups)})." if groups else "."),
-                evidence,
-                step=step,
-            )
-        if (
-            self.steps_total >= self.min_steps
-            and recent_steps
-            and recent_skipped / recent_steps > self.max_skipped_frac
-        ):
-            self.emit_code(
-                trainer,
-                "TFD412",
-                f"{recent_skipped} of the last {recent_steps} optimizer steps were skipped for fp16 overflow"
-                + (f"; gradients overflowed in {', '.join(groups)}." if groups else "."),
-                evidence,
-                step=step,
-            )
-        step_schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
-        if step_schedulers and self.lr_steps_on_skipped >= self.lr_skipped_steps:
-            self.emit_code(
-                trainer,
-                "TFD413",
-                f"A per-step LR scheduler ({type(step_schedulers[0].scheduler).__name__}) advanced on "
-                f"{self.lr_steps_on_skipped} optimizer steps that the GradScaler skipped: the schedule (warm-up, "
-                "decay) runs ahead of the updates actually applied.",
-                {
-                    **evidence,
-                    "scheduler": type(step_schedulers[0].scheduler).__name__,
-                    "scheduler_steps_on_skipped": self.lr_steps_on_skipped,
-                },
-                step=step,
-            )
+        reading = ScalerReading(
+            step=step,
+            scale=scale,
+            skipped_steps=self.skipped_total,
+            steps=self.steps_total,
+            recent_steps=sum(r[1] for r in self._recent),
+            recent_skipped=sum(r[2] for r in self._recent),
+            recent_backoffs=sum(r[3] for r in self._recent),
+            overflow_groups=tuple(sorted(self.overflow_groups, key=lambda g: -self.overflow_groups[g])),
+        )
+        schedulers = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs if c.interval == "step"]
         growth_interval = int(getattr(scaler, "get_growth_interval", lambda: 2000)())
-        limit = self.no_growth_intervals * growth_interval
-        if self.steps_total - self.last_growth_step >= limit:
-            self.emit_code(
-                trainer,
-                "TFD414",
-                f"The loss scale has not grown for {self.steps_total - self.last_growth_step} steps "
-                f"({self.no_growth_intervals:g} x growth_interval={growth_interval}): overflow keeps interrupting "
-                "every run of clean steps.",
-                {**evidence, "growth_interval": growth_interval, "growth_events": self.growth_total},
-                step=step,
-            )
+        self.emit(
+            trainer,
+            (
+                scale_collapsed(reading, min_scale=self.min_scale, collapse_backoffs=self.collapse_backoffs),
+                many_skipped(reading, min_steps=self.min_steps, max_skipped_frac=self.max_skipped_frac),
+                schedule_on_skipped(
+                    reading,
+                    schedulers[0] if schedulers else None,
+                    self.lr_steps_on_skipped,
+                    lr_skipped_steps=self.lr_skipped_steps,
+                ),
+                scale_never_grew(
+                    reading,
+                    last_growth=self.last_growth_step,
+                    growth_events=self.growth_total,
+                    growth_interval=growth_interval,
+                    no_growth_intervals=self.no_growth_intervals,
+                ),
+            ),
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

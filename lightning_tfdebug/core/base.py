@@ -34,6 +34,7 @@ from lightning_tfdebug.core.io import append_finding, append_line
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.messages import pack_warning
 from lightning_tfdebug.core.scalars import refused_scalars, write_scalars
+from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import (
     ON_FINDING_CHOICES,
     Finding,
@@ -192,6 +193,11 @@ def check_number(
         raise ValueError(f"`{name}` must be <= {high}; got {value!r}.")
 
 
+CALLBACKS: dict[str, type[DebugCallback]] = {}
+"""Every :class:`DebugCallback` subclass defined so far, by class name: what the report reads a source's ``KEYS``
+from."""
+
+
 class DebugCallback(Callback):
     """Base class of the pack's callbacks.
 
@@ -235,6 +241,7 @@ class DebugCallback(Callback):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        CALLBACKS[cls.__name__] = cls
         for name in _HOOKS:  # the one guard: every hook a subclass defines, wrapped once, here
             hook = cls.__dict__.get(name)
             if callable(hook) and not getattr(hook, "_tfdebug_guarded", False):
@@ -258,6 +265,8 @@ class DebugCallback(Callback):
         self._aside_step: int | None = None
         self._aside_recorded_in: str | None = None  # the log directory whose stood-aside-rank<r>.jsonl holds it
         self._aside_announced = False  # said once more at the end of fit (a callback on its own, not in the pack)
+        self._aside_checks: dict[str, str] = {}  # one check of this callback that does not run -> why (and the setting)
+        self._check_records: list[dict[str, Any]] = []  # their stood-aside records not yet written (no log dir yet)
         self.in_pack = False  # set by TFDebug on its members: the pack's summary lists them instead
         self.failure: dict[str, Any] | None = None
         self.shared_reduction: Any = None  # TFDebug's StepReduction while the pack runs this member, else None
@@ -273,8 +282,10 @@ class DebugCallback(Callback):
         self._aside_announced = False
         if self._aside_reason is not None and self.failure is None:
             self._record_aside()  # stood aside before the log directory was known, or in an earlier fit elsewhere
-        if not trainer.loggers and not getattr(trainer, "_tfdebug_warned_no_logger", False):
-            trainer._tfdebug_warned_no_logger = True  # once per Trainer, not once per callback
+        self._write_check_records()
+        shared = step_state(trainer)
+        if not trainer.loggers and not shared.warned_no_logger:
+            shared.warned_no_logger = True  # once per Trainer, not once per callback
             rank_zero_warn(
                 "lightning_tfdebug: the Trainer has no logger, so metrics reach only `trainer.callback_metrics`; "
                 f"findings are still written to {os.path.join(self._log_dir, 'tfdebug')}. Pass "
@@ -308,10 +319,10 @@ class DebugCallback(Callback):
         """Stop doing anything for the rest of the run, and say why once. Never crashes training.
 
         A check that does not apply to this model or set-up (no trainable parameters, a compiled forward, labels it
-        cannot find) is not a fault of the model: it is said at info level (``rank_zero_info``) and recorded in
+        cannot find) is not a fault of the model: nothing is printed during the run; it is recorded in
         ``<log_dir>/tfdebug/stood-aside-rank<r>.jsonl``, from which ``tfdebug report`` and the end-of-run summary list
         it under "did not run", with the reason and the setting that would let it run. A callback used on its own
-        (not inside :class:`~lightning_tfdebug.TFDebug`) also says it again in one line at the end of ``fit``.
+        (not inside :class:`~lightning_tfdebug.TFDebug`) says it in one line at the end of ``fit`` (its summary).
 
         Args:
             reason: one sentence: why the check cannot run.
@@ -325,14 +336,36 @@ class DebugCallback(Callback):
         self._aside_setting = setting
         # the step of the hook in progress (its trainer set by the guard)
         self._aside_step = getattr(self.__dict__.get("_hook_trainer"), "global_step", None)
-        text = f"{type(self).__name__} stands aside: {reason}"
-        if setting:
-            text += f" To let it run: {setting}."
         if warn:
-            rank_zero_warn(text, category=TFDebugWarning)
-        else:
-            rank_zero_info(f"lightning_tfdebug: {text}")
+            text = f"{type(self).__name__} stands aside: {reason}"
+            rank_zero_warn(text + (f" To let it run: {setting}." if setting else ""), category=TFDebugWarning)
         self._record_aside()
+
+    def check_aside(self, check: str, reason: str, setting: str | None = None) -> None:
+        """One check of this callback does not run while the others do (no EOS id known for the EOS check): recorded
+        once, in ``stood-aside-rank<r>.jsonl`` as ``"<Class>: <check>"``, which the report and the end-of-run summary
+        list under "did not run" with the setting that would let it run; never printed during the run.
+
+        Args:
+            check: the check's name, e.g. ``"EOS supervision (TFD124)"``.
+            reason: one sentence: why it cannot run.
+            setting: the argument or set-up that would let it run, or None.
+        """
+        if check in self._aside_checks:
+            return
+        self._aside_checks[check] = reason + (f" To let it run: {setting}." if setting else "")
+        step = getattr(self.__dict__.get("_hook_trainer"), "global_step", None)
+        name = f"{type(self).__name__}: {check}"
+        self._check_records.append({"check": name, "reason": reason, "setting": setting, "step": step})
+        self._write_check_records()
+
+    def _write_check_records(self) -> None:
+        if self._log_dir is None:
+            return  # set-up writes them once the log directory is known
+        path = os.path.join(self.tfdebug_dir, STOOD_ASIDE_FILE.format(rank=self._rank))
+        for record in self._check_records:
+            append_line(path, json.dumps({**record, "rank": self._rank}, default=str))
+        self._check_records.clear()
 
     def _record_aside(self) -> None:
         """Append this check's stand-aside record to ``stood-aside-rank<r>.jsonl`` (once per log directory; through

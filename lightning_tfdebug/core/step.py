@@ -33,6 +33,7 @@ class StepState:
         host_copy_of: the batch ``host_copy`` is a copy of.
         host_copy: ReproCapture's host copy of that batch (BatchGuard reads it after a device-side assert).
         model_call: the model call recorded on the probe batch (``core.calls.RecordedCall``), shared by the probes.
+        warned_no_logger: the Trainer has no logger and one callback said so (once per Trainer, not per callback).
     """
 
     batch: Any = None
@@ -44,6 +45,7 @@ class StepState:
     host_copy_of: Any = None
     host_copy: Any = None
     model_call: Any = None
+    warned_no_logger: bool = False
 
 
 _STATES: weakref.WeakKeyDictionary[Any, StepState] = weakref.WeakKeyDictionary()

@@ -1,104 +1,20 @@
-"""DeadActivation's decisions: which layers have too many dead or saturated units, for how long, and whether those
-fractions are climbing. Pure functions of host numbers; they return :class:`~lightning_tfdebug.functional.verdicts.
-Verdict` objects for the callback to emit.
+"""DeadActivation's decisions: which layers have too many dead or saturated units, for how long, whether those
+fractions are climbing, and whether activations can be observed at all. Pure functions of host numbers; each rule
+function returns its rule's :class:`~lightning_tfdebug.functional.verdicts.Verdict` (or None) for the callback to
+emit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
-TFD340 = Rule(
-    "TFD340",
-    "warning",
-    "DeadActivation",
-    title=("layers with more than `dead_threshold` dead units for `patience` measurements, named with their fractions"),
-    trigger=(
-        "a layer's dead-unit fraction (units zero for every token of the batch, on every rank) above "
-        "`dead_threshold` for `patience` measurements"
-    ),
-    hint="lower the LR / add warm-up; zero-initialise biases before ReLU; use GELU/SiLU/LeakyReLU",
-    reason="Measured, sustained: dead units no longer learn and the layer loses their capacity",
-)
-
-TFD341 = Rule(
-    "TFD341",
-    "warning",
-    "DeadActivation",
-    title=("the dead fraction of a layer is rising: `dead_rise` above its lowest value for `patience` measurements"),
-    trigger=(
-        "a layer's dead-unit fraction risen by `dead_rise` above its lowest value, for `patience` measurements "
-        "without falling back"
-    ),
-    hint=("units are dying during training: lower the LR, add warm-up or gradient clipping, switch the activation"),
-    reason="Measured: units are dying during training, capacity the layer keeps losing",
-)
-
-TFD342 = Rule(
-    "TFD342",
-    "warning",
-    "DeadActivation",
-    title="layers with more than `saturation_threshold` saturated elements for `patience` measurements",
-    trigger=(
-        "a layer's saturated fraction (local gradient below `saturation_grad`: tanh/sigmoid near their bounds, "
-        "GELU/SiLU/Mish deep in the negative tail) above `saturation_threshold` for `patience` measurements"
-    ),
-    hint="normalise the layer's input, shrink init or LR, prefer GELU/SiLU over tanh/sigmoid in deep stacks",
-    reason="Measured, sustained: saturated units pass almost no gradient",
-)
-
-TFD343 = Rule(
-    "TFD343",
-    "info",
-    "DeadActivation",
-    title="activations cannot be observed (torch.compile, or no hooked module ran); the callback stands aside",
-    trigger=(
-        "activations cannot be observed: the model (or a submodule) is compiled with `torch.compile`, it has no "
-        "activation module and its submodules called no activation function, or no hooked module ran in the "
-        "training forward; DeadActivation stands aside"
-    ),
-    hint=(
-        "measure in an uncompiled debugging run; name the inputs of activations written as arithmetic with "
-        "`preactivations`"
-    ),
-    reason="The check stands aside (compiled or unhooked model); nothing was measured",
-)
-
-TFD344 = Rule(
-    "TFD344",
-    "warning",
-    "DeadActivation",
-    title=(
-        "the saturated fraction of a layer is rising: `saturation_rise` above its lowest value for `patience` "
-        "measurements"
-    ),
-    trigger=(
-        "a layer's saturated fraction risen by `saturation_rise` above its lowest value, for `patience` "
-        "measurements without falling back"
-    ),
-    hint=(
-        "pre-activations are growing: lower the LR, normalise the layer's input, add weight decay or clipping, "
-        "prefer GELU/SiLU"
-    ),
-    reason="Measured: saturation is rising during training, so ever less gradient passes the layer",
-)
-
 BLOCK = ("TFD340", "TFD349")
 """The codes reserved for DeadActivation's rules."""
-
-RULES: tuple[Rule, ...] = (
-    TFD340,
-    TFD341,
-    TFD342,
-    TFD343,
-    TFD344,
-)
-"""The rules decided in this module, in code order."""
-
 
 CAUSES_DEAD = (
     "A dead unit outputs zero for every token and gets no gradient, so it never comes back. Usual causes: a "
@@ -140,25 +56,15 @@ class ActivationHistory:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "lowest_dead": dict(self.lowest_dead),
-            "last_dead": dict(self.last_dead),
-            "dead_streak": self.dead_streak.state_dict(),
-            "rise_streak": self.rise_streak.state_dict(),
-            "sat_streak": self.sat_streak.state_dict(),
-            "lowest_sat": dict(self.lowest_sat),
-            "last_sat": dict(self.last_sat),
-            "sat_rise_streak": self.sat_rise_streak.state_dict(),
+            name: value.state_dict() if isinstance(value, Streak) else dict(value) for name, value in vars(self).items()
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.lowest_dead = {str(k): float(v) for k, v in state.get("lowest_dead", {}).items()}
-        self.last_dead = {str(k): float(v) for k, v in state.get("last_dead", {}).items()}
-        self.dead_streak.load_state_dict(state.get("dead_streak", {}))
-        self.rise_streak.load_state_dict(state.get("rise_streak", {}))
-        self.sat_streak.load_state_dict(state.get("sat_streak", {}))
-        self.lowest_sat = {str(k): float(v) for k, v in state.get("lowest_sat", {}).items()}
-        self.last_sat = {str(k): float(v) for k, v in state.get("last_sat", {}).items()}
-        self.sat_rise_streak.load_state_dict(state.get("sat_rise_streak", {}))
+        for name, value in vars(self).items():
+            if isinstance(value, Streak):
+                value.load_state_dict(state.get(name, {}))
+            else:
+                setattr(self, name, {str(k): float(v) for k, v in state.get(name, {}).items()})
 
 
 def climb(lowest: dict[str, float], last: dict[str, float], name: str, frac: float, rise: float) -> float | None:
@@ -178,6 +84,7 @@ def decide_activations(
     fractions: Iterable[tuple[str, float | None, float | None]],
     history: ActivationHistory,
     limits: ActivationThresholds,
+    step: int | None = None,
 ) -> list[Verdict]:
     """One measurement's verdicts (``TFD340`` dead, ``TFD341`` dead rising, ``TFD342`` saturated, ``TFD344``
     saturated rising), updating ``history``.
@@ -187,6 +94,7 @@ def decide_activations(
             no such statistic (tanh/sigmoid count no zeros, ReLU does not saturate).
         history: the streaks and lowest values so far (updated in place).
         limits: thresholds, patience and rises.
+        step: the step the fractions were measured at (the verdicts' step).
     """
     dead, rising, saturated, sat_rising = {}, {}, {}, {}
     for name, dead_frac, sat_frac in fractions:
@@ -202,55 +110,226 @@ def decide_activations(
             lowest = climb(history.lowest_sat, history.last_sat, name, sat_frac, limits.saturation_rise)
             if history.sat_rise_streak.update(name, lowest is not None) >= limits.patience:
                 sat_rising[name] = (lowest, sat_frac)
-    verdicts: list[Verdict] = []
-    if dead:
-        verdicts.append(
-            Verdict(
-                "TFD340",
-                f"{len(dead)} layer(s) have more than {limits.dead:.0%} dead units (zero for every token of the batch) "
-                f"for {limits.patience} measurements: " + _listed(f"{n} ({f:.0%})" for n, f in dead.items()) + ".",
-                {"dead_frac": dead, "threshold": limits.dead},
-                hint=CAUSES_DEAD,
-            )
-        )
-    if rising:
-        verdicts.append(
-            Verdict(
-                "TFD341",
-                "The dead-unit fraction is rising in "
-                + _listed(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in rising.items())
-                + ": units are dying during training.",
-                {
-                    "dead_frac": {n: now for n, (_, now) in rising.items()},
-                    "lowest": {n: lo for n, (lo, _) in rising.items()},
-                },
-                hint=CAUSES_DEAD,
-            )
-        )
-    if saturated:
-        verdicts.append(
-            Verdict(
-                "TFD342",
-                f"{len(saturated)} layer(s) have more than {limits.saturation:.0%} saturated activations "
-                f"(local gradient below {limits.saturation_grad:g}) for {limits.patience} measurements: "
-                + _listed(f"{n} ({f:.0%})" for n, f in saturated.items())
-                + ".",
-                {"saturated_frac": saturated, "threshold": limits.saturation},
-                hint=CAUSES_SATURATED,
-            )
-        )
-    if sat_rising:
-        verdicts.append(
-            Verdict(
-                "TFD344",
-                "The saturated fraction is rising in "
-                + _listed(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in sat_rising.items())
-                + ": more and more units sit where their gradient is almost zero.",
-                {
-                    "saturated_frac": {n: now for n, (_, now) in sat_rising.items()},
-                    "lowest": {n: lo for n, (lo, _) in sat_rising.items()},
-                },
-                hint=CAUSES_SATURATED,
-            )
-        )
-    return verdicts
+    verdicts = (
+        dead_units(dead, limits, step),
+        dying_units(rising, step),
+        saturated_units(saturated, limits, step),
+        saturating_units(sat_rising, step),
+    )
+    return [v for v in verdicts if v is not None]
+
+
+TFD340 = Rule(
+    "TFD340",
+    "warning",
+    "DeadActivation",
+    title=("layers with more than `dead_threshold` dead units for `patience` measurements, named with their fractions"),
+    trigger=(
+        "a layer's dead-unit fraction (units zero for every token of the batch, on every rank) above "
+        "`dead_threshold` for `patience` measurements"
+    ),
+    hint="lower the LR / add warm-up; zero-initialise biases before ReLU; use GELU/SiLU/LeakyReLU",
+    reason="Measured, sustained: dead units no longer learn and the layer loses their capacity",
+    message=(
+        "{count} layer(s) have more than {threshold:.0%} dead units (zero for every token of the batch) for "
+        "{patience} measurements: {listed}."
+    ),
+)
+
+
+def dead_units(dead: Mapping[str, float], limits: ActivationThresholds, step: int | None = None) -> Verdict | None:
+    """``TFD340``: the layers whose dead fraction stayed above ``limits.dead`` for ``limits.patience`` measurements
+    in a row (``{name: dead_fraction}``, from :func:`decide_activations`); None when there is none."""
+    return _above(TFD340, "dead_frac", dead, limits.dead, limits, CAUSES_DEAD, step)
+
+
+def _above(
+    rule: Rule,
+    stat: str,
+    fractions: Mapping[str, float],
+    threshold: float,
+    limits: ActivationThresholds,
+    hint: str,
+    step: int | None,
+) -> Verdict | None:
+    if not fractions:
+        return None
+    return rule.verdict(
+        {stat: dict(fractions), "threshold": threshold},
+        hint=hint,
+        step=step,
+        count=len(fractions),
+        patience=limits.patience,
+        saturation_grad=limits.saturation_grad,
+        listed=_listed(f"{n} ({f:.0%})" for n, f in fractions.items()),
+    )
+
+
+TFD341 = Rule(
+    "TFD341",
+    "warning",
+    "DeadActivation",
+    title=("the dead fraction of a layer is rising: `dead_rise` above its lowest value for `patience` measurements"),
+    trigger=(
+        "a layer's dead-unit fraction risen by `dead_rise` above its lowest value, for `patience` measurements "
+        "without falling back"
+    ),
+    hint=("units are dying during training: lower the LR, add warm-up or gradient clipping, switch the activation"),
+    reason="Measured: units are dying during training, capacity the layer keeps losing",
+    message="The dead-unit fraction is rising in {listed}: units are dying during training.",
+)
+
+
+def dying_units(rising: Mapping[str, tuple[float, float]], step: int | None = None) -> Verdict | None:
+    """``TFD341``: the layers whose dead fraction has climbed ``dead_rise`` above its lowest value for ``patience``
+    measurements (``{name: (lowest, now)}``, from :func:`decide_activations`); None when there is none."""
+    return _rising(TFD341, "dead_frac", rising, CAUSES_DEAD, step)
+
+
+def _rising(
+    rule: Rule, stat: str, rising: Mapping[str, tuple[float, float]], hint: str, step: int | None
+) -> Verdict | None:
+    if not rising:
+        return None
+    return rule.verdict(
+        {stat: {n: now for n, (_, now) in rising.items()}, "lowest": {n: lo for n, (lo, _) in rising.items()}},
+        hint=hint,
+        step=step,
+        listed=_listed(f"{n} ({lo:.0%} -> {now:.0%})" for n, (lo, now) in rising.items()),
+    )
+
+
+TFD342 = Rule(
+    "TFD342",
+    "warning",
+    "DeadActivation",
+    title="layers with more than `saturation_threshold` saturated elements for `patience` measurements",
+    trigger=(
+        "a layer's saturated fraction (local gradient below `saturation_grad`: tanh/sigmoid near their bounds, "
+        "GELU/SiLU/Mish deep in the negative tail) above `saturation_threshold` for `patience` measurements"
+    ),
+    hint="normalise the layer's input, shrink init or LR, prefer GELU/SiLU over tanh/sigmoid in deep stacks",
+    reason="Measured, sustained: saturated units pass almost no gradient",
+    message=(
+        "{count} layer(s) have more than {threshold:.0%} saturated activations (local gradient below "
+        "{saturation_grad:g}) for {patience} measurements: {listed}."
+    ),
+)
+
+
+def saturated_units(
+    saturated: Mapping[str, float], limits: ActivationThresholds, step: int | None = None
+) -> Verdict | None:
+    """``TFD342``: the layers whose saturated fraction stayed above ``limits.saturation`` for ``limits.patience``
+    measurements in a row (``{name: saturated_fraction}``, from :func:`decide_activations`); None when there is
+    none."""
+    return _above(TFD342, "saturated_frac", saturated, limits.saturation, limits, CAUSES_SATURATED, step)
+
+
+TFD344 = Rule(
+    "TFD344",
+    "warning",
+    "DeadActivation",
+    title=(
+        "the saturated fraction of a layer is rising: `saturation_rise` above its lowest value for `patience` "
+        "measurements"
+    ),
+    trigger=(
+        "a layer's saturated fraction risen by `saturation_rise` above its lowest value, for `patience` "
+        "measurements without falling back"
+    ),
+    hint=(
+        "pre-activations are growing: lower the LR, normalise the layer's input, add weight decay or clipping, "
+        "prefer GELU/SiLU"
+    ),
+    reason="Measured: saturation is rising during training, so ever less gradient passes the layer",
+    message=(
+        "The saturated fraction is rising in {listed}: more and more units sit where their gradient is almost zero."
+    ),
+)
+
+
+def saturating_units(rising: Mapping[str, tuple[float, float]], step: int | None = None) -> Verdict | None:
+    """``TFD344``: the layers whose saturated fraction has climbed ``saturation_rise`` above its lowest value for
+    ``patience`` measurements (``{name: (lowest, now)}``, from :func:`decide_activations`); None when there is
+    none."""
+    return _rising(TFD344, "saturated_frac", rising, CAUSES_SATURATED, step)
+
+
+TFD343 = Rule(
+    "TFD343",
+    "info",
+    "DeadActivation",
+    title="activations cannot be observed (torch.compile, or no hooked module ran); the callback stands aside",
+    trigger=(
+        "activations cannot be observed: the model (or a submodule) is compiled with `torch.compile`, it has no "
+        "activation module and its submodules called no activation function, or no hooked module ran in the "
+        "training forward; DeadActivation stands aside"
+    ),
+    hint=(
+        "measure in an uncompiled debugging run; name the inputs of activations written as arithmetic with "
+        "`preactivations`"
+    ),
+    reason="The check stands aside (compiled or unhooked model); nothing was measured",
+    message="DeadActivation cannot measure: {reason}",
+)
+
+HINT_COMPILED = (
+    "Run DeadActivation on an uncompiled model (e.g. a short debugging run without torch.compile), or compile only "
+    "parts of the model that contain no activation you want measured."
+)
+HINT_UNHOOKED = (
+    "Check that the activations are modules called in the training forward; for activations applied as functions, "
+    "name the modules feeding them with `preactivations`."
+)
+
+
+def compiled_reason(compiled: bool) -> str | None:
+    """Why nothing can be measured when torch.compile wraps the model or a submodule (known at the start of
+    training), or None when it does not."""
+    if not compiled:
+        return None
+    return (
+        "the model (or a submodule) is compiled with torch.compile, and compiled code ignores forward hooks added "
+        "after compilation (or bakes in hooks present when it was traced), so activations cannot be observed."
+    )
+
+
+def no_layer_reason(found: int, layers: str | None) -> str | None:
+    """Why nothing can be measured when the first measurement found ``found == 0`` layers (no activation module
+    matching ``layers``, no activation function called by a submodule), or None when it found some."""
+    if found:
+        return None
+    return (
+        "no activation module (ReLU, GELU, SiLU, Tanh, Sigmoid, ...) "
+        + (f"matching `layers={layers!r}` " if layers else "")
+        + "is in the model and its submodules called no activation function (F.relu, F.gelu, F.silu, ...) "
+        "during the training forward."
+    )
+
+
+def silent_layers_reason(ran: int, compiled: bool) -> str | None:
+    """Why nothing can be measured when ``ran == 0`` of the hooked layers ran in a measured training forward
+    (``compiled``: the model is compiled, said in the reason), or None when some ran."""
+    if ran:
+        return None
+    return (
+        "none of the hooked activation modules ran during the training forward"
+        + (" (the model is compiled)" if compiled else "")
+        + ", so activations cannot be observed."
+    )
+
+
+def unobservable_verdict(reason: str | None, *, compiled: bool, step: int | None = None) -> Verdict | None:
+    """``TFD343``: activations cannot be observed, for ``reason`` (from :func:`compiled_reason`,
+    :func:`no_layer_reason` or :func:`silent_layers_reason`); None when there is no reason. ``compiled``: the reason
+    is torch.compile at the start of training (the hint then says how to measure uncompiled)."""
+    if reason is None:
+        return None
+    return TFD343.verdict(
+        {"compiled": compiled}, hint=HINT_COMPILED if compiled else HINT_UNHOOKED, step=step, reason=reason
+    )
+
+
+RULES: tuple[Rule, ...] = (TFD340, TFD341, TFD342, TFD343, TFD344)
+"""The rules decided in this module, in code order."""

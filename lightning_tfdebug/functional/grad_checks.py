@@ -1,9 +1,98 @@
-"""The rules GradNormMonitor decides: each finding code with its severity, text and hint."""
+"""GradNormMonitor's decisions: exploding, vanishing, non-finite, missing, still-scaled and over-clipped gradients.
+
+The callback measures one :class:`GradReading` per measuring step (host numbers: the total norm, each group's norm
+and count of tensors with inf/nan gradients, the clipped fraction) and hands it, with the :class:`GradMemory` of
+earlier measurements, to :func:`grad_verdicts`. Each rule below is a function of host numbers that returns its
+verdict or None; :data:`RULES` lists them for the registry.
+"""
 
 from __future__ import annotations
 
-from lightning_tfdebug.functional.verdicts import Rule
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from lightning_tfdebug.core.tracking import RunningWindow, Streak
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
+
+OVERCLIP = 100.0
+"""TFD306 when every step's gradient norm is more than this many times ``gradient_clip_val``."""
+
+
+@dataclass(frozen=True)
+class GradReading:
+    """One measuring step's gradients, on the host.
+
+    Attributes:
+        total: the L2 norm over all gradients (unscaled, before clipping).
+        groups: each group's L2 norm, in the layout's order.
+        nonfinite: per group, the number of parameter tensors whose gradient holds inf or nan.
+        clip_frac: the fraction of optimizer steps since the last measurement that norm clipping cut (None: no norm
+            clipping).
+    """
+
+    total: float
+    groups: dict[str, float]
+    nonfinite: dict[str, float]
+    clip_frac: float | None = None
+
+    @classmethod
+    def from_squares(
+        cls, names: Sequence[str], squares: Sequence[float], nonfinite: Sequence[float], clip_frac: float | None = None
+    ) -> GradReading:
+        """The reading of the per-group sums of squared norms and non-finite counts (host floats)."""
+        return cls(
+            total=math.sqrt(sum(squares)),
+            groups={name: math.sqrt(sq) for name, sq in zip(names, squares)},
+            nonfinite=dict(zip(names, nonfinite)),
+            clip_frac=clip_frac,
+        )
+
+    @property
+    def nonfinite_tensors(self) -> float:
+        return float(sum(self.nonfinite.values()))
+
+    def scalars(self, log_groups: bool = True) -> dict[str, float]:
+        """The logged keys (``GradNormMonitor.KEYS``); without ``log_groups``, no per-group key."""
+        out = {"grad_norm/total": self.total}
+        if log_groups:
+            out.update({f"grad_norm/{name}": norm for name, norm in self.groups.items()})
+        out["grad_norm/nonfinite"] = self.nonfinite_tensors
+        if self.clip_frac is not None:
+            out["grad_norm/clip_frac"] = self.clip_frac
+        return out
+
+
+@dataclass
+class GradMemory:
+    """What the rules remember between measurements (saved in checkpoints under the same keys as ever).
+
+    Attributes:
+        history: the recent finite totals, whose median TFD301 compares against.
+        vanishing: per group, the measurements in a row below the vanishing line (TFD302).
+        no_grad: per parameter, the measurements in a row without a gradient (TFD304).
+        overclip: the measurements in a row clipped by over :data:`OVERCLIP` x (TFD306).
+    """
+
+    history: RunningWindow
+    vanishing: Streak = field(default_factory=Streak)
+    no_grad: Streak = field(default_factory=Streak)
+    overclip: Streak = field(default_factory=Streak)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name).state_dict() for name in ("history", "vanishing", "no_grad", "overclip")}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name in ("history", "vanishing", "no_grad", "overclip"):
+            getattr(self, name).load_state_dict(state.get(name, {}))
+
+
+def _names(items: Sequence[str]) -> str:
+    return ", ".join(items)
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD301
 TFD301 = Rule(
     "TFD301",
     "warning",
@@ -15,8 +104,22 @@ TFD301 = Rule(
         " add warm-up, or clip gradients (Trainer(gradient_clip_val=1.0))."
     ),
     reason="Measured: a gradient far above this run's own history, the step that moves weights the most",
+    message="The gradient norm exploded to {grad_norm:.4g}, {factor:.1f}x its running median of {running_median:.4g}.",
 )
 
+
+def explosion(total: float, history: RunningWindow, *, factor: float, warmup: int) -> Verdict | None:
+    """TFD301 when the finite ``total`` is above ``factor`` x the median of ``history`` (once ``history`` holds
+    ``warmup`` values); ``total`` then joins ``history``."""
+    median = history.median()
+    verdict = None
+    if len(history) >= warmup and total > factor * median > 0:
+        verdict = TFD301.verdict({"grad_norm": total, "running_median": median, "factor": total / median})
+    history.add(total)
+    return verdict
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD302
 TFD302 = Rule(
     "TFD302",
     "warning",
@@ -32,8 +135,39 @@ TFD302 = Rule(
         "(sigmoid/tanh), post-norm without warm-up, or a detach() in the forward."
     ),
     reason="Measured, sustained: a group whose gradient is far below the others' barely trains",
+    message=(
+        "Gradients vanish in {names}: below {ratio:g} x the largest group norm ({largest_group}) for {patience} "
+        "measurements in a row."
+    ),
 )
 
+
+def vanishing(norms: Mapping[str, float], streak: Streak, *, ratio: float, patience: int) -> Verdict | None:
+    """TFD302: the groups of ``norms`` (those an optimizer steps) below ``ratio`` x the largest of them for
+    ``patience`` measurements in a row (``streak`` counts them).
+
+    The reference is the largest group norm: the median would sink with the groups it should expose when half of a
+    deep stack vanishes (bug 13). Only groups an optimizer steps belong in ``norms``: a group left out of every
+    optimizer never learns, its gradient stays as large as at initialisation while the trained groups' fall, and every
+    other group would look vanishing next to it (TFD320/TFD312 name that bug).
+    """
+    reference = max(norms.values(), default=0.0)
+    if len(norms) < 2 or reference <= 0:
+        return None
+    below = [g for g, n in norms.items() if streak.update(g, n < ratio * reference) >= patience]
+    if not below:
+        return None
+    largest = next(g for g, n in norms.items() if n == reference)
+    evidence = {
+        "groups": below,
+        "group_norms": {g: norms[g] for g in below},
+        "largest_group": largest,
+        "largest_group_norm": reference,
+    }
+    return TFD302.verdict(evidence, names=_names(below), ratio=ratio, patience=patience)
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD303
 TFD303 = Rule(
     "TFD303",
     "error",
@@ -47,8 +181,21 @@ TFD303 = Rule(
     reason=(
         "A step with inf/nan gradients and no GradScaler to skip it writes NaN into the weights: the run cannot recover"
     ),
+    message="{count} parameter tensor(s) have inf/nan gradients, in groups {names}.",
 )
 
+
+def nonfinite_gradients(reading: GradReading, *, has_scaler: bool) -> Verdict | None:
+    """TFD303 when a gradient holds inf/nan and no GradScaler is there to skip the step (under a GradScaler an
+    overflowing step is skipped by design; ScalerWatch owns that diagnosis)."""
+    groups = [g for g, n in reading.nonfinite.items() if n > 0]
+    if not groups or has_scaler:
+        return None
+    count = reading.nonfinite_tensors
+    return TFD303.verdict({"nonfinite_tensors": count, "groups": groups}, count=int(count), names=_names(groups))
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD304
 TFD304 = Rule(
     "TFD304",
     "warning",
@@ -60,8 +207,31 @@ TFD304 = Rule(
         "forward). Freeze them (requires_grad=False) or fix the forward."
     ),
     reason=("Measured: trainable parameters that never get a gradient never train (a branch the loss does not reach)"),
+    message=(
+        "{count} of {n_params} trainable parameter tensor(s) never received a gradient in {patience} measured steps: "
+        "{names}{more}."
+    ),
 )
 
+
+def unused_parameters(
+    missing: Sequence[str], present: Sequence[str], streak: Streak, *, patience: int
+) -> Verdict | None:
+    """TFD304: the parameters of ``missing`` (no gradient this measurement) that had none for ``patience``
+    measurements in a row; a parameter of ``present`` starts its count again."""
+    unused = [n for n in missing if streak.update(n, True) >= patience]
+    for n in present:
+        streak.counts.pop(n, None)
+    if not unused:
+        return None
+    more = " ..." if len(unused) > 10 else ""
+    evidence = {"parameters": unused[:50], "count": len(unused)}
+    return TFD304.verdict(
+        evidence, n_params=len(missing) + len(present), patience=patience, names=_names(unused[:10]), more=more
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD305
 TFD305 = Rule(
     "TFD305",
     "info",
@@ -73,8 +243,22 @@ TFD305 = Rule(
     ),
     hint=("Nothing to fix. Note that Trainer-side clipping and any other hook reading .grad see scaled values."),
     reason="An observation about how the norm was measured; the training itself is unaffected",
+    message=(
+        "The optimizer ({optimizer}) unscales gradients inside step(), so they were still multiplied by the AMP loss "
+        "scale when measured; GradNormMonitor divided them by the scale."
+    ),
 )
 
+
+def still_scaled(optimizer: str, loss_scale: float | None) -> Verdict | None:
+    """TFD305 when the gradients were measured still multiplied by ``loss_scale`` (None: they were unscaled before
+    the hook), because the ``optimizer`` (its class name) unscales inside ``step()``."""
+    if loss_scale is None:
+        return None
+    return TFD305.verdict({"loss_scale": loss_scale}, optimizer=optimizer)
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD306
 TFD306 = Rule(
     "TFD306",
     "warning",
@@ -93,17 +277,57 @@ TFD306 = Rule(
     reason=(
         "Measured: clipping cuts every step by over 100x, which makes the learning rate set 100x too high in effect"
     ),
+    message=(
+        "Every step is clipped, by a factor of {factor:.3g}: the gradient norm is {grad_norm:.4g} and "
+        "gradient_clip_val is {gradient_clip_val:g}, for {patience} measurements in a row. The clip value, not the "
+        "gradient, sets the update's size."
+    ),
 )
+
+
+def overclipping(reading: GradReading, clip_val: float, streak: Streak, *, patience: int) -> Verdict | None:
+    """TFD306: norm clipping cut every step since the last measurement (``clip_frac`` of 0.99 or more) while the norm
+    is above :data:`OVERCLIP` x ``clip_val``, for ``patience`` measurements in a row. Nothing without norm clipping
+    (no ``clip_frac``)."""
+    frac, total = reading.clip_frac, reading.total
+    if frac is None:
+        return None
+    over = frac >= 0.99 and total == total and total > OVERCLIP * clip_val
+    if streak.update("total", over) < patience:
+        return None
+    evidence = {"grad_norm": total, "gradient_clip_val": clip_val, "factor": total / clip_val, "clip_frac": frac}
+    return TFD306.verdict(evidence, patience=patience)
+
+
+# ---------------------------------------------------------------------------------------------------------- together
+def grad_verdicts(
+    reading: GradReading,
+    memory: GradMemory,
+    *,
+    trained: Sequence[str],
+    has_scaler: bool,
+    explosion_factor: float,
+    warmup: int,
+    vanishing_ratio: float,
+    patience: int,
+) -> list[Verdict | None]:
+    """The norm rules of one measurement, in order: non-finite gradients (TFD303) end the diagnosis; a non-finite
+    total (an overflow a GradScaler skips) is not judged; otherwise explosion (TFD301) and vanishing (TFD302) among the
+    ``trained`` groups (those an optimizer steps)."""
+    nonfinite = nonfinite_gradients(reading, has_scaler=has_scaler)
+    if nonfinite is not None:
+        return [nonfinite]
+    if not math.isfinite(reading.total):
+        return []
+    norms = {g: reading.groups[g] for g in trained}
+    return [
+        explosion(reading.total, memory.history, factor=explosion_factor, warmup=warmup),
+        vanishing(norms, memory.vanishing, ratio=vanishing_ratio, patience=patience),
+    ]
+
 
 BLOCK = ("TFD301", "TFD309")
 """The codes reserved for GradNormMonitor's rules."""
 
-RULES: tuple[Rule, ...] = (
-    TFD301,
-    TFD302,
-    TFD303,
-    TFD304,
-    TFD305,
-    TFD306,
-)
+RULES: tuple[Rule, ...] = (TFD301, TFD302, TFD303, TFD304, TFD305, TFD306)
 """The rules decided in this module, in code order."""

@@ -1,8 +1,47 @@
-"""The rules ScalerWatch decides: each finding code with its severity, text and hint."""
+"""ScalerWatch's decisions: a collapsing loss scale, skipped steps, a schedule that runs ahead, a scale that never
+grows.
+
+On each logging step the callback reads its device counters once and hands a :class:`ScalerReading` (the scale, the
+steps watched and skipped, the window's counts and the groups that overflowed) to the rules below; each returns its
+verdict or None.
+"""
 
 from __future__ import annotations
 
-from lightning_tfdebug.functional.verdicts import Rule
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
+
+
+@dataclass(frozen=True)
+class ScalerReading:
+    """The GradScaler's record at one logging step, on the host; every field but ``step`` is the evidence of a finding.
+
+    Attributes:
+        step: the step it was read at.
+        scale: the loss scale after this step's ``update()``.
+        skipped_steps: optimizer steps skipped for overflow since the start.
+        steps: optimizer steps watched since the start.
+        recent_steps: optimizer steps within the last ``window``.
+        recent_skipped: of those, the skipped ones.
+        recent_backoffs: times the scale was reduced within the last ``window`` steps.
+        overflow_groups: the parameter groups whose gradients overflowed, the most often first.
+    """
+
+    step: int
+    scale: float
+    skipped_steps: int
+    steps: int
+    recent_steps: int
+    recent_skipped: int
+    recent_backoffs: int
+    overflow_groups: tuple[str, ...] = ()
+
+    def evidence(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "step"}
+        return {**out, "overflow_groups": list(self.overflow_groups)}
+
 
 TFD410 = Rule(
     "TFD410",
@@ -12,7 +51,17 @@ TFD410 = Rule(
     trigger="precision uses no GradScaler (bf16 or 32-bit): ScalerWatch has nothing to watch and stays idle",
     hint="Nothing to fix. Remove ScalerWatch, or keep it: it costs nothing without a scaler.",
     reason="An observation: without a GradScaler there is nothing for ScalerWatch to watch",
+    message=(
+        "ScalerWatch has nothing to watch: precision {precision!r} uses no GradScaler (only fp16 AMP does), so no "
+        "step is ever skipped for overflow."
+    ),
 )
+
+
+def no_scaler(precision: str) -> Verdict:
+    """TFD410: the Trainer's ``precision`` uses no GradScaler (bf16, 32-bit): there is nothing to watch."""
+    return TFD410.verdict({"precision": precision})
+
 
 TFD411 = Rule(
     "TFD411",
@@ -28,7 +77,21 @@ TFD411 = Rule(
         "to bf16; lower the LR or add warm-up if it started after a spike."
     ),
     reason="A collapsed loss scale underflows every gradient or skips every step: the run cannot train",
+    message="The fp16 loss scale collapsed: it {why}. Gradients overflow on most steps{where}",
 )
+
+
+def scale_collapsed(reading: ScalerReading, *, min_scale: float, collapse_backoffs: int) -> Verdict | None:
+    """TFD411: the scale fell below ``min_scale``, or was reduced ``collapse_backoffs`` times within the window."""
+    if reading.scale < min_scale:
+        why = f"fell to {reading.scale:.3g} (below min_scale={min_scale:g})"
+    elif reading.recent_backoffs >= collapse_backoffs:
+        why = f"was reduced {reading.recent_backoffs} times in the last {reading.recent_steps} steps"
+    else:
+        return None
+    where = f" (overflowing groups: {', '.join(reading.overflow_groups)})." if reading.overflow_groups else "."
+    return TFD411.verdict(reading.evidence(), step=reading.step, why=why, where=where)
+
 
 TFD412 = Rule(
     "TFD412",
@@ -44,7 +107,19 @@ TFD412 = Rule(
         "or lower GradScaler's init_scale if only the first steps skip."
     ),
     reason="Loses work: a large share of the steps was skipped for overflow",
+    message="{recent_skipped} of the last {recent_steps} optimizer steps were skipped for fp16 overflow{where}",
 )
+
+
+def many_skipped(reading: ScalerReading, *, min_steps: int, max_skipped_frac: float) -> Verdict | None:
+    """TFD412: more than ``max_skipped_frac`` of the window's steps were skipped, once ``min_steps`` were watched."""
+    if reading.steps < min_steps or not reading.recent_steps:
+        return None
+    if reading.recent_skipped / reading.recent_steps <= max_skipped_frac:
+        return None
+    where = f"; gradients overflowed in {', '.join(reading.overflow_groups)}." if reading.overflow_groups else "."
+    return TFD412.verdict(reading.evidence(), step=reading.step, where=where)
+
 
 TFD413 = Rule(
     "TFD413",
@@ -60,7 +135,30 @@ TFD413 = Rule(
         "scaler.get_scale() before and after update())."
     ),
     reason="Measured: the schedule advanced on steps the optimizer skipped, so it runs ahead of the updates",
+    message=(
+        "A per-step LR scheduler ({scheduler}) advanced on {scheduler_steps_on_skipped} optimizer steps that the "
+        "GradScaler skipped: the schedule (warm-up, decay) runs ahead of the updates actually applied."
+    ),
 )
+
+
+def steps_on_skipped(advanced: int, steps: int, skipped: int) -> int:
+    """How many of ``skipped`` optimizer steps (of ``steps``) a scheduler that stepped ``advanced`` times took: every
+    scheduler step beyond the ``steps - skipped`` applied ones was taken on a skipped one (a skip-aware scheduler
+    takes none)."""
+    return max(0, min(skipped, advanced - (steps - skipped)))
+
+
+def schedule_on_skipped(
+    reading: ScalerReading, scheduler: str | None, on_skipped: int, *, lr_skipped_steps: int
+) -> Verdict | None:
+    """TFD413: a per-step LR scheduler (its class name; None: no per-step scheduler) advanced on ``on_skipped``
+    skipped steps, ``lr_skipped_steps`` or more."""
+    if scheduler is None or on_skipped < lr_skipped_steps:
+        return None
+    evidence = {**reading.evidence(), "scheduler": scheduler, "scheduler_steps_on_skipped": on_skipped}
+    return TFD413.verdict(evidence, step=reading.step)
+
 
 TFD414 = Rule(
     "TFD414",
@@ -73,16 +171,29 @@ TFD414 = Rule(
         " to bf16."
     ),
     reason="Measured: the scale never grew, so overflow keeps skipping steps",
+    message=(
+        "The loss scale has not grown for {steps_without_growth} steps ({no_growth_intervals:g} x "
+        "growth_interval={growth_interval}): overflow keeps interrupting every run of clean steps."
+    ),
 )
+
+
+def scale_never_grew(
+    reading: ScalerReading, *, last_growth: int, growth_events: int, growth_interval: int, no_growth_intervals: float
+) -> Verdict | None:
+    """TFD414: the scale did not grow for ``no_growth_intervals`` x the scaler's ``growth_interval`` steps since the
+    step count ``last_growth`` at its last growth (``growth_events`` times in all)."""
+    without = reading.steps - last_growth
+    if without < no_growth_intervals * growth_interval:
+        return None
+    evidence = {**reading.evidence(), "growth_interval": growth_interval, "growth_events": growth_events}
+    return TFD414.verdict(
+        evidence, step=reading.step, steps_without_growth=without, no_growth_intervals=no_growth_intervals
+    )
+
 
 BLOCK = ("TFD410", "TFD419")
 """The codes reserved for ScalerWatch's rules."""
 
-RULES: tuple[Rule, ...] = (
-    TFD410,
-    TFD411,
-    TFD412,
-    TFD413,
-    TFD414,
-)
+RULES: tuple[Rule, ...] = (TFD410, TFD411, TFD412, TFD413, TFD414)
 """The rules decided in this module, in code order."""

@@ -1,128 +1,215 @@
-"""UpdateRatio's decisions that need more than the ratio itself, without a Trainer: host floats, and the label count
-it reads the unigram entropy from (see :mod:`lightning_tfdebug.functional.learning` for whether the model learned).
+"""UpdateRatio's decisions: updates too small or too large for the weights, groups that never change, weights that
+inflate or deflate. Host numbers in, verdicts out; no Trainer.
+
+The callback hands each measured optimizer step to :func:`update_verdicts` as an :class:`UpdateReading` (the ratios,
+the weight and gradient norms per group, the interval's mean loss), with the :class:`UpdateMemory` of earlier
+measurements and the :class:`GroupFacts` read once with the groups.
 
 Tiny updates are a problem when they are too small to move the loss: a learning rate far too low shows as a loss that
 barely falls. A fine-tune at a fine-tuning learning rate also has a small update-to-weight ratio (trained weights are
 larger than initial ones, and the learning rate is lower on purpose), but its loss keeps falling: the updates are doing
-their work. :func:`loss_still_falling` tells the two apart from the mean training loss of the measuring intervals.
+their work. :func:`loss_still_falling` tells the two apart from the mean training loss of the measuring intervals, and
+:mod:`lightning_tfdebug.functional.learning` whether the model has learned at all.
+
+A group that gets gradients but does not change is either left out of the optimizer (TFD312) or stepped by less than
+its weights can show (:func:`below_resolution`: a learning rate far too low, named in TFD310).
+``docs/callbacks/update_ratio.md`` gives the measurements behind every threshold.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.core.tracking import Streak
+from lightning_tfdebug.functional.learning import learned, progress
 from lightning_tfdebug.functional.loss import label_counts as count_labels
-from lightning_tfdebug.functional.verdicts import Rule
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
-TFD310 = Rule(
-    "TFD310",
-    "warning",
-    "UpdateRatio",
-    title="updates too small for the LR plateau, and the loss barely moves: LR too low",
-    trigger=(
-        "update:weight ratio below `low` for `patience` measurements while the LR is at its plateau (not in "
-        "warm-up, not decayed below `decayed_lr_fraction` of its peak), and over them the mean training loss "
-        "fell by less than 0.1% of itself per step, and the model has not learned: its first measured loss made "
-        "less than 0.35 of the way from ln(V) to the labels' unigram entropy (a fine-tune starts most of the way "
-        "down) and its latest loss is not below that entropy (`lightning_tfdebug.functional.learning`)"
-    ),
-    hint=(
-        "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR range "
-        "test; check that the scheduler is not stuck at its initial factor. Groups named in "
-        "`groups_below_resolution` did not change at all: the optimizer stepped them by less than half the float "
-        "spacing of their weights (AdamW at lr 1e-8 on fp32 norm gains of 1.0), and they rounded back."
-    ),
-    reason="Measured: updates too small to move the weights, and the loss shows the model has not learned",
-)
-
-TFD311 = Rule(
-    "TFD311",
-    "warning",
-    "UpdateRatio",
-    title="one step rewrote a large part of the weights: LR too high / no warm-up",
-    trigger="update:weight ratio above `high` on any measurement",
-    hint=(
-        "The learning rate is probably too high, or there is no warm-up: each step rewrites a large part of the "
-        "weights. Lower the LR or add warm-up; GradNormMonitor shows whether gradients explode too."
-    ),
-    reason="Measured: one optimizer step rewrote a large part of the weights",
-)
-
-TFD312 = Rule(
-    "TFD312",
-    "error",
-    "UpdateRatio",
-    title="a group got gradients but did not change: not in the optimizer",
-    trigger=(
-        "a group received gradients but did not change when the optimizer stepped, `patience` measurements in a "
-        "row, and holds parameters in none of the optimizers' param groups (when the optimizer holds copies and "
-        "that cannot be told: its expected step is not below half the float spacing of its weights). A group in "
-        "the optimizer whose step rounds away is TFD310's evidence instead"
-    ),
-    hint=(
-        "Their parameters are not in the optimizer (built before the module was added, or filtered out in "
-        "configure_optimizers). Add them, or set requires_grad=False if they should stay fixed."
-    ),
-    reason=(
-        "A group that receives gradients but never changes is not being trained: the model cannot learn as configured"
-    ),
-)
-
-TFD313 = Rule(
-    "TFD313",
-    "warning",
-    "UpdateRatio",
-    title=("the weights inflate (median group norm grew > `growth_limit` x in `growth_window` steps): LR far too high"),
-    trigger=(
-        "the median group weight norm grew more than `growth_limit` x within `growth_window` optimizer steps "
-        "(groups under 5% of the largest group's norm left out)"
-    ),
-    hint=(
-        "Each step moves the weights a lot against their own scale (Adam moves every weight by about the LR per "
-        "step), so they inflate instead of learning; the loss typically stalls on a plateau or spikes. The "
-        "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 and "
-        "1e-3 (a few times more for tiny models). Lower it, and keep a warm-up."
-    ),
-    reason="Measured: the weights inflate within a short window, which a learning rate far too high does",
-)
-
-TFD314 = Rule(
-    "TFD314",
-    "warning",
-    "UpdateRatio",
-    title=(
-        "the weights deflate (median group norm fell below 1/`growth_limit` in `growth_window` steps): decay far "
-        "too strong"
-    ),
-    trigger=(
-        "the median group weight norm fell below `1 / growth_limit` of its value within `growth_window` optimizer steps"
-    ),
-    hint=(
-        "Weight decay is far too strong for this learning rate (AdamW decays by lr x weight_decay every step: "
-        "typical products are 1e-5 to 1e-4, e.g. lr 3e-4 with weight_decay 0.1), so decay, not the loss, sets the"
-        " weights' scale. Lower weight_decay; check it is not an L2 coefficient meant for SGD scaled up, or "
-        "applied twice (by the optimizer and a penalty in the loss)."
-    ),
-    reason="Measured: the weights deflate within a short window, which weight decay far too strong does",
-)
-
-BLOCK = ("TFD310", "TFD319")
-"""The codes reserved for UpdateRatio's rules."""
-
-RULES: tuple[Rule, ...] = (
-    TFD310,
-    TFD311,
-    TFD312,
-    TFD313,
-    TFD314,
-)
-"""The rules decided in this module, in code order."""
+GROWTH_FLOOR = 0.05
+"""TFD313/TFD314 judge only groups whose norm at the start of the window is above this fraction of the largest
+group's: a zero-initialised bias or position table grows from nothing under any learning rate."""
 
 
+# ------------------------------------------------------------------------------------------------------ readings
+@dataclass(frozen=True)
+class UpdateReading:
+    """One measured optimizer step, on the host, reduced over ranks.
+
+    Attributes:
+        step: the optimizer step measured (``global_step`` before it).
+        lr: the highest learning rate of the optimizer's param groups at that step.
+        total: ``‖ΔW‖ / ‖W‖`` over all trainable parameters.
+        param_norm_total: ``‖W‖`` after the step, over all of them.
+        ratios: ``‖ΔW‖ / ‖W‖`` per group.
+        param_norms: ``‖W‖`` per group after the step.
+        delta_sq: ``‖ΔW‖²`` per group.
+        grad_sq: ``‖grad‖²`` per group before the step.
+        mean_loss: the mean training loss of the batches since the previous measurement (NaN: none returned).
+        unigram: the supervised labels' unigram entropy, when this step counted them (else NaN).
+    """
+
+    step: int
+    lr: float
+    total: float
+    param_norm_total: float
+    ratios: dict[str, float]
+    param_norms: dict[str, float]
+    delta_sq: dict[str, float]
+    grad_sq: dict[str, float]
+    mean_loss: float = math.nan
+    unigram: float = math.nan
+
+    @classmethod
+    def from_squares(
+        cls,
+        step: int,
+        lr: float,
+        names: Sequence[str],
+        squares: Sequence[float],
+        loss_sum: float = 0.0,
+        loss_batches: float = 0.0,
+        unigram: float = math.nan,
+    ) -> UpdateReading:
+        """The reading of ``squares``: per group ``‖ΔW‖²``, then ``‖W‖²``, then ``‖grad‖²`` (``3 * len(names)``
+        host floats), and the interval's summed loss over ``loss_batches`` batches."""
+        n = len(names)
+        delta_sq, param_sq, grad_sq = squares[:n], squares[n : 2 * n], squares[2 * n : 3 * n]
+        return cls(
+            step=step,
+            lr=lr,
+            total=math.sqrt(sum(delta_sq)) / max(math.sqrt(sum(param_sq)), 1e-12),
+            param_norm_total=math.sqrt(sum(param_sq)),
+            ratios={g: math.sqrt(d) / max(math.sqrt(w), 1e-12) for g, d, w in zip(names, delta_sq, param_sq)},
+            param_norms={g: math.sqrt(w) for g, w in zip(names, param_sq)},
+            delta_sq=dict(zip(names, delta_sq)),
+            grad_sq=dict(zip(names, grad_sq)),
+            mean_loss=loss_sum / loss_batches if loss_batches else math.nan,
+            unigram=unigram,
+        )
+
+    def scalars(self, low: float, high: float) -> dict[str, float]:
+        """The logged keys (``UpdateRatio.KEYS``), with the healthy band beside the ratios for the dashboard."""
+        out = {"update_ratio/total": self.total, "update_ratio/param_norm/total": self.param_norm_total}
+        for g, ratio in self.ratios.items():
+            out[f"update_ratio/{g}"] = ratio
+            out[f"update_ratio/param_norm/{g}"] = self.param_norms[g]
+        out.update({"update_ratio/band/low": low, "update_ratio/band/high": high})
+        return out
+
+
+@dataclass
+class UpdateMemory:
+    """What the rules remember between measurements (saved in checkpoints under the same keys as ever).
+
+    Attributes:
+        patience: how many recent learning rates and losses are kept.
+        peak_lr: the highest learning rate measured.
+        recent_lr: the last ``patience`` learning rates.
+        losses: ``(step, mean loss of the interval)`` of the last ``patience`` measurements.
+        first_loss: the first finite mean loss measured.
+        unigram: the labels' unigram entropy (NaN until counted).
+        streak: measurements in a row with the total ratio below ``low`` (``"low"``) and, per group, with gradients
+            but no change (``"zero:<group>"``).
+        norms: ``(step, group norms)`` within the growth window.
+    """
+
+    patience: int
+    peak_lr: float = 0.0
+    recent_lr: deque[float] = field(default_factory=deque)
+    losses: deque[tuple[int, float]] = field(default_factory=deque)
+    first_loss: float | None = None
+    unigram: float = math.nan
+    streak: Streak = field(default_factory=Streak)
+    norms: deque[tuple[int, dict[str, float]]] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.recent_lr = deque(self.recent_lr, maxlen=self.patience)
+        self.losses = deque(self.losses, maxlen=self.patience)
+
+    def observe(self, reading: UpdateReading) -> None:
+        """Remember the learning rate, the mean loss and the unigram entropy of ``reading``."""
+        self.peak_lr = max(self.peak_lr, reading.lr)
+        self.recent_lr.append(reading.lr)
+        self.losses.append((reading.step, reading.mean_loss))
+        if math.isfinite(reading.unigram):
+            self.unigram = reading.unigram
+        if self.first_loss is None and math.isfinite(reading.mean_loss):
+            self.first_loss = reading.mean_loss
+
+    def at_plateau(self, lr: float, decayed_lr_fraction: float) -> bool:
+        """The learning rate is at its plateau: not decayed below ``decayed_lr_fraction`` of its peak, and steady
+        (within 10%) over the last ``patience`` measurements (not rising in a warm-up)."""
+        return (
+            lr >= decayed_lr_fraction * self.peak_lr
+            and len(self.recent_lr) == self.recent_lr.maxlen
+            and max(self.recent_lr) <= 1.1 * min(self.recent_lr)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "streak": self.streak.state_dict(),
+            "peak_lr": self.peak_lr,
+            "recent_lr": list(self.recent_lr),
+            "losses": [list(point) for point in self.losses],
+            "first_loss": self.first_loss,
+            "unigram_entropy": self.unigram if math.isfinite(self.unigram) else None,
+            "norms": [[step, norms] for step, norms in self.norms],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.streak.load_state_dict(state.get("streak", {}))
+        self.peak_lr = float(state.get("peak_lr", 0.0))
+        self.recent_lr = deque(state.get("recent_lr", []), maxlen=self.patience)
+        self.losses = deque(((int(step), float(loss)) for step, loss in state.get("losses", [])), maxlen=self.patience)
+        self.first_loss = state.get("first_loss")
+        unigram = state.get("unigram_entropy")
+        self.unigram = float(unigram) if unigram is not None else math.nan
+        self.norms = deque((int(step), dict(norms)) for step, norms in state.get("norms", []))
+
+
+@dataclass(frozen=True)
+class GroupFacts:
+    """What UpdateRatio reads once per layout about each group, on the host (no tensor data is read).
+
+    Attributes:
+        params: the ids of the group's parameters.
+        numel: the group's element count.
+        eps: the coarsest float spacing (``torch.finfo(dtype).eps``) of its parameters.
+        outside: whether the group holds a parameter in no optimizer's param groups; None when that cannot be told
+            (:func:`outside_optimizers`).
+    """
+
+    params: dict[str, tuple[int, ...]]
+    numel: dict[str, int]
+    eps: dict[str, float]
+    outside: dict[str, bool] | None
+
+
+def group_facts(
+    names: Sequence[str], params: Sequence[Tensor], index: Sequence[int], optimizers: Sequence[torch.optim.Optimizer]
+) -> GroupFacts:
+    """The :class:`GroupFacts` of the groups ``names``, given each of ``params``' group ``index``."""
+    outside = outside_optimizers(params, optimizers)
+    ids: dict[str, list[int]] = {g: [] for g in names}
+    numel, eps, out = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0), dict.fromkeys(names, False)
+    for i, (g, p) in enumerate(zip(index, params)):
+        name = names[g]
+        ids[name].append(id(p))
+        numel[name] += p.numel()
+        eps[name] = max(eps[name], torch.finfo(p.dtype).eps if p.is_floating_point() else 0.0)
+        out[name] = out[name] or (outside is not None and outside[i])
+    return GroupFacts({g: tuple(v) for g, v in ids.items()}, numel, eps, None if outside is None else out)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
 LOSS_FALL_PER_STEP = 1e-3
 """The loss is still falling when its mean fell by at least this fraction of itself per optimizer step over the low
 streak (0.1%: at that pace it falls by a tenth in 100 steps). Measured: full fine-tunes at lr 2e-4 fall by about
@@ -179,3 +266,400 @@ def below_resolution(step: float, weight_rms: float, eps: float) -> bool:
     7.8e-3 for bf16). Adam at lr 1e-8 cannot move fp32 norm gains of 1.0 (half a ulp is 6e-8); it moves matrices of
     rms 0.02 (half a ulp 1.2e-9)."""
     return weight_rms > 0 and step < eps * weight_rms / 2
+
+
+# ---------------------------------------------------------------------------------------------- TFD310 and TFD312
+def stuck_groups(reading: UpdateReading, streak: Streak, *, patience: int) -> list[str]:
+    """The groups that got gradients and did not change while the optimizer stepped (some group changed),
+    ``patience`` measurements in a row."""
+    stepped = sum(reading.delta_sq.values()) > 0
+    stuck = []
+    for g in reading.delta_sq:
+        unchanged = stepped and reading.grad_sq[g] > 0 and reading.delta_sq[g] == 0.0
+        if streak.update(f"zero:{g}", unchanged) >= patience:
+            stuck.append(g)
+    return stuck
+
+
+def left_out_or_rounded(
+    stuck: Sequence[str], reading: UpdateReading, facts: GroupFacts, param_groups: Sequence[Mapping[str, Any]]
+) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """Of the ``stuck`` groups, those left out of the optimizer (TFD312), and those whose updates round away (with
+    their expected step and half float spacing: TFD310's evidence).
+
+    A group holding a parameter outside every optimizer is left out. A group wholly in the optimizer is not: when its
+    expected step (the LR of its param group times the optimizer's typical step per element) is below half the float
+    spacing of its weights, the optimizer did step it and the weights rounded back, which is a learning rate far too
+    low for them; above it (a param group at lr 0), nothing is said. When membership cannot be told, the same
+    comparison decides, against the optimizers' most generous param group, and a group whose step should have shown
+    is left out. ``param_groups``: every optimizer's param groups, read (a tensor LR to the host) only when a group
+    is stuck.
+    """
+    if not stuck:
+        return [], {}
+    settings = {id(p): (float(group["lr"]), "betas" in group) for group in param_groups for p in group["params"]}
+    left_out, rounded = [], {}
+    for name in stuck:
+        if facts.outside is not None and facts.outside[name]:
+            left_out.append(name)
+            continue
+        held = [settings[i] for i in facts.params[name] if i in settings]
+        if not held:  # the optimizer holds copies: judge by the most generous of its param groups
+            held = list(set(settings.values()))
+        numel = max(facts.numel[name], 1)
+        weight_rms = math.sqrt(reading.param_norms[name] ** 2 / numel)
+        grad_rms = math.sqrt(reading.grad_sq[name] / numel)
+        step = max((expected_step(lr, adaptive, grad_rms) for lr, adaptive in held), default=0.0)
+        if held and below_resolution(step, weight_rms, facts.eps[name]):
+            rounded[name] = {"expected_step": step, "half_spacing": facts.eps[name] * weight_rms / 2}
+        elif facts.outside is None:
+            left_out.append(name)
+    return left_out, rounded
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD310
+TFD310 = Rule(
+    "TFD310",
+    "warning",
+    "UpdateRatio",
+    title="updates too small for the LR plateau, and the loss barely moves: LR too low",
+    trigger=(
+        "update:weight ratio below `low` for `patience` measurements while the LR is at its plateau (not in "
+        "warm-up, not decayed below `decayed_lr_fraction` of its peak), and over them the mean training loss "
+        "fell by less than 0.1% of itself per step, and the model has not learned: its first measured loss made "
+        "less than 0.35 of the way from ln(V) to the labels' unigram entropy (a fine-tune starts most of the way "
+        "down) and its latest loss is not below that entropy (`lightning_tfdebug.functional.learning`)"
+    ),
+    hint=(
+        "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR range "
+        "test; check that the scheduler is not stuck at its initial factor. Groups named in "
+        "`groups_below_resolution` did not change at all: the optimizer stepped them by less than half the float "
+        "spacing of their weights (AdamW at lr 1e-8 on fp32 norm gains of 1.0), and they rounded back."
+    ),
+    reason="Measured: updates too small to move the weights, and the loss shows the model has not learned",
+    message=(
+        "Updates are tiny: ||dW||/||W|| = {update_ratio:.3g} (healthy band {band[low]:g} to {band[high]:g}) for "
+        "{patience} measurements at a learning rate of {lr:.3g}{loss_falls}{not_learned}{rounded}."
+    ),
+)
+
+
+def _learning_evidence(memory: UpdateMemory, latest: float, ln_vocab: float | None) -> dict[str, Any]:
+    if memory.first_loss is None or ln_vocab is None:
+        return {}
+    return {
+        "first_loss": memory.first_loss,
+        "ln_vocab": ln_vocab,
+        "unigram_entropy": memory.unigram,
+        "progress_first": progress(memory.first_loss, ln_vocab, memory.unigram),
+        "progress_latest": progress(latest, ln_vocab, memory.unigram),
+    }
+
+
+def tiny_updates(
+    reading: UpdateReading,
+    memory: UpdateMemory,
+    rounded: Mapping[str, Mapping[str, float]],
+    *,
+    low: float,
+    high: float,
+    patience: int,
+    decayed_lr_fraction: float,
+    ln_vocab: float | None,
+) -> Verdict | None:
+    """TFD310: the total ratio below ``low`` for ``patience`` measurements at the LR's plateau, while the mean loss
+    barely falls and the model has not learned (unknown, without a loss or ln(V): the ratio and the loss's fall
+    decide). ``rounded``: the stuck groups whose updates round away (:func:`left_out_or_rounded`), named."""
+    low_streak = memory.streak.update("low", reading.total < low) >= patience
+    mean, first = reading.mean_loss, memory.first_loss
+    has_learned = first is not None and ln_vocab is not None and bool(learned(first, mean, ln_vocab, memory.unigram))
+    if not low_streak or not memory.at_plateau(reading.lr, decayed_lr_fraction):
+        return None
+    if loss_still_falling(memory.losses) or has_learned:
+        return None
+    fall, since = loss_fall_per_step(memory.losses), memory.losses[0][0]
+    loss_falls = (
+        f", while the mean training loss fell by only {fall:.3%} of itself per step since step {since} "
+        f"(a loss the updates move falls by {LOSS_FALL_PER_STEP:.1%} per step or more)"
+        if math.isfinite(fall)
+        else ""
+    )
+    not_learned = ""
+    if ln_vocab is not None and first is not None and math.isfinite(mean):
+        not_learned = (
+            f"; the loss ({mean:.3f}, {first:.3f} at the first measurement) is still near ln(V) = {ln_vocab:.3f}: "
+            "the model has not learned"
+        )
+    rounding = ""
+    if rounded:
+        rounding = (
+            f"; group(s) {', '.join(rounded)} did not change at all: they are in the optimizer, but each step is "
+            "below half the float spacing of their weights, which round back"
+        )
+    evidence = {
+        "update_ratio": reading.total,
+        "lr": reading.lr,
+        "band": {"low": low, "high": high},
+        "groups_below": [g for g, ratio in reading.ratios.items() if ratio < low],
+        "groups_below_resolution": dict(rounded),
+        "loss_fall_per_step": fall,
+        **_learning_evidence(memory, mean, ln_vocab),
+    }
+    return TFD310.verdict(
+        evidence, step=reading.step, patience=patience, loss_falls=loss_falls, not_learned=not_learned, rounded=rounding
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD311
+TFD311 = Rule(
+    "TFD311",
+    "warning",
+    "UpdateRatio",
+    title="one step rewrote a large part of the weights: LR too high / no warm-up",
+    trigger="update:weight ratio above `high` on any measurement",
+    hint=(
+        "The learning rate is probably too high, or there is no warm-up: each step rewrites a large part of the "
+        "weights. Lower the LR or add warm-up; GradNormMonitor shows whether gradients explode too."
+    ),
+    reason="Measured: one optimizer step rewrote a large part of the weights",
+    message=(
+        "Updates are huge: one optimizer step changed the weights by ||dW||/||W|| = {update_ratio:.3g} (healthy band "
+        "{band[low]:g} to {band[high]:g}) at a learning rate of {lr:.3g}."
+    ),
+)
+
+
+def huge_update(reading: UpdateReading, *, low: float, high: float) -> Verdict | None:
+    """TFD311: one step's total ratio above ``high`` (a step that rewrites this much of the weights is damage
+    already: no patience)."""
+    if reading.total <= high:
+        return None
+    evidence = {
+        "update_ratio": reading.total,
+        "lr": reading.lr,
+        "band": {"low": low, "high": high},
+        "groups_above": [g for g, ratio in reading.ratios.items() if ratio > high],
+    }
+    return TFD311.verdict(evidence, step=reading.step)
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD312
+TFD312 = Rule(
+    "TFD312",
+    "error",
+    "UpdateRatio",
+    title="a group got gradients but did not change: not in the optimizer",
+    trigger=(
+        "a group received gradients but did not change when the optimizer stepped, `patience` measurements in a "
+        "row, and holds parameters in none of the optimizers' param groups (when the optimizer holds copies and "
+        "that cannot be told: its expected step is not below half the float spacing of its weights). A group in "
+        "the optimizer whose step rounds away is TFD310's evidence instead"
+    ),
+    hint=(
+        "Their parameters are not in the optimizer (built before the module was added, or filtered out in "
+        "configure_optimizers). Add them, or set requires_grad=False if they should stay fixed."
+    ),
+    reason=(
+        "A group that receives gradients but never changes is not being trained: the model cannot learn as configured"
+    ),
+    message=(
+        "Group(s) {names} received gradients but did not change when the optimizer stepped, {patience} times in a "
+        "row: their parameters are in none of the optimizer's param groups."
+    ),
+)
+
+
+def not_in_optimizer(left_out: Sequence[str], reading: UpdateReading, *, patience: int) -> Verdict | None:
+    """TFD312: the groups ``left_out`` of every optimizer (:func:`left_out_or_rounded`), named with their gradient
+    norms."""
+    if not left_out:
+        return None
+    evidence = {"groups": list(left_out), "grad_norms": {g: reading.grad_sq[g] ** 0.5 for g in left_out}}
+    return TFD312.verdict(evidence, step=reading.step, names=", ".join(left_out), patience=patience)
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD313
+TFD313 = Rule(
+    "TFD313",
+    "warning",
+    "UpdateRatio",
+    title=("the weights inflate (median group norm grew > `growth_limit` x in `growth_window` steps): LR far too high"),
+    trigger=(
+        "the median group weight norm grew more than `growth_limit` x within `growth_window` optimizer steps "
+        "(groups under 5% of the largest group's norm left out)"
+    ),
+    hint=(
+        "Each step moves the weights a lot against their own scale (Adam moves every weight by about the LR per "
+        "step), so they inflate instead of learning; the loss typically stalls on a plateau or spikes. The "
+        "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 and "
+        "1e-3 (a few times more for tiny models). Lower it, and keep a warm-up."
+    ),
+    reason="Measured: the weights inflate within a short window, which a learning rate far too high does",
+    message=(
+        "Weights are growing fast: the median group norm grew {median_growth:.3g}x in {steps} optimizer steps (limit "
+        "{growth_limit:g}x in {growth_window}), at a learning rate of {lr:.3g}."
+    ),
+)
+
+
+@dataclass(frozen=True)
+class NormChange:
+    """How the group weight norms changed over the growth window: ``growth`` per group judged (the norm now over the
+    norm at ``from_step``), and its median."""
+
+    from_step: int
+    to_step: int
+    median: float
+    growth: dict[str, float]
+
+
+def norm_change(
+    window: deque[tuple[int, dict[str, float]]], norms: Mapping[str, float], step: int, *, growth_window: int
+) -> NormChange | None:
+    """Add the group ``norms`` of ``step`` to ``window`` (dropping what is older than ``growth_window`` steps) and
+    compare them with the window's oldest; None when there is nothing to compare (no earlier step, no group of real
+    size: above :data:`GROWTH_FLOOR` of the largest at the start)."""
+    while window and window[0][0] < step - growth_window:
+        window.popleft()
+    window.append((step, dict(norms)))
+    start_step, start = window[0]
+    if start_step == step:
+        return None
+    largest = max(start.values(), default=0.0)
+    growth = {
+        g: norms[g] / start[g]
+        for g in norms
+        if g in start and start[g] > GROWTH_FLOOR * largest and start[g] > 0 and math.isfinite(norms[g])
+    }
+    if not growth:
+        return None
+    return NormChange(start_step, step, statistics.median(growth.values()), growth)
+
+
+def weights_growing(change: NormChange | None, lr: float, *, growth_limit: float, growth_window: int) -> Verdict | None:
+    """TFD313: the median group norm grew past ``growth_limit`` x within the window."""
+    if change is None or change.median <= growth_limit:
+        return None
+    evidence = {
+        "median_growth": change.median,
+        "from_step": change.from_step,
+        "to_step": change.to_step,
+        "lr": lr,
+        "growth": {g: round(v, 4) for g, v in sorted(change.growth.items(), key=lambda kv: -kv[1])},
+    }
+    steps = change.to_step - change.from_step
+    return TFD313.verdict(
+        evidence, step=change.to_step, steps=steps, growth_limit=growth_limit, growth_window=growth_window
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- TFD314
+TFD314 = Rule(
+    "TFD314",
+    "warning",
+    "UpdateRatio",
+    title=(
+        "the weights deflate (median group norm fell below 1/`growth_limit` in `growth_window` steps): decay far "
+        "too strong"
+    ),
+    trigger=(
+        "the median group weight norm fell below `1 / growth_limit` of its value within `growth_window` optimizer steps"
+    ),
+    hint=(
+        "Weight decay is far too strong for this learning rate (AdamW decays by lr x weight_decay every step: "
+        "typical products are 1e-5 to 1e-4, e.g. lr 3e-4 with weight_decay 0.1), so decay, not the loss, sets the"
+        " weights' scale. Lower weight_decay; check it is not an L2 coefficient meant for SGD scaled up, or "
+        "applied twice (by the optimizer and a penalty in the loss)."
+    ),
+    reason="Measured: the weights deflate within a short window, which weight decay far too strong does",
+    message=(
+        "Weights are shrinking fast: the median group norm fell to {median_growth:.3g}x of its value in {steps} "
+        "optimizer steps (limit 1/{growth_limit:g} in {growth_window}).{because}"
+    ),
+)
+
+
+def weight_decay_per_step(param_groups: Sequence[Mapping[str, Any]]) -> float:
+    """The strongest decoupled decay per step, ``lr x weight_decay``, of ``param_groups`` (host floats; a tensor LR
+    is read to the host)."""
+    return max(
+        (float(group["lr"]) * float(group.get("weight_decay", 0.0) or 0.0) for group in param_groups), default=0.0
+    )
+
+
+def weights_shrinking(
+    change: NormChange | None, param_groups: Sequence[Mapping[str, Any]], *, growth_limit: float, growth_window: int
+) -> Verdict | None:
+    """TFD314: the median group norm fell below ``1 / growth_limit`` of its value within the window, quoting the
+    strongest weight decay of ``param_groups`` (read only then)."""
+    if change is None or change.median >= 1.0 / growth_limit:
+        return None
+    decay = weight_decay_per_step(param_groups)
+    because = ""
+    if decay > 0:
+        because = (
+            f" The strongest weight decay shrinks weights by lr x weight_decay = {decay:.3g} per step (half the "
+            f"norm every {math.log(2) / decay:.0f} steps without gradients)."
+        )
+    evidence = {
+        "median_growth": change.median,
+        "from_step": change.from_step,
+        "to_step": change.to_step,
+        "lr_times_weight_decay": decay,
+        "growth": {g: round(v, 4) for g, v in sorted(change.growth.items(), key=lambda kv: kv[1])},
+    }
+    steps = change.to_step - change.from_step
+    return TFD314.verdict(
+        evidence,
+        step=change.to_step,
+        steps=steps,
+        growth_limit=growth_limit,
+        growth_window=growth_window,
+        because=because,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- together
+def update_verdicts(
+    reading: UpdateReading,
+    memory: UpdateMemory,
+    facts: GroupFacts,
+    param_groups: Sequence[Mapping[str, Any]],
+    *,
+    low: float,
+    high: float,
+    patience: int,
+    decayed_lr_fraction: float,
+    growth_limit: float,
+    growth_window: int,
+    ln_vocab: float | None,
+) -> list[Verdict | None]:
+    """Every rule on one measured step, in order (TFD310, TFD311, TFD313, TFD314, TFD312), after ``memory`` took
+    the reading in. ``param_groups``: every optimizer's param groups (read only when a rule needs them)."""
+    memory.observe(reading)
+    stuck = stuck_groups(reading, memory.streak, patience=patience)
+    left_out, rounded = left_out_or_rounded(stuck, reading, facts, param_groups)
+    change = norm_change(memory.norms, reading.param_norms, reading.step, growth_window=growth_window)
+    band = {"low": low, "high": high}
+    return [
+        tiny_updates(
+            reading,
+            memory,
+            rounded,
+            **band,
+            patience=patience,
+            decayed_lr_fraction=decayed_lr_fraction,
+            ln_vocab=ln_vocab,
+        ),
+        huge_update(reading, **band),
+        weights_growing(change, reading.lr, growth_limit=growth_limit, growth_window=growth_window),
+        weights_shrinking(change, param_groups, growth_limit=growth_limit, growth_window=growth_window),
+        not_in_optimizer(left_out, reading, patience=patience),
+    ]
+
+
+BLOCK = ("TFD310", "TFD319")
+"""The codes reserved for UpdateRatio's rules."""
+
+RULES: tuple[Rule, ...] = (TFD310, TFD311, TFD312, TFD313, TFD314)
+"""The rules decided in this module, in code order."""

@@ -8,6 +8,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.checkpoint import checkpoint
 
 from lightning_tfdebug import DeadActivation
+from lightning_tfdebug.core.keys import declared
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
 from tests.helpers import fit_tiny as fit
@@ -70,6 +71,8 @@ def test_healthy_relu_and_gelu_runs_raise_nothing(tmp_path):
     trainer = fit(tmp_path / "gelu", [gelu], max_steps=21)
     assert codes(gelu) == []
     assert trainer.callback_metrics[f"dead_activation/saturated_frac/{ACTS[0]}"].item() < 0.05
+    logged = [k for k in trainer.callback_metrics if k.startswith("dead_activation/")]
+    assert len(logged) == 6 and all(declared(DeadActivation.KEYS, k) for k in logged)  # every key is in KEYS
 
 
 @pytest.mark.parametrize("activation", ["tanh", "sigmoid", "gelu"])
@@ -138,7 +141,7 @@ class FunctionalGPT(TinyGPT):
 def test_activations_called_as_functions_are_found_on_their_own(tmp_path):
     monitor = DeadActivation(every_n_steps=1)
     trainer = fit(tmp_path / "auto", [monitor], model=FunctionalGPT(mlp_bias_init=-5.0, **SMALL), max_steps=2)
-    assert [layer.name for layer in monitor._layers] == ["blocks.0.mlp.relu()", "blocks.1.mlp.relu()"]
+    assert [layer.name for layer in monitor._hooks.layers] == ["blocks.0.mlp.relu()", "blocks.1.mlp.relu()"]
     assert trainer.callback_metrics["dead_activation/dead_frac/blocks.0.mlp.relu()"].item() == 1.0
     assert "TFD340" in codes(monitor)
     healthy = DeadActivation(every_n_steps=1)
@@ -164,7 +167,7 @@ def test_own_computations_are_not_taken_for_activations_and_the_mode_is_dropped_
     seen = _mode_depth_seen_by({"root": model, "mlp": model.blocks[0].mlp})
     monitor = DeadActivation(every_n_steps=1, preactivations={r"blocks\.0\.mlp\.fc$": "gelu"})
     trainer = fit(tmp_path, [monitor], model=model, max_steps=3)
-    assert [layer.name for layer in monitor._layers] == ["blocks.0.mlp.fc", *ACTS]
+    assert [layer.name for layer in monitor._hooks.layers] == ["blocks.0.mlp.fc", *ACTS]
     assert not any(key.endswith("()") for key in trainer.callback_metrics)
     assert seen["root"][:3] == [1, 0, 0] and seen["mlp"][:3] == [1, 0, 0]  # the mode only at discovery (step 0)
 
@@ -175,7 +178,7 @@ def test_after_discovery_the_mode_runs_only_inside_modules_that_call_activation_
     seen = _mode_depth_seen_by({"attn": block.attn, "fc": block.mlp.fc, "ln_f": model.ln_f})
     monitor = DeadActivation(every_n_steps=1)
     trainer = fit(tmp_path, [monitor], model=model, max_steps=3)
-    assert [layer.name for layer in monitor._layers] == ["blocks.0.mlp.relu()", "blocks.1.mlp.relu()"]
+    assert [layer.name for layer in monitor._hooks.layers] == ["blocks.0.mlp.relu()", "blocks.1.mlp.relu()"]
     assert seen["attn"][:3] == [1, 0, 0] and seen["ln_f"][:3] == [1, 0, 0]
     assert seen["fc"][:3] == [1, 1, 1]  # inside the caller (the MLP) on every measuring step
     assert 0.0 < trainer.callback_metrics["dead_activation/zero_frac/blocks.1.mlp.relu()"].item() < 0.9
@@ -223,7 +226,7 @@ class CountingDeadActivation(DeadActivation):
         self.calls = []
 
     def _measure(self, trainer, pl_module, step):
-        self.calls.append([layer.calls for layer in self._layers])
+        self.calls.append([layer.calls for layer in self._hooks.layers])
         super()._measure(trainer, pl_module, step)
 
 

@@ -174,15 +174,15 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     first = GradNormMonitor(every_n_steps=1)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     fit(tmp_path, [first, ckpt], max_steps=6, enable_checkpointing=True)
-    history = list(first._history.values)
+    history = list(first._memory.history.values)
     assert len(history) == 6
     resumed = GradNormMonitor(every_n_steps=1)
     trainer = make_trainer(tmp_path, [resumed], max_steps=7)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert list(resumed._history.values)[:6] == history
-    assert len(resumed._history) == 7
+    assert list(resumed._memory.history.values)[:6] == history
+    assert len(resumed._memory.history) == 7
 
 
 def test_built_from_lightning_cli_yaml(tmp_path):
@@ -248,6 +248,7 @@ def test_gradients_still_scaled_by_amp_are_divided_by_the_scale(tmp_path):
 
 
 def test_grad_norm_monitor_and_update_ratio_share_one_pass_over_the_gradients(tmp_path, monkeypatch):
+    import lightning_tfdebug.core.step as step_module
     import lightning_tfdebug.functional.norms as norms_module
     from lightning_tfdebug import UpdateRatio
 
@@ -268,6 +269,7 @@ def test_grad_norm_monitor_and_update_ratio_share_one_pass_over_the_gradients(tm
         return original(tensors)
 
     monkeypatch.setattr(norms_module, "per_tensor_norms", counted)
+    monkeypatch.setattr(step_module, "per_tensor_norms", counted)  # `step_norms` holds its own reference
     monitor, ratio = GradNormMonitor(every_n_steps=3), UpdateRatio(every_n_steps=3)
     fit(tmp_path, [reference, monitor, ratio], max_steps=7)
     # one pass per measuring step for both members; the values are still the reference's

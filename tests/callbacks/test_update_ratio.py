@@ -77,10 +77,10 @@ def test_mean_loss_of_each_interval_matches_the_losses_returned(tmp_path, every,
     recorder = LossRecorder(monitor)
     fit(tmp_path, [monitor, recorder], max_steps=steps)
     measured = list(range(0, steps, every))
-    assert [step for step, _ in monitor._losses] == measured
+    assert [step for step, _ in monitor._memory.losses] == measured
     # the interval of a measurement: the batches since the previous one's, its own included
     starts = [0] + [m + 1 for m in measured[:-1]]
-    for (step, mean), start in zip(monitor._losses, starts):
+    for (step, mean), start in zip(monitor._memory.losses, starts):
         expected = sum(recorder.losses[start : step + 1]) / (step + 1 - start)
         assert mean == pytest.approx(expected, rel=1e-6)
     assert max(recorder.held) <= 64  # held as tensors, bounded: folded into one device sum past 64 batches
@@ -176,7 +176,7 @@ def test_growth_from_near_zero_groups_is_not_judged(tmp_path):
 
     monitor = UpdateRatio(every_n_steps=5, groups={"head": r"^head\.", "body": r"^(?!head\.)"})
     fit(tmp_path, [monitor], model=ZeroHead(lr=3e-3, **SMALL), max_steps=60)
-    first, last = monitor._norms[0][1], monitor._norms[-1][1]
+    first, last = monitor._memory.norms[0][1], monitor._memory.norms[-1][1]
     assert last["head"] / first["head"] > 2.0  # it did grow, and would decide a median of two groups
     assert "TFD313" not in codes(monitor)
 
@@ -263,9 +263,9 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     resumed = UpdateRatio(every_n_steps=1)
     trainer = make_trainer(tmp_path, [resumed], max_steps=5)
     trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert resumed._peak_lr >= first._peak_lr > 0
-    assert list(resumed._recent_lr)[:2] == list(first._recent_lr)[-2:]
-    assert [step for step, _ in resumed._norms][:4] == [step for step, _ in first._norms]
+    assert resumed._memory.peak_lr >= first._memory.peak_lr > 0
+    assert list(resumed._memory.recent_lr)[:2] == list(first._memory.recent_lr)[-2:]
+    assert [step for step, _ in resumed._memory.norms][:4] == [step for step, _ in first._memory.norms]
 
 
 def test_built_from_lightning_cli_yaml(tmp_path):
@@ -373,4 +373,4 @@ def test_a_fine_tune_of_the_same_model_at_a_fine_tuning_learning_rate_is_not_a_l
     monitor = fit_default_init(tmp_path / "finetune", model)
     assert "TFD310" not in codes(monitor), [f.format() for f in monitor.findings]
     # what held it back: the run starts most of the way down from ln(V) to the labels' unigram entropy
-    assert monitor._first_loss < 0.6 * math.log(128)
+    assert monitor._memory.first_loss < 0.6 * math.log(128)

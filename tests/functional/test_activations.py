@@ -6,15 +6,26 @@ from torch import nn
 
 from lightning_tfdebug.functional.activations import (
     ACTIVATION_KINDS,
-    alive_units,
+    LayerCounts,
     apply_activation,
     dead_fraction,
     kind_of_module,
+    layer_fractions,
+    pack_counts,
     saturated_count,
     tail_cutoff,
-    zero_count,
     zeros_and_alive,
 )
+
+
+def zero_count(y):
+    """A plain reference: the exact zeros (a signed zero is zero, nan is not)."""
+    return (y == 0).sum()
+
+
+def alive_units(y):
+    """A plain reference: per unit (last dimension), non-zero for some token (nan included)."""
+    return (y.reshape(-1, y.shape[-1]) != 0).any(dim=0)
 
 
 @pytest.mark.parametrize(
@@ -133,9 +144,44 @@ def test_gelu_cutoff_value():
     assert math.isfinite(tail_cutoff("silu", 0.001))
 
 
-def test_alive_units_counts_nan_as_alive_signed_zero_as_dead_and_handles_no_tokens():
+def test_zeros_and_alive_count_nan_as_alive_signed_zero_as_dead_and_handle_no_tokens():
     y = torch.tensor([[0.0, -0.0, float("nan"), -1.0], [0.0, 0.0, 0.0, 0.0]])
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        assert alive_units(y.to(dtype)).tolist() == [False, False, True, True]
-    assert alive_units(torch.zeros(0, 4)).tolist() == [False] * 4
-    assert zero_count(y).item() == 6.0
+        zeros, alive = zeros_and_alive(y.to(dtype))
+        assert alive.tolist() == [False, False, True, True] and zeros.item() == 6.0
+    zeros, alive = zeros_and_alive(torch.zeros(0, 4))
+    assert alive.tolist() == [False] * 4 and zeros.item() == 0.0
+
+
+def test_layer_counts_add_calls_up_and_reset():
+    relu = LayerCounts("fc.act", "relu")
+    relu.add(None, torch.tensor([[0.0, 1.0, 0.0], [0.0, 2.0, 3.0]]), 0.01)
+    relu.add(None, torch.tensor([[0.0, 0.0, 0.0], [4.0, 0.0, 0.0]]), 0.01)  # called again in the same forward
+    assert (relu.calls, relu.numel, relu.zeros.item(), relu.saturated) == (2, 12, 8.0, None)
+    assert relu.alive.tolist() == [True, True, True]  # alive in either call
+    tanh = LayerCounts("t", "tanh")
+    tanh.add(None, torch.tensor([0.9999, 0.1, -1.0]), 0.01)
+    assert (tanh.zeros, tanh.alive, tanh.saturated.item()) == (None, None, 2.0)  # no zeros for tanh
+    relu.reset()
+    assert (relu.calls, relu.numel, relu.zeros, relu.alive) == (0, 0, None, None)
+
+
+def test_packed_counts_become_fractions_per_layer():
+    relu, tanh, silent = LayerCounts("r", "relu"), LayerCounts("t", "tanh"), LayerCounts("s", "gelu")
+    relu.add(None, torch.tensor([[0.0, 1.0], [0.0, 0.0]]), 0.01)
+    tanh.add(None, torch.tensor([[1.0, 0.0]]), 0.01)
+    sums, alive = pack_counts([relu, tanh, silent], [2, 0, 3], torch.device("cpu"))
+    assert sums.tolist() == [3.0, 0.0, 4.0, 1.0, 0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert alive.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]  # the silent layer's 3 units: zeros (alive elsewhere, maybe)
+    fractions = {k: v.item() for k, v in layer_fractions([relu, tanh, silent], [2, 0, 3], sums, alive).items()}
+    assert fractions == {
+        "zero_frac/r": 0.75,
+        "dead_frac/r": 0.5,
+        "calls/r": 1.0,
+        "saturated_frac/t": 0.5,
+        "calls/t": 1.0,
+        "zero_frac/s": 0.0,
+        "dead_frac/s": 1.0,
+        "saturated_frac/s": 0.0,
+        "calls/s": 0.0,
+    }
