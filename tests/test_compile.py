@@ -27,7 +27,7 @@ class CompiledGPT(TinyGPT):
 def dynamo_counts() -> dict[str, float]:
     from torch._dynamo.utils import counters
 
-    from lightning_tfdebug.functional.throughput import compile_counts
+    from lightning_tfdebug.core.host import compile_counts
 
     graphs, limit_hits = compile_counts()
     return {"graphs": graphs, "limit_hits": limit_hits, "frames_ok": float(counters["frames"]["ok"])}

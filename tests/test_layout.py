@@ -58,24 +58,18 @@ PENDING_CODES_IN_CALLBACKS: set[str] = {
 PENDING_LONG_CALLBACKS: set[str] = {
     "loss_at_init.py",
     "mask_probe.py",
-    "throughput_monitor.py",
 }
 PENDING_LONG_FUNCTIONS: set[str] = {
     "callbacks/loss_at_init.py:LossAtInit._collect",
     "callbacks/mask_probe.py:MaskProbe._probe",
     "callbacks/mask_probe.py:MaskProbe._probe_alignment",
     "callbacks/mask_probe.py:MaskProbe._probe_masks",
-    "callbacks/throughput_monitor.py:ThroughputMonitor.__init__",
-    "callbacks/throughput_monitor.py:ThroughputMonitor._measure",
     "functional/call_probes.py:plan_call",
     "functional/loss_checks.py:classify_init_loss",
     "functional/loss_checks.py:context_verdict",
     "functional/loss_checks.py:loss_transform_verdict",
 }
-PENDING_IMPURE_FUNCTIONAL: set[str] = {
-    "throughput.py",
-    "throughput_checks.py",
-}
+PENDING_IMPURE_FUNCTIONAL: set[str] = set()
 PENDING_CYCLES: set[frozenset[str]] = set()
 
 

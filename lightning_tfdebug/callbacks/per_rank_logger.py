@@ -6,7 +6,7 @@ import json
 import math
 import os
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -23,66 +23,46 @@ from lightning_tfdebug.core.distributed import (
     world_size,
 )
 from lightning_tfdebug.core.groups import training_model
+from lightning_tfdebug.core.host import peak_rss_bytes
 from lightning_tfdebug.core.io import append_line, make_dirs
-from lightning_tfdebug.core.timing import FetchTimer, fetch_timer
+from lightning_tfdebug.core.keys import Key
+from lightning_tfdebug.core.reduction import Reduced, row_fields
+from lightning_tfdebug.core.timing import FetchTimer, StepClock, fetch_timer
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional import rank_checks
+from lightning_tfdebug.functional.batches import batch_fingerprint, combine_fingerprints
 from lightning_tfdebug.functional.rank_checks import (
     CHECKSUM_RTOL,
     RankDiagnosis,
+    RankRow,
     agreement_sums,
     disagreeing_tensors,
     per_rank_metrics,
 )
-from lightning_tfdebug.functional.throughput import (
-    StepClock,
-    batch_fingerprint,
-    combine_fingerprints,
-    parameter_checksums,
-    peak_rss_bytes,
-)
+from lightning_tfdebug.functional.throughput import parameter_checksums
 
 _GIB = float(2**30)
-# fixed slots of the packed per-rank vector; per-tensor parameter checksums follow them
-_SLOTS = (
-    "loss",
-    "has_loss",
-    "step_time_ms",
-    "busy_ms",
-    "dataloader_wait_ms",
-    "peak_memory_gib",
-    "fingerprint",
-    "checksum",
-)
 
 
 class PerRankLogger(DebugCallback):
     r"""Records every rank's loss, timing, memory, batch fingerprint and parameter checksum, and compares the ranks.
 
-    On a measuring step every rank appends one JSON line to its own ``<log_dir>/tfdebug/rank<r>.jsonl``; its packed
-    row goes into the step's one reduction over ranks (one collective, shared by the whole pack inside
+    On a measuring step every rank appends one JSON line to its own ``<log_dir>/tfdebug/rank<r>.jsonl``; its row of
+    named fields (:class:`~lightning_tfdebug.functional.rank_checks.RankRow`) goes into the step's one reduction over
+    ranks (one collective, shared by the whole pack inside
     :class:`~lightning_tfdebug.TFDebug`), which lets every rank see every other rank's numbers: rank 0 logs them per
     rank and as spreads, and every rank reaches the same findings. Every rank declares its row on the same steps
     (decided from ``global_step``), with a vector of the same length. On other steps the callback reads the
     data-loading timer (host arithmetic) and does nothing else: no tensor work, no sync, no collective.
 
-    What each rank records (per measuring optimizer step, all micro-batches of gradient accumulation included):
+    What each rank records per measuring optimizer step (all micro-batches of gradient accumulation included): its
+    loss, step time, busy time, data wait and peak memory, logged by rank 0 as ``per_rank/<stat>/rank<r>`` with the
+    spreads over ranks (:attr:`KEYS`, tabled in ``docs/callbacks/per_rank_logger.md``), and in its file also a
+    fingerprint of the input ids and a checksum of the parameters and buffers.
 
-    | field / key `per_rank/<stat>/rank<r>` | meaning |
-    | --- | --- |
-    | `loss` | mean training loss of this rank's micro-batches |
-    | `step_time_ms` | wall time of the optimizer step on this rank, data loading excluded |
-    | `busy_ms` | the step outside backward passes (forward, loss, optimizer): no DDP rank waits for another there |
-    | `dataloader_wait_ms` | time spent getting this step's batches onto the device (`next()` plus the copy) |
-    | `peak_memory_gib` | CUDA: peak allocated memory; CPU: peak resident set size |
-    | `batch_fingerprint` (file only) | a hash of the input ids (on the device; on the host for a CPU batch) |
-    | `param_checksum` (file only) | a checksum of the parameters and buffers (weighted per-tensor norms and sums) |
-
-    Why `busy_ms`: under DDP the fast ranks wait for a slow one inside the gradient all-reduce of the backward pass,
-    so every rank's `step_time_ms` comes out the same; the work outside backward shows which rank is slow.
-
-    Spreads logged by rank 0 (two ranks or more): `per_rank/step_time_ms/max_over_median`,
-    `per_rank/busy_ms/max_over_median`, `per_rank/dataloader_wait_ms/max_minus_median`,
-    `per_rank/loss/max_minus_min`, `per_rank/peak_memory_gib/max_over_median`.
+    Why ``busy_ms`` (the step outside backward passes): under DDP the fast ranks wait for a slow one inside the
+    gradient all-reduce of the backward pass, so every rank's ``step_time_ms`` comes out the same; the work outside
+    backward shows which rank is slow.
 
     Findings: ``TFD501`` identical batches on different ranks, ``TFD502`` parameters differ between replicas,
     ``TFD503`` straggler rank, ``TFD504`` one rank's loss far from the others, ``TFD505`` non-finite loss, naming
@@ -133,6 +113,8 @@ class PerRankLogger(DebugCallback):
                 straggler_factor: 1.5
         ```
     """
+
+    KEYS: ClassVar[tuple[Key, ...]] = rank_checks.KEYS  # what `per_rank_metrics` computes, declared beside it
 
     def __init__(
         self,
@@ -307,7 +289,7 @@ class PerRankLogger(DebugCallback):
         else:
             peak = peak_rss_bytes()
         losses, self._losses = self._losses, []
-        loss = torch.stack(losses).mean().to(device=device, dtype=torch.float64) if losses else None
+        loss = torch.stack(losses).mean() if losses else None  # on the device, no sync
         fingerprint, self._fingerprint = self._fingerprint, None
         # one process: no replica to compare with (TFD502 needs two ranks), so no agreement sums to build or read;
         # the checksums are still taken, for the file's `param_checksum`
@@ -315,62 +297,55 @@ class PerRankLogger(DebugCallback):
         local = [local_tensor(p) for p in self._params or []]  # DTensor shards: this rank's part, no collective
         checksums = parameter_checksums(local).to(device)  # [norms..., sums...] of parameters and buffers
         weights = torch.arange(1, checksums.numel() + 1, device=device, dtype=torch.float64)
-        host = torch.tensor(
-            [1.0 if loss is not None else 0.0, step_ms, busy_ms, self._wait_s * 1e3, peak / _GIB], dtype=torch.float64
-        ).to(device)
-        head = torch.stack(
-            [
-                loss if loss is not None else torch.full((), math.nan, dtype=torch.float64, device=device),
-                *host.unbind(),
-                fingerprint.to(device=device, dtype=torch.float64)
-                if fingerprint is not None
-                else torch.full((), -1.0, dtype=torch.float64, device=device),
-                (checksums * weights).sum(),
-            ]
-        )
+        row = {
+            "loss": loss if loss is not None else math.nan,
+            "has_loss": 1.0 if loss is not None else 0.0,
+            "step_time_ms": step_ms,
+            "busy_ms": busy_ms,
+            "dataloader_wait_ms": self._wait_s * 1e3,
+            "peak_memory_gib": peak / _GIB,
+            "fingerprint": fingerprint if fingerprint is not None else -1.0,
+            "checksum": (checksums * weights).sum(),
+        }
         # Per-tensor agreement over the replicas as sums (8 per checksum, whatever the world size; not sent under
-        # sharding, where ranks hold different shards by design), and this rank's row of fixed slots: declared into
+        # sharding, where ranks hold different shards by design), and this rank's row of named fields: declared into
         # the step's one reduction over ranks (the pack's shared collective; on its own, one collective of its own),
         # every rank, same steps, same lengths (the parameter count is the same on every replica).
         agreement = agreement_sums(checksums, CHECKSUM_RTOL) if compare else None
         self.reduce_then(
             trainer,
-            lambda reduced: self._conclude(trainer, reduced.rows, reduced.sums if compare else None, step),
+            lambda reduced: self._conclude(trainer, reduced, compare, step),
             device,
             sums=agreement,
-            rows=head,
+            rows=row_fields(RankRow, row),  # in the order RankRow declares, the same on every rank
         )
 
-    def _conclude(self, trainer: pl.Trainer, table: Tensor, agreement: Tensor | None, step: int) -> None:
-        host = torch.cat([table.reshape(-1), agreement if agreement is not None else table.new_zeros(0)]).tolist()
+    def _conclude(self, trainer: pl.Trainer, reduced: Reduced, compare: bool, step: int) -> None:
+        table = reduced.rows
+        agreement = reduced.sums if compare else table.new_zeros(0)
         # host sync: the one transfer of this measuring step (rows and agreement sums together)
-        world = table.shape[0]
-        rows = [host[r * len(_SLOTS) : (r + 1) * len(_SLOTS)] for r in range(world)]
-        stats = [dict(zip(_SLOTS, row)) for row in rows]
+        host = torch.cat([table.reshape(-1), agreement]).tolist()
+        world, width = table.shape
+        stats = [RankRow(**r) for r in reduced.named_rows([host[r * width : (r + 1) * width] for r in range(world)])]
         mine = stats[trainer.global_rank] if trainer.global_rank < len(stats) else stats[0]
         self._write_record(trainer, step, mine)
         self.log_scalars(trainer, per_rank_metrics(stats, self.log_per_rank), step=step)
         # every value comes from the reduction: every rank takes the same decisions (synchronized findings)
-        differing = None
-        if agreement is not None:
-            differing = disagreeing_tensors(host[world * len(_SLOTS) :], world, self._param_names)
-        for verdict, key in self._diagnosis.update(stats, [], self._param_names, step, differing=differing):
-            self.emit_code(
-                trainer, verdict.code, verdict.message, verdict.evidence, hint=verdict.hint, key=key, step=step
-            )
+        differing = disagreeing_tensors(host[world * width :], world, self._param_names) if compare else None
+        self.emit(trainer, self._diagnosis.update(stats, step, differing=differing))
 
-    def _write_record(self, trainer: pl.Trainer, step: int, mine: dict[str, float]) -> None:
+    def _write_record(self, trainer: pl.Trainer, step: int, mine: RankRow) -> None:
         record = {
             "step": step,
             "rank": trainer.global_rank,
             "time": time.time(),
-            "loss": mine["loss"] if mine["has_loss"] else None,
-            "step_time_ms": mine["step_time_ms"],
-            "busy_ms": mine["busy_ms"],
-            "dataloader_wait_ms": mine["dataloader_wait_ms"],
-            "peak_memory_gib": mine["peak_memory_gib"],
-            "batch_fingerprint": int(mine["fingerprint"]) if mine["fingerprint"] >= 0 else None,
-            "param_checksum": mine["checksum"],
+            "loss": mine.loss if mine.has_loss else None,
+            "step_time_ms": mine.step_time_ms,
+            "busy_ms": mine.busy_ms,
+            "dataloader_wait_ms": mine.dataloader_wait_ms,
+            "peak_memory_gib": mine.peak_memory_gib,
+            "batch_fingerprint": int(mine.fingerprint) if mine.fingerprint >= 0 else None,
+            "param_checksum": mine.checksum,
         }
         append_line(self.rank_file, json.dumps(record, allow_nan=True), sync=False)  # never raises on a full disk
 

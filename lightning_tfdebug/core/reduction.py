@@ -5,7 +5,9 @@ On a measuring step each member declares what it needs from the other ranks, as 
 * ``sums``: values added up over ranks (counts, weighted sums of squares, token counts);
 * ``anys``: 0/1 flags, 1 where any rank set them (a unit alive on some rank, a non-finite loss somewhere);
 * ``maxes``: real values whose maximum over ranks is wanted (the worst rank's memory or data wait);
-* ``rows``: a vector per rank that a decision needs whole (PerRankLogger's straggler and divergence checks).
+* ``rows``: a vector per rank that a decision needs whole (PerRankLogger's straggler and divergence checks),
+  declared by name: ``{field: value}``, host numbers and device scalars alike, read back per rank as
+  ``{field: value}`` with :meth:`Reduced.named_rows` (a plain tensor or sequence is taken as it is).
 
 :meth:`DebugCallback.reduce_then <lightning_tfdebug.core.base.DebugCallback.reduce_then>` hands the declaration and
 a continuation to a :class:`StepReduction`; inside :class:`~lightning_tfdebug.TFDebug` one is shared by every member
@@ -21,7 +23,8 @@ model (per-tensor checksums, per-unit flags) belongs in sums or anys.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,12 +44,23 @@ class Reduced:
         anys: ``(n_anys,)`` 1.0 where any rank set the flag, else 0.0.
         maxes: ``(n_maxes,)`` maximum over ranks.
         rows: ``(world_size, n_rows)``: every rank's row, rank ``r`` at index ``r``.
+        row_names: the names of the row's fields, in order, when it was declared by name.
     """
 
     sums: Tensor
     anys: Tensor
     maxes: Tensor
     rows: Tensor
+    row_names: tuple[str, ...] = ()
+
+    def named_rows(self, rows: Sequence[Sequence[float]] | None = None) -> list[dict[str, float]]:
+        """Every rank's row as ``{field: value}`` (rank ``r`` at index ``r``), for a row declared by name.
+
+        ``rows``: the host copy of :attr:`rows`, when the member made it together with its other values (one
+        transfer); else it is made here (a host sync)."""
+        if rows is None:
+            rows = self.rows.tolist()  # host sync: the caller's one transfer of this measuring step
+        return [dict(zip(self.row_names, row, strict=True)) for row in rows]
 
 
 @dataclass
@@ -60,6 +74,7 @@ class Declaration:
     maxes: Tensor
     rows: Tensor
     failed: bool = False  # the member's own code failed on this rank: zeros of its usual sizes, and this flag
+    row_names: tuple[str, ...] = ()  # the row's fields, when it was declared by name
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -73,9 +88,10 @@ def declaration(
     sums: Tensor | Sequence[Any] | None = None,
     anys: Tensor | Sequence[Any] | None = None,
     maxes: Tensor | Sequence[Any] | None = None,
-    rows: Tensor | Sequence[Any] | None = None,
+    rows: Tensor | Sequence[Any] | Mapping[str, Any] | None = None,
 ) -> Declaration:
-    """A :class:`Declaration` with every part a 1-D float64 tensor on ``device`` (None: empty)."""
+    """A :class:`Declaration` with every part a 1-D float64 tensor on ``device`` (None: empty). ``rows`` given as a
+    mapping ``{field: value}`` keeps its field names (in the mapping's order) for :meth:`Reduced.named_rows`."""
 
     def flat(value: Tensor | Sequence[Any] | None) -> Tensor:
         if value is None or (not isinstance(value, Tensor) and len(value) == 0):
@@ -84,7 +100,39 @@ def declaration(
             value = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in value])
         return value.detach().reshape(-1).to(device=device, dtype=torch.float64)
 
+    if isinstance(rows, Mapping):
+        row, names = named_row(rows, device), tuple(rows)
+        return Declaration(owner, then, flat(sums), flat(anys), flat(maxes), row, row_names=names)
     return Declaration(owner, then, flat(sums), flat(anys), flat(maxes), flat(rows))
+
+
+def row_fields(row_type: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The row to declare for the dataclass ``row_type``: ``values`` (host numbers or device scalars) by field name,
+    in the dataclass's order, so every rank declares the same fields in the same order whatever built ``values``.
+
+    Raises:
+        KeyError: if ``values`` lacks a field or holds a name that is not one.
+    """
+    names = [f.name for f in dataclasses.fields(row_type)]
+    extra = set(values) - set(names)
+    if extra:
+        raise KeyError(f"{row_type.__name__} has no field {sorted(extra)}.")
+    return {name: values[name] for name in names}
+
+
+def named_row(fields: Mapping[str, Any], device: torch.device) -> Tensor:
+    """The values of ``fields`` in order, as one float64 vector on ``device``: the host numbers in one copy to the
+    device, the device scalars where they are (no sync)."""
+    values = list(fields.values())
+    host = [i for i, v in enumerate(values) if not isinstance(v, Tensor)]
+    copied = torch.tensor([float(values[i]) for i in host], dtype=torch.float64).to(device).unbind() if host else ()
+    on_host = dict(zip(host, copied))
+    return torch.stack(
+        [
+            on_host[i] if i in on_host else values[i].detach().reshape(()).to(device, torch.float64)
+            for i in range(len(values))
+        ]
+    )
 
 
 def reduce_declarations(declared: Sequence[Declaration]) -> list[Reduced]:
@@ -102,7 +150,7 @@ def _reduce(declared: Sequence[Declaration]) -> tuple[list[Reduced], list[int]]:
     world = world_size()
     device = declared[0].sums.device
     if world == 1:
-        reduced = [Reduced(d.sums, (d.anys > 0).double(), d.maxes, d.rows.unsqueeze(0)) for d in declared]
+        reduced = [Reduced(d.sums, (d.anys > 0).double(), d.maxes, d.rows.unsqueeze(0), d.row_names) for d in declared]
         return reduced, [int(d.failed) for d in declared]
     rank = dist.get_rank()
     sums = torch.cat([d.sums.to(device) for d in declared])
@@ -125,7 +173,7 @@ def _reduce(declared: Sequence[Declaration]) -> tuple[list[Reduced], list[int]]:
         n_s, n_a, n_m, n_r = d.sizes
         maxes = table[:, o : o + n_m].amax(0) if n_m else table.new_zeros(0)
         rows = table[:, o + n_m : o + n_m + n_r]
-        out.append(Reduced(sums[s : s + n_s], anys[a : a + n_a].double(), maxes, rows))
+        out.append(Reduced(sums[s : s + n_s], anys[a : a + n_a].double(), maxes, rows, d.row_names))
         s, a, o = s + n_s, a + n_a, o + n_m + n_r
     return out, failures
 

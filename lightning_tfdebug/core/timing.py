@@ -1,11 +1,42 @@
-"""Timing the data loader: one :class:`FetchTimer` per fit loop, shared by every callback that reports data wait."""
+"""Timing without a device sync: :class:`StepClock` marks on the device's stream, and the data loader's wait (one
+:class:`FetchTimer` per fit loop, shared by every callback that reports data wait)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
+
+
+class StepClock:
+    """Timestamps that cost no device sync when taken.
+
+    On CUDA a mark is a recorded ``torch.cuda.Event`` (asynchronous, it times the device's stream); elsewhere it is
+    ``time.perf_counter()``. :meth:`elapsed_ms` between two CUDA marks needs the later one to have completed: call
+    :meth:`wait` on it once (the one deliberate sync of a measuring step) before reading several intervals.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def wait(self, mark: Any) -> None:
+        if self.cuda:
+            mark.synchronize()  # host sync: only on measuring steps, once, for all the intervals read after it
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            return float(start.elapsed_time(end))
+        return (end - start) * 1e3
 
 
 class FetchTimer:

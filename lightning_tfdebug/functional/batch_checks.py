@@ -22,12 +22,13 @@ from lightning_tfdebug.functional.batches import (
     Schema,
     compare_schema,
     describe_leaves,
+    device_fingerprint,
+    host_fingerprint,
     learn_schema,
     length_shift,
     special_token_statistics,
     token_statistics,
 )
-from lightning_tfdebug.functional.throughput import device_fingerprint, host_fingerprint
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 TFD101 = Rule(

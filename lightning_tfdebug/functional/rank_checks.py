@@ -1,8 +1,8 @@
 """PerRankLogger's arithmetic and decisions: from every rank's gathered row to the logged spreads and the findings
-``TFD501``-``TFD505``. Host numbers only, no Trainer: every rule here is testable with plain lists.
+``TFD501``-``TFD505``. Host numbers only, no Trainer: every rule here is testable with plain numbers.
 
-Every rank holds the same rows after the step's reduction over ranks, so every rank reaches the same verdicts
-(synchronized findings).
+Every rank declares one :class:`RankRow` (its named fields travel in the step's reduction over ranks) and holds every
+rank's row after it, so every rank reaches the same verdicts (synchronized findings).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.throughput import (
     differing_ranks,
-    differing_tensors,
     loss_outliers,
     max_over_median,
     median_of_others,
@@ -42,6 +42,10 @@ TFD501 = Rule(
         "sampler or IterableDataset, shard by trainer.global_rank / world_size yourself."
     ),
     reason="Loses work: every rank trains on the same batches, N x the compute for 1 x the data",
+    message=(
+        "Ranks {identical} trained on identical batches at {patience} measured steps in a row: the data is not split "
+        "between ranks, so the job does N times the compute for the data of one."
+    ),
 )
 
 TFD502 = Rule(
@@ -60,6 +64,10 @@ TFD502 = Rule(
         "updates outside the optimizer identical on every rank."
     ),
     reason="Replicas whose weights differ are no longer one model: the ranks train different runs",
+    message=(
+        "Parameters or buffers differ between DDP replicas at step {at_step}: rank(s) {rank_list} disagree with the "
+        "others on {count} tensor(s): {tensor_list}{more}."
+    ),
 )
 
 TFD503 = Rule(
@@ -77,6 +85,11 @@ TFD503 = Rule(
         "step). Compare tfdebug/rank<r>.jsonl files."
     ),
     reason="Measured: one rank is slower every step and the whole job waits for it",
+    message=(
+        "Rank {rank} is a straggler: its own work per step ({total:.1f} ms of compute outside backward plus data "
+        "wait) is {ratio:.1f}x the other ranks' median ({others_median_ms:.1f} ms), for {patience} measurements in a "
+        "row; every rank waits for it at each gradient all-reduce."
+    ),
 )
 
 TFD504 = Rule(
@@ -95,6 +108,7 @@ TFD504 = Rule(
         "weights (see TFD502); compare the `rank<r>.jsonl` files"
     ),
     reason="Measured, sustained: one rank's loss is far from the others', so its data or its replica differs",
+    message=("{what} for {patience} measurements in a row{tail}."),
 )
 
 TFD505 = Rule(
@@ -109,6 +123,7 @@ TFD505 = Rule(
         "all-reduce."
     ),
     reason="A non-finite loss on a rank poisons the averaged gradient on every rank: the run cannot continue",
+    message=("Rank(s) {rank_list} produced a non-finite loss at step {at_step}{others}."),
 )
 
 BLOCK = ("TFD501", "TFD519")
@@ -124,12 +139,26 @@ RULES: tuple[Rule, ...] = (
 """The rules decided in this module, in code order."""
 
 
+@dataclass(frozen=True)
+class RankRow:
+    """One rank's numbers of one measuring step: the fields of its row in the step's reduction over ranks, in this
+    order (the one declaration of what travels)."""
+
+    loss: float  # mean training loss of the rank's micro-batches (nan without a loss)
+    has_loss: float  # 1.0 when the training step returned a loss, else 0.0
+    step_time_ms: float  # wall time of the optimizer step, data loading excluded
+    busy_ms: float  # the step outside backward passes
+    dataloader_wait_ms: float  # getting the step's batches onto the device
+    peak_memory_gib: float  # CUDA: peak allocated; CPU: peak resident set size
+    fingerprint: float  # hash of the step's input ids (-1.0: no ids)
+    checksum: float  # position-weighted total of the parameter and buffer checksums
+
+
 LOGGED: tuple[str, ...] = ("loss", "step_time_ms", "busy_ms", "dataloader_wait_ms", "peak_memory_gib")
 CHECKSUM_RTOL = 1e-6
 #: Two primes below 2**16: a value's bucket is sent modulo each, so the sums over ranks stay exact in float64.
 _PRIMES = (65521.0, 65519.0)
 _SPECIAL = 1e10  # bucket codes of zero, nan, +inf and -inf: far from any bucket of a finite non-zero value
-_DATA = "a corrupt shard, a different tokenizer or preprocessing"
 _LOSS_HINT = (
     "computes its loss differently (rank-dependent code in training_step), or runs different weights (see TFD502). "
     "Compare the ranks' files in tfdebug/."
@@ -187,22 +216,61 @@ def disagreeing_tensors(sums: Sequence[float], world: int, names: Sequence[str])
     return [name for name, *differ in zip(names, *per_kind) if any(differ)]
 
 
-def per_rank_metrics(stats: Sequence[dict[str, float]], log_per_rank: bool = True) -> dict[str, float]:
+KEYS: tuple[Key, ...] = (
+    Key("per_rank/loss/rank<rank>", "the rank's mean training loss", chart="loss: every rank"),
+    Key(
+        "per_rank/step_time_ms/rank<rank>",
+        "the rank's step time (data loading excluded)",
+        "ms",
+        "step_time_ms: every rank",
+    ),
+    Key("per_rank/busy_ms/rank<rank>", "the rank's step time outside backward", "ms", "busy_ms: every rank"),
+    Key(
+        "per_rank/dataloader_wait_ms/rank<rank>",
+        "the rank's wait for its batches",
+        "ms",
+        "dataloader_wait_ms: every rank",
+    ),
+    Key("per_rank/peak_memory_gib/rank<rank>", "the rank's peak memory", "GiB", "peak_memory_gib: every rank"),
+    Key(
+        "per_rank/step_time_ms/max_over_median",
+        "slowest rank's step time / median (two ranks or more)",
+        chart="spread over ranks",
+    ),
+    Key(
+        "per_rank/busy_ms/max_over_median",
+        "the same for busy time: the straggler signal under DDP",
+        chart="spread over ranks",
+    ),
+    Key(
+        "per_rank/dataloader_wait_ms/max_minus_median",
+        "worst rank's data wait minus the median",
+        "ms",
+        "spread over ranks",
+    ),
+    Key("per_rank/loss/max_minus_min", "spread of the finite losses", chart="spread over ranks"),
+    Key("per_rank/peak_memory_gib/max_over_median", "memory imbalance", chart="spread over ranks"),
+)
+"""What :func:`per_rank_metrics` returns: PerRankLogger's logged keys (its ``KEYS``), declared beside the function
+that computes them (``<rank>``: the rank's number; rank 0 logs them)."""
+
+
+def per_rank_metrics(stats: Sequence[RankRow], log_per_rank: bool = True) -> dict[str, float]:
     """The ``per_rank/<stat>/rank<r>`` keys (with ``log_per_rank``) and, with two ranks or more, the spreads."""
     metrics: dict[str, float] = {}
     if log_per_rank:
         for r, s in enumerate(stats):
             for key in LOGGED:
-                if key != "loss" or s["has_loss"]:
-                    metrics[f"per_rank/{key}/rank{r}"] = s[key]
+                if key != "loss" or s.has_loss:
+                    metrics[f"per_rank/{key}/rank{r}"] = getattr(s, key)
     if len(stats) > 1:
-        column = {key: [s[key] for s in stats] for key in LOGGED}
+        column = {key: [getattr(s, key) for s in stats] for key in LOGGED}
         waits = column["dataloader_wait_ms"]
         metrics["per_rank/step_time_ms/max_over_median"] = max_over_median(column["step_time_ms"])
         metrics["per_rank/busy_ms/max_over_median"] = max_over_median(column["busy_ms"])
         metrics["per_rank/dataloader_wait_ms/max_minus_median"] = max(waits) - sorted(waits)[len(waits) // 2]
         metrics["per_rank/peak_memory_gib/max_over_median"] = max_over_median(column["peak_memory_gib"])
-        losses = [s["loss"] for s in stats if s["has_loss"] and math.isfinite(s["loss"])]
+        losses = [s.loss for s in stats if s.has_loss and math.isfinite(s.loss)]
         if losses:
             metrics["per_rank/loss/max_minus_min"] = max(losses) - min(losses)
     return metrics
@@ -210,8 +278,8 @@ def per_rank_metrics(stats: Sequence[dict[str, float]], log_per_rank: bool = Tru
 
 @dataclass
 class RankDiagnosis:
-    """The findings of PerRankLogger, measurement after measurement. :meth:`update` returns ``(verdict, key)`` pairs:
-    ``key`` is the de-duplication key to emit with (one straggler finding per rank, for instance)."""
+    """The findings of PerRankLogger, measurement after measurement. Each verdict carries its de-duplication ``key``
+    (one straggler finding per rank, for instance) and the measured ``step``."""
 
     straggler_factor: float = 1.5
     straggler_min_ms: float = 10.0
@@ -219,45 +287,25 @@ class RankDiagnosis:
     patience: int = 3
     streaks: Streak = field(default_factory=Streak)
 
-    def update(
-        self,
-        stats: Sequence[dict[str, float]],
-        checksums: Sequence[Sequence[float]],
-        names: Sequence[str],
-        step: int,
-        differing: Sequence[str] | None = None,
-    ) -> list[tuple[Verdict, str | None]]:
-        """The verdicts of one measurement. ``checksums``: every rank's per-tensor checksums (or empty); or, from the
-        pack's reduction, ``differing``: the tensors the ranks disagree on (:func:`disagreeing_tensors`), the ranks
-        then named from each rank's weighted total (``stats[r]["checksum"]``)."""
-        out: list[tuple[Verdict, str | None]] = []
-        nonfinite = [r for r, s in enumerate(stats) if s["has_loss"] and not math.isfinite(s["loss"])]
-        if nonfinite:
-            finite = [r for r in range(len(stats)) if r not in nonfinite]
-            others = f" while rank(s) {', '.join(map(str, finite))} did not" if finite else ""
-            out.append(
-                (
-                    Verdict(
-                        "TFD505",
-                        f"Rank(s) {', '.join(map(str, nonfinite))} produced a non-finite loss at step {step}{others}.",
-                        {"ranks": nonfinite, "losses": [s["loss"] for s in stats]},
-                    ),
-                    None,
-                )
-            )
+    def update(self, stats: Sequence[RankRow], step: int, differing: Sequence[str] | None = None) -> list[Verdict]:
+        """The verdicts of one measurement: ``stats`` every rank's row, ``differing`` the tensors whose checksums the
+        ranks disagree on (:func:`disagreeing_tensors`; None: not compared)."""
+        out: list[Verdict] = []
+        nonfinite = nonfinite_loss_verdict(stats, step)
+        if nonfinite is not None:
+            out.append(nonfinite)
         if len(stats) < 2:
             return out
-        out += self._batches(stats)
+        out += self._batches(stats, step)
         if differing:
-            out += self._parameters(stats, [[s["checksum"]] for s in stats], names, step, list(differing))
-        elif checksums and checksums[0]:
-            out += self._parameters(stats, checksums, names, step)
-        out += self._stragglers(stats)
-        out += self._losses(stats)
+            out.append(parameters_verdict(stats, list(differing), step))
+        out += self._stragglers(stats, step)
+        out += self._losses(stats, step)
         return out
 
-    def _batches(self, stats: Sequence[dict[str, float]]) -> list[tuple[Verdict, str | None]]:
-        prints = [s["fingerprint"] for s in stats]
+    def _batches(self, stats: Sequence[RankRow], step: int) -> list[Verdict]:
+        """``TFD501``: ranks with equal batch fingerprints for ``patience`` measurements in a row."""
+        prints = [s.fingerprint for s in stats]
         groups: dict[float, list[int]] = {}
         for r, fp in enumerate(prints):
             if fp >= 0:
@@ -265,84 +313,57 @@ class RankDiagnosis:
         same = [ranks for ranks in groups.values() if len(ranks) > 1]
         if self.streaks.update("identical_batches", bool(same)) < self.patience:
             return []
-        message = (
-            f"Ranks {same[0]} trained on identical batches at {self.patience} measured steps in a row: the data is "
-            "not split between ranks, so the job does N times the compute for the data of one."
-        )
-        return [(Verdict("TFD501", message, {"identical_ranks": same, "fingerprints": prints}), None)]
+        evidence = {"identical_ranks": same, "fingerprints": prints}
+        return [TFD501.verdict(evidence, step=step, identical=same[0], patience=self.patience)]
 
-    @staticmethod
-    def _parameters(
-        stats: Sequence[dict[str, float]],
-        checksums: Sequence[Sequence[float]],
-        names: Sequence[str],
-        step: int,
-        tensors: list[str] | None = None,
-    ) -> list[tuple[Verdict, str | None]]:
-        if tensors is None:
-            ranks = differing_ranks(checksums, CHECKSUM_RTOL)
-            if not ranks:
-                return []
-            tensors = differing_tensors(checksums, names, CHECKSUM_RTOL)
-        else:  # the tensors are known to differ; the weighted totals name the ranks (exactly: replicas are equal)
-            ranks = differing_ranks(checksums, 0.0)
-        message = (
-            f"Parameters or buffers differ between DDP replicas at step {step}: rank(s) {', '.join(map(str, ranks))} "
-            f"disagree with the others on {len(tensors)} tensor(s): {', '.join(tensors[:5])}"
-            f"{' ...' * (len(tensors) > 5)}."
-        )
-        evidence = {"ranks": ranks, "tensors": tensors[:50], "checksums": [s["checksum"] for s in stats]}
-        return [(Verdict("TFD502", message, evidence), None)]
-
-    def _stragglers(self, stats: Sequence[dict[str, float]]) -> list[tuple[Verdict, str | None]]:
-        out: list[tuple[Verdict, str | None]] = []
-        totals = [s["busy_ms"] + s["dataloader_wait_ms"] for s in stats]
+    def _stragglers(self, stats: Sequence[RankRow], step: int) -> list[Verdict]:
+        """``TFD503``: a rank whose work outside backward plus data wait is far above the other ranks' median."""
+        out: list[Verdict] = []
+        totals = [s.busy_ms + s.dataloader_wait_ms for s in stats]
         for r, total in enumerate(totals):
             ref = median_of_others(totals, r)
             slow = total > self.straggler_factor * ref and total - ref > self.straggler_min_ms
             if self.streaks.update(f"straggler/rank{r}", slow) < self.patience:
                 continue
-            message = (
-                f"Rank {r} is a straggler: its own work per step ({total:.1f} ms of compute outside backward plus "
-                f"data wait) is {total / ref:.1f}x the other ranks' median ({ref:.1f} ms), for {self.patience} "
-                "measurements in a row; every rank waits for it at each gradient all-reduce."
-            )
             evidence = {
                 "rank": r,
-                "busy_ms": stats[r]["busy_ms"],
-                "dataloader_wait_ms": stats[r]["dataloader_wait_ms"],
+                "busy_ms": stats[r].busy_ms,
+                "dataloader_wait_ms": stats[r].dataloader_wait_ms,
                 "others_median_ms": ref,
             }
-            out.append((Verdict("TFD503", message, evidence), f"rank{r}"))
+            text = {"total": total, "ratio": total / ref, "patience": self.patience}
+            out.append(TFD503.verdict(evidence, key=f"rank{r}", step=step, **text))
         return out
 
-    def _losses(self, stats: Sequence[dict[str, float]]) -> list[tuple[Verdict, str | None]]:
+    def _losses(self, stats: Sequence[RankRow], step: int) -> list[Verdict]:
+        """``TFD504``: a rank's loss far from the others' (two ranks: both named, no majority)."""
         n = len(stats)
-        losses = [s["loss"] if s["has_loss"] else math.nan for s in stats]
+        losses = [s.loss if s.has_loss else math.nan for s in stats]
         far, reference = loss_outliers(losses, self.loss_spread)
         sustained = [r for r in range(n) if self.streaks.update(f"loss/rank{r}", r in far) >= self.patience]
         if sustained and n == 2:
-            message = (
+            what = (
                 f"The two ranks' losses ({losses[0]:.4g} and {losses[1]:.4g}) differ by more than "
-                f"{self.loss_spread:.0%} for {self.patience} measurements in a row; with two ranks, which one is off "
-                "cannot be told."
+                f"{self.loss_spread:.0%}"
             )
+            tail = "; with two ranks, which one is off cannot be told"
             hint = (
                 "One rank sees different data (a corrupt shard, a different tokenizer or preprocessing) or "
                 + _LOSS_HINT
             )
-            return [(Verdict("TFD504", message, {"ranks": sustained, "losses": losses}, hint=hint), "pair")]
-        out: list[tuple[Verdict, str | None]] = []
+            evidence = {"ranks": sustained, "losses": losses}
+            return [
+                TFD504.verdict(evidence, hint=hint, key="pair", step=step, what=what, tail=tail, patience=self.patience)
+            ]
+        out: list[Verdict] = []
         for r in sustained:
-            message = (
-                f"Rank {r}'s loss ({losses[r]:.4g}) is far from the median over ranks ({reference:.4g}) for "
-                f"{self.patience} measurements in a row."
-            )
+            what = f"Rank {r}'s loss ({losses[r]:.4g}) is far from the median over ranks ({reference:.4g})"
             evidence = {"ranks": [r], "loss": losses[r], "median": reference, "losses": losses}
             hint = (
                 "That rank sees different data (a corrupt shard, a different tokenizer or preprocessing), " + _LOSS_HINT
             )
-            out.append((Verdict("TFD504", message, evidence, hint=hint), f"rank{r}"))
+            text = {"what": what, "tail": "", "patience": self.patience}
+            out.append(TFD504.verdict(evidence, hint=hint, key=f"rank{r}", step=step, **text))
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -350,3 +371,29 @@ class RankDiagnosis:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.streaks.load_state_dict(state)
+
+
+def nonfinite_loss_verdict(stats: Sequence[RankRow], step: int) -> Verdict | None:
+    """``TFD505``: the ranks whose loss is not finite, at once (no patience: the run cannot continue)."""
+    nonfinite = [r for r, s in enumerate(stats) if s.has_loss and not math.isfinite(s.loss)]
+    if not nonfinite:
+        return None
+    finite = [r for r in range(len(stats)) if r not in nonfinite]
+    others = f" while rank(s) {', '.join(map(str, finite))} did not" if finite else ""
+    evidence = {"ranks": nonfinite, "losses": [s.loss for s in stats]}
+    return TFD505.verdict(evidence, step=step, rank_list=", ".join(map(str, nonfinite)), at_step=step, others=others)
+
+
+def parameters_verdict(stats: Sequence[RankRow], tensors: list[str], step: int) -> Verdict:
+    """``TFD502``: the ``tensors`` the replicas disagree on (from the reduced agreement sums), and the ranks that
+    differ from the majority, named from each rank's weighted total checksum (exactly: replicas are equal)."""
+    ranks = differing_ranks([[s.checksum] for s in stats], 0.0)
+    evidence = {"ranks": ranks, "tensors": tensors[:50], "checksums": [s.checksum for s in stats]}
+    text = {
+        "at_step": step,
+        "rank_list": ", ".join(map(str, ranks)),
+        "count": len(tensors),
+        "tensor_list": ", ".join(tensors[:5]),
+        "more": " ..." * (len(tensors) > 5),
+    }
+    return TFD502.verdict(evidence, step=step, **text)

@@ -1,30 +1,28 @@
-"""Pure helpers for throughput and per-rank statistics: token counts, batch fingerprints, parameter checksums,
-peak FLOPs of common accelerators, process memory and cross-rank spreads.
+"""Pure helpers for throughput and per-rank statistics: token counts, the padding span, parameter checksums,
+cross-rank spreads, the machine's load against the run's early windows, and the peak FLOPs of accelerators that
+Lightning's table lacks.
 
 Tensor helpers keep their results on the batch's device (no host sync); the caller moves them to the host once per
-measuring step. Nothing here needs a Trainer.
+measuring step. Host numbers in, host numbers out elsewhere: the readers of the machine (``/proc``, memory, the
+reference computation) are in :mod:`lightning_tfdebug.core.host`. Nothing here needs a Trainer.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import resource
+import re
 import statistics
-import sys
-import time
-import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.batch import StepBatch, host_array
+from lightning_tfdebug.core.batch import StepBatch
+from lightning_tfdebug.core.tracking import RunningWindow
 from lightning_tfdebug.functional.norms import per_tensor_norms
-
-_HASH_MODULUS = 2_147_483_647  # 2**31 - 1: a fingerprint fits exactly in a float64 slot of a packed collective
-_HASH_MULTIPLIER = 1_103_515_245
 
 
 # ---------------------------------------------------------------------------------------------------- batches
@@ -51,73 +49,6 @@ def batch_counts(view: StepBatch, length_fn: Callable[[Any], Any] | None = None)
         tokens = length_fn(view.batch)
         return tokens, positions if positions else int(tokens), samples
     return view.tokens(), positions, samples
-
-
-#: per length and device: the position weights of the fingerprint, and the constant its sum adds
-_WEIGHTS: dict[tuple[int, torch.device], tuple[Tensor, int]] = {}
-
-
-def _fingerprint_weights(numel: int, device: torch.device) -> tuple[Tensor, int]:
-    key = (numel, device)
-    found = _WEIGHTS.get(key)
-    if found is None:
-        if len(_WEIGHTS) > 64:  # many distinct lengths (unpadded batches): keep the cache small
-            _WEIGHTS.clear()
-        positions = torch.arange(1, numel + 1, device=device, dtype=torch.int64)
-        weights = (positions * _HASH_MULTIPLIER + 12345) % _HASH_MODULUS
-        # sum((x + 1) * w) + n == sum(x * w) + (sum(w) + n): the constant part, computed once (host read, cached)
-        found = _WEIGHTS[key] = (weights, int(weights.sum()) + numel)
-    return found
-
-
-def host_fingerprint(ids: Tensor) -> int | None:
-    """The fingerprint of a CPU tensor, read on the host: the CRC-32 of its bytes, in ``[0, 2**31 - 1)``; None when
-    ``ids`` is not a CPU tensor NumPy can read (then :func:`batch_fingerprint` hashes it on its device).
-
-    A CPU batch is host memory already, so hashing its bytes needs no torch kernel: about half the host time of the
-    device formula's four kernels on the hot path, where BatchGuard fingerprints every batch. Equal values of one dtype
-    give equal fingerprints, as on a device; the two formulas give different numbers, and a run uses one of them (its
-    batches are on one kind of device), so its fingerprints compare with each other, across steps and ranks.
-    """
-    array = host_array(ids)
-    if array is None:
-        return None
-    if not array.flags.c_contiguous:
-        array = array.copy()  # a strided view: its elements in order (the CRC reads one contiguous buffer)
-    return zlib.crc32(array) % _HASH_MODULUS
-
-
-def batch_fingerprint(ids: Tensor) -> Tensor:
-    """A cheap, order-sensitive hash of a tensor's values as an int64 scalar in ``[0, 2**31 - 1)``: on the host for
-    a CPU tensor (:func:`host_fingerprint`), else computed on its device (no sync).
-
-    Two equal tensors always give the same value; different ones collide with probability about 1 in 2**31. Floating
-    tensors are hashed through their bit pattern. On a device: three kernels on integer ids, a weighted sum with
-    cached position weights, a cached constant added, the remainder.
-    """
-    host = host_fingerprint(ids.detach())
-    if host is not None:
-        return torch.tensor(host)
-    return device_fingerprint(ids)
-
-
-def device_fingerprint(ids: Tensor) -> Tensor:
-    """The fingerprint of :func:`batch_fingerprint` computed by torch kernels on ``ids``' device (any device)."""
-    flat = ids.detach().reshape(-1)
-    if flat.is_floating_point():
-        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()]
-        flat = flat.contiguous().view(bits)
-    flat = flat.to(torch.int64)
-    weights, constant = _fingerprint_weights(flat.numel(), flat.device)
-    # int64 products and sums may wrap around: harmless for a hash, and identical on every rank
-    return ((flat * weights).sum() + constant) % _HASH_MODULUS
-
-
-def combine_fingerprints(a: Tensor | None, b: Tensor) -> Tensor:
-    """Fold fingerprint ``b`` into ``a`` (order-sensitive), for the micro-batches of one optimizer step."""
-    if a is None:
-        return b
-    return (a * 31 + b) % _HASH_MODULUS
 
 
 def parameter_checksums(tensors: Sequence[Tensor]) -> Tensor:
@@ -218,26 +149,6 @@ def differing_ranks(values: Sequence[Sequence[float]], rtol: float = 1e-6) -> li
     return sorted(r for g in groups if g is not majority for r in g)
 
 
-def differing_tensors(values: Sequence[Sequence[float]], names: Sequence[str], rtol: float = 1e-6) -> list[str]:
-    """Names of the tensors whose checksum is not the same on every rank.
-
-    ``values[r]`` is rank ``r``'s checksum vector; it may hold several blocks of ``len(names)`` values (as
-    :func:`parameter_checksums` returns: norms, then sums); a tensor differs when any of its values does.
-    """
-    n = len(names)
-    if not n or not values:
-        return []
-    out = []
-    for i, name in enumerate(names):
-        for j in range(i, len(values[0]), n):
-            column = [v[j] for v in values]
-            ref = column[0]
-            if not all(_close(x, ref, rtol) for x in column[1:]):
-                out.append(name)
-                break
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------- windows
 class CountWindow:
     """Running sum of a per-micro-batch count over one measuring window, kept where the count lives.
@@ -279,222 +190,217 @@ class CountWindow:
         return total
 
 
-# ---------------------------------------------------------------------------------------------------- timing
-class StepClock:
-    """Timestamps that cost no device sync when taken.
-
-    On CUDA a mark is a recorded ``torch.cuda.Event`` (asynchronous, it times the device's stream); elsewhere it is
-    ``time.perf_counter()``. :meth:`elapsed_ms` between two CUDA marks needs the later one to have completed: call
-    :meth:`wait` on it once (the one deliberate sync of a measuring step) before reading several intervals.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def wait(self, mark: Any) -> None:
-        if self.cuda:
-            mark.synchronize()  # host sync: only on measuring steps, once, for all the intervals read after it
-
-    def elapsed_ms(self, start: Any, end: Any) -> float:
-        if self.cuda:
-            return float(start.elapsed_time(end))
-        return (end - start) * 1e3
+_SPAN_WEIGHTS: dict[tuple[int, torch.device], Tensor] = {}  # per mask width and device: rows [index, width - index]
 
 
-# ---------------------------------------------------------------------------------------------------- memory
-def process_rss_bytes() -> int:
-    """Resident set size of this process now (``/proc/self/statm``; the peak from ``getrusage`` elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):  # not Linux: fall back to the peak
-        return peak_rss_bytes()
+def trimmed_positions(mask: Tensor | None, positions: int) -> Tensor | int:
+    """Positions of a batch padded only to its longest row: rows x the span of columns holding a real token. A device
+    tensor (no sync) when the batch has a 2-D attention mask, else ``positions``.
+
+    On the micro-batches of measuring steps, in few kernels: the columns holding a real token, times a cached
+    ``(2, width)`` table whose rows are ``index`` and ``width - index``; the row maxima are the last real column and
+    ``width - first``, so the span is their sum minus ``width - 1`` (clamped at 0 for a mask without any real token)."""
+    if mask is None or mask.ndim != 2 or mask.numel() == 0:
+        return positions
+    width = mask.shape[1]
+    key = (width, mask.device)
+    weights = _SPAN_WEIGHTS.get(key)
+    if weights is None:
+        index = torch.arange(width, device=mask.device)
+        weights = _SPAN_WEIGHTS.setdefault(key, torch.stack([index, width - index]))
+    with torch.no_grad():
+        ends = (weights * mask.any(0)).amax(1)  # [last real column, width - first real column]; zeros if none
+        return (ends.sum() - (width - 1)).clamp_(min=0) * mask.shape[0]
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process since it started."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if os.uname().sysname == "Darwin" else peak * 1024  # Linux reports KiB, macOS bytes
-
-
-def machine_busy_seconds() -> float | None:
-    """CPU seconds all processes of the machine have spent busy since boot (``/proc/stat``), or None if unknown.
-
-    Busy is user, nice, system, irq, softirq and steal time summed over every core; a file read, no device work.
-    """
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        ticks = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not fields or fields[0] != "cpu" or len(fields) < 9:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / ticks
-
-
-class OtherLoad:
-    """CPU cores that other processes kept busy over a window: machine busy time minus this process's, per second.
-
-    ``start()`` opens a window, ``cores()`` closes it and returns the rate (None where ``/proc/stat`` is missing);
-    ``run_delay_s`` then holds the seconds this process's threads spent runnable but waiting for a core over the
-    same window (NaN where ``/proc/<pid>/task/*/schedstat`` is missing). DataLoader workers are other processes too;
-    what matters is the change against the run's own early windows.
-
-    Other processes' use also rises when this one stops using the CPU (it sleeps, waits for I/O or a device): on a
-    full machine they take the cores it leaves. Only a rise in this process's own run-queue wait says the others
-    slowed it down. And on a machine whose cores were already all busy, more competitors cannot raise the others' use
-    much (there is no core left to take), they shrink this process's share: its run-queue wait rises while the CPU
-    time it spends per step stays what its work needs. ``own_cpu_s`` (this process's CPU time over the window, every
-    thread) and ``wall_s`` are kept for that comparison.
-    """
+class WindowCounts:
+    """The token counts of one measuring window: real tokens (where they live: no sync), positions and samples (host
+    ints from shapes), and the positions had each batch been padded only to its longest row, sampled on the
+    micro-batches passed with ``sample=True`` and scaled to the window's positions."""
 
     def __init__(self) -> None:
-        self._start: tuple[float, float, float] | None = None
-        self._delays: dict[str, int] | None = None
-        self._own_start = time.process_time()
-        self._wall_start = time.perf_counter()
-        self.run_delay_s: float = math.nan
-        self.own_cpu_s: float = math.nan
-        self.wall_s: float = math.nan
+        self.tokens = CountWindow()
+        self.trimmed = CountWindow()
+        self.sampled = 0  # positions of the sampled micro-batches
+        self.positions = 0
+        self.samples = 0
 
-    def start(self) -> None:
-        self._own_start, self._wall_start = time.process_time(), time.perf_counter()
-        busy = machine_busy_seconds()
-        self._start = None if busy is None else (time.perf_counter(), busy, time.process_time())
-        self._delays = thread_run_delays()
+    def add(self, tokens: Tensor | int, positions: int, samples: int, mask: Tensor | None, sample: bool) -> None:
+        self.tokens.add(tokens)  # in place on the device: no sync, no collective
+        if sample:
+            self.trimmed.add(trimmed_positions(mask, positions))
+            self.sampled += positions
+        self.positions += positions
+        self.samples += samples
 
-    def cores(self) -> float | None:
-        self.own_cpu_s = time.process_time() - self._own_start
-        self.wall_s = time.perf_counter() - self._wall_start
-        self.run_delay_s = math.nan
-        now = thread_run_delays()
-        if self._delays is not None and now is not None:
-            # threads that ended during the window are lost; threads born in it count from zero
-            self.run_delay_s = sum(max(0, d - self._delays.get(tid, 0)) for tid, d in now.items()) / 1e9
-        if self._start is None:
-            return None
-        busy = machine_busy_seconds()
-        wall0, busy0, own0 = self._start
-        wall = time.perf_counter() - wall0
-        if busy is None or wall <= 0:
-            return None
-        return max(0.0, (busy - busy0) - (time.process_time() - own0)) / wall
+    def take(self, device: torch.device) -> dict[str, Tensor | float]:
+        """The window's ``tokens``, ``positions``, ``samples`` and ``trimmed_positions`` (device scalars or host
+        numbers, no sync); the next window starts empty."""
+        tokens, trimmed = self.tokens.total(device), self.trimmed.total(device)
+        scaled = trimmed * (self.positions / self.sampled) if self.sampled > 0 else float(self.positions)
+        out = {"tokens": tokens, "positions": self.positions, "samples": self.samples, "trimmed_positions": scaled}
+        self.sampled = self.positions = self.samples = 0
+        return out
 
 
-_REFERENCE_BUFFERS: tuple[Tensor, ...] = ()
+class StepTimes:
+    """Optimizer-step times (ms): the median over the last ``window`` steps, and the early window it is compared
+    against (``baseline_steps`` steps after the first ``skip_steps``: warm-up and compilation are left out)."""
+
+    def __init__(self, window: int, skip_steps: int, baseline_steps: int) -> None:
+        self.recent: deque[float] = deque(maxlen=window)
+        self.baseline = RunningWindow(baseline_steps)  # step times of the early window; full = ready
+        self.skip_steps, self.baseline_steps = skip_steps, baseline_steps
+        self.seen = 0  # optimizer steps ended so far (counted by the caller at each step's end)
+
+    def add(self, times: Sequence[float]) -> bool:
+        """Add the times of the last ``len(times)`` steps seen; True when some joined the early window."""
+        skipped = self.seen - len(times)
+        in_baseline = len(self.baseline)
+        for i, t in enumerate(times):
+            self.recent.append(t)
+            if skipped + i >= self.skip_steps and len(self.baseline) < self.baseline_steps:
+                self.baseline.add(t)
+        return len(self.baseline) > in_baseline
+
+    @property
+    def ready(self) -> bool:
+        """Whether the early window is complete."""
+        return len(self.baseline) >= self.baseline_steps
+
+    def median(self) -> float:
+        """The median over the last ``window`` steps (the upper one of an even count; nan before any)."""
+        return sorted(self.recent)[len(self.recent) // 2] if self.recent else float("nan")
 
 
-def reference_work_ms(span_ms: float = 20.0) -> float:
-    """Milliseconds this process takes now for a fixed piece of CPU work: rounds of two 192 x 192 float32 matrix
-    products and a 4 MiB copy (about 0.3-0.5 ms a round on one thread of a 2024 server core, with the process's torch
-    threads), repeated for at least ``span_ms`` of wall time (and at least twice); the mean wall time of a round.
+# ---------------------------------------------------------------------------------------------------- machine load
+@dataclass(frozen=True)
+class LoadReading:
+    """What the machine's load was over the steps the median step time covers, against the run's early windows (NaN
+    where unknown): the ``other_extra``, ``delay_rise_ms``, ``cpu_ratio`` and ``mean_ratio`` of
+    :class:`~lightning_tfdebug.functional.throughput_checks.ThroughputRow`."""
 
-    Timed on the early measuring steps and again when the step time rises, it tells a machine that got slower (a
-    hypervisor taking the CPU, a lower clock, other processes on the cores or the memory bus: the same work takes
-    longer) from a run that got slower by itself (the same work takes as long as before). The wall time over a span
-    of rounds, not the fastest or the median round, and a span longer than a scheduler's time slices: a short timing
-    often runs whole inside one slice. Measured on 2 cores: with four busy loops beside, the median round was as fast
-    as on the idle machine and the mean 6 to 17x slower; with the process stopped for 8 ms out of every 16 (what
-    steal looks like), a timing of 2.4 ms read 1.1x on a measuring step that was 2.9x slower. Host work only, no
-    device; the buffers are made once per process (about 8.5 MiB) so that allocation is not timed.
+    other_extra: float  # CPU cores other processes used beyond the quietest early window
+    delay_rise_ms: float  # run-queue wait per step of this process's threads beyond the early windows'
+    cpu_ratio: float  # this process's CPU time per step over the early windows'
+    mean_ratio: float  # mean wall time per step over the median's steps, over the early windows'
+
+
+def span_rates(windows: Sequence[tuple[int, float, float, float, float]]) -> tuple[float, float, float]:
+    """Over the measuring windows kept: run-queue wait (ms) and own CPU time (ms) per step, and the cores other
+    processes kept busy. Windows whose reading is missing (NaN) are left out of that rate; NaN when none has it."""
+
+    def rate(value: int, per: int, scale: float) -> float:
+        kept = [(w[value], w[per]) for w in windows if w[value] == w[value] and w[per] == w[per]]
+        total = sum(p for _, p in kept)
+        return scale * sum(v for v, _ in kept) / total if kept and total > 0 else math.nan
+
+    return rate(1, 0, 1e3), rate(2, 0, 1e3), rate(3, 4, 1.0)
+
+
+class MachineLoad:
+    """The machine's load during the run's early windows, and over the steps the median step time covers.
+
+    :meth:`update` takes one measuring window's readings (:class:`~lightning_tfdebug.core.host.OtherLoad`): its steps,
+    this process's run-queue wait and CPU time, the cores other processes kept busy, and its wall time. The windows
+    whose steps form the early window set the baselines; the step time is a median over the last ``window`` steps,
+    and one measuring window is a handful of steps of a few ms each, so on a shared machine its readings are noise:
+    contention is judged over the same steps as the median (the windows since its oldest step), not over the last
+    window alone. ``reference_base`` holds the fixed reference computation's times on the early measuring steps.
     """
-    global _REFERENCE_BUFFERS
-    if not _REFERENCE_BUFFERS:
-        # CPU float32 whatever the defaults (`torch.set_default_device("cuda")` would time kernel launches only);
-        # fixed values, and the user's generator left alone
-        cpu = dict(device="cpu", dtype=torch.float32)
-        generator = torch.Generator().manual_seed(0)
-        a, b = (torch.randn(192, 192, generator=generator, **cpu) for _ in range(2))
-        source = torch.ones(1 << 20, **cpu)
-        _REFERENCE_BUFFERS = (a, b, torch.empty(192, 192, **cpu), source, torch.empty_like(source))
-    a, b, product, source, target = _REFERENCE_BUFFERS
-    rounds = 0
-    with torch.no_grad():
-        start = time.perf_counter()
-        end = start + span_ms / 1e3
-        while rounds < 2 or time.perf_counter() < end:
-            torch.mm(a, b, out=product)
-            torch.mm(b, a, out=product)
-            target.copy_(source)
-            rounds += 1
-        return 1e3 * (time.perf_counter() - start) / rounds
 
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.other_base = RunningWindow(16)  # other processes' CPU cores during the early window
+        self.delay_base = RunningWindow(16)  # run-queue wait per step (ms) during the early window
+        self.cpu_base = RunningWindow(16)  # this process's CPU time per step (ms) during the early window
+        self.wall_base = RunningWindow(16)  # wall time per step (ms) of the early windows: their mean step time
+        self.reference_base = RunningWindow(16)  # ms of `core.host.reference_work_ms` on the early measuring steps
+        # per measuring window since the step-time median's oldest step: (steps, run-queue wait s, own CPU s, other
+        # processes' core-seconds, wall s)
+        self.windows: deque[tuple[int, float, float, float, float]] = deque()
 
-def thread_run_delays() -> dict[str, int] | None:
-    """Nanoseconds each thread of this process has waited on a run queue (runnable, not running), by thread id.
+    def update(
+        self, steps: int, early: bool, other: float | None, run_delay_s: float, own_cpu_s: float, wall_s: float
+    ) -> LoadReading:
+        """Add one measuring window of ``steps`` steps (``early``: they joined the early window) and read the load
+        over the median's steps against the early windows."""
+        delay = run_delay_s * 1e3 / steps if steps else math.nan  # ms per step
+        cpu = own_cpu_s * 1e3 / steps if steps else math.nan  # ms per step
+        if early:  # this window's steps are part of the early window
+            if other is not None:
+                self.other_base.add(other)
+            if delay == delay:
+                self.delay_base.add(delay)
+            self.cpu_base.add(cpu)
+            self.wall_base.add(wall_s * 1e3 / steps if steps else math.nan)
+        if steps:
+            other_seconds = other * wall_s if other is not None else math.nan
+            self.windows.append((steps, run_delay_s, own_cpu_s, other_seconds, wall_s))
+        while self.windows and sum(w[0] for w in self.windows) - self.windows[0][0] >= self.window:
+            self.windows.popleft()
+        span_delay, span_cpu, span_other = span_rates(self.windows)
+        steps_in_span = sum(w[0] for w in self.windows)
+        span_wall = 1e3 * sum(w[4] for w in self.windows) / steps_in_span if steps_in_span else math.nan
+        wall_base = self.wall_base.median() if len(self.wall_base) else math.nan
+        mean_ratio = span_wall / wall_base if wall_base > 0 else math.nan
+        delay_rise = span_delay - self.delay_base.median() if len(self.delay_base) else math.nan
+        cpu_base = self.cpu_base.median() if len(self.cpu_base) else math.nan
+        cpu_ratio = span_cpu / cpu_base if cpu_base > 0 else math.nan
+        # against the quietest early window: a passing spike during the early window must not hide later load
+        quiet = min(self.other_base.values, default=math.nan)
+        return LoadReading(span_other - quiet, delay_rise, cpu_ratio, mean_ratio)
 
-    From ``/proc/self/task/<tid>/schedstat`` (its second field); None where the kernel does not provide it. A few
-    small file reads, no device work.
-    """
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    out: dict[str, int] = {}
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                out[tid] = int(f.read().split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    return out or None
+    def reference_ratio(self, early: bool, slow: bool, time_reference: Callable[[], float]) -> float:
+        """The fixed reference computation's time now over the early measuring steps' (nan: not timed now).
 
+        ``time_reference()`` (:func:`~lightning_tfdebug.core.host.reference_work_ms`, 20 ms of host work) runs on the
+        measuring steps whose steps form the early window (``early``: how long a fixed computation takes on this
+        machine while the early step times are taken, a one-time cost of the fit) and again on a ``slow`` one, and on
+        no other: slower by as much as the step, the machine got slower; as fast as before, the run did."""
+        if early:
+            self.reference_base.add(time_reference())
+        elif slow and len(self.reference_base):
+            return time_reference() / self.reference_base.median()
+        return math.nan
 
-def compile_counts() -> tuple[float, float]:
-    """``(graphs compiled, recompile-limit hits)`` so far in this process by ``torch.compile``.
+    _STATE = {
+        "other_baseline": "other_base",
+        "delay_baseline": "delay_base",
+        "cpu_baseline": "cpu_base",
+        "wall_baseline": "wall_base",
+        # timed on the machine that saved it: a run resumed on a slower machine is recognised as the machine's
+        "reference_baseline": "reference_base",
+    }
 
-    Host-side counters of TorchDynamo, read without importing it: ``(nan, nan)`` when nothing in the process has
-    used ``torch.compile``. A hit of the recompile limit means the code object now runs without compilation.
-    """
-    if "torch._dynamo.utils" not in sys.modules:
-        return math.nan, math.nan
-    counters = getattr(sys.modules["torch._dynamo.utils"], "counters", None)
-    if not isinstance(counters, Mapping):
-        return math.nan, math.nan
-    stats = counters.get("stats") or {}
-    gave_up = counters.get("unimplemented") or {}
-    limits = ("recompile limit", "recompile_limit", "cache size limit", "cache_size_limit")
-    hits = sum(n for reason, n in gave_up.items() if any(w in str(reason).split("\n")[0].lower() for w in limits))
-    return float(stats.get("unique_graphs", 0)), float(hits)
+    def state_dict(self) -> dict[str, Any]:
+        return {key: getattr(self, name).state_dict() for key, name in self._STATE.items()}
 
-
-def physical_memory_bytes() -> int | None:
-    """Total physical memory of the machine, or None if unknown."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (OSError, ValueError, AttributeError):
-        return None
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, name in self._STATE.items():
+            getattr(self, name).load_state_dict(state.get(key, {}))
 
 
 # ---------------------------------------------------------------------------------------------------- peak FLOPs
-# Dense (no structured sparsity) peak FLOP/s per device, from the vendors' data sheets. Keys: "fp64", "fp32" (plain
-# fp32 matmul), "tf32" (fp32 matmul on tensor cores, when torch allows TF32), "bf16", "fp16", "fp8".
+# Dense (no structured sparsity) peak FLOP/s per device, from the vendors' data sheets, for what Lightning's
+# `get_available_flops` lacks (`core.host.device_peak_flops` asks it for every other chip): its H200 entries match no
+# name CUDA reports ("NVIDIA H200") and hold the sparse figures; its "h100 nvl" is a pair of boards; it reads "L40S" as
+# an L4; it lists GeForce cards' bf16/fp16 at their non-tensor fp32 rate; it has no H800, A800, A10, AMD Instinct and
+# no fp8 column. Keys: "fp64", "fp32" (plain fp32 matmul), "tf32" (fp32 matmul on tensor cores, when torch allows
+# TF32), "bf16", "fp16", "fp8".
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "h200 nvl": {"fp64": 30e12, "fp32": 60e12, "tf32": 418e12, "bf16": 835e12, "fp16": 835e12, "fp8": 1671e12},
     "h200": {"fp64": 34e12, "fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
     "gh200": {"fp64": 34e12, "fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
     "h100 nvl": {"fp64": 30e12, "fp32": 60e12, "tf32": 418e12, "bf16": 835e12, "fp16": 835e12, "fp8": 1671e12},
-    "h100 pcie": {"fp64": 26e12, "fp32": 51e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12, "fp8": 1513e12},
-    "h100": {"fp64": 34e12, "fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+    "h100 pcie": {"fp8": 1513e12},
+    "h100": {"fp8": 1979e12},
     "h800": {"fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-    "a100": {"fp64": 9.7e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
     "a800": {"fp64": 9.7e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-    "a10g": {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12},
     "a10": {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12},
     "l40s": {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362e12, "fp16": 362e12, "fp8": 733e12},
-    "l40": {"fp32": 90.5e12, "tf32": 90.5e12, "bf16": 181e12, "fp16": 181e12, "fp8": 362e12},
-    "l4": {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12, "fp8": 242e12},
-    "v100": {"fp64": 7.8e12, "fp32": 15.7e12, "fp16": 125e12},
-    "t4": {"fp32": 8.1e12, "fp16": 65e12},
+    "l40": {"fp8": 362e12},
+    "l4": {"fp8": 242e12},
     "rtx 4090": {"fp32": 82.6e12, "tf32": 82.6e12, "bf16": 165.2e12, "fp16": 165.2e12},
     "rtx 3090": {"fp32": 35.6e12, "tf32": 35.6e12, "bf16": 71e12, "fp16": 71e12},
     "mi300x": {"fp64": 163.4e12, "fp32": 163.4e12, "tf32": 653.7e12, "bf16": 1307.4e12, "fp16": 1307.4e12},
@@ -504,15 +410,16 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 def peak_flops_for(device_name: str, compute: str) -> float | None:
     """Peak dense FLOP/s of the accelerator called ``device_name`` for ``compute`` (``"fp32"``, ``"tf32"``,
-    ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp64"``), or None when the chip or that precision is not in the table.
+    ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp64"``) from :data:`PEAK_FLOPS`, or None when the chip or that precision
+    is not in it (then Lightning's table is asked: :func:`~lightning_tfdebug.core.host.device_peak_flops`).
 
-    Names are matched case-insensitively as substrings, most specific first (``"NVIDIA H100 80GB HBM3"`` -> ``h100``,
-    ``"NVIDIA H100 PCIe"`` -> ``h100 pcie``).
+    Names are matched case-insensitively by whole words, most specific first (``"NVIDIA H100 NVL"`` -> ``h100 nvl``,
+    ``"NVIDIA A10"`` -> ``a10`` but ``"NVIDIA A100-SXM4-80GB"`` matches no entry). A chip without TF32 runs ``"tf32"``
+    as plain fp32.
     """
     name = device_name.lower()
     for chip in sorted(PEAK_FLOPS, key=len, reverse=True):
-        words = chip.split()
-        if all(w in name for w in words):
+        if all(re.search(rf"\b{re.escape(word)}\b", name) for word in chip.split()):
             table = PEAK_FLOPS[chip]
             if compute == "tf32" and "tf32" not in table:
                 compute = "fp32"
@@ -521,7 +428,8 @@ def peak_flops_for(device_name: str, compute: str) -> float | None:
 
 
 def compute_precision(precision: str, tf32_allowed: bool) -> str:
-    """Which column of :data:`PEAK_FLOPS` a Trainer ``precision`` string runs its matmuls in."""
+    """Which precision column (of :data:`PEAK_FLOPS` and Lightning's table) a Trainer ``precision`` string runs its
+    matmuls in."""
     p = str(precision)
     if "bf16" in p:
         return "bf16"

@@ -1,20 +1,20 @@
 """ThroughputMonitor's arithmetic and decisions: from the per-rank rows of a measuring step to the logged keys and
-the findings. Host numbers only, no Trainer: every rule here is testable with plain lists.
+the findings. Host numbers only, no Trainer: every rule here is testable with plain numbers.
 
-A measuring step gathers one row per rank (the :data:`SLOTS` of the packed vector); :func:`throughput_metrics` turns
-the rows into the logged keys, and :class:`ThroughputDiagnosis` keeps the streaks across measurements and returns
-:class:`~lightning_tfdebug.functional.verdicts.Verdict` objects. Every rank holds the same rows after the reduction,
-so every rank reaches the same verdicts.
+A measuring step gathers one :class:`ThroughputRow` per rank (its named fields travel in the step's one reduction
+over ranks); :func:`throughput_metrics` turns the rows into the logged keys, and :class:`ThroughputDiagnosis` keeps
+the streaks across measurements and returns :class:`~lightning_tfdebug.functional.verdicts.Verdict` objects. Every
+rank holds the same rows after the reduction, so every rank reaches the same verdicts.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
@@ -32,6 +32,10 @@ TFD601 = Rule(
         "prefetch_factor, and move tokenization or heavy transforms out of __getitem__ (pre-tokenize)."
     ),
     reason="Measured: the run waits for data a large share of its time, compute paid for and idle",
+    message=(
+        "Training is data-loading bound: {dataloader_wait_frac:.0%} of wall time went to waiting for the next batch "
+        "(threshold {threshold:.0%}) for {patience} measurements in a row."
+    ),
 )
 
 TFD602 = Rule(
@@ -49,6 +53,11 @@ TFD602 = Rule(
     ),
     reason=(
         "An observation of padding; a warning when padding is most of the computed positions (compute measured lost)"
+    ),
+    message=(
+        "{padding_frac:.0%} of the token positions computed were padding (threshold {threshold:.0%}) for {patience} "
+        "measurements in a row: packing or length-bucketing would compute {speedup_packing:.1f}x fewer positions"
+        "{trim}{consequence}"
     ),
 )
 
@@ -68,6 +77,10 @@ TFD603 = Rule(
         "jobs on the machine. Run with profile_steps=[a, b] early and late, and compare the tables."
     ),
     reason="Measured, sustained: the step time regressed against the run's own early steps",
+    message=(
+        "The median step time rose to {step_time_ms:.1f} ms, {ratio_to_early:.2f}x the early steps' median, for "
+        "{patience} measurements in a row."
+    ),
 )
 
 TFD604 = Rule(
@@ -81,6 +94,10 @@ TFD604 = Rule(
         "mixed precision, or shard parameters and optimizer state (FSDP)."
     ),
     reason="An observation: memory near capacity is a risk, not harm (caching allocators keep what they reserved)",
+    message=(
+        "Memory use reached {memory_frac:.0%} of capacity on rank {rank} (threshold {threshold:.0%}); the run is "
+        "close to out-of-memory."
+    ),
 )
 
 TFD605 = Rule(
@@ -111,6 +128,10 @@ TFD605 = Rule(
     reason=(
         "The slowdown is the machine's (other processes took the cores, or the same work takes longer), not the run's"
     ),
+    message=(
+        "The median step time rose to {ratio_to_early:.2f}x the early steps' median while {cause}, so this is not "
+        "reported as a slowdown of the run itself (TFD603)."
+    ),
 )
 
 TFD606 = Rule(
@@ -129,6 +150,10 @@ TFD606 = Rule(
         'TORCH_LOGS="recompiles" prints the failing guard.'
     ),
     reason="Measured: recompiling keeps costing time after the early window",
+    message=(
+        "torch.compile is still compiling after the early window: {new_graphs:.0f} new graph(s) since then, more at "
+        "each of the last {patience} measurements. Every recompilation stalls training."
+    ),
 )
 
 TFD607 = Rule(
@@ -143,6 +168,10 @@ TFD607 = Rule(
         "only if the variants are few and worth compiling."
     ),
     reason="Measured: the code that hit the limit now runs uncompiled, slower than configured",
+    message=(
+        "torch.compile hit its recompile limit {limit_hits:.0f} time(s) during training: the code it gave up on now "
+        "runs uncompiled, silently slower."
+    ),
 )
 
 BLOCK = ("TFD601", "TFD619")
@@ -161,27 +190,32 @@ RULES: tuple[Rule, ...] = (
 
 
 GIB = float(2**30)
-SLOTS: tuple[str, ...] = (
-    "tokens",
-    "positions",
-    "samples",
-    "wall_s",
-    "wait_s",
-    "step_ms",
-    "baseline_ms",
-    "peak",
-    "reserved",
-    "capacity",
-    "other_extra",  # CPU cores other processes used beyond the quietest early window (nan: unknown)
-    "new_graphs",  # graphs torch.compile compiled since the early window ended (nan before)
-    "limit_hits",  # torch.compile recompile-limit hits since training started
-    "delay_rise_ms",  # run-queue wait per step of this process's threads beyond the early windows' (nan: unknown)
-    "trimmed_positions",  # positions had each batch been padded only to its longest row (mask span x rows)
-    "cpu_ratio",  # this process's CPU time per step over the early windows' (nan: unknown)
-    "mean_ratio",  # mean wall time per step over the median's steps, over the early windows' (nan: unknown)
-    "reference_ratio",  # a fixed CPU computation's time now over the early windows' (nan: not timed)
-)
-"""Slots of the packed per-rank vector that the step's one reduction over ranks moves, in order."""
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    """One rank's numbers of one measuring window: the fields of its row in the step's reduction over ranks, in this
+    order (the one declaration of what travels). NaN where a reading is unknown."""
+
+    tokens: float  # real (non-padding) tokens
+    positions: float  # token positions computed (padding included)
+    samples: float  # sequences
+    wall_s: float  # wall time of the window
+    wait_s: float  # time spent waiting for the next batch
+    step_ms: float  # median step time over the last `window` steps
+    baseline_ms: float  # median step time of the early window (nan: not complete yet)
+    peak: float  # peak memory, bytes (CUDA: allocated; CPU: resident set)
+    reserved: float  # memory now, bytes (CUDA: reserved; CPU: resident set)
+    capacity: float  # the device's (CPU: the machine's) memory, bytes (0: unknown)
+    other_extra: float  # CPU cores other processes used beyond the quietest early window (nan: unknown)
+    new_graphs: float  # graphs torch.compile compiled since the early window ended (nan before)
+    limit_hits: float  # torch.compile recompile-limit hits since training started
+    delay_rise_ms: float  # run-queue wait per step of this process's threads beyond the early windows' (nan: unknown)
+    trimmed_positions: float  # positions had each batch been padded only to its longest row (mask span x rows)
+    cpu_ratio: float  # this process's CPU time per step over the early windows' (nan: unknown)
+    mean_ratio: float  # mean wall time per step over the median's steps, over the early windows' (nan: unknown)
+    reference_ratio: float  # a fixed CPU computation's time now over the early windows' (nan: not timed)
+
 
 MOST_PADDING = 0.5
 """``TFD602`` is a warning once padding is most of the computed positions: it is then the largest speed problem of the
@@ -202,9 +236,10 @@ def padding_speedups(tokens: float, positions: float, trimmed: float) -> dict[st
     return {"packing": packing, "trim_to_longest": trim}
 
 
-CONTENDED_CORES = max(0.5, 0.1 * (os.cpu_count() or 1))
+CONTENDED_CORES = 0.5
 """Other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
-of a big machine (where background activity of half a core is noise)."""
+of a big machine (where background activity of half a core is noise): the monitor passes
+:func:`~lightning_tfdebug.core.host.contended_cores` of its machine; half a core is the floor."""
 EXPLAINS = 0.5
 """The run-queue wait explains a slowdown when it rose by at least this share of the extra step time."""
 OWN_WORK = 0.9
@@ -223,86 +258,207 @@ give the run more CPU per second: under steal or a lower clock it is the same or
 the run's spinning worker threads raise it a little (measured 1.2 to 1.33 cores of 2 with one busy loop beside)."""
 
 
-def machine_slower(stat: dict[str, float]) -> bool:
+def machine_slower(row: ThroughputRow) -> bool:
     """Whether the machine itself explains a slow rank's slowdown: the fixed reference computation
-    (:func:`~lightning_tfdebug.functional.throughput.reference_work_ms`, timed on the early measuring steps and again
-    on a slow one) slowed by at least :data:`EXPLAINS` of the mean step time's rise, and the run did not take more CPU
-    per second than early on (:data:`OWN_UTILIZATION`). This covers what leaves no trace in the run-queue wait or in
-    other processes' CPU use: a hypervisor taking the virtual CPU (steal), a lower clock, a neighbour saturating the
-    memory bus, and machines without ``/proc`` (macOS). A run that slows itself (more work, a sleep, I/O, a device)
-    leaves the reference computation as fast as it was. False where the reference was not timed (NaN)."""
-    base, step = stat["baseline_ms"], stat["step_ms"]
+    (:func:`~lightning_tfdebug.core.host.reference_work_ms`, timed on the early measuring steps and again on a slow
+    one) slowed by at least :data:`EXPLAINS` of the mean step time's rise, and the run did not take more CPU per second
+    than early on (:data:`OWN_UTILIZATION`). This covers what leaves no trace in the run-queue wait or in other
+    processes' CPU use: a hypervisor taking the virtual CPU (steal), a lower clock, a neighbour saturating the memory
+    bus, and machines without ``/proc`` (macOS). A run that slows itself (more work, a sleep, I/O, a device) leaves the
+    reference computation as fast as it was. False where the reference was not timed (NaN)."""
+    base, step = row.baseline_ms, row.step_ms
     if not base > 0:
         return False
     # Like with like: the reference's mean wall time per round against the run's mean wall time per step over the
     # median's steps (the median alone moves in steps when the lost time comes in slices: a 9 ms step on a CPU taken
     # away for 8 ms out of every 16 takes two or three slices, and its median read 2.85x while the mean read 2.25x
     # and the reference 1.8x). The median's ratio where the mean was not measured.
-    mean = stat.get("mean_ratio", math.nan)
+    mean = row.mean_ratio
     rise = (mean if mean == mean else step / base) - 1.0
-    reference = stat.get("reference_ratio", math.nan)
+    reference = row.reference_ratio
     if not (rise > 0 and reference - 1.0 >= EXPLAINS * rise):  # False when not timed (NaN)
         return False
-    utilization = stat.get("cpu_ratio", math.nan) / mean if mean > 0 else math.nan
+    utilization = row.cpu_ratio / mean if mean > 0 else math.nan
     return not utilization > OWN_UTILIZATION  # NaN (not measured): the reference alone decides
 
 
-def contended(stat: dict[str, float], regression_factor: float) -> bool:
+def contended(row: ThroughputRow, regression_factor: float, contended_cores: float = CONTENDED_CORES) -> bool:
     """Whether a slow rank's slowdown came from other processes taking its cores, or from the machine itself getting
     slower (:func:`machine_slower`), not from the run.
 
     The extra step time must be at least :data:`EXPLAINS` spent waiting for a core (the rise of this process's
     run-queue wait per step, against the early windows'), and that wait must come from others: either they took
-    :data:`CONTENDED_CORES` more cores than in the quietest early window, or, on a machine whose cores were already all
+    ``contended_cores`` more cores than in the quietest early window, or, on a machine whose cores were already all
     busy (where others cannot take much more), this process's CPU time per step rose by less than :data:`OWN_WORK` of
     its step time's rise (``cpu_ratio``): it waited longer for a core without doing more work. A run that slows
     itself does more work per step (its CPU time rises with its step time) or stops asking for a core (sleep, I/O, a
     device: its run-queue wait does not rise).
     """
-    base, step = stat["baseline_ms"], stat["step_ms"]
+    base, step = row.baseline_ms, row.step_ms
     if not (base > 0 and step / base > regression_factor):
         return False
-    if machine_slower(stat):
+    if machine_slower(row):
         return True
     extra = step - base
-    delay = stat["delay_rise_ms"]
+    delay = row.delay_rise_ms
     if delay < EXPLAINS * extra:  # NaN (not measured) passes: others' rise alone decides, as before
         return False
-    if stat["other_extra"] >= CONTENDED_CORES:
+    if row.other_extra >= contended_cores:
         return True
-    cpu = stat.get("cpu_ratio", math.nan)
-    same_work = cpu - 1.0 < OWN_WORK * (step / base - 1.0)  # False when not measured (NaN)
+    same_work = row.cpu_ratio - 1.0 < OWN_WORK * (step / base - 1.0)  # False when not measured (NaN)
     return delay == delay and same_work
 
 
-def rows_to_stats(rows: Sequence[Sequence[float]]) -> list[dict[str, float]]:
-    """Name the slots of every rank's gathered row."""
-    return [dict(zip(SLOTS, row)) for row in rows]
+KEYS: tuple[Key, ...] = (
+    Key(
+        "throughput/tokens_per_sec",
+        "non-padding tokens per second, summed over all ranks, since the last measurement",
+        "tokens/s",
+        "tokens per second",
+    ),
+    Key(
+        "throughput/tokens_per_sec_per_device",
+        "the same divided by the number of ranks",
+        "tokens/s",
+        "tokens per second",
+    ),
+    Key("throughput/samples_per_sec", "samples (sequences) per second over all ranks", "samples/s"),
+    Key(
+        "throughput/step_time_ms",
+        "median optimizer-step time over the last `window` steps (slowest rank)",
+        "ms",
+        "step time (ms)",
+    ),
+    Key(
+        "throughput/padding_frac",
+        "share of computed token positions that were padding (all ranks)",
+        chart="data wait and padding (fraction)",
+    ),
+    Key(
+        "throughput/dataloader_wait_frac",
+        "share of wall time spent waiting for the next batch (worst rank)",
+        chart="data wait and padding (fraction)",
+    ),
+    Key(
+        "throughput/mfu",
+        "model FLOPs utilization; only when the peak FLOP/s is known (`peak_flops`, or looked up for a CUDA device)",
+        chart="model FLOPs utilisation",
+    ),
+    Key("memory/peak_allocated_gib", "CUDA: peak allocated memory; CPU: peak resident set size (worst rank)", "GiB"),
+    Key(
+        "memory/reserved_gib",
+        "CUDA: memory reserved by the caching allocator; CPU: resident set size now (worst rank)",
+        "GiB",
+    ),
+)
+"""What :func:`throughput_metrics` returns: ThroughputMonitor's logged keys (its ``KEYS``), declared beside the
+function that computes them."""
 
 
 def throughput_metrics(
-    stats: Sequence[dict[str, float]], flops_per_token: float | None = None, peak_flops: float | None = None
+    rows: Sequence[ThroughputRow], flops_per_token: float | None = None, peak_flops: float | None = None
 ) -> dict[str, float]:
     """The logged ``throughput/*`` and ``memory/*`` keys from every rank's row (sums over ranks for work, the worst
     rank for times and memory). ``throughput/mfu`` only when both ``flops_per_token`` and ``peak_flops`` are known."""
-    n = len(stats)
-    wall = max(s["wall_s"] for s in stats)
-    tokens_total = sum(s["tokens"] for s in stats)
-    positions_total = sum(s["positions"] for s in stats)
+    n = len(rows)
+    wall = max(r.wall_s for r in rows)
+    tokens_total = sum(r.tokens for r in rows)
+    positions_total = sum(r.positions for r in rows)
     tokens_per_sec = tokens_total / wall
     metrics: dict[str, float] = {
         "throughput/tokens_per_sec": tokens_per_sec,
         "throughput/tokens_per_sec_per_device": tokens_per_sec / n,
-        "throughput/samples_per_sec": sum(s["samples"] for s in stats) / wall,
-        "throughput/step_time_ms": max(s["step_ms"] for s in stats),
+        "throughput/samples_per_sec": sum(r.samples for r in rows) / wall,
+        "throughput/step_time_ms": max(r.step_ms for r in rows),
         "throughput/padding_frac": 1.0 - tokens_total / positions_total if positions_total else 0.0,
-        "throughput/dataloader_wait_frac": max(min(1.0, s["wait_s"] / s["wall_s"]) for s in stats),
-        "memory/peak_allocated_gib": max(s["peak"] for s in stats) / GIB,
-        "memory/reserved_gib": max(s["reserved"] for s in stats) / GIB,
+        "throughput/dataloader_wait_frac": max(min(1.0, r.wait_s / r.wall_s) for r in rows),
+        "memory/peak_allocated_gib": max(r.peak for r in rows) / GIB,
+        "memory/reserved_gib": max(r.reserved for r in rows) / GIB,
     }
     if flops_per_token is not None and peak_flops:
         metrics["throughput/mfu"] = flops_per_token * (tokens_per_sec / n) / peak_flops
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------------- the rules
+def padding_verdict(
+    padding: float, rows: Sequence[ThroughputRow], threshold: float, patience: int, step: int | None = None
+) -> Verdict:
+    """``TFD602`` for a sustained ``padding`` share (the streak is the caller's): info, a warning above
+    :data:`MOST_PADDING`, with the speed-ups packing and padding to the longest row would give."""
+    tokens = sum(r.tokens for r in rows)
+    positions = sum(r.positions for r in rows)
+    trimmed = sum(r.trimmed_positions for r in rows)
+    gain = padding_speedups(tokens, positions, trimmed)
+    most = padding > MOST_PADDING
+    trim = ""
+    if gain["trim_to_longest"] >= 1.1:
+        trim = (
+            f"; padding each batch only to its longest sequence instead of a fixed length alone would compute "
+            f"{gain['trim_to_longest']:.1f}x fewer"
+        )
+    evidence = {
+        "padding_frac": padding,
+        "speedup_packing": gain["packing"],
+        "speedup_trim_to_longest": gain["trim_to_longest"],
+        "tokens": tokens,
+        "positions": positions,
+    }
+    consequence = (
+        ", the largest speed-up available to this run (real tokens per second scale with it)." if most else "."
+    )
+    return TFD602.verdict(
+        evidence,
+        severity="warning" if most else "info",
+        step=step,
+        threshold=threshold,
+        patience=patience,
+        trim=trim,
+        consequence=consequence,
+    )
+
+
+def memory_verdict(
+    rows: Sequence[ThroughputRow], peak_allocated_gib: float, threshold: float, step: int | None = None
+) -> Verdict | None:
+    """``TFD604`` when the worst rank's peak (or reserved) memory exceeds ``threshold`` of its capacity."""
+    fractions = [max(r.peak, r.reserved) / r.capacity for r in rows if r.capacity > 0]
+    if not fractions or not max(fractions) > threshold:
+        return None
+    frac = max(fractions)
+    evidence = {"memory_frac": frac, "peak_allocated_gib": peak_allocated_gib}
+    return TFD604.verdict(evidence, step=step, rank=fractions.index(frac), threshold=threshold)
+
+
+def contended_verdict(ratio: float, row: ThroughputRow, step: int | None = None) -> Verdict:
+    """``TFD605``: the slow streak's numbers, from the slow rank's row, and why they point at the machine."""
+    extra, delay, cpu, reference = row.other_extra, row.delay_rise_ms, row.cpu_ratio, row.reference_ratio
+    evidence = {
+        "ratio_to_early": ratio,
+        "other_extra_cores": extra,
+        "delay_rise_ms_per_step": delay,
+        "cpu_ratio": cpu,
+        "reference_ratio": reference,
+    }
+    if machine_slower(row):
+        cause = (
+            f"a fixed reference computation, timed on the early steps and again now, ran {reference:.2f}x slower too: "
+            "the machine itself got slower (other processes, a shared, stolen or throttled CPU)"
+        )
+        return TFD605.verdict(evidence, step=step, cause=cause)
+    waited = f"this process waited {delay:.1f} ms more per step for a CPU core, " if delay == delay else ""
+    same = (
+        f"its CPU time per step rose only {cpu:.2f}x (its work did not grow with its step time), " if cpu == cpu else ""
+    )
+    others = f"{extra:.1f} more CPU cores busy than they did then" if extra == extra else "more CPU cores busy"
+    cause = f"{waited}{same}and other processes on the machine kept {others}: the machine is contended"
+    return TFD605.verdict(evidence, step=step, cause=cause)
+
+
+def compile_limit_verdict(rows: Sequence[ThroughputRow], step: int | None = None) -> Verdict | None:
+    """``TFD607`` once any rank's ``torch.compile`` hit its recompile limit during training."""
+    hits = max((r.limit_hits for r in rows if r.limit_hits == r.limit_hits), default=0.0)
+    return TFD607.verdict({"limit_hits": hits}, step=step) if hits > 0 else None
 
 
 @dataclass
@@ -310,7 +466,8 @@ class ThroughputDiagnosis:
     """The findings of ThroughputMonitor, measurement after measurement (``TFD601``-``TFD607``).
 
     ``TFD601``/``TFD602``/``TFD603``/``TFD606`` need ``patience`` measurements in a row; ``TFD605`` replaces
-    ``TFD603`` when the slow streak came with other processes loading the machine and this process waiting for cores.
+    ``TFD603`` when the slow streak came with other processes loading the machine and this process waiting for cores
+    (``contended_cores``: see :func:`contended`).
     """
 
     wait_threshold: float = 0.2
@@ -318,191 +475,91 @@ class ThroughputDiagnosis:
     regression_factor: float = 1.5
     memory_threshold: float = 0.92
     patience: int = 3
+    contended_cores: float = CONTENDED_CORES
     streaks: Streak = field(default_factory=Streak)
-    contended_row: dict[str, float] | None = None  # the slow rank's row when the current streak was last contended
+    contended_row: ThroughputRow | None = None  # the slow rank's row when the current streak was last contended
     graphs_prev: float = math.nan
 
     def _sustained(self, key: str, condition: bool) -> bool:
         return self.streaks.update(key, condition) >= self.patience
 
-    def update(self, metrics: dict[str, float], stats: Sequence[dict[str, float]]) -> list[Verdict]:
-        """The verdicts of one measurement: ``metrics`` from :func:`throughput_metrics`, ``stats`` every rank's row."""
-        out: list[Verdict] = []
+    def update(
+        self, metrics: dict[str, float], rows: Sequence[ThroughputRow], step: int | None = None
+    ) -> list[Verdict]:
+        """The verdicts of one measurement: ``metrics`` from :func:`throughput_metrics`, ``rows`` every rank's row,
+        ``step`` the measured step."""
         wait = metrics["throughput/dataloader_wait_frac"]
+        out: list[Verdict | None] = []
         if self._sustained("wait", wait > self.wait_threshold):
-            worst = max(range(len(stats)), key=lambda r: stats[r]["wait_s"] / stats[r]["wall_s"])
-            out.append(
-                Verdict(
-                    "TFD601",
-                    f"Training is data-loading bound: {wait:.0%} of wall time went to waiting for the next batch "
-                    f"(threshold {self.wait_threshold:.0%}) for {self.patience} measurements in a row.",
-                    {
-                        "dataloader_wait_frac": wait,
-                        "worst_rank": worst,
-                        "tokens_per_sec": metrics["throughput/tokens_per_sec"],
-                    },
-                )
-            )
+            worst = max(range(len(rows)), key=lambda r: rows[r].wait_s / rows[r].wall_s)
+            evidence = {
+                "dataloader_wait_frac": wait,
+                "worst_rank": worst,
+                "tokens_per_sec": metrics["throughput/tokens_per_sec"],
+            }
+            out.append(TFD601.verdict(evidence, step=step, threshold=self.wait_threshold, patience=self.patience))
         padding = metrics["throughput/padding_frac"]
         if self._sustained("padding", padding > self.padding_threshold):
-            out.append(self._padding_verdict(padding, stats))
-        out += self._regression(metrics, stats)
-        out += self._compile(stats)
-        fractions = [max(s["peak"], s["reserved"]) / s["capacity"] for s in stats if s["capacity"] > 0]
-        if fractions and max(fractions) > self.memory_threshold:
-            frac = max(fractions)
-            out.append(
-                Verdict(
-                    "TFD604",
-                    f"Memory use reached {frac:.0%} of capacity on rank {fractions.index(frac)} "
-                    f"(threshold {self.memory_threshold:.0%}); the run is close to out-of-memory.",
-                    {"memory_frac": frac, "peak_allocated_gib": metrics["memory/peak_allocated_gib"]},
-                )
-            )
-        return out
+            out.append(padding_verdict(padding, rows, self.padding_threshold, self.patience, step))
+        out.append(self._regression(metrics, rows, step))
+        out.append(self._recompiling(rows, step))
+        out.append(compile_limit_verdict(rows, step))
+        out.append(memory_verdict(rows, metrics["memory/peak_allocated_gib"], self.memory_threshold, step))
+        return [v for v in out if v is not None]
 
-    def _padding_verdict(self, padding: float, stats: Sequence[dict[str, float]]) -> Verdict:
-        tokens = sum(s["tokens"] for s in stats)
-        positions = sum(s["positions"] for s in stats)
-        trimmed = sum(s.get("trimmed_positions", s["positions"]) for s in stats)
-        gain = padding_speedups(tokens, positions, trimmed)
-        most = padding > MOST_PADDING
-        remedy = f"packing or length-bucketing would compute {gain['packing']:.1f}x fewer positions"
-        if gain["trim_to_longest"] >= 1.1:
-            remedy += (
-                f"; padding each batch only to its longest sequence instead of a fixed length alone would compute "
-                f"{gain['trim_to_longest']:.1f}x fewer"
-            )
-        return Verdict(
-            "TFD602",
-            f"{padding:.0%} of the token positions computed were padding (threshold {self.padding_threshold:.0%}) for "
-            f"{self.patience} measurements in a row: {remedy}"
-            + (", the largest speed-up available to this run (real tokens per second scale with it)." if most else "."),
-            {
-                "padding_frac": padding,
-                "speedup_packing": gain["packing"],
-                "speedup_trim_to_longest": gain["trim_to_longest"],
-                "tokens": tokens,
-                "positions": positions,
-            },
-            severity="warning" if most else "info",
-        )
-
-    def _regression(self, metrics: dict[str, float], stats: Sequence[dict[str, float]]) -> list[Verdict]:
-        ratios = [
-            s["step_ms"] / s["baseline_ms"]
-            for s in stats
-            if s["baseline_ms"] == s["baseline_ms"] and s["baseline_ms"] > 0
-        ]
+    def _regression(self, metrics: dict[str, float], rows: Sequence[ThroughputRow], step: int | None) -> Verdict | None:
+        """``TFD603``, or ``TFD605`` when the slow streak was contended (:func:`contended`)."""
+        ratios = [r.step_ms / r.baseline_ms for r in rows if r.baseline_ms == r.baseline_ms and r.baseline_ms > 0]
         ratio = max(ratios) if ratios else float("nan")
         # a slowdown is lost time: the mean step time over the same steps must have risen too (NaN: not measured).
         # Under heavy time slicing the median alone moves when the steps split into slow and fast ones, with little
         # time lost (the median at 800 ms, the mean over the same 50 steps at 590 ms, on a 2-core machine 100% busy)
         slow = [
-            s
-            for s in stats
-            if s["baseline_ms"] > 0
-            and s["step_ms"] / s["baseline_ms"] > self.regression_factor
-            and not s.get("mean_ratio", math.nan) <= self.regression_factor
+            r
+            for r in rows
+            if r.baseline_ms > 0
+            and r.step_ms / r.baseline_ms > self.regression_factor
+            and not r.mean_ratio <= self.regression_factor
         ]
         ratio = ratio if slow else min(ratio, self.regression_factor)
         # contended: this process's threads waited for a core for at least half of the extra step time, because
         # others took more cores or, on a machine already full, took a larger share of them; or a fixed reference
         # computation slowed as much, the machine itself got slower (see `contended` and `machine_slower`)
-        is_contended = bool(slow) and all(contended(s, self.regression_factor) for s in slow)
+        is_contended = bool(slow) and all(contended(r, self.regression_factor, self.contended_cores) for r in slow)
         # TFD603 needs `patience` slow measurements in a row with no sign of other load; a slow streak in which
         # other processes loaded the machine at some point is TFD605 instead (a reading can dip between windows)
         regressed = self._sustained("regression", ratio > self.regression_factor and not is_contended)
         slow_any = self._sustained("regression_any", ratio > self.regression_factor)
         if is_contended:
             # the row quoted: the slow rank with the fewest other-process cores (NaN, unknown, last)
-            self.contended_row = min(
-                slow, key=lambda s: s["other_extra"] if s["other_extra"] == s["other_extra"] else math.inf
-            )
+            self.contended_row = min(slow, key=lambda r: r.other_extra if r.other_extra == r.other_extra else math.inf)
         elif not ratio > self.regression_factor:
             self.contended_row = None
         if slow_any and not regressed and self.contended_row is not None:
-            return [self._contended_verdict(ratio, self.contended_row)]
-        if regressed:
-            worst = max(slow, key=lambda s: s["step_ms"] / s["baseline_ms"], default={})
-            return [
-                Verdict(
-                    "TFD603",
-                    f"The median step time rose to {metrics['throughput/step_time_ms']:.1f} ms, {ratio:.2f}x the early "
-                    f"steps' median, for {self.patience} measurements in a row.",
-                    {
-                        "step_time_ms": metrics["throughput/step_time_ms"],
-                        "ratio_to_early": ratio,
-                        # what ruled out contention, on the slowest rank (NaN: not measured)
-                        "other_extra_cores": worst.get("other_extra", math.nan),
-                        "delay_rise_ms_per_step": worst.get("delay_rise_ms", math.nan),
-                        "cpu_ratio": worst.get("cpu_ratio", math.nan),
-                        "reference_ratio": worst.get("reference_ratio", math.nan),
-                    },
-                )
-            ]
-        return []
-
-    @staticmethod
-    def _contended_verdict(ratio: float, row: dict[str, float]) -> Verdict:
-        """``TFD605``: the slow streak's numbers, from the slow rank's row, and why they point at the machine."""
-        extra, delay = row.get("other_extra", math.nan), row.get("delay_rise_ms", math.nan)
-        cpu, reference = row.get("cpu_ratio", math.nan), row.get("reference_ratio", math.nan)
+            return contended_verdict(ratio, self.contended_row, step)
+        if not regressed:
+            return None
+        worst = max(slow, key=lambda r: r.step_ms / r.baseline_ms)
         evidence = {
+            "step_time_ms": metrics["throughput/step_time_ms"],
             "ratio_to_early": ratio,
-            "other_extra_cores": extra,
-            "delay_rise_ms_per_step": delay,
-            "cpu_ratio": cpu,
-            "reference_ratio": reference,
+            # what ruled out contention, on the slowest rank (NaN: not measured)
+            "other_extra_cores": worst.other_extra,
+            "delay_rise_ms_per_step": worst.delay_rise_ms,
+            "cpu_ratio": worst.cpu_ratio,
+            "reference_ratio": worst.reference_ratio,
         }
-        head = f"The median step time rose to {ratio:.2f}x the early steps' median while "
-        tail = ", so this is not reported as a slowdown of the run itself (TFD603)."
-        if machine_slower(row):
-            return Verdict(
-                "TFD605",
-                head + f"a fixed reference computation, timed on the early steps and again now, ran {reference:.2f}x "
-                "slower too: the machine itself got slower (other processes, a shared, stolen or throttled CPU)" + tail,
-                evidence,
-            )
-        waited = f"this process waited {delay:.1f} ms more per step for a CPU core, " if delay == delay else ""
-        same = (
-            f"its CPU time per step rose only {cpu:.2f}x (its work did not grow with its step time), "
-            if cpu == cpu
-            else ""
-        )
-        others = f"{extra:.1f} more CPU cores busy than they did then" if extra == extra else "more CPU cores busy"
-        return Verdict(
-            "TFD605",
-            head + f"{waited}{same}and other processes on the machine kept {others}: the machine is contended" + tail,
-            evidence,
-        )
+        return TFD603.verdict(evidence, step=step, patience=self.patience)
 
-    def _compile(self, stats: Sequence[dict[str, float]]) -> list[Verdict]:
-        out: list[Verdict] = []
-        new = max((s["new_graphs"] for s in stats if s["new_graphs"] == s["new_graphs"]), default=math.nan)
+    def _recompiling(self, rows: Sequence[ThroughputRow], step: int | None) -> Verdict | None:
+        """``TFD606`` when ``torch.compile`` compiled new graphs at each of ``patience`` measurements in a row."""
+        new = max((r.new_graphs for r in rows if r.new_graphs == r.new_graphs), default=math.nan)
         growing = new == new and self.graphs_prev == self.graphs_prev and new > self.graphs_prev
         if new == new:
             self.graphs_prev = new
-        if self._sustained("recompiling", growing):
-            out.append(
-                Verdict(
-                    "TFD606",
-                    f"torch.compile is still compiling after the early window: {new:.0f} new graph(s) since then, "
-                    f"more at each of the last {self.patience} measurements. Every recompilation stalls training.",
-                    {"new_graphs": new},
-                )
-            )
-        hits = max((s["limit_hits"] for s in stats if s["limit_hits"] == s["limit_hits"]), default=0.0)
-        if hits > 0:
-            out.append(
-                Verdict(
-                    "TFD607",
-                    f"torch.compile hit its recompile limit {hits:.0f} time(s) during training: the code it gave up "
-                    "on now runs uncompiled, silently slower.",
-                    {"limit_hits": hits},
-                )
-            )
-        return out
+        if not self._sustained("recompiling", growing):
+            return None
+        return TFD606.verdict({"new_graphs": new}, step=step, patience=self.patience)
 
     def state_dict(self) -> dict[str, Any]:
         return self.streaks.state_dict()

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_tfdebug import PerRankLogger
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from lightning_tfdebug.functional.throughput import batch_fingerprint
+from lightning_tfdebug.functional.batches import batch_fingerprint
 from tests.helpers import SMALL, make_trainer, read_scalars, run_distributed
 from tests.helpers import fit_tiny as fit
 

@@ -209,7 +209,7 @@ def test_padding_span_is_sampled_on_measuring_steps_and_scaled_to_the_window(tmp
     batch.setup("fit")
     width = next(iter(batch.train_dataloader()))["input_ids"].shape[1]
     assert finding.evidence["speedup_trim_to_longest"] == pytest.approx(width / 24, rel=0.2)
-    assert monitor._sampled_positions == 0  # the sample starts again with each window
+    assert monitor._counts.sampled == 0  # the sample starts again with each window
 
 
 class SlowsDown(TinyGPT):
@@ -302,7 +302,7 @@ def test_a_slowdown_from_other_processes_is_not_blamed_on_the_run(tmp_path):
 
 def other_cores_now(seconds: float = 0.3) -> float:
     """CPU cores other processes keep busy right now, from ``/proc/stat`` read directly (0 where it is missing)."""
-    from lightning_tfdebug.functional.throughput import machine_busy_seconds
+    from lightning_tfdebug.core.host import machine_busy_seconds
 
     start, own = machine_busy_seconds(), time.process_time()
     time.sleep(seconds)
@@ -377,20 +377,20 @@ def test_a_machine_that_takes_the_cpu_away_is_not_blamed_on_the_run(tmp_path):
 @pytest.fixture
 def without_proc(monkeypatch):
     """A machine without ``/proc`` (macOS): neither other processes' CPU use nor run-queue waits can be read."""
-    import lightning_tfdebug.functional.throughput as throughput
+    import lightning_tfdebug.core.host as host
 
-    monkeypatch.setattr(throughput, "machine_busy_seconds", lambda: None)
-    monkeypatch.setattr(throughput, "thread_run_delays", lambda: None)
+    monkeypatch.setattr(host, "machine_busy_seconds", lambda: None)
+    monkeypatch.setattr(host, "thread_run_delays", lambda: None)
 
 
 @pytest.fixture
 def quiet_then_without_proc(monkeypatch):
     """A quiet machine (checked with ``/proc`` still there), then one without ``/proc``."""
     needs_a_quiet_machine()
-    import lightning_tfdebug.functional.throughput as throughput
+    import lightning_tfdebug.core.host as host
 
-    monkeypatch.setattr(throughput, "machine_busy_seconds", lambda: None)
-    monkeypatch.setattr(throughput, "thread_run_delays", lambda: None)
+    monkeypatch.setattr(host, "machine_busy_seconds", lambda: None)
+    monkeypatch.setattr(host, "thread_run_delays", lambda: None)
 
 
 def test_without_proc_a_loaded_machine_is_told_from_the_run_by_a_fixed_reference_computation(
@@ -456,7 +456,7 @@ def test_a_run_that_slows_itself_on_a_machine_full_of_other_work_is_still_its_ow
 
 
 def test_other_load_measures_other_processes_not_this_one():
-    from lightning_tfdebug.functional.throughput import OtherLoad
+    from lightning_tfdebug.core.host import OtherLoad
 
     load = OtherLoad()
     load.start()
@@ -477,7 +477,7 @@ def test_other_load_measures_other_processes_not_this_one():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads run-queue waits from /proc/self/task")
 def test_run_delay_is_this_process_waiting_for_a_core():
-    from lightning_tfdebug.functional.throughput import OtherLoad
+    from lightning_tfdebug.core.host import OtherLoad
 
     def spin(seconds):
         end = time.perf_counter() + seconds
@@ -546,15 +546,15 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     first = ThroughputMonitor(every_n_steps=2, skip_steps=1, baseline_steps=3, peak_flops=1e12)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     fit(tmp_path, [first, ckpt], max_steps=6, enable_checkpointing=True)
-    assert len(first._baseline) == 3 and first.flops_per_token
+    assert len(first._times.baseline) == 3 and first.flops_per_token
     resumed = ThroughputMonitor(every_n_steps=2, skip_steps=1, baseline_steps=3, peak_flops=1e12)
     trainer = make_trainer(tmp_path, [resumed], max_steps=7)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert list(resumed._baseline.values) == list(first._baseline.values)
+    assert list(resumed._times.baseline.values) == list(first._times.baseline.values)
     assert resumed.flops_per_token == first.flops_per_token
-    assert resumed._steps_seen == 7
+    assert resumed._times.seen == 7
 
 
 def test_built_from_lightning_cli_yaml(tmp_path):
@@ -677,10 +677,12 @@ class SharedView(pl.Callback):
         self.views, self.counted = [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        held = trainer.__dict__["_tfdebug_step_batches"]
-        assert held[0] is batch
-        self.views.append(len(held[1]))
-        self.counted.append(all("tokens" in v._cache for v in held[1].values()))
+        from lightning_tfdebug.core.step import step_state
+
+        held = step_state(trainer)  # the step's shared state: the batch and its readings
+        assert held.batch is batch
+        self.views.append(len(held.batch_views))
+        self.counted.append(all("tokens" in v._cache for v in held.batch_views.values()))
 
 
 def test_the_pack_reads_each_batch_once_and_counts_its_tokens_once(tmp_path):
@@ -690,25 +692,6 @@ def test_the_pack_reads_each_batch_once_and_counts_its_tokens_once(tmp_path):
     pack = [BatchGuard(), ThroughputMonitor(), PerRankLogger(), probe]
     fit(tmp_path, pack, max_steps=4)
     assert probe.views == [1, 1, 1, 1] and all(probe.counted)
-
-
-def test_trimmed_positions_is_rows_times_the_span_of_real_columns():
-    """The per-batch padding-to-longest count (few kernels on the hot path) against a loop over the columns: random
-    masks of every density, left and right padding, bool and integer masks, and a mask with no real token."""
-    from lightning_tfdebug.callbacks.throughput_monitor import _trimmed_positions
-
-    g = torch.Generator().manual_seed(0)
-    for trial in range(200):
-        rows, width = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 20, (1,), generator=g))
-        mask = (torch.rand(rows, width, generator=g) < torch.rand(1, generator=g)).long()
-        if trial % 3 == 0:
-            mask = mask.bool()
-        real = [c for c in range(width) if bool(mask[:, c].any())]
-        expected = rows * (real[-1] - real[0] + 1) if real else 0
-        assert int(_trimmed_positions(mask, rows * width)) == expected, mask
-    left_padded = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
-    assert int(_trimmed_positions(left_padded, 8)) == 2 * 3
-    assert _trimmed_positions(None, 12) == 12  # no mask: every position counts
 
 
 def test_the_reference_computation_is_timed_early_only_and_its_early_speed_is_kept_with_the_state(
@@ -737,4 +720,4 @@ def test_the_reference_computation_is_timed_early_only_and_its_early_speed_is_ke
     assert len(state["reference_baseline"]["values"]) == len(calls)
     resumed = ThroughputMonitor(every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2)
     resumed.load_state_dict(state)
-    assert resumed._reference_base.median() == monitor._reference_base.median() > 0
+    assert resumed._load.reference_base.median() == monitor._load.reference_base.median() > 0

@@ -32,6 +32,12 @@ def _values(rank: int) -> dict[str, list[float]]:
     }
 
 
+def _named_b_rows(rank: int) -> dict[str, object]:
+    """Member b's row declared by name: a host number and a device scalar, as a callback declares them."""
+    values = _values(rank)["b_rows"]
+    return {"rank": values[0], "big": torch.tensor(values[1], dtype=torch.float64)}
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -41,7 +47,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         device = torch.device("cpu")
         reduction.add(declaration(a, a.got.append, device, sums=v["a_sums"], anys=v["a_anys"], maxes=v["a_maxes"]))
         reduction.add(
-            declaration(b, b.got.append, device, sums=torch.tensor(v["b_sums"], dtype=torch.float64), rows=v["b_rows"])
+            declaration(
+                b, b.got.append, device, sums=torch.tensor(v["b_sums"], dtype=torch.float64), rows=_named_b_rows(rank)
+            )
         )
         calls = []
         original = dist.all_reduce
@@ -79,6 +87,7 @@ def test_one_all_reduce_serves_every_member_with_sums_flags_maxima_and_rows(tmp_
         assert a.rows.shape == (world, 0)
         assert b.sums.tolist() == [2.0**53 - 1]
         assert b.rows.tolist() == [v["b_rows"] for v in ranks]  # every rank's row, exactly
+        assert b.named_rows() == [{"rank": v["b_rows"][0], "big": v["b_rows"][1]} for v in ranks]  # by field
         assert b.maxes.numel() == 0 and b.anys.numel() == 0
         # per rank: 2 + 1 sums, 3 flags, world x (2 maxima + 2 row values), one failure count per member
         assert r["slots"] == 8 + world * 4
@@ -95,3 +104,27 @@ def test_a_single_process_needs_no_collective_and_keeps_its_values():
     assert payload_slots([declared], 1024) == 5 + 1024 * 2
     empty = declaration(owner, got.append, torch.device("cpu"), sums=[])
     assert empty.sums.numel() == 0
+
+
+def test_a_row_declared_by_name_keeps_its_dataclass_order_and_reads_back_by_field():
+    import dataclasses
+
+    from lightning_tfdebug.core.reduction import row_fields
+
+    @dataclasses.dataclass(frozen=True)
+    class Row:
+        tokens: float
+        wall_s: float
+        peak: float
+
+    owner, got = _Owner(), []
+    values = {"peak": 3.0, "tokens": torch.tensor(7, dtype=torch.int64), "wall_s": 0.5}  # any order, any kind
+    declared = declaration(owner, got.append, torch.device("cpu"), rows=row_fields(Row, values))
+    assert declared.row_names == ("tokens", "wall_s", "peak") and declared.rows.tolist() == [7.0, 0.5, 3.0]
+    [reduced] = reduce_declarations([declared])
+    assert [Row(**r) for r in reduced.named_rows()] == [Row(7.0, 0.5, 3.0)]
+    assert reduced.named_rows([[1.0, 2.0, 3.0]]) == [{"tokens": 1.0, "wall_s": 2.0, "peak": 3.0}]  # a host copy given
+    with pytest.raises(KeyError, match="wall_s"):
+        row_fields(Row, {"tokens": 1.0, "peak": 2.0})
+    with pytest.raises(KeyError, match="has no field"):
+        row_fields(Row, {**values, "extra": 1.0})

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_tfdebug import PerRankLogger, ThroughputMonitor
+from lightning_tfdebug.core.host import device_peak_flops
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
-from lightning_tfdebug.functional.throughput import compute_precision, peak_flops_for
 from tests.helpers import make_trainer, read_scalars
 
 pytestmark = pytest.mark.gpu
@@ -84,9 +84,9 @@ def test_cuda_tokens_per_sec_memory_and_mfu(tmp_path):
     tokens = reference.cumulative[15] - reference.cumulative[10]
     seconds = reference.ends[15] - reference.ends[10]
     assert tps[15] == pytest.approx(tokens / seconds, rel=0.05)
-    peak = peak_flops_for(torch.cuda.get_device_name(), compute_precision("bf16-mixed", False))
+    peak = device_peak_flops(torch.device("cuda", torch.cuda.current_device()), "bf16-mixed")
     if peak is None:
-        pytest.skip(f"{torch.cuda.get_device_name()} is not in the peak-FLOPs table")
+        pytest.skip(f"{torch.cuda.get_device_name()} is in neither peak-FLOPs table (Lightning's, ours)")
     mfu = dict(scalars["throughput/mfu"])[15]
     assert 0 < mfu < 1
     assert mfu == pytest.approx(monitor.flops_per_token * tps[15] / peak, rel=1e-4)

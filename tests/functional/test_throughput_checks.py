@@ -1,0 +1,232 @@
+"""ThroughputMonitor's rules (functional/throughput_checks.py) with plain numbers: one row per rank in, verdicts out."""
+
+import math
+
+import pytest
+
+from lightning_tfdebug.functional.throughput_checks import (
+    KEYS,
+    ThroughputDiagnosis,
+    ThroughputRow,
+    compile_limit_verdict,
+    contended,
+    machine_slower,
+    memory_verdict,
+    throughput_metrics,
+)
+
+
+def row(**values):
+    """One rank's row of a healthy measurement, with ``values`` changed."""
+    base = dict(
+        tokens=800.0,
+        positions=1000.0,
+        samples=8.0,
+        wall_s=2.0,
+        wait_s=0.1,
+        step_ms=20.0,
+        baseline_ms=20.0,
+        peak=2**30,
+        reserved=2**31,
+        capacity=2**34,
+        other_extra=0.0,
+        new_graphs=float("nan"),
+        limit_hits=float("nan"),
+        delay_rise_ms=0.0,
+        trimmed_positions=1000.0,
+        cpu_ratio=1.0,
+        mean_ratio=float("nan"),
+        reference_ratio=float("nan"),
+    )
+    base.update(values)
+    return ThroughputRow(**base)
+
+
+def test_throughput_metrics_sum_work_over_ranks_and_take_the_worst_rank_for_time_and_memory():
+    stats = [row(), row(wall_s=4.0, wait_s=2.0, peak=2**32)]
+    metrics = throughput_metrics(stats, flops_per_token=10.0, peak_flops=1000.0)
+    assert metrics["throughput/tokens_per_sec"] == 400.0  # 1600 tokens over the slowest rank's 4 s
+    assert metrics["throughput/tokens_per_sec_per_device"] == 200.0
+    assert metrics["throughput/padding_frac"] == pytest.approx(0.2)
+    assert metrics["throughput/dataloader_wait_frac"] == 0.5
+    assert metrics["memory/peak_allocated_gib"] == 4.0 and metrics["memory/reserved_gib"] == 2.0
+    assert metrics["throughput/mfu"] == pytest.approx(10.0 * 200.0 / 1000.0)
+    assert "throughput/mfu" not in throughput_metrics(stats)
+
+
+def test_diagnosis_needs_patience_and_tells_contention_from_a_slowdown():
+    def codes(diagnosis, stats, times):
+        out = []
+        for _ in range(times):
+            out.append([v.code for v in diagnosis.update(throughput_metrics(stats), stats)])
+        return out
+
+    slow_padded = [row(wait_s=1.0, tokens=500.0, step_ms=40.0)]
+    assert codes(ThroughputDiagnosis(patience=2), slow_padded, 2) == [[], ["TFD601", "TFD602", "TFD603"]]
+    contended = [row(step_ms=40.0, other_extra=8.0, delay_rise_ms=15.0)]
+    assert codes(ThroughputDiagnosis(patience=2), contended, 2) == [[], ["TFD605"]]
+    self_inflicted = [row(step_ms=40.0, other_extra=8.0, delay_rise_ms=0.0)]  # others took the cores it left
+    assert codes(ThroughputDiagnosis(patience=2), self_inflicted, 2) == [[], ["TFD603"]]
+    # a machine already full: others cannot take more cores, they take a larger share of them. The run waits for a core
+    # for the extra time and its CPU time per step rises less than its step time (only its spinning threads): contended
+    full = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=15.0, cpu_ratio=1.75)]  # spinning threads: 0.75x
+    assert codes(ThroughputDiagnosis(patience=2), full, 2) == [[], ["TFD605"]]
+    # on the same full machine, a run that does twice the work per step also waits longer for a core (it is
+    # runnable for longer); its CPU time per step doubled with its step time: its own slowdown
+    heavier = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=15.0, cpu_ratio=1.95)]
+    assert codes(ThroughputDiagnosis(patience=2), heavier, 2) == [[], ["TFD603"]]
+    unknown = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=float("nan"), cpu_ratio=1.0)]  # no schedstat
+    assert codes(ThroughputDiagnosis(patience=2), unknown, 2) == [[], ["TFD603"]]
+    # a slowdown is lost time: a median that rose while the mean step time over the same steps did not is the shape of
+    # the step times changing under time slicing, not a slower run
+    reshuffled = [row(step_ms=40.0, mean_ratio=1.1)]
+    assert codes(ThroughputDiagnosis(patience=2), reshuffled, 2) == [[], []]
+    assert codes(ThroughputDiagnosis(patience=2), [row(step_ms=40.0, mean_ratio=1.9)], 2) == [[], ["TFD603"]]
+    assert codes(ThroughputDiagnosis(patience=2), [row()], 3) == [[], [], []]
+
+
+def test_a_machine_that_got_slower_is_told_from_a_run_that_did_by_a_fixed_reference_computation():
+    def verdicts(stats, times=2):
+        diagnosis = ThroughputDiagnosis(patience=2)
+        return [diagnosis.update(throughput_metrics(stats), stats) for _ in range(times)][-1]
+
+    # The step time doubled with no run-queue wait and no other process's CPU use (what a hypervisor taking the CPU,
+    # a lower clock or a saturated memory bus look like from inside): the reference computation slowed 1.9x too.
+    stolen = [row(step_ms=40.0, other_extra=0.0, delay_rise_ms=0.0, cpu_ratio=1.0, reference_ratio=1.9)]
+    [verdict] = verdicts(stolen)
+    assert verdict.code == "TFD605" and verdict.severity is None  # the rule's severity: info
+    assert "reference computation" in verdict.message and "1.90x" in verdict.message
+    assert verdict.evidence["reference_ratio"] == 1.9 and verdict.evidence["ratio_to_early"] == 2.0
+    # a lower clock: the run's CPU time per step rose with its step time (the same CPU per second), and so did the
+    # reference's
+    lower_clock = row(step_ms=40.0, cpu_ratio=2.0, mean_ratio=2.0, reference_ratio=1.8)
+    assert [v.code for v in verdicts([lower_clock])] == ["TFD605"]
+    # no /proc at all (macOS): the reference alone tells
+    unknown = dict(other_extra=float("nan"), delay_rise_ms=float("nan"), cpu_ratio=float("nan"))
+    [verdict] = verdicts([row(step_ms=40.0, reference_ratio=2.1, **unknown)])
+    assert verdict.code == "TFD605" and "nan" not in verdict.message
+    # the run slowed itself: the reference computation runs as fast as it did on the early steps
+    [verdict] = verdicts([row(step_ms=40.0, reference_ratio=1.05)])
+    assert verdict.code == "TFD603" and verdict.evidence["reference_ratio"] == 1.05
+    assert [v.code for v in verdicts([row(step_ms=40.0, reference_ratio=1.05, **unknown)])] == ["TFD603"]
+    # slower by less than half the step's rise: not the machine's doing (1.4x against a 3x step time)
+    assert [v.code for v in verdicts([row(step_ms=60.0, reference_ratio=1.4)])] == ["TFD603"]
+    # the run's own threads took the cores: the reference slowed, but the run used 1.75x the CPU per second it did
+    # early on (a busy thread of its own)
+    [verdict] = verdicts([row(step_ms=40.0, cpu_ratio=3.5, mean_ratio=2.0, reference_ratio=1.9)])
+    assert verdict.code == "TFD603"
+    # not timed (NaN): the other readings decide as before
+    assert [v.code for v in verdicts([row(step_ms=40.0)])] == ["TFD603"]
+
+
+def test_padding_waste_is_info_until_padding_is_most_of_the_positions_then_a_warning_with_the_speedups():
+    def padding_verdict(stats):
+        diagnosis = ThroughputDiagnosis(patience=1)
+        return next(v for v in diagnosis.update(throughput_metrics(stats), stats) if v.code == "TFD602")
+
+    moderate = [row(tokens=600.0), row(tokens=600.0)]  # 40% padding over two ranks
+    verdict = padding_verdict(moderate)
+    assert verdict.severity == "info" and verdict.evidence["padding_frac"] == pytest.approx(0.4)
+    assert verdict.evidence["speedup_packing"] == pytest.approx(2000 / 1200)
+    # 90% padding, and every batch padded to a fixed length 4x its longest row: a warning naming both remedies
+    wasteful = [row(tokens=100.0, trimmed_positions=250.0), row(tokens=100.0, trimmed_positions=250.0)]
+    verdict = padding_verdict(wasteful)
+    assert verdict.severity == "warning" and verdict.evidence["padding_frac"] == pytest.approx(0.9)
+    assert verdict.evidence["speedup_packing"] == pytest.approx(10.0)
+    assert verdict.evidence["speedup_trim_to_longest"] == pytest.approx(4.0)
+    assert "10.0x fewer positions" in verdict.message and "4.0x fewer" in verdict.message
+    # the padding is spread over the rows (no column is padding in every row): trimming gains nothing, packing does
+    verdict = padding_verdict([row(tokens=300.0)])
+    assert verdict.severity == "warning" and verdict.evidence["speedup_trim_to_longest"] == 1.0
+    assert "longest sequence" not in verdict.message
+
+
+def test_diagnosis_of_memory_and_compilation():
+    diagnosis = ThroughputDiagnosis(patience=2)
+    full = [row(reserved=0.95 * 2**34)]
+    [verdict] = diagnosis.update(throughput_metrics(full), full)
+    assert verdict.code == "TFD604" and verdict.evidence["memory_frac"] == pytest.approx(0.95)
+    verdicts = []
+    for graphs in (1.0, 2.0, 3.0):
+        stats = [row(new_graphs=graphs, limit_hits=1.0 if graphs == 3.0 else 0.0)]
+        verdicts.append([v.code for v in diagnosis.update(throughput_metrics(stats), stats)])
+    assert verdicts == [[], [], ["TFD606", "TFD607"]]
+
+
+def verdicts_after(diagnosis, rows, times):
+    """The verdicts of the last of ``times`` identical measurements."""
+    out = []
+    for _ in range(times):
+        out = diagnosis.update(throughput_metrics(rows), rows, step=7)
+    return out
+
+
+def test_every_key_the_metrics_compute_is_declared():
+    declared = {key.name for key in KEYS}
+    assert set(throughput_metrics([row()], flops_per_token=1.0, peak_flops=1.0)) == declared
+
+
+def test_tfd601_data_loading_bound_on_the_worst_rank_after_patience():
+    rows = [row(wait_s=0.2), row(wait_s=1.0)]  # 10% and 50% of 2 s
+    [verdict] = verdicts_after(ThroughputDiagnosis(patience=2), rows, 2)
+    assert verdict.code == "TFD601" and verdict.step == 7
+    assert verdict.evidence["dataloader_wait_frac"] == 0.5 and verdict.evidence["worst_rank"] == 1
+    assert "50% of wall time" in verdict.message and "(threshold 20%) for 2 measurements" in verdict.message
+    assert verdicts_after(ThroughputDiagnosis(patience=2), rows, 1) == []  # not sustained yet
+    assert verdicts_after(ThroughputDiagnosis(patience=1), [row(wait_s=0.4)], 1) == []  # 20%: not above
+
+
+def test_tfd603_names_the_ratio_and_what_ruled_contention_out():
+    [verdict] = verdicts_after(ThroughputDiagnosis(patience=2), [row(step_ms=50.0), row(step_ms=30.0)], 2)
+    assert verdict.code == "TFD603" and verdict.evidence["ratio_to_early"] == 2.5
+    assert verdict.evidence["step_time_ms"] == 50.0 and verdict.evidence["other_extra_cores"] == 0.0
+    assert "rose to 50.0 ms, 2.50x the early steps' median, for 2 measurements" in verdict.message
+    assert verdicts_after(ThroughputDiagnosis(patience=1), [row(step_ms=30.0)], 1) == []  # 1.5x: not above
+    assert verdicts_after(ThroughputDiagnosis(patience=1), [row(step_ms=40.0, baseline_ms=math.nan)], 1) == []
+
+
+def test_tfd605_quotes_the_contended_row_through_a_dip_in_the_readings():
+    diagnosis = ThroughputDiagnosis(patience=3)
+    contended_row = row(step_ms=40.0, other_extra=3.0, delay_rise_ms=15.0)
+    for rows in ([contended_row], [row(step_ms=40.0)], [row(step_ms=40.0)]):  # contended once, then no sign of load
+        found = diagnosis.update(throughput_metrics(rows), rows, step=9)
+    [verdict] = found
+    assert verdict.code == "TFD605" and verdict.evidence["other_extra_cores"] == 3.0
+    assert "waited 15.0 ms more per step for a CPU core" in verdict.message
+    assert "kept 3.0 more CPU cores busy than they did then: the machine is contended" in verdict.message
+    assert verdict.message.endswith("not reported as a slowdown of the run itself (TFD603).")
+    # back to speed: the streak and its row are gone
+    assert verdicts_after(diagnosis, [row()], 1) == [] and diagnosis.contended_row is None
+
+
+def test_contended_and_machine_slower_with_plain_numbers():
+    slow = dict(step_ms=40.0, baseline_ms=20.0)
+    assert contended(row(**slow, other_extra=0.5, delay_rise_ms=10.0), 1.5)  # half the extra 20 ms waited for a core
+    assert not contended(row(**slow, other_extra=0.5, delay_rise_ms=9.9), 1.5)
+    big_machine = row(**slow, other_extra=0.5, delay_rise_ms=10.0, cpu_ratio=2.0)  # and twice the CPU per step
+    assert not contended(big_machine, 1.5, contended_cores=1.6)
+    assert contended(row(**slow, other_extra=0.0, delay_rise_ms=10.0, cpu_ratio=1.5), 1.5)  # a full machine
+    assert not contended(row(other_extra=9.0, delay_rise_ms=99.0), 1.5)  # not slow at all
+    assert machine_slower(row(**slow, reference_ratio=1.5))  # the reference slowed by half the step's rise
+    assert not machine_slower(row(**slow, reference_ratio=1.49))
+    assert not machine_slower(row(**slow, reference_ratio=1.9, cpu_ratio=2.6, mean_ratio=2.0))  # its own threads
+    assert not machine_slower(row(**slow))  # not timed
+
+
+def test_tfd604_memory_on_the_fullest_rank():
+    rows = [row(peak=2**30, capacity=2**34), row(reserved=15 * 2**30, capacity=2**34)]
+    verdict = memory_verdict(rows, 4.0, 0.9, step=3)
+    assert verdict.code == "TFD604" and verdict.evidence == {"memory_frac": 15 / 16, "peak_allocated_gib": 4.0}
+    assert "reached 94% of capacity on rank 1 (threshold 90%)" in verdict.message and verdict.step == 3
+    assert memory_verdict(rows, 4.0, 0.95) is None
+    assert memory_verdict([row(capacity=0.0)], 4.0, 0.1) is None  # capacity unknown
+
+
+def test_tfd606_needs_new_graphs_at_each_measurement_and_tfd607_any_limit_hit():
+    diagnosis = ThroughputDiagnosis(patience=2)
+    found = [verdicts_after(diagnosis, [row(new_graphs=graphs)], 1) for graphs in (0.0, 2.0, 5.0, 5.0)]
+    assert [[v.code for v in f] for f in found] == [[], [], ["TFD606"], []]
+    assert found[2][0].evidence == {"new_graphs": 5.0} and "5 new graph(s)" in found[2][0].message
+    verdict = compile_limit_verdict([row(limit_hits=0.0), row(limit_hits=2.0)])
+    assert verdict.code == "TFD607" and verdict.evidence == {"limit_hits": 2.0} and "2 time(s)" in verdict.message
+    assert compile_limit_verdict([row(limit_hits=0.0)]) is None and compile_limit_verdict([row()]) is None
