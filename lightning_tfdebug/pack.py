@@ -79,17 +79,18 @@ MEMBERS: dict[str, type[DebugCallback]] = {
     )
 }
 
-#: ``always``: the members meant to stay on in every run. They work on measuring steps only (or once), and together
-#: cost a few percent of a small model's step (``benchmarks/overhead.py``, ``docs/benchmarks.md``). ``full`` adds the
-#: two that re-run the model outside the training step: MaskProbe (perturbed forward passes on the first batch) and
-#: CheckpointAudit (reloads every checkpoint the run saves), and puts NaNFirstFrame in eager mode (one output sum per
-#: module call on every step).
+#: ``always``: every member, each at its cost for a run that stays on: they work on measuring steps only (or once),
+#: together a few percent of a small model's step (``benchmarks/overhead.py``, ``docs/benchmarks.md``). MaskProbe's
+#: probes run once per fit (step 0; token order at steps 100/200/500) on a few capped rows under ``no_grad``;
+#: CheckpointAudit judges the dict each save writes, in memory (can it resume the run?), without reading files back.
+#: ``full`` reads every checkpoint back and compares resumes with it (``CheckpointAudit(reload=True)``), and puts
+#: NaNFirstFrame in eager mode (one output sum per module call on every step).
 PRESET_MEMBERS: dict[str, tuple[str, ...]] = {
-    "always": tuple(name for name in MEMBERS if name not in ("MaskProbe", "CheckpointAudit")),
+    "always": tuple(MEMBERS),
     "full": tuple(MEMBERS),
 }
 PRESET_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
-    "always": {},
+    "always": {"CheckpointAudit": {"reload": False}},
     "full": {"NaNFirstFrame": {"mode": "eager"}},
 }
 #: What a preflight run (``tfdebug check``) changes: a run of a few dozen steps cannot show a stalled loss.
@@ -164,8 +165,9 @@ class TFDebug(Callback):
     """The whole pack as one callback: presets, shared settings, per-member overrides, a dashboard and a summary.
 
     Args:
-        preset: ``"always"`` (default): the members meant to stay on in every run (all but MaskProbe and
-            CheckpointAudit). ``"full"``: every member, NaNFirstFrame in eager mode; for a debugging or preflight
+        preset: ``"always"`` (default): every member at the cost of a run that stays on (MaskProbe's one-time
+            probes; CheckpointAudit judging each save in memory, ``reload=False``). ``"full"``: CheckpointAudit also
+            reads every checkpoint back and checks resumes, NaNFirstFrame in eager mode; for a debugging or preflight
             run (``tfdebug check`` uses it).
         every_n_steps: measuring cadence of every member that has one (default: the Trainer's ``log_every_n_steps``).
         on_finding: ``"warn"`` | ``"stop"`` | ``"raise"``, for every member (see :class:`DebugCallback`).

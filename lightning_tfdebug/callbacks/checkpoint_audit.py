@@ -51,7 +51,8 @@ class CheckpointAudit(DebugCallback):
     different dtype, shows here.
 
     Cost: nothing on steps without a save. Each save costs one probe forward and reading the file back (rank 0);
-    a resume costs one pass over the weights for checksums and one probe forward.
+    a resume costs one pass over the weights for checksums and one probe forward. With ``reload=False`` a save costs
+    only a walk over the dict being written.
 
     Findings: ``TFD701`` weights missing, ``TFD702`` wrong shapes, ``TFD703`` optimizer state missing, ``TFD704``
     optimizer state incomplete, ``TFD705`` scheduler state missing, ``TFD706`` GradScaler state missing,
@@ -73,6 +74,10 @@ class CheckpointAudit(DebugCallback):
         probe_rows: rows of the first training batch kept as the probe batch (stored in the callback's state).
         loss_rtol: relative tolerance between the probe loss at save time and after resume.
         weight_rtol: relative tolerance of the weight checksums after resume.
+        reload: read every file back and compare resumes with the checkpoint (the default, and ``preset="full"``).
+            ``False`` (the ``always`` preset) judges the dict the strategy writes, in memory, at each save (can this
+            checkpoint resume the run: TFD701-TFD709), and ``load_problems`` on resume; no file is read back, no probe
+            batch is kept and no resume comparison (TFD710-TFD716) runs.
 
     Raises:
         ValueError: on an argument outside its allowed range.
@@ -100,8 +105,12 @@ class CheckpointAudit(DebugCallback):
         probe_rows: int = 2,
         loss_rtol: float = 1e-3,
         weight_rtol: float = 1e-5,
+        reload: bool = True,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
+        if not isinstance(reload, bool):
+            raise ValueError(f"`reload` must be True or False, got {reload!r}.")
+        self.reload = reload
         check_number("probe_rows", probe_rows, low=1, integer=True)
         check_number("loss_rtol", loss_rtol, low=0.0, low_inclusive=False, high=1.0)
         check_number("weight_rtol", weight_rtol, low=0.0, low_inclusive=False, high=1.0)
@@ -142,6 +151,10 @@ class CheckpointAudit(DebugCallback):
             result = original(checkpoint, path, *args, **kwargs)
             expected = self._expected if self._expected is not None else {}
             self._expected = None
+            if not self.reload:  # the dict the strategy just wrote, judged in memory: no file is read back
+                self._verified_since_save = True
+                self.emit(trainer, self._judge(trainer, checkpoint, os.fspath(path), expected), synchronized=False)
+                return result
             self._pending_files.append((os.fspath(path), expected))
             self._verify_pending(trainer)
             return result
@@ -159,7 +172,7 @@ class CheckpointAudit(DebugCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._probe_taken or not self.active:
+        if self._probe_taken or not self.active or not self.reload:
             return  # every step but the first: nothing
         self._probe_taken = True
         if self._probe_batch is None:  # (a resumed fit keeps the probe batch of its checkpoint)
@@ -226,7 +239,7 @@ class CheckpointAudit(DebugCallback):
         self._expected = expectation(trainer, pl_module, list(callbacks))
         self._resolve_due = True  # every rank runs this hook for every save
         self._verified_since_save = False
-        loss = self._loss_on_probe(trainer, pl_module)
+        loss = self._loss_on_probe(trainer, pl_module) if self.reload else None
         self._probe_loss, self._probe_loss_step = loss, trainer.global_step
         own = callbacks.get(self.state_key)
         if isinstance(own, dict):  # Lightning collected state_dict() before this hook: add the save-time loss
@@ -235,7 +248,12 @@ class CheckpointAudit(DebugCallback):
             own["probe_batch"] = self._probe_batch
         strategy = type(trainer.strategy).__name__
         sharded = "ModelParallel" in strategy or getattr(trainer.strategy, "_state_dict_type", "full") == "sharded"
-        if sharded and trainer.is_global_zero:
+        if sharded and trainer.is_global_zero and not self.reload:  # the strategy writes it without the CheckpointIO
+            self._verified_since_save = True
+            self.emit(
+                trainer, checks.content_problems(checkpoint, self._expected, "(sharded save)"), synchronized=False
+            )
+        elif sharded and trainer.is_global_zero:
             # The strategy writes the directory itself, without the CheckpointIO: its metadata is checked once the
             # save has finished, at the next batch end (see `_check_sharded`).
             self._verified_since_save = True
@@ -280,11 +298,18 @@ class CheckpointAudit(DebugCallback):
             return [checks.unreadable_checkpoint(path, err)]
         self._verified_since_save = True
         self.checked_files.append(path)
+        return self._judge(trainer, loaded, path, expected)
+
+    def _judge(
+        self, trainer: pl.Trainer, checkpoint: dict[str, Any], path: str, expected: dict[str, Any]
+    ) -> list[Verdict]:
+        """A checkpoint's contents against what it must hold; empty ``expected``: written without
+        ``on_save_checkpoint``, a weights-only save."""
         if not expected:
             savers = trainer.checkpoint_callbacks
             return [checks.weights_only_checkpoint(path, resumable_savers(savers), self._full_saved, len(savers))]
         self._full_saved = True
-        return checks.content_problems(loaded, expected, path)
+        return checks.content_problems(checkpoint, expected, path)
 
     def _settle(self, trainer: pl.Trainer) -> None:
         """Verify files an asynchronous writer finished, then resolve rank-local findings on every rank together."""
@@ -318,7 +343,8 @@ class CheckpointAudit(DebugCallback):
         if not self.active:
             return
         self.emit(trainer, checks.load_problems(checkpoint))  # every rank loads the same checkpoint
-        self._restored = restored_state(checkpoint)  # host sync: one checksum transfer per resume
+        if self.reload:
+            self._restored = restored_state(checkpoint)  # host sync: one checksum transfer per resume
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
