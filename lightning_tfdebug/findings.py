@@ -21,6 +21,7 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -107,7 +108,7 @@ class Finding:
         lines = [f"[{self.code}] {self.severity.upper()} from {self.source} at step {self.step} (rank {self.rank}):"]
         lines.append(f"  {self.message}")
         if self.evidence:
-            shown = ", ".join(f"{k}={_short(v)}" for k, v in self.evidence.items())
+            shown = ", ".join(f"{k}={format_value(v)}" for k, v in self.evidence.items())
             lines.append(f"  evidence: {shown}")
         if self.hint:
             lines.append(f"  hint: {self.hint}")
@@ -171,11 +172,20 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _short(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A piece of evidence as every printed form shows it (the live warning, the summary, the report): floats to four
+    significant digits, inside lists and dicts too; a list longer than eight items is cut with its length.
+
+    Example:
+        >>> format_value({"head": 1.6357474346930765, "steps": [1, 2]})
+        "{'head': 1.636, 'steps': [1, 2]}"
+    """
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {format_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)) and len(value) > 8:
-        return "[" + ", ".join(_short(v) for v in value[:8]) + f", ... ({len(value)} items)]"
+        return "[" + ", ".join(format_value(v) for v in value[:8]) + f", ... ({len(value)} items)]"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_short(v) for v in value) + "]"
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
     return str(value)

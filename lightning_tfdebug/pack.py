@@ -294,6 +294,7 @@ class TFDebug(Callback):
         except (TypeError, ValueError) as err:
             raise type(err)(f"TFDebug member {name}: {err}") from err
         member.in_pack = True  # the pack's summary lists the members that did not run
+        member.live_warnings = not self.preflight  # a preflight's findings are printed once, by `tfdebug check`
         member._scalar_sink = self._scalars  # what it logs in a forwarded hook goes out with the others, at the end
         return member
 
@@ -526,7 +527,7 @@ class TFDebug(Callback):
         }
         # through the one writer: a refused write warns once and the summary below still prints
         write_text(os.path.join(tfdebug_dir, "pack.json"), json.dumps(info, indent=2, default=str))
-        if not self.summary:
+        if not self.summary or self.preflight:  # `tfdebug check` prints the report of a preflight itself
             return
         from lightning_tfdebug.report import Run, load_run, render_short
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_tfdebug.core.base import CALLBACKS
-from lightning_tfdebug.findings import SEVERITIES, Finding, read_findings
+from lightning_tfdebug.findings import SEVERITIES, Finding, format_value, read_findings
 
 FORMATS: tuple[str, ...] = ("text", "markdown", "json", "html")
 FAIL_ON: tuple[str, ...] = ("info", "warning", "error", "never")
@@ -279,7 +279,9 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    """Evidence as every printed form shows it (:func:`~lightning_tfdebug.findings.format_value`), cut at 80
+    characters for a report line."""
+    text = format_value(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -119,6 +119,8 @@ def test_check_on_a_users_lightningcli_script_exits_0_when_healthy_and_1_on_a_bu
     buggy = _check(tmp_path / "bug", "--model.bug=head_frozen")
     assert buggy.returncode == 1, buggy.stdout[-3000:] + buggy.stderr[-3000:]
     assert "error   TFD312" in buggy.stdout
+    # each finding once on the terminal: the check's report, not a live warning and the pack's summary as well
+    assert (buggy.stdout + buggy.stderr).count("TFD312") == 1, buggy.stdout + buggy.stderr
 
 
 def test_check_explains_a_command_it_cannot_run(tmp_path, capsys):

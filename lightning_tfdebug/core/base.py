@@ -268,6 +268,7 @@ class DebugCallback(Callback):
         self.checks_aside: dict[str, str] = {}  # one check of this callback that does not run -> why (and the setting)
         self._check_records: list[dict[str, Any]] = []  # their stood-aside records not yet written (no log dir yet)
         self.in_pack = False  # set by TFDebug on its members: the pack's summary lists them instead
+        self.live_warnings = True  # False in a preflight (`tfdebug check` prints each finding once, in its report)
         self.failure: dict[str, Any] | None = None
         self.shared_reduction: Any = None  # TFDebug's StepReduction while the pack runs this member, else None
 
@@ -680,7 +681,7 @@ class DebugCallback(Callback):
         raise TFDebugError(text, findings)
 
     def _warn(self, finding: Finding, synchronized: bool) -> None:
-        if finding.code in self._warned_codes:
+        if finding.code in self._warned_codes or not self.live_warnings:
             return
         self._warned_codes.add(finding.code)
         if synchronized and finding.rank != 0:
