@@ -211,7 +211,7 @@ def test_a_standalone_callback_that_stands_aside_is_listed_with_its_setting_and_
 
 
 def test_the_pack_summary_has_a_did_not_run_block_and_the_report_merges_it(tmp_path, caplog, capsys):
-    pack = TFDebug(labels_key="targets", every_n_steps=1)
+    pack = TFDebug(labels_key="targets", every_n_steps=1, exclude=["MaskProbe"])  # one member that stands aside
     warned = fit_recording(tmp_path, [pack], TupleBatchGPT(**SMALL), caplog, max_steps=3)
     assert not pack.members["LossAtInit"].active
     assert not any("stands aside" in w or "did not run" in w for w in warned), warned
@@ -221,11 +221,14 @@ def test_the_pack_summary_has_a_did_not_run_block_and_the_report_merges_it(tmp_p
     block = summary[summary.index("  did not run (not findings; what would let each run):") :]
     assert "    LossAtInit: the batch is a tuple of 2 items, which has no tensor at 'targets'" in block
     assert "To let it run: `labels_key`." in block
-    assert "; 1 check did not run" in summary
+    # one check of BatchGuard stands aside too (it counts EOS among integer token labels), listed the same way
+    assert "    BatchGuard: EOS supervision (TFD124): the batches have no integer token labels" in block
+    assert "; 2 checks did not run" in summary
     run = load_run(tmp_path / "tb" / "version_0")
     # pack.json's list and the member's own record are one entry
-    [entry] = run.did_not_run
+    entry, eos = sorted(run.did_not_run, key=lambda e: e.check != "LossAtInit")
     assert (entry.check, entry.setting, entry.ranks) == ("LossAtInit", "`labels_key`", (0,))
+    assert eos.check == "BatchGuard: EOS supervision (TFD124)" and eos.setting == "`labels_key`"
     assert run.pack["stood_aside"]["LossAtInit"]["setting"] == "`labels_key`"
 
 
