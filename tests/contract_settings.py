@@ -249,6 +249,7 @@ ROWS: dict[str, Row] = {
 }
 ROWS["TFDebug"] = Row(
     kwargs={"preset": "full", "overrides": {name: dict(row.kwargs) for name, row in ROWS.items() if row.kwargs}},
+    fixture="head_not_in_optimizer",
     anything=frozenset({"tokenizer"}),
     bad=(
         ("include", ["NoSuchMember"]),

@@ -11,7 +11,8 @@ One suite, parametrised over the rows of ``tests/contract_settings.py`` (one per
 * it says no warning and no error on a healthy tiny run, and its own code never fails there;
 * it runs under the standalone ``pytorch_lightning`` package's Trainer;
 * a batch it cannot read costs one recorded stand-aside at most, never a traceback, and the fit finishes;
-* under 2-rank DDP every rank ends with the same findings (one run of the whole pack).
+* under 2-rank DDP every rank ends with the same findings (one run of the whole pack; every member on its own in one
+  more run under ``-m slow``).
 
 Fits are tiny (a dozen steps of a two-layer width-32 model) and shared between the checks through one module-scoped
 cache. A callback's own tests hold only what is specific to it.
@@ -53,6 +54,12 @@ from tests.contract_settings import (
 from tests.helpers import SMALL, fit_tiny, run_distributed
 
 NAMES = [*MEMBERS, "TFDebug"]
+
+pytestmark = [  # Lightning's notes on what these tiny runs do on purpose
+    pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended"),
+    pytest.mark.filterwarnings("ignore:The dirpath has changed"),
+    pytest.mark.filterwarnings("ignore:You have overridden `on_after_batch_transfer`"),
+]
 
 
 def xfail_for(name: str, check: str) -> list[pytest.MarkDecorator]:
@@ -446,28 +453,40 @@ def test_a_batch_it_cannot_read_is_one_stand_aside_at_most(tmp_path, name, batch
 
 
 # ------------------------------------------------------------------ 2-rank DDP
-@pytest.mark.ddp
-def test_every_rank_ends_with_the_same_findings_under_ddp(tmp_path):
-    """One 2-rank gloo run of the whole pack (every member, each as in its row) on a run with four bugs: each member
-    reaches the same (code, severity) set on both ranks, none fails in its own code, and the bugs are found."""
+def _class_path(name: str) -> dict[str, Any]:
+    return {"class_path": f"{CLASSES[name].__module__}.{name}", "init_args": dict(ROWS[name].kwargs)}
+
+
+@pytest.mark.parametrize(
+    "callbacks",
+    [
+        pytest.param(["TFDebug"], id="the-pack", marks=pytest.mark.ddp),
+        pytest.param(list(MEMBERS), id="every-member-on-its-own", marks=[pytest.mark.ddp, pytest.mark.slow]),
+    ],
+)
+def test_every_rank_ends_with_the_same_findings_under_ddp(tmp_path, callbacks):
+    """A 2-rank gloo run with four bugs (:data:`~tests.contract_settings.DDP_FIXTURE`), of the whole pack (each member
+    as in its row; one collective per measuring step for all of them) or, under ``-m slow``, of every member on its
+    own in one Trainer (each its own collectives): every callback reaches the same (code, severity) set on both ranks,
+    none fails in its own code, and the bugs are found."""
     spec = {
         "strategy": "ddp",
-        "callbacks": [{"class_path": "lightning_tfdebug.TFDebug", "init_args": dict(ROWS["TFDebug"].kwargs)}],
+        "callbacks": [_class_path(name) for name in callbacks],
         "model": {**SMALL, **DDP_FIXTURE.model},
         "data": {"batch_size": 8, **DDP_FIXTURE.data},
         "trainer": {"max_steps": DDP_FIXTURE.steps, "log_every_n_steps": 2},
         "extra": "tests.contract_settings:ddp_extra",
     }
     results = run_distributed(tmp_path, spec, timeout=240)
+    per_rank = []
     for result in results:
         assert result["error"] is None, result["error"]["traceback"]
         assert result["global_step"] == DDP_FIXTURE.steps
         assert not result["extra"]["failed"], result["extra"]["failed"]
-    per_rank = []
-    for result in results:
         by_member: dict[str, set[tuple[str, str]]] = {name: set() for name in MEMBERS}
-        for finding in result["findings"]["TFDebug"]:
-            by_member[finding["source"]].add((finding["code"], finding["severity"]))
+        for findings in result["findings"].values():
+            for finding in findings:
+                by_member[finding["source"]].add((finding["code"], finding["severity"]))
         per_rank.append(by_member)
     for name in MEMBERS:
         assert per_rank[0][name] == per_rank[1][name], f"{name}: rank 0 {per_rank[0][name]}, rank 1 {per_rank[1][name]}"
