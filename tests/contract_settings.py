@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from lightning_tfdebug.demo import TinyGPT
@@ -153,8 +152,9 @@ AFTER_FIT = (
 )
 
 TARGET_AS_IDS = (
-    "BatchGuard reads the labels under `target` (a name LossAtInit reads as labels) as the token ids and reports "
-    "their ignore_index -100 as ids outside the vocabulary (TFD110, error) on a healthy run."
+    "core.batch.read_batch resolves `target` both as the labels (by name) and as the token ids (its positional "
+    "fallback for `(x, y)` batches, which does not skip the labels), so BatchGuard reports the labels' -100 as ids "
+    "outside the vocabulary (TFD110, error) on a healthy run."
 )
 
 ROWS: dict[str, Row] = {
@@ -186,9 +186,9 @@ ROWS: dict[str, Row] = {
             "probe (a TFD211 info there) instead of at construction, as ThroughputMonitor does with `length_fn`.",
             "bad_argument:forward_fn='no.such_module:forward'": "MaskProbe imports `forward_fn` only at its first "
             "probe instead of at construction, as ThroughputMonitor does with `length_fn`.",
-            "unreadable:dict_of_features_and_targets": "MaskProbe reads the labels under `target` (a labels name "
-            "for LossAtInit) as the token ids and, finding the inputs equal to the labels, reports a target leak "
-            "(TFD214, error) on a healthy run.",
+            "unreadable:dict_of_features_and_targets": "core.batch.read_batch resolves `target` both as the labels and "
+            "as the token ids, so MaskProbe feeds the labels as the input and reports a target leak (TFD214, error) "
+            "on a healthy run.",
         },
     ),
     "LossAtInit": Row(
@@ -265,14 +265,15 @@ ROWS["TFDebug"] = Row(
     },
 )
 """``TFDebug``'s row: the whole pack (``preset="full"``), each member configured as in its own row; the pack of
-every fixture run is this one, so "alone" and "in the pack" differ only by the pack."""
+every fixture run is this one, so a member alone and in the pack differ only by the pack and the preset's own settings
+(``full`` runs NaNFirstFrame in eager mode; alone it is lazy, and must find the same)."""
 
 CLASSES: dict[str, type] = {**MEMBERS, "TFDebug": TFDebug}
 
 
-def build(name: str, **extra: Any) -> Any:
-    """The callback of row ``name``, built from its row (``extra`` on top)."""
-    return CLASSES[name](**{**ROWS[name].kwargs, **extra})
+def build(name: str) -> Any:
+    """The callback of row ``name``, built from its row."""
+    return CLASSES[name](**ROWS[name].kwargs)
 
 
 def ddp_extra(trainer: Any, model: Any, callbacks: list) -> dict[str, Any]:
@@ -281,6 +282,4 @@ def ddp_extra(trainer: Any, model: Any, callbacks: list) -> dict[str, Any]:
     return {
         "failed": {n: m.failure["error"] for n, m in members.items() if m.failure is not None},
         "stood_aside": sorted(n for n, m in members.items() if m.stood_aside is not None),
-        "world_size": trainer.world_size,
-        "threads": torch.get_num_threads(),
     }

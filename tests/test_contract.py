@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 import pickle
 import re
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,8 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_tfdebug.demo import TinyTextDataModule
+from lightning_tfdebug import TFDebugWarning
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.pack import MEMBERS, TFDebug
 from lightning_tfdebug.rules import RULES
 from tests.contract_settings import (
@@ -208,6 +211,10 @@ class Run:
         members = self.members if member is None else {member: self.members[member]}
         return {(f.code, f.severity) for m in members.values() for f in m.findings}
 
+    def loud(self) -> list[str]:
+        """Every warning and error finding, printed (a failing check shows them whole)."""
+        return [f.format() for m in self.members.values() for f in m.findings if f.severity in ("warning", "error")]
+
     @property
     def checkpoint(self) -> Path:
         saved = sorted((self.root / "checkpoints").glob("*.ckpt"))
@@ -294,8 +301,7 @@ def test_silent_on_a_healthy_run(runs, name):
     run = runs.alone(name, "healthy")
     run.assert_ran_cleanly()
     assert run.trainer.global_step == run.fixture.steps
-    loud = [f.format() for m in run.members.values() for f in m.findings if f.severity in ("warning", "error")]
-    assert not loud, "\n".join(loud)
+    assert not run.loud(), "\n".join(run.loud())
 
 
 def _plain(value: Any) -> Any:
@@ -374,7 +380,6 @@ def test_the_same_findings_alone_and_in_the_pack(runs, name):
 # ------------------------------------------------------------------ the standalone pytorch_lightning package
 def _under_pytorch_lightning(ptl: types.ModuleType) -> Any:
     """TinyGPT inside a ``pytorch_lightning.LightningModule`` (the demo model is a ``lightning.pytorch`` one)."""
-    from lightning_tfdebug.demo import TinyGPT
 
     class TinyGPTUnderPTL(ptl.LightningModule):
         def __init__(self) -> None:
@@ -397,12 +402,8 @@ def _under_pytorch_lightning(ptl: types.ModuleType) -> Any:
 
 @pytest.mark.parametrize("name", per_row("pytorch_lightning"))
 def test_runs_under_the_standalone_pytorch_lightning_trainer(tmp_path, name):
-    import warnings
-
     ptl = pytest.importorskip("pytorch_lightning")
     from pytorch_lightning.loggers import CSVLogger
-
-    from lightning_tfdebug import TFDebugWarning
 
     callback = build(name)
     trainer = ptl.Trainer(
@@ -423,14 +424,11 @@ def test_runs_under_the_standalone_pytorch_lightning_trainer(tmp_path, name):
     assert trainer.global_step == 6
     run = Run(callback, trainer, None, tmp_path, Fixture(steps=6))
     run.assert_ran_cleanly()
-    loud = [f.format() for m in run.members.values() for f in m.findings if f.severity in ("warning", "error")]
-    assert not loud, "\n".join(loud)
+    assert not run.loud(), "\n".join(run.loud())
 
 
 # ------------------------------------------------------------------ a batch it cannot read
 def _stand_asides(root: Path) -> list[dict[str, Any]]:
-    import json
-
     return [json.loads(line) for p in root.rglob("stood-aside-rank*.jsonl") for line in p.read_text().splitlines()]
 
 
@@ -452,8 +450,7 @@ def test_a_batch_it_cannot_read_is_one_stand_aside_at_most(tmp_path, name, batch
         source = record["check"].split(":")[0]
         records[source] = records.get(source, 0) + 1
     assert all(n <= 1 for n in records.values()), f"a callback recorded more than one stand-aside: {records}"
-    loud = [f.format() for m in run.members.values() for f in m.findings if f.severity in ("warning", "error")]
-    assert not loud, "\n".join(loud)
+    assert not run.loud(), "\n".join(run.loud())
 
 
 # ------------------------------------------------------------------ 2-rank DDP
