@@ -145,18 +145,6 @@ class Row:
     xfail: Mapping[str, str] = field(default_factory=dict)
 
 
-AFTER_FIT = (
-    "after a fit it still holds the Trainer's data fetcher (core.timing.FetchTimer keeps the fetcher's bound "
-    "`_start_profiler`/`_stop_profiler` as `_inner_start`/`_inner_stop`), so it cannot be pickled and a deep copy "
-    "copies the Trainer."
-)
-
-TARGET_AS_IDS = (
-    "core.batch.read_batch resolves `target` both as the labels (by name) and as the token ids (its positional "
-    "fallback for `(x, y)` batches, which does not skip the labels), so BatchGuard reports the labels' -100 as ids "
-    "outside the vocabulary (TFD110, error) on a healthy run."
-)
-
 ROWS: dict[str, Row] = {
     "ReproCapture": Row(
         fixture="bad_token_id",
@@ -174,7 +162,6 @@ ROWS: dict[str, Row] = {
             ("tokenizer", "no.such_module.Tokenizer"),
             ("input_key", ""),
         ),
-        xfail={"unreadable:dict_of_features_and_targets": TARGET_AS_IDS},
     ),
     "MaskProbe": Row(
         kwargs={"every_n_steps": EVERY},
@@ -186,9 +173,6 @@ ROWS: dict[str, Row] = {
             "probe (a TFD211 info there) instead of at construction, as ThroughputMonitor does with `length_fn`.",
             "bad_argument:forward_fn='no.such_module:forward'": "MaskProbe imports `forward_fn` only at its first "
             "probe instead of at construction, as ThroughputMonitor does with `length_fn`.",
-            "unreadable:dict_of_features_and_targets": "core.batch.read_batch resolves `target` both as the labels and "
-            "as the token ids, so MaskProbe feeds the labels as the input and reports a target leak (TFD214, error) "
-            "on a healthy run.",
         },
     ),
     "LossAtInit": Row(
@@ -232,14 +216,12 @@ ROWS: dict[str, Row] = {
         kwargs={"every_n_steps": EVERY},  # its regressions need a long quiet run: no fixture in a dozen steps
         zero_ok=frozenset({"skip_steps"}),
         bad=(("profile_steps", (5, 2)), ("profile_steps", (-1, 3)), ("length_fn", "no.such_module:length")),
-        xfail={"copy_after_fit": AFTER_FIT},
     ),
     "PerRankLogger": Row(
         kwargs={"every_n_steps": EVERY},
         fixture="nan_module",
         expect=frozenset({"TFD505"}),
         zero_ok=frozenset({"straggler_min_ms"}),
-        xfail={"copy_after_fit": AFTER_FIT},
     ),
     "CheckpointAudit": Row(
         kwargs={"every_n_steps": EVERY},
@@ -258,11 +240,7 @@ ROWS["TFDebug"] = Row(
         ("overrides", {"NoSuchMember": {}}),
         ("overrides", {"GradNormMonitor": {"no_such_argument": 1}}),
     ),
-    xfail={
-        "copy_after_fit": "ThroughputMonitor and PerRankLogger: " + AFTER_FIT,
-        "unreadable:dict_of_features_and_targets": "BatchGuard and MaskProbe read the labels under `target` as token "
-        "ids: TFD110 and TFD214 errors on a healthy run (see their rows).",
-    },
+    xfail={},
 )
 """``TFDebug``'s row: the whole pack (``preset="full"``), each member configured as in its own row; the pack of
 every fixture run is this one, so a member alone and in the pack differ only by the pack and the preset's own settings

@@ -350,6 +350,9 @@ class PerRankLogger(DebugCallback):
         append_line(self.rank_file, json.dumps(record, allow_nan=True), sync=False)  # never raises on a full disk
 
     # ------------------------------------------------------------------ state
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._timer = None  # it wraps the fit loop's data fetcher: no reference to the Trainer outlives the fit
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "streaks": self._diagnosis.state_dict()}
 

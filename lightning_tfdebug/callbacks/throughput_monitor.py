@@ -304,6 +304,7 @@ class ThroughputMonitor(DebugCallback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_flop_count()
         self._stop_profiler(trainer, None)
+        self._timer = None  # it wraps the fit loop's data fetcher: no reference to the Trainer outlives the fit
 
     def _stop_flop_count(self) -> None:
         per_position = self._flops.stop()

@@ -188,14 +188,15 @@ def read_batch(batch: Any, keys: BatchKeys | None = None) -> BatchFields:
     ids_path = _by_name(leaves, tails, keys.input_key, IDS_KEYS)
     if ids_path is not None and keys.input_key is None and not is_id_tensor(leaves[ids_path]):
         ids_path = None  # a float `x` (features) is not token ids
-    by_position = False
-    if ids_path is None and keys.input_key is None:
-        ids_path = next((p for p, v in leaves.items() if is_id_tensor(v) and v.ndim == 2), None)
-        by_position = ids_path is not None
     mask_path = _by_name(leaves, tails, keys.mask_key, MASK_KEYS)
     labels_path = _by_name(leaves, tails, keys.labels_key, LABELS_KEYS)
     if labels_path is not None and keys.labels_key is None and not is_id_tensor(leaves[labels_path]):
         labels_path = None
+    by_position = False
+    if ids_path is None and keys.input_key is None:  # never the tensor already named as the labels or the mask
+        named = (labels_path, mask_path)
+        ids_path = next((p for p, v in leaves.items() if p not in named and is_id_tensor(v) and v.ndim == 2), None)
+        by_position = ids_path is not None
     if labels_path is None and keys.labels_key is None and by_position and ids_path is not None:
         order = list(leaves)
         numel = leaves[ids_path].numel()
