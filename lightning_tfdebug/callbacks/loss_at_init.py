@@ -582,9 +582,9 @@ class LossAtInit(DebugCallback):
             if labels is None and self._token_rows:
                 labels = self._row_targets(view)
             self._count_labels(labels, device)  # before the declaration: these counts travel in it
-            self._reduce(trainer, {}, (), loss, True, device, lambda host: self._record(trainer, host, step))
+            self._reduce(trainer, {}, (), loss, True, device, lambda host: self._keep_loss(trainer, host, step))
 
-    def _record(self, trainer: pl.Trainer, host: dict[str, float], step: int) -> float:
+    def _keep_loss(self, trainer: pl.Trainer, host: dict[str, float], step: int) -> float:
         """Keep this step's loss for the stall window and log the dashboard keys; returns the loss (NaN: none)."""
         loss = host["loss_sum"] / host["loss_n"] if host["loss_n"] else float("nan")
         if "unigram_entropy" in host and math.isfinite(host["unigram_entropy"]):
@@ -930,7 +930,7 @@ class LossAtInit(DebugCallback):
         if init.masked_lm and self.check_step is not None:
             self._check_at = MASKED_LM_CHECK_FACTOR * self.check_step
         self.log_scalars(trainer, init.metrics(), step=step)
-        self._record(trainer, {**host, "loss_sum": init.observed, "loss_n": 1.0}, step)
+        self._keep_loss(trainer, {**host, "loss_sum": init.observed, "loss_n": 1.0}, step)
         verdicts = classify_init_loss(
             init,
             init_tolerance=self.init_tolerance,
@@ -952,7 +952,7 @@ class LossAtInit(DebugCallback):
             if self._stand_aside_if_missing(trainer, host, found.reason, step):
                 return
             self._vocab = self._vocab or found.vocab
-            self._add_reading(trainer, host, self._record(trainer, host, step), step)
+            self._add_reading(trainer, host, self._keep_loss(trainer, host, step), step)
 
         self._reduce(trainer, found.stats, _TRANSFORM_KEYS, loss, found.ok, found.device, conclude)
 
@@ -1000,13 +1000,13 @@ class LossAtInit(DebugCallback):
         host, _ = follow_returned_loss(host, returned)
         self._vocab = self._vocab or found.vocab
         if not self._init_done and self._late_masked_lm(host, step):
-            self._record(trainer, {**host, "loss_sum": returned, "loss_n": 1.0}, step)
+            self._keep_loss(trainer, {**host, "loss_sum": returned, "loss_n": 1.0}, step)
             return  # a masked LM seen first here: its check moves to its own later step, as step 0 would have set
         window = [(s, v) for s, v in self._history if s >= step // 2]  # measured before this check, in its window
         nan = float("nan")
         recomputed = host["ce_sum"] / host["ce_count"] if host["ce_count"] else nan
         current = host["loss_sum"] / host["loss_n"] if host["loss_n"] else recomputed
-        self._record(trainer, {**host, "loss_sum": current, "loss_n": 1.0}, step)
+        self._keep_loss(trainer, {**host, "loss_sum": current, "loss_n": 1.0}, step)
         expected, unigram = uniform_loss(found.vocab), self._unigram if self._unigram is not None else nan
         metrics = {"loss_at_init/check_loss": current}
         copy_rate = repeat_rate = nan
