@@ -747,7 +747,8 @@ def model_kind(
        ``...ForMaskedLM`` -> encoder);
     2. the call passes ``decoder_input_ids`` or returns ``encoder_last_hidden_state`` -> encoder-decoder;
     3. the call is nested and no outermost call returned logits -> loss-only wrapper;
-    4. a second sequence of the call (not the ids, not passed as labels) carries the labels -> encoder-decoder;
+    4. a second sequence of the call (not the ids, nor labels passed for the loss: a labels name at offset 0) carries
+       the labels -> encoder-decoder;
     5. the labels (:class:`Objective`): a next-token objective -> decoder, else encoder;
     6. a slice of token rows without labels -> decoder (a next-token loss over the rows);
     7. unknown.
@@ -774,8 +775,8 @@ def model_kind(
         read_logits(c.output, found.batch_size) is not None for c in calls if c.depth == 0
     ):
         return "loss-only wrapper", "wrapper"
-    if any(s.offset is not None and not s.primary and not s.label_like for s in found.slots):
-        return "encoder-decoder", "decoder input"
+    if any(s.offset is not None and not s.primary and (not s.label_like or s.offset != 0) for s in found.slots):
+        return "encoder-decoder", "decoder input"  # (labels passed for the loss carry them at offset 0)
     if found.objective is not None:
         return ("decoder" if found.objective.next_token else "encoder"), "labels"
     if found.sliced and found.primary is not None:
