@@ -12,6 +12,7 @@ The inputs are readings of host floats: the sums and counts of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -687,9 +688,9 @@ def check_reading(host: Mapping[str, float], vocab: int) -> CheckReading:
 
 
 # ---------------------------------------------------------------------------------------------------- step 0
-def unreadable_verdict(reason: str, labels_key: Any, logits_module: str | None) -> Verdict:
+def unreadable_verdict(reason: str, labels_key: Any, logits_module: str | None, step: int | None = None) -> Verdict:
     """``TFD228``: the logits or labels cannot be found; ``reason`` names the argument to set."""
-    return TFD228.verdict({"labels_key": labels_key, "logits_module": logits_module}, reason=reason)
+    return TFD228.verdict({"labels_key": labels_key, "logits_module": logits_module}, step=step, reason=reason)
 
 
 def classify_init_loss(
@@ -701,8 +702,9 @@ def classify_init_loss(
     accumulate_grad_batches: int = 1,
     ranks: int = 1,
     manual_optimization: bool = False,
+    step: int | None = None,
 ) -> list[Verdict]:
-    """The findings of the first loss, in the order they are decided.
+    """The findings of the first loss (measured at ``step``), in the order they are decided.
 
     ``manual_optimization``: a loss divided by a whole number ``k`` is then the usual scaling for accumulating ``k``
     batches by hand (Lightning does not divide a manual loss), and says nothing.
@@ -722,26 +724,34 @@ def classify_init_loss(
         "logit_std": init.logit_std,
         "shift_labels": shifted,
     }
-    kind = output_kind_verdict(init, evidence)
-    out = [kind] if kind is not None else []
+    out = [output_kind_verdict(init, evidence)]
     if init.supervised == 0:
-        supervised = {**evidence, "label_positions": init.positions, "supervised": 0}
-        return [*out, TFD224.verdict(supervised, ignore_index=ignore_index)]
-    if not math.isfinite(observed):
-        return [*out, TFD227.verdict(evidence)]
-    if init.probabilities:
-        return out  # the loss value says nothing more about the wiring
-    if manual_optimization and _divided_by_whole_number(observed, init.recomputed):
-        return out  # `loss / k` for accumulating k batches by hand
-    counts = batch_counts(init.supervised, init.label_rows, init.positions, accumulate_grad_batches, ranks)
-    scaled = scaled_loss_verdict(observed, init.recomputed, expected, init_tolerance, counts, evidence)
+        out.append(
+            TFD224.verdict({**evidence, "label_positions": init.positions, "supervised": 0}, ignore_index=ignore_index)
+        )
+    elif not math.isfinite(observed):
+        out.append(TFD227.verdict(evidence))
+    elif not init.probabilities and not (manual_optimization and _divided_by_whole_number(observed, init.recomputed)):
+        # (probabilities: the loss value says nothing more about the wiring; a manual `loss / k`: accumulation by hand)
+        counts = batch_counts(init.supervised, init.label_rows, init.positions, accumulate_grad_batches, ranks)
+        out.append(_loss_scale_verdict(init, init_tolerance, counts, evidence))
+    return [dataclasses.replace(v, step=step) for v in out if v is not None]
+
+
+def _loss_scale_verdict(
+    init: InitLoss, tolerance: float, counts: Mapping[str, float], evidence: Mapping[str, Any]
+) -> Verdict | None:
+    """A finite first loss with supervised labels: a multiple of the logits' cross-entropy (``TFD229``), else far
+    above (``TFD222``) or below (``TFD223``) ln(V)."""
+    observed, expected = init.observed, init.expected
+    scaled = scaled_loss_verdict(observed, init.recomputed, expected, tolerance, counts, evidence)
     if scaled is not None:
-        out.append(scaled)
-    elif observed > (1.0 + init_tolerance) * expected:
-        out.append(TFD222.verdict(evidence))
-    elif observed < (1.0 - init_tolerance) * expected:
-        out.append(_below_uniform(init, init_tolerance, evidence))
-    return out
+        return scaled
+    if observed > (1.0 + tolerance) * expected:
+        return TFD222.verdict(evidence)
+    if observed < (1.0 - tolerance) * expected:
+        return _below_uniform(init, tolerance, evidence)
+    return None
 
 
 def output_kind_verdict(init: InitLoss, evidence: Mapping[str, Any]) -> Verdict | None:
@@ -942,7 +952,7 @@ def check_findings(
     transform = loss_transform_verdict(readings, vocab, unigram_entropy)
     if transform is not None and transform.code == TFD233.code:
         verdicts = [v for v in verdicts if v is None or v.code not in (TFD231.code, TFD232.code)]
-    return [v for v in (*verdicts, transform) if v is not None]
+    return [dataclasses.replace(v, step=step) for v in (*verdicts, transform) if v is not None]
 
 
 def flat_window(window: Sequence[tuple[int, float]], loss: float, expected: float, tolerance: float) -> bool:
@@ -1000,7 +1010,7 @@ def check_verdicts(
             "unigram_entropy": unigram_entropy,
             "learning_rates": list(learning_rates)[:8],
         }
-        out.append(TFD225.verdict(evidence, tolerance=stall_tolerance, what=what))
+        out.append(TFD225.verdict(evidence, step=step, tolerance=stall_tolerance, what=what))
     init_rate = init_copy_rate if init_copy_rate is not None else 0.0
     if (
         copy_rate == copy_rate
@@ -1015,7 +1025,7 @@ def check_verdicts(
             "step": step,
             "shift_labels": shift_labels,
         }
-        out.append(TFD226.verdict(evidence))
+        out.append(TFD226.verdict(evidence, step=step))
     return out
 
 
@@ -1058,7 +1068,7 @@ def bounded_output_verdict(
         "range_spread": range_spread,
         "step": step,
     }
-    return TFD230.verdict(evidence, classes=round(math.exp(expected)))
+    return TFD230.verdict(evidence, step=step, classes=round(math.exp(expected)))
 
 
 def context_verdict(
@@ -1131,7 +1141,7 @@ def context_verdict(
             "the labels do not depend on the inputs (they belong to other samples), or the model ignores its inputs; "
             "with no token inputs shaped like the labels this cannot be told apart here"
         )
-    return TFD231.verdict(evidence, why=why)
+    return TFD231.verdict(evidence, step=step, why=why)
 
 
 def _ignores_context(evidence: Mapping[str, Any], own_match: float, rolled_match: float, masked: bool) -> Verdict:
@@ -1143,6 +1153,7 @@ def _ignores_context(evidence: Mapping[str, Any], own_match: float, rolled_match
         return TFD232.verdict(
             evidence,
             severity="info",
+            step=evidence["step"],
             relation=(
                 f"sit where their own inputs hold the mask token ({own_match:.0%} of positions, the neighbour's "
                 f"{rolled_match:.0%})"
@@ -1154,6 +1165,7 @@ def _ignores_context(evidence: Mapping[str, Any], own_match: float, rolled_match
         )
     return TFD232.verdict(
         evidence,
+        step=evidence["step"],
         relation=f"repeat their own inputs ({own_match:.0%} of positions)",
         conclusion="the model ignores its context",
     )
@@ -1297,17 +1309,19 @@ def loss_transform_verdict(
         )
         bound = {**evidence, "width": bound_width(last.loss, vocab), "floor": last.loss}
         ranges = {"first_range": first.logit_range, "last_range": last.logit_range}
-        return TFD233.verdict(bound, data=data, best=last.best, vocab=vocab, **ranges, **head)
+        return TFD233.verdict(bound, step=last.step, data=data, best=last.best, vocab=vocab, **ranges, **head)
     if _label_smoothing(points):
         return None  # label smoothing: healthy
     shared = _shared_temperature(points)  # a model compensating a temperature crosses CE(logits) = CE(logits / T)
     if shared is not None and abs(math.log(shared)) >= TEMPERATURE_MIN:
         temperature = 1.0 / shared
         direction = "sharper" if temperature > 1 else "flatter"
-        return TFD234.verdict({**evidence, "temperature": temperature}, severity="info", direction=direction, **head)
+        return TFD234.verdict(
+            {**evidence, "temperature": temperature}, severity="info", step=last.step, direction=direction, **head
+        )
     if agree or _explained_difference(points):
         return None
-    return TFD235.verdict(evidence, severity="info", last_loss=last.loss, last_ce=last.ce, **head)
+    return TFD235.verdict(evidence, severity="info", step=last.step, last_loss=last.loss, last_ce=last.ce, **head)
 
 
 def _pinned(points: Sequence[LossReading], expected: float, unigram_entropy: float) -> bool:

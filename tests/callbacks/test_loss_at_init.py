@@ -412,7 +412,7 @@ def test_hooks_and_captured_logits_are_gone_before_backward(tmp_path):
     class Probe(pl.Callback):  # runs after LossAtInit in the same hook
         def on_before_backward(self, trainer, pl_module, loss):
             hooks = sum(len(m._forward_hooks) for m in pl_module.modules())
-            seen.append((trainer.global_step, hooks, len(monitor._captured) + len(monitor._raw)))
+            seen.append((trainer.global_step, hooks, monitor._capture.held))
 
     trainer = fit(tmp_path, [monitor, Probe()], model=WrapperModule(**SMALL), max_steps=3)
     assert seen == [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
