@@ -9,17 +9,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.core import calls
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
-from lightning_tfdebug.core.calls import (
-    CallRecorder,
-    ModelCall,
-    find_model_call,
-    read_objective,
-    record_calls,
-    share_model_call,
-    takes_tokens,
-)
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
@@ -27,34 +19,29 @@ from lightning_tfdebug.functional import call_probes, mask_checks
 from lightning_tfdebug.functional import mask_probes as probes
 from lightning_tfdebug.functional.mask_checks import ALIGNMENT_RETRY_STEPS, ORDER_STEPS
 
-PaddingSide = Literal["auto", "right", "left"]
 
-
-def _key(name: str, description: str, unit: str = "") -> Key:
-    return Key(f"mask_probe/{name}", description, unit, chart="mask probes")  # probing steps only, one chart
+def _imported(path: str | None) -> Any:
+    """The object at an import path (None for None), or the error importing it raised."""
+    try:
+        return None if path is None else import_object(path)
+    except (ImportError, AttributeError, ValueError) as err:
+        return err
 
 
 class MaskProbe(DebugCallback):
     r"""Tests the model's behaviour on a real batch: causality, padding invariance, positions, target alignment.
 
-    At the first training batch of a fit (and every ``every_n_steps`` steps if set), MaskProbe puts the module in
-    ``eval()`` mode, runs a few extra forward passes under ``no_grad`` on the first ``probe_rows`` rows of the batch,
-    and restores every submodule's mode and the RNG state afterwards. It reads behaviour, not code: whether the model
-    is a decoder (``causal=None``: read from the labels; a masked-LM objective is an encoder, ``TFD212``), whether an
-    eval-mode forward is deterministic (``TFD213``), causal (``TFD201``) and free of target leaks through any argument
-    that carries the labels (``TFD201``, ``TFD214``), whether the mask reaches the attention (``TFD202``-``TFD204``),
-    the context limit (``TFD207``, ``TFD208``), incremental decoding with ``kv_cache_fn`` (``TFD209``), the target
-    alignment of the loss (``TFD205``, ``TFD206``, ``TFD210``; retried at steps 1 to 500 until it decides), token
-    order (``TFD215``, from step 100) and position tables (``TFD216``).
-
-    The model is reached through the call ``training_step`` itself makes, recorded on a replay of it (or, under
-    manual optimization, on the real step) and read by :func:`~lightning_tfdebug.core.calls.find_model_call`, the
-    pack's one model-call reading (shared on the step); failing that, by ``forward``'s signature; ``forward_fn``
-    overrides both. When it cannot call the model MaskProbe names the setting that would let it (``TFD211``) and
-    stands aside. ``docs/callbacks/mask_probe.md`` describes every probe, its tolerance and the model shapes handled;
-    the logged keys are :attr:`KEYS` (the table there). Distributed: each rank probes its own batch with plain
-    forward passes (no collective) and findings are resolved together; under sharded strategies (FSDP,
-    ``ModelParallelStrategy``, DeepSpeed) a probe forward would be a collective, so MaskProbe stands aside.
+    At the first training batch of a fit (and every ``every_n_steps`` steps if set), MaskProbe runs a few extra forward
+    passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch (every submodule's mode and
+    the RNG state restored after), through the call ``training_step`` itself makes (recorded on a replay of it: the
+    pack's one model-call reading, :func:`~lightning_tfdebug.core.calls.find_model_call`), else ``forward`` by its
+    signature, or ``forward_fn``. It reads behaviour, not code: decoder or encoder (``TFD212``), determinism
+    (``TFD213``), causality and target leaks (``TFD201``, ``TFD214``), the mask (``TFD202``-``TFD204``), the context
+    limit (``TFD207``, ``TFD208``), incremental decoding (``TFD209``), the loss's target alignment (``TFD205``,
+    ``TFD206``, ``TFD210``), token order (``TFD215``) and position tables (``TFD216``); ``TFD211`` names the setting
+    that would let it call the model, and it stands aside. Each rank probes its own batch with no collective; under
+    sharded strategies it stands aside. Every probe and its tolerance: ``docs/callbacks/mask_probe.md``; the logged
+    keys: :attr:`KEYS`.
 
     Args:
         every_n_steps: probe again whenever ``global_step % every_n_steps == 0``; ``None`` (default) probes only at
@@ -74,8 +61,7 @@ class MaskProbe(DebugCallback):
             mask when the forward names it.
         labels_key: where the labels are; ``None`` finds them.
         ignore_index: label value that is not supervised; ``None``: -100.
-        padding_side: ``"auto"`` (read from the batch's mask; right when it has no padding), ``"right"`` or
-            ``"left"``.
+        padding_side: ``"auto"`` (read from the batch's mask), ``"right"`` or ``"left"``.
         probe_rows: rows of the batch the probes use.
         probe_length: longest sequence the causality and padding probes use (the batch is cut to it).
 
@@ -99,21 +85,7 @@ class MaskProbe(DebugCallback):
         ```
     """
 
-    KEYS: ClassVar[tuple[Key, ...]] = (
-        _key("repeat_max_change", "largest logit difference between two forwards of the same tokens"),
-        _key("causal_max_change", "largest logit change at positions before the edited tokens"),
-        _key("padding_max_change", "largest real-token logit change when the ids under the mask change"),
-        _key("pad_side_max_change", "largest real-token logit change when padding is added on the pad side"),
-        _key("kv_cache_max_change", "largest difference between incremental and full-forward logits"),
-        _key("loss_returned", "the loss `training_step` returned on the batch (eval mode, `no_grad`)", "nats"),
-        _key("loss_shifted", "cross-entropy of the same logits, position t against label t+1", "nats"),
-        _key("loss_shifted2", "the same, position t against label t+2", "nats"),
-        _key("loss_unshifted", "the same, position t against label t", "nats"),
-        _key("context_limit", "the context limit the position probes used", "tokens"),
-        _key("order_change", "largest change of a position's output when the tokens before it are reversed"),
-        _key("content_change", "largest change of that output when the tokens before it are replaced"),
-        _key("seconds", "wall time of the probe", "s"),
-    )
+    KEYS: ClassVar[tuple[Key, ...]] = mask_checks.KEYS  # declared beside the readings that log them
 
     def __init__(
         self,
@@ -130,18 +102,15 @@ class MaskProbe(DebugCallback):
         mask_key: str | int | None = None,
         labels_key: str | int | None = None,
         ignore_index: int | None = None,
-        padding_side: PaddingSide = "auto",
+        padding_side: Literal["auto", "right", "left"] = "auto",
         probe_rows: int = 2,
         probe_length: int = 64,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         if causal is not None and not isinstance(causal, bool):
             raise TypeError(f"`causal` must be True, False or None (decide from the labels); got {causal!r}.")
-        for name, value in (
-            ("check_padding", check_padding),
-            ("check_targets", check_targets),
-            ("check_positions", check_positions),
-        ):
+        flags = {"check_padding": check_padding, "check_targets": check_targets, "check_positions": check_positions}
+        for name, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be True or False; got {value!r}.")
         check_number("context_limit", context_limit, low=1, integer=True, optional=True)
@@ -151,13 +120,9 @@ class MaskProbe(DebugCallback):
                     f"`{name}` must be an import path like 'package.module:function' or None; got {value!r}."
                 )
         check_number("ignore_index", ignore_index, integer=True, optional=True)
+        ignore_index = IGNORE_INDEX if ignore_index is None else ignore_index
         # validates the keys (a non-empty string, a tuple position or None) with a message naming the argument
-        self._keys = BatchKeys(
-            input_key=input_key,
-            mask_key=mask_key,
-            labels_key=labels_key,
-            ignore_index=IGNORE_INDEX if ignore_index is None else ignore_index,
-        )
+        self._keys = BatchKeys(input_key=input_key, mask_key=mask_key, labels_key=labels_key, ignore_index=ignore_index)
         check_choice("padding_side", padding_side, ("auto", "right", "left"))
         check_number("probe_rows", probe_rows, low=1, integer=True)
         check_number("probe_length", probe_length, low=4, integer=True)
@@ -165,10 +130,11 @@ class MaskProbe(DebugCallback):
         self.check_positions, self.context_limit = check_positions, context_limit
         self.kv_cache_fn, self.forward_fn = kv_cache_fn, forward_fn
         self.input_key, self.mask_key, self.labels_key = input_key, mask_key, labels_key
-        self.ignore_index = self._keys.ignore_index
+        self.ignore_index = ignore_index
         self.padding_side, self.probe_rows, self.probe_length = padding_side, probe_rows, probe_length
+        self._settings = probes.ProbeSettings(probe_rows, probe_length, check_padding, padding_side, ignore_index)
         # manual optimization: the calls of the real training_step, recorded from batch start to batch end
-        self._recorder: CallRecorder | None = None
+        self._recorder: calls.CallRecorder | None = None
         self._manual: tuple[Any, bool] | None = None  # (recorded calls and output, full probe) for the batch end
         self._mask_path: str | None = None  # where the mask was found in the batch (evidence of TFD204)
         self._setup_aside = False
@@ -178,7 +144,7 @@ class MaskProbe(DebugCallback):
     def _reset(self) -> None:
         """The state of one fit: set at construction and at each fit's setup."""
         self._caller: call_probes.ModelCaller | None = None
-        self._found: ModelCall | None = None  # the call training_step makes, recorded at each probe
+        self._found: calls.ModelCall | None = None  # the call training_step makes, recorded at each probe
         self._replayed: Any = None  # what the recording replay of training_step returned (the alignment's loss)
         self._last_probe_step: int | None = None
         self._positions_done = False
@@ -190,7 +156,6 @@ class MaskProbe(DebugCallback):
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.every_n_steps, causal=self.causal)
 
-    # ------------------------------------------------------------------ set-up
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._reset()
@@ -227,8 +192,8 @@ class MaskProbe(DebugCallback):
             if not pl_module.automatic_optimization and self.forward_fn is None:
                 # A manual-optimization training_step steps its optimizers: it is never replayed. Record the calls
                 # the real one makes instead, and probe through them at the batch's end.
-                self._recorder = CallRecorder(
-                    pl_module, keep=lambda: in_training_step(pl_module), nested=True, want=takes_tokens
+                self._recorder = calls.CallRecorder(
+                    pl_module, keep=lambda: in_training_step(pl_module), nested=True, want=calls.takes_tokens
                 ).start()
                 self._manual = (None, first or periodic)
                 return
@@ -240,9 +205,9 @@ class MaskProbe(DebugCallback):
     ) -> None:
         if self._recorder is None or self._manual is None:
             return
-        calls = self._recorder.stop()
+        recorded = self._recorder.stop()
         full = self._manual[1]
-        self._recorder, self._manual = None, (calls, outputs)
+        self._recorder, self._manual = None, (recorded, outputs)
         try:
             if self.active:
                 self._probe(trainer, pl_module, batch, batch_idx, full=full)
@@ -279,8 +244,7 @@ class MaskProbe(DebugCallback):
                 trainer.precision_plugin.train_step_context(),
             ):
                 pl_module.eval()
-                generator = torch.Generator().manual_seed(1234 + trainer.global_step)
-                session = self._session(trainer, pl_module, batch, batch_idx, fields, generator)
+                session = self._session(trainer, pl_module, (batch, batch_idx), fields)
                 if session is None:
                     return
                 self._run_probes(trainer, pl_module, session, (batch, batch_idx), fields, full)
@@ -295,18 +259,15 @@ class MaskProbe(DebugCallback):
                 self._found.release()  # the shared reading stays; the replay's outputs do not outlive the probe
             self._found, self._replayed = None, None
         assert session is not None
-        session.logged["mask_probe/seconds"] = time.perf_counter() - start
+        session.logged[mask_checks.SECONDS.name] = time.perf_counter() - start
         self._conclude(trainer, session)
 
     def _conclude(self, trainer: pl.Trainer, session: probes.MaskProbes) -> None:
         """The probe's one host transfer, its logged scalars, and the findings of its readings."""
         self.emit(trainer, session.verdicts, synchronized=False)  # read on the host while probing, in that order
-        readings = mask_checks.on_host(session.readings, self.to_host)  # host sync: one transfer (probing steps)
-        logged = dict(session.logged)
-        for reading in readings:
-            logged.update(reading.logged())
-        self.last_report = logged
-        self.log_scalars(trainer, logged)
+        readings = probes.on_host(session.readings, self.to_host)  # host sync: one transfer (probing steps only)
+        self.last_report = {**session.logged, **{k: v for r in readings for k, v in r.logged().items()}}
+        self.log_scalars(trainer, self.last_report)
         verdicts, settled = mask_checks.decide_probe(readings)
         settled |= session.settled
         self._alignment_decided = self._alignment_decided or "alignment" in settled
@@ -314,41 +275,27 @@ class MaskProbe(DebugCallback):
         self.emit(trainer, verdicts, synchronized=False)  # this rank's own: resolved together at the step's end
 
     def _session(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        fields: tuple,
-        generator: torch.Generator,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_args: tuple[Any, int], fields: tuple
     ) -> probes.MaskProbes | None:
         """How to call the model: ``forward_fn`` when given; else the call ``training_step`` makes, recorded on a
         replay of it; else ``forward`` by its signature. Then decoder or encoder, once per fit. None (after
         ``TFD211``) when the model cannot be called."""
-        recorded = None if self.forward_fn is not None else self._record(trainer, pl_module, batch, batch_idx, fields)
+        recorded = None if self.forward_fn is not None else self._record(trainer, pl_module, *step_args, fields)
         if self._found is None and self._caller is None:
-            reason = self._build_caller(pl_module)
-            if reason is not None:
-                self._cannot_call(trainer, f"{recorded}; and by signature: {reason}" if recorded else reason)
+            caller = self._build_caller(pl_module)
+            if isinstance(caller, str):
+                self._cannot_call(trainer, f"{recorded}; and by signature: {caller}" if recorded else caller)
                 return None
-        if self._is_causal is None:
-            self._is_causal = self._decide_causal(trainer, fields[0], fields[2])
-            if not self._is_causal:
-                self._alignment_decided = True
+            self._caller = caller
         target = self._found if self._found is not None else self._caller
         assert target is not None
-        return probes.MaskProbes(
-            target,
-            generator,
-            causal=bool(self._is_causal),
-            vocab=None if self._found is None else call_probes.call_vocab(self._found, fields[0]),
-            probe_rows=self.probe_rows,
-            probe_length=self.probe_length,
-            check_padding=self.check_padding,
-            padding_side=self.padding_side,
-            mask_key=self._mask_path,
-            ignore_index=self.ignore_index,
-        )
+        generator = torch.Generator().manual_seed(1234 + trainer.global_step)  # every rank draws the same
+        session = probes.MaskProbes(target, fields[0], generator, self._settings, self._mask_path)
+        if self._is_causal is None:  # once per fit
+            self._is_causal, aligned = session.decide_causal(fields[0], fields[2])
+            self._alignment_decided = self._alignment_decided or not aligned
+        session.causal = self._is_causal
+        return session
 
     def _run_probes(
         self,
@@ -363,9 +310,8 @@ class MaskProbe(DebugCallback):
         # received; the target alignment reads its outputs against the whole rows.
         ids, mask = session.columns(fields[0]), session.columns(fields[1])
         assert ids is not None
-        limit, source = self.context_limit, "`context_limit`"
-        if not limit:
-            limit, source = find_context_length(pl_module)
+        context = (self.context_limit, "`context_limit`") if self.context_limit else find_context_length(pl_module)
+        limit, source = context
         if full:
             session.masks(ids, mask, limit)
             if self.check_positions and not self._positions_done:
@@ -373,26 +319,22 @@ class MaskProbe(DebugCallback):
                 if session.resizable:  # (kv_cache_fn is imported only where the position probes run)
                     session.positions(ids, limit, source, self._incremental(session, pl_module))
                 session.tables(pl_module, ids, mask)
-        if not self._alignment_decided and self._found is None and not pl_module.automatic_optimization:
-            self._alignment_decided = True  # a manual training_step steps its optimizers: never call it
-        elif not self._alignment_decided:
-            replayed = self._replayed  # the recording replay already ran training_step on this batch
-            replay = (lambda: replayed) if self._found else (lambda: quiet_training_step(pl_module, *step_args))
-            last_try = trainer.global_step >= ALIGNMENT_RETRY_STEPS[-1]
-            session.alignment(*fields, replay, pl_module.automatic_optimization, last_try)
+        if not self._alignment_decided:  # the recording replay already ran training_step on this batch
+            replayed, automatic = self._replayed, pl_module.automatic_optimization
+            output = (
+                (lambda: replayed) if self._found is not None else lambda: quiet_training_step(pl_module, *step_args)
+            )
+            output = output if self._found is not None or automatic else None  # a manual step is never called
+            session.alignment(*fields, output, automatic, trainer.global_step >= ALIGNMENT_RETRY_STEPS[-1])
         if not self._order_decided and trainer.global_step in ORDER_STEPS:
             session.order(ids, mask, trainer.global_step)
 
     def _incremental(self, session: probes.MaskProbes, pl_module: pl.LightningModule) -> Any:
         """``kv_cache_fn`` bound to the module, or None (a ``TFD211`` when it cannot be imported)."""
-        if self.kv_cache_fn is None:
-            return None
-        try:
-            fn = import_object(self.kv_cache_fn)
-        except (ImportError, AttributeError, ValueError) as err:
-            session.verdicts.append(mask_checks.kv_cache_unusable(error=err))
-            return None
-        return lambda ids: fn(pl_module, ids)
+        fn = _imported(self.kv_cache_fn)
+        if isinstance(fn, Exception):
+            session.verdicts.append(mask_checks.kv_cache_unusable(error=fn))
+        return None if fn is None or isinstance(fn, Exception) else lambda ids: fn(pl_module, ids)
 
     # ------------------------------------------------------------------ batch and model access
     def _extract(self, trainer: pl.Trainer, batch: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -414,55 +356,29 @@ class MaskProbe(DebugCallback):
         signature). Inside the probe's eval / no_grad / RNG-fork context; probing steps only."""
         self._found, self._replayed = None, None
         if self._manual is not None:  # recorded during the real training_step (manual optimization)
-            calls, returned = self._manual
+            recorded, returned = self._manual
         elif not pl_module.automatic_optimization:
             return "a manual-optimization `training_step` steps its optimizers, so it is never replayed"
         else:
             try:
-                returned, calls = record_calls(
-                    pl_module, lambda: quiet_training_step(pl_module, batch, batch_idx), nested=True, want=takes_tokens
-                )
+                replay = lambda: quiet_training_step(pl_module, batch, batch_idx)  # noqa: E731
+                returned, recorded = calls.record_calls(pl_module, replay, nested=True, want=calls.takes_tokens)
             except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
                 return f"replaying `training_step` failed ({type(err).__name__}: {err})"
-        found = find_model_call(calls, *fields, ignore_index=self.ignore_index, model=pl_module)
+        found = calls.find_model_call(recorded, *fields, ignore_index=self.ignore_index, model=pl_module)
         if isinstance(found, str):
             return found
-        share_model_call(trainer, batch, found)
+        calls.share_model_call(trainer, batch, found)
         self._found, self._replayed = found, returned
         return None
 
-    def _build_caller(self, pl_module: pl.LightningModule) -> str | None:
-        """Decide how to call the model by its signature (or ``forward_fn``); returns a reason when it cannot."""
-        forward_fn = None
-        if self.forward_fn is not None:
-            try:
-                forward_fn = import_object(self.forward_fn)
-            except (ImportError, AttributeError, ValueError) as err:
-                return f"`forward_fn={self.forward_fn!r}` could not be imported ({err})."
+    def _build_caller(self, pl_module: pl.LightningModule) -> call_probes.ModelCaller | str:
+        """How to call the model by its signature (or ``forward_fn``), or why it cannot be."""
+        forward_fn = _imported(self.forward_fn)
+        if isinstance(forward_fn, Exception):
+            return f"`forward_fn={self.forward_fn!r}` could not be imported ({forward_fn})."
         names = [k if isinstance(k, str) and not k.isdigit() else None for k in (self.input_key, self.mask_key)]
-        caller = call_probes.build_caller(pl_module, forward_fn, input_key=names[0], mask_key=names[1])
-        if isinstance(caller, str):
-            return caller
-        self._caller = caller
-        return None
-
-    def _decide_causal(self, trainer: pl.Trainer, ids: Tensor, labels: Tensor | None) -> bool:
-        """Decoder (True) or encoder (False), from what the labels ask the model to predict."""
-        found = self._found
-        if found is not None and found.related():
-            # some argument of the model call carries the labels: there are tokens the model must not see. The
-            # target-alignment check applies when the token ids themselves carry them (a decoder-only model).
-            if found.primary is None or found.primary.offset is None:
-                self._alignment_decided = True
-            return True
-        if labels is None:
-            return True  # no token labels to read the objective from: decoders are the common case
-        objective = found.objective if found is not None else None
-        if objective is None:
-            objective = read_objective(ids, labels, self.ignore_index)  # host sync: once per fit
-        verdict = mask_checks.decide_objective(objective)
-        self.emit(trainer, verdict, synchronized=False)
-        return verdict is None
+        return call_probes.build_caller(pl_module, forward_fn, input_key=names[0], mask_key=names[1])
 
     def _cannot_call(self, trainer: pl.Trainer, reason: str, setting: str = "`forward_fn`") -> None:
         self.emit(trainer, mask_checks.cannot_call(reason), synchronized=False)
@@ -470,11 +386,9 @@ class MaskProbe(DebugCallback):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "alignment_decided": self._alignment_decided,
-            "order_decided": self._order_decided,
-        }
+        state = super().state_dict()
+        state.update(alignment_decided=self._alignment_decided, order_decided=self._order_decided)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

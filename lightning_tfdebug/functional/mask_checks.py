@@ -1,10 +1,11 @@
 """The rules MaskProbe decides: each finding code with its text, the reading it is decided from, and its rule.
 
 A probe measures on the device and hands on a *reading* (a dataclass below) whose numbers are device scalars until the
-probe's one host transfer (:func:`on_host`); every rule function here then takes a reading of host numbers and returns
-a :class:`~lightning_tfdebug.functional.verdicts.Verdict` or None. :func:`decide_probe` runs the rules of one probing
-step in the order the probes measured. Facts read on the host while probing (the context limit, a call that failed)
-are decided at once by the plain-argument rules (:func:`unpadded_mask`, :func:`context_failure`, ...).
+probe's one host transfer (:func:`~lightning_tfdebug.functional.mask_probes.on_host`); every rule function here then
+takes a reading of host numbers and returns a :class:`~lightning_tfdebug.functional.verdicts.Verdict` or None.
+:func:`decide_probe` runs the rules of one probing step in the order the probes measured. Facts read on the host while
+probing (the context limit, a call that failed) are decided at once by the plain-argument rules
+(:func:`unpadded_mask`, :func:`context_failure`, ...).
 
 Example:
     >>> decide_causal(CausalReading(max_change=0.5, row=0, position=3, cut=4, length=8, tolerance=1e-2)).code
@@ -19,12 +20,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.functional.probes import classify_alignment
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 if TYPE_CHECKING:
-    from torch import Tensor
-
     from lightning_tfdebug.core.calls import Objective
 
 Number = Any
@@ -43,26 +43,52 @@ def _beyond(change: float, tolerance: float) -> bool:
     return not change <= tolerance  # also NaN: a NaN output is not a clean pass
 
 
+# ------------------------------------------------------------------------------------------------------- logged keys
+def _key(name: str, description: str, unit: str = "") -> Key:
+    return Key(f"mask_probe/{name}", description, unit, chart="mask probes")  # probing steps only, one chart
+
+
+REPEAT = _key("repeat_max_change", "largest logit difference between two forwards of the same tokens")
+CAUSAL = _key("causal_max_change", "largest logit change at positions before the edited tokens")
+PADDING = _key("padding_max_change", "largest real-token logit change when the ids under the mask change")
+PAD_SIDE = _key("pad_side_max_change", "largest real-token logit change when padding is added on the pad side")
+KV_CACHE = _key("kv_cache_max_change", "largest difference between incremental and full-forward logits")
+LOSS_RETURNED = _key("loss_returned", "the loss `training_step` returned on the batch (eval mode, `no_grad`)", "nats")
+LOSS_SHIFTED = _key("loss_shifted", "cross-entropy of the same logits, position t against label t+1", "nats")
+LOSS_SHIFTED2 = _key("loss_shifted2", "the same, position t against label t+2", "nats")
+LOSS_UNSHIFTED = _key("loss_unshifted", "the same, position t against label t", "nats")
+CONTEXT_LIMIT = _key("context_limit", "the context limit the position probes used", "tokens")
+ORDER = _key("order_change", "largest change of a position's output when the tokens before it are reversed")
+CONTENT = _key("content_change", "largest change of that output when the tokens before it are replaced")
+SECONDS = _key("seconds", "wall time of the probe", "s")
+KEYS: tuple[Key, ...] = (
+    REPEAT,
+    CAUSAL,
+    PADDING,
+    PAD_SIDE,
+    KV_CACHE,
+    LOSS_RETURNED,
+    LOSS_SHIFTED,
+    LOSS_SHIFTED2,
+    LOSS_UNSHIFTED,
+    CONTEXT_LIMIT,
+    ORDER,
+    CONTENT,
+    SECONDS,
+)
+"""Every scalar MaskProbe logs (on probing steps only): ``MaskProbe.KEYS``. Each reading names the keys it logs."""
+
+
 # ----------------------------------------------------------------------------------------------------------- readings
 @dataclass(frozen=True)
 class Reading:
-    """What one probe measured. ``LOGGED`` maps a logged key to the field it logs."""
+    """What one probe measured. ``LOGGED`` maps a field to the key it is logged under."""
 
-    LOGGED: ClassVar[Mapping[str, str]] = {}
+    LOGGED: ClassVar[Mapping[str, Key]] = {}
 
     def logged(self) -> dict[str, float]:
-        """The logged scalars of this reading (host numbers: after :func:`on_host`)."""
-        return {key: float(getattr(self, name)) for key, name in self.LOGGED.items() if getattr(self, name) is not None}
-
-
-def on_host(readings: Sequence[Reading], to_host: Callable[[dict[str, Tensor]], dict[str, float]]) -> list[Reading]:
-    """``readings`` with every device scalar replaced by its host value, moved by ``to_host`` in one transfer (the
-    probe's one host sync)."""
-    from lightning_tfdebug.core.calls import replace_leaves, tensor_leaves
-
-    leaves = tensor_leaves(list(readings))
-    host = to_host({str(i): t for i, (_, t) in enumerate(leaves)})
-    return replace_leaves(list(readings), {path: host[str(i)] for i, (path, _) in enumerate(leaves)})
+        """The logged scalars of this reading (host numbers: after the transfer)."""
+        return {key.name: float(getattr(self, f)) for f, key in self.LOGGED.items() if getattr(self, f) is not None}
 
 
 # ------------------------------------------------------------------------------------------- repeat, causal, leaks
@@ -104,7 +130,7 @@ class RepeatReading(Reading):
     row: Number
     position: Number
     tolerance: Number
-    LOGGED: ClassVar[Mapping[str, str]] = {"mask_probe/repeat_max_change": "max_change"}
+    LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": REPEAT}
 
 
 def decide_repeat(r: RepeatReading) -> Verdict | None:
@@ -148,7 +174,7 @@ class CausalReading(Reading):
     cut: int
     length: int
     tolerance: Number
-    LOGGED: ClassVar[Mapping[str, str]] = {"mask_probe/causal_max_change": "max_change"}
+    LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": CAUSAL}
 
 
 def decide_causal(r: CausalReading) -> Verdict | None:
@@ -245,7 +271,7 @@ class LeakSummary(Reading):
     largest: Number | None
     other_dependence: Number | None
     tolerance: Number
-    LOGGED: ClassVar[Mapping[str, str]] = {"mask_probe/causal_max_change": "largest"}
+    LOGGED: ClassVar[Mapping[str, Key]] = {"largest": CAUSAL}
 
     @property
     def follows_other(self) -> bool:
@@ -287,7 +313,7 @@ class PaddingReading(Reading):
     every_position: Number
     masked: int
     tolerance: Number
-    LOGGED: ClassVar[Mapping[str, str]] = {"mask_probe/padding_max_change": "max_change"}
+    LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": PADDING}
 
 
 def decide_padding(r: PaddingReading, follows_other: bool = False) -> Verdict | None:
@@ -330,7 +356,7 @@ class PadSideReading(Reading):
     side: str
     extra: int
     tolerance: Number
-    LOGGED: ClassVar[Mapping[str, str]] = {"mask_probe/pad_side_max_change": "max_change"}
+    LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": PAD_SIDE}
 
 
 def decide_pad_side(r: PadSideReading, follows_other: bool = False) -> Verdict | None:
@@ -439,7 +465,7 @@ class KvCacheReading(Reading):
     max_change: Number
     first_position: Number
     tolerance: Number
-    LOGGED: ClassVar[Mapping[str, str]] = {"mask_probe/kv_cache_max_change": "max_change"}
+    LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": KV_CACHE}
 
 
 def decide_kv_cache(r: KvCacheReading) -> Verdict | None:
@@ -487,10 +513,7 @@ class OrderReading(Reading):
     tolerance: Number
     step: int
     last_try: bool
-    LOGGED: ClassVar[Mapping[str, str]] = {
-        "mask_probe/order_change": "order_change",
-        "mask_probe/content_change": "content_change",
-    }
+    LOGGED: ClassVar[Mapping[str, Key]] = {"order_change": ORDER, "content_change": CONTENT}
 
 
 def decide_order(r: OrderReading) -> tuple[bool, Verdict | None]:
@@ -676,11 +699,11 @@ class AlignmentReading(Reading):
     relation: str
     rtol: float
     last_try: bool
-    LOGGED: ClassVar[Mapping[str, str]] = {
-        "mask_probe/loss_returned": "returned",
-        "mask_probe/loss_shifted": "shifted",
-        "mask_probe/loss_unshifted": "unshifted",
-        "mask_probe/loss_shifted2": "shifted2",
+    LOGGED: ClassVar[Mapping[str, Key]] = {
+        "returned": LOSS_RETURNED,
+        "shifted": LOSS_SHIFTED,
+        "unshifted": LOSS_UNSHIFTED,
+        "shifted2": LOSS_SHIFTED2,
     }
 
 

@@ -11,23 +11,26 @@ A *logits function* ``(input_ids, attention_mask) -> (B, T, V) logits`` stands f
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from lightning_tfdebug.core.batch import is_id_tensor, logits_of, loss_of
-from lightning_tfdebug.core.calls import ModelCall, TableReads
+from lightning_tfdebug.core.calls import ModelCall, TableReads, read_objective, replace_leaves, tensor_leaves
 from lightning_tfdebug.functional.call_probes import (
     CallError,
     ModelCaller,
     call_logits,
+    call_vocab,
     caller_logits,
     measure_leaks,
     measure_tables,
     watched_tables,
 )
 from lightning_tfdebug.functional.mask_checks import (
+    CONTEXT_LIMIT,
     ORDER_STEPS,
     AlignmentReading,
     CausalReading,
@@ -40,6 +43,7 @@ from lightning_tfdebug.functional.mask_checks import (
     alignment_not_checked,
     context_failure,
     context_limit_runs,
+    decide_objective,
     kv_cache_unusable,
     unpadded_mask,
 )
@@ -307,11 +311,30 @@ def measure_alignment(
     )
 
 
+def on_host(readings: list[Reading], to_host: Callable[[dict[str, Tensor]], dict[str, float]]) -> list[Reading]:
+    """``readings`` with every device scalar replaced by its host value, moved by ``to_host`` in one transfer (the
+    probe's one host sync)."""
+    leaves = tensor_leaves(list(readings))
+    host = to_host({str(i): t for i, (_, t) in enumerate(leaves)})
+    return replace_leaves(list(readings), {path: host[str(i)] for i, (path, _) in enumerate(leaves)})
+
+
 # ------------------------------------------------------------------------------------------------ one probing step
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What the probes take of MaskProbe's arguments: the rows and the longest sequence they use, whether the padding
+    probes run and on which side they pad, and the label value that is not supervised."""
+
+    probe_rows: int = 2
+    probe_length: int = 64
+    check_padding: bool = True
+    padding_side: Literal["auto", "right", "left"] = "auto"
+    ignore_index: int = -100
+
+
 class MaskProbes:
     """The probes of one probing step, through one way of calling the model: the recorded call (a
-    :class:`~lightning_tfdebug.core.calls.ModelCall`, with ``vocab`` from
-    :func:`~lightning_tfdebug.functional.call_probes.call_vocab`) or the forward by signature (a
+    :class:`~lightning_tfdebug.core.calls.ModelCall`) or the forward by signature (a
     :class:`~lightning_tfdebug.functional.call_probes.ModelCaller`).
 
     Each probe appends its readings to :attr:`readings` (device scalars until the caller's one host transfer), the
@@ -322,38 +345,29 @@ class MaskProbes:
 
     Args:
         model: the recorded call or the caller.
+        input_ids: the batch's token ids (a recorded call's replacements are drawn from them and its own tokens).
         generator: the random source of every replacement (seeded per step, so every rank draws the same).
-        causal: the model is a decoder (the causality probe runs).
-        vocab: the token ids the recorded call saw (required with a recorded call).
-        probe_rows / probe_length: the rows, and the longest sequence, the probes use.
-        check_padding: run the padding probes.
-        padding_side: ``"auto"``, ``"right"`` or ``"left"``.
+        settings: the probe rows and length, the padding probes, the ignored label value.
         mask_key: where the batch holds its mask (evidence of ``TFD204``).
-        ignore_index: the label value that is not supervised.
+        causal: the model is a decoder (the causality probe runs); see :meth:`decide_causal`.
     """
 
     def __init__(
         self,
         model: ModelCall | ModelCaller,
+        input_ids: Tensor,
         generator: torch.Generator,
-        *,
-        causal: bool,
-        vocab: Tensor | None = None,
-        probe_rows: int = 2,
-        probe_length: int = 64,
-        check_padding: bool = True,
-        padding_side: Literal["auto", "right", "left"] = "auto",
+        settings: ProbeSettings,
         mask_key: str | None = None,
-        ignore_index: int = -100,
+        causal: bool = True,
     ) -> None:
         self.found = model if isinstance(model, ModelCall) else None
         self.caller = model if isinstance(model, ModelCaller) else None
-        if self.found is not None and vocab is None:
-            raise ValueError("probing through a recorded call needs its `vocab`")
-        self.generator, self.causal, self.vocab = generator, causal, vocab
-        self.probe_rows, self.probe_length = probe_rows, probe_length
-        self.check_padding, self.padding_side, self.mask_key = check_padding, padding_side, mask_key
-        self.ignore_index = ignore_index
+        self.vocab = None if self.found is None else call_vocab(self.found, input_ids)
+        self.generator, self.causal, self.mask_key = generator, causal, mask_key
+        self.probe_rows, self.probe_length = settings.probe_rows, settings.probe_length
+        self.check_padding, self.padding_side = settings.check_padding, settings.padding_side
+        self.ignore_index = settings.ignore_index
         self.readings: list[Reading] = []
         self.verdicts: list[Verdict] = []
         self.logged: dict[str, float] = {}
@@ -387,6 +401,26 @@ class MaskProbes:
         """Whether the probes may change the ids' length: the call takes the ids (or their slice) and no other
         sequence of their length (a decoder input), so a longer row says something certain about the model."""
         return self.found is None or (self.found.primary is not None and not self.found.companions())
+
+    def decide_causal(self, input_ids: Tensor, labels: Tensor | None) -> tuple[bool, bool]:
+        """``(decoder, alignment applies)``, read from what the labels ask the model to predict (``TFD212`` into
+        :attr:`verdicts` for an encoder); sets :attr:`causal`."""
+        found = self.found
+        if found is not None and found.related():
+            # some argument of the model call carries the labels: there are tokens the model must not see. The
+            # target-alignment check applies when the token ids themselves carry them (a decoder-only model).
+            self.causal = True
+            return True, found.primary is not None and found.primary.offset is not None
+        if labels is None:
+            self.causal = True  # no token labels to read the objective from: decoders are the common case
+            return True, True
+        objective = found.objective if found is not None else None
+        if objective is None:
+            objective = read_objective(input_ids, labels, self.ignore_index)  # host sync: once per fit
+        verdict = decide_objective(objective)
+        self.verdicts += [verdict] if verdict is not None else []
+        self.causal = verdict is None
+        return self.causal, self.causal
 
     # ------------------------------------------------------------------ probes
     def masks(self, input_ids: Tensor, attention_mask: Tensor | None, context_limit: int | None) -> None:
@@ -466,7 +500,7 @@ class MaskProbes:
             self._kv_cache(ids, incremental)
         if context_limit is None:
             return
-        self.logged["mask_probe/context_limit"] = float(context_limit)
+        self.logged[CONTEXT_LIMIT.name] = float(context_limit)
         row = long_row(input_ids[:1], context_limit + 1)[:, :context_limit]
         try:
             self.logits(row, torch.ones_like(row))
@@ -510,14 +544,18 @@ class MaskProbes:
         input_ids: Tensor,
         attention_mask: Tensor | None,
         labels: Tensor | None,
-        step_output: Callable[[], Any],
+        step_output: Callable[[], Any] | None,
         automatic: bool,
         last_try: bool,
     ) -> None:
         """The target alignment: the loss ``training_step`` returned on the whole rows (``step_output()``: what it
         returned, the recording replay's or a replay of its own) against the logits of the recorded call it came
         from, or of the forward by signature. Settled without a reading when there is no scalar loss to compare
-        (``TFD210`` unless a manual-optimization step returned none)."""
+        (``TFD210`` unless a manual-optimization step returned none), or when the step cannot be called
+        (``step_output`` None: a manual-optimization step steps its optimizers)."""
+        if step_output is None:
+            self.settled.add("alignment")
+            return
         try:
             returned = loss_of(step_output())
         except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)

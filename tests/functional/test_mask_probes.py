@@ -51,14 +51,13 @@ class Causal(nn.Module):
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_session_measures_causality_into_readings(causal):
     ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(1))
-    session = mp.MaskProbes(
-        build_caller(Causal(causal)), torch.Generator().manual_seed(0), causal=True, check_padding=False
-    )
+    settings = mp.ProbeSettings(check_padding=False)
+    session = mp.MaskProbes(build_caller(Causal(causal)), ids, torch.Generator().manual_seed(0), settings)
     with torch.no_grad():
         session.masks(ids, None, None)
     kinds = [type(r).__name__ for r in session.readings]
     assert kinds[:2] == ["RepeatReading", "CausalReading"]
-    readings = mask_checks.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
+    readings = mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
     verdicts, settled = mask_checks.decide_probe(readings)
     codes = [v.code for v in verdicts if v is not None]
     assert codes == ([] if causal else ["TFD201"]) and settled == set()
@@ -69,9 +68,8 @@ def test_a_session_reads_the_context_limit_and_a_missing_mask():
     ids = torch.randint(0, 20, (2, 8))
     mask = torch.ones_like(ids)
     mask[:, -2:] = 0  # the batch pads, the positional forward takes no mask
-    session = mp.MaskProbes(
-        build_caller(nn.Sequential(nn.Embedding(20, 4), nn.Linear(4, 20))), torch.Generator(), causal=False
-    )
+    model = nn.Sequential(nn.Embedding(20, 4), nn.Linear(4, 20))
+    session = mp.MaskProbes(build_caller(model), ids, torch.Generator(), mp.ProbeSettings(), causal=False)
     with torch.no_grad():
         session.masks(ids, mask, None)
         session.positions(ids, 16, "hparams")
