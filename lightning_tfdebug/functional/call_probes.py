@@ -328,14 +328,3 @@ def measure_tables(named: dict[str, Tensor], use: TableUse, input_ids: Tensor) -
         for name, rows, read, constant in tables
     )
     return PositionTablesReading(readings, int(input_ids.shape[1]), token_table)
-
-
-def token_row_logits(
-    calls: list, input_ids: Tensor, attention_mask: Tensor | None, ignore_index: int = -100
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Kept until LossAtInit reads :func:`~lightning_tfdebug.core.calls.find_model_call` itself (then deleted):
-    ``find_model_call(...).token_rows(...)``."""
-    from lightning_tfdebug.core.calls import find_model_call
-
-    found = find_model_call(calls, input_ids, attention_mask, None, ignore_index)
-    return None if isinstance(found, str) else found.token_rows(input_ids, attention_mask)

@@ -1,11 +1,10 @@
-"""MaskProbe's measurements, without a Trainer: how to call the model, the inputs each probe builds, and the
-probes themselves, each turning a logits function into a reading of
-:mod:`lightning_tfdebug.functional.mask_checks` (device scalars until the probe's one host transfer).
+"""MaskProbe's probes, without a Trainer: the inputs each probe builds, and :class:`MaskProbes`, the probes of one
+probing step, each turning calls of the model into readings of :mod:`lightning_tfdebug.functional.mask_checks`
+(device scalars until the probe's one host transfer, :func:`on_host`).
 
-A *logits function* ``(input_ids, attention_mask) -> (B, T, V) logits`` stands for the model: the recorded call
-(:func:`~lightning_tfdebug.functional.call_probes.call_logits`) or the forward called by signature
-(:func:`caller_logits`). The tensor comparisons themselves (tolerances, largest logit change, alignment losses) are in
-:mod:`lightning_tfdebug.functional.probes`.
+The model is called through :mod:`lightning_tfdebug.functional.call_probes`: the recorded call ``training_step`` makes,
+or the forward by its signature. The tensor comparisons themselves (tolerances, largest logit change, alignment
+losses) are in :mod:`lightning_tfdebug.functional.probes`.
 """
 
 from __future__ import annotations
@@ -58,9 +57,6 @@ from lightning_tfdebug.functional.probes import (
     replace_after,
 )
 from lightning_tfdebug.functional.verdicts import Verdict
-
-LogitsFn = Callable[[Tensor, "Tensor | None"], Tensor]
-"""The model as the probes see it: ``(input_ids, attention_mask) -> (B, T, V)`` logits."""
 
 # Relative tolerance of "the loss training_step returned equals the loss recomputed from the same logits".
 _ALIGN_RTOL = {torch.float64: 1e-9, torch.float32: 2e-5}
@@ -186,129 +182,6 @@ def reorder_prefix(input_ids: Tensor, position: int) -> Tensor:
     out = input_ids.clone()
     out[:, :position] = input_ids[:, :position].flip(1)
     return out
-
-
-# ------------------------------------------------------------------------------------------------------------ probes
-def measure_repeat(logits: LogitsFn, input_ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor, RepeatReading]:
-    """The same tokens twice: ``(logits, tolerance, reading)``. Every comparison after it assumes an eval-mode
-    forward is a function of its input; the first pass is their reference."""
-    base = logits(input_ids, real)
-    tolerance = logit_tolerance(base)
-    change, where = max_change(base, logits(input_ids, real))
-    return base, tolerance, RepeatReading(change, where[0], where[1], tolerance)
-
-
-def measure_causal(
-    logits: LogitsFn, input_ids: Tensor, base: Tensor, tolerance: Tensor, generator: torch.Generator
-) -> CausalReading:
-    """The tokens after the middle position replaced: the largest change of the logits at and before it against
-    ``base`` (the logits of ``input_ids``)."""
-    b, t = input_ids.shape
-    cut = causal_cut(t)
-    changed = logits(replace_after(input_ids, cut, generator), torch.ones_like(input_ids))
-    change, where = max_change(base, changed, causal_valid_positions(b, t, cut, input_ids.device))
-    return CausalReading(change, where[0], where[1], cut, t, tolerance)
-
-
-def measure_masked_block(
-    logits: LogitsFn, input_ids: Tensor, tolerance: Tensor, generator: torch.Generator
-) -> PaddingReading | None:
-    """A block of positions marked as padding (:func:`masked_block`) and the ids under it changed: the largest logit
-    change at the real positions, and at every position. None when the sequence is too short for a block."""
-    block = masked_block(input_ids, generator)
-    if block is None:
-        return None
-    masked, other, k = block
-    first = logits(input_ids, masked)
-    second = logits(other, masked)
-    change, where = max_change(first, second, masked.bool() if first.shape[:2] == masked.shape else None)
-    every, where_every = max_change(first, second) if first.shape == second.shape else (change, where)
-    return PaddingReading(change, where[1], every, where_every[1], k, tolerance)
-
-
-def measure_pad_side(
-    logits: LogitsFn, input_ids: Tensor, real: Tensor, side: str, extra: int, generator: torch.Generator
-) -> PadSideReading | None:
-    """``extra`` padding positions added on ``side`` (:func:`add_padding`): the largest change of the real tokens'
-    logits. None when the longer sequence cannot run (past the model's real limit: the position checks report that)
-    or its outputs do not follow the ids' positions.
-
-    Raises:
-        CallError: when the model cannot be called the way the probes call it.
-    """
-    plain = logits(input_ids, real)
-    longer_ids, longer_mask, keep = add_padding(input_ids, real, side, extra, generator)
-    try:
-        longer = logits(longer_ids, longer_mask)[:, keep]
-    except CallError:
-        raise
-    except Exception:
-        return None
-    if longer.shape != plain.shape:
-        return None
-    change, where = max_change(plain, longer, real.bool())
-    return PadSideReading(change, where[1], side, extra, logit_tolerance(plain))
-
-
-def measure_order(
-    logits: LogitsFn,
-    input_ids: Tensor,
-    attention_mask: Tensor | None,
-    position: int,
-    generator: torch.Generator,
-    step: int,
-    last_try: bool,
-) -> OrderReading | None:
-    """The tokens before ``position`` reversed, and separately replaced: the largest change of that position's output
-    under each (the tokens at and after it stay as they are). None when the check cannot run on this model (a call
-    that fails, outputs that do not follow the ids)."""
-    real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    try:
-        base = logits(input_ids, real)
-        reordered = logits(reorder_prefix(input_ids, position), real)
-        replaced = input_ids.clone()
-        replaced[:, :position] = replace_after(input_ids[:, :position], -1, generator)
-        content = logits(replaced, real)
-    except Exception:  # the other probes ran on this call: a failure here only means this check cannot run
-        return None
-    if reordered.shape != base.shape or content.shape != base.shape:
-        return None
-    at = min(position, base.shape[1] - 1)  # an encoder-decoder's outputs follow its decoder
-    order = (reordered[:, at] - base[:, at]).float().abs().max()
-    content_change = (content[:, at] - base[:, at]).float().abs().max()
-    return OrderReading(order, content_change, position, logit_tolerance(base), step, last_try)
-
-
-def measure_kv_cache(full: Tensor, incremental: Tensor) -> KvCacheReading:
-    """Incremental decoding's logits against the full forward's (same shape): the largest difference and the first
-    position beyond the tolerance."""
-    diff = (incremental.float() - full.float()).abs().amax(dim=-1).amax(dim=0)  # (T,)
-    tolerance = logit_tolerance(full)
-    return KvCacheReading(diff.max(), (diff > tolerance).float().argmax(), tolerance)
-
-
-def measure_alignment(
-    logits: Tensor,
-    labels: Tensor,
-    returned: Tensor,
-    input_ids: Tensor,
-    ignore_index: int,
-    offset: int,
-    last_try: bool,
-) -> AlignmentReading:
-    """The loss ``training_step`` returned against the cross-entropy of its logits under three alignments
-    (``offset``: the logits' position t stands at the labels' t + offset). Host syncs (how the labels relate to the
-    inputs): probing steps only."""
-    losses = alignment_losses(logits, labels, ignore_index, offset=offset)
-    return AlignmentReading(
-        returned.detach().float(),
-        losses["shifted"],
-        losses["unshifted"],
-        losses["shifted2"],
-        labels_relation(input_ids, labels, ignore_index),
-        alignment_rtol(logits.dtype, returned.dtype),
-        last_try,
-    )
 
 
 def on_host(readings: list[Reading], to_host: Callable[[dict[str, Tensor]], dict[str, float]]) -> list[Reading]:
@@ -437,13 +310,17 @@ class MaskProbes:
         ids, mask = self.rows(input_ids), self.rows(attention_mask)
         assert ids is not None
         ones = torch.ones_like(ids)
-        if leaks:
-            tolerance = logit_tolerance(self.logits(ids, ones))
-        else:
-            base, tolerance, repeat = measure_repeat(self.logits, ids, ones)
-            self.readings.append(repeat)
-            if self.causal and ids.shape[1] >= 2:
-                self.readings.append(measure_causal(self.logits, ids, base, tolerance, self.generator))
+        base = self.logits(ids, ones)
+        tolerance = logit_tolerance(base)
+        if not leaks:  # the same tokens again: every comparison below assumes an eval forward is a function of them
+            change, where = max_change(base, self.logits(ids, ones))
+            self.readings.append(RepeatReading(change, where[0], where[1], tolerance))
+        b, t = ids.shape
+        if self.causal and t >= 2 and not leaks:  # the tokens after the middle replaced: the outputs up to it hold
+            cut = causal_cut(t)
+            changed = self.logits(replace_after(ids, cut, self.generator), ones)
+            change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))
+            self.readings.append(CausalReading(change, where[0], where[1], cut, t, tolerance))
         if self.check_padding:
             self._padding(ids, mask, attention_mask, int(input_ids.shape[1]), tolerance, context_limit)
 
@@ -466,8 +343,13 @@ class MaskProbes:
             return
         if mask_full is None and not target.mask_named:
             return  # only `**kwargs` could take a mask, and the batch has none: nothing claims mask support
-        block = measure_masked_block(self.logits, ids, tolerance, self.generator)
-        self.readings += [block] if block is not None else []
+        block = masked_block(ids, self.generator)  # positions after the first marked as padding, their ids changed
+        if block is not None:
+            masked, other, k = block
+            first, second = self.logits(ids, masked), self.logits(other, masked)
+            change, where = max_change(first, second, masked.bool() if first.shape[:2] == masked.shape else None)
+            every, where_every = max_change(first, second) if first.shape == second.shape else (change, where)
+            self.readings.append(PaddingReading(change, where[1], every, where_every[1], k, tolerance))
         if self.found is not None and self.found.companions():
             return  # another sequence of the call has the ids' length (a decoder input): padding the ids says nothing
         side = probe_padding_side(self.padding_side, mask_full)  # host sync on "auto": probe step only
@@ -475,9 +357,20 @@ class MaskProbes:
         # Learned from configuration, else from the batch: a padded probe never exceeds the configured context limit,
         # nor, when none is known, the batch's own length (what the training step feeds the model anyway).
         t, extra = padding_extra(int(ids.shape[1]), context_limit or full_length)
-        if t >= 2:
-            pad = measure_pad_side(self.logits, ids[:, :t], real[:, :t], side, extra, self.generator)
-            self.readings += [pad] if pad is not None else []
+        if t < 2:
+            return
+        ids, real = ids[:, :t], real[:, :t]
+        plain = self.logits(ids, real)
+        longer_ids, longer_mask, keep = add_padding(ids, real, side, extra, self.generator)
+        try:
+            longer = self.logits(longer_ids, longer_mask)[:, keep]
+        except CallError:
+            raise
+        except Exception:  # the longer sequence is past the model's real limit: the position checks report that
+            return
+        if longer.shape == plain.shape:  # (else the outputs do not follow the ids' positions)
+            change, where = max_change(plain, longer, real.bool())
+            self.readings.append(PadSideReading(change, where[1], side, extra, logit_tolerance(plain)))
 
     def positions(
         self,
@@ -520,7 +413,9 @@ class MaskProbes:
             shape = None if decoded is None else tuple(decoded.shape)
             self.verdicts.append(kv_cache_unusable(shape=shape, expected=tuple(full.shape)))
             return
-        self.readings.append(measure_kv_cache(full, decoded))
+        diff = (decoded.float() - full.float()).abs().amax(dim=-1).amax(dim=0)  # (T,)
+        tolerance = logit_tolerance(full)
+        self.readings.append(KvCacheReading(diff.max(), (diff > tolerance).float().argmax(), tolerance))
 
     def tables(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> None:
         """Position tables: one forward pass of the probe rows watching every embedding weight and hand-held table
@@ -582,9 +477,12 @@ class MaskProbes:
             if logits is None or tuple(logits.shape[:2]) != (labels.shape[0], expected):
                 self.settled.add("alignment")  # outputs not position-aligned with the labels: nothing to compare
                 return
-        self.readings.append(
-            measure_alignment(logits, labels, returned, input_ids, self.ignore_index, offset, last_try)
-        )
+        losses = alignment_losses(logits, labels, self.ignore_index, offset=offset)
+        relation = labels_relation(input_ids, labels, self.ignore_index)  # host syncs: probe step only
+        rtol = alignment_rtol(logits.dtype, returned.dtype)
+        shifted, unshifted, shifted2 = losses["shifted"], losses["unshifted"], losses["shifted2"]
+        reading = AlignmentReading(returned.detach().float(), shifted, unshifted, shifted2, relation, rtol, last_try)
+        self.readings.append(reading)
 
     def order(self, input_ids: Tensor, attention_mask: Tensor | None, step: int) -> None:
         """Token order: reverse the tokens before a position, and separately replace them; a model that positions
@@ -597,8 +495,21 @@ class MaskProbes:
         position = order_probe_position(mask, ids.shape[1])  # host sync: probe step only
         if position is None:
             return
-        reading = measure_order(self.logits, ids, mask, position, self.generator, step, step >= ORDER_STEPS[-1])
-        if reading is None:
-            self.settled.add("order")  # the check cannot run on this model
-        else:
-            self.readings.append(reading)
+        real = torch.ones_like(ids) if mask is None else mask  # only the tokens before `position` change
+        try:
+            base = self.logits(ids, real)
+            reordered = self.logits(reorder_prefix(ids, position), real)
+            replaced = ids.clone()
+            replaced[:, :position] = replace_after(ids[:, :position], -1, self.generator)
+            content = self.logits(replaced, real)
+        except Exception:  # the other probes ran on this call: a failure here only means this check cannot run
+            self.settled.add("order")
+            return
+        if reordered.shape != base.shape or content.shape != base.shape:
+            self.settled.add("order")
+            return
+        at = min(position, base.shape[1] - 1)  # an encoder-decoder's outputs follow its decoder
+        order = (reordered[:, at] - base[:, at]).float().abs().max()
+        content_change = (content[:, at] - base[:, at]).float().abs().max()
+        last_try = step >= ORDER_STEPS[-1]
+        self.readings.append(OrderReading(order, content_change, position, logit_tolerance(base), step, last_try))
