@@ -269,7 +269,6 @@ class TableReads(torch.overrides.TorchFunctionMode):
 # LossAtInit reads its logits), with the model's kind.
 
 ModelKind = Literal["decoder", "encoder", "encoder-decoder", "loss-only wrapper", "unknown"]
-MODEL_KINDS: tuple[ModelKind, ...] = ("decoder", "encoder", "encoder-decoder", "loss-only wrapper", "unknown")
 
 RELATION_FRACTION = 0.95
 """A token tensor carries the labels when it equals them, at one offset, at this fraction of the supervised positions
@@ -373,7 +372,7 @@ class ModelCall:
         ignore_index: the label value that is not supervised.
         ids_start: the call's token ids are the batch's ids from this column ...
         ids_stop: ... to this one (None: to the end): a slice of token rows such as ``rows[:, :-1]``.
-        objective: what the batch's labels ask for (labels shaped like the ids only), else None.
+        objective: what the batch's labels ask for, when the kind was read from them (labels shaped like the ids).
         tensors: every tensor of the call by path.
     """
 
@@ -577,9 +576,6 @@ def find_model_call(
         shift = 1 if relation_offset(input_ids, ref, ignore_index, offsets=(0,)) == 0 else 0
     shift += start  # output p of a call that received the rows from column `start` on stands at row position p+start
     slots = [_slot(call, s, chosen.primary, ref, base, ignore_index) for s in seqs]
-    objective = None
-    if labels is not None and labels.shape == input_ids.shape:
-        objective = read_objective(input_ids, labels, ignore_index)
     found = ModelCall(
         call=call,
         kind="unknown",
@@ -596,10 +592,9 @@ def find_model_call(
         ignore_index=ignore_index,
         ids_start=start,
         ids_stop=stop,
-        objective=objective,
         tensors=dict(call.leaves()),
     )
-    found.kind, found.kind_source = model_kind(found, calls, model)
+    found.kind, found.kind_source = model_kind(found, calls, model, input_ids, labels)
     return found
 
 
@@ -724,7 +719,7 @@ def _names_a_mask(call: RecordedCall) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------ the kind
-def hf_model(*modules: nn.Module | None) -> nn.Module | None:
+def _config_holder(*modules: nn.Module | None) -> nn.Module | None:
     """The first module holding a Hugging Face-style config (``.config`` with ``is_encoder_decoder``): one of
     ``modules``, else a submodule of the last one; None when there is none."""
     seen = [m for m in modules if m is not None]
@@ -738,7 +733,11 @@ def hf_model(*modules: nn.Module | None) -> nn.Module | None:
 
 
 def model_kind(
-    found: ModelCall | None, calls: Sequence[RecordedCall] = (), model: nn.Module | None = None
+    found: ModelCall | None,
+    calls: Sequence[RecordedCall] = (),
+    model: nn.Module | None = None,
+    input_ids: Tensor | None = None,
+    labels: Tensor | None = None,
 ) -> tuple[ModelKind, str]:
     """``(kind, source)``: what the model is, and where that was read (see :class:`ModelCall`), first match wins:
 
@@ -749,13 +748,14 @@ def model_kind(
     3. the call is nested and no outermost call returned logits -> loss-only wrapper;
     4. a second sequence of the call (not the ids, nor labels passed for the loss: a labels name at offset 0) carries
        the labels -> encoder-decoder;
-    5. the labels (:class:`Objective`): a next-token objective -> decoder, else encoder;
+    5. ``labels`` shaped like ``input_ids`` (:class:`Objective`, kept in ``found.objective``; one host sync): a
+       next-token objective -> decoder, else encoder;
     6. a slice of token rows without labels -> decoder (a next-token loss over the rows);
     7. unknown.
 
     ``found`` None (no recorded call) reads the config of ``model`` only.
     """
-    holder = hf_model(None if found is None else found.call.module, model)
+    holder = _config_holder(None if found is None else found.call.module, model)
     if holder is not None:
         config = holder.config
         if getattr(config, "is_encoder_decoder", False):
@@ -777,6 +777,8 @@ def model_kind(
         return "loss-only wrapper", "wrapper"
     if any(s.offset is not None and not s.primary and (not s.label_like or s.offset != 0) for s in found.slots):
         return "encoder-decoder", "decoder input"  # (labels passed for the loss carry them at offset 0)
+    if found.objective is None and input_ids is not None and labels is not None and labels.shape == input_ids.shape:
+        found.objective = read_objective(input_ids, labels, found.ignore_index)
     if found.objective is not None:
         return ("decoder" if found.objective.next_token else "encoder"), "labels"
     if found.sliced and found.primary is not None:
