@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_tfdebug.core.base import eager_model_calls, model_is_compiled
-from lightning_tfdebug.core.batch import LABELS_KEYS, StepBatch, logits_for_labels, logits_of
+from lightning_tfdebug.core.batch import LABELS_KEYS, StepBatch, logits_for_labels, logits_of, loss_of
 from lightning_tfdebug.core.calls import CallRecorder, RecordedCall, find_model_call, takes_tokens
 from lightning_tfdebug.core.model import in_training_step, quiet_training_step
 
@@ -43,14 +43,17 @@ def missing_field(batch: Any, key: str | int) -> str:
     return f"the batch is a {type(batch).__name__} without {key!r}"
 
 
-def check_batch_key(name: str, value: Any) -> None:
-    """Raise unless ``value`` can name a batch tensor: a key or dotted path, a tuple position, or None."""
-    if value is None or (isinstance(value, str) and value) or (type(value) is int and value >= 0):
-        return
-    raise TypeError(
-        f"`{name}` must be a batch key or dotted path (str), a tuple position (int >= 0) or None (found by its usual "
-        f"names); got {value!r}."
-    )
+def check_capture_args(labels_key: Any, input_key: Any, logits_module: Any) -> None:
+    """Raise unless the keys can name a batch tensor (a key or dotted path, a tuple position, or None) and
+    ``logits_module`` a submodule (a name, or None)."""
+    for name, value in (("labels_key", labels_key), ("input_key", input_key)):
+        if not (value is None or (isinstance(value, str) and value) or (type(value) is int and value >= 0)):
+            raise TypeError(
+                f"`{name}` must be a batch key or dotted path (str), a tuple position (int >= 0) or None (found by its "
+                f"usual names); got {value!r}."
+            )
+    if logits_module is not None and not isinstance(logits_module, str):
+        raise TypeError(f"`logits_module` must be a submodule name (str) or None; got {logits_module!r}.")
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -68,6 +71,15 @@ def row_targets(view: StepBatch | None, ignore_index: int) -> Tensor | None:
     mask = view.attention_mask
     targets = ids[:, 1:]
     return targets if mask is None else targets.masked_fill(mask[:, 1:] == 0, ignore_index)
+
+
+def training_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> Tensor | None:
+    """The loss ``training_step`` returned (``outputs``), undivided by gradient accumulation (Lightning divides an
+    automatically optimized loss by ``accumulate_grad_batches``); None when it returned none."""
+    loss = loss_of(outputs)
+    if loss is not None and pl_module.automatic_optimization:
+        loss = loss * trainer.accumulate_grad_batches
+    return loss
 
 
 @dataclass

@@ -441,6 +441,8 @@ TRANSFORM_SUMS = (
     *(f"tx_beta_{k}" for k in range(len(TEMPERATURE_GRID))),
 )
 """The sums of :func:`loss_transform_sums` reduced on the compared steps (the check's and the two before it)."""
+PHASE_SUMS = {"init": INIT_SUMS, "compare": TRANSFORM_SUMS, "check": (*CHECK_SUMS, *TRANSFORM_SUMS)}
+"""The sums :func:`step_sums` takes in each phase, in the order they are reduced."""
 
 
 def step_sums(
@@ -539,3 +541,55 @@ def _late_sums(inputs: Tensor, labels: Tensor, vocab_size: int, ignore_index: in
         "late_supervised": (labels != ignore_index).sum(dtype=torch.float32),
         "late_positions": torch.tensor(float(labels.numel()), device=labels.device),
     }
+
+
+UNIGRAM_BATCHES = 8
+"""The labels' unigram entropy is counted over this many measured batches (every rank's), then kept."""
+
+
+class LabelFrequencies:
+    """The supervised labels' class counts over the first ``batches`` measured batches, kept on the device (a
+    scatter-add per batch: no sync), and their unigram entropy once the counts were reduced over the ranks.
+
+    The counts travel in the step's one reduction (:attr:`payload`); the caller hands the entropy of the reduced
+    counts back (:meth:`receive`), and once every batch was counted only the entropy is kept.
+    """
+
+    def __init__(self, batches: int = UNIGRAM_BATCHES) -> None:
+        self.batches = batches
+        self.restore(None)
+
+    def restore(self, entropy: float | None) -> None:
+        """Start again, or from an entropy measured before (a resumed run: nothing more is counted)."""
+        self.entropy = entropy  # nats, of the labels counted over every rank; None until known
+        self.counts: Tensor | None = None  # this rank's counts so far
+        self.counted = self.batches if entropy is not None else 0
+
+    @property
+    def done(self) -> bool:
+        """The entropy is known and the counts are let go."""
+        return self.entropy is not None and self.counts is None
+
+    @property
+    def payload(self) -> Tensor | None:
+        """The counts to add up over the ranks, or None when nothing is being counted."""
+        return self.counts if self.counted > 0 else None
+
+    def add(self, labels: Tensor | None, vocab_size: int | None, device: torch.device, ignore_index: int) -> None:
+        """Count one measured batch's supervised labels, until ``batches`` were counted (once the vocabulary size is
+        known; a batch without integer labels counts as one with none)."""
+        if vocab_size is None or self.counted >= self.batches or self.done:
+            return
+        self.counted += 1
+        if self.counts is None:
+            self.counts = torch.zeros(vocab_size, device=device)
+        if labels is not None and not labels.is_floating_point():
+            self.counts += label_counts(labels.to(device), vocab_size, ignore_index)
+
+    def receive(self, entropy: float) -> None:
+        """The entropy of the counts reduced so far (NaN: nothing counted yet); the counts go once all are in."""
+        if not math.isfinite(entropy):
+            return
+        self.entropy = entropy
+        if self.counted >= self.batches:
+            self.counts = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_tfdebug.functional.learning import trained_before
@@ -687,6 +687,135 @@ def check_reading(host: Mapping[str, float], vocab: int) -> CheckReading:
     )
 
 
+HISTORY = 64
+"""Measured losses kept for the stall window."""
+
+
+@dataclass
+class LossRun:
+    """What LossAtInit has read over the run so far, and which steps it measures next (host values: its checkpointed
+    state, :meth:`to_state` / :meth:`from_state`).
+
+    Attributes:
+        check_step: the configured step of the check (None: no check).
+        check_at: the check's step: ``check_step``, or :data:`MASKED_LM_CHECK_FACTOR` times it for masked-LM labels.
+        init_done, check_done: step 0 and the check were armed.
+        init_copy_rate: the untrained model's copy rate (tied embeddings copy from the start); None: not measured.
+        masked_lm: the labels are masked-LM labels (aligned with the logits; a later check).
+        vocab: V, once known.
+        probabilities: step 0 found probabilities (``TFD220``): the check's bounded-output floor is that finding's.
+        token_rows: the labels are the batch's token rows (a loss-only wrapper): the measuring steps count those.
+        history: ``(step, loss)`` of the measuring steps, for the stall window (the last :data:`HISTORY`).
+        compared: the compared steps before the check that were armed.
+        readings: the returned loss against the recorded logits on the compared steps and the check.
+    """
+
+    check_step: int | None
+    check_at: int | None
+    init_done: bool = False
+    check_done: bool = False
+    init_copy_rate: float | None = None
+    masked_lm: bool = False
+    vocab: int | None = None
+    probabilities: bool = False
+    token_rows: bool = False
+    history: list[tuple[int, float]] = field(default_factory=list)
+    compared: list[int] = field(default_factory=list)
+    readings: list[LossReading] = field(default_factory=list)
+
+    def compare_steps(self, interval: int) -> tuple[int, ...]:
+        return compare_steps(self.check_at, interval)
+
+    def arm(self, step: int, interval: int) -> str | None:
+        """The phase the first micro-batch of ``step`` is armed for, now marked as taken: ``"init"`` (step 0),
+        ``"check"`` or ``"compare"``; None for any other step."""
+        if step == 0 and not self.init_done:
+            self.init_done = True
+            return "init"
+        if self.check_at is not None and step == self.check_at and not self.check_done:
+            self.check_done = True
+            return "check"
+        if step in self.compare_steps(interval) and step not in self.compared:
+            self.compared.append(step)
+            return "compare"
+        return None
+
+    def start(self, init: InitLoss) -> None:
+        """Keep what step 0 showed: the copy rate, masked-LM labels (whose check moves later), probabilities."""
+        if init.copy_rate is not None:
+            self.init_copy_rate = init.copy_rate
+        self.masked_lm = init.masked_lm
+        if init.masked_lm and self.check_step is not None:
+            self.check_at = MASKED_LM_CHECK_FACTOR * self.check_step
+        self.probabilities = init.probabilities
+
+    def check_moves(self, host: Mapping[str, float], step: int) -> bool:
+        """A run resumed without this state never showed step 0, where masked-LM labels are recognised and their check
+        moved to ``MASKED_LM_CHECK_FACTOR * check_step`` (a masked LM sits at the unigram entropy far longer than a
+        causal LM). Recognise them at the check instead (:func:`late_masked_lm`); True when the check was moved
+        (nothing is judged at this step)."""
+        if self.init_done or self.masked_lm or not late_masked_lm(host):
+            return False
+        self.masked_lm = True
+        later = MASKED_LM_CHECK_FACTOR * self.check_step if self.check_step is not None else None
+        if later is None or step >= later:
+            return False  # judged now, as a masked LM
+        self.check_at, self.check_done = later, False
+        return True
+
+    def keep_loss(self, step: int, loss: float, unigram_entropy: float | None) -> dict[str, float]:
+        """Keep a measured loss for the stall window; returns the finite ones of the dashboard's keys: the loss between
+        its two baselines, ln(V) and the labels' unigram entropy (once known)."""
+        self.history = [*self.history, (step, loss)][-HISTORY:]
+        metrics = {"loss_at_init/loss": loss}
+        if self.vocab is not None:
+            metrics["loss_at_init/ln_vocab"] = uniform_loss(self.vocab)
+        if unigram_entropy is not None:
+            metrics["loss_at_init/unigram_entropy"] = unigram_entropy
+        return {k: v for k, v in metrics.items() if math.isfinite(v)}
+
+    def window(self, step: int) -> list[tuple[int, float]]:
+        """The losses measured since half-way to the check at ``step`` (before it)."""
+        return [(s, v) for s, v in self.history if s >= step // 2]
+
+    def add_reading(self, reading: LossReading) -> None:
+        self.readings = [*self.readings, reading][-(len(COMPARE_FRACTIONS) + 1) :]
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "init_done": self.init_done,
+            "check_done": self.check_done,
+            "init_copy_rate": self.init_copy_rate,
+            "check_at": self.check_at,
+            "masked_lm": self.masked_lm,
+            "vocab": self.vocab,
+            "history": [list(point) for point in self.history],
+            "probabilities": self.probabilities,
+            "token_rows": self.token_rows,
+            "compared": list(self.compared),
+            "loss_readings": [r.to_list() for r in self.readings],
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], check_step: int | None, vocab: int | None = None) -> LossRun:
+        """The run as :meth:`to_state` left it (missing entries: a fresh run's); ``vocab``: V if the state has none."""
+        rate = state.get("init_copy_rate")
+        return cls(
+            check_step=check_step,
+            check_at=state.get("check_at", check_step),
+            init_done=bool(state.get("init_done", False)),
+            check_done=bool(state.get("check_done", False)),
+            init_copy_rate=float(rate) if rate is not None else None,
+            masked_lm=bool(state.get("masked_lm", False)),
+            vocab=state.get("vocab") or vocab,
+            probabilities=bool(state.get("probabilities", False)),
+            token_rows=bool(state.get("token_rows", False)),
+            history=[(int(s), float(v)) for s, v in state.get("history", [])],
+            compared=[int(s) for s in state.get("compared", [])],
+            readings=[LossReading.from_list(r) for r in state.get("loss_readings", [])],
+        )
+
+
 # ---------------------------------------------------------------------------------------------------- step 0
 def unreadable_verdict(reason: str, labels_key: Any, logits_module: str | None, step: int | None = None) -> Verdict:
     """``TFD228``: the logits or labels cannot be found; ``reason`` names the argument to set."""
@@ -885,52 +1014,50 @@ def scaled_loss_verdict(
 def check_findings(
     reading: CheckReading,
     step: int,
+    run: LossRun,
     *,
-    window: Sequence[tuple[int, float]],
-    unigram_entropy: float,
-    readings: Sequence[LossReading],
+    unigram_entropy: float | None,
     vocab: int,
     stall_tolerance: float,
     copy_threshold: float,
-    init_copy_rate: float | None,
-    probabilities: bool,
-    masked: bool,
     learning_rates: Sequence[float] = (),
     shift_labels: bool = True,
 ) -> list[Verdict]:
-    """Every finding of the check, in the order they are decided: a stall or a copying model
-    (:func:`check_verdicts`), outputs squashed into a bounded range (:func:`bounded_output_verdict`; not when step 0
-    found exact probabilities, ``probabilities``: that is ``TFD220``'s), the loss at the unigram entropy
-    (:func:`context_verdict`) and the returned loss against the logits on the compared steps, ``readings``
-    (:func:`loss_transform_verdict`). ``window``: the ``(step, loss)`` points measured since half-way to the check.
+    """Every finding of the check at ``step``, in the order they are decided: a stall or a copying model
+    (:func:`check_verdicts`, over the losses ``run`` measured since half-way to the check), outputs squashed into a
+    bounded range (:func:`bounded_output_verdict`; not when step 0 found exact probabilities: that is ``TFD220``'s),
+    the loss at the unigram entropy (:func:`context_verdict`) and the returned loss against the logits on the compared
+    steps (:func:`loss_transform_verdict` of ``run.readings``).
 
     A bound after the forward (``TFD233``) drops ``TFD231`` and ``TFD232``: the loss does not train these logits, so
     how they relate to the labels says nothing about the labels.
     """
+    window = run.window(step)
+    unigram = unigram_entropy if unigram_entropy is not None else math.nan
     verdicts: list[Verdict | None] = list(
         check_verdicts(
             reading.loss,
             reading.expected,
             step,
             window=window,
-            unigram_entropy=unigram_entropy,
+            unigram_entropy=unigram,
             stall_tolerance=stall_tolerance,
             copy_rate=reading.copy_rate,
             repeat_rate=reading.repeat_rate,
-            init_copy_rate=init_copy_rate,
+            init_copy_rate=run.init_copy_rate,
             copy_threshold=copy_threshold,
             learning_rates=learning_rates,
             shift_labels=shift_labels,
         )
     )
-    if not probabilities:
+    if not run.probabilities:
         verdicts.append(
             bounded_output_verdict(
                 reading.recomputed,
                 reading.floor,
                 reading.logit_range,
                 reading.expected,
-                unigram_entropy,
+                unigram,
                 step,
                 stall_tolerance=stall_tolerance,
                 range_spread=reading.range_spread,
@@ -940,16 +1067,16 @@ def check_findings(
         context_verdict(
             reading.own_loss,
             reading.rolled_loss,
-            unigram_entropy,
+            unigram,
             step,
             own_match=reading.own_match,
             rolled_match=reading.rolled_match,
             flat=flat_window(window, reading.loss, reading.expected, stall_tolerance),
             window_steps=step - min((s for s, _ in window), default=step),
-            masked=masked,
+            masked=run.masked_lm,
         )
     )
-    transform = loss_transform_verdict(readings, vocab, unigram_entropy)
+    transform = loss_transform_verdict(run.readings, vocab, unigram)
     if transform is not None and transform.code == TFD233.code:
         verdicts = [v for v in verdicts if v is None or v.code not in (TFD231.code, TFD232.code)]
     return [dataclasses.replace(v, step=step) for v in (*verdicts, transform) if v is not None]

@@ -438,7 +438,7 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert resumed._init_done and resumed._check_done
+    assert resumed._run.init_done and resumed._run.check_done
     assert "loss_at_init/observed" not in trainer.callback_metrics  # step 0 is not measured again
     assert "loss_at_init/check_loss" in trainer.callback_metrics
 
