@@ -121,3 +121,10 @@ def test_a_repeat_beyond_its_tolerance_is_the_only_verdict():
     assert [v.code for v in verdicts] == ["TFD213"] and settled == {"alignment"}
     verdicts, _ = mc.decide_probe([mc.RepeatReading(0.0, 0, 1, 0.01), readings[1]])
     assert [v.code for v in verdicts if v] == ["TFD201"]
+
+
+def test_every_logged_key_is_declared_once():
+    readings = [cls for cls in vars(mc).values() if isinstance(cls, type) and issubclass(cls, mc.Reading)]
+    logged = {key for cls in readings for key in cls.LOGGED.values()}
+    assert logged | {mc.CONTEXT_LIMIT, mc.SECONDS} == set(mc.KEYS) and len(set(mc.KEYS)) == len(mc.KEYS)
+    assert all(key.chart == "mask probes" and key.name.startswith("mask_probe/") for key in mc.KEYS)
