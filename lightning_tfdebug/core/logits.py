@@ -287,25 +287,19 @@ class LogitsCapture:
         if labels is None:
             return None, None, f"{reason}; set `labels_key` to where the labels are (a dict key or a tuple position)"
         if labels.is_floating_point():
-            return (
-                None,
-                None,
-                (
-                    f"the labels are {labels.dtype} values, not class indices: LossAtInit checks a cross-entropy over "
-                    "V classes, which this loss (soft or multi-label targets, regression) is not; if the class "
-                    "indices are elsewhere in the batch, set `labels_key`"
-                ),
+            reason = (
+                f"the labels are {labels.dtype} values, not class indices: LossAtInit checks a cross-entropy over V "
+                "classes, which this loss (soft or multi-label targets, regression) is not; if the class indices are "
+                "elsewhere in the batch, set `labels_key`"
             )
+            return None, None, reason
         aligned = logits_for_labels(logits, labels)
         if aligned is None:
-            return (
-                None,
-                None,
-                (
-                    f"the labels {tuple(labels.shape)} do not fit the logits {tuple(logits.shape)} (expected the "
-                    "logits' shape without the last dimension); set `labels_key` or `logits_module`"
-                ),
+            reason = (
+                f"the labels {tuple(labels.shape)} do not fit the logits {tuple(logits.shape)} (expected the logits' "
+                "shape without the last dimension); set `labels_key` or `logits_module`"
             )
+            return None, None, reason
         return aligned, labels, ""
 
     def _no_logits(self, pl_module: pl.LightningModule) -> str:

@@ -392,22 +392,9 @@ def loss_transform_sums(
 OTHER_ALIGNMENT = "other_"
 """Prefix of the sums taken under the other label alignment (shifted by one position, or not)."""
 INIT_SUMS = (
-    "ce_sum",
-    "ce_count",
-    "var_sum",
-    "rows",
-    "prob_rows",
-    "logprob_rows",
-    "supervised",
-    "positions",
-    "label_rows",
-    "copies",
-    "repeats",
-    "count",
-    "mask_share_top",
-    "mask_share_count",
-    OTHER_ALIGNMENT + "ce_sum",
-    OTHER_ALIGNMENT + "ce_count",
+    *("ce_sum", "ce_count", "var_sum", "rows", "prob_rows", "logprob_rows", "supervised", "positions", "label_rows"),
+    *("copies", "repeats", "count", "mask_share_top", "mask_share_count"),
+    *(OTHER_ALIGNMENT + key for key in ("ce_sum", "ce_count")),
 )
 """The sums :func:`step_sums` takes at step 0, in the order they are reduced."""
 _ALIGNED = ("ce_sum", "ce_count", "own_ce_sum", "rolled_ce_sum", "rolled_count", "floor_sum", "range_sum")
@@ -416,28 +403,13 @@ LATE_SUMS = ("late_mask_top", "late_mask_count", "late_supervised", "late_positi
 have read to tell masked-LM labels (:func:`masked_input_sums` and the supervised share)."""
 CHECK_SUMS = (
     *_ALIGNED,
-    "copies",
-    "repeats",
-    "count",
-    "own_match",
-    "rolled_match",
-    "match_count",
-    "range_sq_sum",
-    "floor_count",
-    *(OTHER_ALIGNMENT + key for key in _ALIGNED),
-    OTHER_ALIGNMENT + "range_sq_sum",
-    OTHER_ALIGNMENT + "floor_count",
+    *("copies", "repeats", "count", "own_match", "rolled_match", "match_count", "range_sq_sum", "floor_count"),
+    *(OTHER_ALIGNMENT + key for key in (*_ALIGNED, "range_sq_sum", "floor_count")),
     *LATE_SUMS,
 )
 """The sums :func:`step_sums` takes at the check, besides :data:`TRANSFORM_SUMS`."""
 TRANSFORM_SUMS = (
-    "tx_ce_sum",
-    "tx_ce_sq_sum",
-    "tx_count",
-    "tx_total",
-    "tx_positions",
-    "tx_uniform_sum",
-    "tx_range_sum",
+    *("tx_ce_sum", "tx_ce_sq_sum", "tx_count", "tx_total", "tx_positions", "tx_uniform_sum", "tx_range_sum"),
     *(f"tx_beta_{k}" for k in range(len(TEMPERATURE_GRID))),
 )
 """The sums of :func:`loss_transform_sums` reduced on the compared steps (the check's and the two before it)."""
