@@ -249,7 +249,9 @@ class LogitsCapture:
             ids, mask = view.input_ids, view.attention_mask
             found = find_model_call(self._calls, ids, mask, None, self.ignore_index, model=pl_module)
             rows = None if isinstance(found, str) else found.token_rows(ids, mask)
-            if rows is not None:
+            if isinstance(found, str):  # the shared finder's reading of the model, MaskProbe's too
+                reason = f"{found}; set `logits_module` to the submodule that returns the logits"
+            elif rows is not None:
                 logits, labels, tokens = (t.detach() for t in rows)
                 reason = ""
         self._calls = []

@@ -594,3 +594,32 @@ def test_steps_that_do_not_measure_cost_nothing(tmp_path):
     fit(tmp_path, [*calls.around(LossAtInit(check_step=3, every_n_steps=5)), spy], max_steps=7)
     assert set(calls.counts) == {0, 3, 5}
     assert spy.hooked == [True, False, False, True, False, False, False]
+
+
+class RowFeatures(pl.LightningModule):
+    """Token rows without labels fed to a network whose outputs are features narrower than the token ids, not logits
+    (a regression on embeddings): no call returns logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Embedding(259, 16), torch.nn.Linear(16, 16))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[:, :-1]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_token_rows_whose_calls_return_no_logits_are_explained_by_the_shared_call_finder(tmp_path):
+    from tests.wild_models import token_rows
+
+    monitor = LossAtInit(check_step=None)
+    fit(tmp_path, [monitor], model=RowFeatures(), data=token_rows(), max_steps=2)
+    [finding] = monitor.findings
+    assert finding.code == "TFD228" and not monitor.active
+    assert (
+        "no call made in `training_step` takes the batch's token ids and returns logits (modules called: Sequential); "
+        "set `logits_module`" in finding.message
+    )
+    assert monitor._aside_setting == "`logits_module`"
