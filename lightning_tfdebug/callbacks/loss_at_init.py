@@ -295,7 +295,8 @@ class LossAtInit(DebugCallback):
         device, zero = found.device, torch.zeros((), device=found.device)
         named = {k: found.stats.get(k, zero) for k in keys}
         named["loss_sum"] = loss.detach().reshape(()) if loss is not None else zero
-        named["loss_n"], named["ok"] = torch.tensor(float(loss is not None)), torch.tensor(float(found.ok))
+        named["loss_n"] = torch.tensor(float(loss is not None), device=device)
+        named["ok"] = torch.tensor(float(found.ok), device=device)
         counts = self._frequencies.payload  # a copy travels: counts added later go into the next reduction
         values = [torch.stack([v.float().to(device) for v in named.values()])]
         packed = torch.cat(values + ([counts.to(device)] if counts is not None else []))
