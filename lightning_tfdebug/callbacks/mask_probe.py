@@ -280,7 +280,7 @@ class MaskProbe(DebugCallback):
         """How to call the model: ``forward_fn`` when given; else the call ``training_step`` makes, recorded on a
         replay of it; else ``forward`` by its signature. Then decoder or encoder, once per fit. None (after
         ``TFD211``) when the model cannot be called."""
-        recorded = None if self.forward_fn is not None else self._record(trainer, pl_module, *step_args, fields)
+        recorded = None if self.forward_fn is not None else self._record_call(trainer, pl_module, *step_args, fields)
         if self._found is None and self._caller is None:
             caller = self._build_caller(pl_module)
             if isinstance(caller, str):
@@ -348,7 +348,7 @@ class MaskProbe(DebugCallback):
         self._mask_path = fields.paths.get("attention_mask")
         return ids, mask, labels
 
-    def _record(
+    def _record_call(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, fields: tuple
     ) -> str | None:
         """Replay ``training_step`` on the batch with every module call recorded, and read the call that takes the
