@@ -91,4 +91,4 @@ def test_the_whole_pack_with_loss_at_init_on_a_compiled_forward(tmp_path):
     # LossAtInit read the step-0 logits from an eager replay: it measured, it did not stand aside
     member = pack.members["LossAtInit"]
     assert member.active and "TFD228" not in {f.code for f in member.findings}
-    assert member._vocab is not None
+    assert member._run.vocab is not None

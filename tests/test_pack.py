@@ -380,7 +380,7 @@ def test_a_learning_rate_100x_too_low_on_gpt2_is_not_taken_for_copying(tmp_path)
     pack = fit_pack(tmp_path, TooCold(), TinyTextDataModule(batch_size=8), steps=45)
     assert "TFD310" in codes(pack) and "TFD226" not in codes(pack), problems(pack)
     loss_at_init = next(c for c in pack if isinstance(c, tfd.LossAtInit))
-    assert loss_at_init._init_copy_rate > 0.3  # the tied embeddings' copying at init, measured
+    assert loss_at_init._run.init_copy_rate > 0.3  # the tied embeddings' copying at init, measured
 
 
 @needs_transformers
@@ -467,7 +467,7 @@ def test_the_pack_calls_a_member_s_batch_hooks_only_on_the_steps_it_works(tmp_pa
             assert "UpdateRatio.on_before_optimizer_step" not in ran and "PerRankLogger.on_train_batch_end" not in ran
     assert [f.code for f in pack.findings if f.severity in ("warning", "error")] == []
     assert all(m.failure is None for m in pack.running.values())
-    assert pack.members["LossAtInit"]._check_done  # its check step ran although the cadence skips step 16
+    assert pack.members["LossAtInit"]._run.check_done  # its check step ran although the cadence skips step 16
 
 
 def test_a_scheduler_stepped_twice_per_step_is_named_when_the_pack_reads_it_only_on_measuring_steps(tmp_path):

@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_tfdebug import LossAtInit, MaskProbe
-from lightning_tfdebug.core.calls import record_calls, takes_tokens
-from lightning_tfdebug.functional.call_probes import plan_call, token_row_logits
+from lightning_tfdebug.core.calls import find_model_call, record_calls, takes_tokens
 from lightning_tfdebug.functional.loss import unigram_entropy
 from lightning_tfdebug.functional.probes import alignment_losses
 from tests.helpers import fit_tiny, read_scalars
@@ -58,7 +57,9 @@ def test_nested_recording_keeps_the_inner_call_in_start_order():
     loss, calls = record_calls(wrapper, lambda: wrapper(rows), nested=True, want=takes_tokens)
     assert [(type(c.module).__name__, c.depth) for c in calls] == [("ShiftInsideWrapper", 0), ("RowNet", 1)]
     assert torch.equal(calls[1].args[0], rows[:, :-1])  # the embedding lookup is not kept: its output is not logits
-    chosen = token_row_logits(calls, rows, None)
+    found = find_model_call(calls, rows)
+    assert not isinstance(found, str) and found.kind == "loss-only wrapper"
+    chosen = found.token_rows(rows, None)
     assert chosen is not None
     logits, labels, tokens = chosen
     assert logits.shape == (2, 8, 259) and torch.equal(tokens, rows[:, :-1]) and torch.equal(labels, tokens)
@@ -71,7 +72,7 @@ def test_the_plan_reads_which_columns_of_the_rows_the_call_received(columns, sta
     net = RowNet()
     rows = torch.randint(0, 200, (2, 10))
     _, calls = record_calls(net, lambda: net(rows[:, columns[0] : columns[1]]), nested=True, want=takes_tokens)
-    plan = plan_call(calls, rows, None, None)
+    plan = find_model_call(calls, rows)
     assert not isinstance(plan, str) and plan.primary is not None
     assert (plan.ids_start, plan.ids_stop) == columns and plan.sliced == (columns != (0, None))
     # without labels, output p of a call fed the rows from column `start` on is trained on the row's token
@@ -117,9 +118,9 @@ def test_the_first_float_tensor_of_a_dict_or_dataclass_output_is_read_as_the_log
     _, calls = record_calls(wrapper, lambda: wrapper(rows), nested=True, want=takes_tokens)
     # the wrapper takes the rows and returns 9 positions of logits: the inner call that received rows[:, :-1] and
     # returned one output per position of it is the one probed
-    plan = plan_call(calls, rows, None, None)
+    plan = find_model_call(calls, rows)
     assert not isinstance(plan, str) and isinstance(plan.call.module, StructuredNet) and plan.sliced
-    chosen = token_row_logits(calls, rows, None)
+    chosen = plan.token_rows(rows, None)
     assert chosen is not None and chosen[0].shape == (2, 9, 259)
 
 

@@ -1,26 +1,45 @@
-"""Recording the model calls a ``training_step`` makes, and re-issuing one with some of its tensors replaced.
+"""Recording the model calls a ``training_step`` makes, and reading which one is the model.
 
 A probe that guesses how to call a model fails on the models users actually write: ``forward(inputs, target)``, a
 LightningModule without ``forward`` whose ``training_step`` calls ``self.model(x, y)``, a dict passed whole. Recording
 the call ``training_step`` makes (module, positional and keyword arguments, output) and re-issuing it with perturbed
-copies of its token tensors reaches all of them. Nothing here measures or decides; the recording is meant for
-probing steps only (it adds hooks to every submodule for the duration of one call).
+copies of its token tensors reaches all of them. The recording is meant for the steps that read it only (it adds
+hooks to every submodule for the duration of one call).
 
 A library's loss-only wrapper (``training_step`` returns ``self.model(batch)``; the wrapper slices the token rows,
 calls its inner network and returns only the loss) makes the call that returns logits one level down: with
 ``nested=True`` the recorder also keeps the calls made inside other calls, at any depth, each with its depth and the
 order in which it started.
+
+:func:`find_model_call` is the one reading of "the call that took the token rows": among the recorded calls, the one
+that took the batch's token ids (or a slice of them) and returned logits, where its token ids, labels and mask sit,
+its logits, and the model's kind (decoder, encoder, encoder-decoder, loss-only wrapper, unknown). Every callback that
+needs the model's own call reads it there (MaskProbe, LossAtInit); :func:`share_model_call` puts it in the step's
+shared state (:class:`~lightning_tfdebug.core.step.StepState`).
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    >>> ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    >>> _, calls = record_calls(model, lambda: model(ids))
+    >>> found = find_model_call(calls, ids, labels=ids)
+    >>> found.kind, found.kind_source, found.shift, tuple(found.logits().shape)
+    ('decoder', 'labels', 1, (2, 3, 10))
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+
+from lightning_tfdebug.core.batch import LABELS_KEYS, MASK_KEYS, logits_of
+from lightning_tfdebug.core.step import step_state
 
 Path = tuple[Any, ...]
 """Where a tensor sits in a call: ``("args", 0)``, ``("kwargs", "labels")``, then keys or indices into containers."""
@@ -55,8 +74,6 @@ class RecordedCall:
         if path[0] == "kwargs":
             return str(path[1])
         try:
-            import inspect
-
             params = [
                 p.name
                 for p in inspect.signature(self.module.forward).parameters.values()
@@ -244,3 +261,552 @@ class TableReads(torch.overrides.TorchFunctionMode):
             elif isinstance(value, (list, tuple)):
                 self.use.read.update(id(v) for v in value if isinstance(v, Tensor) and id(v) in self._ids)
         return func(*args, **kwargs)
+
+
+# ==================================================================================================== the model call
+# Which recorded call is "the model": the one that took the batch's token rows and returned logits over them. One
+# reading, shared by every callback that needs the model's own call (MaskProbe re-issues it with perturbed tokens,
+# LossAtInit reads its logits), with the model's kind.
+
+ModelKind = Literal["decoder", "encoder", "encoder-decoder", "loss-only wrapper", "unknown"]
+
+RELATION_FRACTION = 0.95
+"""A token tensor carries the labels when it equals them, at one offset, at this fraction of the supervised positions
+or more. Text shifted against itself matches everywhere (padding aside); a denoising source (BART's 15% token
+corruption) does not, and an encoder may see all of it."""
+
+ROW_SLICES: tuple[tuple[int, int | None], ...] = ((0, None), (0, -1), (1, None))
+"""The columns of the batch's ids a call may receive, in order of preference: all of them, all but the last (the
+inputs of a next-token loss, ``rows[:, :-1]``), all but the first (``rows[:, 1:]``)."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the batch's labels ask the model to predict, counted over the supervised positions (host numbers).
+
+    Attributes:
+        supervised: labels that are not ``ignore_index``.
+        same: supervised labels equal to the input at their position (a model that shifts them itself).
+        following: supervised labels equal to the next input (labels shifted in the data).
+        supervised_next: supervised labels that have a next input.
+        label_positions: every label position, supervised or not.
+    """
+
+    supervised: float
+    same: float
+    following: float
+    supervised_next: float
+    label_positions: int
+
+    @property
+    def next_token(self) -> bool:
+        """A next-token objective (a decoder's): labels equal to the inputs or to the next inputs at half or more of
+        the supervised positions (or nothing supervised to tell). Anything else is masked-LM or denoising."""
+        return (
+            self.supervised == 0
+            or self.same >= 0.5 * self.supervised
+            or self.following >= 0.5 * max(self.supervised_next, 1.0)
+        )
+
+
+def read_objective(input_ids: Tensor, labels: Tensor, ignore_index: int) -> Objective:
+    """The :class:`Objective` of ``labels`` (shaped like ``input_ids``). One host sync: reading steps only."""
+    with torch.no_grad():
+        supervised = labels != ignore_index
+        same = ((labels == input_ids) & supervised).sum()
+        following = ((labels[:, :-1] == input_ids[:, 1:]) & supervised[:, :-1]).sum()
+        counts = torch.stack([supervised.sum(), same, following, supervised[:, :-1].sum()]).tolist()
+    return Objective(*(float(c) for c in counts), label_positions=int(labels.numel()))
+
+
+@dataclass(frozen=True)
+class TokenSlot:
+    """A token tensor of the model call (a 2-D integer tensor with a batch dimension).
+
+    Attributes:
+        path: where it sits in the call (:data:`Path`).
+        name: how messages name it: ``target`` (argument 2 of ``Transformer.forward``).
+        seq_first: stored ``(T, B)`` rather than ``(B, T)``.
+        length: its sequence length.
+        offset: its position ``t`` carries label ``t - offset``; None: unrelated to the labels.
+        primary: the batch's token ids (or the slice of them the call received).
+        label_like: passed under a labels name (``labels``, ``targets``, ...): read by the loss, not the network.
+    """
+
+    path: Path
+    name: str
+    seq_first: bool
+    length: int
+    offset: int | None
+    primary: bool
+    label_like: bool
+
+
+@dataclass
+class ModelCall:
+    """The call that took the batch's token rows and returned logits, and what each of its tensors is.
+
+    Built by :func:`find_model_call` from the calls a ``training_step`` made; shared on the step through
+    :func:`share_model_call` / :func:`shared_model_call`. Output position ``p`` is trained on label ``p + shift``
+    (``shift`` 1 when the labels equal the ids, so the model or its loss shifts them; 0 for next-token labels in the
+    data or a decoder's own targets; plus ``ids_start`` when the call received the rows from that column on).
+
+    Attributes:
+        call: the recorded call (module, arguments, output).
+        kind: what the model is: ``"decoder"``, ``"encoder"``, ``"encoder-decoder"``, ``"loss-only wrapper"`` (the
+            step's outermost call returns only a loss; this call is the network inside it) or ``"unknown"``.
+        kind_source: where the kind was read: ``"config"`` (a Hugging Face config's ``is_encoder_decoder`` /
+            ``is_decoder``), ``"class name"`` (``...ForCausalLM``, ``...ForMaskedLM``), ``"decoder_input_ids"`` (the
+            call passes a decoder input, or returns an encoder's state), ``"wrapper"``, ``"decoder input"`` (a second
+            sequence of the call carries the labels), ``"labels"`` (:class:`Objective`), ``"token rows"`` (a slice of
+            the rows without labels: a next-token loss) or ``""`` (unknown).
+        batch_size: rows of the call.
+        slots: its token tensors.
+        shift: see above.
+        mask_path: where the batch's attention mask (or its inverse) sits in the call; None: not passed.
+        mask_inverted: a padding mask (True = padding) rather than an attention mask (1 = real).
+        mask_seq_first: the mask is stored ``(T, B)``.
+        mask_named: the called forward names a mask parameter.
+        mask_opaque: a mask is passed in an encoding not read here (additive floats, 4-D).
+        out_seq_first: the call is sequence-first (its logits too).
+        ignore_index: the label value that is not supervised.
+        ids_start: the call's token ids are the batch's ids from this column ...
+        ids_stop: ... to this one (None: to the end): a slice of token rows such as ``rows[:, :-1]``.
+        objective: what the batch's labels ask for, when the kind was read from them (labels shaped like the ids).
+        tensors: every tensor of the call by path.
+    """
+
+    call: RecordedCall
+    kind: ModelKind
+    kind_source: str
+    batch_size: int
+    slots: list[TokenSlot]
+    shift: int
+    mask_path: Path | None = None
+    mask_inverted: bool = False
+    mask_seq_first: bool = False
+    mask_named: bool = False
+    mask_opaque: bool = False
+    out_seq_first: bool = False
+    ignore_index: int = -100
+    ids_start: int = 0
+    ids_stop: int | None = None
+    objective: Objective | None = None
+    tensors: dict[Path, Tensor] = dataclasses.field(default_factory=dict)
+    key: Any = None  # (global_step, batch) it was recorded on, once shared
+
+    # ------------------------------------------------------------------ views
+    @property
+    def primary(self) -> TokenSlot | None:
+        """The slot holding the batch's token ids (or their slice); None when the call takes tensors derived from
+        them."""
+        return next((s for s in self.slots if s.primary), None)
+
+    @property
+    def takes_mask(self) -> bool:
+        return self.mask_path is not None
+
+    @property
+    def sliced(self) -> bool:
+        """Whether the call received a slice of the batch's token rows rather than the rows themselves."""
+        return self.ids_start != 0 or self.ids_stop is not None
+
+    def columns(self, t: Tensor | None) -> Tensor | None:
+        """``t`` (batch-first, shaped like the batch's ids) cut to the columns the call received."""
+        return None if t is None else t[:, self.ids_start : self.ids_stop]
+
+    def batch_first(self, slot: TokenSlot) -> Tensor:
+        t = self.tensors[slot.path]
+        return t.transpose(0, 1) if slot.seq_first else t
+
+    def related(self) -> list[TokenSlot]:
+        """The slots that carry the labels (the ones a leak probe perturbs)."""
+        return [s for s in self.slots if s.offset is not None]
+
+    def companions(self) -> list[TokenSlot]:
+        """Other sequences of the ids' length not passed under a labels name (a decoder input, position ids):
+        resizing the ids says nothing certain about what they should become."""
+        primary = self.primary
+        if primary is None:
+            return []
+        return [s for s in self.slots if not s.primary and not s.label_like and s.length == primary.length]
+
+    @property
+    def time_cut_safe(self) -> bool:
+        """Whether the sequences can be cut shorter: no other tensor of the call has a dimension of their length
+        (a ``(T, T)`` causal mask, float features per position)."""
+        primary = self.primary
+        if primary is None:
+            return False
+        known = {s.path for s in self.slots} | ({self.mask_path} if self.mask_path is not None else set())
+        return not any(
+            primary.length in tuple(t.shape) for p, t in self.tensors.items() if p not in known and t.ndim >= 1
+        )
+
+    def mask_value(self, real: Tensor) -> Tensor:
+        """The recorded mask's encoding of ``real`` (1 = real token), batch-first."""
+        return (real == 0) if self.mask_inverted else real
+
+    # ------------------------------------------------------------------ outputs
+    def logits(self) -> Tensor | None:
+        """The recorded output's logits as ``(batch, time, vocab)`` (:func:`read_logits`); None once released."""
+        if self.call.output is None:
+            return None
+        return read_logits(self.call.output, self.batch_size, self.out_seq_first)
+
+    def token_rows(self, input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
+        """For a batch of token ids without labels: ``(logits, labels, tokens)`` of this call. ``tokens`` are the ids
+        it received ``(B, L)``; ``labels`` the same with the batch's padding set to ``ignore_index`` (the labels a
+        model that shifts them itself scores position ``t`` against at ``t + 1``); ``logits`` ``(B, L, V)``. None when
+        the call does not take the ids themselves, or returned no logits over the positions it received."""
+        logits = self.logits()
+        tokens = self.columns(input_ids)
+        if self.primary is None or logits is None or tokens is None or tuple(logits.shape[:2]) != tuple(tokens.shape):
+            return None
+        mask = self.columns(attention_mask)
+        if mask is None or mask.shape != tokens.shape:
+            return logits, tokens, tokens
+        return logits, tokens.masked_fill(mask == 0, self.ignore_index), tokens
+
+    def release(self) -> None:
+        """Let the recorded output and tensor index go (the description, the kind and the paths stay): a shared
+        reading must not hold a step's logits past it."""
+        self.call = dataclasses.replace(self.call, output=None)
+        self.tensors = {}
+
+
+def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor | None:
+    """The logits in a call's output as ``(batch, time, vocab)``: ``(B, T, V)`` as is, ``(T, B, V)`` transposed when
+    the call is sequence-first (or when only that reading fits), ``(B*T, V)`` reshaped (``(T*B, V)`` for a
+    sequence-first call). The logits are ``.logits`` / ``["logits"]``, else the first float tensor of the output (a
+    tuple ``(logits, cache)``, a dict or a dataclass of other names). None when no float tensor fits."""
+    logits = logits_of(output)
+    if logits is None:
+        logits = next((t for _, t in tensor_leaves(output) if t.is_floating_point() and t.ndim >= 2), None)
+    if logits is None:
+        return None
+    if logits.ndim == 3:
+        if logits.shape[0] == batch_size and not (seq_first and logits.shape[1] == batch_size):
+            return logits
+        if logits.shape[1] == batch_size:
+            return logits.transpose(0, 1)
+        return None
+    if logits.ndim == 2 and logits.shape[0] % batch_size == 0 and logits.shape[0] > batch_size:
+        if seq_first:
+            return logits.reshape(-1, batch_size, logits.shape[-1]).transpose(0, 1)
+        return logits.reshape(batch_size, -1, logits.shape[-1])
+    return None
+
+
+def relation_offset(
+    slot: Tensor, reference: Tensor, ignore_index: int, offsets: tuple[int, ...] = (0, 1, -1)
+) -> int | None:
+    """The offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` holds at :data:`RELATION_FRACTION` or more of
+    the positions where ``reference`` is supervised (not ``ignore_index``), over the positions both have; the largest
+    such offset, or None. Both batch-first with the same number of rows. Host syncs: recording steps only."""
+    matches: list[int] = []
+    ts, tr = slot.shape[1], reference.shape[1]
+    for o in offsets:
+        lo, hi = max(0, o), min(ts, tr + o)
+        if hi - lo < 2:
+            continue
+        s = slot[:, lo:hi]
+        r = reference[:, lo - o : hi - o]
+        supervised = r != ignore_index
+        n = int(supervised.sum())
+        if n == 0:
+            continue
+        frac = int(((s == r) & supervised).sum()) / n
+        if frac >= RELATION_FRACTION:
+            matches.append(o)
+    # Repetitive text matches at several offsets; the largest one starts the leak probe latest, so it never blames a
+    # model for reading a token that only happens to equal a label.
+    return max(matches) if matches else None
+
+
+# ------------------------------------------------------------------------------------------------- finding the call
+_Seq = tuple[Path, Tensor, bool]  # a token tensor of a call: (path, tensor, sequence-first)
+
+
+@dataclass
+class _Choice:
+    call: RecordedCall
+    seqs: list[_Seq]
+    primary: Path | None
+    columns: tuple[int, int | None]
+
+
+def find_model_call(
+    calls: Sequence[RecordedCall],
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    model: nn.Module | None = None,
+) -> ModelCall | str:
+    """The :class:`ModelCall` among ``calls`` that took the batch's token ids and returned logits, or a sentence
+    saying why there is none.
+
+    The call takes the ids, or a slice of them without the last or the first column (:data:`ROW_SLICES`), and
+    returns logits (outputs wider than every token id): among several, the one whose outputs follow the positions it
+    received, the outermost (lowest depth), then the first; then one with outputs over other positions (an
+    encoder-decoder's decoder); failing that, an outermost call that takes a token tensor of the batch's size and
+    returns logits. ``calls`` may hold calls at every depth (:class:`CallRecorder` with ``nested``): a loss-only
+    wrapper's inner network. Every token tensor of the call is compared with ``labels`` (or, without labels, with the
+    ids' next tokens) to read which carry them and at what offset; ``model`` (the LightningModule) is searched for a
+    Hugging Face config when the call's own module has none (:func:`model_kind`). Host syncs: recording steps only.
+    """
+    chosen = _choose(calls, input_ids)
+    if chosen is None:
+        names = ", ".join(sorted({type(c.module).__name__ for c in calls if c.depth == 0})) or "none"
+        return (
+            f"no call made in `training_step` takes the batch's token ids and returns logits (modules called: {names})"
+        )
+    call, (start, stop) = chosen.call, chosen.columns
+    b = int(input_ids.shape[0])
+    seq_first = next((sf for p, _, sf in chosen.seqs if p == chosen.primary), chosen.seqs[0][2])
+    mask_path, inverted, mask_seq_first, opaque = _find_mask(
+        call, None if attention_mask is None else attention_mask[:, start:stop]
+    )
+    seqs = [s for s in chosen.seqs if s[0] != mask_path]
+    # the labels every slot is compared with: the batch's, else the ids' next tokens (virtual next-token labels)
+    ref, base = _reference(input_ids, labels, b)
+    shift = 0
+    if ref is not None and labels is not None and chosen.primary is not None:
+        shift = 1 if relation_offset(input_ids, ref, ignore_index, offsets=(0,)) == 0 else 0
+    shift += start  # output p of a call that received the rows from column `start` on stands at row position p+start
+    slots = [_slot(call, s, chosen.primary, ref, base, ignore_index) for s in seqs]
+    found = ModelCall(
+        call=call,
+        kind="unknown",
+        kind_source="",
+        batch_size=b,
+        slots=slots,
+        shift=shift,
+        mask_path=mask_path,
+        mask_inverted=inverted,
+        mask_seq_first=mask_seq_first,
+        mask_named=_names_a_mask(call),
+        mask_opaque=opaque,
+        out_seq_first=bool(seq_first),
+        ignore_index=ignore_index,
+        ids_start=start,
+        ids_stop=stop,
+        tensors=dict(call.leaves()),
+    )
+    found.kind, found.kind_source = model_kind(found, calls, model, input_ids, labels)
+    return found
+
+
+def _choose(calls: Sequence[RecordedCall], input_ids: Tensor) -> _Choice | None:
+    """The call :func:`find_model_call` reads (see there); None when no call fits."""
+    b, length = int(input_ids.shape[0]), int(input_ids.shape[1])
+    top_id = int(input_ids.max()) if input_ids.numel() else -1  # host sync: recording steps only
+    positional: _Choice | None = None  # takes the ids or a slice, one output per position it received
+    other_length: _Choice | None = None  # takes the ids, outputs over other positions (a decoder's, a wrapper's)
+    fallback: _Choice | None = None
+    for call in sorted(calls, key=lambda c: (c.depth, c.order)):
+        if positional is not None:
+            break
+        if isinstance(call.module, (nn.Embedding, nn.EmbeddingBag)):
+            continue  # an embedding's output is hidden states, whatever its width
+        seqs = [(p, t, sf) for p, t in call.leaves() if _is_ids(t) and (sf := _layout(t, b)) is not None]
+        if not seqs:
+            continue
+        match = _ids_match(seqs, input_ids)
+        seq_first = bool(match[1] if match is not None else seqs[0][2])
+        logits = read_logits(call.output, b, seq_first)
+        if logits is None or logits.shape[-1] <= top_id:
+            continue  # no output, or one narrower than the token ids (an embedding's hidden states, not logits)
+        if match is not None:
+            path, _, columns = match
+            received = length if columns == (0, None) else length - 1
+            if logits.shape[1] == received:
+                positional = _Choice(call, seqs, path, columns)
+            elif columns == (0, None):
+                other_length = other_length or _Choice(call, seqs, path, columns)
+        elif call.depth == 0:
+            fallback = fallback or _Choice(call, seqs, None, (0, None))
+    # A call whose outputs follow the positions it received is preferred: a wrapper fed the whole rows that returns
+    # the logits of rows[:, :-1] is passed over for the inner call that received that slice. Outputs over other
+    # positions (an encoder-decoder's decoder) come next, then a call that takes some token tensor of the batch.
+    if positional is not None and other_length is not None and other_length.call.depth < positional.call.depth:
+        return positional if positional.columns != (0, None) else other_length
+    return positional or other_length or fallback
+
+
+def _layout(t: Tensor, batch_size: int) -> bool | None:
+    """False when ``t`` is batch-first ``(B, T)``, True when sequence-first ``(T, B)``, None when neither."""
+    if t.ndim != 2:
+        return None
+    if t.shape[0] == batch_size:
+        return False
+    if t.shape[1] == batch_size:
+        return True
+    return None
+
+
+def _is_ids(t: Tensor) -> bool:
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def _ids_match(seqs: list[_Seq], input_ids: Tensor) -> tuple[Path, bool, tuple[int, int | None]] | None:
+    """``(path, seq_first, columns)`` of the call's tensor that is the batch's ids, or a slice of them (see
+    :data:`ROW_SLICES`), preferring the whole ids; None when none is."""
+    for columns in ROW_SLICES:
+        if columns != (0, None) and input_ids.shape[1] < 3:
+            break  # a slice of a row of two tokens says nothing
+        part = input_ids[:, columns[0] : columns[1]]
+        for p, t, sf in seqs:
+            view = t.transpose(0, 1) if sf else t
+            if view.shape == part.shape and bool(torch.equal(view.to(part.device).long(), part.long())):
+                return p, sf, columns
+    return None
+
+
+def _find_mask(call: RecordedCall, call_mask: Tensor | None) -> tuple[Path | None, bool, bool, bool]:
+    """``(path, inverted, seq_first, opaque)`` of the batch's attention mask (cut like the ids) in the call: passed
+    as is or inverted (a padding mask), either layout; ``opaque`` when none is found but an argument is named like a
+    mask (an encoding not read here)."""
+    for p, t in call.leaves():
+        if call_mask is None or t.ndim != 2:
+            continue
+        transposed = t.shape != call_mask.shape
+        view = t.transpose(0, 1) if transposed else t
+        if view.shape != call_mask.shape or (call.keyword(p) or "") in LABELS_KEYS:
+            continue
+        if torch.equal(view.to(call_mask.dtype), call_mask):
+            return p, False, transposed, False
+        if torch.equal(view.bool(), call_mask == 0):
+            return p, True, transposed, False
+    opaque = any((call.keyword(p) or "") in MASK_KEYS or str(p[-1]) in MASK_KEYS for p, _ in call.leaves())
+    return None, False, False, opaque
+
+
+def _reference(input_ids: Tensor, labels: Tensor | None, batch_size: int) -> tuple[Tensor, int]:
+    """``(reference, base)``: the labels as ``(B, T)``, with ``base`` 0; or, without labels, the ids standing for
+    next-token labels (label t is id t+1), with ``base`` 1 added to every offset read against them."""
+    if labels is not None and not labels.is_floating_point() and labels.numel() % batch_size == 0:
+        return labels.reshape(batch_size, -1), 0
+    return input_ids, 1
+
+
+def _slot(call: RecordedCall, seq: _Seq, primary: Path | None, ref: Tensor, base: int, ignore_index: int) -> TokenSlot:
+    path, t, seq_first = seq
+    batch_first = t.transpose(0, 1) if seq_first else t
+    offset = None
+    if batch_first.shape[0] == ref.shape[0]:
+        o = relation_offset(batch_first, ref, ignore_index)
+        offset = None if o is None else o + base
+    name = call.keyword(path) or ""
+    return TokenSlot(
+        path=path,
+        name=call.describe(path),
+        seq_first=seq_first,
+        length=int(batch_first.shape[1]),
+        offset=offset,
+        primary=path == primary,
+        label_like=name in LABELS_KEYS or str(path[-1]) in LABELS_KEYS,
+    )
+
+
+def _names_a_mask(call: RecordedCall) -> bool:
+    try:
+        params = inspect.signature(call.module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in params for name in MASK_KEYS) or any("mask" in name for name in params)
+
+
+# ------------------------------------------------------------------------------------------------------ the kind
+def _config_holder(*modules: nn.Module | None) -> nn.Module | None:
+    """The first module holding a Hugging Face-style config (``.config`` with ``is_encoder_decoder``): one of
+    ``modules``, else a submodule of the last one; None when there is none."""
+    seen = [m for m in modules if m is not None]
+    if seen:
+        seen += list(seen[-1].modules())
+    for module in seen:
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "is_encoder_decoder"):
+            return module
+    return None
+
+
+def model_kind(
+    found: ModelCall | None,
+    calls: Sequence[RecordedCall] = (),
+    model: nn.Module | None = None,
+    input_ids: Tensor | None = None,
+    labels: Tensor | None = None,
+) -> tuple[ModelKind, str]:
+    """``(kind, source)``: what the model is, and where that was read (see :class:`ModelCall`), first match wins:
+
+    1. a Hugging Face config (on the call's module, else in ``model``): ``is_encoder_decoder`` -> encoder-decoder,
+       ``is_decoder`` -> decoder; else the class name (``...ForCausalLM`` / ``...LMHeadModel`` -> decoder,
+       ``...ForMaskedLM`` -> encoder);
+    2. the call passes ``decoder_input_ids`` or returns ``encoder_last_hidden_state`` -> encoder-decoder;
+    3. the call is nested and no outermost call returned logits -> loss-only wrapper;
+    4. a second sequence of the call (not the ids, nor labels passed for the loss: a labels name at offset 0) carries
+       the labels -> encoder-decoder;
+    5. ``labels`` shaped like ``input_ids`` (:class:`Objective`, kept in ``found.objective``; one host sync): a
+       next-token objective -> decoder, else encoder;
+    6. a slice of token rows without labels -> decoder (a next-token loss over the rows);
+    7. unknown.
+
+    ``found`` None (no recorded call) reads the config of ``model`` only.
+    """
+    holder = _config_holder(None if found is None else found.call.module, model)
+    if holder is not None:
+        config = holder.config
+        if getattr(config, "is_encoder_decoder", False):
+            return "encoder-decoder", "config"
+        if getattr(config, "is_decoder", False):
+            return "decoder", "config"
+        name = type(holder).__name__
+        if name.endswith(("ForCausalLM", "LMHeadModel")):
+            return "decoder", "class name"
+        if name.endswith("ForMaskedLM"):
+            return "encoder", "class name"
+    if found is None:
+        return "unknown", ""
+    if _has_decoder_input(found.call):
+        return "encoder-decoder", "decoder_input_ids"
+    if found.call.depth > 0 and not any(
+        read_logits(c.output, found.batch_size) is not None for c in calls if c.depth == 0
+    ):
+        return "loss-only wrapper", "wrapper"
+    if any(s.offset is not None and not s.primary and (not s.label_like or s.offset != 0) for s in found.slots):
+        return "encoder-decoder", "decoder input"  # (labels passed for the loss carry them at offset 0)
+    if found.objective is None and input_ids is not None and labels is not None and labels.shape == input_ids.shape:
+        found.objective = read_objective(input_ids, labels, found.ignore_index)
+    if found.objective is not None:
+        return ("decoder" if found.objective.next_token else "encoder"), "labels"
+    if found.sliced and found.primary is not None:
+        return "decoder", "token rows"
+    return "unknown", ""
+
+
+def _has_decoder_input(call: RecordedCall) -> bool:
+    if any(call.keyword(p) == "decoder_input_ids" for p, _ in call.leaves()):
+        return True
+    output = call.output
+    state = output.get("encoder_last_hidden_state") if isinstance(output, Mapping) else None
+    return isinstance(state if state is not None else getattr(output, "encoder_last_hidden_state", None), Tensor)
+
+
+# ---------------------------------------------------------------------------------------------- sharing on the step
+def share_model_call(trainer: Any, batch: Any, found: ModelCall) -> None:
+    """Make ``found`` the step's model call (:attr:`~lightning_tfdebug.core.step.StepState.model_call`), for
+    ``batch`` at the Trainer's current step. Call :meth:`ModelCall.release` once the recording's tensors are not
+    needed: the reading stays shared, its logits go."""
+    found.key = (getattr(trainer, "global_step", None), batch)
+    step_state(trainer).model_call = found
+
+
+def shared_model_call(trainer: Any, batch: Any) -> ModelCall | None:
+    """The model call shared for ``batch`` (the same object) at the Trainer's current step, or None."""
+    found = step_state(trainer).model_call
+    if not isinstance(found, ModelCall) or found.key is None:
+        return None
+    step, recorded_batch = found.key
+    return found if step == getattr(trainer, "global_step", None) and recorded_batch is batch else None

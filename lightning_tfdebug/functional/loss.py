@@ -11,6 +11,7 @@ Alignment: ``shift_labels=True`` means the logits at position ``t`` are scored a
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -385,3 +386,182 @@ def loss_transform_sums(
         ]
         out[f"tx_beta_{k}"] = torch.stack(parts).sum() if parts else zeros.sum()
     return out
+
+
+# ---------------------------------------------------------------------------------------- one measured step's sums
+OTHER_ALIGNMENT = "other_"
+"""Prefix of the sums taken under the other label alignment (shifted by one position, or not)."""
+INIT_SUMS = (
+    *("ce_sum", "ce_count", "var_sum", "rows", "prob_rows", "logprob_rows", "supervised", "positions", "label_rows"),
+    *("copies", "repeats", "count", "mask_share_top", "mask_share_count"),
+    *(OTHER_ALIGNMENT + key for key in ("ce_sum", "ce_count")),
+)
+"""The sums :func:`step_sums` takes at step 0, in the order they are reduced."""
+_ALIGNED = ("ce_sum", "ce_count", "own_ce_sum", "rolled_ce_sum", "rolled_count", "floor_sum", "range_sum")
+LATE_SUMS = ("late_mask_top", "late_mask_count", "late_supervised", "late_positions")
+"""At the check of a run whose step 0 was not seen (resumed from a checkpoint written without it): what step 0 would
+have read to tell masked-LM labels (:func:`masked_input_sums` and the supervised share)."""
+CHECK_SUMS = (
+    *_ALIGNED,
+    *("copies", "repeats", "count", "own_match", "rolled_match", "match_count", "range_sq_sum", "floor_count"),
+    *(OTHER_ALIGNMENT + key for key in (*_ALIGNED, "range_sq_sum", "floor_count")),
+    *LATE_SUMS,
+)
+"""The sums :func:`step_sums` takes at the check, besides :data:`TRANSFORM_SUMS`."""
+TRANSFORM_SUMS = (
+    *("tx_ce_sum", "tx_ce_sq_sum", "tx_count", "tx_total", "tx_positions", "tx_uniform_sum", "tx_range_sum"),
+    *(f"tx_beta_{k}" for k in range(len(TEMPERATURE_GRID))),
+)
+"""The sums of :func:`loss_transform_sums` reduced on the compared steps (the check's and the two before it)."""
+PHASE_SUMS = {"init": INIT_SUMS, "compare": TRANSFORM_SUMS, "check": (*CHECK_SUMS, *TRANSFORM_SUMS)}
+"""The sums :func:`step_sums` takes in each phase, in the order they are reduced."""
+
+
+def step_sums(
+    phase: str,
+    logits: Tensor,
+    labels: Tensor,
+    inputs: Tensor | None,
+    *,
+    shift_labels: bool,
+    vocab_size: int,
+    masked_lm: bool = False,
+    inputs_are_ids: bool = True,
+    late: bool = False,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    max_rows: int = 2048,
+) -> dict[str, Tensor]:
+    """Every sum LossAtInit reduces on one measured step, on the device (no sync).
+
+    ``phase``: ``"init"`` (step 0: :data:`INIT_SUMS`), ``"compare"`` (a compared step before the check:
+    :data:`TRANSFORM_SUMS`) or ``"check"`` (:data:`CHECK_SUMS` and :data:`TRANSFORM_SUMS`). ``shift_labels``: the
+    alignment the logits are scored under; where the logits have a time dimension and the labels are not
+    ``masked_lm`` labels, either alignment is possible, and the sums that say which one the returned loss follows are
+    taken under the other one too (:data:`OTHER_ALIGNMENT`). ``inputs``: the input token ids for the copy rate and
+    the labels' relation to their inputs (ignored unless shaped like the labels); ``inputs_are_ids``: they are the
+    batch's ids, not the labels standing in for them; ``late``: step 0 was not seen (:data:`LATE_SUMS`).
+    """
+    options: dict[str, Any] = {"ignore_index": ignore_index, "max_rows": max_rows}
+    both = logits.ndim >= 3 and not masked_lm
+    ids = inputs if inputs is not None and tuple(inputs.shape) == tuple(labels.shape) else None
+    out: dict[str, Tensor] = {}
+    if phase == "init":
+        out = init_loss_sums(logits, labels, shift_labels=shift_labels, label_smoothing=label_smoothing, **options)
+        if both:
+            other = init_loss_sums(
+                logits, labels, shift_labels=not shift_labels, label_smoothing=label_smoothing, **options
+            )
+            out.update({OTHER_ALIGNMENT + k: other[k] for k in ("ce_sum", "ce_count")})
+        if ids is not None:  # masked-LM labels: most supervised inputs are one token (the mask)
+            out.update(masked_input_sums(ids, labels, vocab_size, ignore_index))
+    elif phase == "check":
+        out = _check_sums(logits, labels, shift_labels, both, label_smoothing, options)
+        if ids is not None and inputs_are_ids:
+            out.update(_label_relation_sums(ids, labels, vocab_size, ignore_index, masked_lm))
+        if ids is not None and late:
+            out.update(_late_sums(ids, labels, vocab_size, ignore_index))
+    if phase in ("compare", "check"):  # the returned loss against these logits (and transforms of them)
+        out.update(loss_transform_sums(logits, labels, shift_labels=shift_labels, both_alignments=both, **options))
+    # the copy rate at init too: with tied input/output embeddings an untrained model already predicts its current
+    # token, and only a rise from there says the model learned to copy
+    if phase != "compare" and ids is not None and logits.ndim == 3 and tuple(ids.shape) == tuple(logits.shape[:2]):
+        out.update(copy_sums(logits, ids, labels != ignore_index, max_rows=max_rows))
+    return out
+
+
+def _check_sums(
+    logits: Tensor, labels: Tensor, shift: bool, both: bool, label_smoothing: float, options: dict[str, Any]
+) -> dict[str, Tensor]:
+    """The check's sums under each possible alignment: the own labels' and the rolled labels' cross-entropy
+    (:func:`rolled_label_sums`) and the floor of the logits' range (:func:`bounded_floor_sums`)."""
+    ce = init_loss_sums(logits, labels, shift_labels=shift, label_smoothing=label_smoothing, **options)
+    out = {"ce_sum": ce["ce_sum"], "ce_count": ce["ce_count"]}
+    for prefix, shifted in (("", shift), (OTHER_ALIGNMENT, not shift)) if both else (("", shift),):
+        sums = rolled_label_sums(logits, labels, shift_labels=shifted, **options)
+        if prefix:  # the own labels' cross-entropy under this alignment, over the rows `init_loss_sums` takes
+            other = init_loss_sums(logits, labels, shift_labels=shifted, label_smoothing=label_smoothing, **options)
+            sums.update(ce_sum=other["ce_sum"], ce_count=other["ce_count"])
+        sums.update(bounded_floor_sums(logits, labels, shift_labels=shifted, **options))
+        out.update({prefix + k: v for k, v in sums.items()})
+    return out
+
+
+def _label_relation_sums(
+    inputs: Tensor, labels: Tensor, vocab_size: int, ignore_index: int, masked_lm: bool
+) -> dict[str, Tensor]:
+    """Whether the labels belong to their own inputs or a neighbour's (:func:`label_input_match_sums`). Masked-LM
+    labels never repeat their inputs (the input there is the mask): they belong to their own inputs when their
+    supervised positions are where those inputs hold the mask token."""
+    if not masked_lm:
+        return label_input_match_sums(labels, inputs, ignore_index)
+    own = masked_input_sums(inputs, labels, vocab_size, ignore_index)
+    rolled = masked_input_sums(inputs.roll(1, 0), labels, vocab_size, ignore_index)
+    return {
+        "own_match": own["mask_share_top"],
+        "rolled_match": rolled["mask_share_top"],
+        "match_count": own["mask_share_count"],
+    }
+
+
+def _late_sums(inputs: Tensor, labels: Tensor, vocab_size: int, ignore_index: int) -> dict[str, Tensor]:
+    """:data:`LATE_SUMS`: step 0 unseen, its masked-LM reading is taken at the check instead."""
+    late = masked_input_sums(inputs, labels, vocab_size, ignore_index)
+    return {
+        "late_mask_top": late["mask_share_top"],
+        "late_mask_count": late["mask_share_count"],
+        "late_supervised": (labels != ignore_index).sum(dtype=torch.float32),
+        "late_positions": torch.tensor(float(labels.numel()), device=labels.device),
+    }
+
+
+UNIGRAM_BATCHES = 8
+"""The labels' unigram entropy is counted over this many measured batches (every rank's), then kept."""
+
+
+class LabelFrequencies:
+    """The supervised labels' class counts over the first ``batches`` measured batches, kept on the device (a
+    scatter-add per batch: no sync), and their unigram entropy once the counts were reduced over the ranks.
+
+    The counts travel in the step's one reduction (:attr:`payload`); the caller hands the entropy of the reduced
+    counts back (:meth:`receive`), and once every batch was counted only the entropy is kept.
+    """
+
+    def __init__(self, batches: int = UNIGRAM_BATCHES) -> None:
+        self.batches = batches
+        self.restore(None)
+
+    def restore(self, entropy: float | None) -> None:
+        """Start again, or from an entropy measured before (a resumed run: nothing more is counted)."""
+        self.entropy = entropy  # nats, of the labels counted over every rank; None until known
+        self.counts: Tensor | None = None  # this rank's counts so far
+        self.counted = self.batches if entropy is not None else 0
+
+    @property
+    def done(self) -> bool:
+        """The entropy is known and the counts are let go."""
+        return self.entropy is not None and self.counts is None
+
+    @property
+    def payload(self) -> Tensor | None:
+        """The counts to add up over the ranks, or None when nothing is being counted."""
+        return self.counts if self.counted > 0 else None
+
+    def add(self, labels: Tensor | None, vocab_size: int | None, device: torch.device, ignore_index: int) -> None:
+        """Count one measured batch's supervised labels, until ``batches`` were counted (once the vocabulary size is
+        known; a batch without integer labels counts as one with none)."""
+        if vocab_size is None or self.counted >= self.batches or self.done:
+            return
+        self.counted += 1
+        if self.counts is None:
+            self.counts = torch.zeros(vocab_size, device=device)
+        if labels is not None and not labels.is_floating_point():
+            self.counts += label_counts(labels.to(device), vocab_size, ignore_index)
+
+    def receive(self, entropy: float) -> None:
+        """The entropy of the counts reduced so far (NaN: nothing counted yet); the counts go once all are in."""
+        if not math.isfinite(entropy):
+            return
+        self.entropy = entropy
+        if self.counted >= self.batches:
+            self.counts = None

@@ -1,15 +1,14 @@
-"""MaskProbe's probes and decisions, without a Trainer: how to call the model, the inputs each probe builds, and the
-rule that turns each probe's measured numbers into a finding.
+"""MaskProbe's probes, without a Trainer: the inputs each probe builds, and :class:`MaskProbes`, the probes of one
+probing step, each turning calls of the model into readings of :mod:`lightning_tfdebug.functional.mask_checks`
+(device scalars until the probe's one host transfer, :func:`on_host`).
 
-The probe constructions return tensors (no host sync); the ``decide_*`` functions take host floats (after the
-callback's one transfer per probing step) and return a :class:`~lightning_tfdebug.functional.verdicts.Verdict` or
-None. The tensor comparisons themselves (tolerances, largest logit change, alignment losses) are in
-:mod:`lightning_tfdebug.functional.probes`.
+The model is called through :mod:`lightning_tfdebug.functional.call_probes`: the recorded call ``training_step`` makes,
+or the forward by its signature. The tensor comparisons themselves (tolerances, largest logit change, alignment
+losses) are in :mod:`lightning_tfdebug.functional.probes`.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -17,88 +16,54 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.core.batch import MASK_KEYS, is_id_tensor
-from lightning_tfdebug.functional.probes import classify_alignment, padding_side, random_ids_like
+from lightning_tfdebug.core.batch import is_id_tensor, logits_of, loss_of
+from lightning_tfdebug.core.calls import ModelCall, TableReads, read_objective, replace_leaves, tensor_leaves
+from lightning_tfdebug.functional.call_probes import (
+    CallError,
+    ModelCaller,
+    call_logits,
+    call_vocab,
+    caller_logits,
+    measure_leaks,
+    measure_tables,
+    watched_tables,
+)
+from lightning_tfdebug.functional.mask_checks import (
+    CONTEXT_LIMIT,
+    ORDER_STEPS,
+    AlignmentReading,
+    CausalReading,
+    KvCacheReading,
+    OrderReading,
+    PaddingReading,
+    PadSideReading,
+    Reading,
+    RepeatReading,
+    alignment_not_checked,
+    context_failure,
+    context_limit_runs,
+    decide_objective,
+    kv_cache_unusable,
+    unpadded_mask,
+)
+from lightning_tfdebug.functional.probes import (
+    alignment_losses,
+    causal_valid_positions,
+    labels_relation,
+    logit_tolerance,
+    max_change,
+    padding_side,
+    random_ids_like,
+    replace_after,
+)
 from lightning_tfdebug.functional.verdicts import Verdict
-
-ALIGNMENT_RETRY_STEPS = (1, 5, 20, 50, 100, 200, 500)
-ORDER_STEPS = (100, 200, 500)
-"""Steps at which the token-order check runs until it decides. Not before step 100: attention of a freshly initialised
-model is nearly uniform, so its outputs hardly depend on token order even when positions reach it."""
-"""Steps at which a target-alignment check that could not decide yet (losses of the two alignments too close on a
-freshly initialised model) is tried again. Fixed, so every rank tries at the same steps."""
 
 # Relative tolerance of "the loss training_step returned equals the loss recomputed from the same logits".
 _ALIGN_RTOL = {torch.float64: 1e-9, torch.float32: 2e-5}
 _ALIGN_RTOL_HALF = 1e-3
 
 
-# ------------------------------------------------------------------------------------------------- calling the model
-@dataclass(frozen=True)
-class ModelCaller:
-    """How to call the model with ``(input_ids, attention_mask)``: ``call`` does it; ``takes_mask`` says whether
-    the mask reaches the model; ``mask_named`` whether the forward names a mask argument (not only ``**kwargs``)."""
-
-    call: Callable[[Tensor, Tensor | None], Any]
-    takes_mask: bool
-    mask_named: bool
-
-
-def build_caller(
-    module: nn.Module,
-    forward_fn: Callable[..., Any] | None = None,
-    input_key: str | None = None,
-    mask_key: str | None = None,
-) -> ModelCaller | str:
-    """A :class:`ModelCaller` for ``module``, or a sentence saying why it cannot be called.
-
-    With ``forward_fn``, ``forward_fn(module, input_ids, attention_mask)``. Otherwise from ``module.forward``'s
-    signature: the ids by keyword (``input_key`` when the forward names it, else ``input_ids``; any name under
-    ``**kwargs``), else as the first positional argument; the mask by the first of ``mask_key`` and the usual mask
-    names (:data:`~lightning_tfdebug.core.batch.MASK_KEYS`) that the forward names, or as ``mask_key`` (default
-    ``attention_mask``) under ``**kwargs``.
-    """
-    if forward_fn is not None:
-        fn = forward_fn
-        return ModelCaller(lambda ids, mask: fn(module, ids, mask), takes_mask=True, mask_named=True)
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return "the signature of `forward` cannot be read; set `forward_fn`."
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    names = (mask_key, *MASK_KEYS) if mask_key is not None else MASK_KEYS
-    mask_name = next((n for n in names if n in params), None)
-    mask_named = mask_name is not None
-    if mask_name is None and var_kw:
-        mask_name = mask_key or "attention_mask"
-    takes_mask = mask_name is not None
-    if (input_key is not None and input_key in params) or "input_ids" in params or var_kw:
-        id_name = input_key if input_key is not None and (input_key in params or var_kw) else "input_ids"
-
-        def call_kw(ids: Tensor, mask: Tensor | None) -> Any:
-            kwargs: dict[str, Any] = {id_name: ids}
-            if mask_name is not None and mask is not None:
-                kwargs[mask_name] = mask
-            return module(**kwargs)
-
-        return ModelCaller(call_kw, takes_mask, mask_named)
-    positional = [
-        p
-        for p in params.values()
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    if positional:
-
-        def call_pos(ids: Tensor, mask: Tensor | None) -> Any:
-            if mask_name is not None and mask is not None:
-                return module(ids, **{mask_name: mask})
-            return module(ids)
-
-        return ModelCaller(call_pos, takes_mask, mask_named)
-    return "`forward` takes neither `input_ids` by keyword nor the ids positionally; set `forward_fn`."
-
-
-# ----------------------------------------------------------------------------------------------------- the objective
+# -------------------------------------------------------------------------------------------------- reading the batch
 def no_token_ids_reason(leaves: dict[str, Any], input_key: str | int | None) -> str:
     """Why the batch gives the token probes no ids, in the words of what it holds (``leaves``: the batch's leaves by
     path, from :func:`~lightning_tfdebug.core.batch.flatten_batch`)."""
@@ -123,35 +88,6 @@ def no_token_ids_reason(leaves: dict[str, Any], input_key: str | int | None) -> 
     return (
         f"the batch holds no 2-D integer token ids by name or position (it holds {described or 'no tensor'}); "
         "the token probes need them."
-    )
-
-
-def objective_counts(input_ids: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
-    """``(4,)`` device tensor: supervised labels, labels equal to their input, labels equal to the next input, and
-    supervised labels that have a next input. Read by :func:`decide_objective` after one host transfer."""
-    supervised = labels != ignore_index
-    same = ((labels == input_ids) & supervised).sum()
-    following = ((labels[:, :-1] == input_ids[:, 1:]) & supervised[:, :-1]).sum()
-    return torch.stack([supervised.sum(), same, following, supervised[:, :-1].sum()])
-
-
-def decide_objective(
-    supervised: float, same: float, following: float, supervised_next: float, label_positions: int
-) -> Verdict | None:
-    """Decoder (None) or encoder (``TFD212``), from what the labels ask the model to predict (:func:`objective_counts`).
-
-    Labels equal to the inputs (shifted inside the model) or to the next inputs (shifted in the data) at half or
-    more of the supervised positions are a next-token objective; anything else is masked-LM or denoising.
-    """
-    if supervised == 0 or same >= 0.5 * supervised or following >= 0.5 * max(supervised_next, 1.0):
-        return None
-    same_frac, next_frac = same / supervised, following / max(supervised_next, 1.0)
-    return Verdict(
-        "TFD212",
-        f"Treated as an encoder: at the supervised positions the labels equal the inputs {same_frac:.0%} of the "
-        f"time and the next inputs {next_frac:.0%} (a next-token objective has one of them near 100%), so the "
-        "objective is masked-LM or denoising. Causality and target alignment are not checked.",
-        {"same_frac": same_frac, "next_frac": next_frac, "supervised_frac": supervised / max(label_positions, 1)},
     )
 
 
@@ -217,105 +153,6 @@ def long_row(row: Tensor, length: int) -> Tensor:
     return row.repeat(1, -(-length // row.shape[1]))
 
 
-# ------------------------------------------------------------------------------------------------------- decisions
-def _beyond(change: float, tolerance: float) -> bool:
-    return not change <= tolerance  # also NaN
-
-
-def decide_repeat(change: float, row: int, position: int, tolerance: float) -> Verdict | None:
-    """``TFD213`` when two eval-mode forwards of the same tokens differ beyond the tolerance."""
-    if not _beyond(change, tolerance):
-        return None
-    return Verdict(
-        "TFD213",
-        f"The model is not a function of its input in eval mode: the same tokens twice gave logits that differ by "
-        f"{change:.3g} at position {position} (row {row}; tolerance {tolerance:.2g}). The other MaskProbe checks are "
-        "skipped: they would measure this noise.",
-        {"max_change": change, "position": position, "row": row, "tolerance": tolerance},
-    )
-
-
-def decide_causal(change: float, row: int, position: int, cut: int, length: int, tolerance: float) -> Verdict | None:
-    """``TFD201`` when replacing the tokens after ``cut`` moved a logit at or before it beyond the tolerance."""
-    if not _beyond(change, tolerance):
-        return None
-    return Verdict(
-        "TFD201",
-        f"Future tokens change past logits: replacing the tokens after position {cut} of a {length}-token sequence "
-        f"changed the logits at position {position} (row {row}) by {change:.3g} (tolerance {tolerance:.2g}).",
-        {"max_change": change, "position": position, "cut": cut, "tolerance": tolerance},
-    )
-
-
-def decide_padding(change: float, position: int, masked: int, tolerance: float) -> Verdict | None:
-    """``TFD202`` when changing the ids under the mask moved a real token's logits beyond the tolerance."""
-    if not _beyond(change, tolerance):
-        return None
-    return Verdict(
-        "TFD202",
-        f"Tokens under the attention mask change real tokens' logits: changing the ids at the {masked} masked "
-        f"positions moved the logits at position {position} by {change:.3g} (tolerance {tolerance:.2g}).",
-        {"max_change": change, "position": position, "tolerance": tolerance},
-    )
-
-
-def decide_pad_side(change: float, position: int, side: str, extra: int, tolerance: float) -> Verdict | None:
-    """``TFD203`` when adding ``extra`` padding positions on ``side`` moved a real token's logits."""
-    if not _beyond(change, tolerance):
-        return None
-    return Verdict(
-        "TFD203",
-        f"Logits of real tokens depend on the amount of padding: adding {extra} padding tokens on the {side} moved "
-        f"the logits at real position {position} by {change:.3g} (tolerance {tolerance:.2g}).",
-        {"max_change": change, "side": side, "extra": extra, "tolerance": tolerance},
-    )
-
-
-def decide_kv_cache(change: float, first_position: int, tolerance: float) -> Verdict | None:
-    """``TFD209`` when incremental decoding's logits differ from the full forward's beyond the tolerance."""
-    if not _beyond(change, tolerance):
-        return None
-    return Verdict(
-        "TFD209",
-        f"Incremental decoding disagrees with the full forward: logits differ by up to {change:.3g}, first at position "
-        f"{first_position} (tolerance {tolerance:.2g}).",
-        {"max_change": change, "first_position": first_position},
-    )
-
-
-def unpadded_mask_verdict(mask_key: str | None) -> Verdict:
-    """``TFD204``: the batch pads but the model is called without a mask."""
-    return Verdict(
-        "TFD204",
-        "The batch is padded (its attention mask has zeros) but the model is called without a mask, so attention "
-        "cannot ignore the padding.",
-        {"mask_key": mask_key},
-    )
-
-
-def context_failure_verdict(limit: int, error: BaseException) -> Verdict:
-    """``TFD207``: the model fails on a sequence of its own context limit."""
-    return Verdict(
-        "TFD207",
-        f"The model fails on a sequence of {limit} tokens, its context limit: {type(error).__name__}: {error}",
-        {"context_limit": limit},
-    )
-
-
-def context_limit_verdict(limit: int, source: str = "") -> Verdict:
-    """``TFD208`` (info): the context limit, where it was read, and that a sequence of that length runs.
-
-    Nothing longer is ever sent to the model: past its limit a model fails natively (an inductor kernel aborts the
-    process, CUDA raises a device-side assert), which no handler can catch."""
-    where = f" (read from {source})" if source else ""
-    return Verdict(
-        "TFD208",
-        f"Context limit: {limit} tokens{where}; a sequence of {limit} tokens runs. Longer batches must be cut or "
-        "chunked before the forward.",
-        {"context_limit": limit, "source": source},
-    )
-
-
 def alignment_rtol(logits_dtype: torch.dtype, loss_dtype: torch.dtype | None = None) -> float:
     """Relative tolerance of "the returned loss equals the loss recomputed from the same logits". A loss computed in
     bf16/fp16 carries a few units of that dtype's rounding."""
@@ -323,70 +160,6 @@ def alignment_rtol(logits_dtype: torch.dtype, loss_dtype: torch.dtype | None = N
     if loss_dtype is not None and loss_dtype.is_floating_point:
         rtol = max(rtol, 4 * torch.finfo(loss_dtype).eps)
     return rtol
-
-
-def decide_alignment(
-    returned: float,
-    shifted: float,
-    unshifted: float,
-    shifted2: float,
-    relation: str,
-    rtol: float,
-    last_try: bool,
-) -> tuple[bool, Verdict | None]:
-    """``(decided, verdict)`` of the target-alignment check from the losses of
-    :func:`~lightning_tfdebug.functional.probes.alignment_losses`.
-
-    ``TFD205``: the loss scores position t against token t (the model learns to copy). ``TFD206``: against token t+2
-    (labels shifted twice). ``TFD210`` (info): the alignments differ but the loss matches none (label smoothing,
-    auxiliary terms), or ``last_try`` came without a decision. ``decided`` is False while the losses are too close to
-    tell the alignments apart (try again later).
-    """
-    alignment, matched = classify_alignment(returned, shifted, unshifted, relation, rtol, shifted2)
-    evidence = {
-        "loss_returned": returned,
-        "loss_shifted": shifted,
-        "loss_unshifted": unshifted,
-        "loss_shifted2": shifted2,
-        "labels_relation": relation,
-    }
-    if alignment == "current":
-        return True, Verdict(
-            "TFD205",
-            f"Labels are not shifted: the loss training_step returned ({returned:.6g}) is the loss of position t "
-            f"against token t ({unshifted:.6g}), not against token t+1 ({shifted:.6g}). A causal model trained this "
-            "way learns to copy its input.",
-            evidence,
-        )
-    if alignment == "next_next":
-        where = (
-            "the data already holds next-token labels and the loss shifts them again"
-            if relation == "preshifted"
-            else "the batch's labels equal its inputs and training_step shifts them twice (by hand, then again inside "
-            "the model or the loss)"
-        )
-        two_ahead, one_ahead = (shifted, unshifted) if relation == "preshifted" else (shifted2, shifted)
-        return True, Verdict(
-            "TFD206",
-            f"Labels are shifted twice: {where}, so position t is trained on token t+2 (returned {returned:.6g}, two "
-            f"tokens ahead {two_ahead:.6g}, next token {one_ahead:.6g}).",
-            evidence,
-        )
-    if alignment == "next" or matched is not None:  # correct, or labels unrelated to inputs (seq2seq)
-        return True, None
-    if abs(shifted - unshifted) > 4 * rtol * max(1.0, abs(returned)) or last_try:
-        # the alignments differ but the loss matches neither (label smoothing, auxiliary terms, dropout)
-        return True, Verdict(
-            "TFD210",
-            f"Target alignment undetermined: the loss training_step returned ({returned:.6g}) matches neither the "
-            f"shifted ({shifted:.6g}) nor the unshifted ({unshifted:.6g}) cross-entropy of the logits.",
-            evidence,
-            hint=(
-                "Expected with label smoothing, auxiliary losses or a loss over other outputs; otherwise check "
-                "`labels_key` and `ignore_index`."
-            ),
-        )
-    return False, None
 
 
 # --------------------------------------------------------------------------------------------------------- token order
@@ -411,28 +184,332 @@ def reorder_prefix(input_ids: Tensor, position: int) -> Tensor:
     return out
 
 
-def decide_order(
-    order_change: float, content_change: float, position: int, tolerance: float, step: int, last_try: bool
-) -> tuple[bool, Verdict | None]:
-    """``(decided, verdict)`` of the token-order check: ``TFD215`` when reversing the tokens before ``position`` left
-    its output unchanged while replacing them moved it by far more than the tolerance: the model reads which tokens
-    came before, not where. Decided without a finding as soon as order clearly matters."""
-    if order_change > 10 * tolerance:
-        return True, None
-    if step < ORDER_STEPS[0] or not content_change > 100 * tolerance:
-        return last_try, None
-    if order_change > tolerance:
-        return last_try, None
-    return True, Verdict(
-        "TFD215",
-        f"The model ignores token order: reversing the {position} tokens before position {position} left its output "
-        f"unchanged (largest change {order_change:.3g}, tolerance {tolerance:.2g}) while replacing them moved it by "
-        f"{content_change:.3g}. No position information reaches the attention.",
-        {
-            "order_change": order_change,
-            "content_change": content_change,
-            "position": position,
-            "tolerance": tolerance,
-            "step": step,
-        },
-    )
+def on_host(readings: list[Reading], to_host: Callable[[dict[str, Tensor]], dict[str, float]]) -> list[Reading]:
+    """``readings`` with every device scalar replaced by its host value, moved by ``to_host`` in one transfer (the
+    probe's one host sync)."""
+    leaves = tensor_leaves(list(readings))
+    host = to_host({str(i): t for i, (_, t) in enumerate(leaves)})
+    return replace_leaves(list(readings), {path: host[str(i)] for i, (path, _) in enumerate(leaves)})
+
+
+# ------------------------------------------------------------------------------------------------ one probing step
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What the probes take of MaskProbe's arguments: the rows and the longest sequence they use, whether the padding
+    probes run and on which side they pad, and the label value that is not supervised."""
+
+    probe_rows: int = 2
+    probe_length: int = 64
+    check_padding: bool = True
+    padding_side: Literal["auto", "right", "left"] = "auto"
+    ignore_index: int = -100
+
+
+class MaskProbes:
+    """The probes of one probing step, through one way of calling the model: the recorded call (a
+    :class:`~lightning_tfdebug.core.calls.ModelCall`) or the forward by signature (a
+    :class:`~lightning_tfdebug.functional.call_probes.ModelCaller`).
+
+    Each probe appends its readings to :attr:`readings` (device scalars until the caller's one host transfer), the
+    host numbers it logs to :attr:`logged`, and the verdicts of facts read on the host while probing (a padded batch
+    the model is called without a mask, the context limit) to :attr:`verdicts`, in the order they were read.
+    :attr:`settled` names the pending checks (``"alignment"``, ``"order"``) found unable to run on this model. Run
+    under ``no_grad`` with the model in eval mode; every tensor a probe feeds the model holds only ids of the batch.
+
+    Args:
+        model: the recorded call or the caller.
+        input_ids: the batch's token ids (a recorded call's replacements are drawn from them and its own tokens).
+        generator: the random source of every replacement (seeded per step, so every rank draws the same).
+        settings: the probe rows and length, the padding probes, the ignored label value.
+        mask_key: where the batch holds its mask (evidence of ``TFD204``).
+        causal: the model is a decoder (the causality probe runs); see :meth:`decide_causal`.
+    """
+
+    def __init__(
+        self,
+        model: ModelCall | ModelCaller,
+        input_ids: Tensor,
+        generator: torch.Generator,
+        settings: ProbeSettings,
+        mask_key: str | None = None,
+        causal: bool = True,
+    ) -> None:
+        self.found = model if isinstance(model, ModelCall) else None
+        self.caller = model if isinstance(model, ModelCaller) else None
+        self.vocab = None if self.found is None else call_vocab(self.found, input_ids)
+        self.generator, self.causal, self.mask_key = generator, causal, mask_key
+        self.probe_rows, self.probe_length = settings.probe_rows, settings.probe_length
+        self.check_padding, self.padding_side = settings.check_padding, settings.padding_side
+        self.ignore_index = settings.ignore_index
+        self.readings: list[Reading] = []
+        self.verdicts: list[Verdict] = []
+        self.logged: dict[str, float] = {}
+        self.settled: set[str] = set()
+
+    # ------------------------------------------------------------------ access
+    def logits(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """The model's logits ``(B, T, V)`` on ``input_ids``: the probes' logits function."""
+        if self.found is not None:
+            assert self.vocab is not None
+            return call_logits(self.found, self.vocab, input_ids, attention_mask, self.generator)
+        assert self.caller is not None
+        return caller_logits(self.caller, input_ids, attention_mask)
+
+    def rows(self, t: Tensor | None) -> Tensor | None:
+        """The probe rows of ``t``: its first ``probe_rows`` rows, cut to ``probe_length`` unless other tensors of
+        the recorded call have the sequence's length."""
+        if t is None:
+            return None
+        if self.found is not None and not self.found.time_cut_safe:
+            return t[: self.probe_rows]  # other tensors of the call have the sequence's length: keep it whole
+        return t[: self.probe_rows, : self.probe_length]
+
+    def columns(self, t: Tensor | None) -> Tensor | None:
+        """``t`` (shaped like the batch's ids) cut to the columns the recorded call received (token rows sliced in
+        the step or the model, ``rows[:, :-1]``): the tokens the probes perturb."""
+        return self.found.columns(t) if self.found is not None and self.found.sliced else t
+
+    @property
+    def resizable(self) -> bool:
+        """Whether the probes may change the ids' length: the call takes the ids (or their slice) and no other
+        sequence of their length (a decoder input), so a longer row says something certain about the model."""
+        return self.found is None or (self.found.primary is not None and not self.found.companions())
+
+    def decide_causal(self, input_ids: Tensor, labels: Tensor | None) -> tuple[bool, bool]:
+        """``(decoder, alignment applies)``, read from what the labels ask the model to predict (``TFD212`` into
+        :attr:`verdicts` for an encoder); sets :attr:`causal`."""
+        found = self.found
+        if found is not None and found.related():
+            # some argument of the model call carries the labels: there are tokens the model must not see. The
+            # target-alignment check applies when the token ids themselves carry them (a decoder-only model).
+            self.causal = True
+            return True, found.primary is not None and found.primary.offset is not None
+        if labels is None:
+            self.causal = True  # no token labels to read the objective from: decoders are the common case
+            return True, True
+        objective = found.objective if found is not None else None
+        if objective is None:
+            objective = read_objective(input_ids, labels, self.ignore_index)  # host sync: once per fit
+        verdict = decide_objective(objective)
+        self.verdicts += [verdict] if verdict is not None else []
+        self.causal = verdict is None
+        return self.causal, self.causal
+
+    # ------------------------------------------------------------------ probes
+    def masks(self, input_ids: Tensor, attention_mask: Tensor | None, context_limit: int | None) -> None:
+        """Determinism, causality (or the target leaks of a recorded call whose arguments carry the labels) and the
+        padding probes, on the call's tokens (:meth:`columns`)."""
+        found = self.found
+        leaks = found is not None and (found.primary is None or bool(self.causal and found.related()))
+        if leaks:
+            assert found is not None and self.vocab is not None
+            rows = min(self.probe_rows, found.batch_size)
+            self.readings += measure_leaks(found, self.vocab, rows, self.generator)
+            if found.primary is None:
+                return  # the call takes tensors derived from the ids, neither the ids nor a slice: only the leaks
+        ids, mask = self.rows(input_ids), self.rows(attention_mask)
+        assert ids is not None
+        ones = torch.ones_like(ids)
+        base = self.logits(ids, ones)
+        tolerance = logit_tolerance(base)
+        if not leaks:  # the same tokens again: every comparison below assumes an eval forward is a function of them
+            change, where = max_change(base, self.logits(ids, ones))
+            self.readings.append(RepeatReading(change, where[0], where[1], tolerance))
+        b, t = ids.shape
+        if self.causal and t >= 2 and not leaks:  # the tokens after the middle replaced: the outputs up to it hold
+            cut = causal_cut(t)
+            changed = self.logits(replace_after(ids, cut, self.generator), ones)
+            change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))
+            self.readings.append(CausalReading(change, where[0], where[1], cut, t, tolerance))
+        if self.check_padding:
+            self._padding(ids, mask, attention_mask, int(input_ids.shape[1]), tolerance, context_limit)
+
+    def _padding(
+        self,
+        ids: Tensor,
+        mask: Tensor | None,
+        mask_full: Tensor | None,
+        full_length: int,
+        tolerance: Tensor,
+        context_limit: int | None,
+    ) -> None:
+        target = self.found if self.found is not None else self.caller
+        assert target is not None
+        if self.found is not None and self.found.mask_opaque:
+            return  # a mask reaches the model in an encoding of its own (additive, other shape): not probed
+        if not target.takes_mask:
+            if mask_full is not None and bool((mask_full == 0).any()):  # host sync: probe step only
+                self.verdicts.append(unpadded_mask(self.mask_key))
+            return
+        if mask_full is None and not target.mask_named:
+            return  # only `**kwargs` could take a mask, and the batch has none: nothing claims mask support
+        block = masked_block(ids, self.generator)  # positions after the first marked as padding, their ids changed
+        if block is not None:
+            masked, other, k = block
+            first, second = self.logits(ids, masked), self.logits(other, masked)
+            change, where = max_change(first, second, masked.bool() if first.shape[:2] == masked.shape else None)
+            every, where_every = max_change(first, second) if first.shape == second.shape else (change, where)
+            self.readings.append(PaddingReading(change, where[1], every, where_every[1], k, tolerance))
+        if self.found is not None and self.found.companions():
+            return  # another sequence of the call has the ids' length (a decoder input): padding the ids says nothing
+        side = probe_padding_side(self.padding_side, mask_full)  # host sync on "auto": probe step only
+        real = mask if mask is not None else torch.ones_like(ids)
+        # Learned from configuration, else from the batch: a padded probe never exceeds the configured context limit,
+        # nor, when none is known, the batch's own length (what the training step feeds the model anyway).
+        t, extra = padding_extra(int(ids.shape[1]), context_limit or full_length)
+        if t < 2:
+            return
+        ids, real = ids[:, :t], real[:, :t]
+        plain = self.logits(ids, real)
+        longer_ids, longer_mask, keep = add_padding(ids, real, side, extra, self.generator)
+        try:
+            longer = self.logits(longer_ids, longer_mask)[:, keep]
+        except CallError:
+            raise
+        except Exception:  # the longer sequence is past the model's real limit: the position checks report that
+            return
+        if longer.shape == plain.shape:  # (else the outputs do not follow the ids' positions)
+            change, where = max_change(plain, longer, real.bool())
+            self.readings.append(PadSideReading(change, where[1], side, extra, logit_tolerance(plain)))
+
+    def positions(
+        self,
+        input_ids: Tensor,
+        context_limit: int | None,
+        source: str,
+        incremental: Callable[[Tensor], Any] | None = None,
+    ) -> None:
+        """Incremental decoding (``incremental(ids)``: the logits decoded with the model's cache) and the context
+        limit (read from ``source``): a sequence exactly at it must run; nothing longer is ever sent.
+
+        Raises:
+            CallError: when the model cannot be called the way the probes call it.
+        """
+        if not self.resizable:
+            return  # the call takes other sequences shaped like the ids: a longer row says nothing certain about them
+        if incremental is not None:
+            ids = self.rows(input_ids)
+            assert ids is not None
+            self._kv_cache(ids, incremental)
+        if context_limit is None:
+            return
+        self.logged[CONTEXT_LIMIT.name] = float(context_limit)
+        row = long_row(input_ids[:1], context_limit + 1)[:, :context_limit]
+        try:
+            self.logits(row, torch.ones_like(row))
+        except CallError:
+            raise
+        except Exception as err:  # the model fails within its own limit: that is the finding
+            self.verdicts.append(context_failure(context_limit, err))
+            return
+        # Never past the limit: a sequence the model cannot take fails natively in compiled code (an inductor kernel
+        # aborts the process) and as a device-side assert on CUDA, neither of which any handler can catch.
+        self.verdicts.append(context_limit_runs(context_limit, source=source))
+
+    def _kv_cache(self, ids: Tensor, incremental: Callable[[Tensor], Any]) -> None:
+        full = self.logits(ids, torch.ones_like(ids))
+        decoded = logits_of(incremental(ids))
+        if decoded is None or decoded.shape != full.shape:
+            shape = None if decoded is None else tuple(decoded.shape)
+            self.verdicts.append(kv_cache_unusable(shape=shape, expected=tuple(full.shape)))
+            return
+        diff = (decoded.float() - full.float()).abs().amax(dim=-1).amax(dim=0)  # (T,)
+        tolerance = logit_tolerance(full)
+        self.readings.append(KvCacheReading(diff.max(), (diff > tolerance).float().argmax(), tolerance))
+
+    def tables(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> None:
+        """Position tables: one forward pass of the probe rows watching every embedding weight and hand-held table
+        parameter of ``model`` (``TFD216``)."""
+        ids, mask = self.rows(input_ids), self.rows(attention_mask)
+        assert ids is not None
+        named = watched_tables(model)
+        if ids.shape[1] < 2 or not named:
+            return
+        watcher = TableReads(list(named.values()))
+        try:
+            with watcher:
+                self.logits(ids, torch.ones_like(ids) if mask is None else mask)
+        except Exception:  # the other probes ran on this call: a failure here only means this check cannot run
+            return
+        reading = measure_tables(named, watcher.use, ids)  # host sync (probe step, once per fit)
+        self.readings += [reading] if reading is not None else []
+
+    def alignment(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        labels: Tensor | None,
+        step_output: Callable[[], Any] | None,
+        automatic: bool,
+        last_try: bool,
+    ) -> None:
+        """The target alignment: the loss ``training_step`` returned on the whole rows (``step_output()``: what it
+        returned, the recording replay's or a replay of its own) against the logits of the recorded call it came
+        from, or of the forward by signature. Settled without a reading when there is no scalar loss to compare
+        (``TFD210`` unless a manual-optimization step returned none), or when the step cannot be called
+        (``step_output`` None: a manual-optimization step steps its optimizers)."""
+        if step_output is None:
+            self.settled.add("alignment")
+            return
+        try:
+            returned = loss_of(step_output())
+        except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
+            self.settled.add("alignment")
+            self.verdicts.append(
+                alignment_not_checked(f"calling `training_step` on the batch failed ({type(err).__name__})")
+            )
+            return
+        if returned is None or returned.numel() != 1:
+            self.settled.add("alignment")
+            if returned is not None or automatic:  # a manual training_step need not return its loss
+                self.verdicts.append(alignment_not_checked("`training_step` did not return a scalar loss"))
+            return
+        if labels is None:  # no labels: the ids stand for them (padding not supervised)
+            labels = (
+                input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, self.ignore_index)
+            )
+        offset = 0
+        if self.found is None:
+            logits = self.logits(input_ids, attention_mask)
+        else:  # the logits of the very call whose loss training_step returned; output p stands at row p + ids_start
+            logits, offset = self.found.logits(), self.found.ids_start
+            expected = len(range(labels.shape[1])[self.found.ids_start : self.found.ids_stop])
+            if logits is None or tuple(logits.shape[:2]) != (labels.shape[0], expected):
+                self.settled.add("alignment")  # outputs not position-aligned with the labels: nothing to compare
+                return
+        losses = alignment_losses(logits, labels, self.ignore_index, offset=offset)
+        relation = labels_relation(input_ids, labels, self.ignore_index)  # host syncs: probe step only
+        rtol = alignment_rtol(logits.dtype, returned.dtype)
+        shifted, unshifted, shifted2 = losses["shifted"], losses["unshifted"], losses["shifted2"]
+        reading = AlignmentReading(returned.detach().float(), shifted, unshifted, shifted2, relation, rtol, last_try)
+        self.readings.append(reading)
+
+    def order(self, input_ids: Tensor, attention_mask: Tensor | None, step: int) -> None:
+        """Token order: reverse the tokens before a position, and separately replace them; a model that positions
+        reach must move that position's output under the first, not only under the second."""
+        if self.found is not None and self.found.primary is None:
+            self.settled.add("order")  # the call takes tensors derived from the ids: no position of them to hold
+            return
+        ids, mask = self.rows(input_ids), self.rows(attention_mask)
+        assert ids is not None
+        position = order_probe_position(mask, ids.shape[1])  # host sync: probe step only
+        if position is None:
+            return
+        real = torch.ones_like(ids) if mask is None else mask  # only the tokens before `position` change
+        try:
+            base = self.logits(ids, real)
+            reordered = self.logits(reorder_prefix(ids, position), real)
+            replaced = ids.clone()
+            replaced[:, :position] = replace_after(ids[:, :position], -1, self.generator)
+            content = self.logits(replaced, real)
+        except Exception:  # the other probes ran on this call: a failure here only means this check cannot run
+            self.settled.add("order")
+            return
+        if reordered.shape != base.shape or content.shape != base.shape:
+            self.settled.add("order")
+            return
+        at = min(position, base.shape[1] - 1)  # an encoder-decoder's outputs follow its decoder
+        order = (reordered[:, at] - base[:, at]).float().abs().max()
+        content_change = (content[:, at] - base[:, at]).float().abs().max()
+        last_try = step >= ORDER_STEPS[-1]
+        self.readings.append(OrderReading(order, content_change, position, logit_tolerance(base), step, last_try))

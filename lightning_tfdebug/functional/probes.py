@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from lightning_tfdebug.core.batch import IGNORE_INDEX
 
 Alignment = Literal["next", "current", "next_next", "unknown"]
 

@@ -412,7 +412,7 @@ def test_hooks_and_captured_logits_are_gone_before_backward(tmp_path):
     class Probe(pl.Callback):  # runs after LossAtInit in the same hook
         def on_before_backward(self, trainer, pl_module, loss):
             hooks = sum(len(m._forward_hooks) for m in pl_module.modules())
-            seen.append((trainer.global_step, hooks, len(monitor._captured) + len(monitor._raw)))
+            seen.append((trainer.global_step, hooks, monitor._capture.held))
 
     trainer = fit(tmp_path, [monitor, Probe()], model=WrapperModule(**SMALL), max_steps=3)
     assert seen == [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
@@ -438,7 +438,7 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert resumed._init_done and resumed._check_done
+    assert resumed._run.init_done and resumed._run.check_done
     assert "loss_at_init/observed" not in trainer.callback_metrics  # step 0 is not measured again
     assert "loss_at_init/check_loss" in trainer.callback_metrics
 
@@ -594,3 +594,32 @@ def test_steps_that_do_not_measure_cost_nothing(tmp_path):
     fit(tmp_path, [*calls.around(LossAtInit(check_step=3, every_n_steps=5)), spy], max_steps=7)
     assert set(calls.counts) == {0, 3, 5}
     assert spy.hooked == [True, False, False, True, False, False, False]
+
+
+class RowFeatures(pl.LightningModule):
+    """Token rows without labels fed to a network whose outputs are features narrower than the token ids, not logits
+    (a regression on embeddings): no call returns logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Embedding(259, 16), torch.nn.Linear(16, 16))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[:, :-1]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_token_rows_whose_calls_return_no_logits_are_explained_by_the_shared_call_finder(tmp_path):
+    from tests.wild_models import token_rows
+
+    monitor = LossAtInit(check_step=None)
+    fit(tmp_path, [monitor], model=RowFeatures(), data=token_rows(), max_steps=2)
+    [finding] = monitor.findings
+    assert finding.code == "TFD228" and not monitor.active
+    assert (
+        "no call made in `training_step` takes the batch's token ids and returns logits (modules called: Sequential); "
+        "set `logits_module`" in finding.message
+    )
+    assert monitor._aside_setting == "`logits_module`"

@@ -167,13 +167,14 @@ def test_masked_lm_labels_are_recognised_and_checked_later(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(build("bert_mlm"), data("bert_mlm"))
-    assert monitor._masked_lm and monitor._check_at == 20 and monitor._check_done
+    assert monitor._run.masked_lm and monitor._run.check_at == 20 and monitor._run.check_done
     assert codes(monitor) == []
     assert "loss_at_init/check_loss" in trainer.callback_metrics
     state = monitor.state_dict()
     restored = LossAtInit(check_step=4)
     restored.load_state_dict(state)
-    assert restored._check_at == 20 and restored._masked_lm and restored._unigram == pytest.approx(monitor._unigram)
+    assert restored._run.check_at == 20 and restored._run.masked_lm
+    assert restored._frequencies.entropy == pytest.approx(monitor._frequencies.entropy)
 
 
 def _progressions(rows: int = 512, length: int = 32, vocab: int = 64) -> torch.Tensor:
@@ -215,10 +216,10 @@ def test_the_masked_lm_plateau_at_a_near_uniform_unigram_entropy_is_no_stall(tmp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(NearUniformMLM(), loader)
-    ln_v, history = math.log(65), dict(monitor._history)
-    assert monitor._unigram > 0.99 * ln_v  # the data's own floor for a model that ignores context
+    ln_v, history = math.log(65), dict(monitor._run.history)
+    assert monitor._frequencies.entropy > 0.99 * ln_v  # the data's own floor for a model that ignores context
     assert abs(history[20] - ln_v) < 0.05 * ln_v  # on the plateau at check_step: a one-point check would fire
-    assert monitor._masked_lm and monitor._check_at == 100 and codes(monitor) == []
+    assert monitor._run.masked_lm and monitor._run.check_at == 100 and codes(monitor) == []
     assert history[100] < 0.95 * ln_v  # it left the plateau
 
 

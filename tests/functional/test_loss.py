@@ -85,3 +85,40 @@ def test_copy_sums_compare_the_argmax_with_the_current_token():
     assert copy_sums(copying, inputs, mask)["count"].item() == 5
     with pytest.raises(ValueError, match="do not match"):
         copy_sums(copying, inputs[:, :2])
+
+
+def test_step_sums_take_each_phase_s_sums_and_nothing_else():
+    from lightning_tfdebug.functional.loss import OTHER_ALIGNMENT, PHASE_SUMS, init_loss_sums, step_sums
+
+    torch.manual_seed(0)
+    logits, tokens = torch.randn(4, 9, 20), torch.randint(0, 20, (4, 9))
+    options = dict(shift_labels=True, vocab_size=20)
+    init = step_sums("init", logits, tokens, tokens, **options)
+    assert set(init) == set(PHASE_SUMS["init"])  # both alignments, the copy rate and the mask share
+    assert init["ce_sum"] == init_loss_sums(logits, tokens)["ce_sum"]
+    assert init[OTHER_ALIGNMENT + "ce_sum"] == init_loss_sums(logits, tokens, shift_labels=False)["ce_sum"]
+    compare = step_sums("compare", logits, tokens, tokens, **options)
+    assert set(compare) - {"tx_other"} == set(PHASE_SUMS["compare"])  # which alignment: decided, not reduced
+    check = step_sums("check", logits, tokens, tokens, late=True, **options)
+    assert set(check) - {"tx_other"} == set(PHASE_SUMS["check"])
+    assert set(step_sums("check", logits, tokens, None, **options)).isdisjoint({"copies", "own_match", "late_mask_top"})
+    masked = step_sums("check", logits, tokens, tokens, masked_lm=True, **options)  # aligned labels: one alignment
+    assert not any(k.startswith(OTHER_ALIGNMENT) for k in masked)
+    classifier = step_sums("init", torch.randn(8, 5), torch.randint(0, 5, (8,)), None, shift_labels=False, vocab_size=5)
+    assert OTHER_ALIGNMENT + "ce_sum" not in classifier and "copies" not in classifier
+
+
+def test_label_frequencies_count_the_first_batches_then_keep_only_the_entropy():
+    from lightning_tfdebug.functional.loss import LabelFrequencies, unigram_entropy
+
+    frequencies = LabelFrequencies(batches=2)
+    frequencies.add(torch.tensor([[1, 2, -100]]), None, torch.device("cpu"), -100)  # V not known yet: not counted
+    assert frequencies.payload is None and frequencies.counted == 0
+    frequencies.add(torch.tensor([[1, 2, -100]]), 4, torch.device("cpu"), -100)
+    frequencies.add(torch.tensor([[1.0, 2.0]]), 4, torch.device("cpu"), -100)  # float targets count as no labels
+    frequencies.add(torch.tensor([[3, 3]]), 4, torch.device("cpu"), -100)  # past the first two batches
+    assert frequencies.payload.tolist() == [0.0, 1.0, 1.0, 0.0] and not frequencies.done
+    frequencies.receive(float(unigram_entropy(frequencies.payload)))
+    assert frequencies.done and frequencies.payload is None and frequencies.entropy == pytest.approx(math.log(2) + 0.25)
+    frequencies.restore(None)
+    assert frequencies.entropy is None and frequencies.counted == 0

@@ -5,14 +5,25 @@ import math
 import pytest
 import torch
 
-from lightning_tfdebug.functional.loss import copy_sums, init_loss_sums
+from lightning_tfdebug.functional.loss import TEMPERATURE_GRID, copy_sums, init_loss_sums
 from lightning_tfdebug.functional.loss_checks import (
+    HISTORY,
+    RULES,
     InitLoss,
+    LossReading,
+    LossRun,
     batch_counts,
+    bounded_output_verdict,
+    check_findings,
+    check_reading,
     check_verdicts,
     classify_init_loss,
+    compare_steps,
+    context_verdict,
+    late_masked_lm,
     scaled_loss_verdict,
     summarize_init,
+    unreadable_verdict,
 )
 
 V = 50
@@ -110,3 +121,195 @@ def test_the_returned_loss_picks_the_label_alignment():
     assert not follow_returned_loss(host, host["ce_sum"] / host["ce_count"])[1]
     assert not follow_returned_loss({k: v for k, v in host.items() if not k.startswith("other_")}, returned)[1]
     assert not follow_returned_loss(host, math.nan)[1]
+
+
+# ---------------------------------------------------------------------------------------------- every rule by numbers
+def test_every_rule_writes_its_message_from_its_template():
+    assert all(rule.message for rule in RULES)
+    [probs] = classify_init_loss(init(probability_rows=1.0), init_tolerance=0.25, ignore_index=-100, shifted=True)
+    assert probs.message.startswith("The model's outputs are already probabilities: 100% of the sampled rows")
+    assert probs.severity is None and probs.evidence["probability_rows"] == 1.0  # the rule's severity: error
+    [none] = classify_init_loss(init(supervised=0.0, observed=0.0), init_tolerance=0.25, ignore_index=-1, shifted=True)
+    assert none.code == "TFD224" and "ignore_index (-1)" in none.message
+    [nan] = classify_init_loss(init(observed=math.nan), init_tolerance=0.25, ignore_index=-100, shifted=True, step=0)
+    assert nan.message == "The loss of the first step is nan, before any update." and nan.step == 0
+
+
+def test_a_loss_far_below_ln_v_is_info_for_a_pretrained_model_and_a_warning_for_a_copying_one():
+    def below(**kwargs):
+        [verdict] = classify_init_loss(init(**kwargs), init_tolerance=0.25, ignore_index=-100, shifted=True)
+        return verdict
+
+    pretrained = below(observed=0.3 * LN_V, recomputed=0.3 * LN_V)
+    assert (pretrained.code, pretrained.severity, pretrained.evidence["pretrained"]) == ("TFD223", "info", True)
+    assert "Nothing to fix for a pretrained model" in pretrained.message
+    copying = below(observed=0.3 * LN_V, recomputed=0.3 * LN_V, copy_rate=0.9, repeat_rate=0.05)
+    assert (copying.severity, copying.evidence["pretrained"]) == (None, False)
+    assert "predicting the current input token at 90% of positions" in copying.message
+    unrelated = below(observed=0.3 * LN_V, recomputed=LN_V * 0.6)  # the logits do not give that loss
+    assert unrelated.severity is None and "is not the V-way cross-entropy of these logits" in unrelated.message
+
+
+def test_a_manual_loss_divided_by_a_whole_number_is_accumulation_by_hand():
+    divided = init(observed=LN_V / 8)  # `loss / 8`: one over the sequences, or accumulating 8 batches by hand
+    assert classify(divided) == ["TFD229"]
+    assert classify(divided, manual_optimization=True) == []
+
+
+def test_bounded_outputs_pin_the_loss_at_their_floor():
+    args = dict(stall_tolerance=0.05, range_spread=0.01)
+    pinned = bounded_output_verdict(2.6, 2.5, 1.7, LN_V, 1.5, 100, **args)
+    assert (pinned.code, pinned.step) == ("TFD230", 100) and "V=50 classes" in pinned.message
+    assert bounded_output_verdict(2.6, 2.5, 1.7, LN_V, 2.5, 100, **args) is None  # the data allows no lower
+    assert bounded_output_verdict(3.6, 2.5, 1.7, LN_V, 1.5, 100, **args) is None  # far above its floor: learning
+    assert bounded_output_verdict(2.6, 2.5, 1.7, LN_V, 1.5, 100, stall_tolerance=0.05, range_spread=0.2) is None
+    assert bounded_output_verdict(2.6, 2.5, 1.7, LN_V, math.nan, 100, **args) is None  # no unigram entropy yet
+
+
+def test_a_loss_at_the_unigram_entropy_tells_labels_of_other_samples_from_a_model_ignoring_its_context():
+    def context(own_match=math.nan, rolled_match=math.nan, **kwargs):
+        return context_verdict(2.0, 2.005, 2.0, 100, own_match=own_match, rolled_match=rolled_match, **kwargs)
+
+    neighbours = context(own_match=0.1, rolled_match=0.9)
+    assert neighbours.code == "TFD231" and "off by one row" in neighbours.message
+    assert context(own_match=0.1, rolled_match=0.1).code == "TFD231"  # neither: named both ways
+    assert "cannot be told apart here" in context().message  # nothing measured
+    ignores = context(own_match=0.95, rolled_match=0.1, window_steps=50)
+    assert (ignores.code, ignores.severity) == ("TFD232", None) and ignores.message.endswith("ignores its context.")
+    plateau = context(own_match=0.95, rolled_match=0.1, window_steps=50, masked=True)
+    assert (plateau.code, plateau.severity) == ("TFD232", "info") and "their plateau" in plateau.message
+    assert context(own_match=0.95, rolled_match=0.1, window_steps=5) is None  # passing through the unigram level
+    assert context(own_match=0.95, rolled_match=0.1, flat=False) is None
+    assert context_verdict(2.0, 2.5, 2.0, 100) is None  # its own labels predicted far better: context is used
+    assert context_verdict(3.0, 3.0, 2.0, 100) is None  # far above the unigram entropy
+
+
+def test_the_unreadable_rule_names_what_it_could_not_read():
+    verdict = unreadable_verdict("the batch is a tuple of 2 items, which has no tensor at 'y'", "y", None, step=0)
+    assert verdict.code == "TFD228" and verdict.step == 0
+    assert verdict.message == (
+        "LossAtInit cannot read the model's outputs or labels: the batch is a tuple of 2 items, which has no tensor "
+        "at 'y'."
+    )
+    assert verdict.evidence == {"labels_key": "y", "logits_module": None}
+
+
+# ---------------------------------------------------------------------------------------------- the check's reading
+def check_host(**kwargs):
+    host = dict.fromkeys(
+        (
+            "ce_sum",
+            "ce_count",
+            "copies",
+            "repeats",
+            "count",
+            "own_ce_sum",
+            "rolled_ce_sum",
+            "rolled_count",
+            "own_match",
+            "rolled_match",
+            "match_count",
+            "floor_sum",
+            "range_sum",
+            "range_sq_sum",
+            "floor_count",
+            "loss_sum",
+            "loss_n",
+        ),
+        0.0,
+    )
+    host.update(kwargs)
+    return host
+
+
+def test_the_check_reading_logs_only_what_was_measured():
+    bare = check_reading(check_host(ce_sum=30.0, ce_count=10.0), V)
+    assert bare.loss == bare.recomputed == 3.0 and bare.expected == pytest.approx(LN_V)
+    assert math.isnan(bare.copy_rate) and math.isnan(bare.floor) and bare.metrics() == {"loss_at_init/check_loss": 3.0}
+    full = check_reading(
+        check_host(
+            ce_sum=30.0,
+            ce_count=10.0,
+            loss_sum=5.0,
+            loss_n=2.0,
+            copies=3.0,
+            repeats=1.0,
+            count=10.0,
+            own_ce_sum=20.0,
+            rolled_ce_sum=21.0,
+            rolled_count=10.0,
+            floor_sum=25.0,
+            range_sum=20.0,
+            range_sq_sum=40.0,
+            floor_count=10.0,
+        ),
+        V,
+    )
+    assert (full.loss, full.copy_rate, full.own_loss, full.rolled_loss, full.floor) == (2.5, 0.3, 2.0, 2.1, 2.5)
+    assert full.range_spread == 0.0  # every row at width 2
+    assert set(full.metrics()) == {
+        f"loss_at_init/{k}" for k in ("check_loss", "copy_rate", "rolled_loss", "loss_floor")
+    }
+
+
+def test_the_check_findings_of_a_stalled_run_carry_the_check_step():
+    run = LossRun(check_step=100, check_at=100, history=[(60, LN_V), (80, LN_V)])
+    reading = check_reading(check_host(ce_sum=LN_V, ce_count=1.0, loss_sum=LN_V, loss_n=1.0), V)
+    verdicts = check_findings(
+        reading, 100, run, unigram_entropy=None, vocab=V, stall_tolerance=0.05, copy_threshold=0.5
+    )
+    assert [(v.code, v.step) for v in verdicts] == [("TFD225", 100)]
+    assert verdicts[0].evidence["window_start"] == 60
+
+
+def test_a_bound_after_the_forward_drops_the_context_findings():
+    def reading(step, loss, ce, logit_range):
+        betas = tuple(ce + abs(math.log(b)) for b in TEMPERATURE_GRID)  # the logits' best loss: their own
+        return LossReading(step, loss, ce, 0.0, 3.8, logit_range, betas)
+
+    run = LossRun(check_step=100, check_at=100)
+    run.readings = [reading(50, 3.40, 2.6, 2.0), reading(80, 3.39, 2.3, 2.6), reading(100, 3.38, 2.0, 3.2)]
+    at_unigram = check_reading(
+        check_host(ce_sum=2.0, ce_count=1.0, own_ce_sum=2.0, rolled_ce_sum=2.0, rolled_count=1.0), V
+    )
+    options = dict(vocab=V, stall_tolerance=0.05, copy_threshold=0.5)
+    codes = [v.code for v in check_findings(at_unigram, 100, run, unigram_entropy=2.0, **options)]
+    assert codes == ["TFD233"]  # the loss does not train these logits: their relation to the labels says nothing
+    run.readings = []
+    assert [v.code for v in check_findings(at_unigram, 100, run, unigram_entropy=2.0, **options)] == ["TFD231"]
+
+
+# ---------------------------------------------------------------------------------------------- the run's progress
+def test_the_run_arms_step_zero_the_compared_steps_and_the_check_once_each():
+    assert compare_steps(100, 10) == (50, 80) and compare_steps(100, 50) == (50,) and compare_steps(None, 10) == ()
+    run = LossRun(check_step=100, check_at=100)
+    phases = {step: run.arm(step, 10) for step in range(0, 120, 10)}
+    assert {s: p for s, p in phases.items() if p} == {0: "init", 50: "compare", 80: "compare", 100: "check"}
+    assert run.arm(0, 10) is None and run.arm(50, 10) is None and run.arm(100, 10) is None  # the first micro-batch
+
+
+def test_masked_lm_labels_move_the_check_at_step_zero_or_when_first_seen_at_the_check():
+    run = LossRun(check_step=20, check_at=20)
+    run.start(init(mask_share=0.9, supervised_frac=0.15, copy_rate=0.4, probability_rows=1.0))
+    assert (run.check_at, run.masked_lm, run.init_copy_rate, run.probabilities) == (100, True, 0.4, True)
+    late = {"late_mask_top": 9.0, "late_mask_count": 10.0, "late_supervised": 15.0, "late_positions": 100.0}
+    assert late_masked_lm(late) and not late_masked_lm({**late, "late_supervised": 90.0})
+    resumed = LossRun(check_step=20, check_at=20, check_done=True)  # step 0 unseen: resumed without this state
+    assert resumed.check_moves(late, 20) and (resumed.check_at, resumed.check_done) == (100, False)
+    assert not LossRun(check_step=20, check_at=20, init_done=True).check_moves(late, 20)  # step 0 said so already
+
+
+def test_the_run_round_trips_through_its_checkpointed_state():
+    run = LossRun(check_step=100, check_at=500, init_done=True, init_copy_rate=0.3, masked_lm=True, vocab=V)
+    metrics = run.keep_loss(10, 3.0, 2.5)
+    assert metrics == {"loss_at_init/loss": 3.0, "loss_at_init/ln_vocab": LN_V, "loss_at_init/unigram_entropy": 2.5}
+    assert run.keep_loss(20, math.nan, None) == {"loss_at_init/ln_vocab": LN_V}  # only finite values are logged
+    run.add_reading(LossReading(50, 3.0, 2.9, 0.0, 3.8, 2.0, (3.0,) * len(TEMPERATURE_GRID)))
+    restored = LossRun.from_state(run.to_state(), check_step=100)
+    assert restored == run and restored.window(40) == [(20, restored.history[1][1])]
+    fresh = LossRun.from_state({}, check_step=100, vocab=V)
+    assert (fresh.check_at, fresh.init_done, fresh.vocab, fresh.history) == (100, False, V, [])
+    many = LossRun(check_step=None, check_at=None)
+    for step in range(100):
+        many.keep_loss(step, 1.0, None)
+    assert len(many.history) == HISTORY and many.history[0][0] == 100 - HISTORY

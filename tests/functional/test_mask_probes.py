@@ -1,60 +1,12 @@
-"""MaskProbe's probes and decisions without a Trainer (functional/mask_probes.py)."""
-
-import math
+"""MaskProbe's probe constructions and measurements without a Trainer (functional/mask_probes.py)."""
 
 import pytest
 import torch
 from torch import nn
 
+from lightning_tfdebug.functional import mask_checks
 from lightning_tfdebug.functional import mask_probes as mp
-from lightning_tfdebug.functional.probes import alignment_losses, labels_relation
-
-
-class KeywordModel(nn.Module):
-    def forward(self, input_ids, attention_mask=None):
-        return {"ids": input_ids, "mask": attention_mask}
-
-
-class KwargsModel(nn.Module):
-    def forward(self, **kwargs):
-        return kwargs
-
-
-class PositionalModel(nn.Module):
-    def forward(self, x):
-        return x
-
-
-class NoArgsModel(nn.Module):
-    def forward(self, *args):
-        return args
-
-
-def test_build_caller_reads_the_forward_signature():
-    ids, mask = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long)
-    keyword = mp.build_caller(KeywordModel())
-    assert (keyword.takes_mask, keyword.mask_named) == (True, True)
-    assert keyword.call(ids, mask)["mask"] is mask
-    kwargs = mp.build_caller(KwargsModel(), input_key="tokens", mask_key="keep")
-    assert (kwargs.takes_mask, kwargs.mask_named) == (True, False)
-    assert set(kwargs.call(ids, mask)) == {"tokens", "keep"}
-    positional = mp.build_caller(PositionalModel())
-    assert (positional.takes_mask, positional.mask_named) == (False, False)
-    assert positional.call(ids, None) is ids
-    assert "set `forward_fn`" in mp.build_caller(NoArgsModel())
-    custom = mp.build_caller(PositionalModel(), forward_fn=lambda module, i, m: (module, i, m))
-    assert custom.takes_mask and custom.call(ids, mask)[2] is mask
-
-
-def test_objective_counts_and_decision():
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    assert mp.decide_objective(*mp.objective_counts(ids, ids.clone(), -100).tolist(), label_positions=5) is None
-    preshifted = torch.tensor([[2, 3, 4, 5, -100]])
-    assert mp.decide_objective(*mp.objective_counts(ids, preshifted, -100).tolist(), label_positions=5) is None
-    masked_lm = torch.tensor([[-100, 7, -100, 9, -100]])  # BERT-style: other tokens at a few positions
-    verdict = mp.decide_objective(*mp.objective_counts(ids, masked_lm, -100).tolist(), label_positions=5)
-    assert verdict.code == "TFD212" and verdict.evidence["supervised_frac"] == pytest.approx(0.4)
-    assert mp.decide_objective(0, 0, 0, 0, label_positions=5) is None  # nothing supervised: a decoder
+from lightning_tfdebug.functional.call_probes import build_caller
 
 
 def test_probe_constructions():
@@ -76,59 +28,50 @@ def test_probe_constructions():
     assert mp.long_row(torch.tensor([[1, 2, 3]]), 7).shape == (1, 9)
 
 
-@pytest.mark.parametrize(
-    "decide, args, code",
-    [
-        (mp.decide_repeat, (0, 3), "TFD213"),
-        (mp.decide_causal, (0, 3, 4, 8), "TFD201"),
-        (mp.decide_padding, (3, 2), "TFD202"),
-        (mp.decide_pad_side, (3, "left", 2), "TFD203"),
-        (mp.decide_kv_cache, (5,), "TFD209"),
-    ],
-)
-def test_tolerance_decisions(decide, args, code):
-    """Within the tolerance: nothing; beyond it, or NaN: the finding, with the change and the tolerance."""
-    assert decide(1e-3, *args, 1e-2) is None
-    assert decide(1e-2, *args, 1e-2) is None  # at the tolerance is within it
-    verdict = decide(0.5, *args, 1e-2)
-    assert verdict.code == code and verdict.evidence["max_change"] == 0.5 and "0.5" in verdict.message
-    assert decide(math.nan, *args, 1e-2).code == code
-
-
-def test_alignment_decision_from_real_losses():
-    torch.manual_seed(0)
-    ids = torch.randint(0, 11, (2, 12))
-    logits = torch.randn(2, 12, 11) * 3
-    losses = {k: float(v) for k, v in alignment_losses(logits, ids).items()}
-    relation = labels_relation(ids, ids)
-    rtol = mp.alignment_rtol(logits.dtype, torch.float32)
-
-    def decide(returned, last_try=False):
-        return mp.decide_alignment(
-            returned, losses["shifted"], losses["unshifted"], losses["shifted2"], relation, rtol, last_try
-        )
-
-    assert decide(losses["shifted"]) == (True, None)
-    decided, verdict = decide(losses["unshifted"])
-    assert decided and verdict.code == "TFD205"
-    decided, verdict = decide(losses["shifted2"])
-    assert decided and verdict.code == "TFD206" and "shifts them twice" in verdict.message
-    decided, verdict = decide(losses["shifted"] * 0.5 + losses["unshifted"] * 0.5)  # label smoothing, extra terms
-    assert decided and verdict.code == "TFD210" and verdict.hint
-    same = losses["shifted"]  # a model too fresh to tell the alignments apart: try again later
-    assert mp.decide_alignment(same, same, same, same, relation, rtol, last_try=False) == (False, None)
-    assert mp.decide_alignment(same, same, same, same, relation, rtol, last_try=True)[1].code == "TFD210"
-
-
 def test_alignment_rtol_widens_for_half_precision_losses():
     assert mp.alignment_rtol(torch.float32) == 2e-5
     assert mp.alignment_rtol(torch.float32, torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
     assert mp.alignment_rtol(torch.bfloat16) == 1e-3
 
 
-def test_context_verdicts():
-    assert mp.context_failure_verdict(64, IndexError("index out of range")).code == "TFD207"
-    fine = mp.context_limit_verdict(64, "hparams['context_length']")
-    assert fine.code == "TFD208" and "64 tokens (read from hparams['context_length'])" in fine.message
-    assert fine.evidence == {"context_limit": 64, "source": "hparams['context_length']"}
-    assert mp.unpadded_mask_verdict("attention_mask").evidence == {"mask_key": "attention_mask"}
+class Causal(nn.Module):
+    """Logits at t from the tokens up to t (a running sum of embeddings): causal, mask-blind."""
+
+    def __init__(self, causal: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head, self.causal = nn.Embedding(20, 8), nn.Linear(8, 20), causal
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.emb(input_ids)
+        h = h.cumsum(1) if self.causal else h.sum(1, keepdim=True).expand_as(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_session_measures_causality_into_readings(causal):
+    ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(1))
+    settings = mp.ProbeSettings(check_padding=False)
+    session = mp.MaskProbes(build_caller(Causal(causal)), ids, torch.Generator().manual_seed(0), settings)
+    with torch.no_grad():
+        session.masks(ids, None, None)
+    kinds = [type(r).__name__ for r in session.readings]
+    assert kinds[:2] == ["RepeatReading", "CausalReading"]
+    readings = mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
+    verdicts, settled = mask_checks.decide_probe(readings)
+    codes = [v.code for v in verdicts if v is not None]
+    assert codes == ([] if causal else ["TFD201"]) and settled == set()
+    assert readings[0].logged() == {"mask_probe/repeat_max_change": 0.0}
+
+
+def test_a_session_reads_the_context_limit_and_a_missing_mask():
+    ids = torch.randint(0, 20, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[:, -2:] = 0  # the batch pads, the positional forward takes no mask
+    model = nn.Sequential(nn.Embedding(20, 4), nn.Linear(4, 20))
+    session = mp.MaskProbes(build_caller(model), ids, torch.Generator(), mp.ProbeSettings(), causal=False)
+    with torch.no_grad():
+        session.masks(ids, mask, None)
+        session.positions(ids, 16, "hparams")
+    assert [v.code for v in session.verdicts] == ["TFD204", "TFD208"]
+    assert session.logged == {"mask_probe/context_limit": 16.0}

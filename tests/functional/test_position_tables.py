@@ -8,12 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tfdebug.core.calls import TableReads
-from lightning_tfdebug.functional.call_probes import (
-    PositionTable,
-    decide_position_tables,
-    table_lookups,
-    watched_tables,
-)
+from lightning_tfdebug.functional.call_probes import measure_tables, watched_tables
+from lightning_tfdebug.functional.mask_checks import PositionTable, PositionTablesReading, decide_position_tables
 
 V, D, T = 50, 16, 12
 
@@ -84,15 +80,8 @@ def verdict(model: nn.Module, ids: Tensor, mask: Tensor):
     watcher = TableReads(list(named.values()))
     with torch.no_grad(), watcher:
         model(ids, mask)
-    found = table_lookups(named, watcher.use.lookups, watcher.use.read, ids)
-    if found is None:
-        return None
-    token_table, tables = found
-    reports = [
-        PositionTable(name, rows, read, constant is not None, bool(constant) if constant is not None else False)
-        for name, rows, read, constant in tables
-    ]
-    return decide_position_tables(reports, ids.shape[1], token_table)
+    reading = measure_tables(named, watcher.use, ids)
+    return None if reading is None else decide_position_tables(reading)
 
 
 def batch(left_pad: int = 0) -> tuple[Tensor, Tensor]:
@@ -136,4 +125,5 @@ def test_a_table_shorter_than_the_sequence_is_not_a_position_table():
 
 
 def test_one_token_decides_nothing():
-    assert decide_position_tables([PositionTable("pos", 32, True, True, True)], 1, "tok") is None
+    reading = PositionTablesReading((PositionTable("pos", 32, True, True, True),), 1, "tok")
+    assert decide_position_tables(reading) is None
