@@ -44,33 +44,11 @@ def test_functional_modules_need_no_trainer():
 
 # ---------------------------------------------------------------------------------------------- the one shape
 # Every detector is measure -> reading -> rule -> finding (docs/architecture.md). These tests hold that shape on the
-# syntax tree. PENDING_* name what has not moved to it yet; an entry is removed when its module is restructured, and
-# a test below fails if a listed entry no longer breaks the rule (so the lists only shrink).
+# syntax tree.
 
 MAX_CALLBACK_LINES = 400
 MAX_FUNCTION_LINES = 80
 CODE = re.compile(r"TFD[1-7]\d\d")
-
-PENDING_CODES_IN_CALLBACKS: set[str] = {
-    "loss_at_init.py",
-    "mask_probe.py",
-}
-PENDING_LONG_CALLBACKS: set[str] = {
-    "loss_at_init.py",
-    "mask_probe.py",
-}
-PENDING_LONG_FUNCTIONS: set[str] = {
-    "callbacks/loss_at_init.py:LossAtInit._collect",
-    "callbacks/mask_probe.py:MaskProbe._probe",
-    "callbacks/mask_probe.py:MaskProbe._probe_alignment",
-    "callbacks/mask_probe.py:MaskProbe._probe_masks",
-    "functional/call_probes.py:plan_call",
-    "functional/loss_checks.py:classify_init_loss",
-    "functional/loss_checks.py:context_verdict",
-    "functional/loss_checks.py:loss_transform_verdict",
-}
-PENDING_IMPURE_FUNCTIONAL: set[str] = set()
-PENDING_CYCLES: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, Path]:
@@ -213,45 +191,40 @@ def test_no_callback_writes_a_finding_code():
     """A code is decided by a rule in functional/*_checks.py; a callback only hands verdicts to `emit`."""
     for path in sorted((PACKAGE / "callbacks").glob("*.py")):
         codes = codes_written(path)
-        if path.name in PENDING_CODES_IN_CALLBACKS:
-            assert codes, f"callbacks/{path.name} writes no code any more: remove it from PENDING_CODES_IN_CALLBACKS"
-            continue
         assert not codes, f"callbacks/{path.name} writes {sorted(codes)}: decide them in a rule of functional/"
 
 
 def test_callbacks_are_small():
     for path in sorted((PACKAGE / "callbacks").glob("*.py")):
         lines = len(path.read_text().splitlines())
-        if path.name in PENDING_LONG_CALLBACKS:
-            assert lines > MAX_CALLBACK_LINES, f"callbacks/{path.name} is {lines} lines: remove it from the pending"
-            continue
         assert lines <= MAX_CALLBACK_LINES, f"callbacks/{path.name} is {lines} lines (at most {MAX_CALLBACK_LINES})"
 
 
 def test_no_function_is_long():
     found = long_functions()
-    for name in PENDING_LONG_FUNCTIONS:
-        assert name in found, f"{name} is short now (or gone): remove it from PENDING_LONG_FUNCTIONS"
-    extra = {k: v for k, v in found.items() if k not in PENDING_LONG_FUNCTIONS}
-    assert not extra, f"functions over {MAX_FUNCTION_LINES} lines: {extra}"
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
 
 
 def test_functional_is_pure():
     """functional/: tensors and host numbers in, readings or verdicts out: no Trainer, no `__dict__`, no I/O."""
     for path in sorted((PACKAGE / "functional").glob("*.py")):
         found = impurities(path)
-        if path.name in PENDING_IMPURE_FUNCTIONAL:
-            assert found, f"functional/{path.name} is pure now: remove it from PENDING_IMPURE_FUNCTIONAL"
-            continue
         assert not found, f"functional/{path.name}: {found}; move it to core/ (host readers: core/host.py)"
 
 
 def test_no_import_cycles():
     found = cycles()
-    for group in PENDING_CYCLES:
-        assert group in found, f"the cycle {sorted(group)} is gone: remove it from PENDING_CYCLES"
-    extra = found - PENDING_CYCLES
-    assert not extra, f"import cycles: {[sorted(g) for g in extra]}"
+    assert not found, f"import cycles: {[sorted(g) for g in found]}"
+
+
+def test_findings_reach_the_user_through_the_one_emit_path():
+    """Only ``DebugCallback`` builds a ``Finding``; every other module hands verdicts to ``emit``."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name in ("findings.py", "base.py", "report.py"):
+            continue  # the record itself, the one emit path, and the reader of findings files
+        tree = ast.parse(path.read_text())
+        built = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Finding"]
+        assert not built, f"{path.relative_to(PACKAGE)} builds a Finding at lines {built}: return a verdict instead"
 
 
 def test_the_layout_checks_see_what_they_check():

@@ -12,6 +12,7 @@ import pytest
 
 import lightning_tfdebug
 from lightning_tfdebug import DebugCallback
+from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.rules import AREAS, BLOCKS, BUILTIN_CODES, RULES, Rule, register_rule, rule, rules_of
 from tests.core.emitters import StepEmitter
 from tests.helpers import fit_tiny
@@ -106,7 +107,7 @@ def test_an_unregistered_code_or_a_code_of_another_callback_is_refused(tmp_path)
             self.code = code
 
         def on_train_batch_end(self, trainer, *args) -> None:
-            self.emit_code(trainer, self.code, "never")
+            self.emit(trainer, Verdict(self.code, "never"))
 
     # A bug in a callback's own code: the guard reports it once (with the traceback) and the callback stands aside.
     unregistered, foreign = Stray("TFD397"), Stray("TFD312")

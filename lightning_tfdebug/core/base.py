@@ -39,7 +39,6 @@ from lightning_tfdebug.findings import (
     ON_FINDING_CHOICES,
     Finding,
     OnFinding,
-    Severity,
     TFDebugError,
     TFDebugWarning,
 )
@@ -637,23 +636,6 @@ class DebugCallback(Callback):
         else:
             self._pending_local.append(finding)
         return finding
-
-    def emit_code(
-        self,
-        trainer: pl.Trainer,
-        code: str,
-        message: str,
-        evidence: Mapping[str, Any] | None = None,
-        *,
-        severity: Severity | None = None,
-        hint: str | None = None,
-        key: str | None = None,
-        synchronized: bool = True,
-        step: int | None = None,
-    ) -> Finding | None:
-        """Deprecated shape, kept only while callbacks move to rule verdicts: emit one finding by code."""
-        verdict = Verdict(code, message, dict(evidence or {}), hint=hint, severity=severity, key=key, step=step)
-        return self._record_verdict(trainer, verdict, synchronized)
 
     def resolve_local_findings(self, trainer: pl.Trainer) -> None:
         """Act on rank-local findings: every rank must call this at the same point of the same step.

@@ -7,18 +7,24 @@ from typing import Any
 from lightning_tfdebug import DebugCallback
 from lightning_tfdebug.rules import Rule, register_rule
 
-for _code, _source in (("TFD399", "StepEmitter"), ("TFD398", "RankLocalEmitter")):
+STEP_RULE, LOCAL_RULE = (
     register_rule(
         Rule(
-            _code,
+            code,
             "warning",
-            _source,
+            source,
             title="test rule",
             trigger="a test asks for it",
             hint="none",
             reason="a test's own rule",
+            message=message,
         )
     )
+    for code, source, message in (
+        ("TFD399", "StepEmitter", "test finding."),
+        ("TFD398", "RankLocalEmitter", "only this rank saw it."),
+    )
+)
 
 
 class StepEmitter(DebugCallback):
@@ -31,7 +37,7 @@ class StepEmitter(DebugCallback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at_step:
-            self.emit_code(trainer, "TFD399", "test finding.", {"step": trainer.global_step}, severity=self.severity)
+            self.emit(trainer, STEP_RULE.verdict({"step": trainer.global_step}, severity=self.severity))
 
 
 class RankLocalEmitter(DebugCallback):
@@ -44,5 +50,5 @@ class RankLocalEmitter(DebugCallback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.at_step:
-            self.emit_code(trainer, "TFD398", "only this rank saw it.", severity="error", synchronized=False)
+            self.emit(trainer, LOCAL_RULE.verdict(severity="error"), synchronized=False)
         self.resolve_local_findings(trainer)  # every rank, every batch: the collective runs in lockstep
