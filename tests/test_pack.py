@@ -484,6 +484,9 @@ def test_a_scheduler_stepped_twice_per_step_is_named_when_the_pack_reads_it_only
     [finding] = [f for f in pack.findings if f.code == "TFD329"]
     assert finding.step == 5 and finding.evidence["calls"] == 10 and finding.evidence["optimizer_steps"] == 5
     assert "10 times over 5 optimizer steps" in finding.message
+    # MaskProbe replayed that training_step once at step 0 (to record the model call): the schedule it stepped by
+    # hand there was put back, so the run's own schedule is not changed by the pack
+    assert pack.members["MaskProbe"].failure is None and "MaskProbe" in pack.running
     audit_steps = sorted(s for s, ran in log.calls.items() if any(r.startswith("OptimizerAudit.") for r in ran))
     assert 3 not in audit_steps and 7 not in audit_steps  # not called between measuring steps
 

@@ -6,11 +6,13 @@ or decides.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import nn
 
 from lightning_tfdebug.core.compat import is_lightning_instance
@@ -47,12 +49,41 @@ def quiet_training_step(pl_module: pl.LightningModule, batch: Any, batch_idx: in
     saved = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
     pl_module.__dict__["log"] = _silent
     pl_module.__dict__["log_dict"] = _silent
+    schedules = _schedule_state(pl_module)
     try:
         return pl_module.training_step(batch, batch_idx)
     finally:
         for name in ("log", "log_dict"):
             pl_module.__dict__.pop(name, None)
         pl_module.__dict__.update(saved)
+        _restore_schedule_state(schedules)
+
+
+def _schedule_state(pl_module: pl.LightningModule) -> list[tuple[Any, dict[str, Any]]]:
+    """The LR schedulers' states and the optimizers' param-group settings (host values, no tensors copied), so that
+    a replayed ``training_step`` that steps a scheduler by hand (``self.lr_schedulers().step()``) leaves the run's
+    schedule where it was: the pack never changes the run it watches."""
+    trainer = getattr(pl_module, "_trainer", None)
+    if trainer is None:
+        return []
+    held: list[tuple[Any, dict[str, Any]]] = []
+    for config in getattr(trainer, "lr_scheduler_configs", []) or []:
+        scheduler = getattr(config, "scheduler", None)
+        if callable(getattr(scheduler, "state_dict", None)):
+            held.append((scheduler, copy.deepcopy(scheduler.state_dict())))
+    for optimizer in getattr(trainer, "optimizers", []) or []:
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        held.append((optimizer, {"param_groups": copy.deepcopy(groups)}))
+    return held
+
+
+def _restore_schedule_state(held: list[tuple[Any, dict[str, Any]]]) -> None:
+    for owner, state in held:
+        if "param_groups" in state and isinstance(owner, torch.optim.Optimizer):
+            for group, settings in zip(owner.param_groups, state["param_groups"]):
+                group.update(settings)
+        else:
+            owner.load_state_dict(state)
 
 
 def in_training_step(pl_module: nn.Module | None) -> bool:
