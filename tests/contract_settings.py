@@ -168,12 +168,6 @@ ROWS: dict[str, Row] = {
         fixture="no_causal_mask",
         expect=frozenset({"TFD201"}),
         bad=(("kv_cache_fn", "no.such_module:decode"), ("forward_fn", "no.such_module:forward")),
-        xfail={
-            "bad_argument:kv_cache_fn='no.such_module:decode'": "MaskProbe imports `kv_cache_fn` only at its first "
-            "probe (a TFD211 info there) instead of at construction, as ThroughputMonitor does with `length_fn`.",
-            "bad_argument:forward_fn='no.such_module:forward'": "MaskProbe imports `forward_fn` only at its first "
-            "probe instead of at construction, as ThroughputMonitor does with `length_fn`.",
-        },
     ),
     "LossAtInit": Row(
         kwargs={"every_n_steps": EVERY, "check_step": 14},  # its stall and copy checks run in the healthy run too

@@ -115,10 +115,10 @@ class MaskProbe(DebugCallback):
                 raise TypeError(f"`{name}` must be True or False; got {value!r}.")
         check_number("context_limit", context_limit, low=1, integer=True, optional=True)
         for name, value in (("kv_cache_fn", kv_cache_fn), ("forward_fn", forward_fn)):
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(
-                    f"`{name}` must be an import path like 'package.module:function' or None; got {value!r}."
-                )
+            found = _imported(value) if isinstance(value, str) and value.strip() else ValueError("not a path")
+            if value is not None and isinstance(found, Exception):  # imported now: a typo fails here, not mid-fit
+                raise ValueError(f"`{name}` must be an importable path like 'package.module:function' or None; got "
+                                 f"{value!r} ({found}).")  # fmt: skip
         check_number("ignore_index", ignore_index, integer=True, optional=True)
         ignore_index = IGNORE_INDEX if ignore_index is None else ignore_index
         # validates the keys (a non-empty string, a tuple position or None) with a message naming the argument
