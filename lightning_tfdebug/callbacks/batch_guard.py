@@ -212,7 +212,10 @@ class BatchGuard(DebugCallback):
         self._repeats.new_fit()  # a new fit reads its data anew
         self._schema.new_context(context)  # the context may have changed with the model
         self._tally = None
-        if self.special_token_batches:
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # here, not in setup: the training DataLoader (whose collator may hold the tokenizer) exists from now on
+        if self.special_token_batches and self.active:
             ids = checks.learn_special_ids(special_token_sources(trainer, pl_module, self.tokenizer), self.eos_id)
             aside = checks.eos_count_aside(ids)
             if aside is None:

@@ -5,6 +5,7 @@ the training data written where the user reads them."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -62,11 +63,17 @@ def epoch_data(trainer: pl.Trainer) -> EpochData:
 
 def special_token_sources(trainer: pl.Trainer, pl_module: pl.LightningModule, tokenizer: Any) -> list[tuple[str, Any]]:
     """Where the special token ids may be read, most specific first: the ``tokenizer`` argument, a ``tokenizer``
-    attribute of the DataModule or of the LightningModule, then Hugging Face configs (and generation configs) of the
-    model's modules."""
+    attribute of the DataModule, of the training DataLoader's collator (Hugging Face's data collators hold theirs) or
+    of the LightningModule, then Hugging Face configs (and generation configs) of the model's modules."""
     sources: list[tuple[str, Any]] = [("`tokenizer`", tokenizer)]
     datamodule = getattr(trainer, "datamodule", None)
     sources.append(("the DataModule's tokenizer", getattr(datamodule, "tokenizer", None)))
+    loaders = getattr(trainer, "train_dataloader", None)
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+        collate = getattr(loader, "collate_fn", None)
+        sources.append(("the training DataLoader's collator's tokenizer", getattr(collate, "tokenizer", None)))
     sources.append(("the LightningModule's tokenizer", getattr(pl_module, "tokenizer", None)))
     for name, module in pl_module.named_modules():
         for attr in ("config", "generation_config"):

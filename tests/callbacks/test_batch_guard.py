@@ -796,7 +796,7 @@ def test_an_eos_masked_by_a_collator_that_masks_the_pad_id_is_named(tmp_path, fa
 
     tok = char_tokenizer(pad_is_eos=True)
     module = build(family)
-    if family == "llama":  # the ids come from the model's config alone, as model.config.pad_token_id = eos is set
+    if family == "llama":  # no `tokenizer`: the ids come from the collator's tokenizer (and the model's config agrees)
         module.model.config.eos_token_id = module.model.config.pad_token_id = EOS
         guard = BatchGuard()
     else:
@@ -808,7 +808,8 @@ def test_an_eos_masked_by_a_collator_that_masks_the_pad_id_is_named(tmp_path, fa
     assert finding.severity == "warning" and finding.step == 1
     assert finding.evidence["eos_id"] == EOS and finding.evidence["eos_supervised"] == 0
     assert finding.evidence["eos_in_inputs"] == 16 and finding.evidence["pad_is_eos"]
-    assert finding.evidence["eos_source"] == ("model.config" if family == "llama" else "`tokenizer`")
+    collator_source = "the training DataLoader's collator's tokenizer"
+    assert finding.evidence["eos_source"] == (collator_source if family == "llama" else "`tokenizer`")
     assert "DataCollatorForLanguageModeling" in finding.message and "attention_mask == 0" in finding.hint
 
     # the same data with padding masked by position, a BOS in front that is never a target: silent
@@ -898,3 +899,22 @@ def test_the_eos_check_stands_aside_alone_when_the_batch_cannot_serve_it(tmp_pat
     why = guard.checks_aside["EOS supervision (TFD124)"]
     assert "no attention mask" in why and "`mask_key`" in why and guard.active
     assert "TFD124" not in codes(guard) and guard._last is None
+
+
+def test_the_eos_id_is_read_from_the_training_dataloaders_collator(tmp_path):
+    """A plain DataLoader whose collator holds the tokenizer (as Hugging Face's data collators do): no `tokenizer`
+    argument, no DataModule, and the EOS check still runs."""
+    data = TinyTextDataModule(batch_size=8)
+    data.setup("fit")
+
+    class Collator:
+        def __init__(self, inner) -> None:
+            self.inner, self.tokenizer = inner, ByteTokenizer()
+
+        def __call__(self, rows):
+            return self.inner(rows)
+
+    guard = BatchGuard()
+    loader = DataLoader(data.train_set, batch_size=8, collate_fn=Collator(data.collator), drop_last=True)
+    fit(tmp_path, [guard], data=loader, max_steps=3)
+    assert "EOS supervision (TFD124)" not in guard.checks_aside and guard.active
