@@ -311,6 +311,31 @@ def test_distributed_ratio_matches_the_unsharded_reference(tmp_path, strategy, p
         assert [f for f in found if f["source"] == "UpdateRatio"] == []
 
 
+@pytest.mark.ddp
+def test_a_snapshot_in_parts_under_fsdp2_agrees_on_every_rank(tmp_path):
+    """Every rank snapshots the same part on the same step (planned from global sizes), so the reduced sums of the
+    shards are the groups' norms; the weight norms, measured on every step, match the unsharded reference."""
+    monitor = {
+        "class_path": "lightning_tfdebug.UpdateRatio",
+        "init_args": {"every_n_steps": 1, "memory_budget_mb": 0.05},
+    }
+    spec = {
+        "strategy": "fsdp2",
+        "model": SMALL,
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 4},
+        "callbacks": [{"class_path": "tests.reference.ReferenceUpdateRatio"}, monitor],
+        "extra": "tests.reference:reference_results",
+    }
+    results = run_distributed(tmp_path, spec)
+    for r in results:
+        assert r["error"] is None, r["error"]
+        assert r["metrics"]["update_ratio/param_norm/total"] == pytest.approx(r["extra"]["param_norm"]["3"], rel=1e-4)
+        assert r["metrics"]["update_ratio/head"] > 0  # step 3 measures the fourth part: the head alone
+    ratios = [{k: v for k, v in r["metrics"].items() if k.startswith("update_ratio/")} for r in results]
+    assert len(ratios[0]) > 10 and all(rank == ratios[0] for rank in ratios)
+
+
 class DefaultInitLM(pl.LightningModule):
     """A 3-layer causal transformer LM left at PyTorch's default initialisation (embeddings N(0, 1), Linear layers
     Kaiming-uniform): its untrained logits depend on the input, so its loss varies from batch to batch by more than
