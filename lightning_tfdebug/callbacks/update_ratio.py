@@ -108,7 +108,11 @@ class UpdateRatio(DebugCallback):
     """
 
     KEYS: ClassVar[tuple[Key, ...]] = (
-        Key("update_ratio/total", "`‖ΔW‖ / ‖W‖` over all trainable parameters", chart=_RATIOS),
+        Key(
+            "update_ratio/total",
+            "`‖ΔW‖ / ‖W‖` over all trainable parameters (over the groups measured, when the snapshot is in parts)",
+            chart=_RATIOS,
+        ),
         Key("update_ratio/<group>", "the same over one group (`blocks.0`, `embeddings`, ...)", chart=_RATIOS),
         Key("update_ratio/band/low", "the healthy band's lower edge (`low`), drawn around the ratios", chart=_RATIOS),
         Key("update_ratio/band/high", "the healthy band's upper edge (`high`), drawn around the ratios", chart=_RATIOS),

@@ -138,25 +138,28 @@ def plan_snapshot(group_bytes: Sequence[int], budget: int) -> SnapshotPlan:
 
 
 # ---------------------------------------------------------------------------------------------------- chunked sums
-def chunked_sum(tensor: Tensor, dtype: torch.dtype = torch.float64, chunk: int = CHUNK_ELEMENTS) -> Tensor:
-    """The sum of ``tensor``'s elements accumulated in ``dtype``, as ``tensor.sum(dtype=dtype)`` but converting at
-    most ``chunk`` elements at a time: a 0-dim ``dtype`` tensor on ``tensor``'s device (no host sync).
+def chunked_sum(
+    tensor: Tensor, dtype: torch.dtype = torch.float64, chunk: int = CHUNK_ELEMENTS, *, squares: bool = False
+) -> Tensor:
+    """The sum of ``tensor``'s elements (of their squares, with ``squares``) accumulated in ``dtype``, as
+    ``tensor.sum(dtype=dtype)`` (``tensor.to(dtype).square().sum()``) but converting at most ``chunk`` elements at a
+    time: a 0-dim ``dtype`` tensor on ``tensor``'s device (no host sync).
 
     ``tensor.sum(dtype=torch.float64)`` of an fp32 tensor converts the whole tensor to float64 first (8 bytes per
     element, on the CPU and on CUDA); here the chunks of the flat view (or row blocks of a non-contiguous tensor) are
     summed one by one into one accumulator. Equal to the whole sum up to the rounding of the order of additions
     (exact where every partial sum is, as for integers); the same on every rank for the same tensor.
     """
-    if tensor.dtype == dtype or tensor.numel() <= chunk:
-        return tensor.sum(dtype=dtype)
+    if tensor.numel() <= chunk or (tensor.dtype == dtype and not squares):
+        return tensor.to(dtype).square().sum() if squares else tensor.sum(dtype=dtype)
     if tensor.is_contiguous():
         pieces = tensor.reshape(-1).split(chunk)
     else:  # row blocks of at most `chunk` elements (a row larger than that alone): views, converted one at a time
         rows = max(1, chunk // max(tensor[0].numel(), 1))
         pieces = tensor.split(rows, dim=0)
     total = torch.zeros((), dtype=dtype, device=tensor.device)
-    for piece in pieces:
-        total += piece.sum(dtype=dtype)  # memory: one chunk converted to `dtype`, freed before the next
+    for piece in pieces:  # memory: one chunk converted to `dtype` (and squared), freed before the next
+        total += piece.to(dtype).square().sum() if squares else piece.sum(dtype=dtype)
     return total
 
 

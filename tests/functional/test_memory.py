@@ -1,4 +1,6 @@
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -158,3 +160,31 @@ def test_a_chunked_sum_of_a_non_contiguous_tensor_sums_row_blocks():
     assert chunked_sum(x, chunk=1000).item() == pytest.approx(x.sum(dtype=torch.float64).item(), rel=1e-12)
     wide = torch.randn(40, 5000).t()[:, ::2]  # rows larger than a chunk: one row at a time
     assert chunked_sum(wide, chunk=16).item() == pytest.approx(wide.sum(dtype=torch.float64).item(), rel=1e-12)
+
+
+def test_a_chunked_sum_of_squares_equals_the_whole_one():
+    torch.manual_seed(0)
+    x = torch.randn(5000)
+    whole = x.double().square().sum()
+    assert chunked_sum(x, chunk=1000, squares=True).item() == pytest.approx(whole.item(), rel=1e-12)
+    assert chunked_sum(x, squares=True) == whole
+    assert chunked_sum(x.double(), chunk=1000, squares=True).item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+def test_a_chunked_float64_sum_of_a_large_tensor_holds_one_chunk_where_the_whole_sum_copies_it():
+    # in a process of its own: its peak resident set grows by the float64 copy of the whole tensor (160 MB for 20M
+    # fp32 elements) with `sum(dtype=torch.float64)`, and by about one chunk (8 MiB) with `chunked_sum`
+    script = """
+import resource, sys, torch
+from lightning_tfdebug.functional.memory import chunked_sum
+x = torch.ones(20_000_000)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+total = chunked_sum(x) if sys.argv[1] == "chunked" else x.sum(dtype=torch.float64)
+assert total.item() == 20_000_000
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+    grown = {}
+    for how in ("chunked", "whole"):
+        done = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, check=True)
+        grown[how] = int(done.stdout.split()[-1])
+    assert grown["whole"] > 120 * MIB and grown["chunked"] < 40 * MIB, grown
