@@ -381,7 +381,7 @@ class UpdateRatio(DebugCallback):
             return
         self._counted_batches += 1  # on every rank alike: the packed vector has the same length everywhere
         view = step_batch(trainer, batch)
-        with torch.no_grad():
+        with torch.no_grad():  # memory: V floats on the device, until the step's reduction
             self._counts = label_counts(view.labels, self._vocab, view.keys.ignore_index, device=pl_module.device)
 
     def state_dict(self) -> dict[str, Any]:
