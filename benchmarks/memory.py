@@ -16,8 +16,14 @@ smallest of ``--repeats`` processes each, as allocator noise only ever adds), in
 parameter, beside the budget a measuring step may add by default (``max(2% of the training state, 32 MiB)``, the
 state being weights, gradients and AdamW's two moments: 16 bytes per parameter).
 
-Peak RSS moves by a few MiB between identical processes (the allocator's arenas): differences under about 6 MiB are
-noise. Run it with ``PYTHONPATH`` pointing at another checkout to measure that one (``--label`` names it).
+The batch is small (2 sequences of 64 tokens) on purpose: a peak is the largest moment of the run, and the members
+allocate after the backward pass, when the activations are freed; with larger batches the activations' peak hides
+what the members add, which then shows only once the model is large against its activations (as runs sized to their
+device are). Peak RSS moves by a few MiB between identical processes (the allocator's arenas): differences under about
+6 MiB are noise. The peak also counts what the allocator keeps after a free: temporaries of many different sizes
+(one float64 copy per parameter tensor) leave holes that later ones do not fit, and the resident set grows by far
+more than the largest of them. Run it with ``PYTHONPATH`` pointing at another checkout to measure that one
+(``--label`` names it).
 """
 
 from __future__ import annotations
@@ -128,7 +134,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=None, help="plain, presets, member names (default: all)")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="processes per configuration (the smallest peak wins)")
     parser.add_argument("--jobs", type=int, default=1, help="processes at a time")
     parser.add_argument("--label", default="", help="a name for the checkout measured, printed above the table")
