@@ -188,3 +188,14 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
         done = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, check=True)
         grown[how] = int(done.stdout.split()[-1])
     assert grown["whole"] > 120 * MIB and grown["chunked"] < 40 * MIB, grown
+
+
+def test_a_plan_with_no_part_copies_nothing_and_still_tells_whether_the_weights_moved():
+    weights = [torch.randn(10), torch.randn(3, 3)]
+    snapshot = WeightSnapshot([10, 9], [0, 1], torch.tensor([0, 1]), 2, None)
+    snapshot.replan(8)  # smaller than either group
+    assert snapshot.plan.parts == () and snapshot.plan.too_large == (0, 1)
+    snapshot.take(weights, 0)
+    weights[1].mul_(2.0)
+    delta_sq, _, measured = snapshot.change(weights)
+    assert measured == (False, False) and delta_sq[0] == 0 and delta_sq[1] > 0
