@@ -7,8 +7,8 @@ that would exceed it is taken in parts (:func:`plan_snapshot`): each measuring s
 groups, in turn, so every group is still measured once every ``len(plan.parts)`` measuring steps.
 
 Reductions that upcast (a float64 sum of an fp32 tensor) convert the whole tensor first on the CPU, and on CUDA for
-any cast but fp16/bf16 to fp32: :func:`chunked_sum` adds a tensor up in float64 over fixed-size chunks instead, so at
-most one chunk's converted copy exists at a time.
+any cast but fp16/bf16 to fp32: :func:`chunked_sums` adds tensors up in float64 a fixed-size chunk at a time, in one
+buffer, instead.
 """
 
 from __future__ import annotations
@@ -138,32 +138,60 @@ def plan_snapshot(group_bytes: Sequence[int], budget: int) -> SnapshotPlan:
 
 
 # ---------------------------------------------------------------------------------------------------- chunked sums
+def chunked_sums(
+    tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64, chunk: int = CHUNK_ELEMENTS, *, squares: bool = False
+) -> Tensor:
+    """The sum of each tensor's elements (of their squares, with ``squares``) accumulated in ``dtype``, as
+    ``torch.stack([t.sum(dtype=dtype) for t in tensors])`` but with no copy of a whole tensor: a 1-D ``dtype`` tensor
+    on the first tensor's device (no host sync).
+
+    ``t.sum(dtype=torch.float64)`` of an fp32 tensor converts the whole tensor to float64 first (8 bytes per element,
+    on the CPU and on CUDA), one copy per tensor, of as many sizes as there are tensor shapes: on the CPU those leave
+    holes in the heap that the next copy does not fit, and the float64 sums of a 25.5M-parameter model's weights grew
+    its peak resident set by 100 MiB (``benchmarks/memory.py``). Here each tensor is copied ``chunk`` elements at a
+    time into one buffer of ``dtype``, made once per call and device, and summed there: the call's only allocation
+    beyond its scalars (memory: ``chunk`` elements of ``dtype``, 2 MiB by default). Equal to the whole sums up to the
+    rounding of the order of additions (exact where every partial sum is, as for integers); the same on every rank
+    for the same tensors.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=dtype)
+    device = tensors[0].device
+    buffers: dict[torch.device, Tensor] = {}
+    sums = []
+    for tensor in tensors:
+        tensor = tensor.detach()
+        buffer = buffers.get(tensor.device)
+        if buffer is None:  # memory: one chunk of `dtype` per device, for the whole call
+            size = min(chunk, max(t.numel() for t in tensors if t.device == tensor.device))
+            buffer = buffers[tensor.device] = torch.empty(max(size, 1), dtype=dtype, device=tensor.device)
+        total = torch.zeros((), dtype=dtype, device=tensor.device)
+        for piece in _pieces(tensor, chunk):
+            view = buffer[: piece.numel()].view(piece.shape)
+            view.copy_(piece)
+            total += view.square_().sum() if squares else view.sum()
+        sums.append(total if total.device == device else total.to(device))
+    return torch.stack(sums)
+
+
 def chunked_sum(
     tensor: Tensor, dtype: torch.dtype = torch.float64, chunk: int = CHUNK_ELEMENTS, *, squares: bool = False
 ) -> Tensor:
-    """The sum of ``tensor``'s elements (of their squares, with ``squares``) accumulated in ``dtype``, as
-    ``tensor.sum(dtype=dtype)`` (``tensor.to(dtype).square().sum()``) but converting at most ``chunk`` elements at a
-    time: a 0-dim ``dtype`` tensor on ``tensor``'s device (no host sync).
+    """The sum of one tensor's elements in ``dtype`` (:func:`chunked_sums`), as a 0-dim tensor."""
+    return chunked_sums([tensor], dtype, chunk, squares=squares)[0]
 
-    ``tensor.sum(dtype=torch.float64)`` of an fp32 tensor converts the whole tensor to float64 first (8 bytes per
-    element, on the CPU and on CUDA); here the chunks of the flat view (or row blocks of a non-contiguous tensor) are
-    summed one by one into one accumulator. The chunks are small and of one size, so that the CPU allocator reuses
-    one freed chunk for the next: whole-tensor copies of many sizes, one per parameter, leave holes the next copy does
-    not fit, and grew the peak resident set of a 25.5M-parameter model by 100 MiB (``benchmarks/memory.py``). Equal to
-    the whole sum up to the rounding of the order of additions (exact where every partial sum is, as for integers); the
-    same on every rank for the same tensor.
-    """
-    if tensor.numel() <= chunk or (tensor.dtype == dtype and not squares):
-        return tensor.to(dtype).square().sum() if squares else tensor.sum(dtype=dtype)
+
+def _pieces(tensor: Tensor, chunk: int) -> Sequence[Tensor]:
+    """Views of ``tensor`` of at most ``chunk`` elements each (a row larger than that of a non-contiguous tensor: the
+    row), covering it once."""
+    if tensor.ndim == 0:
+        return [tensor]
     if tensor.is_contiguous():
-        pieces = tensor.reshape(-1).split(chunk)
-    else:  # row blocks of at most `chunk` elements (a row larger than that alone): views, converted one at a time
-        rows = max(1, chunk // max(tensor[0].numel(), 1))
-        pieces = tensor.split(rows, dim=0)
-    total = torch.zeros((), dtype=dtype, device=tensor.device)
-    for piece in pieces:  # memory: one chunk converted to `dtype` (and squared), freed before the next
-        total += piece.to(dtype).square().sum() if squares else piece.sum(dtype=dtype)
-    return total
+        return tensor.reshape(-1).split(chunk)
+    rows = max(1, chunk // max(tensor[0].numel(), 1))
+    if tensor[0].numel() <= chunk:
+        return tensor.split(rows, dim=0)
+    return [piece for row in tensor.unbind(0) for piece in _pieces(row, chunk)]
 
 
 # -------------------------------------------------------------------------------------------------------- snapshots

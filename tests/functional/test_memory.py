@@ -11,6 +11,7 @@ from lightning_tfdebug.functional.memory import (
     WeightSnapshot,
     budget_bytes,
     chunked_sum,
+    chunked_sums,
     default_budget_bytes,
     group_snapshot_bytes,
     plan_notes,
@@ -199,3 +200,15 @@ def test_a_plan_with_no_part_copies_nothing_and_still_tells_whether_the_weights_
     weights[1].mul_(2.0)
     delta_sq, _, measured = snapshot.change(weights)
     assert measured == (False, False) and delta_sq[0] == 0 and delta_sq[1] > 0
+
+
+def test_chunked_sums_of_many_tensors_are_their_float64_sums_in_one_vector():
+    torch.manual_seed(0)
+    tensors = [torch.randn(3000), torch.randn(7, 500).t(), torch.tensor(2.5), torch.arange(10), torch.randn(0)]
+    sums = chunked_sums(tensors, chunk=1024)
+    assert sums.dtype == torch.float64 and sums.shape == (5,)
+    expected = [t.sum(dtype=torch.float64).item() for t in tensors]
+    assert sums.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    squares = chunked_sums(tensors, chunk=1024, squares=True)
+    assert squares.tolist() == pytest.approx([t.double().square().sum().item() for t in tensors], rel=1e-12)
+    assert chunked_sums([]).shape == (0,)
