@@ -178,6 +178,8 @@ class TFDebug(Callback):
         ignore_index: the label value the loss ignores; default: -100, PyTorch's and Hugging Face's.
         tokenizer: a tokenizer (or its import path) for BatchGuard's decoded examples.
         vocab_size: the vocabulary size, for the members that check ids and the loss against ln V.
+        memory_budget_mb: the most a member's copy of the weights on a measuring step may take, in MiB, for every
+            member that takes one (UpdateRatio); default: ``max(2% of the training state, 32 MiB)``.
         include: members to run on top of the preset (names as in :data:`MEMBERS`, any case).
         exclude: members of the preset not to run.
         overrides: per-member constructor arguments, e.g. ``{"GradNormMonitor": {"explosion_factor": 20}}``; they
@@ -211,6 +213,7 @@ class TFDebug(Callback):
         ignore_index: int | None = None,
         tokenizer: Any = None,
         vocab_size: int | None = None,
+        memory_budget_mb: float | None = None,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
         overrides: Mapping[str, Mapping[str, Any]] | None = None,
@@ -223,6 +226,7 @@ class TFDebug(Callback):
         check_choice("on_finding", on_finding, ON_FINDING_CHOICES)
         check_number("every_n_steps", every_n_steps, low=1, integer=True, optional=True)
         check_number("vocab_size", vocab_size, low=2, integer=True, optional=True)
+        check_number("memory_budget_mb", memory_budget_mb, low=0.0, low_inclusive=False, optional=True)
         for name, flag in (("dashboard", dashboard), ("summary", summary), ("preflight", preflight)):
             if not isinstance(flag, bool):
                 raise TypeError(f"`{name}` must be True or False; got {flag!r}.")
@@ -249,6 +253,7 @@ class TFDebug(Callback):
             "ignore_index": ignore_index,
             "tokenizer": tokenizer,
             "vocab_size": vocab_size,
+            "memory_budget_mb": memory_budget_mb,
         }
         chosen = [n for n in MEMBERS if (n in PRESET_MEMBERS[preset] or n in self.include) and n not in self.exclude]
         unused = sorted(set(self.overrides) - set(chosen))

@@ -18,6 +18,7 @@ from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of
 from lightning_tfdebug.core.step import step_norms
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import unigram_entropy
+from lightning_tfdebug.functional.memory import WeightSnapshot, budget_bytes, plan_notes, training_state_bytes
 from lightning_tfdebug.functional.norms import grouped_sq_norms
 from lightning_tfdebug.functional.update_checks import (
     GroupFacts,
@@ -42,7 +43,9 @@ class UpdateRatio(DebugCallback):
 
     On a measuring step the trainable parameters are copied in fp32 just before ``optimizer.step()`` (that copy is
     the callback's memory cost, and exists only on measuring steps), and compared with the weights after the step.
-    Any optimizer and any parameter groups work, because nothing is recomputed from the optimizer's formula. A step
+    Any optimizer and any parameter groups work, because nothing is recomputed from the optimizer's formula. The copy
+    stays within a memory budget (``memory_budget_mb``): when all of it would not fit, each measuring step copies one
+    part of the groups in turn, and says so once (see ``docs/callbacks/update_ratio.md``, "Memory"). A step
     that the fp16 GradScaler skipped is recognised from the scale backing off, and is neither logged as a zero
     update nor counted in the diagnoses. Under FSDP1/FSDP2 each rank snapshots and differences only its own shard;
     the step's reduction over ranks (inside :class:`~lightning_tfdebug.TFDebug`, the pack's one collective of the
@@ -79,6 +82,8 @@ class UpdateRatio(DebugCallback):
             deliberately decaying it) or still rising (warm-up).
         growth_limit: ``TFD313`` when the median group norm grows by more than this factor within ``growth_window``.
         growth_window: optimizer steps over which ``growth_limit`` applies.
+        memory_budget_mb: the most the fp32 snapshot of a measuring step may take, in MiB; None: ``max(2% of the
+            training state (weights, gradients, optimizer state), 32 MiB)``. A larger snapshot is taken in parts.
 
     Raises:
         ValueError: on an argument outside its allowed range, or ``low >= high``.
@@ -103,7 +108,11 @@ class UpdateRatio(DebugCallback):
     """
 
     KEYS: ClassVar[tuple[Key, ...]] = (
-        Key("update_ratio/total", "`‖ΔW‖ / ‖W‖` over all trainable parameters", chart=_RATIOS),
+        Key(
+            "update_ratio/total",
+            "`‖ΔW‖ / ‖W‖` over all trainable parameters (over the groups measured, when the snapshot is in parts)",
+            chart=_RATIOS,
+        ),
         Key("update_ratio/<group>", "the same over one group (`blocks.0`, `embeddings`, ...)", chart=_RATIOS),
         Key("update_ratio/band/low", "the healthy band's lower edge (`low`), drawn around the ratios", chart=_RATIOS),
         Key("update_ratio/band/high", "the healthy band's upper edge (`high`), drawn around the ratios", chart=_RATIOS),
@@ -123,6 +132,7 @@ class UpdateRatio(DebugCallback):
         decayed_lr_fraction: float = 0.5,
         growth_limit: float = 2.0,
         growth_window: int = 50,
+        memory_budget_mb: float | None = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         validate_group_args(groups, group_depth)
@@ -142,9 +152,13 @@ class UpdateRatio(DebugCallback):
         check_number("growth_window", growth_window, low=1, integer=True)
         self.growth_limit = float(growth_limit)
         self.growth_window = growth_window
+        check_number("memory_budget_mb", memory_budget_mb, low=0.0, low_inclusive=False, optional=True)
+        if memory_budget_mb is not None and math.isnan(memory_budget_mb):
+            raise ValueError(f"`memory_budget_mb` must be a number of MiB > 0 or None; got {memory_budget_mb!r}.")
+        self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
         self._memory = UpdateMemory(patience)  # what the rules remember between measurements
         self._layout: ReductionLayout | None = None
-        self._before: list[Tensor] | None = None  # fp32 snapshot, alive only between the two hooks of a step
+        self._snapshot: WeightSnapshot | None = None  # the fp32 weights before the step, made with the layout
         self._grad_sq: Tensor | None = None
         self._scale_before: Tensor | None = None
         self._lr: float = 0.0
@@ -169,7 +183,7 @@ class UpdateRatio(DebugCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        self._layout = None
+        self._layout = self._snapshot = None
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
         self._same_sizes_next = False  # a new fit: nothing declared in it yet
 
@@ -178,7 +192,7 @@ class UpdateRatio(DebugCallback):
 
     def busy_at(self, step: int) -> bool:
         """The weights are read before and after the step on measuring steps only."""
-        return step % self._interval == 0 or self._before is not None
+        return step % self._interval == 0 or (self._snapshot is not None and self._snapshot.taken)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -195,17 +209,20 @@ class UpdateRatio(DebugCallback):
                 return
             groups = self._layout.groups
             self._facts = group_facts(groups.group_names, groups.params, groups.index, trainer.optimizers)
-        layout = self._layout
+            weights = self._layout.weights if self._layout.sharded else None
+            numels = [p.numel() for p in groups.params]
+            self._snapshot = WeightSnapshot(numels, groups.index, self._layout.index, self._layout.n_groups, weights)
+        layout, snapshot = self._layout, self._snapshot
+        assert snapshot is not None
+        self._plan_snapshot(trainer, layout, snapshot)
         with torch.no_grad():
             locals_ = [local_tensor(p.detach()) for p in layout.groups.params]
-            if all(t.dtype == torch.float32 for t in locals_):
-                self._before = list(torch._foreach_mul(locals_, 1.0))  # fresh copies in one call (x * 1.0 == x)
-            else:
-                self._before = [t.to(torch.float32, copy=True) for t in locals_]
+            # memory: the fp32 snapshot, of every parameter or of this step's part of the groups (within the budget)
+            snapshot.take(locals_, trainer.global_step // self._interval)  # the same part on every rank
+            weights = layout.weights if layout.sharded else None
             grads = [
                 local_tensor(p.grad) if p.grad is not None else t[:0] for p, t in zip(layout.groups.params, locals_)
             ]
-            weights = layout.weights if layout.sharded else None
             # shared with GradNormMonitor on the same step (the same gradient tensors): one pass over the gradients
             norms = step_norms(trainer, grads)
             self._grad_sq, _ = grouped_sq_norms(grads, layout.index, layout.n_groups, weights, norms=norms)
@@ -224,21 +241,17 @@ class UpdateRatio(DebugCallback):
             self._loss_batches += 1
             if len(self._loss_list) >= _LOSSES_HELD:  # a long interval: bounded, one sum on the device, no sync
                 self._fold_losses()
-        if self._before is None:
+        snapshot = self._snapshot
+        if snapshot is None or not snapshot.taken:
             return
         layout = self._layout
         assert layout is not None
-        before, self._before = self._before, None
         step = trainer.global_step - 1  # the optimizer step measured has already incremented global_step
         self._count_labels(trainer, pl_module, batch)
         with torch.no_grad():
             after = [local_tensor(p.detach()) for p in layout.groups.params]
-            # the snapshot becomes before - after in place (no second fp32 copy): its norm is the norm of the change
-            torch._foreach_sub_(before, after)
-            weights = layout.weights if layout.sharded else None
-            delta_sq, _ = grouped_sq_norms(before, layout.index, layout.n_groups, weights)
-            del before
-            param_sq, _ = grouped_sq_norms(after, layout.index, layout.n_groups, weights)
+            # the snapshot becomes before - after in place (no second copy), freed once its norms are taken
+            delta_sq, param_sq, measured = snapshot.change(after)
             zero = delta_sq.new_zeros(1)
             self._fold_losses()
             loss_sum = self._loss_sum.to(zero).reshape(1) if self._loss_sum is not None else zero
@@ -265,10 +278,24 @@ class UpdateRatio(DebugCallback):
         counted, world = bool(counts.numel()), world_size()
         self.reduce_then(
             trainer,
-            lambda reduced: self._conclude(trainer, layout, reduced.sums.float(), counted, skipped, world, step),
+            lambda reduced: self._conclude(
+                trainer, layout, reduced.sums.float(), counted, skipped, world, step, measured
+            ),
             packed.device,
             sums=packed,
         )
+
+    def _plan_snapshot(self, trainer: pl.Trainer, layout: ReductionLayout, snapshot: WeightSnapshot) -> None:
+        """Plan the snapshot's parts within the budget, again when the budget changes (the default one grows once the
+        optimizer has created its state); what they measure less often is recorded once. Host arithmetic on tensor
+        sizes: no tensor data is read, no sync."""
+        state = 0
+        if self.memory_budget_mb is None:
+            state = training_state_bytes(layout.groups.params, trainer.optimizers)
+        if snapshot.replan(budget_bytes(self.memory_budget_mb, state)):
+            assert snapshot.plan is not None
+            for check, reason, setting in plan_notes(snapshot.plan, layout.groups.group_names):
+                self.check_aside(check, reason, setting)
 
     def _fold_losses(self) -> None:
         """Adds the held loss tensors into ``_loss_sum`` (fp32, on the device: no sync) and lets them go."""
@@ -303,6 +330,7 @@ class UpdateRatio(DebugCallback):
         skipped: Tensor | None,
         world: int,
         step: int,
+        measured: tuple[bool, ...] | None = None,
     ) -> None:
         """Log and diagnose the measuring step ``step`` from its ``sums`` reduced over ranks."""
         n = layout.n_groups
@@ -323,7 +351,7 @@ class UpdateRatio(DebugCallback):
             return
         names = layout.groups.group_names
         reading = UpdateReading.from_squares(
-            step, self._lr, names, flat[: 3 * n], flat[3 * n], flat[3 * n + 1], unigram
+            step, self._lr, names, flat[: 3 * n], flat[3 * n], flat[3 * n + 1], unigram, measured
         )
         self.log_scalars(trainer, reading.scalars(self.low, self.high), step=step)
         assert self._facts is not None
@@ -353,7 +381,7 @@ class UpdateRatio(DebugCallback):
             return
         self._counted_batches += 1  # on every rank alike: the packed vector has the same length everywhere
         view = step_batch(trainer, batch)
-        with torch.no_grad():
+        with torch.no_grad():  # memory: V floats on the device, until the step's reduction
             self._counts = label_counts(view.labels, self._vocab, view.keys.ignore_index, device=pl_module.device)
 
     def state_dict(self) -> dict[str, Any]:

@@ -129,6 +129,8 @@ class ActivationHooks:
             try:
                 with torch.no_grad():
                     if layer.from_preactivation:
+                        # memory: the activation recomputed in fp32 from its input (the size of the layer's output),
+                        # on a measuring step, freed after `layer.add`
                         pre, out = output, apply_activation(layer.kind, output.float())
                     else:
                         first = args[0] if args else None

@@ -156,7 +156,7 @@ def zeros_and_alive(output: Tensor) -> tuple[Tensor, Tensor]:
         return output.new_zeros((), dtype=torch.float32), torch.zeros(
             rows.shape[1], dtype=torch.bool, device=output.device
         )
-    nonzero = rows.bool()
+    nonzero = rows.bool()  # memory: one byte per element of the output, on a measuring step, freed at return
     # count_nonzero of a bool tensor does not branch per element; the per-unit maximum of its bytes vectorises
     zeros = (rows.numel() - torch.count_nonzero(nonzero)).float()
     return zeros, nonzero.view(torch.uint8).amax(dim=0).bool()
@@ -171,6 +171,7 @@ def saturated_count(kind: str, pre: Tensor | None, output: Tensor, grad_threshol
         output: the activation's output.
         grad_threshold: an element is saturated when its local gradient magnitude is below this, in a tail.
     """
+    # memory: on a measuring step, temporaries the size of this output (fp32, and a bool mask), freed at return
     if kind == "tanh":
         y = output.float()
         return torch.count_nonzero(1.0 - y * y < grad_threshold).float()

@@ -66,7 +66,7 @@ def abs_range(tensor: Tensor) -> tuple[Tensor, Tensor]:
     One ``abs`` and one fused ``aminmax`` (both propagate nan), no host sync. ``torch.linalg.vector_norm`` with
     ``ord=+-inf`` would avoid the temporary ``abs`` copy but is about 20x slower on CPU.
     """
-    t = local_tensor(tensor.detach()).abs()
+    t = local_tensor(tensor.detach()).abs()  # memory: a copy of the tensor (at a replay or a report, not a step)
     low, high = torch.aminmax(t)
     return low.float(), high.float()
 
@@ -319,6 +319,8 @@ def output_sum(tensor: Tensor) -> Tensor:
         t = local_tensor(t)
     if t.is_complex():
         t = torch.view_as_real(t)
+    # memory: none for fp32, and none on CUDA (which converts fp16/bf16 as it reads); the CPU kernel converts a bf16 or
+    # fp16 output to fp32 first, one output at a time
     return t.sum(dtype=torch.float32)
 
 

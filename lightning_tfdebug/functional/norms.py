@@ -12,6 +12,8 @@ def per_tensor_norms(tensors: Sequence[Tensor]) -> Tensor:
     """L2 norm of each tensor, in fp32, as one 1-D tensor (one fused ``_foreach_norm`` per device/dtype group)."""
     if not tensors:
         return torch.zeros(0)
+    # memory: CUDA reads each tensor in place; the CPU kernel converts a bf16/fp16 tensor to fp32 for its norm, one
+    # tensor at a time (at most the largest such tensor at 4 bytes per element, for the moment of its norm)
     norms = torch._foreach_norm(list(tensors), 2, dtype=torch.float32)
     device = norms[0].device
     if all(n.device == device for n in norms):  # the usual case: no per-tensor copy call

@@ -229,6 +229,7 @@ class Snapshot:
 
     @classmethod
     def of(cls, name: str, param: Tensor) -> Snapshot:
+        # memory: a copy of this rank's part of the parameter, in its dtype, between the two hooks of a measuring step
         return cls(clean_param_name(name), param, local_tensor(param.detach()).clone())
 
     def changed(self) -> Tensor:

@@ -54,6 +54,9 @@ class UpdateReading:
         grad_sq: ``‖grad‖²`` per group before the step.
         mean_loss: the mean training loss of the batches since the previous measurement (NaN: none returned).
         unigram: the supervised labels' unigram entropy, when this step counted them (else NaN).
+        stepped: whether the optimizer changed any weight on this step; None: some group of ``delta_sq`` changed.
+            A snapshot taken in parts (``memory_budget_mb``) measures ``ratios`` and ``delta_sq`` of some groups
+            only; ``total`` then covers those groups, the norms and gradients every group (NaN: none measured).
     """
 
     step: int
@@ -66,6 +69,7 @@ class UpdateReading:
     grad_sq: dict[str, float]
     mean_loss: float = math.nan
     unigram: float = math.nan
+    stepped: bool | None = None
 
     @classmethod
     def from_squares(
@@ -77,30 +81,46 @@ class UpdateReading:
         loss_sum: float = 0.0,
         loss_batches: float = 0.0,
         unigram: float = math.nan,
+        measured: Sequence[bool] | None = None,
     ) -> UpdateReading:
         """The reading of ``squares``: per group ``‖ΔW‖²``, then ``‖W‖²``, then ``‖grad‖²`` (``3 * len(names)``
-        host floats), and the interval's summed loss over ``loss_batches`` batches."""
+        host floats), and the interval's summed loss over ``loss_batches`` batches.
+
+        ``measured``: which groups the snapshot covered on this step (None: all). The ``‖ΔW‖²`` slot of a group not
+        measured holds instead how much its ``‖W‖²`` changed over the step: with the measured changes, it tells
+        whether the optimizer stepped at all (:func:`stuck_groups`)."""
         n = len(names)
         delta_sq, param_sq, grad_sq = squares[:n], squares[n : 2 * n], squares[2 * n : 3 * n]
+        stepped = None if measured is None else sum(delta_sq) > 0  # a group changed, or the norm of one not measured
+        kept = [True] * n if measured is None else [bool(m) for m in measured]
+        delta = [(g, d, w) for g, d, w, m in zip(names, delta_sq, param_sq, kept) if m]
+        total = math.nan
+        if delta:
+            total = math.sqrt(sum(d for _, d, _ in delta)) / max(math.sqrt(sum(w for _, _, w in delta)), 1e-12)
         return cls(
             step=step,
             lr=lr,
-            total=math.sqrt(sum(delta_sq)) / max(math.sqrt(sum(param_sq)), 1e-12),
+            total=total,
             param_norm_total=math.sqrt(sum(param_sq)),
-            ratios={g: math.sqrt(d) / max(math.sqrt(w), 1e-12) for g, d, w in zip(names, delta_sq, param_sq)},
+            ratios={g: math.sqrt(d) / max(math.sqrt(w), 1e-12) for g, d, w in delta},
             param_norms={g: math.sqrt(w) for g, w in zip(names, param_sq)},
-            delta_sq=dict(zip(names, delta_sq)),
+            delta_sq={g: d for g, d, _ in delta},
             grad_sq=dict(zip(names, grad_sq)),
             mean_loss=loss_sum / loss_batches if loss_batches else math.nan,
             unigram=unigram,
+            stepped=stepped,
         )
 
     def scalars(self, low: float, high: float) -> dict[str, float]:
-        """The logged keys (``UpdateRatio.KEYS``), with the healthy band beside the ratios for the dashboard."""
-        out = {"update_ratio/total": self.total, "update_ratio/param_norm/total": self.param_norm_total}
-        for g, ratio in self.ratios.items():
-            out[f"update_ratio/{g}"] = ratio
-            out[f"update_ratio/param_norm/{g}"] = self.param_norms[g]
+        """The logged keys (``UpdateRatio.KEYS``), with the healthy band beside the ratios for the dashboard; the
+        ratios of the groups measured on this step only (all of them unless the snapshot was taken in parts)."""
+        out = {"update_ratio/param_norm/total": self.param_norm_total}
+        if self.ratios:
+            out = {"update_ratio/total": self.total, **out}
+        for g, norm in self.param_norms.items():
+            if g in self.ratios:
+                out[f"update_ratio/{g}"] = self.ratios[g]
+            out[f"update_ratio/param_norm/{g}"] = norm
         out.update({"update_ratio/band/low": low, "update_ratio/band/high": high})
         return out
 
@@ -272,7 +292,7 @@ def below_resolution(step: float, weight_rms: float, eps: float) -> bool:
 def stuck_groups(reading: UpdateReading, streak: Streak, *, patience: int) -> list[str]:
     """The groups that got gradients and did not change while the optimizer stepped (some group changed),
     ``patience`` measurements in a row."""
-    stepped = sum(reading.delta_sq.values()) > 0
+    stepped = sum(reading.delta_sq.values()) > 0 if reading.stepped is None else reading.stepped
     stuck = []
     for g in reading.delta_sq:
         unchanged = stepped and reading.grad_sq[g] > 0 and reading.delta_sq[g] == 0.0
@@ -431,8 +451,8 @@ TFD311 = Rule(
 
 def huge_update(reading: UpdateReading, *, low: float, high: float) -> Verdict | None:
     """TFD311: one step's total ratio above ``high`` (a step that rewrites this much of the weights is damage
-    already: no patience)."""
-    if reading.total <= high:
+    already: no patience). Not judged on a step whose snapshot covered no group."""
+    if reading.total <= high or not reading.ratios:
         return None
     evidence = {
         "update_ratio": reading.total,

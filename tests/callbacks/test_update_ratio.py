@@ -1,3 +1,4 @@
+import json
 import math
 
 import lightning.pytorch as pl
@@ -9,7 +10,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_tfdebug import GradNormMonitor, UpdateRatio
+from lightning_tfdebug import GradNormMonitor, TFDebug, UpdateRatio
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.demo.data import generate_corpus
 from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
@@ -310,6 +311,31 @@ def test_distributed_ratio_matches_the_unsharded_reference(tmp_path, strategy, p
         assert [f for f in found if f["source"] == "UpdateRatio"] == []
 
 
+@pytest.mark.ddp
+def test_a_snapshot_in_parts_under_fsdp2_agrees_on_every_rank(tmp_path):
+    """Every rank snapshots the same part on the same step (planned from global sizes), so the reduced sums of the
+    shards are the groups' norms; the weight norms, measured on every step, match the unsharded reference."""
+    monitor = {
+        "class_path": "lightning_tfdebug.UpdateRatio",
+        "init_args": {"every_n_steps": 1, "memory_budget_mb": 0.05},
+    }
+    spec = {
+        "strategy": "fsdp2",
+        "model": SMALL,
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 4},
+        "callbacks": [{"class_path": "tests.reference.ReferenceUpdateRatio"}, monitor],
+        "extra": "tests.reference:reference_results",
+    }
+    results = run_distributed(tmp_path, spec)
+    for r in results:
+        assert r["error"] is None, r["error"]
+        assert r["metrics"]["update_ratio/param_norm/total"] == pytest.approx(r["extra"]["param_norm"]["3"], rel=1e-4)
+        assert r["metrics"]["update_ratio/head"] > 0  # step 3 measures the fourth part: the head alone
+    ratios = [{k: v for k, v in r["metrics"].items() if k.startswith("update_ratio/")} for r in results]
+    assert len(ratios[0]) > 10 and all(rank == ratios[0] for rank in ratios)
+
+
 class DefaultInitLM(pl.LightningModule):
     """A 3-layer causal transformer LM left at PyTorch's default initialisation (embeddings N(0, 1), Linear layers
     Kaiming-uniform): its untrained logits depend on the input, so its loss varies from batch to batch by more than
@@ -374,3 +400,62 @@ def test_a_fine_tune_of_the_same_model_at_a_fine_tuning_learning_rate_is_not_a_l
     assert "TFD310" not in codes(monitor), [f.format() for f in monitor.findings]
     # what held it back: the run starts most of the way down from ln(V) to the labels' unigram entropy
     assert monitor._memory.first_loss < 0.6 * math.log(128)
+
+
+# ------------------------------------------------------------------------------------------------- the memory budget
+def stood_aside(tmp_path):
+    path = tmp_path / "tb" / "version_0" / "tfdebug" / "stood-aside-rank0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, math.nan, "64", True])
+def test_a_bad_memory_budget_fails_at_construction_naming_it(budget):
+    with pytest.raises((ValueError, TypeError), match="memory_budget_mb"):
+        UpdateRatio(memory_budget_mb=budget)
+    with pytest.raises((ValueError, TypeError), match="memory_budget_mb"):
+        TFDebug(memory_budget_mb=budget)
+
+
+def test_the_pack_passes_its_memory_budget_to_update_ratio():
+    assert TFDebug(memory_budget_mb=8).members["UpdateRatio"].memory_budget_mb == 8.0
+    assert TFDebug().members["UpdateRatio"].memory_budget_mb is None
+
+
+def test_a_snapshot_over_the_memory_budget_is_taken_in_parts_that_cover_every_group(tmp_path):
+    # SMALL TinyGPT: groups of 41, 51, 51, 0.3 and 33 kB; at 0.05 MiB (52 kB) four parts, each group once in four steps
+    runs = {}
+    for name, budget in (("whole", None), ("parts", 0.05)):
+        pl.seed_everything(0)
+        monitor = UpdateRatio(every_n_steps=1, memory_budget_mb=budget)
+        fit(tmp_path / name, [monitor], model=TinyGPT(**SMALL), max_steps=8)
+        runs[name] = read_scalars(tmp_path / name / "tb" / "version_0")
+    whole, parts = runs["whole"], runs["parts"]
+    for group in ("embeddings", "blocks.0", "blocks.1", "other", "head"):
+        steps = [step for step, _ in parts[f"update_ratio/{group}"]]
+        assert len(steps) == 2 and steps[1] - steps[0] == 4, (group, steps)
+        for step, value in parts[f"update_ratio/{group}"]:  # the same ratio as the whole snapshot's at that step
+            assert value == pytest.approx(dict(whole[f"update_ratio/{group}"])[step], rel=1e-5)
+        assert [step for step, _ in parts[f"update_ratio/param_norm/{group}"]] == list(range(8))  # every step
+    assert [step for step, _ in parts["update_ratio/total"]] == list(range(8))
+    [record] = stood_aside(tmp_path / "parts")  # recorded once, not printed
+    assert record["check"] == "UpdateRatio: update ratio of every group on every measuring step"
+    assert "once every 4 measuring steps" in record["reason"] and record["setting"] == "`memory_budget_mb` >= 0.2"
+    assert stood_aside(tmp_path / "whole") == []
+
+
+def test_a_budget_too_small_for_most_groups_measures_those_that_fit_and_names_the_others(tmp_path):
+    monitor = UpdateRatio(every_n_steps=1, memory_budget_mb=0.001)  # 1 kB: only `other` (the final LayerNorm) fits
+    fit(tmp_path, [monitor], max_steps=4)
+    scalars = read_scalars(tmp_path / "tb" / "version_0")
+    ratios = {k for k in scalars if k.startswith("update_ratio/") and "/param_norm/" not in k and "/band/" not in k}
+    assert ratios == {"update_ratio/total", "update_ratio/other"} and monitor.active
+    [record] = stood_aside(tmp_path)
+    assert record["check"] == "UpdateRatio: update ratio of embeddings, blocks.0, blocks.1, head"
+    assert "never measured" in record["reason"]
+
+
+def test_a_group_left_out_of_the_optimizer_is_named_when_measured_in_parts(tmp_path):  # bug 10, head alone in a part
+    monitor = UpdateRatio(every_n_steps=1, memory_budget_mb=0.05)
+    fit(tmp_path, [monitor], model=TinyGPT(head_not_in_optimizer=True, **SMALL), max_steps=13)
+    findings = [f for f in monitor.findings if f.code == "TFD312"]
+    assert findings and findings[0].evidence["groups"] == ["head"] and findings[0].step == 11

@@ -257,3 +257,48 @@ def test_the_memory_round_trips_through_a_state_dict():
     )
     assert list(restored.norms) == [(20, {"a": 1.0})] and math.isnan(restored.unigram)
     assert state["unigram_entropy"] is None
+
+
+# ------------------------------------------------------------------------------------- readings of a snapshot in parts
+def test_a_reading_of_some_groups_judges_those_and_knows_the_optimizer_stepped_from_the_others():
+    # groups a and c measured (‖ΔW‖ = 1e-3 ‖W‖ and 0); b not measured, its slot holds how much its ‖W‖² changed
+    squares = [9e-6, 0.5, 0.0, 9.0, 16.0, 4.0, 1.0, 1.0, 1.0]
+    r = UpdateReading.from_squares(4, 1e-3, ["a", "b", "c"], squares, measured=(True, False, True))
+    assert r.ratios == {"a": pytest.approx(1e-3), "c": 0.0} and set(r.delta_sq) == {"a", "c"}
+    assert r.total == pytest.approx(3e-3 / math.sqrt(13.0))  # over the groups measured on this step
+    assert r.param_norms == {"a": 3.0, "b": 4.0, "c": 2.0} and r.param_norm_total == pytest.approx(math.sqrt(29.0))
+    assert r.stepped is True
+    assert set(r.scalars(3e-4, 0.3)) == {
+        "update_ratio/total",
+        "update_ratio/param_norm/total",
+        "update_ratio/a",
+        "update_ratio/c",
+        *(f"update_ratio/param_norm/{g}" for g in "abc"),
+        "update_ratio/band/low",
+        "update_ratio/band/high",
+    }
+    still = UpdateReading.from_squares(4, 1e-3, ["a", "b"], [0.0, 0.0, 1.0, 1.0, 1.0, 1.0], measured=(True, False))
+    assert still.stepped is False  # nothing measured changed and the other group's norm did not either
+    assert UpdateReading.from_squares(4, 1e-3, ["a"], [0.0, 1.0, 1.0]).stepped is None  # whole: as ever
+
+
+def test_a_group_is_judged_stuck_on_the_measurements_that_cover_it_only():
+    # head (left out of the optimizer) is measured alone every third measurement; the other groups meanwhile
+    streak, stuck = Streak(), []
+    for i in range(9):
+        head_now = i % 3 == 2
+        measured = (not head_now, not head_now, head_now)
+        # a part without head: both groups changed; head alone: unchanged, while embed's norm changed (0.2)
+        delta = [1e-4, 1e-4, 0.0] if not head_now else [0.2, 0.0, 0.0]
+        squares = [*delta, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+        reading = UpdateReading.from_squares(10 * i, 1e-3, NAMES, squares, measured=measured)
+        stuck = stuck_groups(reading, streak, patience=3)
+        if i < 8:
+            assert stuck == []
+    assert stuck == ["head"]  # its third measurement, the ninth measuring step
+
+
+def test_no_ratio_rule_judges_a_step_that_measured_no_group():
+    r = UpdateReading.from_squares(0, 1e-3, ["a"], [0.0, 1.0, 1.0], measured=(False,))
+    assert math.isnan(r.total) and r.ratios == {} and "update_ratio/total" not in r.scalars(3e-4, 0.3)
+    assert huge_update(r, low=3e-4, high=0.3) is None
