@@ -10,8 +10,8 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_tfdebug import TFDebug, TFDebugWarning
-from lightning_tfdebug.demo import TinyGPT
-from tests.helpers import SMALL, fit_tiny
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.helpers import SMALL, fit_tiny, make_trainer
 
 
 def readme_pack() -> TFDebug:
@@ -48,9 +48,10 @@ def test_the_default_pack_flags_a_run_whose_checkpoints_are_all_weights_only(tmp
 
 def test_a_healthy_run_prints_the_summary_and_nothing_else(tmp_path, capsys, caplog):
     pack = readme_pack()
+    trainer = make_trainer(tmp_path, [pack], max_steps=12, log_every_n_steps=4)  # (fit_tiny silences our warnings)
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")
-        fit_tiny(tmp_path, [pack], max_steps=12, log_every_n_steps=4)
+        trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
     ours = [
         str(w.message)
         for w in caught

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -239,8 +240,8 @@ class BatchGuard(DebugCallback):
         if not self._keys_announced:  # once: where the fields were found, when the user should know
             self._keys_announced = True
             notice = checks.fields_notice(view.fields.paths, view.fields.leaves, self._batch_keys.input_key)
-            if notice is not None:
-                rank_zero_warn(notice, category=TFDebugWarning)
+            if notice is not None:  # said in the debug log only: a healthy run prints nothing from the pack
+                logging.getLogger("lightning_tfdebug").debug(notice)
         structure = structure_key(view.fields.leaves)  # host metadata only
         if structure != self._schema.clean:  # a batch shaped like the last one that passed would pass too
             ids_path = view.fields.paths["input_ids"]

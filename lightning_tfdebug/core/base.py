@@ -663,8 +663,8 @@ class DebugCallback(Callback):
         raise TFDebugError(text, findings)
 
     def _warn(self, finding: Finding, synchronized: bool) -> None:
-        if finding.code in self._warned_codes or not self.live_warnings:
-            return
+        if finding.code in self._warned_codes or not self.live_warnings or finding.severity == "info":
+            return  # info is an observation: the end-of-run summary and the report list it, nothing prints it now
         self._warned_codes.add(finding.code)
         if synchronized and finding.rank != 0:
             return  # every rank reached the same finding: rank 0 says it once

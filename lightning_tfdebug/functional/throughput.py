@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lightning_tfdebug.core.batch import StepBatch
 from lightning_tfdebug.core.tracking import RunningWindow
+from lightning_tfdebug.functional.memory import chunked_sums
 from lightning_tfdebug.functional.norms import per_tensor_norms
 
 
@@ -76,8 +77,8 @@ def parameter_checksums(tensors: Sequence[Tensor]) -> Tensor:
             norms[torch.tensor(narrow, device=device)] = narrow_norms.to(device=device, dtype=torch.float64)
         wide_norms = torch._foreach_norm([values[i].double() for i in wide], 2)
         norms[torch.tensor(wide, device=device)] = torch.stack([n.to(device) for n in wide_norms])
-    sums = [v.sum(dtype=torch.float64) for v in values]
-    sums = torch.stack(sums if all(t.device == device for t in sums) else [t.to(device) for t in sums])
+    # memory: one 2 MiB float64 buffer per device, not a float64 copy of each tensor (chunked_sums)
+    sums = chunked_sums(values).to(device)
     return torch.cat([norms, sums])
 
 

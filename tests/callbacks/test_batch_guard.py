@@ -371,7 +371,8 @@ def test_tuple_batches_are_checked_by_position(tmp_path):
     with pytest.raises(TFDebugError, match=expected), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TFDebugWarning)
         trainer.fit(TupleBatches(), train_dataloaders=DataLoader(tuples, batch_size=None))
-    assert any("token ids taken from '0' and labels from '1'" in str(w.message) for w in caught)
+    # where the fields were found goes to the debug log, not to a warning pointing at the library's source
+    assert not any("token ids taken from" in str(w.message) for w in caught)
     assert trainer.global_step == 2
 
 
