@@ -81,7 +81,11 @@ def _restore_schedule_state(held: list[tuple[Any, dict[str, Any]]]) -> None:
     for owner, state in held:
         if "param_groups" in state and isinstance(owner, torch.optim.Optimizer):
             for group, settings in zip(owner.param_groups, state["param_groups"]):
-                group.update(settings)
+                for key, value in settings.items():
+                    if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                        group[key].copy_(value)  # in place: a capturable optimizer's graphs keep its tensor
+                    elif group.get(key) is not value:
+                        group[key] = value
         else:
             owner.load_state_dict(state)
 
