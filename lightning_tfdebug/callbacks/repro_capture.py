@@ -33,38 +33,20 @@ _PROBE_STEPS = 4  # the first batches of a fit (and measuring steps) check wheth
 
 
 class ReproCapture(DebugCallback):
-    r"""Writes ``run.json`` at fit start and, on an exception during training, a replayable bundle.
+    """Writes ``run.json`` at fit start and, on an exception during training, a bundle that replays the failing step.
 
-    At fit start, rank 0 writes ``<trainer.log_dir>/tfdebug/run.json``: seeds, library versions, git commit (and
-    whether the checkout was dirty), command line, world size, strategy, accelerator, precision, accumulation, the
-    module's and the DataModule's saved hyper-parameters.
+    Rank 0 writes ``<log_dir>/tfdebug/run.json`` (seeds, versions, git commit, command line, the Trainer's set-up,
+    hyper-parameters). On every training batch the callback keeps the batch and the RNG states, host-side with no
+    device sync; it runs first among the callbacks, so it holds a batch that another one rejects. When an exception
+    leaves ``trainer.fit``, each rank writes ``<log_dir>/tfdebug/repro/step<k>-rank<r>/``: the batch, the RNG states,
+    the exception, the run set-up and, up to ``max_state_mb`` and unsharded, the model's, optimizers' and LR
+    schedulers' states. Replay it with ``tfdebug replay <bundle> --config <LightningCLI config>`` or
+    :func:`lightning_tfdebug.repro.replay`. The guide, ``docs/callbacks/repro_capture.md``, lists the bundle's files.
 
-    On every training batch it keeps the batch (a reference for CPU batches; for CUDA batches a copy queued into
-    pinned host memory, see ``copy_batch``) and the RNG states (torch CPU and CUDA as the tensors torch returns, a few
-    KB, no device sync; Python and NumPy only when the steps draw from them, see ``capture_rng``).
-    It moves itself to the front of ``trainer.callbacks`` at set-up, so it holds the batch before
-    any other callback can reject it (BatchGuard with ``on_finding="raise"``; replaying such a bundle shows what the
-    model itself does with the batch), and keeps it until the next batch, validation or the epoch's end, so an
-    exception from a later callback's ``on_train_batch_end`` still gets that step's batch.
-
-    When an exception leaves ``trainer.fit``, Lightning calls ``on_exception`` before the exception propagates;
-    each rank then writes ``<trainer.log_dir>/tfdebug/repro/step<k>-rank<r>/`` with the batch, the RNG states taken
-    before the step, the step, batch index and epoch, the exception and its traceback, the run set-up, and the
-    model's ``state_dict()`` as of the failing step when it is at most ``max_state_mb`` (default 512 MB, about 128M
-    fp32 parameters) and not sharded; otherwise the path of the last checkpoint. With the model state go the
-    optimizers' and LR schedulers' ``state_dict()``\ s (``training.pt``), so a failure that depends on Adam's moments
-    or on the LR the schedule reached replays too. The bundle is written into a
-    temporary directory and renamed into place: it is complete or absent, never overwrites an earlier one (a suffix
-    ``-1``, ``-2``... is added), and exists before the exception reaches the user. A part that cannot be copied to
-    the host (the model state after a CUDA device-side assert) is left out and ``bundle.json`` says why.
-
-    Replay it with ``python -m lightning_tfdebug replay <bundle> --config <LightningCLI config>`` or
-    :func:`lightning_tfdebug.repro.replay`. Bundles are data only (JSON and ``torch.load(weights_only=True)``).
-
-    Nothing is logged as a metric.
+    Logged keys: none.
 
     Findings: ``TFD130`` (info) a bundle was written, with its path; ``TFD131`` (warning) the bundle could not be
-    written (the original exception still propagates unchanged) (see ``docs/findings.md``).
+    written (the original exception still propagates unchanged).
 
     Args:
         on_finding: accepted for uniformity; ReproCapture's findings never stop or raise (the run is already failing).
@@ -81,6 +63,7 @@ class ReproCapture(DebugCallback):
 
     Raises:
         ValueError: on an argument outside its allowed range.
+        TypeError: on a flag that is not a bool.
 
     Example:
         ```python
