@@ -1,10 +1,5 @@
-"""CheckpointAudit's rules: each finding code with its text, and the functions that decide it.
-
-The inputs are host values: a loaded checkpoint (a mapping), what it must hold (taken from the live objects at save
-time), the reading of a sharded directory, and the state a resume restored against the live objects' (both of the
-shape of :func:`~lightning_tfdebug.functional.checkpoints.restored_state`). Reading files and live objects is
-:mod:`lightning_tfdebug.core.checkpoints`'s.
-"""
+"""CheckpointAudit's rules: each finding code with its text, and the functions that decide it from host values
+(read from files and live objects by :mod:`lightning_tfdebug.core.checkpoints`)."""
 
 from __future__ import annotations
 
@@ -281,8 +276,7 @@ def _file_name(path: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ saved files
-# Each takes a loaded checkpoint (a mapping), what it must hold (:func:`~lightning_tfdebug.core.checkpoints.
-# expectation` at save time) and the file's path; a verdict is recorded once per code per run.
+# A loaded checkpoint against what it must hold (`core.checkpoints.expectation` at save time).
 def weights_problems(checkpoint: Mapping[str, Any], params: Mapping[str, list[int]], path: str) -> list[Verdict]:
     """``TFD701``: weights missing (no ``state_dict`` at all, or tensors of the module's); ``TFD702``: saved tensors
     of another shape than the module's."""
@@ -394,9 +388,8 @@ def callbacks_problem(checkpoint: Mapping[str, Any], callbacks: Sequence[str], p
 
 
 def content_problems(checkpoint: Mapping[str, Any], expected: Mapping[str, Any], path: str) -> list[Verdict]:
-    """A loaded checkpoint file against what it must hold (``expected``: ``params`` names and shapes, ``optimizers``
-    with ``groups`` / ``with_state`` / ``has_step``, ``schedulers``, ``scaler_key``, ``callbacks``, ``global_step``):
-    ``TFD701``-``TFD708``, in code order."""
+    """``TFD701``-``TFD708``, in code order: a loaded checkpoint against what it must hold (``expected``, from
+    :func:`~lightning_tfdebug.core.checkpoints.expectation`)."""
     found = [
         *weights_problems(checkpoint, expected.get("params", {}), path),
         *optimizer_problems(checkpoint, expected.get("optimizers", []), path),
@@ -409,9 +402,8 @@ def content_problems(checkpoint: Mapping[str, Any], expected: Mapping[str, Any],
 
 
 def weights_only_checkpoint(path: str, resumable_savers: list[str], full_saved: bool, savers: int) -> Verdict:
-    """``TFD709`` for a weights-only file (written without ``on_save_checkpoint``): info when a checkpoint callback
-    keeps full checkpoints (``resumable_savers``) or the run wrote one (``full_saved``), a warning when none can
-    resume the run (a crash then loses the optimizer, scheduler and loop state)."""
+    """``TFD709`` for a weights-only file: info when a checkpoint callback keeps full checkpoints
+    (``resumable_savers``) or the run wrote one (``full_saved``), a warning when none can resume the run."""
     name = _file_name(path)
     prefix = f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state)"
     if resumable_savers or full_saved:
@@ -456,9 +448,8 @@ def damaged_checkpoint(path: str, size: int, error: BaseException, key: str | No
 
 @dataclass(frozen=True)
 class ShardedReading:
-    """What a distributed-checkpoint (``torch.distributed.checkpoint``) directory holds, read from its ``.metadata``
-    and the sizes of its files (no tensor data): whether the metadata exists, the error that loading it raised, the
-    bytes each shard file must hold for the items the metadata places in it, and each one's size (None: missing)."""
+    """A distributed-checkpoint directory, read from its ``.metadata`` and file sizes: ``needed`` bytes per shard file
+    for the items the metadata places in it, and each file's size (None: missing)."""
 
     path: str
     has_metadata: bool = True
@@ -470,8 +461,7 @@ class ShardedReading:
 
 
 def sharded_problems(reading: ShardedReading) -> list[Verdict]:
-    """``TFD716`` for a sharded directory: no metadata (the save did not finish), metadata that does not load, shard
-    files the metadata lists that are missing or shorter than the items they hold. Empty: complete."""
+    """``TFD716`` for a sharded directory without loadable metadata, or with shard files missing or too short."""
     path, key = reading.path, f"sharded:{reading.path}"
     if not reading.has_metadata:
         message = f"Sharded checkpoint {path} has no `.metadata`: the save did not finish (rank 0 writes it last)."
@@ -512,9 +502,7 @@ def load_problems(checkpoint: Mapping[str, Any]) -> list[Verdict]:
     return out
 
 
-# The resume rules take :func:`~lightning_tfdebug.functional.checkpoints.restored_state` (what the checkpoint being
-# loaded holds) and the live objects' reading of the same shape (:func:`~lightning_tfdebug.core.checkpoints.
-# live_state`); a verdict of theirs is recorded once per code per run.
+# What the checkpoint holds (`functional.checkpoints.restored_state`) against the live objects (`live_state`).
 def weights_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any], weight_rtol: float) -> Verdict | None:
     """``TFD710``: weights whose checksums (sum, sum of squares) differ from the checkpoint's beyond ``weight_rtol``,
     or whose dtype changed."""
