@@ -1,14 +1,5 @@
-"""Command line ``tfdebug`` (also ``python -m lightning_tfdebug``):
-
-* ``tfdebug report LOG_DIR``: the run's findings, merged over ranks and callbacks (text, markdown, json or html).
-  Exit status 0 when nothing is at or above ``--fail-on``, 1 otherwise, 2 when the directory cannot be read.
-* ``tfdebug check [--steps N] -- <LightningCLI fit command>``: runs the user's own training command for a few steps
-  with ``TFDebug(preset="full")`` added, then reports and exits like ``report`` (2 when the command is not a
-  LightningCLI ``fit`` or did not start).
-* ``tfdebug replay BUNDLE --config CONFIG``: replays the failing step of a ReproCapture bundle. Exit status 0 when the
-  replayed step raised the recorded exception (same type and message), 1 when it raised something else or nothing,
-  2 when the bundle or the config could not be used.
-"""
+"""Command line ``tfdebug`` (also ``python -m lightning_tfdebug``): ``report``, ``check`` and ``replay``; each
+command's ``--help`` says what it does and what its exit status means."""
 
 from __future__ import annotations
 
@@ -33,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
         "replay",
         help="replay the failing training step of a ReproCapture bundle",
         description="Rebuild the LightningModule, restore the saved state and RNG, run the failing training step on "
-        "the saved batch and show the exception it raises.",
+        "the saved batch and show the exception it raises. Exit status: 0 when it raised the recorded exception (same "
+        "type and message), 1 when it raised another or none, 2 when the bundle or the config cannot be used.",
     )
     rep.add_argument(
         "bundle",
@@ -220,12 +212,8 @@ def _read_result(path: str) -> dict:  # type: ignore[type-arg]
 
 
 def _relay_stderr(proc: subprocess.Popen, started: Callable[[], bool]) -> list[str]:  # type: ignore[type-arg]
-    """Copy the command's standard error to ours as it comes, except a traceback printed before the pack started.
-
-    Such a traceback is the command refusing the preflight (a bad argument, a callback or Lightning rejecting the
-    Trainer): :func:`_not_started` turns it into one sentence. The lines held back are returned; a traceback printed
-    once the pack has started is the training failing, and is shown as it is.
-    """
+    """Copy the command's standard error to ours as it comes, except a traceback printed before the pack started
+    (the command refusing the preflight, which :func:`_not_started` says in one sentence): those lines are returned."""
     held: list[str] = []
     assert proc.stderr is not None
     for raw in iter(proc.stderr.readline, b""):
@@ -338,13 +326,8 @@ def replay_command(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m lightning_tfdebug`` and the ``tfdebug`` console script."""
     args = _parser().parse_args(argv)
-    if args.command == "replay":
-        return replay_command(args)
-    if args.command == "report":
-        return report_command(args)
-    if args.command == "check":
-        return check_command(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    commands = {"replay": replay_command, "report": report_command, "check": check_command}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":
