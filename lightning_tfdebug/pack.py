@@ -59,10 +59,7 @@ MEMBERS: dict[str, type[DebugCallback]] = {
 }
 
 #: Both presets run every member; ``full`` reads every checkpoint back and puts NaNFirstFrame in eager mode.
-PRESET_MEMBERS: dict[str, tuple[str, ...]] = {
-    "always": tuple(MEMBERS),
-    "full": tuple(MEMBERS),
-}
+PRESET_MEMBERS: dict[str, tuple[str, ...]] = {preset: tuple(MEMBERS) for preset in PRESETS}
 PRESET_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
     "always": {"CheckpointAudit": {"reload": False}},
     "full": {"NaNFirstFrame": {"mode": "eager"}},

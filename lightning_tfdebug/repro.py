@@ -42,8 +42,6 @@ class BundleError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------- RNG
-
-
 def capture_rng(host: bool = True, cpu: torch.Tensor | None = None) -> dict[str, Any]:
     """The states of torch's CPU generator and this process's CUDA generator (if initialised). Host-side, no sync.
 
@@ -101,8 +99,6 @@ def restore_rng(state: Mapping[str, Any]) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------- run info
-
-
 def library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("lightning", "numpy", "transformers", "lightning_tfdebug", "torchmetrics"):
@@ -168,8 +164,6 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- bundles
-
-
 def _rebuild(batch: Any, leaf: Callable[[Any, str], Any], path: str = "batch") -> Any:
     """``batch`` with ``leaf(value, path)`` in place of each value that is not a mapping, list or tuple; mappings
     (``BatchEncoding``, ``UserDict``) become dicts and named tuples tuples."""
@@ -438,8 +432,6 @@ def load_bundle(path: str | os.PathLike[str], *, load_model: bool = True) -> Bun
 
 
 # ---------------------------------------------------------------------------------------------- replay
-
-
 @dataclass
 class ReplayResult:
     """What replaying a bundle gave.
@@ -673,8 +665,6 @@ def replay(
 
 
 # --------------------------------------------------------------------------------------------- modules
-
-
 def import_class(path: str) -> type:
     """The class named by ``"package.module.Class"``."""
     module_name, _, name = path.rpartition(".")
