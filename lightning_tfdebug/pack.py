@@ -33,6 +33,7 @@ from lightning_tfdebug.core.reduction import StepReduction
 from lightning_tfdebug.core.scalars import ScalarSink
 from lightning_tfdebug.dashboard import write_dashboard
 from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding
+from lightning_tfdebug.repro import run_first
 
 Preset = Literal["always", "full"]
 PRESETS: tuple[str, ...] = ("always", "full")
@@ -400,10 +401,8 @@ class TFDebug(Callback):
         # manual optimization may step the optimizer several times in one batch (global_step moves inside it), so a
         # decision taken at the batch's start cannot say which steps it trains: every hook runs on every batch
         self._per_step_dispatch = bool(getattr(pl_module, "automatic_optimization", True))
-        if "ReproCapture" in self.running and stage == "fit" and trainer.callbacks and trainer.callbacks[0] is not self:
-            # ReproCapture must take the batch before another callback can reject it; a new list (Lightning is
-            # iterating the current one to call `setup`).
-            trainer.callbacks = [self, *(cb for cb in trainer.callbacks if cb is not self)]
+        if "ReproCapture" in self.running and stage == "fit":
+            run_first(trainer, self)
         self._log_dir = trainer.log_dir or trainer.default_root_dir
         self._summarized = False
         if self.preflight and not self.idle and stage == "fit":
@@ -455,16 +454,13 @@ class TFDebug(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for hook in self._hooks["on_fit_end"]:
             hook(trainer, pl_module)
-        # a collective every rank reaches once, at the end of fit: the other ranks' findings are on disk before rank
-        # 0 reads them for the summary
+        # one collective, at the end of fit: every rank's findings are on disk before rank 0 reads them
         trainer.strategy.barrier("tfdebug_summary")
         self._finish(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not self._set_up:
-            # fit failed before the pack was set up (another callback's setup, the strategy, the model's): the members
-            # never started, so there is nothing of theirs to close or report. A preflight run tells `tfdebug check`
-            # who refused it.
+            # fit failed before the pack was set up: no member started. A preflight tells `tfdebug check` who refused.
             if self.preflight:
                 self._refused(trainer, exception)
             return
@@ -486,8 +482,7 @@ class TFDebug(Callback):
             "members": list(self.members),
             "running": list(self.running),
             "by_hand": self.by_hand,
-            # the checks that did not run, why, and the setting that would let each run: what the report lists apart
-            # from the findings (rank 0's view; every rank's members also record themselves in stood-aside-rank<r>)
+            # rank 0's members that did not run (every rank's also record themselves in stood-aside-rank<r>.jsonl)
             "stood_aside": {
                 n: {"reason": aside["reason"], "setting": aside["setting"]}
                 for n, m in self.running.items()

@@ -127,6 +127,13 @@ def git_commit(cwd: str | None = None) -> dict[str, Any] | None:
     return {"commit": commit, "dirty": bool(status.strip())}
 
 
+def run_first(trainer: Any, callback: Any) -> None:
+    """Put ``callback`` first in ``trainer.callbacks``, so that it holds each batch before another callback can reject
+    it (BatchGuard with ``on_finding="raise"``). A new list: Lightning is iterating the current one (``setup``)."""
+    if callback in trainer.callbacks and trainer.callbacks[0] is not callback:
+        trainer.callbacks = [callback, *(cb for cb in trainer.callbacks if cb is not callback)]
+
+
 def class_path(obj: Any) -> str:
     cls = obj if isinstance(obj, type) else type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"

@@ -22,6 +22,7 @@ from lightning_tfdebug.repro import (
     holds_device_tensors,
     host_copy,
     host_rng_moved,
+    run_first,
     run_info,
     share_host_copy,
     state_size_bytes,
@@ -123,11 +124,7 @@ class ReproCapture(DebugCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        if self in trainer.callbacks and trainer.callbacks[0] is not self:  # (inside TFDebug, the pack moves)
-            # Take the batch first, so that a batch another callback rejects in its own `on_train_batch_start`
-            # (BatchGuard with on_finding="raise") is still in the bundle. A new list, not an in-place move: Lightning
-            # is iterating the current one to call `setup`.
-            trainer.callbacks = [self, *(cb for cb in trainer.callbacks if cb is not self)]
+        run_first(trainer, self)  # (inside TFDebug, the pack runs first)
         self._run = run_info(trainer, pl_module)  # once per fit: a `git rev-parse` subprocess, no device work
         if trainer.is_global_zero:
             write_json_atomic(os.path.join(self.tfdebug_dir, "run.json"), {**self._run, "log_dir": self._log_dir})
