@@ -90,6 +90,12 @@ def _report_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _error(message: str) -> int:
+    """Say ``message`` on standard error and return the exit status of a command that could not do its work."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def _emit_report(run, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     from lightning_tfdebug.report import exit_status, render, summary_line
 
@@ -103,8 +109,7 @@ def _emit_report(run, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
         from lightning_tfdebug.core.io import write_failures, write_text
 
         if not write_text(output, text, warn=False):  # the one writer: atomic, no half-written report
-            print(f"error: cannot write the report to {output}: {write_failures()[-1].error}", file=sys.stderr)
-            return 2
+            return _error(f"cannot write the report to {output}: {write_failures()[-1].error}")
         print(summary_line(run))
         print(f"Report: {output}")
     return exit_status(run.merged, args.fail_on)
@@ -116,8 +121,7 @@ def report_command(args: argparse.Namespace) -> int:
     try:
         run = load_run(args.log_dir)
     except (OSError, ValueError) as err:
-        print(f"error: cannot read {args.log_dir}: {err}", file=sys.stderr)
-        return 2
+        return _error(f"cannot read {args.log_dir}: {err}")
     return _emit_report(run, args)
 
 
@@ -132,22 +136,16 @@ def check_command(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        print(
-            "error: give the training command after `--`, e.g. tfdebug check -- python train.py fit --config c.yaml",
-            file=sys.stderr,
-        )
-        return 2
+        return _error("give the training command after `--`, e.g. tfdebug check -- python train.py fit --config c.yaml")
     if "fit" not in cmd:
         other = next((c for c in cmd if c in _OTHER_SUBCOMMANDS), None)
         said = f"runs `{other}`" if other else "has no `fit` subcommand"
-        print(
-            f"error: the command {said}. tfdebug check runs a LightningCLI `fit` (the pack watches training), e.g. "
+        return _error(
+            f"the command {said}. tfdebug check runs a LightningCLI `fit` (the pack watches training), e.g. "
             "`tfdebug check -- python train.py fit --config config.yaml`. A script built with "
             "LightningCLI(..., run=False) or without LightningCLI cannot take the pack from the command line: add "
-            "`lightning_tfdebug.TFDebug(preset='full')` to its Trainer's callbacks instead.",
-            file=sys.stderr,
+            "`lightning_tfdebug.TFDebug(preset='full')` to its Trainer's callbacks instead."
         )
-        return 2
     if cmd[0] in ("python", "python3"):
         # A bare `python`: the interpreter tfdebug itself runs in, which has the pack and its dependencies (the one
         # on PATH may be another, e.g. when tfdebug is called as `.venv/bin/tfdebug` without activating the venv).
@@ -175,8 +173,7 @@ def check_command(args: argparse.Namespace) -> int:
     try:
         proc = subprocess.Popen([*cmd, *added], env=env, stderr=subprocess.PIPE)
     except OSError as err:
-        print(f"error: cannot run {cmd[0]!r}: {err}", file=sys.stderr)
-        return 2
+        return _error(f"cannot run {cmd[0]!r}: {err}")
     try:
         held = _relay_stderr(proc, started=lambda: bool(_read_result(result).get("log_dir")))
         rc = proc.wait()
@@ -191,8 +188,7 @@ def check_command(args: argparse.Namespace) -> int:
     try:
         run = load_run(log_dir)
     except (OSError, ValueError) as err:
-        print(f"error: cannot read the run's output in {log_dir}: {err}", file=sys.stderr)
-        return 2
+        return _error(f"cannot read the run's output in {log_dir}: {err}")
     status = _emit_report(run, args)
     print(f"tfdebug check: the preflight's logs and findings are in {log_dir}")
     if rc != 0:
@@ -308,8 +304,7 @@ def replay_command(args: argparse.Namespace) -> int:
                 load_state=not args.fresh_weights,
             )
     except BundleError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _error(str(err))
     for note in result.notes:
         print(f"Note   : {note}")
     if result.exception is None:
