@@ -52,10 +52,8 @@ class CheckpointAudit(DebugCallback):
         probe_rows: rows of the first training batch kept as the probe batch (stored in the callback's state).
         loss_rtol: relative tolerance between the probe loss at save time and after resume.
         weight_rtol: relative tolerance of the weight checksums after resume.
-        reload: read every file back and compare resumes with the checkpoint (the default, and ``preset="full"``).
-            ``False`` (the ``always`` preset) judges the dict the strategy writes, in memory, at each save (can this
-            checkpoint resume the run: TFD701-TFD709), and ``load_problems`` on resume; no file is read back, no probe
-            batch is kept and no resume comparison (TFD710-TFD716) runs.
+        reload: read every file back and compare resumes with the checkpoint. ``False`` (the ``always`` preset) judges
+            the dict each save writes, in memory (TFD701-TFD709); no probe batch, no resume comparison (TFD710-TFD716).
 
     Raises:
         ValueError: on an argument outside its allowed range.

@@ -52,15 +52,13 @@ class ReproCapture(DebugCallback):
     Args:
         on_finding: accepted for uniformity; ReproCapture's findings never stop or raise (the run is already failing).
         max_state_mb: largest model state (MB, as stored) saved into a bundle; 0 never saves it.
-        capture_rng: keep the RNG states of every batch (needed to replay dropout and other random ops exactly):
-            torch's CPU and CUDA generators always; Python's and NumPy's global generators once a probed batch (the
-            first four of a fit, then measuring steps) showed that the training step draws from them.
+        capture_rng: keep the RNG states of every batch, to replay dropout and other random ops exactly (Python's and
+            NumPy's only once a probed batch showed that the training step draws from them).
         capture_exceptions_outside_training: also write a bundle (without a batch) for exceptions raised outside a
             training batch (validation, data loading, hooks).
-        copy_batch: ``"auto"`` (default) queues a copy of each batch that holds CUDA tensors into pinned host
-            memory (``non_blocking``: no host sync), so a CUDA device-side assert, after which every CUDA call fails,
-            cannot take the batch with it; CPU batches are kept by reference. ``"always"`` also clones CPU batches
-            (use it when ``training_step`` edits the batch in place). ``"never"`` keeps only a reference.
+        copy_batch: ``"auto"`` queues a host copy of each CUDA batch (no host sync; it outlives a device-side assert)
+            and keeps CPU batches by reference; ``"always"`` also clones CPU batches (for a ``training_step`` that edits
+            its batch in place); ``"never"`` keeps only a reference.
 
     Raises:
         ValueError: on an argument outside its allowed range.
