@@ -96,8 +96,8 @@ class Finding:
 
     def format(self) -> str:
         """Human-readable multi-line rendering, used for warnings and TensorBoard text."""
-        lines = [f"[{self.code}] {self.severity.upper()} from {self.source} at step {self.step} (rank {self.rank}):"]
-        lines.append(f"  {self.message}")
+        header = f"[{self.code}] {self.severity.upper()} from {self.source} at step {self.step} (rank {self.rank}):"
+        lines = [header, f"  {self.message}"]
         if self.evidence:
             shown = ", ".join(f"{k}={format_value(v)}" for k, v in self.evidence.items())
             lines.append(f"  evidence: {shown}")

@@ -186,14 +186,11 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     log_dir = runs[0]
     tfdebug_dir = os.path.join(log_dir, "tfdebug")
     findings = [f for p in _files(tfdebug_dir, "findings-rank*.jsonl") for f in read_findings(p)]
-    pack = None
-    pack_file = os.path.join(tfdebug_dir, "pack.json")
-    if os.path.isfile(pack_file):
-        try:
-            with open(pack_file, encoding="utf-8") as f:
-                pack = json.load(f)
-        except (OSError, ValueError):
-            pack = None  # cut short by a crash: the findings still stand
+    try:
+        with open(os.path.join(tfdebug_dir, "pack.json"), encoding="utf-8") as f:
+            pack = json.load(f)
+    except (OSError, ValueError):  # absent, or cut short by a crash: the findings still stand
+        pack = None
     nan_reports = _files(tfdebug_dir, "nan-step*-rank*.txt")
     aside = [r for p in _files(tfdebug_dir, "stood-aside-rank*.jsonl") for r in _read_aside(p)]
     return Run(log_dir, tfdebug_dir, findings, pack, nan_reports, runs[1:], aside)
