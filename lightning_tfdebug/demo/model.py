@@ -81,13 +81,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, activation: str, bias_init: float | None) -> None:
+    def __init__(self, d_model: int, activation: str) -> None:
         super().__init__()
         self.fc = nn.Linear(d_model, 4 * d_model)
         self.act = _ACTIVATIONS[activation]()
         self.proj = nn.Linear(4 * d_model, d_model)
-        if bias_init is not None:
-            nn.init.constant_(self.fc.bias, bias_init)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(self.act(self.fc(x)))
@@ -97,9 +95,9 @@ class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, activation: str, residual: bool, **attn: Any) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, **{k: attn[k] for k in ("causal", "use_padding_mask")})
+        self.attn = CausalSelfAttention(d_model, n_heads, **attn)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, activation, attn.get("bias_init"))
+        self.mlp = MLP(d_model, activation)
         self.residual = residual
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -180,26 +178,25 @@ class TinyGPT(pl.LightningModule):
                 residual=not no_residual,
                 causal=not no_causal_mask,
                 use_padding_mask=not no_padding_mask,
-                bias_init=mlp_bias_init,
             )
             for _ in range(n_layers)
         )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
-        if mlp_bias_init is not None:
+        if mlp_bias_init is not None:  # bug 14, after the initialisation that zeroes biases
             for block in self.blocks:
                 nn.init.constant_(block.mlp.fc.bias, mlp_bias_init)
         if overflow_module is not None:
-            modules = dict(self.named_modules())
-            if overflow_module not in modules:
-                raise ValueError(f"`overflow_module` {overflow_module!r} is not a module of TinyGPT.")
-            modules[overflow_module].register_forward_hook(_Scale(1e5))
+            self._submodule(overflow_module, "overflow_module").register_forward_hook(_Scale(1e5))
         if nan_module is not None:
-            modules = dict(self.named_modules())
-            if nan_module not in modules:
-                raise ValueError(f"`nan_module` {nan_module!r} is not a module of TinyGPT.")
-            modules[nan_module].register_forward_hook(self._nan_hook)
+            self._submodule(nan_module, "nan_module").register_forward_hook(self._nan_hook)
+
+    def _submodule(self, name: str, argument: str) -> nn.Module:
+        modules = dict(self.named_modules())
+        if name not in modules:
+            raise ValueError(f"`{argument}` {name!r} is not a module of TinyGPT.")
+        return modules[name]
 
     def _nan_hook(self, module: nn.Module, args: Any, output: Tensor) -> Tensor:
         """Bug 23 inside a module: its output becomes NaN on one rank (or all) from ``nan_at_step``."""
