@@ -376,8 +376,9 @@ class TFDebug(Callback):
         if self.idle and leader.preflight and not self.preflight:
             if trainer.is_global_zero:
                 pack_warning(
-                    f"the preflight pack (tfdebug check) runs instead of the configured {self._describe()}, with its "
-                    "batch settings, exclude and overrides; the configured pack stands aside for this run.",
+                    "the preflight pack (tfdebug check) runs instead of the configured "
+                    f"TFDebug(preset={self.preset!r}), with its batch settings, exclude and overrides; the configured "
+                    "pack stands aside for this run.",
                     TFDebugWarning,
                 )
         elif self.idle:
@@ -409,9 +410,6 @@ class TFDebug(Callback):
             self._start_preflight(trainer)
         for hook in self._hooks["setup"]:
             hook(trainer, pl_module, stage)
-
-    def _describe(self) -> str:
-        return f"TFDebug(preset={self.preset!r})"
 
     def _take_over(self, configured: Sequence[TFDebug]) -> None:
         """A preflight pack in a Trainer whose config already holds a pack: take that pack's batch settings
