@@ -316,32 +316,32 @@ TFD233 = Rule(
     "warning",
     "LossAtInit",
     title=(
-        "the loss is pinned at the floor of a bounded transform applied after the forward (sigmoid or tanh in "
-        "training_step or a loss wrapper)"
+        "the returned loss stays far above the cross-entropy of the model's own logits: a bound or squashing between "
+        "the forward and the loss (sigmoid, a tanh soft-cap, clamp)"
     ),
     trigger=(
-        "on every compared step (the measuring steps nearest half-way and three quarters to the check, and the "
-        "check) the returned loss is above the recorded logits' cross-entropy by more than 3%, it fell by at most "
-        "4% of itself over those steps, it stays above the logits' best loss at any temperature by 10% of ln(V) "
-        "and above the labels' unigram entropy by 5% of ln(V), and the logits' range grew by 10% or more; the "
-        "message names the width w whose floor ln(1 + (V-1) e^-w) the loss sits on"
+        "on every compared step (at least two: the measuring steps nearest half-way and three quarters to the check, "
+        "and the check) the returned loss is above the recorded logits' cross-entropy by more than 20% of it and 10% "
+        "of ln(V), and neither label smoothing nor a temperature explains it; or it is pinned at a floor: above by "
+        "more than 3%, it fell by at most 4% of itself, stays above the logits' best loss at any temperature by 10% of "
+        "ln(V) and above the labels' unigram entropy by 5% of ln(V) while the logits' range grew by 10% (the message "
+        "then names the width w whose floor ln(1 + (V-1) e^-w) the loss sits on)"
     ),
     hint=(
-        "Something between the model's output and the loss confines the logits to a range (a sigmoid, tanh, "
-        "clamp or normalisation in training_step or in a loss module): give the loss the raw logits and apply the "
-        "squashing only where probabilities or scores are needed."
+        "Something between the model's output and the loss confines the logits to a range (a sigmoid, a soft-cap "
+        "c * tanh(logits / c) with c too small, a clamp or normalisation in training_step or in a loss module): give "
+        "the loss the raw logits and apply the squashing only where probabilities or scores are needed. If a term "
+        "added to the loss is meant to outweigh the cross-entropy, this finding is expected."
     ),
     reason=(
-        "Measured: the loss stays at a floor above what the data allows while the model's own logits predict "
-        "better; no training can lower it"
+        "Measured: the loss the optimizer minimises stays far above what the model's own logits give; no training "
+        "brings it down to them"
     ),
     message=_TRANSFORM_HEAD
     + (
-        ": the loss stays at {floor:.3f}{data}, while the logits reach {best:.3f} and their range keeps growing "
-        "({first_range:.3g} -> {last_range:.3g}). That is the floor ln(1 + (V-1) e^-w) = {floor:.3f} of outputs "
-        "confined to a range of width w = {width:.2f} (V={vocab}): something between the model's output and the loss "
-        "squashes the logits (a sigmoid, tanh, clamp or normalisation in training_step or a loss wrapper), and no "
-        "cross-entropy of squashed logits can go lower."
+        ": at step {last_step} the loss is {last_loss:.4g}, {gap:.3g} nats above the logits' own {last_ce:.4g}"
+        "{detail}. Something between the model's output and the loss squashes or bounds the logits (a sigmoid, tanh, "
+        "clamp or normalisation in training_step or a loss wrapper), and the loss trains the squashed logits."
     ),
 )
 
@@ -378,8 +378,8 @@ TFD235 = Rule(
     title="the returned loss is not the cross-entropy of the model's logits, and no known transform explains it",
     trigger=(
         "on every compared step the returned loss differs from the recorded logits' cross-entropy by more than "
-        "3%, and neither a bound (TFD233), label smoothing, a temperature (TFD234), a constant factor nor an "
-        "added term of at most 20% explains it; the message gives both numbers"
+        "3%, and neither a bound or a loss far above them (TFD233), label smoothing, a temperature (TFD234), a "
+        "constant factor nor an added term of at most 20% explains it; the message gives both numbers"
     ),
     hint=(
         "Check what training_step does to the logits before the loss, or point `logits_module` at the module "
@@ -388,9 +388,8 @@ TFD235 = Rule(
     reason="An observation: the disagreement is measured, but no harm to this run is",
     message=_TRANSFORM_HEAD
     + (
-        ", and neither a bound, label smoothing, a temperature, a constant factor nor a small added term explains it: "
-        "at step {last_step} the returned loss is {last_loss:.4g}, the logits' cross-entropy {last_ce:.4g}. The loss "
-        "trains something other than these logits."
+        ", and no bound, label smoothing, temperature, constant factor or small added term explains it: at step "
+        "{last_step} the returned loss is {last_loss:.4g}, the logits' cross-entropy {last_ce:.4g}."
     ),
 )
 
@@ -418,78 +417,55 @@ RULES: tuple[Rule, ...] = (
 """The rules decided in this module, in code order."""
 
 MASKED_LM_SHARE = 0.5
-"""A masked-LM objective: one input token (the mask) fills at least this share of the supervised positions."""
+"""Masked-LM labels: one input token (the mask) fills at least this share of the supervised positions ..."""
 MASKED_LM_SUPERVISED = 0.5
 """... and at most this fraction of the label positions is supervised (BERT masks 15%)."""
 MASKED_LM_CHECK_FACTOR = 5
-"""Masked-LM objectives sit at the unigram entropy for a while before they learn: their check runs this many times
-later than ``check_step``."""
+"""Masked-LM objectives sit at the unigram entropy longer: their check runs this many times later."""
 CONTEXT_GAP = 0.01
-"""TFD231/TFD232 when the loss on the batch's own labels is better than on its neighbour's by less than this
-fraction."""
+"""TFD231/TFD232: the own labels' loss beats the neighbour's by less than this fraction."""
 UNIGRAM_BAND = (0.85, 1.1)
 """The loss counts as "at the unigram entropy" between these multiples of it."""
 FLOOR_PINNED = 0.3
-"""TFD230 when the loss is above the floor by at most this fraction of the way from the floor up to ln(V): the
-outputs put the target at the top of the range and the rest at the bottom (an unbounded model that learns spreads
-its logits, and its loss stays well above its floor: 0.4 of that way and more in the tests' healthy runs)."""
+"""TFD230: the loss is above the floor by at most this fraction of the way up to ln(V) (healthy runs: 0.4 and more)."""
 FLOOR_ABOVE_DATA = 0.05
-"""... and the floor is above the labels' unigram entropy by at least this fraction of ln(V)."""
+"""... and the floor is above the labels' unigram entropy by at least this fraction of ln(V) ..."""
 RANGE_SPREAD = 0.05
-"""... and the rows' logit ranges differ by at most this fraction of their mean (standard deviation over mean): a
-bound confines every row to the same width once the loss presses against it (a saturated tanh: 0.009); an unbounded
-model that learned a confident answer early (a model copying its input at step 25, its logits still narrow: 0.13)
-or a healthy one (0.12) spreads them."""
+"""... and the rows' ranges spread by at most this fraction of their mean (a saturated tanh: 0.009; healthy: 0.12)."""
 STALL_STEPS = 20
-"""TFD232 claims a stall at the unigram entropy only over a window of at least this many optimizer steps: models
-pass through the unigram level (and a lightly pretrained one starts there), so a short window is no stall."""
+"""TFD232 claims a stall at the unigram entropy only over a window of at least this many steps."""
 RELATION_MARGIN = 0.2
-"""Labels belong to inputs (or to the neighbour's) when they repeat them at half the positions and this much more
-often than the other's."""
+"""Labels belong to inputs (own or the neighbour's) that they repeat at half the positions and this much more often."""
 COPY_RISE = 0.1
 """TFD226 needs the copy rate to have risen by this much since init (tied embeddings copy from the start)."""
 NORMALIZED_ROWS = 0.99
 """Fraction of sampled rows that must be probabilities (or log-probabilities) for TFD220 (TFD221)."""
 _COUNT_MATCH = math.log(1.15)
-"""A loss factor within 15% of a count of the batch names it (the counts are far apart: rows, length, tokens)."""
+"""A loss factor within 15% of a count of the batch names it."""
 
-
-# ------------------------------------------------------------------ the returned loss against the logits' own
+# the returned loss against the logits' own cross-entropy (measured values: docs/callbacks/loss_at_init.md)
 AGREE = 0.03
-"""The returned loss agrees with its logits' cross-entropy within this fraction of it (or three standard errors of the
-sampled rows' mean, when the rows are a sample): 0 on every healthy run of the tests, where the loss is that
-cross-entropy; 6% and more under a temperature of 2, 20% and more under a bound."""
+"""The returned loss agrees with the logits' cross-entropy within this fraction (or three standard errors)."""
 PINNED_FALL = 0.04
-"""A bounded transform pins the loss: it fell by at most this fraction of its value over the compared steps (TinyGPT
-with a sigmoid or a tanh in the step: 1.8% and 2.5% from step 50 to 100; healthy runs, with or without label smoothing
-or a temperature: 17% and more; ``2 tanh(x / 2)``, a bound the loss has not reached yet: 10%) ..."""
+"""A bound pins the loss: it fell by at most this fraction of itself over the compared steps ..."""
 LOSS_FOLLOWS = 0.5
-"""... or by less than this fraction of what the logits' own cross-entropy fell over them: the logits learn, the loss
-cannot follow (a tanh in a loss module on EncoderLM: 0.29, on TinyGPT 0.30; label smoothing 0.82, an auxiliary loss
-0.96, a temperature more than 1, ``2 tanh(x / 2)`` 0.74)."""
+"""... or by less than this fraction of the logits' own cross-entropy's fall ..."""
 PINNED_GAP = 0.1
-"""... and sits above what the recorded logits reach at their best temperature by at least this fraction of ln(V)
-(1.4 and 1.9 nats in the tests, 0.56 at V = 259) ..."""
+"""... and sits this fraction of ln(V) above what the logits reach at their best temperature ..."""
 RANGE_GROWTH = 0.1
-"""... while the logits' range grew by at least this fraction over the compared steps: a squash past the forward
-keeps pushing its input outwards and the loss does not move (22% and 61% in the tests); a loss at rest because the
-model has stopped learning leaves the logits at rest too."""
+"""... while the logits' range grew by at least this fraction (a squash keeps pushing its input outwards)."""
+FAR_ABOVE = 0.1
+"""TFD233 without a floor: the loss is above the logits' cross-entropy by this fraction of ln(V) and ADDED_TERM."""
 SMOOTHING_SPREAD = (0.01, 0.1)
-"""Label smoothing ``e`` explains the loss when ``e = (loss - ce) / (uniform - ce)`` is the same at every compared
-step: within ``max(0.01, 0.1 e)`` (exactly 0.100 at every step for ``label_smoothing=0.1`` in the tests)."""
+"""Label smoothing: ``e = (loss - ce) / (uniform - ce)`` is the same at every step within ``max(0.01, 0.1 e)``."""
 TEMPERATURE_MATCH = 0.03
-"""A temperature explains the loss when one multiplier ``b = 1/T`` of the logits gives it at every compared step, within
-this fraction of ``b`` (exact in the tests; label smoothing's nearest multiplier drifts 7% over the same steps, a
-sigmoid's 50%)."""
+"""A temperature: one multiplier ``b = 1/T`` gives the loss at every compared step within this fraction ..."""
 TEMPERATURE_MIN = math.log(1.25)
-"""... and ``|ln b|`` is at least this: a temperature within 25% of 1 is no transform worth naming."""
+"""... and ``|ln b|`` is at least this."""
 SCALE_SPREAD = math.log(1.1)
-"""A constant factor explains the loss (``loss / k`` for manual accumulation, a sum over one count divided by
-another) when ``loss / ce`` varies by at most 10% over the compared steps."""
+"""A constant factor (``loss / k`` for manual accumulation): ``loss / ce`` varies by at most 10%."""
 ADDED_TERM = 0.2
-"""An added term (a z-loss, an auxiliary loss) explains a returned loss above the logits' cross-entropy by at most
-this fraction of it."""
-
+"""An added term (z-loss, auxiliary loss) lifts the loss above the logits' cross-entropy by at most this fraction."""
 
 COMPARE_FRACTIONS = (0.5, 0.75)
 """Besides the check, the returned loss is compared with the recorded logits on the first measuring steps at or after
@@ -1313,30 +1289,13 @@ class LossReading:
     supervised_share: float = float("nan")  # supervised label positions over all of them, in the whole batch
 
     def to_list(self) -> list[Any]:
-        return [
-            self.step,
-            self.loss,
-            self.ce,
-            self.ce_error,
-            self.uniform,
-            self.logit_range,
-            list(self.beta_ce),
-            self.supervised_share,
-        ]
+        return [list(v) if isinstance(v, tuple) else v for v in dataclasses.astuple(self)]
 
     @classmethod
     def from_list(cls, value: Sequence[Any]) -> LossReading:
         step, loss, ce, error, uniform, logit_range, betas, *rest = value
-        return cls(
-            int(step),
-            float(loss),
-            float(ce),
-            float(error),
-            float(uniform),
-            float(logit_range),
-            tuple(float(b) for b in betas),
-            float(rest[0]) if rest else float("nan"),
-        )
+        numbers = (float(v) for v in (loss, ce, error, uniform, logit_range))
+        return cls(int(step), *numbers, tuple(float(b) for b in betas), float(rest[0]) if rest else math.nan)
 
     @property
     def best(self) -> float:
@@ -1388,18 +1347,15 @@ def bound_width(loss: float, vocab: int) -> float:
 def loss_transform_verdict(
     readings: Sequence[LossReading], vocab: int, unigram_entropy: float = float("nan")
 ) -> Verdict | None:
-    """``TFD233``-``TFD235``: the returned loss disagrees with the cross-entropy of the recorded logits at every
-    compared step (at least two), and what explains it.
+    """``TFD233``-``TFD235``: the returned loss disagrees with the recorded logits' cross-entropy at every compared
+    step (at least two), and what explains it. First match wins:
 
-    First match wins:
-
-    * it agrees at some step (within :data:`AGREE`, or three standard errors of a sampled mean): nothing, unless
-      one temperature gives the loss at every step (the logits of a model that compensates a temperature cross
-      their own cross-entropy with that of ``logits / T`` on the way);
-    * the loss is pinned above what the logits and the data allow (:func:`_pinned`): a bounded transform between the
-      logits and the loss, ``TFD233`` (warning), with the width ``w`` whose floor the loss sits on;
+    * it agrees at some step (:data:`AGREE`, or three standard errors of a sampled mean): nothing, unless one
+      temperature gives the loss at every step (a model compensating a temperature crosses it on the way);
+    * the loss is pinned at the floor of a bound (:func:`_pinned`): ``TFD233``, naming the bound's width ``w``;
     * label smoothing (:data:`SMOOTHING_SPREAD`): nothing;
-    * a temperature (:data:`TEMPERATURE_MATCH`, :data:`TEMPERATURE_MIN`): ``TFD234`` (info), with ``T``;
+    * a temperature (:data:`TEMPERATURE_MATCH`, :data:`TEMPERATURE_MIN`): ``TFD234`` (info);
+    * the loss far above the logits' cross-entropy at every step (:attr:`LossReading.far_above`): ``TFD233``;
     * a constant factor (:data:`SCALE_SPREAD`) or a small added term (:data:`ADDED_TERM`): nothing;
     * else ``TFD235`` (info) with both numbers.
     """
@@ -1409,7 +1365,6 @@ def loss_transform_verdict(
     agreeing = [abs(r.loss - r.ce) <= max(AGREE * r.ce, 3.0 * r.ce_error) for r in points]
     if all(agreeing):
         return None  # the loss is the logits' cross-entropy
-    agree = any(agreeing)
     first, last = points[0], points[-1]
     expected = uniform_loss(vocab)
     evidence: dict[str, Any] = {
@@ -1426,45 +1381,47 @@ def loss_transform_verdict(
         "last_step": last.step,
         "returned": _series(r.loss for r in points),
         "logits_ce": _series(r.ce for r in points),
+        "last_loss": last.loss,
+        "last_ce": last.ce,
     }
-    if not agree and _pinned(points, expected, unigram_entropy):
-        data = (
-            f", above the labels' unigram entropy ({unigram_entropy:.3f}) that learning the token frequencies alone "
-            "gives"
-            if math.isfinite(unigram_entropy)
-            else ""
-        )
-        bound = {**evidence, "width": bound_width(last.loss, vocab), "floor": last.loss}
-        ranges = {"first_range": first.logit_range, "last_range": last.logit_range}
-        return TFD233.verdict(bound, step=last.step, data=data, best=last.best, vocab=vocab, **ranges, **head)
-    if _label_smoothing(points):
+    pinned = not any(agreeing) and _pinned(points, expected, unigram_entropy)
+    if not pinned and _label_smoothing(points):
         return None  # label smoothing: healthy
-    shared = _shared_temperature(points)  # a model compensating a temperature crosses CE(logits) = CE(logits / T)
+    shared = None if pinned else _shared_temperature(points)  # a model compensating T crosses CE(logits / T)
     if shared is not None and abs(math.log(shared)) >= TEMPERATURE_MIN:
         temperature = 1.0 / shared
         direction = "sharper" if temperature > 1 else "flatter"
         return TFD234.verdict(
             {**evidence, "temperature": temperature}, severity="info", step=last.step, direction=direction, **head
         )
-    if agree or _explained_difference(points):
+    if pinned or all(_far_above(r, expected) for r in points):
+        detail = ""
+        if pinned:  # the width whose floor the loss sits on
+            evidence.update(width=bound_width(last.loss, vocab), floor=last.loss)
+            data = f", above the labels' unigram entropy ({unigram_entropy:.3f})" if unigram_entropy > 0 else ""
+            detail = (
+                f"; it stays at the floor ln(1 + (V-1) e^-w) of outputs confined to a range of width w = "
+                f"{evidence['width']:.2f} (V={vocab}){data}, while the logits reach {last.best:.3f} and their range "
+                f"keeps growing ({first.logit_range:.3g} -> {last.logit_range:.3g})"
+            )
+        return TFD233.verdict(evidence, step=last.step, gap=last.loss - last.ce, detail=detail, **head)
+    if any(agreeing) or _explained_difference(points):
         return None
-    return TFD235.verdict(evidence, severity="info", step=last.step, last_loss=last.loss, last_ce=last.ce, **head)
+    return TFD235.verdict(evidence, severity="info", step=last.step, **head)
 
 
 def _pinned(points: Sequence[LossReading], expected: float, unigram_entropy: float) -> bool:
-    """A bounded transform pins the returned loss: above the logits' cross-entropy at every point, it fell by at most
-    :data:`PINNED_FALL` of itself or by less than :data:`LOSS_FOLLOWS` of what the logits' cross-entropy fell, stays
-    :data:`PINNED_GAP` of ln(V) above the logits' best loss at any temperature and, when the labels' unigram entropy is
-    known, :data:`FLOOR_ABOVE_DATA` of ln(V) above it, below ln(V), while the logits' range grew by
+    """A bound pins the returned loss: above the logits' cross-entropy at every point, it fell by at most
+    :data:`PINNED_FALL` of itself or by less than :data:`LOSS_FOLLOWS` of the logits' cross-entropy's fall, stays
+    :data:`PINNED_GAP` of ln(V) above the logits' best loss at any temperature and (when known)
+    :data:`FLOOR_ABOVE_DATA` of ln(V) above the labels' unigram entropy, below ln(V), while the logits' range grew by
     :data:`RANGE_GROWTH`."""
     first, last = points[0], points[-1]
     above_data = not math.isfinite(unigram_entropy) or last.loss >= unigram_entropy + FLOOR_ABOVE_DATA * expected
+    fell = first.loss - last.loss
     return (
         all(r.loss > r.ce for r in points)
-        and (
-            first.loss - last.loss <= PINNED_FALL * last.loss
-            or first.loss - last.loss < LOSS_FOLLOWS * (first.ce - last.ce)
-        )
+        and (fell <= PINNED_FALL * last.loss or fell < LOSS_FOLLOWS * (first.ce - last.ce))
         and all(r.loss - r.best >= PINNED_GAP * expected for r in points)
         and last.logit_range >= (1.0 + RANGE_GROWTH) * first.logit_range
         and above_data
@@ -1472,27 +1429,30 @@ def _pinned(points: Sequence[LossReading], expected: float, unigram_entropy: flo
     )
 
 
+def _far_above(r: LossReading, expected: float) -> bool:
+    """The loss is above the logits' cross-entropy by more than an added term explains: :data:`ADDED_TERM` of it,
+    :data:`FAR_ABOVE` of ln(V) and three standard errors of a sampled mean."""
+    return r.loss - r.ce > max(ADDED_TERM * r.ce, FAR_ABOVE * expected, 3.0 * r.ce_error)
+
+
 def _label_smoothing(points: Sequence[LossReading]) -> bool:
-    """Label smoothing explains the loss: ``e = (loss - ce) / (uniform - ce)`` is the same at every point
-    (:data:`SMOOTHING_SPREAD`)."""
+    """The same smoothing ``e = (loss - ce) / (uniform - ce)`` at every point, within :data:`SMOOTHING_SPREAD`."""
     eps = [(r.loss - r.ce) / (r.uniform - r.ce) for r in points if r.uniform > r.ce]
     if not (len(eps) == len(points) and min(eps) > 0 and max(eps) <= 0.5):
         return False
-    mean = sum(eps) / len(eps)
     low, rel = SMOOTHING_SPREAD
-    return max(eps) - min(eps) <= max(low, rel * mean)
+    return max(eps) - min(eps) <= max(low, rel * sum(eps) / len(eps))
 
 
 def _explained_difference(points: Sequence[LossReading]) -> bool:
-    """A healthy difference: a constant factor (``loss / k`` for manual accumulation, another count's mean: ``TFD229``
-    at step 0), a sum over the supervised tokens divided by every label position (padding included), or an added term
-    (z-loss, auxiliary loss)."""
+    """A constant factor (``loss / k`` for manual accumulation), a sum over the supervised tokens divided by every
+    label position (padding included), or a small added term (z-loss, auxiliary loss)."""
     ratios = [r.loss / r.ce for r in points]
-    if min(ratios) > 0 and math.log(max(ratios) / min(ratios)) <= SCALE_SPREAD:
+    if min(ratios) <= 0:
+        return False
+    if math.log(max(ratios) / min(ratios)) <= SCALE_SPREAD:
         return True
-    if all(abs(math.log(q / r.supervised_share)) <= SCALE_SPREAD for q, r in zip(ratios, points) if q > 0) and all(
-        q > 0 for q in ratios
-    ):
+    if all(abs(math.log(q / r.supervised_share)) <= SCALE_SPREAD for q, r in zip(ratios, points)):
         return True
     return all(0 < r.loss - r.ce <= ADDED_TERM * r.ce for r in points)
 

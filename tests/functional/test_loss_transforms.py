@@ -101,10 +101,21 @@ def test_healthy_transforms_are_explained_and_say_nothing(name, transform):
 def test_an_unexplained_disagreement_is_info_with_both_numbers():
     labels = trained_logits(0.0)[1]
     steps = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
-    verdict = _verdict(steps, labels, lambda x, y: ce(x, y) * (1.5 + x.std()))  # neither factor nor term is fixed
+    verdict = _verdict(steps, labels, lambda x, y: ce(x, y) * (0.9 - 0.3 * x.std()))  # below, no fixed factor
     assert verdict.code == "TFD235" and verdict.severity == "info"
     assert f"{verdict.evidence['returned_loss'][-1]:.4g}" in verdict.message
     assert f"{verdict.evidence['logits_loss'][-1]:.4g}" in verdict.message
+
+
+def test_a_loss_far_above_the_logits_at_every_step_is_a_warning_with_both_numbers():
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
+    verdict = _verdict(steps, labels, lambda x, y: ce(x.sigmoid(), y))
+    assert verdict.code == "TFD233" and RULES["TFD233"].severity == "warning"
+    assert f"{verdict.evidence['returned_loss'][-1]:.4g}" in verdict.message
+    assert f"{verdict.evidence['logits_loss'][-1]:.4g}" in verdict.message
+    # one step far above is no persistent gap
+    assert loss_transform_verdict(readings_of(steps[:1], labels, lambda x, y: ce(x.sigmoid(), y)), V) is None
 
 
 def _reading(step, loss, ce_value, logit_range, best=None):
@@ -122,10 +133,11 @@ def test_a_loss_pinned_above_the_data_while_the_logits_learn_is_a_bound():
     assert verdict.code == "TFD233" and RULES["TFD233"].severity == "warning"
     assert verdict.evidence["width"] == pytest.approx(bound_width(2.96, V))
     assert math.log1p((V - 1) * math.exp(-verdict.evidence["width"])) == pytest.approx(2.96)
-    # a loss the data alone could bring that low is no floor; logits at rest are no squash pushing them outwards
-    assert loss_transform_verdict(pinned, V, unigram_entropy=2.9).code == "TFD235"
+    # a loss the data alone could bring that low is no floor, logits at rest are no squash pushing them outwards: the
+    # loss is still far above the logits, without a width
     at_rest = [_reading(50, 3.0, 2.0, 6.0), _reading(80, 2.97, 1.8, 6.1), _reading(100, 2.96, 1.6, 6.2)]
-    assert loss_transform_verdict(at_rest, V, unigram_entropy=2.5).code == "TFD235"
+    for verdict in (loss_transform_verdict(pinned, V, 2.9), loss_transform_verdict(at_rest, V, 2.5)):
+        assert verdict.code == "TFD233" and "width" not in verdict.evidence
 
 
 def test_one_reading_or_agreement_says_nothing():
