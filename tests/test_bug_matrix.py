@@ -124,6 +124,7 @@ BUGS: dict[int, str] = {
     33: "loss-only wrapper over token rows, non-causal stack",
     34: "learning rate far too low, PyTorch's default init",
     35: "no resumable checkpoint (weights-only)",
+    40: "a soft-cap far too small in training_step, beside the model's own loss",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -407,6 +408,15 @@ def row_cases() -> dict[tuple[int, str], Case]:
             trainer={"enable_checkpointing": True},
             callbacks=saver(save_weights_only=True),
         )
+    # 40: a Gemma-style soft-cap c * tanh(logits / c), c = 0.75, in training_step; Llama's ModelOutput also carries
+    # the model's own loss of the raw logits
+    cap = "training_step returns the loss of 0.75 * tanh(logits / 0.75)"
+    for fam, module, data, where in (
+        ("encoder_lm", enc(step_squash="softcap"), tuples(), cap),
+        ("gpt2", lambda: BugHFLM("llama", step_squash="softcap", model_loss=True), dicts(), f"Llama(labels=...); {cap}"),
+        ("tinygpt", tiny(step_squash="softcap"), dicts(), cap),
+    ):
+        c[40, fam] = Case(module, data, (owner("TFD233"),), where, steps=AFTER_CHECK)
     return c
 
 

@@ -457,7 +457,9 @@ RANGE_GROWTH = 0.1
 FAR_ABOVE = 0.1
 """TFD233 without a floor: the loss is above the logits' cross-entropy by this fraction of ln(V) and ADDED_TERM."""
 SMOOTHING_SPREAD = (0.01, 0.1)
-"""Label smoothing: ``e = (loss - ce) / (uniform - ce)`` is the same at every step within ``max(0.01, 0.1 e)``."""
+"""Label smoothing: ``e = (loss - ce) / (uniform - ce)`` is the same at every step within ``max(0.01, 0.1 e)`` ..."""
+MAX_SMOOTHING = 0.3
+"""... and at most this (a soft-cap far too small mimics a steady ``e`` of 0.35 to 0.5)."""
 TEMPERATURE_MATCH = 0.03
 """A temperature: one multiplier ``b = 1/T`` gives the loss at every compared step within this fraction ..."""
 TEMPERATURE_MIN = math.log(1.25)
@@ -1438,7 +1440,7 @@ def _far_above(r: LossReading, expected: float) -> bool:
 def _label_smoothing(points: Sequence[LossReading]) -> bool:
     """The same smoothing ``e = (loss - ce) / (uniform - ce)`` at every point, within :data:`SMOOTHING_SPREAD`."""
     eps = [(r.loss - r.ce) / (r.uniform - r.ce) for r in points if r.uniform > r.ce]
-    if not (len(eps) == len(points) and min(eps) > 0 and max(eps) <= 0.5):
+    if not (len(eps) == len(points) and min(eps) > 0 and max(eps) <= MAX_SMOOTHING):
         return False
     low, rel = SMOOTHING_SPREAD
     return max(eps) - min(eps) <= max(low, rel * sum(eps) / len(eps))
