@@ -411,9 +411,10 @@ def row_cases() -> dict[tuple[int, str], Case]:
     # 40: a Gemma-style soft-cap c * tanh(logits / c), c = 0.75, in training_step; Llama's ModelOutput also carries
     # the model's own loss of the raw logits
     cap = "training_step returns the loss of 0.75 * tanh(logits / 0.75)"
+    llama = lambda: BugHFLM("llama", step_squash="softcap", model_loss=True)  # noqa: E731
     for fam, module, data, where in (
         ("encoder_lm", enc(step_squash="softcap"), tuples(), cap),
-        ("gpt2", lambda: BugHFLM("llama", step_squash="softcap", model_loss=True), dicts(), f"Llama(labels=...); {cap}"),
+        ("gpt2", llama, dicts(), f"Llama(labels=...); {cap}"),
         ("tinygpt", tiny(step_squash="softcap"), dicts(), cap),
     ):
         c[40, fam] = Case(module, data, (owner("TFD233"),), where, steps=AFTER_CHECK)
