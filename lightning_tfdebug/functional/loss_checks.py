@@ -1,13 +1,7 @@
-"""LossAtInit's decisions, without a Trainer: what the first loss and the model's outputs say about the loss wiring
-(``TFD220``-``TFD224``, ``TFD227``, ``TFD229``), and, later in the run, whether training has left ln(V) or learned to
-copy its input (``TFD225``, ``TFD226``), whether the outputs are squashed into a range whose floor holds the loss up
-(``TFD230``), whether the loss sits at the labels' unigram entropy because the labels belong to other samples
-(``TFD231``) or the model ignores its context (``TFD232``), whether the returned loss is the logits' cross-entropy
-(``TFD233``-``TFD235``), and that the logits or labels cannot be found (``TFD228``).
-
-The inputs are readings of host floats: the sums and counts of
-:func:`~lightning_tfdebug.functional.loss.step_sums`, added over ranks and moved to the host once by the callback
-(:class:`InitLoss` at step 0, :class:`CheckReading` at the check, :class:`LossReading` on the compared steps).
+"""LossAtInit's decisions, without a Trainer: the first loss and the model's outputs (``TFD220``-``TFD224``,
+``TFD227``-``TFD229``), the check (``TFD225``, ``TFD226``, ``TFD230``-``TFD232``) and the returned loss against the
+logits' own cross-entropy (``TFD233``-``TFD235``), from host readings of the reduced sums of
+:func:`~lightning_tfdebug.functional.loss.step_sums`.
 """
 
 from __future__ import annotations
@@ -475,9 +469,8 @@ these fractions of the way to it."""
 
 
 def compare_steps(check_at: int | None, interval: int) -> tuple[int, ...]:
-    """The measuring steps (multiples of ``interval``) before the check at ``check_at`` on which the returned loss is
-    compared with the recorded logits: the first ones at or after :data:`COMPARE_FRACTIONS` of the way to it. Decided
-    from steps alone, so every rank compares on the same steps."""
+    """The measuring steps (multiples of ``interval``) before the check at or after :data:`COMPARE_FRACTIONS` of the
+    way to it (from steps alone: every rank compares on the same steps)."""
     if check_at is None:
         return ()
     steps = (-(-math.ceil(check_at * f) // interval) * interval for f in COMPARE_FRACTIONS)
@@ -543,16 +536,9 @@ class InitLoss:
 
 
 def follow_returned_loss(host: Mapping[str, float], observed: float) -> tuple[dict[str, float], bool]:
-    """The sums of the label alignment that the loss ``training_step`` returned agrees with.
-
-    ``host`` holds the sums under the configured alignment (``ce_sum``, ``own_ce_sum``, ...) and, where the logits
-    have a time dimension, the same sums under the other one (``other_ce_sum``, ...: :data:`OTHER_ALIGNMENT`). Whether
-    position ``t`` is scored against label ``t`` or ``t + 1`` depends on whether the data or the model shifts the
-    labels, which ``shift_labels`` can only assume (a tuple batch of already shifted targets, a seq2seq decoder's
-    labels). The returned loss is what the user's loss computed, so it says which one is in use: the alignment whose
-    recomputed cross-entropy is closer to it. An untrained model gives ln(V) under either alignment, so the choice
-    changes nothing there; a trained (fine-tuned) model gives its loss only under the right one, and judged under the
-    wrong one its logits look unrelated to its loss.
+    """The sums of the label alignment (``t`` or ``t + 1``) whose recomputed cross-entropy is closer to the returned
+    loss: ``shift_labels`` can only assume who shifts the labels, the returned loss says it (a trained model's
+    logits give its loss only under the right one). ``host`` holds both (:data:`OTHER_ALIGNMENT`).
 
     Returns the values with the matching alignment's sums under the plain names, and whether that is the other one.
     """
@@ -571,8 +557,7 @@ def follow_returned_loss(host: Mapping[str, float], observed: float) -> tuple[di
 
 
 def summarize_init(host: Mapping[str, float], vocab: int) -> InitLoss:
-    """:class:`InitLoss` from the reduced ``init_loss_sums`` and ``copy_sums`` plus ``loss_sum`` / ``loss_n`` (the
-    returned loss summed over the ranks that have one)."""
+    """:class:`InitLoss` from step 0's reduced sums and the returned loss (``loss_sum`` / ``loss_n``)."""
     recomputed = _mean(host["ce_sum"], host["ce_count"])
     rows = max(host["rows"], 1.0)
     return InitLoss(
@@ -594,9 +579,7 @@ def summarize_init(host: Mapping[str, float], vocab: int) -> InitLoss:
 
 
 def late_masked_lm(host: Mapping[str, float]) -> bool:
-    """Masked-LM labels, read at the check of a run whose step 0 was not seen (resumed without the callback's state)
-    from :data:`~lightning_tfdebug.functional.loss.LATE_SUMS`: the reading :attr:`InitLoss.masked_lm` makes at step
-    0, which moves the check to ``MASKED_LM_CHECK_FACTOR * check_step``."""
+    """Masked-LM labels, read at the check of a run resumed without step 0's reading (:data:`LATE_SUMS`)."""
     if not host["late_mask_count"] or not host["late_positions"]:
         return False
     share = host["late_mask_top"] / host["late_mask_count"]
@@ -606,8 +589,7 @@ def late_masked_lm(host: Mapping[str, float]) -> bool:
 
 @dataclass(frozen=True)
 class CheckReading:
-    """The check's measurements, from the reduced sums of the alignment the returned loss follows (host floats; NaN:
-    not measured)."""
+    """The check's measurements under the alignment the returned loss follows (host floats; NaN: not measured)."""
 
     loss: float  # the loss training_step returned (averaged over ranks), else the recomputed one
     recomputed: float  # the logits' own cross-entropy
@@ -638,8 +620,7 @@ class CheckReading:
 
 
 def check_reading(host: Mapping[str, float], vocab: int) -> CheckReading:
-    """:class:`CheckReading` from the check's reduced sums (:data:`~lightning_tfdebug.functional.loss.CHECK_SUMS`,
-    under the alignment :func:`follow_returned_loss` chose) and the returned loss."""
+    """:class:`CheckReading` from the check's reduced sums, under the alignment :func:`follow_returned_loss` chose."""
     recomputed = _mean(host["ce_sum"], host["ce_count"])
     count, rolled, floor, matched = host["count"], host["rolled_count"], host["floor_count"], host["match_count"]
     logit_range, spread = _mean(host["range_sum"], floor), math.nan
@@ -667,6 +648,7 @@ def check_reading(host: Mapping[str, float], vocab: int) -> CheckReading:
 
 HISTORY = 64
 """Measured losses kept for the stall window."""
+_RUN_FLAGS = ("init_done", "check_done", "masked_lm", "probabilities", "token_rows")
 
 
 @dataclass
@@ -728,10 +710,8 @@ class LossRun:
         self.probabilities = init.probabilities
 
     def check_moves(self, host: Mapping[str, float], step: int) -> bool:
-        """A run resumed without this state never showed step 0, where masked-LM labels are recognised and their check
-        moved to ``MASKED_LM_CHECK_FACTOR * check_step`` (a masked LM sits at the unigram entropy far longer than a
-        causal LM). Recognise them at the check instead (:func:`late_masked_lm`); True when the check was moved
-        (nothing is judged at this step)."""
+        """Masked-LM labels recognised at the check of a run resumed without step 0's reading; True when their check
+        moved later (``MASKED_LM_CHECK_FACTOR * check_step``: nothing is judged at this step)."""
         if self.init_done or self.masked_lm or not late_masked_lm(host):
             return False
         self.masked_lm = True
@@ -760,19 +740,10 @@ class LossRun:
         self.readings = [*self.readings, reading][-(len(COMPARE_FRACTIONS) + 1) :]
 
     def to_state(self) -> dict[str, Any]:
-        return {
-            "init_done": self.init_done,
-            "check_done": self.check_done,
-            "init_copy_rate": self.init_copy_rate,
-            "check_at": self.check_at,
-            "masked_lm": self.masked_lm,
-            "vocab": self.vocab,
-            "history": [list(point) for point in self.history],
-            "probabilities": self.probabilities,
-            "token_rows": self.token_rows,
-            "compared": list(self.compared),
-            "loss_readings": [r.to_list() for r in self.readings],
-        }
+        state = {name: getattr(self, name) for name in (*_RUN_FLAGS, "init_copy_rate", "check_at", "vocab")}
+        history = [list(point) for point in self.history]
+        readings = [r.to_list() for r in self.readings]
+        return {**state, "history": history, "compared": list(self.compared), "loss_readings": readings}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], check_step: int | None, vocab: int | None = None) -> LossRun:
@@ -781,16 +752,12 @@ class LossRun:
         return cls(
             check_step=check_step,
             check_at=state.get("check_at", check_step),
-            init_done=bool(state.get("init_done", False)),
-            check_done=bool(state.get("check_done", False)),
             init_copy_rate=float(rate) if rate is not None else None,
-            masked_lm=bool(state.get("masked_lm", False)),
             vocab=state.get("vocab") or vocab,
-            probabilities=bool(state.get("probabilities", False)),
-            token_rows=bool(state.get("token_rows", False)),
             history=[(int(s), float(v)) for s, v in state.get("history", [])],
             compared=[int(s) for s in state.get("compared", [])],
             readings=[LossReading.from_list(r) for r in state.get("loss_readings", [])],
+            **{name: bool(state.get(name, False)) for name in _RUN_FLAGS},
         )
 
 
@@ -811,16 +778,11 @@ def classify_init_loss(
     manual_optimization: bool = False,
     step: int | None = None,
 ) -> list[Verdict]:
-    """The findings of the first loss (measured at ``step``), in the order they are decided.
-
-    ``manual_optimization``: a loss divided by a whole number ``k`` is then the usual scaling for accumulating ``k``
-    batches by hand (Lightning does not divide a manual loss), and says nothing.
-
-    Outputs that are probabilities (``TFD220``) or log-probabilities (``TFD221``, info: :func:`output_kind_verdict`);
-    then, first match wins: no supervised label (``TFD224``), a loss that is not finite (``TFD227``), probabilities
-    (nothing more to say), a loss that is a multiple of the logits' own cross-entropy (``TFD229``,
-    :func:`scaled_loss_verdict`), a loss far above (``TFD222``) or below (``TFD223``) ln(V) by more than
-    ``init_tolerance``.
+    """The findings of the first loss (measured at ``step``): probabilities (``TFD220``) or log-probabilities
+    (``TFD221``); then, first match wins: no supervised label (``TFD224``), a loss that is not finite (``TFD227``),
+    probabilities (nothing more), a multiple of the logits' own cross-entropy (``TFD229``), a loss far above
+    (``TFD222``) or below (``TFD223``) ln(V). ``manual_optimization``: a loss divided by a whole number is then
+    accumulation by hand.
     """
     observed, expected = init.observed, init.expected
     evidence: dict[str, Any] = {
@@ -880,13 +842,9 @@ def _divided_by_whole_number(observed: float, recomputed: float) -> bool:
 
 
 def _below_uniform(init: InitLoss, tolerance: float, evidence: Mapping[str, Any]) -> Verdict:
-    """``TFD223``: the first loss far below ln(V). Its severity depends on whether the logits themselves give it.
-
-    An untrained model's logits are near uniform, so a returned loss far below ln(V) is not their cross-entropy: the
-    loss is not a V-way cross-entropy (NLLLoss on raw logits, a wrong ``vocab_size``, padding averaged in), a warning.
-    When the logits' own cross-entropy is that low too, the model already predicts its labels: weights trained before
-    (fine-tuning, the common case) unless it does so by predicting its current input token, a leak (warning).
-    """
+    """``TFD223``: the first loss far below ln(V): not the logits' V-way cross-entropy (warning); the logits' own,
+    by predicting the current input token (a leak, warning); or the logits' own without copying (info: weights
+    trained before)."""
     observed, expected, recomputed = init.observed, init.expected, init.recomputed
     # weights trained before: the shared reading of "has this model learned?" (functional/learning.py), on the
     # logits' own loss (the labels' unigram entropy is not counted yet at step 0)
@@ -950,13 +908,8 @@ def scaled_loss_verdict(
     counts: Mapping[str, float],
     evidence: Mapping[str, Any] | None = None,
 ) -> Verdict | None:
-    """``TFD229``: the logits give ln(V) but the returned loss is a multiple of that.
-
-    The untrained logits are near uniform (their cross-entropy is within ``tolerance`` of ln(V)), so a returned loss
-    far from ln(V) is not the logits' fault: the loss is scaled. Above, any factor is reported (a sum instead of a
-    mean, a multiplied or dominating extra term); below, only a factor that is one over a count in ``counts`` (rows,
-    tokens, accumulation, ranks), since NLLLoss on raw logits also lands below ln(V) and is ``TFD223``'s.
-    """
+    """``TFD229``: the logits give ln(V) (within ``tolerance``) but the returned loss is a multiple of that: above by
+    any factor, below only by one over a count in ``counts`` (NLLLoss on raw logits also lands below: ``TFD223``)."""
     if not (recomputed > 0 and abs(recomputed - expected) <= tolerance * expected):
         return None
     if (1.0 - tolerance) * expected <= observed <= (1.0 + tolerance) * expected:
@@ -1001,15 +954,10 @@ def check_findings(
     learning_rates: Sequence[float] = (),
     shift_labels: bool = True,
 ) -> list[Verdict]:
-    """Every finding of the check at ``step``, in the order they are decided: a stall or a copying model
-    (:func:`check_verdicts`, over the losses ``run`` measured since half-way to the check), outputs squashed into a
-    bounded range (:func:`bounded_output_verdict`; not when step 0 found exact probabilities: that is ``TFD220``'s),
-    the loss at the unigram entropy (:func:`context_verdict`) and the returned loss against the logits on the compared
-    steps (:func:`loss_transform_verdict` of ``run.readings``).
-
-    A bound after the forward (``TFD233``) drops ``TFD231`` and ``TFD232``: the loss does not train these logits, so
-    how they relate to the labels says nothing about the labels.
-    """
+    """Every finding of the check at ``step``: a stall or a copying model (:func:`check_verdicts`), bounded outputs
+    (:func:`bounded_output_verdict`, unless step 0 found probabilities: ``TFD220``'s), the loss at the unigram entropy
+    (:func:`context_verdict`) and the returned loss against the logits (:func:`loss_transform_verdict`). ``TFD233``
+    drops ``TFD231`` and ``TFD232``: the loss does not train these logits."""
     window = run.window(step)
     unigram = unigram_entropy if unigram_entropy is not None else math.nan
     verdicts: list[Verdict | None] = list(
@@ -1061,9 +1009,8 @@ def check_findings(
 
 
 def flat_window(window: Sequence[tuple[int, float]], loss: float, expected: float, tolerance: float) -> bool:
-    """Whether the loss has stayed flat over ``window`` (``(step, loss)`` pairs measured before this check): it fell
-    by less than ``tolerance`` of ln(V) from the window's highest point. A window with no earlier finite point is
-    judged from the one point (True)."""
+    """Whether the loss fell by less than ``tolerance`` of ln(V) from the highest finite point of ``window`` (True
+    when there is none)."""
     earlier = [value for _, value in window if math.isfinite(value)]
     return not earlier or max(earlier) - loss <= tolerance * expected
 
@@ -1083,14 +1030,9 @@ def check_verdicts(
     learning_rates: Sequence[float] = (),
     shift_labels: bool = True,
 ) -> list[Verdict]:
-    """The findings at the check: a loss still within ``stall_tolerance`` of ln(V) and flat over ``window`` (the
-    ``(step, loss)`` points measured since half-way to the check) (``TFD225``); the model predicting its current input
-    token (``TFD226``) more often than ``copy_threshold``, than the data repeats a token (by 0.25) and than at init
-    (by :data:`COPY_RISE`).
-
-    With the labels' ``unigram_entropy`` known, the message says whether the loss is above what the classes'
-    frequencies alone give (not learning at all) or the frequencies are themselves near uniform.
-    """
+    """The findings at the check: a loss within ``stall_tolerance`` of ln(V) and flat over ``window`` (``TFD225``,
+    its message compared with the labels' ``unigram_entropy``); the model predicting its current input token more
+    often than ``copy_threshold``, the data's repeat rate (by 0.25) and init (by :data:`COPY_RISE`) (``TFD226``)."""
     out: list[Verdict] = []
     flat = flat_window(window, loss, expected, stall_tolerance)
     if math.isfinite(loss) and abs(loss - expected) <= stall_tolerance * expected and flat:
@@ -1145,19 +1087,10 @@ def bounded_output_verdict(
     stall_tolerance: float,
     range_spread: float = float("nan"),
 ) -> Verdict | None:
-    """``TFD230``: the loss is pinned at the floor the logits' range allows, far above what the data allows.
-
-    ``floor`` is the mean over supervised rows of ``ln(1 + (V - 1) e^-w)``, ``w`` each row's logit range (see
-    :func:`~lightning_tfdebug.functional.loss.bounded_floor_sums`): no cross-entropy of these logits can be lower.
-    The finding needs the loss (the logits' own cross-entropy) to have left ln(V) (the model is learning), to sit
-    within :data:`FLOOR_PINNED` of the way from the floor up to ln(V) (pinned at the floor), and the floor to be
-    above the labels' unigram entropy by :data:`FLOOR_ABOVE_DATA` of ln(V): the range forbids even the loss of a
-    model that learned the token frequencies alone, which the data allows any model. An unbounded model that learns
-    widens its logits and drops its floor far below the loss; a bounded one cannot. And a bound holds every row at
-    the same width: ``range_spread`` (the rows' ranges' standard deviation over their mean; NaN: not measured) must be
-    at most :data:`RANGE_SPREAD`, which tells a bound from an unbounded model whose logits are still narrow when it has
-    learned an easy answer early.
-    """
+    """``TFD230``: the logits' own cross-entropy ``loss`` has left ln(V) and sits within :data:`FLOOR_PINNED` of the
+    way from ``floor`` (the mean ``ln(1 + (V - 1) e^-w)`` of the rows' ranges ``w``) up to ln(V), the floor is
+    :data:`FLOOR_ABOVE_DATA` of ln(V) above the unigram entropy, and the rows' ranges are alike (``range_spread`` at
+    most :data:`RANGE_SPREAD`: a bound holds every row at the same width)."""
     if not (math.isfinite(loss) and math.isfinite(floor) and math.isfinite(unigram_entropy)):
         return None
     if loss > (1.0 - stall_tolerance) * expected or floor < unigram_entropy + FLOOR_ABOVE_DATA * expected:
@@ -1189,24 +1122,10 @@ def context_verdict(
     masked: bool = False,
 ) -> Verdict | None:
     """``TFD231`` / ``TFD232``: the loss sits at the labels' unigram entropy and the model predicts its own sample's
-    labels no better than its neighbour's (``rolled_loss``, labels rolled by one sample).
-
-    Both mean the predictions carry nothing specific to the sample; the labels' relation to the inputs tells which
-    side is at fault. ``own_match`` / ``rolled_match``: the fraction of supervised labels that repeat their own
-    sample's input tokens / the neighbour's (:func:`~lightning_tfdebug.functional.loss.label_input_match_sums`; NaN
-    when not measured):
-
-    * labels that repeat the neighbour's inputs, not their own: they belong to other samples (``TFD231``);
-    * labels that repeat their own inputs: the labels are right and the model ignores its context (``TFD232``,
-      only once the loss is ``flat`` over a window of at least :data:`STALL_STEPS` steps, ``window_steps``: a model
-      may pass through the unigram level on its way down);
-    * labels that repeat neither: labels from other samples (a shuffled label column), or, for a task whose labels
-      never repeat their inputs (classification, translation), a model that ignores its inputs; both are named
-      (``TFD231``).
-
-    ``masked``: masked-LM labels, which never repeat their inputs (the input at a supervised position is the mask
-    token); ``own_match`` / ``rolled_match`` are then the share of supervised positions where the sample's own / the
-    neighbour's inputs hold their most common token (the mask): labels that belong to their inputs sit on its masks.
+    labels no better than its neighbour's (``rolled_loss``). What the labels repeat (``own_match`` /
+    ``rolled_match``, masked LM: whose masks they sit on) tells which side is at fault: the neighbour's inputs, or
+    neither, ``TFD231`` (labels from other samples); their own, ``TFD232`` (the model ignores its context), once the
+    loss is ``flat`` over :data:`STALL_STEPS` steps (``window_steps``).
     """
     if not (math.isfinite(loss) and math.isfinite(rolled_loss) and math.isfinite(unigram_entropy)):
         return None
