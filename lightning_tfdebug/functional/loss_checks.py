@@ -41,9 +41,7 @@ TFD220 = Rule(
         "Return raw logits from forward (remove the softmax) and apply softmax only at inference. If the loss is "
         "NLLLoss, feed it log_softmax(logits) instead of probabilities."
     ),
-    reason=(
-        "Softmax applied twice holds the loss near ln(V) with vanishing gradients: the run cannot learn as configured"
-    ),
+    reason="Softmax applied twice holds the loss near ln(V) with vanishing gradients: the run cannot learn",
     message=(
         "The model's outputs are already probabilities: {probability_rows:.0%} of the sampled rows are non-negative "
         "and sum to 1. A loss that applies softmax again (cross_entropy) sees a nearly uniform distribution and stays "
@@ -79,10 +77,7 @@ TFD222 = Rule(
         "1/sqrt(d_model)), keep the 1/sqrt(d) attention/residual scaling, check a tied embedding's scale. Or the "
         "loss is not a mean (reduction='sum')."
     ),
-    reason=(
-        "Measured at step 0: confidently wrong logits, which the first steps must undo and which saturate the "
-        "softmax's gradient"
-    ),
+    reason="Measured at step 0: confidently wrong logits, which saturate the softmax's gradient",
     message=(
         "The initial loss {observed_loss:.3f} is far above ln(V) = {expected_loss:.3f} (V={vocab_size}): the untrained "
         "model is confidently wrong (logit spread {logit_std:.3g})."
@@ -107,10 +102,7 @@ TFD223 = Rule(
         "causal mask); NLLLoss fed raw logits or probabilities instead of log_softmax; the mean taken over "
         "padding positions (set ignore_index); a vocab_size different from the logits' width."
     ),
-    reason=(
-        "Measured at step 0: the returned loss is not the logits' cross-entropy, or the logits reach it by reading "
-        "the answer from the input"
-    ),
+    reason="Measured at step 0: the loss is not the logits' cross-entropy, or they read the answer from the input",
     message=(
         "The initial loss {observed_loss:.3f} is far below ln(V) = {expected_loss:.3f} (V={vocab_size}){explanation}."
     ),
@@ -187,9 +179,7 @@ TFD227 = Rule(
         "Look for log(0), division by zero or an overflow in the forward or the loss; NaNFirstFrame names the "
         "first module that produced a non-finite value."
     ),
-    reason=(
-        "A loss that is not finite before any update turns the first step's weights into NaN: the run cannot succeed"
-    ),
+    reason="A loss that is not finite before any update turns the first step's weights into NaN",
     message="The loss of the first step is {observed_loss}, before any update.",
 )
 
@@ -220,10 +210,7 @@ TFD229 = Rule(
         "weight extra loss terms so they do not dominate. A summed loss makes the step size depend on the batch "
         "and sequence length; with Adam it also breaks gradient clipping and the epsilon balance."
     ),
-    reason=(
-        "Measured: the loss, and with it every gradient, is scaled by a count of the batch: the effective learning "
-        "rate is not the one set"
-    ),
+    reason="Measured: the loss and every gradient are scaled by a count of the batch: the step size is not the set one",
     message=(
         "The loss training_step returned ({returned:.4g}) is {factor:.4g}x the mean cross-entropy of the model's own "
         "logits ({logits_loss:.4g}, at ln(V) = {uniform:.3f} as an untrained model should be){because}. The logits "
@@ -274,10 +261,7 @@ TFD231 = Rule(
         "task whose labels never repeat the input (classification, translation), the model may instead ignore "
         "its inputs: check what reaches the model."
     ),
-    reason=(
-        "Measured: the loss stopped at what token frequencies give, and it does not matter which sample the labels "
-        "are scored against"
-    ),
+    reason="Measured: the loss stopped at token frequencies, whichever sample the labels are scored against",
     message=_CONTEXT_HEAD + ": {why}.",
 )
 
@@ -298,10 +282,7 @@ TFD232 = Rule(
         "embedding never used), a residual path that drops the context, or a learning rate too low to get past "
         "the plateau."
     ),
-    reason=(
-        "Measured: the loss is flat at what token frequencies give and the labels are right, so the model does not "
-        "use its context"
-    ),
+    reason="Measured: the loss is flat at token frequencies and the labels are right: the model ignores its context",
     message=_CONTEXT_HEAD + ". The labels {relation}, so they are right: {conclusion}.",
 )
 
@@ -327,10 +308,7 @@ TFD233 = Rule(
         "the loss the raw logits and apply the squashing only where probabilities or scores are needed. If a term "
         "added to the loss is meant to outweigh the cross-entropy, this finding is expected."
     ),
-    reason=(
-        "Measured: the loss the optimizer minimises stays far above what the model's own logits give; no training "
-        "brings it down to them"
-    ),
+    reason="Measured: the minimised loss stays far above what the model's own logits give; training cannot close it",
     message=_TRANSFORM_HEAD
     + (
         ": at step {last_step} the loss is {last_loss:.4g}, {gap:.3g} nats above the logits' own {last_ce:.4g}"
@@ -352,10 +330,7 @@ TFD234 = Rule(
         "If the temperature is deliberate, use the same T wherever the logits are read (evaluation, sampling, a "
         "validation loss); if not, remove the division or multiplication of the logits before the loss."
     ),
-    reason=(
-        "An observation: a temperature rescales the logits the model learns, and the run still trains; the harm, "
-        "if any, is in code that reads the logits without it"
-    ),
+    reason="An observation: the run trains; the harm, if any, is in code that reads the logits without the temperature",
     message=_TRANSFORM_HEAD
     + (
         ": it is the cross-entropy of logits / T with T = {temperature:.3g} at every compared step. The loss trains "
