@@ -224,11 +224,9 @@ TFD230 = Rule(
     "LossAtInit",
     title="the loss is pinned at the floor of outputs squashed into a bounded range (sigmoid, tanh, clamp)",
     trigger=(
-        "at the check the logits' cross-entropy has left ln(V) and lies within 30% of the way from "
-        "`ln(1 + (V-1) e^-w)` (the lowest loss logits of range `w` allow, per row) up to ln(V), that floor is "
-        "above the labels' unigram entropy by 5% of ln(V), and the rows' ranges are alike (standard deviation at "
-        "most 5% of their mean: a bound holds every row at the same width; the loss is the alignment the returned "
-        "loss agrees with)"
+        "at the check the logits' cross-entropy has left ln(V) and lies within 30% of the way from the floor "
+        "`ln(1 + (V-1) e^-w)` of the rows' logit ranges `w` up to ln(V), the floor is 5% of ln(V) above the labels' "
+        "unigram entropy, and the rows' ranges are alike (spread at most 5% of their mean)"
     ),
     hint=(
         "Feed the loss raw, unbounded logits: remove the sigmoid, tanh, clamp or normalisation applied to the "
@@ -290,23 +288,16 @@ TFD233 = Rule(
     "TFD233",
     "warning",
     "LossAtInit",
-    title=(
-        "the returned loss stays far above the cross-entropy of the model's own logits: a bound or squashing between "
-        "the forward and the loss (sigmoid, a tanh soft-cap, clamp)"
-    ),
+    title="the returned loss stays far above the logits' own cross-entropy: a bound or squash before the loss",
     trigger=(
-        "on every compared step (at least two: the measuring steps nearest half-way and three quarters to the check, "
-        "and the check) the returned loss is above the recorded logits' cross-entropy by more than 20% of it and 10% "
-        "of ln(V), and neither label smoothing nor a temperature explains it; or it is pinned at a floor: above by "
-        "more than 3%, it fell by at most 4% of itself, stays above the logits' best loss at any temperature by 10% of "
-        "ln(V) and above the labels' unigram entropy by 5% of ln(V) while the logits' range grew by 10% (the message "
-        "then names the width w whose floor ln(1 + (V-1) e^-w) the loss sits on)"
+        "on every compared step (at least two) the returned loss is above the recorded logits' cross-entropy by 20% "
+        "of it and 10% of ln(V), not explained by label smoothing (at most 0.3) or a temperature; or it is pinned: "
+        "it fell by at most 4% while the logits' range grew by 10% (the message then names the width w whose floor "
+        "ln(1 + (V-1) e^-w) the loss sits on)"
     ),
     hint=(
-        "Something between the model's output and the loss confines the logits to a range (a sigmoid, a soft-cap "
-        "c * tanh(logits / c) with c too small, a clamp or normalisation in training_step or in a loss module): give "
-        "the loss the raw logits and apply the squashing only where probabilities or scores are needed. If a term "
-        "added to the loss is meant to outweigh the cross-entropy, this finding is expected."
+        "Give the loss the raw logits: remove the sigmoid, soft-cap c * tanh(logits / c) with c too small, clamp or "
+        "normalisation in training_step or the loss module, or apply it only where probabilities are needed."
     ),
     reason="Measured: the minimised loss stays far above what the model's own logits give; training cannot close it",
     message=_TRANSFORM_HEAD
