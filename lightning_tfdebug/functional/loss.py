@@ -374,15 +374,12 @@ def step_sums(
     label_smoothing: float = 0.0,
     max_rows: int = 2048,
 ) -> dict[str, Tensor]:
-    """Every sum LossAtInit reduces on one measured step, on the device (no sync).
+    """Every sum LossAtInit reduces on one measured step (:data:`PHASE_SUMS`), on the device (no sync).
 
-    ``phase``: ``"init"`` (step 0: :data:`INIT_SUMS`), ``"compare"`` (a compared step before the check:
-    :data:`TRANSFORM_SUMS`) or ``"check"`` (:data:`CHECK_SUMS` and :data:`TRANSFORM_SUMS`). ``shift_labels``: the
-    alignment the logits are scored under; where the logits have a time dimension and the labels are not
-    ``masked_lm`` labels, either alignment is possible, and the sums that say which one the returned loss follows are
-    taken under the other one too (:data:`OTHER_ALIGNMENT`). ``inputs``: the input token ids for the copy rate and
-    the labels' relation to their inputs (ignored unless shaped like the labels); ``inputs_are_ids``: they are the
-    batch's ids, not the labels standing in for them; ``late``: step 0 was not seen (:data:`LATE_SUMS`).
+    ``shift_labels``: the alignment to score; where either is possible (a time dimension, not ``masked_lm``) the sums
+    that tell which one the returned loss follows are taken under the other too (:data:`OTHER_ALIGNMENT`).
+    ``inputs``: token ids shaped like the labels, else ignored; ``inputs_are_ids``: not the labels standing in for
+    them; ``late``: step 0 was not seen (:data:`LATE_SUMS`).
     """
     options: dict[str, Any] = {"ignore_index": ignore_index, "max_rows": max_rows}
     both = logits.ndim >= 3 and not masked_lm
@@ -462,12 +459,9 @@ UNIGRAM_BATCHES = 8
 
 
 class LabelFrequencies:
-    """The supervised labels' class counts over the first ``batches`` measured batches, kept on the device (a
-    scatter-add per batch: no sync), and their unigram entropy once the counts were reduced over the ranks.
-
-    The counts travel in the step's one reduction (:attr:`payload`); the caller hands the entropy of the reduced
-    counts back (:meth:`receive`), and once every batch was counted only the entropy is kept.
-    """
+    """The supervised labels' class counts over the first ``batches`` measured batches (on the device, no sync),
+    travelling in the step's one reduction (:attr:`payload`), and their unigram entropy once reduced
+    (:meth:`receive`); then only the entropy is kept."""
 
     def __init__(self, batches: int = UNIGRAM_BATCHES) -> None:
         self.batches = batches
