@@ -150,3 +150,15 @@ def test_readings_round_trip_through_plain_values():
     reading = dataclasses.replace(_reading(80, 2.97, 1.8, 5.8), supervised_share=0.9)
     assert LossReading.from_list(reading.to_list()) == reading
     assert LossReading.from_list(reading.to_list()[:7]).supervised_share != reading.supervised_share  # older state
+
+
+def test_a_steady_smoothing_far_above_what_recipes_use_is_a_squash_not_label_smoothing():
+    def smoothed(step, ce_value, e, uniform=6.0):
+        edge = 4 + step // 10
+        curve = tuple(math.log(V) if k < edge else ce_value for k in range(len(TEMPERATURE_GRID)))
+        loss = (1 - e) * ce_value + e * uniform
+        return LossReading(step, loss, ce_value, 0.0, uniform, 5.0 + step / 500, curve)
+
+    capped = [smoothed(50, 2.7, 0.45), smoothed(80, 2.4, 0.47), smoothed(100, 2.2, 0.49)]  # EncoderLM, c = 0.75
+    assert loss_transform_verdict(capped, V).code == "TFD233"
+    assert loss_transform_verdict([smoothed(s, c, 0.1) for s, c in ((50, 2.7), (80, 2.4), (100, 2.2))], V) is None
