@@ -1,8 +1,9 @@
 import gc
+import weakref
 
 import torch
 
-from lightning_tfdebug.core.step import _STATES, step_norms, step_state
+from lightning_tfdebug.core.step import step_norms, step_state
 
 
 class FakeTrainer:  # a stand-in with the one attribute the step state reads: the state is keyed by the object
@@ -15,10 +16,10 @@ def test_each_trainer_has_one_state_that_goes_with_it():
     assert step_state(first) is step_state(first) and step_state(first) is not step_state(second)
     step_state(first).warned_no_logger = True
     assert not step_state(second).warned_no_logger
-    before = len(_STATES)
+    held = weakref.ref(step_state(first))
     del first
     gc.collect()
-    assert len(_STATES) == before - 1
+    assert held() is None  # the state went with its trainer
 
 
 def test_norms_are_computed_once_per_step_and_tensors_and_recomputed_after():
