@@ -111,6 +111,37 @@ class EncoderLM(pl.LightningModule):
         return adamw_with_warmup(self, self.lr, self.warmup_steps)
 
 
+class PadPositionMLM(pl.LightningModule):
+    """A BERT-style masked LM whose position ids count the real tokens (``input_ids != pad``, as RoBERTa's do): a
+    position table, a bidirectional encoder that honours the attention mask, and no tokenizer or config naming a
+    special id."""
+
+    def __init__(self, lr: float = 2e-3, warmup_steps: int = 10, context: int = 64) -> None:
+        super().__init__()
+        self.lr, self.warmup_steps = lr, warmup_steps
+        self.embed = nn.Embedding(VOCAB + 1, 32)
+        self.position_embeddings = nn.Embedding(context, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.out = nn.Linear(32, VOCAB + 1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        real = input_ids != PAD
+        positions = (real.long().cumsum(1) - 1).clamp_min(0) * real
+        h = self.embed(input_ids) + self.position_embeddings(positions)
+        padding = None if attention_mask is None else attention_mask == 0
+        return self.out(self.encoder(h, src_key_padding_mask=padding))
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return adamw_with_warmup(self, self.lr, self.warmup_steps)
+
+
 def hf_model(family: str) -> nn.Module:
     """A freshly initialised Hugging Face model of ``family`` from a tiny config."""
     import transformers
