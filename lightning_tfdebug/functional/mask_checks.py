@@ -58,6 +58,7 @@ LOSS_SHIFTED = _key("loss_shifted", "cross-entropy of the same logits, position 
 LOSS_SHIFTED2 = _key("loss_shifted2", "the same, position t against label t+2", "nats")
 LOSS_UNSHIFTED = _key("loss_unshifted", "the same, position t against label t", "nats")
 CONTEXT_LIMIT = _key("context_limit", "the context limit the position probes used", "tokens")
+CROSS_SAMPLE = _key("cross_sample_max_change", "largest logit change of other samples when one sample's tokens change")
 ORDER = _key("order_change", "largest change of a position's output when the tokens before it are reversed")
 CONTENT = _key("content_change", "largest change of that output when the tokens before it are replaced")
 SECONDS = _key("seconds", "wall time of the probe", "s")
@@ -75,6 +76,7 @@ KEYS: tuple[Key, ...] = (
     ORDER,
     CONTENT,
     SECONDS,
+    CROSS_SAMPLE,
 )
 """Every scalar MaskProbe logs (on probing steps only): ``MaskProbe.KEYS``. Each reading names the keys it logs."""
 
@@ -293,7 +295,7 @@ TFD202 = Rule(
     ),
     reason=(
         "Measured: tokens the mask hides change real tokens' logits, so every padded batch trains on noise and "
-        "inference depends on padding"
+        "inference depends on padding; info where the run's batches put no padding where real tokens read it"
     ),
     message=(
         "Tokens under the attention mask change real tokens' logits: changing the ids at the {masked} masked positions "
@@ -302,10 +304,24 @@ TFD202 = Rule(
 )
 
 
+_HARMLESS = (
+    " Harmless for this run's batches ({layout}): no real token reads the padding. Wrong with left padding, "
+    "bidirectional attention or batched generation."
+)
+
+
+def harmless_layout(layout: str, causal: bool) -> str | None:
+    """Why ignoring the mask does no harm on batches that pad on ``layout`` (``"none"``, ``"right"``, ``"left"``):
+    they do not pad, or pad on the right of a ``causal`` model; None when real tokens read the padding."""
+    if layout == "none":
+        return "they are not padded"
+    return "they pad on the right and attention is causal" if layout == "right" and causal else None
+
+
 @dataclass(frozen=True)
 class PaddingReading(Reading):
     """A block of ``masked`` positions marked as padding and its ids changed: the largest logit change at the real
-    positions (``max_change``) and at every position (``every_change``)."""
+    positions (``max_change``) and at every position (``every_change``); ``layout``: the side the batch pads on."""
 
     max_change: Number
     position: Number
@@ -313,17 +329,24 @@ class PaddingReading(Reading):
     every_position: Number
     masked: int
     tolerance: Number
+    layout: str = "left"
     LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": PADDING}
 
 
-def decide_padding(r: PaddingReading, follows_other: bool = False) -> Verdict | None:
-    """``TFD202`` when changing the ids under the mask moved a real token's logits beyond the tolerance. When the
+def decide_padding(r: PaddingReading, follows_other: bool = False, causal: bool = False) -> Verdict | None:
+    """``TFD202`` when changing the ids under the mask moved a real token's logits beyond the tolerance; info when
+    the run's batches make that harmless (:func:`harmless_layout`, ``causal``: the causality probe held). When the
     outputs follow another sequence of the call (``follows_other``: an encoder-decoder's decoder), every output must
     ignore the masked source tokens, not only those at the ids' real positions."""
     change, position = (r.every_change, r.every_position) if follows_other else (r.max_change, r.position)
     if not _beyond(change, r.tolerance):
         return None
-    return TFD202.verdict({"max_change": change, "position": int(position), "tolerance": r.tolerance}, masked=r.masked)
+    evidence = {"max_change": change, "position": int(position), "tolerance": r.tolerance, "layout": r.layout}
+    harmless = harmless_layout(r.layout, causal)
+    if harmless is None:
+        return TFD202.verdict(evidence, masked=r.masked)
+    message = TFD202.message.format(**evidence, masked=r.masked) + _HARMLESS.format(layout=harmless)
+    return TFD202.verdict(evidence, severity="info", message=message)
 
 
 TFD203 = Rule(
@@ -370,12 +393,18 @@ def decide_pad_side(r: PadSideReading, follows_other: bool = False) -> Verdict |
 
 TFD204 = Rule(
     "TFD204",
-    "warning",
+    "error",
     "MaskProbe",
     title="the batch is padded but the model is called without a mask",
-    trigger="the batch pads (mask has zeros) but the model is called without an attention mask",
+    trigger=(
+        "the batch pads (mask has zeros) but the model is called without an attention mask; info where the batches "
+        "pad on the right of a causal model"
+    ),
     hint="Pass the attention mask to the model's forward (or give MaskProbe a `forward_fn` that does).",
-    reason="The recorded call shows the model attends to the padding the batch marks, as if it were text",
+    reason=(
+        "The recorded call shows real tokens read the padding the batch marks, as if it were text; info where no "
+        "real token reads it (right padding, causal attention)"
+    ),
     message=(
         "The batch is padded (its attention mask has zeros) but the model is called without a mask, so attention "
         "cannot ignore the padding."
@@ -383,9 +412,15 @@ TFD204 = Rule(
 )
 
 
-def unpadded_mask(mask_key: str | None) -> Verdict:
-    """``TFD204``: the batch pads but the model is called without a mask (``mask_key``: where the batch holds it)."""
-    return TFD204.verdict({"mask_key": mask_key})
+def unpadded_mask(mask_key: str | None, layout: str = "left", causal: bool = False) -> Verdict:
+    """``TFD204``: the batch pads on ``layout`` but the model is called without a mask (``mask_key``: where the batch
+    holds it). Info where that is harmless (:func:`harmless_layout`: right padding of a ``causal`` model), error
+    where real tokens read the padding."""
+    harmless = harmless_layout(layout, causal)
+    if harmless is None:
+        return TFD204.verdict({"mask_key": mask_key, "layout": layout}, severity="error")
+    message = TFD204.message + _HARMLESS.format(layout=harmless)
+    return TFD204.verdict({"mask_key": mask_key, "layout": layout}, severity="info", message=message)
 
 
 # -------------------------------------------------------------------------------------------------------- positions
@@ -625,6 +660,63 @@ def decide_position_tables(r: PositionTablesReading) -> Verdict | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------------------ cross-sample
+CROSS_SAMPLE_ASIDE = (
+    "cross-sample probe (TFD217)",
+    "the probe rows hold one sample, so no other sample's outputs can be watched.",
+    "batches of 2 samples or more, and `probe_rows` >= 2",
+)
+"""The ``check_aside`` record of a probe on one sample: ``(check, reason, setting)``."""
+NO_SPECIAL_IDS = (
+    "special ids",
+    "no tokenizer or config names a special id: probe replacement ids are drawn from the ids the batch's real "
+    "tokens use (never its padding value), which may include BOS, EOS or mask ids.",
+    "a `tokenizer` attribute (DataModule, collator or LightningModule) or a Hugging Face config",
+)
+"""The ``check_aside`` record of a fit where no special id is known: ``(check, reason, setting)``."""
+TFD217 = Rule(
+    "TFD217",
+    "error",
+    "MaskProbe",
+    title="one sample's tokens change another sample's outputs: samples mix across the batch",
+    trigger="in eval mode, replacing the tokens of one probe row moved another row's logits beyond the tolerance",
+    hint=(
+        "A layer computes across the batch dimension: a normalisation over the batch (BatchNorm over the tokens, "
+        "statistics over dim 0), a reshape, view or permute that mixes the batch and sequence dimensions (`x.view(t, "
+        "b, d)` of a `(b, t, d)` tensor), or attention over the wrong axis (`nn.MultiheadAttention` without "
+        "`batch_first=True` fed batch-first tensors)."
+    ),
+    reason=(
+        "Measured: a sample's outputs depend on the other samples of its batch, so the model trains on and predicts "
+        "from data that is not its input"
+    ),
+    message=(
+        "Samples mix across the batch: replacing the tokens of row 0 moved the logits of row {row} at position "
+        "{position} by {max_change:.3g} (tolerance {tolerance:.2g}); each sample's outputs must depend on its own "
+        "tokens only."
+    ),
+)
+
+
+@dataclass(frozen=True)
+class CrossSampleReading(Reading):
+    """The tokens of the first probe row replaced: the largest logit change of the other rows, and where."""
+
+    max_change: Number
+    row: Number
+    position: Number
+    tolerance: Number
+    LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": CROSS_SAMPLE}
+
+
+def decide_cross_sample(r: CrossSampleReading) -> Verdict | None:
+    """``TFD217`` when another row's logits moved beyond the tolerance."""
+    if not _beyond(r.max_change, r.tolerance):
+        return None
+    evidence = {"max_change": r.max_change, "row": int(r.row), "position": int(r.position), "tolerance": r.tolerance}
+    return TFD217.verdict(evidence)
+
+
 # -------------------------------------------------------------------------------------------------- target alignment
 TFD205 = Rule(
     "TFD205",
@@ -842,6 +934,8 @@ def decide_probe(readings: Sequence[Reading]) -> tuple[list[Verdict | None], set
     if noisy is not None:
         return [noisy], {"alignment"}
     follows = any(r.follows_other for r in readings if isinstance(r, LeakSummary))
+    causal = [r for r in readings if isinstance(r, CausalReading) or (isinstance(r, LeakReading) and r.primary)]
+    held = bool(causal) and not any(_beyond(r.max_change, r.tolerance) for r in causal)
     verdicts: list[Verdict | None] = []
     settled: set[str] = set()
     for r in readings:
@@ -852,7 +946,7 @@ def decide_probe(readings: Sequence[Reading]) -> tuple[list[Verdict | None], set
             verdicts.append(verdict)
         elif isinstance(r, (PaddingReading, PadSideReading)):
             verdicts.append(
-                decide_padding(r, follows) if isinstance(r, PaddingReading) else decide_pad_side(r, follows)
+                decide_padding(r, follows, held) if isinstance(r, PaddingReading) else decide_pad_side(r, follows)
             )
         elif type(r) in _RULE_OF:
             verdicts.append(_RULE_OF[type(r)](r))
@@ -864,6 +958,7 @@ _RULE_OF: dict[type, Callable[[Any], Verdict | None]] = {
     LeakReading: decide_leak,
     KvCacheReading: decide_kv_cache,
     PositionTablesReading: decide_position_tables,
+    CrossSampleReading: decide_cross_sample,
 }
 
 BLOCK = ("TFD201", "TFD219")
@@ -886,5 +981,6 @@ RULES: tuple[Rule, ...] = (
     TFD214,
     TFD215,
     TFD216,
+    TFD217,
 )
 """The rules decided in this module, in code order."""

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_tfdebug.core.batch import is_id_tensor, logits_of, loss_of
 from lightning_tfdebug.core.calls import ModelCall, TableReads, read_objective, replace_leaves, tensor_leaves
+from lightning_tfdebug.functional.batch_checks import learn_special_ids
 from lightning_tfdebug.functional.call_probes import (
     CallError,
     ModelCaller,
@@ -30,6 +31,7 @@ from lightning_tfdebug.functional.call_probes import (
 )
 from lightning_tfdebug.functional.mask_checks import (
     CONTEXT_LIMIT,
+    CROSS_SAMPLE_ASIDE,
     ORDER_STEPS,
     AlignmentReading,
     CausalReading,
@@ -39,6 +41,7 @@ from lightning_tfdebug.functional.mask_checks import (
     PadSideReading,
     Reading,
     RepeatReading,
+    CrossSampleReading,
     alignment_not_checked,
     context_failure,
     context_limit_runs,
@@ -52,8 +55,8 @@ from lightning_tfdebug.functional.probes import (
     labels_relation,
     logit_tolerance,
     max_change,
+    other_ids,
     padding_side,
-    random_ids_like,
     replace_after,
 )
 from lightning_tfdebug.functional.verdicts import Verdict
@@ -97,33 +100,57 @@ def causal_cut(length: int) -> int:
     return length // 2 - 1
 
 
-def masked_block(input_ids: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, int] | None:
-    """``(mask, other_ids, k)``: a mask hiding a block of ``k`` (a quarter of the) positions after the first, and a
-    copy of the ids whose masked positions hold other ids. None when the sequence is too short to keep 2 real
-    positions.
+def known_special_ids(sources: list[tuple[str, Any]]) -> tuple[int, ...]:
+    """Every special id the pack learns from ``sources`` (``core.data.special_token_sources``): BatchGuard's EOS, SEP,
+    pad and BOS (:func:`~lightning_tfdebug.functional.batch_checks.learn_special_ids`), a tokenizer's
+    ``all_special_ids`` (mask, CLS, UNK ...) and a config's ``decoder_start_token_id``."""
+    found = set(learn_special_ids(sources).ordered())
+    for _, source in sources:
+        for attr in ("all_special_ids", "mask_token_id", "decoder_start_token_id"):
+            try:
+                value = getattr(source, attr, None)
+            except Exception:  # a tokenizer property that complains about an unset token
+                continue
+            values = value if isinstance(value, (list, tuple)) else [value]
+            found.update(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+    return tuple(sorted(found))
+
+
+def ordinary_ids(ids: Tensor, attention_mask: Tensor | None, special: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
+    """``(pool, padding)``: the sorted distinct ids of the batch's real tokens that are neither ``special`` nor a value
+    the batch pads with (every probe's replacement ids come from it: ids that mean nothing to the model), and the
+    batch's padding value (None when it does not pad). Falls back to every real id when fewer than 2 remain. Host
+    syncs: probe steps only."""
+    real = ids if attention_mask is None else ids[attention_mask.bool()]
+    padded = None if attention_mask is None else ids[~attention_mask.bool()]
+    banned = torch.tensor(special, dtype=ids.dtype, device=ids.device)
+    if padded is not None and padded.numel():
+        banned = torch.cat([banned, padded.unique()])
+    every = real.unique() if real.numel() else ids.unique()
+    pool = every[~torch.isin(every, banned)]
+    padding = padded.mode().values if padded is not None and padded.numel() else None
+    return (pool if pool.numel() >= 2 else every), padding
+
+
+def masked_block(ids: Tensor, pool: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, int] | None:
+    """``(mask, first, second, k)``: a mask hiding a block of ``k`` (a quarter of the) positions after the first, and
+    two copies of the ids whose masked positions hold different ordinary ids of ``pool``. None when the sequence is
+    too short to keep 2 real positions.
 
     Position 0 stays real so that no query has every key masked (a fully masked softmax row is NaN in many
-    implementations, and would leak into later layers whatever the mask does); with a causal model the real positions
-    after the block are the ones that test the mask.
+    implementations). Both copies write ordinary ids: a pad id written under the mask would move a model that derives
+    its positions from ``ids != pad`` whatever its mask does.
     """
-    b, t = input_ids.shape
+    b, t = ids.shape
     k = max(1, t // 4)
     if t - k < 2:
         return None
-    mask = torch.ones_like(input_ids)
+    mask = torch.ones_like(ids)
     mask[:, 1 : 1 + k] = 0
-    other = input_ids.clone()
-    other[:, 1 : 1 + k] = random_ids_like(input_ids, (b, k), generator)
-    return mask, other, k
-
-
-def probe_padding_side(setting: Literal["auto", "right", "left"], attention_mask: Tensor | None) -> str:
-    """The side to add padding on: ``setting``, or with ``"auto"`` the side the batch pads (right when it does not
-    pad or has no mask). Host sync when it reads the mask (probe step only)."""
-    if setting != "auto":
-        return setting
-    detected = padding_side(attention_mask) if attention_mask is not None else "none"
-    return "left" if detected == "left" else "right"
+    first, second = ids.clone(), ids.clone()
+    first[:, 1 : 1 + k] = other_ids(pool, ids[:, 1 : 1 + k], generator)
+    second[:, 1 : 1 + k] = other_ids(pool, first[:, 1 : 1 + k], generator)
+    return mask, first, second, k
 
 
 def padding_extra(length: int, context_limit: int | None) -> tuple[int, int]:
@@ -135,17 +162,14 @@ def padding_extra(length: int, context_limit: int | None) -> tuple[int, int]:
     return length, extra
 
 
-def add_padding(
-    input_ids: Tensor, real: Tensor, side: str, extra: int, generator: torch.Generator
-) -> tuple[Tensor, Tensor, slice]:
-    """``(ids, mask, keep)``: ``extra`` padding positions (random ids, mask 0) added on ``side``; ``keep`` selects the
+def add_padding(ids: Tensor, real: Tensor, side: str, pad_ids: Tensor) -> tuple[Tensor, Tensor, slice]:
+    """``(ids, mask, keep)``: the ``(B, extra)`` ``pad_ids`` added on ``side`` with mask 0; ``keep`` selects the
     original positions in the longer sequence's time dimension."""
-    pad_ids = random_ids_like(input_ids, (input_ids.shape[0], extra), generator)
     pad_mask = torch.zeros_like(pad_ids)
-    t = input_ids.shape[1]
+    t, extra = ids.shape[1], pad_ids.shape[1]
     if side == "right":
-        return torch.cat([input_ids, pad_ids], 1), torch.cat([real, pad_mask], 1), slice(0, t)
-    return torch.cat([pad_ids, input_ids], 1), torch.cat([pad_mask, real], 1), slice(extra, extra + t)
+        return torch.cat([ids, pad_ids], 1), torch.cat([real, pad_mask], 1), slice(0, t)
+    return torch.cat([pad_ids, ids], 1), torch.cat([pad_mask, real], 1), slice(extra, extra + t)
 
 
 def long_row(row: Tensor, length: int) -> Tensor:
@@ -223,6 +247,9 @@ class MaskProbes:
         settings: the probe rows and length, the padding probes, the ignored label value.
         mask_key: where the batch holds its mask (evidence of ``TFD204``).
         causal: the model is a decoder (the causality probe runs); see :meth:`decide_causal`.
+        attention_mask: the batch's mask (which ids pad, kept out of the replacements).
+        special_ids: the special ids the pack knows (:func:`known_special_ids`), kept out of the replacements.
+        cross_sample: run the cross-sample probe with :meth:`masks` (once per fit).
     """
 
     def __init__(
@@ -233,10 +260,18 @@ class MaskProbes:
         settings: ProbeSettings,
         mask_key: str | None = None,
         causal: bool = True,
+        attention_mask: Tensor | None = None,
+        special_ids: tuple[int, ...] = (),
+        cross_sample: bool = False,
     ) -> None:
         self.found = model if isinstance(model, ModelCall) else None
         self.caller = model if isinstance(model, ModelCaller) else None
+        self.pool, self.pad_value = ordinary_ids(input_ids, attention_mask, special_ids)
         self.vocab = None if self.found is None else call_vocab(self.found, input_ids)
+        if self.vocab is not None and (kept := self.vocab[torch.isin(self.vocab, self.pool)]).numel() >= 2:
+            self.vocab = kept  # the call's other token tensors (decoder inputs) hold ids of their own
+        self.cross_sample = cross_sample
+        self.aside: list[tuple[str, str, str]] = []  # (check, reason, setting) of checks that could not run
         self.generator, self.causal, self.mask_key = generator, causal, mask_key
         self.probe_rows, self.probe_length = settings.probe_rows, settings.probe_length
         self.check_padding, self.padding_side = settings.check_padding, settings.padding_side
@@ -315,14 +350,28 @@ class MaskProbes:
         if not leaks:  # the same tokens again: every comparison below assumes an eval forward is a function of them
             change, where = max_change(base, self.logits(ids, ones))
             self.readings.append(RepeatReading(change, where[0], where[1], tolerance))
+        if self.cross_sample:
+            self._cross_sample(ids, ones, base, tolerance)
         b, t = ids.shape
         if self.causal and t >= 2 and not leaks:  # the tokens after the middle replaced: the outputs up to it hold
             cut = causal_cut(t)
-            changed = self.logits(replace_after(ids, cut, self.generator), ones)
+            changed = self.logits(replace_after(ids, cut, self.generator, self.pool), ones)
             change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))
             self.readings.append(CausalReading(change, where[0], where[1], cut, t, tolerance))
         if self.check_padding:
             self._padding(ids, mask, attention_mask, int(input_ids.shape[1]), tolerance, context_limit)
+
+    def _cross_sample(self, ids: Tensor, real: Tensor, base: Tensor, tolerance: Tensor) -> None:
+        """One sample's tokens replaced: the other samples' logits must not move (one forward of the probe rows)."""
+        if ids.shape[0] < 2:
+            self.aside.append(CROSS_SAMPLE_ASIDE)
+            return
+        changed = ids.clone()
+        changed[0] = other_ids(self.pool, ids[0], self.generator)
+        moved = self.logits(changed, real)
+        if moved.shape == base.shape:
+            change, where = max_change(base[1:], moved[1:])
+            self.readings.append(CrossSampleReading(change, where[0] + 1, where[1], tolerance))
 
     def _padding(
         self,
@@ -338,21 +387,23 @@ class MaskProbes:
         if self.found is not None and self.found.mask_opaque:
             return  # a mask reaches the model in an encoding of its own (additive, other shape): not probed
         if not target.takes_mask:
-            if mask_full is not None and bool((mask_full == 0).any()):  # host sync: probe step only
-                self.verdicts.append(unpadded_mask(self.mask_key))
+            layout = padding_side(mask_full) if mask_full is not None else "none"  # host sync: probe step only
+            if layout != "none":
+                self.verdicts.append(unpadded_mask(self.mask_key, layout, self.causal))
             return
         if mask_full is None and not target.mask_named:
             return  # only `**kwargs` could take a mask, and the batch has none: nothing claims mask support
-        block = masked_block(ids, self.generator)  # positions after the first marked as padding, their ids changed
+        layout = padding_side(mask_full) if mask_full is not None else "none"  # host sync: probe step only
+        block = masked_block(ids, self.pool, self.generator)  # a block marked as padding, holding other ids twice
         if block is not None:
-            masked, other, k = block
-            first, second = self.logits(ids, masked), self.logits(other, masked)
+            masked, first_ids, second_ids, k = block
+            first, second = self.logits(first_ids, masked), self.logits(second_ids, masked)
             change, where = max_change(first, second, masked.bool() if first.shape[:2] == masked.shape else None)
             every, where_every = max_change(first, second) if first.shape == second.shape else (change, where)
-            self.readings.append(PaddingReading(change, where[1], every, where_every[1], k, tolerance))
+            self.readings.append(PaddingReading(change, where[1], every, where_every[1], k, tolerance, layout))
         if self.found is not None and self.found.companions():
             return  # another sequence of the call has the ids' length (a decoder input): padding the ids says nothing
-        side = probe_padding_side(self.padding_side, mask_full)  # host sync on "auto": probe step only
+        side = self.padding_side if self.padding_side != "auto" else "left" if layout == "left" else "right"
         real = mask if mask is not None else torch.ones_like(ids)
         # Learned from configuration, else from the batch: a padded probe never exceeds the configured context limit,
         # nor, when none is known, the batch's own length (what the training step feeds the model anyway).
@@ -361,7 +412,9 @@ class MaskProbes:
             return
         ids, real = ids[:, :t], real[:, :t]
         plain = self.logits(ids, real)
-        longer_ids, longer_mask, keep = add_padding(ids, real, side, extra, self.generator)
+        pad_ids = other_ids(self.pool, ids[:, :extra], self.generator)  # the batch's own padding value if it pads
+        pad_ids = pad_ids if self.pad_value is None else torch.full_like(pad_ids, int(self.pad_value))
+        longer_ids, longer_mask, keep = add_padding(ids, real, side, pad_ids)
         try:
             longer = self.logits(longer_ids, longer_mask)[:, keep]
         except CallError:
@@ -377,20 +430,24 @@ class MaskProbes:
         input_ids: Tensor,
         context_limit: int | None,
         source: str,
-        incremental: Callable[[Tensor], Any] | None = None,
+        kv_cache_fn: Callable[[nn.Module, Tensor], Any] | Exception | None = None,
+        module: nn.Module | None = None,
     ) -> None:
-        """Incremental decoding (``incremental(ids)``: the logits decoded with the model's cache) and the context
-        limit (read from ``source``): a sequence exactly at it must run; nothing longer is ever sent.
+        """Incremental decoding (``kv_cache_fn(module, ids)``: the logits decoded with the model's cache; ``TFD211``
+        when it is the error importing it raised) and the context limit (read from ``source``): a sequence exactly at
+        it must run; nothing longer is ever sent.
 
         Raises:
             CallError: when the model cannot be called the way the probes call it.
         """
         if not self.resizable:
             return  # the call takes other sequences shaped like the ids: a longer row says nothing certain about them
-        if incremental is not None:
+        if isinstance(kv_cache_fn, Exception):
+            self.verdicts.append(kv_cache_unusable(error=kv_cache_fn))
+        elif kv_cache_fn is not None:
             ids = self.rows(input_ids)
             assert ids is not None
-            self._kv_cache(ids, incremental)
+            self._kv_cache(ids, lambda rows: kv_cache_fn(module, rows))
         if context_limit is None:
             return
         self.logged[CONTEXT_LIMIT.name] = float(context_limit)
@@ -500,7 +557,7 @@ class MaskProbes:
             base = self.logits(ids, real)
             reordered = self.logits(reorder_prefix(ids, position), real)
             replaced = ids.clone()
-            replaced[:, :position] = replace_after(ids[:, :position], -1, self.generator)
+            replaced[:, :position] = replace_after(ids[:, :position], -1, self.generator, self.pool)
             content = self.logits(replaced, real)
         except Exception:  # the other probes ran on this call: a failure here only means this check cannot run
             self.settled.add("order")

@@ -157,33 +157,24 @@ def padding_side(attention_mask: Tensor) -> Literal["right", "left", "none"]:
     return "right"
 
 
-def replace_after(input_ids: Tensor, cut: int, generator: torch.Generator | None = None) -> Tensor:
-    """A copy of ``input_ids`` whose tokens after position ``cut`` are replaced by other ids drawn from the batch.
+def other_ids(vocab: Tensor, current: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Ids of ``current``'s shape drawn from the sorted distinct ids ``vocab``, each different from ``current``'s
+    where ``vocab`` holds two ids or more."""
+    idx = torch.randint(0, vocab.numel(), tuple(current.shape), generator=generator, device="cpu").to(vocab.device)
+    new, alt = vocab[idx], vocab[(idx + 1) % vocab.numel()]
+    return torch.where(new == current, alt, new).to(current.dtype)
 
-    Every replaced position gets an id different from the original where the batch holds at least two distinct
-    ids, so the change is real.
-    """
+
+def replace_after(
+    input_ids: Tensor, cut: int, generator: torch.Generator | None = None, vocab: Tensor | None = None
+) -> Tensor:
+    """A copy of ``input_ids`` whose tokens after position ``cut`` are :func:`other_ids` of ``vocab`` (default: the
+    batch's distinct ids)."""
     out = input_ids.clone()
-    tail = out[:, cut + 1 :]
-    if tail.numel() == 0:
-        return out
-    vocab = torch.unique(input_ids)
-    if vocab.numel() < 2:
-        return out
-    idx = torch.randint(0, vocab.numel(), tail.shape, generator=generator, device="cpu").to(input_ids.device)
-    new = vocab[idx]
-    # where the draw equals the original, take the next distinct id instead
-    clash = new == tail
-    alt = vocab[(idx + 1) % vocab.numel()]
-    out[:, cut + 1 :] = torch.where(clash, alt, new)
+    vocab = torch.unique(input_ids) if vocab is None else vocab
+    if out[:, cut + 1 :].numel() and vocab.numel() >= 2:
+        out[:, cut + 1 :] = other_ids(vocab, input_ids[:, cut + 1 :], generator)
     return out
-
-
-def random_ids_like(reference: Tensor, shape: tuple[int, ...], generator: torch.Generator | None = None) -> Tensor:
-    """Token ids of ``shape`` drawn from the distinct ids present in ``reference``."""
-    vocab = torch.unique(reference)
-    idx = torch.randint(0, vocab.numel(), shape, generator=generator, device="cpu").to(reference.device)
-    return vocab[idx]
 
 
 def relative_difference(a: float, b: float) -> float:
