@@ -571,6 +571,18 @@ class MaxLengthCollator(Collator):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class LeftPaddedCollator(Collator):
+    """Row 8: the bundled batches padded on the left (as for batched generation), padding unsupervised."""
+
+    def __call__(self, samples: list[list[int]]) -> dict[str, Tensor]:
+        batch = Collator.__call__(self, samples)
+        real = batch["attention_mask"].sum(1)
+        for i, n in enumerate(real.tolist()):
+            for key in ("input_ids", "attention_mask", "labels"):
+                batch[key][i] = batch[key][i].roll(batch[key].shape[1] - n)
+        return batch
+
+
 class OneSampleDataset(TextDataset):
     """Row 31: a dataset whose ``__getitem__`` ignores its index."""
 
@@ -583,6 +595,7 @@ _COLLATORS: dict[str, type[Collator]] = {
     "pad_is_real": PadIsRealTokenCollator,
     "wrong_labels": WrongSampleLabelsCollator,
     "max_length": MaxLengthCollator,
+    "left_pad": LeftPaddedCollator,
 }
 
 

@@ -8,6 +8,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_tfdebug import MaskProbe, TFDebugError, TFDebugWarning
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.bug_models import dict_data
 from tests.callbacks.torch_calls import TorchCalls
 from tests.helpers import (
     SMALL,
@@ -96,11 +97,8 @@ def test_probe_leaves_the_rng_stream_untouched(tmp_path):
     assert torch.equal(seen[0], seen[1])
 
 
-@pytest.mark.parametrize(
-    "flag, code",
-    [("no_causal_mask", "TFD201"), ("no_padding_mask", "TFD202"), ("unshifted_labels", "TFD205")],
-)
-def test_bug_zoo_rows_7_8_9(tmp_path, flag, code):
+@pytest.mark.parametrize("flag, code", [("no_causal_mask", "TFD201"), ("unshifted_labels", "TFD205")])
+def test_bug_zoo_rows_7_9(tmp_path, flag, code):
     probe = MaskProbe()
     fit(tmp_path, [probe], model=TinyGPT(**SMALL, **{flag: True}))
     assert problems(probe) == [code]
@@ -123,11 +121,16 @@ class MaskBlindGPT(TinyGPT):
         return loss
 
 
-def test_padded_batches_for_a_model_without_a_mask_argument(tmp_path):
+@pytest.mark.parametrize("left", [False, True])
+@pytest.mark.parametrize("model, code", [(MaskBlindGPT, "TFD204"), (lambda **kw: TinyGPT(no_padding_mask=True, **kw), "TFD202")])
+def test_a_mask_ignored_is_an_error_only_where_the_batches_put_padding_before_real_tokens(tmp_path, model, code, left):
+    """Right padding of a causal model: real tokens never read the padding after them, so the finding is information
+    that says so; left padding: the real tokens read it, an error."""
     probe = MaskProbe()
-    fit(tmp_path, [probe], model=MaskBlindGPT(**SMALL))
-    assert problems(probe) == ["TFD204"]
-    assert "padding_max_change" not in str(probe.last_report)  # nothing to probe the mask with
+    fit(tmp_path, [probe], model=model(**SMALL), data=dict_data(collator="left_pad") if left else None, max_steps=1)
+    finding = next(f for f in probe.findings if f.code == code)
+    assert finding.severity == ("error" if left else "info")
+    assert ("Harmless for this run's batches (they pad on the right and attention is causal)" in finding.message) != left
 
 
 def test_left_padding_on_a_model_whose_positions_ignore_the_mask(tmp_path):
