@@ -29,6 +29,9 @@ PAD = ByteTokenizer.pad_id
 MLM_MASK_ID = VOCAB  # BERT gets one more row for its mask token
 FAMILIES: tuple[str, ...] = ("tinygpt", "encoder_lm", "gpt2", "llama", "bert_mlm", "t5")
 HF_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "bert_mlm", "t5")
+EXTRA_FAMILIES: tuple[str, ...] = ("mlm_padpos", "tinygpt_nomask")
+"""Healthy designs the pack once flagged, run in one setting each: a masked LM whose positions count the real tokens
+(:class:`PadPositionMLM`), and a causal LM that ignores its mask on right-padded batches."""
 
 PACK_NAMES: tuple[str, ...] = (
     "BatchGuard",
@@ -77,10 +80,13 @@ def adamw_with_warmup(module: nn.Module, lr: float, warmup_steps: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------- models
 class HealthyTinyGPT(TinyGPT):
-    """The bundled TinyGPT at the tests' small size; its own AdamW and warm-up schedule."""
+    """The bundled TinyGPT at the tests' small size; its own AdamW and warm-up schedule. ``ignore_mask``: its forward
+    ignores the attention mask, as nanoGPT-style models do (healthy on right-padded batches)."""
 
-    def __init__(self, lr: float = 2e-3, warmup_steps: int = 10) -> None:
-        super().__init__(d_model=32, n_layers=2, n_heads=2, lr=lr, warmup_steps=warmup_steps)
+    def __init__(self, lr: float = 2e-3, warmup_steps: int = 10, ignore_mask: bool = False) -> None:
+        super().__init__(
+            d_model=32, n_layers=2, n_heads=2, lr=lr, warmup_steps=warmup_steps, no_padding_mask=ignore_mask
+        )
 
 
 class EncoderLM(pl.LightningModule):
@@ -217,6 +223,8 @@ def build(family: str, lr: float = 2e-3, warmup_steps: int = 10) -> pl.Lightning
         return HealthyTinyGPT(lr=lr, warmup_steps=warmup_steps)
     if family == "encoder_lm":
         return EncoderLM(lr=lr, warmup_steps=warmup_steps)
+    if family in EXTRA_FAMILIES:
+        return PadPositionMLM(lr, warmup_steps) if family == "mlm_padpos" else HealthyTinyGPT(lr, warmup_steps, True)
     return HFLM(family, lr=lr, warmup_steps=warmup_steps)
 
 
@@ -286,13 +294,14 @@ def seq2seq_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
 
 def data(family: str, batch_size: int = 8) -> Any:
     """The healthy data of ``family``: a DataModule or a DataLoader."""
-    if family in ("tinygpt", "gpt2", "llama"):
+    if family in ("tinygpt", "gpt2", "llama", "tinygpt_nomask"):
         return TinyTextDataModule(batch_size=batch_size)
     if family == "encoder_lm":
         text = periodic_text()
         return DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=2 * batch_size, shuffle=True)
-    collate = mlm_collate if family == "bert_mlm" else seq2seq_collate
-    batch = 2 * batch_size if family == "bert_mlm" else batch_size
+    masked_lm = family in ("bert_mlm", "mlm_padpos")
+    collate = mlm_collate if masked_lm else seq2seq_collate
+    batch = 2 * batch_size if masked_lm else batch_size
     return DataLoader(_documents(), batch_size=batch, shuffle=True, collate_fn=collate, drop_last=True)
 
 

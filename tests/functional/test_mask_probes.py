@@ -118,3 +118,38 @@ def test_the_cross_sample_probe(model, rows, found):
     verdicts, _ = mask_checks.decide_probe(mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()}))
     assert [v.code for v in verdicts if v is not None] == ([found] if found else [])
     assert session.aside == ([mask_checks.CROSS_SAMPLE_ASIDE] if rows == 1 else [])
+
+
+class PadCountingPositions(nn.Module):
+    """Positions count the real tokens (``ids != 0``, as RoBERTa's do); attention honours the mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.pos, self.head = nn.Embedding(8, 4), nn.Embedding(16, 4), nn.Linear(4, 8)
+
+    def forward(self, input_ids, attention_mask):
+        real = input_ids != 0
+        h = self.emb(input_ids) + self.pos((real.cumsum(1) - 1).clamp_min(0) * real)
+        weights = attention_mask[:, None, :].float().expand(-1, input_ids.shape[1], -1)
+        return self.head(weights @ h / weights.sum(-1, keepdim=True))
+
+
+def test_the_masked_block_never_writes_the_pad_id():
+    """Two real ids and the pad id 0: a block drawn from every id of the batch holds the pad id and moves this healthy
+    model's positions (a false TFD202); ordinary ids never do."""
+    ids = torch.tensor([[3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 0], [4, 3, 4, 3, 4, 3, 4, 3, 4, 0, 0, 0]])
+    mask = (ids != 0).long()
+
+    def findings(batch_mask):
+        settings = mp.ProbeSettings(padding_side="right")
+        model, generator = build_caller(PadCountingPositions()), torch.Generator().manual_seed(0)
+        session = mp.MaskProbes(model, ids, generator, settings, causal=False, attention_mask=batch_mask)
+        with torch.no_grad():
+            session.masks(ids, mask, None)
+        host = mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
+        return [v.code for v in mask_checks.decide_probe(host)[0] if v is not None], session
+
+    found, session = findings(mask)
+    assert found == [] and session.pool.tolist() == [3, 4] and int(session.pad_value) == 0
+    assert findings(None)[0] == ["TFD202"]  # padding unknown: the pad id is drawn, and the probe measures itself
