@@ -35,13 +35,13 @@ from lightning_tfdebug.functional.mask_checks import (
     ORDER_STEPS,
     AlignmentReading,
     CausalReading,
+    CrossSampleReading,
     KvCacheReading,
     OrderReading,
     PaddingReading,
     PadSideReading,
     Reading,
     RepeatReading,
-    CrossSampleReading,
     alignment_not_checked,
     context_failure,
     context_limit_runs,
@@ -141,7 +141,7 @@ def masked_block(ids: Tensor, pool: Tensor, generator: torch.Generator) -> tuple
     implementations). Both copies write ordinary ids: a pad id written under the mask would move a model that derives
     its positions from ``ids != pad`` whatever its mask does.
     """
-    b, t = ids.shape
+    t = ids.shape[1]
     k = max(1, t // 4)
     if t - k < 2:
         return None

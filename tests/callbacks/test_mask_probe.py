@@ -122,7 +122,9 @@ class MaskBlindGPT(TinyGPT):
 
 
 @pytest.mark.parametrize("left", [False, True])
-@pytest.mark.parametrize("model, code", [(MaskBlindGPT, "TFD204"), (lambda **kw: TinyGPT(no_padding_mask=True, **kw), "TFD202")])
+@pytest.mark.parametrize(
+    "model, code", [(MaskBlindGPT, "TFD204"), (lambda **kw: TinyGPT(no_padding_mask=True, **kw), "TFD202")]
+)
 def test_a_mask_ignored_is_an_error_only_where_the_batches_put_padding_before_real_tokens(tmp_path, model, code, left):
     """Right padding of a causal model: real tokens never read the padding after them, so the finding is information
     that says so; left padding: the real tokens read it, an error."""
@@ -130,7 +132,9 @@ def test_a_mask_ignored_is_an_error_only_where_the_batches_put_padding_before_re
     fit(tmp_path, [probe], model=model(**SMALL), data=dict_data(collator="left_pad") if left else None, max_steps=1)
     finding = next(f for f in probe.findings if f.code == code)
     assert finding.severity == ("error" if left else "info")
-    assert ("Harmless for this run's batches (they pad on the right and attention is causal)" in finding.message) != left
+    assert (
+        "Harmless for this run's batches (they pad on the right and attention is causal)" in finding.message
+    ) != left
 
 
 def test_left_padding_on_a_model_whose_positions_ignore_the_mask(tmp_path):

@@ -129,7 +129,9 @@ def test_a_mask_ignored_is_an_error_only_where_real_tokens_read_the_padding(layo
     assert ("Harmless for this run's batches" in verdict.message) == (severity == "info")
     unmasked = mc.unpadded_mask("attention_mask", layout, causal)
     assert unmasked.code == "TFD204" and unmasked.severity == severity
-    leaked = mc.decide_probe([mc.CausalReading(0.5, 0, 1, 2, 6, 0.01), mc.PaddingReading(0.5, 3, 0.5, 3, 2, 0.01, "right")])
+    leaked = mc.decide_probe(
+        [mc.CausalReading(0.5, 0, 1, 2, 6, 0.01), mc.PaddingReading(0.5, 3, 0.5, 3, 2, 0.01, "right")]
+    )
     assert [v.severity for v in leaked[0] if v is not None and v.code == "TFD202"] == [None]  # not causal: the error
 
 

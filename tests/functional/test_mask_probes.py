@@ -107,7 +107,9 @@ class BatchMixer(Causal):
         return self.head(h - h.mean(0, keepdim=True))
 
 
-@pytest.mark.parametrize("model, rows, found", [(Causal(), 2, None), (BatchMixer(), 2, "TFD217"), (BatchMixer(), 1, None)])
+@pytest.mark.parametrize(
+    "model, rows, found", [(Causal(), 2, None), (BatchMixer(), 2, "TFD217"), (BatchMixer(), 1, None)]
+)
 def test_the_cross_sample_probe(model, rows, found):
     """Other samples' logits must not move when one sample's tokens change; one sample: the probe stands aside."""
     ids = torch.randint(0, 20, (rows, 8), generator=torch.Generator().manual_seed(1))
