@@ -166,7 +166,7 @@ class BugEncoderLM(RankBugs, EncoderLM):
         deep_head: this many sigmoid layers without residuals between the encoder and the output layer (row 13).
         layers: encoder layers.
         batch_norm: a ``BatchNorm1d`` over the token features of the flattened batch, on batch statistics in eval
-            mode too (row 36).
+            mode too (row 37).
         bugs: :class:`RankBugs` keys.
     """
 
@@ -246,7 +246,7 @@ class BugHFLM(RankBugs, HFLM):
         mlp_bias_init: constant initial bias of every MLP input layer (row 14).
         deep_head: this many sigmoid layers without residuals between the body and the LM head (row 13).
         mixed_reshape: the first block's output ``(b, t, d)`` read back through ``transpose(0, 1).reshape(b, t, d)``
-            (row 36).
+            (row 37).
         bugs: :class:`RankBugs` keys.
     """
 
@@ -323,7 +323,7 @@ class BugHFLM(RankBugs, HFLM):
 
 
 def _mixed_reshape(module: nn.Module, args: Any, out: Any) -> Any:
-    """Row 36: a block's hidden states ``(b, t, d)`` reshaped from their transpose, which mixes the samples."""
+    """Row 37: a block's hidden states ``(b, t, d)`` reshaped from their transpose, which mixes the samples."""
     hidden = out[0] if isinstance(out, tuple) else out
     mixed = hidden.transpose(0, 1).reshape(hidden.shape)
     return (mixed, *out[1:]) if isinstance(out, tuple) else mixed
@@ -339,7 +339,7 @@ class BugTinyGPT(TinyGPT):
         step_squash: applied to the logits in ``training_step`` before the loss (row 30).
         constant_positions: the forward adds position 0 everywhere (row 28).
         pytorch_init: PyTorch's default initialisation instead of GPT-style std 0.02 (row 34).
-        batch_axis_attention: the first block's attention runs over the batch axis (its input transposed, row 36).
+        batch_axis_attention: the first block's attention runs over the batch axis (its input transposed, row 37).
         flags: TinyGPT's own arguments and bug flags.
     """
 

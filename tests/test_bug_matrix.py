@@ -124,7 +124,7 @@ BUGS: dict[int, str] = {
     33: "loss-only wrapper over token rows, non-causal stack",
     34: "learning rate far too low, PyTorch's default init",
     35: "no resumable checkpoint (weights-only)",
-    36: "samples mixed across the batch",
+    37: "samples mixed across the batch",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -413,13 +413,13 @@ def row_cases() -> dict[tuple[int, str], Case]:
             trainer={"enable_checkpointing": True},
             callbacks=saver(save_weights_only=True),
         )
-    # 36: samples mixed across the batch (forward)
+    # 37: samples mixed across the batch (forward)
     for fam, module, where in (
         ("encoder_lm", enc(batch_norm=True), "BatchNorm1d over the flattened batch's token features"),
         ("gpt2", gpt2(mixed_reshape=True), "first block's output reshaped from its transpose"),
         ("tinygpt", tiny(batch_axis_attention=True), "first block's attention over the batch axis"),
     ):
-        c[36, fam] = Case(module, dicts(), (owner("TFD217", severity="error"),), where)
+        c[37, fam] = Case(module, dicts(), (owner("TFD217", severity="error"),), where)
     return c
 
 

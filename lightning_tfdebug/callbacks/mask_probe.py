@@ -322,7 +322,7 @@ class MaskProbe(DebugCallback):
         if full:
             session.masks(ids, mask, limit)
             self._samples_done = True  # once per fit
-            for aside in session.aside:
+            for aside in session.not_run:
                 self.check_aside(*aside)
             if self.check_positions and not self._positions_done:
                 self._positions_done = True

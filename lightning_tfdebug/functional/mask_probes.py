@@ -271,7 +271,7 @@ class MaskProbes:
         if self.vocab is not None and (kept := self.vocab[torch.isin(self.vocab, self.pool)]).numel() >= 2:
             self.vocab = kept  # the call's other token tensors (decoder inputs) hold ids of their own
         self.cross_sample = cross_sample
-        self.aside: list[tuple[str, str, str]] = []  # (check, reason, setting) of checks that could not run
+        self.not_run: list[tuple[str, str, str]] = []  # (check, reason, setting) of checks that could not run
         self.generator, self.causal, self.mask_key = generator, causal, mask_key
         self.probe_rows, self.probe_length = settings.probe_rows, settings.probe_length
         self.check_padding, self.padding_side = settings.check_padding, settings.padding_side
@@ -364,7 +364,7 @@ class MaskProbes:
     def _cross_sample(self, ids: Tensor, real: Tensor, base: Tensor, tolerance: Tensor) -> None:
         """One sample's tokens replaced: the other samples' logits must not move (one forward of the probe rows)."""
         if ids.shape[0] < 2:
-            self.aside.append(CROSS_SAMPLE_ASIDE)
+            self.not_run.append(CROSS_SAMPLE_ASIDE)
             return
         changed = ids.clone()
         changed[0] = other_ids(self.pool, ids[0], self.generator)

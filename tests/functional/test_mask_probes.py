@@ -119,7 +119,7 @@ def test_the_cross_sample_probe(model, rows, found):
         session.masks(ids, None, None)
     verdicts, _ = mask_checks.decide_probe(mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()}))
     assert [v.code for v in verdicts if v is not None] == ([found] if found else [])
-    assert session.aside == ([mask_checks.CROSS_SAMPLE_ASIDE] if rows == 1 else [])
+    assert session.not_run == ([mask_checks.CROSS_SAMPLE_ASIDE] if rows == 1 else [])
 
 
 class PadCountingPositions(nn.Module):
