@@ -155,7 +155,7 @@ class Run:
         """The checks that did not run, why, and the setting that would let each run: every rank's
         ``stood-aside-rank<r>.jsonl`` (callbacks on their own and the pack's members) merged with ``pack.json``'s
         list, one entry per check and reason with the ranks that reported it."""
-        return merge_stood_aside([*self.not_run_records, *_pack_stood_aside(self.pack)])
+        return merge_stood_aside([*self.aside_records, *_pack_stood_aside(self.pack)])
 
     @property
     def stood_aside(self) -> dict[str, str]:

@@ -1,11 +1,6 @@
-"""The rules MaskProbe decides: each finding code with its text, the reading it is decided from, and its rule.
-
-A probe measures on the device and hands on a *reading* (a dataclass below) whose numbers are device scalars until the
-probe's one host transfer (:func:`~lightning_tfdebug.functional.mask_probes.on_host`); every rule function here then
-takes a reading of host numbers and returns a :class:`~lightning_tfdebug.functional.verdicts.Verdict` or None.
-:func:`decide_probe` runs the rules of one probing step in the order the probes measured. Facts read on the host while
-probing (the context limit, a call that failed) are decided at once by the plain-argument rules
-(:func:`unpadded_mask`, :func:`context_failure`, ...).
+"""The rules MaskProbe decides, each beside the reading it is decided from (device scalars until the probe's one host
+transfer, :func:`~lightning_tfdebug.functional.mask_probes.on_host`). :func:`decide_probe` decides one probing step's
+readings; facts read on the host while probing are decided at once (:func:`unpadded_mask`, :func:`context_failure`).
 
 Example:
     >>> decide_causal(CausalReading(max_change=0.5, row=0, position=3, cut=4, length=8, tolerance=1e-2)).code
@@ -234,12 +229,9 @@ class LeakReading(Reading):
 
 
 def decide_leak(r: LeakReading) -> Verdict | None:
-    """A leak through an argument: replacing its tokens from ``replaced_from`` on moved an output at or before ``cut``.
-
-    ``TFD201`` when the argument is the batch's token ids one step behind the labels (future tokens reach past
-    outputs, a causal-mask bug or an encoder that sees the whole text); ``TFD214`` for any other argument that carries
-    the labels (a decoder input that is the labels themselves, not shifted right).
-    """
+    """A leak through an argument: replacing its tokens from ``replaced_from`` on moved an output at or before
+    ``cut``. ``TFD201`` for the batch's token ids one step behind the labels (future tokens reach past outputs);
+    ``TFD214`` for any other argument that carries the labels (a decoder input not shifted right)."""
     if not _beyond(r.max_change, r.tolerance):
         return None
     evidence = {
@@ -299,23 +291,24 @@ TFD202 = Rule(
     ),
     message=(
         "Tokens under the attention mask change real tokens' logits: changing the ids at the {masked} masked positions "
-        "moved the logits at position {position} by {max_change:.3g} (tolerance {tolerance:.2g})."
+        "moved the logits at position {position} by {max_change:.3g} (tolerance {tolerance:.2g}).{harmless}"
     ),
 )
 
 
-_HARMLESS = (
-    " Harmless for this run's batches ({layout}): no real token reads the padding. Wrong with left padding, "
-    "bidirectional attention or batched generation."
-)
-
-
-def harmless_layout(layout: str, causal: bool) -> str | None:
-    """Why ignoring the mask does no harm on batches that pad on ``layout`` (``"none"``, ``"right"``, ``"left"``):
-    they do not pad, or pad on the right of a ``causal`` model; None when real tokens read the padding."""
+def harmless(layout: str, causal: bool) -> str:
+    """The sentence saying a mask ignored does no harm on batches that pad on ``layout`` (``"none"``, ``"right"``,
+    ``"left"``): they do not pad, or pad on the right of a ``causal`` model; ``""`` when real tokens read padding."""
     if layout == "none":
-        return "they are not padded"
-    return "they pad on the right and attention is causal" if layout == "right" and causal else None
+        why = "they are not padded"
+    elif layout == "right" and causal:
+        why = "they pad on the right and attention is causal"
+    else:
+        return ""
+    return (
+        f" Harmless for this run's batches ({why}): no real token reads the padding. Wrong with left padding, "
+        "bidirectional attention or batched generation."
+    )
 
 
 @dataclass(frozen=True)
@@ -334,19 +327,15 @@ class PaddingReading(Reading):
 
 
 def decide_padding(r: PaddingReading, follows_other: bool = False, causal: bool = False) -> Verdict | None:
-    """``TFD202`` when changing the ids under the mask moved a real token's logits beyond the tolerance; info when
-    the run's batches make that harmless (:func:`harmless_layout`, ``causal``: the causality probe held). When the
-    outputs follow another sequence of the call (``follows_other``: an encoder-decoder's decoder), every output must
-    ignore the masked source tokens, not only those at the ids' real positions."""
+    """``TFD202`` when changing the ids under the mask moved a real token's logits beyond the tolerance; info where
+    that is :func:`harmless` (``causal``: the causality probe held). When the outputs follow another sequence of the
+    call (``follows_other``: an encoder-decoder's decoder), every output must ignore the masked source tokens."""
     change, position = (r.every_change, r.every_position) if follows_other else (r.max_change, r.position)
     if not _beyond(change, r.tolerance):
         return None
     evidence = {"max_change": change, "position": int(position), "tolerance": r.tolerance, "layout": r.layout}
-    harmless = harmless_layout(r.layout, causal)
-    if harmless is None:
-        return TFD202.verdict(evidence, masked=r.masked)
-    message = TFD202.message.format(**evidence, masked=r.masked) + _HARMLESS.format(layout=harmless)
-    return TFD202.verdict(evidence, severity="info", message=message)
+    note = harmless(r.layout, causal)
+    return TFD202.verdict(evidence, severity="info" if note else None, masked=r.masked, harmless=note)
 
 
 TFD203 = Rule(
@@ -407,20 +396,16 @@ TFD204 = Rule(
     ),
     message=(
         "The batch is padded (its attention mask has zeros) but the model is called without a mask, so attention "
-        "cannot ignore the padding."
+        "cannot ignore the padding.{harmless}"
     ),
 )
 
 
 def unpadded_mask(mask_key: str | None, layout: str = "left", causal: bool = False) -> Verdict:
     """``TFD204``: the batch pads on ``layout`` but the model is called without a mask (``mask_key``: where the batch
-    holds it). Info where that is harmless (:func:`harmless_layout`: right padding of a ``causal`` model), error
-    where real tokens read the padding."""
-    harmless = harmless_layout(layout, causal)
-    if harmless is None:
-        return TFD204.verdict({"mask_key": mask_key, "layout": layout}, severity="error")
-    message = TFD204.message + _HARMLESS.format(layout=harmless)
-    return TFD204.verdict({"mask_key": mask_key, "layout": layout}, severity="info", message=message)
+    holds it); info where that is :func:`harmless` (right padding of a ``causal`` model)."""
+    note = harmless(layout, causal)
+    return TFD204.verdict({"mask_key": mask_key, "layout": layout}, severity="info" if note else None, harmless=note)
 
 
 # -------------------------------------------------------------------------------------------------------- positions
@@ -800,13 +785,9 @@ class AlignmentReading(Reading):
 
 
 def decide_alignment(r: AlignmentReading) -> tuple[bool, Verdict | None]:
-    """``(decided, verdict)`` of the target-alignment check.
-
-    ``TFD205``: the loss scores position t against token t (the model learns to copy). ``TFD206``: against token t+2
-    (labels shifted twice). ``TFD210`` (info): the alignments differ but the loss matches none (label smoothing,
-    auxiliary terms), or the last try came without a decision. ``decided`` is False while the losses are too close to
-    tell the alignments apart (try again later).
-    """
+    """``(decided, verdict)`` of the target alignment: ``TFD205`` (position t against token t), ``TFD206`` (against
+    t+2), ``TFD210`` (info: the loss matches no alignment, or the last try did not decide). Not decided while the
+    alignments' losses are too close to tell apart."""
     alignment, matched = classify_alignment(r.returned, r.shifted, r.unshifted, r.relation, r.rtol, r.shifted2)
     evidence = {
         "loss_returned": r.returned,
@@ -922,13 +903,9 @@ def decide_objective(objective: Objective) -> Verdict | None:
 
 # --------------------------------------------------------------------------------------------------- one probing step
 def decide_probe(readings: Sequence[Reading]) -> tuple[list[Verdict | None], set[str]]:
-    """The verdicts of one probing step's readings, in the order measured, and which pending checks it settled
-    (``"alignment"``, ``"order"``).
-
-    A repeat reading beyond its tolerance (``TFD213``) is the only verdict: every other comparison would measure the
-    noise, the alignment's loss comparison too (settled). Padding is read against every output when the leak probe saw
-    the outputs follow another sequence of the call (:attr:`LeakSummary.follows_other`).
-    """
+    """The verdicts of one probing step's readings, in the order measured, and the pending checks it settled
+    (``"alignment"``, ``"order"``). A repeat beyond its tolerance (``TFD213``) is the only verdict: every other
+    comparison would measure its noise."""
     repeat = next((r for r in readings if isinstance(r, RepeatReading)), None)
     noisy = None if repeat is None else decide_repeat(repeat)
     if noisy is not None:

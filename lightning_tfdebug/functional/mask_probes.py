@@ -1,11 +1,6 @@
-"""MaskProbe's probes, without a Trainer: the inputs each probe builds, and :class:`MaskProbes`, the probes of one
-probing step, each turning calls of the model into readings of :mod:`lightning_tfdebug.functional.mask_checks`
-(device scalars until the probe's one host transfer, :func:`on_host`).
-
-The model is called through :mod:`lightning_tfdebug.functional.call_probes`: the recorded call ``training_step`` makes,
-or the forward by its signature. The tensor comparisons themselves (tolerances, largest logit change, alignment
-losses) are in :mod:`lightning_tfdebug.functional.probes`.
-"""
+"""MaskProbe's probes without a Trainer: the inputs each probe builds, and :class:`MaskProbes`, which turns calls of
+the model (:mod:`~lightning_tfdebug.functional.call_probes`) into readings of
+:mod:`~lightning_tfdebug.functional.mask_checks`."""
 
 from __future__ import annotations
 
@@ -133,14 +128,9 @@ def ordinary_ids(ids: Tensor, attention_mask: Tensor | None, special: tuple[int,
 
 
 def masked_block(ids: Tensor, pool: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, int] | None:
-    """``(mask, first, second, k)``: a mask hiding a block of ``k`` (a quarter of the) positions after the first, and
-    two copies of the ids whose masked positions hold different ordinary ids of ``pool``. None when the sequence is
-    too short to keep 2 real positions.
-
-    Position 0 stays real so that no query has every key masked (a fully masked softmax row is NaN in many
-    implementations). Both copies write ordinary ids: a pad id written under the mask would move a model that derives
-    its positions from ``ids != pad`` whatever its mask does.
-    """
+    """``(mask, first, second, k)``: a mask hiding ``k`` (a quarter of the) positions after the first (position 0
+    stays real: a fully masked softmax row is NaN), and two copies of the ids holding different ordinary ids of
+    ``pool`` there. None when fewer than 2 real positions would remain."""
     t = ids.shape[1]
     k = max(1, t // 4)
     if t - k < 2:
@@ -230,15 +220,10 @@ class ProbeSettings:
 
 
 class MaskProbes:
-    """The probes of one probing step, through one way of calling the model: the recorded call (a
-    :class:`~lightning_tfdebug.core.calls.ModelCall`) or the forward by signature (a
-    :class:`~lightning_tfdebug.functional.call_probes.ModelCaller`).
-
-    Each probe appends its readings to :attr:`readings` (device scalars until the caller's one host transfer), the
-    host numbers it logs to :attr:`logged`, and the verdicts of facts read on the host while probing (a padded batch
-    the model is called without a mask, the context limit) to :attr:`verdicts`, in the order they were read.
-    :attr:`settled` names the pending checks (``"alignment"``, ``"order"``) found unable to run on this model. Run
-    under ``no_grad`` with the model in eval mode; every tensor a probe feeds the model holds only ids of the batch.
+    """The probes of one probing step, through the recorded call or the forward by signature. Each probe appends its
+    :attr:`readings` (device scalars), the host numbers it logs (:attr:`logged`), the verdicts of facts read while
+    probing (:attr:`verdicts`) and the pending checks it found unable to run (:attr:`settled`). Run under
+    ``no_grad`` with the model in eval mode.
 
     Args:
         model: the recorded call or the caller.
@@ -500,11 +485,8 @@ class MaskProbes:
         automatic: bool,
         last_try: bool,
     ) -> None:
-        """The target alignment: the loss ``training_step`` returned on the whole rows (``step_output()``: what it
-        returned, the recording replay's or a replay of its own) against the logits of the recorded call it came
-        from, or of the forward by signature. Settled without a reading when there is no scalar loss to compare
-        (``TFD210`` unless a manual-optimization step returned none), or when the step cannot be called
-        (``step_output`` None: a manual-optimization step steps its optimizers)."""
+        """The target alignment: the loss ``training_step`` returned (``step_output()``; None: it cannot be called)
+        against the logits of the call it came from. Settled without a reading when there is no scalar loss."""
         if step_output is None:
             self.settled.add("alignment")
             return

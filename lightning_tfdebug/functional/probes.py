@@ -58,16 +58,10 @@ def causal_valid_positions(batch: int, length: int, cut: int, device: torch.devi
 def alignment_losses(
     logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX, offset: int = 0
 ) -> dict[str, Tensor]:
-    """Mean cross-entropy of ``logits`` ``(B, L, V)`` against ``labels`` ``(B, T)`` under three alignments.
-
-    ``"shifted"``: position t is scored against label t+1 (what a causal LM loss does when labels are the inputs).
-    ``"unshifted"``: position t is scored against label t.
-    ``"shifted2"``: position t is scored against label t+2 (labels shifted twice).
-    ``offset``: the logits' position t stands at the labels' position t + ``offset`` (a call that received token rows
-    from that column on); the labels may run past the logits (``rows[:, :-1]`` fed to the model, ``rows`` the labels:
-    the row's last token is a target only). Each alignment scores every position that has its label; NaN when none
-    has (``"shifted2"`` on sequences under 3 tokens).
-    """
+    """Mean cross-entropy of ``logits`` ``(B, L, V)`` against ``labels`` ``(B, T)``, position t against label t+1
+    (``"shifted"``), t (``"unshifted"``) and t+2 (``"shifted2"``); NaN where no position has its label. The logits'
+    position t stands at the labels' t + ``offset`` (a call fed the rows from that column on); the labels may run
+    past the logits."""
     logits = logits.detach().float()
     labels = labels.long()
     length, available = logits.shape[1], labels.shape[1] - offset
