@@ -39,8 +39,13 @@ def _beyond(change: float, tolerance: float) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------- logged keys
+_KEYS: list[Key] = []
+
+
 def _key(name: str, description: str, unit: str = "") -> Key:
-    return Key(f"mask_probe/{name}", description, unit, chart="mask probes")  # probing steps only, one chart
+    """A MaskProbe key, added to :data:`KEYS` in the order defined (probing steps only, one chart)."""
+    _KEYS.append(Key(f"mask_probe/{name}", description, unit, chart="mask probes"))
+    return _KEYS[-1]
 
 
 REPEAT = _key("repeat_max_change", "largest logit difference between two forwards of the same tokens")
@@ -53,26 +58,11 @@ LOSS_SHIFTED = _key("loss_shifted", "cross-entropy of the same logits, position 
 LOSS_SHIFTED2 = _key("loss_shifted2", "the same, position t against label t+2", "nats")
 LOSS_UNSHIFTED = _key("loss_unshifted", "the same, position t against label t", "nats")
 CONTEXT_LIMIT = _key("context_limit", "the context limit the position probes used", "tokens")
-CROSS_SAMPLE = _key("cross_sample_max_change", "largest logit change of other samples when one sample's tokens change")
 ORDER = _key("order_change", "largest change of a position's output when the tokens before it are reversed")
 CONTENT = _key("content_change", "largest change of that output when the tokens before it are replaced")
 SECONDS = _key("seconds", "wall time of the probe", "s")
-KEYS: tuple[Key, ...] = (
-    REPEAT,
-    CAUSAL,
-    PADDING,
-    PAD_SIDE,
-    KV_CACHE,
-    LOSS_RETURNED,
-    LOSS_SHIFTED,
-    LOSS_SHIFTED2,
-    LOSS_UNSHIFTED,
-    CONTEXT_LIMIT,
-    ORDER,
-    CONTENT,
-    SECONDS,
-    CROSS_SAMPLE,
-)
+CROSS_SAMPLE = _key("cross_sample_max_change", "largest logit change of other samples when one sample's tokens change")
+KEYS: tuple[Key, ...] = tuple(_KEYS)
 """Every scalar MaskProbe logs (on probing steps only): ``MaskProbe.KEYS``. Each reading names the keys it logs."""
 
 
@@ -93,14 +83,8 @@ TFD213 = Rule(
     "TFD213",
     "error",
     "MaskProbe",
-    title=(
-        "the same tokens twice in eval mode gave different logits: randomness ignores `.eval()`; the other probes"
-        " are skipped"
-    ),
-    trigger=(
-        "two eval-mode forwards of the same tokens gave logits differing beyond the tolerance (the other "
-        "MaskProbe checks are skipped)"
-    ),
+    title="the same tokens twice in eval mode gave different logits (randomness ignores `.eval()`)",
+    trigger="two eval-mode forwards of the same tokens differ beyond the tolerance (the other checks are skipped)",
     hint=(
         "Something random runs regardless of `.eval()`: usually `F.dropout(x, p)` (its `training` argument "
         "defaults to True; pass `training=self.training` or use `nn.Dropout`), `dropout_p` given to "
@@ -419,9 +403,7 @@ TFD207 = Rule(
         "Check the position table / rotary cache size against the configured context length, or pass the real "
         "limit as `context_limit`."
     ),
-    reason=(
-        "A sequence of the length the model claims to accept fails: the run fails when the data reaches that length"
-    ),
+    reason="A sequence of the length the model claims to accept fails: the run fails when the data reaches that length",
     message=("The model fails on a sequence of {context_limit} tokens, its context limit: {error}"),
 )
 
@@ -462,14 +444,9 @@ TFD209 = Rule(
     "error",
     "MaskProbe",
     title="incremental decoding (`kv_cache_fn`) disagrees with the full forward; names the first position",
-    trigger=("logits from `kv_cache_fn` (incremental decoding) differ from the full forward; names the first position"),
-    hint=(
-        "Check the cache position / offset passed at each decoding step, rotary offsets, and the mask used with a"
-        " cache."
-    ),
-    reason=(
-        "Measured: incremental decoding computes different logits than training, so the trained model generates wrongly"
-    ),
+    trigger="logits from `kv_cache_fn` (incremental decoding) differ from the full forward's",
+    hint="Check the cache position / offset passed at each decoding step, rotary offsets, and the mask with a cache.",
+    reason="Measured: incremental decoding computes other logits than training, so the trained model generates wrongly",
     message=(
         "Incremental decoding disagrees with the full forward: logits differ by up to {max_change:.3g}, first at "
         "position {first_position} (tolerance {tolerance:.2g})."
@@ -562,9 +539,8 @@ TFD216 = Rule(
     "MaskProbe",
     title="a position table gets the same row at every position, or is never read",
     trigger=(
-        "in one forward pass of the probe rows: an embedding or position parameter of the token table's width "
-        "with at least as many rows as the sequence is looked up with indices constant along the sequence "
-        "(longer than 1), or is read by no torch function while the token table is looked up"
+        "in one forward of the probe rows, a table of the token table's width with at least as many rows as the "
+        "sequence (> 1) is looked up with indices constant along it, or is never read"
     ),
     hint=(
         "Pass position ids that count along the sequence (`torch.arange(t)`, or the mask's cumulative sum minus "
@@ -619,30 +595,20 @@ def decide_position_tables(r: PositionTablesReading) -> Verdict | None:
         return None
     constant = [t for t in r.tables if t.looked_up and bool(t.constant)]
     unread = [t for t in r.tables if not t.read]
+    if not constant and not unread:
+        return None
+    t = (constant or unread)[0]
+    kind = "constant" if constant else "unread"
+    evidence = {"table": t.name, "rows": t.rows, "length": r.length, "kind": kind, "token_table": r.token_table}
     if constant:
-        t = constant[0]
-        evidence = {
-            "table": t.name,
-            "rows": t.rows,
-            "length": r.length,
-            "kind": "constant",
-            "token_table": r.token_table,
-        }
         hint = (
             f"Pass position ids that count along the sequence to the lookup of `{t.name}` (e.g. `torch.arange(t)`, "
             "or the mask's cumulative sum minus one with left padding), not zeros."
         )
         return TFD216.verdict(evidence, hint=hint)
-    if unread:
-        t = unread[0]
-        evidence = {"table": t.name, "rows": t.rows, "length": r.length, "kind": "unread", "token_table": r.token_table}
-        hint = (
-            f"Add `{t.name}` (its first {r.length} rows, or its lookup of the position ids) to the token embeddings "
-            "in the forward."
-        )
-        # a second sentence of this code that the template (the constant lookup's) cannot express
-        return TFD216.verdict(evidence, hint=hint, message=_UNREAD_TABLE.format(**evidence))
-    return None
+    hint = f"Add `{t.name}` (its first {r.length} rows, or its lookup of the position ids) to the token embeddings."
+    # a second sentence of this code that the template (the constant lookup's) cannot express
+    return TFD216.verdict(evidence, hint=hint, message=_UNREAD_TABLE.format(**evidence))
 
 
 # ------------------------------------------------------------------------------------------------------ cross-sample
@@ -671,10 +637,7 @@ TFD217 = Rule(
         "b, d)` of a `(b, t, d)` tensor), or attention over the wrong axis (`nn.MultiheadAttention` without "
         "`batch_first=True` fed batch-first tensors)."
     ),
-    reason=(
-        "Measured: a sample's outputs depend on the other samples of its batch, so the model trains on and predicts "
-        "from data that is not its input"
-    ),
+    reason="Measured: a sample's outputs depend on the other samples of its batch, which are not its input",
     message=(
         "Samples mix across the batch: replacing the tokens of row 0 moved the logits of row {row} at position "
         "{position} by {max_change:.3g} (tolerance {tolerance:.2g}); each sample's outputs must depend on its own "
@@ -728,9 +691,8 @@ TFD206 = Rule(
     "MaskProbe",
     title="labels shifted twice: position t is trained on token t+2",
     trigger=(
-        "labels shifted twice, position t trained on token t+2: already shifted in the data and shifted again by "
-        "the loss, or equal to the inputs and shifted twice by `training_step` (by hand, then inside a Hugging "
-        "Face model)"
+        "position t trained on token t+2: labels shifted in the data and again by the loss, or equal to the inputs "
+        "and shifted twice by `training_step` (by hand, then inside a Hugging Face model)"
     ),
     hint=(
         "Shift exactly once: in the data collator or in the loss, not both. Hugging Face causal LMs shift "
@@ -866,17 +828,13 @@ TFD212 = Rule(
     "TFD212",
     "info",
     "MaskProbe",
-    title=(
-        "with `causal=None`, the labels are neither the inputs nor the next inputs (masked-LM objective): treated"
-        " as an encoder"
-    ),
+    title="with `causal=None`, the labels are neither the inputs nor the next inputs: treated as an encoder",
     trigger=(
-        "`causal=None` and the batch's labels are neither the inputs nor the next inputs at most supervised "
-        "positions (masked-LM / denoising objective): treated as an encoder, causality and target alignment not "
-        "checked"
+        "`causal=None` and the labels are neither the inputs nor the next inputs at most supervised positions "
+        "(masked-LM / denoising): causality and target alignment are not checked"
     ),
-    hint=("If this model is a decoder, set `causal=True` to check its causal mask; `causal=False` silences this."),
-    reason=("An observation of the objective (a masked-LM or denoising task), which makes the causal probes not apply"),
+    hint="If this model is a decoder, set `causal=True` to check its causal mask; `causal=False` silences this.",
+    reason="An observation of the objective (a masked-LM or denoising task), which makes the causal probes not apply",
     message=(
         "Treated as an encoder: at the supervised positions the labels equal the inputs {same_frac:.0%} of the time "
         "and the next inputs {next_frac:.0%} (a next-token objective has one of them near 100%), so the objective is "
