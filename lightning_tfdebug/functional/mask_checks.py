@@ -432,10 +432,8 @@ TFD208 = Rule(
 
 
 def context_limit_runs(limit: int, source: str = "") -> Verdict:
-    """``TFD208`` (info): the context limit, where it was read, and that a sequence of that length runs.
-
-    Nothing longer is ever sent to the model: past its limit a model fails natively (an inductor kernel aborts the
-    process, CUDA raises a device-side assert), which no handler can catch."""
+    """``TFD208`` (info): the context limit, where it was read, and that a sequence of that length runs (nothing
+    longer is ever sent: past its limit a model may fail natively, beyond any handler)."""
     return TFD208.verdict({"context_limit": limit, "source": source}, where=f" (read from {source})" if source else "")
 
 
@@ -515,8 +513,7 @@ class OrderReading(Reading):
 
 def decide_order(r: OrderReading) -> tuple[bool, Verdict | None]:
     """``(decided, verdict)`` of the token-order check: ``TFD215`` when reversing the tokens before the position left
-    its output unchanged while replacing them moved it by far more than the tolerance: the model reads which tokens
-    came before, not where. Decided without a finding as soon as order clearly matters."""
+    its output unchanged while replacing them moved it far beyond the tolerance."""
     if r.order_change > 10 * r.tolerance:
         return True, None
     if r.step < ORDER_STEPS[0] or not r.content_change > 100 * r.tolerance:
@@ -588,9 +585,7 @@ class PositionTablesReading(Reading):
 
 def decide_position_tables(r: PositionTablesReading) -> Verdict | None:
     """``TFD216`` when a position table (rows >= ``length`` > 1, the token table's width) is looked up with indices
-    constant along the sequence (every position gets the same row: position ids all zero), or is never read by the
-    forward (positions never added). None otherwise: a table looked up with ids that vary (left padding starting
-    later, packed documents restarting) is in use; a model with no such table (rotary, relative bias) has none."""
+    constant along the sequence (position ids all zero), or is never read by the forward."""
     if r.length < 2:
         return None
     constant = [t for t in r.tables if t.looked_up and bool(t.constant)]
@@ -726,10 +721,8 @@ TFD210 = Rule(
 
 @dataclass(frozen=True)
 class AlignmentReading(Reading):
-    """The loss ``training_step`` returned against the cross-entropy of the same logits under three alignments
-    (:func:`~lightning_tfdebug.functional.probes.alignment_losses`), how the labels relate to the inputs
-    (:func:`~lightning_tfdebug.functional.probes.labels_relation`), the relative tolerance of a match, and whether
-    this is the last step the check runs at."""
+    """The loss ``training_step`` returned against the cross-entropy of its logits under three alignments, how the
+    labels relate to the inputs, the relative tolerance of a match, and whether this is the check's last step."""
 
     returned: Number
     shifted: Number
@@ -844,10 +837,8 @@ TFD212 = Rule(
 
 
 def decide_objective(objective: Objective) -> Verdict | None:
-    """Decoder (None) or encoder (``TFD212``), from what the labels ask the model to predict
-    (:class:`~lightning_tfdebug.core.calls.Objective`): labels equal to the inputs (shifted inside the model) or to
-    the next inputs (shifted in the data) at half or more of the supervised positions are a next-token objective;
-    anything else is masked-LM or denoising."""
+    """Decoder (None) or encoder (``TFD212``), from what the labels ask the model to predict: a next-token objective
+    (:attr:`~lightning_tfdebug.core.calls.Objective.next_token`) or anything else (masked-LM, denoising)."""
     if objective.next_token:
         return None
     supervised_next = max(objective.supervised_next, 1.0)

@@ -96,9 +96,8 @@ def causal_cut(length: int) -> int:
 
 
 def known_special_ids(sources: list[tuple[str, Any]]) -> tuple[int, ...]:
-    """Every special id the pack learns from ``sources`` (``core.data.special_token_sources``): BatchGuard's EOS, SEP,
-    pad and BOS (:func:`~lightning_tfdebug.functional.batch_checks.learn_special_ids`), a tokenizer's
-    ``all_special_ids`` (mask, CLS, UNK ...) and a config's ``decoder_start_token_id``."""
+    """Every special id in ``sources`` (``core.data.special_token_sources``): BatchGuard's (``learn_special_ids``),
+    a tokenizer's ``all_special_ids`` (mask, CLS, UNK ...) and a config's ``decoder_start_token_id``."""
     found = set(learn_special_ids(sources).ordered())
     for _, source in sources:
         for attr in ("all_special_ids", "mask_token_id", "decoder_start_token_id"):
@@ -112,10 +111,9 @@ def known_special_ids(sources: list[tuple[str, Any]]) -> tuple[int, ...]:
 
 
 def ordinary_ids(ids: Tensor, attention_mask: Tensor | None, special: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
-    """``(pool, padding)``: the sorted distinct ids of the batch's real tokens that are neither ``special`` nor a value
-    the batch pads with (every probe's replacement ids come from it: ids that mean nothing to the model), and the
-    batch's padding value (None when it does not pad). Falls back to every real id when fewer than 2 remain. Host
-    syncs: probe steps only."""
+    """``(pool, padding)``: the sorted distinct ids of the batch's real tokens, neither ``special`` nor padding (the
+    probes' replacement ids; every real id when fewer than 2 remain), and the batch's padding value (None: it does
+    not pad). Host syncs: probe steps only."""
     real = ids if attention_mask is None else ids[attention_mask.bool()]
     padded = None if attention_mask is None else ids[~attention_mask.bool()]
     banned = torch.tensor(special, dtype=ids.dtype, device=ids.device)
@@ -191,16 +189,14 @@ def order_probe_position(attention_mask: Tensor | None, length: int) -> int | No
 
 
 def reorder_prefix(input_ids: Tensor, position: int) -> Tensor:
-    """A copy of ``input_ids`` whose tokens before ``position`` are in reverse order (the token at it and after it
-    unchanged)."""
+    """A copy of ``input_ids`` whose tokens before ``position`` are in reverse order."""
     out = input_ids.clone()
     out[:, :position] = input_ids[:, :position].flip(1)
     return out
 
 
 def on_host(readings: list[Reading], to_host: Callable[[dict[str, Tensor]], dict[str, float]]) -> list[Reading]:
-    """``readings`` with every device scalar replaced by its host value, moved by ``to_host`` in one transfer (the
-    probe's one host sync)."""
+    """``readings`` with every device scalar moved to the host by ``to_host`` in one transfer (the probe's sync)."""
     leaves = tensor_leaves(list(readings))
     host = to_host({str(i): t for i, (_, t) in enumerate(leaves)})
     return replace_leaves(list(readings), {path: host[str(i)] for i, (path, _) in enumerate(leaves)})
@@ -209,8 +205,7 @@ def on_host(readings: list[Reading], to_host: Callable[[dict[str, Tensor]], dict
 # ------------------------------------------------------------------------------------------------ one probing step
 @dataclass(frozen=True)
 class ProbeSettings:
-    """What the probes take of MaskProbe's arguments: the rows and the longest sequence they use, whether the padding
-    probes run and on which side they pad, and the label value that is not supervised."""
+    """What the probes take of MaskProbe's arguments."""
 
     probe_rows: int = 2
     probe_length: int = 64
