@@ -612,14 +612,13 @@ CROSS_SAMPLE_ASIDE = (
     "the probe rows hold one sample, so no other sample's outputs can be watched.",
     "batches of 2 samples or more, and `probe_rows` >= 2",
 )
-"""The ``check_aside`` record of a probe on one sample: ``(check, reason, setting)``."""
 NO_SPECIAL_IDS = (
     "special ids",
     "no tokenizer or config names a special id: probe replacement ids are drawn from the ids the batch's real "
     "tokens use (never its padding value), which may include BOS, EOS or mask ids.",
     "a `tokenizer` attribute (DataModule, collator or LightningModule) or a Hugging Face config",
 )
-"""The ``check_aside`` record of a fit where no special id is known: ``(check, reason, setting)``."""
+"""``check_aside`` records ``(check, reason, setting)``: a probe on one sample, a fit where no special id is known."""
 TFD217 = Rule(
     "TFD217",
     "error",
@@ -627,16 +626,14 @@ TFD217 = Rule(
     title="one sample's tokens change another sample's outputs: samples mix across the batch",
     trigger="in eval mode, replacing the tokens of one probe row moved another row's logits beyond the tolerance",
     hint=(
-        "A layer computes across the batch dimension: a normalisation over the batch (BatchNorm over the tokens, "
-        "statistics over dim 0), a reshape, view or permute that mixes the batch and sequence dimensions (`x.view(t, "
-        "b, d)` of a `(b, t, d)` tensor), or attention over the wrong axis (`nn.MultiheadAttention` without "
-        "`batch_first=True` fed batch-first tensors)."
+        "A layer computes across the batch: a normalisation over it (BatchNorm over the tokens), a view or permute "
+        "mixing the batch and sequence dimensions (`x.view(t, b, d)` of a `(b, t, d)` tensor), or attention over the "
+        "wrong axis (`nn.MultiheadAttention` without `batch_first=True` fed batch-first tensors)."
     ),
     reason="Measured: a sample's outputs depend on the other samples of its batch, which are not its input",
     message=(
         "Samples mix across the batch: replacing the tokens of row 0 moved the logits of row {row} at position "
-        "{position} by {max_change:.3g} (tolerance {tolerance:.2g}); each sample's outputs must depend on its own "
-        "tokens only."
+        "{position} by {max_change:.3g} (tolerance {tolerance:.2g})."
     ),
 )
 
