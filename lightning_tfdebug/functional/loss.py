@@ -412,15 +412,13 @@ def step_sums(
 def _check_sums(
     logits: Tensor, labels: Tensor, shift: bool, both: bool, label_smoothing: float, options: dict[str, Any]
 ) -> dict[str, Tensor]:
-    """The check's sums under each possible alignment: the own labels' and the rolled labels' cross-entropy
-    (:func:`rolled_label_sums`) and the floor of the logits' range (:func:`bounded_floor_sums`)."""
-    ce = init_loss_sums(logits, labels, shift_labels=shift, label_smoothing=label_smoothing, **options)
-    out = {"ce_sum": ce["ce_sum"], "ce_count": ce["ce_count"]}
+    """The check's sums under each possible alignment: the logits' cross-entropy, against the own and the rolled
+    labels (:func:`rolled_label_sums`), and the floor of their range (:func:`bounded_floor_sums`)."""
+    out: dict[str, Tensor] = {}
     for prefix, shifted in (("", shift), (OTHER_ALIGNMENT, not shift)) if both else (("", shift),):
-        sums = rolled_label_sums(logits, labels, shift_labels=shifted, **options)
-        if prefix:  # the own labels' cross-entropy under this alignment, over the rows `init_loss_sums` takes
-            other = init_loss_sums(logits, labels, shift_labels=shifted, label_smoothing=label_smoothing, **options)
-            sums.update(ce_sum=other["ce_sum"], ce_count=other["ce_count"])
+        ce = init_loss_sums(logits, labels, shift_labels=shifted, label_smoothing=label_smoothing, **options)
+        sums = {"ce_sum": ce["ce_sum"], "ce_count": ce["ce_count"]}
+        sums.update(rolled_label_sums(logits, labels, shift_labels=shifted, **options))
         sums.update(bounded_floor_sums(logits, labels, shift_labels=shifted, **options))
         out.update({prefix + k: v for k, v in sums.items()})
     return out
