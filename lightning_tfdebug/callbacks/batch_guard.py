@@ -179,6 +179,7 @@ class BatchGuard(DebugCallback):
         # the batch of the step (a reference, diagnosed if its forward raises), batch_name's parts, checked or not
         self._last: tuple[StepBatch, tuple[int, int, int, int], bool] | None = None
         self._keys_announced = self._examples_logged = False
+        self._fit_started = False  # the fit's first batch was seen (a resume shows there)
 
     @property
     def state_key(self) -> str:
@@ -213,9 +214,12 @@ class BatchGuard(DebugCallback):
         self._repeats.new_fit()  # a new fit reads its data anew
         self._schema.new_context(context)  # the context may have changed with the model
         self._tally = None
+        self._fit_started = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # here, not in setup: the training DataLoader (whose collator may hold the tokenizer) exists from now on
+        # here, not in setup: the training DataLoader (whose collator may hold the tokenizer) exists from now on;
+        # a fit resumed mid-epoch starts its first epoch without `on_train_epoch_start`
+        self._epoch = epoch_data(trainer)
         if self.special_token_batches and self.active:
             ids = checks.learn_special_ids(special_token_sources(trainer, pl_module, self.tokenizer), self.eos_id)
             aside = checks.eos_count_aside(ids)
@@ -247,6 +251,12 @@ class BatchGuard(DebugCallback):
             ids_path = view.fields.paths["input_ids"]
             found = self._schema.check(structure, view.fields.leaves, ids_path, checks.batch_name(*where))
             self.emit(trainer, found, synchronized=False)  # rank-local: each rank judges its own batch
+        if not self._fit_started:  # a fit resumed mid-epoch starts at a batch index past 0
+            self._fit_started = True
+            resumed = checks.resumed_mid_epoch(batch_idx, step, epoch, trainer.global_rank, self._epoch)
+            if resumed is not None:
+                self._repeats.resumed_epoch = epoch  # the restarted loader's repeats are TFD125's, not TFD123's
+            self.emit(trainer, resumed, synchronized=False)
         checked = self.should_measure(trainer) or (
             self.check_values_every_n_steps is not None and step % self.check_values_every_n_steps == 0
         )

@@ -394,6 +394,32 @@ TFD124 = Rule(
     ),
 )
 
+TFD125 = Rule(
+    "TFD125",
+    "warning",
+    "BatchGuard",
+    title="resumed mid-epoch with a DataLoader that cannot restore its position",
+    trigger=(
+        "a fit resumes at batch S > 0 of an epoch and a training DataLoader has no `state_dict`/`load_state_dict`: "
+        "Lightning restarts it from the epoch's first batch; a warning when it reads in a fixed order (the same "
+        "batches repeat), info when it shuffles"
+    ),
+    hint=(
+        "Use a DataLoader that Lightning restores (torchdata's StatefulDataLoader, or any loader with state_dict / "
+        "load_state_dict), or resume from checkpoints saved at epoch ends (ModelCheckpoint(every_n_epochs=1, "
+        "save_on_train_epoch_end=True))."
+    ),
+    reason=(
+        "evidence of harm in this run: the epoch it resumed trains some batches twice and never reads others; info "
+        "when the loader shuffles, since which samples repeat is then left to chance"
+    ),
+    message=(
+        "The fit resumed at batch {start} of a {per_epoch}-batch epoch (step {step}, epoch {epoch}, rank {rank}), and "
+        "the training DataLoader cannot restore its position: Lightning restarts it from the epoch's first batch. "
+        "{effect}"
+    ),
+)
+
 BLOCK = ("TFD101", "TFD129")
 """The codes reserved for BatchGuard's rules."""
 
@@ -418,6 +444,7 @@ RULES: tuple[Rule, ...] = (
     TFD122,
     TFD123,
     TFD124,
+    TFD125,
 )
 """The rules decided in this module, in code order."""
 
@@ -481,12 +508,47 @@ class ValueRules:
 class EpochData(NamedTuple):
     """What an epoch's training data is (host metadata, read once per epoch): a stream (no epochs of its own), the
     DataLoader's length (batches per epoch before any Trainer limit; None for a stream or several loaders), the
-    batches the Trainer reads per epoch, and the Trainer limit in force (``"Trainer(overfit_batches=1)"``)."""
+    batches the Trainer reads per epoch, the Trainer limit in force (``"Trainer(overfit_batches=1)"``), whether every
+    loader can restore its position (``state_dict``/``load_state_dict``) and whether it reads in a fixed order."""
 
     stream: bool = False
     loader_length: int | None = None
     per_epoch: int | None = None
     setting: str | None = None
+    stateful: bool = False
+    in_order: bool = False
+
+
+def _batch_range(first: int, last: int) -> str:
+    return f"batch {first}" if first == last else f"batches {first}-{last}"
+
+
+def resumed_mid_epoch(start: int, step: int, epoch: int, rank: int, data: EpochData) -> Verdict | None:
+    """``TFD125``: the fit's first batch is batch ``start`` > 0 of its epoch (a resume) and the loader restarts.
+
+    The loader yields its batches ``0..N-S-1`` as the epoch's batches ``S..N-1``: in a fixed order batches
+    ``0..min(S, N-S)-1`` train twice and as many at the end are never read; shuffled, a new order is drawn, so about
+    ``(N-S)·S/N`` batches' worth of samples repeat and as many go unread. Silent for a stateful loader, a stream and
+    an epoch of unknown length."""
+    n = data.per_epoch
+    if start <= 0 or data.stateful or data.stream or n is None or start >= n:
+        return None
+    twice = min(start, n - start)
+    evidence = {"start": start, "per_epoch": n, "step": step, "epoch": epoch, "in_order": data.in_order}
+    if data.in_order:
+        evidence |= {"repeated": [0, twice - 1], "skipped": [n - twice, n - 1]}
+        effect = (
+            f"In its fixed order, {_batch_range(0, twice - 1)} of the epoch train a second time and "
+            f"{_batch_range(n - twice, n - 1)} are never read in it ({twice} each)."
+        )
+        return TFD125.verdict(evidence, rank=rank, effect=effect)
+    expected = (n - start) * start / n
+    evidence["expected_repeated"] = expected
+    effect = (
+        f"The remaining {n - start} batches are drawn in a new order from the whole dataset: about {expected:.0f} "
+        "batches' worth of samples trained before the checkpoint train again this epoch, and as many are not read in it."
+    )
+    return TFD125.verdict(evidence, severity="info", rank=rank, effect=effect)
 
 
 def batch_name(batch_idx: int, step: int, epoch: int, rank: int) -> str:
@@ -1052,6 +1114,7 @@ class BatchRepeats:
     max_repeated_fraction: float = 0.1
     pending: list[PendingPrint] = field(default_factory=list)
     spoken: bool = False  # TFD121 was reached
+    resumed_epoch: int | None = None  # the epoch a resume restarted mid-way (TFD125's): not counted for TFD123
 
     def __post_init__(self) -> None:
         self.within = RepeatTracker(self.max_repeated_fraction)
@@ -1060,7 +1123,7 @@ class BatchRepeats:
     def new_fit(self) -> None:
         """A new fit reads its data anew: the run-long count starts over."""
         self.period = RepeatPeriod(self.max_repeated_fraction)
-        self.spoken = False
+        self.spoken, self.resumed_epoch = False, None
 
     def add(self, epoch: int, step: int, data: EpochData, ids: Tensor) -> None:
         """Fingerprint the batch of ``step`` from its ``ids``: a CPU batch on the host from its bytes (a host int, no
@@ -1089,6 +1152,9 @@ class BatchRepeats:
             earlier = self.within.repeated if self.within.epoch == epoch else 0  # the tracker resets per epoch
             found = self.within.add(epoch, step, fingerprint, data.stream, rank)
             self.spoken = self.spoken or found is not None
+            if epoch == self.resumed_epoch:
+                out += [found] if found is not None else []
+                continue
             period = self.period.add(
                 step,
                 fingerprint,
