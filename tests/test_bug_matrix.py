@@ -4,7 +4,8 @@ families where users put it, must be flagged by its owner at its severity.
 Families (``tests/bug_models.py``, built on the healthy matrix's ``tests/healthy_models.py``): ``encoder_lm``, a causal
 LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple batches, or the bundled padded dict
 batches for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug
-needs PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
+needs PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33; T5, an encoder-decoder, for
+row 39); ``tinygpt``, the bundled
 TinyGPT. Every case runs the whole pack at its defaults (the thirteen callbacks, as the healthy matrix does; that
 includes CheckpointAudit's reading of files back, which ``TFDebug()`` leaves to ``full``) on the buggy run, for the
 fewest steps that let the owner decide, and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run
@@ -40,10 +41,11 @@ from tests.bug_models import (
     BugTinyGPT,
     TokenRowLM,
     dict_data,
+    in_order_loader,
     token_rows,
     tuple_loader,
 )
-from tests.healthy_models import PACK_NAMES, the_pack_at_defaults
+from tests.healthy_models import HFLM, PACK_NAMES, the_pack_at_defaults
 from tests.helpers import make_trainer, run_distributed
 
 pytest.importorskip("transformers")
@@ -86,6 +88,7 @@ class Case:
     trainer: dict[str, Any] = field(default_factory=dict)
     callbacks: Callable[[Path], list] = lambda tmp_path: []
     raises: bool | None = False  # the bug ends the run with an exception (True), may (None), or must not (False)
+    resume_at: int = 0  # > 0: the run resumes from a checkpoint saved at this step by a run without the pack
 
 
 FAMILIES = ("encoder_lm", "gpt2", "tinygpt")
@@ -124,6 +127,7 @@ BUGS: dict[int, str] = {
     33: "loss-only wrapper over token rows, non-causal stack",
     34: "learning rate far too low, PyTorch's default init",
     35: "no resumable checkpoint (weights-only)",
+    39: "a resume mid-epoch with a DataLoader that cannot restore its position",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -407,6 +411,19 @@ def row_cases() -> dict[tuple[int, str], Case]:
             trainer={"enable_checkpointing": True},
             callbacks=saver(save_weights_only=True),
         )
+    # 39: resumed from a checkpoint saved mid-epoch; the plain DataLoader restarts the epoch from its first batch
+    for fam, module, data, where in (
+        ("encoder_lm", enc(), tuples(), "checkpoint at batch 10 of 16, plain DataLoader in a fixed order"),
+        (
+            "gpt2",
+            lambda: HFLM("t5"),
+            lambda: in_order_loader("t5"),
+            "T5: checkpoint at batch 8 of 12, plain DataLoader",
+        ),
+        ("tinygpt", tiny(), lambda: in_order_loader("tinygpt"), "checkpoint at batch 8 of 12, plain DataLoader"),
+    ):
+        at = 10 if fam == "encoder_lm" else 8
+        c[39, fam] = Case(module, data, (owner("TFD125"),), where, steps=at + 2, resume_at=at)
     return c
 
 
@@ -437,11 +454,16 @@ def run_case(tmp_path: Path, case: Case) -> tuple[list, BaseException | None]:
     pack = the_pack_at_defaults()
     kwargs = {"max_steps": case.steps, "log_every_n_steps": 10, **case.trainer}
     trainer = make_trainer(tmp_path, pack + case.callbacks(tmp_path), **kwargs)
-    error = None
+    error, ckpt_path = None, None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if case.resume_at:
+            saver = ModelCheckpoint(dirpath=tmp_path / "first", every_n_train_steps=case.resume_at, save_last=True)
+            first = make_trainer(tmp_path / "first", [saver], max_steps=case.resume_at, enable_checkpointing=True)
+            first.fit(case.module(), case.data())
+            ckpt_path = str(tmp_path / "first" / "last.ckpt")
         try:
-            trainer.fit(case.module(), case.data())
+            trainer.fit(case.module(), case.data(), ckpt_path=ckpt_path)
         except Exception as err:  # the bug's own failure, after the pack has spoken
             if case.raises is False:
                 raise
