@@ -28,17 +28,13 @@ from lightning_tfdebug.repro import shared_host_copy
 class BatchGuard(DebugCallback):
     r"""Checks each training batch before the forward: schema drift, token ids, lengths, masks and targets.
 
-    Runs in ``on_train_batch_start``, after the batch reached the device and before ``training_step``, so a bad
-    batch is reported in one sentence (batch, key, expected, found) instead of a stack trace from inside attention.
-    Every batch: its keys, dtypes and shapes against a schema declared or learned (host metadata only), and a
-    fingerprint of its ids (no sync). Checked batches (measuring steps, or every ``check_values_every_n_steps``
-    steps): every value statistic, read in one device-to-host transfer. Between them, a batch that crashes the
-    forward is diagnosed in ``on_exception``. What each check reads, and when it stays silent: the docs page
-    ``docs/callbacks/batch_guard.md``.
+    Every batch (in ``on_train_batch_start``): keys, dtypes and shapes against a declared or learned schema (host
+    metadata) and a fingerprint of its ids (no sync). Checked batches: every value statistic in one transfer; between
+    them a batch that crashes the forward is diagnosed in ``on_exception``. A fit resumed mid-epoch is checked against
+    its DataLoader. Details: ``docs/callbacks/batch_guard.md``.
 
-    Logged keys (every ``every_n_steps`` steps, from the last checked batch): :attr:`KEYS`, tabled in the docs page.
-    Findings: ``TFD101``-``TFD124``, the rules of :mod:`lightning_tfdebug.functional.batch_checks` (schema drift,
-    ids, lengths, masks, labels, conventions, batches read again, EOS never supervised), tabled in the docs page.
+    Logged keys: :attr:`KEYS`. Findings: ``TFD101``-``TFD125``, the rules of
+    :mod:`lightning_tfdebug.functional.batch_checks`; both tabled in the docs page.
 
     Args:
         every_n_steps: log the `batch_guard/*` keys when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -175,7 +171,6 @@ class BatchGuard(DebugCallback):
         self._repeats = checks.BatchRepeats(self.max_repeated_fraction)
         self._epoch = checks.EpochData()  # the training data of the current epoch (set per epoch)
         self._tally: checks.SpecialTokenTally | None = None  # TFD124's count, None when off
-        """The checks of BatchGuard that stood aside while the others ran on: ``{check: reason and setting}``."""
         # the batch of the step (a reference, diagnosed if its forward raises), batch_name's parts, checked or not
         self._last: tuple[StepBatch, tuple[int, int, int, int], bool] | None = None
         self._keys_announced = self._examples_logged = False
@@ -281,8 +276,8 @@ class BatchGuard(DebugCallback):
         return self._rules.statistics(ids, mask, labels, positions, labels_aligned=not self._encoder_decoder)
 
     def _special_statistics(self, view: StepBatch) -> tuple[Tensor, bool] | None:
-        """TFD124's counts of this batch on the device (no sync), and whether its labels align with the ids; None
-        when the count is off or done, or the batch cannot serve it (then that check stands aside, once)."""
+        """TFD124's counts of this batch on the device (no sync) and whether its labels align with the ids; None when
+        the count is off, done, or cannot use this batch (then it stands aside)."""
         tally = self._tally
         if tally is None or tally.done:
             return None
