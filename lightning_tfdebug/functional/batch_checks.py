@@ -36,11 +36,8 @@ TFD101 = Rule(
     "BatchGuard",
     title="a key of the schema is missing",
     trigger="a key of the schema (declared, or learned from the first batches) is missing from a batch",
-    hint=("build every batch through the same collate path; a key that only some samples carry needs a default"),
-    reason=(
-        "A batch without a field the step reads fails that step or feeds the model something else; the run cannot "
-        "go through its data as configured"
-    ),
+    hint="build every batch through the same collate path; a key that only some samples carry needs a default",
+    reason="A batch without a field the step reads fails that step or feeds the model something else",
     message="{where}: key '{key}' is missing (expected {expected}) ({schema}).",
 )
 
@@ -51,7 +48,7 @@ TFD102 = Rule(
     title="a key the learned schema does not have",
     trigger="a batch carries a key the learned schema does not have",
     hint="as TFD101; if the key is legitimate and optional, declare the `schema`",
-    reason=("Measured in this run's batches: two collate paths build them, so some batches are not what the rest are"),
+    reason="Measured in this run's batches: two collate paths build them, so some batches are not what the rest are",
     message="{where}: key '{key}' is new: {found}, absent from the earlier batches ({schema}).",
 )
 
@@ -61,11 +58,8 @@ TFD103 = Rule(
     "BatchGuard",
     title="dtype changed (int32 labels, float mask)",
     trigger="a key's dtype differs from the schema (int32 labels where int64 were, a float attention mask)",
-    hint=("build every field with an explicit dtype (`torch.tensor(x, dtype=torch.long)`); no cast in one branch only"),
-    reason=(
-        "The ops that take the field fail or change meaning with its dtype (cross_entropy takes int64 class "
-        "indices; a float mask is added, not applied)"
-    ),
+    hint="build every field with an explicit dtype (`torch.tensor(x, dtype=torch.long)`); no cast in one branch only",
+    reason="The ops that take the field fail or change meaning (cross_entropy takes int64; a float mask is added)",
     message="{where}: '{key}' has dtype {found}; expected {expected} ({schema}).",
 )
 
@@ -76,10 +70,7 @@ TFD104 = Rule(
     title="number of dimensions changed (a squeezed batch of one)",
     trigger="a key's number of dimensions differs (a batch of one squeezed to 1-D)",
     hint="never `squeeze()` a batch; keep the batch dimension (`x[None]`, `unsqueeze(0)`)",
-    reason=(
-        "A squeezed batch breaks the shapes the model and the loss rely on: the step fails or broadcasts into a "
-        "wrong result"
-    ),
+    reason="A squeezed batch breaks the shapes the model and the loss rely on: the step fails or broadcasts wrongly",
     message="{where}: '{key}' has {found}; expected {expected} ({schema}).",
 )
 
@@ -88,15 +79,9 @@ TFD105 = Rule(
     "error",
     "BatchGuard",
     title="a size differs from the declared size or from the key it always matched",
-    trigger=(
-        "a dimension differs from the declared size, or from the key it matched in every early batch (labels "
-        "shorter than input ids)"
-    ),
+    trigger="a dimension differs from the declared size, or from the key it matched in every early batch",
     hint="pad / truncate every key of a batch together; check the declared sizes",
-    reason=(
-        "Fields that no longer line up (labels shorter than the ids) fail the step or score positions against the "
-        "wrong labels"
-    ),
+    reason="Fields that no longer line up fail the step or score positions against the wrong labels",
     message="{where}: '{key}' has {found}; expected {expected} ({schema}).",
 )
 
@@ -105,19 +90,13 @@ TFD110 = Rule(
     "error",
     "BatchGuard",
     title="token id outside `[0, vocab)`",
-    trigger=(
-        "an input id is outside `[0, vocab)` (on checked steps, or in the batch whose step raised); names the "
-        "row, position and value"
-    ),
+    trigger="an input id is outside `[0, vocab)` (checked steps, or the batch whose step raised)",
     hint=(
         "The tokenizer and the model disagree on the vocabulary (added special tokens without "
-        "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a "
-        "device-side assert."
+        "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a device-side "
+        "assert."
     ),
-    reason=(
-        "An embedding lookup outside the table fails the step (a device-side assert on CUDA): the run cannot go "
-        "through this batch"
-    ),
+    reason="An embedding lookup outside the table fails the step (a device-side assert on CUDA)",
     message=(
         "{where}: '{ids_key}' holds {count:.0f} token id(s) outside [0, {vocab_size}); the first is {value} at row "
         "{row}, position {column}."
@@ -131,16 +110,13 @@ TFD111 = Rule(
     title="sequence longer than the model's context",
     trigger="the sequence length exceeds the model's context (position table, config, `max_length`)",
     hint=(
-        "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to the "
-        "context length; check sequence packing and concatenation code."
+        "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to the context "
+        "length; check sequence packing and concatenation code."
     ),
-    reason=(
-        "Positions past the model's table fail the step or read rows that were never trained: the run cannot go "
-        "through this batch"
-    ),
+    reason="Positions past the model's table fail the step or read rows that were never trained",
     message=(
-        "{where}: '{key}' has sequence length {width}, longer than the model's context of {max_length}; positions past "
-        "it have no embedding (an index or shape error deep in the model, or silent wrap-around)."
+        "{where}: '{key}' has sequence length {width}, longer than the model's context of {max_length}; positions "
+        "past it have no embedding (an index or shape error deep in the model, or silent wrap-around)."
     ),
 )
 
@@ -149,17 +125,12 @@ TFD112 = Rule(
     "error",
     "BatchGuard",
     title="attention mask not binary",
-    trigger=(
-        "the attention mask holds values other than 0 and 1 (on checked steps, or in the batch whose step raised)"
-    ),
+    trigger="the attention mask holds values other than 0 and 1 (checked steps, or the batch whose step raised)",
     hint=(
-        "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside "
-        "the model, not in the batch."
+        "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside the "
+        "model, not in the batch."
     ),
-    reason=(
-        "A mask with values other than 0 and 1 is applied as weights or added to the scores, so attention is wrong "
-        "on every such batch"
-    ),
+    reason="A mask of other values is applied as weights or added to the scores: attention is wrong",
     message="{where}: '{key}' has {count:.0f} value(s) that are neither 0 nor 1 (e.g. {example:g}).",
 )
 
@@ -168,14 +139,9 @@ TFD113 = Rule(
     "error",
     "BatchGuard",
     title="label outside `[0, vocab)` and not `ignore_index`",
-    trigger=(
-        "a label is outside `[0, vocab)` and is not `ignore_index` (on checked steps, or in the batch whose step "
-        "raised)"
-    ),
+    trigger="a label is outside `[0, vocab)` and not `ignore_index` (checked steps, or the batch whose step raised)",
     hint="Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
-    reason=(
-        "Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails"
-    ),
+    reason="Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails",
     message=(
         "{where}: '{labels_key}' holds {count:.0f} label(s) outside [0, {vocab_size}) that are not "
         "ignore_index={ignore_index} (e.g. {value})."
@@ -189,13 +155,10 @@ TFD114 = Rule(
     title="every label ignored: nothing is learned",
     trigger="every label of a batch is `ignore_index`: nothing is learned, the loss is 0 or NaN",
     hint=(
-        "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer "
-        "away, or labels built from the wrong field."
+        "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer away, "
+        "or labels built from the wrong field."
     ),
-    reason=(
-        "A batch with no supervised label gives a loss of 0 or NaN, and a NaN loss ruins the weights: nothing can "
-        "be learned from it"
-    ),
+    reason="A batch with no supervised label gives a loss of 0 or NaN, and a NaN loss ruins the weights",
     message=(
         "{where}: every label in '{labels_key}' is ignore_index={ignore_index}; this batch teaches nothing (the loss "
         "is 0 or NaN)."
@@ -207,9 +170,7 @@ TFD115 = Rule(
     "warning",
     "BatchGuard",
     title="padding positions supervised",
-    trigger=(
-        "padding positions (mask 0) carry a label that is not `ignore_index`: the model learns to predict padding"
-    ),
+    trigger="padding positions (mask 0) carry a label that is not `ignore_index`",
     hint="`labels[attention_mask == 0] = -100` in the collate function",
     reason="Measured in the batches: the loss spends its weight on predicting padding, which the model then learns",
     message=(
@@ -224,7 +185,7 @@ TFD116 = Rule(
     "BatchGuard",
     title="sequences without BOS",
     trigger="sequences whose first real token is not `bos_id`",
-    hint=("The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it."),
+    hint="The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it.",
     reason="Measured against the `bos_id` you declared: the model trains on a format it will not see at inference",
     message="{where}: {without_bos:.0f} of {sequences} sequences do not start with BOS ({bos_id}).",
 )
@@ -236,12 +197,10 @@ TFD117 = Rule(
     title="several EOS in a sequence",
     trigger="sequences with more than one `eos_id`",
     hint=(
-        "EOS added twice (by the template and the tokenizer), or documents packed without an attention boundary. "
-        "If you pack on purpose, leave eos_id unset."
+        "EOS added twice (by the template and the tokenizer), or documents packed without an attention boundary. If "
+        "you pack on purpose, leave eos_id unset."
     ),
-    reason=(
-        "Measured in the batches: the model is trained to continue past its end token, so it does not learn to stop"
-    ),
+    reason="Measured in the batches: the model is trained to continue past its end token",
     message="{where}: {several_eos:.0f} of {sequences} sequences hold more than one EOS ({eos_id}).",
 )
 
@@ -275,18 +234,12 @@ TFD120 = Rule(
     "warning",
     "BatchGuard",
     title="the length distribution moved away from the early batches",
-    trigger=(
-        "the mean real length of a window of `length_window` checked batches moved by more than "
-        "`length_shift_tolerance` (and one std) from the first window"
-    ),
+    trigger="a window's mean real length moved from the first window's by over `length_shift_tolerance` and one std",
     hint=(
-        "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum data, or a"
-        " truncation setting that differs between files."
+        "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum data, or a "
+        "truncation setting that differs between files."
     ),
-    reason=(
-        "Measured in this run: the batches seen later differ from the early ones (data sorted or grouped), so the "
-        "gradient follows data order"
-    ),
+    reason="Measured in this run: later batches differ from the early ones (data sorted or grouped)",
     message=(
         "{where}: the mean sequence length of the last {size} checked batches is {window_mean:.1f}, against "
         "{reference_mean:.1f} (std {reference_std:.1f}) in the first ones."
@@ -297,21 +250,17 @@ TFD121 = Rule(
     "TFD121",
     "warning",
     "BatchGuard",
-    title=("batches of one epoch repeat earlier batches of the same epoch token for token (data read more than once)"),
+    title="batches of one epoch repeat earlier batches of that epoch token for token",
     trigger=(
-        "more than `max_repeated_fraction` of one epoch's batches (and at least 3) have the same token "
-        "ids as an earlier batch of that epoch (from a stream, only within 16 batches)"
+        "over `max_repeated_fraction` of an epoch's batches (and 3) equal an earlier one of it (a stream: within 16)"
     ),
     hint=(
-        "Within one epoch a sampler draws every sample once, so identical batches mean the data is read more than"
-        " once: an IterableDataset read by several DataLoader workers that do not split the stream (shard it with"
-        " torch.utils.data.get_worker_info()), a Dataset whose __getitem__ ignores its index, a sampler with "
+        "Within one epoch a sampler draws every sample once, so identical batches mean the data is read more than "
+        "once: an IterableDataset read by several DataLoader workers that do not split the stream (shard it with "
+        "torch.utils.data.get_worker_info()), a Dataset whose __getitem__ ignores its index, a sampler with "
         "replacement, or duplicated rows in the data."
     ),
-    reason=(
-        "Measured in this run: one epoch reads the same batches more than once, so it trains on duplicates instead "
-        "of the data"
-    ),
+    reason="Measured in this run: one epoch trains on duplicates instead of the data",
     message=(
         "{repeated} of the {checked} batches checked so far in epoch {epoch} (rank {rank}) repeat an earlier batch of "
         "the same epoch token for token; the first, at step {step}, repeats step {repeats_step}."
@@ -324,15 +273,15 @@ TFD122 = Rule(
     "BatchGuard",
     title="attention mask with holes: real tokens masked out inside the text",
     trigger=(
-        "a binary attention mask of the ids' shape masks positions between real tokens of a row (or at both ends "
-        "of it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "
+        "a binary attention mask of the ids' shape masks positions between real tokens of a row (or at both ends of "
+        "it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "
         "`cu_seqlens` / `document_ids`-like keys) or 3-D/4-D masks"
     ),
     hint=(
         "A mask built as input_ids != pad_id where the pad id is also a real token (GPT-2 / Llama reuse EOS as "
         "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."
     ),
-    reason=("Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them"),
+    reason="Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them",
     message=(
         "{where}: '{key}' masks {holes:.0f} position(s) inside the text of {rows} of {sequences} rows "
         "({hole_fraction:.1%} of those rows' text; the first at row {first_hole[0]}, position {first_hole[1]}, id "
@@ -344,21 +293,17 @@ TFD123 = Rule(
     "TFD123",
     "warning",
     "BatchGuard",
-    title="the same batches come back sooner than the data allows (overfit_batches, a Dataset ignoring its index)",
+    title="the same batches come back sooner than the data allows",
     trigger=(
-        "of the batches a rank read, fewer are different than min(read, the training DataLoader's length) by at "
-        "least 3 and more than `max_repeated_fraction` of that (map-style loaders), or the repeats inside epochs "
-        "summed over the run reach 3 and that fraction of the batches read; silent once TFD121 has spoken"
+        "fewer different batches than min(read, the DataLoader's length) by 3 and `max_repeated_fraction` of it, or "
+        "repeats inside epochs summed to as many; silent once TFD121 has spoken"
     ),
     hint=(
         "Remove Trainer(overfit_batches=...) or a limit_train_batches on an unshuffled DataLoader left on from "
         "debugging (every epoch then reads the same first batches); otherwise find what makes the data repeat: a "
         "Dataset whose __getitem__ ignores its index, a DataLoader or sampler that yields the same batch."
     ),
-    reason=(
-        "evidence of harm in this run: the model trains on a fraction of its data and the loss falls by "
-        "memorising it, while the rest of the dataset is never read"
-    ),
+    reason="evidence of harm in this run: the model memorises a fraction of its data and never reads the rest",
     message=(
         "{what}: the same batches come back sooner than the data allows ({repeats_within_epochs} of them repeat a "
         "batch of their own epoch; the first repeat, at step {step}, repeats step {repeats_step}).{cause}"
@@ -369,27 +314,23 @@ TFD124 = Rule(
     "TFD124",
     "warning",
     "BatchGuard",
-    title="the end-of-sequence token occurs in the inputs and is never supervised (the model never learns to stop)",
+    title="the end-of-sequence token occurs in the inputs and is never supervised",
     trigger=(
-        "over the first `special_token_batches` checked batches of a causal LM (or a decoder's targets), EOS "
-        "occurs among the real input tokens often enough that `min_eos_expected` supervised EOS are expected, "
-        "and no supervised label is EOS; masked-LM labels are not judged"
+        "over the first `special_token_batches` checked batches of a causal LM or a decoder's targets, "
+        "`min_eos_expected` supervised EOS are expected from the inputs and none is"
     ),
     hint=(
-        "Find where the labels lose the EOS: a collator that masks by id (labels == pad_id while pad id == EOS "
-        "id, as DataCollatorForLanguageModeling with tokenizer.pad_token = tokenizer.eos_token does), a "
-        "completion-only mask that ends before the EOS. Mask padding by position (attention_mask == 0) or give "
-        "the tokenizer a pad token of its own."
+        "Find where the labels lose the EOS: a collator that masks by id (labels == pad_id while pad id == EOS id, as "
+        "DataCollatorForLanguageModeling with tokenizer.pad_token = tokenizer.eos_token does), a completion-only mask "
+        "that ends before the EOS. Mask padding by position (attention_mask == 0) or give the tokenizer a pad token "
+        "of its own."
     ),
-    reason=(
-        "evidence of harm in this run: the labels it trains on never contain EOS, so the model is never taught "
-        "to end a sequence and generates until the length limit"
-    ),
+    reason="evidence of harm in this run: the model is never taught to end a sequence",
     message=(
         "Over the first {batches} checked batches the end-of-sequence token {eos_id} occurs {eos_in_inputs:.0f} times "
         "among the {inputs} and is never supervised: none of the {supervised_labels:.0f} supervised labels in "
-        "{labels_at} is EOS (about {expected_supervised:.0f} expected at this data's supervised share of {share:.0%}). "
-        "The model never learns to stop: it generates until the length limit.{collator}"
+        "{labels_at} is EOS (about {expected_supervised:.0f} expected at this data's supervised share of "
+        "{share:.0%}). The model never learns to stop: it generates until the length limit.{collator}"
     ),
 )
 
@@ -399,19 +340,15 @@ TFD125 = Rule(
     "BatchGuard",
     title="resumed mid-epoch with a DataLoader that cannot restore its position",
     trigger=(
-        "a fit resumes at batch S > 0 of an epoch and a training DataLoader has no `state_dict`/`load_state_dict`: "
-        "Lightning restarts it from the epoch's first batch; a warning when it reads in a fixed order (the same "
-        "batches repeat), info when it shuffles"
+        "a fit resumes at batch S > 0 of an epoch and a training DataLoader has no `state_dict`/`load_state_dict`; "
+        "info when it shuffles"
     ),
     hint=(
         "Use a DataLoader that Lightning restores (torchdata's StatefulDataLoader, or any loader with state_dict / "
         "load_state_dict), or resume from checkpoints saved at epoch ends (ModelCheckpoint(every_n_epochs=1, "
         "save_on_train_epoch_end=True))."
     ),
-    reason=(
-        "evidence of harm in this run: the epoch it resumed trains some batches twice and never reads others; info "
-        "when the loader shuffles, since which samples repeat is then left to chance"
-    ),
+    reason="evidence of harm in this run: the resumed epoch trains some batches twice and skips others",
     message=(
         "The fit resumed at batch {start} of a {per_epoch}-batch epoch (step {step}, epoch {epoch}, rank {rank}), and "
         "the training DataLoader cannot restore its position: Lightning restarts it from the epoch's first batch. "

@@ -82,13 +82,6 @@ class Schema:
     keys: dict[str, KeySchema] = field(default_factory=dict)
     declared: bool = False
 
-    def describe(self) -> dict[str, str]:
-        out = {}
-        for k, s in self.keys.items():
-            dims = "" if s.dims is None else "[" + ", ".join("*" if d is None else str(d) for d in s.dims) + "]"
-            out[k] = s.dtype + dims
-        return out
-
 
 def parse_declared_schema(declared: Mapping[str, str]) -> Schema:
     """Parse ``{key: "int64[B, T]"}`` declarations: a dtype name, then optional dimensions (an integer is fixed, a
@@ -171,42 +164,28 @@ class Drift:
 
 def compare_schema(schema: Schema, specs: Mapping[str, FieldSpec]) -> list[Drift]:
     """Every way the batch described by ``specs`` differs from ``schema``."""
-    out: list[Drift] = []
-    for key, expected in schema.keys.items():
-        if key not in specs:
-            out.append(Drift("missing", key, expected.dtype, "absent"))
+    out = [Drift("missing", key, expected.dtype, "absent") for key, expected in schema.keys.items() if key not in specs]
     if not schema.declared:
-        for key in specs:
-            if key not in schema.keys:
-                out.append(Drift("extra", key, "absent", specs[key].describe()))
-    sizes: dict[str, tuple[str, int]] = {}
+        out += [Drift("extra", key, "absent", spec.describe()) for key, spec in specs.items() if key not in schema.keys]
+    sizes: dict[str, tuple[str, int]] = {}  # a shared dimension name -> (the first key, its size)
     for key, expected in schema.keys.items():
         spec = specs.get(key)
-        if spec is None:
-            continue
-        if spec.dtype != expected.dtype:
+        if spec is not None and spec.dtype != expected.dtype:
             out.append(Drift("dtype", key, expected.dtype, spec.dtype))
-        if expected.dims is None or spec.shape is None:
+        if spec is None or expected.dims is None or spec.shape is None:
             continue
         if len(spec.shape) != len(expected.dims):
             want = "[" + ", ".join("*" if d is None else str(d) for d in expected.dims) + "]"
             out.append(Drift("ndim", key, f"{len(expected.dims)} dims {want}", f"{len(spec.shape)} dims {spec.shape}"))
             continue
         for i, (dim, size) in enumerate(zip(expected.dims, spec.shape)):
+            found = f"dim {i} = {size} (shape {tuple(spec.shape)})"
             if isinstance(dim, int) and size != dim:
-                out.append(Drift("size", key, f"dim {i} = {dim}", f"dim {i} = {size} (shape {tuple(spec.shape)})"))
+                out.append(Drift("size", key, f"dim {i} = {dim}", found))
             elif isinstance(dim, str):
-                if dim in sizes and sizes[dim][1] != size:
-                    other, other_size = sizes[dim]
-                    out.append(
-                        Drift(
-                            "size",
-                            key,
-                            f"dim {i} = {other_size}, as in {other!r}",
-                            f"dim {i} = {size} (shape {tuple(spec.shape)})",
-                        )
-                    )
-                sizes.setdefault(dim, (key, size))
+                other, other_size = sizes.setdefault(dim, (key, size))
+                if other_size != size:
+                    out.append(Drift("size", key, f"dim {i} = {other_size}, as in {other!r}", found))
     return out
 
 

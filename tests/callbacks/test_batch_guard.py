@@ -454,7 +454,10 @@ def test_built_from_lightning_cli_yaml():
     assert isinstance(guard, BatchGuard)
     assert guard.on_finding == "raise" and guard.eos_id == 258 and guard.check_values_every_n_steps == 4
     assert isinstance(guard.tokenizer, ByteTokenizer)
-    assert guard._schema.declared.describe() == {"input_ids": "int64[B, T]", "labels": "int64[B, T]"}
+    assert {k: v.dims for k, v in guard._schema.declared.keys.items()} == {
+        "input_ids": ["B", "T"],
+        "labels": ["B", "T"],
+    }
 
 
 @pytest.mark.ddp
