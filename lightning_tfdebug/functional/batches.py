@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.batch import flatten_batch, host_array
+from lightning_tfdebug.core.batch import host_array
 
 # ----------------------------------------------------------------------------------------------------------- schema
 
@@ -35,13 +35,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def describe_batch(batch: Any) -> dict[str, FieldSpec]:
-    """The :class:`FieldSpec` of every leaf. Host metadata only: no device sync."""
-    return describe_leaves(flatten_batch(batch))
-
-
 def describe_leaves(leaves: Mapping[str, Any]) -> dict[str, FieldSpec]:
-    """The :class:`FieldSpec` of every leaf of :func:`flatten_batch`'s output. Host metadata only."""
+    """The :class:`FieldSpec` of every flattened leaf of a batch (:func:`~lightning_tfdebug.core.batch.flatten_batch`).
+    Host metadata only."""
     out = {}
     for path, value in leaves.items():
         if isinstance(value, Tensor):

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+from lightning_tfdebug.core.batch import flatten_batch
 from lightning_tfdebug.functional.batches import (
     compare_schema,
-    describe_batch,
-    flatten_batch,
+    describe_leaves,
     learn_schema,
     length_shift,
     parse_declared_schema,
@@ -14,6 +14,10 @@ from lightning_tfdebug.functional.batches import (
 )
 
 PAD, BOS, EOS, IGN = 9, 7, 8, 100
+
+
+def describe_batch(batch):
+    return describe_leaves(flatten_batch(batch))
 
 
 def lm_batch(b=2, t=5, dtype=torch.long):
