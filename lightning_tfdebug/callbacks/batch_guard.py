@@ -37,41 +37,29 @@ class BatchGuard(DebugCallback):
     :mod:`lightning_tfdebug.functional.batch_checks`; both tabled in the docs page.
 
     Args:
-        every_n_steps: log the `batch_guard/*` keys when ``global_step % every_n_steps == 0``; default: the Trainer's
-            ``log_every_n_steps``.
-        on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (before the forward, on checked steps). Under DDP findings
-            are rank-local; with ``"stop"``/``"raise"`` one boolean all-reduce per batch makes every rank act together.
-        schema: declared schema ``{key: "int64[B, T]"}`` (dtype, then sizes: integer fixed, name shared, ``*``
-            free); ``None`` learns it from the first batches.
+        every_n_steps: log the `batch_guard/*` keys every this many steps; default: the Trainer's ``log_every_n_steps``.
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (before the forward, on checked steps); under DDP
+            ``"stop"``/``"raise"`` cost one boolean all-reduce per batch so every rank acts together.
+        schema: declared schema ``{key: "int64[B, T]"}`` (integer fixed, name shared, ``*`` free); ``None`` learns it.
         learn_batches: batches that the shared-dimension part of a learned schema is learned from.
-        check_values_every_n_steps: value checks every this many steps; ``None`` (default) checks on measuring
-            steps only. 1 checks every batch before its forward (one host sync per batch): with
-            ``on_finding="raise"``, the run then stops before a bad batch reaches the model, not after it crashed.
-        input_key: where the token ids are (a key, a dotted path, a tuple index); ``None`` finds them as every
-            callback of the pack does (:mod:`lightning_tfdebug.core.batch`). A key a batch lacks disables its checks.
+        check_values_every_n_steps: value checks every this many steps; ``None`` on measuring steps only; 1 checks
+            every batch before its forward (one host sync per batch), so ``"raise"`` stops before a bad batch.
+        input_key: where the token ids are (a key, a dotted path, a tuple index); ``None`` finds them by name.
         mask_key: where the attention mask (1 = real token) is; given and found as ``input_key``.
         labels_key: where the labels are; given and found as ``input_key``.
         vocab_size: size of the vocabulary; ``None`` reads it from the model's input embedding.
-        max_length: longest allowed sequence; ``None`` reads it from the model (config, position table,
-            hyper-parameters).
+        max_length: longest allowed sequence; ``None`` reads it from the model (config, position table, hparams).
         ignore_index: the label value that the loss ignores; ``None`` is PyTorch's and Hugging Face's -100.
         bos_id: the beginning-of-sequence token id; enables the BOS convention checks.
         eos_id: the end-of-sequence token id; enables the EOS convention and truncation checks.
-        max_truncated_fraction: ``TFD119`` when more than this fraction of a batch's sequences fill
-            ``max_length`` without EOS.
+        max_truncated_fraction: ``TFD119`` above this fraction of sequences filling ``max_length`` without EOS.
         length_window: checked batches per window of the length-shift check (the first window is the reference).
-        length_shift_tolerance: ``TFD120`` when a window's mean length moves by more than this fraction of the
-            reference mean.
-        max_repeated_fraction: ``TFD121`` when more than this fraction of the batches seen in one epoch (and at
-            least 3) repeat an earlier batch of that epoch; ``TFD123`` when the batches read fall short of
-            ``min(read, len(train DataLoader))`` different ones by more than this fraction (and 3).
-        special_token_batches: checked batches over which EOS, SEP and the pad id are counted among the real inputs
-            and the supervised labels for ``TFD124`` (ids from ``eos_id``, a tokenizer or the model's Hugging Face
-            config); 0 turns the count off.
-        min_eos_expected: ``TFD124`` needs EOS to be expected among the supervised labels at least this many times
-            (its count among the real inputs times the supervised share of the tokens) while none is.
-        tokenizer: an object with ``decode`` or an import path to one; the first ``decode_examples`` sequences
-            of the first batch are logged decoded, with their label masks, to TensorBoard text at fit start.
+        length_shift_tolerance: ``TFD120`` when a window's mean length moves by more than this fraction of the first.
+        max_repeated_fraction: ``TFD121`` above this fraction of an epoch's batches (and 3) repeating one of it;
+            ``TFD123`` when the different batches fall short of ``min(read, len(DataLoader))`` by more (and 3).
+        special_token_batches: checked batches over which special tokens are counted for ``TFD124``; 0 turns it off.
+        min_eos_expected: ``TFD124`` needs this many supervised EOS to be expected while none is.
+        tokenizer: an object with ``decode`` or an import path to one; the first batch's sequences are logged decoded.
         decode_examples: how many sequences to decode.
 
     Raises:
