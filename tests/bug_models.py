@@ -311,6 +311,17 @@ class BugHFLM(RankBugs, HFLM):
         return loss
 
 
+class BugSeq2SeqLM(HFLM):
+    """A Hugging Face encoder-decoder (``t5`` or ``bart``) whose step passes the labels, unshifted, as
+    ``decoder_input_ids`` (row 36): the decoder sees at position t the token it must predict there."""
+
+    def training_step(self, batch, batch_idx):
+        labels = batch["labels"]
+        loss = self.model(**batch, decoder_input_ids=labels.masked_fill(labels == IGNORE_INDEX, 0)).loss
+        self.log("loss", loss)
+        return loss
+
+
 # ------------------------------------------------------------------------------------------------------- TinyGPT
 class BugTinyGPT(TinyGPT):
     """The bundled TinyGPT at the tests' small size, with its own bug flags (``lightning_tfdebug.demo.model``) and

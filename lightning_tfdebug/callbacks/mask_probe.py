@@ -49,6 +49,10 @@ class MaskProbe(DebugCallback):
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         causal: ``True`` for decoders; ``False`` for encoders (skips causality and target alignment); ``None``
             decides from the batch's labels.
+        model_kind: ``"decoder"``, ``"encoder"`` (implies ``causal=False``) or ``"encoder-decoder"`` (causality and
+            target alignment probed through the decoder's input only); ``None`` reads it from the model
+            (:func:`~lightning_tfdebug.core.calls.model_kind`). A model whose kind cannot be told and whose batch has
+            no labels gets every other check, and one recorded line naming this setting.
         check_padding: run the padding checks (needs a model that takes an attention mask).
         check_targets: run the target-alignment check.
         check_positions: run the context-limit checks (once per fit).
@@ -92,6 +96,7 @@ class MaskProbe(DebugCallback):
         every_n_steps: int | None = None,
         on_finding: OnFinding = "warn",
         causal: bool | None = None,
+        model_kind: Literal["decoder", "encoder", "encoder-decoder"] | None = None,
         check_padding: bool = True,
         check_targets: bool = True,
         check_positions: bool = True,
@@ -109,6 +114,8 @@ class MaskProbe(DebugCallback):
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         if causal is not None and not isinstance(causal, bool):
             raise TypeError(f"`causal` must be True, False or None (decide from the labels); got {causal!r}.")
+        check_choice("model_kind", model_kind, (None, "decoder", "encoder", "encoder-decoder"))
+        causal = False if causal is None and model_kind == "encoder" else causal
         flags = {"check_padding": check_padding, "check_targets": check_targets, "check_positions": check_positions}
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -127,6 +134,7 @@ class MaskProbe(DebugCallback):
         check_number("probe_rows", probe_rows, low=1, integer=True)
         check_number("probe_length", probe_length, low=4, integer=True)
         self.causal, self.check_padding, self.check_targets = causal, check_padding, check_targets
+        self.model_kind = model_kind
         self.check_positions, self.context_limit = check_positions, context_limit
         self.kv_cache_fn, self.forward_fn = kv_cache_fn, forward_fn
         self.input_key, self.mask_key, self.labels_key = input_key, mask_key, labels_key
@@ -291,9 +299,14 @@ class MaskProbe(DebugCallback):
         assert target is not None
         generator = torch.Generator().manual_seed(1234 + trainer.global_step)  # every rank draws the same
         session = probes.MaskProbes(target, fields[0], generator, self._settings, self._mask_path)
+        if self._found is None:
+            session.kind = self.model_kind or calls.model_kind(None, model=pl_module)[0]
         if self._is_causal is None:  # once per fit
             self._is_causal, aligned = session.decide_causal(fields[0], fields[2])
             self._alignment_decided = self._alignment_decided or not aligned
+            if session.aside is not None:
+                setting = "`model_kind` (or `causal`)" if session.kind == "unknown" else "`labels_key`"
+                self.check_aside("causality and target alignment", session.aside, setting)
         session.causal = self._is_causal
         return session
 
@@ -365,7 +378,7 @@ class MaskProbe(DebugCallback):
                 returned, recorded = calls.record_calls(pl_module, replay, nested=True, want=calls.takes_tokens)
             except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
                 return f"replaying `training_step` failed ({type(err).__name__}: {err})"
-        found = calls.find_model_call(recorded, *fields, ignore_index=self.ignore_index, model=pl_module)
+        found = calls.find_model_call(recorded, *fields, self.ignore_index, pl_module, self.model_kind)
         if isinstance(found, str):
             return found
         calls.share_model_call(trainer, batch, found)

@@ -1,21 +1,14 @@
 """Recording the model calls a ``training_step`` makes, and reading which one is the model.
 
-A probe that guesses how to call a model fails on the models users actually write: ``forward(inputs, target)``, a
-LightningModule without ``forward`` whose ``training_step`` calls ``self.model(x, y)``, a dict passed whole. Recording
-the call ``training_step`` makes (module, positional and keyword arguments, output) and re-issuing it with perturbed
-copies of its token tensors reaches all of them. The recording is meant for the steps that read it only (it adds
-hooks to every submodule for the duration of one call).
+Recording the call ``training_step`` makes (module, arguments, output) and re-issuing it with perturbed copies of its
+token tensors reaches every model users write (``forward(inputs, target)``, ``self.model(x, y)``, a dict passed
+whole). With ``nested=True`` the recorder also keeps the calls made inside other calls (a loss-only wrapper's inner
+network). Hooks on every submodule for one call: for the steps that read it only.
 
-A library's loss-only wrapper (``training_step`` returns ``self.model(batch)``; the wrapper slices the token rows,
-calls its inner network and returns only the loss) makes the call that returns logits one level down: with
-``nested=True`` the recorder also keeps the calls made inside other calls, at any depth, each with its depth and the
-order in which it started.
-
-:func:`find_model_call` is the one reading of "the call that took the token rows": among the recorded calls, the one
-that took the batch's token ids (or a slice of them) and returned logits, where its token ids, labels and mask sit,
-its logits, and the model's kind (decoder, encoder, encoder-decoder, loss-only wrapper, unknown). Every callback that
-needs the model's own call reads it there (MaskProbe, LossAtInit); :func:`share_model_call` puts it in the step's
-shared state (:class:`~lightning_tfdebug.core.step.StepState`).
+:func:`find_model_call` is the one reading of "the call that took the token rows": where its token ids, labels and
+mask sit, its logits, the model's kind (decoder, encoder, encoder-decoder, loss-only wrapper, unknown) and, for an
+encoder-decoder, which argument carries the decoder's input. MaskProbe and LossAtInit read it there;
+:func:`share_model_call` puts it in the step's shared state (:class:`~lightning_tfdebug.core.step.StepState`).
 
 Example:
     >>> import torch
@@ -346,23 +339,19 @@ class TokenSlot:
 class ModelCall:
     """The call that took the batch's token rows and returned logits, and what each of its tensors is.
 
-    Built by :func:`find_model_call` from the calls a ``training_step`` made; shared on the step through
-    :func:`share_model_call` / :func:`shared_model_call`. Output position ``p`` is trained on label ``p + shift``
-    (``shift`` 1 when the labels equal the ids, so the model or its loss shifts them; 0 for next-token labels in the
-    data or a decoder's own targets; plus ``ids_start`` when the call received the rows from that column on).
+    Built by :func:`find_model_call`; shared on the step through :func:`share_model_call` / :func:`shared_model_call`.
+    Output position ``p`` is trained on label ``p + shift`` (:attr:`shift`).
 
     Attributes:
         call: the recorded call (module, arguments, output).
         kind: what the model is: ``"decoder"``, ``"encoder"``, ``"encoder-decoder"``, ``"loss-only wrapper"`` (the
             step's outermost call returns only a loss; this call is the network inside it) or ``"unknown"``.
-        kind_source: where the kind was read: ``"config"`` (a Hugging Face config's ``is_encoder_decoder`` /
-            ``is_decoder``), ``"class name"`` (``...ForCausalLM``, ``...ForMaskedLM``), ``"decoder_input_ids"`` (the
-            call passes a decoder input, or returns an encoder's state), ``"wrapper"``, ``"decoder input"`` (a second
-            sequence of the call carries the labels), ``"labels"`` (:class:`Objective`), ``"token rows"`` (a slice of
-            the rows without labels: a next-token loss) or ``""`` (unknown).
+        kind_source: where the kind was read (:func:`model_kind`): ``"config"``, ``"class name"``,
+            ``"decoder_input_ids"``, ``"wrapper"``, ``"decoder input"``, ``"labels"``, ``"token rows"``, ``"setting"``
+            (``model_kind=``) or ``""`` (unknown).
         batch_size: rows of the call.
         slots: its token tensors.
-        shift: see above.
+        ids_shift: 1 when the labels equal the ids (the model or its loss shifts them), else 0.
         mask_path: where the batch's attention mask (or its inverse) sits in the call; None: not passed.
         mask_inverted: a padding mask (True = padding) rather than an attention mask (1 = real).
         mask_seq_first: the mask is stored ``(T, B)``.
@@ -381,7 +370,7 @@ class ModelCall:
     kind_source: str
     batch_size: int
     slots: list[TokenSlot]
-    shift: int
+    ids_shift: int
     mask_path: Path | None = None
     mask_inverted: bool = False
     mask_seq_first: bool = False
@@ -396,6 +385,29 @@ class ModelCall:
     key: Any = None  # (global_step, batch) it was recorded on, once shared
 
     # ------------------------------------------------------------------ views
+    @property
+    def shift(self) -> int:
+        """Output ``p`` is trained on label ``p + shift``: ``ids_shift`` plus ``ids_start`` (a call that received the
+        rows from that column on); 0 for an encoder-decoder, whose decoder input carries the labels shifted right."""
+        return 0 if self.kind == "encoder-decoder" else self.ids_start + self.ids_shift
+
+    @property
+    def decoder_input(self) -> TokenSlot | None:
+        """An encoder-decoder's slot that carries the decoder's input: ``decoder_input_ids``, else another sequence
+        that carries the labels, else the labels the model shifts into its decoder itself; None for other kinds."""
+        if self.kind != "encoder-decoder":
+            return None
+        named = [s for s in self.slots if not s.primary and s.name.split(".")[0] == "decoder_input_ids"]
+        carriers = [s for s in self.slots if not s.primary and s.offset is not None]
+        return next(iter(named + sorted(carriers, key=lambda s: s.label_like)), None)
+
+    @property
+    def own_targets(self) -> bool:
+        """An encoder-decoder's decoder fed its own targets: its input (not passed for the loss) is the labels
+        unshifted, so position ``t`` sees the token it must predict."""
+        slot = self.decoder_input
+        return slot is not None and not slot.label_like and slot.offset == 0
+
     @property
     def primary(self) -> TokenSlot | None:
         """The slot holding the batch's token ids (or their slice); None when the call takes tensors derived from
@@ -420,8 +432,10 @@ class ModelCall:
         return t.transpose(0, 1) if slot.seq_first else t
 
     def related(self) -> list[TokenSlot]:
-        """The slots that carry the labels (the ones a leak probe perturbs)."""
-        return [s for s in self.slots if s.offset is not None]
+        """The slots that carry the labels (the ones a leak probe perturbs); never an encoder-decoder's encoder input,
+        which every position may see by design."""
+        encoder = self.kind == "encoder-decoder"
+        return [s for s in self.slots if s.offset is not None and not (encoder and s.primary)]
 
     def companions(self) -> list[TokenSlot]:
         """Other sequences of the ids' length not passed under a labels name (a decoder input, position ids):
@@ -543,18 +557,18 @@ def find_model_call(
     labels: Tensor | None = None,
     ignore_index: int = -100,
     model: nn.Module | None = None,
+    kind: ModelKind | None = None,
 ) -> ModelCall | str:
     """The :class:`ModelCall` among ``calls`` that took the batch's token ids and returned logits, or a sentence
     saying why there is none.
 
     The call takes the ids, or a slice of them without the last or the first column (:data:`ROW_SLICES`), and
     returns logits (outputs wider than every token id): among several, the one whose outputs follow the positions it
-    received, the outermost (lowest depth), then the first; then one with outputs over other positions (an
-    encoder-decoder's decoder); failing that, an outermost call that takes a token tensor of the batch's size and
-    returns logits. ``calls`` may hold calls at every depth (:class:`CallRecorder` with ``nested``): a loss-only
-    wrapper's inner network. Every token tensor of the call is compared with ``labels`` (or, without labels, with the
-    ids' next tokens) to read which carry them and at what offset; ``model`` (the LightningModule) is searched for a
-    Hugging Face config when the call's own module has none (:func:`model_kind`). Host syncs: recording steps only.
+    received, the outermost, then the first; then one with outputs over other positions (an encoder-decoder's
+    decoder); failing that, an outermost call that takes a token tensor of the batch's size and returns logits. Every
+    token tensor of the call is compared with ``labels`` (or, without labels, with the ids' next tokens) to read
+    which carry them and at what offset. The kind is ``kind`` when given (a user's ``model_kind=``), else read by
+    :func:`model_kind` (``model``: the LightningModule, searched for a config). Host syncs: recording steps only.
     """
     chosen = _choose(calls, input_ids)
     if chosen is None:
@@ -572,9 +586,8 @@ def find_model_call(
     # the labels every slot is compared with: the batch's, else the ids' next tokens (virtual next-token labels)
     ref, base = _reference(input_ids, labels, b)
     shift = 0
-    if ref is not None and labels is not None and chosen.primary is not None:
+    if labels is not None and chosen.primary is not None:
         shift = 1 if relation_offset(input_ids, ref, ignore_index, offsets=(0,)) == 0 else 0
-    shift += start  # output p of a call that received the rows from column `start` on stands at row position p+start
     slots = [_slot(call, s, chosen.primary, ref, base, ignore_index) for s in seqs]
     found = ModelCall(
         call=call,
@@ -582,7 +595,7 @@ def find_model_call(
         kind_source="",
         batch_size=b,
         slots=slots,
-        shift=shift,
+        ids_shift=shift,
         mask_path=mask_path,
         mask_inverted=inverted,
         mask_seq_first=mask_seq_first,
@@ -594,7 +607,7 @@ def find_model_call(
         ids_stop=stop,
         tensors=dict(call.leaves()),
     )
-    found.kind, found.kind_source = model_kind(found, calls, model, input_ids, labels)
+    found.kind, found.kind_source = (kind, "setting") if kind else model_kind(found, calls, model, input_ids, labels)
     return found
 
 
