@@ -5,7 +5,7 @@ Families (``tests/bug_models.py``, built on the healthy matrix's ``tests/healthy
 LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple batches, or the bundled padded dict
 batches for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug
 needs PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
-TinyGPT. Every case runs the whole pack at its defaults (the thirteen callbacks, as the healthy matrix does; that
+TinyGPT; Hugging Face T5 and BART for the encoder-decoder rows (36). Every case runs the whole pack at its defaults (the thirteen callbacks, as the healthy matrix does; that
 includes CheckpointAudit's reading of files back, which ``TFDebug()`` leaves to ``full``) on the buggy run, for the
 fewest steps that let the owner decide, and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run
 under DDP with two gloo processes (``tests/helpers.run_distributed``).
@@ -37,13 +37,14 @@ from lightning_tfdebug.rules import RULES
 from tests.bug_models import (
     BugEncoderLM,
     BugHFLM,
+    BugSeq2SeqLM,
     BugTinyGPT,
     TokenRowLM,
     dict_data,
     token_rows,
     tuple_loader,
 )
-from tests.healthy_models import PACK_NAMES, the_pack_at_defaults
+from tests.healthy_models import PACK_NAMES, data, the_pack_at_defaults
 from tests.helpers import make_trainer, run_distributed
 
 pytest.importorskip("transformers")
@@ -124,6 +125,7 @@ BUGS: dict[int, str] = {
     33: "loss-only wrapper over token rows, non-causal stack",
     34: "learning rate far too low, PyTorch's default init",
     35: "no resumable checkpoint (weights-only)",
+    36: "a decoder fed its own targets (the labels, unshifted, as its input)",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -407,6 +409,13 @@ def row_cases() -> dict[tuple[int, str], Case]:
             trainer={"enable_checkpointing": True},
             callbacks=saver(save_weights_only=True),
         )
+    # 36: a decoder fed its own targets (the step); on a decoder-only model, row 9's labels not shifted
+    for fam, module, loader, where in (
+        ("t5", lambda: BugSeq2SeqLM("t5"), lambda: data("t5"), "step passes decoder_input_ids=labels"),
+        ("bart", lambda: BugSeq2SeqLM("bart"), lambda: data("bart"), "step passes decoder_input_ids=labels"),
+        ("gpt2", gpt2(shift=False), dicts(), "step's loss without the shift"),
+    ):
+        c[36, fam] = Case(module, loader, (owner("TFD214", "TFD205", severity="error"),), where)
     return c
 
 
@@ -577,13 +586,13 @@ def matrix_table() -> str:
             cells = [(family, ddp_case(row, family)[3]) for family in FAMILIES]
             expect = [ddp_case(row, FAMILIES[0])[2]]
         else:
-            cells = [(family, CASES[row, family].placement) for family in FAMILIES]
-            expect = list(CASES[row, FAMILIES[0]].expect)
+            cells = [(family, case.placement) for (r, family), case in CASES.items() if r == row]
+            expect = list(CASES[row, cells[0][0]].expect)
         if len({p for _, p in cells}) == 1:
             placement = f"all: {cells[0][1]}"
         else:
             placement = "<br>".join(f"{family}: {p}" for family, p in cells)
-        misses = [family for family in FAMILIES if (row, family) in KNOWN_MISSES]
+        misses = [family for family, _ in cells if (row, family) in KNOWN_MISSES]
         note = f" (missed today on {', '.join(misses)})" if misses else ""
         lines.append(f"| {row} | {bug} | {placement} | {'; '.join(str(e) for e in expect)}{note} |")
     return "\n".join(lines) + "\n"

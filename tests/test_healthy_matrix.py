@@ -2,7 +2,8 @@
 people train them, must raise no warning and no error.
 
 Families (``tests/healthy_models.py``, tiny configs, nothing downloaded): the bundled TinyGPT, a causal LM on
-``nn.TransformerEncoder`` with tuple batches, Hugging Face GPT-2, Llama, BERT (masked LM) and T5. Settings: fresh
+``nn.TransformerEncoder`` with tuple batches, Hugging Face GPT-2, Llama, BERT (masked LM) and T5; beside them BART and a T5 taught to reproduce its input
+(:data:`SEQ2SEQ_CASES`). Settings: fresh
 from scratch with a warm-up; a constant learning rate without warm-up; resumed from a checkpoint past the warm-up;
 fine-tuning weights trained first in the test, fully and with LoRA adapters; bf16-mixed; gradient accumulation 4;
 DDP with 2 processes. Runs are long enough for every check of the pack to run: LossAtInit's checks at its default
@@ -27,6 +28,7 @@ from lightning_tfdebug.rules import RULES
 from tests.healthy_models import (
     FAMILIES,
     PACK_NAMES,
+    SEQ2SEQ_FAMILIES,
     build,
     data,
     pretrain,
@@ -39,7 +41,7 @@ from tests.helpers import make_trainer, run_distributed
 pytest.importorskip("transformers")
 
 CHECK_STEP = 100  # LossAtInit's default check_step
-STEPS = {family: CHECK_STEP + 20 for family in FAMILIES} | {"bert_mlm": 5 * CHECK_STEP + 20}
+STEPS = {family: CHECK_STEP + 20 for family in FAMILIES + SEQ2SEQ_FAMILIES} | {"bert_mlm": 5 * CHECK_STEP + 20}
 SETTINGS = ("fresh_warmup", "constant_lr", "resumed", "finetune_full", "finetune_lora", "bf16", "accum4")
 FAST = {
     ("tinygpt", "fresh_warmup"),
@@ -121,6 +123,13 @@ def cases():
             if (family, setting) in KNOWN:
                 marks.append(pytest.mark.xfail(strict=False, reason=KNOWN[family, setting]))
             yield pytest.param(family, setting, marks=marks, id=f"{family}-{setting}")
+    for family, setting in SEQ2SEQ_CASES:
+        yield pytest.param(family, setting, marks=[pytest.mark.slow], id=f"{family}-{setting}")
+
+
+SEQ2SEQ_CASES = (("t5_copy", "finetune_full"), ("bart", "finetune_full"), ("bart", "fresh_warmup"))
+"""Encoder-decoder runs beside the ``t5`` family: a T5 fine-tune whose labels are its input ids (the model shifts
+them into its decoder) and BART, fine-tuned and from scratch."""
 
 
 @pytest.mark.parametrize("family, setting", list(cases()))

@@ -132,16 +132,12 @@ def replace_leaves(obj: Any, replacements: Mapping[Path, Tensor], prefix: Path =
 
 
 class CallRecorder:
-    """Records the module calls under ``root`` between :meth:`start` and :meth:`stop`.
+    """Records the module calls under ``root`` between :meth:`start` and :meth:`stop`, in the order they started.
 
-    By default the outermost calls only: calls made while no other module under ``root`` was running, i.e. the calls
-    ``training_step`` itself makes (``self(x)``, ``self.model(x, y)``, ``self.loss_fn(...)``), not the layers inside
-    them. With ``nested=True`` the calls at every depth, those inside others included (a loss-only wrapper's inner
-    network); ``want(module, args, kwargs)``, asked when a nested call starts, keeps only the calls worth holding
-    (their outputs stay alive until :meth:`stop`), and the outermost calls are always kept. :meth:`stop` returns the
-    calls in the order they started. ``keep`` decides, at each call, whether to keep it (e.g. only inside the
-    Trainer's ``training_step``). Adding a hook to every submodule is a Python loop over the modules: for probing
-    steps only.
+    By default the outermost calls only (those ``training_step`` itself makes); with ``nested=True`` the calls at
+    every depth that ``want(module, args, kwargs)`` keeps (their outputs stay alive until :meth:`stop`). ``keep``
+    decides at each call whether to keep it (e.g. only inside ``training_step``). A hook on every submodule: for
+    probing steps only.
     """
 
     def __init__(
@@ -195,8 +191,7 @@ def record_calls(
     nested: bool = False,
     want: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool] | None = None,
 ) -> tuple[Any, list[RecordedCall]]:
-    """Run ``run()`` under a :class:`CallRecorder` on ``root``; returns its result and the module calls it made (the
-    outermost ones, or with ``nested`` those at every depth that ``want`` keeps), in the order they started. The
+    """Run ``run()`` under a :class:`CallRecorder` on ``root``; returns its result and the calls it recorded. The
     hooks are removed before this returns, also when ``run`` raises."""
     recorder = CallRecorder(root, nested=nested, want=want).start()
     try:
@@ -227,9 +222,8 @@ class TableUse:
 
 
 class TableReads(torch.overrides.TorchFunctionMode):
-    """Watches, during one forward pass, every torch function that takes one of ``tables`` (weights or parameters):
-    a table that no function takes is never read; ``F.embedding(indices, table)`` and ``table[indices]`` with an
-    integer index tensor are lookups, kept with their indices. The ``id()`` of the tensors is the key. A Python hook on
+    """Watches, during one forward pass, every torch function that takes one of ``tables`` (by ``id()``): which are
+    read, and the lookups ``F.embedding(indices, table)`` / ``table[indices]`` with their indices. A Python hook on
     every torch function of the pass: for probing steps only."""
 
     def __init__(self, tables: list[Tensor]) -> None:
@@ -257,20 +251,14 @@ class TableReads(torch.overrides.TorchFunctionMode):
 
 
 # ==================================================================================================== the model call
-# Which recorded call is "the model": the one that took the batch's token rows and returned logits over them. One
-# reading, shared by every callback that needs the model's own call (MaskProbe re-issues it with perturbed tokens,
-# LossAtInit reads its logits), with the model's kind.
-
 ModelKind = Literal["decoder", "encoder", "encoder-decoder", "loss-only wrapper", "unknown"]
 
 RELATION_FRACTION = 0.95
 """A token tensor carries the labels when it equals them, at one offset, at this fraction of the supervised positions
-or more. Text shifted against itself matches everywhere (padding aside); a denoising source (BART's 15% token
-corruption) does not, and an encoder may see all of it."""
+or more (a denoising source, BART's 15% corruption, does not)."""
 
 ROW_SLICES: tuple[tuple[int, int | None], ...] = ((0, None), (0, -1), (1, None))
-"""The columns of the batch's ids a call may receive, in order of preference: all of them, all but the last (the
-inputs of a next-token loss, ``rows[:, :-1]``), all but the first (``rows[:, 1:]``)."""
+"""The columns of the batch's ids a call may receive, by preference: all, ``rows[:, :-1]``, ``rows[:, 1:]``."""
 
 
 @dataclass(frozen=True)
@@ -293,8 +281,8 @@ class Objective:
 
     @property
     def next_token(self) -> bool:
-        """A next-token objective (a decoder's): labels equal to the inputs or to the next inputs at half or more of
-        the supervised positions (or nothing supervised to tell). Anything else is masked-LM or denoising."""
+        """A decoder's objective: labels equal to the inputs or to the next inputs at half or more of the supervised
+        positions (or nothing supervised); anything else is masked-LM or denoising."""
         return (
             self.supervised == 0
             or self.same >= 0.5 * self.supervised
@@ -402,13 +390,6 @@ class ModelCall:
         return next(iter(named + sorted(carriers, key=lambda s: s.label_like)), None)
 
     @property
-    def own_targets(self) -> bool:
-        """An encoder-decoder's decoder fed its own targets: its input (not passed for the loss) is the labels
-        unshifted, so position ``t`` sees the token it must predict."""
-        slot = self.decoder_input
-        return slot is not None and not slot.label_like and slot.offset == 0
-
-    @property
     def primary(self) -> TokenSlot | None:
         """The slot holding the batch's token ids (or their slice); None when the call takes tensors derived from
         them."""
@@ -490,10 +471,9 @@ class ModelCall:
 
 
 def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor | None:
-    """The logits in a call's output as ``(batch, time, vocab)``: ``(B, T, V)`` as is, ``(T, B, V)`` transposed when
-    the call is sequence-first (or when only that reading fits), ``(B*T, V)`` reshaped (``(T*B, V)`` for a
-    sequence-first call). The logits are ``.logits`` / ``["logits"]``, else the first float tensor of the output (a
-    tuple ``(logits, cache)``, a dict or a dataclass of other names). None when no float tensor fits."""
+    """The logits in a call's output (``.logits`` / ``["logits"]``, else its first float tensor) as
+    ``(batch, time, vocab)``: from ``(B, T, V)``, ``(T, B, V)`` (a sequence-first call, or when only that fits) or a
+    flattened ``(B*T, V)`` / ``(T*B, V)``. None when no float tensor fits."""
     logits = logits_of(output)
     if logits is None:
         logits = next((t for _, t in tensor_leaves(output) if t.is_floating_point() and t.ndim >= 2), None)
@@ -515,9 +495,8 @@ def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor
 def relation_offset(
     slot: Tensor, reference: Tensor, ignore_index: int, offsets: tuple[int, ...] = (0, 1, -1)
 ) -> int | None:
-    """The offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` holds at :data:`RELATION_FRACTION` or more of
-    the positions where ``reference`` is supervised (not ``ignore_index``), over the positions both have; the largest
-    such offset, or None. Both batch-first with the same number of rows. Host syncs: recording steps only."""
+    """The largest offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` at :data:`RELATION_FRACTION` or more of
+    the supervised positions both have, or None. Both batch-first. Host syncs: recording steps only."""
     matches: list[int] = []
     ts, tr = slot.shape[1], reference.shape[1]
     for o in offsets:
@@ -533,8 +512,7 @@ def relation_offset(
         frac = int(((s == r) & supervised).sum()) / n
         if frac >= RELATION_FRACTION:
             matches.append(o)
-    # Repetitive text matches at several offsets; the largest one starts the leak probe latest, so it never blames a
-    # model for reading a token that only happens to equal a label.
+    # Repetitive text matches at several offsets; the largest starts the leak probe latest (never blaming a repeat)
     return max(matches) if matches else None
 
 
@@ -752,21 +730,11 @@ def model_kind(
     input_ids: Tensor | None = None,
     labels: Tensor | None = None,
 ) -> tuple[ModelKind, str]:
-    """``(kind, source)``: what the model is, and where that was read (see :class:`ModelCall`), first match wins:
-
-    1. a Hugging Face config (on the call's module, else in ``model``): ``is_encoder_decoder`` -> encoder-decoder,
-       ``is_decoder`` -> decoder; else the class name (``...ForCausalLM`` / ``...LMHeadModel`` -> decoder,
-       ``...ForMaskedLM`` -> encoder);
-    2. the call passes ``decoder_input_ids`` or returns ``encoder_last_hidden_state`` -> encoder-decoder;
-    3. the call is nested and no outermost call returned logits -> loss-only wrapper;
-    4. a second sequence of the call (not the ids, nor labels passed for the loss: a labels name at offset 0) carries
-       the labels -> encoder-decoder;
-    5. ``labels`` shaped like ``input_ids`` (:class:`Objective`, kept in ``found.objective``; one host sync): a
-       next-token objective -> decoder, else encoder;
-    6. a slice of token rows without labels -> decoder (a next-token loss over the rows);
-    7. unknown.
-
-    ``found`` None (no recorded call) reads the config of ``model`` only.
+    """``(kind, source)``: what the model is, and where that was read, first match wins: a Hugging Face config (on
+    the call's module, else in ``model``; then its class name); ``decoder_input_ids`` passed or
+    ``encoder_last_hidden_state`` returned; a nested call under no outermost logits (a loss-only wrapper); a second
+    sequence carrying the labels (encoder-decoder); the labels' :class:`Objective` (kept in ``found.objective``; one
+    host sync); a slice of token rows (decoder); else unknown. ``found`` None reads ``model``'s config only.
     """
     holder = _config_holder(None if found is None else found.call.module, model)
     if holder is not None:
@@ -800,11 +768,8 @@ def model_kind(
 
 
 def _has_decoder_input(call: RecordedCall) -> bool:
-    if any(call.keyword(p) == "decoder_input_ids" for p, _ in call.leaves()):
-        return True
-    output = call.output
-    state = output.get("encoder_last_hidden_state") if isinstance(output, Mapping) else None
-    return isinstance(state if state is not None else getattr(output, "encoder_last_hidden_state", None), Tensor)
+    state = getattr(call.output, "encoder_last_hidden_state", None)  # a Hugging Face seq2seq output
+    return isinstance(state, Tensor) or any(call.keyword(p) == "decoder_input_ids" for p, _ in call.leaves())
 
 
 # ---------------------------------------------------------------------------------------------- sharing on the step

@@ -511,13 +511,13 @@ def test_built_from_lightning_cli_yaml(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(
         "trainer:\n  callbacks:\n    - class_path: lightning_tfdebug.MaskProbe\n"
-        "      init_args: {causal: false, probe_rows: 3, padding_side: left, context_limit: 32,"
+        "      init_args: {causal: false, model_kind: decoder, probe_rows: 3, padding_side: left, context_limit: 32,"
         " forward_fn: 'tests.callbacks.test_mask_probe:call_dict_forward'}\n"
     )
     cli = LightningCLI(TinyGPT, TinyTextDataModule, run=False, args=["--config", str(config)])
     [probe] = [c for c in cli.trainer.callbacks if isinstance(c, MaskProbe)]
     assert (probe.causal, probe.probe_rows, probe.padding_side, probe.context_limit) == (False, 3, "left", 32)
-    assert probe.forward_fn.endswith("call_dict_forward")
+    assert probe.forward_fn.endswith("call_dict_forward") and probe.model_kind == "decoder"
 
 
 @pytest.mark.ddp
