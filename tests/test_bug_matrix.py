@@ -2,13 +2,14 @@
 families where users put it, must be flagged by its owner at its severity.
 
 Families (``tests/bug_models.py``, built on the healthy matrix's ``tests/healthy_models.py``): ``encoder_lm``, a causal
-LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple batches, or the bundled padded dict
-batches for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug
-needs PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
-TinyGPT; Hugging Face T5 and BART for the encoder-decoder rows (36). Every case runs the whole pack at its defaults (the thirteen callbacks, as the healthy matrix does; that
-includes CheckpointAudit's reading of files back, which ``TFDebug()`` leaves to ``full``) on the buggy run, for the
-fewest steps that let the owner decide, and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run
-under DDP with two gloo processes (``tests/helpers.run_distributed``).
+LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple batches, or the bundled padded dict batches
+for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug needs
+PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
+TinyGPT; Hugging Face T5 and BART for the encoder-decoder rows (36). Every case runs the whole pack at its defaults (the
+thirteen callbacks, as the healthy matrix does; that includes CheckpointAudit's reading of files back, which
+``TFDebug()`` leaves to ``full``) on the buggy run, for the fewest steps that let the owner decide, and asserts the
+owner's code at its severity. Rows 16, 17, 18 and 23 run under DDP with two gloo processes
+(``tests/helpers.run_distributed``).
 
 Row 29 (attention logits without the 1/sqrt(d) scale) is left out: no callback claims it yet.
 
@@ -44,7 +45,8 @@ from tests.bug_models import (
     token_rows,
     tuple_loader,
 )
-from tests.healthy_models import PACK_NAMES, data, the_pack_at_defaults
+from tests.healthy_models import PACK_NAMES, the_pack_at_defaults
+from tests.healthy_models import data as healthy_data
 from tests.helpers import make_trainer, run_distributed
 
 pytest.importorskip("transformers")
@@ -411,8 +413,8 @@ def row_cases() -> dict[tuple[int, str], Case]:
         )
     # 36: a decoder fed its own targets (the step); on a decoder-only model, row 9's labels not shifted
     for fam, module, loader, where in (
-        ("t5", lambda: BugSeq2SeqLM("t5"), lambda: data("t5"), "step passes decoder_input_ids=labels"),
-        ("bart", lambda: BugSeq2SeqLM("bart"), lambda: data("bart"), "step passes decoder_input_ids=labels"),
+        ("t5", lambda: BugSeq2SeqLM("t5"), lambda: healthy_data("t5"), "step passes decoder_input_ids=labels"),
+        ("bart", lambda: BugSeq2SeqLM("bart"), lambda: healthy_data("bart"), "step passes decoder_input_ids=labels"),
         ("gpt2", gpt2(shift=False), dicts(), "step's loss without the shift"),
     ):
         c[36, fam] = Case(module, loader, (owner("TFD214", "TFD205", severity="error"),), where)

@@ -2,12 +2,12 @@
 people train them, must raise no warning and no error.
 
 Families (``tests/healthy_models.py``, tiny configs, nothing downloaded): the bundled TinyGPT, a causal LM on
-``nn.TransformerEncoder`` with tuple batches, Hugging Face GPT-2, Llama, BERT (masked LM) and T5; beside them BART and a T5 taught to reproduce its input
-(:data:`SEQ2SEQ_CASES`). Settings: fresh
-from scratch with a warm-up; a constant learning rate without warm-up; resumed from a checkpoint past the warm-up;
-fine-tuning weights trained first in the test, fully and with LoRA adapters; bf16-mixed; gradient accumulation 4;
-DDP with 2 processes. Runs are long enough for every check of the pack to run: LossAtInit's checks at its default
-``check_step`` (100), and at 5x that for the masked LM, whose plateau check needs it.
+``nn.TransformerEncoder`` with tuple batches, Hugging Face GPT-2, Llama, BERT (masked LM) and T5; beside them BART and a
+T5 taught to reproduce its input (:data:`SEQ2SEQ_CASES`). Settings: fresh from scratch with a warm-up; a constant
+learning rate without warm-up; resumed from a checkpoint past the warm-up; fine-tuning weights trained first in the
+test, fully and with LoRA adapters; bf16-mixed; gradient accumulation 4; DDP with 2 processes. Runs are long enough for
+every check of the pack to run: LossAtInit's checks at its default ``check_step`` (100), and at 5x that for the masked
+LM, whose plateau check needs it.
 
 A few fast cases run by default; the whole matrix runs under ``-m slow``. ``docs/healthy-runs.md`` lists what the pack
 says (its info findings) on each family. Set ``TFD_HEALTHY_REPORT=<file>`` to append every case's findings to a
