@@ -92,16 +92,19 @@ def no_token_ids_reason(leaves: dict[str, Any], input_key: str | int | None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ probe constructions
-def kind_aside(kind: str) -> str:
-    """Why causality and target alignment are not probed on a model of ``kind`` (see ``MaskProbes.decide_causal``)."""
+def kind_aside(kind: str) -> tuple[str, str]:
+    """Why causality and target alignment are not probed on a model of ``kind`` (see ``MaskProbes.decide_causal``),
+    and the setting that would let them run."""
     if kind == "encoder-decoder":
         return (
             "no argument of the encoder-decoder's call carries the labels as the decoder's input (`decoder_input_ids`, "
-            "or `labels` the model shifts itself), and its encoder's input is seen by every position by design"
+            "or `labels` the model shifts itself), and its encoder's input is seen by every position by design",
+            "`labels_key`",
         )
     return (
         "the model's kind cannot be told (no Hugging Face config, no labels to read its objective from), and a "
-        "decoder's causality probe would perturb an input that an encoder lets every position see"
+        "decoder's causality probe would perturb an input that an encoder lets every position see",
+        "`model_kind` (or `causal`)",
     )
 
 
@@ -259,7 +262,7 @@ class MaskProbes:
         self.logged: dict[str, float] = {}
         self.settled: set[str] = set()
         self.kind = self.found.kind if self.found is not None else "unknown"  # the caller's: set by MaskProbe
-        self.aside: str | None = None  # why causality and target alignment are not probed (see decide_causal)
+        self.aside: tuple[str, str] | None = None  # why causality and alignment are not probed, the setting to set
 
     # ------------------------------------------------------------------ access
     def logits(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:

@@ -103,7 +103,7 @@ def test_a_model_of_unknown_kind_without_labels_gets_no_causality_verdict():
     ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(1))
     settings = mp.ProbeSettings(check_padding=False)  # (the kind-independent padding probes run alike)
     session = mp.MaskProbes(build_caller(Causal(False)), ids, torch.Generator().manual_seed(0), settings)
-    assert session.decide_causal(ids, None) == (False, False) and "cannot be told" in session.aside
+    assert session.decide_causal(ids, None) == (False, False) and "cannot be told" in session.aside[0]
     with torch.no_grad():
         session.masks(ids, None, None)
     assert "CausalReading" not in [type(r).__name__ for r in session.readings] and _verdicts(session) == []
