@@ -30,8 +30,8 @@ MLM_MASK_ID = VOCAB  # BERT gets one more row for its mask token
 FAMILIES: tuple[str, ...] = ("tinygpt", "encoder_lm", "gpt2", "llama", "bert_mlm", "t5")
 HF_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "bert_mlm", "t5", "bart", "t5_copy")
 SEQ2SEQ_FAMILIES: tuple[str, ...] = ("bart", "t5_copy")
-"""Encoder-decoder runs beside ``t5`` (not in :data:`FAMILIES`): BART on source/target halves, and T5 taught to
-reproduce its input (the labels are the input ids, shifted into the decoder by the model itself)."""
+"""Encoder-decoder runs beside ``t5`` (not in :data:`FAMILIES`), each taught to reproduce its input (BART's own
+pretraining objective, without the noise): the labels are the input ids, shifted into the decoder by the model."""
 
 PACK_NAMES: tuple[str, ...] = (
     "BatchGuard",
@@ -286,7 +286,7 @@ def data(family: str, batch_size: int = 8) -> Any:
     if family == "encoder_lm":
         text = periodic_text()
         return DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=2 * batch_size, shuffle=True)
-    collate = {"bert_mlm": mlm_collate, "t5_copy": copy_collate}.get(family, seq2seq_collate)
+    collate = {"bert_mlm": mlm_collate, "t5_copy": copy_collate, "bart": copy_collate}.get(family, seq2seq_collate)
     batch = 2 * batch_size if family == "bert_mlm" else batch_size
     return DataLoader(_documents(), batch_size=batch, shuffle=True, collate_fn=collate, drop_last=True)
 

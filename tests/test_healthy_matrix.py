@@ -128,8 +128,8 @@ def cases():
 
 
 SEQ2SEQ_CASES = (("t5_copy", "finetune_full"), ("bart", "finetune_full"), ("bart", "fresh_warmup"))
-"""Encoder-decoder runs beside the ``t5`` family: a T5 fine-tune whose labels are its input ids (the model shifts
-them into its decoder) and BART, fine-tuned and from scratch."""
+"""Encoder-decoder runs beside the ``t5`` family, whose labels are their input ids (the model shifts them into its
+decoder): T5 fine-tuned, BART fine-tuned and from scratch."""
 
 
 @pytest.mark.parametrize("family, setting", list(cases()))
