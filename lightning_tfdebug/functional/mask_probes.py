@@ -299,12 +299,13 @@ class MaskProbes:
         encoder-decoder whose call has no decoder input carrying the labels, nor for a model of unknown kind without
         labels: their only probe would perturb an input that every position may see."""
         found = self.found
-        if found is not None and found.related():
+        unknown = self.kind == "unknown" and labels is None  # (the ids' next tokens as labels assume a decoder)
+        if found is not None and found.related() and not unknown:
             # some argument of the model call carries the labels: there are tokens the model must not see. The
             # target-alignment check applies when the token ids themselves carry them (a decoder-only model).
             self.causal = True
-            return True, found.primary is not None and found.primary in found.related()
-        if self.kind == "encoder-decoder" or (self.kind == "unknown" and labels is None):
+            return True, found.primary in found.related()
+        if self.kind == "encoder-decoder" or unknown:
             self.aside = kind_aside(self.kind)
             self.causal = False
             return False, False
