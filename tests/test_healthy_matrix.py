@@ -55,7 +55,14 @@ FAST = {
 }
 """The cases in the default run (about 50 s on 2 cores); the rest run under ``-m slow``."""
 
-KNOWN: dict[tuple[str, str], str] = {}
+_BART = (
+    "GradNormMonitor TFD302: the encoder's first layer of BART (post-LN, embeddings tied with the LM head) gets 1e-4 "
+    "of the embeddings' gradient norm (steps 40-70)"
+)
+KNOWN: dict[tuple[str, str], str] = {
+    ("bart", "fresh_warmup"): _BART,
+    ("bart", "finetune_full"): _BART + "; LossAtInit TFD231 at step 100 (loss at the unigram level, rolled labels alike)",
+}
 """Cases where a callback still raises a false alarm: ``(family, setting) -> reason`` (marked xfail, not strict)."""
 
 
@@ -124,7 +131,10 @@ def cases():
                 marks.append(pytest.mark.xfail(strict=False, reason=KNOWN[family, setting]))
             yield pytest.param(family, setting, marks=marks, id=f"{family}-{setting}")
     for family, setting in SEQ2SEQ_CASES:
-        yield pytest.param(family, setting, marks=[pytest.mark.slow], id=f"{family}-{setting}")
+        marks = [pytest.mark.slow]
+        if (family, setting) in KNOWN:
+            marks.append(pytest.mark.xfail(strict=False, reason=KNOWN[family, setting]))
+        yield pytest.param(family, setting, marks=marks, id=f"{family}-{setting}")
 
 
 SEQ2SEQ_CASES = (("t5_copy", "finetune_full"), ("bart", "finetune_full"), ("bart", "fresh_warmup"))
