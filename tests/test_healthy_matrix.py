@@ -61,7 +61,7 @@ _BART = (
 )
 KNOWN: dict[tuple[str, str], str] = {
     ("bart", "fresh_warmup"): _BART,
-    ("bart", "finetune_full"): _BART + "; LossAtInit TFD231 at step 100 (loss at the unigram level, rolled labels alike)",
+    ("bart", "finetune_full"): _BART + "; LossAtInit TFD231 at step 100 (loss at the unigram level)",
 }
 """Cases where a callback still raises a false alarm: ``(family, setting) -> reason`` (marked xfail, not strict)."""
 
