@@ -66,14 +66,8 @@ class RecordedCall:
         argument (None when it cannot be read)."""
         if path[0] == "kwargs":
             return str(path[1])
-        try:
-            params = [
-                p.name
-                for p in inspect.signature(self.module.forward).parameters.values()
-                if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            ]
-        except (TypeError, ValueError):
-            return None
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = [p.name for p in forward_parameters(self.module).values() if p.kind in positional]
         index = path[1]
         return params[index] if isinstance(index, int) and index < len(params) else None
 
@@ -701,11 +695,16 @@ def _slot(call: RecordedCall, seq: _Seq, primary: Path | None, ref: Tensor, base
     )
 
 
-def _names_a_mask(call: RecordedCall) -> bool:
+def forward_parameters(module: nn.Module) -> Mapping[str, inspect.Parameter]:
+    """The parameters of ``module.forward`` by name (none when its signature cannot be read)."""
     try:
-        params = inspect.signature(call.module.forward).parameters
+        return inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
-        return False
+        return {}
+
+
+def _names_a_mask(call: RecordedCall) -> bool:
+    params = forward_parameters(call.module)
     return any(name in params for name in MASK_KEYS) or any("mask" in name for name in params)
 
 
@@ -768,7 +767,10 @@ def model_kind(
 
 
 def _has_decoder_input(call: RecordedCall) -> bool:
-    state = getattr(call.output, "encoder_last_hidden_state", None)  # a Hugging Face seq2seq output
+    """The forward takes ``decoder_input_ids`` (named, or passed), or returns an encoder's state (Hugging Face)."""
+    if "decoder_input_ids" in forward_parameters(call.module):
+        return True
+    state = getattr(call.output, "encoder_last_hidden_state", None)
     return isinstance(state, Tensor) or any(call.keyword(p) == "decoder_input_ids" for p, _ in call.leaves())
 
 

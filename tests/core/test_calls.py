@@ -173,3 +173,23 @@ def test_a_kind_given_by_the_user_wins():
     found = find_model_call(calls, ids, None, ids, kind="encoder-decoder")
     assert (found.kind, found.kind_source, found.shift) == ("encoder-decoder", "setting", 0)
     assert [s.name for s in found.related()] == ["labels"]
+
+
+class NamesADecoderInput(nn.Module):
+    """No config; a forward that takes ``decoder_input_ids`` (not passed here) and returns logits over the ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiny = Tiny()
+
+    def forward(self, input_ids, decoder_input_ids=None, labels=None):
+        return self.tiny(input_ids)
+
+
+def test_a_forward_taking_decoder_input_ids_is_an_encoder_decoder():
+    model = NamesADecoderInput()
+    ids = torch.randint(0, 12, (2, 6))
+    _, calls = record_calls(model, lambda: model(ids, labels=ids))
+    found = find_model_call(calls, ids, None, ids)
+    assert (found.kind, found.kind_source) == ("encoder-decoder", "decoder_input_ids")
+    assert found.decoder_input.name == "labels" and found.shift == 0
