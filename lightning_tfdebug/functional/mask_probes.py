@@ -310,8 +310,8 @@ class MaskProbes:
             self.causal = False
             return False, False
         if labels is None:
-            self.causal = True  # no token labels to read the objective from: decoders are the common case
-            return True, True
+            self.causal = self.kind != "encoder"  # no token labels to read the objective from: the kind says it
+            return self.causal, self.causal
         objective = found.objective if found is not None else None
         if objective is None:
             objective = read_objective(input_ids, labels, self.ignore_index)  # host sync: once per fit
@@ -474,7 +474,7 @@ class MaskProbes:
         from, or of the forward by signature. Settled without a reading when there is no scalar loss to compare
         (``TFD210`` unless a manual-optimization step returned none), or when the step cannot be called
         (``step_output`` None: a manual-optimization step steps its optimizers)."""
-        if step_output is None:
+        if step_output is None or self.kind == "encoder-decoder":  # (its alignment is probed through the decoder input)
             self.settled.add("alignment")
             return
         try:

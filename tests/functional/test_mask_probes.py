@@ -97,6 +97,8 @@ def test_an_encoder_decoder_is_probed_through_its_decoder_input(family, bug):
     with torch.no_grad():
         session.masks(ids, None, None)
     assert _verdicts(session) == (["TFD214"] if bug else [])
+    session.alignment(ids, None, ids, lambda: torch.tensor(1.0), automatic=True, last_try=False)  # even if asked
+    assert "alignment" in session.settled and not any(type(r).__name__ == "AlignmentReading" for r in session.readings)
 
 
 def test_a_model_of_unknown_kind_without_labels_gets_no_causality_verdict():
