@@ -331,6 +331,17 @@ class BugHFLM(RankBugs, HFLM):
         return loss
 
 
+class BugSeq2SeqLM(HFLM):
+    """A Hugging Face encoder-decoder (``t5`` or ``bart``) whose step passes the labels, unshifted, as
+    ``decoder_input_ids`` (row 36): the decoder sees at position t the token it must predict there."""
+
+    def training_step(self, batch, batch_idx):
+        labels = batch["labels"]
+        loss = self.model(**batch, decoder_input_ids=labels.masked_fill(labels == IGNORE_INDEX, 0)).loss
+        self.log("loss", loss)
+        return loss
+
+
 def _mixed_reshape(module: nn.Module, args: Any, out: Any) -> Any:
     """Row 37: a block's hidden states ``(b, t, d)`` reshaped from their transpose, which mixes the samples."""
     hidden = out[0] if isinstance(out, tuple) else out

@@ -2,14 +2,14 @@
 families where users put it, must be flagged by its owner at its severity.
 
 Families (``tests/bug_models.py``, built on the healthy matrix's ``tests/healthy_models.py``): ``encoder_lm``, a causal
-LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple batches, or the bundled padded dict
-batches for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug
-needs PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33; T5, an encoder-decoder, for
-row 39); ``tinygpt``, the bundled
-TinyGPT. Every case runs the whole pack at its defaults (the thirteen callbacks, as the healthy matrix does; that
-includes CheckpointAudit's reading of files back, which ``TFDebug()`` leaves to ``full``) on the buggy run, for the
-fewest steps that let the owner decide, and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run
-under DDP with two gloo processes (``tests/helpers.run_distributed``).
+LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple batches, or the bundled padded dict batches
+for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug needs
+PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
+TinyGPT; Hugging Face T5 and BART for the encoder-decoder rows (36; T5 also for row 39). Every case runs the whole pack at its defaults (the
+thirteen callbacks, as the healthy matrix does; that includes CheckpointAudit's reading of files back, which
+``TFDebug()`` leaves to ``full``) on the buggy run, for the fewest steps that let the owner decide, and asserts the
+owner's code at its severity. Rows 16, 17, 18 and 23 run under DDP with two gloo processes
+(``tests/helpers.run_distributed``).
 
 Row 29 (attention logits without the 1/sqrt(d) scale) is left out: no callback claims it yet.
 
@@ -38,6 +38,7 @@ from lightning_tfdebug.rules import RULES
 from tests.bug_models import (
     BugEncoderLM,
     BugHFLM,
+    BugSeq2SeqLM,
     BugTinyGPT,
     TokenRowLM,
     dict_data,
@@ -46,6 +47,7 @@ from tests.bug_models import (
     tuple_loader,
 )
 from tests.healthy_models import HFLM, PACK_NAMES, the_pack_at_defaults
+from tests.healthy_models import data as healthy_data
 from tests.helpers import make_trainer, run_distributed
 
 pytest.importorskip("transformers")
@@ -127,6 +129,7 @@ BUGS: dict[int, str] = {
     33: "loss-only wrapper over token rows, non-causal stack",
     34: "learning rate far too low, PyTorch's default init",
     35: "no resumable checkpoint (weights-only)",
+    36: "a decoder fed its own targets (the labels, unshifted, as its input)",
     37: "samples mixed across the batch",
     39: "a resume mid-epoch with a DataLoader that cannot restore its position",
 }
@@ -417,6 +420,13 @@ def row_cases() -> dict[tuple[int, str], Case]:
             trainer={"enable_checkpointing": True},
             callbacks=saver(save_weights_only=True),
         )
+    # 36: a decoder fed its own targets (the step); on a decoder-only model, row 9's labels not shifted
+    for fam, module, loader, where in (
+        ("t5", lambda: BugSeq2SeqLM("t5"), lambda: healthy_data("t5"), "step passes decoder_input_ids=labels"),
+        ("bart", lambda: BugSeq2SeqLM("bart"), lambda: healthy_data("bart"), "step passes decoder_input_ids=labels"),
+        ("gpt2", gpt2(shift=False), dicts(), "step's loss without the shift"),
+    ):
+        c[36, fam] = Case(module, loader, (owner("TFD214", "TFD205", severity="error"),), where)
     # 37: samples mixed across the batch (forward)
     for fam, module, where in (
         ("encoder_lm", enc(batch_norm=True), "BatchNorm1d over the flattened batch's token features"),
@@ -612,13 +622,13 @@ def matrix_table() -> str:
             cells = [(family, ddp_case(row, family)[3]) for family in FAMILIES]
             expect = [ddp_case(row, FAMILIES[0])[2]]
         else:
-            cells = [(family, CASES[row, family].placement) for family in FAMILIES]
-            expect = list(CASES[row, FAMILIES[0]].expect)
+            cells = [(family, case.placement) for (r, family), case in CASES.items() if r == row]
+            expect = list(CASES[row, cells[0][0]].expect)
         if len({p for _, p in cells}) == 1:
             placement = f"all: {cells[0][1]}"
         else:
             placement = "<br>".join(f"{family}: {p}" for family, p in cells)
-        misses = [family for family in FAMILIES if (row, family) in KNOWN_MISSES]
+        misses = [family for family, _ in cells if (row, family) in KNOWN_MISSES]
         note = f" (missed today on {', '.join(misses)})" if misses else ""
         lines.append(f"| {row} | {bug} | {placement} | {'; '.join(str(e) for e in expect)}{note} |")
     return "\n".join(lines) + "\n"
