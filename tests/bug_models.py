@@ -29,7 +29,16 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_tfdebug.demo import ByteTokenizer, TinyGPT, TinyTextDataModule
 from lightning_tfdebug.demo.data import IGNORE_INDEX, Collator, TextDataset, generate_corpus
-from tests.healthy_models import HFLM, PAD, VOCAB, EncoderLM, adamw_with_warmup, hf_model, periodic_text
+from tests.healthy_models import (
+    HFLM,
+    PAD,
+    VOCAB,
+    EncoderLM,
+    adamw_with_warmup,
+    hf_model,
+    periodic_text,
+    seq2seq_collate,
+)
 
 FAMILIES: tuple[str, ...] = ("encoder_lm", "gpt2", "tinygpt")
 EOS = ByteTokenizer.eos_id
@@ -327,6 +336,17 @@ class BugHFLM(RankBugs, HFLM):
             loss = next_token_loss(squash(logits, self.step_squash), batch["labels"], shift=self.shift)
         else:
             loss = self(**batch).loss
+        self.log("loss", loss)
+        return loss
+
+
+class BugSeq2SeqLM(HFLM):
+    """A Hugging Face encoder-decoder (``t5`` or ``bart``) whose step passes the labels, unshifted, as
+    ``decoder_input_ids`` (row 36): the decoder sees at position t the token it must predict there."""
+
+    def training_step(self, batch, batch_idx):
+        labels = batch["labels"]
+        loss = self.model(**batch, decoder_input_ids=labels.masked_fill(labels == IGNORE_INDEX, 0)).loss
         self.log("loss", loss)
         return loss
 
@@ -656,3 +676,11 @@ def dict_data(**flags: Any) -> BugTextDataModule:
 
 def tensor_loader(text: Tensor, batch_size: int = 16, shuffle: bool = True) -> DataLoader:
     return DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=batch_size, shuffle=shuffle)
+
+
+def in_order_loader(family: str, batches: int = 12) -> DataLoader:
+    """Row 39: a plain DataLoader (no state for Lightning to restore) reading ``batches`` batches of 8 documents in a
+    fixed order: T5's source and target halves, or the bundled padded dict batches."""
+    dataset = TextDataset(generate_corpus(8 * batches, seed=1), ByteTokenizer(), 48)
+    collate = seq2seq_collate if family == "t5" else Collator(ByteTokenizer(), 64)
+    return DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=collate)

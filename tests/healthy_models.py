@@ -28,7 +28,10 @@ VOCAB = ByteTokenizer.vocab_size
 PAD = ByteTokenizer.pad_id
 MLM_MASK_ID = VOCAB  # BERT gets one more row for its mask token
 FAMILIES: tuple[str, ...] = ("tinygpt", "encoder_lm", "gpt2", "llama", "bert_mlm", "t5")
-HF_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "bert_mlm", "t5")
+HF_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "bert_mlm", "t5", "bart", "t5_copy")
+SEQ2SEQ_FAMILIES: tuple[str, ...] = ("bart", "t5_copy")
+"""Encoder-decoder runs beside ``t5`` (not in :data:`FAMILIES`), each taught to reproduce its input (BART's own
+pretraining objective, without the noise): the labels are the input ids, shifted into the decoder by the model."""
 EXTRA_FAMILIES: tuple[str, ...] = ("mlm_padpos", "tinygpt_nomask")
 """Healthy designs the pack once flagged, run in one setting each: a masked LM whose positions count the real tokens
 (:class:`PadPositionMLM`), and a causal LM that ignores its mask on right-padded batches."""
@@ -179,7 +182,22 @@ def hf_model(family: str) -> nn.Module:
             pad_token_id=PAD,
         )
         return transformers.BertForMaskedLM(config)
-    if family == "t5":
+    if family == "bart":
+        config = transformers.BartConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            decoder_start_token_id=0,
+        )
+        return transformers.BartForConditionalGeneration(config)
+    if family in ("t5", "t5_copy"):
         config = transformers.T5Config(
             vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0
         )
@@ -214,6 +232,8 @@ LORA_TARGETS: dict[str, list[str]] = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "bert_mlm": ["query", "key", "value", "dense"],
     "t5": ["q", "k", "v", "o", "wi", "wo"],
+    "t5_copy": ["q", "k", "v", "o", "wi", "wo"],
+    "bart": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
 }
 
 
@@ -292,6 +312,12 @@ def seq2seq_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
     return {"input_ids": sources, "attention_mask": mask, "labels": labels}
 
 
+def copy_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Each document is both the source and the target: the labels are the input ids (padding -100)."""
+    ids, mask = _right_pad(rows, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def data(family: str, batch_size: int = 8) -> Any:
     """The healthy data of ``family``: a DataModule or a DataLoader."""
     if family in ("tinygpt", "gpt2", "llama", "tinygpt_nomask"):
@@ -300,7 +326,8 @@ def data(family: str, batch_size: int = 8) -> Any:
         text = periodic_text()
         return DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=2 * batch_size, shuffle=True)
     masked_lm = family in ("bert_mlm", "mlm_padpos")
-    collate = mlm_collate if masked_lm else seq2seq_collate
+    copying = family in ("t5_copy", "bart")
+    collate = mlm_collate if masked_lm else copy_collate if copying else seq2seq_collate
     batch = 2 * batch_size if masked_lm else batch_size
     return DataLoader(_documents(), batch_size=batch, shuffle=True, collate_fn=collate, drop_last=True)
 

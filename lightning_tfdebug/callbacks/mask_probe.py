@@ -46,6 +46,7 @@ class MaskProbe(DebugCallback):
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         causal: ``True`` for decoders; ``False`` for encoders (skips causality and target alignment); ``None``
             decides from the batch's labels.
+        model_kind: ``"decoder"``, ``"encoder"`` (as ``causal=False``) or ``"encoder-decoder"``; ``None``: read it.
         check_padding: run the padding checks (needs a model that takes an attention mask).
         check_targets: run the target-alignment check.
         check_positions: run the context-limit checks (once per fit).
@@ -89,6 +90,7 @@ class MaskProbe(DebugCallback):
         every_n_steps: int | None = None,
         on_finding: OnFinding = "warn",
         causal: bool | None = None,
+        model_kind: Literal["decoder", "encoder", "encoder-decoder"] | None = None,
         check_padding: bool = True,
         check_targets: bool = True,
         check_positions: bool = True,
@@ -106,6 +108,8 @@ class MaskProbe(DebugCallback):
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         if causal is not None and not isinstance(causal, bool):
             raise TypeError(f"`causal` must be True, False or None (decide from the labels); got {causal!r}.")
+        check_choice("model_kind", model_kind, (None, "decoder", "encoder", "encoder-decoder"))
+        causal = False if causal is None and model_kind == "encoder" else causal
         flags = {"check_padding": check_padding, "check_targets": check_targets, "check_positions": check_positions}
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -118,20 +122,19 @@ class MaskProbe(DebugCallback):
                                  f"{value!r} ({found}).")  # fmt: skip
         check_number("ignore_index", ignore_index, integer=True, optional=True)
         ignore_index = IGNORE_INDEX if ignore_index is None else ignore_index
-        # validates the keys (a non-empty string, a tuple position or None) with a message naming the argument
         self._keys = BatchKeys(input_key=input_key, mask_key=mask_key, labels_key=labels_key, ignore_index=ignore_index)
         check_choice("padding_side", padding_side, ("auto", "right", "left"))
         check_number("probe_rows", probe_rows, low=1, integer=True)
         check_number("probe_length", probe_length, low=4, integer=True)
-        self.causal, self.check_padding, self.check_targets = causal, check_padding, check_targets
+        self.causal, self.model_kind = causal, model_kind
+        self.check_padding, self.check_targets = check_padding, check_targets
         self.check_positions, self.context_limit = check_positions, context_limit
         self.kv_cache_fn, self.forward_fn = kv_cache_fn, forward_fn
         self.input_key, self.mask_key, self.labels_key = input_key, mask_key, labels_key
         self.ignore_index = ignore_index
         self.padding_side, self.probe_rows, self.probe_length = padding_side, probe_rows, probe_length
         self._settings = probes.ProbeSettings(probe_rows, probe_length, check_padding, padding_side, ignore_index)
-        # manual optimization: the calls of the real training_step, recorded from batch start to batch end
-        self._recorder: calls.CallRecorder | None = None
+        self._recorder: calls.CallRecorder | None = None  # manual optimization: the real training_step's calls
         self._manual: tuple[Any, bool] | None = None  # (recorded calls and output, full probe) for the batch end
         self._mask_path: str | None = None  # where the mask was found in the batch (evidence of TFD204)
         self._setup_aside = False
@@ -281,9 +284,7 @@ class MaskProbe(DebugCallback):
     def _session(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_args: tuple[Any, int], fields: tuple
     ) -> probes.MaskProbes | None:
-        """How to call the model: ``forward_fn`` when given; else the call ``training_step`` makes, recorded on a
-        replay of it; else ``forward`` by its signature. Then decoder or encoder, once per fit. None (after
-        ``TFD211``) when the model cannot be called."""
+        """This step's probes (``forward_fn``, the recorded call, or ``forward``); None after ``TFD211``."""
         recorded = None if self.forward_fn is not None else self._record_call(trainer, pl_module, *step_args, fields)
         if self._found is None and self._caller is None:
             caller = self._build_caller(pl_module)
@@ -298,9 +299,13 @@ class MaskProbe(DebugCallback):
             target, fields[0], generator, self._settings, self._mask_path, attention_mask=fields[1],
             special_ids=self._special_ids, cross_sample=not self._samples_done,
         )  # fmt: skip
+        if self._found is None:  # by signature: the kind from `model_kind=`, else the model's config
+            session.kind = self.model_kind or calls.model_kind(None, model=pl_module)[0]
         if self._is_causal is None:  # once per fit
             self._is_causal, aligned = session.decide_causal(fields[0], fields[2])
             self._alignment_decided = self._alignment_decided or not aligned
+            if session.aside is not None:  # (why, the setting that enables them): recorded once
+                self.check_aside("causality and target alignment", *session.aside)
         session.causal = self._is_causal
         return session
 
@@ -313,8 +318,7 @@ class MaskProbe(DebugCallback):
         fields: tuple,
         full: bool,
     ) -> None:
-        # Token rows sliced in the step or the model (`rows[:, :-1]`): the probes perturb the tokens the call
-        # received; the target alignment reads its outputs against the whole rows.
+        # Token rows sliced in the step or the model: the probes perturb the call's columns, alignment reads whole rows
         ids, mask = session.columns(fields[0]), session.columns(fields[1])
         assert ids is not None
         context = (self.context_limit, "`context_limit`") if self.context_limit else find_context_length(pl_module)
@@ -341,8 +345,7 @@ class MaskProbe(DebugCallback):
 
     # ------------------------------------------------------------------ batch and model access
     def _extract(self, trainer: pl.Trainer, batch: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """(input_ids, attention_mask, labels) of a batch from the shared reading, each None when missing or unfit:
-        the ids must be a 2-D integer tensor, the mask and the labels of the ids' shape."""
+        """(input_ids, attention_mask, labels) from the shared reading: 2-D integer ids, the others of their shape."""
         fields = step_batch(trainer, batch, self._keys).fields
         ids, mask, labels = fields.input_ids, fields.attention_mask, fields.labels
         ids = ids if isinstance(ids, Tensor) and ids.ndim == 2 and not ids.is_floating_point() else None
@@ -354,9 +357,7 @@ class MaskProbe(DebugCallback):
     def _record_call(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, fields: tuple
     ) -> str | None:
-        """Replay ``training_step`` on the batch with every module call recorded, and read the call that takes the
-        token ids (shared on the step); returns why not (the caller then falls back to calling ``forward`` by
-        signature). Inside the probe's eval / no_grad / RNG-fork context; probing steps only."""
+        """Replay ``training_step`` recording every call, and read and share the model call; returns why not."""
         self._found, self._replayed = None, None
         if self._manual is not None:  # recorded during the real training_step (manual optimization)
             recorded, returned = self._manual
@@ -368,7 +369,7 @@ class MaskProbe(DebugCallback):
                 returned, recorded = calls.record_calls(pl_module, replay, nested=True, want=calls.takes_tokens)
             except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
                 return f"replaying `training_step` failed ({type(err).__name__}: {err})"
-        found = calls.find_model_call(recorded, *fields, ignore_index=self.ignore_index, model=pl_module)
+        found = calls.find_model_call(recorded, *fields, self.ignore_index, pl_module, self.model_kind)
         if isinstance(found, str):
             return found
         calls.share_model_call(trainer, batch, found)

@@ -90,6 +90,22 @@ def no_token_ids_reason(leaves: dict[str, Any], input_key: str | int | None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ probe constructions
+def kind_aside(kind: str) -> tuple[str, str]:
+    """Why causality and target alignment are not probed on a model of ``kind`` (see ``MaskProbes.decide_causal``),
+    and the setting that would let them run."""
+    if kind == "encoder-decoder":
+        return (
+            "no argument of the encoder-decoder's call carries the labels as the decoder's input (`decoder_input_ids`, "
+            "or `labels` the model shifts itself), and its encoder's input is seen by every position by design",
+            "`labels_key`",
+        )
+    return (
+        "the model's kind cannot be told (no Hugging Face config, no labels to read its objective from), and a "
+        "decoder's causality probe would perturb an input that an encoder lets every position see",
+        "`model_kind` (or `causal`)",
+    )
+
+
 def causal_cut(length: int) -> int:
     """The last position whose logits must not move when the tokens after it are replaced (the middle)."""
     return length // 2 - 1
@@ -260,6 +276,8 @@ class MaskProbes:
         self.verdicts: list[Verdict] = []
         self.logged: dict[str, float] = {}
         self.settled: set[str] = set()
+        self.kind = self.found.kind if self.found is not None else "unknown"  # the caller's: set by MaskProbe
+        self.aside: tuple[str, str] | None = None  # why causality and alignment are not probed, the setting to set
 
     # ------------------------------------------------------------------ access
     def logits(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -292,16 +310,23 @@ class MaskProbes:
 
     def decide_causal(self, input_ids: Tensor, labels: Tensor | None) -> tuple[bool, bool]:
         """``(decoder, alignment applies)``, read from what the labels ask the model to predict (``TFD212`` into
-        :attr:`verdicts` for an encoder); sets :attr:`causal`."""
+        :attr:`verdicts` for an encoder); sets :attr:`causal`. Neither probe runs (:attr:`aside` says why) for an
+        encoder-decoder whose call has no decoder input carrying the labels, nor for a model of unknown kind without
+        labels: their only probe would perturb an input that every position may see."""
         found = self.found
-        if found is not None and found.related():
+        unknown = self.kind == "unknown" and labels is None  # (the ids' next tokens as labels assume a decoder)
+        if found is not None and found.related() and not unknown:
             # some argument of the model call carries the labels: there are tokens the model must not see. The
             # target-alignment check applies when the token ids themselves carry them (a decoder-only model).
             self.causal = True
-            return True, found.primary is not None and found.primary.offset is not None
+            return True, found.primary in found.related()
+        if self.kind == "encoder-decoder" or unknown:
+            self.aside = kind_aside(self.kind)
+            self.causal = False
+            return False, False
         if labels is None:
-            self.causal = True  # no token labels to read the objective from: decoders are the common case
-            return True, True
+            self.causal = self.kind != "encoder"  # no token labels to read the objective from: the kind says it
+            return self.causal, self.causal
         objective = found.objective if found is not None else None
         if objective is None:
             objective = read_objective(input_ids, labels, self.ignore_index)  # host sync: once per fit
@@ -333,7 +358,8 @@ class MaskProbes:
         if self.cross_sample:
             self._cross_sample(ids, ones, base, tolerance)
         b, t = ids.shape
-        if self.causal and t >= 2 and not leaks:  # the tokens after the middle replaced: the outputs up to it hold
+        encoder_ids = self.kind == "encoder-decoder"  # an encoder's input: every position may see it
+        if self.causal and t >= 2 and not leaks and not encoder_ids:  # tokens after the middle replaced: outputs hold
             cut = causal_cut(t)
             changed = self.logits(replace_after(ids, cut, self.generator, self.pool), ones)
             change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))
@@ -481,8 +507,9 @@ class MaskProbes:
         last_try: bool,
     ) -> None:
         """The target alignment: the loss ``training_step`` returned (``step_output()``; None: it cannot be called)
-        against the logits of the call it came from. Settled without a reading when there is no scalar loss."""
-        if step_output is None:
+        against the logits of the call it came from. Settled without a reading when there is no scalar loss, and for
+        an encoder-decoder (probed through its decoder's input instead)."""
+        if step_output is None or self.kind == "encoder-decoder":
             self.settled.add("alignment")
             return
         try:

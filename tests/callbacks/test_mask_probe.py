@@ -42,6 +42,7 @@ def problems(callback):
         ({"forward_fn": ""}, "forward_fn"),
         ({"input_key": ""}, "input_key"),
         ({"every_n_steps": 0}, "every_n_steps"),
+        ({"model_kind": "seq2seq"}, "model_kind"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
@@ -518,13 +519,13 @@ def test_built_from_lightning_cli_yaml(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(
         "trainer:\n  callbacks:\n    - class_path: lightning_tfdebug.MaskProbe\n"
-        "      init_args: {causal: false, probe_rows: 3, padding_side: left, context_limit: 32,"
+        "      init_args: {causal: false, model_kind: decoder, probe_rows: 3, padding_side: left, context_limit: 32,"
         " forward_fn: 'tests.callbacks.test_mask_probe:call_dict_forward'}\n"
     )
     cli = LightningCLI(TinyGPT, TinyTextDataModule, run=False, args=["--config", str(config)])
     [probe] = [c for c in cli.trainer.callbacks if isinstance(c, MaskProbe)]
     assert (probe.causal, probe.probe_rows, probe.padding_side, probe.context_limit) == (False, 3, "left", 32)
-    assert probe.forward_fn.endswith("call_dict_forward")
+    assert probe.forward_fn.endswith("call_dict_forward") and probe.model_kind == "decoder"
 
 
 @pytest.mark.ddp
@@ -639,6 +640,35 @@ def test_position_ids_all_zero_on_bert(tmp_path, zero_positions):
         assert finding.evidence["table"] == "model.bert.embeddings.position_embeddings.weight"
     else:  # its token-type table is looked up with zeros too, but has 2 rows: not a position table
         assert problems(probe) == []
+
+
+class BareRowsLM(pl.LightningModule):
+    """No config, no labels: batches of token ids only, a next-token loss in the step. Its kind cannot be told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1, keepdim=True) + self.emb(ids))  # every position sees every token
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[0][:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("model_kind, expected", [(None, []), ("decoder", ["TFD201"])])
+def test_a_model_of_unknown_kind_is_left_unjudged_with_one_line_naming_model_kind(tmp_path, model_kind, expected):
+    rows = torch.randint(0, 32, (8, 12), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=4)
+    probe = MaskProbe(model_kind=model_kind, check_padding=False)
+    fit(tmp_path, [probe], model=BareRowsLM(), data=loader, max_steps=1)
+    assert problems(probe) == expected
+    aside = probe.checks_aside.get("causality and target alignment", "")
+    assert ("`model_kind`" in aside) == (model_kind is None), probe.checks_aside
 
 
 def test_samples_mixed_across_the_batch_and_a_probe_of_one_sample(tmp_path):

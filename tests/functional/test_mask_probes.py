@@ -99,6 +99,46 @@ def test_a_session_reads_the_context_limit_and_a_missing_mask():
     assert session.logged == {"mask_probe/context_limit": 16.0}
 
 
+def _verdicts(session) -> list[str]:
+    readings = mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
+    verdicts, _ = mask_checks.decide_probe(readings)
+    return [v.code for v in session.verdicts + verdicts if v is not None]
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+@pytest.mark.parametrize("bug", [False, True])
+def test_an_encoder_decoder_is_probed_through_its_decoder_input(family, bug):
+    from tests.core.test_calls import _seq2seq_call
+
+    # healthy: labels equal to the encoder's input, shifted into the decoder by the model (the former false TFD201)
+    found, _ = _seq2seq_call(family, decoder_fed_labels=bug, labels_are_ids=not bug)
+    ids = found.batch_first(found.primary)
+    session = mp.MaskProbes(found, ids, torch.Generator().manual_seed(0), mp.ProbeSettings(check_padding=False))
+    causal, alignment = session.decide_causal(ids, ids if not bug else None)
+    assert causal and not alignment  # the loss-alignment check (TFD205) does not apply to an encoder-decoder
+    with torch.no_grad():
+        session.masks(ids, None, None)
+    assert _verdicts(session) == (["TFD214"] if bug else [])
+    session.alignment(ids, None, ids, lambda: torch.tensor(1.0), automatic=True, last_try=False)  # even if asked
+    assert "alignment" in session.settled and not any(type(r).__name__ == "AlignmentReading" for r in session.readings)
+
+
+def test_a_model_of_unknown_kind_without_labels_gets_no_causality_verdict():
+    ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(1))
+    settings = mp.ProbeSettings(check_padding=False)  # (the kind-independent padding probes run alike)
+    session = mp.MaskProbes(build_caller(Causal(False)), ids, torch.Generator().manual_seed(0), settings)
+    assert session.decide_causal(ids, None) == (False, False) and "cannot be told" in session.aside[0]
+    with torch.no_grad():
+        session.masks(ids, None, None)
+    assert "CausalReading" not in [type(r).__name__ for r in session.readings] and _verdicts(session) == []
+    session = mp.MaskProbes(build_caller(Causal(False)), ids, torch.Generator().manual_seed(0), settings)
+    session.kind = "decoder"  # told by `model_kind=` or a config: probed as a decoder, and the leak is caught
+    assert session.decide_causal(ids, None) == (True, True)
+    with torch.no_grad():
+        session.masks(ids, None, None)
+    assert "TFD201" in _verdicts(session)
+
+
 class BatchMixer(Causal):
     """The running sum of :class:`Causal`, centred over the batch (a normalisation over the samples)."""
 
