@@ -29,7 +29,16 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_tfdebug.demo import ByteTokenizer, TinyGPT, TinyTextDataModule
 from lightning_tfdebug.demo.data import IGNORE_INDEX, Collator, TextDataset, generate_corpus
-from tests.healthy_models import HFLM, PAD, VOCAB, EncoderLM, adamw_with_warmup, hf_model, periodic_text
+from tests.healthy_models import (
+    HFLM,
+    PAD,
+    VOCAB,
+    EncoderLM,
+    adamw_with_warmup,
+    hf_model,
+    periodic_text,
+    seq2seq_collate,
+)
 
 FAMILIES: tuple[str, ...] = ("encoder_lm", "gpt2", "tinygpt")
 EOS = ByteTokenizer.eos_id
@@ -37,8 +46,9 @@ EOS = ByteTokenizer.eos_id
 
 # --------------------------------------------------------------------------------------------- shared injections
 def squash(logits: Tensor, kind: str | None) -> Tensor:
-    """Bounded outputs (rows 24, 30): ``sigmoid`` (width 1), ``tanh`` (``c * tanh(logits / c)``, c = 1: width 2),
-    ``clamp`` (to [-1, 1]); ``softmax`` (row 1); None leaves the logits alone."""
+    """Bounded outputs (rows 24, 30, 40): ``sigmoid`` (width 1), ``tanh`` (``c * tanh(logits / c)``, c = 1: width 2),
+    ``softcap`` (a Gemma-style soft-cap far too small, c = 0.75: width 1.5), ``clamp`` (to [-1, 1]); ``softmax``
+    (row 1); None leaves the logits alone."""
     if kind is None:
         return logits
     if kind == "softmax":
@@ -47,6 +57,8 @@ def squash(logits: Tensor, kind: str | None) -> Tensor:
         return logits.sigmoid()
     if kind == "tanh":
         return torch.tanh(logits)
+    if kind == "softcap":
+        return 0.75 * torch.tanh(logits / 0.75)
     if kind == "clamp":
         return logits.clamp(-1.0, 1.0)
     raise ValueError(f"unknown squash {kind!r}")
@@ -165,6 +177,8 @@ class BugEncoderLM(RankBugs, EncoderLM):
         dead_bias: constant initial bias of every ReLU's input layer (row 14).
         deep_head: this many sigmoid layers without residuals between the encoder and the output layer (row 13).
         layers: encoder layers.
+        batch_norm: a ``BatchNorm1d`` over the token features of the flattened batch, on batch statistics in eval
+            mode too (row 37).
         bugs: :class:`RankBugs` keys.
     """
 
@@ -182,9 +196,11 @@ class BugEncoderLM(RankBugs, EncoderLM):
         dead_bias: float | None = None,
         deep_head: int = 0,
         layers: int = 2,
+        batch_norm: bool = False,
         **bugs: Any,
     ) -> None:
         super().__init__(lr=lr, warmup_steps=warmup_steps, context=context)
+        self.norm = nn.BatchNorm1d(32, track_running_stats=False) if batch_norm else None
         self.deep = deep_sigmoid_stack(deep_head) if deep_head else None
         if layers != 2:
             layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, activation="relu", batch_first=True)
@@ -201,6 +217,8 @@ class BugEncoderLM(RankBugs, EncoderLM):
         h = self.embed(tokens)
         if self.positions:
             h = h + self.pos[:t]
+        if self.norm is not None:
+            h = self.norm(h.flatten(0, 1)).view_as(h)
         mask = nn.Transformer.generate_square_subsequent_mask(t) if self.causal else None
         padding = None
         if attention_mask is not None and self.padding_mask:
@@ -230,7 +248,9 @@ class BugHFLM(RankBugs, HFLM):
     Args:
         family: ``gpt2`` or ``llama`` (tiny configs of ``tests/healthy_models.hf_model``).
         output_squash: applied to the logits in ``forward`` (row 1, 24); the step then computes the loss.
-        step_squash: applied to the logits in ``training_step`` before the loss (row 30).
+        step_squash: applied to the logits in ``training_step`` before the loss (rows 30, 40).
+        model_loss: the step calls the model with the labels (its ``ModelOutput`` carries its own loss) and returns
+            the loss of the ``step_squash``-ed logits instead (row 40).
         shift: False computes the loss in the step without the shift Hugging Face does inside the model (row 9).
         pass_mask: False drops the attention mask from the model call (row 8).
         bidirectional_mask: the forward builds a 4-D mask from the padding mask alone, which replaces the model's
@@ -239,6 +259,8 @@ class BugHFLM(RankBugs, HFLM):
         activation: GPT-2's MLP activation (``relu`` for row 14).
         mlp_bias_init: constant initial bias of every MLP input layer (row 14).
         deep_head: this many sigmoid layers without residuals between the body and the LM head (row 13).
+        mixed_reshape: the first block's output ``(b, t, d)`` read back through ``transpose(0, 1).reshape(b, t, d)``
+            (row 37).
         bugs: :class:`RankBugs` keys.
     """
 
@@ -249,6 +271,7 @@ class BugHFLM(RankBugs, HFLM):
         warmup_steps: int = 10,
         output_squash: str | None = None,
         step_squash: str | None = None,
+        model_loss: bool = False,
         shift: bool = True,
         pass_mask: bool = True,
         bidirectional_mask: bool = False,
@@ -256,6 +279,7 @@ class BugHFLM(RankBugs, HFLM):
         activation: str | None = None,
         mlp_bias_init: float | None = None,
         deep_head: int = 0,
+        mixed_reshape: bool = False,
         **bugs: Any,
     ) -> None:
         pl.LightningModule.__init__(self)
@@ -272,8 +296,11 @@ class BugHFLM(RankBugs, HFLM):
             for block in self.model.transformer.h:
                 nn.init.constant_(block.mlp.c_fc.bias, mlp_bias_init)
         self.output_squash, self.step_squash, self.shift = output_squash, step_squash, shift
+        self.model_loss = model_loss
         self.pass_mask, self.bidirectional_mask = pass_mask, bidirectional_mask
         self.constant_positions = constant_positions
+        if mixed_reshape:
+            self.model.transformer.h[0].register_forward_hook(_mixed_reshape)
         self.install_bugs(bugs)
 
     @property
@@ -301,7 +328,9 @@ class BugHFLM(RankBugs, HFLM):
 
     def training_step(self, batch, batch_idx):
         self.rank_step_bugs()
-        if self._loss_in_step:
+        if self.model_loss:  # the model computes its own loss; the step trains another one
+            loss = next_token_loss(squash(self(**batch).logits, self.step_squash), batch["labels"])
+        elif self._loss_in_step:
             out = self(batch["input_ids"], batch.get("attention_mask"))
             logits = out if isinstance(out, Tensor) else out.logits
             loss = next_token_loss(squash(logits, self.step_squash), batch["labels"], shift=self.shift)
@@ -309,6 +338,24 @@ class BugHFLM(RankBugs, HFLM):
             loss = self(**batch).loss
         self.log("loss", loss)
         return loss
+
+
+class BugSeq2SeqLM(HFLM):
+    """A Hugging Face encoder-decoder (``t5`` or ``bart``) whose step passes the labels, unshifted, as
+    ``decoder_input_ids`` (row 36): the decoder sees at position t the token it must predict there."""
+
+    def training_step(self, batch, batch_idx):
+        labels = batch["labels"]
+        loss = self.model(**batch, decoder_input_ids=labels.masked_fill(labels == IGNORE_INDEX, 0)).loss
+        self.log("loss", loss)
+        return loss
+
+
+def _mixed_reshape(module: nn.Module, args: Any, out: Any) -> Any:
+    """Row 37: a block's hidden states ``(b, t, d)`` reshaped from their transpose, which mixes the samples."""
+    hidden = out[0] if isinstance(out, tuple) else out
+    mixed = hidden.transpose(0, 1).reshape(hidden.shape)
+    return (mixed, *out[1:]) if isinstance(out, tuple) else mixed
 
 
 # ------------------------------------------------------------------------------------------------------- TinyGPT
@@ -321,6 +368,7 @@ class BugTinyGPT(TinyGPT):
         step_squash: applied to the logits in ``training_step`` before the loss (row 30).
         constant_positions: the forward adds position 0 everywhere (row 28).
         pytorch_init: PyTorch's default initialisation instead of GPT-style std 0.02 (row 34).
+        batch_axis_attention: the first block's attention runs over the batch axis (its input transposed, row 37).
         flags: TinyGPT's own arguments and bug flags.
     """
 
@@ -330,6 +378,7 @@ class BugTinyGPT(TinyGPT):
         step_squash: str | None = None,
         constant_positions: bool = False,
         pytorch_init: bool = False,
+        batch_axis_attention: bool = False,
         **flags: Any,
     ) -> None:
         flags = {"d_model": 32, "n_layers": 2, "n_heads": 2, "lr": 2e-3, "warmup_steps": 10, **flags}
@@ -337,6 +386,10 @@ class BugTinyGPT(TinyGPT):
         self.output_squash, self.step_squash, self.constant_positions = output_squash, step_squash, constant_positions
         if pytorch_init:
             default_init(self)
+        if batch_axis_attention:
+            attention = self.blocks[0].attn
+            attention.register_forward_pre_hook(lambda module, args: (args[0].transpose(0, 1), None))
+            attention.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         if not self.constant_positions:
@@ -571,6 +624,18 @@ class MaxLengthCollator(Collator):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class LeftPaddedCollator(Collator):
+    """Row 8: the bundled batches padded on the left (as for batched generation), padding unsupervised."""
+
+    def __call__(self, samples: list[list[int]]) -> dict[str, Tensor]:
+        batch = Collator.__call__(self, samples)
+        real = batch["attention_mask"].sum(1)
+        for i, n in enumerate(real.tolist()):
+            for key in ("input_ids", "attention_mask", "labels"):
+                batch[key][i] = batch[key][i].roll(batch[key].shape[1] - n)
+        return batch
+
+
 class OneSampleDataset(TextDataset):
     """Row 31: a dataset whose ``__getitem__`` ignores its index."""
 
@@ -583,6 +648,7 @@ _COLLATORS: dict[str, type[Collator]] = {
     "pad_is_real": PadIsRealTokenCollator,
     "wrong_labels": WrongSampleLabelsCollator,
     "max_length": MaxLengthCollator,
+    "left_pad": LeftPaddedCollator,
 }
 
 
@@ -610,3 +676,11 @@ def dict_data(**flags: Any) -> BugTextDataModule:
 
 def tensor_loader(text: Tensor, batch_size: int = 16, shuffle: bool = True) -> DataLoader:
     return DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=batch_size, shuffle=shuffle)
+
+
+def in_order_loader(family: str, batches: int = 12) -> DataLoader:
+    """Row 39: a plain DataLoader (no state for Lightning to restore) reading ``batches`` batches of 8 documents in a
+    fixed order: T5's source and target halves, or the bundled padded dict batches."""
+    dataset = TextDataset(generate_corpus(8 * batches, seed=1), ByteTokenizer(), 48)
+    collate = seq2seq_collate if family == "t5" else Collator(ByteTokenizer(), 64)
+    return DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=collate)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -40,23 +40,14 @@ def _key(name: str, description: str, chart: str = "", unit: str = "nats") -> Ke
 
 
 class LossAtInit(DebugCallback):
-    r"""Checks the first loss against ln(V) and what the model's outputs are, then whether training left ln(V).
+    r"""Checks the first loss against ln(V) and what the model's outputs are, then whether training left ln(V) and
+    whether the loss it returns is the cross-entropy of its own logits.
 
-    Step 0, before any update: the logits (captured with forward hooks, :mod:`lightning_tfdebug.core.logits`) and
-    the batch's labels give the loss against ln(V) (V the logits' last dimension), whether the outputs are
-    probabilities or log-probabilities, and the supervised labels. Measuring steps (``every_n_steps``) read the loss
-    and, over the first 8 batches, count the labels for their unigram entropy H. At ``check_step`` (5x for masked-LM
-    labels) and on two compared steps before it, the logits are captured again and the loss is judged against ln(V),
-    H and the logits' own cross-entropy. Hooks exist only during those forwards; one collective and one host transfer
-    per measured step. What each check measures and where the logits and labels are found:
-    ``docs/callbacks/loss_at_init.md``; logged keys: :attr:`KEYS`.
-
-    Findings (``docs/findings.md``): ``TFD220``/``TFD221`` the outputs are probabilities/log-probabilities;
-    ``TFD222``/``TFD223`` initial loss far above/below ln(V); ``TFD224`` no supervised label; ``TFD227`` initial loss
-    not finite; ``TFD229`` the loss a multiple of the logits' cross-entropy; at the check ``TFD225`` a stall at ln(V),
-    ``TFD226`` copying the current input, ``TFD230`` bounded outputs, ``TFD231`` labels from other samples, ``TFD232``
-    a model ignoring its context, ``TFD233``/``TFD234``/``TFD235`` a bound, a temperature or something unexplained
-    between the logits and the loss; ``TFD228`` the logits or labels cannot be found (it then stands aside).
+    Step 0 captures the logits (forward hooks, :mod:`lightning_tfdebug.core.logits`) and judges the loss against ln(V);
+    measuring steps read the loss and count the labels' unigram entropy; at ``check_step`` (5x for masked-LM labels)
+    and on two compared steps before it the logits are captured again. One collective and one host transfer per
+    measured step. What each check measures: ``docs/callbacks/loss_at_init.md``; findings: ``docs/findings.md``;
+    logged keys: :attr:`KEYS`.
 
     Args:
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
@@ -77,6 +68,7 @@ class LossAtInit(DebugCallback):
         copy_threshold: ``TFD226`` when the copy rate at the check exceeds this (and the data's repeat rate by 0.25,
             the rate at step 0 by 0.1).
         max_rows: positions sampled from the logits for the statistics (bounds the cost).
+        model_kind: ``"decoder"``, ``"encoder"``, ``"encoder-decoder"`` (see MaskProbe); ``None``: read from the model.
         every_n_steps: measuring steps that read the loss and count labels; default: ``log_every_n_steps``.
 
     Raises:
@@ -128,11 +120,10 @@ class LossAtInit(DebugCallback):
         copy_threshold: float = 0.5,
         max_rows: int = 2048,
         every_n_steps: int | None = None,
+        model_kind: Literal["decoder", "encoder", "encoder-decoder"] | None = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
-        check_capture_args(labels_key, input_key, logits_module)
-        if not isinstance(shift_labels, bool):
-            raise TypeError(f"`shift_labels` must be True or False; got {shift_labels!r}.")
+        check_capture_args(labels_key, input_key, logits_module, shift_labels, model_kind)
         check_number("ignore_index", ignore_index, integer=True, optional=True)
         check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
         check_number("vocab_size", vocab_size, low=2, integer=True, optional=True)
@@ -149,8 +140,8 @@ class LossAtInit(DebugCallback):
         self.vocab_size = vocab_size
         self.init_tolerance, self.stall_tolerance = float(init_tolerance), float(stall_tolerance)
         self.check_step, self.copy_threshold = check_step, float(copy_threshold)
-        self.max_rows = max_rows
-        self._capture = LogitsCapture(logits_module, labels_key, self.ignore_index)
+        self.max_rows, self.model_kind = max_rows, model_kind
+        self._capture = LogitsCapture(logits_module, labels_key, self.ignore_index, model_kind)
         self._run = LossRun(check_step, check_at=check_step, vocab=vocab_size)  # what the run has read so far
         self._frequencies = LabelFrequencies()  # the labels' unigram entropy, once counted
         self._armed: str | None = None  # "init", "compare" or "check" while a step is being captured
@@ -326,7 +317,7 @@ class LossAtInit(DebugCallback):
         host, other_alignment = follow_returned_loss(host, returned_loss(host))
         # V is known alike everywhere now; this batch's counts go into the next measuring step's reduction
         self._frequencies.add(found.labels, self._run.vocab, found.device, self.ignore_index)
-        init = summarize_init(host, found.vocab)
+        init = summarize_init(host, found.vocab, self._capture.read_kind)
         self._run.start(init)
         self.log_scalars(trainer, init.metrics(), step=step)
         self._keep_loss(trainer, {**host, "loss_sum": init.observed, "loss_n": 1.0}, step)

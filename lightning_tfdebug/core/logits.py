@@ -1,14 +1,11 @@
 """The logits a training step computed and the labels they are scored against, read on the steps a callback arms.
 
-LossAtInit judges a loss against the outputs that produced it, so it needs the logits of the real training step
-(training mode, the user's own ``training_step``) and the labels of its batch. :class:`LogitsCapture` finds them with
-forward hooks that exist only while one armed step runs (removed as soon as its forward is over), or, for a compiled
-model, from an eager replay of the step. Where the logits are, first match wins: the named ``logits_module``; the
-LightningModule's own forward; a direct child's ``.logits`` output; the last direct child to return a plain tensor
-shaped like the labels plus a class dimension wider than every label; and, for token rows without labels (a loss-only
-wrapper), the call that took the rows, read by the shared call finder
-(:func:`~lightning_tfdebug.core.calls.find_model_call`). When nothing fits, :class:`Captured` says why in one sentence
-that names the argument to set.
+:class:`LogitsCapture` finds them with forward hooks that exist only during one armed step's forward (or, for a
+compiled model, from an eager replay of the step). Where the logits are, first match wins: the named
+``logits_module``; the LightningModule's own forward; a direct child's ``.logits`` output; the last direct child to
+return a plain tensor shaped like the labels plus a class dimension wider than every label; for token rows without
+labels (a loss-only wrapper), the call that took the rows (:func:`~lightning_tfdebug.core.calls.find_model_call`).
+When nothing fits, :class:`Captured` says why, naming the argument to set.
 """
 
 from __future__ import annotations
@@ -23,9 +20,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_tfdebug.core.base import eager_model_calls, model_is_compiled
+from lightning_tfdebug.core.base import check_choice, eager_model_calls, model_is_compiled
 from lightning_tfdebug.core.batch import LABELS_KEYS, StepBatch, logits_for_labels, logits_of, loss_of
-from lightning_tfdebug.core.calls import CallRecorder, RecordedCall, find_model_call, takes_tokens
+from lightning_tfdebug.core.calls import CallRecorder, RecordedCall, find_model_call, model_kind, takes_tokens
 from lightning_tfdebug.core.model import in_training_step, quiet_training_step
 
 
@@ -43,9 +40,11 @@ def missing_field(batch: Any, key: str | int) -> str:
     return f"the batch is a {type(batch).__name__} without {key!r}"
 
 
-def check_capture_args(labels_key: Any, input_key: Any, logits_module: Any) -> None:
-    """Raise unless the keys can name a batch tensor (a key or dotted path, a tuple position, or None) and
-    ``logits_module`` a submodule (a name, or None)."""
+def check_capture_args(
+    labels_key: Any, input_key: Any, logits_module: Any, shift_labels: Any = True, model_kind: Any = None
+) -> None:
+    """Raise unless the keys can name a batch tensor (a key or dotted path, a tuple position, or None),
+    ``logits_module`` a submodule (a name, or None), ``shift_labels`` is a bool and ``model_kind`` a kind or None."""
     for name, value in (("labels_key", labels_key), ("input_key", input_key)):
         if not (value is None or (isinstance(value, str) and value) or (type(value) is int and value >= 0)):
             raise TypeError(
@@ -54,6 +53,9 @@ def check_capture_args(labels_key: Any, input_key: Any, logits_module: Any) -> N
             )
     if logits_module is not None and not isinstance(logits_module, str):
         raise TypeError(f"`logits_module` must be a submodule name (str) or None; got {logits_module!r}.")
+    if not isinstance(shift_labels, bool):
+        raise TypeError(f"`shift_labels` must be True or False; got {shift_labels!r}.")
+    check_choice("model_kind", model_kind, (None, "decoder", "encoder", "encoder-decoder"))
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -113,13 +115,20 @@ class LogitsCapture:
         logits_module: qualified name of the submodule whose output holds the logits; None: found.
         labels_key: where the labels are (used to decide whether to look for token rows, and in messages).
         ignore_index: the label value that is not supervised.
+        kind: the model's kind (``model_kind=``); an encoder-decoder's copy check reads its decoder's input. None:
+            read from the model's config.
     """
 
-    def __init__(self, logits_module: str | None, labels_key: str | int | None, ignore_index: int) -> None:
+    def __init__(
+        self, logits_module: str | None, labels_key: str | int | None, ignore_index: int, kind: str | None = None
+    ) -> None:
         self.logits_module = logits_module
         self.labels_key = labels_key
         self.ignore_index = ignore_index
         self.replay = False  # compiled model: the armed step's logits come from an eager replay at its end
+        self.kind = kind
+        self.read_kind = "unknown"  # the kind the last read() used
+        self._decoder_input: Tensor | None = None  # an encoder-decoder's `decoder_input_ids`: its copy check's inputs
         self.view: StepBatch | None = None  # the shared reading of the armed step's batch
         self._replaying = False
         self._handles: list[RemovableHandle] = []
@@ -134,21 +143,21 @@ class LogitsCapture:
     # ------------------------------------------------------------------ arming
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, view: StepBatch) -> None:
         """Capture this step's forward: hooks on the candidates now, or, for a compiled model, nothing until
-        :meth:`replay_step` (hooks that come and go on compiled code make Dynamo recompile it, and a recompiled graph
-        with them has failed in AOT autograd)."""
+        :meth:`replay_step` (hooks on compiled code make Dynamo recompile it)."""
         self.clear()
         self._batch, self.view, self._pl_module = batch, view, pl_module
         self.replay = model_is_compiled(trainer, pl_module)
         if not self.replay:
             self._record_token_calls(pl_module)
-            self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self._candidates(pl_module)]
+            self._handles = [
+                m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in self._candidates(pl_module)
+            ]
 
     def replay_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
-        """Run ``training_step`` again on the batch, eagerly, under ``no_grad`` with the RNG restored and ``self.log``
-        silenced, with the capture hooks on; returns what it returned (the loss the captured logits belong to).
-        For compiled models, on the armed steps only. A step that cannot be replayed leaves nothing captured."""
+        """Run ``training_step`` again eagerly under ``no_grad`` (RNG restored, ``self.log`` silenced) with the capture
+        hooks on, for a compiled model's armed steps; returns what it returned. A failed replay captures nothing."""
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        handles = [m.register_forward_hook(self._hook(n)) for n, m in self._candidates(pl_module)]
+        handles = [m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in self._candidates(pl_module)]
         self._record_token_calls(pl_module)
         self._replaying = True
         try:
@@ -188,6 +197,7 @@ class LogitsCapture:
         self._raw.clear()
         self._output_types.clear()
         self._calls = []
+        self._decoder_input = None
         self._batch, self.view, self._pl_module = None, None, None
 
     def _candidates(self, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
@@ -197,10 +207,12 @@ class LogitsCapture:
         return [("", pl_module), *pl_module.named_children()]
 
     def _hook(self, name: str):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
             if name in self._output_types or not (self._replaying or in_training_step(self._pl_module)):
                 return  # the first call in the training step only; not another callback's probe forward
             self._output_types[name] = type(output).__name__
+            if isinstance(kwargs.get("decoder_input_ids"), Tensor):
+                self._decoder_input = kwargs["decoder_input_ids"].detach()
             child = self.logits_module is None and name != ""
             logits = logits_of(output, structured_only=child)
             if logits is not None:
@@ -213,9 +225,8 @@ class LogitsCapture:
         return hook
 
     def _record_token_calls(self, pl_module: pl.LightningModule) -> None:
-        """Token rows without labels (``training_step`` returns ``self.model(batch)``, a wrapper that slices the rows
-        and returns only the loss): record the calls that take tokens, at any depth, to find the inner call that
-        returns the logits. A hook on every module, on the armed steps only."""
+        """Token rows without labels (a wrapper that slices the rows and returns only the loss): record the calls that
+        take tokens, at any depth (a hook on every module, on the armed steps only)."""
         view = self.view
         if self.logits_module is not None or self.labels_key is not None or view is None or view.labels is not None:
             return
@@ -237,9 +248,9 @@ class LogitsCapture:
 
     # ------------------------------------------------------------------ reading
     def read(self, pl_module: pl.LightningModule, shift_labels: bool) -> Captured:
-        """The logits and labels of the armed step (see the module's docstring), then the captured tensors are
-        released. ``shift_labels``: without token ids in the batch, the labels stand in for the copy check's inputs.
-        Host syncs (choosing the token-row call, the plain-tensor fallback's largest label): armed steps only."""
+        """The logits and labels of the armed step, then the captured tensors are released. ``shift_labels``: without
+        token ids the labels stand in for the copy check's inputs. Host syncs: armed steps only (choosing the token-row
+        call, the plain-tensor fallback's largest label)."""
         logits, labels, reason = self._inputs(pl_module)
         tokens = None
         view = self.view
@@ -262,12 +273,15 @@ class LogitsCapture:
             return got
         got.token_rows = tokens is not None
         got.inputs = tokens if tokens is not None else self._batch_tokens(labels, shift_labels)
+        self.read_kind = self.kind or model_kind(None, model=pl_module)[0]
+        if tokens is None and self.read_kind == "encoder-decoder":
+            # the copy check reads the token the decoder sees at t, not the encoder's (None: shifted inside the model)
+            got.inputs, self._decoder_input = self._decoder_input, None
         got.targets = labels if tokens is None else row_targets(view, self.ignore_index)
         return got
 
     def _batch_tokens(self, labels: Tensor, shift_labels: bool) -> Tensor | None:
-        """The input token ids from the shared reading (``input_key``, else found by name or as a tuple's first 2-D
-        integer tensor); else, with ``shift_labels``, the labels (a causal LM's labels mirror its inputs)."""
+        """The batch's input token ids; else, with ``shift_labels``, the labels (a causal LM's mirror its inputs)."""
         inputs = None if self.view is None else self.view.input_ids
         if inputs is not None and not inputs.is_floating_point():
             return inputs
@@ -326,12 +340,8 @@ class LogitsCapture:
         )
 
     def _labels(self) -> tuple[Tensor | None, str]:
-        """The labels, from the shared reading of the batch (``labels_key``, else the usual names).
-
-        Left at ``None``, the key also falls back to a non-integer tensor under those names, to ``label`` and to the
-        last item of a tuple batch (``(features, labels)``, where no token ids say which item the labels follow); a
-        wrong guess fails the shape test against the logits, which names ``labels_key``.
-        """
+        """The labels from the shared reading of the batch; left at ``None``, ``labels_key`` also falls back to a float
+        tensor under the usual names, to ``label`` and to a tuple's last item (a wrong guess fails the shape test)."""
         assert self.view is not None
         labels = self.view.labels
         if labels is not None:
@@ -359,11 +369,8 @@ class LogitsCapture:
         return None, f"{missing_field(batch, 'labels')} (nor under {names})"
 
     def _plain_child_logits(self, labels: Tensor) -> Tensor | None:
-        """The last direct child's plain tensor output that can be the logits for ``labels``, or None.
-
-        Shape alone does not tell logits from hidden states (an embedding's or a final norm's output is
-        ``(batch, time, d_model)`` too), so the class dimension must also exceed every supervised label.
-        """
+        """The last direct child's plain tensor output that can be the logits for ``labels``: shaped like them plus a
+        class dimension wider than every supervised label (hidden states are ``(batch, time, d_model)`` too)."""
         views = (logits_for_labels(t, labels) for t in self._raw.values())
         fitting = [t for t in views if t is not None and t.shape[-1] > 1]
         if not fitting:
