@@ -55,13 +55,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, activation: str, bias_init: float | None) -> None:
+    def __init__(self, d_model: int, activation: str) -> None:
         super().__init__()
         self.fc = nn.Linear(d_model, 4 * d_model)
         self.act = _ACTIVATIONS[activation]()
         self.proj = nn.Linear(4 * d_model, d_model)
-        if bias_init is not None:
-            nn.init.constant_(self.fc.bias, bias_init)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(self.act(self.fc(x)))
@@ -71,9 +69,9 @@ class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, activation: str, residual: bool, **attn: Any) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, **{k: attn[k] for k in ("causal", "use_padding_mask")})
+        self.attn = CausalSelfAttention(d_model, n_heads, **attn)  # causal, use_padding_mask
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, activation, attn.get("bias_init"))
+        self.mlp = MLP(d_model, activation)
         self.residual = residual
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -154,14 +152,13 @@ class TinyGPT(pl.LightningModule):
                 residual=not no_residual,
                 causal=not no_causal_mask,
                 use_padding_mask=not no_padding_mask,
-                bias_init=mlp_bias_init,
             )
             for _ in range(n_layers)
         )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
-        if mlp_bias_init is not None:
+        if mlp_bias_init is not None:  # bug 14: after the init, which zeroes every bias
             for block in self.blocks:
                 nn.init.constant_(block.mlp.fc.bias, mlp_bias_init)
         if overflow_module is not None:
