@@ -134,8 +134,7 @@ class NaNFirstFrame(DebugCallback):
         self._finite = StepFinite(params, self.check_gradients and grad_scaler_of(trainer) is None)
         self._mode = self.mode
         if self.mode == "eager" and self.active and model_is_compiled(trainer, pl_module):
-            # Frame hooks inside compiled code would be traced into it and recompile it at every step (their record
-            # count is guarded on) until Dynamo's limit; lazy mode replays a bad step eagerly instead.
+            # frame hooks traced into compiled code would recompile it at every step; lazy mode replays eagerly
             self._mode = "lazy"
             rank_zero_warn(
                 "NaNFirstFrame: the model is compiled with torch.compile, so eager mode's frame hooks would recompile "
@@ -146,9 +145,8 @@ class NaNFirstFrame(DebugCallback):
         if self._mode == "eager" and self.active:
             self._flags = FrameFlags(pl_module).attach()
             self._flags.enabled = False
-        # Under DDP the gradients are all-reduced before `on_before_optimizer_step`: a gradient flag is the same on
-        # every rank, and a rank-local non-finite loss has made every rank's gradients non-finite. Lazy mode then
-        # decides from the gradient flag alone, with no collective on any healthy step.
+        # DDP all-reduces the gradients before the check: their flag is the same on every rank (a rank's bad loss made
+        # every rank's gradients bad), so lazy mode decides from it alone, with no collective on a healthy step.
         self._replicated = (
             self._mode == "lazy"
             and self._finite.check_gradients
@@ -168,8 +166,6 @@ class NaNFirstFrame(DebugCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if not self.active:
             return
-        # both modes: a bad step is replayed with frame hooks (eager mode names the first frame from its own flags
-        # even when the replay does not reproduce it)
         if len(self._micro) >= _MAX_KEPT_MICRO_BATCHES:
             self._micro.pop(0)
         # a reference to the batch, no copy; the CPU generator's state is the batch's one shared copy (ReproCapture's)
@@ -274,8 +270,7 @@ class NaNFirstFrame(DebugCallback):
         reading = NaNStep.of(summary, everyone, txt_path, json_path, skipped=self.skip_nonfinite_steps)
         verdict = nonfinite_step(reading)
         if verdict is None:
-            # Every flagged output sum was a float32 overflow of finite values (the replay's exact abs ranges are
-            # finite where its sums overflow again): no inf/nan, nothing to report. The same verdict on every rank.
+            # every flagged output sum was a float32 overflow of finite values: nothing to report (on every rank)
             return
         self._write(summary, lines, txt_path, json_path)
         self.emit(trainer, verdict)
