@@ -153,14 +153,21 @@ class NaNFirstFrame(DebugCallback):
             and gradients_replicated(getattr(trainer.strategy, "model", None), params)
         )
 
-    def _detach(self, *_: Any) -> None:
+    def _detach(self) -> None:
         if self._flags is not None:
             self._flags.detach()
             self._flags = None
         self._micro.clear()
         self._finite.reset()
 
-    on_train_end = on_exception = teardown = _detach  # the clean-up hooks: remove the frame hooks, drop references
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._detach()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
 
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
