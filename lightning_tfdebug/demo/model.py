@@ -1,34 +1,8 @@
 """A tiny decoder-only transformer LightningModule, shared by tests, examples and benchmarks.
 
-Token and position embeddings, ``n_layers`` pre-norm blocks (causal self-attention with a padding mask, an MLP,
-LayerNorms, residuals), a final LayerNorm and an LM head; next-token loss with the label shift done in the module
-and ``ignore_index=-100`` for padding.
-
-Every bug-zoo bug that lives in the model or its optimizer has a flag here, off by default:
-
-===========================  ================================================================  ====
-flag                         bug                                                               row
-===========================  ================================================================  ====
-``softmax_output``           ``forward`` returns probabilities; the loss applies softmax again  1
-``no_causal_mask``           attention sees future tokens                                      7
-``no_padding_mask``          attention attends to padding                                      8
-``unshifted_labels``         loss compares position t with label t (no shift)                  9
-``head_not_in_optimizer``    the LM head is left out of the optimizer                          10
-``lr``                       set 100x too low / too high                                       11, 12
-``no_residual``              blocks without residual connections                               13
-``activation``               ``"relu"``, ``"gelu"``, ``"tanh"``, ``"sigmoid"`` in the MLP       13, 14
-``mlp_bias_init``            constant initial bias before the activation (e.g. -5 with relu)   14
-``overflow_module``          qualified name of a module whose output is multiplied by 1e5       15
-``decay_norms``              weight decay on LayerNorm weights, biases and embeddings          20
-``adam_l2``                  ``torch.optim.Adam`` with ``weight_decay`` (L2) instead of AdamW  20
-``eval_mode``                the module is put in ``eval()`` at the start of every epoch       21
-``drop_optimizer_state``     checkpoints are saved without optimizer / scheduler state        22
-``nan_on_rank``              this rank's loss becomes NaN at ``nan_at_step``                   23
-``nan_module``               this module's output becomes NaN from ``nan_at_step`` (on rank    23
-                             ``nan_module_rank`` only, or every rank when it is None)
-``perturb_rank``             this rank changes a weight at ``perturb_at_step``                 17
-``slow_rank``                this rank sleeps ``slow_rank_s`` seconds per step                 18
-===========================  ================================================================  ====
+Pre-norm blocks (causal self-attention with a padding mask, an MLP), an LM head and a next-token loss with the label
+shift done in the module (``ignore_index=-100``). Every bug-zoo bug that lives in the model or its optimizer has a
+flag here, off by default: the table is in ``docs/demo.md``.
 """
 
 from __future__ import annotations
@@ -95,7 +69,7 @@ class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, activation: str, residual: bool, **attn: Any) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, **attn)
+        self.attn = CausalSelfAttention(d_model, n_heads, **attn)  # causal, use_padding_mask
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model, activation)
         self.residual = residual
@@ -131,7 +105,7 @@ class TinyGPT(pl.LightningModule):
         weight_decay: AdamW weight decay, applied to matrices only (unless ``decay_norms``).
         warmup_steps: linear warm-up steps, then constant.
         activation: MLP activation.
-        Remaining flags inject bugs; see the module docstring.
+        Remaining flags inject bugs (``docs/demo.md``).
     """
 
     def __init__(
@@ -184,19 +158,19 @@ class TinyGPT(pl.LightningModule):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
-        if mlp_bias_init is not None:  # bug 14, after the initialisation that zeroes biases
+        if mlp_bias_init is not None:  # bug 14: after the init, which zeroes every bias
             for block in self.blocks:
                 nn.init.constant_(block.mlp.fc.bias, mlp_bias_init)
         if overflow_module is not None:
-            self._submodule(overflow_module, "overflow_module").register_forward_hook(_Scale(1e5))
+            modules = dict(self.named_modules())
+            if overflow_module not in modules:
+                raise ValueError(f"`overflow_module` {overflow_module!r} is not a module of TinyGPT.")
+            modules[overflow_module].register_forward_hook(_Scale(1e5))
         if nan_module is not None:
-            self._submodule(nan_module, "nan_module").register_forward_hook(self._nan_hook)
-
-    def _submodule(self, name: str, argument: str) -> nn.Module:
-        modules = dict(self.named_modules())
-        if name not in modules:
-            raise ValueError(f"`{argument}` {name!r} is not a module of TinyGPT.")
-        return modules[name]
+            modules = dict(self.named_modules())
+            if nan_module not in modules:
+                raise ValueError(f"`nan_module` {nan_module!r} is not a module of TinyGPT.")
+            modules[nan_module].register_forward_hook(self._nan_hook)
 
     def _nan_hook(self, module: nn.Module, args: Any, output: Tensor) -> Tensor:
         """Bug 23 inside a module: its output becomes NaN on one rank (or all) from ``nan_at_step``."""
