@@ -128,7 +128,8 @@ TFD302 = Rule(
     trigger=(
         "a group's norm below `vanishing_ratio` x the largest group norm for `patience` measurements in a row, "
         "among the groups an optimizer steps (a group in no optimizer's param groups is neither the reference nor "
-        "judged: it never learns, and its gradient stays at its initial size)"
+        "judged: it never learns, and its gradient stays at its initial size); a group holding a tied parameter "
+        "(embeddings shared with the output head) is judged but is no reference while an untied group is there"
     ),
     hint=(
         "Those layers barely learn. Usual causes: missing residual connections, saturating activations "

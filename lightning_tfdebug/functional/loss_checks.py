@@ -272,7 +272,7 @@ TFD231 = Rule(
         "at the check the loss is at the labels' unigram entropy (0.85x to 1.1x), the loss against labels rolled "
         "by one sample along the batch is within 1% of it, and the labels do not repeat their own inputs more "
         "than a neighbour's (masked-LM labels: do not sit on their own inputs' mask tokens more than on a "
-        "neighbour's)"
+        "neighbour's); info when the labels' relation to the inputs cannot be measured (an encoder-decoder)"
     ),
     hint=(
         "The labels do not belong to their inputs: look for an off-by-one in the join of inputs and labels, a "
