@@ -149,9 +149,8 @@ def vanishing(
     """TFD302: the groups of ``norms`` (those an optimizer steps) below ``ratio`` x the largest of them for
     ``patience`` measurements in a row (``streak`` counts them).
 
-    A ``tied`` group (a parameter shared by several modules) is judged but is not the reference while an untied group
-    is there: input embeddings tied with the output head carry the head's gradient, the largest of any LM, and BART's
-    healthy encoder sits at 3e-4 of it while it trains at full speed.
+    A ``tied`` group (input embeddings shared with the output head, which carry the head's gradient) is judged but is
+    no reference while an untied group is there.
 
     The reference is the largest group norm: the median would sink with the groups it should expose when half of a
     deep stack vanishes (bug 13). Only groups an optimizer steps belong in ``norms``: a group left out of every
