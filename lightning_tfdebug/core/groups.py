@@ -10,6 +10,7 @@ blocks) forms ``head``, and everything else is ``other``. Users can instead grou
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -200,8 +201,5 @@ def build_layout(
 
 def tied_groups(model: nn.Module, groups: ParamGroups) -> tuple[str, ...]:
     """The groups of ``groups`` holding a parameter registered under more than one name in ``model`` (tied)."""
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
-    tied = {groups.group_names[i] for p, i in zip(groups.params, groups.index) if uses.get(id(p), 0) > 1}
-    return tuple(g for g in groups.group_names if g in tied)
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return tuple(dict.fromkeys(groups.group_names[i] for p, i in zip(groups.params, groups.index) if uses[id(p)] > 1))
