@@ -224,6 +224,7 @@ class GradNormMonitor(DebugCallback):
                 warmup=self.warmup_measurements,
                 vanishing_ratio=self.vanishing_ratio,
                 patience=self.patience,
+                tied=layout.tied,
             )
             clip = float(trainer.gradient_clip_val or 0.0)
             verdicts.append(overclipping(reading, clip, self._memory.overclip, patience=self.patience))

@@ -8,6 +8,7 @@ blocks) ``head``, and the rest ``other``; or by regular expressions, or by the f
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -150,12 +151,14 @@ class ReductionLayout:
         index: ``(n_params,)`` long tensor on the parameters' device: each parameter's group.
         weights: ``(n_params,)`` fp32 tensor: each parameter's weight in sum-type reductions (``1/replicas``).
         sharded: whether reductions need a collective (see :func:`~lightning_tfdebug.core.distributed.plan_sharding`).
+        tied: the groups holding a parameter that several modules share (input embeddings tied with the output head).
     """
 
     groups: ParamGroups
     index: torch.Tensor
     weights: torch.Tensor
     sharded: bool
+    tied: tuple[str, ...] = ()
 
     @property
     def n_groups(self) -> int:
@@ -183,4 +186,11 @@ def build_layout(
         index=param_groups.index_tensor(device),
         weights=torch.tensor(plan.weights, dtype=torch.float32, device=device),
         sharded=plan.sharded,
+        tied=tied_groups(model, param_groups),
     )
+
+
+def tied_groups(model: nn.Module, groups: ParamGroups) -> tuple[str, ...]:
+    """The groups of ``groups`` holding a parameter registered under more than one name in ``model`` (tied)."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return tuple(dict.fromkeys(groups.group_names[i] for p, i in zip(groups.params, groups.index) if uses[id(p)] > 1))

@@ -128,7 +128,8 @@ TFD302 = Rule(
     trigger=(
         "a group's norm below `vanishing_ratio` x the largest group norm for `patience` measurements in a row, "
         "among the groups an optimizer steps (a group in no optimizer's param groups is neither the reference nor "
-        "judged: it never learns, and its gradient stays at its initial size)"
+        "judged: it never learns, and its gradient stays at its initial size); a group holding a tied parameter "
+        "(embeddings shared with the output head) is judged but is no reference while an untied group is there"
     ),
     hint=(
         "Those layers barely learn. Usual causes: missing residual connections, saturating activations "
@@ -142,22 +143,28 @@ TFD302 = Rule(
 )
 
 
-def vanishing(norms: Mapping[str, float], streak: Streak, *, ratio: float, patience: int) -> Verdict | None:
+def vanishing(
+    norms: Mapping[str, float], streak: Streak, *, ratio: float, patience: int, tied: Sequence[str] = ()
+) -> Verdict | None:
     """TFD302: the groups of ``norms`` (those an optimizer steps) below ``ratio`` x the largest of them for
     ``patience`` measurements in a row (``streak`` counts them).
+
+    A ``tied`` group (input embeddings shared with the output head, which carry the head's gradient) is judged but is
+    no reference while an untied group is there.
 
     The reference is the largest group norm: the median would sink with the groups it should expose when half of a
     deep stack vanishes (bug 13). Only groups an optimizer steps belong in ``norms``: a group left out of every
     optimizer never learns, its gradient stays as large as at initialisation while the trained groups' fall, and every
     other group would look vanishing next to it (TFD320/TFD312 name that bug).
     """
-    reference = max(norms.values(), default=0.0)
+    untied = [n for g, n in norms.items() if g not in tied]
+    reference = max(untied or norms.values(), default=0.0)
     if len(norms) < 2 or reference <= 0:
         return None
     below = [g for g, n in norms.items() if streak.update(g, n < ratio * reference) >= patience]
     if not below:
         return None
-    largest = next(g for g, n in norms.items() if n == reference)
+    largest = next(g for g, n in norms.items() if n == reference and (g not in tied or not untied))
     evidence = {
         "groups": below,
         "group_norms": {g: norms[g] for g in below},
@@ -310,10 +317,11 @@ def grad_verdicts(
     warmup: int,
     vanishing_ratio: float,
     patience: int,
+    tied: Sequence[str] = (),
 ) -> list[Verdict | None]:
     """The norm rules of one measurement, in order: non-finite gradients (TFD303) end the diagnosis; a non-finite
     total (an overflow a GradScaler skips) is not judged; otherwise explosion (TFD301) and vanishing (TFD302) among the
-    ``trained`` groups (those an optimizer steps)."""
+    ``trained`` groups (those an optimizer steps; ``tied``: those holding a shared parameter, see :func:`vanishing`)."""
     nonfinite = nonfinite_gradients(reading, has_scaler=has_scaler)
     if nonfinite is not None:
         return [nonfinite]
@@ -322,7 +330,7 @@ def grad_verdicts(
     norms = {g: reading.groups[g] for g in trained}
     return [
         explosion(reading.total, memory.history, factor=explosion_factor, warmup=warmup),
-        vanishing(norms, memory.vanishing, ratio=vanishing_ratio, patience=patience),
+        vanishing(norms, memory.vanishing, ratio=vanishing_ratio, patience=patience, tied=tied),
     ]
 
 

@@ -251,7 +251,7 @@ TFD231 = Rule(
         "at the check the loss is at the labels' unigram entropy (0.85x to 1.1x), the loss against labels rolled "
         "by one sample along the batch is within 1% of it, and the labels do not repeat their own inputs more "
         "than a neighbour's (masked-LM labels: do not sit on their own inputs' mask tokens more than on a "
-        "neighbour's)"
+        "neighbour's); info when the labels' relation to the inputs cannot be measured (an encoder-decoder)"
     ),
     hint=(
         "The labels do not belong to their inputs: look for an off-by-one in the join of inputs and labels, a "
@@ -1129,10 +1129,13 @@ def context_verdict(
             "never repeat their inputs (classification, translation), in which case the model ignores its inputs"
         )
     else:
+        # unmeasured (an encoder-decoder's labels enter only its decoder): a model still on the unigram plateau, as a
+        # healthy encoder-decoder is while its cross-attention forms, reads the same, so no warning is earned
         why = (
             "the labels do not depend on the inputs (they belong to other samples), or the model ignores its inputs; "
             "with no token inputs shaped like the labels this cannot be told apart here"
         )
+        return TFD231.verdict(evidence, severity="info", step=step, why=why)
     return TFD231.verdict(evidence, step=step, why=why)
 
 

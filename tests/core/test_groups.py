@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_tfdebug.core.groups import build_param_groups, default_group_of
+from lightning_tfdebug.core.groups import build_param_groups, default_group_of, tied_groups
 from lightning_tfdebug.demo import TinyGPT
 
 
@@ -22,6 +22,9 @@ def test_hugging_face_gpt2_groups_without_a_download():
     assert group_of["transformer.wte.weight"] == "embeddings"
     assert group_of["transformer.h.1.attn.c_attn.weight"] == "transformer.h.1"
     assert group_of["transformer.ln_f.weight"] == "other"
+    assert tied_groups(model, build_param_groups(model)) == ("embeddings",)  # wte is the LM head too
+    tiny = TinyGPT(d_model=16, n_layers=1, n_heads=2)  # an untied head
+    assert tied_groups(tiny, build_param_groups(tiny)) == ()
 
 
 def test_frozen_parameters_are_left_out_and_regex_groups_win():

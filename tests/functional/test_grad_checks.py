@@ -72,6 +72,21 @@ def test_vanishing_groups_sustained_for_patience_measurements():
     assert vanishing({"a": 0.0, "b": 0.0}, Streak(), ratio=1e-3, patience=1) is None
 
 
+def test_a_tied_group_is_judged_but_is_no_reference():
+    """BART's healthy fine-tune (healthy matrix): the embeddings tied with the LM head carry the head's gradient; the
+    first encoder layer sits at 3e-4 of them and at 1.3e-3 and more of the largest untied group while it trains."""
+    bart = {"embeddings": 1.0, "encoder.layers.0": 2.8e-4, "encoder.layers.1": 2.1e-3, "decoder.layers.1": 0.215}
+    streak = Streak()
+    assert all(vanishing(bart, streak, ratio=1e-3, patience=1, tied=("embeddings",)) is None for _ in range(3))
+    assert vanishing(bart, Streak(), ratio=1e-3, patience=1).evidence["groups"] == ["encoder.layers.0"]  # untold
+    # GPT-2 of bug 13 (tied wte): its blocks still vanish next to the untied sigmoid stack; a tied group is judged
+    gpt2 = {"embeddings": 1.0, "h.0": 3e-7, "h.1": 3e-7, "other": 0.04}
+    verdict = vanishing(gpt2, Streak(), ratio=1e-3, patience=1, tied=("embeddings",))
+    assert verdict.evidence["groups"] == ["h.0", "h.1"] and verdict.evidence["largest_group"] == "other"
+    only_tied = vanishing({"wte": 1.0, "h.0": 1e-7}, Streak(), ratio=1e-3, patience=1, tied=("wte", "h.0"))
+    assert only_tied.evidence["largest_group"] == "wte"  # nothing untied: the largest group, tied or not
+
+
 def test_nonfinite_gradients_are_an_error_without_a_scaler_only():
     bad = reading(math.inf, nonfinite={"blocks.0": 2.0, "blocks.1": 0.0})
     verdict = nonfinite_gradients(bad, has_scaler=False)
