@@ -521,9 +521,8 @@ class MaskProbes:
         losses = alignment_losses(logits, labels, self.ignore_index, offset=offset)
         relation = labels_relation(input_ids, labels, self.ignore_index)  # host syncs: probe step only
         rtol = alignment_rtol(logits.dtype, returned.dtype)
-        shifted, unshifted, shifted2 = losses["shifted"], losses["unshifted"], losses["shifted2"]
-        reading = AlignmentReading(returned.detach().float(), shifted, unshifted, shifted2, relation, rtol, last_try)
-        self.readings.append(reading)
+        returned = returned.detach().float()
+        self.readings.append(AlignmentReading(returned, **losses, relation=relation, rtol=rtol, last_try=last_try))
 
     def order(self, input_ids: Tensor, attention_mask: Tensor | None, step: int) -> None:
         """Token order: reverse the tokens before a position, and separately replace them (``TFD215``)."""
