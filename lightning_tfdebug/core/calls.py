@@ -357,14 +357,13 @@ class ModelCall:
     # ------------------------------------------------------------------ views
     @property
     def shift(self) -> int:
-        """Output ``p`` is trained on label ``p + shift``: ``ids_shift`` plus ``ids_start`` (a call that received the
-        rows from that column on); 0 for an encoder-decoder, whose decoder input carries the labels shifted right."""
+        """Output ``p`` is trained on label ``p + shift``: ``ids_shift + ids_start``; 0 for an encoder-decoder."""
         return 0 if self.kind == "encoder-decoder" else self.ids_start + self.ids_shift
 
     @property
     def decoder_input(self) -> TokenSlot | None:
-        """An encoder-decoder's slot that carries the decoder's input: ``decoder_input_ids``, else another sequence
-        that carries the labels, else the labels the model shifts into its decoder itself; None for other kinds."""
+        """An encoder-decoder's slot that carries the decoder's input (``decoder_input_ids``, else another sequence that
+        carries the labels); None for other kinds."""
         if self.kind != "encoder-decoder":
             return None
         named = [s for s in self.slots if not s.primary and s.name.split(".")[0] == "decoder_input_ids"]
@@ -373,8 +372,7 @@ class ModelCall:
 
     @property
     def primary(self) -> TokenSlot | None:
-        """The slot holding the batch's token ids (or their slice); None when the call takes tensors derived from
-        them."""
+        """The slot holding the batch's token ids (or their slice); None when the call takes tensors derived from them."""
         return next((s for s in self.slots if s.primary), None)
 
     @property
@@ -395,14 +393,12 @@ class ModelCall:
         return t.transpose(0, 1) if slot.seq_first else t
 
     def related(self) -> list[TokenSlot]:
-        """The slots that carry the labels (the ones a leak probe perturbs); never an encoder-decoder's encoder input,
-        which every position may see by design."""
+        """The slots that carry the labels (those a leak probe perturbs), never an encoder-decoder's encoder input."""
         encoder = self.kind == "encoder-decoder"
         return [s for s in self.slots if s.offset is not None and not (encoder and s.primary)]
 
     def companions(self) -> list[TokenSlot]:
-        """Other sequences of the ids' length not passed under a labels name (a decoder input, position ids):
-        resizing the ids says nothing certain about what they should become."""
+        """Other sequences of the ids' length not passed under a labels name (a decoder input, position ids)."""
         primary = self.primary
         if primary is None:
             return []
@@ -410,8 +406,7 @@ class ModelCall:
 
     @property
     def time_cut_safe(self) -> bool:
-        """Whether the sequences can be cut shorter: no other tensor of the call has a dimension of their length
-        (a ``(T, T)`` causal mask, float features per position)."""
+        """Whether the sequences can be cut shorter: no other tensor of the call has a dimension of their length."""
         primary = self.primary
         if primary is None:
             return False
@@ -432,10 +427,9 @@ class ModelCall:
         return read_logits(self.call.output, self.batch_size, self.out_seq_first)
 
     def token_rows(self, input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
-        """For a batch of token ids without labels: ``(logits, labels, tokens)`` of this call. ``tokens`` are the ids
-        it received ``(B, L)``; ``labels`` the same with the batch's padding set to ``ignore_index`` (the labels a
-        model that shifts them itself scores position ``t`` against at ``t + 1``); ``logits`` ``(B, L, V)``. None when
-        the call does not take the ids themselves, or returned no logits over the positions it received."""
+        """For a batch without labels: ``(logits, labels, tokens)`` of this call, ``tokens`` the ids it received and
+        ``labels`` the same with padding set to ``ignore_index``. None when the call does not take the ids themselves,
+        or returned no logits over the positions it received."""
         logits = self.logits()
         tokens = self.columns(input_ids)
         if self.primary is None or logits is None or tokens is None or tuple(logits.shape[:2]) != tuple(tokens.shape):
@@ -446,16 +440,14 @@ class ModelCall:
         return logits, tokens.masked_fill(mask == 0, self.ignore_index), tokens
 
     def release(self) -> None:
-        """Let the recorded output and tensor index go (the description, the kind and the paths stay): a shared
-        reading must not hold a step's logits past it."""
+        """Let the recorded output and tensors go (the reading stays): a shared reading must not hold a step's logits."""
         self.call = dataclasses.replace(self.call, output=None)
         self.tensors = {}
 
 
 def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor | None:
-    """The logits in a call's output (``.logits`` / ``["logits"]``, else its first float tensor) as
-    ``(batch, time, vocab)``: from ``(B, T, V)``, ``(T, B, V)`` (a sequence-first call, or when only that fits) or a
-    flattened ``(B*T, V)`` / ``(T*B, V)``. None when no float tensor fits."""
+    """The logits in a call's output (``.logits``, else its first float tensor) as ``(batch, time, vocab)``, from
+    ``(B, T, V)``, ``(T, B, V)`` or flattened ``(B*T, V)`` / ``(T*B, V)``; None when no float tensor fits."""
     logits = logits_of(output)
     if logits is None:
         logits = next((t for _, t in tensor_leaves(output) if t.is_floating_point() and t.ndim >= 2), None)
@@ -477,8 +469,8 @@ def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor
 def relation_offset(
     slot: Tensor, reference: Tensor, ignore_index: int, offsets: tuple[int, ...] = (0, 1, -1)
 ) -> int | None:
-    """The largest offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` at :data:`RELATION_FRACTION` or more of
-    the supervised positions both have, or None. Both batch-first. Host syncs: recording steps only."""
+    """The largest offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` at :data:`RELATION_FRACTION` of the
+    supervised positions, or None. Host syncs: recording steps only."""
     matches: list[int] = []
     ts, tr = slot.shape[1], reference.shape[1]
     for o in offsets:
@@ -628,9 +620,8 @@ def _ids_match(seqs: list[_Seq], input_ids: Tensor) -> tuple[Path, bool, tuple[i
 
 
 def _find_mask(call: RecordedCall, call_mask: Tensor | None) -> tuple[Path | None, bool, bool, bool]:
-    """``(path, inverted, seq_first, opaque)`` of the batch's attention mask (cut like the ids) in the call: passed
-    as is or inverted (a padding mask), either layout; ``opaque`` when none is found but an argument is named like a
-    mask (an encoding not read here)."""
+    """``(path, inverted, seq_first, opaque)`` of the batch's attention mask in the call (as is or inverted, either
+    layout); ``opaque``: none found, but an argument is named like a mask."""
     for p, t in call.leaves():
         if call_mask is None or t.ndim != 2:
             continue
@@ -647,8 +638,7 @@ def _find_mask(call: RecordedCall, call_mask: Tensor | None) -> tuple[Path | Non
 
 
 def _reference(input_ids: Tensor, labels: Tensor | None, batch_size: int) -> tuple[Tensor, int]:
-    """``(reference, base)``: the labels as ``(B, T)``, with ``base`` 0; or, without labels, the ids standing for
-    next-token labels (label t is id t+1), with ``base`` 1 added to every offset read against them."""
+    """``(reference, base)``: the labels as ``(B, T)`` and 0, or without labels the ids (label t is id t+1) and 1."""
     if labels is not None and not labels.is_floating_point() and labels.numel() % batch_size == 0:
         return labels.reshape(batch_size, -1), 0
     return input_ids, 1
@@ -688,8 +678,7 @@ def _names_a_mask(call: RecordedCall) -> bool:
 
 # ------------------------------------------------------------------------------------------------------ the kind
 def _config_holder(*modules: nn.Module | None) -> nn.Module | None:
-    """The first module holding a Hugging Face-style config (``.config`` with ``is_encoder_decoder``): one of
-    ``modules``, else a submodule of the last one; None when there is none."""
+    """The first of ``modules``, else of the last one's submodules, holding a Hugging Face-style ``.config``."""
     seen = [m for m in modules if m is not None]
     if seen:
         seen += list(seen[-1].modules())

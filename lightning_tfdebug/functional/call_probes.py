@@ -64,31 +64,17 @@ def build_caller(
     mask_named = mask_name is not None
     if mask_name is None and var_kw:
         mask_name = mask_key or "attention_mask"
-    takes_mask = mask_name is not None
+    id_name: str | None = None  # None: the ids go first, positionally
     if (input_key is not None and input_key in params) or "input_ids" in params or var_kw:
         id_name = input_key if input_key is not None and (input_key in params or var_kw) else "input_ids"
+    elif not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params.values()):
+        return "`forward` takes neither `input_ids` by keyword nor the ids positionally; set `forward_fn`."
 
-        def call_kw(ids: Tensor, mask: Tensor | None) -> Any:
-            kwargs: dict[str, Any] = {id_name: ids}
-            if mask_name is not None and mask is not None:
-                kwargs[mask_name] = mask
-            return module(**kwargs)
+    def call(ids: Tensor, mask: Tensor | None) -> Any:
+        kwargs = {mask_name: mask} if mask_name is not None and mask is not None else {}
+        return module(ids, **kwargs) if id_name is None else module(**{id_name: ids, **kwargs})
 
-        return ModelCaller(call_kw, takes_mask, mask_named)
-    positional = [
-        p
-        for p in params.values()
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    if positional:
-
-        def call_pos(ids: Tensor, mask: Tensor | None) -> Any:
-            if mask_name is not None and mask is not None:
-                return module(ids, **{mask_name: mask})
-            return module(ids)
-
-        return ModelCaller(call_pos, takes_mask, mask_named)
-    return "`forward` takes neither `input_ids` by keyword nor the ids positionally; set `forward_fn`."
+    return ModelCaller(call, takes_mask=mask_name is not None, mask_named=mask_named)
 
 
 def caller_logits(caller: ModelCaller, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
