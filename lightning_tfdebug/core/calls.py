@@ -180,7 +180,7 @@ def record_calls(
     nested: bool = False,
     want: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool] | None = None,
 ) -> tuple[Any, list[RecordedCall]]:
-    """``(run(), calls)``: ``run`` under a :class:`CallRecorder` on ``root``, whose hooks are removed even if it raises."""
+    """``(run(), calls)``: ``run`` under a :class:`CallRecorder` on ``root`` (hooks removed even if it raises)."""
     recorder = CallRecorder(root, nested=nested, want=want).start()
     try:
         result = run()
@@ -372,7 +372,7 @@ class ModelCall:
 
     @property
     def primary(self) -> TokenSlot | None:
-        """The slot holding the batch's token ids (or their slice); None when the call takes tensors derived from them."""
+        """The slot holding the batch's token ids (or their slice); None when the call takes tensors made from them."""
         return next((s for s in self.slots if s.primary), None)
 
     @property
@@ -440,7 +440,7 @@ class ModelCall:
         return logits, tokens.masked_fill(mask == 0, self.ignore_index), tokens
 
     def release(self) -> None:
-        """Let the recorded output and tensors go (the reading stays): a shared reading must not hold a step's logits."""
+        """Let the recorded output and tensors go: a shared reading must not hold a step's logits."""
         self.call = dataclasses.replace(self.call, output=None)
         self.tensors = {}
 

@@ -284,7 +284,7 @@ class MaskProbes:
         return t[: self.settings.probe_rows, : self.settings.probe_length]
 
     def columns(self, t: Tensor | None) -> Tensor | None:
-        """``t`` (shaped like the batch's ids) cut to the columns the recorded call received: those the probes perturb."""
+        """``t`` (shaped like the batch's ids) cut to the columns the recorded call received (those probed)."""
         return self.found.columns(t) if self.found is not None and self.found.sliced else t
 
     @property
