@@ -314,11 +314,8 @@ class ModelCall:
 
     Attributes:
         call: the recorded call (module, arguments, output).
-        kind: what the model is: ``"decoder"``, ``"encoder"``, ``"encoder-decoder"``, ``"loss-only wrapper"`` (the
-            step's outermost call returns only a loss; this call is the network inside it) or ``"unknown"``.
-        kind_source: where the kind was read (:func:`model_kind`): ``"config"``, ``"class name"``,
-            ``"decoder_input_ids"``, ``"wrapper"``, ``"decoder input"``, ``"labels"``, ``"token rows"``, ``"setting"``
-            (``model_kind=``) or ``""`` (unknown).
+        kind: what the model is (:data:`ModelKind`; a loss-only wrapper's call is the network inside it).
+        kind_source: where the kind was read (:func:`model_kind`; ``"setting"``: ``model_kind=``).
         batch_size: rows of the call.
         slots: its token tensors.
         ids_shift: 1 when the labels equal the ids (the model or its loss shifts them), else 0.
