@@ -505,10 +505,8 @@ def decide_order(r: OrderReading) -> tuple[bool, Verdict | None]:
     """``(decided, verdict)`` of the token-order check (``TFD215``)."""
     if r.order_change > 10 * r.tolerance:
         return True, None
-    if r.step < ORDER_STEPS[0] or not r.content_change > 100 * r.tolerance:
-        return r.last_try, None
-    if r.order_change > r.tolerance:
-        return r.last_try, None
+    if r.step < ORDER_STEPS[0] or not r.content_change > 100 * r.tolerance or r.order_change > r.tolerance:
+        return r.last_try, None  # too early, the content hardly matters, or the order moved it somewhat
     evidence = {
         "order_change": r.order_change,
         "content_change": r.content_change,

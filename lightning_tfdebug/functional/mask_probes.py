@@ -519,7 +519,7 @@ class MaskProbes:
                 self.settled.add("alignment")  # outputs not position-aligned with the labels: nothing to compare
                 return
         losses = alignment_losses(logits, labels, self.ignore_index, offset=offset)
-        relation = labels_relation(input_ids, labels, self.ignore_index)  # host syncs: probe step only
+        relation = labels_relation(input_ids, labels, self.ignore_index)  # host sync: probe step only
         rtol = alignment_rtol(logits.dtype, returned.dtype)
         returned = returned.detach().float()
         self.readings.append(AlignmentReading(returned, **losses, relation=relation, rtol=rtol, last_try=last_try))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_tfdebug.core.batch import IGNORE_INDEX
+from lightning_tfdebug.core.calls import read_objective
 
 Alignment = Literal["next", "current", "next_next", "unknown"]
 
@@ -71,16 +72,14 @@ def labels_relation(
     input_ids: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX
 ) -> Literal["inputs", "preshifted", "other"]:
     """How the supervised labels relate to the inputs: equal to them (``"inputs"``: the loss must shift), already
-    shifted by one (``"preshifted"``: ``labels[t] == input_ids[t+1]``), or ``"other"``. Host syncs: probe steps."""
-    supervised = labels != ignore_index
-    if not bool(supervised.any()):
+    shifted by one (``"preshifted"``: ``labels[t] == input_ids[t+1]``), or ``"other"``. One host sync: probe steps."""
+    counts = read_objective(input_ids, labels, ignore_index)
+    if counts.supervised == 0:
         return "other"
-    if bool(((labels == input_ids) | ~supervised).all()):
+    if counts.same == counts.supervised:
         return "inputs"
-    if labels.shape[1] > 1:
-        sup = supervised[:, :-1]
-        if bool(sup.any()) and bool(((labels[:, :-1] == input_ids[:, 1:]) | ~sup).all()):
-            return "preshifted"
+    if counts.supervised_next > 0 and counts.following == counts.supervised_next:
+        return "preshifted"
     return "other"
 
 
