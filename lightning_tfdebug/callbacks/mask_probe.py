@@ -33,12 +33,10 @@ class MaskProbe(DebugCallback):
     r"""Tests the model's behaviour on a real batch: causality, padding, samples, positions, target alignment.
 
     At the first training batch of a fit (and every ``every_n_steps`` steps if set), MaskProbe runs a few extra forward
-    passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch (modes and RNG state restored
-    after), through the call ``training_step`` makes (:func:`~lightning_tfdebug.core.calls.find_model_call`), else
-    ``forward`` by its signature, or ``forward_fn``. Its replacement ids are ordinary tokens of the batch, never a
-    special or padding id. Each rank probes its own batch with no collective; under sharded strategies it stands
-    aside. Every probe, its finding codes (``TFD201``-``TFD217``) and tolerance: ``docs/callbacks/mask_probe.md``;
-    the logged keys: :attr:`KEYS`.
+    passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch, through the call
+    ``training_step`` makes, else ``forward`` by its signature, or ``forward_fn``. Each rank probes its own batch;
+    under sharded strategies it stands aside. Every probe and its codes (``TFD201``-``TFD217``):
+    ``docs/callbacks/mask_probe.md``; the logged keys: :attr:`KEYS`.
 
     Args:
         every_n_steps: probe again whenever ``global_step % every_n_steps == 0``; ``None`` (default) probes only at
@@ -185,14 +183,12 @@ class MaskProbe(DebugCallback):
             return  # gradient accumulation: one probe per optimizer step
         first = self._last_probe_step is None
         periodic = self.every_n_steps is not None and step % self.every_n_steps == 0
-        # from the configuration only, not from what this rank decided, so that every rank takes the same steps
         retry_step = self.causal is not False and self.check_targets and step in ALIGNMENT_RETRY_STEPS
         order_step = self.check_positions and step in ORDER_STEPS
         if not (first or periodic or retry_step or order_step):
             return  # a step that does not probe: no batch reading, no tensor work, no sync
-        # Whether this step is a probing step depends on global_step only, so every rank gets here on the same steps
-        # and reaches `resolve_local_findings` (a collective unless on_finding="warn") together, even when a rank
-        # has already decided the target alignment or stood aside after a failed call.
+        # A probing step depends on global_step and the configuration only, so every rank reaches
+        # `resolve_local_findings` (a collective unless on_finding="warn") together, whatever it decided before.
         self._last_probe_step = step
         pending = (retry_step and not self._alignment_decided) or (order_step and not self._order_decided)
         if self.active and (first or periodic or pending):
@@ -333,12 +329,12 @@ class MaskProbe(DebugCallback):
                 if session.resizable:  # (kv_cache_fn is imported only where the position probes run)
                     session.positions(ids, limit, source, _imported(self.kv_cache_fn), pl_module)
                 session.tables(pl_module, ids, mask)
-        if not self._alignment_decided:  # the recording replay already ran training_step on this batch
-            replayed, automatic = self._replayed, pl_module.automatic_optimization
-            output = (
-                (lambda: replayed) if self._found is not None else lambda: quiet_training_step(pl_module, *step_args)
-            )
-            output = output if self._found is not None or automatic else None  # a manual step is never called
+        if not self._alignment_decided:
+            automatic, replayed = pl_module.automatic_optimization, self._replayed
+            if self._found is not None:  # the recording replay already ran training_step on this batch
+                output = lambda: replayed  # noqa: E731
+            else:  # a manual training_step is never called
+                output = (lambda: quiet_training_step(pl_module, *step_args)) if automatic else None
             session.alignment(*fields, output, automatic, trainer.global_step >= ALIGNMENT_RETRY_STEPS[-1])
         if not self._order_decided and trainer.global_step in ORDER_STEPS:
             session.order(ids, mask, trainer.global_step)

@@ -1,14 +1,7 @@
-"""Recording the model calls a ``training_step`` makes, and reading which one is the model.
+"""Recording the module calls a ``training_step`` makes, and finding the one that is the model.
 
-Recording the call ``training_step`` makes (module, arguments, output) and re-issuing it with perturbed copies of its
-token tensors reaches every model users write (``forward(inputs, target)``, ``self.model(x, y)``, a dict passed
-whole). With ``nested=True`` the recorder also keeps the calls made inside other calls (a loss-only wrapper's inner
-network). Hooks on every submodule for one call: for the steps that read it only.
-
-:func:`find_model_call` is the one reading of "the call that took the token rows": where its token ids, labels and
-mask sit, its logits, the model's kind (decoder, encoder, encoder-decoder, loss-only wrapper, unknown) and, for an
-encoder-decoder, which argument carries the decoder's input. MaskProbe and LossAtInit read it there;
-:func:`share_model_call` puts it in the step's shared state (:class:`~lightning_tfdebug.core.step.StepState`).
+:func:`find_model_call` reads the call that took the token rows: where its ids, labels and mask sit, its logits and
+the model's kind. MaskProbe and LossAtInit share it through :func:`share_model_call`.
 
 Example:
     >>> import torch
@@ -31,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.core.batch import LABELS_KEYS, MASK_KEYS, logits_of
+from lightning_tfdebug.core.batch import LABELS_KEYS, MASK_KEYS, is_id_tensor, logits_of
 from lightning_tfdebug.core.step import step_state
 
 Path = tuple[Any, ...]
@@ -128,10 +121,12 @@ def replace_leaves(obj: Any, replacements: Mapping[Path, Tensor], prefix: Path =
 class CallRecorder:
     """Records the module calls under ``root`` between :meth:`start` and :meth:`stop`, in the order they started.
 
-    By default the outermost calls only (those ``training_step`` itself makes); with ``nested=True`` the calls at
-    every depth that ``want(module, args, kwargs)`` keeps (their outputs stay alive until :meth:`stop`). ``keep``
-    decides at each call whether to keep it (e.g. only inside ``training_step``). A hook on every submodule: for
-    probing steps only.
+    Args:
+        root: the module whose submodules are hooked (a hook on every one: for probing steps only).
+        keep: decides at each call whether to keep it (e.g. only inside ``training_step``).
+        nested: also keep inner calls that ``want(module, args, kwargs)`` accepts (their outputs live until
+            :meth:`stop`); by default only the outermost calls.
+        want: the filter of inner calls.
     """
 
     def __init__(
@@ -185,8 +180,7 @@ def record_calls(
     nested: bool = False,
     want: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool] | None = None,
 ) -> tuple[Any, list[RecordedCall]]:
-    """Run ``run()`` under a :class:`CallRecorder` on ``root``; returns its result and the calls it recorded. The
-    hooks are removed before this returns, also when ``run`` raises."""
+    """``(run(), calls)``: ``run`` under a :class:`CallRecorder` on ``root`` (hooks removed even if it raises)."""
     recorder = CallRecorder(root, nested=nested, want=want).start()
     try:
         result = run()
@@ -196,29 +190,23 @@ def record_calls(
 
 
 def takes_tokens(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a call passes a 2-D integer tensor (token ids, or a slice of them), and is not an embedding lookup (whose
-    output is hidden states, never logits): the nested calls worth recording for the token probes."""
+    """Whether a call passes a 2-D integer tensor and is not an embedding lookup: the nested calls worth recording."""
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return False
-    return any(
-        t.ndim == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-        for _, t in tensor_leaves(args) + tensor_leaves(kwargs)
-    )
+        return False  # an embedding's output is hidden states, never logits
+    return any(t.ndim == 2 and is_id_tensor(t) for _, t in tensor_leaves(args) + tensor_leaves(kwargs))
 
 
 @dataclass
 class TableUse:
-    """What one forward pass did with a set of watched tables (embedding weights, position parameters): which were
-    read at all, and the index tensors each was looked up with (``F.embedding``, or indexing with an integer tensor)."""
+    """What one forward pass did with the watched tables: which were read, and the indices each was looked up with."""
 
     read: set[int] = dataclasses.field(default_factory=set)  # id() of every watched table read
     lookups: list[tuple[int, Tensor]] = dataclasses.field(default_factory=list)  # (id of the table, indices)
 
 
 class TableReads(torch.overrides.TorchFunctionMode):
-    """Watches, during one forward pass, every torch function that takes one of ``tables`` (by ``id()``): which are
-    read, and the lookups ``F.embedding(indices, table)`` / ``table[indices]`` with their indices. A Python hook on
-    every torch function of the pass: for probing steps only."""
+    """Records into :attr:`use` which of ``tables`` one forward pass reads, and its ``F.embedding(indices, table)`` /
+    ``table[indices]`` lookups. A Python hook on every torch function of the pass: for probing steps only."""
 
     def __init__(self, tables: list[Tensor]) -> None:
         super().__init__()
@@ -234,7 +222,7 @@ class TableReads(torch.overrides.TorchFunctionMode):
                 self.use.lookups.append((id(weight), indices))
         elif func is Tensor.__getitem__ and args and id(args[0]) in self._ids:
             index = args[1] if len(args) > 1 else None
-            if isinstance(index, Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
+            if is_id_tensor(index):
                 self.use.lookups.append((id(args[0]), index))
         for value in (*args, *kwargs.values()):
             if isinstance(value, Tensor) and id(value) in self._ids:
@@ -326,11 +314,8 @@ class ModelCall:
 
     Attributes:
         call: the recorded call (module, arguments, output).
-        kind: what the model is: ``"decoder"``, ``"encoder"``, ``"encoder-decoder"``, ``"loss-only wrapper"`` (the
-            step's outermost call returns only a loss; this call is the network inside it) or ``"unknown"``.
-        kind_source: where the kind was read (:func:`model_kind`): ``"config"``, ``"class name"``,
-            ``"decoder_input_ids"``, ``"wrapper"``, ``"decoder input"``, ``"labels"``, ``"token rows"``, ``"setting"``
-            (``model_kind=``) or ``""`` (unknown).
+        kind: what the model is (:data:`ModelKind`; a loss-only wrapper's call is the network inside it).
+        kind_source: where the kind was read (:func:`model_kind`; ``"setting"``: ``model_kind=``).
         batch_size: rows of the call.
         slots: its token tensors.
         ids_shift: 1 when the labels equal the ids (the model or its loss shifts them), else 0.
@@ -369,14 +354,13 @@ class ModelCall:
     # ------------------------------------------------------------------ views
     @property
     def shift(self) -> int:
-        """Output ``p`` is trained on label ``p + shift``: ``ids_shift`` plus ``ids_start`` (a call that received the
-        rows from that column on); 0 for an encoder-decoder, whose decoder input carries the labels shifted right."""
+        """Output ``p`` is trained on label ``p + shift``: ``ids_shift + ids_start``; 0 for an encoder-decoder."""
         return 0 if self.kind == "encoder-decoder" else self.ids_start + self.ids_shift
 
     @property
     def decoder_input(self) -> TokenSlot | None:
-        """An encoder-decoder's slot that carries the decoder's input: ``decoder_input_ids``, else another sequence
-        that carries the labels, else the labels the model shifts into its decoder itself; None for other kinds."""
+        """An encoder-decoder's slot that carries the decoder's input (``decoder_input_ids``, else another sequence that
+        carries the labels); None for other kinds."""
         if self.kind != "encoder-decoder":
             return None
         named = [s for s in self.slots if not s.primary and s.name.split(".")[0] == "decoder_input_ids"]
@@ -385,8 +369,7 @@ class ModelCall:
 
     @property
     def primary(self) -> TokenSlot | None:
-        """The slot holding the batch's token ids (or their slice); None when the call takes tensors derived from
-        them."""
+        """The slot holding the batch's token ids (or their slice); None when the call takes tensors made from them."""
         return next((s for s in self.slots if s.primary), None)
 
     @property
@@ -407,14 +390,12 @@ class ModelCall:
         return t.transpose(0, 1) if slot.seq_first else t
 
     def related(self) -> list[TokenSlot]:
-        """The slots that carry the labels (the ones a leak probe perturbs); never an encoder-decoder's encoder input,
-        which every position may see by design."""
+        """The slots that carry the labels (those a leak probe perturbs), never an encoder-decoder's encoder input."""
         encoder = self.kind == "encoder-decoder"
         return [s for s in self.slots if s.offset is not None and not (encoder and s.primary)]
 
     def companions(self) -> list[TokenSlot]:
-        """Other sequences of the ids' length not passed under a labels name (a decoder input, position ids):
-        resizing the ids says nothing certain about what they should become."""
+        """Other sequences of the ids' length not passed under a labels name (a decoder input, position ids)."""
         primary = self.primary
         if primary is None:
             return []
@@ -422,8 +403,7 @@ class ModelCall:
 
     @property
     def time_cut_safe(self) -> bool:
-        """Whether the sequences can be cut shorter: no other tensor of the call has a dimension of their length
-        (a ``(T, T)`` causal mask, float features per position)."""
+        """Whether the sequences can be cut shorter: no other tensor of the call has a dimension of their length."""
         primary = self.primary
         if primary is None:
             return False
@@ -444,10 +424,9 @@ class ModelCall:
         return read_logits(self.call.output, self.batch_size, self.out_seq_first)
 
     def token_rows(self, input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
-        """For a batch of token ids without labels: ``(logits, labels, tokens)`` of this call. ``tokens`` are the ids
-        it received ``(B, L)``; ``labels`` the same with the batch's padding set to ``ignore_index`` (the labels a
-        model that shifts them itself scores position ``t`` against at ``t + 1``); ``logits`` ``(B, L, V)``. None when
-        the call does not take the ids themselves, or returned no logits over the positions it received."""
+        """For a batch without labels: ``(logits, labels, tokens)`` of this call, ``tokens`` the ids it received and
+        ``labels`` the same with padding set to ``ignore_index``. None when the call does not take the ids themselves,
+        or returned no logits over the positions it received."""
         logits = self.logits()
         tokens = self.columns(input_ids)
         if self.primary is None or logits is None or tokens is None or tuple(logits.shape[:2]) != tuple(tokens.shape):
@@ -458,16 +437,14 @@ class ModelCall:
         return logits, tokens.masked_fill(mask == 0, self.ignore_index), tokens
 
     def release(self) -> None:
-        """Let the recorded output and tensor index go (the description, the kind and the paths stay): a shared
-        reading must not hold a step's logits past it."""
+        """Let the recorded output and tensors go: a shared reading must not hold a step's logits."""
         self.call = dataclasses.replace(self.call, output=None)
         self.tensors = {}
 
 
 def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor | None:
-    """The logits in a call's output (``.logits`` / ``["logits"]``, else its first float tensor) as
-    ``(batch, time, vocab)``: from ``(B, T, V)``, ``(T, B, V)`` (a sequence-first call, or when only that fits) or a
-    flattened ``(B*T, V)`` / ``(T*B, V)``. None when no float tensor fits."""
+    """The logits in a call's output (``.logits``, else its first float tensor) as ``(batch, time, vocab)``, from
+    ``(B, T, V)``, ``(T, B, V)`` or flattened ``(B*T, V)`` / ``(T*B, V)``; None when no float tensor fits."""
     logits = logits_of(output)
     if logits is None:
         logits = next((t for _, t in tensor_leaves(output) if t.is_floating_point() and t.ndim >= 2), None)
@@ -489,8 +466,8 @@ def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor
 def relation_offset(
     slot: Tensor, reference: Tensor, ignore_index: int, offsets: tuple[int, ...] = (0, 1, -1)
 ) -> int | None:
-    """The largest offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` at :data:`RELATION_FRACTION` or more of
-    the supervised positions both have, or None. Both batch-first. Host syncs: recording steps only."""
+    """The largest offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` at :data:`RELATION_FRACTION` of the
+    supervised positions, or None. Host syncs: recording steps only."""
     matches: list[int] = []
     ts, tr = slot.shape[1], reference.shape[1]
     for o in offsets:
@@ -531,16 +508,12 @@ def find_model_call(
     model: nn.Module | None = None,
     kind: ModelKind | None = None,
 ) -> ModelCall | str:
-    """The :class:`ModelCall` among ``calls`` that took the batch's token ids and returned logits, or a sentence
-    saying why there is none.
+    """The :class:`ModelCall` among ``calls`` that took the batch's token ids and returned logits, or why there is none.
 
-    The call takes the ids, or a slice of them without the last or the first column (:data:`ROW_SLICES`), and
-    returns logits (outputs wider than every token id): among several, the one whose outputs follow the positions it
-    received, the outermost, then the first; then one with outputs over other positions (an encoder-decoder's
-    decoder); failing that, an outermost call that takes a token tensor of the batch's size and returns logits. Every
-    token tensor of the call is compared with ``labels`` (or, without labels, with the ids' next tokens) to read
-    which carry them and at what offset. The kind is ``kind`` when given (a user's ``model_kind=``), else read by
-    :func:`model_kind` (``model``: the LightningModule, searched for a config). Host syncs: recording steps only.
+    Which call is chosen: ``docs/callbacks/mask_probe.md`` (the recorded call). Every token tensor of the call is
+    compared with ``labels`` (without labels, with the ids' next tokens) to read which carry them and at what offset.
+    The kind is ``kind`` when given (``model_kind=``), else :func:`model_kind` (``model``: the LightningModule).
+    Host syncs: recording steps only.
     """
     chosen = _choose(calls, input_ids)
     if chosen is None:
@@ -595,7 +568,7 @@ def _choose(calls: Sequence[RecordedCall], input_ids: Tensor) -> _Choice | None:
             break
         if isinstance(call.module, (nn.Embedding, nn.EmbeddingBag)):
             continue  # an embedding's output is hidden states, whatever its width
-        seqs = [(p, t, sf) for p, t in call.leaves() if _is_ids(t) and (sf := _layout(t, b)) is not None]
+        seqs = [(p, t, sf) for p, t in call.leaves() if is_id_tensor(t) and (sf := _layout(t, b)) is not None]
         if not seqs:
             continue
         match = _ids_match(seqs, input_ids)
@@ -612,9 +585,7 @@ def _choose(calls: Sequence[RecordedCall], input_ids: Tensor) -> _Choice | None:
                 other_length = other_length or _Choice(call, seqs, path, columns)
         elif call.depth == 0:
             fallback = fallback or _Choice(call, seqs, None, (0, None))
-    # A call whose outputs follow the positions it received is preferred: a wrapper fed the whole rows that returns
-    # the logits of rows[:, :-1] is passed over for the inner call that received that slice. Outputs over other
-    # positions (an encoder-decoder's decoder) come next, then a call that takes some token tensor of the batch.
+    # a wrapper fed the whole rows that returns the logits of rows[:, :-1] gives way to the inner call fed that slice
     if positional is not None and other_length is not None and other_length.call.depth < positional.call.depth:
         return positional if positional.columns != (0, None) else other_length
     return positional or other_length or fallback
@@ -629,10 +600,6 @@ def _layout(t: Tensor, batch_size: int) -> bool | None:
     if t.shape[1] == batch_size:
         return True
     return None
-
-
-def _is_ids(t: Tensor) -> bool:
-    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
 def _ids_match(seqs: list[_Seq], input_ids: Tensor) -> tuple[Path, bool, tuple[int, int | None]] | None:
@@ -650,9 +617,8 @@ def _ids_match(seqs: list[_Seq], input_ids: Tensor) -> tuple[Path, bool, tuple[i
 
 
 def _find_mask(call: RecordedCall, call_mask: Tensor | None) -> tuple[Path | None, bool, bool, bool]:
-    """``(path, inverted, seq_first, opaque)`` of the batch's attention mask (cut like the ids) in the call: passed
-    as is or inverted (a padding mask), either layout; ``opaque`` when none is found but an argument is named like a
-    mask (an encoding not read here)."""
+    """``(path, inverted, seq_first, opaque)`` of the batch's attention mask in the call (as is or inverted, either
+    layout); ``opaque``: none found, but an argument is named like a mask."""
     for p, t in call.leaves():
         if call_mask is None or t.ndim != 2:
             continue
@@ -669,8 +635,7 @@ def _find_mask(call: RecordedCall, call_mask: Tensor | None) -> tuple[Path | Non
 
 
 def _reference(input_ids: Tensor, labels: Tensor | None, batch_size: int) -> tuple[Tensor, int]:
-    """``(reference, base)``: the labels as ``(B, T)``, with ``base`` 0; or, without labels, the ids standing for
-    next-token labels (label t is id t+1), with ``base`` 1 added to every offset read against them."""
+    """``(reference, base)``: the labels as ``(B, T)`` and 0, or without labels the ids (label t is id t+1) and 1."""
     if labels is not None and not labels.is_floating_point() and labels.numel() % batch_size == 0:
         return labels.reshape(batch_size, -1), 0
     return input_ids, 1
@@ -710,8 +675,7 @@ def _names_a_mask(call: RecordedCall) -> bool:
 
 # ------------------------------------------------------------------------------------------------------ the kind
 def _config_holder(*modules: nn.Module | None) -> nn.Module | None:
-    """The first module holding a Hugging Face-style config (``.config`` with ``is_encoder_decoder``): one of
-    ``modules``, else a submodule of the last one; None when there is none."""
+    """The first of ``modules``, else of the last one's submodules, holding a Hugging Face-style ``.config``."""
     seen = [m for m in modules if m is not None]
     if seen:
         seen += list(seen[-1].modules())
@@ -729,12 +693,9 @@ def model_kind(
     input_ids: Tensor | None = None,
     labels: Tensor | None = None,
 ) -> tuple[ModelKind, str]:
-    """``(kind, source)``: what the model is, and where that was read, first match wins: a Hugging Face config (on
-    the call's module, else in ``model``; then its class name); ``decoder_input_ids`` passed or
-    ``encoder_last_hidden_state`` returned; a nested call under no outermost logits (a loss-only wrapper); a second
-    sequence carrying the labels (encoder-decoder); the labels' :class:`Objective` (kept in ``found.objective``; one
-    host sync); a slice of token rows (decoder); else unknown. ``found`` None reads ``model``'s config only.
-    """
+    """``(kind, source)``: what the model is and where that was read (the order: ``docs/callbacks/mask_probe.md``).
+    Reading the labels' :class:`Objective` keeps it in ``found.objective`` (one host sync). ``found`` None reads
+    ``model``'s config only."""
     holder = _config_holder(None if found is None else found.call.module, model)
     if holder is not None:
         config = holder.config
@@ -776,9 +737,7 @@ def _has_decoder_input(call: RecordedCall) -> bool:
 
 # ---------------------------------------------------------------------------------------------- sharing on the step
 def share_model_call(trainer: Any, batch: Any, found: ModelCall) -> None:
-    """Make ``found`` the step's model call (:attr:`~lightning_tfdebug.core.step.StepState.model_call`), for
-    ``batch`` at the Trainer's current step. Call :meth:`ModelCall.release` once the recording's tensors are not
-    needed: the reading stays shared, its logits go."""
+    """Make ``found`` the model call of ``batch`` at the current step; :meth:`ModelCall.release` drops its tensors."""
     found.key = (getattr(trainer, "global_step", None), batch)
     step_state(trainer).model_call = found
 

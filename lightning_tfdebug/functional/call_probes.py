@@ -1,10 +1,8 @@
-"""Probing a model through the call its ``training_step`` really makes (a
-:class:`~lightning_tfdebug.core.calls.ModelCall`), or through its forward by signature (:class:`ModelCaller`).
+"""Probing a model through the call its ``training_step`` makes (a :class:`~lightning_tfdebug.core.calls.ModelCall`),
+or through its forward by signature (:class:`ModelCaller`); logits are read back as ``(batch, time, vocab)``.
 
-The probes re-issue the recorded call with perturbed token tensors ("slots") and read the logits back as
-``(batch, time, vocab)`` whatever layout the model returns. A slot whose position ``t`` carries label ``t - offset``
-must not reach output ``p`` from any position ``t >= p + shift + offset`` (:attr:`~lightning_tfdebug.core.calls.
-ModelCall.shift`); slots unrelated to the labels, and an encoder-decoder's encoder input, are never perturbed.
+A token tensor ("slot") whose position ``t`` carries label ``t - offset`` must not reach output ``p`` from any
+position ``t >= p + shift + offset``; slots unrelated to the labels, and an encoder's input, are never perturbed.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from lightning_tfdebug.functional.mask_checks import (
     Reading,
     RepeatReading,
 )
-from lightning_tfdebug.functional.probes import causal_valid_positions, logit_tolerance, max_change
+from lightning_tfdebug.functional.probes import causal_valid_positions, logit_tolerance, max_change, other_ids
 
 
 class CallError(RuntimeError):
@@ -51,9 +49,8 @@ def build_caller(
     input_key: str | None = None,
     mask_key: str | None = None,
 ) -> ModelCaller | str:
-    """A :class:`ModelCaller` for ``module`` (``forward_fn(module, input_ids, attention_mask)``, else by
-    ``module.forward``'s signature: the ids by keyword, ``input_key`` or ``input_ids``, else first positional; the
-    mask under ``mask_key`` or a usual mask name), or a sentence saying why it cannot be called."""
+    """A :class:`ModelCaller` for ``module`` (``forward_fn(module, input_ids, attention_mask)``, else by the forward's
+    signature: see ``docs/callbacks/mask_probe.md``), or a sentence saying why it cannot be called."""
     if forward_fn is not None:
         fn = forward_fn
         return ModelCaller(lambda ids, mask: fn(module, ids, mask), takes_mask=True, mask_named=True)
@@ -67,31 +64,17 @@ def build_caller(
     mask_named = mask_name is not None
     if mask_name is None and var_kw:
         mask_name = mask_key or "attention_mask"
-    takes_mask = mask_name is not None
+    id_name: str | None = None  # None: the ids go first, positionally
     if (input_key is not None and input_key in params) or "input_ids" in params or var_kw:
         id_name = input_key if input_key is not None and (input_key in params or var_kw) else "input_ids"
+    elif not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params.values()):
+        return "`forward` takes neither `input_ids` by keyword nor the ids positionally; set `forward_fn`."
 
-        def call_kw(ids: Tensor, mask: Tensor | None) -> Any:
-            kwargs: dict[str, Any] = {id_name: ids}
-            if mask_name is not None and mask is not None:
-                kwargs[mask_name] = mask
-            return module(**kwargs)
+    def call(ids: Tensor, mask: Tensor | None) -> Any:
+        kwargs = {mask_name: mask} if mask_name is not None and mask is not None else {}
+        return module(ids, **kwargs) if id_name is None else module(**{id_name: ids, **kwargs})
 
-        return ModelCaller(call_kw, takes_mask, mask_named)
-    positional = [
-        p
-        for p in params.values()
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    if positional:
-
-        def call_pos(ids: Tensor, mask: Tensor | None) -> Any:
-            if mask_name is not None and mask is not None:
-                return module(ids, **{mask_name: mask})
-            return module(ids)
-
-        return ModelCaller(call_pos, takes_mask, mask_named)
-    return "`forward` takes neither `input_ids` by keyword nor the ids positionally; set `forward_fn`."
+    return ModelCaller(call, takes_mask=mask_name is not None, mask_named=mask_named)
 
 
 def caller_logits(caller: ModelCaller, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -177,24 +160,18 @@ def perturb_from(
 ) -> Tensor | None:
     """The slot's first ``rows`` rows (batch-first) with every supervised position from ``start`` on replaced by
     another id; None when there is nothing to replace."""
-    original = found.batch_first(slot)[:rows]
-    if start >= original.shape[1] or vocab.numel() < 2:
+    out = found.batch_first(slot)[:rows].clone()
+    if start >= out.shape[1] or vocab.numel() < 2:
         return None
-    out = original.clone()
     tail = out[:, start:]
-    new = random_ids(vocab, tuple(tail.shape), generator).to(tail.dtype)
-    alt = vocab[(torch.searchsorted(vocab, new.to(vocab.dtype)) + 1) % vocab.numel()]
-    new = torch.where(new == tail, alt.to(tail.dtype), new)
-    keep = tail == found.ignore_index
-    out[:, start:] = torch.where(keep, tail, new)
+    out[:, start:] = torch.where(tail == found.ignore_index, tail, other_ids(vocab, tail, generator))
     return out
 
 
 # ------------------------------------------------------------------------------------------------------------ leaks
 def measure_leaks(found: ModelCall, vocab: Tensor, rows: int, generator: torch.Generator) -> list[Reading]:
-    """The repeat reading, then one leak reading per argument that carries the labels (:meth:`~lightning_tfdebug.core.
-    calls.ModelCall.related`: its tokens replaced from the first position an output up to the middle must not see),
-    and their summary."""
+    """The repeat reading, one leak reading per argument that carries the labels (its tokens replaced from the first
+    position an output up to the middle must not see), and their summary."""
     base = run_call(found, {}, rows=rows)
     tolerance = logit_tolerance(base)
     repeat, where = max_change(base, run_call(found, {}, rows=rows))
@@ -234,9 +211,8 @@ _LAYER_TENSORS = ("weight", "bias")
 
 
 def watched_tables(model: nn.Module) -> dict[str, Tensor]:
-    """The tensors that may be a token or position table, by qualified name: every ``nn.Embedding``'s weight, and every
-    2-D or ``(1, rows, width)`` parameter held directly by a module outside ``torch.nn`` that is not a layer's
-    ``weight`` or ``bias`` (a hand-written ``self.pos = nn.Parameter(...)``)."""
+    """The tensors that may be a token or position table, by name: every ``nn.Embedding``'s weight, and every 2-D or
+    ``(1, rows, width)`` parameter a module outside ``torch.nn`` holds itself (``self.pos = nn.Parameter(...)``)."""
     out: dict[str, Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
@@ -260,8 +236,7 @@ def constant_along_sequence(indices: Tensor) -> Tensor | None:
 
 
 def measure_tables(named: dict[str, Tensor], use: TableUse, input_ids: Tensor) -> PositionTablesReading | None:
-    """The position tables one watched forward pass of ``input_ids`` used (:class:`~lightning_tfdebug.core.calls.
-    TableReads`): every watched table other than the token table (the one looked up with ``input_ids``) of its width
+    """The position tables one watched forward pass of ``input_ids`` used: every table of the token table's width
     with at least ``input_ids.shape[1]`` rows, whether it was read and whether every lookup of it along the sequence
     was constant. None when no table took the token ids or none fits. Host sync: probe steps only."""
     length = input_ids.shape[1]

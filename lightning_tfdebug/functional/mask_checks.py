@@ -1,6 +1,4 @@
-"""The rules MaskProbe decides, each beside the reading it is decided from (device scalars until the probe's one host
-transfer, :func:`~lightning_tfdebug.functional.mask_probes.on_host`). :func:`decide_probe` decides one probing step's
-readings; facts read on the host while probing are decided at once (:func:`unpadded_mask`, :func:`context_failure`).
+"""The rules MaskProbe decides, each beside its reading. :func:`decide_probe` decides one probing step's readings.
 
 Example:
     >>> decide_causal(CausalReading(max_change=0.5, row=0, position=3, cut=4, length=8, tolerance=1e-2)).code
@@ -43,7 +41,7 @@ _KEYS: list[Key] = []
 
 
 def _key(name: str, description: str, unit: str = "") -> Key:
-    """A MaskProbe key, added to :data:`KEYS` in the order defined (probing steps only, one chart)."""
+    """A MaskProbe key, added to :data:`KEYS` in the order defined."""
     _KEYS.append(Key(f"mask_probe/{name}", description, unit, chart="mask probes"))
     return _KEYS[-1]
 
@@ -63,7 +61,7 @@ CONTENT = _key("content_change", "largest change of that output when the tokens 
 SECONDS = _key("seconds", "wall time of the probe", "s")
 CROSS_SAMPLE = _key("cross_sample_max_change", "largest logit change of other samples when one sample's tokens change")
 KEYS: tuple[Key, ...] = tuple(_KEYS)
-"""Every scalar MaskProbe logs (on probing steps only): ``MaskProbe.KEYS``. Each reading names the keys it logs."""
+"""Every scalar MaskProbe logs (on probing steps only): ``MaskProbe.KEYS``."""
 
 
 # ----------------------------------------------------------------------------------------------------------- readings
@@ -196,9 +194,8 @@ TFD214 = Rule(
 
 @dataclass(frozen=True)
 class LeakReading(Reading):
-    """An argument of the model call that carries the labels (``label_offset``: its position t carries label
-    t - offset), its tokens replaced from ``replaced_from`` on: the largest change of an output at or before ``cut``.
-    ``primary``: the argument is the batch's token ids; output p is trained on label p + ``shift``."""
+    """An argument carrying the labels (position t carries label t - ``label_offset``; ``primary``: the token ids),
+    its tokens replaced from ``replaced_from`` on: the largest change of an output at or before ``cut``."""
 
     max_change: Number
     row: Number
@@ -213,9 +210,8 @@ class LeakReading(Reading):
 
 
 def decide_leak(r: LeakReading) -> Verdict | None:
-    """A leak through an argument: replacing its tokens from ``replaced_from`` on moved an output at or before
-    ``cut``. ``TFD201`` for the batch's token ids one step behind the labels (future tokens reach past outputs);
-    ``TFD214`` for any other argument that carries the labels (a decoder input not shifted right)."""
+    """``TFD201`` when the token ids leak (future tokens reach past outputs), ``TFD214`` when another argument that
+    carries the labels does (a decoder input not shifted right)."""
     if not _beyond(r.max_change, r.tolerance):
         return None
     evidence = {
@@ -243,8 +239,7 @@ def decide_leak(r: LeakReading) -> Verdict | None:
 
 @dataclass(frozen=True)
 class LeakSummary(Reading):
-    """Over the leak probe's arguments: the largest change (logged as the causal change), and how far the outputs
-    moved at all when an argument other than the token ids changed (``other_dependence``: None when none did)."""
+    """The leak probe's largest change, and how far the outputs moved when another argument than the ids changed."""
 
     largest: Number | None
     other_dependence: Number | None
@@ -253,8 +248,7 @@ class LeakSummary(Reading):
 
     @property
     def follows_other(self) -> bool:
-        """The outputs follow another sequence of the call than the ids (an encoder-decoder's decoder): they are
-        that sequence's positions, not the ids'."""
+        """The outputs follow another sequence of the call than the ids (an encoder-decoder's decoder)."""
         return self.other_dependence is not None and self.other_dependence > self.tolerance
 
 
@@ -281,8 +275,8 @@ TFD202 = Rule(
 
 
 def harmless(layout: str, causal: bool) -> str:
-    """The sentence saying a mask ignored does no harm on batches that pad on ``layout`` (``"none"``, ``"right"``,
-    ``"left"``): they do not pad, or pad on the right of a ``causal`` model; ``""`` when real tokens read padding."""
+    """The sentence saying an ignored mask does no harm on batches that pad on ``layout`` (none, or right of a
+    ``causal`` model); ``""`` when real tokens read padding."""
     if layout == "none":
         why = "they are not padded"
     elif layout == "right" and causal:
@@ -297,8 +291,8 @@ def harmless(layout: str, causal: bool) -> str:
 
 @dataclass(frozen=True)
 class PaddingReading(Reading):
-    """A block of ``masked`` positions marked as padding and its ids changed: the largest logit change at the real
-    positions (``max_change``) and at every position (``every_change``); ``layout``: the side the batch pads on."""
+    """``masked`` positions marked as padding, their ids changed: the largest logit change at the real positions and
+    at every position; ``layout``: the side the batch pads on."""
 
     max_change: Number
     position: Number
@@ -311,9 +305,8 @@ class PaddingReading(Reading):
 
 
 def decide_padding(r: PaddingReading, follows_other: bool = False, causal: bool = False) -> Verdict | None:
-    """``TFD202`` when changing the ids under the mask moved a real token's logits beyond the tolerance; info where
-    that is :func:`harmless` (``causal``: the causality probe held). When the outputs follow another sequence of the
-    call (``follows_other``: an encoder-decoder's decoder), every output must ignore the masked source tokens."""
+    """``TFD202`` when changing the ids under the mask moved a real token's logits (every output's when they
+    ``follows_other`` sequence); info where that is :func:`harmless` (``causal``: the causality probe held)."""
     change, position = (r.every_change, r.every_position) if follows_other else (r.max_change, r.position)
     if not _beyond(change, r.tolerance):
         return None
@@ -356,8 +349,8 @@ class PadSideReading(Reading):
 
 
 def decide_pad_side(r: PadSideReading, follows_other: bool = False) -> Verdict | None:
-    """``TFD203`` when adding padding on the batch's side moved a real token's logits. Nothing when the outputs
-    follow another sequence of the call (a decoder's positions: the ids' padding moves nothing position-wise)."""
+    """``TFD203`` when adding padding on the batch's side moved a real token's logits (not checked when the outputs
+    follow another sequence)."""
     if follows_other or not _beyond(r.max_change, r.tolerance):
         return None
     evidence = {"max_change": r.max_change, "side": r.side, "extra": r.extra, "tolerance": r.tolerance}
@@ -386,8 +379,7 @@ TFD204 = Rule(
 
 
 def unpadded_mask(mask_key: str | None, layout: str = "left", causal: bool = False) -> Verdict:
-    """``TFD204``: the batch pads on ``layout`` but the model is called without a mask (``mask_key``: where the batch
-    holds it); info where that is :func:`harmless` (right padding of a ``causal`` model)."""
+    """``TFD204``: the batch pads on ``layout`` but the model is called without a mask; info where :func:`harmless`."""
     note = harmless(layout, causal)
     return TFD204.verdict({"mask_key": mask_key, "layout": layout}, severity="info" if note else None, harmless=note)
 
@@ -432,8 +424,7 @@ TFD208 = Rule(
 
 
 def context_limit_runs(limit: int, source: str = "") -> Verdict:
-    """``TFD208`` (info): the context limit, where it was read, and that a sequence of that length runs (nothing
-    longer is ever sent: past its limit a model may fail natively, beyond any handler)."""
+    """``TFD208`` (info): the context limit, where it was read, and that a sequence of that length runs."""
     return TFD208.verdict({"context_limit": limit, "source": source}, where=f" (read from {source})" if source else "")
 
 
@@ -454,8 +445,7 @@ TFD209 = Rule(
 
 @dataclass(frozen=True)
 class KvCacheReading(Reading):
-    """Incremental decoding against the full forward: the largest logit difference, the first position beyond the
-    tolerance."""
+    """Incremental decoding against the full forward: the largest difference, the first position beyond tolerance."""
 
     max_change: Number
     first_position: Number
@@ -499,8 +489,8 @@ TFD215 = Rule(
 
 @dataclass(frozen=True)
 class OrderReading(Reading):
-    """The tokens before ``position`` reversed (``order_change``) and, separately, replaced (``content_change``): the
-    largest change of that position's output, at ``step``; ``last_try``: the last step the check runs at."""
+    """The tokens before ``position`` reversed (``order_change``) and replaced (``content_change``): the largest change
+    of that position's output, at ``step``."""
 
     order_change: Number
     content_change: Number
@@ -512,14 +502,11 @@ class OrderReading(Reading):
 
 
 def decide_order(r: OrderReading) -> tuple[bool, Verdict | None]:
-    """``(decided, verdict)`` of the token-order check: ``TFD215`` when reversing the tokens before the position left
-    its output unchanged while replacing them moved it far beyond the tolerance."""
+    """``(decided, verdict)`` of the token-order check (``TFD215``)."""
     if r.order_change > 10 * r.tolerance:
         return True, None
-    if r.step < ORDER_STEPS[0] or not r.content_change > 100 * r.tolerance:
-        return r.last_try, None
-    if r.order_change > r.tolerance:
-        return r.last_try, None
+    if r.step < ORDER_STEPS[0] or not r.content_change > 100 * r.tolerance or r.order_change > r.tolerance:
+        return r.last_try, None  # too early, the content hardly matters, or the order moved it somewhat
     evidence = {
         "order_change": r.order_change,
         "content_change": r.content_change,
@@ -563,9 +550,8 @@ _UNREAD_TABLE = (
 
 @dataclass(frozen=True)
 class PositionTable:
-    """A table of at least the call's length in rows and of the token table's width, and what the forward did with
-    it: ``read`` (taken by any torch function), ``looked_up`` (indexed along the sequence, longer than 1), and
-    ``constant`` (every such lookup's indices constant along the sequence: a device bool while probing)."""
+    """A candidate position table and what the forward did with it: ``read`` at all, ``looked_up`` along the sequence,
+    and ``constant`` (every such lookup constant along it: a device bool while probing)."""
 
     name: str
     rows: int
@@ -584,8 +570,7 @@ class PositionTablesReading(Reading):
 
 
 def decide_position_tables(r: PositionTablesReading) -> Verdict | None:
-    """``TFD216`` when a position table (rows >= ``length`` > 1, the token table's width) is looked up with indices
-    constant along the sequence (position ids all zero), or is never read by the forward."""
+    """``TFD216`` when a position table is looked up with indices constant along the sequence, or never read."""
     if r.length < 2:
         return None
     constant = [t for t in r.tables if t.looked_up and bool(t.constant)]
@@ -618,7 +603,7 @@ NO_SPECIAL_IDS = (
     "tokens use (never its padding value), which may include BOS, EOS or mask ids.",
     "a `tokenizer` attribute (DataModule, collator or LightningModule) or a Hugging Face config",
 )
-"""``check_aside`` records ``(check, reason, setting)``: a probe on one sample, a fit where no special id is known."""
+"""``(check, reason, setting)`` for ``check_aside``."""
 TFD217 = Rule(
     "TFD217",
     "error",
@@ -718,8 +703,7 @@ TFD210 = Rule(
 
 @dataclass(frozen=True)
 class AlignmentReading(Reading):
-    """The loss ``training_step`` returned against the cross-entropy of its logits under three alignments, how the
-    labels relate to the inputs, the relative tolerance of a match, and whether this is the check's last step."""
+    """The loss ``training_step`` returned against the cross-entropy of its logits under three alignments."""
 
     returned: Number
     shifted: Number
@@ -737,8 +721,7 @@ class AlignmentReading(Reading):
 
 
 def decide_alignment(r: AlignmentReading) -> tuple[bool, Verdict | None]:
-    """``(decided, verdict)`` of the target alignment: ``TFD205`` (position t against token t), ``TFD206`` (against
-    t+2), ``TFD210`` (info: the loss matches no alignment, or the last try did not decide). Not decided while the
+    """``(decided, verdict)`` of the target alignment (``TFD205``, ``TFD206``, ``TFD210``); undecided while the
     alignments' losses are too close to tell apart."""
     alignment, matched = classify_alignment(r.returned, r.shifted, r.unshifted, r.relation, r.rtol, r.shifted2)
     evidence = {
@@ -805,7 +788,7 @@ def cannot_call(reason: str) -> Verdict:
 
 def kv_cache_unusable(error: BaseException | None = None, shape: Any = None, expected: Any = None) -> Verdict:
     """``TFD211`` (info): ``kv_cache_fn`` could not be imported (``error``), or returned no logits of the full
-    forward's shape; the cache check is skipped. Sentences about the setting, not about calling the model."""
+    forward's shape."""
     if error is not None:
         return TFD211.verdict(key="kv_cache_fn", message=f"`kv_cache_fn` could not be imported: {error}")
     return TFD211.verdict(
@@ -834,8 +817,7 @@ TFD212 = Rule(
 
 
 def decide_objective(objective: Objective) -> Verdict | None:
-    """Decoder (None) or encoder (``TFD212``), from what the labels ask the model to predict: a next-token objective
-    (:attr:`~lightning_tfdebug.core.calls.Objective.next_token`) or anything else (masked-LM, denoising)."""
+    """Decoder (None) or encoder (``TFD212``), from what the labels ask the model to predict."""
     if objective.next_token:
         return None
     supervised_next = max(objective.supervised_next, 1.0)
@@ -849,9 +831,8 @@ def decide_objective(objective: Objective) -> Verdict | None:
 
 # --------------------------------------------------------------------------------------------------- one probing step
 def decide_probe(readings: Sequence[Reading]) -> tuple[list[Verdict | None], set[str]]:
-    """The verdicts of one probing step's readings, in the order measured, and the pending checks it settled
-    (``"alignment"``, ``"order"``). A repeat beyond its tolerance (``TFD213``) is the only verdict: every other
-    comparison would measure its noise."""
+    """The verdicts of one probing step's readings, and the pending checks it settled. A repeat beyond its tolerance
+    (``TFD213``) is then the only verdict: every other comparison would measure its noise."""
     repeat = next((r for r in readings if isinstance(r, RepeatReading)), None)
     noisy = None if repeat is None else decide_repeat(repeat)
     if noisy is not None:

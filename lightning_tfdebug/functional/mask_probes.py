@@ -1,5 +1,4 @@
-"""MaskProbe's probes without a Trainer: the inputs each probe builds, and :class:`MaskProbes`, which turns calls of
-the model (:mod:`~lightning_tfdebug.functional.call_probes`) into readings of
+"""MaskProbe's probes without a Trainer: :class:`MaskProbes` turns calls of the model into the readings of
 :mod:`~lightning_tfdebug.functional.mask_checks`."""
 
 from __future__ import annotations
@@ -63,8 +62,7 @@ _ALIGN_RTOL_HALF = 1e-3
 
 # -------------------------------------------------------------------------------------------------- reading the batch
 def no_token_ids_reason(leaves: dict[str, Any], input_key: str | int | None) -> str:
-    """Why the batch gives the token probes no ids, in the words of what it holds (``leaves``: the batch's leaves by
-    path, from :func:`~lightning_tfdebug.core.batch.flatten_batch`)."""
+    """Why the batch gives the token probes no ids, naming what it holds (``leaves``: its leaves by path)."""
     tensors = {path: value for path, value in leaves.items() if isinstance(value, Tensor)}
 
     def named(path: str) -> str:
@@ -91,8 +89,7 @@ def no_token_ids_reason(leaves: dict[str, Any], input_key: str | int | None) -> 
 
 # ------------------------------------------------------------------------------------------------ probe constructions
 def kind_aside(kind: str) -> tuple[str, str]:
-    """Why causality and target alignment are not probed on a model of ``kind`` (see ``MaskProbes.decide_causal``),
-    and the setting that would let them run."""
+    """``(why, setting)``: causality and target alignment are not probed on a model of ``kind``."""
     if kind == "encoder-decoder":
         return (
             "no argument of the encoder-decoder's call carries the labels as the decoder's input (`decoder_input_ids`, "
@@ -112,8 +109,8 @@ def causal_cut(length: int) -> int:
 
 
 def known_special_ids(sources: list[tuple[str, Any]]) -> tuple[int, ...]:
-    """Every special id in ``sources`` (``core.data.special_token_sources``): BatchGuard's (``learn_special_ids``),
-    a tokenizer's ``all_special_ids`` (mask, CLS, UNK ...) and a config's ``decoder_start_token_id``."""
+    """Every special id in ``sources``: BatchGuard's, a tokenizer's ``all_special_ids`` and ``mask_token_id``, and a
+    config's ``decoder_start_token_id``."""
     found = set(learn_special_ids(sources).ordered())
     for _, source in sources:
         for attr in ("all_special_ids", "mask_token_id", "decoder_start_token_id"):
@@ -127,9 +124,8 @@ def known_special_ids(sources: list[tuple[str, Any]]) -> tuple[int, ...]:
 
 
 def ordinary_ids(ids: Tensor, attention_mask: Tensor | None, special: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
-    """``(pool, padding)``: the sorted distinct ids of the batch's real tokens, neither ``special`` nor padding (the
-    probes' replacement ids; every real id when fewer than 2 remain), and the batch's padding value (None: it does
-    not pad). Host syncs: probe steps only."""
+    """``(pool, padding)``: the probes' replacement ids (the batch's real ids, neither ``special`` nor padding; all of
+    them when fewer than 2 remain) and the batch's padding value (None: it does not pad). Host syncs: probe steps."""
     real = ids if attention_mask is None else ids[attention_mask.bool()]
     padded = None if attention_mask is None else ids[~attention_mask.bool()]
     banned = torch.tensor(special, dtype=ids.dtype, device=ids.device)
@@ -158,8 +154,8 @@ def masked_block(ids: Tensor, pool: Tensor, generator: torch.Generator) -> tuple
 
 
 def padding_extra(length: int, context_limit: int | None) -> tuple[int, int]:
-    """``(length, extra)``: the padding to add (a quarter of the positions) and the sequence length cut so that the
-    padded sequence stays within ``context_limit``. A length under 2 means there is no room for the probe."""
+    """``(length, extra)``: the padding to add (a quarter) and the length that keeps the padded sequence within
+    ``context_limit`` (under 2: no room for the probe)."""
     extra = max(1, length // 4)
     if context_limit is not None and length + extra > context_limit:
         length = context_limit - extra
@@ -182,8 +178,8 @@ def long_row(row: Tensor, length: int) -> Tensor:
 
 
 def alignment_rtol(logits_dtype: torch.dtype, loss_dtype: torch.dtype | None = None) -> float:
-    """Relative tolerance of "the returned loss equals the loss recomputed from the same logits". A loss computed in
-    bf16/fp16 carries a few units of that dtype's rounding."""
+    """Relative tolerance of "the returned loss equals the loss recomputed from the same logits" (a bf16/fp16 loss
+    carries a few units of that dtype's rounding)."""
     rtol = _ALIGN_RTOL.get(logits_dtype, _ALIGN_RTOL_HALF)
     if loss_dtype is not None and loss_dtype.is_floating_point:
         rtol = max(rtol, 4 * torch.finfo(loss_dtype).eps)
@@ -202,13 +198,6 @@ def order_probe_position(attention_mask: Tensor | None, length: int) -> int | No
     prefix = real.long().cumprod(dim=1).sum(dim=1)  # leading real positions per row
     p = int(prefix.min()) - 1
     return p if p >= 3 else None
-
-
-def reorder_prefix(input_ids: Tensor, position: int) -> Tensor:
-    """A copy of ``input_ids`` whose tokens before ``position`` are in reverse order."""
-    out = input_ids.clone()
-    out[:, :position] = input_ids[:, :position].flip(1)
-    return out
 
 
 def on_host(readings: list[Reading], to_host: Callable[[dict[str, Tensor]], dict[str, float]]) -> list[Reading]:
@@ -231,10 +220,9 @@ class ProbeSettings:
 
 
 class MaskProbes:
-    """The probes of one probing step, through the recorded call or the forward by signature. Each probe appends its
-    :attr:`readings` (device scalars), the host numbers it logs (:attr:`logged`), the verdicts of facts read while
-    probing (:attr:`verdicts`) and the pending checks it found unable to run (:attr:`settled`). Run under
-    ``no_grad`` with the model in eval mode.
+    """The probes of one probing step (under ``no_grad``, the model in eval mode). Each probe appends to
+    :attr:`readings` (device scalars), :attr:`logged` (host numbers), :attr:`verdicts` (facts read while probing) and
+    :attr:`settled` (pending checks that cannot run).
 
     Args:
         model: the recorded call or the caller.
@@ -269,8 +257,7 @@ class MaskProbes:
         self.cross_sample = cross_sample
         self.not_run: list[tuple[str, str, str]] = []  # (check, reason, setting) of checks that could not run
         self.generator, self.causal, self.mask_key = generator, causal, mask_key
-        self.probe_rows, self.probe_length = settings.probe_rows, settings.probe_length
-        self.check_padding, self.padding_side = settings.check_padding, settings.padding_side
+        self.settings = settings
         self.ignore_index = settings.ignore_index
         self.readings: list[Reading] = []
         self.verdicts: list[Verdict] = []
@@ -289,30 +276,26 @@ class MaskProbes:
         return caller_logits(self.caller, input_ids, attention_mask)
 
     def rows(self, t: Tensor | None) -> Tensor | None:
-        """The probe rows of ``t``: its first ``probe_rows`` rows, cut to ``probe_length`` unless other tensors of
-        the recorded call have the sequence's length."""
+        """The probe rows of ``t``: its first ``probe_rows`` rows, cut to ``probe_length`` where that is safe."""
         if t is None:
             return None
         if self.found is not None and not self.found.time_cut_safe:
-            return t[: self.probe_rows]  # other tensors of the call have the sequence's length: keep it whole
-        return t[: self.probe_rows, : self.probe_length]
+            return t[: self.settings.probe_rows]  # other tensors of the call have the sequence's length: keep it whole
+        return t[: self.settings.probe_rows, : self.settings.probe_length]
 
     def columns(self, t: Tensor | None) -> Tensor | None:
-        """``t`` (shaped like the batch's ids) cut to the columns the recorded call received (token rows sliced in
-        the step or the model, ``rows[:, :-1]``): the tokens the probes perturb."""
+        """``t`` (shaped like the batch's ids) cut to the columns the recorded call received (those probed)."""
         return self.found.columns(t) if self.found is not None and self.found.sliced else t
 
     @property
     def resizable(self) -> bool:
-        """Whether the probes may change the ids' length: the call takes the ids (or their slice) and no other
-        sequence of their length (a decoder input), so a longer row says something certain about the model."""
+        """Whether the probes may change the ids' length: no other sequence of the call has it (a decoder input)."""
         return self.found is None or (self.found.primary is not None and not self.found.companions())
 
     def decide_causal(self, input_ids: Tensor, labels: Tensor | None) -> tuple[bool, bool]:
-        """``(decoder, alignment applies)``, read from what the labels ask the model to predict (``TFD212`` into
-        :attr:`verdicts` for an encoder); sets :attr:`causal`. Neither probe runs (:attr:`aside` says why) for an
-        encoder-decoder whose call has no decoder input carrying the labels, nor for a model of unknown kind without
-        labels: their only probe would perturb an input that every position may see."""
+        """``(decoder, alignment applies)``, from what the labels ask the model to predict (``TFD212`` for an encoder);
+        sets :attr:`causal`, and :attr:`aside` when neither probe applies (see ``docs/callbacks/mask_probe.md``,
+        model kinds)."""
         found = self.found
         unknown = self.kind == "unknown" and labels is None  # (the ids' next tokens as labels assume a decoder)
         if found is not None and found.related() and not unknown:
@@ -337,13 +320,12 @@ class MaskProbes:
 
     # ------------------------------------------------------------------ probes
     def masks(self, input_ids: Tensor, attention_mask: Tensor | None, context_limit: int | None) -> None:
-        """Determinism, causality (or the target leaks of a recorded call whose arguments carry the labels) and the
-        padding probes, on the call's tokens (:meth:`columns`)."""
+        """Determinism, causality (or the target leaks through the call's arguments) and the padding probes."""
         found = self.found
         leaks = found is not None and (found.primary is None or bool(self.causal and found.related()))
         if leaks:
             assert found is not None and self.vocab is not None
-            rows = min(self.probe_rows, found.batch_size)
+            rows = min(self.settings.probe_rows, found.batch_size)
             self.readings += measure_leaks(found, self.vocab, rows, self.generator)
             if found.primary is None:
                 return  # the call takes tensors derived from the ids, neither the ids nor a slice: only the leaks
@@ -364,7 +346,7 @@ class MaskProbes:
             changed = self.logits(replace_after(ids, cut, self.generator, self.pool), ones)
             change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))
             self.readings.append(CausalReading(change, where[0], where[1], cut, t, tolerance))
-        if self.check_padding:
+        if self.settings.check_padding:
             self._padding(ids, mask, attention_mask, int(input_ids.shape[1]), tolerance, context_limit)
 
     def _cross_sample(self, ids: Tensor, real: Tensor, base: Tensor, tolerance: Tensor) -> None:
@@ -392,14 +374,13 @@ class MaskProbes:
         assert target is not None
         if self.found is not None and self.found.mask_opaque:
             return  # a mask reaches the model in an encoding of its own (additive, other shape): not probed
+        if mask_full is None and not target.mask_named:
+            return  # no mask reaches the model, or only `**kwargs` could take one, and the batch has none
+        layout = padding_side(mask_full) if mask_full is not None else "none"  # host sync: probe step only
         if not target.takes_mask:
-            layout = padding_side(mask_full) if mask_full is not None else "none"  # host sync: probe step only
             if layout != "none":
                 self.verdicts.append(unpadded_mask(self.mask_key, layout, self.causal))
             return
-        if mask_full is None and not target.mask_named:
-            return  # only `**kwargs` could take a mask, and the batch has none: nothing claims mask support
-        layout = padding_side(mask_full) if mask_full is not None else "none"  # host sync: probe step only
         block = masked_block(ids, self.pool, self.generator)  # a block marked as padding, holding other ids twice
         if block is not None:
             masked, first_ids, second_ids, k = block
@@ -409,7 +390,9 @@ class MaskProbes:
             self.readings.append(PaddingReading(change, where[1], every, where_every[1], k, tolerance, layout))
         if self.found is not None and self.found.companions():
             return  # another sequence of the call has the ids' length (a decoder input): padding the ids says nothing
-        side = self.padding_side if self.padding_side != "auto" else "left" if layout == "left" else "right"
+        side = self.settings.padding_side
+        if side == "auto":
+            side = "left" if layout == "left" else "right"
         real = mask if mask is not None else torch.ones_like(ids)
         # Learned from configuration, else from the batch: a padded probe never exceeds the configured context limit,
         # nor, when none is known, the batch's own length (what the training step feeds the model anyway).
@@ -439,9 +422,8 @@ class MaskProbes:
         kv_cache_fn: Callable[[nn.Module, Tensor], Any] | Exception | None = None,
         module: nn.Module | None = None,
     ) -> None:
-        """Incremental decoding (``kv_cache_fn(module, ids)``: the logits decoded with the model's cache; ``TFD211``
-        when it is the error importing it raised) and the context limit (read from ``source``): a sequence exactly at
-        it must run; nothing longer is ever sent.
+        """Incremental decoding (``kv_cache_fn(module, ids)``, or the error importing it raised) and the context limit
+        (read from ``source``): a sequence exactly at it must run; nothing longer is ever sent.
 
         Raises:
             CallError: when the model cannot be called the way the probes call it.
@@ -481,8 +463,7 @@ class MaskProbes:
         self.readings.append(KvCacheReading(diff.max(), (diff > tolerance).float().argmax(), tolerance))
 
     def tables(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> None:
-        """Position tables: one forward pass of the probe rows watching every embedding weight and hand-held table
-        parameter of ``model`` (``TFD216``)."""
+        """Position tables: one forward pass of the probe rows watching ``model``'s candidate tables (``TFD216``)."""
         ids, mask = self.rows(input_ids), self.rows(attention_mask)
         assert ids is not None
         named = watched_tables(model)
@@ -507,8 +488,7 @@ class MaskProbes:
         last_try: bool,
     ) -> None:
         """The target alignment: the loss ``training_step`` returned (``step_output()``; None: it cannot be called)
-        against the logits of the call it came from. Settled without a reading when there is no scalar loss, and for
-        an encoder-decoder (probed through its decoder's input instead)."""
+        against the logits of the call it came from. Settled without a reading when there is no scalar loss."""
         if step_output is None or self.kind == "encoder-decoder":
             self.settled.add("alignment")
             return
@@ -539,15 +519,13 @@ class MaskProbes:
                 self.settled.add("alignment")  # outputs not position-aligned with the labels: nothing to compare
                 return
         losses = alignment_losses(logits, labels, self.ignore_index, offset=offset)
-        relation = labels_relation(input_ids, labels, self.ignore_index)  # host syncs: probe step only
+        relation = labels_relation(input_ids, labels, self.ignore_index)  # host sync: probe step only
         rtol = alignment_rtol(logits.dtype, returned.dtype)
-        shifted, unshifted, shifted2 = losses["shifted"], losses["unshifted"], losses["shifted2"]
-        reading = AlignmentReading(returned.detach().float(), shifted, unshifted, shifted2, relation, rtol, last_try)
-        self.readings.append(reading)
+        returned = returned.detach().float()
+        self.readings.append(AlignmentReading(returned, **losses, relation=relation, rtol=rtol, last_try=last_try))
 
     def order(self, input_ids: Tensor, attention_mask: Tensor | None, step: int) -> None:
-        """Token order: reverse the tokens before a position, and separately replace them; a model that positions
-        reach must move that position's output under the first, not only under the second."""
+        """Token order: reverse the tokens before a position, and separately replace them (``TFD215``)."""
         if self.found is not None and self.found.primary is None:
             self.settled.add("order")  # the call takes tensors derived from the ids: no position of them to hold
             return
@@ -559,10 +537,10 @@ class MaskProbes:
         real = torch.ones_like(ids) if mask is None else mask  # only the tokens before `position` change
         try:
             base = self.logits(ids, real)
-            reordered = self.logits(reorder_prefix(ids, position), real)
-            replaced = ids.clone()
-            replaced[:, :position] = replace_after(ids[:, :position], -1, self.generator, self.pool)
-            content = self.logits(replaced, real)
+            reversed_ids, replaced_ids = ids.clone(), ids.clone()
+            reversed_ids[:, :position] = ids[:, :position].flip(1)
+            replaced_ids[:, :position] = replace_after(ids[:, :position], -1, self.generator, self.pool)
+            reordered, content = self.logits(reversed_ids, real), self.logits(replaced_ids, real)
         except Exception:  # the other probes ran on this call: a failure here only means this check cannot run
             self.settled.add("order")
             return

@@ -1,7 +1,4 @@
-"""Pure tensor math behind MaskProbe and CheckpointAudit: tolerances, logit differences, target alignment.
-
-Nothing here touches a Trainer, so every function is testable on plain tensors.
-"""
+"""Pure tensor math behind MaskProbe and CheckpointAudit: tolerances, logit differences, target alignment."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_tfdebug.core.batch import IGNORE_INDEX
+from lightning_tfdebug.core.calls import read_objective
 
 Alignment = Literal["next", "current", "next_next", "unknown"]
 
@@ -27,21 +25,15 @@ def relative_tolerance(dtype: torch.dtype) -> float:
 
 
 def logit_tolerance(reference: Tensor, compute_dtype: torch.dtype | None = None) -> Tensor:
-    """Absolute tolerance for comparing logits against ``reference``: relative tolerance times the largest |logit|.
-
-    ``compute_dtype`` is the dtype the model computed in (under autocast the logits may be upcast); it defaults to
-    the dtype of ``reference``. Returns a 0-d tensor on ``reference``'s device (no host sync).
-    """
+    """Absolute tolerance for comparing logits against ``reference``: the relative tolerance of ``compute_dtype``
+    (default: the logits' dtype) times the largest |logit|. A 0-d tensor on the device (no host sync)."""
     rtol = relative_tolerance(compute_dtype or reference.dtype)
     return reference.detach().float().abs().amax().clamp_min(1e-6) * rtol
 
 
 def max_change(before: Tensor, after: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Largest absolute difference between two logit tensors ``(B, T, V)`` over the positions where ``valid``
-    (``(B, T)`` bool) is True, and its flat ``(row, position)`` index as a ``(2,)`` tensor.
-
-    Both results stay on the device.
-    """
+    """Largest absolute difference between two logit tensors ``(B, T, V)`` where ``valid`` ``(B, T)`` holds, and its
+    ``(row, position)`` as a ``(2,)`` tensor; both stay on the device."""
     diff = (after.detach().float() - before.detach().float()).abs().amax(dim=-1)  # (B, T)
     if valid is not None:
         diff = torch.where(valid, diff, torch.zeros_like(diff))
@@ -80,20 +72,14 @@ def labels_relation(
     input_ids: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX
 ) -> Literal["inputs", "preshifted", "other"]:
     """How the supervised labels relate to the inputs: equal to them (``"inputs"``: the loss must shift), already
-    shifted by one (``"preshifted"``: ``labels[t] == input_ids[t+1]``, the loss must not shift), or ``"other"``.
-
-    Host-side decision on a probe batch (the caller has already paid the sync for it).
-    """
-    supervised = labels != ignore_index
-    if not bool(supervised.any()):
+    shifted by one (``"preshifted"``: ``labels[t] == input_ids[t+1]``), or ``"other"``. One host sync: probe steps."""
+    counts = read_objective(input_ids, labels, ignore_index)
+    if counts.supervised == 0:
         return "other"
-    same = bool(((labels == input_ids) | ~supervised).all())
-    if same:
+    if counts.same == counts.supervised:
         return "inputs"
-    if labels.shape[1] > 1:
-        sup = supervised[:, :-1]
-        if bool(sup.any()) and bool(((labels[:, :-1] == input_ids[:, 1:]) | ~sup).all()):
-            return "preshifted"
+    if counts.supervised_next > 0 and counts.following == counts.supervised_next:
+        return "preshifted"
     return "other"
 
 
@@ -140,15 +126,12 @@ def classify_alignment(
 
 
 def padding_side(attention_mask: Tensor) -> Literal["right", "left", "none"]:
-    """Which side a batch pads on, from its ``(B, T)`` attention mask (1 = real token). Host-side decision."""
+    """Which side a batch pads on, from its ``(B, T)`` attention mask (1 = real token). Host syncs."""
     mask = attention_mask.bool()
     if bool(mask.all()):
         return "none"
-    first_col_pad = bool((~mask[:, 0]).any())
-    last_col_pad = bool((~mask[:, -1]).any())
-    if first_col_pad and not last_col_pad:
-        return "left"
-    return "right"
+    pads_first, pads_last = bool((~mask[:, 0]).any()), bool((~mask[:, -1]).any())
+    return "left" if pads_first and not pads_last else "right"
 
 
 def other_ids(vocab: Tensor, current: Tensor, generator: torch.Generator | None = None) -> Tensor:
