@@ -93,12 +93,17 @@ PRESET_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
     "always": {"CheckpointAudit": {"reload": False}},
     "full": {"NaNFirstFrame": {"mode": "eager"}},
 }
-#: What a preflight run (``tfdebug check``) changes: a run of a few dozen steps cannot show a stalled loss.
-PREFLIGHT_SETTINGS: dict[str, dict[str, Any]] = {"LossAtInit": {"check_step": None}}
+#: What a preflight run (``tfdebug check``) changes: a run of a few dozen steps cannot show a stalled loss, and its
+#: length is not the one the LR schedule was written for.
+PREFLIGHT_SETTINGS: dict[str, dict[str, Any]] = {
+    "LossAtInit": {"check_step": None},
+    "OptimizerAudit": {"check_schedule_fits": False},
+}
 CHECK_RESULT_ENV = "TFDEBUG_CHECK_RESULT"
 #: The settings a preflight pack takes over from a pack configured in the same run (``tfdebug check`` on a config
-#: that already holds a ``TFDebug``): how to read the batch. Its cadence and ``on_finding`` stay the preflight's.
-ADOPTED = ("input_key", "mask_key", "labels_key", "ignore_index", "tokenizer", "vocab_size")
+#: that already holds a ``TFDebug``): how to read the batch, and the memory budget. Its cadence and ``on_finding``
+#: stay the preflight's.
+ADOPTED = ("input_key", "mask_key", "labels_key", "ignore_index", "tokenizer", "vocab_size", "memory_budget_mb")
 
 # Hooks the pack forwards as they are; setup, state and checkpoint hooks have their own methods below.
 _FORWARDED = tuple(
@@ -178,8 +183,8 @@ class TFDebug(Callback):
         ignore_index: the label value the loss ignores; default: -100, PyTorch's and Hugging Face's.
         tokenizer: a tokenizer (or its import path) for BatchGuard's decoded examples.
         vocab_size: the vocabulary size, for the members that check ids and the loss against ln V.
-        memory_budget_mb: the most a member's copy of the weights on a measuring step may take, in MiB, for every
-            member that takes one (UpdateRatio); default: ``max(2% of the training state, 32 MiB)``.
+        memory_budget_mb: the most a member's copies of weights on a measuring step may take, in MiB, for every
+            member that takes one (UpdateRatio, OptimizerAudit); default: ``max(2% of the training state, 32 MiB)``.
         include: members to run on top of the preset (names as in :data:`MEMBERS`, any case).
         exclude: members of the preset not to run.
         overrides: per-member constructor arguments, e.g. ``{"GradNormMonitor": {"explosion_factor": 20}}``; they
@@ -190,7 +195,7 @@ class TFDebug(Callback):
             judged for a stall (a few steps cannot show one), and the log directory is written to the file named by
             the ``TFDEBUG_CHECK_RESULT`` environment variable, for ``tfdebug check`` to report on. A preflight pack
             has its own ``state_key``, so it can join a Trainer whose config already holds a ``TFDebug``: it runs
-            instead of that pack, with that pack's batch settings (``input_key`` ... ``vocab_size``), its
+            instead of that pack, with that pack's batch settings (``input_key`` ... ``vocab_size``), memory budget, its
             ``exclude`` and its member overrides (cadence and ``on_finding`` stay the preflight's).
 
     Raises:

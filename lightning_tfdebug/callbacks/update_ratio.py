@@ -14,11 +14,11 @@ from lightning_tfdebug.core.batch import loss_of, step_batch
 from lightning_tfdebug.core.distributed import local_tensor, world_size
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.keys import Key
-from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of
+from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of, schedule_courses
 from lightning_tfdebug.core.step import step_norms
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import unigram_entropy
-from lightning_tfdebug.functional.memory import WeightSnapshot, budget_bytes, plan_notes, training_state_bytes
+from lightning_tfdebug.functional.memory import WeightSnapshot, budget_for, check_budget, plan_notes
 from lightning_tfdebug.functional.norms import grouped_sq_norms
 from lightning_tfdebug.functional.update_checks import (
     GroupFacts,
@@ -152,16 +152,14 @@ class UpdateRatio(DebugCallback):
         check_number("growth_window", growth_window, low=1, integer=True)
         self.growth_limit = float(growth_limit)
         self.growth_window = growth_window
-        check_number("memory_budget_mb", memory_budget_mb, low=0.0, low_inclusive=False, optional=True)
-        if memory_budget_mb is not None and math.isnan(memory_budget_mb):
-            raise ValueError(f"`memory_budget_mb` must be a number of MiB > 0 or None; got {memory_budget_mb!r}.")
-        self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
+        self.memory_budget_mb = check_budget(memory_budget_mb)
         self._memory = UpdateMemory(patience)  # what the rules remember between measurements
         self._layout: ReductionLayout | None = None
         self._snapshot: WeightSnapshot | None = None  # the fp32 weights before the step, made with the layout
         self._grad_sq: Tensor | None = None
         self._scale_before: Tensor | None = None
         self._lr: float = 0.0
+        self._planned_lr: float | None = None
         # the training losses since the last measurement: the detached loss tensors themselves (no kernel per batch),
         # added up on the measuring step; past `_LOSSES_HELD` of them, folded into `_loss_sum` (one sum on the device)
         self._loss_list: list[Tensor] = []
@@ -186,6 +184,12 @@ class UpdateRatio(DebugCallback):
         self._layout = self._snapshot = None
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
         self._same_sizes_next = False  # a new fit: nothing declared in it yet
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the highest LR the schedules reach in this run (replayed on copies, once per fit): TFD310's yardstick while
+        # the LR still rises
+        courses = schedule_courses(trainer, pl_module) if self.active else []
+        self._planned_lr = max((c.run_max for c in courses), default=None)
 
     #: the training loss is summed on the device on every batch (the window's mean loss beside the ratios)
     every_batch_hooks = frozenset({"on_train_batch_end"})
@@ -289,10 +293,7 @@ class UpdateRatio(DebugCallback):
         """Plan the snapshot's parts within the budget, again when the budget changes (the default one grows once the
         optimizer has created its state); what they measure less often is recorded once. Host arithmetic on tensor
         sizes: no tensor data is read, no sync."""
-        state = 0
-        if self.memory_budget_mb is None:
-            state = training_state_bytes(layout.groups.params, trainer.optimizers)
-        if snapshot.replan(budget_bytes(self.memory_budget_mb, state)):
+        if snapshot.replan(budget_for(self.memory_budget_mb, layout.groups.params, trainer.optimizers)):
             assert snapshot.plan is not None
             for check, reason, setting in plan_notes(snapshot.plan, layout.groups.group_names):
                 self.check_aside(check, reason, setting)
@@ -367,6 +368,7 @@ class UpdateRatio(DebugCallback):
             growth_limit=self.growth_limit,
             growth_window=self.growth_window,
             ln_vocab=self._ln_vocab,
+            planned_lr=self._planned_lr,
         )
         self.emit(trainer, verdicts)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_tfdebug.functional.optimizers import GroupReading, ScheduleReading, WiringReading
+from lightning_tfdebug.functional.optimizers import GroupReading, ScheduleCourse, ScheduleReading, WiringReading
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 COUPLED_DECAY = frozenset({"Adam", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop"})
@@ -664,6 +664,61 @@ def schedule_frozen(first_lr: float, lr: float, step: int, schedules: ScheduleRe
     return TFD335.verdict(evidence, step=step, share=lr / schedules.base_lr, names=names, intervals=intervals)
 
 
+MIN_RUN = 50
+"""TFD337 judges runs of at least this many optimizer steps (shorter ones are trials, sized apart from the schedule)."""
+RUN_SHARE = 0.5
+"""TFD337 when a rising schedule first reaches half of its peak after this share of the run, or never in it."""
+
+TFD337 = Rule(
+    "TFD337",
+    "warning",
+    "OptimizerAudit",
+    title="the LR schedule stays below half of its configured peak for most of the run: a warm-up longer than the run",
+    trigger=(
+        "replayed on a copy at the start of training, a rising LR schedule first reaches half of its configured "
+        "peak (the largest base LR) after half of the run's remaining optimizer steps, or not at all (runs of 50 "
+        "steps or more; off with `check_schedule_fits=False`, as in a preflight)"
+    ),
+    hint=(
+        "Size the warm-up and every other phase of the schedule in optimizer steps of this run (warm-ups are "
+        "usually 1-10% of max_steps), counting gradient accumulation and the number of devices; or give the run "
+        "the length its schedule was written for."
+    ),
+    reason=(
+        "Measured on the schedule itself: most of the run trains at a small fraction of the learning rate it was "
+        "configured with"
+    ),
+    message=(
+        "The learning rate stays below half of its configured peak ({peak:.3g}) {until}: {scheduler} (interval "
+        "{interval}) reaches the peak {at}, and the highest LR of this run is {run_max:.3g} ({share:.1%} of it)."
+    ),
+)
+
+
+def warmup_past_run(course: ScheduleCourse) -> Verdict | None:
+    """``TFD337``: a rising schedule whose LR first reaches half of its peak after :data:`RUN_SHARE` of the run's
+    remaining steps, or never in it. None for runs under :data:`MIN_RUN` steps."""
+    steps, half = course.end - course.start, course.half_step
+    if steps < MIN_RUN or not course.rises or (half is not None and half - course.start <= RUN_SHARE * steps):
+        return None
+    if half is not None and half <= course.end:
+        until = f"until step {half} of this run's {course.end} ({(half - course.start) / steps:.0%} of it)"
+    else:
+        until = f"for the whole run ({course.end} steps)"
+    at = f"at step {course.peak_step}" if course.peak_step is not None else f"not within {course.replayed} steps"
+    evidence = {
+        "scheduler": course.scheduler,
+        "interval": course.interval,
+        "peak": course.peak,
+        "run_max": course.run_max,
+        "half_step": half,
+        "peak_step": course.peak_step,
+        "run_end": course.end,
+    }
+    share = course.run_max / course.peak
+    return TFD337.verdict(evidence, key=course.scheduler, until=until, at=at, share=share)
+
+
 # ---------------------------------------------------------------------------------------- the step
 TFD332 = Rule(
     "TFD332",
@@ -742,5 +797,6 @@ RULES: tuple[Rule, ...] = (
     TFD334,
     TFD335,
     TFD336,
+    TFD337,
 )
 """The rules decided in this module, in code order."""
