@@ -297,7 +297,7 @@ TFD306 = Rule(
     ),
     message=(
         "Clipping keeps only {kept:.2%} of the gradient's norm (a cut of {factor:.3g}x) with "
-        "gradient_clip_val={gradient_clip_val:g} and gradient_clip_algorithm=\"{gradient_clip_algorithm}\", on "
+        'gradient_clip_val={gradient_clip_val:g} and gradient_clip_algorithm="{gradient_clip_algorithm}", on '
         "{patience} measured steps in a row: the clip value, not the gradient, sets the update's size."
     ),
 )
