@@ -124,7 +124,7 @@ class UpdateMemory:
         unigram: the labels' unigram entropy (NaN until counted).
         streak: measurements in a row with the total ratio below ``low`` (``"low"``) and, per group, with gradients
             but no change (``"zero:<group>"``).
-        norms: ``(step, group norms)`` within the growth window.
+        norms: ``(step, group norms, mean loss)`` within the growth window.
     """
 
     patience: int
@@ -134,7 +134,7 @@ class UpdateMemory:
     first_loss: float | None = None
     unigram: float = math.nan
     streak: Streak = field(default_factory=Streak)
-    norms: deque[tuple[int, dict[str, float]]] = field(default_factory=deque)
+    norms: deque[tuple[int, dict[str, float], float]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self.recent_lr = deque(self.recent_lr, maxlen=self.patience)
@@ -167,7 +167,7 @@ class UpdateMemory:
             "losses": [list(point) for point in self.losses],
             "first_loss": self.first_loss,
             "unigram_entropy": self.unigram if math.isfinite(self.unigram) else None,
-            "norms": [[step, norms] for step, norms in self.norms],
+            "norms": [list(entry) for entry in self.norms],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -178,7 +178,8 @@ class UpdateMemory:
         self.first_loss = state.get("first_loss")
         unigram = state.get("unigram_entropy")
         self.unigram = float(unigram) if unigram is not None else math.nan
-        self.norms = deque((int(step), dict(norms)) for step, norms in state.get("norms", []))
+        entries = ([*entry, math.nan][:3] for entry in state.get("norms", []))  # older checkpoints: no loss
+        self.norms = deque((int(step), dict(norms), float(loss)) for step, norms, loss in entries)
 
 
 @dataclass(frozen=True)
@@ -519,24 +520,31 @@ TFD313 = Rule(
 @dataclass(frozen=True)
 class NormChange:
     """How the group weight norms changed over the growth window: ``growth`` per group judged (the norm now over the
-    norm at ``from_step``), and its median."""
+    norm at ``from_step``), its median, and the mean loss at both ends (NaN: none returned)."""
 
     from_step: int
     to_step: int
     median: float
     growth: dict[str, float]
+    from_loss: float = math.nan
+    to_loss: float = math.nan
 
 
 def norm_change(
-    window: deque[tuple[int, dict[str, float]]], norms: Mapping[str, float], step: int, *, growth_window: int
+    window: deque[tuple[int, dict[str, float], float]],
+    norms: Mapping[str, float],
+    step: int,
+    *,
+    growth_window: int,
+    loss: float = math.nan,
 ) -> NormChange | None:
-    """Add the group ``norms`` of ``step`` to ``window`` (dropping what is older than ``growth_window`` steps) and
-    compare them with the window's oldest; None when there is nothing to compare (no earlier step, no group of real
-    size: above :data:`GROWTH_FLOOR` of the largest at the start)."""
+    """Add the group ``norms`` and mean ``loss`` of ``step`` to ``window`` (dropping what is older than
+    ``growth_window`` steps) and compare them with the window's oldest; None when there is nothing to compare (no
+    earlier step, no group above :data:`GROWTH_FLOOR` of the largest at the start)."""
     while window and window[0][0] < step - growth_window:
         window.popleft()
-    window.append((step, dict(norms)))
-    start_step, start = window[0]
+    window.append((step, dict(norms), loss))
+    start_step, start, start_loss = window[0]
     if start_step == step:
         return None
     largest = max(start.values(), default=0.0)
@@ -547,17 +555,19 @@ def norm_change(
     }
     if not growth:
         return None
-    return NormChange(start_step, step, statistics.median(growth.values()), growth)
+    return NormChange(start_step, step, statistics.median(growth.values()), growth, start_loss, loss)
 
 
-def growth_harm(reading: UpdateReading, losses: Sequence[tuple[int, float]], *, high: float) -> str | None:
-    """What shows harm beside weight growth: a non-finite loss, a loss that stopped falling, updates above ``high``;
-    None when the loss still falls or nothing shows (no loss returned)."""
-    fall = loss_fall_per_step(losses)
-    if losses and not math.isfinite(losses[-1][1]) and any(math.isfinite(loss) for _, loss in losses):
-        return "the mean training loss is not finite"
+def growth_harm(change: NormChange, reading: UpdateReading, *, high: float) -> str | None:
+    """What shows harm beside weight growth: a loss that is not finite or fell by less than
+    :data:`LOSS_FALL_PER_STEP` per step over the window, or updates above ``high``; None otherwise (also without a
+    loss)."""
+    if math.isfinite(change.from_loss) and not math.isfinite(change.to_loss):
+        return f"the mean training loss went from {change.from_loss:.4g} to {change.to_loss}"
+    fall = loss_fall_per_step([(change.from_step, change.from_loss), (change.to_step, change.to_loss)])
     if math.isfinite(fall) and fall < LOSS_FALL_PER_STEP:
-        return f"the mean training loss fell by only {fall:.3%} of itself per step since step {losses[0][0]}"
+        moved = f"fell by only {fall:.3%}" if fall >= 0 else f"rose by {-fall:.3%}"
+        return f"the mean training loss {moved} of itself per step over those steps"
     if reading.total > high:
         return f"one step changed the weights by ||dW||/||W|| = {reading.total:.3g}, above the band"
     return None
@@ -679,8 +689,11 @@ def update_verdicts(
     memory.observe(reading)
     stuck = stuck_groups(reading, memory.streak, patience=patience)
     left_out, rounded = left_out_or_rounded(stuck, reading, facts, param_groups)
-    change = norm_change(memory.norms, reading.param_norms, reading.step, growth_window=growth_window)
+    change = norm_change(
+        memory.norms, reading.param_norms, reading.step, growth_window=growth_window, loss=reading.mean_loss
+    )
     window = {"growth_limit": growth_limit, "growth_window": growth_window}
+    harm = growth_harm(change, reading, high=high) if change is not None else None
     return [
         tiny_updates(
             reading,
@@ -694,7 +707,7 @@ def update_verdicts(
             planned_lr=planned_lr,
         ),
         huge_update(reading, low=low, high=high),
-        weights_growing(change, reading, growth_harm(reading, memory.losses, high=high), **window),
+        weights_growing(change, reading, harm, **window),
         weights_shrinking(change, param_groups, **window),
         not_in_optimizer(left_out, reading, patience=patience),
     ]
