@@ -28,7 +28,9 @@ VOCAB = ByteTokenizer.vocab_size
 PAD = ByteTokenizer.pad_id
 MLM_MASK_ID = VOCAB  # BERT gets one more row for its mask token
 FAMILIES: tuple[str, ...] = ("tinygpt", "encoder_lm", "gpt2", "llama", "bert_mlm", "t5")
-HF_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "bert_mlm", "t5")
+HF_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "bert_mlm", "t5", "gemma")
+GEMMA_INIT = 0.01
+"""The Gemma family's ``initializer_range``: half its default, weights small enough to grow 2x in 50 steps."""
 
 PACK_NAMES: tuple[str, ...] = (
     "BatchGuard",
@@ -142,6 +144,19 @@ def hf_model(family: str) -> nn.Module:
             pad_token_id=PAD,
         )
         return transformers.BertForMaskedLM(config)
+    if family == "gemma":  # small init: its weight norms double early while the loss falls (issue 38)
+        config = transformers.GemmaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=64,
+            initializer_range=GEMMA_INIT,
+        )
+        return transformers.GemmaForCausalLM(config)
     if family == "t5":
         config = transformers.T5Config(
             vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0
@@ -255,7 +270,7 @@ def seq2seq_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
 
 def data(family: str, batch_size: int = 8) -> Any:
     """The healthy data of ``family``: a DataModule or a DataLoader."""
-    if family in ("tinygpt", "gpt2", "llama"):
+    if family in ("tinygpt", "gpt2", "llama", "gemma"):
         return TinyTextDataModule(batch_size=batch_size)
     if family == "encoder_lm":
         text = periodic_text()

@@ -44,6 +44,7 @@ from tests.bug_models import (
     tuple_loader,
 )
 from tests.healthy_models import PACK_NAMES, the_pack_at_defaults
+from tests.healthy_models import data as healthy_data
 from tests.helpers import make_trainer, run_distributed
 
 pytest.importorskip("transformers")
@@ -89,6 +90,8 @@ class Case:
 
 
 FAMILIES = ("encoder_lm", "gpt2", "tinygpt")
+ROW_FAMILIES = (*FAMILIES, "t5")
+"""The families of the single-process rows: the three above, and Hugging Face T5 (encoder-decoder) for some rows."""
 BUGS: dict[int, str] = {
     1: "softmax(logits), then cross-entropy",
     2: "every label ignore_index",
@@ -124,6 +127,8 @@ BUGS: dict[int, str] = {
     33: "loss-only wrapper over token rows, non-causal stack",
     34: "learning rate far too low, PyTorch's default init",
     35: "no resumable checkpoint (weights-only)",
+    37: "gradients clipped by value far below their size",
+    38: "a warm-up ten times longer than the run",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -138,6 +143,14 @@ def gpt2(**kw: Any) -> Callable[[], BugHFLM]:
 
 def tiny(**kw: Any) -> Callable[[], BugTinyGPT]:
     return lambda: BugTinyGPT(**kw)
+
+
+def t5(**kw: Any) -> Callable[[], BugHFLM]:
+    return lambda: BugHFLM("t5", **kw)
+
+
+def seq2seq() -> Any:
+    return healthy_data("t5")
 
 
 def tuples(**kw: Any) -> Callable[[], Any]:
@@ -407,6 +420,22 @@ def row_cases() -> dict[tuple[int, str], Case]:
             trainer={"enable_checkpointing": True},
             callbacks=saver(save_weights_only=True),
         )
+    # 37: SGD with momentum whose every gradient Lightning clips by value far below its elements' size
+    clip = {"gradient_clip_val": 1e-4, "gradient_clip_algorithm": "value"}
+    for fam, module, data in (
+        ("encoder_lm", enc(lr=0.1, sgd_momentum=0.9), tuples()),
+        ("gpt2", gpt2(lr=0.1, sgd_momentum=0.9), dicts()),
+        ("t5", t5(lr=0.1, sgd_momentum=0.9), seq2seq),
+    ):
+        placement = "Trainer(gradient_clip_val=1e-4, gradient_clip_algorithm='value'), SGD(lr=0.1, momentum=0.9)"
+        c[37, fam] = Case(module, data, (owner("TFD306"),), placement, steps=31, trainer=clip)
+    # 38: a linear warm-up of 500 steps in a 50-step run (configure_optimizers)
+    for fam, module, data in (
+        ("encoder_lm", enc(warmup_steps=500), tuples()),
+        ("gpt2", gpt2(warmup_steps=500), dicts()),
+        ("t5", t5(warmup_steps=500), seq2seq),
+    ):
+        c[38, fam] = Case(module, data, (owner("TFD337"),), "LambdaLR warm-up of 500 steps, max_steps=50", steps=50)
     return c
 
 
@@ -577,13 +606,14 @@ def matrix_table() -> str:
             cells = [(family, ddp_case(row, family)[3]) for family in FAMILIES]
             expect = [ddp_case(row, FAMILIES[0])[2]]
         else:
-            cells = [(family, CASES[row, family].placement) for family in FAMILIES]
-            expect = list(CASES[row, FAMILIES[0]].expect)
+            cells = [(family, CASES[row, family].placement) for family in ROW_FAMILIES if (row, family) in CASES]
+            expect = list(CASES[row, cells[0][0]].expect)
         if len({p for _, p in cells}) == 1:
-            placement = f"all: {cells[0][1]}"
+            names = [family for family, _ in cells]
+            placement = f"{'all' if names == list(FAMILIES) else ', '.join(names)}: {cells[0][1]}"
         else:
             placement = "<br>".join(f"{family}: {p}" for family, p in cells)
-        misses = [family for family in FAMILIES if (row, family) in KNOWN_MISSES]
+        misses = [family for family in ROW_FAMILIES if (row, family) in KNOWN_MISSES]
         note = f" (missed today on {', '.join(misses)})" if misses else ""
         lines.append(f"| {row} | {bug} | {placement} | {'; '.join(str(e) for e in expect)}{note} |")
     return "\n".join(lines) + "\n"

@@ -266,7 +266,7 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed._memory.peak_lr >= first._memory.peak_lr > 0
     assert list(resumed._memory.recent_lr)[:2] == list(first._memory.recent_lr)[-2:]
-    assert [step for step, _ in resumed._memory.norms][:4] == [step for step, _ in first._memory.norms]
+    assert [entry[0] for entry in resumed._memory.norms][:4] == [entry[0] for entry in first._memory.norms]
 
 
 def test_built_from_lightning_cli_yaml(tmp_path):
