@@ -41,31 +41,18 @@ _NORMS = "parameter norm per group"
 class UpdateRatio(DebugCallback):
     r"""Logs ``||ΔW|| / ||W||`` per group and in total, where ΔW is the change the optimizer step really made.
 
-    On a measuring step the trainable parameters are copied in fp32 just before ``optimizer.step()`` (that copy is
-    the callback's memory cost, and exists only on measuring steps), and compared with the weights after the step.
-    Any optimizer and any parameter groups work, because nothing is recomputed from the optimizer's formula. The copy
-    stays within a memory budget (``memory_budget_mb``): when all of it would not fit, each measuring step copies one
-    part of the groups in turn, and says so once (see ``docs/callbacks/update_ratio.md``, "Memory"). A step
-    that the fp16 GradScaler skipped is recognised from the scale backing off, and is neither logged as a zero
-    update nor counted in the diagnoses. Under FSDP1/FSDP2 each rank snapshots and differences only its own shard;
-    the step's reduction over ranks (inside :class:`~lightning_tfdebug.TFDebug`, the pack's one collective of the
-    step) combines the shards. Under DDP the weights are the same on every rank, and that reduction only adds up the
-    training losses and label counts.
+    On a measuring step the trainable parameters are copied in fp32 just before ``optimizer.step()`` and compared with
+    the weights after it, so any optimizer and any parameter groups work. The copy stays within ``memory_budget_mb``
+    (taken in parts, in turn, when all of it would not fit). A step the fp16 GradScaler skipped is not judged. Under
+    FSDP each rank differences its own shard and the pack's one reduction of the step combines them; under DDP that
+    reduction adds up the training losses and label counts only. The loss returned by ``training_step`` is kept at
+    every batch (a reference, no kernel) and read as each interval's mean loss; the labels of the first 8 measured
+    batches give their unigram entropy, to tell an untrained model from a fine-tune. Each LR schedule is replayed on
+    a copy once per fit, for the LR it reaches in the run. See ``docs/callbacks/update_ratio.md``.
 
-    The training loss returned by ``training_step`` is kept at every batch (a reference to the detached tensor: no
-    kernel, no sync), added up on the device on the measuring step and read with the ratios, as the mean loss of each
-    measuring interval: tiny updates are only a problem when the loss shows it. The labels of the first 8 measured
-    batches are counted (on the device, reduced with the ratios) for their unigram entropy, and ln(V) is read from
-    the model's input embedding, to tell an untrained model from a fine-tune.
-
-    Logged keys (on measuring steps): :attr:`KEYS`, tabled in ``docs/callbacks/update_ratio.md``.
-
-    Findings (decided in :mod:`lightning_tfdebug.functional.update_checks`; the measurements behind the healthy band
-    and every threshold are in ``docs/callbacks/update_ratio.md``): ``TFD310`` too low while the loss barely moves
-    and the model has not learned (naming groups whose updates round back below their float spacing), ``TFD311`` too
-    high, ``TFD312`` a group that got gradients but did not change (left out of the optimizer), ``TFD313`` weights
-    growing fast (a learning rate far too high behind a warm-up), ``TFD314`` weights shrinking fast (weight decay far
-    too strong). See ``docs/findings.md``.
+    Logged keys (on measuring steps): :attr:`KEYS`. Findings (:mod:`lightning_tfdebug.functional.update_checks`):
+    ``TFD310`` too low while the loss barely moves, ``TFD311`` too high, ``TFD312`` a group left out of the
+    optimizer, ``TFD313`` weights growing fast, ``TFD314`` weights shrinking fast.
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -73,13 +60,11 @@ class UpdateRatio(DebugCallback):
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         groups: ``{group_name: regex}`` to group parameters by name instead of by block.
         group_depth: group by the first ``group_depth`` segments of parameter names.
-        low: ``TFD310`` when the total ratio stays below this for ``patience`` consecutive measurements, and the
-            training loss shows an untrained model that barely learns (``functional.update_checks.tiny_updates``; the
-            ratio alone decides when the training step returns no loss).
+        low: ``TFD310`` when the total ratio stays below this for ``patience`` consecutive measurements and the
+            loss shows an untrained model that barely learns.
         high: ``TFD311`` when the total ratio exceeds this on any measurement.
         patience: consecutive measurements for ``TFD310`` and ``TFD312``.
-        decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen (a schedule
-            deliberately decaying it) or still rising (warm-up).
+        decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen.
         growth_limit: ``TFD313`` when the median group norm grows by more than this factor within ``growth_window``.
         growth_window: optimizer steps over which ``growth_limit`` applies.
         memory_budget_mb: the most the fp32 snapshot of a measuring step may take, in MiB; None: ``max(2% of the

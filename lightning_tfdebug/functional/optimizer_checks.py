@@ -1,21 +1,7 @@
-"""OptimizerAudit's rules, without a Trainer: a :class:`~lightning_tfdebug.functional.optimizers.WiringReading` and
-host floats in, verdicts out.
-
-At the start of training the wiring is decided from one reading (:func:`wiring_verdicts`): parameters the optimizers
-miss, hold twice, hold frozen or hold without the module knowing them, and each param group's decay and ``eps``. On
-measuring steps the learning rate, the byte comparison of one parameter per group, the early loss and the norm of the
-decayed one-dimensional parameters are decided from host numbers.
-
-Weight decay on one-dimensional parameters (norm gains, biases) is a lint (``TFD324``, info): published recipes build
-``AdamW(model.parameters(), weight_decay=...)`` over every parameter, and at their decay values and run lengths
-nothing measurable happens to those parameters. It is a warning once the run shows the harm: the decayed 1-D
-parameters' norm falls against its own first measured value, by more than :data:`SHRINK` of it, and the decay itself
-accounts for at least :data:`DECAY_SHARE` of that fall (gradients also move norm gains, up or down; a fall the decay
-could not have caused is the loss's doing).
-
-Three rules say a second sentence when the run escalates them (``TFD322`` once a frozen parameter moved, ``TFD324``
-once the decayed norms shrank, ``TFD330`` once the early loss spiked): those sentences are the templates
-:data:`FROZEN_MOVED`, :data:`NORMS_SHRINK` and :data:`WARMUP_SPIKED` beside their rules.
+"""OptimizerAudit's rules, without a Trainer: a :class:`~lightning_tfdebug.functional.optimizers.WiringReading`, a
+schedule's replayed course and host floats in, verdicts out. Rules escalated by the run's own evidence (TFD322,
+TFD324, TFD330) carry their warning sentence as a template beside them (:data:`FROZEN_MOVED`, :data:`NORMS_SHRINK`,
+:data:`WARMUP_SPIKED`).
 """
 
 from __future__ import annotations
@@ -39,14 +25,9 @@ HALF_EPS_STEP_FACTOR = 10.0
 DECAY_PER_STEP = 5e-3
 """``TFD336`` when ``lr * weight_decay`` exceeds this: weights halve in under ~140 steps (recipes use 1e-5 to 1e-4)."""
 SHRINK = 0.1
-"""``TFD324`` as a warning when the decayed 1-D parameters' norm fell by more than this fraction of its first measured
-value. Measured (TinyGPT, ``AdamW(model.parameters())``, 120 steps, 10-step warm-up): the recipes' decay
-(``weight_decay`` 0.01 to 0.1 at lr 3e-4 to 2e-3) leaves that norm 1% to 3% *above* its first value; decay 1.0 at lr
-3e-3 takes it 20% below, 3.0 takes it 50% below."""
+"""``TFD324`` as a warning when the decayed 1-D parameters' norm fell by more than this fraction of its first value..."""
 DECAY_SHARE = 0.5
-"""... and the decay alone would have shrunk the norm by at least this share of the measured fall:
-``1 - exp(-sum of lr * weight_decay over the steps)`` (without gradients, decoupled decay multiplies every decayed
-weight by ``1 - lr * weight_decay`` per step)."""
+"""... and the decay alone (``1 - exp(-sum lr * weight_decay)``) accounts for at least this share of the fall."""
 SAME_LR = 1e-9
 """Relative tolerance within which two learning rates are the same (a warm-up raises the LR by far more)."""
 
