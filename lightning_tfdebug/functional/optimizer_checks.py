@@ -25,7 +25,7 @@ HALF_EPS_STEP_FACTOR = 10.0
 DECAY_PER_STEP = 5e-3
 """``TFD336`` when ``lr * weight_decay`` exceeds this: weights halve in under ~140 steps (recipes use 1e-5 to 1e-4)."""
 SHRINK = 0.1
-"""``TFD324`` as a warning when the decayed 1-D parameters' norm fell by more than this fraction of its first value..."""
+"""``TFD324`` as a warning when the decayed 1-D parameters' norm fell by over this fraction of its first value..."""
 DECAY_SHARE = 0.5
 """... and the decay alone (``1 - exp(-sum lr * weight_decay)``) accounts for at least this share of the fall."""
 SAME_LR = 1e-9

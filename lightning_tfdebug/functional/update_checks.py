@@ -529,6 +529,12 @@ class NormChange:
     from_loss: float = math.nan
     to_loss: float = math.nan
 
+    def evidence(self, largest_first: bool) -> dict[str, Any]:
+        """The evidence TFD313 and TFD314 share: the median and each group's growth, ordered by it."""
+        ordered = sorted(self.growth.items(), key=lambda kv: -kv[1] if largest_first else kv[1])
+        growth = {g: round(v, 4) for g, v in ordered}
+        return {"median_growth": self.median, "from_step": self.from_step, "to_step": self.to_step, "growth": growth}
+
 
 def norm_change(
     window: deque[tuple[int, dict[str, float], float]],
@@ -580,25 +586,11 @@ def weights_growing(
     :func:`growth_harm` found), else info."""
     if change is None or change.median <= growth_limit:
         return None
-    evidence = {
-        "median_growth": change.median,
-        "from_step": change.from_step,
-        "to_step": change.to_step,
-        "lr": reading.lr,
-        "growth": {g: round(v, 4) for g, v in sorted(change.growth.items(), key=lambda kv: -kv[1])},
-        "harm": harm,
-    }
+    evidence = {**change.evidence(largest_first=True), "lr": reading.lr, "harm": harm}
     beside = f", and {harm}" if harm else ", while the loss still falls (early growth of small-initialised weights)"
-    return TFD313.verdict(
-        evidence,
-        severity="warning" if harm else None,
-        key="harm" if harm else None,
-        step=change.to_step,
-        steps=change.to_step - change.from_step,
-        growth_limit=growth_limit,
-        growth_window=growth_window,
-        beside=beside,
-    )
+    window = {"steps": change.to_step - change.from_step, "growth_limit": growth_limit, "growth_window": growth_window}
+    severity, key = ("warning", "harm") if harm else (None, None)
+    return TFD313.verdict(evidence, severity=severity, key=key, step=change.to_step, beside=beside, **window)
 
 
 # ---------------------------------------------------------------------------------------------------------- TFD314
@@ -649,22 +641,9 @@ def weights_shrinking(
             f" The strongest weight decay shrinks weights by lr x weight_decay = {decay:.3g} per step (half the "
             f"norm every {math.log(2) / decay:.0f} steps without gradients)."
         )
-    evidence = {
-        "median_growth": change.median,
-        "from_step": change.from_step,
-        "to_step": change.to_step,
-        "lr_times_weight_decay": decay,
-        "growth": {g: round(v, 4) for g, v in sorted(change.growth.items(), key=lambda kv: kv[1])},
-    }
-    steps = change.to_step - change.from_step
-    return TFD314.verdict(
-        evidence,
-        step=change.to_step,
-        steps=steps,
-        growth_limit=growth_limit,
-        growth_window=growth_window,
-        because=because,
-    )
+    evidence = {**change.evidence(largest_first=False), "lr_times_weight_decay": decay}
+    window = {"steps": change.to_step - change.from_step, "growth_limit": growth_limit, "growth_window": growth_window}
+    return TFD314.verdict(evidence, step=change.to_step, because=because, **window)
 
 
 # ---------------------------------------------------------------------------------------------------------- together
