@@ -28,7 +28,13 @@ VOCAB = ByteTokenizer.vocab_size
 PAD = ByteTokenizer.pad_id
 MLM_MASK_ID = VOCAB  # BERT gets one more row for its mask token
 FAMILIES: tuple[str, ...] = ("tinygpt", "encoder_lm", "gpt2", "llama", "bert_mlm", "t5")
-HF_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "bert_mlm", "t5", "gemma")
+HF_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "bert_mlm", "t5", "bart", "t5_copy", "gemma")
+SEQ2SEQ_FAMILIES: tuple[str, ...] = ("bart", "t5_copy")
+"""Encoder-decoder runs beside ``t5`` (not in :data:`FAMILIES`), each taught to reproduce its input (BART's own
+pretraining objective, without the noise): the labels are the input ids, shifted into the decoder by the model."""
+EXTRA_FAMILIES: tuple[str, ...] = ("mlm_padpos", "tinygpt_nomask")
+"""Healthy designs the pack once flagged, run in one setting each: a masked LM whose positions count the real tokens
+(:class:`PadPositionMLM`), and a causal LM that ignores its mask on right-padded batches."""
 GEMMA_INIT = 0.01
 """The Gemma family's ``initializer_range``: half its default, weights small enough to grow 2x in 50 steps."""
 
@@ -79,10 +85,13 @@ def adamw_with_warmup(module: nn.Module, lr: float, warmup_steps: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------- models
 class HealthyTinyGPT(TinyGPT):
-    """The bundled TinyGPT at the tests' small size; its own AdamW and warm-up schedule."""
+    """The bundled TinyGPT at the tests' small size; its own AdamW and warm-up schedule. ``ignore_mask``: its forward
+    ignores the attention mask, as nanoGPT-style models do (healthy on right-padded batches)."""
 
-    def __init__(self, lr: float = 2e-3, warmup_steps: int = 10) -> None:
-        super().__init__(d_model=32, n_layers=2, n_heads=2, lr=lr, warmup_steps=warmup_steps)
+    def __init__(self, lr: float = 2e-3, warmup_steps: int = 10, ignore_mask: bool = False) -> None:
+        super().__init__(
+            d_model=32, n_layers=2, n_heads=2, lr=lr, warmup_steps=warmup_steps, no_padding_mask=ignore_mask
+        )
 
 
 class EncoderLM(pl.LightningModule):
@@ -106,6 +115,37 @@ class EncoderLM(pl.LightningModule):
         tokens, targets = batch
         logits = self(tokens)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return adamw_with_warmup(self, self.lr, self.warmup_steps)
+
+
+class PadPositionMLM(pl.LightningModule):
+    """A BERT-style masked LM whose position ids count the real tokens (``input_ids != pad``, as RoBERTa's do): a
+    position table, a bidirectional encoder that honours the attention mask, and no tokenizer or config naming a
+    special id."""
+
+    def __init__(self, lr: float = 2e-3, warmup_steps: int = 10, context: int = 64) -> None:
+        super().__init__()
+        self.lr, self.warmup_steps = lr, warmup_steps
+        self.embed = nn.Embedding(VOCAB + 1, 32)
+        self.position_embeddings = nn.Embedding(context, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.out = nn.Linear(32, VOCAB + 1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        real = input_ids != PAD
+        positions = (real.long().cumsum(1) - 1).clamp_min(0) * real
+        h = self.embed(input_ids) + self.position_embeddings(positions)
+        padding = None if attention_mask is None else attention_mask == 0
+        return self.out(self.encoder(h, src_key_padding_mask=padding))
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
         self.log("loss", loss)
         return loss
 
@@ -157,7 +197,22 @@ def hf_model(family: str) -> nn.Module:
             initializer_range=GEMMA_INIT,
         )
         return transformers.GemmaForCausalLM(config)
-    if family == "t5":
+    if family == "bart":
+        config = transformers.BartConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            decoder_start_token_id=0,
+        )
+        return transformers.BartForConditionalGeneration(config)
+    if family in ("t5", "t5_copy"):
         config = transformers.T5Config(
             vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0
         )
@@ -192,6 +247,8 @@ LORA_TARGETS: dict[str, list[str]] = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "bert_mlm": ["query", "key", "value", "dense"],
     "t5": ["q", "k", "v", "o", "wi", "wo"],
+    "t5_copy": ["q", "k", "v", "o", "wi", "wo"],
+    "bart": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
 }
 
 
@@ -201,6 +258,8 @@ def build(family: str, lr: float = 2e-3, warmup_steps: int = 10) -> pl.Lightning
         return HealthyTinyGPT(lr=lr, warmup_steps=warmup_steps)
     if family == "encoder_lm":
         return EncoderLM(lr=lr, warmup_steps=warmup_steps)
+    if family in EXTRA_FAMILIES:
+        return PadPositionMLM(lr, warmup_steps) if family == "mlm_padpos" else HealthyTinyGPT(lr, warmup_steps, True)
     return HFLM(family, lr=lr, warmup_steps=warmup_steps)
 
 
@@ -268,15 +327,23 @@ def seq2seq_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
     return {"input_ids": sources, "attention_mask": mask, "labels": labels}
 
 
+def copy_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Each document is both the source and the target: the labels are the input ids (padding -100)."""
+    ids, mask = _right_pad(rows, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def data(family: str, batch_size: int = 8) -> Any:
     """The healthy data of ``family``: a DataModule or a DataLoader."""
-    if family in ("tinygpt", "gpt2", "llama", "gemma"):
+    if family in ("tinygpt", "gpt2", "llama", "tinygpt_nomask", "gemma"):
         return TinyTextDataModule(batch_size=batch_size)
     if family == "encoder_lm":
         text = periodic_text()
         return DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=2 * batch_size, shuffle=True)
-    collate = mlm_collate if family == "bert_mlm" else seq2seq_collate
-    batch = 2 * batch_size if family == "bert_mlm" else batch_size
+    masked_lm = family in ("bert_mlm", "mlm_padpos")
+    copying = family in ("t5_copy", "bart")
+    collate = mlm_collate if masked_lm else copy_collate if copying else seq2seq_collate
+    batch = 2 * batch_size if masked_lm else batch_size
     return DataLoader(_documents(), batch_size=batch, shuffle=True, collate_fn=collate, drop_last=True)
 
 

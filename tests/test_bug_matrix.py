@@ -2,13 +2,14 @@
 families where users put it, must be flagged by its owner at its severity.
 
 Families (``tests/bug_models.py``, built on the healthy matrix's ``tests/healthy_models.py``): ``encoder_lm``, a causal
-LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple batches, or the bundled padded dict
-batches for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug
-needs PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
-TinyGPT. Every case runs the whole pack at its defaults (the thirteen callbacks, as the healthy matrix does; that
-includes CheckpointAudit's reading of files back, which ``TFDebug()`` leaves to ``full``) on the buggy run, for the
-fewest steps that let the owner decide, and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run
-under DDP with two gloo processes (``tests/helpers.run_distributed``).
+LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple batches, or the bundled padded dict batches
+for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug needs
+PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
+TinyGPT; Hugging Face T5 and BART for the encoder-decoder rows (36; T5 also for row 39). Every case runs the whole
+pack at its defaults (the thirteen callbacks, as the healthy matrix does; that includes CheckpointAudit's reading of
+files back, which ``TFDebug()`` leaves to ``full``) on the buggy run, for the fewest steps that let the owner decide,
+and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run under DDP with two gloo processes
+(``tests/helpers.run_distributed``).
 
 Row 29 (attention logits without the 1/sqrt(d) scale) is left out: no callback claims it yet.
 
@@ -37,13 +38,15 @@ from lightning_tfdebug.rules import RULES
 from tests.bug_models import (
     BugEncoderLM,
     BugHFLM,
+    BugSeq2SeqLM,
     BugTinyGPT,
     TokenRowLM,
     dict_data,
+    in_order_loader,
     token_rows,
     tuple_loader,
 )
-from tests.healthy_models import PACK_NAMES, the_pack_at_defaults
+from tests.healthy_models import HFLM, PACK_NAMES, the_pack_at_defaults
 from tests.healthy_models import data as healthy_data
 from tests.helpers import make_trainer, run_distributed
 
@@ -87,11 +90,10 @@ class Case:
     trainer: dict[str, Any] = field(default_factory=dict)
     callbacks: Callable[[Path], list] = lambda tmp_path: []
     raises: bool | None = False  # the bug ends the run with an exception (True), may (None), or must not (False)
+    resume_at: int = 0  # > 0: the run resumes from a checkpoint saved at this step by a run without the pack
 
 
 FAMILIES = ("encoder_lm", "gpt2", "tinygpt")
-ROW_FAMILIES = (*FAMILIES, "t5")
-"""The families of the single-process rows: the three above, and Hugging Face T5 (encoder-decoder) for some rows."""
 BUGS: dict[int, str] = {
     1: "softmax(logits), then cross-entropy",
     2: "every label ignore_index",
@@ -127,8 +129,11 @@ BUGS: dict[int, str] = {
     33: "loss-only wrapper over token rows, non-causal stack",
     34: "learning rate far too low, PyTorch's default init",
     35: "no resumable checkpoint (weights-only)",
-    37: "gradients clipped by value far below their size",
+    36: "a decoder fed its own targets (the labels, unshifted, as its input)",
+    37: "samples mixed across the batch",
     38: "a warm-up ten times longer than the run",
+    39: "a resume mid-epoch with a DataLoader that cannot restore its position",
+    41: "gradients clipped by value far below their size",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -231,7 +236,12 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("gpt2", gpt2(pass_mask=False)),
         ("tinygpt", tiny(no_padding_mask=True)),
     ):
-        c[8, fam] = Case(module, dicts(), (owner("TFD202", "TFD203", "TFD204"),), "forward drops the padding mask")
+        c[8, fam] = Case(
+            module,
+            dicts(collator="left_pad"),  # on right padding a causal model's dropped mask is harmless (info)
+            (owner("TFD202", "TFD203", "TFD204", severity="error"),),
+            "forward drops the padding mask; left-padded batches",
+        )
     # 9: labels not shifted (data for the tuple pipeline, the step for the others)
     for fam, module, data, where in (
         ("encoder_lm", enc(), tuples(unshifted=True), "dataset targets = tokens"),
@@ -420,7 +430,34 @@ def row_cases() -> dict[tuple[int, str], Case]:
             trainer={"enable_checkpointing": True},
             callbacks=saver(save_weights_only=True),
         )
-    # 37: SGD with momentum whose every gradient Lightning clips by value far below its elements' size
+    # 36: a decoder fed its own targets (the step); on a decoder-only model, row 9's labels not shifted
+    for fam, module, loader, where in (
+        ("t5", lambda: BugSeq2SeqLM("t5"), lambda: healthy_data("t5"), "step passes decoder_input_ids=labels"),
+        ("bart", lambda: BugSeq2SeqLM("bart"), lambda: healthy_data("bart"), "step passes decoder_input_ids=labels"),
+        ("gpt2", gpt2(shift=False), dicts(), "step's loss without the shift"),
+    ):
+        c[36, fam] = Case(module, loader, (owner("TFD214", "TFD205", severity="error"),), where)
+    # 37: samples mixed across the batch (forward)
+    for fam, module, where in (
+        ("encoder_lm", enc(batch_norm=True), "BatchNorm1d over the flattened batch's token features"),
+        ("gpt2", gpt2(mixed_reshape=True), "first block's output reshaped from its transpose"),
+        ("tinygpt", tiny(batch_axis_attention=True), "first block's attention over the batch axis"),
+    ):
+        c[37, fam] = Case(module, dicts(), (owner("TFD217", severity="error"),), where)
+    # 39: resumed from a checkpoint saved mid-epoch; the plain DataLoader restarts the epoch from its first batch
+    for fam, module, data, where in (
+        ("encoder_lm", enc(), tuples(), "checkpoint at batch 10 of 16, plain DataLoader in a fixed order"),
+        (
+            "gpt2",
+            lambda: HFLM("t5"),
+            lambda: in_order_loader("t5"),
+            "T5: checkpoint at batch 8 of 12, plain DataLoader",
+        ),
+        ("tinygpt", tiny(), lambda: in_order_loader("tinygpt"), "checkpoint at batch 8 of 12, plain DataLoader"),
+    ):
+        at = 10 if fam == "encoder_lm" else 8
+        c[39, fam] = Case(module, data, (owner("TFD125"),), where, steps=at + 2, resume_at=at)
+    # 41: SGD with momentum whose every gradient Lightning clips by value far below its elements' size
     clip = {"gradient_clip_val": 1e-4, "gradient_clip_algorithm": "value"}
     for fam, module, data in (
         ("encoder_lm", enc(lr=0.1, sgd_momentum=0.9), tuples()),
@@ -428,7 +465,7 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("t5", t5(lr=0.1, sgd_momentum=0.9), seq2seq),
     ):
         placement = "Trainer(gradient_clip_val=1e-4, gradient_clip_algorithm='value'), SGD(lr=0.1, momentum=0.9)"
-        c[37, fam] = Case(module, data, (owner("TFD306"),), placement, steps=31, trainer=clip)
+        c[41, fam] = Case(module, data, (owner("TFD306"),), placement, steps=31, trainer=clip)
     # 38: a linear warm-up of 500 steps in a 50-step run (configure_optimizers)
     for fam, module, data in (
         ("encoder_lm", enc(warmup_steps=500), tuples()),
@@ -466,11 +503,16 @@ def run_case(tmp_path: Path, case: Case) -> tuple[list, BaseException | None]:
     pack = the_pack_at_defaults()
     kwargs = {"max_steps": case.steps, "log_every_n_steps": 10, **case.trainer}
     trainer = make_trainer(tmp_path, pack + case.callbacks(tmp_path), **kwargs)
-    error = None
+    error, ckpt_path = None, None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if case.resume_at:
+            saver = ModelCheckpoint(dirpath=tmp_path / "first", every_n_train_steps=case.resume_at, save_last=True)
+            first = make_trainer(tmp_path / "first", [saver], max_steps=case.resume_at, enable_checkpointing=True)
+            first.fit(case.module(), case.data())
+            ckpt_path = str(tmp_path / "first" / "last.ckpt")
         try:
-            trainer.fit(case.module(), case.data())
+            trainer.fit(case.module(), case.data(), ckpt_path=ckpt_path)
         except Exception as err:  # the bug's own failure, after the pack has spoken
             if case.raises is False:
                 raise
@@ -606,14 +648,14 @@ def matrix_table() -> str:
             cells = [(family, ddp_case(row, family)[3]) for family in FAMILIES]
             expect = [ddp_case(row, FAMILIES[0])[2]]
         else:
-            cells = [(family, CASES[row, family].placement) for family in ROW_FAMILIES if (row, family) in CASES]
+            cells = [(family, case.placement) for (r, family), case in CASES.items() if r == row]
             expect = list(CASES[row, cells[0][0]].expect)
         if len({p for _, p in cells}) == 1:
             names = [family for family, _ in cells]
             placement = f"{'all' if names == list(FAMILIES) else ', '.join(names)}: {cells[0][1]}"
         else:
             placement = "<br>".join(f"{family}: {p}" for family, p in cells)
-        misses = [family for family in ROW_FAMILIES if (row, family) in KNOWN_MISSES]
+        misses = [family for family, _ in cells if (row, family) in KNOWN_MISSES]
         note = f" (missed today on {', '.join(misses)})" if misses else ""
         lines.append(f"| {row} | {bug} | {placement} | {'; '.join(str(e) for e in expect)}{note} |")
     return "\n".join(lines) + "\n"

@@ -28,54 +28,38 @@ from lightning_tfdebug.repro import shared_host_copy
 class BatchGuard(DebugCallback):
     r"""Checks each training batch before the forward: schema drift, token ids, lengths, masks and targets.
 
-    Runs in ``on_train_batch_start``, after the batch reached the device and before ``training_step``, so a bad
-    batch is reported in one sentence (batch, key, expected, found) instead of a stack trace from inside attention.
-    Every batch: its keys, dtypes and shapes against a schema declared or learned (host metadata only), and a
-    fingerprint of its ids (no sync). Checked batches (measuring steps, or every ``check_values_every_n_steps``
-    steps): every value statistic, read in one device-to-host transfer. Between them, a batch that crashes the
-    forward is diagnosed in ``on_exception``. What each check reads, and when it stays silent: the docs page
-    ``docs/callbacks/batch_guard.md``.
+    Every batch (in ``on_train_batch_start``): keys, dtypes and shapes against a declared or learned schema (host
+    metadata) and a fingerprint of its ids (no sync). Checked batches: every value statistic in one transfer; between
+    them a batch that crashes the forward is diagnosed in ``on_exception``. A fit resumed mid-epoch is checked against
+    its DataLoader. Details: ``docs/callbacks/batch_guard.md``.
 
-    Logged keys (every ``every_n_steps`` steps, from the last checked batch): :attr:`KEYS`, tabled in the docs page.
-    Findings: ``TFD101``-``TFD124``, the rules of :mod:`lightning_tfdebug.functional.batch_checks` (schema drift,
-    ids, lengths, masks, labels, conventions, batches read again, EOS never supervised), tabled in the docs page.
+    Logged keys: :attr:`KEYS`. Findings: ``TFD101``-``TFD125``, the rules of
+    :mod:`lightning_tfdebug.functional.batch_checks`; both tabled in the docs page.
 
     Args:
-        every_n_steps: log the `batch_guard/*` keys when ``global_step % every_n_steps == 0``; default: the Trainer's
-            ``log_every_n_steps``.
-        on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (before the forward, on checked steps). Under DDP findings
-            are rank-local; with ``"stop"``/``"raise"`` one boolean all-reduce per batch makes every rank act together.
-        schema: declared schema ``{key: "int64[B, T]"}`` (dtype, then sizes: integer fixed, name shared, ``*``
-            free); ``None`` learns it from the first batches.
+        every_n_steps: log the `batch_guard/*` keys every this many steps; default: the Trainer's ``log_every_n_steps``.
+        on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (before the forward, on checked steps); under DDP
+            ``"stop"``/``"raise"`` cost one boolean all-reduce per batch so every rank acts together.
+        schema: declared schema ``{key: "int64[B, T]"}`` (integer fixed, name shared, ``*`` free); ``None`` learns it.
         learn_batches: batches that the shared-dimension part of a learned schema is learned from.
-        check_values_every_n_steps: value checks every this many steps; ``None`` (default) checks on measuring
-            steps only. 1 checks every batch before its forward (one host sync per batch): with
-            ``on_finding="raise"``, the run then stops before a bad batch reaches the model, not after it crashed.
-        input_key: where the token ids are (a key, a dotted path, a tuple index); ``None`` finds them as every
-            callback of the pack does (:mod:`lightning_tfdebug.core.batch`). A key a batch lacks disables its checks.
+        check_values_every_n_steps: value checks every this many steps; ``None`` on measuring steps only; 1 checks
+            every batch before its forward (one host sync per batch), so ``"raise"`` stops before a bad batch.
+        input_key: where the token ids are (a key, a dotted path, a tuple index); ``None`` finds them by name.
         mask_key: where the attention mask (1 = real token) is; given and found as ``input_key``.
         labels_key: where the labels are; given and found as ``input_key``.
         vocab_size: size of the vocabulary; ``None`` reads it from the model's input embedding.
-        max_length: longest allowed sequence; ``None`` reads it from the model (config, position table,
-            hyper-parameters).
+        max_length: longest allowed sequence; ``None`` reads it from the model (config, position table, hparams).
         ignore_index: the label value that the loss ignores; ``None`` is PyTorch's and Hugging Face's -100.
         bos_id: the beginning-of-sequence token id; enables the BOS convention checks.
         eos_id: the end-of-sequence token id; enables the EOS convention and truncation checks.
-        max_truncated_fraction: ``TFD119`` when more than this fraction of a batch's sequences fill
-            ``max_length`` without EOS.
+        max_truncated_fraction: ``TFD119`` above this fraction of sequences filling ``max_length`` without EOS.
         length_window: checked batches per window of the length-shift check (the first window is the reference).
-        length_shift_tolerance: ``TFD120`` when a window's mean length moves by more than this fraction of the
-            reference mean.
-        max_repeated_fraction: ``TFD121`` when more than this fraction of the batches seen in one epoch (and at
-            least 3) repeat an earlier batch of that epoch; ``TFD123`` when the batches read fall short of
-            ``min(read, len(train DataLoader))`` different ones by more than this fraction (and 3).
-        special_token_batches: checked batches over which EOS, SEP and the pad id are counted among the real inputs
-            and the supervised labels for ``TFD124`` (ids from ``eos_id``, a tokenizer or the model's Hugging Face
-            config); 0 turns the count off.
-        min_eos_expected: ``TFD124`` needs EOS to be expected among the supervised labels at least this many times
-            (its count among the real inputs times the supervised share of the tokens) while none is.
-        tokenizer: an object with ``decode`` or an import path to one; the first ``decode_examples`` sequences
-            of the first batch are logged decoded, with their label masks, to TensorBoard text at fit start.
+        length_shift_tolerance: ``TFD120`` when a window's mean length moves by more than this fraction of the first.
+        max_repeated_fraction: ``TFD121`` above this fraction of an epoch's batches (and 3) repeating one of it;
+            ``TFD123`` when the different batches fall short of ``min(read, len(DataLoader))`` by more (and 3).
+        special_token_batches: checked batches over which special tokens are counted for ``TFD124``; 0 turns it off.
+        min_eos_expected: ``TFD124`` needs this many supervised EOS to be expected while none is.
+        tokenizer: an object with ``decode`` or an import path to one; the first batch's sequences are logged decoded.
         decode_examples: how many sequences to decode.
 
     Raises:
@@ -175,10 +159,10 @@ class BatchGuard(DebugCallback):
         self._repeats = checks.BatchRepeats(self.max_repeated_fraction)
         self._epoch = checks.EpochData()  # the training data of the current epoch (set per epoch)
         self._tally: checks.SpecialTokenTally | None = None  # TFD124's count, None when off
-        """The checks of BatchGuard that stood aside while the others ran on: ``{check: reason and setting}``."""
         # the batch of the step (a reference, diagnosed if its forward raises), batch_name's parts, checked or not
         self._last: tuple[StepBatch, tuple[int, int, int, int], bool] | None = None
         self._keys_announced = self._examples_logged = False
+        self._fit_started = False  # the fit's first batch was seen (a resume shows there)
 
     @property
     def state_key(self) -> str:
@@ -213,9 +197,12 @@ class BatchGuard(DebugCallback):
         self._repeats.new_fit()  # a new fit reads its data anew
         self._schema.new_context(context)  # the context may have changed with the model
         self._tally = None
+        self._fit_started = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # here, not in setup: the training DataLoader (whose collator may hold the tokenizer) exists from now on
+        # here, not in setup: the training DataLoader (whose collator may hold the tokenizer) exists from now on;
+        # a fit resumed mid-epoch starts its first epoch without `on_train_epoch_start`
+        self._epoch = epoch_data(trainer)
         if self.special_token_batches and self.active:
             ids = checks.learn_special_ids(special_token_sources(trainer, pl_module, self.tokenizer), self.eos_id)
             aside = checks.eos_count_aside(ids)
@@ -247,6 +234,12 @@ class BatchGuard(DebugCallback):
             ids_path = view.fields.paths["input_ids"]
             found = self._schema.check(structure, view.fields.leaves, ids_path, checks.batch_name(*where))
             self.emit(trainer, found, synchronized=False)  # rank-local: each rank judges its own batch
+        if not self._fit_started:  # a fit resumed mid-epoch starts at a batch index past 0
+            self._fit_started = True
+            resumed = checks.resumed_mid_epoch(batch_idx, step, epoch, trainer.global_rank, self._epoch)
+            if resumed is not None:
+                self._repeats.resumed_epoch = epoch  # the restarted loader's repeats are TFD125's, not TFD123's
+            self.emit(trainer, resumed, synchronized=False)
         checked = self.should_measure(trainer) or (
             self.check_values_every_n_steps is not None and step % self.check_values_every_n_steps == 0
         )
@@ -271,8 +264,8 @@ class BatchGuard(DebugCallback):
         return self._rules.statistics(ids, mask, labels, positions, labels_aligned=not self._encoder_decoder)
 
     def _special_statistics(self, view: StepBatch) -> tuple[Tensor, bool] | None:
-        """TFD124's counts of this batch on the device (no sync), and whether its labels align with the ids; None
-        when the count is off or done, or the batch cannot serve it (then that check stands aside, once)."""
+        """TFD124's counts of this batch on the device (no sync) and whether its labels align with the ids; None when
+        the count is off, done, or cannot use this batch (then it stands aside)."""
         tally = self._tally
         if tally is None or tally.done:
             return None

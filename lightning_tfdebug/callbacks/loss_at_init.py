@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -77,6 +77,7 @@ class LossAtInit(DebugCallback):
         copy_threshold: ``TFD226`` when the copy rate at the check exceeds this (and the data's repeat rate by 0.25,
             the rate at step 0 by 0.1).
         max_rows: positions sampled from the logits for the statistics (bounds the cost).
+        model_kind: ``"decoder"``, ``"encoder"``, ``"encoder-decoder"`` (see MaskProbe); ``None``: read from the model.
         every_n_steps: measuring steps that read the loss and count labels; default: ``log_every_n_steps``.
 
     Raises:
@@ -128,11 +129,10 @@ class LossAtInit(DebugCallback):
         copy_threshold: float = 0.5,
         max_rows: int = 2048,
         every_n_steps: int | None = None,
+        model_kind: Literal["decoder", "encoder", "encoder-decoder"] | None = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
-        check_capture_args(labels_key, input_key, logits_module)
-        if not isinstance(shift_labels, bool):
-            raise TypeError(f"`shift_labels` must be True or False; got {shift_labels!r}.")
+        check_capture_args(labels_key, input_key, logits_module, shift_labels, model_kind)
         check_number("ignore_index", ignore_index, integer=True, optional=True)
         check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
         check_number("vocab_size", vocab_size, low=2, integer=True, optional=True)
@@ -149,8 +149,8 @@ class LossAtInit(DebugCallback):
         self.vocab_size = vocab_size
         self.init_tolerance, self.stall_tolerance = float(init_tolerance), float(stall_tolerance)
         self.check_step, self.copy_threshold = check_step, float(copy_threshold)
-        self.max_rows = max_rows
-        self._capture = LogitsCapture(logits_module, labels_key, self.ignore_index)
+        self.max_rows, self.model_kind = max_rows, model_kind
+        self._capture = LogitsCapture(logits_module, labels_key, self.ignore_index, model_kind)
         self._run = LossRun(check_step, check_at=check_step, vocab=vocab_size)  # what the run has read so far
         self._frequencies = LabelFrequencies()  # the labels' unigram entropy, once counted
         self._armed: str | None = None  # "init", "compare" or "check" while a step is being captured
@@ -326,7 +326,7 @@ class LossAtInit(DebugCallback):
         host, other_alignment = follow_returned_loss(host, returned_loss(host))
         # V is known alike everywhere now; this batch's counts go into the next measuring step's reduction
         self._frequencies.add(found.labels, self._run.vocab, found.device, self.ignore_index)
-        init = summarize_init(host, found.vocab)
+        init = summarize_init(host, found.vocab, self._capture.read_kind)
         self._run.start(init)
         self.log_scalars(trainer, init.metrics(), step=step)
         self._keep_loss(trainer, {**host, "loss_sum": init.observed, "loss_n": 1.0}, step)

@@ -12,6 +12,7 @@ from torch import Tensor
 from lightning_tfdebug.core import calls
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
+from lightning_tfdebug.core.data import special_token_sources
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
@@ -29,19 +30,15 @@ def _imported(path: str | None) -> Any:
 
 
 class MaskProbe(DebugCallback):
-    r"""Tests the model's behaviour on a real batch: causality, padding invariance, positions, target alignment.
+    r"""Tests the model's behaviour on a real batch: causality, padding, samples, positions, target alignment.
 
     At the first training batch of a fit (and every ``every_n_steps`` steps if set), MaskProbe runs a few extra forward
-    passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch (every submodule's mode and
-    the RNG state restored after), through the call ``training_step`` itself makes (recorded on a replay of it: the
-    pack's one model-call reading, :func:`~lightning_tfdebug.core.calls.find_model_call`), else ``forward`` by its
-    signature, or ``forward_fn``. It reads behaviour, not code: decoder or encoder (``TFD212``), determinism
-    (``TFD213``), causality and target leaks (``TFD201``, ``TFD214``), the mask (``TFD202``-``TFD204``), the context
-    limit (``TFD207``, ``TFD208``), incremental decoding (``TFD209``), the loss's target alignment (``TFD205``,
-    ``TFD206``, ``TFD210``), token order (``TFD215``) and position tables (``TFD216``); ``TFD211`` names the setting
-    that would let it call the model, and it stands aside. Each rank probes its own batch with no collective; under
-    sharded strategies it stands aside. Every probe and its tolerance: ``docs/callbacks/mask_probe.md``; the logged
-    keys: :attr:`KEYS`.
+    passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch (modes and RNG state restored
+    after), through the call ``training_step`` makes (:func:`~lightning_tfdebug.core.calls.find_model_call`), else
+    ``forward`` by its signature, or ``forward_fn``. Its replacement ids are ordinary tokens of the batch, never a
+    special or padding id. Each rank probes its own batch with no collective; under sharded strategies it stands
+    aside. Every probe, its finding codes (``TFD201``-``TFD217``) and tolerance: ``docs/callbacks/mask_probe.md``;
+    the logged keys: :attr:`KEYS`.
 
     Args:
         every_n_steps: probe again whenever ``global_step % every_n_steps == 0``; ``None`` (default) probes only at
@@ -49,6 +46,7 @@ class MaskProbe(DebugCallback):
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         causal: ``True`` for decoders; ``False`` for encoders (skips causality and target alignment); ``None``
             decides from the batch's labels.
+        model_kind: ``"decoder"``, ``"encoder"`` (as ``causal=False``) or ``"encoder-decoder"``; ``None``: read it.
         check_padding: run the padding checks (needs a model that takes an attention mask).
         check_targets: run the target-alignment check.
         check_positions: run the context-limit checks (once per fit).
@@ -92,6 +90,7 @@ class MaskProbe(DebugCallback):
         every_n_steps: int | None = None,
         on_finding: OnFinding = "warn",
         causal: bool | None = None,
+        model_kind: Literal["decoder", "encoder", "encoder-decoder"] | None = None,
         check_padding: bool = True,
         check_targets: bool = True,
         check_positions: bool = True,
@@ -109,6 +108,8 @@ class MaskProbe(DebugCallback):
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         if causal is not None and not isinstance(causal, bool):
             raise TypeError(f"`causal` must be True, False or None (decide from the labels); got {causal!r}.")
+        check_choice("model_kind", model_kind, (None, "decoder", "encoder", "encoder-decoder"))
+        causal = False if causal is None and model_kind == "encoder" else causal
         flags = {"check_padding": check_padding, "check_targets": check_targets, "check_positions": check_positions}
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -121,20 +122,19 @@ class MaskProbe(DebugCallback):
                                  f"{value!r} ({found}).")  # fmt: skip
         check_number("ignore_index", ignore_index, integer=True, optional=True)
         ignore_index = IGNORE_INDEX if ignore_index is None else ignore_index
-        # validates the keys (a non-empty string, a tuple position or None) with a message naming the argument
         self._keys = BatchKeys(input_key=input_key, mask_key=mask_key, labels_key=labels_key, ignore_index=ignore_index)
         check_choice("padding_side", padding_side, ("auto", "right", "left"))
         check_number("probe_rows", probe_rows, low=1, integer=True)
         check_number("probe_length", probe_length, low=4, integer=True)
-        self.causal, self.check_padding, self.check_targets = causal, check_padding, check_targets
+        self.causal, self.model_kind = causal, model_kind
+        self.check_padding, self.check_targets = check_padding, check_targets
         self.check_positions, self.context_limit = check_positions, context_limit
         self.kv_cache_fn, self.forward_fn = kv_cache_fn, forward_fn
         self.input_key, self.mask_key, self.labels_key = input_key, mask_key, labels_key
         self.ignore_index = ignore_index
         self.padding_side, self.probe_rows, self.probe_length = padding_side, probe_rows, probe_length
         self._settings = probes.ProbeSettings(probe_rows, probe_length, check_padding, padding_side, ignore_index)
-        # manual optimization: the calls of the real training_step, recorded from batch start to batch end
-        self._recorder: calls.CallRecorder | None = None
+        self._recorder: calls.CallRecorder | None = None  # manual optimization: the real training_step's calls
         self._manual: tuple[Any, bool] | None = None  # (recorded calls and output, full probe) for the batch end
         self._mask_path: str | None = None  # where the mask was found in the batch (evidence of TFD204)
         self._setup_aside = False
@@ -147,7 +147,8 @@ class MaskProbe(DebugCallback):
         self._found: calls.ModelCall | None = None  # the call training_step makes, recorded at each probe
         self._replayed: Any = None  # what the recording replay of training_step returned (the alignment's loss)
         self._last_probe_step: int | None = None
-        self._positions_done = False
+        self._positions_done = self._samples_done = False
+        self._special_ids: tuple[int, ...] = ()
         self._alignment_decided = self.causal is False or not self.check_targets
         self._order_decided = not self.check_positions
         self._is_causal: bool | None = self.causal  # resolved at the first probe of a fit when None
@@ -166,6 +167,12 @@ class MaskProbe(DebugCallback):
                 f"the {strategy} strategy shards parameters, so each probe forward pass is a collective and a probe "
                 "failing on one rank would hang the others. Run MaskProbe in a single-device or DDP run of the model."
             )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the special ids BatchGuard reads, from the same sources (the DataLoader's collator exists from here on)
+        self._special_ids = probes.known_special_ids(special_token_sources(trainer, pl_module, None))
+        if not self._special_ids and not self._setup_aside:
+            self.check_aside(*mask_checks.NO_SPECIAL_IDS)
 
     # ------------------------------------------------------------------ hooks
     def on_train_batch_start(
@@ -277,9 +284,7 @@ class MaskProbe(DebugCallback):
     def _session(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_args: tuple[Any, int], fields: tuple
     ) -> probes.MaskProbes | None:
-        """How to call the model: ``forward_fn`` when given; else the call ``training_step`` makes, recorded on a
-        replay of it; else ``forward`` by its signature. Then decoder or encoder, once per fit. None (after
-        ``TFD211``) when the model cannot be called."""
+        """This step's probes (``forward_fn``, the recorded call, or ``forward``); None after ``TFD211``."""
         recorded = None if self.forward_fn is not None else self._record_call(trainer, pl_module, *step_args, fields)
         if self._found is None and self._caller is None:
             caller = self._build_caller(pl_module)
@@ -290,10 +295,17 @@ class MaskProbe(DebugCallback):
         target = self._found if self._found is not None else self._caller
         assert target is not None
         generator = torch.Generator().manual_seed(1234 + trainer.global_step)  # every rank draws the same
-        session = probes.MaskProbes(target, fields[0], generator, self._settings, self._mask_path)
+        session = probes.MaskProbes(
+            target, fields[0], generator, self._settings, self._mask_path, attention_mask=fields[1],
+            special_ids=self._special_ids, cross_sample=not self._samples_done,
+        )  # fmt: skip
+        if self._found is None:  # by signature: the kind from `model_kind=`, else the model's config
+            session.kind = self.model_kind or calls.model_kind(None, model=pl_module)[0]
         if self._is_causal is None:  # once per fit
             self._is_causal, aligned = session.decide_causal(fields[0], fields[2])
             self._alignment_decided = self._alignment_decided or not aligned
+            if session.aside is not None:  # (why, the setting that enables them): recorded once
+                self.check_aside("causality and target alignment", *session.aside)
         session.causal = self._is_causal
         return session
 
@@ -306,18 +318,20 @@ class MaskProbe(DebugCallback):
         fields: tuple,
         full: bool,
     ) -> None:
-        # Token rows sliced in the step or the model (`rows[:, :-1]`): the probes perturb the tokens the call
-        # received; the target alignment reads its outputs against the whole rows.
+        # Token rows sliced in the step or the model: the probes perturb the call's columns, alignment reads whole rows
         ids, mask = session.columns(fields[0]), session.columns(fields[1])
         assert ids is not None
         context = (self.context_limit, "`context_limit`") if self.context_limit else find_context_length(pl_module)
         limit, source = context
         if full:
             session.masks(ids, mask, limit)
+            self._samples_done = True  # once per fit
+            for aside in session.not_run:
+                self.check_aside(*aside)
             if self.check_positions and not self._positions_done:
                 self._positions_done = True
                 if session.resizable:  # (kv_cache_fn is imported only where the position probes run)
-                    session.positions(ids, limit, source, self._incremental(session, pl_module))
+                    session.positions(ids, limit, source, _imported(self.kv_cache_fn), pl_module)
                 session.tables(pl_module, ids, mask)
         if not self._alignment_decided:  # the recording replay already ran training_step on this batch
             replayed, automatic = self._replayed, pl_module.automatic_optimization
@@ -329,17 +343,9 @@ class MaskProbe(DebugCallback):
         if not self._order_decided and trainer.global_step in ORDER_STEPS:
             session.order(ids, mask, trainer.global_step)
 
-    def _incremental(self, session: probes.MaskProbes, pl_module: pl.LightningModule) -> Any:
-        """``kv_cache_fn`` bound to the module, or None (a ``TFD211`` when it cannot be imported)."""
-        fn = _imported(self.kv_cache_fn)
-        if isinstance(fn, Exception):
-            session.verdicts.append(mask_checks.kv_cache_unusable(error=fn))
-        return None if fn is None or isinstance(fn, Exception) else lambda ids: fn(pl_module, ids)
-
     # ------------------------------------------------------------------ batch and model access
     def _extract(self, trainer: pl.Trainer, batch: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """(input_ids, attention_mask, labels) of a batch from the shared reading, each None when missing or unfit:
-        the ids must be a 2-D integer tensor, the mask and the labels of the ids' shape."""
+        """(input_ids, attention_mask, labels) from the shared reading: 2-D integer ids, the others of their shape."""
         fields = step_batch(trainer, batch, self._keys).fields
         ids, mask, labels = fields.input_ids, fields.attention_mask, fields.labels
         ids = ids if isinstance(ids, Tensor) and ids.ndim == 2 and not ids.is_floating_point() else None
@@ -351,9 +357,7 @@ class MaskProbe(DebugCallback):
     def _record_call(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, fields: tuple
     ) -> str | None:
-        """Replay ``training_step`` on the batch with every module call recorded, and read the call that takes the
-        token ids (shared on the step); returns why not (the caller then falls back to calling ``forward`` by
-        signature). Inside the probe's eval / no_grad / RNG-fork context; probing steps only."""
+        """Replay ``training_step`` recording every call, and read and share the model call; returns why not."""
         self._found, self._replayed = None, None
         if self._manual is not None:  # recorded during the real training_step (manual optimization)
             recorded, returned = self._manual
@@ -365,7 +369,7 @@ class MaskProbe(DebugCallback):
                 returned, recorded = calls.record_calls(pl_module, replay, nested=True, want=calls.takes_tokens)
             except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
                 return f"replaying `training_step` failed ({type(err).__name__}: {err})"
-        found = calls.find_model_call(recorded, *fields, ignore_index=self.ignore_index, model=pl_module)
+        found = calls.find_model_call(recorded, *fields, self.ignore_index, pl_module, self.model_kind)
         if isinstance(found, str):
             return found
         calls.share_model_call(trainer, batch, found)

@@ -1,16 +1,9 @@
 """One reading of the training batch and of what the model returns, shared by every callback of the pack.
 
-A callback that needs the token ids, the attention mask, the labels or the position ids of a batch asks
-:func:`step_batch` for the :class:`StepBatch` of the current step; the first caller resolves the keys, later callers
-on the same step (and the same key settings) get the same object, and its counts (real tokens, padding, supervised
-labels) are computed once, on the device, without a host sync. The logits and the loss are found in model outputs
-and ``training_step`` returns by :func:`logits_of` and :func:`loss_of`.
-
-Batches may be mappings (``dict``, Hugging Face ``BatchEncoding``), tuples/lists (``(inputs, targets)``), dataclasses,
-or a bare tensor, nested. Every callback takes the same arguments to point at the fields: ``input_key``,
-``mask_key``, ``labels_key``, ``position_key`` (a key, a dotted path such as ``"inputs.input_ids"``, or a tuple index
-such as ``"0"``) and ``ignore_index``. Left as ``None``, a key is found by its usual names, and in tuple batches by
-position (the first 2-D integer tensor holds the ids, the next integer tensor with as many elements the labels).
+:func:`step_batch` gives the step's :class:`StepBatch`: fields resolved once per step and key settings, counts computed
+once on the device (no sync). Batches may be mappings, tuples/lists, dataclasses or a bare tensor, nested; a key is a
+name, a dotted path (``"inputs.input_ids"``) or a tuple index (``"0"``), and left as ``None`` is found by its usual
+names, or in tuple batches by position. :func:`logits_of` and :func:`loss_of` read model and step outputs.
 """
 
 from __future__ import annotations
@@ -44,9 +37,8 @@ def _is_dataclass_instance(value: Any) -> bool:
 
 
 def flatten_batch(batch: Any, prefix: str = "") -> dict[str, Any]:
-    """Leaves of a batch by path: mapping keys, dataclass fields and sequence indices joined with ``.``
-    (``"input_ids"``, ``"0"``, ``"inputs.pixel_values"``). A bare tensor is the single leaf ``""``. Strings are
-    leaves, and so is a list or tuple holding no tensors or containers (per-sample ids or texts)."""
+    """Leaves of a batch by path (keys, fields and indices joined with ``.``; a bare tensor is ``""``); a list of
+    plain values (per-sample ids or texts) is one leaf."""
     out: dict[str, Any] = {}
     _flatten_into(out, batch, prefix)
     return out
@@ -90,9 +82,8 @@ _NUMPY_READABLE = frozenset(
 
 
 def host_array(tensor: Tensor) -> np.ndarray | None:
-    """``tensor``'s memory as a NumPy array (no copy) when it is a CPU tensor NumPy can read: no autograd history, no
-    lazy negation (the negative bit), a dtype NumPy has. Else None, and the caller uses torch. A CPU batch is read on
-    the host this way where that saves torch kernels on the hot path (its fingerprint, its mask's token count)."""
+    """``tensor``'s memory as a NumPy array (no copy) when it is a CPU tensor NumPy can read (no autograd history, no
+    negative bit, a NumPy dtype); else None. Saves torch kernels on the hot path."""
     if tensor.device.type != "cpu" or tensor.dtype not in _NUMPY_READABLE or tensor.requires_grad or tensor.is_neg():
         return None
     return tensor.numpy()
@@ -110,8 +101,7 @@ def is_id_tensor(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class BatchKeys:
-    """Where the fields of a batch are; ``None`` finds a field by its usual names (see the module docstring). A
-    non-negative int is a position in a tuple batch (``labels_key=1`` for ``(inputs, targets)``).
+    """Where the fields of a batch are; ``None`` finds a field by its usual names, an int is a tuple position.
 
     Raises:
         TypeError: if a key is not a non-empty string or None, or ``ignore_index`` is not an integer.
@@ -175,12 +165,10 @@ class BatchFields:
 
 
 def read_batch(batch: Any, keys: BatchKeys | None = None) -> BatchFields:
-    """Resolve the token ids, attention mask, labels and position ids of ``batch``. Host metadata only: no sync.
+    """Resolve the token ids, attention mask, labels and position ids of ``batch`` (host metadata only).
 
-    The ids are ``keys.input_key`` or a leaf named like :data:`IDS_KEYS` holding integers, else the first 2-D integer
-    tensor (``x`` of a tuple batch ``(x, y)``); the mask and the position ids are found by name only; the labels by
-    name, else (ids found by position) the next integer tensor with as many elements as the ids (``y``, flattened or
-    not). A mask or labels that do not fit the ids are still returned: callers check what they need.
+    Ids by key or name (integers), else the first 2-D integer tensor; mask and positions by name; labels by name, else
+    (ids found by position) the next integer tensor with as many elements. Fields that do not fit are still returned.
     """
     keys = keys or BatchKeys()
     leaves = flatten_batch(batch)
@@ -226,10 +214,8 @@ def read_batch(batch: Any, keys: BatchKeys | None = None) -> BatchFields:
 
 
 class StepBatch:
-    """The current training batch as every callback of the pack sees it: fields resolved once, counts computed once.
-
-    Counts are device tensors (no host sync); sizes read from shapes are host ints. Get it with :func:`step_batch`.
-    """
+    """The current training batch as every callback sees it (:func:`step_batch`): counts on the device, sizes on the
+    host."""
 
     def __init__(self, batch: Any, keys: BatchKeys) -> None:
         self.batch = batch
@@ -302,8 +288,7 @@ class StepBatch:
 
 
 def step_batch(trainer: Any, batch: Any, keys: BatchKeys | None = None) -> StepBatch:
-    """The shared :class:`StepBatch` of ``batch``: built by the first callback that asks on this batch, reused by the
-    others (per key settings). Only the latest batch is kept, so nothing outlives its step."""
+    """The shared :class:`StepBatch` of ``batch`` (per key settings); only the latest batch is kept."""
     keys = keys or BatchKeys()
     state = step_state(trainer)
     if state.batch is not batch:
@@ -369,11 +354,8 @@ def logits_for_labels(logits: Tensor, labels: Tensor) -> Tensor | None:
 
 
 def step_rng_state(trainer: Any, batch: Any, batch_idx: int) -> Tensor:
-    """The torch CPU generator's state as this batch's training step starts (``torch.get_rng_state()``, a host copy,
-    no device work), taken by the first callback that asks at the batch's start and shared with the others:
-    NaNFirstFrame and ReproCapture both replay the step from it, and one copy serves both on the hot path. Keyed on
-    the batch object, its index and the step, so a later batch never gets an earlier one's state. Callers must not
-    modify the tensor."""
+    """The torch CPU generator's state as this batch's step starts (a host copy), shared by the callbacks that replay
+    the step; keyed on the batch object, its index and the step. Callers must not modify the tensor."""
     state = step_state(trainer)
     key = (trainer.global_step, batch_idx)
     if state.rng is None or state.rng_key is None or state.rng_key[0] is not batch or state.rng_key[1] != key:

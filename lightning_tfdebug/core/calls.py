@@ -1,21 +1,14 @@
 """Recording the model calls a ``training_step`` makes, and reading which one is the model.
 
-A probe that guesses how to call a model fails on the models users actually write: ``forward(inputs, target)``, a
-LightningModule without ``forward`` whose ``training_step`` calls ``self.model(x, y)``, a dict passed whole. Recording
-the call ``training_step`` makes (module, positional and keyword arguments, output) and re-issuing it with perturbed
-copies of its token tensors reaches all of them. The recording is meant for the steps that read it only (it adds
-hooks to every submodule for the duration of one call).
+Recording the call ``training_step`` makes (module, arguments, output) and re-issuing it with perturbed copies of its
+token tensors reaches every model users write (``forward(inputs, target)``, ``self.model(x, y)``, a dict passed
+whole). With ``nested=True`` the recorder also keeps the calls made inside other calls (a loss-only wrapper's inner
+network). Hooks on every submodule for one call: for the steps that read it only.
 
-A library's loss-only wrapper (``training_step`` returns ``self.model(batch)``; the wrapper slices the token rows,
-calls its inner network and returns only the loss) makes the call that returns logits one level down: with
-``nested=True`` the recorder also keeps the calls made inside other calls, at any depth, each with its depth and the
-order in which it started.
-
-:func:`find_model_call` is the one reading of "the call that took the token rows": among the recorded calls, the one
-that took the batch's token ids (or a slice of them) and returned logits, where its token ids, labels and mask sit,
-its logits, and the model's kind (decoder, encoder, encoder-decoder, loss-only wrapper, unknown). Every callback that
-needs the model's own call reads it there (MaskProbe, LossAtInit); :func:`share_model_call` puts it in the step's
-shared state (:class:`~lightning_tfdebug.core.step.StepState`).
+:func:`find_model_call` is the one reading of "the call that took the token rows": where its token ids, labels and
+mask sit, its logits, the model's kind (decoder, encoder, encoder-decoder, loss-only wrapper, unknown) and, for an
+encoder-decoder, which argument carries the decoder's input. MaskProbe and LossAtInit read it there;
+:func:`share_model_call` puts it in the step's shared state (:class:`~lightning_tfdebug.core.step.StepState`).
 
 Example:
     >>> import torch
@@ -73,14 +66,8 @@ class RecordedCall:
         argument (None when it cannot be read)."""
         if path[0] == "kwargs":
             return str(path[1])
-        try:
-            params = [
-                p.name
-                for p in inspect.signature(self.module.forward).parameters.values()
-                if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            ]
-        except (TypeError, ValueError):
-            return None
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = [p.name for p in forward_parameters(self.module).values() if p.kind in positional]
         index = path[1]
         return params[index] if isinstance(index, int) and index < len(params) else None
 
@@ -139,16 +126,12 @@ def replace_leaves(obj: Any, replacements: Mapping[Path, Tensor], prefix: Path =
 
 
 class CallRecorder:
-    """Records the module calls under ``root`` between :meth:`start` and :meth:`stop`.
+    """Records the module calls under ``root`` between :meth:`start` and :meth:`stop`, in the order they started.
 
-    By default the outermost calls only: calls made while no other module under ``root`` was running, i.e. the calls
-    ``training_step`` itself makes (``self(x)``, ``self.model(x, y)``, ``self.loss_fn(...)``), not the layers inside
-    them. With ``nested=True`` the calls at every depth, those inside others included (a loss-only wrapper's inner
-    network); ``want(module, args, kwargs)``, asked when a nested call starts, keeps only the calls worth holding
-    (their outputs stay alive until :meth:`stop`), and the outermost calls are always kept. :meth:`stop` returns the
-    calls in the order they started. ``keep`` decides, at each call, whether to keep it (e.g. only inside the
-    Trainer's ``training_step``). Adding a hook to every submodule is a Python loop over the modules: for probing
-    steps only.
+    By default the outermost calls only (those ``training_step`` itself makes); with ``nested=True`` the calls at
+    every depth that ``want(module, args, kwargs)`` keeps (their outputs stay alive until :meth:`stop`). ``keep``
+    decides at each call whether to keep it (e.g. only inside ``training_step``). A hook on every submodule: for
+    probing steps only.
     """
 
     def __init__(
@@ -202,8 +185,7 @@ def record_calls(
     nested: bool = False,
     want: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool] | None = None,
 ) -> tuple[Any, list[RecordedCall]]:
-    """Run ``run()`` under a :class:`CallRecorder` on ``root``; returns its result and the module calls it made (the
-    outermost ones, or with ``nested`` those at every depth that ``want`` keeps), in the order they started. The
+    """Run ``run()`` under a :class:`CallRecorder` on ``root``; returns its result and the calls it recorded. The
     hooks are removed before this returns, also when ``run`` raises."""
     recorder = CallRecorder(root, nested=nested, want=want).start()
     try:
@@ -234,9 +216,8 @@ class TableUse:
 
 
 class TableReads(torch.overrides.TorchFunctionMode):
-    """Watches, during one forward pass, every torch function that takes one of ``tables`` (weights or parameters):
-    a table that no function takes is never read; ``F.embedding(indices, table)`` and ``table[indices]`` with an
-    integer index tensor are lookups, kept with their indices. The ``id()`` of the tensors is the key. A Python hook on
+    """Watches, during one forward pass, every torch function that takes one of ``tables`` (by ``id()``): which are
+    read, and the lookups ``F.embedding(indices, table)`` / ``table[indices]`` with their indices. A Python hook on
     every torch function of the pass: for probing steps only."""
 
     def __init__(self, tables: list[Tensor]) -> None:
@@ -264,20 +245,14 @@ class TableReads(torch.overrides.TorchFunctionMode):
 
 
 # ==================================================================================================== the model call
-# Which recorded call is "the model": the one that took the batch's token rows and returned logits over them. One
-# reading, shared by every callback that needs the model's own call (MaskProbe re-issues it with perturbed tokens,
-# LossAtInit reads its logits), with the model's kind.
-
 ModelKind = Literal["decoder", "encoder", "encoder-decoder", "loss-only wrapper", "unknown"]
 
 RELATION_FRACTION = 0.95
 """A token tensor carries the labels when it equals them, at one offset, at this fraction of the supervised positions
-or more. Text shifted against itself matches everywhere (padding aside); a denoising source (BART's 15% token
-corruption) does not, and an encoder may see all of it."""
+or more (a denoising source, BART's 15% corruption, does not)."""
 
 ROW_SLICES: tuple[tuple[int, int | None], ...] = ((0, None), (0, -1), (1, None))
-"""The columns of the batch's ids a call may receive, in order of preference: all of them, all but the last (the
-inputs of a next-token loss, ``rows[:, :-1]``), all but the first (``rows[:, 1:]``)."""
+"""The columns of the batch's ids a call may receive, by preference: all, ``rows[:, :-1]``, ``rows[:, 1:]``."""
 
 
 @dataclass(frozen=True)
@@ -300,8 +275,8 @@ class Objective:
 
     @property
     def next_token(self) -> bool:
-        """A next-token objective (a decoder's): labels equal to the inputs or to the next inputs at half or more of
-        the supervised positions (or nothing supervised to tell). Anything else is masked-LM or denoising."""
+        """A decoder's objective: labels equal to the inputs or to the next inputs at half or more of the supervised
+        positions (or nothing supervised); anything else is masked-LM or denoising."""
         return (
             self.supervised == 0
             or self.same >= 0.5 * self.supervised
@@ -346,23 +321,19 @@ class TokenSlot:
 class ModelCall:
     """The call that took the batch's token rows and returned logits, and what each of its tensors is.
 
-    Built by :func:`find_model_call` from the calls a ``training_step`` made; shared on the step through
-    :func:`share_model_call` / :func:`shared_model_call`. Output position ``p`` is trained on label ``p + shift``
-    (``shift`` 1 when the labels equal the ids, so the model or its loss shifts them; 0 for next-token labels in the
-    data or a decoder's own targets; plus ``ids_start`` when the call received the rows from that column on).
+    Built by :func:`find_model_call`; shared on the step through :func:`share_model_call` / :func:`shared_model_call`.
+    Output position ``p`` is trained on label ``p + shift`` (:attr:`shift`).
 
     Attributes:
         call: the recorded call (module, arguments, output).
         kind: what the model is: ``"decoder"``, ``"encoder"``, ``"encoder-decoder"``, ``"loss-only wrapper"`` (the
             step's outermost call returns only a loss; this call is the network inside it) or ``"unknown"``.
-        kind_source: where the kind was read: ``"config"`` (a Hugging Face config's ``is_encoder_decoder`` /
-            ``is_decoder``), ``"class name"`` (``...ForCausalLM``, ``...ForMaskedLM``), ``"decoder_input_ids"`` (the
-            call passes a decoder input, or returns an encoder's state), ``"wrapper"``, ``"decoder input"`` (a second
-            sequence of the call carries the labels), ``"labels"`` (:class:`Objective`), ``"token rows"`` (a slice of
-            the rows without labels: a next-token loss) or ``""`` (unknown).
+        kind_source: where the kind was read (:func:`model_kind`): ``"config"``, ``"class name"``,
+            ``"decoder_input_ids"``, ``"wrapper"``, ``"decoder input"``, ``"labels"``, ``"token rows"``, ``"setting"``
+            (``model_kind=``) or ``""`` (unknown).
         batch_size: rows of the call.
         slots: its token tensors.
-        shift: see above.
+        ids_shift: 1 when the labels equal the ids (the model or its loss shifts them), else 0.
         mask_path: where the batch's attention mask (or its inverse) sits in the call; None: not passed.
         mask_inverted: a padding mask (True = padding) rather than an attention mask (1 = real).
         mask_seq_first: the mask is stored ``(T, B)``.
@@ -381,7 +352,7 @@ class ModelCall:
     kind_source: str
     batch_size: int
     slots: list[TokenSlot]
-    shift: int
+    ids_shift: int
     mask_path: Path | None = None
     mask_inverted: bool = False
     mask_seq_first: bool = False
@@ -396,6 +367,22 @@ class ModelCall:
     key: Any = None  # (global_step, batch) it was recorded on, once shared
 
     # ------------------------------------------------------------------ views
+    @property
+    def shift(self) -> int:
+        """Output ``p`` is trained on label ``p + shift``: ``ids_shift`` plus ``ids_start`` (a call that received the
+        rows from that column on); 0 for an encoder-decoder, whose decoder input carries the labels shifted right."""
+        return 0 if self.kind == "encoder-decoder" else self.ids_start + self.ids_shift
+
+    @property
+    def decoder_input(self) -> TokenSlot | None:
+        """An encoder-decoder's slot that carries the decoder's input: ``decoder_input_ids``, else another sequence
+        that carries the labels, else the labels the model shifts into its decoder itself; None for other kinds."""
+        if self.kind != "encoder-decoder":
+            return None
+        named = [s for s in self.slots if not s.primary and s.name.split(".")[0] == "decoder_input_ids"]
+        carriers = [s for s in self.slots if not s.primary and s.offset is not None]
+        return next(iter(named + sorted(carriers, key=lambda s: s.label_like)), None)
+
     @property
     def primary(self) -> TokenSlot | None:
         """The slot holding the batch's token ids (or their slice); None when the call takes tensors derived from
@@ -420,8 +407,10 @@ class ModelCall:
         return t.transpose(0, 1) if slot.seq_first else t
 
     def related(self) -> list[TokenSlot]:
-        """The slots that carry the labels (the ones a leak probe perturbs)."""
-        return [s for s in self.slots if s.offset is not None]
+        """The slots that carry the labels (the ones a leak probe perturbs); never an encoder-decoder's encoder input,
+        which every position may see by design."""
+        encoder = self.kind == "encoder-decoder"
+        return [s for s in self.slots if s.offset is not None and not (encoder and s.primary)]
 
     def companions(self) -> list[TokenSlot]:
         """Other sequences of the ids' length not passed under a labels name (a decoder input, position ids):
@@ -476,10 +465,9 @@ class ModelCall:
 
 
 def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor | None:
-    """The logits in a call's output as ``(batch, time, vocab)``: ``(B, T, V)`` as is, ``(T, B, V)`` transposed when
-    the call is sequence-first (or when only that reading fits), ``(B*T, V)`` reshaped (``(T*B, V)`` for a
-    sequence-first call). The logits are ``.logits`` / ``["logits"]``, else the first float tensor of the output (a
-    tuple ``(logits, cache)``, a dict or a dataclass of other names). None when no float tensor fits."""
+    """The logits in a call's output (``.logits`` / ``["logits"]``, else its first float tensor) as
+    ``(batch, time, vocab)``: from ``(B, T, V)``, ``(T, B, V)`` (a sequence-first call, or when only that fits) or a
+    flattened ``(B*T, V)`` / ``(T*B, V)``. None when no float tensor fits."""
     logits = logits_of(output)
     if logits is None:
         logits = next((t for _, t in tensor_leaves(output) if t.is_floating_point() and t.ndim >= 2), None)
@@ -501,9 +489,8 @@ def read_logits(output: Any, batch_size: int, seq_first: bool = False) -> Tensor
 def relation_offset(
     slot: Tensor, reference: Tensor, ignore_index: int, offsets: tuple[int, ...] = (0, 1, -1)
 ) -> int | None:
-    """The offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` holds at :data:`RELATION_FRACTION` or more of
-    the positions where ``reference`` is supervised (not ``ignore_index``), over the positions both have; the largest
-    such offset, or None. Both batch-first with the same number of rows. Host syncs: recording steps only."""
+    """The largest offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` at :data:`RELATION_FRACTION` or more of
+    the supervised positions both have, or None. Both batch-first. Host syncs: recording steps only."""
     matches: list[int] = []
     ts, tr = slot.shape[1], reference.shape[1]
     for o in offsets:
@@ -519,8 +506,7 @@ def relation_offset(
         frac = int(((s == r) & supervised).sum()) / n
         if frac >= RELATION_FRACTION:
             matches.append(o)
-    # Repetitive text matches at several offsets; the largest one starts the leak probe latest, so it never blames a
-    # model for reading a token that only happens to equal a label.
+    # Repetitive text matches at several offsets; the largest starts the leak probe latest (never blaming a repeat)
     return max(matches) if matches else None
 
 
@@ -543,18 +529,18 @@ def find_model_call(
     labels: Tensor | None = None,
     ignore_index: int = -100,
     model: nn.Module | None = None,
+    kind: ModelKind | None = None,
 ) -> ModelCall | str:
     """The :class:`ModelCall` among ``calls`` that took the batch's token ids and returned logits, or a sentence
     saying why there is none.
 
     The call takes the ids, or a slice of them without the last or the first column (:data:`ROW_SLICES`), and
     returns logits (outputs wider than every token id): among several, the one whose outputs follow the positions it
-    received, the outermost (lowest depth), then the first; then one with outputs over other positions (an
-    encoder-decoder's decoder); failing that, an outermost call that takes a token tensor of the batch's size and
-    returns logits. ``calls`` may hold calls at every depth (:class:`CallRecorder` with ``nested``): a loss-only
-    wrapper's inner network. Every token tensor of the call is compared with ``labels`` (or, without labels, with the
-    ids' next tokens) to read which carry them and at what offset; ``model`` (the LightningModule) is searched for a
-    Hugging Face config when the call's own module has none (:func:`model_kind`). Host syncs: recording steps only.
+    received, the outermost, then the first; then one with outputs over other positions (an encoder-decoder's
+    decoder); failing that, an outermost call that takes a token tensor of the batch's size and returns logits. Every
+    token tensor of the call is compared with ``labels`` (or, without labels, with the ids' next tokens) to read
+    which carry them and at what offset. The kind is ``kind`` when given (a user's ``model_kind=``), else read by
+    :func:`model_kind` (``model``: the LightningModule, searched for a config). Host syncs: recording steps only.
     """
     chosen = _choose(calls, input_ids)
     if chosen is None:
@@ -572,9 +558,8 @@ def find_model_call(
     # the labels every slot is compared with: the batch's, else the ids' next tokens (virtual next-token labels)
     ref, base = _reference(input_ids, labels, b)
     shift = 0
-    if ref is not None and labels is not None and chosen.primary is not None:
+    if labels is not None and chosen.primary is not None:
         shift = 1 if relation_offset(input_ids, ref, ignore_index, offsets=(0,)) == 0 else 0
-    shift += start  # output p of a call that received the rows from column `start` on stands at row position p+start
     slots = [_slot(call, s, chosen.primary, ref, base, ignore_index) for s in seqs]
     found = ModelCall(
         call=call,
@@ -582,7 +567,7 @@ def find_model_call(
         kind_source="",
         batch_size=b,
         slots=slots,
-        shift=shift,
+        ids_shift=shift,
         mask_path=mask_path,
         mask_inverted=inverted,
         mask_seq_first=mask_seq_first,
@@ -594,7 +579,7 @@ def find_model_call(
         ids_stop=stop,
         tensors=dict(call.leaves()),
     )
-    found.kind, found.kind_source = model_kind(found, calls, model, input_ids, labels)
+    found.kind, found.kind_source = (kind, "setting") if kind else model_kind(found, calls, model, input_ids, labels)
     return found
 
 
@@ -710,11 +695,16 @@ def _slot(call: RecordedCall, seq: _Seq, primary: Path | None, ref: Tensor, base
     )
 
 
-def _names_a_mask(call: RecordedCall) -> bool:
+def forward_parameters(module: nn.Module) -> Mapping[str, inspect.Parameter]:
+    """The parameters of ``module.forward`` by name (none when its signature cannot be read)."""
     try:
-        params = inspect.signature(call.module.forward).parameters
+        return inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
-        return False
+        return {}
+
+
+def _names_a_mask(call: RecordedCall) -> bool:
+    params = forward_parameters(call.module)
     return any(name in params for name in MASK_KEYS) or any("mask" in name for name in params)
 
 
@@ -739,21 +729,11 @@ def model_kind(
     input_ids: Tensor | None = None,
     labels: Tensor | None = None,
 ) -> tuple[ModelKind, str]:
-    """``(kind, source)``: what the model is, and where that was read (see :class:`ModelCall`), first match wins:
-
-    1. a Hugging Face config (on the call's module, else in ``model``): ``is_encoder_decoder`` -> encoder-decoder,
-       ``is_decoder`` -> decoder; else the class name (``...ForCausalLM`` / ``...LMHeadModel`` -> decoder,
-       ``...ForMaskedLM`` -> encoder);
-    2. the call passes ``decoder_input_ids`` or returns ``encoder_last_hidden_state`` -> encoder-decoder;
-    3. the call is nested and no outermost call returned logits -> loss-only wrapper;
-    4. a second sequence of the call (not the ids, nor labels passed for the loss: a labels name at offset 0) carries
-       the labels -> encoder-decoder;
-    5. ``labels`` shaped like ``input_ids`` (:class:`Objective`, kept in ``found.objective``; one host sync): a
-       next-token objective -> decoder, else encoder;
-    6. a slice of token rows without labels -> decoder (a next-token loss over the rows);
-    7. unknown.
-
-    ``found`` None (no recorded call) reads the config of ``model`` only.
+    """``(kind, source)``: what the model is, and where that was read, first match wins: a Hugging Face config (on
+    the call's module, else in ``model``; then its class name); ``decoder_input_ids`` passed or
+    ``encoder_last_hidden_state`` returned; a nested call under no outermost logits (a loss-only wrapper); a second
+    sequence carrying the labels (encoder-decoder); the labels' :class:`Objective` (kept in ``found.objective``; one
+    host sync); a slice of token rows (decoder); else unknown. ``found`` None reads ``model``'s config only.
     """
     holder = _config_holder(None if found is None else found.call.module, model)
     if holder is not None:
@@ -787,11 +767,11 @@ def model_kind(
 
 
 def _has_decoder_input(call: RecordedCall) -> bool:
-    if any(call.keyword(p) == "decoder_input_ids" for p, _ in call.leaves()):
+    """The forward takes ``decoder_input_ids`` (named, or passed), or returns an encoder's state (Hugging Face)."""
+    if "decoder_input_ids" in forward_parameters(call.module):
         return True
-    output = call.output
-    state = output.get("encoder_last_hidden_state") if isinstance(output, Mapping) else None
-    return isinstance(state if state is not None else getattr(output, "encoder_last_hidden_state", None), Tensor)
+    state = getattr(call.output, "encoder_last_hidden_state", None)
+    return isinstance(state, Tensor) or any(call.keyword(p) == "decoder_input_ids" for p, _ in call.leaves())
 
 
 # ---------------------------------------------------------------------------------------------- sharing on the step

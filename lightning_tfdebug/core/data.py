@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 from lightning_tfdebug.core.compat import is_lightning_instance
 from lightning_tfdebug.core.io import write_text
@@ -23,6 +23,18 @@ def _loaders(trainer: pl.Trainer) -> list[Any]:
 
 def _map_style(loader: Any) -> bool:
     return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
+
+
+def _stateful(loader: Any) -> bool:
+    """Whether Lightning can restore the loader's position on resume (it has ``state_dict`` and
+    ``load_state_dict``, as torchdata's ``StatefulDataLoader``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _in_order(loader: Any) -> bool:
+    """Whether the loader reads its dataset in the same order every epoch (no shuffling)."""
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None) or getattr(loader, "sampler", None)
+    return isinstance(sampler, SequentialSampler) or (isinstance(sampler, DistributedSampler) and not sampler.shuffle)
 
 
 def _loader_length(loaders: list[Any]) -> int | None:
@@ -50,7 +62,8 @@ def _limit_setting(trainer: pl.Trainer) -> str | None:
 
 def epoch_data(trainer: pl.Trainer) -> EpochData:
     """The training data of the epoch that starts: a stream unless every loader is a DataLoader over a map-style
-    dataset (which has epochs), the loader's length, the batches the Trainer reads per epoch and its limit."""
+    dataset (which has epochs), the loader's length, the batches the Trainer reads per epoch, its limit, and whether
+    the loaders can restore their position and read in a fixed order."""
     loaders = _loaders(trainer)
     per_epoch = trainer.num_training_batches
     return EpochData(
@@ -58,6 +71,8 @@ def epoch_data(trainer: pl.Trainer) -> EpochData:
         loader_length=_loader_length(loaders),
         per_epoch=int(per_epoch) if isinstance(per_epoch, (int, float)) and math.isfinite(per_epoch) else None,
         setting=_limit_setting(trainer),
+        stateful=all(_stateful(loader) for loader in loaders),
+        in_order=all(_in_order(loader) for loader in loaders),
     )
 
 

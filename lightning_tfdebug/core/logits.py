@@ -23,9 +23,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_tfdebug.core.base import eager_model_calls, model_is_compiled
+from lightning_tfdebug.core.base import check_choice, eager_model_calls, model_is_compiled
 from lightning_tfdebug.core.batch import LABELS_KEYS, StepBatch, logits_for_labels, logits_of, loss_of
-from lightning_tfdebug.core.calls import CallRecorder, RecordedCall, find_model_call, takes_tokens
+from lightning_tfdebug.core.calls import CallRecorder, RecordedCall, find_model_call, model_kind, takes_tokens
 from lightning_tfdebug.core.model import in_training_step, quiet_training_step
 
 
@@ -43,9 +43,11 @@ def missing_field(batch: Any, key: str | int) -> str:
     return f"the batch is a {type(batch).__name__} without {key!r}"
 
 
-def check_capture_args(labels_key: Any, input_key: Any, logits_module: Any) -> None:
-    """Raise unless the keys can name a batch tensor (a key or dotted path, a tuple position, or None) and
-    ``logits_module`` a submodule (a name, or None)."""
+def check_capture_args(
+    labels_key: Any, input_key: Any, logits_module: Any, shift_labels: Any = True, model_kind: Any = None
+) -> None:
+    """Raise unless the keys can name a batch tensor (a key or dotted path, a tuple position, or None),
+    ``logits_module`` a submodule (a name, or None), ``shift_labels`` is a bool and ``model_kind`` a kind or None."""
     for name, value in (("labels_key", labels_key), ("input_key", input_key)):
         if not (value is None or (isinstance(value, str) and value) or (type(value) is int and value >= 0)):
             raise TypeError(
@@ -54,6 +56,9 @@ def check_capture_args(labels_key: Any, input_key: Any, logits_module: Any) -> N
             )
     if logits_module is not None and not isinstance(logits_module, str):
         raise TypeError(f"`logits_module` must be a submodule name (str) or None; got {logits_module!r}.")
+    if not isinstance(shift_labels, bool):
+        raise TypeError(f"`shift_labels` must be True or False; got {shift_labels!r}.")
+    check_choice("model_kind", model_kind, (None, "decoder", "encoder", "encoder-decoder"))
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -113,13 +118,20 @@ class LogitsCapture:
         logits_module: qualified name of the submodule whose output holds the logits; None: found.
         labels_key: where the labels are (used to decide whether to look for token rows, and in messages).
         ignore_index: the label value that is not supervised.
+        kind: the model's kind (``model_kind=``); an encoder-decoder's copy check reads its decoder's input. None:
+            read from the model's config.
     """
 
-    def __init__(self, logits_module: str | None, labels_key: str | int | None, ignore_index: int) -> None:
+    def __init__(
+        self, logits_module: str | None, labels_key: str | int | None, ignore_index: int, kind: str | None = None
+    ) -> None:
         self.logits_module = logits_module
         self.labels_key = labels_key
         self.ignore_index = ignore_index
         self.replay = False  # compiled model: the armed step's logits come from an eager replay at its end
+        self.kind = kind
+        self.read_kind = "unknown"  # the kind the last read() used
+        self._decoder_input: Tensor | None = None  # an encoder-decoder's `decoder_input_ids`: its copy check's inputs
         self.view: StepBatch | None = None  # the shared reading of the armed step's batch
         self._replaying = False
         self._handles: list[RemovableHandle] = []
@@ -141,14 +153,16 @@ class LogitsCapture:
         self.replay = model_is_compiled(trainer, pl_module)
         if not self.replay:
             self._record_token_calls(pl_module)
-            self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self._candidates(pl_module)]
+            self._handles = [
+                m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in self._candidates(pl_module)
+            ]
 
     def replay_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
         """Run ``training_step`` again on the batch, eagerly, under ``no_grad`` with the RNG restored and ``self.log``
         silenced, with the capture hooks on; returns what it returned (the loss the captured logits belong to).
         For compiled models, on the armed steps only. A step that cannot be replayed leaves nothing captured."""
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        handles = [m.register_forward_hook(self._hook(n)) for n, m in self._candidates(pl_module)]
+        handles = [m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in self._candidates(pl_module)]
         self._record_token_calls(pl_module)
         self._replaying = True
         try:
@@ -188,6 +202,7 @@ class LogitsCapture:
         self._raw.clear()
         self._output_types.clear()
         self._calls = []
+        self._decoder_input = None
         self._batch, self.view, self._pl_module = None, None, None
 
     def _candidates(self, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
@@ -197,10 +212,12 @@ class LogitsCapture:
         return [("", pl_module), *pl_module.named_children()]
 
     def _hook(self, name: str):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
             if name in self._output_types or not (self._replaying or in_training_step(self._pl_module)):
                 return  # the first call in the training step only; not another callback's probe forward
             self._output_types[name] = type(output).__name__
+            if isinstance(kwargs.get("decoder_input_ids"), Tensor):
+                self._decoder_input = kwargs["decoder_input_ids"].detach()
             child = self.logits_module is None and name != ""
             logits = logits_of(output, structured_only=child)
             if logits is not None:
@@ -262,6 +279,10 @@ class LogitsCapture:
             return got
         got.token_rows = tokens is not None
         got.inputs = tokens if tokens is not None else self._batch_tokens(labels, shift_labels)
+        self.read_kind = self.kind or model_kind(None, model=pl_module)[0]
+        if tokens is None and self.read_kind == "encoder-decoder":
+            # the copy check reads the token the decoder sees at t, not the encoder's (None: shifted inside the model)
+            got.inputs, self._decoder_input = self._decoder_input, None
         got.targets = labels if tokens is None else row_targets(view, self.ignore_index)
         return got
 

@@ -1,9 +1,8 @@
 """BatchGuard's rules: each finding code with its text, and the functions and small state machines that decide it.
 
-Each takes host values (the :class:`~lightning_tfdebug.functional.batches.FieldSpec` of a batch, the unpacked
-:func:`~lightning_tfdebug.functional.batches.token_statistics` of a batch, fingerprints) and returns
-:class:`~lightning_tfdebug.functional.verdicts.Verdict` objects built by the rule of their code. The callback only
-emits them, so every rule here is testable with plain numbers, without a Trainer.
+Each takes host values (a batch's :class:`~lightning_tfdebug.functional.batches.FieldSpec`, its unpacked
+:func:`~lightning_tfdebug.functional.batches.token_statistics`, fingerprints) and returns verdicts: testable with
+plain numbers, without a Trainer.
 """
 
 from __future__ import annotations
@@ -37,11 +36,8 @@ TFD101 = Rule(
     "BatchGuard",
     title="a key of the schema is missing",
     trigger="a key of the schema (declared, or learned from the first batches) is missing from a batch",
-    hint=("build every batch through the same collate path; a key that only some samples carry needs a default"),
-    reason=(
-        "A batch without a field the step reads fails that step or feeds the model something else; the run cannot "
-        "go through its data as configured"
-    ),
+    hint="build every batch through the same collate path; a key that only some samples carry needs a default",
+    reason="A batch without a field the step reads fails that step or feeds the model something else",
     message="{where}: key '{key}' is missing (expected {expected}) ({schema}).",
 )
 
@@ -52,7 +48,7 @@ TFD102 = Rule(
     title="a key the learned schema does not have",
     trigger="a batch carries a key the learned schema does not have",
     hint="as TFD101; if the key is legitimate and optional, declare the `schema`",
-    reason=("Measured in this run's batches: two collate paths build them, so some batches are not what the rest are"),
+    reason="Measured in this run's batches: two collate paths build them, so some batches are not what the rest are",
     message="{where}: key '{key}' is new: {found}, absent from the earlier batches ({schema}).",
 )
 
@@ -62,11 +58,8 @@ TFD103 = Rule(
     "BatchGuard",
     title="dtype changed (int32 labels, float mask)",
     trigger="a key's dtype differs from the schema (int32 labels where int64 were, a float attention mask)",
-    hint=("build every field with an explicit dtype (`torch.tensor(x, dtype=torch.long)`); no cast in one branch only"),
-    reason=(
-        "The ops that take the field fail or change meaning with its dtype (cross_entropy takes int64 class "
-        "indices; a float mask is added, not applied)"
-    ),
+    hint="build every field with an explicit dtype (`torch.tensor(x, dtype=torch.long)`); no cast in one branch only",
+    reason="The ops that take the field fail or change meaning (cross_entropy takes int64; a float mask is added)",
     message="{where}: '{key}' has dtype {found}; expected {expected} ({schema}).",
 )
 
@@ -77,10 +70,7 @@ TFD104 = Rule(
     title="number of dimensions changed (a squeezed batch of one)",
     trigger="a key's number of dimensions differs (a batch of one squeezed to 1-D)",
     hint="never `squeeze()` a batch; keep the batch dimension (`x[None]`, `unsqueeze(0)`)",
-    reason=(
-        "A squeezed batch breaks the shapes the model and the loss rely on: the step fails or broadcasts into a "
-        "wrong result"
-    ),
+    reason="A squeezed batch breaks the shapes the model and the loss rely on: the step fails or broadcasts wrongly",
     message="{where}: '{key}' has {found}; expected {expected} ({schema}).",
 )
 
@@ -89,15 +79,9 @@ TFD105 = Rule(
     "error",
     "BatchGuard",
     title="a size differs from the declared size or from the key it always matched",
-    trigger=(
-        "a dimension differs from the declared size, or from the key it matched in every early batch (labels "
-        "shorter than input ids)"
-    ),
+    trigger="a dimension differs from the declared size, or from the key it matched in every early batch",
     hint="pad / truncate every key of a batch together; check the declared sizes",
-    reason=(
-        "Fields that no longer line up (labels shorter than the ids) fail the step or score positions against the "
-        "wrong labels"
-    ),
+    reason="Fields that no longer line up fail the step or score positions against the wrong labels",
     message="{where}: '{key}' has {found}; expected {expected} ({schema}).",
 )
 
@@ -106,19 +90,13 @@ TFD110 = Rule(
     "error",
     "BatchGuard",
     title="token id outside `[0, vocab)`",
-    trigger=(
-        "an input id is outside `[0, vocab)` (on checked steps, or in the batch whose step raised); names the "
-        "row, position and value"
-    ),
+    trigger="an input id is outside `[0, vocab)` (checked steps, or the batch whose step raised)",
     hint=(
         "The tokenizer and the model disagree on the vocabulary (added special tokens without "
-        "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a "
-        "device-side assert."
+        "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a device-side "
+        "assert."
     ),
-    reason=(
-        "An embedding lookup outside the table fails the step (a device-side assert on CUDA): the run cannot go "
-        "through this batch"
-    ),
+    reason="An embedding lookup outside the table fails the step (a device-side assert on CUDA)",
     message=(
         "{where}: '{ids_key}' holds {count:.0f} token id(s) outside [0, {vocab_size}); the first is {value} at row "
         "{row}, position {column}."
@@ -132,16 +110,13 @@ TFD111 = Rule(
     title="sequence longer than the model's context",
     trigger="the sequence length exceeds the model's context (position table, config, `max_length`)",
     hint=(
-        "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to the "
-        "context length; check sequence packing and concatenation code."
+        "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to the context "
+        "length; check sequence packing and concatenation code."
     ),
-    reason=(
-        "Positions past the model's table fail the step or read rows that were never trained: the run cannot go "
-        "through this batch"
-    ),
+    reason="Positions past the model's table fail the step or read rows that were never trained",
     message=(
-        "{where}: '{key}' has sequence length {width}, longer than the model's context of {max_length}; positions past "
-        "it have no embedding (an index or shape error deep in the model, or silent wrap-around)."
+        "{where}: '{key}' has sequence length {width}, longer than the model's context of {max_length}; positions "
+        "past it have no embedding (an index or shape error deep in the model, or silent wrap-around)."
     ),
 )
 
@@ -150,17 +125,12 @@ TFD112 = Rule(
     "error",
     "BatchGuard",
     title="attention mask not binary",
-    trigger=(
-        "the attention mask holds values other than 0 and 1 (on checked steps, or in the batch whose step raised)"
-    ),
+    trigger="the attention mask holds values other than 0 and 1 (checked steps, or the batch whose step raised)",
     hint=(
-        "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside "
-        "the model, not in the batch."
+        "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside the "
+        "model, not in the batch."
     ),
-    reason=(
-        "A mask with values other than 0 and 1 is applied as weights or added to the scores, so attention is wrong "
-        "on every such batch"
-    ),
+    reason="A mask of other values is applied as weights or added to the scores: attention is wrong",
     message="{where}: '{key}' has {count:.0f} value(s) that are neither 0 nor 1 (e.g. {example:g}).",
 )
 
@@ -169,14 +139,9 @@ TFD113 = Rule(
     "error",
     "BatchGuard",
     title="label outside `[0, vocab)` and not `ignore_index`",
-    trigger=(
-        "a label is outside `[0, vocab)` and is not `ignore_index` (on checked steps, or in the batch whose step "
-        "raised)"
-    ),
+    trigger="a label is outside `[0, vocab)` and not `ignore_index` (checked steps, or the batch whose step raised)",
     hint="Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
-    reason=(
-        "Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails"
-    ),
+    reason="Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails",
     message=(
         "{where}: '{labels_key}' holds {count:.0f} label(s) outside [0, {vocab_size}) that are not "
         "ignore_index={ignore_index} (e.g. {value})."
@@ -190,13 +155,10 @@ TFD114 = Rule(
     title="every label ignored: nothing is learned",
     trigger="every label of a batch is `ignore_index`: nothing is learned, the loss is 0 or NaN",
     hint=(
-        "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer "
-        "away, or labels built from the wrong field."
+        "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer away, "
+        "or labels built from the wrong field."
     ),
-    reason=(
-        "A batch with no supervised label gives a loss of 0 or NaN, and a NaN loss ruins the weights: nothing can "
-        "be learned from it"
-    ),
+    reason="A batch with no supervised label gives a loss of 0 or NaN, and a NaN loss ruins the weights",
     message=(
         "{where}: every label in '{labels_key}' is ignore_index={ignore_index}; this batch teaches nothing (the loss "
         "is 0 or NaN)."
@@ -208,9 +170,7 @@ TFD115 = Rule(
     "warning",
     "BatchGuard",
     title="padding positions supervised",
-    trigger=(
-        "padding positions (mask 0) carry a label that is not `ignore_index`: the model learns to predict padding"
-    ),
+    trigger="padding positions (mask 0) carry a label that is not `ignore_index`",
     hint="`labels[attention_mask == 0] = -100` in the collate function",
     reason="Measured in the batches: the loss spends its weight on predicting padding, which the model then learns",
     message=(
@@ -225,7 +185,7 @@ TFD116 = Rule(
     "BatchGuard",
     title="sequences without BOS",
     trigger="sequences whose first real token is not `bos_id`",
-    hint=("The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it."),
+    hint="The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it.",
     reason="Measured against the `bos_id` you declared: the model trains on a format it will not see at inference",
     message="{where}: {without_bos:.0f} of {sequences} sequences do not start with BOS ({bos_id}).",
 )
@@ -237,12 +197,10 @@ TFD117 = Rule(
     title="several EOS in a sequence",
     trigger="sequences with more than one `eos_id`",
     hint=(
-        "EOS added twice (by the template and the tokenizer), or documents packed without an attention boundary. "
-        "If you pack on purpose, leave eos_id unset."
+        "EOS added twice (by the template and the tokenizer), or documents packed without an attention boundary. If "
+        "you pack on purpose, leave eos_id unset."
     ),
-    reason=(
-        "Measured in the batches: the model is trained to continue past its end token, so it does not learn to stop"
-    ),
+    reason="Measured in the batches: the model is trained to continue past its end token",
     message="{where}: {several_eos:.0f} of {sequences} sequences hold more than one EOS ({eos_id}).",
 )
 
@@ -276,18 +234,12 @@ TFD120 = Rule(
     "warning",
     "BatchGuard",
     title="the length distribution moved away from the early batches",
-    trigger=(
-        "the mean real length of a window of `length_window` checked batches moved by more than "
-        "`length_shift_tolerance` (and one std) from the first window"
-    ),
+    trigger="a window's mean real length moved from the first window's by over `length_shift_tolerance` and one std",
     hint=(
-        "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum data, or a"
-        " truncation setting that differs between files."
+        "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum data, or a "
+        "truncation setting that differs between files."
     ),
-    reason=(
-        "Measured in this run: the batches seen later differ from the early ones (data sorted or grouped), so the "
-        "gradient follows data order"
-    ),
+    reason="Measured in this run: later batches differ from the early ones (data sorted or grouped)",
     message=(
         "{where}: the mean sequence length of the last {size} checked batches is {window_mean:.1f}, against "
         "{reference_mean:.1f} (std {reference_std:.1f}) in the first ones."
@@ -298,21 +250,17 @@ TFD121 = Rule(
     "TFD121",
     "warning",
     "BatchGuard",
-    title=("batches of one epoch repeat earlier batches of the same epoch token for token (data read more than once)"),
+    title="batches of one epoch repeat earlier batches of that epoch token for token",
     trigger=(
-        "more than `max_repeated_fraction` of one epoch's batches (and at least 3) have the same token "
-        "ids as an earlier batch of that epoch (from a stream, only within 16 batches)"
+        "over `max_repeated_fraction` of an epoch's batches (and 3) equal an earlier one of it (a stream: within 16)"
     ),
     hint=(
-        "Within one epoch a sampler draws every sample once, so identical batches mean the data is read more than"
-        " once: an IterableDataset read by several DataLoader workers that do not split the stream (shard it with"
-        " torch.utils.data.get_worker_info()), a Dataset whose __getitem__ ignores its index, a sampler with "
+        "Within one epoch a sampler draws every sample once, so identical batches mean the data is read more than "
+        "once: an IterableDataset read by several DataLoader workers that do not split the stream (shard it with "
+        "torch.utils.data.get_worker_info()), a Dataset whose __getitem__ ignores its index, a sampler with "
         "replacement, or duplicated rows in the data."
     ),
-    reason=(
-        "Measured in this run: one epoch reads the same batches more than once, so it trains on duplicates instead "
-        "of the data"
-    ),
+    reason="Measured in this run: one epoch trains on duplicates instead of the data",
     message=(
         "{repeated} of the {checked} batches checked so far in epoch {epoch} (rank {rank}) repeat an earlier batch of "
         "the same epoch token for token; the first, at step {step}, repeats step {repeats_step}."
@@ -325,15 +273,15 @@ TFD122 = Rule(
     "BatchGuard",
     title="attention mask with holes: real tokens masked out inside the text",
     trigger=(
-        "a binary attention mask of the ids' shape masks positions between real tokens of a row (or at both ends "
-        "of it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "
+        "a binary attention mask of the ids' shape masks positions between real tokens of a row (or at both ends of "
+        "it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "
         "`cu_seqlens` / `document_ids`-like keys) or 3-D/4-D masks"
     ),
     hint=(
         "A mask built as input_ids != pad_id where the pad id is also a real token (GPT-2 / Llama reuse EOS as "
         "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."
     ),
-    reason=("Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them"),
+    reason="Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them",
     message=(
         "{where}: '{key}' masks {holes:.0f} position(s) inside the text of {rows} of {sequences} rows "
         "({hole_fraction:.1%} of those rows' text; the first at row {first_hole[0]}, position {first_hole[1]}, id "
@@ -345,21 +293,17 @@ TFD123 = Rule(
     "TFD123",
     "warning",
     "BatchGuard",
-    title="the same batches come back sooner than the data allows (overfit_batches, a Dataset ignoring its index)",
+    title="the same batches come back sooner than the data allows",
     trigger=(
-        "of the batches a rank read, fewer are different than min(read, the training DataLoader's length) by at "
-        "least 3 and more than `max_repeated_fraction` of that (map-style loaders), or the repeats inside epochs "
-        "summed over the run reach 3 and that fraction of the batches read; silent once TFD121 has spoken"
+        "fewer different batches than min(read, the DataLoader's length) by 3 and `max_repeated_fraction` of it, or "
+        "repeats inside epochs summed to as many; silent once TFD121 has spoken"
     ),
     hint=(
         "Remove Trainer(overfit_batches=...) or a limit_train_batches on an unshuffled DataLoader left on from "
         "debugging (every epoch then reads the same first batches); otherwise find what makes the data repeat: a "
         "Dataset whose __getitem__ ignores its index, a DataLoader or sampler that yields the same batch."
     ),
-    reason=(
-        "evidence of harm in this run: the model trains on a fraction of its data and the loss falls by "
-        "memorising it, while the rest of the dataset is never read"
-    ),
+    reason="evidence of harm in this run: the model memorises a fraction of its data and never reads the rest",
     message=(
         "{what}: the same batches come back sooner than the data allows ({repeats_within_epochs} of them repeat a "
         "batch of their own epoch; the first repeat, at step {step}, repeats step {repeats_step}).{cause}"
@@ -370,29 +314,50 @@ TFD124 = Rule(
     "TFD124",
     "warning",
     "BatchGuard",
-    title="the end-of-sequence token occurs in the inputs and is never supervised (the model never learns to stop)",
+    title="the end-of-sequence token occurs in the inputs and is never supervised",
     trigger=(
-        "over the first `special_token_batches` checked batches of a causal LM (or a decoder's targets), EOS "
-        "occurs among the real input tokens often enough that `min_eos_expected` supervised EOS are expected, "
-        "and no supervised label is EOS; masked-LM labels are not judged"
+        "over the first `special_token_batches` checked batches of a causal LM or a decoder's targets, "
+        "`min_eos_expected` supervised EOS are expected from the inputs and none is"
     ),
     hint=(
-        "Find where the labels lose the EOS: a collator that masks by id (labels == pad_id while pad id == EOS "
-        "id, as DataCollatorForLanguageModeling with tokenizer.pad_token = tokenizer.eos_token does), a "
-        "completion-only mask that ends before the EOS. Mask padding by position (attention_mask == 0) or give "
-        "the tokenizer a pad token of its own."
+        "Find where the labels lose the EOS: a collator that masks by id (labels == pad_id while pad id == EOS id, as "
+        "DataCollatorForLanguageModeling with tokenizer.pad_token = tokenizer.eos_token does), a completion-only mask "
+        "that ends before the EOS. Mask padding by position (attention_mask == 0) or give the tokenizer a pad token "
+        "of its own."
     ),
-    reason=(
-        "evidence of harm in this run: the labels it trains on never contain EOS, so the model is never taught "
-        "to end a sequence and generates until the length limit"
-    ),
+    reason="evidence of harm in this run: the model is never taught to end a sequence",
     message=(
         "Over the first {batches} checked batches the end-of-sequence token {eos_id} occurs {eos_in_inputs:.0f} times "
         "among the {inputs} and is never supervised: none of the {supervised_labels:.0f} supervised labels in "
-        "{labels_at} is EOS (about {expected_supervised:.0f} expected at this data's supervised share of {share:.0%}). "
-        "The model never learns to stop: it generates until the length limit.{collator}"
+        "{labels_at} is EOS (about {expected_supervised:.0f} expected at this data's supervised share of "
+        "{share:.0%}). The model never learns to stop: it generates until the length limit.{collator}"
     ),
 )
+
+TFD125 = Rule(
+    "TFD125",
+    "warning",
+    "BatchGuard",
+    title="resumed mid-epoch with a DataLoader that cannot restore its position",
+    trigger=(
+        "a fit resumes at batch S > 0 of an epoch and a training DataLoader has no `state_dict`/`load_state_dict`; "
+        "info when it shuffles"
+    ),
+    hint=(
+        "Use a DataLoader that Lightning restores (torchdata's StatefulDataLoader, or any loader with state_dict / "
+        "load_state_dict), or resume from checkpoints saved at epoch ends (ModelCheckpoint(every_n_epochs=1, "
+        "save_on_train_epoch_end=True))."
+    ),
+    reason="evidence of harm in this run: the resumed epoch trains some batches twice and skips others",
+    message=(
+        "The fit resumed at batch {start} of a {per_epoch}-batch epoch (step {step}, epoch {epoch}, rank {rank}), and "
+        "the training DataLoader cannot restore its position: Lightning restarts it from the epoch's first batch. "
+        "{effect}"
+    ),
+)
+
+DRIFT_RULES: dict[str, Rule] = {"missing": TFD101, "extra": TFD102, "dtype": TFD103, "ndim": TFD104, "size": TFD105}
+"""The rule of each kind of schema :class:`~lightning_tfdebug.functional.batches.Drift`."""
 
 BLOCK = ("TFD101", "TFD129")
 """The codes reserved for BatchGuard's rules."""
@@ -418,12 +383,13 @@ RULES: tuple[Rule, ...] = (
     TFD122,
     TFD123,
     TFD124,
+    TFD125,
 )
 """The rules decided in this module, in code order."""
 
-
 STREAM_REPEAT_WINDOW = 16  # from a stream, a repeat counts only this close (a stream may cycle its data)
 MAX_EPOCH_PRINTS = 100_000  # fingerprints kept per epoch for TFD121 (a few MB at most)
+MIN_EXCESS_REPEATS = 3  # TFD123 needs at least this many batches beyond the distinct ones the data allows
 
 
 # ------------------------------------------------------------------------------------------------ readings
@@ -460,9 +426,7 @@ class ValueRules:
         position_ids: Tensor | None = None,
         labels_aligned: bool = True,
     ) -> Tensor:
-        """The :func:`~lightning_tfdebug.functional.batches.token_statistics` of one batch for these rules, on its
-        device: on the CPU it reads a few counts on the host to skip kernels (no sync: the data are in host memory);
-        on an accelerator everything stays on the device until the caller's one transfer."""
+        """One batch's :func:`~lightning_tfdebug.functional.batches.token_statistics` for these rules, on its device."""
         with torch.no_grad():
             return token_statistics(
                 ids,
@@ -479,14 +443,23 @@ class ValueRules:
 
 
 class EpochData(NamedTuple):
-    """What an epoch's training data is (host metadata, read once per epoch): a stream (no epochs of its own), the
-    DataLoader's length (batches per epoch before any Trainer limit; None for a stream or several loaders), the
-    batches the Trainer reads per epoch, and the Trainer limit in force (``"Trainer(overfit_batches=1)"``)."""
+    """An epoch's training data (host metadata, read once per epoch).
+
+    Attributes:
+        stream: not a map-style DataLoader (no epochs of its own).
+        loader_length: batches per epoch before any Trainer limit; None for a stream or several loaders.
+        per_epoch: the batches the Trainer reads per epoch.
+        setting: the Trainer limit in force (``"Trainer(overfit_batches=1)"``).
+        stateful: every loader can restore its position (``state_dict``/``load_state_dict``).
+        in_order: every loader reads in a fixed order (no shuffling).
+    """
 
     stream: bool = False
     loader_length: int | None = None
     per_epoch: int | None = None
     setting: str | None = None
+    stateful: bool = False
+    in_order: bool = False
 
 
 def batch_name(batch_idx: int, step: int, epoch: int, rank: int) -> str:
@@ -495,8 +468,7 @@ def batch_name(batch_idx: int, step: int, epoch: int, rank: int) -> str:
 
 
 def fields_notice(paths: Mapping[str, str | None], leaves: Mapping[str, Any], input_key: str | None) -> str | None:
-    """What the user should know of where the first batch's fields were found: no token ids (only the schema checks
-    run), or ids found under another name than asked; None when they are where expected."""
+    """Where the first batch's fields were found, when the user should know (no ids, or ids under another name)."""
     ids = paths.get("input_ids")
     if ids is None:
         return (
@@ -512,40 +484,28 @@ def fields_notice(paths: Mapping[str, str | None], leaves: Mapping[str, Any], in
 
 
 # ------------------------------------------------------------------------------------------------ host metadata
-DRIFT_RULES: dict[str, Rule] = {"missing": TFD101, "extra": TFD102, "dtype": TFD103, "ndim": TFD104, "size": TFD105}
-"""The rule of each kind of :class:`~lightning_tfdebug.functional.batches.Drift`."""
-
-
 def drift_verdicts(drifts: list[Drift], where: str, declared: bool) -> list[Verdict]:
     """``TFD101``-``TFD105``: one verdict per difference between a batch and its schema, recorded once per key."""
     schema = "the declared schema" if declared else "the schema learned from the first batches"
-    return [
-        DRIFT_RULES[d.kind].verdict(
-            {"key": d.key, "expected": d.expected, "found": d.found}, key=d.key, where=where, schema=schema
-        )
-        for d in drifts
-    ]
+    evidence = [{"key": d.key, "expected": d.expected, "found": d.found} for d in drifts]
+    return [DRIFT_RULES[d.kind].verdict(e, key=d.key, where=where, schema=schema) for d, e in zip(drifts, evidence)]
 
 
 def too_long(where: str, ids_path: str | None, spec: FieldSpec | None, context: int | None) -> Verdict | None:
     """``TFD111`` from the ids' shape alone (host metadata): a sequence longer than the model's context."""
-    if context is None or ids_path is None or spec is None or not spec.shape:
+    if context is None or ids_path is None or spec is None or not spec.shape or spec.shape[-1] <= context:
         return None
-    width = spec.shape[-1]
-    if width <= context:
-        return None
-    return TFD111.verdict({"key": ids_path, "shape": list(spec.shape), "max_length": context}, where=where, width=width)
+    evidence = {"key": ids_path, "shape": list(spec.shape), "max_length": context}
+    return TFD111.verdict(evidence, where=where, width=spec.shape[-1])
 
 
 @dataclass
 class SchemaWatch:
     """``TFD101``-``TFD105`` and ``TFD111`` from host metadata: each batch against its schema, declared or learned.
 
-    A learned schema takes keys, dtypes and dimension counts from the first batch and the dimensions keys share from
-    the first ``learn_batches`` (:func:`~lightning_tfdebug.functional.batches.learn_schema`); a batch that drifts
-    while it is learned is reported and does not teach it. Once learning is over, a batch with the structure
-    (:func:`~lightning_tfdebug.functional.batches.structure_key`) of the last one that found nothing would find
-    nothing either: the caller skips :meth:`check` while ``structure == clean``.
+    A learned schema comes from the first ``learn_batches`` batches that do not drift
+    (:func:`~lightning_tfdebug.functional.batches.learn_schema`). Once learned, a batch with the structure of the last
+    one that found nothing finds nothing either: the caller skips :meth:`check` while ``structure == clean``.
     """
 
     learn_batches: int = 4
@@ -563,25 +523,20 @@ class SchemaWatch:
         self.context, self.clean = context, None
 
     def check(self, structure: tuple, leaves: Mapping[str, Any], ids_path: str | None, where: str) -> list[Verdict]:
-        """The drifts of the batch whose flattened ``leaves`` have ``structure`` (its ids at ``ids_path``, named
-        ``where`` in the messages), and its width against the model's context."""
+        """The drifts of the batch whose flattened ``leaves`` have ``structure``, and its width against the context."""
         specs = describe_leaves(leaves)
         declared = self.declared is not None
-        found: list[Verdict] = []
         learning = not declared and len(self.learned) < self.learn_batches
-        if learning:
-            drifts = []
-            if self.schema is not None:  # compare against what was learned so far; shared sizes not yet
-                drifts = [d for d in compare_schema(self.schema, specs) if d.kind != "size"]
-                found = drift_verdicts(drifts, where, declared)
-            if not drifts:  # a drifting batch does not teach the schema
+        drifts = [] if self.schema is None else compare_schema(self.schema, specs)
+        if learning:  # shared sizes are not known yet; a drifting batch does not teach the schema
+            drifts = [d for d in drifts if d.kind != "size"]
+            if not drifts:
                 self.learned.append(specs)
                 self.schema = learn_schema(self.learned)
-        elif self.schema is not None:
-            found = drift_verdicts(compare_schema(self.schema, specs), where, declared)
         long = too_long(where, ids_path, specs.get(ids_path or ""), self.context)
-        self.clean = structure if not learning and not found and long is None else None
-        return found if long is None else [*found, long]
+        found = drift_verdicts(drifts, where, declared) + ([long] if long is not None else [])
+        self.clean = structure if not learning and not found else None
+        return found
 
     def state(self) -> dict[str, Any] | None:
         """The learned schema as plain values once learning is over (None while learning, or when declared)."""
@@ -598,8 +553,8 @@ class SchemaWatch:
 
 
 # ------------------------------------------------------------------------------------------------ values
-# Each takes the unpacked statistics ``s`` of one batch (:func:`~lightning_tfdebug.functional.batches.
-# token_statistics`), the batch's name ``where``, where its fields are and what they are compared against.
+# Each takes one batch's unpacked statistics ``s`` (:func:`~lightning_tfdebug.functional.batches.token_statistics`),
+# its name ``where``, where its fields are and what they are compared against.
 def ids_outside_vocabulary(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
     """``TFD110``: input ids outside ``[0, vocab)``, naming the first (row, position, value)."""
     if s["ids_out_of_range"] <= 0:
@@ -610,14 +565,8 @@ def ids_outside_vocabulary(s: dict[str, float], where: str, paths: BatchPaths, r
         "max": s["ids_max"],
         "vocab_size": rules.vocab_size,
     }
-    return TFD110.verdict(
-        evidence,
-        where=where,
-        ids_key=paths.input_ids,
-        value=int(s["first_bad_id_value"]),
-        row=int(s["first_bad_id_row"]),
-        column=int(s["first_bad_id_col"]),
-    )
+    row, column, value = int(s["first_bad_id_row"]), int(s["first_bad_id_col"]), int(s["first_bad_id_value"])
+    return TFD110.verdict(evidence, where=where, ids_key=paths.input_ids, value=value, row=row, column=column)
 
 
 def mask_not_binary(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
@@ -683,8 +632,7 @@ def tokens_after_eos(s: dict[str, float], where: str, paths: BatchPaths, rules: 
 
 
 def truncation_rate(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
-    """``TFD119``: more than ``max_truncated_fraction`` of the sequences fill the context with no EOS (only with
-    ``eos_id`` and a known context)."""
+    """``TFD119``: over ``max_truncated_fraction`` of the sequences fill the context with no EOS (needs both)."""
     n = int(s["sequences"])
     if rules.eos_id is None or rules.context is None or not n or s["truncated"] / n <= rules.max_truncated_fraction:
         return None
@@ -707,12 +655,10 @@ PACKING_KEYS: tuple[str, ...] = (
     "segment_ids",
     "sequence_ids",
 )
-"""Batch keys that describe document boundaries inside a row: such a batch is packed, and its attention mask may
-leave holes on purpose (padding between documents)."""
+"""Batch keys that mark document boundaries inside a row: such a batch is packed, its mask may have holes on purpose."""
 
 MAX_HOLE_FRACTION = 0.5
-"""Above this share of a row's text masked inside it, the mask is not an attention mask with holes but another mask
-read as one (masked-LM positions, a loss mask): ``TFD122`` stays silent."""
+"""Above this share of a row's text masked inside it, the mask is another mask (masked-LM, loss) read as one."""
 
 HOLES_FROM_IDS_HINT = (
     "Take the attention mask from the tokenizer (it marks padding by position, not by id), or pad with an id that "
@@ -732,8 +678,7 @@ def packed_keys(leaves: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _hole_cause(s: dict[str, float]) -> tuple[str, str]:
-    """Why a mask has holes, and what to do: built from the ids (the holes' ids attended nowhere), or hiding tokens
-    attended elsewhere in their row."""
+    """Why a mask has holes, and the hint: built from the ids, or hiding tokens attended elsewhere in their row."""
     holes, hole_id = s["mask_holes"], int(s["first_hole_id"])
     if int(s["holes_masked_everywhere"]) != holes:
         cause = (
@@ -757,14 +702,10 @@ def _hole_cause(s: dict[str, float]) -> tuple[str, str]:
 def mask_hole_verdict(
     s: dict[str, float], where: str, paths: BatchPaths, *, has_mask: bool, packed_keys: tuple[str, ...] = ()
 ) -> Verdict | None:
-    """``TFD122``: real tokens masked out inside the text, from the :func:`~lightning_tfdebug.functional.batches.
-    mask_hole_statistics` of one batch.
+    """``TFD122``: real tokens masked out inside the text (padding fills one end of a row).
 
-    Padding fills one end of each row; masked positions between real tokens (or at both ends of a row) hide real
-    tokens from attention. Silent when the batch is packed (``packed_keys`` found in it, or position ids that restart
-    inside a row: documents may be separated by masked padding), when the mask is not binary (``TFD112``'s), and when
-    more than :data:`MAX_HOLE_FRACTION` of the holed rows' text is masked (a masked-LM or loss mask read as the
-    attention mask, not an attention mask with holes).
+    Silent for a packed batch (``packed_keys``, or position ids restarting in a row), a mask that is not binary
+    (``TFD112``'s) and when over :data:`MAX_HOLE_FRACTION` of the holed rows' text is masked.
     """
     holes = s.get("mask_holes", 0.0)
     if not has_mask or holes <= 0 or s["mask_non_binary"] > 0 or packed_keys or s["position_resets"] > 0:
@@ -799,13 +740,9 @@ def value_verdicts(
     packed: tuple[str, ...] = (),
     crash_only: bool = False,
 ) -> list[Verdict]:
-    """``TFD110``, ``TFD112``-``TFD119`` and ``TFD122`` from the unpacked statistics ``s`` of one batch, in code order.
-    The mask checks need a mask (``packed``: the batch's :func:`packed_keys`), the label and convention checks labels;
-    ``crash_only`` keeps the problems that break a forward (ids and labels outside the vocabulary, a mask that is not
-    binary)."""
-    checks = [ids_outside_vocabulary]
-    if has_mask:
-        checks.append(mask_not_binary)
+    """``TFD110``, ``TFD112``-``TFD119`` and ``TFD122`` of one batch, in code order; ``crash_only`` keeps those that
+    break a forward (ids and labels outside the vocabulary, a mask that is not binary)."""
+    checks = [ids_outside_vocabulary, *([mask_not_binary] if has_mask else [])]
     if has_labels:
         checks.append(labels_outside_vocabulary)
         if not crash_only:
@@ -818,8 +755,7 @@ def value_verdicts(
 
 
 def example_rows(ids: Tensor, labels: Tensor | None, count: int) -> tuple[list[list[int]], list[list[int]] | None]:
-    """The first ``count`` rows of the ids (and of the labels) as host lists, for :func:`decoded_examples`. A host
-    sync: once per fit."""
+    """The first ``count`` rows of the ids (and labels) as host lists, for :func:`decoded_examples` (a host sync)."""
     rows = [t if t.ndim >= 2 else t.reshape(1, -1) for t in (ids, labels) if t is not None]
     k = min(count, rows[0].shape[0])
     return rows[0][:k].tolist(), rows[1][:k].tolist() if len(rows) > 1 else None
@@ -850,9 +786,8 @@ def decoded_examples(
     """
     lines = [f"First {len(rows)} sequences of the first training batch (rank {rank}):", ""]
     for i, row in enumerate(rows):
-        text = tokenizer.decode(row)
         pieces = [tokenizer.decode([t]) for t in row]
-        lines.append(f"**{i}** ({len(row)} tokens) input: `{text!r}`")
+        lines.append(f"**{i}** ({len(row)} tokens) input: `{tokenizer.decode(row)!r}`")
         if label_rows is not None:
             shown = "".join(p if lab != ignore_index else "·" * max(len(p), 1) for p, lab in zip(pieces, label_rows[i]))
             supervised = sum(lab != ignore_index for lab in label_rows[i])
@@ -864,11 +799,10 @@ def decoded_examples(
 # ------------------------------------------------------------------------------------------------ across batches
 @dataclass
 class RepeatTracker:
-    """``TFD121``: batches of one epoch that repeat an earlier batch of the same epoch, token for token.
+    """``TFD121``: batches of one epoch that repeat an earlier batch of that epoch, token for token, fed in order.
 
-    A map-style dataset's sampler draws each sample once per epoch, so any repeat is suspect; a stream
-    (IterableDataset, generator) may legitimately cycle its data, so there only repeats within
-    :data:`STREAM_REPEAT_WINDOW` batches count. Feed batches in order with :meth:`add`.
+    A sampler draws each sample once per epoch, so any repeat is suspect; a stream may cycle its data, so there only
+    repeats within :data:`STREAM_REPEAT_WINDOW` batches count.
     """
 
     max_repeated_fraction: float = 0.1
@@ -878,14 +812,11 @@ class RepeatTracker:
     first_repeat: tuple[int, int] | None = None  # (step, step of the earlier identical batch)
     prints: dict[int, tuple[int, int]] = field(default_factory=dict)  # fingerprint -> (checked index, step)
 
-    def new_epoch(self, epoch: int) -> None:
-        self.epoch, self.checked, self.repeated = epoch, 0, 0
-        self.prints.clear()
-
     def add(self, epoch: int, step: int, fingerprint: int, stream: bool, rank: int = 0) -> Verdict | None:
         """Count the batch of ``step``; its verdict belongs to that step."""
         if epoch != self.epoch:
-            self.new_epoch(epoch)
+            self.epoch, self.checked, self.repeated = epoch, 0, 0
+            self.prints.clear()
         earlier = self.prints.get(fingerprint)
         if earlier is not None and (not stream or self.checked - earlier[0] <= STREAM_REPEAT_WINDOW):
             self.repeated += 1
@@ -896,13 +827,8 @@ class RepeatTracker:
         if self.repeated < 3 or self.repeated <= self.max_repeated_fraction * self.checked:
             return None
         first_step, earlier_step = self.first_repeat or (step, -1)
-        evidence = {
-            "epoch": epoch,
-            "checked": self.checked,
-            "repeated": self.repeated,
-            "step": first_step,
-            "repeats_step": earlier_step,
-        }
+        evidence = {"epoch": epoch, "checked": self.checked, "repeated": self.repeated}
+        evidence |= {"step": first_step, "repeats_step": earlier_step}
         return TFD121.verdict(evidence, step=step, rank=rank)
 
 
@@ -936,25 +862,14 @@ class LengthWindow:
         return TFD120.verdict(evidence, where=where, size=self.size)
 
 
-MIN_EXCESS_REPEATS = 3
-"""``TFD123`` needs at least this many batches beyond the distinct ones the data would have delivered."""
-
-
 @dataclass
 class RepeatPeriod:
-    """``TFD123``: the same batches come back sooner than the data allows, across epochs.
+    """``TFD123``: the same batches come back sooner than the data allows, across epochs; fed in order.
 
-    A map-style DataLoader of ``N`` batches per epoch delivers ``min(read, N)`` different batches in its first
-    ``read`` batches whatever the sampler (shuffled or not, distributed or not): a sample comes back only after the
-    epoch, and a multi-epoch run over a small dataset repeats at the epoch's length, as expected. Fewer different
-    batches than that means the data repeats sooner: ``Trainer(overfit_batches=...)`` or ``limit_train_batches`` on
-    an unshuffled loader (every epoch reads the same first batches), a Dataset whose ``__getitem__`` ignores its
-    index, a loader that yields one fixed batch. The excess ``min(read, N) - distinct`` must reach
-    :data:`MIN_EXCESS_REPEATS` and exceed ``max_repeated_fraction`` of ``min(read, N)`` (duplicated rows in a dataset
-    read one sample per batch stay below it); the loader's length is needed (``None``: a stream). The repeats inside
-    epochs (``TFD121``'s, per epoch) are also summed over the run: epochs of two or three batches never hold three
-    repeats each, but a Dataset ignoring its index repeats in every one of them. Feed batches in order with
-    :meth:`add`; host values only.
+    A map-style DataLoader of ``N`` batches delivers ``min(read, N)`` different batches in its first ``read``, whatever
+    the sampler. The excess ``min(read, N) - distinct`` must reach :data:`MIN_EXCESS_REPEATS` and exceed
+    ``max_repeated_fraction`` of ``min(read, N)``; or the repeats inside epochs (``TFD121``'s reading) summed over the
+    run reach as many (epochs of two batches never hold three repeats each).
     """
 
     max_repeated_fraction: float = 0.1
@@ -975,46 +890,40 @@ class RepeatPeriod:
         setting: str | None = None,
         rank: int = 0,
     ) -> Verdict | None:
-        """Count the batch of ``step`` (its verdict belongs to that step); ``loader_length`` is the training
-        DataLoader's length (batches per epoch before any Trainer limit), ``within_epoch`` whether the batch repeats
-        one of its own epoch (``TFD121``'s reading), ``per_epoch`` the batches the Trainer reads per epoch, ``setting``
-        the Trainer limit in force (``"Trainer(overfit_batches=1)"``) or None."""
+        """Count the batch of ``step``. ``loader_length``: batches per epoch before any Trainer limit (None: a
+        stream); ``within_epoch``: it repeats one of its own epoch; ``per_epoch``, ``setting``: :class:`EpochData`'s."""
         self.read += 1
         self.within += int(within_epoch)
         earlier = self.seen.get(fingerprint)
         if earlier is None:
-            if len(self.seen) >= MAX_EPOCH_PRINTS:
-                self.saturated = True
-            else:
+            self.saturated = self.saturated or len(self.seen) >= MAX_EPOCH_PRINTS
+            if not self.saturated:
                 self.seen[fingerprint] = step
         elif self.first_repeat is None:
             self.first_repeat = (step, earlier)
         known = loader_length is not None and loader_length > 0 and not self.saturated
         allowed = min(self.read, loader_length) if known and loader_length else self.read
-        distinct = len(self.seen)
-        excess = allowed - distinct if known else 0
+        excess = allowed - len(self.seen) if known else 0
         early = excess >= MIN_EXCESS_REPEATS and excess > self.max_repeated_fraction * allowed
         inside = self.within >= MIN_EXCESS_REPEATS and self.within > self.max_repeated_fraction * self.read
         if not (early or inside):
             return None
         return self._verdict(step, loader_length if known else None, per_epoch, setting, rank)
 
-    def _verdict(
-        self, step: int, known_length: int | None, per_epoch: int | None, setting: str | None, rank: int
-    ) -> Verdict:
+    def _verdict(self, step: int, length: int | None, per_epoch: int | None, setting: str | None, rank: int) -> Verdict:
         first_step, earlier_step = self.first_repeat or (step, -1)
         distinct = len(self.seen)
-        if known_length is not None:
+        if length is not None:
             what = (
                 f"Rank {rank} read {self.read} batches and only {distinct} of them are different, while its training "
-                f"DataLoader holds {known_length} batches per epoch"
+                f"DataLoader holds {length} batches per epoch"
             )
         else:
             what = f"Rank {rank} read {self.read} batches from a stream and {self.within} repeat a recent one"
         if setting is not None:
             per = f"{per_epoch} batch(es)" if per_epoch is not None else "the same batches"
             cause = (
-                f" {setting} is set: every epoch reads the same {per} of the {known_length} the DataLoader holds, and"
+                f" {setting} is set: every epoch reads the same {per} of the {length} the DataLoader holds, and"
                 " the loss falls by memorising them."
             )
         else:
@@ -1022,16 +931,9 @@ class RepeatPeriod:
                 " No Trainer limit is set: the data itself repeats (a Dataset whose __getitem__ ignores its index, a "
                 "DataLoader or sampler that yields the same batch)."
             )
-        evidence = {
-            "read": self.read,
-            "distinct": distinct,
-            "repeats_within_epochs": self.within,
-            "loader_length": known_length,
-            "batches_per_epoch": per_epoch,
-            "setting": setting,
-            "step": first_step,
-            "repeats_step": earlier_step,
-        }
+        evidence = {"read": self.read, "distinct": distinct, "repeats_within_epochs": self.within}
+        evidence |= {"loader_length": length, "batches_per_epoch": per_epoch, "setting": setting}
+        evidence |= {"step": first_step, "repeats_step": earlier_step}
         return TFD123.verdict(evidence, step=step, what=what, cause=cause)
 
 
@@ -1045,27 +947,27 @@ class BatchRepeats:
     """``TFD121`` and ``TFD123`` from the fingerprints of the batches read, in order.
 
     Fingerprints wait in :attr:`pending` until they reach the host (device ones with a checked batch's transfer);
-    :meth:`read` then feeds them to :class:`RepeatTracker` (within each epoch) and :class:`RepeatPeriod` (across
-    epochs). Once ``TFD121`` has named the repeats, ``TFD123`` stays silent: it would say the same again.
+    :meth:`read` feeds them to :class:`RepeatTracker` and :class:`RepeatPeriod`. ``TFD123`` stays silent once
+    ``TFD121`` has named the repeats, and does not count the epoch a mid-epoch resume restarted (``TFD125``'s).
     """
 
     max_repeated_fraction: float = 0.1
     pending: list[PendingPrint] = field(default_factory=list)
     spoken: bool = False  # TFD121 was reached
+    resumed_epoch: int | None = None  # the epoch a resume restarted mid-way: not counted for TFD123
 
     def __post_init__(self) -> None:
         self.within = RepeatTracker(self.max_repeated_fraction)
-        self.period = RepeatPeriod(self.max_repeated_fraction)
+        self.new_fit()
 
     def new_fit(self) -> None:
         """A new fit reads its data anew: the run-long count starts over."""
         self.period = RepeatPeriod(self.max_repeated_fraction)
-        self.spoken = False
+        self.spoken, self.resumed_epoch = False, None
 
     def add(self, epoch: int, step: int, data: EpochData, ids: Tensor) -> None:
-        """Fingerprint the batch of ``step`` from its ``ids``: a CPU batch on the host from its bytes (a host int, no
-        kernel), else on the device with no sync, read with the next checked batch (integer ids carry no autograd
-        history). Every batch, on the hot path."""
+        """Fingerprint the batch of ``step`` (every batch, on the hot path): a CPU batch from its bytes (a host int),
+        else on its device with no sync, read with the next checked batch."""
         fingerprint = host_fingerprint(ids)
         self.pending.append((epoch, step, data, device_fingerprint(ids) if fingerprint is None else fingerprint))
 
@@ -1080,8 +982,7 @@ class BatchRepeats:
         return [p[3] for p in prints if isinstance(p[3], Tensor)]
 
     def read(self, prints: list[PendingPrint], device_values: list[float], rank: int = 0) -> list[Verdict]:
-        """Verdicts from ``prints`` once on the host: host ints as they are, the device ones from ``device_values``
-        (in the order :meth:`on_device` gave them)."""
+        """Verdicts from ``prints``, the device ones' values in ``device_values`` (in :meth:`on_device`'s order)."""
         values = iter(device_values)
         out: list[Verdict] = []
         for epoch, step, data, fingerprint in prints:
@@ -1089,25 +990,59 @@ class BatchRepeats:
             earlier = self.within.repeated if self.within.epoch == epoch else 0  # the tracker resets per epoch
             found = self.within.add(epoch, step, fingerprint, data.stream, rank)
             self.spoken = self.spoken or found is not None
-            period = self.period.add(
-                step,
-                fingerprint,
-                None if data.stream else data.loader_length,
-                within_epoch=self.within.repeated > earlier,  # this batch repeats one of its own epoch
-                per_epoch=data.per_epoch,
-                setting=data.setting,
-                rank=rank,
-            )
+            period = None
+            if epoch != self.resumed_epoch:
+                period = self.period.add(
+                    step,
+                    fingerprint,
+                    None if data.stream else data.loader_length,
+                    within_epoch=self.within.repeated > earlier,  # this batch repeats one of its own epoch
+                    per_epoch=data.per_epoch,
+                    setting=data.setting,
+                    rank=rank,
+                )
             out += [v for v in (found, None if self.spoken else period) if v is not None]
         return out
+
+
+def _batch_range(first: int, last: int) -> str:
+    return f"batch {first}" if first == last else f"batches {first}-{last}"
+
+
+def resumed_mid_epoch(start: int, step: int, epoch: int, rank: int, data: EpochData) -> Verdict | None:
+    """``TFD125``: the fit's first batch is batch ``start`` > 0 of its epoch (a resume) and the loader restarts.
+
+    The loader yields its batches ``0..N-S-1`` as the epoch's ``S..N-1``: in a fixed order batches
+    ``0..min(S, N-S)-1`` train twice and as many at the end are never read; shuffled, a new order is drawn and about
+    ``(N-S)·S/N`` batches' worth of samples repeat. Silent for a stateful loader, a stream, an unknown epoch length.
+    """
+    n = data.per_epoch
+    if start <= 0 or data.stateful or data.stream or n is None or start >= n:
+        return None
+    twice = min(start, n - start)
+    evidence = {"start": start, "per_epoch": n, "step": step, "epoch": epoch, "in_order": data.in_order}
+    if data.in_order:
+        evidence |= {"repeated": [0, twice - 1], "skipped": [n - twice, n - 1]}
+        effect = (
+            f"In its fixed order, {_batch_range(0, twice - 1)} of the epoch train a second time and "
+            f"{_batch_range(n - twice, n - 1)} are never read in it ({twice} each)."
+        )
+        return TFD125.verdict(evidence, rank=rank, effect=effect)
+    expected = (n - start) * start / n
+    evidence["expected_repeated"] = expected
+    effect = (
+        f"The remaining {n - start} batches are drawn in a new order from the whole dataset: about {expected:.0f} "
+        "batches' worth of samples trained before the checkpoint train again this epoch, and as many are not read in "
+        "it."
+    )
+    return TFD125.verdict(evidence, severity="info", rank=rank, effect=effect)
 
 
 # ------------------------------------------------------------------------------------------------ special tokens
 SPECIAL_ROLES: tuple[str, ...] = ("eos", "sep", "pad", "bos")
 CAUSAL_MATCH = 0.8
-"""Aligned labels are a causal LM's when at least this share of the supervised ones equal the id at the same position
-(Hugging Face) or at the next one (shifted by the data); a masked LM's match mostly neither (about 10%: the tokens
-kept unmasked)."""
+"""Aligned labels are a causal LM's when this share of the supervised ones equal the id at the same position or the
+next one; a masked LM's match mostly neither (about 10%: the tokens kept unmasked)."""
 
 
 @dataclass(frozen=True)
@@ -1130,50 +1065,39 @@ class SpecialIds:
 
 
 def _ids_of(value: Any) -> tuple[int, ...]:
-    if isinstance(value, bool):
+    """The non-negative token ids of an attribute: an int or a non-empty list of ints (never a bool)."""
+    values = value if isinstance(value, (list, tuple)) and value else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         return ()
-    if isinstance(value, int):
-        return (value,) if value >= 0 else ()
-    if (
-        isinstance(value, (list, tuple))
-        and value
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        return tuple(v for v in value if v >= 0)
-    return ()
+    return tuple(v for v in values if v >= 0)
 
 
 def learn_special_ids(sources: list[tuple[str, Any]], eos_id: int | None = None) -> SpecialIds:
-    """The special ids of the first source that names each: ``eos_id`` given by the user, then each ``(name, obj)``
-    of ``sources`` in order (a tokenizer, a Hugging Face config): ``<role>_token_id`` or ``<role>_id`` attributes
-    (a list for several EOS ids, as Llama 3's configs have). Host only; an attribute that raises is skipped."""
+    """The special ids of the first source that names each: ``eos_id``, then each ``(name, obj)`` of ``sources`` in
+    order (a tokenizer, a Hugging Face config) by its ``<role>_token_id`` or ``<role>_id`` attribute (a list for
+    several EOS ids). Host only; an attribute that raises is skipped."""
     found: dict[str, tuple[int, ...]] = {}
     source = ""
     if eos_id is not None:
         found["eos"], source = (eos_id,), "`eos_id`"
     for name, obj in sources:
-        if obj is None:
-            continue
-        for role in SPECIAL_ROLES:
-            if role in found:
-                continue
+        for role in SPECIAL_ROLES if obj is not None else ():
             for attr in (f"{role}_token_id", f"{role}_id"):
+                if role in found:
+                    break
                 try:
                     ids = _ids_of(getattr(obj, attr, None))
                 except Exception:  # a tokenizer property that complains about an unset token
                     ids = ()
                 if ids:
                     found[role] = ids
-                    if role == "eos":
-                        source = name
-                    break
+                    source = name if role == "eos" else source
     return SpecialIds(**found, source=source)
 
 
 def label_layout(ids: Tensor, labels: Tensor | None, encoder_decoder: bool = False) -> tuple[bool, bool]:
     """How a batch's labels lie against its ids (shapes only): aligned position for position (never an
-    encoder-decoder's, whose labels are its decoder's targets), and token sequences (aligned, or one row of targets
-    per row of ids, not one value per row)."""
+    encoder-decoder's), and token sequences (aligned, or one row of targets per row of ids)."""
     if labels is None:
         return False, False
     aligned = not encoder_decoder and labels.numel() == ids.numel()
@@ -1188,9 +1112,7 @@ EOS_CHECK = "EOS supervision (TFD124)"
 def eos_count_aside(
     ids: SpecialIds, *, has_labels: bool = True, sequences: bool = True, has_mask: bool = True
 ) -> tuple[str, str | None] | None:
-    """Why ``TFD124``'s count cannot run, and the setting that would let it (None: it can): no EOS id is known, the
-    batches have no token labels, their labels are not token sequences (``sequences``: aligned with the ids, or one
-    row of targets per row), or a pad id equal to the EOS id in batches without an attention mask."""
+    """Why ``TFD124``'s count cannot run, and the setting that would let it (None: it can)."""
     if not ids.eos:
         reason = "no end-of-sequence id is known (no `eos_id`, no tokenizer, no Hugging Face config naming one)."
         return reason, "`eos_id` or `tokenizer`"
@@ -1224,13 +1146,10 @@ class SpecialTokenTally:
     """``TFD124``: an end-of-sequence token present among the real inputs and never supervised.
 
     Sums :func:`~lightning_tfdebug.functional.batches.special_token_statistics` over the first ``max_batches`` checked
-    batches. Judged only where EOS is a target: a causal LM (labels aligned with the ids that match them, directly or
-    shifted by one, for at least :data:`CAUSAL_MATCH` of the supervised ones) or a decoder's targets (labels not
-    aligned with the inputs); a masked LM's labels (aligned, matching neither way) teach no EOS and are left alone.
-    EOS must be expected among the labels: its count among the real inputs times the supervised share of the tokens
-    (``min(1, supervised / real)``) reaches ``min_expected``, while not one label is EOS. BOS is never judged (it is
-    not predicted); an EOS used as BOS (the first real token of a row) is not counted. Done (silent) at the first
-    supervised EOS or after ``max_batches`` batches.
+    batches. Judged where EOS is a target: a causal LM's labels (aligned, matching the ids for :data:`CAUSAL_MATCH` of
+    the supervised ones) or a decoder's targets; a masked LM's are left alone. EOS must be expected among the labels
+    (its count among the real inputs times the supervised share, ``min(1, supervised / real)``, reaches
+    ``min_expected``) while not one label is EOS. Done at the first supervised EOS or after ``max_batches``.
     """
 
     ids: SpecialIds
@@ -1242,14 +1161,13 @@ class SpecialTokenTally:
     done: bool = False
 
     def add(self, host: list[float], aligned: bool, labels_key: str | None, has_mask: bool) -> Verdict | None:
-        """Count one batch's statistics (``host``: the vector, on the host); ``aligned``: the labels align with the
-        ids position for position."""
+        """Count one batch's statistics (``host``, on the host); ``aligned``: its labels align with the ids."""
         if self.done:
             return None
         self.totals = [a + b for a, b in zip(self.totals, host)] if self.totals else list(host)
         self.batches += 1
         self.aligned = self.aligned and aligned
-        counts = self._counts()
+        counts = {t: (self.totals[5 + 2 * k], self.totals[6 + 2 * k]) for k, t in enumerate(self.ids.ordered())}
         real, supervised, aligned_supervised, identity, shift = self.totals[:5]
         eos_inputs = sum(counts[t][0] for t in self.ids.eos)
         eos_supervised = sum(counts[t][1] for t in self.ids.eos)
@@ -1257,16 +1175,14 @@ class SpecialTokenTally:
             self.done = True
             return None
         match = max(identity, shift) / aligned_supervised if aligned_supervised else 0.0
-        if self.aligned:
-            layout = "causal" if match >= CAUSAL_MATCH else "masked"
-        else:
-            layout = "targets"
+        layout = ("causal" if match >= CAUSAL_MATCH else "masked") if self.aligned else "targets"
         share = min(1.0, supervised / real) if real else 0.0
         expected = eos_inputs * share
         if layout == "masked" or expected < self.min_expected:
             self.done = self.batches >= self.max_batches
             return None
         self.done = True
+        pad_is_eos = bool(set(self.ids.pad) & set(self.ids.eos))
         evidence: dict[str, Any] = {
             "eos_id": self.ids.eos[0] if len(self.ids.eos) == 1 else list(self.ids.eos),
             "eos_source": self.ids.source,
@@ -1277,27 +1193,11 @@ class SpecialTokenTally:
             "expected_supervised": expected,
             "batches": self.batches,
             "labels_layout": layout,
-            "pad_is_eos": bool(set(self.ids.pad) & set(self.ids.eos)),
+            "pad_is_eos": pad_is_eos,
         }
         for role in ("sep", "pad"):
             for token in getattr(self.ids, role):
                 evidence[f"{role}_{token}"] = {"inputs": counts[token][0], "supervised": counts[token][1]}
-        return self._verdict(evidence, share, labels_key, has_mask)
-
-    def statistics(self, ids: Tensor, mask: Tensor | None, labels: Tensor, ignore_index: int, aligned: bool) -> Tensor:
-        """One batch's :func:`~lightning_tfdebug.functional.batches.special_token_statistics` for these ids, on its
-        device (no sync); ``aligned``: the labels align with the ids position for position."""
-        with torch.no_grad():
-            return special_token_statistics(
-                ids, mask, labels, self.ids.ordered(), ignore_index=ignore_index, labels_aligned=aligned
-            )
-
-    def _counts(self) -> dict[int, tuple[float, float]]:
-        """Each special id's (count among the real inputs, count among the supervised labels) so far."""
-        return {t: (self.totals[5 + 2 * k], self.totals[6 + 2 * k]) for k, t in enumerate(self.ids.ordered())}
-
-    def _verdict(self, evidence: dict[str, Any], share: float, labels_key: str | None, has_mask: bool) -> Verdict:
-        pad_is_eos = evidence["pad_is_eos"]
         return TFD124.verdict(
             evidence,
             hint=PAD_IS_EOS_HINT if pad_is_eos else None,
@@ -1306,3 +1206,10 @@ class SpecialTokenTally:
             labels_at=f"'{labels_key}'" if labels_key else "the labels",
             collator=PAD_IS_EOS_MESSAGE.format(pad=self.ids.pad[0]) if pad_is_eos else "",
         )
+
+    def statistics(self, ids: Tensor, mask: Tensor | None, labels: Tensor, ignore_index: int, aligned: bool) -> Tensor:
+        """One batch's :func:`~lightning_tfdebug.functional.batches.special_token_statistics` on its device."""
+        with torch.no_grad():
+            return special_token_statistics(
+                ids, mask, labels, self.ids.ordered(), ignore_index=ignore_index, labels_aligned=aligned
+            )

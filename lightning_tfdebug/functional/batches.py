@@ -1,9 +1,5 @@
-"""Pure checks on training batches: schemas from host metadata, and packed token/target statistics.
-
-Nothing here needs a Trainer. Schema functions read only ``dtype``/``shape`` (host metadata, no device sync).
-:func:`token_statistics` computes every value statistic of one batch on its device and returns a single 1-D tensor,
-so a caller moves them all to the host with one transfer.
-"""
+"""Pure readings of training batches: schemas from host metadata (no sync), every value statistic of a batch as one
+device vector (one transfer to the host), and fingerprints."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.batch import flatten_batch, host_array
+from lightning_tfdebug.core.batch import host_array
 
 # ----------------------------------------------------------------------------------------------------------- schema
 
@@ -39,13 +35,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def describe_batch(batch: Any) -> dict[str, FieldSpec]:
-    """The :class:`FieldSpec` of every leaf. Host metadata only: no device sync."""
-    return describe_leaves(flatten_batch(batch))
-
-
 def describe_leaves(leaves: Mapping[str, Any]) -> dict[str, FieldSpec]:
-    """The :class:`FieldSpec` of every leaf of :func:`flatten_batch`'s output. Host metadata only."""
+    """The :class:`FieldSpec` of every flattened leaf of a batch (:func:`~lightning_tfdebug.core.batch.flatten_batch`).
+    Host metadata only."""
     out = {}
     for path, value in leaves.items():
         if isinstance(value, Tensor):
@@ -86,20 +78,10 @@ class Schema:
     keys: dict[str, KeySchema] = field(default_factory=dict)
     declared: bool = False
 
-    def describe(self) -> dict[str, str]:
-        out = {}
-        for k, s in self.keys.items():
-            dims = "" if s.dims is None else "[" + ", ".join("*" if d is None else str(d) for d in s.dims) + "]"
-            out[k] = s.dtype + dims
-        return out
-
 
 def parse_declared_schema(declared: Mapping[str, str]) -> Schema:
-    """Parse ``{key: "int64[B, T]"}`` declarations into a :class:`Schema`.
-
-    Each value is a dtype name (``int64``, ``float32``, ``bool`` ...) optionally followed by dimensions in brackets:
-    an integer is a fixed size, a name is a size shared by all dimensions of the batch with that name (``T`` in both
-    ``input_ids`` and ``labels``), ``*`` is free. Without brackets only the dtype is checked.
+    """Parse ``{key: "int64[B, T]"}`` declarations: a dtype name, then optional dimensions (an integer is fixed, a
+    name shared by every dimension so named, ``*`` free).
 
     Raises:
         ValueError: on a malformed declaration or an unknown dtype.
@@ -128,48 +110,38 @@ def parse_declared_schema(declared: Mapping[str, str]) -> Schema:
     return schema
 
 
-def learn_schema(specs: Sequence[Mapping[str, FieldSpec]]) -> Schema:
-    """Learn a schema from the specs of the first batches.
+def _size(spec: Mapping[str, FieldSpec], key: str, i: int) -> int | None:
+    shape = spec[key].shape if key in spec else None
+    return shape[i] if shape is not None and len(shape) > i else None
 
-    Keys and dtypes are those of the first batch; the number of dimensions is pinned; dimension sizes are free,
-    except that dimensions whose sizes were equal across keys in *every* batch (``input_ids``, ``attention_mask``
-    and ``labels`` share batch and sequence sizes) get a shared name, so a later batch where they disagree is
-    caught. Fixed sizes are never learned: a run whose first batches all happen to be padded to the same length
-    must not flag the first shorter one.
+
+def learn_schema(specs: Sequence[Mapping[str, FieldSpec]]) -> Schema:
+    """A schema learned from the specs of the first batches: the first batch's keys, dtypes and dimension counts.
+
+    Sizes are free (a run whose first batches share a padded length must not flag the first shorter one), except that
+    dimension ``i`` of keys whose sizes were equal in *every* batch gets a shared name, so a later batch where they
+    disagree (labels shorter than the ids) is caught.
     """
     first = specs[0]
-    schema = Schema()
-    # candidate groups: (ndim index) -> keys whose dimension i equalled each other's in every batch
     tensors = [k for k, s in first.items() if s.shape is not None]
     names: dict[tuple[str, int], str] = {}
     for key in tensors:
         for i in range(len(first[key].shape or ())):
             if (key, i) in names:
                 continue
-            group = [(key, i)]
-            for other in tensors:
-                for j in range(len(first[other].shape or ())):
-                    if (other, j) == (key, i) or (other, j) in names or j != i:
-                        continue
-                    if all(
-                        other in s
-                        and key in s
-                        and s[other].shape is not None
-                        and s[key].shape is not None
-                        and len(s[other].shape) > j
-                        and len(s[key].shape) > i
-                        and s[other].shape[j] == s[key].shape[i]
-                        for s in specs
-                    ):
-                        group.append((other, j))
-            if len(group) > 1:
-                for member in group:
-                    names[member] = f"d{i}:{key}"
+            group = [
+                other
+                for other in tensors
+                if other != key
+                and (other, i) not in names
+                and all(_size(s, other, i) is not None and _size(s, other, i) == _size(s, key, i) for s in specs)
+            ]
+            for member in [key, *group] if group else []:
+                names[member, i] = f"d{i}:{key}"
+    schema = Schema()
     for key, spec in first.items():
-        if spec.shape is None:
-            schema.keys[key] = KeySchema(spec.dtype, None)
-        else:
-            schema.keys[key] = KeySchema(spec.dtype, [names.get((key, i)) for i in range(len(spec.shape))])
+        dims = None if spec.shape is None else [names.get((key, i)) for i in range(len(spec.shape))]
+        schema.keys[key] = KeySchema(spec.dtype, dims)
     return schema
 
 
@@ -188,42 +160,28 @@ class Drift:
 
 def compare_schema(schema: Schema, specs: Mapping[str, FieldSpec]) -> list[Drift]:
     """Every way the batch described by ``specs`` differs from ``schema``."""
-    out: list[Drift] = []
-    for key, expected in schema.keys.items():
-        if key not in specs:
-            out.append(Drift("missing", key, expected.dtype, "absent"))
+    out = [Drift("missing", key, expected.dtype, "absent") for key, expected in schema.keys.items() if key not in specs]
     if not schema.declared:
-        for key in specs:
-            if key not in schema.keys:
-                out.append(Drift("extra", key, "absent", specs[key].describe()))
-    sizes: dict[str, tuple[str, int]] = {}
+        out += [Drift("extra", key, "absent", spec.describe()) for key, spec in specs.items() if key not in schema.keys]
+    sizes: dict[str, tuple[str, int]] = {}  # a shared dimension name -> (the first key, its size)
     for key, expected in schema.keys.items():
         spec = specs.get(key)
-        if spec is None:
-            continue
-        if spec.dtype != expected.dtype:
+        if spec is not None and spec.dtype != expected.dtype:
             out.append(Drift("dtype", key, expected.dtype, spec.dtype))
-        if expected.dims is None or spec.shape is None:
+        if spec is None or expected.dims is None or spec.shape is None:
             continue
         if len(spec.shape) != len(expected.dims):
             want = "[" + ", ".join("*" if d is None else str(d) for d in expected.dims) + "]"
             out.append(Drift("ndim", key, f"{len(expected.dims)} dims {want}", f"{len(spec.shape)} dims {spec.shape}"))
             continue
         for i, (dim, size) in enumerate(zip(expected.dims, spec.shape)):
+            found = f"dim {i} = {size} (shape {tuple(spec.shape)})"
             if isinstance(dim, int) and size != dim:
-                out.append(Drift("size", key, f"dim {i} = {dim}", f"dim {i} = {size} (shape {tuple(spec.shape)})"))
+                out.append(Drift("size", key, f"dim {i} = {dim}", found))
             elif isinstance(dim, str):
-                if dim in sizes and sizes[dim][1] != size:
-                    other, other_size = sizes[dim]
-                    out.append(
-                        Drift(
-                            "size",
-                            key,
-                            f"dim {i} = {other_size}, as in {other!r}",
-                            f"dim {i} = {size} (shape {tuple(spec.shape)})",
-                        )
-                    )
-                sizes.setdefault(dim, (key, size))
+                other, other_size = sizes.setdefault(dim, (key, size))
+                if other_size != size:
+                    out.append(Drift("size", key, f"dim {i} = {other_size}, as in {other!r}", found))
     return out
 
 
@@ -280,20 +238,12 @@ def token_statistics(
     labels_aligned: bool = True,
     host_reads: bool | None = None,
 ) -> Tensor:
-    """All value statistics of one language-model batch as one float64 vector (float32 on MPS, which has no
-    float64), in the order of :data:`STAT_NAMES`.
+    """All value statistics of one batch as one float64 vector (float32 on MPS), in the order of :data:`STAT_NAMES`.
 
-    1-D inputs are treated as one sequence. ``labels`` may have any shape; supervised padding is counted only when
-    they align with the ids element for element (and ``labels_aligned``: an encoder-decoder's labels are the
-    decoder's targets, unrelated to the encoder's padding even when their widths happen to match). Runs on the
-    inputs' device under ``no_grad``. Statistics that do not apply (no mask, no labels, no BOS id) are 0. The mask
-    hole statistics are :func:`mask_hole_statistics` (``position_ids`` of the ids' shape tell packed rows apart).
-
-    ``host_reads`` (default: the ids are on the CPU) lets it read a few counts on the host and skip the kernels whose
-    result they already give (where the first out-of-range id is, when there is none). On the CPU such a read waits
-    for nothing: the values are in host memory and CPU kernels have finished when they return. On an accelerator it
-    is left off: kernels run asynchronously and a read would be a device sync, so every statistic is computed on
-    the device and the caller moves the vector to the host once. Both ways give the same vector.
+    1-D ids are one sequence. Supervised padding is counted only for labels aligned with the ids (``labels_aligned``:
+    not an encoder-decoder's). Statistics that do not apply are 0. ``host_reads`` (default: ids on the CPU, where a
+    read waits for nothing) reads a few counts on the host to skip kernels; on an accelerator everything stays on the
+    device (no sync). Both ways give the same vector.
     """
     with torch.no_grad():
         ids = input_ids if input_ids.ndim >= 2 else input_ids.reshape(1, -1)
@@ -376,8 +326,7 @@ def _label_counts(
     lazy: bool,
 ) -> list[Tensor | int]:
     """``labels_total``, ``labels_ignored``, ``labels_out_of_range``, the first of those (0 when none) and
-    ``pad_supervised``. Labels of any shape (seq2seq targets, one class per row) get the range and ignored counts;
-    the padding count needs labels aligned with the ids, position for position."""
+    ``pad_supervised`` (labels aligned with the ids only)."""
     labels_total = labels_ignored = labels_bad = first_lab = pad_supervised = 0
     if labels is None or labels.numel() == 0:
         return [labels_total, labels_ignored, labels_bad, first_lab, pad_supervised]
@@ -436,9 +385,8 @@ def _read(value: Tensor | float) -> float:
 
 
 def _locate(flags: Tensor, count: Tensor, lazy: bool) -> tuple[Tensor, Tensor | bool] | None:
-    """The flat index of the first True of ``flags`` and whether there is one (``count > 0``). With ``lazy`` (host
-    reads allowed) None when ``count`` is 0, without the search; otherwise the search always runs and the caller masks
-    its result with the returned flag."""
+    """The flat index of the first True of ``flags`` and whether there is one; with ``lazy``, None when ``count`` is 0
+    (no search)."""
     if lazy:
         if not count.item():  # the host_reads path: CPU tensors, no device sync
             return None
@@ -500,20 +448,12 @@ def mask_hole_statistics(
 ) -> list[Tensor | int]:
     """How the attention mask ``real`` (bool, ``[rows, width]``) breaks the one-run-per-row shape of padding.
 
-    Padding fills one end of a row: a right-padded row is ``1 1 1 0 0``, a left-padded one ``0 0 1 1 1``. A *hole* is
-    a masked position inside the text: a 0 between two 1s, or, in a row masked at both ends, the 0s of the shorter
-    end (``0 1 1 0 0``: the first token is hidden). For the holes, it tells apart a mask built from token identity
-    (``input_ids != pad_id`` with a pad id that is also a real token: the hole's id is attended nowhere in the batch)
-    from a mask that hides tokens attended elsewhere in the same row. ``position_resets`` counts attended positions
-    whose position id does not exceed that of an earlier attended position of the row: packed rows restart their
-    positions per document, and their masks may legitimately have holes.
+    A *hole* is a masked position inside the text: a 0 between two 1s, or the 0s of the shorter end of a row masked
+    at both ends. Holes whose id is attended nowhere mean a mask built from the ids (``input_ids != pad_id``);
+    ``position_resets`` (position ids restarting in a row) marks packed rows. ``lengths``: ``real.sum(1)`` when known;
+    ``host_reads`` as in :func:`token_statistics`.
 
-    ``lengths`` is ``real.sum(1)`` when the caller has it. ``host_reads`` (default: the ids are on the CPU, where a
-    read is no device sync) first asks whether any row has a hole at all, and when none has, skips the kernels that
-    describe holes; on an accelerator everything runs on the device, with no host sync.
-
-    Returns the values named ``mask_hole_rows`` to ``position_resets`` in :data:`STAT_NAMES`: device scalars, or
-    ints where ``host_reads`` already knew them.
+    Returns the values ``mask_hole_rows`` to ``position_resets`` of :data:`STAT_NAMES` (device scalars or host ints).
     """
     width = ids.shape[1]
     ids64 = ids.long()
@@ -596,8 +536,7 @@ def unpack_statistics(host: Sequence[float]) -> dict[str, float]:
 
 
 def length_shift(reference_mean: float, reference_std: float, window_mean: float, tolerance: float) -> bool:
-    """Whether a window's mean sequence length moved away from the reference by more than ``tolerance`` of the
-    reference mean (and by more than one reference standard deviation, so noisy small batches do not trip it)."""
+    """Whether a window's mean length moved from the reference by more than ``tolerance`` of it and one std."""
     if reference_mean <= 0:
         return False
     delta = abs(window_mean - reference_mean)
@@ -625,17 +564,9 @@ def special_token_statistics(
     ignore_index: int = -100,
     labels_aligned: bool = True,
 ) -> Tensor:
-    """How often each of ``special_ids`` occurs among the real input tokens and among the supervised labels of one
-    batch, with what tells a causal-LM batch from a masked-LM one; one float64 vector (float32 on MPS) in the order of
-    :data:`SPECIAL_HEAD`, then ``(in inputs, supervised)`` per special id.
-
-    A special token is counted among the inputs where the attention mask is 1 and it is not the first real token of
-    its row (a BOS, or an EOS used as BOS, need not be predicted). Labels are counted wherever they are supervised,
-    whatever their alignment (Hugging Face labels equal to the ids, labels shifted by the data, a decoder's targets).
-    When the labels align with the ids element for element (and ``labels_aligned``), ``identity_matches`` and
-    ``shift_matches`` count the supervised labels equal to the id at the same position or at the next one: a causal
-    LM's labels match one way almost everywhere, a masked LM's (the original token where the input is the mask token)
-    mostly neither. Runs on the inputs' device under ``no_grad``; no host sync.
+    """How often each of ``special_ids`` occurs among one batch's real inputs (not the first of a row) and supervised
+    labels, with what tells a causal LM's labels from a masked LM's: one vector in the order of :data:`SPECIAL_HEAD`,
+    then ``(in inputs, supervised)`` per id. On the inputs' device, no host sync.
     """
     with torch.no_grad():
         ids = input_ids if input_ids.ndim >= 2 else input_ids.reshape(1, -1)
@@ -688,13 +619,8 @@ def _fingerprint_weights(numel: int, device: torch.device) -> tuple[Tensor, int]
 
 
 def host_fingerprint(ids: Tensor) -> int | None:
-    """The fingerprint of a CPU tensor, read on the host: the CRC-32 of its bytes, in ``[0, 2**31 - 1)``; None when
-    ``ids`` is not a CPU tensor NumPy can read (then :func:`batch_fingerprint` hashes it on its device).
-
-    A CPU batch is host memory already, so hashing its bytes needs no torch kernel: about half the host time of the
-    device formula's four kernels on the hot path, where BatchGuard fingerprints every batch. Equal values of one dtype
-    give equal fingerprints, as on a device; the two formulas give different numbers, and a run uses one of them (its
-    batches are on one kind of device), so its fingerprints compare with each other, across steps and ranks.
+    """The fingerprint of a CPU tensor, the CRC-32 of its bytes in ``[0, 2**31 - 1)`` (no torch kernel on the hot
+    path); None when NumPy cannot read it. Its numbers differ from :func:`device_fingerprint`'s: a run uses one kind.
     """
     array = host_array(ids)
     if array is None:
@@ -705,13 +631,8 @@ def host_fingerprint(ids: Tensor) -> int | None:
 
 
 def batch_fingerprint(ids: Tensor) -> Tensor:
-    """A cheap, order-sensitive hash of a tensor's values as an int64 scalar in ``[0, 2**31 - 1)``: on the host for
-    a CPU tensor (:func:`host_fingerprint`), else computed on its device (no sync).
-
-    Two equal tensors always give the same value; different ones collide with probability about 1 in 2**31. Floating
-    tensors are hashed through their bit pattern. On a device: three kernels on integer ids, a weighted sum with
-    cached position weights, a cached constant added, the remainder.
-    """
+    """An order-sensitive hash of a tensor's values as an int64 scalar in ``[0, 2**31 - 1)`` (collisions about 1 in
+    2**31): :func:`host_fingerprint` for a CPU tensor, else :func:`device_fingerprint` (no sync)."""
     host = host_fingerprint(ids.detach())
     if host is not None:
         return torch.tensor(host)

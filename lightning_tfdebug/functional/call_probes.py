@@ -1,23 +1,10 @@
-"""Probing a model through the call its ``training_step`` really makes: the
-:class:`~lightning_tfdebug.core.calls.ModelCall` that :func:`~lightning_tfdebug.core.calls.find_model_call` reads.
+"""Probing a model through the call its ``training_step`` really makes (a
+:class:`~lightning_tfdebug.core.calls.ModelCall`), or through its forward by signature (:class:`ModelCaller`).
 
 The probes re-issue the recorded call with perturbed token tensors ("slots") and read the logits back as
-``(batch, time, vocab)``, whatever layout the model returns: ``(B, T, V)``, flattened ``(B*T, V)``, sequence-first
-``(T, B, V)``, inside tuples, dicts or model outputs.
-
-The labels fix what a leak is. Output position ``p`` is trained on label ``p + shift`` (``shift`` is 1 when the
-labels equal the ids, so the model or its loss shifts them; 0 when the data holds next-token labels, or for a
-decoder's own targets). A slot whose position ``t`` carries label ``t - offset`` must not reach output ``p`` from any
-position ``t >= p + shift + offset``: the decoder input of an encoder-decoder that is the labels themselves
-(``offset`` 0, ``shift`` 0) leaks each position's own label, and an encoder that sees the whole text of a language
-model leaks the next token. Slots unrelated to the labels (a translation's source) are not perturbed: an encoder
-may see all of them.
-
-Token rows without labels: a batch that is one integer tensor ``(B, T+1)`` (or a tuple whose first item is one) is
-sliced inside the step or the model (``x, y = rows[:, :-1], rows[:, 1:]``). The chosen call may take the rows
-themselves or a slice of them without the last or the first column (:attr:`~lightning_tfdebug.core.calls.ModelCall.
-ids_start`), so the probes perturb the call's own tokens and the alignment of its outputs with the next tokens is read
-against the whole row.
+``(batch, time, vocab)`` whatever layout the model returns. A slot whose position ``t`` carries label ``t - offset``
+must not reach output ``p`` from any position ``t >= p + shift + offset`` (:attr:`~lightning_tfdebug.core.calls.
+ModelCall.shift`); slots unrelated to the labels, and an encoder-decoder's encoder input, are never perturbed.
 """
 
 from __future__ import annotations
@@ -64,14 +51,9 @@ def build_caller(
     input_key: str | None = None,
     mask_key: str | None = None,
 ) -> ModelCaller | str:
-    """A :class:`ModelCaller` for ``module``, or a sentence saying why it cannot be called.
-
-    With ``forward_fn``, ``forward_fn(module, input_ids, attention_mask)``. Otherwise from ``module.forward``'s
-    signature: the ids by keyword (``input_key`` when the forward names it, else ``input_ids``; any name under
-    ``**kwargs``), else as the first positional argument; the mask by the first of ``mask_key`` and the usual mask
-    names (:data:`~lightning_tfdebug.core.batch.MASK_KEYS`) that the forward names, or as ``mask_key`` (default
-    ``attention_mask``) under ``**kwargs``.
-    """
+    """A :class:`ModelCaller` for ``module`` (``forward_fn(module, input_ids, attention_mask)``, else by
+    ``module.forward``'s signature: the ids by keyword, ``input_key`` or ``input_ids``, else first positional; the
+    mask under ``mask_key`` or a usual mask name), or a sentence saying why it cannot be called."""
     if forward_fn is not None:
         fn = forward_fn
         return ModelCaller(lambda ids, mask: fn(module, ids, mask), takes_mask=True, mask_named=True)
@@ -127,8 +109,7 @@ def caller_logits(caller: ModelCaller, input_ids: Tensor, attention_mask: Tensor
 
 # ------------------------------------------------------------------------------------------------- re-issuing the call
 def call_vocab(found: ModelCall, input_ids: Tensor) -> Tensor:
-    """The distinct token ids the batch and the call's token tensors hold (never ``ignore_index`` or a negative id),
-    sorted: the ids a probe draws replacements from."""
+    """The distinct, sorted, non-negative ids of the batch and the call's token tensors: replacements come from them."""
     values = [input_ids.flatten()] + [found.tensors[s.path].flatten() for s in found.slots]
     vocab = torch.unique(torch.cat([v.to(input_ids.device, input_ids.dtype) for v in values]))
     vocab = vocab[vocab != found.ignore_index]
@@ -211,9 +192,9 @@ def perturb_from(
 
 # ------------------------------------------------------------------------------------------------------------ leaks
 def measure_leaks(found: ModelCall, vocab: Tensor, rows: int, generator: torch.Generator) -> list[Reading]:
-    """Through the recorded call: the repeat check, then for each argument that carries the labels, its tokens
-    replaced from the first position an output at or before the middle must not see, and those outputs compared.
-    Returns the repeat reading, one leak reading per argument, and their summary."""
+    """The repeat reading, then one leak reading per argument that carries the labels (:meth:`~lightning_tfdebug.core.
+    calls.ModelCall.related`: its tokens replaced from the first position an output up to the middle must not see),
+    and their summary."""
     base = run_call(found, {}, rows=rows)
     tolerance = logit_tolerance(base)
     repeat, where = max_change(base, run_call(found, {}, rows=rows))
@@ -255,8 +236,7 @@ _LAYER_TENSORS = ("weight", "bias")
 def watched_tables(model: nn.Module) -> dict[str, Tensor]:
     """The tensors that may be a token or position table, by qualified name: every ``nn.Embedding``'s weight, and every
     2-D or ``(1, rows, width)`` parameter held directly by a module outside ``torch.nn`` that is not a layer's
-    ``weight`` or ``bias`` (a hand-written model's ``self.pos = nn.Parameter(...)``). Which of them is the token table
-    and which are position tables is read from one forward pass (:func:`position_tables`)."""
+    ``weight`` or ``bias`` (a hand-written ``self.pos = nn.Parameter(...)``)."""
     out: dict[str, Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
@@ -271,16 +251,6 @@ def watched_tables(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def table_rows(table: Tensor) -> tuple[int, int]:
-    """``(rows, width)`` of a table: ``(R, d)`` or ``(1, R, d)``."""
-    return int(table.shape[-2]), int(table.shape[-1])
-
-
-def is_token_lookup(indices: Tensor, input_ids: Tensor) -> bool:
-    """Whether a lookup's indices are the call's token ids (the token table's lookup)."""
-    return tuple(indices.shape) == tuple(input_ids.shape) and bool(torch.equal(indices.to(input_ids.device), input_ids))
-
-
 def constant_along_sequence(indices: Tensor) -> Tensor | None:
     """A device bool: every row of ``indices`` holds one value along its last (sequence) dimension; None when that
     dimension has one position or fewer (nothing to vary)."""
@@ -289,42 +259,24 @@ def constant_along_sequence(indices: Tensor) -> Tensor | None:
     return (indices == indices[..., :1]).all()
 
 
-def table_lookups(
-    named: dict[str, Tensor], lookups: list[tuple[int, Tensor]], read: set[int], input_ids: Tensor
-) -> tuple[str, list[tuple[str, int, bool, Tensor | None]]] | None:
-    """From one watched forward pass (:class:`~lightning_tfdebug.core.calls.TableReads`): the token table (the one
-    looked up with ``input_ids``) and, for every other watched table of its width with at least ``input_ids.shape[1]``
-    rows, ``(name, rows, read, constant)``: ``constant`` a device bool, every lookup of it along the sequence constant
-    (None: never looked up along a sequence longer than 1). None when no table took the token ids. Host sync: the
-    comparison with the token ids (probe steps only)."""
+def measure_tables(named: dict[str, Tensor], use: TableUse, input_ids: Tensor) -> PositionTablesReading | None:
+    """The position tables one watched forward pass of ``input_ids`` used (:class:`~lightning_tfdebug.core.calls.
+    TableReads`): every watched table other than the token table (the one looked up with ``input_ids``) of its width
+    with at least ``input_ids.shape[1]`` rows, whether it was read and whether every lookup of it along the sequence
+    was constant. None when no table took the token ids or none fits. Host sync: probe steps only."""
     length = input_ids.shape[1]
-    token_ids = {i for i, indices in lookups if is_token_lookup(indices, input_ids)}
+    token_ids = {
+        i for i, idx in use.lookups if idx.shape == input_ids.shape and torch.equal(idx.to(input_ids.device), input_ids)
+    }
     token_table = next((name for name, t in named.items() if id(t) in token_ids), None)
     if token_table is None:
-        return None
-    width = table_rows(named[token_table])[1]
-    out: list[tuple[str, int, bool, Tensor | None]] = []
-    for name, t in named.items():
-        rows, w = table_rows(t)
-        if id(t) in token_ids or w != width or rows < length:
-            continue
-        flags = [c for i, indices in lookups if i == id(t) and (c := constant_along_sequence(indices)) is not None]
-        out.append((name, rows, id(t) in read, torch.stack(flags).all() if flags else None))
-    return token_table, out
-
-
-def measure_tables(named: dict[str, Tensor], use: TableUse, input_ids: Tensor) -> PositionTablesReading | None:
-    """The position tables one watched forward pass of ``input_ids`` used (:func:`table_lookups`), as a reading; None
-    when no table took the token ids or none of the token table's width has enough rows. Host sync: probe steps
-    only."""
-    found = table_lookups(named, use.lookups, use.read, input_ids)
-    if found is None:
         return None  # no lookup of the call's token ids: the token table's width is unknown
-    token_table, tables = found
-    if not tables:
-        return None
-    readings = tuple(
-        PositionTable(name, rows, read, constant is not None, False if constant is None else constant)
-        for name, rows, read, constant in tables
-    )
-    return PositionTablesReading(readings, int(input_ids.shape[1]), token_table)
+    readings: list[PositionTable] = []
+    for name, t in named.items():
+        rows, width = int(t.shape[-2]), int(t.shape[-1])  # (R, d) or (1, R, d)
+        if id(t) in token_ids or width != named[token_table].shape[-1] or rows < length:
+            continue
+        flags = [c for i, idx in use.lookups if i == id(t) and (c := constant_along_sequence(idx)) is not None]
+        constant = torch.stack(flags).all() if flags else False
+        readings.append(PositionTable(name, rows, id(t) in use.read, bool(flags), constant))
+    return PositionTablesReading(tuple(readings), int(length), token_table) if readings else None

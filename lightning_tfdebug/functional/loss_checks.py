@@ -535,6 +535,7 @@ class InitLoss:
     vocab: int
     repeat_rate: float | None = None  # the data repeats a token (inputs[t] == inputs[t + 1]); None when not measured
     mask_share: float | None = None  # share of supervised positions holding the most common input token
+    kind: str = "unknown"  # the model's (core.calls.model_kind): an encoder-decoder's copy rate reads its decoder input
 
     @property
     def masked_lm(self) -> bool:
@@ -592,7 +593,7 @@ def follow_returned_loss(host: Mapping[str, float], observed: float) -> tuple[di
     return out, True
 
 
-def summarize_init(host: Mapping[str, float], vocab: int) -> InitLoss:
+def summarize_init(host: Mapping[str, float], vocab: int, kind: str = "unknown") -> InitLoss:
     """:class:`InitLoss` from the reduced ``init_loss_sums`` and ``copy_sums`` plus ``loss_sum`` / ``loss_n`` (the
     returned loss summed over the ranks that have one)."""
     recomputed = _mean(host["ce_sum"], host["ce_count"])
@@ -612,6 +613,7 @@ def summarize_init(host: Mapping[str, float], vocab: int) -> InitLoss:
         vocab=vocab,
         repeat_rate=_mean(host.get("repeats", 0.0), host["count"]) if host.get("count") else None,
         mask_share=_mean(host["mask_share_top"], host["mask_share_count"]) if host.get("mask_share_count") else None,
+        kind=kind,
     )
 
 
@@ -919,7 +921,7 @@ def _below_uniform(init: InitLoss, tolerance: float, evidence: Mapping[str, Any]
     )
     copying = (
         init.copy_rate is not None
-        and init.copy_rate >= 0.5
+        and (init.copy_rate >= 0.5 or init.kind == "encoder-decoder")  # a decoder input at t is never its label
         and init.copy_rate >= (init.repeat_rate or 0.0) + 0.25
         and not init.masked_lm
     )

@@ -624,3 +624,16 @@ def test_token_rows_whose_calls_return_no_logits_are_explained_by_the_shared_cal
         "set `logits_module`" in finding.message
     )
     assert monitor._aside_setting == "`logits_module`"
+
+
+@pytest.mark.parametrize("model_kind", [None, "encoder-decoder"])
+def test_a_t5_decoder_fed_its_own_targets_is_not_read_as_pretrained(tmp_path, model_kind):
+    pytest.importorskip("transformers")
+    from tests.bug_models import BugSeq2SeqLM
+    from tests.healthy_models import data
+
+    torch.manual_seed(0)
+    cb = LossAtInit(check_step=None, model_kind=model_kind)
+    fit(tmp_path, [cb], model=BugSeq2SeqLM("t5"), data=data("t5"), max_steps=1)
+    [low] = [f for f in cb.findings if f.code == "TFD223"]
+    assert (low.severity, low.evidence["pretrained"]) == ("warning", False), low.format()

@@ -135,3 +135,61 @@ def test_sharing_on_the_step():
     assert shared_model_call(trainer, batch) is found and shared_model_call(trainer, object()) is None
     trainer.global_step = 4
     assert shared_model_call(trainer, batch) is None
+
+
+def _seq2seq_call(family: str, decoder_fed_labels: bool, labels_are_ids: bool = False):
+    """A tiny Hugging Face encoder-decoder called with labels (and, for the bug, the labels as its decoder input)."""
+    pytest.importorskip("transformers")
+    from tests.healthy_models import hf_model
+
+    model = hf_model(family).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (2, 10), generator=g)
+    labels = ids.clone() if labels_are_ids else torch.randint(3, 200, (2, 8), generator=g)
+    kwargs = {"input_ids": ids, "labels": labels}
+    if decoder_fed_labels:
+        kwargs["decoder_input_ids"] = labels
+    with torch.no_grad():
+        _, calls = record_calls(model, lambda: model(**kwargs))
+    return find_model_call(calls, ids, None, labels), model
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_an_encoder_decoder_is_told_apart_and_names_its_decoder_input(family):
+    found, _ = _seq2seq_call(family, decoder_fed_labels=False, labels_are_ids=True)
+    assert (found.kind, found.kind_source) == ("encoder-decoder", "config")
+    # the labels equal the encoder's input ids, yet the encoder's input is never a probed slot; output p is label p
+    assert found.shift == 0 and [s.name for s in found.related()] == ["labels"]
+    assert found.decoder_input.name == "labels" and found.decoder_input.label_like
+    found, model = _seq2seq_call(family, decoder_fed_labels=True)
+    assert found.decoder_input.name == "decoder_input_ids" and found.decoder_input.offset == 0  # its own targets
+    assert model_kind(None, model=model) == ("encoder-decoder", "config")
+
+
+def test_a_kind_given_by_the_user_wins():
+    model = Tiny()
+    ids = torch.randint(0, 12, (2, 6))
+    _, calls = record_calls(model, lambda: model(input_ids=ids, labels=ids))
+    found = find_model_call(calls, ids, None, ids, kind="encoder-decoder")
+    assert (found.kind, found.kind_source, found.shift) == ("encoder-decoder", "setting", 0)
+    assert [s.name for s in found.related()] == ["labels"]
+
+
+class NamesADecoderInput(nn.Module):
+    """No config; a forward that takes ``decoder_input_ids`` (not passed here) and returns logits over the ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiny = Tiny()
+
+    def forward(self, input_ids, decoder_input_ids=None, labels=None):
+        return self.tiny(input_ids)
+
+
+def test_a_forward_taking_decoder_input_ids_is_an_encoder_decoder():
+    model = NamesADecoderInput()
+    ids = torch.randint(0, 12, (2, 6))
+    _, calls = record_calls(model, lambda: model(ids, labels=ids))
+    found = find_model_call(calls, ids, None, ids)
+    assert (found.kind, found.kind_source) == ("encoder-decoder", "decoder_input_ids")
+    assert found.decoder_input.name == "labels" and found.shift == 0

@@ -506,3 +506,38 @@ def test_eos_count_aside_labels_layout_and_notices():
     rows, labels = bc.example_rows(torch.arange(6).reshape(3, 2), None, 2)
     assert rows == [[0, 1], [2, 3]] and labels is None
     assert bc.example_rows(torch.arange(3), torch.arange(3), 4) == ([[0, 1, 2]], [[0, 1, 2]])
+
+
+# ---------------------------------------------------------------- TFD125: a mid-epoch resume the loader cannot follow
+def test_a_mid_epoch_resume_names_the_batches_that_repeat_and_those_skipped():
+    plain = bc.EpochData(loader_length=50, per_epoch=50, in_order=True)
+    verdict = bc.resumed_mid_epoch(40, 40, 0, 1, plain)
+    assert verdict.code == "TFD125" and verdict.severity is None  # the rule's warning
+    assert verdict.evidence | {} == {"start": 40, "per_epoch": 50, "step": 40, "epoch": 0, "in_order": True,
+                                     "repeated": [0, 9], "skipped": [40, 49]}  # fmt: skip
+    assert "batches 0-9 of the epoch train a second time and batches 40-49 are never read" in verdict.message
+    assert "epoch 0, rank 1)" in verdict.message and "StatefulDataLoader" in rule("TFD125").hint
+    early = bc.resumed_mid_epoch(1, 1, 0, 0, plain)  # one batch read: batch 0 twice, batch 49 never
+    assert early.evidence["repeated"] == [0, 0] and "batch 0 of the epoch" in early.message
+    shuffled = bc.resumed_mid_epoch(40, 40, 0, 0, plain._replace(in_order=False))
+    assert shuffled.severity == "info" and shuffled.evidence["expected_repeated"] == pytest.approx(8.0)
+    # silent: the fit's first batch starts its epoch, a loader Lightning restores, a stream, an unknown length
+    assert bc.resumed_mid_epoch(0, 50, 1, 0, plain) is None
+    assert bc.resumed_mid_epoch(40, 40, 0, 0, plain._replace(stateful=True)) is None
+    assert bc.resumed_mid_epoch(40, 40, 0, 0, plain._replace(stream=True)) is None
+    assert bc.resumed_mid_epoch(40, 40, 0, 0, bc.EpochData()) is None
+
+
+def test_the_batches_of_a_resumed_epoch_do_not_count_toward_tfd123():
+    data = bc.EpochData(loader_length=10, per_epoch=10, in_order=True)
+    prints = [*range(4), *range(10)]  # resumed at batch 6: the loader restarts at 0, then a whole epoch
+    epochs = [0] * 4 + [1] * 10
+
+    def read(repeats):
+        repeats.pending = [(e, step, data, p) for step, (e, p) in enumerate(zip(epochs, prints))]
+        return [v.code for v in repeats.read(repeats.take(), [])]
+
+    assert "TFD123" in read(bc.BatchRepeats())  # without the resume named: "the data repeats"
+    named = bc.BatchRepeats()
+    named.resumed_epoch = 0
+    assert read(named) == [] and named.period.read == 10

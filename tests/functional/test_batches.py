@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+from lightning_tfdebug.core.batch import flatten_batch
 from lightning_tfdebug.functional.batches import (
     compare_schema,
-    describe_batch,
-    flatten_batch,
+    describe_leaves,
     learn_schema,
     length_shift,
     parse_declared_schema,
@@ -14,6 +14,10 @@ from lightning_tfdebug.functional.batches import (
 )
 
 PAD, BOS, EOS, IGN = 9, 7, 8, 100
+
+
+def describe_batch(batch):
+    return describe_leaves(flatten_batch(batch))
 
 
 def lm_batch(b=2, t=5, dtype=torch.long):
@@ -67,7 +71,11 @@ def test_learned_schema_catches_missing_extra_dtype_ndim_and_shared_sizes():
 
 def test_declared_schema_fixed_named_and_free_dims():
     schema = parse_declared_schema({"input_ids": "int64[B, 5]", "labels": "int64[B, *]", "attention_mask": "int64"})
-    assert schema.describe() == {"input_ids": "int64[B, 5]", "labels": "int64[B, *]", "attention_mask": "int64"}
+    assert {k: (v.dtype, v.dims) for k, v in schema.keys.items()} == {
+        "input_ids": ("int64", ["B", 5]),
+        "labels": ("int64", ["B", None]),
+        "attention_mask": ("int64", None),
+    }
     assert compare_schema(schema, describe_batch(lm_batch(t=5))) == []
     drifts = compare_schema(schema, describe_batch(lm_batch(t=6)))
     assert [(d.kind, d.key) for d in drifts] == [("size", "input_ids")]
