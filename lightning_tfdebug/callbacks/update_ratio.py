@@ -275,9 +275,8 @@ class UpdateRatio(DebugCallback):
         )
 
     def _plan_snapshot(self, trainer: pl.Trainer, layout: ReductionLayout, snapshot: WeightSnapshot) -> None:
-        """Plan the snapshot's parts within the budget, again when the budget changes (the default one grows once the
-        optimizer has created its state); what they measure less often is recorded once. Host arithmetic on tensor
-        sizes: no tensor data is read, no sync."""
+        """Plan the snapshot's parts within the budget (again when it changes); what is measured less often is
+        recorded once. Host arithmetic on sizes, no sync."""
         if snapshot.replan(budget_for(self.memory_budget_mb, layout.groups.params, trainer.optimizers)):
             assert snapshot.plan is not None
             for check, reason, setting in plan_notes(snapshot.plan, layout.groups.group_names):
@@ -293,11 +292,8 @@ class UpdateRatio(DebugCallback):
         self._loss_list = []
 
     def declares_at(self, step: int, stepped: bool) -> bool | None:
-        """It declares at the end of a batch whose optimizer step measured: armed in ``on_before_optimizer_step`` when
-        ``step % every_n_steps == 0`` (``should_measure``), declared in ``on_train_batch_end`` of the same batch.
-        None (no stand-in: a failure on one rank of many ends the run) under manual optimization, where one batch may
-        step several times and measure at a ``global_step`` other than ``step``; before its first declaration; and
-        when its next declaration will not have the sizes of its last one (the label counts start or stop)."""
+        """It declares at the end of a batch whose optimizer step measured. None (no stand-in) under manual
+        optimization, before its first declaration, and when its next declaration changes size (label counts)."""
         if not self._automatic or not self._same_sizes_next:
             return None
         return stepped and step % self._interval == 0

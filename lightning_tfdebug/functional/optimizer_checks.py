@@ -350,12 +350,8 @@ TFD333 = Rule(
 
 
 def half_eps(group: GroupReading) -> Verdict | None:
-    """``TFD333``: an Adam-family group over float16 parameters (so float16 moments) with a small ``eps``.
-
-    torch's Adam(W) keeps ``exp_avg`` / ``exp_avg_sq`` in the parameter's dtype: for ``|g|`` below
-    :data:`FP16_SQ_UNDERFLOW_GRAD`, ``g * g`` is below float16's smallest subnormal and the second moment is 0, so the
-    step is ``lr * m / eps`` instead of about ``lr``.
-    """
+    """``TFD333``: an Adam-family group over float16 parameters (so float16 moments, whose ``g * g`` underflows
+    below :data:`FP16_SQ_UNDERFLOW_GRAD`) with a small ``eps``."""
     if group.eps is None or not group.float16:
         return None
     eps16 = float(torch.tensor(group.eps, dtype=torch.float16))  # eps as float16 holds it (a CPU scalar)
@@ -399,12 +395,8 @@ TFD336 = Rule(
 
 
 def decay_rate(group: GroupReading) -> Verdict | None:
-    """``TFD336``: decay that shrinks every weight by more than :data:`DECAY_PER_STEP` of itself per step.
-
-    Decoupled decay (AdamW) and SGD's L2 both multiply the weights by ``1 - lr * weight_decay`` every step; Adam's
-    coupled L2 is rescaled by the adaptive step (that is ``TFD326``'s). The LR is the group's peak
-    (:attr:`GroupReading.lr`).
-    """
+    """``TFD336``: decoupled or SGD decay that shrinks every weight by more than :data:`DECAY_PER_STEP` of itself
+    per step at the group's peak LR (coupled Adam L2 is ``TFD326``'s)."""
     if group.weight_decay <= 0 or _coupled(group) or group.lr is None:
         return None
     rate = group.lr * group.weight_decay
@@ -627,9 +619,8 @@ TFD335 = Rule(
 
 
 def schedule_frozen(first_lr: float, lr: float, step: int, schedules: ScheduleReading | None) -> Verdict | None:
-    """``TFD335`` (reported instead of ``TFD330``): the LR has not moved since the first step and sits below half of
-    the schedulers' base LR, a schedule sized in optimizer steps (a warm-up ``LambdaLR``) stepped per epoch,
-    Lightning's default ``interval``. None otherwise, or without a scheduler that records a base LR."""
+    """``TFD335`` (instead of ``TFD330``): the LR has not moved since the first step and sits below half of the
+    schedulers' base LR (a step-sized warm-up stepped per epoch)."""
     if schedules is None or not first_lr > 0 or abs(lr - first_lr) > first_lr * SAME_LR:
         return None
     if not lr < 0.5 * schedules.base_lr:
