@@ -29,7 +29,8 @@ def schedule_courses(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list
     copies (:func:`~lightning_tfdebug.functional.optimizers.replay_schedule`; those that cannot be told left out)."""
     per_epoch = trainer.num_training_batches / max(1, trainer.accumulate_grad_batches)
     start, end = trainer.global_step, trainer.estimated_stepping_batches
-    courses = (replay_schedule(c, start, end, per_epoch, (trainer, pl_module)) for c in trainer.lr_scheduler_configs)
+    shared = (trainer, *pl_module.modules(), *pl_module.parameters())  # referenced by a copy, never copied
+    courses = (replay_schedule(c, start, end, per_epoch, shared) for c in trainer.lr_scheduler_configs)
     return [course for course in courses if course is not None]
 
 
