@@ -564,10 +564,10 @@ def norm_change(
     return NormChange(start_step, step, statistics.median(growth.values()), growth, start_loss, loss)
 
 
-def growth_harm(change: NormChange, reading: UpdateReading, *, high: float) -> str | None:
+def growth_harm(change: NormChange, reading: UpdateReading, *, high: float, growth_limit: float) -> str | None:
     """What shows harm beside weight growth: a loss that is not finite or fell by less than
-    :data:`LOSS_FALL_PER_STEP` per step over the window, or updates above ``high``; None otherwise (also without a
-    loss)."""
+    :data:`LOSS_FALL_PER_STEP` per step over the window, updates above ``high``, or growth past ``growth_limit``
+    squared (weights inflating, not leaving a small init); None otherwise."""
     if math.isfinite(change.from_loss) and not math.isfinite(change.to_loss):
         return f"the mean training loss went from {change.from_loss:.4g} to {change.to_loss}"
     fall = loss_fall_per_step([(change.from_step, change.from_loss), (change.to_step, change.to_loss)])
@@ -576,6 +576,8 @@ def growth_harm(change: NormChange, reading: UpdateReading, *, high: float) -> s
         return f"the mean training loss {moved} of itself per step over those steps"
     if reading.total > high:
         return f"one step changed the weights by ||dW||/||W|| = {reading.total:.3g}, above the band"
+    if change.median > growth_limit**2:
+        return f"the growth is past {growth_limit**2:g}x, beyond what weights leaving a small init show"
     return None
 
 
@@ -672,7 +674,7 @@ def update_verdicts(
         memory.norms, reading.param_norms, reading.step, growth_window=growth_window, loss=reading.mean_loss
     )
     window = {"growth_limit": growth_limit, "growth_window": growth_window}
-    harm = growth_harm(change, reading, high=high) if change is not None else None
+    harm = growth_harm(change, reading, high=high, growth_limit=growth_limit) if change is not None else None
     return [
         tiny_updates(
             reading,

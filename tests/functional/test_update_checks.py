@@ -172,13 +172,13 @@ def test_tiny_updates_in_a_warm_up_are_judged_at_the_lr_the_schedule_reaches():
 
 
 def test_one_huge_update():  # bug 12: lr 0.1 without warm-up rewrites most of the weights in one step
-    verdict = huge_update(step_reading(0, ratio=0.88, lr=0.1), low=3e-4, high=0.3)
+    verdict = huge_update(step_reading(0, ratio=0.88, lr=0.1), low=3e-4, high=0.3, growth_limit=2.0)
     assert verdict.code == "TFD311" and verdict.evidence["groups_above"] == list(NAMES)
     assert verdict.message == (
         "Updates are huge: one optimizer step changed the weights by ||dW||/||W|| = 0.88 (healthy band 0.0003 to 0.3) "
         "at a learning rate of 0.1."
     )
-    assert huge_update(step_reading(0, ratio=2.5e-2), low=3e-4, high=0.3) is None
+    assert huge_update(step_reading(0, ratio=2.5e-2), low=3e-4, high=0.3, growth_limit=2.0) is None
 
 
 PARAMS = {g: object() for g in NAMES}  # stand-ins for each group's parameter: only their identity matters
@@ -260,16 +260,20 @@ def test_weight_growth_is_a_warning_only_with_harm_beside_it():
         return norm_change(window, {"a": 2.1, "b": 2.0}, 50, growth_window=50, loss=to_loss)
 
     # a small-initialised model at a normal LR: its norms double while its loss falls (issue 38's Gemma run)
+    def harm(change, reading=None, growth_limit=2.0):
+        return growth_harm(change, reading or step_reading(50), high=0.3, growth_limit=growth_limit)
+
     falling = grown(5.1, 2.95)
-    assert growth_harm(falling, step_reading(50), high=0.3) is None
+    assert harm(falling) is None
     info = weights_growing(falling, step_reading(50), None, growth_limit=2.0, growth_window=50)
     assert info.severity is None and "while the loss still falls" in info.message  # the rule's default: info
-    # beside harm: a loss that barely fell or rose, a loss gone non-finite, updates above the band
-    assert "rose by 0.392% of itself" in growth_harm(grown(5.1, 6.1), step_reading(50), high=0.3)
-    assert "fell by only 0.020% of itself" in growth_harm(grown(5.1, 5.05), step_reading(50), high=0.3)
-    assert "went from 5.1 to nan" in growth_harm(grown(5.1, math.nan), step_reading(50), high=0.3)
-    assert "above the band" in growth_harm(falling, step_reading(50, ratio=0.5), high=0.3)
-    assert growth_harm(grown(math.nan, math.nan), step_reading(50), high=0.3) is None  # no loss: nothing shows
+    # beside harm: a loss that barely fell or rose, or went non-finite, updates above the band, growth past limit^2
+    assert "rose by 0.392% of itself" in harm(grown(5.1, 6.1))
+    assert "fell by only 0.020% of itself" in harm(grown(5.1, 5.05))
+    assert "went from 5.1 to nan" in harm(grown(5.1, math.nan))
+    assert "above the band" in harm(falling, step_reading(50, ratio=0.5))
+    assert "past 1.96x" in harm(falling, growth_limit=1.4)
+    assert harm(grown(math.nan, math.nan)) is None  # no loss returned: nothing shows
 
 
 def test_every_rule_together_on_one_step():
@@ -342,4 +346,4 @@ def test_a_group_is_judged_stuck_on_the_measurements_that_cover_it_only():
 def test_no_ratio_rule_judges_a_step_that_measured_no_group():
     r = UpdateReading.from_squares(0, 1e-3, ["a"], [0.0, 1.0, 1.0], measured=(False,))
     assert math.isnan(r.total) and r.ratios == {} and "update_ratio/total" not in r.scalars(3e-4, 0.3)
-    assert huge_update(r, low=3e-4, high=0.3) is None
+    assert huge_update(r, low=3e-4, high=0.3, growth_limit=2.0) is None
