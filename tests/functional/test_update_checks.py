@@ -172,13 +172,13 @@ def test_tiny_updates_in_a_warm_up_are_judged_at_the_lr_the_schedule_reaches():
 
 
 def test_one_huge_update():  # bug 12: lr 0.1 without warm-up rewrites most of the weights in one step
-    verdict = huge_update(step_reading(0, ratio=0.88, lr=0.1), low=3e-4, high=0.3, growth_limit=2.0)
+    verdict = huge_update(step_reading(0, ratio=0.88, lr=0.1), low=3e-4, high=0.3)
     assert verdict.code == "TFD311" and verdict.evidence["groups_above"] == list(NAMES)
     assert verdict.message == (
         "Updates are huge: one optimizer step changed the weights by ||dW||/||W|| = 0.88 (healthy band 0.0003 to 0.3) "
         "at a learning rate of 0.1."
     )
-    assert huge_update(step_reading(0, ratio=2.5e-2), low=3e-4, high=0.3, growth_limit=2.0) is None
+    assert huge_update(step_reading(0, ratio=2.5e-2), low=3e-4, high=0.3) is None
 
 
 PARAMS = {g: object() for g in NAMES}  # stand-ins for each group's parameter: only their identity matters
@@ -346,4 +346,4 @@ def test_a_group_is_judged_stuck_on_the_measurements_that_cover_it_only():
 def test_no_ratio_rule_judges_a_step_that_measured_no_group():
     r = UpdateReading.from_squares(0, 1e-3, ["a"], [0.0, 1.0, 1.0], measured=(False,))
     assert math.isnan(r.total) and r.ratios == {} and "update_ratio/total" not in r.scalars(3e-4, 0.3)
-    assert huge_update(r, low=3e-4, high=0.3, growth_limit=2.0) is None
+    assert huge_update(r, low=3e-4, high=0.3) is None
