@@ -496,8 +496,8 @@ TFD313 = Rule(
     trigger=(
         "the median group weight norm grew more than `growth_limit` x within `growth_window` optimizer steps "
         "(groups under 5% of the largest group's norm left out); a warning when, beside it, the mean training "
-        "loss is not finite or fell by less than 0.1% of itself per step over the last `patience` measurements, "
-        "or the update ratio is above `high`"
+        "loss is not finite or fell by less than 0.1% of itself per step over the same window, the update ratio is "
+        "above `high`, or the growth is past `growth_limit` squared"
     ),
     hint=(
         "Each step moves the weights a lot against their own scale (Adam moves every weight by about the LR per "
