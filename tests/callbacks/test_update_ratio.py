@@ -138,8 +138,8 @@ def test_learning_rate_100x_too_high_behind_a_warmup_shows_as_weight_growth(tmp_
     # The warm-up keeps every single step's ratio modest while the weights inflate: TFD313 sees the growth.
     monitor = UpdateRatio(every_n_steps=5)
     fit(tmp_path, [monitor], model=TinyGPT(lr=0.2, warmup_steps=20, **SMALL), max_steps=41)
-    [finding] = [f for f in monitor.findings if f.code == "TFD313"]
-    assert finding.evidence["median_growth"] > 2.0
+    [finding] = [f for f in monitor.findings if f.code == "TFD313" and f.severity == "warning"]  # with harm beside it
+    assert finding.evidence["median_growth"] > 2.0 and finding.evidence["harm"]
     assert finding.evidence["to_step"] - finding.evidence["from_step"] <= monitor.growth_window
     assert set(finding.evidence["growth"]) >= {"blocks.0", "blocks.1"}
 
