@@ -1,14 +1,5 @@
-"""Command line ``tfdebug`` (also ``python -m lightning_tfdebug``):
-
-* ``tfdebug report LOG_DIR``: the run's findings, merged over ranks and callbacks (text, markdown, json or html).
-  Exit status 0 when nothing is at or above ``--fail-on``, 1 otherwise, 2 when the directory cannot be read.
-* ``tfdebug check [--steps N] -- <LightningCLI fit command>``: runs the user's own training command for a few steps
-  with ``TFDebug(preset="full")`` added, then reports and exits like ``report`` (2 when the command is not a
-  LightningCLI ``fit`` or did not start).
-* ``tfdebug replay BUNDLE --config CONFIG``: replays the failing step of a ReproCapture bundle. Exit status 0 when the
-  replayed step raised the recorded exception (same type and message), 1 when it raised something else or nothing,
-  2 when the bundle or the config could not be used.
-"""
+"""Command line ``tfdebug`` (also ``python -m lightning_tfdebug``): ``report``, ``check`` and ``replay``; each
+command's ``--help`` says what it does and what its exit status means."""
 
 from __future__ import annotations
 
@@ -33,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
         "replay",
         help="replay the failing training step of a ReproCapture bundle",
         description="Rebuild the LightningModule, restore the saved state and RNG, run the failing training step on "
-        "the saved batch and show the exception it raises.",
+        "the saved batch and show the exception it raises. Exit status: 0 when it raised the recorded exception (same "
+        "type and message), 1 when it raised another or none, 2 when the bundle or the config cannot be used.",
     )
     rep.add_argument(
         "bundle",
@@ -98,6 +90,12 @@ def _report_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _error(message: str) -> int:
+    """Say ``message`` on standard error and return the exit status of a command that could not do its work."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def _emit_report(run, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     from lightning_tfdebug.report import exit_status, render, summary_line
 
@@ -111,8 +109,7 @@ def _emit_report(run, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
         from lightning_tfdebug.core.io import write_failures, write_text
 
         if not write_text(output, text, warn=False):  # the one writer: atomic, no half-written report
-            print(f"error: cannot write the report to {output}: {write_failures()[-1].error}", file=sys.stderr)
-            return 2
+            return _error(f"cannot write the report to {output}: {write_failures()[-1].error}")
         print(summary_line(run))
         print(f"Report: {output}")
     return exit_status(run.merged, args.fail_on)
@@ -124,8 +121,7 @@ def report_command(args: argparse.Namespace) -> int:
     try:
         run = load_run(args.log_dir)
     except (OSError, ValueError) as err:
-        print(f"error: cannot read {args.log_dir}: {err}", file=sys.stderr)
-        return 2
+        return _error(f"cannot read {args.log_dir}: {err}")
     return _emit_report(run, args)
 
 
@@ -140,22 +136,16 @@ def check_command(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        print(
-            "error: give the training command after `--`, e.g. tfdebug check -- python train.py fit --config c.yaml",
-            file=sys.stderr,
-        )
-        return 2
+        return _error("give the training command after `--`, e.g. tfdebug check -- python train.py fit --config c.yaml")
     if "fit" not in cmd:
         other = next((c for c in cmd if c in _OTHER_SUBCOMMANDS), None)
         said = f"runs `{other}`" if other else "has no `fit` subcommand"
-        print(
-            f"error: the command {said}. tfdebug check runs a LightningCLI `fit` (the pack watches training), e.g. "
+        return _error(
+            f"the command {said}. tfdebug check runs a LightningCLI `fit` (the pack watches training), e.g. "
             "`tfdebug check -- python train.py fit --config config.yaml`. A script built with "
             "LightningCLI(..., run=False) or without LightningCLI cannot take the pack from the command line: add "
-            "`lightning_tfdebug.TFDebug(preset='full')` to its Trainer's callbacks instead.",
-            file=sys.stderr,
+            "`lightning_tfdebug.TFDebug(preset='full')` to its Trainer's callbacks instead."
         )
-        return 2
     if cmd[0] in ("python", "python3"):
         # A bare `python`: the interpreter tfdebug itself runs in, which has the pack and its dependencies (the one
         # on PATH may be another, e.g. when tfdebug is called as `.venv/bin/tfdebug` without activating the venv).
@@ -183,8 +173,7 @@ def check_command(args: argparse.Namespace) -> int:
     try:
         proc = subprocess.Popen([*cmd, *added], env=env, stderr=subprocess.PIPE)
     except OSError as err:
-        print(f"error: cannot run {cmd[0]!r}: {err}", file=sys.stderr)
-        return 2
+        return _error(f"cannot run {cmd[0]!r}: {err}")
     try:
         held = _relay_stderr(proc, started=lambda: bool(_read_result(result).get("log_dir")))
         rc = proc.wait()
@@ -199,8 +188,7 @@ def check_command(args: argparse.Namespace) -> int:
     try:
         run = load_run(log_dir)
     except (OSError, ValueError) as err:
-        print(f"error: cannot read the run's output in {log_dir}: {err}", file=sys.stderr)
-        return 2
+        return _error(f"cannot read the run's output in {log_dir}: {err}")
     status = _emit_report(run, args)
     print(f"tfdebug check: the preflight's logs and findings are in {log_dir}")
     if rc != 0:
@@ -220,12 +208,8 @@ def _read_result(path: str) -> dict:  # type: ignore[type-arg]
 
 
 def _relay_stderr(proc: subprocess.Popen, started: Callable[[], bool]) -> list[str]:  # type: ignore[type-arg]
-    """Copy the command's standard error to ours as it comes, except a traceback printed before the pack started.
-
-    Such a traceback is the command refusing the preflight (a bad argument, a callback or Lightning rejecting the
-    Trainer): :func:`_not_started` turns it into one sentence. The lines held back are returned; a traceback printed
-    once the pack has started is the training failing, and is shown as it is.
-    """
+    """Copy the command's standard error to ours as it comes, except a traceback printed before the pack started
+    (the command refusing the preflight, which :func:`_not_started` says in one sentence): those lines are returned."""
     held: list[str] = []
     assert proc.stderr is not None
     for raw in iter(proc.stderr.readline, b""):
@@ -320,8 +304,7 @@ def replay_command(args: argparse.Namespace) -> int:
                 load_state=not args.fresh_weights,
             )
     except BundleError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _error(str(err))
     for note in result.notes:
         print(f"Note   : {note}")
     if result.exception is None:
@@ -338,13 +321,8 @@ def replay_command(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m lightning_tfdebug`` and the ``tfdebug`` console script."""
     args = _parser().parse_args(argv)
-    if args.command == "replay":
-        return replay_command(args)
-    if args.command == "report":
-        return report_command(args)
-    if args.command == "check":
-        return check_command(args)
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    commands = {"replay": replay_command, "report": report_command, "check": check_command}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,5 @@
-"""The pack's TensorBoard dashboard: a custom-scalars layout (TensorBoard's "CUSTOM SCALARS" tab).
-
-Every callback logs its scalars in one TensorBoard section named after it (``grad_norm/``, ``update_ratio/``,
-``dead_activation/``, ``loss_at_init/``, ``throughput/``, ``per_rank/``, ``scaler/``, ``optimizer_audit/``,
-``batch_guard/``, ``mask_probe/``, ``nan_first_frame/``). The layout puts the series that are read together on one
-chart: gradient norms of every block, update ratios with the healthy band as a margin, dead and saturated fractions
-of every layer, the loss against ln V and the unigram entropy, and each per-rank statistic with every rank on one
-chart, so a straggler stands out.
-
-:func:`dashboard_layout` builds the layout (a plain dict, TensorBoard's ``add_custom_scalars`` format) from the
-``KEYS`` the members that run declare (each key's ``chart``); :func:`write_dashboard` writes it to every logger whose
-experiment can take it (TensorBoard's ``SummaryWriter`` from ``torch.utils.tensorboard`` or tensorboardX; a write the
-disk refuses warns once, through :mod:`lightning_tfdebug.core.io`, and never stops training). :func:`read_dashboard`
-reads it back from an event directory.
-"""
+"""The pack's TensorBoard dashboard: a custom-scalars layout (the "CUSTOM SCALARS" tab) that puts the series read
+together on one chart, built from the ``KEYS`` the running members declare (each key's ``chart``)."""
 
 from __future__ import annotations
 
@@ -44,10 +31,8 @@ CATEGORIES: dict[str, str] = {
 
 
 def member_charts(keys: Iterable[Key]) -> dict[str, list[str]]:
-    """``{chart title: [tag regex, ...]}`` from a member's declared keys (:class:`~lightning_tfdebug.core.keys.Key`).
-
-    A key family (``grad_norm/<group>``) would also match the member's literal keys drawn on other charts
-    (``grad_norm/total``); those are excluded from its pattern, so every series is drawn where it is declared."""
+    """``{chart title: [tag regex, ...]}`` from a member's declared keys; a key family (``grad_norm/<group>``) leaves
+    out the literal keys drawn on other charts (``grad_norm/total``)."""
     keys = tuple(keys)
     charts: dict[str, list[str]] = {}
     for key in keys:

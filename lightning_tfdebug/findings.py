@@ -1,17 +1,8 @@
-"""Findings: the records every callback of the pack produces, and where they go.
+"""Findings: the records every callback of the pack produces, and how they are read back and printed.
 
-A :class:`Finding` is one diagnosis: a stable code, a one-sentence message, the numbers that show it and a hint
-on what to do. Every code is registered in :data:`lightning_tfdebug.rules.RULES`. Codes are grouped by area:
-
-| range | area |
-| --- | --- |
-| 1xx | data, batches, reproducibility |
-| 2xx | masks, positions, targets, the loss |
-| 3xx | gradients and optimization |
-| 4xx | numerics and precision |
-| 5xx | distributed |
-| 6xx | throughput and memory |
-| 7xx | checkpoint and resume |
+A :class:`Finding` is one diagnosis: a stable code (registered in :data:`lightning_tfdebug.rules.RULES`, its
+hundreds digit naming the area, :data:`lightning_tfdebug.rules.AREAS`), a one-sentence message, the numbers that show
+it and a hint on what to do.
 """
 
 from __future__ import annotations
@@ -60,7 +51,7 @@ class Finding:
     """One diagnosis produced by a callback.
 
     Args:
-        code: stable identifier such as ``"TFD301"``; the hundreds digit names the area (see module docstring).
+        code: stable identifier such as ``"TFD301"``; the hundreds digit names the area.
         severity: ``"info"``, ``"warning"`` or ``"error"``.
         source: class name of the callback that produced it.
         step: ``trainer.global_step`` when it was found.
@@ -105,8 +96,8 @@ class Finding:
 
     def format(self) -> str:
         """Human-readable multi-line rendering, used for warnings and TensorBoard text."""
-        lines = [f"[{self.code}] {self.severity.upper()} from {self.source} at step {self.step} (rank {self.rank}):"]
-        lines.append(f"  {self.message}")
+        header = f"[{self.code}] {self.severity.upper()} from {self.source} at step {self.step} (rank {self.rank}):"
+        lines = [header, f"  {self.message}"]
         if self.evidence:
             shown = ", ".join(f"{k}={format_value(v)}" for k, v in self.evidence.items())
             lines.append(f"  evidence: {shown}")
@@ -118,10 +109,8 @@ class Finding:
 def read_findings(path: str | os.PathLike[str], *, strict: bool = False) -> list[Finding]:
     """Read a ``findings-rank<r>.jsonl`` file back into :class:`Finding` records.
 
-    Tolerant by default of the files a crash leaves: the file is read once, as it is at that moment (a writer
-    appending meanwhile adds lines the next read sees), and a line that is not a complete finding (the last line of
-    a process killed mid-write, or anything else unreadable) is skipped with one :class:`TFDebugWarning` naming the
-    file and the lines.
+    The file is read once, as it is at that moment. A line that is not a complete finding (the last line of a process
+    killed mid-write) is skipped with one :class:`TFDebugWarning` naming the file and the lines.
 
     Args:
         path: the ``.jsonl`` file.

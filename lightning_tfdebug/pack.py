@@ -1,25 +1,4 @@
-"""``TFDebug``: the whole pack as one callback, with presets, shared settings, a dashboard and an end-of-run summary.
-
-    trainer = Trainer(callbacks=[TFDebug()])                      # the members meant to stay on in every run
-    trainer = Trainer(callbacks=[TFDebug(preset="full")])         # everything: a debugging or preflight run
-
-From LightningCLI: ``--trainer.callbacks+=lightning_tfdebug.TFDebug`` or, in YAML::
-
-    trainer:
-      callbacks:
-        - class_path: lightning_tfdebug.TFDebug
-          init_args:
-            preset: always
-            input_key: input_ids
-            exclude: [DeadActivation]
-            overrides:
-              GradNormMonitor: {explosion_factor: 20}
-
-The pack builds its members when it is built (so a bad argument fails at once, naming the member), forwards every
-Lightning hook to the members that implement it, keeps their checkpoint state under its own key, writes a
-TensorBoard custom-scalars layout (the dashboard) and, at the end of ``fit``, prints the short form of the run report
-on rank 0 and writes ``<log_dir>/tfdebug/pack.json`` (members, settings, and the checks that stood aside and why).
-"""
+"""``TFDebug``: the whole pack as one callback, with presets, shared settings, a dashboard and an end-of-run summary."""
 
 from __future__ import annotations
 
@@ -47,13 +26,14 @@ from lightning_tfdebug.callbacks.scaler_watch import ScalerWatch
 from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
 from lightning_tfdebug.core.base import BATCH_HOOKS, DebugCallback, TFDebugWarning, check_choice, check_number
-from lightning_tfdebug.core.compat import Callback
+from lightning_tfdebug.core.compat import Callback, is_lightning_instance
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.messages import pack_warning
 from lightning_tfdebug.core.reduction import StepReduction
 from lightning_tfdebug.core.scalars import ScalarSink
 from lightning_tfdebug.dashboard import write_dashboard
 from lightning_tfdebug.findings import ON_FINDING_CHOICES, Finding, OnFinding
+from lightning_tfdebug.repro import run_first
 
 Preset = Literal["always", "full"]
 PRESETS: tuple[str, ...] = ("always", "full")
@@ -79,16 +59,8 @@ MEMBERS: dict[str, type[DebugCallback]] = {
     )
 }
 
-#: ``always``: every member, each at its cost for a run that stays on: they work on measuring steps only (or once),
-#: together a few percent of a small model's step (``benchmarks/overhead.py``, ``docs/benchmarks.md``). MaskProbe's
-#: probes run once per fit (step 0; token order at steps 100/200/500) on a few capped rows under ``no_grad``;
-#: CheckpointAudit judges the dict each save writes, in memory (can it resume the run?), without reading files back.
-#: ``full`` reads every checkpoint back and compares resumes with it (``CheckpointAudit(reload=True)``), and puts
-#: NaNFirstFrame in eager mode (one output sum per module call on every step).
-PRESET_MEMBERS: dict[str, tuple[str, ...]] = {
-    "always": tuple(MEMBERS),
-    "full": tuple(MEMBERS),
-}
+#: Both presets run every member; ``full`` reads every checkpoint back and puts NaNFirstFrame in eager mode.
+PRESET_MEMBERS: dict[str, tuple[str, ...]] = {preset: tuple(MEMBERS) for preset in PRESETS}
 PRESET_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
     "always": {"CheckpointAudit": {"reload": False}},
     "full": {"NaNFirstFrame": {"mode": "eager"}},
@@ -105,13 +77,12 @@ CHECK_RESULT_ENV = "TFDEBUG_CHECK_RESULT"
 #: stay the preflight's.
 ADOPTED = ("input_key", "mask_key", "labels_key", "ignore_index", "tokenizer", "vocab_size", "memory_budget_mb")
 
-# Hooks the pack forwards as they are; setup, state and checkpoint hooks have their own methods below.
+# Hooks with their own methods below; the pack forwards every other `on_*` hook as it is.
+_OWN_HOOKS = ("on_save_checkpoint", "on_load_checkpoint", "on_fit_start", "on_fit_end", "on_exception")
 _FORWARDED = tuple(
     name
     for name, value in vars(LightningCallback).items()
-    if callable(value)
-    and name.startswith("on_")
-    and name not in ("on_save_checkpoint", "on_load_checkpoint", "on_fit_start", "on_fit_end", "on_exception")
+    if callable(value) and name.startswith("on_") and name not in _OWN_HOOKS
 )
 
 
@@ -127,12 +98,8 @@ _LOST_PEER_MESSAGES = (
 
 
 def lost_peer_hint(error: BaseException, world_size: int) -> str | None:
-    """One sentence for a multi-process run that failed because another rank stopped answering, else None.
-
-    A rank that dies without a word (killed by the out-of-memory killer, a lost node, a native crash) shows on the
-    others only as a low-level error from their next collective (gloo: ``Connection reset by peer``), which names
-    neither the rank nor the cause.
-    """
+    """One sentence for a multi-process run that failed because another rank stopped answering, else None: a rank
+    that died without a word shows on the others only as a low-level error from their next collective."""
     if world_size <= 1:
         return None
     text = f"{type(error).__name__}: {error}".lower()
@@ -169,6 +136,9 @@ def _overridden(member: Callback, hook: str) -> bool:
 class TFDebug(Callback):
     """The whole pack as one callback: presets, shared settings, per-member overrides, a dashboard and a summary.
 
+    The members are built with the pack, so a bad argument fails at once and names the member. At the end of ``fit``
+    rank 0 writes ``<log_dir>/tfdebug/pack.json`` and prints the short run report.
+
     Args:
         preset: ``"always"`` (default): every member at the cost of a run that stays on (MaskProbe's one-time
             probes; CheckpointAudit judging each save in memory, ``reload=False``). ``"full"``: CheckpointAudit also
@@ -192,19 +162,33 @@ class TFDebug(Callback):
         dashboard: write the TensorBoard custom-scalars layout (the "CUSTOM SCALARS" tab) at the start of ``fit``.
         summary: print the short run report on rank 0 at the end of ``fit`` (and after a failed one).
         preflight: a short trial run (what ``tfdebug check`` sets): checkpoint callbacks save nothing, the loss is not
-            judged for a stall (a few steps cannot show one), and the log directory is written to the file named by
-            the ``TFDEBUG_CHECK_RESULT`` environment variable, for ``tfdebug check`` to report on. A preflight pack
-            has its own ``state_key``, so it can join a Trainer whose config already holds a ``TFDebug``: it runs
-            instead of that pack, with that pack's batch settings (``input_key`` ... ``vocab_size``), memory budget, its
-            ``exclude`` and its member overrides (cadence and ``on_finding`` stay the preflight's).
+            judged for a stall, and the log directory is handed to ``tfdebug check``. It runs instead of a
+            ``TFDebug`` already in the config, with that pack's batch settings, ``exclude`` and overrides.
 
     Raises:
         ValueError: on an unknown preset, member name, or a value a member rejects (the message names the member).
         TypeError: on an argument of the wrong type, or an override a member does not take.
 
-    A member of the same class also listed by hand in ``Trainer(callbacks=[...])`` wins: the pack's own copy stands
-    aside at set-up with one warning, so nothing runs twice. Of two packs in one Trainer only one runs: a preflight
-    pack if there is one, else the first; the other stands aside with one line saying so.
+    A member also listed by hand in ``Trainer(callbacks=[...])`` runs as configured there, and the pack's copy stands
+    aside. Of two packs in one Trainer only one runs: a preflight pack if there is one, else the first.
+
+    Example:
+        ```python
+        trainer = Trainer(callbacks=[TFDebug()])  # preset="full" for a debugging or preflight run
+        ```
+
+        LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.TFDebug
+              init_args:
+                preset: always
+                exclude: [DeadActivation]
+                overrides:
+                  GradNormMonitor: {explosion_factor: 20}
+        ```
     """
 
     def __init__(
@@ -243,9 +227,12 @@ class TFDebug(Callback):
         self.preset = preset
         self.include = [_member_name(n, "include") for n in include or ()]
         self.exclude = [_member_name(n, "exclude") for n in exclude or ()]
-        self.overrides = {
-            _member_name(k, "overrides"): dict(self._check_override(k, v)) for k, v in (overrides or {}).items()
-        }
+        self.overrides: dict[str, dict[str, Any]] = {}
+        for key, arguments in (overrides or {}).items():
+            name = _member_name(key, "overrides")
+            if not isinstance(arguments, Mapping):
+                raise TypeError(f"`overrides[{key!r}]` must map argument names to values; got {arguments!r}.")
+            self.overrides[name] = dict(arguments)
         self.dashboard = dashboard
         self.summary = summary
         self.preflight = preflight
@@ -283,12 +270,6 @@ class TFDebug(Callback):
         self._summarized = False
         self._index_hooks()
 
-    @staticmethod
-    def _check_override(name: Any, value: Any) -> Mapping[str, Any]:
-        if not isinstance(value, Mapping):
-            raise TypeError(f"`overrides[{name!r}]` must map argument names to values; got {value!r}.")
-        return value
-
     def _build(self, name: str) -> DebugCallback:
         cls = MEMBERS[name]
         kwargs = {k: v for k, v in self.shared.items() if v is not None and _accepts(cls, k)}
@@ -317,11 +298,11 @@ class TFDebug(Callback):
         for member in self.members.values():
             member.shared_reduction = self._reduction if any(member is m for m in running) else None
         self._reduction.members = running  # the order of the declarations, the same on every rank
-        self._hooks = {hook: tuple(getattr(m, hook) for m in running if _overridden(m, hook)) for hook in _FORWARDED}
+        self._hooks = {
+            hook: tuple(getattr(m, hook) for m in running if _overridden(m, hook)) for hook in _FORWARDED + _OWN_HOOKS
+        }
         self._hooks["setup"] = tuple(m.setup for m in running)
         self._hooks["teardown"] = tuple(m.teardown for m in running)
-        for hook in ("on_fit_start", "on_fit_end", "on_exception", "on_save_checkpoint", "on_load_checkpoint"):
-            self._hooks[hook] = tuple(getattr(m, hook) for m in running if _overridden(m, hook))
         self._running_list = running
         self._tables: dict[tuple[bool, ...], dict[str, tuple[Callable[..., Any], ...]]] = {}
         self._batch_table: dict[str, tuple[Callable[..., Any], ...]] | None = None
@@ -400,8 +381,9 @@ class TFDebug(Callback):
         if self.idle and leader.preflight and not self.preflight:
             if trainer.is_global_zero:
                 pack_warning(
-                    f"the preflight pack (tfdebug check) runs instead of the configured {self._describe()}, with its "
-                    "batch settings, exclude and overrides; the configured pack stands aside for this run.",
+                    "the preflight pack (tfdebug check) runs instead of the configured "
+                    f"TFDebug(preset={self.preset!r}), with its batch settings, exclude and overrides; the configured "
+                    "pack stands aside for this run.",
                     TFDebugWarning,
                 )
         elif self.idle:
@@ -425,10 +407,8 @@ class TFDebug(Callback):
         # manual optimization may step the optimizer several times in one batch (global_step moves inside it), so a
         # decision taken at the batch's start cannot say which steps it trains: every hook runs on every batch
         self._per_step_dispatch = bool(getattr(pl_module, "automatic_optimization", True))
-        if "ReproCapture" in self.running and stage == "fit" and trainer.callbacks and trainer.callbacks[0] is not self:
-            # ReproCapture must take the batch before another callback can reject it; a new list (Lightning is
-            # iterating the current one to call `setup`).
-            trainer.callbacks = [self, *(cb for cb in trainer.callbacks if cb is not self)]
+        if "ReproCapture" in self.running and stage == "fit":
+            run_first(trainer, self)
         self._log_dir = trainer.log_dir or trainer.default_root_dir
         self._summarized = False
         if self.preflight and not self.idle and stage == "fit":
@@ -436,17 +416,10 @@ class TFDebug(Callback):
         for hook in self._hooks["setup"]:
             hook(trainer, pl_module, stage)
 
-    def _describe(self) -> str:
-        return f"TFDebug(preset={self.preset!r})"
-
     def _take_over(self, configured: Sequence[TFDebug]) -> None:
-        """A preflight pack in a Trainer whose config already holds a pack: run with that pack's view of the batch.
-
-        The configured pack knows the user's batch layout (``input_key`` ...), the members the user turned off and
-        their per-member settings; without them the preflight would read the batch by guesswork and could report
-        what the real run never would. Settings the preflight pack was given itself win; the cadence, ``on_finding``
-        and the preflight's own settings (:data:`PREFLIGHT_SETTINGS`) are never taken over.
-        """
+        """A preflight pack in a Trainer whose config already holds a pack: take that pack's batch settings
+        (:data:`ADOPTED`), exclusions and overrides, so the preflight reads the batch as the real run will. The
+        preflight's own settings, cadence and ``on_finding`` win."""
         changed = False
         for pack in configured:
             for key in ADOPTED:
@@ -473,9 +446,7 @@ class TFDebug(Callback):
             if hasattr(cb, "save_top_k") and hasattr(cb, "save_last"):  # ModelCheckpoint, of either Lightning package
                 cb.save_top_k, cb.save_last = 0, False  # a trial run must not replace the user's checkpoints
                 quiet.append(type(cb).__name__)
-        result = os.environ.get(CHECK_RESULT_ENV)
-        if result and trainer.is_global_zero:
-            write_text(result, json.dumps({"log_dir": self._log_dir, "checkpoint_callbacks_silenced": quiet}))
+        _tell_check(trainer, log_dir=self._log_dir, checkpoint_callbacks_silenced=quiet)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for hook in self._hooks["on_fit_start"]:
@@ -486,16 +457,13 @@ class TFDebug(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for hook in self._hooks["on_fit_end"]:
             hook(trainer, pl_module)
-        # a collective every rank reaches once, at the end of fit: the other ranks' findings are on disk before rank
-        # 0 reads them for the summary
+        # one collective, at the end of fit: every rank's findings are on disk before rank 0 reads them
         trainer.strategy.barrier("tfdebug_summary")
         self._finish(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not self._set_up:
-            # fit failed before the pack was set up (another callback's setup, the strategy, the model's): the members
-            # never started, so there is nothing of theirs to close or report. A preflight run tells `tfdebug check`
-            # who refused it.
+            # fit failed before the pack was set up: no member started. A preflight tells `tfdebug check` who refused.
             if self.preflight:
                 self._refused(trainer, exception)
             return
@@ -504,12 +472,8 @@ class TFDebug(Callback):
         self._finish(trainer, failed=exception)  # no barrier: the other ranks may be gone
 
     def _refused(self, trainer: pl.Trainer, exception: BaseException) -> None:
-        result = os.environ.get(CHECK_RESULT_ENV)
-        if not result or not trainer.is_global_zero:
-            return
-        culprit = _raising_callback(exception, trainer)
         error = f"{type(exception).__name__}: {exception}".strip()
-        write_text(result, json.dumps({"log_dir": None, "refused_by": culprit, "error": error}))
+        _tell_check(trainer, log_dir=None, refused_by=_raising_callback(exception, trainer), error=error)
 
     def _finish(self, trainer: pl.Trainer, failed: BaseException | None = None) -> None:
         if self._summarized or self.idle or not trainer.is_global_zero:
@@ -521,8 +485,7 @@ class TFDebug(Callback):
             "members": list(self.members),
             "running": list(self.running),
             "by_hand": self.by_hand,
-            # the checks that did not run, why, and the setting that would let each run: what the report lists apart
-            # from the findings (rank 0's view; every rank's members also record themselves in stood-aside-rank<r>)
+            # rank 0's members that did not run (every rank's also record themselves in stood-aside-rank<r>.jsonl)
             "stood_aside": {
                 n: {"reason": aside["reason"], "setting": aside["setting"]}
                 for n, m in self.running.items()
@@ -554,12 +517,11 @@ class TFDebug(Callback):
             hook(trainer, pl_module, stage)
 
 
-def _is_callback(obj: object) -> bool:
-    """A Lightning callback, of either package (``lightning.pytorch`` or the standalone ``pytorch_lightning``)."""
-    return any(
-        c.__name__ == "Callback" and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
-        for c in type(obj).__mro__
-    )
+def _tell_check(trainer: pl.Trainer, **result: Any) -> None:
+    """Rank 0 of a preflight run: write ``result`` to the file ``tfdebug check`` reads (named in its environment)."""
+    path = os.environ.get(CHECK_RESULT_ENV)
+    if path and trainer.is_global_zero:
+        write_text(path, json.dumps(result))
 
 
 def _raising_callback(exception: BaseException, trainer: pl.Trainer) -> str | None:
@@ -570,7 +532,7 @@ def _raising_callback(exception: BaseException, trainer: pl.Trainer) -> str | No
     tb = exception.__traceback__
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
-        if owner is not None and id(owner) not in ours and _is_callback(owner):
+        if owner is not None and id(owner) not in ours and is_lightning_instance(owner, "Callback"):
             found = type(owner).__name__
         tb = tb.tb_next
     return found

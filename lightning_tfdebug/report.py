@@ -1,19 +1,6 @@
-"""The run report: every rank's and every callback's findings, merged, sorted and rendered.
-
-``tfdebug report LOG_DIR`` (also ``python -m lightning_tfdebug report``) and the summary ``TFDebug`` prints at the end
-of ``fit`` both come from here:
-
-* :func:`load_run` finds the run under a directory (a ``version_N`` directory, its ``tfdebug/`` folder, or a parent
-  holding several runs: the newest is taken) and reads its findings, the pack's ``pack.json`` and the NaN reports;
-* :func:`merge_findings` makes identical findings raised on several ranks one line with the rank list, sorted by
-  severity, then step;
-* :func:`render` writes ``text``, ``markdown``, ``json`` or ``html``. The HTML is one self-contained file: the
-  findings, pictures of the series behind them (read from the run's TensorBoard event files; needs the ``[report]``
-  extra, matplotlib) and the NaN frame tables.
-
-Exit status (:func:`exit_status`): 0 when no finding is at or above ``fail_on``, 1 otherwise; the command line
-returns 2 when the directory cannot be read.
-"""
+"""The run report (``tfdebug report`` and the summary ``TFDebug`` prints at the end of ``fit``): every rank's and
+every callback's findings, read by :func:`load_run`, merged by :func:`merge_findings` and rendered by :func:`render`
+as text, markdown, json or one self-contained HTML file (with pictures of the series behind the findings)."""
 
 from __future__ import annotations
 
@@ -37,7 +24,6 @@ _RANK = {s: i for i, s in enumerate(SEVERITIES)}  # info 0 < warning 1 < error 2
 SHORT_INFO_LINES = 8  # the end-of-fit summary lists info findings one by one up to this many, then counts them
 
 
-#: The TensorBoard series behind each callback's findings (regexes on tags), for the report's pictures.
 def series_of(source: str) -> tuple[str, ...]:
     """The series behind a source's findings: the tag patterns of the keys its callback declares on a chart
     (``KEYS``, :mod:`lightning_tfdebug.core.keys`); empty for a source that declares none."""
@@ -90,11 +76,6 @@ class StoodAside:
 
     def to_dict(self) -> dict[str, Any]:
         return {"check": self.check, "reason": self.reason, "setting": self.setting, "ranks": list(self.ranks)}
-
-    def line(self) -> str:
-        """``check: reason`` and, when there is one, what would let it run."""
-        tail = f" To let it run: {self.setting}." if self.setting else ""
-        return f"{self.check}: {self.reason}{tail}"
 
 
 def merge_stood_aside(records: Sequence[Mapping[str, Any]]) -> list[StoodAside]:
@@ -164,11 +145,13 @@ class Run:
 
     @property
     def ranks(self) -> list[int]:
-        found = {int(m.group(1)) for p in self._finding_files() if (m := re.search(r"rank(\d+)", os.path.basename(p)))}
+        files = _files(self.tfdebug_dir, "findings-rank*.jsonl")
+        found = {int(m.group(1)) for p in files if (m := re.search(r"rank(\d+)", os.path.basename(p)))}
         return sorted(found | {f.rank for f in self.findings})
 
-    def _finding_files(self) -> list[str]:
-        return sorted(glob.glob(os.path.join(self.tfdebug_dir, "findings-rank*.jsonl")))
+
+def _files(directory: str, pattern: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(directory, pattern)))
 
 
 def _run_dirs(root: str) -> list[str]:
@@ -202,19 +185,14 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         raise FileNotFoundError(f"no lightning_tfdebug output (a `tfdebug/` folder) under {path}")
     log_dir = runs[0]
     tfdebug_dir = os.path.join(log_dir, "tfdebug")
-    findings = [
-        f for p in sorted(glob.glob(os.path.join(tfdebug_dir, "findings-rank*.jsonl"))) for f in read_findings(p)
-    ]
-    pack = None
-    pack_file = os.path.join(tfdebug_dir, "pack.json")
-    if os.path.isfile(pack_file):
-        try:
-            with open(pack_file, encoding="utf-8") as f:
-                pack = json.load(f)
-        except (OSError, ValueError):
-            pack = None  # cut short by a crash: the findings still stand
-    nan_reports = sorted(glob.glob(os.path.join(tfdebug_dir, "nan-step*-rank*.txt")))
-    aside = [r for p in sorted(glob.glob(os.path.join(tfdebug_dir, "stood-aside-rank*.jsonl"))) for r in _read_aside(p)]
+    findings = [f for p in _files(tfdebug_dir, "findings-rank*.jsonl") for f in read_findings(p)]
+    try:
+        with open(os.path.join(tfdebug_dir, "pack.json"), encoding="utf-8") as f:
+            pack = json.load(f)
+    except (OSError, ValueError):  # absent, or cut short by a crash: the findings still stand
+        pack = None
+    nan_reports = _files(tfdebug_dir, "nan-step*-rank*.txt")
+    aside = [r for p in _files(tfdebug_dir, "stood-aside-rank*.jsonl") for r in _read_aside(p)]
     return Run(log_dir, tfdebug_dir, findings, pack, nan_reports, runs[1:], aside)
 
 
@@ -285,6 +263,10 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _evidence(evidence: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={_short(v)}" for k, v in evidence.items())
+
+
 # ---------------------------------------------------------------------- text forms
 def render_short(run: Run) -> str:
     """What rank 0 prints at the end of ``fit``: warnings and errors one line each, the info count, the command."""
@@ -326,7 +308,7 @@ def render_text(run: Run) -> str:
     for m in merged:
         lines.append(f"{m.severity:<7} {m.code}  step {m.step:<6} {_ranks(m.ranks):<10} {m.source}: {m.message}")
         if m.evidence:
-            lines.append("        evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in m.evidence.items()))
+            lines.append(f"        evidence: {_evidence(m.evidence)}")
         if m.hint:
             lines.append(f"        hint: {m.hint}")
     lines += _failure_lines(run, "")
@@ -362,8 +344,9 @@ def render_markdown(run: Run) -> str:
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for m in merged:
-            cells = [m.severity, m.code, str(m.step), ",".join(map(str, m.ranks)), m.source, m.message, m.hint]
-            out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+            out.append(
+                _table_row([m.severity, m.code, str(m.step), ",".join(map(str, m.ranks)), m.source, m.message, m.hint])
+            )
     failure = _failure_lines(run, "")
     if failure:
         out += ["", "## The run failed", "", *failure]
@@ -376,9 +359,13 @@ def render_markdown(run: Run) -> str:
             "| --- | --- | --- | --- |",
         ]
         for entry in run.did_not_run:
-            cells = [entry.check, ",".join(map(str, entry.ranks)), entry.reason, entry.setting or "-"]
-            out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+            out.append(_table_row([entry.check, ",".join(map(str, entry.ranks)), entry.reason, entry.setting or "-"]))
     return "\n".join(out) + "\n"
+
+
+def _table_row(cells: Sequence[str]) -> str:
+    """A markdown table row, its cells on one line with their pipes escaped."""
+    return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
 
 
 def render_json(run: Run, fail_on: str = "error") -> str:
@@ -455,7 +442,6 @@ pre{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:0.8em}h2{margin-top
 def render_html(run: Run) -> str:
     merged = run.merged
     esc = html.escape
-    series = read_series(run.log_dir)
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>lightning_tfdebug report</title>",
         f"<style>{_CSS}</style></head><body>",
@@ -469,11 +455,7 @@ def render_html(run: Run) -> str:
         for m in merged:
             detail = esc(m.message)
             if m.evidence:
-                detail += (
-                    "<br><small>evidence: "
-                    + esc(", ".join(f"{k}={_short(v)}" for k, v in m.evidence.items()))
-                    + "</small>"
-                )
+                detail += f"<br><small>evidence: {esc(_evidence(m.evidence))}</small>"
             if m.hint:
                 detail += f"<br><small>hint: {esc(m.hint)}</small>"
             parts.append(
@@ -488,28 +470,7 @@ def render_html(run: Run) -> str:
             ranks = f" ({esc(_ranks(entry.ranks))})" if len(run.ranks) > 1 and entry.ranks else ""
             parts.append(f"<li><b>{esc(entry.check)}</b>{ranks}: {esc(entry.reason)}{setting}</li>")
         parts.append("</ul>")
-    pictures = 0
-    missing_plotting = False
-    sources = [s for s in dict.fromkeys(m.source for m in merged) if series_of(s)]
-    sections = [
-        (f"{s}: the series behind its findings", series_of(s), [m.step for m in merged if m.source == s])
-        for s in sources
-    ]
-    sections.append(("Overview: loss and gradient norm", _OVERVIEW, []))
-    for title, patterns, marks in sections:
-        chosen = _select(series, patterns)
-        if not chosen:
-            continue
-        png = _picture(title, chosen, marks)
-        if png is None:
-            missing_plotting = True
-            break
-        pictures += 1
-        parts.append(f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{png}'>")
-    if missing_plotting:
-        parts.append("<p>Pictures need matplotlib: <code>pip install 'lightning-tfdebug[report]'</code>.</p>")
-    elif not pictures:
-        parts.append("<p>No TensorBoard series found next to the findings (a TensorBoardLogger draws them).</p>")
+    parts += _html_pictures(read_series(run.log_dir), merged)
     for path in run.nan_reports:
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -521,14 +482,31 @@ def render_html(run: Run) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _html_pictures(series: dict[str, list[tuple[int, float]]], merged: Sequence[MergedFinding]) -> list[str]:
+    """The pictures of the series behind each source's findings (their steps marked), then the overview."""
+    sources = [s for s in dict.fromkeys(m.source for m in merged) if series_of(s)]
+    sections = [
+        (f"{s}: the series behind its findings", series_of(s), [m.step for m in merged if m.source == s])
+        for s in sources
+    ]
+    sections.append(("Overview: loss and gradient norm", _OVERVIEW, []))
+    parts: list[str] = []
+    for title, patterns, marks in sections:
+        chosen = _select(series, patterns)
+        if not chosen:
+            continue
+        png = _picture(title, chosen, marks)
+        if png is None:
+            return [*parts, "<p>Pictures need matplotlib: <code>pip install 'lightning-tfdebug[report]'</code>.</p>"]
+        title = html.escape(title)
+        parts.append(f"<h2>{title}</h2><img alt='{title}' src='data:image/png;base64,{png}'>")
+    return parts or ["<p>No TensorBoard series found next to the findings (a TensorBoardLogger draws them).</p>"]
+
+
 def render(run: Run, fmt: str = "text", fail_on: str = "error") -> str:
     """The report of ``run`` in ``fmt`` (one of :data:`FORMATS`)."""
-    if fmt == "text":
-        return render_text(run)
-    if fmt == "markdown":
-        return render_markdown(run)
+    if fmt not in FORMATS:
+        raise ValueError(f"`format` must be one of {', '.join(FORMATS)}; got {fmt!r}.")
     if fmt == "json":
         return render_json(run, fail_on)
-    if fmt == "html":
-        return render_html(run)
-    raise ValueError(f"`format` must be one of {', '.join(FORMATS)}; got {fmt!r}.")
+    return {"text": render_text, "markdown": render_markdown, "html": render_html}[fmt](run)

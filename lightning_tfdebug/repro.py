@@ -1,17 +1,8 @@
 """Repro bundles: what ReproCapture writes when training fails, and how to replay the failing step.
 
-A bundle is a directory ``step<k>-rank<r>/`` holding only data:
-
-| file | content |
-| --- | --- |
-| `bundle.json` | step, batch index, epoch, rank, exception, traceback, run set-up, RNG scalars, file SHA-256s |
-| `batch.pt` | the failing batch (tensors on the CPU, dicts, lists, tuples, numbers, strings) |
-| `rng.pt` | torch CPU and CUDA generator states, NumPy's MT19937 key |
-| `model.pt` | the model's `state_dict()` as of the failing step (absent above the size limit or under sharding) |
-| `training.pt` | optimizer and LR-scheduler `state_dict()`s as of the failing step (same limits as `model.pt`) |
-
-Loading never unpickles arbitrary objects: ``.pt`` files are read with ``torch.load(weights_only=True)`` after their
-checksum is verified, and everything else is JSON. A modified or truncated bundle raises :class:`BundleError`.
+A bundle is a directory ``step<k>-rank<r>/`` of data only: ``bundle.json`` and ``.pt`` files that are read with
+``torch.load(weights_only=True)`` after their checksum is verified (the files are listed in
+``docs/callbacks/repro_capture.md``). A modified or truncated bundle raises :class:`BundleError`.
 """
 
 from __future__ import annotations
@@ -20,6 +11,7 @@ import contextlib
 import hashlib
 import importlib
 import json
+import logging
 import os
 import platform
 import random
@@ -28,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +34,7 @@ from lightning_tfdebug.findings import _jsonable
 
 FORMAT_VERSION = 1
 BUNDLE_META = "bundle.json"
+_PARTS = ("batch.pt", "rng.pt", "model.pt", "training.pt")  # the data files a bundle may hold, besides its meta
 
 
 class BundleError(RuntimeError):
@@ -49,18 +42,13 @@ class BundleError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------- RNG
-
-
 def capture_rng(host: bool = True, cpu: torch.Tensor | None = None) -> dict[str, Any]:
-    """The generators a training step may draw from: torch CPU and, if initialised, this process's CUDA device (each
-    rank writes its own bundle; the other devices' generators are not this rank's), and with ``host`` Python's and
-    NumPy's global generators.
+    """The states of torch's CPU generator and this process's CUDA generator (if initialised). Host-side, no sync.
 
-    Host-side, no device sync (CUDA generator states live on the host). The torch states are small tensors copied
-    as they are (about 1 us each); Python's and NumPy's states are converted to tuples and cost 10-40 us, so
-    ReproCapture reads them only when the run's steps draw from them (see :func:`host_rng_moved`). ``cpu``: the torch
-    CPU state already taken at this batch's start (:func:`~lightning_tfdebug.core.batch.step_rng_state`), not copied
-    again.
+    Args:
+        host: also Python's and NumPy's global generators (10-40 us to convert, against about 1 us for torch's).
+        cpu: the torch CPU state already taken at this batch's start
+            (:func:`~lightning_tfdebug.core.batch.step_rng_state`), not copied again.
     """
     state: dict[str, Any] = {"torch": torch.get_rng_state() if cpu is None else cpu}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -77,8 +65,7 @@ def capture_rng(host: bool = True, cpu: torch.Tensor | None = None) -> dict[str,
 
 
 def host_rng_moved(state: Mapping[str, Any]) -> bool:
-    """Whether Python's or NumPy's global generator drew a number since ``state`` (from :func:`capture_rng` with
-    ``host=True``) was taken: the step in between uses them, so replaying it needs their states."""
+    """Whether Python's or NumPy's global generator drew a number since :func:`capture_rng` took ``state``."""
     if "python" in state and random.getstate() != state["python"]:
         return True
     if "numpy" in state:
@@ -112,8 +99,6 @@ def restore_rng(state: Mapping[str, Any]) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------- run info
-
-
 def library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("lightning", "numpy", "transformers", "lightning_tfdebug", "torchmetrics"):
@@ -130,21 +115,23 @@ def library_versions() -> dict[str, str]:
 
 def git_commit(cwd: str | None = None) -> dict[str, Any] | None:
     """``{"commit", "dirty"}`` of the git checkout around ``cwd``, or None (no git, not a checkout)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5, check=True).stdout
+
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout
+        commit = git("rev-parse", "HEAD").strip()
+        status = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": commit, "dirty": bool(status.strip())}
+
+
+def run_first(trainer: Any, callback: Any) -> None:
+    """Put ``callback`` first in ``trainer.callbacks``, so that it holds each batch before another callback can reject
+    it (BatchGuard with ``on_finding="raise"``). A new list: Lightning is iterating the current one (``setup``)."""
+    if callback in trainer.callbacks and trainer.callbacks[0] is not callback:
+        trainer.callbacks = [callback, *(cb for cb in trainer.callbacks if cb is not callback)]
 
 
 def class_path(obj: Any) -> str:
@@ -179,33 +166,37 @@ def run_info(trainer: Any, pl_module: Any) -> dict[str, Any]:
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> bool:
-    """Write JSON to a temporary file beside ``path`` and rename it into place; False (warned once, see
-    :mod:`lightning_tfdebug.core.io`) when the file system refuses."""
+    """Write ``data`` as JSON, atomically; False (warned once) when the file system refuses."""
     return write_text(path, json.dumps(_jsonable(data), indent=2))
 
 
 # --------------------------------------------------------------------------------------------- bundles
+def _rebuild(batch: Any, leaf: Callable[[Any, str], Any], path: str = "batch") -> Any:
+    """``batch`` with ``leaf(value, path)`` in place of each value that is not a mapping, list or tuple; mappings
+    (``BatchEncoding``, ``UserDict``) become dicts and named tuples tuples."""
+    if isinstance(batch, Mapping):
+        return {k: _rebuild(v, leaf, f"{path}.{k}") for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        items = [_rebuild(v, leaf, f"{path}.{i}") for i, v in enumerate(batch)]
+        return items if isinstance(batch, list) else tuple(items)
+    return leaf(batch, path)
 
 
 def to_plain(batch: Any, dropped: list[str], path: str = "batch") -> Any:
     """A copy of ``batch`` made of CPU tensors, dicts, lists, tuples and primitives: what ``weights_only`` loads.
+    Anything else is replaced by None and its path added to ``dropped``."""
 
-    Mappings (``BatchEncoding``, ``UserDict``) become dicts and named tuples tuples; anything else that is not data
-    is replaced by None and its path added to ``dropped``.
-    """
-    if isinstance(batch, Tensor):
-        return batch.detach().to("cpu", copy=True).clone()  # the host copy, made only when an exception happened
-    if isinstance(batch, Mapping):
-        return {k: to_plain(v, dropped, f"{path}.{k}") for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        items = [to_plain(v, dropped, f"{path}.{i}") for i, v in enumerate(batch)]
-        return items if isinstance(batch, list) else tuple(items)
-    if batch is None or isinstance(batch, (bool, int, float, str, bytes)):
-        return batch
-    if type(batch).__module__ == "numpy" and hasattr(batch, "shape"):
-        return torch.as_tensor(batch)
-    dropped.append(f"{path} ({type(batch).__name__})")
-    return None
+    def plain(value: Any, where: str) -> Any:
+        if isinstance(value, Tensor):
+            return value.detach().to("cpu", copy=True).clone()  # the host copy, made only when an exception happened
+        if value is None or isinstance(value, (bool, int, float, str, bytes)):
+            return value
+        if type(value).__module__ == "numpy" and hasattr(value, "shape"):
+            return torch.as_tensor(value)
+        dropped.append(f"{where} ({type(value).__name__})")
+        return None
+
+    return _rebuild(batch, plain, path)
 
 
 def holds_device_tensors(batch: Any) -> bool:
@@ -220,38 +211,32 @@ def holds_device_tensors(batch: Any) -> bool:
 
 
 def host_copy(batch: Any) -> Any:
-    """A host copy of every tensor in ``batch``, same containers (mappings become dicts, named tuples tuples).
+    """A host copy of every tensor in ``batch`` (other values as they are) that a later device-side assert cannot take.
 
-    CUDA tensors are copied with ``non_blocking=True`` into pinned memory: the copy is queued on the current stream
-    ahead of the forward, so the host does not wait for it, and a later device-side assert (which makes every CUDA
-    call fail afterwards) cannot take the batch with it. CPU tensors are cloned, so in-place edits made by
-    ``training_step`` do not reach the copy.
+    CUDA tensors are copied into pinned memory with ``non_blocking=True``, queued ahead of the forward; CPU tensors
+    are cloned, so in-place edits made by ``training_step`` do not reach the copy.
     """
-    if isinstance(batch, Tensor):
-        if batch.is_cuda:
-            out = torch.empty(batch.shape, dtype=batch.dtype, device="cpu", pin_memory=True)
-            return out.copy_(batch.detach(), non_blocking=True)  # queued; no host sync
-        return batch.detach().to("cpu", copy=True)
-    if isinstance(batch, Mapping):
-        return {k: host_copy(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        items = [host_copy(v) for v in batch]
-        return items if isinstance(batch, list) else tuple(items)
-    return batch
+
+    def copy(value: Any, _: str) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        if value.is_cuda:
+            out = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
+            return out.copy_(value.detach(), non_blocking=True)  # queued; no host sync
+        return value.detach().to("cpu", copy=True)
+
+    return _rebuild(batch, copy)
 
 
 def share_host_copy(trainer: Any, batch: Any, copy: Any) -> None:
-    """Publish the host copy of this step's ``batch`` on the Trainer, for callbacks that diagnose a failed step.
-
-    Only the latest batch is kept (a reference to a copy ReproCapture made anyway), so nothing outlives its step.
-    """
+    """Publish the host copy of this step's ``batch`` in the step state, for callbacks that diagnose a failed step."""
     state = step_state(trainer)
     state.host_copy_of, state.host_copy = batch, copy
 
 
 def shared_host_copy(trainer: Any, batch: Any) -> Any | None:
-    """The host copy of ``batch`` published by :func:`share_host_copy` on this Trainer, or None. After a CUDA
-    device-side assert it is the only copy of the batch that can still be read."""
+    """The host copy of ``batch`` published by :func:`share_host_copy`, or None: after a CUDA device-side assert,
+    the only copy of the batch that can still be read."""
     state = step_state(trainer)
     return state.host_copy if state.host_copy_of is batch else None
 
@@ -283,9 +268,8 @@ def _host_parts(
     model_state: Mapping[str, Any] | None,
     training_state: Mapping[str, Any] | None,
 ) -> tuple[Any, dict[str, Tensor] | None, Any]:
-    """The batch, the model state and the training state copied to the host, each part on its own: after a CUDA
-    device-side assert every CUDA call fails, and the parts that were already on the host (a batch from
-    :func:`host_copy`, the RNG states) must still be written. What could not be copied is said in ``meta``."""
+    """The batch, the model state and the training state copied to the host, each on its own (after a CUDA
+    device-side assert the parts already on the host must still be written); what failed is said in ``meta``."""
     plain_batch = None
     if batch is not None:
         dropped: list[str] = []
@@ -328,6 +312,23 @@ def _rng_tensors(rng: Mapping[str, Any], meta: dict[str, Any]) -> dict[str, Any]
     return tensors
 
 
+def _rng_states(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_rng_tensors`: :func:`capture_rng`'s states from ``rng.pt`` and ``meta``."""
+    rng: dict[str, Any] = {"torch": tensors["torch"]}
+    if "cuda" in tensors:
+        rng["cuda"] = tensors["cuda"]
+    py = meta.get("rng_python")
+    if isinstance(py, dict):
+        rng["python"] = (py["version"], py["state"], py["gauss"])
+    npy = meta.get("rng_numpy")
+    if isinstance(npy, dict) and "numpy_key" in tensors:
+        import numpy as np
+
+        key = tensors["numpy_key"].numpy().astype(np.uint32)
+        rng["numpy"] = (str(npy["name"]), key, int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached"]))
+    return rng
+
+
 def write_bundle(
     root: str | os.PathLike[str],
     *,
@@ -339,11 +340,10 @@ def write_bundle(
     model_state: Mapping[str, Any] | None = None,
     training_state: Mapping[str, Any] | None = None,
 ) -> str | None:
-    """Write a bundle under ``root`` as ``step<k>-rank<r>`` (``-1``, ``-2``... if taken) and return its path.
+    """Write a bundle under ``root`` as ``step<k>-rank<r>`` (``-1``, ``-2``... if taken), complete or not at all.
 
-    Everything is written into a temporary directory beside the target, synced, and renamed in one step, so a
-    bundle either exists complete or not at all, and an earlier bundle is never overwritten. ``training_state``
-    (``{"optimizers": [...], "lr_schedulers": [...]}``, their ``state_dict()``s) goes to ``training.pt``.
+    ``training_state`` (``{"optimizers": [...], "lr_schedulers": [...]}``, their ``state_dict()``s) goes to
+    ``training.pt``.
 
     Returns:
         The bundle's path, or None when the file system refused (a warning says so once; see
@@ -356,7 +356,7 @@ def write_bundle(
     def build(tmp: str) -> None:
         files: dict[str, str] = {}
         rng_part = _rng_tensors(rng, meta) if rng is not None else None
-        for name, part in zip(("batch.pt", "rng.pt", "model.pt", "training.pt"), (parts[0], rng_part, *parts[1:])):
+        for name, part in zip(_PARTS, (parts[0], rng_part, *parts[1:])):
             if part is not None:
                 _save(part, tmp, name, files)
         meta["files"] = files
@@ -365,7 +365,6 @@ def write_bundle(
             f.flush()
             os.fsync(f.fileno())
 
-    # Built in a temporary directory and renamed into place (complete or absent, never over an earlier bundle).
     return publish_dir(build, os.fspath(root), f"step{step}-rank{rank}")
 
 
@@ -425,26 +424,13 @@ def load_bundle(path: str | os.PathLike[str], *, load_model: bool = True) -> Bun
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         raise BundleError(f"{meta_path} has no valid 'files' table.")
     for name in files:
-        if name not in ("batch.pt", "rng.pt", "model.pt", "training.pt"):
+        if name not in _PARTS:
             raise BundleError(f"{meta_path} lists an unexpected file {name!r}.")
     bundle = Bundle(directory, meta)
     if "batch.pt" in files:
         bundle.batch = _load_pt(directory, "batch.pt", files["batch.pt"])
     if "rng.pt" in files:
-        tensors = _load_pt(directory, "rng.pt", files["rng.pt"])
-        rng: dict[str, Any] = {"torch": tensors["torch"]}
-        if "cuda" in tensors:
-            rng["cuda"] = tensors["cuda"]
-        py = meta.get("rng_python")
-        if isinstance(py, dict):
-            rng["python"] = (py["version"], py["state"], py["gauss"])
-        npy = meta.get("rng_numpy")
-        if isinstance(npy, dict) and "numpy_key" in tensors:
-            import numpy as np
-
-            key = tensors["numpy_key"].numpy().astype(np.uint32)
-            rng["numpy"] = (str(npy["name"]), key, int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached"]))
-        bundle.rng = rng
+        bundle.rng = _rng_states(_load_pt(directory, "rng.pt", files["rng.pt"]), meta)
     if load_model and "model.pt" in files:
         bundle.model_state = _load_pt(directory, "model.pt", files["model.pt"])
     if load_model and "training.pt" in files:
@@ -453,8 +439,6 @@ def load_bundle(path: str | os.PathLike[str], *, load_model: bool = True) -> Bun
 
 
 # ---------------------------------------------------------------------------------------------- replay
-
-
 @dataclass
 class ReplayResult:
     """What replaying a bundle gave.
@@ -480,30 +464,24 @@ class ReplayResult:
         return class_path(self.exception) == self.expected_type and str(self.exception) == self.expected_message
 
 
-class _QuietLightning:
-    """Raise Lightning's loggers to WARNING for the duration of a replay, and put their levels back after."""
-
-    names = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
-
-    def __enter__(self) -> None:
-        import logging
-
-        self.levels = {n: logging.getLogger(n).level for n in self.names}
-        for n in self.names:
-            logging.getLogger(n).setLevel(logging.WARNING)
-
-    def __exit__(self, *exc: object) -> None:
-        import logging
-
-        for n, level in self.levels.items():
-            logging.getLogger(n).setLevel(level)
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Lightning's loggers at WARNING for the duration of a replay, their levels put back after."""
+    loggers = [
+        logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
-def _identity(batch: Any) -> Any:
-    return batch
-
-
-def _identity_transfer(batch: Any, dataloader_idx: int = 0) -> Any:
+def _unchanged(batch: Any, *_: Any) -> Any:
+    """The batch as it is: the replay's collate function and batch-transfer hooks."""
     return batch
 
 
@@ -605,9 +583,9 @@ def _fit_one_step(trainer: Any, module: Any, loaded: Bundle, result: ReplayResul
 
     # The batch was saved after it reached the device: do not run the batch-transfer hooks on it a second time.
     saved_hooks = {name: module.__dict__.get(name) for name in ("on_before_batch_transfer", "on_after_batch_transfer")}
-    module.on_before_batch_transfer = _identity_transfer
-    module.on_after_batch_transfer = _identity_transfer
-    loader = DataLoader([loaded.batch], batch_size=None, collate_fn=_identity)
+    module.on_before_batch_transfer = _unchanged
+    module.on_after_batch_transfer = _unchanged
+    loader = DataLoader([loaded.batch], batch_size=None, collate_fn=_unchanged)
     try:
         trainer.fit(module, train_dataloaders=loader)
     except Exception as err:
@@ -629,12 +607,8 @@ def replay(
     precision: str | None = None,
     load_state: bool = True,
 ) -> ReplayResult:
-    """Run the failing training step of ``bundle`` again on ``module`` and return what it raised.
-
-    The module's state is loaded from the bundle (or, when the bundle holds none, from the checkpoint it names),
-    a one-process Trainer is built with the run's precision, ``global_step`` is set to the failing step, the RNG
-    states are restored just before the step, and the saved batch (already on-device when it was captured, so the
-    batch-transfer hooks are not run again) goes through ``training_step`` and the backward.
+    """Run the failing training step of ``bundle`` again on ``module``, in a one-process Trainer, and return what it
+    raised. The saved batch was captured on the device, so the batch-transfer hooks are not run again.
 
     Args:
         bundle: a bundle directory or a loaded :class:`Bundle`.
@@ -677,7 +651,7 @@ def replay(
         )
     result = ReplayResult(None, "", str(exc.get("type", "")), str(exc.get("message", "")), notes)
     # one step: no "GPU available" / tips / limit_train_batches banners; nothing left behind in the temp dir
-    with _QuietLightning(), tempfile.TemporaryDirectory(prefix="tfdebug-replay-") as scratch:
+    with _quiet_lightning(), tempfile.TemporaryDirectory(prefix="tfdebug-replay-") as scratch:
         trainer = pl.Trainer(
             accelerator=accelerator,
             devices=1,
@@ -698,8 +672,6 @@ def replay(
 
 
 # --------------------------------------------------------------------------------------------- modules
-
-
 def import_class(path: str) -> type:
     """The class named by ``"package.module.Class"``."""
     module_name, _, name = path.rpartition(".")
@@ -720,10 +692,8 @@ def build_module(
 ) -> Any:
     """Build a LightningModule from a LightningCLI config's ``model`` section, or from saved hyper-parameters.
 
-    The config's ``model`` may be ``{class_path, init_args}`` (subclass mode) or plain init arguments, in which case
-    ``model_class`` names the class (ReproCapture records it in every bundle); it may sit under a subcommand
-    (``fit: {model: ...}``). A config without a ``model`` section, or none, uses ``hparams``. Parsing goes through
-    jsonargparse, as LightningCLI does, so nested ``class_path`` arguments and type coercion work the same way.
+    The ``model`` section (``{class_path, init_args}`` or plain arguments of ``model_class``, also under a
+    subcommand: ``fit: {model: ...}``) is parsed by jsonargparse, as LightningCLI does. Without one, ``hparams``.
 
     Raises:
         BundleError: the config cannot be read, the class cannot be imported or is not a LightningModule, or the

@@ -1,18 +1,8 @@
-"""The rule registry: every finding code the pack can emit, its default severity, its owner, what triggers it and
-what to do about it.
+"""The rule registry: every finding code the pack can emit, collected from the ``RULES`` of each
+``functional/<area>_checks.py`` (where each rule is declared beside the function that decides it).
 
-This module is the single source of truth for finding codes, like a linter's rule list. Callbacks hand the
-verdicts of rule functions to :meth:`~lightning_tfdebug.DebugCallback.emit`; the severity and the hint come from the
-rule unless the verdict carries a more specific one (a severity escalated by evidence, a hint that names the module
-at fault). The tables in ``docs/findings.md`` and on each callback's page are generated from :data:`RULES` by
-``python scripts/gen_rule_docs.py``, and ``tests/test_rules.py`` fails when they drift.
-
-The rules themselves live beside the functions that decide them, in ``functional/<area>_checks.py`` (each module's
-``RULES``, within its ``BLOCK`` of numbers); this module collects them. Adding a rule: declare its :class:`Rule`
-(with its message template) in the checks module of its callback, decide it in a function there that takes readings
-and returns ``RULE.verdict(...)``, test that function with plain numbers, hand its verdicts to ``emit`` in the
-callback, run ``python scripts/gen_rule_docs.py``, and check that it fires on a bug and stays silent on a healthy run
-(``docs/architecture.md``).
+The tables in ``docs/findings.md`` and on each callback's page are generated from :data:`RULES` by
+``python scripts/gen_rule_docs.py``. How to add a rule: ``docs/architecture.md``.
 
 Example:
     >>> from lightning_tfdebug.rules import RULES

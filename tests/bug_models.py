@@ -46,8 +46,9 @@ EOS = ByteTokenizer.eos_id
 
 # --------------------------------------------------------------------------------------------- shared injections
 def squash(logits: Tensor, kind: str | None) -> Tensor:
-    """Bounded outputs (rows 24, 30): ``sigmoid`` (width 1), ``tanh`` (``c * tanh(logits / c)``, c = 1: width 2),
-    ``clamp`` (to [-1, 1]); ``softmax`` (row 1); None leaves the logits alone."""
+    """Bounded outputs (rows 24, 30, 40): ``sigmoid`` (width 1), ``tanh`` (``c * tanh(logits / c)``, c = 1: width 2),
+    ``softcap`` (a Gemma-style soft-cap far too small, c = 0.75: width 1.5), ``clamp`` (to [-1, 1]); ``softmax``
+    (row 1); None leaves the logits alone."""
     if kind is None:
         return logits
     if kind == "softmax":
@@ -56,6 +57,8 @@ def squash(logits: Tensor, kind: str | None) -> Tensor:
         return logits.sigmoid()
     if kind == "tanh":
         return torch.tanh(logits)
+    if kind == "softcap":
+        return 0.75 * torch.tanh(logits / 0.75)
     if kind == "clamp":
         return logits.clamp(-1.0, 1.0)
     raise ValueError(f"unknown squash {kind!r}")
@@ -248,7 +251,9 @@ class BugHFLM(RankBugs, HFLM):
     Args:
         family: ``gpt2`` or ``llama`` (tiny configs of ``tests/healthy_models.hf_model``).
         output_squash: applied to the logits in ``forward`` (row 1, 24); the step then computes the loss.
-        step_squash: applied to the logits in ``training_step`` before the loss (row 30).
+        step_squash: applied to the logits in ``training_step`` before the loss (rows 30, 40).
+        model_loss: the step calls the model with the labels (its ``ModelOutput`` carries its own loss) and returns
+            the loss of the ``step_squash``-ed logits instead (row 40).
         shift: False computes the loss in the step without the shift Hugging Face does inside the model (row 9).
         pass_mask: False drops the attention mask from the model call (row 8).
         bidirectional_mask: the forward builds a 4-D mask from the padding mask alone, which replaces the model's
@@ -269,6 +274,7 @@ class BugHFLM(RankBugs, HFLM):
         warmup_steps: int = 10,
         output_squash: str | None = None,
         step_squash: str | None = None,
+        model_loss: bool = False,
         shift: bool = True,
         pass_mask: bool = True,
         bidirectional_mask: bool = False,
@@ -293,6 +299,7 @@ class BugHFLM(RankBugs, HFLM):
             for block in self.model.transformer.h:
                 nn.init.constant_(block.mlp.c_fc.bias, mlp_bias_init)
         self.output_squash, self.step_squash, self.shift = output_squash, step_squash, shift
+        self.model_loss = model_loss
         self.pass_mask, self.bidirectional_mask = pass_mask, bidirectional_mask
         self.constant_positions = constant_positions
         if mixed_reshape:
@@ -324,7 +331,9 @@ class BugHFLM(RankBugs, HFLM):
 
     def training_step(self, batch, batch_idx):
         self.rank_step_bugs()
-        if self._loss_in_step:
+        if self.model_loss:  # the model computes its own loss; the step trains another one
+            loss = next_token_loss(squash(self(**batch).logits, self.step_squash), batch["labels"])
+        elif self._loss_in_step:
             out = self(batch["input_ids"], batch.get("attention_mask"))
             logits = out if isinstance(out, Tensor) else out.logits
             loss = next_token_loss(squash(logits, self.step_squash), batch["labels"], shift=self.shift)

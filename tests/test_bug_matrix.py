@@ -133,6 +133,7 @@ BUGS: dict[int, str] = {
     37: "samples mixed across the batch",
     38: "a warm-up ten times longer than the run",
     39: "a resume mid-epoch with a DataLoader that cannot restore its position",
+    40: "a soft-cap far too small in training_step, beside the model's own loss",
     41: "gradients clipped by value far below their size",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
@@ -457,6 +458,16 @@ def row_cases() -> dict[tuple[int, str], Case]:
     ):
         at = 10 if fam == "encoder_lm" else 8
         c[39, fam] = Case(module, data, (owner("TFD125"),), where, steps=at + 2, resume_at=at)
+    # 40: a Gemma-style soft-cap c * tanh(logits / c), c = 0.75, in training_step; Llama's ModelOutput also carries
+    # the model's own loss of the raw logits
+    cap = "training_step returns the loss of 0.75 * tanh(logits / 0.75)"
+    llama = lambda: BugHFLM("llama", step_squash="softcap", model_loss=True)  # noqa: E731
+    for fam, module, data, where in (
+        ("encoder_lm", enc(step_squash="softcap"), tuples(), cap),
+        ("gpt2", llama, dicts(), f"Llama(labels=...); {cap}"),
+        ("tinygpt", tiny(step_squash="softcap"), dicts(), cap),
+    ):
+        c[40, fam] = Case(module, data, (owner("TFD233"),), where, steps=AFTER_CHECK)
     # 41: SGD with momentum whose every gradient Lightning clips by value far below its elements' size
     clip = {"gradient_clip_val": 1e-4, "gradient_clip_algorithm": "value"}
     for fam, module, data in (

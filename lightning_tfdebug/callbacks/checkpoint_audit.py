@@ -29,30 +29,12 @@ from lightning_tfdebug.functional.verdicts import Verdict
 
 
 class CheckpointAudit(DebugCallback):
-    r"""Verifies each checkpoint file after it is written, and verifies each resume against the checkpoint.
+    """Verifies each checkpoint file after it is written, and each resume against the checkpoint.
 
-    **After each save.** At ``on_save_checkpoint`` the callback notes what the file must hold, taken from the live
-    objects: weights for every tensor of the module's ``state_dict`` with their shapes, optimizer state for every
-    param group (with per-parameter state and step counts), every LR scheduler's state, the fp16 GradScaler's state
-    under the precision plugin's key, loop progress (``loops``, ``global_step``, ``epoch``), and every callback's
-    state. The callback wraps the strategy's ``CheckpointIO.save_checkpoint``, so right after the file is written
-    (rank 0) it opens the file and compares (``TFD701`` to ``TFD708``). An asynchronous writer's file is checked at the
-    next batch. Files are opened with ``torch.load(weights_only=True)`` first; only because this run wrote the file
-    itself may a full unpickling follow (hyper-parameters or callback state holding other objects). A file that
-    cannot be read back (cut short by a full disk or a killed save, not a valid archive) is ``TFD716``. A sharded
-    distributed-checkpoint directory (FSDP / ``ModelParallelStrategy``) is checked from its ``.metadata`` at the next
-    batch end (rank 0, no tensor read): every shard file it lists must exist and hold its items (``TFD716``).
-
-    **On resume.** ``on_load_checkpoint`` records what the checkpoint holds (a checksum of every floating tensor,
-    optimizer step counts, LRs, the loss scale, the global step); at ``on_train_start`` the live objects must match
-    (``TFD710`` to ``TFD714``). The callback also keeps a small probe batch (``probe_rows`` rows of the first training
-    batch) and, at each save, the loss of ``training_step`` on it (eval mode, ``no_grad``, logging silenced); right
-    after resuming the same loss must come out (``TFD715``): a module re-initialised after loading, or resumed in a
-    different dtype, shows here.
-
-    Cost: nothing on steps without a save. Each save costs one probe forward and reading the file back (rank 0);
-    a resume costs one pass over the weights for checksums and one probe forward. With ``reload=False`` a save costs
-    only a walk over the dict being written.
+    After each save (rank 0, through the strategy's ``CheckpointIO``) the file must hold what the live objects say a
+    resume needs: weights, optimizer, scheduler and GradScaler state, loop progress and callback state. On resume the
+    live objects must match the checkpoint, and the loss on a small probe batch must be the loss at save time.
+    Nothing runs on steps without a save. The guide, ``docs/callbacks/checkpoint_audit.md``, has the details.
 
     Findings: ``TFD701`` weights missing, ``TFD702`` wrong shapes, ``TFD703`` optimizer state missing, ``TFD704``
     optimizer state incomplete, ``TFD705`` scheduler state missing, ``TFD706`` GradScaler state missing,
@@ -62,11 +44,7 @@ class CheckpointAudit(DebugCallback):
     ``TFD713`` loss scale differs, ``TFD714`` global step differs, ``TFD715`` probe loss differs after resume,
     ``TFD716`` a checkpoint this run wrote is truncated, corrupt or incomplete.
 
-    Logged keys: none (the audit is pass/fail; evidence goes into the findings). Each code is decided by a rule of
-    :mod:`lightning_tfdebug.functional.checkpoint_checks`; files are read by :mod:`lightning_tfdebug.core.checkpoints`.
-
-    Distributed: rank 0 writes and verifies the file; its findings are rank-local and every rank resolves them
-    together at the next batch end (or at the end of training). Resume checks run on every rank.
+    Logged keys: none (the audit is pass/fail; evidence goes into the findings).
 
     Args:
         every_n_steps: unused by the checks (they run at saves and resumes); kept for a uniform interface.
@@ -74,10 +52,8 @@ class CheckpointAudit(DebugCallback):
         probe_rows: rows of the first training batch kept as the probe batch (stored in the callback's state).
         loss_rtol: relative tolerance between the probe loss at save time and after resume.
         weight_rtol: relative tolerance of the weight checksums after resume.
-        reload: read every file back and compare resumes with the checkpoint (the default, and ``preset="full"``).
-            ``False`` (the ``always`` preset) judges the dict the strategy writes, in memory, at each save (can this
-            checkpoint resume the run: TFD701-TFD709), and ``load_problems`` on resume; no file is read back, no probe
-            batch is kept and no resume comparison (TFD710-TFD716) runs.
+        reload: read every file back and compare resumes with the checkpoint. ``False`` (the ``always`` preset) judges
+            the dict each save writes, in memory (TFD701-TFD709); no probe batch, no resume comparison (TFD710-TFD716).
 
     Raises:
         ValueError: on an argument outside its allowed range.
@@ -248,16 +224,13 @@ class CheckpointAudit(DebugCallback):
             own["probe_batch"] = self._probe_batch
         strategy = type(trainer.strategy).__name__
         sharded = "ModelParallel" in strategy or getattr(trainer.strategy, "_state_dict_type", "full") == "sharded"
-        if sharded and trainer.is_global_zero and not self.reload:  # the strategy writes it without the CheckpointIO
+        if sharded and trainer.is_global_zero:  # the strategy writes the directory itself, without the CheckpointIO
             self._verified_since_save = True
-            self.emit(
-                trainer, checks.content_problems(checkpoint, self._expected, "(sharded save)"), synchronized=False
-            )
-        elif sharded and trainer.is_global_zero:
-            # The strategy writes the directory itself, without the CheckpointIO: its metadata is checked once the
-            # save has finished, at the next batch end (see `_check_sharded`).
-            self._verified_since_save = True
-            self._sharded_due = True
+            if self.reload:
+                self._sharded_due = True  # its metadata is checked once the save has finished, at the next batch end
+            else:
+                verdicts = checks.content_problems(checkpoint, self._expected, "(sharded save)")
+                self.emit(trainer, verdicts, synchronized=False)
 
     def _check_sharded(self, trainer: pl.Trainer) -> None:
         """Rank 0, after a sharded save: the distributed-checkpoint directory's metadata must list only shard files

@@ -29,29 +29,15 @@ from lightning_tfdebug.functional.activations import ACTIVATION_KINDS, layer_fra
 class DeadActivation(DebugCallback):
     r"""Per activation layer: the fraction of exactly-zero outputs, of dead units, and of saturated elements.
 
-    On a measuring step, forward hooks are attached just before the training batch to every activation module
-    (``nn.ReLU``, ``nn.GELU``, ``nn.SiLU``, ``nn.Tanh``, Hugging Face's ``GELUActivation`` ..., recognised by class
-    name), to the modules named in ``preactivations``, and, through a ``TorchFunctionMode``, to the activation
-    functions a submodule's ``forward`` calls (``F.gelu(self.fc(x))``, logged as ``<module>.<function>()``, e.g.
-    ``encoder.layers.0.relu()``; the set is fixed at the first measurement, agreed by every rank). They are removed
-    in ``on_before_backward``, so activation checkpointing's re-run of the forward is never counted. On other steps
-    there are no hooks, no mode and no work. Under gradient accumulation the first micro-batch of a measuring step
-    is measured; forwards that other callbacks run from their own hooks are not counted. The hooks are
-    :class:`~lightning_tfdebug.core.activation_hooks.ActivationHooks`; the rules are in
-    :mod:`lightning_tfdebug.functional.activation_checks`; ``docs/callbacks/dead_activation.md`` says more.
+    On a measuring step, :class:`~lightning_tfdebug.core.activation_hooks.ActivationHooks` are attached just before
+    the training batch (activation modules recognised by class name, the modules named in ``preactivations``, and
+    activation functions a submodule's ``forward`` calls, logged as ``<module>.<function>()``) and removed in
+    ``on_before_backward``; other steps do no work. A unit (one feature of the last dimension) is *dead* when it was
+    zero for every token of the measured batch on every rank. Details in ``docs/callbacks/dead_activation.md``.
 
-    A unit (one feature of the last dimension) is *dead* when it was zero for every token of the measured batch
-    (on every rank); ReLU units in that state receive no gradient and never recover.
-
-    Logged keys: :attr:`KEYS` (on measuring steps; ``<layer>`` is the module's qualified name); see
-    ``docs/callbacks/dead_activation.md``.
-
-    Saturation: tanh/sigmoid, read from the output (near its bound); GELU/SiLU/Mish, read from the
-    pre-activation (deep enough in the negative tail that the gradient is below `saturation_grad`).
-
-    Findings: ``TFD340`` dead units above `dead_threshold`, ``TFD341`` dead fraction rising over training,
-    ``TFD342`` saturation above `saturation_threshold`, ``TFD343`` activations cannot be observed (torch.compile,
-    or no hooked module ran), ``TFD344`` saturated fraction rising over training; see ``docs/findings.md``.
+    Findings: ``TFD340`` dead units above `dead_threshold`, ``TFD341`` dead fraction rising, ``TFD342`` saturation
+    above `saturation_threshold`, ``TFD343`` activations cannot be observed (torch.compile, or no hooked module ran),
+    ``TFD344`` saturated fraction rising; see ``docs/findings.md``.
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -65,11 +51,10 @@ class DeadActivation(DebugCallback):
         dead_threshold: ``TFD340`` when a layer's dead fraction exceeds this ...
         saturation_threshold: ``TFD342`` when a layer's saturated fraction exceeds this ...
         patience: ... for this many measurements in a row.
-        dead_rise: ``TFD341`` when a layer's dead fraction has risen by at least this much (absolute) above the
-            lowest value it had, for ``patience`` measurements in a row without falling back.
+        dead_rise: ``TFD341`` when a layer's dead fraction stays at least this much (absolute) above its lowest
+            value for ``patience`` measurements in a row.
         saturation_grad: local-gradient magnitude under which an element counts as saturated.
-        saturation_rise: ``TFD344`` when a layer's saturated fraction has risen by at least this much (absolute)
-            above the lowest value it had, for ``patience`` measurements in a row without falling back.
+        saturation_rise: ``TFD344``, the same as ``dead_rise`` for the saturated fraction.
         functional: also measure activation functions called from submodules' ``forward`` (see above).
 
     Raises:
@@ -78,18 +63,6 @@ class DeadActivation(DebugCallback):
     Example:
         ```python
         trainer = Trainer(callbacks=[DeadActivation(every_n_steps=50)])
-        ```
-
-        LightningCLI:
-
-        ```yaml
-        trainer:
-          callbacks:
-            - class_path: lightning_tfdebug.DeadActivation
-              init_args:
-                every_n_steps: 50
-                dead_threshold: 0.5
-                preactivations: {"mlp\\.c_fc$": gelu}
         ```
     """
 
@@ -250,9 +223,8 @@ class DeadActivation(DebugCallback):
         device = _device_of(pl_module)
         units = self._agree_units(layers, device)
         sums, alive = pack_counts(layers, units, device)
-        # Declared into the step's one reduction over ranks (the pack's shared collective; on its own, one of its
-        # own): counts add up over ranks, and a unit is alive if it was alive on any rank's batch, i.e. dead only if
-        # dead everywhere.
+        # Declared into the step's one reduction over ranks (collective): counts add up, and a unit is dead only if it
+        # was dead on every rank's batch.
         self.reduce_then(
             trainer,
             lambda reduced: self._conclude(trainer, pl_module, layers, reduced.sums, reduced.anys, step),

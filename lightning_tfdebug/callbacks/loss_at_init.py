@@ -40,23 +40,14 @@ def _key(name: str, description: str, chart: str = "", unit: str = "nats") -> Ke
 
 
 class LossAtInit(DebugCallback):
-    r"""Checks the first loss against ln(V) and what the model's outputs are, then whether training left ln(V).
+    r"""Checks the first loss against ln(V) and what the model's outputs are, then whether training left ln(V) and
+    whether the loss it returns is the cross-entropy of its own logits.
 
-    Step 0, before any update: the logits (captured with forward hooks, :mod:`lightning_tfdebug.core.logits`) and
-    the batch's labels give the loss against ln(V) (V the logits' last dimension), whether the outputs are
-    probabilities or log-probabilities, and the supervised labels. Measuring steps (``every_n_steps``) read the loss
-    and, over the first 8 batches, count the labels for their unigram entropy H. At ``check_step`` (5x for masked-LM
-    labels) and on two compared steps before it, the logits are captured again and the loss is judged against ln(V),
-    H and the logits' own cross-entropy. Hooks exist only during those forwards; one collective and one host transfer
-    per measured step. What each check measures and where the logits and labels are found:
-    ``docs/callbacks/loss_at_init.md``; logged keys: :attr:`KEYS`.
-
-    Findings (``docs/findings.md``): ``TFD220``/``TFD221`` the outputs are probabilities/log-probabilities;
-    ``TFD222``/``TFD223`` initial loss far above/below ln(V); ``TFD224`` no supervised label; ``TFD227`` initial loss
-    not finite; ``TFD229`` the loss a multiple of the logits' cross-entropy; at the check ``TFD225`` a stall at ln(V),
-    ``TFD226`` copying the current input, ``TFD230`` bounded outputs, ``TFD231`` labels from other samples, ``TFD232``
-    a model ignoring its context, ``TFD233``/``TFD234``/``TFD235`` a bound, a temperature or something unexplained
-    between the logits and the loss; ``TFD228`` the logits or labels cannot be found (it then stands aside).
+    Step 0 captures the logits (forward hooks, :mod:`lightning_tfdebug.core.logits`) and judges the loss against ln(V);
+    measuring steps read the loss and count the labels' unigram entropy; at ``check_step`` (5x for masked-LM labels)
+    and on two compared steps before it the logits are captured again. One collective and one host transfer per
+    measured step. What each check measures: ``docs/callbacks/loss_at_init.md``; findings: ``docs/findings.md``;
+    logged keys: :attr:`KEYS`.
 
     Args:
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).

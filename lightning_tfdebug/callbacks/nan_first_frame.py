@@ -51,44 +51,21 @@ _MAX_KEPT_MICRO_BATCHES = 64
 class NaNFirstFrame(DebugCallback):
     r"""Finds the first module whose forward output, and the first whose gradient, became inf or nan.
 
-    When a step's loss or gradients turn non-finite, the optimizer step is not applied (the weights stay as they
-    were before the bad step) and a report is written to ``<trainer.log_dir>/tfdebug/nan-step<k>-rank<r>.txt`` (a
-    table) and ``.json``, atomically and before any stop or raise. The report names the first module whose forward
-    output held inf/nan and the first module whose output gradient did, with the frames that led up to each: per
-    module call in call order, the abs-min/abs-max of its inputs, outputs and own weights, and how many times the
-    abs-max could still grow before overflowing fp16 and bf16. It also records step, batch index, rank(s) and
-    precision.
+    On the first step whose loss or gradients turn non-finite, the optimizer step is not applied and the step's
+    micro-batches are replayed with the same RNG state and frame hooks attached (every rank replays). The report,
+    ``<trainer.log_dir>/tfdebug/nan-step<k>-rank<r>.txt`` and ``.json``, names the first module whose forward output
+    and the first whose output gradient held inf/nan, with the frames that led up to each (abs-min/abs-max of inputs,
+    outputs and weights, fp16/bf16 headroom). ``"eager"`` mode also keeps one float32 output sum per module call on
+    every step, to catch inf/nan that never reach the loss. How each mode decides, and what it costs, is in
+    ``docs/callbacks/nan_first_frame.md``.
 
-    Modes:
-
-    * ``"lazy"`` (default): each step checks on the device whether the loss (every micro-batch) and, without a
-      GradScaler, the gradients are finite; one small host read per step. On the first non-finite step, the
-      micro-batches of that step are replayed with the same RNG state (dropout masks repeat) and with frame hooks
-      attached. Every rank replays, so collectives inside the model (FSDP2) stay matched.
-    * ``"eager"``: for inf/nan that never reach the loss (a masked-out position, a discarded branch) and for a
-      non-finite value a replay may not reproduce. Every step, a forward hook on every module records one device
-      scalar per floating-point output (its float32 sum: one kernel, no host sync; no abs ranges, no gradient
-      hooks); the sums join the loss/gradient flags in the same single host read. On a flagged step the first
-      non-finite output of that step is named from the sums, and the step is replayed as in lazy mode for the full
-      frames (abs ranges, weights, backward). A flag the replay shows to be a float32 overflow of finite values is
-      dropped; one the replay does not reproduce is still reported, named from the step's sums.
-
-    Every rank must take the same decision on the same step. Under DDP (lazy mode, gradients checked) it needs no
-    collective: DDP's reducer has all-reduced the gradients before the check, so they are identical on every rank,
-    and a non-finite loss on one rank has made every rank's gradients non-finite too. Where the flag a rank sees is
-    its own (FSDP / FSDP2 gradient shards, eager mode's frame flags, ``check_gradients=False`` or a GradScaler,
-    where only the rank-local loss decides), one one-element ``all_reduce`` (max) per step shares it. Only on a bad
-    step (rare, and the same on every rank) does an ``all_gather`` of three flags per rank say which ranks were bad.
-
-    Under a GradScaler (fp16), overflowing gradients are the scaler's business (it skips those steps; see
-    :class:`~lightning_tfdebug.ScalerWatch`); NaNFirstFrame then triggers on a non-finite loss, i.e. an overflow
-    in the forward pass.
+    Collectives: none per step under DDP with gradients checked (the all-reduced gradients carry every rank's flag);
+    otherwise one one-element ``all_reduce`` (max) per step; an ``all_gather`` of three flags per rank on a bad step.
 
     Logged keys: :attr:`KEYS` (on the steps it skips), tabled in ``docs/callbacks/nan_first_frame.md``.
 
-    Findings: ``TFD401`` the loss or gradients became non-finite (names the first module, the rank(s) and the
-    report), ``TFD402`` a module produced inf/nan that did not reach the loss (eager mode), ``TFD403`` the replay
-    itself failed (see ``docs/findings.md``).
+    Findings: ``TFD401`` non-finite loss or gradients, ``TFD402`` a module produced inf/nan that did not reach the
+    loss (eager mode), ``TFD403`` the replay failed (see ``docs/findings.md``).
 
     Args:
         mode: ``"lazy"`` or ``"eager"`` (see above).
@@ -105,18 +82,6 @@ class NaNFirstFrame(DebugCallback):
     Example:
         ```python
         trainer = Trainer(callbacks=[NaNFirstFrame(on_finding="stop")])
-        ```
-
-        LightningCLI:
-
-        ```yaml
-        trainer:
-          callbacks:
-            - class_path: lightning_tfdebug.NaNFirstFrame
-              init_args:
-                mode: lazy
-                on_finding: stop
-                max_frames: 21
         ```
     """
 
@@ -169,8 +134,7 @@ class NaNFirstFrame(DebugCallback):
         self._finite = StepFinite(params, self.check_gradients and grad_scaler_of(trainer) is None)
         self._mode = self.mode
         if self.mode == "eager" and self.active and model_is_compiled(trainer, pl_module):
-            # Frame hooks inside compiled code would be traced into it and recompile it at every step (their record
-            # count is guarded on) until Dynamo's limit; lazy mode replays a bad step eagerly instead.
+            # frame hooks traced into compiled code would recompile it at every step; lazy mode replays eagerly
             self._mode = "lazy"
             rank_zero_warn(
                 "NaNFirstFrame: the model is compiled with torch.compile, so eager mode's frame hooks would recompile "
@@ -181,9 +145,8 @@ class NaNFirstFrame(DebugCallback):
         if self._mode == "eager" and self.active:
             self._flags = FrameFlags(pl_module).attach()
             self._flags.enabled = False
-        # Under DDP the gradients are all-reduced before `on_before_optimizer_step`: a gradient flag is the same on
-        # every rank, and a rank-local non-finite loss has made every rank's gradients non-finite. Lazy mode then
-        # decides from the gradient flag alone, with no collective on any healthy step.
+        # DDP all-reduces the gradients before the check: their flag is the same on every rank (a rank's bad loss made
+        # every rank's gradients bad), so lazy mode decides from it alone, with no collective on a healthy step.
         self._replicated = (
             self._mode == "lazy"
             and self._finite.check_gradients
@@ -210,8 +173,6 @@ class NaNFirstFrame(DebugCallback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if not self.active:
             return
-        # both modes: a bad step is replayed with frame hooks (eager mode names the first frame from its own flags
-        # even when the replay does not reproduce it)
         if len(self._micro) >= _MAX_KEPT_MICRO_BATCHES:
             self._micro.pop(0)
         # a reference to the batch, no copy; the CPU generator's state is the batch's one shared copy (ReproCapture's)
@@ -275,8 +236,7 @@ class NaNFirstFrame(DebugCallback):
         self._bad_step(trainer, pl_module, rows)
 
     def _bad_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[list[float]]) -> None:
-        """Skip a step some rank found bad, and on the first (up to ``max_reports``) replay it, report and decide;
-        every rank, together."""
+        """Skip a step some rank found bad; on the first ``max_reports`` replay, report and decide (every rank)."""
         bad_ranks, frame_ranks = flagged_ranks(rows)
         if not bad_ranks and not frame_ranks:
             return
@@ -317,8 +277,7 @@ class NaNFirstFrame(DebugCallback):
         reading = NaNStep.of(summary, everyone, txt_path, json_path, skipped=self.skip_nonfinite_steps)
         verdict = nonfinite_step(reading)
         if verdict is None:
-            # Every flagged output sum was a float32 overflow of finite values (the replay's exact abs ranges are
-            # finite where its sums overflow again): no inf/nan, nothing to report. The same verdict on every rank.
+            # every flagged output sum was a float32 overflow of finite values: nothing to report (on every rank)
             return
         self._write(summary, lines, txt_path, json_path)
         self.emit(trainer, verdict)
@@ -332,11 +291,9 @@ class NaNFirstFrame(DebugCallback):
     def _end_after_sharded_replay_failure(
         self, trainer: pl.Trainer, step: int, bad_ranks: list[int], error: str, txt_path: str
     ) -> None:
-        """End the run on this rank: its FSDP2 replay failed part-way, so the other ranks may be waiting in one of the
-        replay's all-gathers or reduce-scatters that this rank will never join. Any next collective from here would
-        be matched against the wrong one (gloo aborts the process natively, NCCL hangs), so none is run: the finding
-        is recorded on this rank alone, and the error ends this process; the other ranks' pending collective then
-        fails at once (their peer is gone), their own replay fails and they end here too."""
+        """End the run on this rank: its FSDP2 replay failed part-way, so another rank may wait in a replay collective
+        this rank will never join. No further collective runs: the finding is recorded here alone and the error ends
+        this process; the other ranks' pending collective then fails at once and they end here too."""
         verdict = replay_failed_on_rank(step, bad_ranks, trainer.global_rank, error, txt_path)
         self.emit(trainer, verdict, synchronized=False)  # no collective: the ranks are no longer in step
         raise RuntimeError(
@@ -349,14 +306,10 @@ class NaNFirstFrame(DebugCallback):
     def _replay(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> tuple[FrameRecorder, FrameFlags | None, str | None]:
-        """Re-run this step's micro-batches with the same RNG state and frame hooks (:func:`replay_frames`); every rank
-        does it. In eager mode the replay also records output sums, to tell a float32 overflow of finite values from
-        a non-finite value that did not reproduce.
+        """Re-run this step's micro-batches with the same RNG state and frame hooks (:func:`replay_frames`).
 
-        The model is called directly (not through the DDP wrapper), so DDP's reducer does not all-reduce the
-        replayed gradients; under FSDP2 the replay runs the same all-gathers and reduce-scatters on every rank,
-        which is why every rank replays all micro-batches whatever it finds. The step's own gradients (None after a
-        skipped bad step) are put back: a step whose only flag is a module output (TFD402) is still applied.
+        Every rank replays every micro-batch: the model is called directly (DDP's reducer does not all-reduce the
+        replay's gradients), and under FSDP2 each rank must run the same all-gathers and reduce-scatters.
         """
         scaler = grad_scaler_of(trainer)
 

@@ -47,27 +47,16 @@ _GIB = float(2**30)
 class PerRankLogger(DebugCallback):
     r"""Records every rank's loss, timing, memory, batch fingerprint and parameter checksum, and compares the ranks.
 
-    On a measuring step every rank appends one JSON line to its own ``<log_dir>/tfdebug/rank<r>.jsonl``; its row of
-    named fields (:class:`~lightning_tfdebug.functional.rank_checks.RankRow`) goes into the step's one reduction over
-    ranks (one collective, shared by the whole pack inside
-    :class:`~lightning_tfdebug.TFDebug`), which lets every rank see every other rank's numbers: rank 0 logs them per
-    rank and as spreads, and every rank reaches the same findings. Every rank declares its row on the same steps
-    (decided from ``global_step``), with a vector of the same length. On other steps the callback reads the
-    data-loading timer (host arithmetic) and does nothing else: no tensor work, no sync, no collective.
-
-    What each rank records per measuring optimizer step (all micro-batches of gradient accumulation included): its
-    loss, step time, busy time, data wait and peak memory, logged by rank 0 as ``per_rank/<stat>/rank<r>`` with the
-    spreads over ranks (:attr:`KEYS`, tabled in ``docs/callbacks/per_rank_logger.md``), and in its file also a
-    fingerprint of the input ids and a checksum of the parameters and buffers.
-
-    Why ``busy_ms`` (the step outside backward passes): under DDP the fast ranks wait for a slow one inside the
-    gradient all-reduce of the backward pass, so every rank's ``step_time_ms`` comes out the same; the work outside
-    backward shows which rank is slow.
+    On a measuring step every rank appends one JSON line to its own ``<log_dir>/tfdebug/rank<r>.jsonl`` (loss, step
+    and busy time, data wait, peak memory, batch fingerprint, parameter checksum) and declares its
+    :class:`~lightning_tfdebug.functional.rank_checks.RankRow` into the step's one reduction over ranks, so every rank
+    sees every rank's numbers and reaches the same findings; rank 0 logs them per rank and as spreads (:attr:`KEYS`).
+    Other steps: host arithmetic only (no tensor work, no sync, no collective). Details in
+    ``docs/callbacks/per_rank_logger.md``.
 
     Findings: ``TFD501`` identical batches on different ranks, ``TFD502`` parameters differ between replicas,
-    ``TFD503`` straggler rank, ``TFD504`` one rank's loss far from the others, ``TFD505`` non-finite loss, naming
-    the ranks (see ``docs/findings.md``). In a single process it writes its file, logs ``rank0`` keys and checks
-    only ``TFD505``.
+    ``TFD503`` straggler rank, ``TFD504`` one rank's loss far from the others, ``TFD505`` non-finite loss (the only
+    one checked in a single process).
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -78,18 +67,12 @@ class PerRankLogger(DebugCallback):
             the other ranks ...
         straggler_min_ms: ... and exceeds it by at least this many milliseconds ...
         loss_spread: ``TFD504`` when a rank's loss differs from the median over ranks by more than this fraction of
-            it (with two ranks: when the two losses differ by more than this fraction of the smaller) ...
-        patience: ... for this many measurements in a row; ``TFD501`` also needs identical batches this many
-            measurements in a row.
-        compare_parameters: compare per-tensor checksums (L2 norm and signed sum) of every parameter and buffer
-            across replicas (``TFD502``); running statistics of BatchNorm/InstanceNorm layers, which each replica
-            updates from its own batch, are left out. Skipped automatically under sharded strategies (FSDP, FSDP2,
-            DeepSpeed, ``ModelParallelStrategy``), where ranks hold different shards by design, and in a single process,
-            where there is no replica to compare with.
-        input_key: where the batch's token ids are, as for every callback of the pack
-            (:mod:`lightning_tfdebug.core.batch`); ``None`` finds them by their usual names (``input_ids`` ...) or, in a
-            tuple batch, by position. The fingerprint hashes the ids (dict, tuple, dataclass and Hugging Face
-            ``BatchEncoding`` batches alike).
+            it (two ranks: of the smaller loss) ...
+        patience: ... for this many measurements in a row (also ``TFD501``'s identical batches).
+        compare_parameters: compare per-tensor checksums of parameters and buffers (not norm layers' running
+            statistics) across replicas (``TFD502``); skipped under sharded strategies and in a single process.
+        input_key: where the batch's token ids are (:mod:`lightning_tfdebug.core.batch`); ``None`` finds them by
+            their usual names or, in a tuple batch, by position.
         mask_key: where the attention mask (1 = real token) is; given and found as ``input_key``.
         labels_key: where the labels are; given and found as ``input_key``.
         ignore_index: the label value the loss ignores; ``None`` is PyTorch's and Hugging Face's -100.
@@ -100,17 +83,6 @@ class PerRankLogger(DebugCallback):
     Example:
         ```python
         trainer = Trainer(strategy="ddp", devices=8, callbacks=[PerRankLogger(every_n_steps=50)])
-        ```
-
-        LightningCLI:
-
-        ```yaml
-        trainer:
-          callbacks:
-            - class_path: lightning_tfdebug.PerRankLogger
-              init_args:
-                every_n_steps: 50
-                straggler_factor: 1.5
         ```
     """
 
@@ -291,8 +263,7 @@ class PerRankLogger(DebugCallback):
         losses, self._losses = self._losses, []
         loss = torch.stack(losses).mean() if losses else None  # on the device, no sync
         fingerprint, self._fingerprint = self._fingerprint, None
-        # one process: no replica to compare with (TFD502 needs two ranks), so no agreement sums to build or read;
-        # the checksums are still taken, for the file's `param_checksum`
+        # one process: no replica to compare with; the checksums are still taken for the file's `param_checksum`
         compare = self._checksum_skip_reason is None and self._params is not None and world_size() > 1
         local = [local_tensor(p) for p in self._params or []]  # DTensor shards: this rank's part, no collective
         checksums = parameter_checksums(local).to(device)  # [norms..., sums...] of parameters and buffers
@@ -307,10 +278,8 @@ class PerRankLogger(DebugCallback):
             "fingerprint": fingerprint if fingerprint is not None else -1.0,
             "checksum": (checksums * weights).sum(),
         }
-        # Per-tensor agreement over the replicas as sums (8 per checksum, whatever the world size; not sent under
-        # sharding, where ranks hold different shards by design), and this rank's row of named fields: declared into
-        # the step's one reduction over ranks (the pack's shared collective; on its own, one collective of its own),
-        # every rank, same steps, same lengths (the parameter count is the same on every replica).
+        # Per-tensor agreement over the replicas as sums (8 per checksum, not under sharding) and this rank's row:
+        # declared into the step's one reduction over ranks (collective), every rank, same steps, same lengths.
         agreement = agreement_sums(checksums, CHECKSUM_RTOL) if compare else None
         self.reduce_then(
             trainer,

@@ -22,6 +22,7 @@ from lightning_tfdebug.repro import (
     holds_device_tensors,
     host_copy,
     host_rng_moved,
+    run_first,
     run_info,
     share_host_copy,
     state_size_bytes,
@@ -33,54 +34,35 @@ _PROBE_STEPS = 4  # the first batches of a fit (and measuring steps) check wheth
 
 
 class ReproCapture(DebugCallback):
-    r"""Writes ``run.json`` at fit start and, on an exception during training, a replayable bundle.
+    """Writes ``run.json`` at fit start and, on an exception during training, a bundle that replays the failing step.
 
-    At fit start, rank 0 writes ``<trainer.log_dir>/tfdebug/run.json``: seeds, library versions, git commit (and
-    whether the checkout was dirty), command line, world size, strategy, accelerator, precision, accumulation, the
-    module's and the DataModule's saved hyper-parameters.
+    Rank 0 writes ``<log_dir>/tfdebug/run.json`` (seeds, versions, git commit, command line, the Trainer's set-up,
+    hyper-parameters). On every training batch the callback keeps the batch and the RNG states, host-side with no
+    device sync; it runs first among the callbacks, so it holds a batch that another one rejects. When an exception
+    leaves ``trainer.fit``, each rank writes ``<log_dir>/tfdebug/repro/step<k>-rank<r>/``: the batch, the RNG states,
+    the exception, the run set-up and, up to ``max_state_mb`` and unsharded, the model's, optimizers' and LR
+    schedulers' states. Replay it with ``tfdebug replay <bundle> --config <LightningCLI config>`` or
+    :func:`lightning_tfdebug.repro.replay`. The guide, ``docs/callbacks/repro_capture.md``, lists the bundle's files.
 
-    On every training batch it keeps the batch (a reference for CPU batches; for CUDA batches a copy queued into
-    pinned host memory, see ``copy_batch``) and the RNG states (torch CPU and CUDA as the tensors torch returns, a few
-    KB, no device sync; Python and NumPy only when the steps draw from them, see ``capture_rng``).
-    It moves itself to the front of ``trainer.callbacks`` at set-up, so it holds the batch before
-    any other callback can reject it (BatchGuard with ``on_finding="raise"``; replaying such a bundle shows what the
-    model itself does with the batch), and keeps it until the next batch, validation or the epoch's end, so an
-    exception from a later callback's ``on_train_batch_end`` still gets that step's batch.
-
-    When an exception leaves ``trainer.fit``, Lightning calls ``on_exception`` before the exception propagates;
-    each rank then writes ``<trainer.log_dir>/tfdebug/repro/step<k>-rank<r>/`` with the batch, the RNG states taken
-    before the step, the step, batch index and epoch, the exception and its traceback, the run set-up, and the
-    model's ``state_dict()`` as of the failing step when it is at most ``max_state_mb`` (default 512 MB, about 128M
-    fp32 parameters) and not sharded; otherwise the path of the last checkpoint. With the model state go the
-    optimizers' and LR schedulers' ``state_dict()``\ s (``training.pt``), so a failure that depends on Adam's moments
-    or on the LR the schedule reached replays too. The bundle is written into a
-    temporary directory and renamed into place: it is complete or absent, never overwrites an earlier one (a suffix
-    ``-1``, ``-2``... is added), and exists before the exception reaches the user. A part that cannot be copied to
-    the host (the model state after a CUDA device-side assert) is left out and ``bundle.json`` says why.
-
-    Replay it with ``python -m lightning_tfdebug replay <bundle> --config <LightningCLI config>`` or
-    :func:`lightning_tfdebug.repro.replay`. Bundles are data only (JSON and ``torch.load(weights_only=True)``).
-
-    Nothing is logged as a metric.
+    Logged keys: none.
 
     Findings: ``TFD130`` (info) a bundle was written, with its path; ``TFD131`` (warning) the bundle could not be
-    written (the original exception still propagates unchanged) (see ``docs/findings.md``).
+    written (the original exception still propagates unchanged).
 
     Args:
         on_finding: accepted for uniformity; ReproCapture's findings never stop or raise (the run is already failing).
         max_state_mb: largest model state (MB, as stored) saved into a bundle; 0 never saves it.
-        capture_rng: keep the RNG states of every batch (needed to replay dropout and other random ops exactly):
-            torch's CPU and CUDA generators always; Python's and NumPy's global generators once a probed batch (the
-            first four of a fit, then measuring steps) showed that the training step draws from them.
+        capture_rng: keep the RNG states of every batch, to replay dropout and other random ops exactly (Python's and
+            NumPy's only once a probed batch showed that the training step draws from them).
         capture_exceptions_outside_training: also write a bundle (without a batch) for exceptions raised outside a
             training batch (validation, data loading, hooks).
-        copy_batch: ``"auto"`` (default) queues a copy of each batch that holds CUDA tensors into pinned host
-            memory (``non_blocking``: no host sync), so a CUDA device-side assert, after which every CUDA call fails,
-            cannot take the batch with it; CPU batches are kept by reference. ``"always"`` also clones CPU batches
-            (use it when ``training_step`` edits the batch in place). ``"never"`` keeps only a reference.
+        copy_batch: ``"auto"`` queues a host copy of each CUDA batch (no host sync; it outlives a device-side assert)
+            and keeps CPU batches by reference; ``"always"`` also clones CPU batches (for a ``training_step`` that edits
+            its batch in place); ``"never"`` keeps only a reference.
 
     Raises:
         ValueError: on an argument outside its allowed range.
+        TypeError: on a flag that is not a bool.
 
     Example:
         ```python
@@ -140,11 +122,7 @@ class ReproCapture(DebugCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        if self in trainer.callbacks and trainer.callbacks[0] is not self:  # (inside TFDebug, the pack moves)
-            # Take the batch first, so that a batch another callback rejects in its own `on_train_batch_start`
-            # (BatchGuard with on_finding="raise") is still in the bundle. A new list, not an in-place move: Lightning
-            # is iterating the current one to call `setup`.
-            trainer.callbacks = [self, *(cb for cb in trainer.callbacks if cb is not self)]
+        run_first(trainer, self)  # (inside TFDebug, the pack runs first)
         self._run = run_info(trainer, pl_module)  # once per fit: a `git rev-parse` subprocess, no device work
         if trainer.is_global_zero:
             write_json_atomic(os.path.join(self.tfdebug_dir, "run.json"), {**self._run, "log_dir": self._log_dir})

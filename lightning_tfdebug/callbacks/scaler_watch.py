@@ -46,26 +46,22 @@ def _step_scheduler_position(trainer: pl.Trainer) -> int | None:
     return None
 
 
+#: The host counters a checkpoint keeps (integers).
+_TOTALS = ("skipped_total", "growth_total", "backoff_total", "steps_total", "last_growth_step", "lr_steps_on_skipped")
+
+
 class ScalerWatch(DebugCallback):
     r"""Watches the AMP GradScaler: loss scale, skipped steps, growth and back-off, and diagnoses a collapsing scale.
 
-    Under fp16 with a ``torch.amp.GradScaler`` (or FSDP1's ``ShardedGradScaler``) every optimizer step whose
-    gradients overflow is skipped and the scale is multiplied by ``backoff_factor``. A few skips early on are
-    normal; a scale that keeps halving means some activation or gradient sits at the edge of the fp16 range and
-    most updates are being thrown away.
+    Under fp16 a ``torch.amp.GradScaler`` (or ``ShardedGradScaler``) skips every step whose gradients overflow and
+    backs the scale off; a scale that keeps halving means most updates are thrown away. Each optimizer step adds two
+    device flags to device counters (no host sync); a logging step reads them with one host transfer and measures
+    per-group overflow flags (one fused norm kernel) to name the groups that overflowed. Details in
+    ``docs/callbacks/scaler_watch.md``.
 
-    Cost: each optimizer step keeps two device flags (the scaler's own overflow flag and a comparison of the scale
-    before and after ``update()``) added to device counters; no host sync and no ``get_scale()`` on steps that do
-    not log. On logging steps one host transfer reads the scale and the counters; on those steps the per-group
-    overflow flags are also measured (one fused norm kernel) so a skipped step can name the groups that overflowed.
-    Under bf16 or 32-bit there is no scaler: one ``info`` finding (TFD410), and nothing after that.
-
-    Logged keys (on measuring steps): :attr:`KEYS`, tabled in ``docs/callbacks/scaler_watch.md``.
-
-    Findings: ``TFD410`` no scaler to watch (info), ``TFD411`` the scale collapsed, ``TFD412`` a high fraction of
-    steps skipped (naming the groups that overflowed), ``TFD413`` the LR scheduler advanced on skipped steps,
-    ``TFD414`` the scale never grew (see ``docs/findings.md``). TFD413 compares how often the scheduler stepped
-    (``last_epoch``) with how many steps were applied, so a scheduler that waits for applied steps is not blamed.
+    Findings: ``TFD410`` no scaler to watch (info; nothing runs after it), ``TFD411`` the scale collapsed,
+    ``TFD412`` a high fraction of steps skipped, ``TFD413`` the LR scheduler advanced on skipped steps, ``TFD414``
+    the scale never grew (see ``docs/findings.md``).
 
     Args:
         every_n_steps: log when ``global_step % every_n_steps == 0``; default: the Trainer's ``log_every_n_steps``.
@@ -84,18 +80,6 @@ class ScalerWatch(DebugCallback):
     Example:
         ```python
         trainer = Trainer(accelerator="cuda", precision="16-mixed", callbacks=[ScalerWatch(every_n_steps=10)])
-        ```
-
-        LightningCLI:
-
-        ```yaml
-        trainer:
-          precision: 16-mixed
-          callbacks:
-            - class_path: lightning_tfdebug.ScalerWatch
-              init_args:
-                every_n_steps: 10
-                min_scale: 1.0
         ```
     """
 
@@ -317,25 +301,13 @@ class ScalerWatch(DebugCallback):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "skipped_total": self.skipped_total,
-            "growth_total": self.growth_total,
-            "backoff_total": self.backoff_total,
-            "steps_total": self.steps_total,
-            "last_growth_step": self.last_growth_step,
-            "overflow_groups": dict(self.overflow_groups),
-            "lr_steps_on_skipped": self.lr_steps_on_skipped,
-            "recent": [list(r) for r in self._recent],
-        }
+        totals = {name: getattr(self, name) for name in _TOTALS}
+        recent = [list(r) for r in self._recent]
+        return {**super().state_dict(), **totals, "overflow_groups": dict(self.overflow_groups), "recent": recent}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.skipped_total = int(state_dict.get("skipped_total", 0))
-        self.growth_total = int(state_dict.get("growth_total", 0))
-        self.backoff_total = int(state_dict.get("backoff_total", 0))
-        self.steps_total = int(state_dict.get("steps_total", 0))
-        self.last_growth_step = int(state_dict.get("last_growth_step", 0))
+        for name in _TOTALS:
+            setattr(self, name, int(state_dict.get(name, 0)))
         self.overflow_groups = {str(k): int(v) for k, v in state_dict.get("overflow_groups", {}).items()}
-        self.lr_steps_on_skipped = int(state_dict.get("lr_steps_on_skipped", 0))
         self._recent = deque(tuple(int(x) for x in r) for r in state_dict.get("recent", []))

@@ -1,7 +1,5 @@
-"""The forward hooks that count a model's activations on a measuring step (:class:`ActivationHooks`), and the
-``TorchFunctionMode`` that finds activations called as functions inside ``forward`` (:class:`FunctionCalls`). Nothing
-here decides: :class:`~lightning_tfdebug.DeadActivation` reduces, logs and judges the counts.
-"""
+"""DeadActivation's forward hooks (:class:`ActivationHooks`) and the ``TorchFunctionMode`` that finds activations
+called as functions inside ``forward`` (:class:`FunctionCalls`). They count; nothing here decides."""
 
 from __future__ import annotations
 
@@ -157,12 +155,8 @@ class ActivationHooks:
             layer.add(pre, out, self.saturation_grad)
 
     def adopt_function_layers(self) -> None:
-        """End of the first measurement: the function-call layers seen become fixed layers, the same on every rank.
-
-        A rank may not have called every function (a mixture-of-experts expert that got no token), so the names are
-        gathered once (a one-off collective on the first measuring step, which every rank reaches) and every rank
-        adopts the union, in the model's module order; a layer a rank did not see contributes zero counts.
-        """
+        """End of the first measurement: the function-call layers seen on any rank (a rank may not have called every
+        function) become fixed layers, the same on every rank, in the model's module order."""
         self.discovering = False
         if self.calls is None:
             return
@@ -187,14 +181,9 @@ Record = Callable[[str, str, Tensor, Any], None]
 class FunctionCalls(TorchFunctionMode):
     """Sees the watched ``functions`` that ``forward`` calls, and which module called them, during one forward.
 
-    The calling module is the innermost module whose forward is running (a stack kept by forward hooks that exist
-    only while this mode does). Calls made by a module in ``skip`` (an activation module that calls ``F.gelu``
-    itself, the LightningModule's own code) are not counted, nor calls made while :attr:`paused` (the measuring
-    callback's own computations).
-
-    Two ways to run (see :meth:`start`): *discovery* keeps global module hooks and the mode over the whole forward,
-    to find which modules call a watched function; afterwards the mode is entered only while one of those *callers*
-    runs, with hooks on the callers and their children alone, so the rest of the forward runs at full speed.
+    The caller is the innermost module whose forward is running (a stack kept by forward hooks that exist only while
+    the mode does). Calls by a ``skip`` module or while :attr:`paused` are not counted. *Discovery* watches the whole
+    forward; afterwards the mode is entered only while a known caller runs (:meth:`start`).
 
     Args:
         root: the model.

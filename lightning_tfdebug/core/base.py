@@ -1,16 +1,6 @@
-"""The base every callback of the pack stands on: cadence, findings, logging, standing aside.
-
-Subclasses call, in their hooks:
-
-* :meth:`DebugCallback.should_measure` to decide (identically on every rank) whether this optimizer step measures;
-* :meth:`DebugCallback.to_host` once per measuring step to move all their device statistics to the host together;
-* :meth:`DebugCallback.log_scalars` to send scalars to ``trainer.callback_metrics`` and every logger;
-* :meth:`DebugCallback.emit` to raise a finding of a rule registered in :mod:`lightning_tfdebug.rules`, written to
-  ``<log_dir>/tfdebug/findings-rank<r>.jsonl`` at once and then handled as ``on_finding`` says;
-* :meth:`DebugCallback.stand_aside` when the check cannot run on this model or set-up: recorded in
-  ``<log_dir>/tfdebug/stood-aside-rank<r>.jsonl`` with the reason and the setting that would let it run, listed by the
-  report and the end-of-run summary apart from the findings, and said at info level (not a warning).
-"""
+"""The base every callback of the pack stands on: cadence (:meth:`DebugCallback.should_measure`), one host
+transfer per measuring step (:meth:`~DebugCallback.to_host`), logging (:meth:`~DebugCallback.log_scalars`), findings
+(:meth:`~DebugCallback.emit`) and standing aside (:meth:`~DebugCallback.stand_aside`)."""
 
 from __future__ import annotations
 
@@ -75,11 +65,8 @@ class TFDebugCallbackError(RuntimeError):
 def eager_model_calls() -> Iterator[None]:
     """Run the pack's own calls of the user's model (probes, replays) eagerly, even where its code is compiled.
 
-    A probe's shapes and ``eval()`` mode differ from the training step's, so calling a compiled forward would compile
-    new graphs (recompiles the user's run would not have had, up to Dynamo's recompile limit, after which the
-    user's own code runs uncompiled). ``torch.compiler.set_stance("force_eager")`` runs compiled functions as plain
-    Python for the duration, compiling nothing and leaving the user's compiled graphs and their guards untouched.
-    Costs about 0.2 ms to enter, so it wraps a probe, never a per-step hook.
+    A probe's shapes differ from the training step's, so a compiled forward would recompile; ``force_eager`` compiles
+    nothing and leaves the user's graphs untouched. Costs about 0.2 ms to enter: wrap a probe, never a per-step hook.
     """
     if "torch._dynamo" not in sys.modules:  # nothing in this process compiled anything
         yield
@@ -89,9 +76,8 @@ def eager_model_calls() -> Iterator[None]:
 
 
 def model_is_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    """Whether ``torch.compile`` wraps the model, a submodule, or replaced a module's ``forward``
-    (``self.forward = torch.compile(self.forward)``). Module hooks added to such code are traced into it: hooks
-    that come and go, or whose state changes, make Dynamo recompile it."""
+    """Whether ``torch.compile`` wraps the model, a submodule, or replaced a module's ``forward`` (module hooks added
+    to such code make Dynamo recompile it)."""
     from lightning_tfdebug.core.model import is_compiled
 
     if is_compiled(trainer, pl_module):
@@ -106,9 +92,7 @@ def model_is_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> boo
 
 
 def _busy_standalone(callback: DebugCallback, step: int | None) -> bool:
-    """Whether ``callback``, used on its own, has work on the batches of optimizer step ``step`` (its
-    :meth:`~DebugCallback.busy_at`); True when the step is unknown or the method itself fails (every hook is then
-    called, and the guard reports the failure where it happens)."""
+    """``callback.busy_at(step)``; True when the step is unknown or ``busy_at`` fails (every hook then runs)."""
     if step is None:
         return True
     try:
@@ -118,8 +102,7 @@ def _busy_standalone(callback: DebugCallback, step: int | None) -> bool:
 
 
 def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap one hook method so that an exception from the callback's own code never ends training (see
-    :meth:`DebugCallback.callback_failed`). A :class:`TFDebugError` (``on_finding="raise"``) passes unchanged."""
+    """Wrap one hook method so that an exception from the callback's own code never ends training."""
 
     batch_hook = name in BATCH_HOOKS
     starts_batch = name == "on_train_batch_start"
@@ -143,24 +126,35 @@ def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
                 state["_busy_batch"] = _busy_standalone(self, args[0].global_step if args else None)
             if not state.get("_busy_batch", True) and name not in type(self).every_batch_hooks:
                 return None
-        self.__dict__["_in_hook"] = True
-        self.__dict__["_hook_trainer"] = args[0] if args else None  # its step is read only if the callback stands aside
-        try:
+
+        def call() -> Any:
             result = hook(self, *args, **kwargs)
             if name == "on_fit_end":
                 self._announce_aside()
             return result
-        except TFDebugError:
-            raise  # raised on purpose (on_finding="raise"); the same on every rank
-        except Exception as err:  # the callback's own failure; BaseException (KeyboardInterrupt) passes
-            self.callback_failed(name, err, args[0] if args else None)
-            return None
-        finally:
-            self.__dict__["_in_hook"] = False
-            self.__dict__["_hook_trainer"] = None  # no reference to the Trainer outlives the hook
+
+        return _run_as_hook(self, name, args[0] if args else None, call)
 
     guarded._tfdebug_guarded = True  # type: ignore[attr-defined]
     return guarded
+
+
+def _run_as_hook(callback: DebugCallback, hook: str, trainer: Any, call: Callable[[], Any]) -> Any:
+    """Run ``call()`` as the callback's hook ``hook``: its own exceptions go to :meth:`DebugCallback.callback_failed`
+    and never end training; a :class:`TFDebugError` (``on_finding="raise"``) passes unchanged."""
+    state = callback.__dict__
+    state["_in_hook"] = True
+    state["_hook_trainer"] = trainer  # its step is read only if the callback stands aside
+    try:
+        return call()
+    except TFDebugError:
+        raise  # raised on purpose (on_finding="raise"); the same on every rank
+    except Exception as err:  # the callback's own failure; BaseException (KeyboardInterrupt) passes
+        callback.callback_failed(hook, err, trainer)
+        return None
+    finally:
+        state["_in_hook"] = False
+        state["_hook_trainer"] = None  # no reference to the Trainer outlives the hook
 
 
 def check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -193,8 +187,7 @@ def check_number(
 
 
 CALLBACKS: dict[str, type[DebugCallback]] = {}
-"""Every :class:`DebugCallback` subclass defined so far, by class name: what the report reads a source's ``KEYS``
-from."""
+"""Every :class:`DebugCallback` subclass defined so far, by class name (the report reads their ``KEYS``)."""
 
 
 class DebugCallback(Callback):
@@ -212,29 +205,22 @@ class DebugCallback(Callback):
     """
 
     runs_collectives: ClassVar[bool] = True
-    """Whether the callback's hooks may run collectives; if so, a failure on one rank of a multi-process run ends the
-    run (see :meth:`callback_failed`) rather than leave the other ranks waiting."""
+    """Whether the hooks may run collectives; then a failure on one rank of several ends the run instead of a hang."""
 
     KEYS: ClassVar[tuple[Key, ...]] = ()
-    """Every scalar the callback logs (:class:`~lightning_tfdebug.core.keys.Key`): its docs table, its dashboard charts
-    and the scalar tests are derived from this one declaration."""
+    """Every scalar the callback logs; its docs table, dashboard charts and scalar tests derive from it."""
 
     every_batch_hooks: ClassVar[frozenset[str]] = frozenset()
-    """The training-batch hooks (:data:`BATCH_HOOKS`) this callback needs on every batch, whatever
-    :meth:`busy_at` says: per-batch bookkeeping such as a batch's arrival time or a running loss sum."""
+    """The batch hooks (:data:`BATCH_HOOKS`) needed on every batch whatever :meth:`busy_at` says (bookkeeping)."""
 
     def busy_at(self, step: int) -> bool:
-        """Whether the batches that train optimizer step ``step`` have work for this callback's batch hooks beyond
-        :attr:`every_batch_hooks`. Inside :class:`~lightning_tfdebug.TFDebug` the pack asks at each batch's start and
-        does not call the other batch hooks of a member that says False (issue 25: a step the pack barely touches);
-        a callback used on its own asks the same through its guard, at the start of each batch. Default: True (every
-        hook on every batch). Must be True on every step the callback measures or arms on, and while something armed
-        earlier is still in flight."""
+        """Whether the batches of optimizer step ``step`` have work for the batch hooks beyond
+        :attr:`every_batch_hooks`; asked at each batch's start (by the pack, or the guard on its own). Must be True on
+        every step the callback measures or arms on, and while something armed is in flight. Default: True."""
         return True
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
-        """Nothing here: where a callback has no batch-start work of its own, its guard still learns at each batch's
-        start whether the batch has work for its other batch hooks (:meth:`busy_at`)."""
+        """Nothing here; the guard still asks :meth:`busy_at` at each batch's start."""
 
     on_train_batch_start._tfdebug_noop = True  # type: ignore[attr-defined]  # the pack does not call it
 
@@ -300,11 +286,8 @@ class DebugCallback(Callback):
 
     @property
     def stood_aside(self) -> dict[str, Any] | None:
-        """Why this check did not run, or None while it runs: ``{"check", "reason", "setting", "step", "rank"}``.
-
-        ``setting`` is the one argument or set-up that would let it run (``"`labels_key`"``, ``"an uncompiled
-        model"``), or None when there is none (a callback whose own code failed: see ``failure``).
-        """
+        """Why this check did not run, or None while it runs: ``{"check", "reason", "setting", "step", "rank"}``
+        (``setting``: what would let it run, or None)."""
         if self._aside_reason is None:
             return None
         return {
@@ -318,11 +301,8 @@ class DebugCallback(Callback):
     def stand_aside(self, reason: str, setting: str | None = None, *, warn: bool = False) -> None:
         """Stop doing anything for the rest of the run, and say why once. Never crashes training.
 
-        A check that does not apply to this model or set-up (no trainable parameters, a compiled forward, labels it
-        cannot find) is not a fault of the model: nothing is printed during the run; it is recorded in
-        ``<log_dir>/tfdebug/stood-aside-rank<r>.jsonl``, from which ``tfdebug report`` and the end-of-run summary list
-        it under "did not run", with the reason and the setting that would let it run. A callback used on its own
-        (not inside :class:`~lightning_tfdebug.TFDebug`) says it in one line at the end of ``fit`` (its summary).
+        Recorded in ``<log_dir>/tfdebug/stood-aside-rank<r>.jsonl`` (listed by the report and the end-of-run summary
+        under "did not run"); nothing is printed during the run.
 
         Args:
             reason: one sentence: why the check cannot run.
@@ -342,9 +322,8 @@ class DebugCallback(Callback):
         self._record_aside()
 
     def check_aside(self, check: str, reason: str, setting: str | None = None) -> None:
-        """One check of this callback does not run while the others do (no EOS id known for the EOS check): recorded
-        once, in ``stood-aside-rank<r>.jsonl`` as ``"<Class>: <check>"``, which the report and the end-of-run summary
-        list under "did not run" with the setting that would let it run; never printed during the run.
+        """One check of this callback does not run while the others do: recorded once in
+        ``stood-aside-rank<r>.jsonl`` as ``"<Class>: <check>"``; never printed during the run.
 
         Args:
             check: the check's name, e.g. ``"EOS supervision (TFD124)"``.
@@ -359,26 +338,26 @@ class DebugCallback(Callback):
         self._check_records.append({"check": name, "reason": reason, "setting": setting, "step": step})
         self._write_check_records()
 
+    def _append_aside(self, record: Mapping[str, Any]) -> None:
+        path = os.path.join(self.tfdebug_dir, STOOD_ASIDE_FILE.format(rank=self._rank))
+        append_line(path, json.dumps(record, default=str))
+
     def _write_check_records(self) -> None:
         if self._log_dir is None:
             return  # set-up writes them once the log directory is known
-        path = os.path.join(self.tfdebug_dir, STOOD_ASIDE_FILE.format(rank=self._rank))
         for record in self._check_records:
-            append_line(path, json.dumps({**record, "rank": self._rank}, default=str))
+            self._append_aside({**record, "rank": self._rank})
         self._check_records.clear()
 
     def _record_aside(self) -> None:
-        """Append this check's stand-aside record to ``stood-aside-rank<r>.jsonl`` (once per log directory; through
-        the one writer)."""
+        """Append this check's stand-aside record, once per log directory."""
         if self._log_dir is None or self._aside_recorded_in == self._log_dir:
             return  # set-up records it once the log directory is known
         self._aside_recorded_in = self._log_dir
-        path = os.path.join(self.tfdebug_dir, STOOD_ASIDE_FILE.format(rank=self._rank))
-        append_line(path, json.dumps(self.stood_aside, default=str))
+        self._append_aside(self.stood_aside)
 
     def _announce_aside(self) -> None:
-        """At the end of fit, one rank-0 info line for a callback on its own that stood aside (the pack lists its
-        members in its summary instead)."""
+        """At the end of fit, one rank-0 info line for a callback on its own that stood aside."""
         if self._aside_reason is None or self._aside_announced or self.in_pack or self.failure is not None:
             return
         self._aside_announced = True
@@ -389,17 +368,14 @@ class DebugCallback(Callback):
         """Nothing of its own: the guard around every ``on_fit_end`` says, once, that a check stood aside."""
 
     def callback_failed(self, hook: str, error: Exception, trainer: pl.Trainer | None) -> None:
-        """Handle an exception from this callback's own code in ``hook``: called by the guard around every hook.
+        """Handle an exception from this callback's own code in ``hook`` (called by the guard around every hook).
 
-        The first failure is reported once: its traceback is appended to
-        ``<log_dir>/tfdebug/callback-errors-rank<r>.txt``, a :class:`TFDebugWarning` names the callback, the hook and
-        the error, and ``self.failure`` holds the same. The callback then stands aside: its hooks return at once,
-        except the clean-up hooks (``teardown``, ``on_train_end``, ``on_fit_end``, ``on_exception``), which still run
-        (guarded) so module hooks are removed. Training continues.
+        The first failure is reported once (traceback in ``<log_dir>/tfdebug/callback-errors-rank<r>.txt``, a
+        :class:`TFDebugWarning`, ``self.failure``); the callback then stands aside, its clean-up hooks still running.
 
-        In a run of several processes, a callback that runs collectives cannot stand aside on one rank alone (the
-        other ranks would wait in its next collective for ever), so after the report this raises
-        :class:`TFDebugCallbackError` on the failing rank and the run ends there, loudly, instead of hanging.
+        Raises:
+            TFDebugCallbackError: in a multi-process run where the callback cannot stand aside on every rank together
+                (the other ranks would wait in its next collective).
         """
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         step = getattr(trainer, "global_step", None)
@@ -413,32 +389,28 @@ class DebugCallback(Callback):
         append_line(path, f"=== {type(self).__name__}.{hook} at step {step} (rank {rank})\n{text}")
         world = getattr(trainer, "world_size", 1) if trainer is not None else 1
         shared = self.shared_reduction
-        if world > 1 and type(self).runs_collectives and shared is not None and shared.can_stand_in(self):
-            # Its only collective is the pack's shared reduction, whose layout for it is known: this rank sends zeros
-            # in its place, flagged, at its next measuring step, and every rank stands it aside there together.
-            self.failure["everywhere"] = False
-            shared.stand_in_due = True
-            warnings.warn(
-                f"{type(self).__name__} failed in its own code ({hook} at step {step}, rank {rank}: "
-                f"{type(error).__name__}: {error}) and stands aside for the rest of the run, on every rank from its "
-                f"next measuring step; training continues. Traceback: {path}.",
-                category=TFDebugWarning,
-                stacklevel=3,
-            )
-            return
-        if world > 1 and type(self).runs_collectives:
+        collective = world > 1 and type(self).runs_collectives
+        stand_in = collective and shared is not None and shared.can_stand_in(self)
+        if collective and not stand_in:
             raise TFDebugCallbackError(
                 f"{type(self).__name__}.{hook} failed on rank {rank} at step {step} with {type(error).__name__}: "
                 f"{error}. In a run of {world} processes it cannot stand aside on this rank alone (the other ranks "
                 f"would wait in its next collective), so the run ends here. Traceback: {path}. Remove "
                 f"{type(self).__name__} from the callbacks to train without it, and please report the traceback."
             ) from error
+        where = ""
+        if stand_in:
+            # Its only collective is the pack's shared reduction, whose layout for it is known: this rank sends zeros
+            # in its place, flagged, at its next measuring step, and every rank stands it aside there together.
+            self.failure["everywhere"] = False
+            shared.stand_in_due = True
+            where = ", on every rank from its next measuring step"
         warnings.warn(
             f"{type(self).__name__} failed in its own code ({hook} at step {step}, rank {rank}: "
-            f"{type(error).__name__}: {error}) and stands aside for the rest of the run; training continues. "
+            f"{type(error).__name__}: {error}) and stands aside for the rest of the run{where}; training continues. "
             f"Traceback: {path}.",
             category=TFDebugWarning,
-            stacklevel=3,
+            stacklevel=4,  # the frame that called the hook
         )
 
     def should_measure(self, trainer: pl.Trainer) -> bool:
@@ -462,13 +434,11 @@ class DebugCallback(Callback):
         maxes: Any = None,
         rows: Any = None,
     ) -> None:
-        """Declare this measuring step's statistics and decide from them once they are reduced over the ranks.
+        """Declare this measuring step's statistics and call ``then(reduced)`` once they are reduced over the ranks.
 
-        ``then(reduced)`` receives a :class:`~lightning_tfdebug.core.reduction.Reduced` (``sums`` added up over
-        ranks, ``anys`` 1.0 where some rank set the flag, ``maxes`` the maximum, ``rows`` every rank's row). Inside
-        :class:`~lightning_tfdebug.TFDebug` the declarations of every member are reduced together, with one
-        collective, after the hook in which they were made; on its own, the callback reduces its own at once (one
-        collective). Every rank must declare on the same steps with parts of the same sizes.
+        ``reduced`` is a :class:`~lightning_tfdebug.core.reduction.Reduced` (``sums`` added up, ``anys`` 1.0 where
+        some rank set the flag, ``maxes`` the maximum, ``rows`` every rank's row). One collective: the pack's, after
+        the hook, or the callback's own at once. Every rank must declare on the same steps with parts of equal sizes.
         """
         from lightning_tfdebug.core.reduction import StepReduction, declaration
 
@@ -481,14 +451,12 @@ class DebugCallback(Callback):
         own.run(trainer)
 
     def declares_at(self, step: int, stepped: bool) -> bool | None:
-        """Whether this callback declares into the step's reduction at the end of the batch that started at optimizer
-        step ``step`` (``stepped``: that batch ended with an optimizer step), from its cadence alone; None when its
-        declarations do not follow a cadence (then a failure on one rank of many ends the run instead)."""
+        """Whether this callback declares into the reduction at the end of the batch of optimizer step ``step``
+        (``stepped``: the batch ended with an optimizer step), from its cadence alone; None without a cadence."""
         return None
 
     def failed_on_some_rank(self, trainer: pl.Trainer, ranks: int, hook: str) -> None:
-        """The step's reduction says this callback's own code failed on ``ranks`` rank(s): it stands aside on every
-        rank, here, at the same step (its hooks return at once from now on)."""
+        """This callback's own code failed on ``ranks`` rank(s): it stands aside on every rank at this step."""
         if self.failure is not None:  # the rank (or one of those) where it failed
             self.failure["everywhere"] = True
             return
@@ -514,26 +482,14 @@ class DebugCallback(Callback):
         if self.__dict__.get("_in_hook"):  # on its own: inside the hook that declared, which guards it
             then(reduced)
             return
-        self.__dict__["_in_hook"] = True
-        self.__dict__["_hook_trainer"] = trainer
-        try:
-            then(reduced)
-        except TFDebugError:
-            raise
-        except Exception as err:  # the callback's own failure, after the collective: every rank got its values
-            self.callback_failed("on_train_batch_end", err, trainer)
-        finally:
-            self.__dict__["_in_hook"] = False
-            self.__dict__["_hook_trainer"] = None  # no reference to the Trainer outlives the hook
+        # a failure here comes after the collective: every rank got its values
+        _run_as_hook(self, "on_train_batch_end", trainer, lambda: then(reduced))
 
     # ------------------------------------------------------------------ metrics
     @staticmethod
     def to_host(values: Mapping[str, Tensor | float]) -> dict[str, float]:
-        """Move every device scalar in ``values`` to the host with a single transfer.
-
-        This is the callback's one deliberate host sync on a measuring step: scalars are stacked on their device
-        and copied together, instead of one ``.item()`` each.
-        """
+        """Move every device scalar in ``values`` to the host with a single transfer (stacked, not one ``.item()``
+        each): the callback's one deliberate host sync on a measuring step."""
         keys = list(values)
         tensors = [v for v in values.values() if isinstance(v, Tensor)]
         if not tensors:
@@ -551,11 +507,8 @@ class DebugCallback(Callback):
         return dict(zip(keys, host))
 
     def log_scalars(self, trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Send host scalars to ``trainer.callback_metrics`` (every rank) and every logger (rank 0) at ``step``.
-
-        Inside :class:`~lightning_tfdebug.TFDebug` they wait for the end of the hook the pack is calling and go out
-        with every other member's, one call per logger and step (:class:`~lightning_tfdebug.core.scalars.ScalarSink`).
-        """
+        """Send host scalars to ``trainer.callback_metrics`` (every rank) and every logger (rank 0) at ``step``;
+        inside the pack they go out with every member's, one call per logger and step."""
         if not metrics:
             return
         step = trainer.global_step if step is None else step
@@ -579,8 +532,7 @@ class DebugCallback(Callback):
         *,
         synchronized: bool = True,
     ) -> list[Finding]:
-        """Record the findings of rule verdicts and act on them as ``on_finding`` says: the one place where a
-        verdict becomes a finding.
+        """Record the findings of rule verdicts and act on them as ``on_finding`` says (the one emit path).
 
         Args:
             trainer: the Trainer.
@@ -640,9 +592,8 @@ class DebugCallback(Callback):
     def resolve_local_findings(self, trainer: pl.Trainer) -> None:
         """Act on rank-local findings: every rank must call this at the same point of the same step.
 
-        With ``on_finding="warn"`` there is nothing to agree on and no collective runs. Otherwise one boolean
-        reduction (a collective) tells every rank whether any rank holds a pending finding, so all stop or raise
-        together and none waits forever in a later collective.
+        Collective: unless ``on_finding="warn"``, one boolean reduction tells every rank whether any rank holds a
+        pending finding, so all stop or raise together.
         """
         if self.on_finding == "warn":
             self._pending_local.clear()

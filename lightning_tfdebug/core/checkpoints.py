@@ -1,6 +1,5 @@
-"""CheckpointAudit's readers: checkpoint files and sharded directories on disk, and the live objects a checkpoint is
-compared with (what a save must hold, what a resume restored). The decisions are
-:mod:`lightning_tfdebug.functional.checkpoint_checks`'s."""
+"""CheckpointAudit's readers of checkpoint files, sharded directories and the live objects a checkpoint is compared
+with; :mod:`lightning_tfdebug.functional.checkpoint_checks` decides."""
 
 from __future__ import annotations
 
@@ -46,9 +45,7 @@ def expectation(trainer: pl.Trainer, pl_module: pl.LightningModule, callback_key
 
 def live_state(trainer: pl.Trainer, pl_module: pl.LightningModule, restored: Mapping[str, Any]) -> dict[str, Any]:
     """The live objects at the start of a resumed fit, in the shape of
-    :func:`~lightning_tfdebug.functional.checkpoints.restored_state`: the module's weights that the checkpoint held
-    (checksums: one host transfer), each optimizer's largest step count and learning rates, the GradScaler's scale
-    (read only when the checkpoint holds one), the global step. Resume time only."""
+    :func:`~lightning_tfdebug.functional.checkpoints.restored_state`. Resume time only."""
     weights = pl_module.state_dict()
     names = [n for n in restored["names"] if n in weights]
     scaler = grad_scaler_of(trainer)
@@ -65,9 +62,8 @@ def live_state(trainer: pl.Trainer, pl_module: pl.LightningModule, restored: Map
 
 
 def resumable_savers(savers: Sequence[Any]) -> list[str]:
-    """The checkpoint callbacks (``ModelCheckpoint`` or alike, read by attribute) that keep full checkpoints this run
-    can resume from: not ``save_weights_only`` and keeping something (``save_top_k != 0`` or ``save_last``). Each is
-    named by its class and directory. Host attributes only."""
+    """The checkpoint callbacks that keep full checkpoints (not ``save_weights_only``; ``save_top_k != 0`` or
+    ``save_last``), each named by its class and directory."""
     out = []
     for saver in savers:
         if getattr(saver, "save_weights_only", False):
@@ -100,9 +96,7 @@ def _torch_load(path: str, weights_only: bool) -> Any:
 def load_checkpoint(path: str, *, written_by_this_run: bool) -> tuple[Any, bool]:
     """Open a checkpoint file safely: ``(checkpoint, weights_only)``.
 
-    ``torch.load(weights_only=True)`` first: tensors and plain containers, no code runs. Only a file this run wrote
-    itself (its content came from this process: hyper-parameters, callback state that hold other objects) falls
-    back to a full unpickling; any other file that needs one is refused.
+    ``torch.load(weights_only=True)`` first; only a file this run wrote itself falls back to a full unpickling.
 
     Raises:
         DamagedCheckpoint: the file is empty, cut short or not a valid archive (``TFD716``).
@@ -123,9 +117,7 @@ def load_checkpoint(path: str, *, written_by_this_run: bool) -> tuple[Any, bool]
 
 
 def read_sharded(directory: str) -> ShardedReading:
-    """What a distributed-checkpoint (``torch.distributed.checkpoint``) directory holds, for
-    :func:`~lightning_tfdebug.functional.checkpoint_checks.sharded_problems`: its ``.metadata`` (loaded, no tensor
-    data read), the bytes each shard file must hold for the items it is said to hold, and each file's size."""
+    """What a distributed-checkpoint directory holds, from its ``.metadata`` and file sizes (no tensor is read)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     meta_path = os.path.join(directory, ".metadata")

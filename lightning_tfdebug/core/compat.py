@@ -1,9 +1,7 @@
 """Both Lightning packages: ``lightning`` (``lightning.pytorch``) and the standalone ``pytorch_lightning``.
 
-The same Trainer ships under two import names with distinct classes, and a user's Trainer, logger or LightningModule
-may come from either. So the pack never checks ``isinstance`` against one package's class: it matches a Lightning
-class by name in the object's MRO, within either package, and its callbacks derive from the ``Callback`` of both
-(when both are installed), so that each package's Trainer and ``LightningCLI`` accept them.
+A user's Trainer, logger or LightningModule may come from either, so the pack matches a Lightning class by name in
+the object's MRO, and its callbacks derive from the ``Callback`` of both (when both are installed).
 """
 
 from __future__ import annotations
@@ -61,9 +59,5 @@ def _callback_bases() -> tuple[type, ...]:
 
 
 class Callback(*_callback_bases()):  # type: ignore[misc]
-    """The pack's callback base: ``lightning.pytorch.Callback`` and, when installed, ``pytorch_lightning.Callback``.
-
-    Both declare the same hooks with empty bodies; deriving from both lets ``pytorch_lightning.Trainer`` and
-    ``pytorch_lightning.cli.LightningCLI`` (which check ``isinstance`` / ``issubclass`` against their own class)
-    take the pack's callbacks as readily as ``lightning``'s do.
-    """
+    """The pack's callback base: ``lightning.pytorch.Callback`` and, when installed, ``pytorch_lightning.Callback``
+    (so both packages' Trainer and ``LightningCLI`` accept the pack's callbacks)."""

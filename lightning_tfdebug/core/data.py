@@ -1,6 +1,5 @@
-"""What the Trainer trains on, read from its host objects: the epoch's data loader and where the tokenizer's special
-token ids may be read (host metadata only, no tensor is touched; once per epoch or per fit), and decoded examples of
-the training data written where the user reads them."""
+"""What the Trainer trains on, from its host objects (no tensor is touched): the epoch's data loader, where the
+special token ids may be read, and decoded examples of the training data written where the user reads them."""
 
 from __future__ import annotations
 

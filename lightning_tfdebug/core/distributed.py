@@ -1,21 +1,9 @@
 """Distributed reductions shared by every callback.
 
-The one idea: every rank reduces its local statistics to a small vector of "sum" slots (sums of squares, counts)
-and "max" slots (inf-norms, flags), and one collective turns the vectors of all ranks into global values.
-
-How much of a parameter a rank holds decides how its contribution is weighted:
-
-* DDP and single-process: every rank holds the full tensor, gradients are identical after the all-reduce, so the
-  local value *is* the global value and no collective runs at all.
-* FSDP2 / DTensor: each rank holds ``param.to_local()``, a shard along the mesh dimensions whose placement is
-  ``Shard`` (or ``Partial``) and a replica along the ``Replicate`` ones.
-* FSDP1 (``FullyShardedDataParallel``): flat parameters, or with ``use_orig_params=True`` views of them, hold this
-  rank's slice of each original parameter (possibly empty) within the FSDP process group; ranks outside that group
-  (hybrid sharding) hold replicas.
-
-A sharded parameter's contribution to a sum slot is multiplied by ``1 / replicas`` (``replicas`` = world size /
-number of distinct shards) before the collective, so summing over the whole world counts every element exactly once,
-whatever mix of sharded and replicated parameters a model has. Max slots need no weighting.
+Every rank reduces its local statistics to a small vector of "sum" slots and "max" slots, and one collective turns
+the vectors of all ranks into global values. A sharded parameter's contribution to a sum slot is weighted by
+``1 / replicas`` (:func:`plan_sharding`), so summing over the world counts every element once; DDP and one process
+need no collective at all (see ``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -125,8 +113,8 @@ def packed_reduce(sums: Tensor, maxes: Tensor | None = None, *, collective: bool
     Returns:
         ``(global_sums, global_maxes)`` on the device of ``sums``.
 
-    Every rank must call this with vectors of the same length on the same step. Inside, one ``all_gather`` moves
-    the packed ``[sums, maxes]`` vector; the sum and max are then taken locally, so a max costs no second collective.
+    Collective: one ``all_gather`` of the packed ``[sums, maxes]``; every rank must call it on the same step with
+    vectors of the same length.
     """
     if maxes is None:
         maxes = sums.new_zeros(0)
@@ -150,11 +138,9 @@ def all_gather_vector(values: Tensor) -> Tensor:
 
 
 def gradients_replicated(strategy_model: torch.nn.Module | None, params: Iterable[Tensor]) -> bool:
-    """Whether, after backward, every rank holds the same full gradients: the model is wrapped in torch's
-    ``DistributedDataParallel`` (whose reducer all-reduces every gradient before ``optimizer.step()``) and no
-    parameter is a DTensor shard. Then a flag computed from the gradients is already identical on every rank and
-    deciding on it needs no collective. False in a single process, under FSDP / FSDP2 / DeepSpeed (each rank holds a
-    shard or a partition) and for any wrapper not known to replicate gradients."""
+    """Whether, after backward, every rank holds the same full gradients (torch's ``DistributedDataParallel``, no
+    DTensor shard), so a flag computed from them needs no collective. False in a single process and under any
+    sharding or unknown wrapper."""
     if world_size() == 1 or not isinstance(strategy_model, torch.nn.parallel.DistributedDataParallel):
         return False
     return not any(isinstance(p, DTensor) for p in params)

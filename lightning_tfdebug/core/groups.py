@@ -1,10 +1,8 @@
 """Parameter groups: how per-parameter statistics are rolled up into a few readable keys.
 
-Default grouping follows the shape of a transformer: each child of an outermost ``nn.ModuleList`` (``blocks.0``,
-``transformer.h.3``, ...) is a group, parameters of ``nn.Embedding`` modules outside those blocks form
-``embeddings``, the output projection (a module whose name ends in ``head``, or the last ``nn.Linear`` outside the
-blocks) forms ``head``, and everything else is ``other``. Users can instead group by regular expressions
-(``{"attention": "attn", "mlp": "mlp"}``) or by the first ``depth`` segments of the parameter names.
+By default each child of an outermost ``nn.ModuleList`` is a group (``blocks.0``), ``nn.Embedding`` parameters outside
+those form ``embeddings``, the output projection (a module named ``*head``, else the last ``nn.Linear`` outside the
+blocks) ``head``, and the rest ``other``; or by regular expressions, or by the first ``depth`` name segments.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tfdebug.core.distributed import clean_param_name
+from lightning_tfdebug.core.distributed import clean_param_name, local_tensor, plan_sharding
 
 
 @dataclass(frozen=True)
@@ -144,9 +142,8 @@ def validate_group_args(groups: Mapping[str, str] | None, depth: int | None) -> 
 
 @dataclass(frozen=True)
 class ReductionLayout:
-    """Everything a callback needs to reduce per-group statistics of a model's parameters across ranks.
-
-    Built once per fit on the first measuring step (after the strategy has wrapped or sharded the model).
+    """Everything a callback needs to reduce per-group statistics across ranks (built once per fit, on the first
+    measuring step, after the strategy wrapped the model).
 
     Attributes:
         groups: the parameters and their groups.
@@ -166,12 +163,8 @@ class ReductionLayout:
 
 
 def training_model(trainer: Any, pl_module: nn.Module) -> nn.Module:
-    """The module whose parameters the optimizer updates: the strategy's wrapper when there is one.
-
-    Under FSDP1 the root's flat parameter is registered on the ``FullyShardedDataParallel`` wrapper, not on the
-    LightningModule, so it is only visible from ``trainer.strategy.model``. DDP's wrapper adds a leading ``module``
-    segment, which :func:`~lightning_tfdebug.core.distributed.clean_param_name` removes.
-    """
+    """The module whose parameters the optimizer updates: the strategy's wrapper when there is one (FSDP1 registers
+    the root's flat parameter on it, not on the LightningModule)."""
     wrapped = getattr(trainer.strategy, "model", None)
     return wrapped if isinstance(wrapped, nn.Module) else pl_module
 
@@ -180,8 +173,6 @@ def build_layout(
     model: nn.Module, *, groups: Mapping[str, str] | None = None, depth: int | None = None
 ) -> ReductionLayout | None:
     """Group the trainable parameters of ``model`` and plan their reduction; None if it has none."""
-    from lightning_tfdebug.core.distributed import local_tensor, plan_sharding
-
     param_groups = build_param_groups(model, groups=groups, depth=depth)
     if not param_groups.params:
         return None

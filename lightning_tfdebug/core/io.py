@@ -1,17 +1,9 @@
-"""The one writer for every file the pack writes: findings, NaN reports, profiles, bundles, per-rank files, reports.
+"""The one writer for every file the pack writes: a debugging aid must never be what kills a run.
 
-A debugging aid must never be what kills a run. Every write goes through this module; when the file system refuses
-(a file where the ``tfdebug`` directory should be, a read-only mount, a full disk), the writer warns once per
-``tfdebug`` directory, records the failure in :func:`write_failures`, and returns ``False``. The caller keeps what
-it meant to write in memory (``callback.findings``, TensorBoard text, the warning itself) and training goes on.
-
-Only :class:`OSError` (``FileExistsError``, ``PermissionError``, ``ENOSPC``, ``EROFS``...) is absorbed: a bug in what
-is written (an object that cannot be serialised) is not a file-system failure and still raises, to be caught by the
-callback guard in :mod:`lightning_tfdebug.core.base`.
-
-Every whole-file write is atomic (a temporary file beside the target, flushed, synced and renamed into place), so a
-reader sees the old file or the new one, never half of it. Appends (findings, per-rank records) write one complete
-line per call and flush it; a process killed mid-line leaves at most one cut last line, which the readers skip.
+When the file system refuses a write (an :class:`OSError`), the writer warns once per ``tfdebug`` directory, records
+the failure in :func:`write_failures` and returns ``False``; the caller keeps what it meant to write in memory and
+training goes on. Any other error (an object that cannot be serialised) is a bug and raises. Whole-file writes are
+atomic; appends write one complete line per call, so a killed process leaves at most one cut last line.
 """
 
 from __future__ import annotations
@@ -50,23 +42,17 @@ def write_failures() -> list[WriteFailure]:
 def _warning_scope(path: str) -> str:
     """The directory a refusal is warned about once: the nearest ``tfdebug`` directory above ``path`` (so one run's
     findings, reports, profiles and bundles give one warning), else ``path``'s own directory."""
-    directory = os.path.dirname(os.path.abspath(path))
     probe = os.path.abspath(path)
-    while True:
+    while os.path.dirname(probe) != probe:  # up to the root
         if os.path.basename(probe) == "tfdebug":
             return probe
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            return directory
-        probe = parent
+        probe = os.path.dirname(probe)
+    return os.path.dirname(os.path.abspath(path))
 
 
 def refused(path: str | os.PathLike[str], err: OSError, *, warn: bool = True) -> WriteFailure:
-    """Record that the file system refused a write to ``path`` and warn once per ``tfdebug`` directory.
-
-    For writes this module does not make itself (a TensorBoard writer's flush): the same one warning, the same
-    record in :func:`write_failures`. ``warn=False`` only records it (a command line that reports the error itself).
-    """
+    """Record that the file system refused a write to ``path`` (also one this module did not make, such as a
+    TensorBoard writer's flush) and warn once per ``tfdebug`` directory; ``warn=False`` only records it."""
     path = os.fspath(path)
     directory = _warning_scope(path)
     failure = WriteFailure(os.path.abspath(path), f"{type(err).__name__}: {err}")
@@ -82,13 +68,9 @@ def refused(path: str | os.PathLike[str], err: OSError, *, warn: bool = True) ->
             f"{directory} are not warned about again. Free the disk or point the Trainer's log dir at a writable "
             "place to get the files.",
             category=TFDebugWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
     return failure
-
-
-def _refused(path: str, err: OSError, warn: bool = True) -> None:
-    refused(path, err, warn=warn)
 
 
 def make_dirs(directory: str | os.PathLike[str]) -> bool:
@@ -98,7 +80,7 @@ def make_dirs(directory: str | os.PathLike[str]) -> bool:
         os.makedirs(directory, exist_ok=True)
         return True
     except OSError as err:
-        _refused(directory, err)
+        refused(directory, err)
         return False
 
 
@@ -120,11 +102,9 @@ def process_umask() -> int:
 def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None], *, warn: bool = True) -> bool:
     """Have ``write(tmp)`` produce the file at a temporary path beside ``path``, then rename it into place.
 
-    ``write`` receives a path (so ``torch.save``, a profiler's ``export_chrome_trace`` or a text writer can all use
-    it). The temporary file is removed if anything fails. Returns False (warned once; with ``warn=False`` only
-    recorded in :func:`write_failures`) when the file system refuses; any other exception from ``write`` propagates.
-    The file gets the mode an ordinary ``open(path, "w")`` would give it (``0o666`` less the umask): a temporary
-    file is created ``0o600``, and teammates on a shared cluster must be able to read the report.
+    The file gets the mode an ordinary ``open(path, "w")`` would give it (teammates must be able to read it). Returns
+    False (warned once; with ``warn=False`` only recorded) when the file system refuses; any other exception from
+    ``write`` propagates, and the temporary file is removed.
     """
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
@@ -141,7 +121,7 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None], *, 
         tmp = None
         return True
     except OSError as err:
-        _refused(path, err, warn)
+        refused(path, err, warn=warn)
         return False
     finally:
         if tmp is not None and os.path.exists(tmp):
@@ -161,11 +141,8 @@ def write_text(path: str | os.PathLike[str], text: str, *, warn: bool = True) ->
 
 
 def append_line(path: str | os.PathLike[str], line: str, *, sync: bool = True) -> bool:
-    """Append one line (a newline is added) to ``path`` and flush it; False (warned once) when refused.
-
-    The line is written with a single ``write`` on a file opened in append mode, so several writers can share a file
-    and nothing earlier is overwritten. ``sync`` also calls ``fsync`` (findings: rare and precious).
-    """
+    """Append one line (a newline is added) to ``path`` in a single ``write`` and flush it; False (warned once) when
+    refused. ``sync`` also calls ``fsync`` (findings: rare and precious)."""
     path = os.fspath(path)
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -176,17 +153,14 @@ def append_line(path: str | os.PathLike[str], line: str, *, sync: bool = True) -
                 os.fsync(f.fileno())
         return True
     except OSError as err:
-        _refused(path, err)
+        refused(path, err)
         return False
 
 
 def publish_dir(build: Callable[[str], None], root: str | os.PathLike[str], name: str) -> str | None:
-    """Build a directory with ``build(tmp_dir)`` and rename it to ``root/name`` (``name-1``, ``name-2``... if taken).
-
-    The directory appears complete or not at all, never replaces an earlier one, and gets the mode ``os.makedirs``
-    would give it under the umask. Returns its path, or None
-    (warned once) when the file system refuses; any other exception from ``build`` propagates.
-    """
+    """Build a directory with ``build(tmp_dir)`` and rename it to ``root/name`` (``name-1``, ``name-2``... if taken):
+    complete or absent, never over an earlier one. Returns its path, or None (warned once) when the file system
+    refuses; any other exception from ``build`` propagates."""
     root = os.fspath(root)
     tmp = None
     try:
@@ -207,31 +181,13 @@ def publish_dir(build: Callable[[str], None], root: str | os.PathLike[str], name
                         raise
             suffix += 1
     except OSError as err:
-        _refused(os.path.join(root, name), err)
+        refused(os.path.join(root, name), err)
         return None
     finally:
         if tmp is not None and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = [
-    "WriteFailure",
-    "append_line",
-    "make_dirs",
-    "process_umask",
-    "publish_dir",
-    "refused",
-    "write_atomic",
-    "write_failures",
-    "write_text",
-]
-
-
 def append_finding(path: str | os.PathLike[str], finding: Finding) -> bool:
-    """Append one finding as a JSON line and flush it to disk at once; False when the file system refused.
-
-    The file is opened in append mode for each finding (findings are rare), so several callbacks can share it and
-    nothing written earlier is ever overwritten. A refused write warns once (see :func:`append_line`)
-    and never raises: the finding is still held by the callback that made it.
-    """
+    """Append one finding as a JSON line and sync it; False (warned once) when the file system refused."""
     return append_line(path, finding.to_json())

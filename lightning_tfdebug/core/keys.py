@@ -1,9 +1,7 @@
 """The logged-key schema: every scalar a callback logs, declared once on the callback class.
 
-A callback lists what it logs in ``KEYS``, a tuple of :class:`Key`. That one declaration is the user's contract with
-their dashboard: the key tables in ``docs/callbacks/*.md`` are generated from it (``scripts/gen_rule_docs.py``), the
-TensorBoard dashboard builds its charts from it (:mod:`lightning_tfdebug.dashboard`), the report groups keys by it,
-and ``tests/test_scalars.py`` checks that every logged key matches a declared one.
+The docs' key tables (``scripts/gen_rule_docs.py``), the dashboard's charts, the report's groups and
+``tests/test_scalars.py`` are all derived from a callback's ``KEYS``.
 
 Example:
     >>> key = Key("grad_norm/<group>", "L2 norm over one group", chart="gradient norm per block")

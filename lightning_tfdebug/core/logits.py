@@ -1,14 +1,11 @@
 """The logits a training step computed and the labels they are scored against, read on the steps a callback arms.
 
-LossAtInit judges a loss against the outputs that produced it, so it needs the logits of the real training step
-(training mode, the user's own ``training_step``) and the labels of its batch. :class:`LogitsCapture` finds them with
-forward hooks that exist only while one armed step runs (removed as soon as its forward is over), or, for a compiled
-model, from an eager replay of the step. Where the logits are, first match wins: the named ``logits_module``; the
-LightningModule's own forward; a direct child's ``.logits`` output; the last direct child to return a plain tensor
-shaped like the labels plus a class dimension wider than every label; and, for token rows without labels (a loss-only
-wrapper), the call that took the rows, read by the shared call finder
-(:func:`~lightning_tfdebug.core.calls.find_model_call`). When nothing fits, :class:`Captured` says why in one sentence
-that names the argument to set.
+:class:`LogitsCapture` finds them with forward hooks that exist only during one armed step's forward (or, for a
+compiled model, from an eager replay of the step). Where the logits are, first match wins: the named
+``logits_module``; the LightningModule's own forward; a direct child's ``.logits`` output; the last direct child to
+return a plain tensor shaped like the labels plus a class dimension wider than every label; for token rows without
+labels (a loss-only wrapper), the call that took the rows (:func:`~lightning_tfdebug.core.calls.find_model_call`).
+When nothing fits, :class:`Captured` says why, naming the argument to set.
 """
 
 from __future__ import annotations
@@ -146,8 +143,7 @@ class LogitsCapture:
     # ------------------------------------------------------------------ arming
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, view: StepBatch) -> None:
         """Capture this step's forward: hooks on the candidates now, or, for a compiled model, nothing until
-        :meth:`replay_step` (hooks that come and go on compiled code make Dynamo recompile it, and a recompiled graph
-        with them has failed in AOT autograd)."""
+        :meth:`replay_step` (hooks on compiled code make Dynamo recompile it)."""
         self.clear()
         self._batch, self.view, self._pl_module = batch, view, pl_module
         self.replay = model_is_compiled(trainer, pl_module)
@@ -158,9 +154,8 @@ class LogitsCapture:
             ]
 
     def replay_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
-        """Run ``training_step`` again on the batch, eagerly, under ``no_grad`` with the RNG restored and ``self.log``
-        silenced, with the capture hooks on; returns what it returned (the loss the captured logits belong to).
-        For compiled models, on the armed steps only. A step that cannot be replayed leaves nothing captured."""
+        """Run ``training_step`` again eagerly under ``no_grad`` (RNG restored, ``self.log`` silenced) with the capture
+        hooks on, for a compiled model's armed steps; returns what it returned. A failed replay captures nothing."""
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         handles = [m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in self._candidates(pl_module)]
         self._record_token_calls(pl_module)
@@ -230,9 +225,8 @@ class LogitsCapture:
         return hook
 
     def _record_token_calls(self, pl_module: pl.LightningModule) -> None:
-        """Token rows without labels (``training_step`` returns ``self.model(batch)``, a wrapper that slices the rows
-        and returns only the loss): record the calls that take tokens, at any depth, to find the inner call that
-        returns the logits. A hook on every module, on the armed steps only."""
+        """Token rows without labels (a wrapper that slices the rows and returns only the loss): record the calls that
+        take tokens, at any depth (a hook on every module, on the armed steps only)."""
         view = self.view
         if self.logits_module is not None or self.labels_key is not None or view is None or view.labels is not None:
             return
@@ -254,9 +248,9 @@ class LogitsCapture:
 
     # ------------------------------------------------------------------ reading
     def read(self, pl_module: pl.LightningModule, shift_labels: bool) -> Captured:
-        """The logits and labels of the armed step (see the module's docstring), then the captured tensors are
-        released. ``shift_labels``: without token ids in the batch, the labels stand in for the copy check's inputs.
-        Host syncs (choosing the token-row call, the plain-tensor fallback's largest label): armed steps only."""
+        """The logits and labels of the armed step, then the captured tensors are released. ``shift_labels``: without
+        token ids the labels stand in for the copy check's inputs. Host syncs: armed steps only (choosing the token-row
+        call, the plain-tensor fallback's largest label)."""
         logits, labels, reason = self._inputs(pl_module)
         tokens = None
         view = self.view
@@ -287,8 +281,7 @@ class LogitsCapture:
         return got
 
     def _batch_tokens(self, labels: Tensor, shift_labels: bool) -> Tensor | None:
-        """The input token ids from the shared reading (``input_key``, else found by name or as a tuple's first 2-D
-        integer tensor); else, with ``shift_labels``, the labels (a causal LM's labels mirror its inputs)."""
+        """The batch's input token ids; else, with ``shift_labels``, the labels (a causal LM's mirror its inputs)."""
         inputs = None if self.view is None else self.view.input_ids
         if inputs is not None and not inputs.is_floating_point():
             return inputs
@@ -347,12 +340,8 @@ class LogitsCapture:
         )
 
     def _labels(self) -> tuple[Tensor | None, str]:
-        """The labels, from the shared reading of the batch (``labels_key``, else the usual names).
-
-        Left at ``None``, the key also falls back to a non-integer tensor under those names, to ``label`` and to the
-        last item of a tuple batch (``(features, labels)``, where no token ids say which item the labels follow); a
-        wrong guess fails the shape test against the logits, which names ``labels_key``.
-        """
+        """The labels from the shared reading of the batch; left at ``None``, ``labels_key`` also falls back to a float
+        tensor under the usual names, to ``label`` and to a tuple's last item (a wrong guess fails the shape test)."""
         assert self.view is not None
         labels = self.view.labels
         if labels is not None:
@@ -380,11 +369,8 @@ class LogitsCapture:
         return None, f"{missing_field(batch, 'labels')} (nor under {names})"
 
     def _plain_child_logits(self, labels: Tensor) -> Tensor | None:
-        """The last direct child's plain tensor output that can be the logits for ``labels``, or None.
-
-        Shape alone does not tell logits from hidden states (an embedding's or a final norm's output is
-        ``(batch, time, d_model)`` too), so the class dimension must also exceed every supervised label.
-        """
+        """The last direct child's plain tensor output that can be the logits for ``labels``: shaped like them plus a
+        class dimension wider than every supervised label (hidden states are ``(batch, time, d_model)`` too)."""
         views = (logits_for_labels(t, labels) for t in self._raw.values())
         fitting = [t for t in views if t is not None and t.shape[-1] > 1]
         if not fitting:

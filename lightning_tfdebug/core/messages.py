@@ -1,13 +1,7 @@
 """How the pack's warnings read: ``lightning_tfdebug: [TFD220] ERROR ...``, not a line of the pack's own source.
 
-A plain ``warnings.warn`` inside a callback is shown as ``.../lightning_tfdebug/core/base.py:249: TFDebugWarning: ...``:
-a location in our code that tells the user nothing. :func:`pack_warning` issues the warning as coming from the
-pack itself (``warnings.warn_explicit`` with the pack's name as file and module), so it
-
-* reads ``lightning_tfdebug: <text>`` (the rendering of those warnings only is replaced; every other warning is
-  formatted as before);
-* stays filterable by category (``warnings.filterwarnings("ignore", category=TFDebugWarning)``, ``-W``, pytest's
-  ``filterwarnings``) and by module (``module="lightning_tfdebug"``).
+:func:`pack_warning` issues the warning as coming from the pack itself (``warnings.warn_explicit`` with the pack's
+name as file and module): only those warnings render differently, and they stay filterable by category and module.
 """
 
 from __future__ import annotations
@@ -40,10 +34,7 @@ def _install_format() -> None:
 
 
 def pack_warning(text: str, category: type[Warning]) -> None:
-    """Warn ``text`` (of ``category``) as the pack: shown as ``lightning_tfdebug: <text>``.
-
-    The pack de-duplicates its own warnings (once per finding code); every call here is shown unless a filter says
-    otherwise.
-    """
+    """Warn ``text`` (of ``category``) as the pack, shown as ``lightning_tfdebug: <text>`` (never de-duplicated
+    here: the caller does that)."""
     _install_format()
     warnings.warn_explicit(text, category, filename=PACK, lineno=_LINENO, module=PACK, registry={})

@@ -1,8 +1,5 @@
-"""Lightning and model plumbing shared by the pack's callbacks: the GradScaler in use, a training step replayed
-without logging, whether a forward runs inside ``training_step``, whether the model is compiled, imports of user
-functions named in a config, and what the model says of its vocabulary and context length. Nothing here measures
-or decides.
-"""
+"""Lightning and model plumbing shared by the pack's callbacks (the GradScaler, a silent training step, compiled
+models, imports named in a config, the model's vocabulary and context length). Nothing here measures or decides."""
 
 from __future__ import annotations
 
@@ -48,11 +45,8 @@ def import_object(path: str) -> Any:
 
 
 def quiet_training_step(pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
-    """Call ``pl_module.training_step`` with ``self.log`` / ``self.log_dict`` silenced, so a probe call logs nothing.
-
-    The caller is responsible for ``no_grad``, the module's mode and the precision context. Only for modules with
-    automatic optimization: a manual-optimization ``training_step`` steps optimizers itself.
-    """
+    """Call ``pl_module.training_step`` with ``self.log`` / ``self.log_dict`` silenced and the LR schedule restored
+    afterwards (automatic optimization only; the caller sets ``no_grad``, the mode and the precision context)."""
 
     def _silent(*args: Any, **kwargs: Any) -> None:
         return None
@@ -71,9 +65,8 @@ def quiet_training_step(pl_module: pl.LightningModule, batch: Any, batch_idx: in
 
 
 def _schedule_state(pl_module: pl.LightningModule) -> list[tuple[Any, dict[str, Any]]]:
-    """The LR schedulers' states and the optimizers' param-group settings (host values, no tensors copied), so that
-    a replayed ``training_step`` that steps a scheduler by hand (``self.lr_schedulers().step()``) leaves the run's
-    schedule where it was: the pack never changes the run it watches."""
+    """The LR schedulers' states and the optimizers' param-group settings (host values), so that a replayed
+    ``training_step`` that steps a scheduler by hand leaves the run's schedule where it was."""
     trainer = getattr(pl_module, "_trainer", None)
     if trainer is None:
         return []
@@ -102,12 +95,8 @@ def _restore_schedule_state(held: list[tuple[Any, dict[str, Any]]]) -> None:
 
 
 def in_training_step(pl_module: nn.Module | None) -> bool:
-    """Whether a forward runs inside the Trainer's ``training_step``, and not in another callback's probe.
-
-    Other callbacks may call the model from their own hooks (``on_train_batch_start``) while ours are attached; their
-    forwards must not be counted. Lightning names the hook or strategy call in progress in the module's
-    ``_current_fx_name`` (it also drives ``self.log``); where that attribute is missing, every forward counts.
-    """
+    """Whether a forward runs inside the Trainer's ``training_step`` (Lightning's ``_current_fx_name``), and not in
+    another callback's probe; where that attribute is missing, every forward counts."""
     name = getattr(pl_module, "_current_fx_name", None)
     return not isinstance(name, str) or name == "training_step"
 
@@ -147,12 +136,8 @@ _POSITION_WORDS = ("pos", "wpe")  # position tables: `pos_emb`, `wpe`, `position
 _TYPE_WORDS = ("type", "segment")  # token-type tables: `token_type_embeddings`, `segment_emb`
 
 
-def _leaf_name(name: str) -> str:
-    return name.rsplit(".", 1)[-1].lower()
-
-
 def _is_position_name(name: str) -> bool:
-    leaf = _leaf_name(name)
+    leaf = name.rsplit(".", 1)[-1].lower()
     return any(w in leaf for w in _POSITION_WORDS)
 
 
@@ -166,11 +151,8 @@ def load_tokenizer(tokenizer: Any) -> Any:
     if tokenizer is None:
         return None
     if isinstance(tokenizer, str):
-        module_name, sep, attr = tokenizer.partition(":")
-        if not sep:
-            module_name, _, attr = tokenizer.rpartition(".")
         try:
-            obj = getattr(importlib.import_module(module_name), attr)
+            obj = import_object(tokenizer)
         except (ImportError, AttributeError, ValueError) as err:
             raise ValueError(f"`tokenizer` {tokenizer!r} is not an importable 'module.Name' path ({err}).") from err
         tokenizer = obj() if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "decode")) else obj
@@ -180,13 +162,9 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
 
 def find_vocab_size(model: nn.Module) -> tuple[int | None, str]:
-    """The number of rows of the model's input embedding, and where it came from.
-
-    Looks for ``get_input_embeddings()`` (Hugging Face models, also when nested in a LightningModule), then for an
-    ``nn.Embedding`` whose row count equals the width of an ``nn.Linear`` (the LM head), then for the only
-    ``nn.Embedding``; tables named like positions (``pos``, ``wpe``) or token types (``type``, ``segment``) are
-    never taken. ``(None, reason)`` when none fits.
-    """
+    """The number of rows of the model's input embedding, and where it came from: ``get_input_embeddings()``, else
+    an ``nn.Embedding`` as wide as an ``nn.Linear`` (the LM head), else the only one (never a position or token-type
+    table). ``(None, reason)`` when none fits."""
     for name, module in model.named_modules():
         getter = getattr(module, "get_input_embeddings", None)
         if callable(getter) and not is_lightning_instance(module, "LightningModule"):

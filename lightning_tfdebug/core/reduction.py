@@ -1,24 +1,13 @@
 """One reduction per measuring step for the whole pack (issue 25).
 
-On a measuring step each member declares what it needs from the other ranks, as device tensors:
+On a measuring step each member declares, as device tensors, ``sums`` (added up over ranks), ``anys`` (0/1 flags, 1
+where any rank set them), ``maxes`` (maximum over ranks) and ``rows`` (a vector per rank, declared by name and read
+back with :meth:`Reduced.named_rows`). Inside :class:`~lightning_tfdebug.TFDebug` one :class:`StepReduction` serves
+every member with **one** ``all_reduce`` after the hook; a callback used alone runs its own at once.
 
-* ``sums``: values added up over ranks (counts, weighted sums of squares, token counts);
-* ``anys``: 0/1 flags, 1 where any rank set them (a unit alive on some rank, a non-finite loss somewhere);
-* ``maxes``: real values whose maximum over ranks is wanted (the worst rank's memory or data wait);
-* ``rows``: a vector per rank that a decision needs whole (PerRankLogger's straggler and divergence checks),
-  declared by name: ``{field: value}``, host numbers and device scalars alike, read back per rank as
-  ``{field: value}`` with :meth:`Reduced.named_rows` (a plain tensor or sequence is taken as it is).
-
-:meth:`DebugCallback.reduce_then <lightning_tfdebug.core.base.DebugCallback.reduce_then>` hands the declaration and
-a continuation to a :class:`StepReduction`; inside :class:`~lightning_tfdebug.TFDebug` one is shared by every member
-and runs once, after the hook in which they declared (``on_train_batch_end``), with **one** ``all_reduce``; a
-callback used alone runs its own at once. Each continuation then gets a :class:`Reduced` and decides from it.
-
-What travels (float64, so counts and fingerprints stay exact): ``[sums | anys | world x (maxes + rows)]``, summed
-over ranks. Sums and flags cost one slot each whatever the world size (a flag is "any" when its sum is positive).
-Maxima and rows cost one slot per rank: each rank writes its own block and zeros elsewhere, so the sum is the
-gathered table, and a maximum is taken from it locally. Keep maxima and rows to a few scalars; what grows with the
-model (per-tensor checksums, per-unit flags) belongs in sums or anys.
+What travels (float64, so counts stay exact): ``[sums | anys | world x (maxes + rows)]``, summed over ranks. Maxima
+and rows cost one slot per rank (each rank writes its own block, zeros elsewhere), so keep them to a few scalars;
+what grows with the model belongs in sums or anys.
 """
 
 from __future__ import annotations
@@ -54,10 +43,8 @@ class Reduced:
     row_names: tuple[str, ...] = ()
 
     def named_rows(self, rows: Sequence[Sequence[float]] | None = None) -> list[dict[str, float]]:
-        """Every rank's row as ``{field: value}`` (rank ``r`` at index ``r``), for a row declared by name.
-
-        ``rows``: the host copy of :attr:`rows`, when the member made it together with its other values (one
-        transfer); else it is made here (a host sync)."""
+        """Every rank's row as ``{field: value}`` (rank ``r`` at index ``r``); ``rows``: the host copy of :attr:`rows`
+        when the member already made it, else it is made here (a host sync)."""
         if rows is None:
             rows = self.rows.tolist()  # host sync: the caller's one transfer of this measuring step
         return [dict(zip(self.row_names, row, strict=True)) for row in rows]
@@ -107,8 +94,8 @@ def declaration(
 
 
 def row_fields(row_type: type, values: Mapping[str, Any]) -> dict[str, Any]:
-    """The row to declare for the dataclass ``row_type``: ``values`` (host numbers or device scalars) by field name,
-    in the dataclass's order, so every rank declares the same fields in the same order whatever built ``values``.
+    """``values`` (host numbers or device scalars) in the field order of the dataclass ``row_type``, the same on
+    every rank.
 
     Raises:
         KeyError: if ``values`` lacks a field or holds a name that is not one.
@@ -185,13 +172,8 @@ def payload_slots(declared: Sequence[Declaration], world: int) -> int:
 
 @dataclass
 class StepReduction:
-    """The declarations of one measuring step, reduced together by :meth:`run` (one collective).
-
-    Inside :class:`~lightning_tfdebug.TFDebug` one instance is shared by every running member; the pack calls
-    :meth:`run` after each hook it forwards, so the members that declared in that hook are served by one collective.
-    Every rank holds the same declarations at the same point (members declare on steps chosen from
-    ``global_step``), so every rank runs the same collective.
-    """
+    """The declarations of one measuring step, reduced together by :meth:`run` (one collective, after each hook the
+    pack forwards; members declare on steps chosen from ``global_step``, so every rank runs the same collective)."""
 
     pending: list[Declaration] = field(default_factory=list)
     last_slots: int = 0  # slots per rank of the last reduction run (for the payload figures)

@@ -1,10 +1,7 @@
 """The step's shared state: what one callback reads or copies on a step and the others reuse, in one typed place.
 
-Independent callbacks (standalone or inside ``TFDebug``) share no object but the Trainer. Rather than hanging private
-attributes on it, every shared per-step reading lives in one :class:`StepState` per Trainer, held in a weak mapping
-(so it goes with the Trainer) and reached through :func:`step_state`. Each field holds only the latest step's value,
-keyed by what it belongs to (the batch object, the step, the tensors), so nothing outlives its step and a later batch
-never reads an earlier one's value.
+One :class:`StepState` per Trainer (a weak mapping, :func:`step_state`); each field holds only the latest step's
+value, keyed by what it belongs to, so a later batch never reads an earlier one's value.
 """
 
 from __future__ import annotations
@@ -61,12 +58,8 @@ def step_state(trainer: Any) -> StepState:
 
 def step_norms(trainer: Any, tensors: Sequence[Tensor]) -> Tensor:
     """:func:`~lightning_tfdebug.functional.norms.per_tensor_norms` of ``tensors``, computed once per optimizer step
-    for the same tensors.
-
-    GradNormMonitor and UpdateRatio both read every gradient before the same ``optimizer.step()`` on a measuring
-    step; the second one reuses the first one's norms instead of a second pass over the gradient memory. The key is
-    the step and the identity of each tensor (the objects are alive throughout the hook that asks, so an ``id`` cannot
-    be reused there); only the small norm vector is held, never the tensors.
+    for the same tensors (GradNormMonitor and UpdateRatio read the same gradients). Keyed by the step and the ids of
+    the tensors (alive throughout the asking hook); only the norm vector is held.
     """
     state = step_state(trainer)
     key = (getattr(trainer, "global_step", None), tuple(map(id, tensors)))

@@ -40,13 +40,9 @@ class StepClock:
 
 
 class FetchTimer:
-    """Adds up the wall time the training loop spends getting its next batch onto the device.
-
-    Installed on the Trainer's data fetcher, around the two hooks Lightning calls before and after each fetch (where
-    its own profiler measures ``train_dataloader_next``), it times the DataLoader's ``next()``: worker hand-off, or
-    ``__getitem__`` and collation without workers, and pinning. :meth:`batch_arrived`, called when the batch reaches
-    ``on_train_batch_start``, adds the time since that fetch ended: the copy to the device and the batch-transfer
-    hooks. Several callbacks share one timer and read differences of :attr:`total_s`.
+    """Adds up the wall time the training loop spends getting its next batch onto the device: the DataLoader's
+    ``next()`` (timed around the fetcher's profiler hooks) and, with :meth:`batch_arrived`, the copy to the device.
+    Several callbacks share one timer and read differences of :attr:`total_s`.
     """
 
     def __init__(self) -> None:
@@ -95,13 +91,8 @@ def fetch_timer(trainer: pl.Trainer) -> FetchTimer | None:
 
 
 def _mark_arrival_after_transfer(trainer: pl.Trainer, timer: FetchTimer) -> None:
-    """Count a batch as arrived when the strategy has moved it to the device, not when a callback first sees it.
-
-    Between the two, the Trainer runs every callback's ``on_train_batch_start``: the pack's own probes and
-    measurements there (a MaskProbe probe, LossAtInit arming its hooks) are not data loading, and counting them made a
-    tiny model's healthy run look data-bound. One clock read per batch; installed once per strategy, reading the
-    current timer.
-    """
+    """Count a batch as arrived when the strategy has moved it to the device, not when a callback first sees it
+    (the pack's own ``on_train_batch_start`` work is not data loading). One clock read per batch."""
     strategy = getattr(trainer, "strategy", None)
     if strategy is None or not callable(getattr(strategy, "batch_to_device", None)):
         return

@@ -1,8 +1,5 @@
-"""Small host-side trackers for "sustained" and "against its own history" decisions.
-
-They hold plain Python numbers (values already moved to the host on a measuring step), so they cost nothing on the
-device and their state goes into checkpoints as-is.
-"""
+"""Small host-side trackers for "sustained" and "against its own history" decisions (plain numbers, checkpointed
+as-is)."""
 
 from __future__ import annotations
 

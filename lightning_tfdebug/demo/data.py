@@ -1,24 +1,7 @@
 """A byte-level tokenizer, a generated corpus and a DataModule for the tiny transformer.
 
-Nothing is downloaded: the corpus is produced by a small seeded grammar, so it has structure a model can learn
-(loss falls well below ln(vocab) within a few hundred steps) and is identical on every machine.
-
-Bug-zoo injection flags on :class:`TinyTextDataModule` (all off by default) corrupt batches the way real pipelines
-do, for the pack's tests and demos:
-
-=============================  =====================================================================
-flag                           bug (``shared/bugzoo.md`` row)
-=============================  =====================================================================
-``all_labels_ignored``         every label is ``ignore_index`` (2)
-``pad_labels_supervised``      pad positions keep their token as label (3)
-``long_batch_every``           every k-th batch is longer than the model's context (4)
-``bad_token_every``            every k-th batch carries a token id >= vocab size (5)
-``dtype_drift_every``          every k-th batch has int32 labels and a float mask (6)
-``squeeze_batch_every``        every k-th batch is a single squeezed sequence (6)
-``slow_getitem_s``             each ``__getitem__`` sleeps this long (19)
-=============================  =====================================================================
-
-(Row 16, no distributed sampler, is a Trainer setting: ``Trainer(use_distributed_sampler=False)``.)
+Nothing is downloaded: the corpus comes from a small seeded grammar, learnable and identical on every machine. The
+bug-zoo flags of :class:`TinyTextDataModule` (off by default) are tabled in ``docs/demo.md``.
 """
 
 from __future__ import annotations
@@ -150,7 +133,7 @@ class TinyTextDataModule(pl.LightningDataModule):
         seed: corpus seed.
         num_workers: DataLoader workers.
         all_labels_ignored, pad_labels_supervised, long_batch_every, bad_token_every, dtype_drift_every,
-        squeeze_batch_every, slow_getitem_s: bug-zoo injections (module docstring).
+        squeeze_batch_every, slow_getitem_s: bug-zoo injections (``docs/demo.md``).
     """
 
     def __init__(

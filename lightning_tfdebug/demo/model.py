@@ -1,34 +1,8 @@
 """A tiny decoder-only transformer LightningModule, shared by tests, examples and benchmarks.
 
-Token and position embeddings, ``n_layers`` pre-norm blocks (causal self-attention with a padding mask, an MLP,
-LayerNorms, residuals), a final LayerNorm and an LM head; next-token loss with the label shift done in the module
-and ``ignore_index=-100`` for padding.
-
-Every bug-zoo bug that lives in the model or its optimizer has a flag here, off by default:
-
-===========================  ================================================================  ====
-flag                         bug                                                               row
-===========================  ================================================================  ====
-``softmax_output``           ``forward`` returns probabilities; the loss applies softmax again  1
-``no_causal_mask``           attention sees future tokens                                      7
-``no_padding_mask``          attention attends to padding                                      8
-``unshifted_labels``         loss compares position t with label t (no shift)                  9
-``head_not_in_optimizer``    the LM head is left out of the optimizer                          10
-``lr``                       set 100x too low / too high                                       11, 12
-``no_residual``              blocks without residual connections                               13
-``activation``               ``"relu"``, ``"gelu"``, ``"tanh"``, ``"sigmoid"`` in the MLP       13, 14
-``mlp_bias_init``            constant initial bias before the activation (e.g. -5 with relu)   14
-``overflow_module``          qualified name of a module whose output is multiplied by 1e5       15
-``decay_norms``              weight decay on LayerNorm weights, biases and embeddings          20
-``adam_l2``                  ``torch.optim.Adam`` with ``weight_decay`` (L2) instead of AdamW  20
-``eval_mode``                the module is put in ``eval()`` at the start of every epoch       21
-``drop_optimizer_state``     checkpoints are saved without optimizer / scheduler state        22
-``nan_on_rank``              this rank's loss becomes NaN at ``nan_at_step``                   23
-``nan_module``               this module's output becomes NaN from ``nan_at_step`` (on rank    23
-                             ``nan_module_rank`` only, or every rank when it is None)
-``perturb_rank``             this rank changes a weight at ``perturb_at_step``                 17
-``slow_rank``                this rank sleeps ``slow_rank_s`` seconds per step                 18
-===========================  ================================================================  ====
+Pre-norm blocks (causal self-attention with a padding mask, an MLP), an LM head and a next-token loss with the label
+shift done in the module (``ignore_index=-100``). Every bug-zoo bug that lives in the model or its optimizer has a
+flag here, off by default: the table is in ``docs/demo.md``.
 """
 
 from __future__ import annotations
@@ -81,13 +55,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, activation: str, bias_init: float | None) -> None:
+    def __init__(self, d_model: int, activation: str) -> None:
         super().__init__()
         self.fc = nn.Linear(d_model, 4 * d_model)
         self.act = _ACTIVATIONS[activation]()
         self.proj = nn.Linear(4 * d_model, d_model)
-        if bias_init is not None:
-            nn.init.constant_(self.fc.bias, bias_init)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.proj(self.act(self.fc(x)))
@@ -97,9 +69,9 @@ class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, activation: str, residual: bool, **attn: Any) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, **{k: attn[k] for k in ("causal", "use_padding_mask")})
+        self.attn = CausalSelfAttention(d_model, n_heads, **attn)  # causal, use_padding_mask
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, activation, attn.get("bias_init"))
+        self.mlp = MLP(d_model, activation)
         self.residual = residual
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -133,7 +105,7 @@ class TinyGPT(pl.LightningModule):
         weight_decay: AdamW weight decay, applied to matrices only (unless ``decay_norms``).
         warmup_steps: linear warm-up steps, then constant.
         activation: MLP activation.
-        Remaining flags inject bugs; see the module docstring.
+        Remaining flags inject bugs (``docs/demo.md``).
     """
 
     def __init__(
@@ -180,14 +152,13 @@ class TinyGPT(pl.LightningModule):
                 residual=not no_residual,
                 causal=not no_causal_mask,
                 use_padding_mask=not no_padding_mask,
-                bias_init=mlp_bias_init,
             )
             for _ in range(n_layers)
         )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
-        if mlp_bias_init is not None:
+        if mlp_bias_init is not None:  # bug 14: after the init, which zeroes every bias
             for block in self.blocks:
                 nn.init.constant_(block.mlp.fc.bias, mlp_bias_init)
         if overflow_module is not None:

@@ -1,8 +1,5 @@
-"""DeadActivation's decisions: which layers have too many dead or saturated units, for how long, whether those
-fractions are climbing, and whether activations can be observed at all. Pure functions of host numbers; each rule
-function returns its rule's :class:`~lightning_tfdebug.functional.verdicts.Verdict` (or None) for the callback to
-emit.
-"""
+"""DeadActivation's rules ``TFD340``-``TFD344``: too many dead or saturated units, for how long, rising, or
+activations that cannot be observed at all. Pure functions of host numbers."""
 
 from __future__ import annotations
 
@@ -69,7 +66,7 @@ class ActivationHistory:
 
 def climb(lowest: dict[str, float], last: dict[str, float], name: str, frac: float, rise: float) -> float | None:
     """Record ``frac`` for ``name``; return its lowest value so far if ``frac`` is at least ``rise`` above it and not
-    falling back (a transient bump early in training recovers; dying or saturating units do not), else None."""
+    falling back (dying or saturating units do not recover), else None."""
     low = min(lowest.get(name, frac), frac)
     previous = last.get(name, frac)
     lowest[name], last[name] = low, frac
@@ -138,8 +135,7 @@ TFD340 = Rule(
 
 
 def dead_units(dead: Mapping[str, float], limits: ActivationThresholds, step: int | None = None) -> Verdict | None:
-    """``TFD340``: the layers whose dead fraction stayed above ``limits.dead`` for ``limits.patience`` measurements
-    in a row (``{name: dead_fraction}``, from :func:`decide_activations`); None when there is none."""
+    """``TFD340`` for ``{name: dead_fraction}`` of the layers above ``limits.dead`` long enough; None if empty."""
     return _above(TFD340, "dead_frac", dead, limits.dead, limits, CAUSES_DEAD, step)
 
 
@@ -181,8 +177,7 @@ TFD341 = Rule(
 
 
 def dying_units(rising: Mapping[str, tuple[float, float]], step: int | None = None) -> Verdict | None:
-    """``TFD341``: the layers whose dead fraction has climbed ``dead_rise`` above its lowest value for ``patience``
-    measurements (``{name: (lowest, now)}``, from :func:`decide_activations`); None when there is none."""
+    """``TFD341`` for ``{name: (lowest, now)}`` of the layers whose dead fraction climbed; None if empty."""
     return _rising(TFD341, "dead_frac", rising, CAUSES_DEAD, step)
 
 
@@ -220,9 +215,7 @@ TFD342 = Rule(
 def saturated_units(
     saturated: Mapping[str, float], limits: ActivationThresholds, step: int | None = None
 ) -> Verdict | None:
-    """``TFD342``: the layers whose saturated fraction stayed above ``limits.saturation`` for ``limits.patience``
-    measurements in a row (``{name: saturated_fraction}``, from :func:`decide_activations`); None when there is
-    none."""
+    """``TFD342`` for ``{name: saturated_fraction}`` of the layers above ``limits.saturation`` long enough."""
     return _above(TFD342, "saturated_frac", saturated, limits.saturation, limits, CAUSES_SATURATED, step)
 
 
@@ -250,9 +243,7 @@ TFD344 = Rule(
 
 
 def saturating_units(rising: Mapping[str, tuple[float, float]], step: int | None = None) -> Verdict | None:
-    """``TFD344``: the layers whose saturated fraction has climbed ``saturation_rise`` above its lowest value for
-    ``patience`` measurements (``{name: (lowest, now)}``, from :func:`decide_activations`); None when there is
-    none."""
+    """``TFD344`` for ``{name: (lowest, now)}`` of the layers whose saturated fraction climbed; None if empty."""
     return _rising(TFD344, "saturated_frac", rising, CAUSES_SATURATED, step)
 
 
@@ -285,8 +276,7 @@ HINT_UNHOOKED = (
 
 
 def compiled_reason(compiled: bool) -> str | None:
-    """Why nothing can be measured when torch.compile wraps the model or a submodule (known at the start of
-    training), or None when it does not."""
+    """Why nothing can be measured when torch.compile wraps the model or a submodule, else None."""
     if not compiled:
         return None
     return (
@@ -296,8 +286,7 @@ def compiled_reason(compiled: bool) -> str | None:
 
 
 def no_layer_reason(found: int, layers: str | None) -> str | None:
-    """Why nothing can be measured when the first measurement found ``found == 0`` layers (no activation module
-    matching ``layers``, no activation function called by a submodule), or None when it found some."""
+    """Why nothing can be measured when the first measurement ``found`` no layer, else None."""
     if found:
         return None
     return (
@@ -309,8 +298,7 @@ def no_layer_reason(found: int, layers: str | None) -> str | None:
 
 
 def silent_layers_reason(ran: int, compiled: bool) -> str | None:
-    """Why nothing can be measured when ``ran == 0`` of the hooked layers ran in a measured training forward
-    (``compiled``: the model is compiled, said in the reason), or None when some ran."""
+    """Why nothing can be measured when none of the hooked layers ``ran`` in a measured forward, else None."""
     if ran:
         return None
     return (
@@ -321,9 +309,7 @@ def silent_layers_reason(ran: int, compiled: bool) -> str | None:
 
 
 def unobservable_verdict(reason: str | None, *, compiled: bool, step: int | None = None) -> Verdict | None:
-    """``TFD343``: activations cannot be observed, for ``reason`` (from :func:`compiled_reason`,
-    :func:`no_layer_reason` or :func:`silent_layers_reason`); None when there is no reason. ``compiled``: the reason
-    is torch.compile at the start of training (the hint then says how to measure uncompiled)."""
+    """``TFD343`` for one of the ``*_reason`` functions' ``reason`` (None: no verdict); ``compiled`` picks the hint."""
     if reason is None:
         return None
     return TFD343.verdict(

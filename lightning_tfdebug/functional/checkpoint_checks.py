@@ -1,10 +1,5 @@
-"""CheckpointAudit's rules: each finding code with its text, and the functions that decide it.
-
-The inputs are host values: a loaded checkpoint (a mapping), what it must hold (taken from the live objects at save
-time), the reading of a sharded directory, and the state a resume restored against the live objects' (both of the
-shape of :func:`~lightning_tfdebug.functional.checkpoints.restored_state`). Reading files and live objects is
-:mod:`lightning_tfdebug.core.checkpoints`'s.
-"""
+"""CheckpointAudit's rules: each finding code with its text, and the functions that decide it from host values
+(read from files and live objects by :mod:`lightning_tfdebug.core.checkpoints`)."""
 
 from __future__ import annotations
 
@@ -19,13 +14,18 @@ from lightning_tfdebug.functional.checkpoints import max_step
 from lightning_tfdebug.functional.probes import relative_difference
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
+HINT_STATE = (
+    "Something drops it from the checkpoint: `save_weights_only=True`, or an `on_save_checkpoint` override that pops "
+    "`optimizer_states` / `lr_schedulers`. Resume needs them for the same training run."
+)
+
 TFD701 = Rule(
     "TFD701",
     "error",
     "CheckpointAudit",
     title="weights missing from the file",
     trigger="the saved file lacks weights for tensors of the module's `state_dict`",
-    hint="check `on_save_checkpoint` overrides and how the checkpoint is written",
+    hint="Save with `trainer.save_checkpoint` / ModelCheckpoint; check `on_save_checkpoint` overrides.",
     reason=(
         "A checkpoint without all the weights cannot restore the model: resuming from it fails or resumes another model"
     ),
@@ -38,7 +38,7 @@ TFD702 = Rule(
     "CheckpointAudit",
     title="saved tensors with the wrong shape",
     trigger="saved tensors with the wrong shape",
-    hint="save full (gathered) tensors; the model was not rebuilt between save and load",
+    hint="Save the full (gathered) tensors, or check the model was not rebuilt between save and load.",
     reason="Tensors saved with the wrong shape cannot be loaded back: the checkpoint cannot restore this run",
     message="{count} saved tensors have the wrong shape: {shapes}. (file {file})",
 )
@@ -49,7 +49,7 @@ TFD703 = Rule(
     "CheckpointAudit",
     title="optimizer state missing (in a saved file, or in a checkpoint being resumed)",
     trigger="optimizer state missing from the file (or from a checkpoint being resumed)",
-    hint="do not drop `optimizer_states`; not `save_weights_only` for resumable checkpoints",
+    hint=HINT_STATE,
     reason=(
         "Without optimizer state, resuming fails (Lightning requires it) or restarts the optimizer: the run cannot "
         "be resumed as saved"
@@ -66,7 +66,7 @@ TFD704 = Rule(
     "CheckpointAudit",
     title="optimizer state incomplete: param groups, per-parameter state or step counts",
     trigger="optimizer state incomplete: param groups, per-parameter state or step counts missing",
-    hint="save the optimizer's full `state_dict()`",
+    hint=HINT_STATE,
     reason=(
         "Incomplete optimizer state resumes with moments or step counts lost: the resumed run is not the run saved"
     ),
@@ -82,7 +82,7 @@ TFD705 = Rule(
     "CheckpointAudit",
     title="LR scheduler state missing",
     trigger="LR scheduler state missing",
-    hint="do not drop `lr_schedulers`",
+    hint=HINT_STATE,
     reason=("Without scheduler state a resumed run restarts its schedule (a second warm-up): it is not the run saved"),
     message=(
         "The checkpoint holds LR scheduler state for {saved} of {expected} schedulers: a resume restarts the schedule "
@@ -96,7 +96,7 @@ TFD706 = Rule(
     "CheckpointAudit",
     title="fp16 GradScaler state missing",
     trigger="fp16 GradScaler state missing under the precision plugin's key",
-    hint="keep the precision plugin's entry in the checkpoint",
+    hint=HINT_STATE,
     reason="Without GradScaler state a resumed fp16 run restarts its loss scale: it is not the run saved",
     message=(
         "The checkpoint lacks the fp16 GradScaler state (key `{key}`): a resume restarts the loss scale at its initial "
@@ -110,7 +110,7 @@ TFD707 = Rule(
     "CheckpointAudit",
     title="loop progress missing or inconsistent with the step it was saved at",
     trigger="loop progress (`loops`, `global_step`, `epoch`) missing or inconsistent",
-    hint="keep Lightning's loop state",
+    hint=HINT_STATE,
     reason=("Without consistent loop progress a resumed run restarts or skips steps and data: it is not the run saved"),
     message=(
         "The checkpoint lacks loop progress ({parts}): a resume restarts the epoch and step counters and the data "
@@ -124,7 +124,10 @@ TFD708 = Rule(
     "CheckpointAudit",
     title="a callback's state missing",
     trigger="a callback's state missing",
-    hint='keep `checkpoint["callbacks"]`',
+    hint=(
+        "Something removed `checkpoint['callbacks']` entries (an `on_save_checkpoint` override?); early stopping, "
+        "checkpointing and the pack's callbacks lose their history on resume."
+    ),
     reason="Loses work: a callback's state (early-stopping counters, an EMA) restarts on resume",
     message="The checkpoint lacks the state of {count} callbacks: {names}. (file {file})",
 )
@@ -156,7 +159,10 @@ TFD710 = Rule(
     "CheckpointAudit",
     title="weights after resume differ from the checkpoint, or changed dtype",
     trigger="restored weights differ from the checkpoint (checksums) or changed dtype",
-    hint="nothing may re-initialise or convert the module after loading",
+    hint=(
+        "Something re-initialises or converts the module after the checkpoint is loaded (`on_fit_start`, `setup`, a "
+        "precision change); load weights before building anything that overwrites them."
+    ),
     reason="Measured: weights after resume are not the checkpoint's, so the resumed run is another run",
     message="The weights at the start of the resumed training do not match the checkpoint: {detail}.",
 )
@@ -167,7 +173,7 @@ TFD711 = Rule(
     "CheckpointAudit",
     title="optimizer step counts after resume differ from the checkpoint",
     trigger="optimizer step counts after resume differ from the checkpoint",
-    hint="the optimizer was rebuilt or reset after loading",
+    hint="The optimizer was rebuilt or its state reset after loading; bias correction restarts.",
     reason=(
         "Measured: the optimizer's step counts changed on resume (bias correction restarts): the resumed run is "
         "another run"
@@ -181,7 +187,10 @@ TFD712 = Rule(
     "CheckpointAudit",
     title="learning rates after resume differ from the checkpoint",
     trigger="learning rates after resume differ from the checkpoint",
-    hint="the scheduler or param groups were rebuilt after loading",
+    hint=(
+        "The scheduler or the param groups were rebuilt after loading, or the LR is set in code that runs after the "
+        "restore."
+    ),
     reason="Measured: the learning rates changed on resume: the resumed run is not the run saved",
     message="Optimizer {optimizer}'s learning rates after resume are {now}, the checkpoint holds {saved}.",
 )
@@ -192,7 +201,7 @@ TFD713 = Rule(
     "CheckpointAudit",
     title="GradScaler scale after resume differs from the checkpoint",
     trigger="GradScaler scale after resume differs from the checkpoint",
-    hint="the scaler was replaced after loading",
+    hint="The precision plugin's scaler was replaced after loading.",
     reason="Measured: the loss scale changed on resume: the resumed run is not the run saved",
     message="The GradScaler's scale after resume is {now:g}, the checkpoint holds {saved:g}.",
 )
@@ -203,7 +212,10 @@ TFD714 = Rule(
     "CheckpointAudit",
     title="global step after resume differs from the checkpoint",
     trigger="global step after resume differs from the checkpoint",
-    hint=("keep the loop state: resume from a checkpoint with `loops`, and do not drop it in `on_load_checkpoint`"),
+    hint=(
+        "The loop state was not restored: the checkpoint has no `loops` entry, or something removed it before "
+        "Lightning restored it (an `on_load_checkpoint` that drops it). Resume from a full checkpoint."
+    ),
     reason="Measured: the global step changed on resume: schedules and step-based logic follow another run",
     message="The global step after resume is {now}, the checkpoint was saved at {saved}.",
 )
@@ -214,7 +226,10 @@ TFD715 = Rule(
     "CheckpointAudit",
     title="the loss on the probe batch after resuming differs from the loss at save time",
     trigger="the loss on the stored probe batch right after resuming differs from the loss at save time",
-    hint="the model that trains is not the one saved: re-initialised, dtype or architecture changed",
+    hint=(
+        "The model that trains is not the model that was saved: re-initialised after loading, a different dtype or "
+        "precision, or a changed architecture."
+    ),
     reason=(
         "Measured: the same batch gives a different loss after resuming, so the model restored is not the one saved"
     ),
@@ -234,8 +249,8 @@ TFD716 = Rule(
         "distributed-checkpoint directory lacks its metadata or a shard file the metadata lists"
     ),
     hint=(
-        "a full disk, a quota, or a process killed while saving; free space, then resume from an earlier "
-        "checkpoint that checks out"
+        "A full disk, a quota, or a process killed while saving leaves such a file: free space and resume from an "
+        "earlier checkpoint that checks out."
     ),
     reason="A checkpoint this run wrote cannot be read back: resuming from it will fail",
     message="Checkpoint {path} ({bytes} bytes) cannot be read back: it is truncated or corrupt ({first}).",
@@ -264,16 +279,6 @@ RULES: tuple[Rule, ...] = (
 )
 """The rules decided in this module, in code order."""
 
-HINT_WEIGHTS = "Save with `trainer.save_checkpoint` / ModelCheckpoint; check `on_save_checkpoint` overrides."
-HINT_STATE = (
-    "Something drops it from the checkpoint: `save_weights_only=True`, or an `on_save_checkpoint` override that pops "
-    "`optimizer_states` / `lr_schedulers`. Resume needs them for the same training run."
-)
-HINT_DAMAGED = (
-    "A full disk, a quota, or a process killed while saving leaves such a file: free space and resume from an "
-    "earlier checkpoint that checks out."
-)
-
 
 def _file_name(path: str) -> str:
     """The last part of a path (as ``os.path.basename``), named in the messages."""
@@ -281,32 +286,28 @@ def _file_name(path: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ saved files
-# Each takes a loaded checkpoint (a mapping), what it must hold (:func:`~lightning_tfdebug.core.checkpoints.
-# expectation` at save time) and the file's path; a verdict is recorded once per code per run.
+# A loaded checkpoint against what it must hold (`core.checkpoints.expectation` at save time).
 def weights_problems(checkpoint: Mapping[str, Any], params: Mapping[str, list[int]], path: str) -> list[Verdict]:
     """``TFD701``: weights missing (no ``state_dict`` at all, or tensors of the module's); ``TFD702``: saved tensors
     of another shape than the module's."""
     saved, file = checkpoint.get("state_dict"), _file_name(path)
     if not isinstance(saved, Mapping):
         message = f"The checkpoint holds no `state_dict` (model weights). (file {file})"
-        return [TFD701.verdict({"path": path}, hint=HINT_WEIGHTS, key="TFD701", message=message)]
+        return [TFD701.verdict({"path": path}, key="TFD701", message=message)]
     out = []
     missing = [k for k in params if k not in saved]
     if missing:
         names = f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
         evidence = {"missing": missing[:50], "count": len(missing), "path": path}
-        out.append(TFD701.verdict(evidence, hint=HINT_WEIGHTS, key="TFD701", total=len(params), names=names, file=file))
+        out.append(TFD701.verdict(evidence, key="TFD701", total=len(params), names=names, file=file))
     wrong = [
         f"{k} {list(saved[k].shape)} != {params[k]}"
         for k in params
         if k in saved and isinstance(saved[k], Tensor) and list(saved[k].shape) != params[k]
     ]
     if wrong:
-        hint = "Save the full (gathered) tensors, or check the model was not rebuilt between save and load."
         evidence = {"mismatches": wrong[:50], "path": path}
-        out.append(
-            TFD702.verdict(evidence, hint=hint, key="TFD702", count=len(wrong), shapes="; ".join(wrong[:5]), file=file)
-        )
+        out.append(TFD702.verdict(evidence, key="TFD702", count=len(wrong), shapes="; ".join(wrong[:5]), file=file))
     return out
 
 
@@ -321,7 +322,7 @@ def optimizer_problems(
         return []
     if not isinstance(states, list) or len(states) < len(optimizers):
         evidence = {"saved": len(states) if isinstance(states, list) else 0, "expected": len(optimizers), "path": path}
-        return [TFD703.verdict(evidence, hint=HINT_STATE, key="TFD703", file=file)]
+        return [TFD703.verdict(evidence, key="TFD703", file=file)]
     out = []
     for i, (expected, state) in enumerate(zip(optimizers, states)):
         groups = len(state.get("param_groups", [])) if isinstance(state, Mapping) else 0
@@ -332,7 +333,6 @@ def optimizer_problems(
             evidence = {"optimizer": i, "groups": groups, "params_with_state": with_state, "path": path}
             verdict = TFD704.verdict(
                 evidence,
-                hint=HINT_STATE,
                 key="TFD704",
                 expected_groups=expected["groups"],
                 expected_with_state=expected["with_state"],
@@ -349,14 +349,14 @@ def scheduler_problem(checkpoint: Mapping[str, Any], schedulers: int, path: str)
     if not schedulers or (isinstance(saved, list) and len(saved) >= schedulers):
         return None
     evidence = {"saved": len(saved) if isinstance(saved, list) else 0, "expected": schedulers, "path": path}
-    return TFD705.verdict(evidence, hint=HINT_STATE, key="TFD705", file=_file_name(path))
+    return TFD705.verdict(evidence, key="TFD705", file=_file_name(path))
 
 
 def scaler_problem(checkpoint: Mapping[str, Any], scaler_key: str | None, path: str) -> Verdict | None:
     """``TFD706``: no fp16 GradScaler state (a ``scale``) under the precision plugin's key while the run has one."""
     if not scaler_key or (isinstance(checkpoint.get(scaler_key), Mapping) and "scale" in checkpoint[scaler_key]):
         return None
-    return TFD706.verdict({"key": scaler_key, "path": path}, hint=HINT_STATE, key="TFD706", file=_file_name(path))
+    return TFD706.verdict({"key": scaler_key, "path": path}, key="TFD706", file=_file_name(path))
 
 
 def progress_problem(checkpoint: Mapping[str, Any], global_step: int | None, path: str) -> Verdict | None:
@@ -368,13 +368,13 @@ def progress_problem(checkpoint: Mapping[str, Any], global_step: int | None, pat
         missing.append("loops.fit_loop")
     if missing:
         evidence = {"missing": missing, "path": path}
-        return TFD707.verdict(evidence, hint=HINT_STATE, key="TFD707", parts=", ".join(missing), file=file)
+        return TFD707.verdict(evidence, key="TFD707", parts=", ".join(missing), file=file)
     saved = checkpoint.get("global_step")
     if global_step is None or saved == global_step:
         return None
     message = f"The checkpoint's global_step is {saved} but it was saved at step {global_step}. (file {file})"
     evidence = {"saved": saved, "expected": global_step, "path": path}
-    return TFD707.verdict(evidence, hint=HINT_STATE, key="TFD707", message=message)
+    return TFD707.verdict(evidence, key="TFD707", message=message)
 
 
 def callbacks_problem(checkpoint: Mapping[str, Any], callbacks: Sequence[str], path: str) -> Verdict | None:
@@ -383,20 +383,13 @@ def callbacks_problem(checkpoint: Mapping[str, Any], callbacks: Sequence[str], p
     lost = [k for k in callbacks if not isinstance(saved, Mapping) or k not in saved]
     if not lost:
         return None
-    hint = (
-        "Something removed `checkpoint['callbacks']` entries (an `on_save_checkpoint` override?); early stopping, "
-        "checkpointing and the pack's callbacks lose their history on resume."
-    )
     evidence = {"missing": lost, "path": path}
-    return TFD708.verdict(
-        evidence, hint=hint, key="TFD708", count=len(lost), names=", ".join(lost[:5]), file=_file_name(path)
-    )
+    return TFD708.verdict(evidence, key="TFD708", count=len(lost), names=", ".join(lost[:5]), file=_file_name(path))
 
 
 def content_problems(checkpoint: Mapping[str, Any], expected: Mapping[str, Any], path: str) -> list[Verdict]:
-    """A loaded checkpoint file against what it must hold (``expected``: ``params`` names and shapes, ``optimizers``
-    with ``groups`` / ``with_state`` / ``has_step``, ``schedulers``, ``scaler_key``, ``callbacks``, ``global_step``):
-    ``TFD701``-``TFD708``, in code order."""
+    """``TFD701``-``TFD708``, in code order: a loaded checkpoint against what it must hold (``expected``, from
+    :func:`~lightning_tfdebug.core.checkpoints.expectation`)."""
     found = [
         *weights_problems(checkpoint, expected.get("params", {}), path),
         *optimizer_problems(checkpoint, expected.get("optimizers", []), path),
@@ -409,9 +402,8 @@ def content_problems(checkpoint: Mapping[str, Any], expected: Mapping[str, Any],
 
 
 def weights_only_checkpoint(path: str, resumable_savers: list[str], full_saved: bool, savers: int) -> Verdict:
-    """``TFD709`` for a weights-only file (written without ``on_save_checkpoint``): info when a checkpoint callback
-    keeps full checkpoints (``resumable_savers``) or the run wrote one (``full_saved``), a warning when none can
-    resume the run (a crash then loses the optimizer, scheduler and loop state)."""
+    """``TFD709`` for a weights-only file: info when a checkpoint callback keeps full checkpoints
+    (``resumable_savers``) or the run wrote one (``full_saved``), a warning when none can resume the run."""
     name = _file_name(path)
     prefix = f"Checkpoint {name} is weights-only (no optimizer, scheduler or loop state)"
     if resumable_savers or full_saved:
@@ -451,14 +443,13 @@ def damaged_checkpoint(path: str, size: int, error: BaseException, key: str | No
     per file."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     evidence = {"path": path, "bytes": size, "error": f"{type(error).__name__}: {first}"}
-    return TFD716.verdict(evidence, hint=HINT_DAMAGED, key=key or f"damaged:{path}", first=first)
+    return TFD716.verdict(evidence, key=key or f"damaged:{path}", first=first)
 
 
 @dataclass(frozen=True)
 class ShardedReading:
-    """What a distributed-checkpoint (``torch.distributed.checkpoint``) directory holds, read from its ``.metadata``
-    and the sizes of its files (no tensor data): whether the metadata exists, the error that loading it raised, the
-    bytes each shard file must hold for the items the metadata places in it, and each one's size (None: missing)."""
+    """A distributed-checkpoint directory, read from its ``.metadata`` and file sizes: ``needed`` bytes per shard file
+    for the items the metadata places in it, and each file's size (None: missing)."""
 
     path: str
     has_metadata: bool = True
@@ -470,12 +461,11 @@ class ShardedReading:
 
 
 def sharded_problems(reading: ShardedReading) -> list[Verdict]:
-    """``TFD716`` for a sharded directory: no metadata (the save did not finish), metadata that does not load, shard
-    files the metadata lists that are missing or shorter than the items they hold. Empty: complete."""
+    """``TFD716`` for a sharded directory without loadable metadata, or with shard files missing or too short."""
     path, key = reading.path, f"sharded:{reading.path}"
     if not reading.has_metadata:
         message = f"Sharded checkpoint {path} has no `.metadata`: the save did not finish (rank 0 writes it last)."
-        return [TFD716.verdict({"path": path}, hint=HINT_DAMAGED, key=key, message=message)]
+        return [TFD716.verdict({"path": path}, key=key, message=message)]
     if reading.metadata_error is not None:
         return [damaged_checkpoint(reading.metadata_path, reading.metadata_bytes, reading.metadata_error, key=key)]
     missing = sorted(name for name in reading.needed if reading.sizes.get(name) is None)
@@ -491,7 +481,7 @@ def sharded_problems(reading: ShardedReading) -> list[Verdict]:
         parts.append(f"{len(short)} shard file(s) are shorter than the items they hold ({', '.join(short[:4])})")
     message = f"Sharded checkpoint {path} is incomplete: " + "; ".join(parts) + "."
     evidence = {"path": path, "missing": missing, "short": short, "files": len(reading.needed)}
-    return [TFD716.verdict(evidence, hint=HINT_DAMAGED, key=key, message=message)]
+    return [TFD716.verdict(evidence, key=key, message=message)]
 
 
 # ---------------------------------------------------------------------------------------------------------- resumes
@@ -505,16 +495,14 @@ def load_problems(checkpoint: Mapping[str, Any]) -> list[Verdict]:
         message = (
             "Resuming from a checkpoint without optimizer state: Adam's moments and step counts restart from zero."
         )
-        out.append(TFD703.verdict({}, hint=HINT_STATE, key="resume", message=message))
+        out.append(TFD703.verdict({}, key="resume", message=message))
     if "lr_schedulers" not in checkpoint:
         message = "Resuming from a checkpoint without LR scheduler state: the schedule restarts from its first step."
-        out.append(TFD705.verdict({}, hint=HINT_STATE, key="resume", message=message))
+        out.append(TFD705.verdict({}, key="resume", message=message))
     return out
 
 
-# The resume rules take :func:`~lightning_tfdebug.functional.checkpoints.restored_state` (what the checkpoint being
-# loaded holds) and the live objects' reading of the same shape (:func:`~lightning_tfdebug.core.checkpoints.
-# live_state`); a verdict of theirs is recorded once per code per run.
+# What the checkpoint holds (`functional.checkpoints.restored_state`) against the live objects (`live_state`).
 def weights_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any], weight_rtol: float) -> Verdict | None:
     """``TFD710``: weights whose checksums (sum, sum of squares) differ from the checkpoint's beyond ``weight_rtol``,
     or whose dtype changed."""
@@ -530,19 +518,14 @@ def weights_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any], w
         first = dtype_changed[0]
         change = f"{restored['dtypes'][first]} -> {live['dtypes'][first]}"
         detail += (", " if detail else "") + f"{len(dtype_changed)} changed dtype ({first}: {change})"
-    hint = (
-        "Something re-initialises or converts the module after the checkpoint is loaded (`on_fit_start`, `setup`, a "
-        "precision change); load weights before building anything that overwrites them."
-    )
     evidence = {"differ": differ[:50], "dtype_changed": dtype_changed[:50]}
-    return TFD710.verdict(evidence, hint=hint, key="resume", detail=detail)
+    return TFD710.verdict(evidence, key="resume", detail=detail)
 
 
 def steps_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> list[Verdict]:
     """``TFD711``: an optimizer's largest step count other than the checkpoint's."""
-    hint = "The optimizer was rebuilt or its state reset after loading; bias correction restarts."
     return [
-        TFD711.verdict({"optimizer": i, "saved": saved, "now": now}, hint=hint, key="resume")
+        TFD711.verdict({"optimizer": i, "saved": saved, "now": now}, key="resume")
         for i, (saved, now) in enumerate(zip(restored["steps"], live["steps"]))
         if saved is not None and now != saved
     ]
@@ -550,12 +533,8 @@ def steps_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> 
 
 def learning_rates_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> list[Verdict]:
     """``TFD712``: an optimizer's learning rates other than the checkpoint's (same number of param groups)."""
-    hint = (
-        "The scheduler or the param groups were rebuilt after loading, or the LR is set in code that runs after the "
-        "restore."
-    )
     return [
-        TFD712.verdict({"optimizer": i, "saved": saved, "now": now}, hint=hint, key="resume")
+        TFD712.verdict({"optimizer": i, "saved": saved, "now": now}, key="resume")
         for i, (saved, now) in enumerate(zip(restored["lrs"], live["lrs"]))
         if len(saved) == len(now) and any(relative_difference(a, b) > 1e-9 for a, b in zip(saved, now))
     ]
@@ -566,8 +545,7 @@ def scale_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> 
     saved, now = restored["scale"], live["scale"]
     if saved is None or now is None or relative_difference(now, saved) <= 1e-9:
         return None
-    hint = "The precision plugin's scaler was replaced after loading."
-    return TFD713.verdict({"saved": saved, "now": now}, hint=hint, key="resume")
+    return TFD713.verdict({"saved": saved, "now": now}, key="resume")
 
 
 def global_step_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> Verdict | None:
@@ -575,11 +553,7 @@ def global_step_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any
     saved, now = restored["global_step"], live["global_step"]
     if not isinstance(saved, int) or now == saved:
         return None
-    hint = (
-        "The loop state was not restored: the checkpoint has no `loops` entry, or something removed it before "
-        "Lightning restored it (an `on_load_checkpoint` that drops it). Resume from a full checkpoint."
-    )
-    return TFD714.verdict({"saved": saved, "now": now}, hint=hint, key="resume")
+    return TFD714.verdict({"saved": saved, "now": now}, key="resume")
 
 
 def resume_problems(restored: Mapping[str, Any], live: Mapping[str, Any], weight_rtol: float) -> list[Verdict]:
@@ -598,8 +572,4 @@ def probe_loss_problem(saved: float, now: float, saved_step: int | None, loss_rt
     """``TFD715``: the loss on the probe batch right after resuming differs from the loss at save time."""
     if relative_difference(now, saved) <= loss_rtol:
         return None
-    hint = (
-        "The model that trains is not the model that was saved: re-initialised after loading, a different dtype or "
-        "precision, or a changed architecture."
-    )
-    return TFD715.verdict({"saved": saved, "now": now, "saved_step": saved_step}, hint=hint, key="resume")
+    return TFD715.verdict({"saved": saved, "now": now, "saved_step": saved_step}, key="resume")

@@ -1,8 +1,5 @@
-"""Finiteness flags for a training step: is the loss, or is any gradient, inf or nan? Device tensors, no host sync.
-
-Each flag is a 0-d tensor (non-zero when something is non-finite) so flags of several sources and ranks can be stacked
-and gathered as one vector before a single host read. :class:`StepFinite` holds one step's losses and the fit's
-parameters and gives NaNFirstFrame its flags.
+"""Finiteness flags for a training step: is the loss, or is any gradient, inf or nan? 0-d device tensors (non-zero
+when something is non-finite), stacked before a single host read; :class:`StepFinite` gives NaNFirstFrame its flags.
 """
 
 from __future__ import annotations
@@ -36,16 +33,10 @@ def grads_nonfinite_flag(grads: Sequence[Tensor]) -> Tensor | None:
     """``1.0`` if any of ``grads`` holds inf or nan, else ``0.0`` (0-d float32 on the first gradient's device); None
     when there are no gradients. One pass over the gradient memory, no host sync.
 
-    On CPU: the fused check of ``torch.amp`` (``_amp_foreach_non_finite_check_and_unscale_``, the kernel GradScaler
-    runs) with a scale of exactly 1.0, one loop over every gradient that reads each element once and writes it back
-    unchanged (``x * 1.0 == x`` in every float format): 1.3-1.6x faster than per-tensor norms on one CPU thread
-    (``benchmarks/hook_cost.py``). Not where a gradient itself requires grad (``backward(create_graph=True)``: an
-    in-place write would break a later gradient-of-gradient), nor for sparse gradients.
-
-    Elsewhere (CUDA: one multi-tensor kernel that only reads): ``torch._foreach_norm``, accumulated in float32 so fp16
-    gradients whose norm exceeds 65504 are not mistaken for an overflow; inf and nan propagate through the norms and
-    their sum. The norms of finite float32 gradients overflow only when an element exceeds about 1.8e19 (the squares
-    pass 3.4e38), far past any run that is still training.
+    On CPU: GradScaler's fused check-and-unscale kernel with a scale of exactly 1.0 (writes ``x * 1.0 == x`` back;
+    1.3-1.6x faster than norms, ``benchmarks/hook_cost.py``), except for sparse gradients or gradients that require
+    grad. Elsewhere: ``torch._foreach_norm`` accumulated in float32 (inf and nan propagate; finite float32 gradients
+    overflow only past about 1.8e19).
     """
     if not grads:
         return None
@@ -62,9 +53,8 @@ def grads_nonfinite_flag(grads: Sequence[Tensor]) -> Tensor | None:
 def flagged_ranks(rows: Sequence[Sequence[float]]) -> tuple[list[int], list[int]]:
     """Read a gathered table of ``[loss_nonfinite, grad_nonfinite, frame_nonfinite]`` rows, one per rank.
 
-    Returns ``(bad_ranks, frame_ranks)``: the ranks whose step is bad, i.e. whose own loss was non-finite, or, when no
-    rank's loss was, whose gradients were (under DDP the gradients are identical on every rank, so the loss names the
-    rank that produced the problem); and the ranks where a module output held inf/nan (eager mode).
+    Returns ``(bad_ranks, frame_ranks)``: the ranks whose loss was non-finite (or, when none, whose gradients were),
+    and the ranks where a module output held inf/nan (eager mode).
     """
     bad = [r for r, row in enumerate(rows) if row[0] > 0] or [r for r, row in enumerate(rows) if row[1] > 0]
     frames = [r for r, row in enumerate(rows) if row[2] > 0]
@@ -131,10 +121,8 @@ class StepFinite:
         return flag
 
     def _grads(self) -> list[Tensor]:
-        # Deliberate, every step: a list over the parameters (cached per fit) to collect this step's `.grad` tensors,
-        # which are new objects each step when `zero_grad` sets them to None; the check itself is one fused kernel over
-        # every gradient (about 0.3 ms for 0.9M float32 gradients on one CPU thread, memory bound; see
-        # `grads_nonfinite_flag`).
+        # Deliberate, every step: a Python list over the parameters to collect this step's `.grad` tensors (new
+        # objects each step); the check itself is one fused kernel (about 0.3 ms for 0.9M float32 gradients on CPU).
         return [g for g in [p.grad for p in self.params] if g is not None]  # one `.grad` read per parameter
 
     def grad_flag(self) -> Tensor | None:
@@ -147,10 +135,8 @@ class StepFinite:
         return grads_nonfinite_flag(grads)
 
     def one_pass(self) -> Tensor | None:
-        """CPU gradients, unsharded: the losses and the gradients checked in one fused pass (the losses concatenated
-        into a fresh tensor first: the check writes ``x * 1.0`` back and the losses stay untouched). None where that
-        does not apply (decided before reading any gradient, so the caller's own pass does not read them twice); the
-        caller then adds up the separate flags."""
+        """CPU gradients, unsharded: the losses and the gradients checked in one fused pass; None where that does not
+        apply (decided before reading any gradient), and the caller adds up the separate flags."""
         if not self.check_gradients or self.sharded or self.folded is not None:
             return None
         if not self.params or self.params[0].device.type != "cpu":

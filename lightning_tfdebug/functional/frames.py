@@ -1,16 +1,10 @@
 """Frames: per-module abs-min / abs-max records of a forward and backward pass, kept on the device.
 
-A *frame* is one module call: its qualified name, its class, and for each floating-point tensor among its inputs
-and outputs (walked through tuples, lists, dicts, dataclasses and named tuples) the smallest and largest absolute
-value. Backward frames hold the same for the gradient that reaches each output of a module.
-
-:class:`FrameRecorder` attaches the hooks, records every entry as two 0-d device tensors (no host sync), and
-:meth:`FrameRecorder.first_nonfinite` finds the first frame holding inf or nan with one host read. Weights are not
-recorded per call (they do not change within a step); :func:`weight_ranges` measures them when a report is written.
-
-:func:`replay_frames` runs a bad step's micro-batches again with the hooks attached, and :func:`nan_report` turns its
-frames into NaNFirstFrame's report: a JSON-ready summary and a human-readable table (the layout of Hugging Face's
-``DebugUnderflowOverflow``, plus the fp16/bf16 headroom). Nothing here writes a file.
+A *frame* is one module call: its name, its class, and the abs-min/abs-max of every floating-point tensor among its
+inputs and outputs (backward frames: of the gradient reaching each output). :class:`FrameRecorder` records them
+(replays), :class:`FrameFlags` keeps one output sum per call (every step, eager mode), and :func:`nan_report` turns a
+replay into NaNFirstFrame's report (the layout of Hugging Face's ``DebugUnderflowOverflow``). Nothing here writes a
+file.
 """
 
 from __future__ import annotations
@@ -36,11 +30,8 @@ LOSS_FRAME = "training_step"
 
 
 def iter_float_tensors(obj: Any, label: str, _depth: int = 0) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(label, tensor)`` for every floating-point tensor nested in ``obj``.
-
-    Walks tuples, lists, dicts, dataclasses and named tuples (``output[0]``, ``output['logits']``,
-    ``output.hidden``); skips integer/bool tensors, empty tensors and anything else.
-    """
+    """Yield ``(label, tensor)`` for every non-empty floating-point tensor nested in ``obj`` (tuples, lists, dicts,
+    dataclasses, named tuples: ``output[0]``, ``output['logits']``, ``output.hidden``)."""
     if _depth > 6:
         return
     if isinstance(obj, Tensor):
@@ -61,18 +52,13 @@ def iter_float_tensors(obj: Any, label: str, _depth: int = 0) -> Iterator[tuple[
 
 
 def abs_range(tensor: Tensor) -> tuple[Tensor, Tensor]:
-    """``(abs_min, abs_max)`` of a tensor as 0-d float32 device tensors; nan when it holds a nan, inf for an inf.
+    """``(abs_min, abs_max)`` of a tensor as 0-d float32 device tensors (nan and inf propagate); no host sync.
 
-    One ``abs`` and one fused ``aminmax`` (both propagate nan), no host sync. ``torch.linalg.vector_norm`` with
-    ``ord=+-inf`` would avoid the temporary ``abs`` copy but is about 20x slower on CPU.
+    ``torch.linalg.vector_norm(ord=+-inf)`` would avoid the ``abs`` copy but is about 20x slower on CPU.
     """
     t = local_tensor(tensor.detach()).abs()  # memory: a copy of the tensor (at a replay or a report, not a step)
     low, high = torch.aminmax(t)
     return low.float(), high.float()
-
-
-def is_finite_value(x: float) -> bool:
-    return not (math.isnan(x) or math.isinf(x))
 
 
 @dataclass
@@ -86,7 +72,7 @@ class Entry:
 
     @property
     def finite(self) -> bool:
-        return is_finite_value(self.abs_max) and is_finite_value(self.abs_min)
+        return math.isfinite(self.abs_max) and math.isfinite(self.abs_min)
 
     def headroom(self) -> dict[str, float | None]:
         """How many times ``abs_max`` could still grow before overflowing fp16 and bf16 (``None`` if not finite)."""
@@ -112,24 +98,21 @@ class Frame:
         return all(e.finite for e in self.entries)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "phase": self.phase,
-            "module": self.module,
-            "module_type": self.module_type,
-            "finite": self.finite,
-            "entries": [
+        entries = []
+        for e in self.entries:
+            room = e.headroom()
+            entries.append(
                 {
                     "label": e.label,
                     "dtype": e.dtype,
                     "abs_min": _num(e.abs_min),
                     "abs_max": _num(e.abs_max),
-                    "fp16_headroom": _num(e.headroom()["fp16"]),
-                    "bf16_headroom": _num(e.headroom()["bf16"]),
+                    "fp16_headroom": _num(room["fp16"]),
+                    "bf16_headroom": _num(room["bf16"]),
                 }
-                for e in self.entries
-            ],
-        }
+            )
+        fields = ("index", "phase", "module", "module_type", "finite")
+        return {**{name: getattr(self, name) for name in fields}, "entries": entries}
 
 
 @dataclass
@@ -151,20 +134,24 @@ def _graph_task_running() -> bool:
     return _TASK_ID is not None and _TASK_ID() != -1
 
 
+def _stacked(values: list[Tensor]) -> Tensor:
+    """0-d tensors stacked on the device of the first."""
+    device = values[0].device
+    return torch.stack([v if v.device == device else v.to(device) for v in values])
+
+
 def _first_nonfinite(values: list[Tensor]) -> int | None:
     """Index of the first of ``values`` (0-d device tensors) that is inf or nan, or None. One host read."""
     if not values:
         return None
-    device = values[0].device
-    flags = torch.isfinite(torch.stack([v if v.device == device else v.to(device) for v in values])).logical_not_()
+    flags = torch.isfinite(_stacked(values)).logical_not_()
     found, entry = torch.stack([flags.any().float(), flags.int().argmax().float()]).tolist()  # host sync (one)
     return int(entry) if found else None
 
 
 class _ModuleHooks:
-    """What :class:`FrameRecorder` and :class:`FrameFlags` share: every submodule named by `clean_param_name`
-    (wrapper segments dropped), one forward hook on each (:meth:`_hook`, attached and detached together), and extra
-    names for values that are not modules (the loss)."""
+    """What :class:`FrameRecorder` and :class:`FrameFlags` share: the submodules' clean names, one forward hook on
+    each (:meth:`_hook`; a context manager), and extra names for values that are not modules (the loss)."""
 
     def __init__(self, model: nn.Module, max_records: int) -> None:
         self.max_records = max_records
@@ -216,9 +203,8 @@ class FrameRecorder(_ModuleHooks):
         backward: also record the gradient reaching each module output (tensor hooks registered in the forward hook).
         max_records: stop recording after this many frames in one pass (a safety bound for huge models).
 
-    Use as a context manager, or call :meth:`attach` / :meth:`detach` (``detach`` is idempotent and must run in a
-    ``finally``). Frames recorded while the autograd engine runs (activation-checkpoint recomputation) are skipped,
-    so nothing is counted twice. Recording is paused while :attr:`enabled` is False.
+    Use as a context manager, or :meth:`attach` / :meth:`detach` (idempotent; call it in a ``finally``). Calls made
+    inside the autograd engine (activation-checkpoint recomputation) and while :attr:`enabled` is False are skipped.
     """
 
     def __init__(self, model: nn.Module, backward: bool = True, max_records: int = 100_000) -> None:
@@ -227,7 +213,6 @@ class FrameRecorder(_ModuleHooks):
         self.backward = backward
         self.records: list[_Record] = []
 
-    # ---------------------------------------------------------------- hooks
     def _hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.enabled or len(self.records) >= self.max_records or _graph_task_running():
@@ -269,7 +254,6 @@ class FrameRecorder(_ModuleHooks):
     def clear(self) -> None:
         self.records.clear()
 
-    # ---------------------------------------------------------------- analysis
     def first_nonfinite(self, phase: str) -> int | None:
         """Position (among frames of ``phase``) of the first frame holding inf or nan, or None. One host read."""
         records = [r for r in self.records if r.phase == phase]
@@ -288,7 +272,7 @@ class FrameRecorder(_ModuleHooks):
         records = [r for r in self.records if r.phase == phase][start:stop]
         if not records:
             return []
-        flat = torch.stack([s.to(records[0].stats[0].device) for r in records for s in r.stats]).tolist()  # host sync
+        flat = _stacked([s for r in records for s in r.stats]).tolist()  # host sync
         out, k = [], 0
         for offset, r in enumerate(records):
             entries = []
@@ -309,11 +293,8 @@ class FrameRecorder(_ModuleHooks):
 
 
 def output_sum(tensor: Tensor) -> Tensor:
-    """A 0-d float32 device tensor that is non-finite when ``tensor`` holds inf or nan: its sum, in one kernel.
-
-    A nan or an inf propagates into the sum. The converse is not exact: finite values whose float32 sum passes
-    ~3.4e38 also give inf (never in a healthy run); :class:`FrameFlags` users confirm a flag with exact abs ranges.
-    """
+    """``tensor``'s float32 sum in one kernel: non-finite when it holds inf or nan (or, never in a healthy run,
+    when finite values sum past ~3.4e38; confirm a flag with exact abs ranges)."""
     t = tensor.detach()
     if type(t) is not Tensor:
         t = local_tensor(t)
@@ -325,18 +306,11 @@ def output_sum(tensor: Tensor) -> Tensor:
 
 
 class FrameFlags(_ModuleHooks):
-    """The cheap every-step counterpart of :class:`FrameRecorder`: one device scalar per module output, no ranges.
+    """The cheap every-step counterpart of :class:`FrameRecorder`: one :func:`output_sum` per floating-point module
+    output (one kernel each, no host sync), no inputs, no gradient hooks, at most ``max_records`` per pass.
 
-    A forward hook on every submodule appends ``(module index, output_sum(tensor))`` for each floating-point tensor
-    of the output: one reduction kernel per output tensor and no host sync. Inputs are not recorded (a module's
-    input is an earlier module's output), and no gradient hooks are registered. :meth:`nonfinite` turns a pass into
-    one device flag (one ``stack``, one ``isfinite``); :meth:`first_nonfinite` names the first module call whose
-    output sum was non-finite, in call order, with one host read. A flag is a suspicion, exact up to a float32
-    overflow of the sum of finite values: confirm it with :class:`FrameRecorder`'s abs ranges before calling
-    anything finite non-finite.
-
-    Frames recorded while the autograd engine runs (activation-checkpoint recomputation) are skipped, recording is
-    paused while :attr:`enabled` is False, and at most ``max_records`` entries are kept per pass.
+    :meth:`nonfinite` turns a pass into one device flag; :meth:`first_nonfinite` names the first flagged call with one
+    host read. Skips what :class:`FrameRecorder` skips.
     """
 
     def __init__(self, model: nn.Module, max_records: int = 100_000) -> None:
@@ -383,22 +357,15 @@ class FrameFlags(_ModuleHooks):
     def count(self) -> int:
         return len(self.sums)
 
-    def _stacked(self) -> Tensor | None:
-        if not self.sums:
-            return None
-        device = self.sums[0].device
-        return torch.stack([s if s.device == device else s.to(device) for s in self.sums])
-
     def nonfinite(self) -> Tensor | None:
         """1.0 when some recorded sum is inf or nan, else 0.0; a device scalar, no host sync (None if empty)."""
-        stacked = self._stacked()
-        return None if stacked is None else torch.isfinite(stacked).logical_not_().any().float()
+        if not self.sums:
+            return None
+        return torch.isfinite(_stacked(self.sums)).logical_not_().any().float()
 
     def first_nonfinite(self) -> tuple[int, str, str, str] | None:
-        """``(entry position, module name, module type, tensor label)`` of the first non-finite sum, or None.
-
-        One host read (report time only).
-        """
+        """``(entry position, module name, module type, tensor label)`` of the first non-finite sum, or None; one
+        host read (report time only)."""
         i = _first_nonfinite(self.sums)
         if i is None:
             return None
@@ -427,7 +394,7 @@ def window(first: int, max_frames: int) -> tuple[int, int]:
 def _num(x: float | None) -> float | str | None:
     if x is None:
         return None
-    return x if is_finite_value(x) else str(x)
+    return x if math.isfinite(x) else str(x)
 
 
 def _fmt(x: float | None) -> str:
@@ -454,8 +421,7 @@ def format_frames(title: str, frames: list[Frame]) -> list[str]:
 
 
 def rng_state(device: torch.device, cpu: Tensor | None = None) -> dict[str, Any]:
-    """The torch generators a step on ``device`` draws from: the CPU's (``cpu``: a state already taken) and the
-    device's. Host copies, no device sync."""
+    """The CPU's (``cpu``: a state already taken) and ``device``'s generator states; host copies, no device sync."""
     state: dict[str, Any] = {"cpu": torch.get_rng_state() if cpu is None else cpu}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)  # a host copy of the generator's seed and offset
@@ -524,9 +490,8 @@ def replay_frames(
 
 
 def report_section(recorder: FrameRecorder, phase: str, max_frames: int) -> tuple[int | None, list[Frame]]:
-    """The first non-finite frame of ``phase`` (None: none) and the frames a report shows: the last ``max_frames`` up
-    to and including it (or the last ``max_frames``), forward frames led by their module's own weights. Host reads,
-    report time only."""
+    """The first non-finite frame of ``phase`` (or None) and the last ``max_frames`` frames up to it (or up to the end),
+    forward frames led by their module's own weights. Host reads, report time only."""
     first = recorder.first_nonfinite(phase)
     n = recorder.count(phase)
     start, stop = window(first, max_frames) if first is not None else (max(0, n - max_frames), n)
@@ -556,10 +521,11 @@ def first_forward(
     error: str | None,
     replay_flags: FrameFlags | None,
 ) -> tuple[dict[str, Any] | None, bool | None, bool]:
-    """``(first non-finite forward frame, reproduced, overflow)``. Lazy mode (no ``step_first``): the replay's. Eager
-    mode: named from this step's own flags (``step_first``, :meth:`FrameFlags.first_nonfinite`), the replay giving the
-    detail; ``reproduced``: the replay saw a non-finite forward frame too; ``overflow``: it did not, and its own sums
-    overflow again while its exact abs ranges are finite (a float32 overflow of finite values: no frame)."""
+    """``(first non-finite forward frame, reproduced, overflow)``.
+
+    Lazy mode (no ``step_first``): the replay's frame. Eager mode: named from this step's flags; ``reproduced``: the
+    replay saw one too; ``overflow``: it did not, and its sums overflow again over finite values (no frame).
+    """
     if step_first is None:
         return replayed, None, False
     _, module, module_type, label = step_first

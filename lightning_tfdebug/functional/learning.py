@@ -1,34 +1,9 @@
 """One reading of "has this model learned?", shared by every callback that needs it, without a Trainer.
 
-The loss of a classifier over V classes has two landmarks the pack already measures: ``ln(V)``, the loss of a model
-that knows nothing (uniform predictions), and the supervised labels' unigram entropy ``H``, the loss of a model that
-learned the classes' frequencies and nothing else. A model's *progress* is where its loss sits between them:
-
-    progress(L) = (ln(V) - L) / (ln(V) - H)
-
-0 knows nothing, 1 knows the frequencies, above 1 uses its context. Whatever its initialisation, an untrained model
-starts near ``ln(V)`` (at or above it: PyTorch's default initialisation gives wider logits than GPT-style std 0.02,
-and a loss a little above ``ln(V)``); a fine-tune starts from weights that learned at least the frequencies. So:
-
-* :func:`trained_before`: the run's first measured loss has made :data:`TRAINED_PROGRESS` of the way from ``ln(V)``
-  to ``H`` (weights trained before this run: a fine-tune, or a run resumed without the callback's state);
-* :func:`learned`: that, or the latest loss is below ``H`` by :data:`BEYOND_FREQUENCIES` of the way (the model
-  learned in this run, beyond the frequencies that any model at any learning rate picks up first).
-
-Figures (first measured loss, ``tests/healthy_models.py``'s byte corpus, ln V = 5.56, H = 2.83 to 3.05):
-
-| run | first loss / ln V | progress |
-| --- | --- | --- |
-| untrained, lr 1e-8: TinyGPT (std 0.02), GPT-2, Llama, BERT (HF init) | 0.997 to 1.000 | 0.00 to 0.006 |
-| untrained, PyTorch default init: ``nn.TransformerEncoder`` LM | 1.036 | -0.08 |
-| untrained, T5 (HF init) | 1.058 | -0.12 |
-| fine-tunes of ``pretrain`` (60 steps, full and LoRA): TinyGPT, encoder LM, GPT-2, Llama, BERT | 0.18-0.54 | 0.98-1.8 |
-| fine-tunes of ``pretrain``, full and LoRA: T5 (slowest to pretrain) | 0.64 to 0.67 | 0.67 to 0.71 |
-
-The line at progress 0.35 sits 0.34 above the highest untrained run and 0.32 below the lowest fine-tune (T5: 60 steps
-of pretraining took it two thirds of the way; a masked LM and a GPT-2 LoRA fine-tune start at the unigram entropy).
-When the labels could not be counted, ``H`` is taken as ``ln(V) / 2`` (:data:`ASSUMED_UNIGRAM_FRACTION`; the byte
-corpus measures 0.51 to 0.55 of ``ln(V)``): the fine-tunes then read 0.66 or more, the untrained runs 0.01 or less.
+A model's *progress* is where its loss sits from ``ln(V)`` (0: knows nothing) to the labels' unigram entropy ``H``
+(1: knows the class frequencies). :func:`trained_before`: the first measured loss made :data:`TRAINED_PROGRESS` of
+the way (weights trained before this run); :func:`learned`: that, or the latest loss is :data:`BEYOND_FREQUENCIES`
+past ``H``. The calibration across model families is in ``docs/severity.md``.
 """
 
 from __future__ import annotations
@@ -37,11 +12,10 @@ import math
 
 TRAINED_PROGRESS = 0.35
 """The first measured loss of weights trained before this run has made at least this much of the way from ln(V) to
-the unigram entropy (measured: fine-tunes 0.67 and more, untrained models of six families and three inits 0.006 and
-less)."""
+the unigram entropy (fine-tunes 0.67 and more, untrained models 0.006 and less)."""
 BEYOND_FREQUENCIES = 0.1
 """A model learned in this run when its latest loss is below the unigram entropy by this fraction of the way from
-ln(V) (progress 1.1): learning the frequencies alone is what even a learning rate 100x too low does first."""
+ln(V) (progress 1.1)."""
 ASSUMED_UNIGRAM_FRACTION = 0.5
 """The unigram entropy assumed, as a fraction of ln(V), when the labels could not be counted."""
 MIN_SPAN = 0.05

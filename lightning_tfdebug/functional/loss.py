@@ -1,11 +1,7 @@
-"""The loss of a classifier at initialisation, and what the model's outputs say about the loss wiring.
+"""LossAtInit's tensor math: sums and counts on the device (no host sync), so a caller can add them over ranks.
 
-Pure tensor math, no Trainer, no host sync: every function returns device tensors (sums and counts, so a caller
-can add them over ranks before dividing).
-
-Alignment: ``shift_labels=True`` means the logits at position ``t`` are scored against the label at ``t + 1``
-(causal language models whose loss shifts internally, as Hugging Face models and ``TinyGPT`` do, with
-``labels == input_ids``); ``False`` means logits and labels are already aligned position by position.
+``shift_labels=True``: the logits at position ``t`` are scored against the label at ``t + 1`` (causal LMs that shift
+internally, ``labels == input_ids``); ``False``: logits and labels are aligned position by position.
 """
 
 from __future__ import annotations
@@ -18,10 +14,10 @@ from torch import Tensor
 
 
 def uniform_loss(vocab_size: int) -> float:
-    """Cross-entropy of a uniform prediction over ``vocab_size`` classes: ``ln(V)``.
+    """Cross-entropy of a uniform prediction over ``vocab_size`` classes, ``ln(V)`` (label smoothing or not).
 
-    Label smoothing does not change it: against a uniform prediction every class costs ``ln(V)``, so any mix of
-    the target and the uniform distribution does too.
+    Raises:
+        ValueError: when ``vocab_size`` is below 2.
     """
     if vocab_size < 2:
         raise ValueError(f"`vocab_size` must be >= 2; got {vocab_size}.")
@@ -29,11 +25,8 @@ def uniform_loss(vocab_size: int) -> float:
 
 
 def align(logits: Tensor, labels: Tensor, shift_labels: bool, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
-    """Rows ``(N, V)`` of logits and the ``(N,)`` labels each row is scored against.
-
-    The rows are a view of ``logits`` (no copy of the large tensor when it is contiguous). With ``shift_labels``
-    the target of position ``t`` is the label at ``t + 1``, and the last position of each sequence gets
-    ``ignore_index``.
+    """Rows ``(N, V)`` of logits (a view when contiguous) and the ``(N,)`` labels each is scored against; with
+    ``shift_labels`` the label at ``t + 1``, and ``ignore_index`` for each sequence's last position.
 
     Raises:
         ValueError: when the shapes do not fit (``logits.shape[:-1]`` must equal ``labels.shape``, with a time
@@ -57,16 +50,29 @@ def align(logits: Tensor, labels: Tensor, shift_labels: bool, ignore_index: int 
 
 
 def sample_rows(n_rows: int, max_rows: int, device: torch.device, period: int = 1) -> Tensor:
-    """Evenly strided row indices, at most ``max_rows`` of ``n_rows`` (decided from shapes: no sync).
-
-    ``period``: the sequence length when rows are ``(batch * time)`` positions; the stride is made coprime with
-    it, so the sample covers every position in the sequence instead of always the same one.
-    """
+    """Evenly strided row indices, at most ``max_rows`` of ``n_rows`` (from shapes: no sync); the stride is coprime
+    with ``period`` (the sequence length) so the sample covers every position of a sequence."""
     stride = max(1, math.ceil(n_rows / max_rows))
     if stride > 1:
         while math.gcd(stride, period) != 1:
             stride += 1
     return torch.arange(0, n_rows, stride, device=device)
+
+
+def _sampled(
+    logits: Tensor, labels: Tensor, shift_labels: bool, ignore_index: int, max_rows: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The sampled rows (float), their targets, every row's target and the sample's indices, under one alignment."""
+    rows, targets = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
+    idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
+    x = rows.index_select(0, idx).float()
+    return x, targets.index_select(0, idx).to(x.device), targets, idx
+
+
+def _picked(values: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """Each row's value at its target (0 where ``mask`` is False)."""
+    safe = torch.where(mask, target, torch.zeros_like(target)).long()
+    return values.gather(-1, safe[:, None]).squeeze(-1)
 
 
 def init_loss_sums(
@@ -79,30 +85,17 @@ def init_loss_sums(
     max_rows: int = 2048,
     atol: float = 1e-3,
 ) -> dict[str, Tensor]:
-    """Sums and counts that describe the model's outputs and the loss they give (on the device).
+    """Sums and counts that describe the model's outputs and the loss they give (float device scalars).
 
-    Returns a dict of float scalars:
-
-    * ``ce_sum``, ``ce_count``: cross-entropy (with ``label_smoothing``) summed over the sampled supervised rows,
-      and their number: the loss the outputs would give if they were logits;
-    * ``var_sum``, ``rows``: the variance of each sampled row across the vocabulary, summed, and the row count
-      (``sqrt(var_sum / rows)`` is the typical logit spread; softmax ignores a per-row shift);
-    * ``prob_rows``: sampled rows that are probabilities (non-negative, summing to 1 within ``atol`` x 10);
-    * ``logprob_rows``: sampled rows that are log-probabilities (non-positive, ``logsumexp`` 0 within ``atol`` x 10),
-      and not probabilities;
-    * ``supervised``, ``positions``: labels that are not ``ignore_index`` after alignment, and all label
-      positions, over the whole batch (not only the sample);
-    * ``label_rows``: rows (sequences) in the batch's labels.
+    ``ce_sum``/``ce_count``: cross-entropy (with ``label_smoothing``) over the sampled supervised rows; ``var_sum``/
+    ``rows``: the rows' variances across the vocabulary; ``prob_rows``/``logprob_rows``: rows that are probabilities
+    / log-probabilities (within ``atol`` x 10); ``supervised``/``positions``: supervised and all label positions of
+    the whole batch; ``label_rows``: its sequences.
     """
-    rows, targets = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
-    supervised_all = targets != ignore_index
-    idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
-    x = rows.index_select(0, idx).float()
-    t = targets.index_select(0, idx).to(x.device)
+    x, t, targets, _ = _sampled(logits, labels, shift_labels, ignore_index, max_rows)
     mask = t != ignore_index
     logp = x.log_softmax(-1)
-    safe = torch.where(mask, t, torch.zeros_like(t)).long().clamp(0, x.shape[-1] - 1)
-    nll = -logp.gather(-1, safe[:, None]).squeeze(-1)
+    nll = -_picked(logp, t.clamp(max=x.shape[-1] - 1), mask & (t >= 0))
     ce = (1.0 - label_smoothing) * nll + label_smoothing * (-logp.mean(-1))
     tol = atol * 10
     is_prob = (x.amin(-1) >= -atol) & ((x.sum(-1) - 1.0).abs() <= tol)
@@ -115,7 +108,7 @@ def init_loss_sums(
         "rows": torch.tensor(float(x.shape[0]), device=x.device),
         "prob_rows": is_prob.sum(dtype=f32),
         "logprob_rows": is_logprob.sum(dtype=f32),
-        "supervised": supervised_all.sum(dtype=f32),
+        "supervised": (targets != ignore_index).sum(dtype=f32),
         "positions": torch.tensor(float(targets.numel()), device=x.device),
         "label_rows": torch.tensor(float(labels.shape[0] if labels.ndim > 1 else 1), device=x.device),
     }
@@ -128,11 +121,8 @@ def copy_sums(
     *,
     max_rows: int = 4096,
 ) -> dict[str, Tensor]:
-    """How often the argmax prediction at position ``t`` equals the *current* input token ``inputs[t]``.
-
-    A model trained against unshifted labels (bug 9) learns to copy its input, so the rate climbs towards 1; a
-    model that predicts the next token copies only as often as the data repeats a token (``inputs[t] ==
-    inputs[t + 1]``), returned as the base rate.
+    """How often the argmax at position ``t`` is the *current* input token (a model trained on unshifted labels
+    copies its input), and how often the data repeats a token (``inputs[t] == inputs[t + 1]``, the base rate).
 
     Args:
         logits: ``(batch, time, vocab)``.
@@ -167,11 +157,8 @@ def copy_sums(
 
 
 def label_counts(labels: Tensor, vocab_size: int, ignore_index: int = -100) -> Tensor:
-    """How often each class occurs among the supervised labels: a float ``(vocab_size,)`` count vector.
-
-    A scatter-add into a fixed-size vector, not ``torch.bincount``, so its shape does not depend on the values (no
-    host sync on an accelerator). Labels outside ``[0, vocab_size)`` other than ``ignore_index`` are not counted.
-    """
+    """How often each class in ``[0, vocab_size)`` occurs among the supervised labels: a float count vector (a
+    scatter-add into a fixed size, not ``bincount``: no host sync)."""
     flat = labels.detach().reshape(-1)
     keep = (flat != ignore_index) & (flat >= 0) & (flat < vocab_size)
     index = torch.where(keep, flat, torch.zeros_like(flat)).long()
@@ -180,12 +167,8 @@ def label_counts(labels: Tensor, vocab_size: int, ignore_index: int = -100) -> T
 
 
 def unigram_entropy(counts: Tensor) -> Tensor:
-    """Entropy (nats) of the label distribution ``counts`` describe: the loss of a model that learned the classes'
-    frequencies and nothing else (it ignores its context).
-
-    The plug-in estimate is biased low on a small sample; the Miller-Madow term ``(K - 1) / 2N`` (``K`` classes seen,
-    ``N`` labels) corrects most of that. A device scalar; NaN when nothing was counted.
-    """
+    """Entropy (nats) of the label distribution ``counts`` describe, the loss of a model that learned the classes'
+    frequencies only; with the Miller-Madow correction ``(K - 1) / 2N``. A device scalar; NaN when nothing counted."""
     counts = counts.float()
     total = counts.sum()
     p = counts / total.clamp(min=1.0)
@@ -196,13 +179,8 @@ def unigram_entropy(counts: Tensor) -> Tensor:
 
 
 def masked_input_sums(inputs: Tensor, labels: Tensor, vocab_size: int, ignore_index: int = -100) -> dict[str, Tensor]:
-    """What the inputs hold where the labels are supervised (labels and inputs aligned, unshifted): a masked-LM
-    objective replaces most of those inputs with one mask token, a causal LM's inputs there are as varied as its text.
-
-    Returns ``mask_share_top`` (the count of the most common input token at supervised positions) and
-    ``mask_share_count`` (supervised positions); their ratio near 1 (BERT: 80% ``[MASK]``) recognises masked-LM
-    labels. Counted over a fixed ``vocab_size`` vector (no sync); ids outside it are not counted.
-    """
+    """``mask_share_top``: the count of the most common input token at supervised positions, ``mask_share_count``:
+    those positions. A ratio near 1 (BERT: 80% ``[MASK]``) recognises masked-LM labels."""
     if tuple(inputs.shape) != tuple(labels.shape):
         zero = torch.zeros((), device=labels.device)
         return {"mask_share_top": zero, "mask_share_count": zero}
@@ -220,43 +198,29 @@ def rolled_label_sums(
     ignore_index: int = -100,
     max_rows: int = 2048,
 ) -> dict[str, Tensor]:
-    """Cross-entropy of the logits against the batch's own labels and against labels rolled by one sample.
-
-    A model that uses its context predicts its own sample's labels better than its neighbour's: ``rolled_ce_sum``
-    exceeds ``own_ce_sum``. A gap of zero means its predictions carry nothing specific to the sample: the labels do
-    not depend on the inputs (they belong to other samples) or the model ignores its inputs. Both sums run over the
-    sampled rows where the own *and* the rolled label are supervised (``rolled_count``), so they compare like with
-    like. A batch of one sample has no neighbour: the counts are then 0.
-    """
+    """Cross-entropy against the batch's own labels and against labels rolled by one sample, over the sampled rows
+    where both are supervised (``rolled_count``): a model that uses its context predicts its own labels better. A
+    batch of one sample has no neighbour: the counts are then 0."""
     zero = torch.zeros((), device=logits.device)
     if labels.shape[0] < 2:
         return {"own_ce_sum": zero, "rolled_ce_sum": zero, "rolled_count": zero}
-    rows, own = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
+    x, own, _, idx = _sampled(logits, labels, shift_labels, ignore_index, max_rows)
     _, rolled = align(logits.detach(), labels.detach().roll(1, 0), shift_labels, ignore_index)
-    idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
-    x = rows.index_select(0, idx).float()
-    own, rolled = own.index_select(0, idx).to(x.device), rolled.index_select(0, idx).to(x.device)
+    rolled = rolled.index_select(0, idx).to(x.device)
     mask = (own != ignore_index) & (rolled != ignore_index) & (own < x.shape[-1]) & (rolled < x.shape[-1])
     mask &= (own >= 0) & (rolled >= 0)
     logp = x.log_softmax(-1)
 
     def nll(target: Tensor) -> Tensor:
-        safe = torch.where(mask, target, torch.zeros_like(target)).long()
-        return torch.where(mask, -logp.gather(-1, safe[:, None]).squeeze(-1), torch.zeros_like(x[:, 0])).sum()
+        return torch.where(mask, -_picked(logp, target, mask), torch.zeros_like(x[:, 0])).sum()
 
     return {"own_ce_sum": nll(own), "rolled_ce_sum": nll(rolled), "rolled_count": mask.sum(dtype=torch.float32)}
 
 
 def label_input_match_sums(labels: Tensor, inputs: Tensor, ignore_index: int = -100) -> dict[str, Tensor]:
-    """How often a supervised label repeats its own sample's input token, against another sample's.
-
-    A language model's labels are its inputs, aligned (``labels == input_ids``, shifted inside the model) or
-    shifted by one (``labels[t] == input_ids[t + 1]``, shifted in the collator); the better of the two alignments is
-    counted (``own_match``). ``rolled_match`` counts the same against the inputs of the neighbouring sample (rolled by
-    one along the batch): labels that belong to their own inputs match them far more often than a neighbour's; labels
-    joined off by one row match the neighbour's; labels that never repeat their inputs (classification, translation,
-    masked-LM targets) match neither, and this relation then says nothing. ``match_count``: supervised positions.
-    """
+    """How often a supervised label repeats its own sample's input token (``own_match``, the better of the aligned
+    and the shifted-by-one alignment) and the neighbouring sample's (``rolled_match``); ``match_count``: supervised
+    positions."""
     zero = torch.zeros((), device=labels.device)
     if labels.ndim != 2 or tuple(inputs.shape) != tuple(labels.shape) or labels.shape[0] < 2 or labels.shape[1] < 2:
         return {"own_match": zero, "rolled_match": zero, "match_count": zero}
@@ -282,19 +246,10 @@ def bounded_floor_sums(
     ignore_index: int = -100,
     max_rows: int = 2048,
 ) -> dict[str, Tensor]:
-    """The lowest cross-entropy the logits' own range allows, summed over the sampled supervised rows.
-
-    A row whose logits span a range of width ``w`` (max minus min) gives every class at least ``e^-w`` of the
-    target's weight, so its cross-entropy is at least ``ln(1 + (V - 1) e^-w)``: the best case puts the target at the
-    top and every other class at the bottom. A sigmoid or tanh on the logits, a clamp, or a normalisation that is not
-    an exact softmax confines ``w`` for good, and the loss can never fall below that floor. Returns ``floor_sum``,
-    ``range_sum`` (the widths ``w``), ``range_sq_sum`` (their squares: how alike the rows' widths are) and
-    ``floor_count``.
-    """
-    rows, targets = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
-    idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
-    x = rows.index_select(0, idx).float()
-    mask = targets.index_select(0, idx).to(x.device) != ignore_index
+    """The lowest cross-entropy the logits' own range allows, ``ln(1 + (V - 1) e^-w)`` for a row of range ``w``,
+    over the sampled supervised rows: ``floor_sum``, ``range_sum``, ``range_sq_sum`` and ``floor_count``."""
+    x, t, _, _ = _sampled(logits, labels, shift_labels, ignore_index, max_rows)
+    mask = t != ignore_index
     width = x.amax(-1) - x.amin(-1)
     floor = torch.log1p((x.shape[-1] - 1) * torch.exp(-width))
     zeros = torch.zeros_like(width)
@@ -320,36 +275,24 @@ def loss_transform_sums(
     max_rows: int = 2048,
     both_alignments: bool = False,
 ) -> dict[str, Tensor]:
-    """What the logits' own cross-entropy is, and what simple transforms of it would be, to hold the loss a training
-    step returns against.
+    """The logits' own cross-entropy and simple transforms of it, to hold the returned loss against (float sums over
+    the sampled supervised rows):
 
-    Returns float scalars (sums over the sampled supervised rows, so a caller can add them over ranks):
-
-    * ``tx_ce_sum``, ``tx_ce_sq_sum``, ``tx_count``: the cross-entropy of the logits per row, its square (for the
-      sample's standard error) and the number of rows; ``tx_total``: supervised rows in the whole batch (the sample
-      is all of them when they are as many); ``tx_positions``: label positions in the batch, supervised or not;
-    * ``tx_uniform_sum``: ``-mean_v log p_v`` per row, the cross-entropy against a uniform target (label smoothing
-      ``e`` gives ``(1 - e) ce + e uniform``);
-    * ``tx_range_sum``: the logits' range (max minus min) per row;
-    * ``tx_beta_<k>``: the cross-entropy of ``b * logits`` for ``b = TEMPERATURE_GRID[k]`` (a temperature ``1/b``);
-    * ``tx_other``: 1 when the other label alignment was taken.
-
-    ``both_alignments``: the rows are scored under the alignment whose cross-entropy is the lower of ``shift_labels``
-    and its opposite (decided on the device, no sync): once a model has learned, its logits predict the labels the
-    loss trains them on far better than the labels one position away, whatever the loss did to them on the way.
+    * ``tx_ce_sum``, ``tx_ce_sq_sum``, ``tx_count``: the rows' cross-entropy, its square and their number;
+      ``tx_total``: supervised rows in the whole batch; ``tx_positions``: its label positions;
+    * ``tx_uniform_sum``: the cross-entropy against a uniform target (label smoothing ``e``: ``(1 - e) ce + e U``);
+    * ``tx_range_sum``: the logits' range; ``tx_beta_<k>``: the cross-entropy of ``TEMPERATURE_GRID[k] * logits``;
+    * ``tx_other``: 1 when the other alignment was taken (``both_alignments``: the one of lower cross-entropy,
+      decided on the device).
     """
-    rows, targets = align(logits.detach(), labels.detach(), shift_labels, ignore_index)
-    idx = sample_rows(rows.shape[0], max_rows, rows.device, period=labels.shape[-1] if labels.ndim > 1 else 1)
-    x = rows.index_select(0, idx).float()
+    x, t, targets, idx = _sampled(logits, labels, shift_labels, ignore_index, max_rows)
     logp = x.log_softmax(-1)
     f32 = torch.float32
 
     def nll(target: Tensor) -> tuple[Tensor, Tensor]:
         mask = (target != ignore_index) & (target >= 0) & (target < x.shape[-1])
-        safe = torch.where(mask, target, torch.zeros_like(target)).long()
-        return -logp.gather(-1, safe[:, None]).squeeze(-1), mask
+        return -_picked(logp, target, mask), mask
 
-    t = targets.index_select(0, idx).to(x.device)
     total = (targets != ignore_index).sum(dtype=f32)
     other = torch.zeros((), device=x.device)
     if both_alignments:
@@ -363,8 +306,7 @@ def loss_transform_sums(
         total = torch.where(other.bool(), (other_targets != ignore_index).sum(dtype=f32), total)
     ce, mask = nll(t)
     zeros = torch.zeros_like(ce)
-    safe = torch.where(mask, t, torch.zeros_like(t)).long()
-    picked = x.gather(-1, safe[:, None]).squeeze(-1)
+    picked = _picked(x, t, mask)
     out = {
         "tx_ce_sum": torch.where(mask, ce, zeros).sum(),
         "tx_ce_sq_sum": torch.where(mask, ce.square(), zeros).sum(),
@@ -432,15 +374,12 @@ def step_sums(
     label_smoothing: float = 0.0,
     max_rows: int = 2048,
 ) -> dict[str, Tensor]:
-    """Every sum LossAtInit reduces on one measured step, on the device (no sync).
+    """Every sum LossAtInit reduces on one measured step (:data:`PHASE_SUMS`), on the device (no sync).
 
-    ``phase``: ``"init"`` (step 0: :data:`INIT_SUMS`), ``"compare"`` (a compared step before the check:
-    :data:`TRANSFORM_SUMS`) or ``"check"`` (:data:`CHECK_SUMS` and :data:`TRANSFORM_SUMS`). ``shift_labels``: the
-    alignment the logits are scored under; where the logits have a time dimension and the labels are not
-    ``masked_lm`` labels, either alignment is possible, and the sums that say which one the returned loss follows are
-    taken under the other one too (:data:`OTHER_ALIGNMENT`). ``inputs``: the input token ids for the copy rate and
-    the labels' relation to their inputs (ignored unless shaped like the labels); ``inputs_are_ids``: they are the
-    batch's ids, not the labels standing in for them; ``late``: step 0 was not seen (:data:`LATE_SUMS`).
+    ``shift_labels``: the alignment to score; where either is possible (a time dimension, not ``masked_lm``) the sums
+    that tell which one the returned loss follows are taken under the other too (:data:`OTHER_ALIGNMENT`).
+    ``inputs``: token ids shaped like the labels, else ignored; ``inputs_are_ids``: not the labels standing in for
+    them; ``late``: step 0 was not seen (:data:`LATE_SUMS`).
     """
     options: dict[str, Any] = {"ignore_index": ignore_index, "max_rows": max_rows}
     both = logits.ndim >= 3 and not masked_lm
@@ -473,15 +412,13 @@ def step_sums(
 def _check_sums(
     logits: Tensor, labels: Tensor, shift: bool, both: bool, label_smoothing: float, options: dict[str, Any]
 ) -> dict[str, Tensor]:
-    """The check's sums under each possible alignment: the own labels' and the rolled labels' cross-entropy
-    (:func:`rolled_label_sums`) and the floor of the logits' range (:func:`bounded_floor_sums`)."""
-    ce = init_loss_sums(logits, labels, shift_labels=shift, label_smoothing=label_smoothing, **options)
-    out = {"ce_sum": ce["ce_sum"], "ce_count": ce["ce_count"]}
+    """The check's sums under each possible alignment: the logits' cross-entropy, against the own and the rolled
+    labels (:func:`rolled_label_sums`), and the floor of their range (:func:`bounded_floor_sums`)."""
+    out: dict[str, Tensor] = {}
     for prefix, shifted in (("", shift), (OTHER_ALIGNMENT, not shift)) if both else (("", shift),):
-        sums = rolled_label_sums(logits, labels, shift_labels=shifted, **options)
-        if prefix:  # the own labels' cross-entropy under this alignment, over the rows `init_loss_sums` takes
-            other = init_loss_sums(logits, labels, shift_labels=shifted, label_smoothing=label_smoothing, **options)
-            sums.update(ce_sum=other["ce_sum"], ce_count=other["ce_count"])
+        ce = init_loss_sums(logits, labels, shift_labels=shifted, label_smoothing=label_smoothing, **options)
+        sums = {"ce_sum": ce["ce_sum"], "ce_count": ce["ce_count"]}
+        sums.update(rolled_label_sums(logits, labels, shift_labels=shifted, **options))
         sums.update(bounded_floor_sums(logits, labels, shift_labels=shifted, **options))
         out.update({prefix + k: v for k, v in sums.items()})
     return out
@@ -520,12 +457,9 @@ UNIGRAM_BATCHES = 8
 
 
 class LabelFrequencies:
-    """The supervised labels' class counts over the first ``batches`` measured batches, kept on the device (a
-    scatter-add per batch: no sync), and their unigram entropy once the counts were reduced over the ranks.
-
-    The counts travel in the step's one reduction (:attr:`payload`); the caller hands the entropy of the reduced
-    counts back (:meth:`receive`), and once every batch was counted only the entropy is kept.
-    """
+    """The supervised labels' class counts over the first ``batches`` measured batches (on the device, no sync),
+    travelling in the step's one reduction (:attr:`payload`), and their unigram entropy once reduced
+    (:meth:`receive`); then only the entropy is kept."""
 
     def __init__(self, batches: int = UNIGRAM_BATCHES) -> None:
         self.batches = batches

@@ -1,14 +1,8 @@
 """The memory a measuring step may add, and measurements that fit in it. Host numbers and tensors in; no Trainer.
 
-A member that needs a copy of the weights (UpdateRatio's snapshot before ``optimizer.step()``) keeps its extra peak
-memory under a budget: by default :func:`default_budget_bytes`, ``max(2% of the training state, 32 MiB)``, where the
-training state is the weights, their gradients and the optimizer's state (:func:`training_state_bytes`). A snapshot
-that would exceed it is taken in parts (:func:`plan_snapshot`): each measuring step copies one part of the parameter
-groups, in turn, so every group is still measured once every ``len(plan.parts)`` measuring steps.
-
-Reductions that upcast (a float64 sum of an fp32 tensor) convert the whole tensor first on the CPU, and on CUDA for
-any cast but fp16/bf16 to fp32: :func:`chunked_sums` adds tensors up in float64 a fixed-size chunk at a time, in one
-buffer, instead.
+A weight snapshot (UpdateRatio's) stays under a budget (:func:`default_budget_bytes`) by being taken in parts
+(:func:`plan_snapshot`), one part per measuring step; :func:`chunked_sums` adds tensors up in float64 without a
+float64 copy of a whole tensor (see ``docs/callbacks/update_ratio.md``, Memory).
 """
 
 from __future__ import annotations
@@ -133,13 +127,8 @@ class SnapshotPlan:
 
 
 def plan_snapshot(group_bytes: Sequence[int], budget: int) -> SnapshotPlan:
-    """Split the groups into parts of at most ``budget`` bytes each.
-
-    Every group at most ``budget`` bytes on its own goes into the first part, in group order, that still has room for
-    it (first fit), so the groups are measured once every ``len(parts)`` measuring steps and the number of parts is
-    near the fewest possible. A group larger than the budget is in no part (``too_large``): with the smallest groups
-    measured, the member records which it could not.
-    """
+    """Split the groups into parts of at most ``budget`` bytes each (first fit, in group order); a group larger than
+    the budget is in no part (``too_large``)."""
     sizes = tuple(int(b) for b in group_bytes)
     if sum(sizes) <= budget:
         return SnapshotPlan(budget, sizes, (tuple(range(len(sizes))),), ())
@@ -165,18 +154,13 @@ def plan_snapshot(group_bytes: Sequence[int], budget: int) -> SnapshotPlan:
 def chunked_sums(
     tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64, chunk: int = CHUNK_ELEMENTS, *, squares: bool = False
 ) -> Tensor:
-    """The sum of each tensor's elements (of their squares, with ``squares``) accumulated in ``dtype``, as
-    ``torch.stack([t.sum(dtype=dtype) for t in tensors])`` but with no copy of a whole tensor: a 1-D ``dtype`` tensor
-    on the first tensor's device (no host sync).
+    """``torch.stack([t.sum(dtype=dtype) for t in tensors])`` (of the squares, with ``squares``) without a copy of a
+    whole tensor: a 1-D ``dtype`` tensor on the first tensor's device, no host sync.
 
-    ``t.sum(dtype=torch.float64)`` of an fp32 tensor converts the whole tensor to float64 first (8 bytes per element,
-    on the CPU and on CUDA), one copy per tensor, of as many sizes as there are tensor shapes: on the CPU those leave
-    holes in the heap that the next copy does not fit, and the float64 sums of a 25.5M-parameter model's weights grew
-    its peak resident set by 100 MiB (``benchmarks/memory.py``). Here each tensor is copied ``chunk`` elements at a
-    time into one buffer of ``dtype``, made once per call and device, and summed there: the call's only allocation
-    beyond its scalars (memory: ``chunk`` elements of ``dtype``, 2 MiB by default). Equal to the whole sums up to the
-    rounding of the order of additions (exact where every partial sum is, as for integers); the same on every rank
-    for the same tensors.
+    Memory: ``t.sum(dtype=torch.float64)`` converts the whole tensor first (8 bytes per element, one copy per tensor
+    shape; +100 MiB peak RSS for a 25.5M-parameter model, ``benchmarks/memory.py``). Here each tensor goes ``chunk``
+    elements at a time through one ``dtype`` buffer per device (2 MiB by default), the call's only allocation. Equal
+    to the whole sums up to the order of additions; the same on every rank for the same tensors.
     """
     if not tensors:
         return torch.zeros(0, dtype=dtype)
@@ -278,9 +262,8 @@ class WeightSnapshot:
     def change(self, after: Sequence[Tensor]) -> tuple[Tensor, Tensor, tuple[bool, ...] | None]:
         """``(‖ΔW‖² per group, ‖W‖² per group after the step, the groups measured)`` (None: all), freeing the copy.
 
-        The snapshot becomes ``before - after`` in place (no second copy: weights in another dtype than fp32 are
-        converted one tensor at a time by the CPU kernels). A group not measured carries, in place of its ``‖ΔW‖²``,
-        how much its ``‖W‖²`` changed, which tells whether the optimizer stepped at all."""
+        Memory: the snapshot becomes ``before - after`` in place (no second copy). A group not measured carries how
+        much its ``‖W‖²`` changed instead (did the optimizer step at all)."""
         before, chosen, part = self._before, self._chosen(), self._part
         self._before = self._part = None
         assert before is not None

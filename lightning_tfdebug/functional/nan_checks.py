@@ -1,10 +1,5 @@
-"""The rules NaNFirstFrame decides: each finding code with its severity, text and hint, and the decision itself.
-
-A bad step ends as a :class:`NaNStep` reading: which ranks had a non-finite loss or gradients, which had a
-non-finite module output (eager mode), each rank's first non-finite forward and backward module (shared among the
-ranks), whether the replay failed, and where the report lies. Every rank holds the same reading, so every rank reaches
-the same verdict (:func:`nonfinite_step`). Host values only, no Trainer.
-"""
+"""NaNFirstFrame's rules ``TFD401``-``TFD403``, decided from a :class:`NaNStep` that every rank holds alike (so every
+rank reaches the same verdict). Host values only."""
 
 from __future__ import annotations
 
@@ -85,11 +80,7 @@ TFD403 = Rule(
 BLOCK = ("TFD401", "TFD409")
 """The codes reserved for NaNFirstFrame's rules."""
 
-RULES: tuple[Rule, ...] = (
-    TFD401,
-    TFD402,
-    TFD403,
-)
+RULES: tuple[Rule, ...] = (TFD401, TFD402, TFD403)
 """The rules decided in this module, in code order."""
 
 
@@ -113,9 +104,7 @@ class NaNStep:
         step: the optimizer step.
         bad_ranks: the ranks whose loss (or, when no loss was, whose gradients) held inf/nan.
         frame_ranks: the ranks where a module output held inf/nan (eager mode).
-        everyone: per rank, ``{"rank", "forward", "backward", "reproduced"}``: the first module whose forward output
-            and whose output gradient held inf/nan (None: none did), and whether the replay reproduced this step's
-            own flagged output (None: not asked, lazy mode).
+        everyone: per rank, :func:`rank_frames`.
         report, report_json: this rank's report files.
         batch_idx, precision: where and how the step ran.
         error: the replay's error, if it failed.
@@ -159,8 +148,8 @@ class NaNStep:
 
 
 def rank_frames(rank: int, summary: Mapping[str, Any]) -> dict[str, Any]:
-    """What a rank shares of its report (``summary``, :func:`~lightning_tfdebug.functional.frames.nan_report`): its
-    first non-finite forward and backward module, and whether its replay reproduced this step's flags."""
+    """What a rank shares of its report ``summary``: ``{"rank", "forward", "backward", "reproduced"}``, its first
+    non-finite forward and backward module (or None) and whether the replay reproduced the step's flags (None: lazy)."""
     return {
         "rank": rank,
         "forward": (summary["first_forward"] or {}).get("module"),
@@ -190,8 +179,7 @@ def _where(culprit: Mapping[str, Any] | None) -> str:
 
 def nonfinite_step(reading: NaNStep) -> Verdict | None:
     """TFD401 (a non-finite loss or gradients, located), TFD403 (the same, the replay failed) or TFD402 (eager mode: a
-    module output held inf/nan that reached neither); None when no rank's loss or gradients were non-finite and no
-    rank named a module (every flagged output sum was a float32 overflow of finite values)."""
+    module output held inf/nan that reached neither); None when nothing was non-finite (a float32 sum overflow)."""
     everyone = [r for r in reading.everyone if r]
     bad_ranks, frame_ranks = list(reading.bad_ranks), list(reading.frame_ranks)
     if not bad_ranks and not any(r["forward"] for r in everyone):
@@ -226,7 +214,6 @@ def nonfinite_step(reading: NaNStep) -> Verdict | None:
 
 
 def replay_failed_on_rank(step: int, bad_ranks: Sequence[int], rank: int, error: str, report: str) -> Verdict:
-    """TFD403 from one rank alone: its replay of a sharded (FSDP2) model failed part-way, so the ranks are out of step
-    and cannot share anything more."""
+    """TFD403 from one rank alone: its FSDP2 replay failed part-way, so the ranks can share nothing more."""
     evidence = {"ranks": list(bad_ranks), "report": report, "replay_error": error}
     return TFD403.verdict(evidence, key=f"step{step}", bad_step=step, on_rank=f" on rank {rank}", error=error)

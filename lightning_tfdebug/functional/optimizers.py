@@ -1,11 +1,6 @@
-"""What OptimizerAudit reads from the optimizers and the model, without a Trainer.
-
-:func:`read_wiring` walks the param groups once at the start of training and returns a :class:`WiringReading` (names
-and numbers, what the rules of :mod:`lightning_tfdebug.functional.optimizer_checks` decide on) together with the
-tensors later measuring steps watch. The other helpers read the learning rates, the modules left in eval mode, and
-the device flags of the per-step checks (a parameter that did not change, gradients left from the previous step);
-none of them moves a value to the host unless its docstring says so.
-"""
+"""What OptimizerAudit reads from the optimizers and the model, without a Trainer: the wiring of the param groups
+(:func:`read_wiring`, once), the learning rates, modules left in eval mode and the device flags of the per-step
+checks. Nothing moves a value to the host unless its docstring says so."""
 
 from __future__ import annotations
 
@@ -109,11 +104,8 @@ def labelled_groups(optimizers: Sequence[torch.optim.Optimizer]) -> list[tuple[s
 
 
 def read_wiring(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Wiring:
-    """Walk the param groups against the module's parameters (host-side: names, shapes, dtypes, group entries).
-
-    Frozen parameters are skipped by torch optimizers (they get no gradient), so no decay reaches them and they are
-    not counted among the decayed ones. A tensor ``lr`` (capturable optimizers) is read once, here.
-    """
+    """Walk the param groups against the module's parameters (host-side: names, shapes, dtypes, group entries;
+    frozen parameters are not counted among the decayed ones)."""
     named: dict[int, tuple[str, nn.Parameter]] = {}
     for name, param in model.named_parameters(remove_duplicate=True):
         named.setdefault(id(param), (clean_param_name(name), param))
@@ -161,10 +153,8 @@ def read_wiring(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -
 
 
 def read_lrs(optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, float]:
-    """The learning rate of every param group, by :func:`group_label`, as the optimizer will apply it next.
-
-    A tensor LR (capturable or compiled optimizers) costs a host sync here: call it on measuring steps only.
-    """
+    """The learning rate of every param group, by :func:`group_label`, as the optimizer will apply it next (host
+    sync for a tensor LR: call it on measuring steps only)."""
     return {label: float(group["lr"]) for label, _, group in labelled_groups(optimizers)}
 
 

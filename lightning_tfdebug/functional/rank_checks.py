@@ -1,9 +1,5 @@
-"""PerRankLogger's arithmetic and decisions: from every rank's gathered row to the logged spreads and the findings
-``TFD501``-``TFD505``. Host numbers only, no Trainer: every rule here is testable with plain numbers.
-
-Every rank declares one :class:`RankRow` (its named fields travel in the step's reduction over ranks) and holds every
-rank's row after it, so every rank reaches the same verdicts (synchronized findings).
-"""
+"""PerRankLogger's arithmetic and rules ``TFD501``-``TFD505``: from every rank's :class:`RankRow` (reduced over
+ranks, so every rank reaches the same verdicts) to the logged spreads and the findings. Host numbers only."""
 
 from __future__ import annotations
 
@@ -129,20 +125,13 @@ TFD505 = Rule(
 BLOCK = ("TFD501", "TFD519")
 """The codes reserved for PerRankLogger's rules."""
 
-RULES: tuple[Rule, ...] = (
-    TFD501,
-    TFD502,
-    TFD503,
-    TFD504,
-    TFD505,
-)
+RULES: tuple[Rule, ...] = (TFD501, TFD502, TFD503, TFD504, TFD505)
 """The rules decided in this module, in code order."""
 
 
 @dataclass(frozen=True)
 class RankRow:
-    """One rank's numbers of one measuring step: the fields of its row in the step's reduction over ranks, in this
-    order (the one declaration of what travels)."""
+    """One rank's numbers of one measuring step: its row in the step's reduction over ranks, in this order."""
 
     loss: float  # mean training loss of the rank's micro-batches (nan without a loss)
     has_loss: float  # 1.0 when the training step returned a loss, else 0.0
@@ -167,15 +156,11 @@ _LOSS_HINT = (
 
 def agreement_sums(values: Tensor, rtol: float = CHECKSUM_RTOL) -> Tensor:
     """Eight numbers per value whose sums over the ranks tell whether every rank holds the same value within about
-    ``rtol`` (see :func:`disagreeing`), whatever the number of ranks: a fixed payload where a gather of the values
-    would grow with the world.
+    ``rtol`` (:func:`disagreeing`): a fixed payload whatever the world size. Device work, no host sync.
 
-    Each value is placed in a bucket of a logarithmic grid of relative width ``log1p(rtol)``, and of the same grid
-    shifted by half a bucket; sign, zero (below 1e-18), nan and infinities have buckets of their own. Per grid and per
-    prime ``p`` of :data:`_PRIMES` it sends ``h = bucket mod p`` and ``h**2``: every rank holds the same ``h`` exactly
-    when ``world * sum(h**2) == sum(h)**2`` (Cauchy-Schwarz), which float64 sums decide exactly up to 2**21 ranks.
-    Values within ``rtol / 2`` of each other share a bucket on at least one grid; values further apart than ``rtol``
-    share none. Device work, no host sync.
+    Each value gets a bucket on a logarithmic grid of relative width ``log1p(rtol)`` and on the same grid shifted by
+    half a bucket (sign, zero, nan and infinities have their own). Per grid and prime it sends ``h = bucket mod p``
+    and ``h**2``: every rank holds the same ``h`` exactly when ``world * sum(h**2) == sum(h)**2`` (Cauchy-Schwarz).
     """
     x = values.detach().double().reshape(-1)
     u = torch.log(x.abs().clamp_min(1e-300)) / math.log1p(rtol)
@@ -194,10 +179,8 @@ def agreement_sums(values: Tensor, rtol: float = CHECKSUM_RTOL) -> Tensor:
 
 
 def disagreeing(sums: Sequence[float], world: int) -> list[bool]:
-    """From the sums over ``world`` ranks of :func:`agreement_sums`, per value: True when the ranks disagree.
-
-    Python integers (exact however large ``sum(h)**2`` grows), in list comprehensions: one pass per step over a few
-    hundred numbers, where a loop per value and grid cost half a millisecond on the measuring step."""
+    """From the sums over ``world`` ranks of :func:`agreement_sums`, per value: True when the ranks disagree (Python
+    integers: exact however large ``sum(h)**2`` grows)."""
     sums = list(sums)
     # per value, grid and prime: every rank sent the same h exactly when world * sum(h**2) == sum(h)**2
     same = [world * int(squares) == int(total) ** 2 for total, squares in zip(sums[0::2], sums[1::2])]
@@ -251,8 +234,7 @@ KEYS: tuple[Key, ...] = (
     Key("per_rank/loss/max_minus_min", "spread of the finite losses", chart="spread over ranks"),
     Key("per_rank/peak_memory_gib/max_over_median", "memory imbalance", chart="spread over ranks"),
 )
-"""What :func:`per_rank_metrics` returns: PerRankLogger's logged keys (its ``KEYS``), declared beside the function
-that computes them (``<rank>``: the rank's number; rank 0 logs them)."""
+"""PerRankLogger's ``KEYS``: what :func:`per_rank_metrics` returns (``<rank>``: the rank's number)."""
 
 
 def per_rank_metrics(stats: Sequence[RankRow], log_per_rank: bool = True) -> dict[str, float]:
@@ -278,8 +260,7 @@ def per_rank_metrics(stats: Sequence[RankRow], log_per_rank: bool = True) -> dic
 
 @dataclass
 class RankDiagnosis:
-    """The findings of PerRankLogger, measurement after measurement. Each verdict carries its de-duplication ``key``
-    (one straggler finding per rank, for instance) and the measured ``step``."""
+    """PerRankLogger's findings, measurement after measurement (streaks kept across measurements)."""
 
     straggler_factor: float = 1.5
     straggler_min_ms: float = 10.0
@@ -341,29 +322,22 @@ class RankDiagnosis:
         losses = [s.loss if s.has_loss else math.nan for s in stats]
         far, reference = loss_outliers(losses, self.loss_spread)
         sustained = [r for r in range(n) if self.streaks.update(f"loss/rank{r}", r in far) >= self.patience]
+        data = "sees different data (a corrupt shard, a different tokenizer or preprocessing)"
         if sustained and n == 2:
-            what = (
-                f"The two ranks' losses ({losses[0]:.4g} and {losses[1]:.4g}) differ by more than "
-                f"{self.loss_spread:.0%}"
-            )
+            what = f"The two ranks' losses ({losses[0]:.4g} and {losses[1]:.4g}) differ by more than "
+            what += f"{self.loss_spread:.0%}"
             tail = "; with two ranks, which one is off cannot be told"
-            hint = (
-                "One rank sees different data (a corrupt shard, a different tokenizer or preprocessing) or "
-                + _LOSS_HINT
-            )
+            text = {"what": what, "tail": tail, "patience": self.patience}
             evidence = {"ranks": sustained, "losses": losses}
-            return [
-                TFD504.verdict(evidence, hint=hint, key="pair", step=step, what=what, tail=tail, patience=self.patience)
-            ]
+            return [TFD504.verdict(evidence, hint=f"One rank {data} or {_LOSS_HINT}", key="pair", step=step, **text)]
         out: list[Verdict] = []
         for r in sustained:
             what = f"Rank {r}'s loss ({losses[r]:.4g}) is far from the median over ranks ({reference:.4g})"
             evidence = {"ranks": [r], "loss": losses[r], "median": reference, "losses": losses}
-            hint = (
-                "That rank sees different data (a corrupt shard, a different tokenizer or preprocessing), " + _LOSS_HINT
-            )
             text = {"what": what, "tail": "", "patience": self.patience}
-            out.append(TFD504.verdict(evidence, hint=hint, key=f"rank{r}", step=step, **text))
+            out.append(
+                TFD504.verdict(evidence, hint=f"That rank {data}, {_LOSS_HINT}", key=f"rank{r}", step=step, **text)
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:

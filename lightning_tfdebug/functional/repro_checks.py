@@ -1,7 +1,4 @@
-"""The rules ReproCapture decides: each finding code with its severity, text and hint, and the decision itself.
-
-Both are rank-local (each rank writes its own bundle while an exception propagates): host values only, no Trainer.
-"""
+"""ReproCapture's rules ``TFD130``-``TFD131``, both rank-local (each rank writes its own bundle). Host values only."""
 
 from __future__ import annotations
 
@@ -37,10 +34,7 @@ TFD131 = Rule(
 BLOCK = ("TFD130", "TFD139")
 """The codes reserved for ReproCapture's rules."""
 
-RULES: tuple[Rule, ...] = (
-    TFD130,
-    TFD131,
-)
+RULES: tuple[Rule, ...] = (TFD130, TFD131)
 """The rules decided in this module, in code order."""
 
 
@@ -48,8 +42,7 @@ def bundle_written(
     bundle: str, exception: str, *, step: int, rank: int, in_batch: bool, batch_saved: bool, after_step: bool
 ) -> Verdict:
     """TFD130: a bundle was written for ``exception`` (its class name) at ``step``; the message says what it can
-    replay: nothing without a batch (the exception came outside a training batch, or the batch never reached the
-    host), or, when the exception came after the step's forward and backward, that step's batch."""
+    replay (no batch, or the batch of a step whose backward had already run)."""
     if not in_batch:
         replayable = " It holds no batch (the exception came outside a training batch)."
     elif not batch_saved:

@@ -1,10 +1,4 @@
-"""ScalerWatch's decisions: a collapsing loss scale, skipped steps, a schedule that runs ahead, a scale that never
-grows.
-
-On each logging step the callback reads its device counters once and hands a :class:`ScalerReading` (the scale, the
-steps watched and skipped, the window's counts and the groups that overflowed) to the rules below; each returns its
-verdict or None.
-"""
+"""ScalerWatch's rules ``TFD410``-``TFD414``, decided from a :class:`ScalerReading` read once per logging step."""
 
 from __future__ import annotations
 

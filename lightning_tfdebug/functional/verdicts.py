@@ -1,12 +1,8 @@
 """One shape for every detector: a :class:`Rule` (a finding code with its text) and the :class:`Verdict` it returns.
 
-Every finding of the pack is decided by a rule function in ``functional/<area>_checks.py``: host numbers (a
-*reading*) in, verdicts out. The module that decides a code also declares its :class:`Rule` (code, default severity,
-owner, title, trigger, hint, the reason for its severity and the message template), so a rule's decision and its
-text live side by side; :mod:`lightning_tfdebug.rules` builds the registry from those modules. A rule function
-returns ``TFD301.verdict(evidence, ...)``; the callback hands the verdicts to
-:meth:`~lightning_tfdebug.core.base.DebugCallback.emit`, the one place where a verdict becomes a finding (the step, the
-rank, the rule's defaults, the file, the warning and ``on_finding``).
+Every finding is decided by a rule function in ``functional/<area>_checks.py`` (a *reading* in, verdicts out) beside
+its :class:`Rule`; :mod:`lightning_tfdebug.rules` builds the registry from those modules, and the callback hands the
+verdicts to :meth:`~lightning_tfdebug.core.base.DebugCallback.emit` (see ``docs/architecture.md``).
 
 Example:
     >>> rule = Rule("TFD301", "warning", "GradNormMonitor", title="t", trigger="t", hint="h", reason="r",
@@ -26,10 +22,8 @@ from lightning_tfdebug.findings import SEVERITIES, Severity, check_code
 
 @dataclass(frozen=True)
 class Verdict:
-    """A finding a rule reached, as plain data: the registered ``code``, the message with the measured numbers, the
-    evidence, and, only where the decision knows better than the rule, a ``hint`` and a ``severity`` (None: the
-    rule's). ``key``: a finding is recorded once per ``(code, key)`` per callback (a group name, a step, to record a
-    code again); ``step``: the step the evidence belongs to (None: the step at which it is emitted)."""
+    """A finding a rule reached, as plain data. ``hint``/``severity``: None for the rule's; ``key``: a finding is
+    recorded once per ``(code, key)`` per callback; ``step``: the step of the evidence (None: when emitted)."""
 
     code: str
     message: str
@@ -51,11 +45,9 @@ class Rule:
         title: a few words saying what is wrong (the callback page's table).
         trigger: the measured condition that raises it.
         hint: what to do; a verdict with a more specific hint carries its own.
-        reason: why the rule has its severity, under the severity policy (``docs/severity.md``): what makes the run
-            unable to succeed (error), the harm measured or the work lost (warning), or why it is only an
-            observation (info).
+        reason: why the rule has its severity (``docs/severity.md``).
         message: the finding's sentence, a :meth:`str.format` template filled from the evidence and the text fields
-            passed to :meth:`verdict` (``"the norm rose {factor:.1f}x"``).
+            passed to :meth:`verdict`.
     """
 
     code: str

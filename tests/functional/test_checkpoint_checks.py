@@ -65,7 +65,9 @@ def test_each_missing_part_is_named():
     verdicts = ck.content_problems(checkpoint, {**expected, "scaler_key": "MixedPrecision"}, PATH)
     assert [v.code for v in verdicts] == ["TFD701", "TFD702", "TFD703", "TFD705", "TFD706", "TFD707", "TFD708"]
     assert {severity(v) for v in verdicts[:-1]} == {"error"} and severity(verdicts[-1]) == "warning"
-    assert all(v.hint for v in verdicts) and [v.key for v in verdicts] == [v.code for v in verdicts]
+    assert all(v.hint or rule(v.code).hint for v in verdicts) and [v.key for v in verdicts] == [
+        v.code for v in verdicts
+    ]
     assert verdicts[0].evidence == {"missing": ["bias"], "count": 1, "path": PATH}
     assert all(v.message.endswith(" (file epoch=0-step=7.ckpt)") for v in verdicts)
     assert verdicts[0].message.startswith("The checkpoint lacks weights for 1 of the model's 2 tensors: bias.")

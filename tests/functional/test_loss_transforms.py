@@ -101,10 +101,21 @@ def test_healthy_transforms_are_explained_and_say_nothing(name, transform):
 def test_an_unexplained_disagreement_is_info_with_both_numbers():
     labels = trained_logits(0.0)[1]
     steps = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
-    verdict = _verdict(steps, labels, lambda x, y: ce(x, y) * (1.5 + x.std()))  # neither factor nor term is fixed
+    verdict = _verdict(steps, labels, lambda x, y: ce(x, y) * (0.9 - 0.3 * x.std()))  # below, no fixed factor
     assert verdict.code == "TFD235" and verdict.severity == "info"
     assert f"{verdict.evidence['returned_loss'][-1]:.4g}" in verdict.message
     assert f"{verdict.evidence['logits_loss'][-1]:.4g}" in verdict.message
+
+
+def test_a_loss_far_above_the_logits_at_every_step_is_a_warning_with_both_numbers():
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
+    verdict = _verdict(steps, labels, lambda x, y: ce(x.sigmoid(), y))
+    assert verdict.code == "TFD233" and RULES["TFD233"].severity == "warning"
+    assert f"{verdict.evidence['returned_loss'][-1]:.4g}" in verdict.message
+    assert f"{verdict.evidence['logits_loss'][-1]:.4g}" in verdict.message
+    # one step far above is no persistent gap
+    assert loss_transform_verdict(readings_of(steps[:1], labels, lambda x, y: ce(x.sigmoid(), y)), V) is None
 
 
 def _reading(step, loss, ce_value, logit_range, best=None):
@@ -122,10 +133,11 @@ def test_a_loss_pinned_above_the_data_while_the_logits_learn_is_a_bound():
     assert verdict.code == "TFD233" and RULES["TFD233"].severity == "warning"
     assert verdict.evidence["width"] == pytest.approx(bound_width(2.96, V))
     assert math.log1p((V - 1) * math.exp(-verdict.evidence["width"])) == pytest.approx(2.96)
-    # a loss the data alone could bring that low is no floor; logits at rest are no squash pushing them outwards
-    assert loss_transform_verdict(pinned, V, unigram_entropy=2.9).code == "TFD235"
+    # a loss the data alone could bring that low is no floor, logits at rest are no squash pushing them outwards: the
+    # loss is still far above the logits, without a width
     at_rest = [_reading(50, 3.0, 2.0, 6.0), _reading(80, 2.97, 1.8, 6.1), _reading(100, 2.96, 1.6, 6.2)]
-    assert loss_transform_verdict(at_rest, V, unigram_entropy=2.5).code == "TFD235"
+    for verdict in (loss_transform_verdict(pinned, V, 2.9), loss_transform_verdict(at_rest, V, 2.5)):
+        assert verdict.code == "TFD233" and "width" not in verdict.evidence
 
 
 def test_one_reading_or_agreement_says_nothing():
@@ -138,3 +150,15 @@ def test_readings_round_trip_through_plain_values():
     reading = dataclasses.replace(_reading(80, 2.97, 1.8, 5.8), supervised_share=0.9)
     assert LossReading.from_list(reading.to_list()) == reading
     assert LossReading.from_list(reading.to_list()[:7]).supervised_share != reading.supervised_share  # older state
+
+
+def test_a_steady_smoothing_far_above_what_recipes_use_is_a_squash_not_label_smoothing():
+    def smoothed(step, ce_value, e, uniform=6.0):
+        edge = 4 + step // 10
+        curve = tuple(math.log(V) if k < edge else ce_value for k in range(len(TEMPERATURE_GRID)))
+        loss = (1 - e) * ce_value + e * uniform
+        return LossReading(step, loss, ce_value, 0.0, uniform, 5.0 + step / 500, curve)
+
+    capped = [smoothed(50, 2.7, 0.45), smoothed(80, 2.4, 0.47), smoothed(100, 2.2, 0.49)]  # EncoderLM, c = 0.75
+    assert loss_transform_verdict(capped, V).code == "TFD233"
+    assert loss_transform_verdict([smoothed(s, c, 0.1) for s, c in ((50, 2.7), (80, 2.4), (100, 2.2))], V) is None
