@@ -30,7 +30,7 @@ from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms, per
 from lightning_tfdebug.functional.update_checks import outside_optimizers
 from lightning_tfdebug.functional.verdicts import Verdict
 
-_TOTALS = "gradient norm: total, clipping and non-finite"
+_TOTALS = "gradient norm: total, clipped and non-finite"
 """The dashboard chart of the total, the fraction clipping kept and the non-finite count."""
 
 
