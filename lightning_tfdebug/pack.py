@@ -65,12 +65,17 @@ PRESET_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
     "always": {"CheckpointAudit": {"reload": False}},
     "full": {"NaNFirstFrame": {"mode": "eager"}},
 }
-#: What a preflight run (``tfdebug check``) changes: a run of a few dozen steps cannot show a stalled loss.
-PREFLIGHT_SETTINGS: dict[str, dict[str, Any]] = {"LossAtInit": {"check_step": None}}
+#: What a preflight run (``tfdebug check``) changes: a run of a few dozen steps cannot show a stalled loss, and its
+#: length is not the one the LR schedule was written for.
+PREFLIGHT_SETTINGS: dict[str, dict[str, Any]] = {
+    "LossAtInit": {"check_step": None},
+    "OptimizerAudit": {"check_schedule_fits": False},
+}
 CHECK_RESULT_ENV = "TFDEBUG_CHECK_RESULT"
 #: The settings a preflight pack takes over from a pack configured in the same run (``tfdebug check`` on a config
-#: that already holds a ``TFDebug``): how to read the batch. Its cadence and ``on_finding`` stay the preflight's.
-ADOPTED = ("input_key", "mask_key", "labels_key", "ignore_index", "tokenizer", "vocab_size")
+#: that already holds a ``TFDebug``): how to read the batch, and the memory budget. Its cadence and ``on_finding``
+#: stay the preflight's.
+ADOPTED = ("input_key", "mask_key", "labels_key", "ignore_index", "tokenizer", "vocab_size", "memory_budget_mb")
 
 # Hooks with their own methods below; the pack forwards every other `on_*` hook as it is.
 _OWN_HOOKS = ("on_save_checkpoint", "on_load_checkpoint", "on_fit_start", "on_fit_end", "on_exception")
@@ -148,8 +153,8 @@ class TFDebug(Callback):
         ignore_index: the label value the loss ignores; default: -100, PyTorch's and Hugging Face's.
         tokenizer: a tokenizer (or its import path) for BatchGuard's decoded examples.
         vocab_size: the vocabulary size, for the members that check ids and the loss against ln V.
-        memory_budget_mb: the most a member's copy of the weights on a measuring step may take, in MiB, for every
-            member that takes one (UpdateRatio); default: ``max(2% of the training state, 32 MiB)``.
+        memory_budget_mb: the most a member's copies of weights on a measuring step may take, in MiB, for every
+            member that takes one (UpdateRatio, OptimizerAudit); default: ``max(2% of the training state, 32 MiB)``.
         include: members to run on top of the preset (names as in :data:`MEMBERS`, any case).
         exclude: members of the preset not to run.
         overrides: per-member constructor arguments, e.g. ``{"GradNormMonitor": {"explosion_factor": 20}}``; they

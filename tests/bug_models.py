@@ -100,7 +100,8 @@ class RankBugs:
     (row 18), ``nan_module``/``nan_module_rank``/``nan_at_step`` (row 23), ``overflow_module`` (row 15),
     ``eval_mode`` (row 21), ``drop_optimizer_state`` (row 22), ``left_out`` (a parameter-name prefix left out of the
     optimizer: row 10), ``decay_all`` (AdamW with this decay on every parameter: row 20), ``adam_l2`` (Adam with
-    this coupled weight decay), ``default_init`` (row 34).
+    this coupled weight decay), ``default_init`` (row 34), ``sgd_momentum`` (SGD with this momentum at a constant
+    LR: row 41).
     """
 
     bugs: dict[str, Any]
@@ -150,6 +151,8 @@ class RankBugs:
             warm = max(1, self.warmup_steps)
             schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        if self.bugs.get("sgd_momentum"):
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.bugs["sgd_momentum"])
         if self.bugs.get("adam_l2"):
             return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.bugs["adam_l2"])
         config = adamw_with_warmup(self, self.lr, self.warmup_steps)

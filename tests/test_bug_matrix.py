@@ -131,8 +131,10 @@ BUGS: dict[int, str] = {
     35: "no resumable checkpoint (weights-only)",
     36: "a decoder fed its own targets (the labels, unshifted, as its input)",
     37: "samples mixed across the batch",
+    38: "a warm-up ten times longer than the run",
     39: "a resume mid-epoch with a DataLoader that cannot restore its position",
     40: "a soft-cap far too small in training_step, beside the model's own loss",
+    41: "gradients clipped by value far below their size",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -147,6 +149,14 @@ def gpt2(**kw: Any) -> Callable[[], BugHFLM]:
 
 def tiny(**kw: Any) -> Callable[[], BugTinyGPT]:
     return lambda: BugTinyGPT(**kw)
+
+
+def t5(**kw: Any) -> Callable[[], BugHFLM]:
+    return lambda: BugHFLM("t5", **kw)
+
+
+def seq2seq() -> Any:
+    return healthy_data("t5")
 
 
 def tuples(**kw: Any) -> Callable[[], Any]:
@@ -458,6 +468,22 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("tinygpt", tiny(step_squash="softcap"), dicts(), cap),
     ):
         c[40, fam] = Case(module, data, (owner("TFD233"),), where, steps=AFTER_CHECK)
+    # 41: SGD with momentum whose every gradient Lightning clips by value far below its elements' size
+    clip = {"gradient_clip_val": 1e-4, "gradient_clip_algorithm": "value"}
+    for fam, module, data in (
+        ("encoder_lm", enc(lr=0.1, sgd_momentum=0.9), tuples()),
+        ("gpt2", gpt2(lr=0.1, sgd_momentum=0.9), dicts()),
+        ("t5", t5(lr=0.1, sgd_momentum=0.9), seq2seq),
+    ):
+        placement = "Trainer(gradient_clip_val=1e-4, gradient_clip_algorithm='value'), SGD(lr=0.1, momentum=0.9)"
+        c[41, fam] = Case(module, data, (owner("TFD306"),), placement, steps=31, trainer=clip)
+    # 38: a linear warm-up of 500 steps in a 50-step run (configure_optimizers)
+    for fam, module, data in (
+        ("encoder_lm", enc(warmup_steps=500), tuples()),
+        ("gpt2", gpt2(warmup_steps=500), dicts()),
+        ("t5", t5(warmup_steps=500), seq2seq),
+    ):
+        c[38, fam] = Case(module, data, (owner("TFD337"),), "LambdaLR warm-up of 500 steps, max_steps=50", steps=50)
     return c
 
 
@@ -636,7 +662,8 @@ def matrix_table() -> str:
             cells = [(family, case.placement) for (r, family), case in CASES.items() if r == row]
             expect = list(CASES[row, cells[0][0]].expect)
         if len({p for _, p in cells}) == 1:
-            placement = f"all: {cells[0][1]}"
+            names = [family for family, _ in cells]
+            placement = f"{'all' if names == list(FAMILIES) else ', '.join(names)}: {cells[0][1]}"
         else:
             placement = "<br>".join(f"{family}: {p}" for family, p in cells)
         misses = [family for family, _ in cells if (row, family) in KNOWN_MISSES]

@@ -366,7 +366,7 @@ def update_ratio_extra(trainer, model, callbacks) -> dict[str, Any]:
     return {
         "failure": {k: failure.get(k) for k in ("step", "error", "everywhere")},
         "others_failed": others,
-        "measured": sorted({s for s, _ in member._memory.norms}),
+        "measured": sorted({entry[0] for entry in member._memory.norms}),
     }
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -11,8 +10,7 @@ from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.compat import overrides
-from lightning_tfdebug.core.distributed import DTensor, local_tensor, packed_reduce
+from lightning_tfdebug.core.distributed import local_tensor, packed_reduce
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import grad_scaler_of
@@ -20,6 +18,7 @@ from lightning_tfdebug.core.step import step_norms
 from lightning_tfdebug.core.tracking import RunningWindow
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.grad_checks import (
+    Clipping,
     GradMemory,
     GradReading,
     grad_verdicts,
@@ -27,29 +26,27 @@ from lightning_tfdebug.functional.grad_checks import (
     still_scaled,
     unused_parameters,
 )
-from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms
+from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms, per_tensor_norms
 from lightning_tfdebug.functional.update_checks import outside_optimizers
 from lightning_tfdebug.functional.verdicts import Verdict
 
 _TOTALS = "gradient norm: total, clipped and non-finite"
-"""The dashboard chart of the total, the clipped fraction and the non-finite count."""
+"""The dashboard chart of the total, the fraction clipping kept and the non-finite count."""
 
 
 class GradNormMonitor(DebugCallback):
     r"""Logs gradient L2 norms per group and in total, and diagnoses exploding, vanishing and missing gradients.
 
     Norms are taken in ``on_before_optimizer_step``: after AMP unscaling and after all micro-batches of gradient
-    accumulation, before clipping. The total equals what ``torch.nn.utils.clip_grad_norm_`` returns on the same
-    gradients. It is computed with fused ``_foreach_norm`` kernels on the device; under FSDP1/FSDP2 each rank's
-    shard contributes once through one packed collective, under DDP no collective runs. On steps that do not
-    measure, the callback does no tensor work (with norm clipping on, it adds one device comparison to the norm
-    that clipping computes anyway, to count clipped steps).
+    accumulation, before Lightning clips them (under manual optimization, after the ``clip_gradients`` call of
+    ``training_step``). The total equals what ``torch.nn.utils.clip_grad_norm_`` returns on the same gradients; one
+    fused ``_foreach_norm`` on the device, one packed collective under FSDP, none under DDP. Clipping is read where
+    Lightning applies it (the precision plugin's ``clip_gradients``, both algorithms) on measuring steps only: steps
+    that do not measure get no tensor work. See ``docs/callbacks/grad_norm_monitor.md``.
 
-    Logged keys (on measuring steps): :attr:`KEYS`, tabled in ``docs/callbacks/grad_norm_monitor.md``.
-
-    Findings: ``TFD301`` explosion, ``TFD302`` vanishing group, ``TFD303`` non-finite gradients, ``TFD304`` unused
-    parameters, ``TFD305`` gradients still scaled by AMP, ``TFD306`` norm clipping cuts every step by over 100x
-    (``gradient_clip_val`` far below the gradient norm, for ``patience`` measurements); see ``docs/findings.md``.
+    Logged keys (on measuring steps): :attr:`KEYS`. Findings: ``TFD301`` explosion, ``TFD302`` vanishing group,
+    ``TFD303`` non-finite gradients, ``TFD304`` unused parameters, ``TFD305`` gradients still scaled by AMP,
+    ``TFD306`` clipping that keeps under 1/30 of the gradient on every measured step (``docs/findings.md``).
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -57,13 +54,12 @@ class GradNormMonitor(DebugCallback):
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
         groups: ``{group_name: regex}`` to group parameters by name instead of by block.
         group_depth: group by the first ``group_depth`` segments of parameter names instead of by block.
-        log_groups: log one key per group (``False``: only the total, non-finite count and clip fraction).
+        log_groups: log one key per group (``False``: only the total and the non-finite count).
         explosion_factor: ``TFD301`` when the total exceeds this multiple of the median of its recent history.
         warmup_measurements: measurements collected before ``TFD301`` can fire.
         history: number of recent measurements the median is taken over.
         vanishing_ratio: ``TFD302`` when a group's norm is below this fraction of the largest group norm...
-        patience: ...for this many consecutive measurements; also the measurements a trainable parameter must go
-            without a gradient before ``TFD304``.
+        patience: ...for this many consecutive measurements; also for ``TFD304`` and ``TFD306``.
 
     Raises:
         ValueError: on an argument outside its allowed range.
@@ -94,9 +90,9 @@ class GradNormMonitor(DebugCallback):
         ),
         Key("grad_norm/nonfinite", "number of parameter tensors whose gradient holds inf or nan", chart=_TOTALS),
         Key(
-            "grad_norm/clip_frac",
-            "fraction of optimizer steps since the last log whose norm exceeded `gradient_clip_val` (only with norm "
-            "clipping)",
+            "grad_norm/clip_kept",
+            "the norm of the clipped gradient over its norm before clipping, on the measuring steps where clipping "
+            "ran (1: nothing cut; only with `gradient_clip_val` or `clip_gradients`)",
             chart=_TOTALS,
         ),
     )
@@ -133,9 +129,10 @@ class GradNormMonitor(DebugCallback):
         self._memory = GradMemory(RunningWindow(history))
         self._layout: ReductionLayout | None = None
         self._trained: tuple[bool, ...] = ()  # per group: an optimizer holds at least one of its parameters
-        self._clip_count: Tensor | None = None  # device counter of clipped steps since the last log
-        self._clip_steps = 0
-        self._patched_plugin: Any = None  # the Trainer's precision plugin while its clipping is counted
+        # the latest measured clipping, until the next host transfer: (step, clip_val, algorithm, squared norms
+        # before and after on the device)
+        self._clipped: tuple[int, float, str, Tensor] | None = None
+        self._patched: tuple[Any, Any] | None = None  # (the precision plugin, our clip_gradients on it)
 
     @property
     def state_key(self) -> str:
@@ -147,37 +144,38 @@ class GradNormMonitor(DebugCallback):
         self._layout = None
         self._trained = ()
         if stage == "fit":
-            self._install_clip_counter(trainer)
+            self._read_clipping(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._patched_plugin is not None:
-            self._patched_plugin.__dict__.pop("clip_grad_by_norm", None)
-            self._patched_plugin = None
+        if self._patched is not None:
+            plugin, ours = self._patched
+            if plugin.__dict__.get("clip_gradients") is ours:
+                del plugin.clip_gradients
+            self._patched = None
 
-    def _clipping_by_norm(self, trainer: pl.Trainer) -> bool:
-        return bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (None, "norm")
-
-    def _install_clip_counter(self, trainer: pl.Trainer) -> None:
-        """Count clipped steps from the norm that clipping computes anyway (no extra norm, no host sync).
-
-        Only for precision plugins that use Lightning's default ``clip_grad_by_norm``; with others (FSDP1,
-        DeepSpeed) ``clip_frac`` is estimated from measuring steps only.
-        """
+    def _read_clipping(self, trainer: pl.Trainer) -> None:
+        """Wrap the precision plugin's ``clip_gradients``, which Lightning calls for ``gradient_clip_val`` and a
+        manual ``self.clip_gradients(...)`` alike: on measuring steps, the squared gradient norm before and after it
+        (two fused norms on the device, no sync); on other steps, Lightning's own call and nothing else."""
         plugin = trainer.precision_plugin
-        # Lightning's own `Precision` (of whichever package the Trainer comes from) must do the clipping
-        if not self._clipping_by_norm(trainer) or overrides(plugin, "Precision", "clip_grad_by_norm"):
-            return
+        original = plugin.clip_gradients
 
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            norm = torch.nn.utils.clip_grad_norm_(plugin.main_params(optimizer), clip_val)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            clipped = (norm > clip_val).float()
-            self._clip_count = clipped if self._clip_count is None else self._clip_count + clipped
-            self._clip_steps += 1
+        def clip_gradients(optimizer: Any, clip_val: Any = 0.0, gradient_clip_algorithm: Any = "norm") -> Any:
+            if not clip_val or not self.should_measure(trainer):
+                return original(optimizer, clip_val, gradient_clip_algorithm)
+            with torch.no_grad():
+                grads = [local_tensor(p.grad) for p in plugin.main_params(optimizer) if p.grad is not None]
+                before = per_tensor_norms(grads).square().sum()
+                result = original(optimizer, clip_val, gradient_clip_algorithm)
+                squares = torch.stack([before, per_tensor_norms(grads).square().sum().to(before)])
+            if self._clipped is not None and self._clipped[0] == trainer.global_step:  # several optimizers
+                squares = squares + self._clipped[3]
+            algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))
+            self._clipped = (trainer.global_step, float(clip_val), algorithm, squares)
+            return result
 
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # instance attribute; removed in teardown
-        self._patched_plugin = plugin
+        plugin.clip_gradients = clip_gradients  # an instance attribute; removed in teardown
+        self._patched = (plugin, clip_gradients)
 
     # ------------------------------------------------------------------ measuring
     def busy_at(self, step: int) -> bool:
@@ -214,6 +212,9 @@ class GradNormMonitor(DebugCallback):
         if present:
             reading, loss_scale = self._read(trainer, optimizer, present)
             self.log_scalars(trainer, reading.scalars(self.log_groups))
+            if reading.clipping is not None:
+                clip = reading.clipping
+                self.log_scalars(trainer, {"grad_norm/clip_kept": clip.kept}, step=clip.step)
             verdicts.append(still_scaled(type(optimizer).__name__, loss_scale))
             verdicts += grad_verdicts(
                 reading,
@@ -226,8 +227,7 @@ class GradNormMonitor(DebugCallback):
                 patience=self.patience,
                 tied=layout.tied,
             )
-            clip = float(trainer.gradient_clip_val or 0.0)
-            verdicts.append(overclipping(reading, clip, self._memory.overclip, patience=self.patience))
+            verdicts.append(overclipping(reading.clipping, self._memory.overclip, patience=self.patience))
         present_names = [names[i] for i in present]
         verdicts.append(unused_parameters(missing, present_names, self._memory.no_grad, patience=self.patience))
         self.emit(trainer, verdicts)
@@ -249,36 +249,32 @@ class GradNormMonitor(DebugCallback):
             layout.weights[positions] if layout.sharded else None,
             norms=step_norms(trainer, grads),  # shared with UpdateRatio on the same step: one pass over the grads
         )
+        # the clipping measured since the last transfer: its squares add up over shards like the groups' (a ratio,
+        # so replicas count alike before and after)
+        clipped, self._clipped = self._clipped, None
+        sums = group_sq.float()
+        if clipped is not None:
+            sums = torch.cat([sums, clipped[3].to(sums)])
         # one packed collective under sharding (sums of squares; per-tensor non-finite flags by max); none under DDP
         all_flags = torch.zeros(len(params), device=device).index_copy_(0, positions, flags)
-        group_sq, all_flags = packed_reduce(group_sq, all_flags, collective=layout.sharded)
-        group_nonfinite = group_sums(all_flags, layout.index, layout.n_groups)
-
+        sums, all_flags = packed_reduce(sums, all_flags, collective=layout.sharded)
+        n = layout.n_groups
+        parts = [sums, group_sums(all_flags, layout.index, n).to(sums)]
         scaler = grad_scaler_of(trainer)
         scaled = scaler is not None and _optimizer_handles_unscaling(optimizer)
-        if scaled:  # the optimizer unscales inside step(): divide by the scale here, on the device
-            inv_scale = 1.0 / scaler._scale.to(device=device, dtype=torch.float32).squeeze()
-            group_sq = group_sq * inv_scale.square()
-        parts = [group_sq.float(), group_nonfinite.to(group_sq.device, torch.float32)]
-        if scaled:
-            parts.append(inv_scale.reshape(1).to(group_sq.device))
-        clipping = self._clipping_by_norm(trainer)
-        counted = clipping and self._patched_plugin is not None and self._clip_steps > 0
-        if counted:
-            parts.append(self._clip_count.reshape(1).to(group_sq.device, torch.float32))  # type: ignore[union-attr]
+        if scaled:  # the optimizer unscales inside step(): divide by the scale, on the host
+            parts.append(scaler._scale.to(sums).reshape(1))
         # host sync: the one transfer of this measuring step; the per-group values are then host arithmetic (a few
         # kernels per group on the device would cost more than the read)
         flat = torch.cat(parts).tolist()
-        n = layout.n_groups
-        squares, nonfinite, rest = flat[:n], flat[n : 2 * n], flat[2 * n :]
-        loss_scale = 1.0 / rest.pop(0) if scaled else None
-        clip_frac = None
-        if counted:
-            clip_frac = rest.pop(0) / self._clip_steps
-        elif clipping:  # fallback: whether this measured step will be clipped
-            clip_frac = float(math.sqrt(sum(squares)) > float(trainer.gradient_clip_val))
-        self._clip_count, self._clip_steps = None, 0
-        return GradReading.from_squares(layout.groups.group_names, squares, nonfinite, clip_frac), loss_scale
+        squares, clip_sq, rest = flat[:n], flat[n : len(sums)], flat[len(sums) :]
+        nonfinite, loss_scale = rest[:n], rest[n] if scaled else None
+        if loss_scale:
+            squares = [sq / loss_scale**2 for sq in squares]
+        clipping = None
+        if clipped is not None:
+            clipping = Clipping.from_squares(clipped[0], clipped[1], clipped[2], *clip_sq)
+        return GradReading.from_squares(layout.groups.group_names, squares, nonfinite, clipping), loss_scale
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

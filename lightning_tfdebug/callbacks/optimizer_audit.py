@@ -14,9 +14,10 @@ from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import loss_of
 from lightning_tfdebug.core.groups import training_model
 from lightning_tfdebug.core.keys import Key
-from lightning_tfdebug.core.model import grad_scaler_of
+from lightning_tfdebug.core.model import grad_scaler_of, schedule_courses
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import optimizer_checks as checks
+from lightning_tfdebug.functional.memory import budget_for, check_budget
 from lightning_tfdebug.functional.optimizers import (
     Snapshot,
     Wiring,
@@ -34,43 +35,31 @@ from lightning_tfdebug.functional.optimizers import (
 class OptimizerAudit(DebugCallback):
     r"""Checks how the optimizer is wired to the model, the module's train mode, and the learning rate it really uses.
 
-    At the start of training (after any checkpoint is restored), once, from the live optimizers and module: every
-    trainable parameter must sit in exactly one param group (``TFD320`` names the ones in none, ``TFD321`` the ones in
-    two; ``TFD322`` frozen ones still held, info until a measured step moves one; ``TFD323`` tensors that are not
-    parameters of the module); weight decay on 1-D parameters (``TFD324``, info until their norm is measured to
-    shrink) and on embedding tables (``TFD325``, info); Adam-family coupled L2 (``TFD326``, info: use ``AdamW``); an
-    Adam-family optimizer over float16 parameters with ``eps`` below 1.7e-5 (``TFD333``); decoupled or SGD decay with
-    ``lr * weight_decay`` above 5e-3 per step (``TFD336``).
+    Once at the start of training (after any checkpoint is restored): the param groups against the module's
+    parameters (``TFD320``-``TFD323``), each group's weight decay and ``eps`` (``TFD324``-``TFD326``, ``TFD333``,
+    ``TFD336``), and each LR schedule replayed on a copy against the run's length (``TFD337``). At the first batch of
+    each epoch and after each validation run: the module's train mode (``TFD327``, ``TFD328``). Host-side, at every
+    step it is called at: a scheduler stepped more than once per optimizer step (``TFD329``). On measuring steps: the
+    LR of every group is logged and judged (``TFD330``, ``TFD331``, ``TFD335``); one parameter per group that fits
+    the memory budget is compared byte for byte across the step (``TFD332``); the decayed 1-D parameters' norm is
+    watched (``TFD324`` as a warning); gradients left from before the step are looked for (``TFD334``). The rules
+    are in :mod:`lightning_tfdebug.functional.optimizer_checks`; ``docs/callbacks/optimizer_audit.md`` explains each.
 
-    At the first batch of each epoch and the first batch after each validation run, once its forward has run (so an
-    ``.eval()`` from a module hook or from ``training_step`` is seen): the module in eval mode (``TFD327``, error);
-    dropout or batch/instance norm left in eval mode while the module trains (``TFD328``, info).
-
-    Every optimizer step it is called at, host-side only: an LR scheduler stepped more than once per step of its
-    optimizer (``TFD329``). On measuring steps: the LR of every param group is logged; a transformer trained from step
-    0 whose LR at the next measured step is not above its first-step LR has no warm-up (``TFD330``, info; a warning
-    once a loss in the first ``warmup_window`` steps spikes), or, below half the schedulers' base LR, a step-sized
-    warm-up stepped per epoch (``TFD335``); an LR at zero before ``zero_lr_fraction`` of the run (``TFD331``); one
-    parameter per group byte-identical after ``patience`` measured steps although it had a gradient and an LR
-    (``TFD332``; steps the fp16 GradScaler skipped are not counted); gradients left from before the step at the first
-    backward after it (``TFD334``). The rules, their thresholds and their sentences are in
-    :mod:`lightning_tfdebug.functional.optimizer_checks`; ``docs/callbacks/optimizer_audit.md`` explains each.
-
-    Logged keys: :attr:`KEYS`, tabled in ``docs/callbacks/optimizer_audit.md``.
-
-    Distributed: every rank holds the same optimizer, parameters and LR under DDP, so every rank reaches the same
-    findings; no collective runs. Under FSDP the byte comparison uses each rank's local shard, so ``TFD332`` is
-    rank-local: every rank resolves it together after each measuring step (one boolean reduction, only when
-    ``on_finding`` is not ``"warn"``).
+    Logged keys: :attr:`KEYS`. Distributed: the same findings on every rank under DDP, no collective; under FSDP
+    ``TFD332`` compares each rank's shard and is resolved together after each measuring step.
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
             ``log_every_n_steps``.
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         check_warmup: check that a transformer's LR warms up (``TFD330``).
-        warmup_window: the first optimizer steps in which a loss spike makes a missing warm-up a warning.
         zero_lr_fraction: ``TFD331`` when the LR is zero before this fraction of the run's steps.
         patience: consecutive measured steps a parameter must stay byte-identical for ``TFD332``.
+        warmup_window: the first optimizer steps in which a loss spike makes a missing warm-up a warning.
+        check_schedule_fits: replay each LR schedule against the run's length (``TFD337``); a preflight, shorter
+            than the real run, turns it off.
+        memory_budget_mb: the most the copies of a measuring step may take, in MiB; None: ``max(2% of the training
+            state, 32 MiB)``.
 
     Raises:
         ValueError: on an argument outside its allowed range.
@@ -109,10 +98,13 @@ class OptimizerAudit(DebugCallback):
         zero_lr_fraction: float = 0.9,
         patience: int = 2,
         warmup_window: int = 1000,
+        check_schedule_fits: bool = True,
+        memory_budget_mb: float | None = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
-        if not isinstance(check_warmup, bool):
-            raise TypeError(f"`check_warmup` must be True or False; got {check_warmup!r}.")
+        for name, flag in (("check_warmup", check_warmup), ("check_schedule_fits", check_schedule_fits)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be True or False; got {flag!r}.")
         check_number("zero_lr_fraction", zero_lr_fraction, low=0.0, high=1.0)
         check_number("patience", patience, low=1, integer=True)
         check_number("warmup_window", warmup_window, low=1, integer=True)
@@ -120,6 +112,8 @@ class OptimizerAudit(DebugCallback):
         self.check_warmup = check_warmup
         self.zero_lr_fraction = float(zero_lr_fraction)
         self.patience = patience
+        self.check_schedule_fits = check_schedule_fits
+        self.memory_budget_mb = check_budget(memory_budget_mb)
         self._check_mode = False
         self._transformer = False
         self._wiring = Wiring()  # what the audit at train start found, and the tensors measuring steps watch
@@ -158,6 +152,8 @@ class OptimizerAudit(DebugCallback):
         self.emit(trainer, checks.wiring_verdicts(self._wiring.reading))
         self._sched_seen = {}
         self._check_mode = True
+        if self.check_schedule_fits:  # TFD337: each schedule replayed on a copy, once per fit (host only)
+            self.emit(trainer, [checks.warmup_past_run(c) for c in schedule_courses(trainer, pl_module)])
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._snapshots = None
@@ -180,8 +176,7 @@ class OptimizerAudit(DebugCallback):
             self._check_grads_zeroed(trainer)
 
     def _check_grads_zeroed(self, trainer: pl.Trainer) -> None:
-        """``TFD334``: the first backward after an optimizer step finds the previous gradients still there (Lightning's
-        automatic optimization zeroes them to ``None`` before it; a manual ``training_step`` may never zero them)."""
+        """``TFD334``: the first backward after an optimizer step finds the previous gradients still there."""
         flags = stale_grad_flags(trainer.optimizers)
         if flags is not None:
             left = int(flags.sum().item())  # host sync: measuring steps only, and only when gradients were left
@@ -198,9 +193,7 @@ class OptimizerAudit(DebugCallback):
 
     # ------------------------------------------------------------------ per step
     def busy_at(self, step: int) -> bool:
-        """Measuring steps, and the steps with a check pending: the module's train mode (once per epoch and after
-        validation), the comparison after a snapshot, the first learning rate. The scheduler's cadence is read at
-        each of them (calls against the optimizer steps since), so nothing is needed on the steps between."""
+        """Measuring steps, and the steps with a check pending (train mode, a comparison, the first LR)."""
         return (
             step % self._interval == 0
             or self._check_mode
@@ -237,8 +230,8 @@ class OptimizerAudit(DebugCallback):
             self._measured_step = trainer.global_step
 
     def _check_scheduler_cadence(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
-        """``TFD329``: each scheduler's ``last_epoch`` (its count of ``step()`` calls, a host int: nothing wrapped)
-        against the optimizer steps since the last reading, on the steps this callback is called at."""
+        """``TFD329``: each scheduler's ``last_epoch`` (its ``step()`` calls, a host int) against the optimizer steps
+        since the last reading."""
         step = trainer.global_step
         for config in trainer.lr_scheduler_configs:
             scheduler, now = config.scheduler, getattr(config.scheduler, "last_epoch", None)
@@ -299,8 +292,17 @@ class OptimizerAudit(DebugCallback):
             # walked once per fit, and again only when the optimizer holds a parameter the last walk did not see
             model = training_model(trainer, trainer.lightning_module)
             named = self._named_ids = {id(p): n for n, p in model.named_parameters()}
-        snaps, self._frozen_snaps = snapshot_step(optimizer, named, self._wiring.frozen_ids)
+        held = [p for optimizer in trainer.optimizers for g in optimizer.param_groups for p in g["params"]]
+        budget = budget_for(self.memory_budget_mb, held, trainer.optimizers)  # host arithmetic on sizes
+        snaps, self._frozen_snaps, unfit = snapshot_step(optimizer, named, self._wiring.frozen_ids, budget)
         self._snapshots = snaps or None
+        if unfit:
+            self.check_aside(
+                "byte comparison of every param group",
+                f"no parameter with a gradient in {unfit} param group(s) fits the memory budget ({budget / 2**20:.1f} "
+                "MiB) for its copy, so those groups are not compared.",
+                "a larger `memory_budget_mb`",
+            )
         scale = getattr(grad_scaler_of(trainer), "_scale", None)
         self._scale_before = scale.detach().clone() if isinstance(scale, Tensor) else None
 

@@ -14,11 +14,11 @@ from lightning_tfdebug.core.batch import loss_of, step_batch
 from lightning_tfdebug.core.distributed import local_tensor, world_size
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.keys import Key
-from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of
+from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of, schedule_courses
 from lightning_tfdebug.core.step import step_norms
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import unigram_entropy
-from lightning_tfdebug.functional.memory import WeightSnapshot, budget_bytes, plan_notes, training_state_bytes
+from lightning_tfdebug.functional.memory import WeightSnapshot, budget_for, check_budget, plan_notes
 from lightning_tfdebug.functional.norms import grouped_sq_norms
 from lightning_tfdebug.functional.update_checks import (
     GroupFacts,
@@ -41,31 +41,18 @@ _NORMS = "parameter norm per group"
 class UpdateRatio(DebugCallback):
     r"""Logs ``||ΔW|| / ||W||`` per group and in total, where ΔW is the change the optimizer step really made.
 
-    On a measuring step the trainable parameters are copied in fp32 just before ``optimizer.step()`` (that copy is
-    the callback's memory cost, and exists only on measuring steps), and compared with the weights after the step.
-    Any optimizer and any parameter groups work, because nothing is recomputed from the optimizer's formula. The copy
-    stays within a memory budget (``memory_budget_mb``): when all of it would not fit, each measuring step copies one
-    part of the groups in turn, and says so once (see ``docs/callbacks/update_ratio.md``, "Memory"). A step
-    that the fp16 GradScaler skipped is recognised from the scale backing off, and is neither logged as a zero
-    update nor counted in the diagnoses. Under FSDP1/FSDP2 each rank snapshots and differences only its own shard;
-    the step's reduction over ranks (inside :class:`~lightning_tfdebug.TFDebug`, the pack's one collective of the
-    step) combines the shards. Under DDP the weights are the same on every rank, and that reduction only adds up the
-    training losses and label counts.
+    On a measuring step the trainable parameters are copied in fp32 just before ``optimizer.step()`` and compared with
+    the weights after it, so any optimizer and any parameter groups work. The copy stays within ``memory_budget_mb``
+    (taken in parts, in turn, when all of it would not fit). A step the fp16 GradScaler skipped is not judged. Under
+    FSDP each rank differences its own shard and the pack's one reduction of the step combines them; under DDP that
+    reduction adds up the training losses and label counts only. The loss returned by ``training_step`` is kept at
+    every batch (a reference, no kernel) and read as each interval's mean loss; the labels of the first 8 measured
+    batches give their unigram entropy, to tell an untrained model from a fine-tune. Each LR schedule is replayed on
+    a copy once per fit, for the LR it reaches in the run. See ``docs/callbacks/update_ratio.md``.
 
-    The training loss returned by ``training_step`` is kept at every batch (a reference to the detached tensor: no
-    kernel, no sync), added up on the device on the measuring step and read with the ratios, as the mean loss of each
-    measuring interval: tiny updates are only a problem when the loss shows it. The labels of the first 8 measured
-    batches are counted (on the device, reduced with the ratios) for their unigram entropy, and ln(V) is read from
-    the model's input embedding, to tell an untrained model from a fine-tune.
-
-    Logged keys (on measuring steps): :attr:`KEYS`, tabled in ``docs/callbacks/update_ratio.md``.
-
-    Findings (decided in :mod:`lightning_tfdebug.functional.update_checks`; the measurements behind the healthy band
-    and every threshold are in ``docs/callbacks/update_ratio.md``): ``TFD310`` too low while the loss barely moves
-    and the model has not learned (naming groups whose updates round back below their float spacing), ``TFD311`` too
-    high, ``TFD312`` a group that got gradients but did not change (left out of the optimizer), ``TFD313`` weights
-    growing fast (a learning rate far too high behind a warm-up), ``TFD314`` weights shrinking fast (weight decay far
-    too strong). See ``docs/findings.md``.
+    Logged keys (on measuring steps): :attr:`KEYS`. Findings (:mod:`lightning_tfdebug.functional.update_checks`):
+    ``TFD310`` too low while the loss barely moves, ``TFD311`` too high, ``TFD312`` a group left out of the
+    optimizer, ``TFD313`` weights growing fast, ``TFD314`` weights shrinking fast.
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -73,13 +60,11 @@ class UpdateRatio(DebugCallback):
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         groups: ``{group_name: regex}`` to group parameters by name instead of by block.
         group_depth: group by the first ``group_depth`` segments of parameter names.
-        low: ``TFD310`` when the total ratio stays below this for ``patience`` consecutive measurements, and the
-            training loss shows an untrained model that barely learns (``functional.update_checks.tiny_updates``; the
-            ratio alone decides when the training step returns no loss).
+        low: ``TFD310`` when the total ratio stays below this for ``patience`` consecutive measurements and the
+            loss shows an untrained model that barely learns.
         high: ``TFD311`` when the total ratio exceeds this on any measurement.
         patience: consecutive measurements for ``TFD310`` and ``TFD312``.
-        decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen (a schedule
-            deliberately decaying it) or still rising (warm-up).
+        decayed_lr_fraction: no ``TFD310`` while the LR is below this fraction of the highest LR seen.
         growth_limit: ``TFD313`` when the median group norm grows by more than this factor within ``growth_window``.
         growth_window: optimizer steps over which ``growth_limit`` applies.
         memory_budget_mb: the most the fp32 snapshot of a measuring step may take, in MiB; None: ``max(2% of the
@@ -152,16 +137,14 @@ class UpdateRatio(DebugCallback):
         check_number("growth_window", growth_window, low=1, integer=True)
         self.growth_limit = float(growth_limit)
         self.growth_window = growth_window
-        check_number("memory_budget_mb", memory_budget_mb, low=0.0, low_inclusive=False, optional=True)
-        if memory_budget_mb is not None and math.isnan(memory_budget_mb):
-            raise ValueError(f"`memory_budget_mb` must be a number of MiB > 0 or None; got {memory_budget_mb!r}.")
-        self.memory_budget_mb = None if memory_budget_mb is None else float(memory_budget_mb)
+        self.memory_budget_mb = check_budget(memory_budget_mb)
         self._memory = UpdateMemory(patience)  # what the rules remember between measurements
         self._layout: ReductionLayout | None = None
         self._snapshot: WeightSnapshot | None = None  # the fp32 weights before the step, made with the layout
         self._grad_sq: Tensor | None = None
         self._scale_before: Tensor | None = None
         self._lr: float = 0.0
+        self._planned_lr: float | None = None
         # the training losses since the last measurement: the detached loss tensors themselves (no kernel per batch),
         # added up on the measuring step; past `_LOSSES_HELD` of them, folded into `_loss_sum` (one sum on the device)
         self._loss_list: list[Tensor] = []
@@ -186,6 +169,12 @@ class UpdateRatio(DebugCallback):
         self._layout = self._snapshot = None
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
         self._same_sizes_next = False  # a new fit: nothing declared in it yet
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the highest LR the schedules reach in this run (replayed on copies, once per fit): TFD310's yardstick while
+        # the LR still rises
+        courses = schedule_courses(trainer, pl_module) if self.active else []
+        self._planned_lr = max((c.run_max for c in courses), default=None)
 
     #: the training loss is summed on the device on every batch (the window's mean loss beside the ratios)
     every_batch_hooks = frozenset({"on_train_batch_end"})
@@ -286,13 +275,9 @@ class UpdateRatio(DebugCallback):
         )
 
     def _plan_snapshot(self, trainer: pl.Trainer, layout: ReductionLayout, snapshot: WeightSnapshot) -> None:
-        """Plan the snapshot's parts within the budget, again when the budget changes (the default one grows once the
-        optimizer has created its state); what they measure less often is recorded once. Host arithmetic on tensor
-        sizes: no tensor data is read, no sync."""
-        state = 0
-        if self.memory_budget_mb is None:
-            state = training_state_bytes(layout.groups.params, trainer.optimizers)
-        if snapshot.replan(budget_bytes(self.memory_budget_mb, state)):
+        """Plan the snapshot's parts within the budget (again when it changes); what is measured less often is
+        recorded once. Host arithmetic on sizes, no sync."""
+        if snapshot.replan(budget_for(self.memory_budget_mb, layout.groups.params, trainer.optimizers)):
             assert snapshot.plan is not None
             for check, reason, setting in plan_notes(snapshot.plan, layout.groups.group_names):
                 self.check_aside(check, reason, setting)
@@ -307,11 +292,8 @@ class UpdateRatio(DebugCallback):
         self._loss_list = []
 
     def declares_at(self, step: int, stepped: bool) -> bool | None:
-        """It declares at the end of a batch whose optimizer step measured: armed in ``on_before_optimizer_step`` when
-        ``step % every_n_steps == 0`` (``should_measure``), declared in ``on_train_batch_end`` of the same batch.
-        None (no stand-in: a failure on one rank of many ends the run) under manual optimization, where one batch may
-        step several times and measure at a ``global_step`` other than ``step``; before its first declaration; and
-        when its next declaration will not have the sizes of its last one (the label counts start or stop)."""
+        """It declares at the end of a batch whose optimizer step measured. None (no stand-in) under manual
+        optimization, before its first declaration, and when its next declaration changes size (label counts)."""
         if not self._automatic or not self._same_sizes_next:
             return None
         return stepped and step % self._interval == 0
@@ -367,6 +349,7 @@ class UpdateRatio(DebugCallback):
             growth_limit=self.growth_limit,
             growth_window=self.growth_window,
             ln_vocab=self._ln_vocab,
+            planned_lr=self._planned_lr,
         )
         self.emit(trainer, verdicts)
 

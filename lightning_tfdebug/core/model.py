@@ -13,11 +13,22 @@ import torch
 from torch import nn
 
 from lightning_tfdebug.core.compat import is_lightning_instance
+from lightning_tfdebug.functional.optimizers import replay_schedule
 
 
 def grad_scaler_of(trainer: pl.Trainer) -> Any | None:
     """The precision plugin's GradScaler (fp16 AMP), or None."""
     return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def schedule_courses(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
+    """The course of each of the Trainer's LR schedulers from the current step to the end of the run, replayed on
+    copies (:func:`~lightning_tfdebug.functional.optimizers.replay_schedule`; those that cannot be told left out)."""
+    per_epoch = trainer.num_training_batches / max(1, trainer.accumulate_grad_batches)
+    start, end = trainer.global_step, trainer.estimated_stepping_batches
+    shared = (trainer, *pl_module.modules(), *pl_module.parameters())  # referenced by a copy, never copied
+    courses = (replay_schedule(c, start, end, per_epoch, shared) for c in trainer.lr_scheduler_configs)
+    return [course for course in courses if course is not None]
 
 
 def import_object(path: str) -> Any:

@@ -1,9 +1,7 @@
 """GradNormMonitor's decisions: exploding, vanishing, non-finite, missing, still-scaled and over-clipped gradients.
 
-The callback measures one :class:`GradReading` per measuring step (host numbers: the total norm, each group's norm
-and count of tensors with inf/nan gradients, the clipped fraction) and hands it, with the :class:`GradMemory` of
-earlier measurements, to :func:`grad_verdicts`. Each rule below is a function of host numbers that returns its
-verdict or None; :data:`RULES` lists them for the registry.
+One :class:`GradReading` per measuring step (host numbers) and the :class:`GradMemory` of earlier ones go to
+:func:`grad_verdicts`; each rule is a function of host numbers that returns its verdict or None.
 """
 
 from __future__ import annotations
@@ -16,8 +14,30 @@ from typing import Any
 from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
-OVERCLIP = 100.0
-"""TFD306 when every step's gradient norm is more than this many times ``gradient_clip_val``."""
+OVERCLIP = 30.0
+"""TFD306 when clipping keeps less than ``1 / OVERCLIP`` of the gradient's norm on every measured step."""
+
+
+@dataclass(frozen=True)
+class Clipping:
+    """What clipping did on one measured step, read where Lightning applies it (both algorithms).
+
+    Attributes:
+        step: the optimizer step whose gradients were clipped.
+        clip_val: ``gradient_clip_val`` of that clipping.
+        algorithm: ``"norm"`` or ``"value"``.
+        kept: the norm of the clipped gradient over the norm before clipping (1.0: nothing was cut).
+    """
+
+    step: int
+    clip_val: float
+    algorithm: str
+    kept: float
+
+    @classmethod
+    def from_squares(cls, step: int, clip_val: float, algorithm: str, before: float, after: float) -> Clipping:
+        """The clipping of gradients whose summed squared norm went from ``before`` to ``after``."""
+        return cls(step, clip_val, algorithm, math.sqrt(after / before) if before > 0 else 1.0)
 
 
 @dataclass(frozen=True)
@@ -25,28 +45,31 @@ class GradReading:
     """One measuring step's gradients, on the host.
 
     Attributes:
-        total: the L2 norm over all gradients (unscaled, before clipping).
+        total: the L2 norm over all gradients (unscaled; before clipping under automatic optimization).
         groups: each group's L2 norm, in the layout's order.
         nonfinite: per group, the number of parameter tensors whose gradient holds inf or nan.
-        clip_frac: the fraction of optimizer steps since the last measurement that norm clipping cut (None: no norm
-            clipping).
+        clipping: the latest measured clipping not read before (None: none).
     """
 
     total: float
     groups: dict[str, float]
     nonfinite: dict[str, float]
-    clip_frac: float | None = None
+    clipping: Clipping | None = None
 
     @classmethod
     def from_squares(
-        cls, names: Sequence[str], squares: Sequence[float], nonfinite: Sequence[float], clip_frac: float | None = None
+        cls,
+        names: Sequence[str],
+        squares: Sequence[float],
+        nonfinite: Sequence[float],
+        clipping: Clipping | None = None,
     ) -> GradReading:
         """The reading of the per-group sums of squared norms and non-finite counts (host floats)."""
         return cls(
             total=math.sqrt(sum(squares)),
             groups={name: math.sqrt(sq) for name, sq in zip(names, squares)},
             nonfinite=dict(zip(names, nonfinite)),
-            clip_frac=clip_frac,
+            clipping=clipping,
         )
 
     @property
@@ -54,25 +77,23 @@ class GradReading:
         return float(sum(self.nonfinite.values()))
 
     def scalars(self, log_groups: bool = True) -> dict[str, float]:
-        """The logged keys (``GradNormMonitor.KEYS``); without ``log_groups``, no per-group key."""
+        """The logged keys of this step (``GradNormMonitor.KEYS``); without ``log_groups``, no per-group key."""
         out = {"grad_norm/total": self.total}
         if log_groups:
             out.update({f"grad_norm/{name}": norm for name, norm in self.groups.items()})
         out["grad_norm/nonfinite"] = self.nonfinite_tensors
-        if self.clip_frac is not None:
-            out["grad_norm/clip_frac"] = self.clip_frac
         return out
 
 
 @dataclass
 class GradMemory:
-    """What the rules remember between measurements (saved in checkpoints under the same keys as ever).
+    """What the rules remember between measurements (saved in checkpoints).
 
     Attributes:
         history: the recent finite totals, whose median TFD301 compares against.
         vanishing: per group, the measurements in a row below the vanishing line (TFD302).
         no_grad: per parameter, the measurements in a row without a gradient (TFD304).
-        overclip: the measurements in a row clipped by over :data:`OVERCLIP` x (TFD306).
+        overclip: the measurements in a row clipped to under ``1 / OVERCLIP`` (TFD306).
     """
 
     history: RunningWindow
@@ -146,17 +167,10 @@ TFD302 = Rule(
 def vanishing(
     norms: Mapping[str, float], streak: Streak, *, ratio: float, patience: int, tied: Sequence[str] = ()
 ) -> Verdict | None:
-    """TFD302: the groups of ``norms`` (those an optimizer steps) below ``ratio`` x the largest of them for
-    ``patience`` measurements in a row (``streak`` counts them).
-
-    A ``tied`` group (input embeddings shared with the output head, which carry the head's gradient) is judged but is
-    no reference while an untied group is there.
-
-    The reference is the largest group norm: the median would sink with the groups it should expose when half of a
-    deep stack vanishes (bug 13). Only groups an optimizer steps belong in ``norms``: a group left out of every
-    optimizer never learns, its gradient stays as large as at initialisation while the trained groups' fall, and every
-    other group would look vanishing next to it (TFD320/TFD312 name that bug).
-    """
+    """TFD302: the groups of ``norms`` (only those an optimizer steps) below ``ratio`` x the largest of them for
+    ``patience`` measurements in a row. The reference is the largest group, not the median, which sinks with the
+    groups it should expose when half of a deep stack vanishes. A ``tied`` group (input embeddings shared with the
+    output head, which carry the head's gradient) is judged but is no reference while an untied group is there."""
     untied = [n for g, n in norms.items() if g not in tied]
     reference = max(untied or norms.values(), default=0.0)
     if len(norms) < 2 or reference <= 0:
@@ -270,39 +284,43 @@ TFD306 = Rule(
     "TFD306",
     "warning",
     "GradNormMonitor",
-    title="norm clipping cuts every step by over 100x: `gradient_clip_val` far below the gradient norm",
+    title="clipping cuts every step to a small fraction of the gradient: `gradient_clip_val` far too small",
     trigger=(
-        "norm clipping on, every step since the last measurement clipped, and the gradient norm above 100 x "
-        "`gradient_clip_val`, for `patience` measurements"
+        "clipping (by norm or by value, automatic or manual optimization) kept less than 1/30 of the gradient's "
+        "norm on `patience` measured steps in a row"
     ),
     hint=(
-        "Set gradient_clip_val near the gradient norm of healthy steps (look at grad_norm/total; 1.0 is usual for"
-        " transformers with a mean loss) so that it only cuts spikes. With SGD the step shrinks by that factor; "
-        "with Adam the clipped gradients can fall below eps and the step shrinks too. A norm this far above any "
-        "sane clip can also mean a summed loss (LossAtInit names it)."
+        "Set gradient_clip_val so that clipping only cuts spikes: for norm clipping near the gradient norm of healthy "
+        "steps (grad_norm/total; 1.0 is usual for transformers with a mean loss), for value clipping above the size "
+        "of ordinary gradient elements (clipping by norm is the usual choice). With SGD the step shrinks by the "
+        "whole factor; with Adam the clipped gradients can fall below eps. A gradient this far above any sane "
+        "clip can also mean a summed loss (LossAtInit names it)."
     ),
     reason=(
-        "Measured: clipping cuts every step by over 100x, which makes the learning rate set 100x too high in effect"
+        "Measured: clipping cuts every step to a small fraction of the gradient, which makes the learning rate "
+        "that much lower in effect"
     ),
     message=(
-        "Every step is clipped, by a factor of {factor:.3g}: the gradient norm is {grad_norm:.4g} and "
-        "gradient_clip_val is {gradient_clip_val:g}, for {patience} measurements in a row. The clip value, not the "
-        "gradient, sets the update's size."
+        "Clipping keeps only {kept:.2%} of the gradient's norm (a cut of {factor:.3g}x) with "
+        'gradient_clip_val={gradient_clip_val:g} and gradient_clip_algorithm="{gradient_clip_algorithm}", on '
+        "{patience} measured steps in a row: the clip value, not the gradient, sets the update's size."
     ),
 )
 
 
-def overclipping(reading: GradReading, clip_val: float, streak: Streak, *, patience: int) -> Verdict | None:
-    """TFD306: norm clipping cut every step since the last measurement (``clip_frac`` of 0.99 or more) while the norm
-    is above :data:`OVERCLIP` x ``clip_val``, for ``patience`` measurements in a row. Nothing without norm clipping
-    (no ``clip_frac``)."""
-    frac, total = reading.clip_frac, reading.total
-    if frac is None:
+def overclipping(clipping: Clipping | None, streak: Streak, *, patience: int) -> Verdict | None:
+    """TFD306: clipping kept under ``1 / OVERCLIP`` of the gradient's norm on ``patience`` measurements in a row
+    (a measurement without a clipping reading breaks the run)."""
+    over = clipping is not None and clipping.kept < 1.0 / OVERCLIP
+    if streak.update("total", over) < patience or clipping is None:
         return None
-    over = frac >= 0.99 and total == total and total > OVERCLIP * clip_val
-    if streak.update("total", over) < patience:
-        return None
-    evidence = {"grad_norm": total, "gradient_clip_val": clip_val, "factor": total / clip_val, "clip_frac": frac}
+    evidence = {
+        "gradient_clip_val": clipping.clip_val,
+        "gradient_clip_algorithm": clipping.algorithm,
+        "kept": clipping.kept,
+        "factor": 1.0 / clipping.kept if clipping.kept > 0 else math.inf,
+        "clipped_step": clipping.step,
+    }
     return TFD306.verdict(evidence, patience=patience)
 
 

@@ -61,6 +61,30 @@ def budget_bytes(memory_budget_mb: float | None, state_bytes: int) -> int:
     return int(min(memory_budget_mb * MIB, 2**62))  # inf: no limit
 
 
+def check_budget(memory_budget_mb: float | None) -> float | None:
+    """``memory_budget_mb`` as a float, or None.
+
+    Raises:
+        ValueError: if it is not a number of MiB above 0 (nor None).
+    """
+    valid = memory_budget_mb is None or (
+        isinstance(memory_budget_mb, (int, float)) and not isinstance(memory_budget_mb, bool) and memory_budget_mb > 0
+    )
+    if not valid:
+        raise ValueError(f"`memory_budget_mb` must be a number of MiB > 0 or None; got {memory_budget_mb!r}.")
+    return None if memory_budget_mb is None else float(memory_budget_mb)
+
+
+def budget_for(
+    memory_budget_mb: float | None, params: Iterable[Tensor], optimizers: Iterable[torch.optim.Optimizer]
+) -> int:
+    """:func:`budget_bytes` of ``memory_budget_mb``, or by default of the training state of ``params`` and
+    ``optimizers`` (host arithmetic on sizes, no tensor data read)."""
+    if memory_budget_mb is not None:
+        return budget_bytes(memory_budget_mb, 0)
+    return budget_bytes(None, training_state_bytes(params, optimizers))
+
+
 def group_snapshot_bytes(numels: Sequence[int], index: Sequence[int], n_groups: int) -> list[int]:
     """Bytes of each group's fp32 snapshot, given each parameter's element count ``numels`` and group ``index``."""
     out = [0] * n_groups

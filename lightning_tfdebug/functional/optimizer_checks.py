@@ -1,21 +1,7 @@
-"""OptimizerAudit's rules, without a Trainer: a :class:`~lightning_tfdebug.functional.optimizers.WiringReading` and
-host floats in, verdicts out.
-
-At the start of training the wiring is decided from one reading (:func:`wiring_verdicts`): parameters the optimizers
-miss, hold twice, hold frozen or hold without the module knowing them, and each param group's decay and ``eps``. On
-measuring steps the learning rate, the byte comparison of one parameter per group, the early loss and the norm of the
-decayed one-dimensional parameters are decided from host numbers.
-
-Weight decay on one-dimensional parameters (norm gains, biases) is a lint (``TFD324``, info): published recipes build
-``AdamW(model.parameters(), weight_decay=...)`` over every parameter, and at their decay values and run lengths
-nothing measurable happens to those parameters. It is a warning once the run shows the harm: the decayed 1-D
-parameters' norm falls against its own first measured value, by more than :data:`SHRINK` of it, and the decay itself
-accounts for at least :data:`DECAY_SHARE` of that fall (gradients also move norm gains, up or down; a fall the decay
-could not have caused is the loss's doing).
-
-Three rules say a second sentence when the run escalates them (``TFD322`` once a frozen parameter moved, ``TFD324``
-once the decayed norms shrank, ``TFD330`` once the early loss spiked): those sentences are the templates
-:data:`FROZEN_MOVED`, :data:`NORMS_SHRINK` and :data:`WARMUP_SPIKED` beside their rules.
+"""OptimizerAudit's rules, without a Trainer: a :class:`~lightning_tfdebug.functional.optimizers.WiringReading`, a
+schedule's replayed course and host floats in, verdicts out. Rules escalated by the run's own evidence (TFD322,
+TFD324, TFD330) carry their warning sentence as a template beside them (:data:`FROZEN_MOVED`, :data:`NORMS_SHRINK`,
+:data:`WARMUP_SPIKED`).
 """
 
 from __future__ import annotations
@@ -27,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_tfdebug.functional.optimizers import GroupReading, ScheduleReading, WiringReading
+from lightning_tfdebug.functional.optimizers import GroupReading, ScheduleCourse, ScheduleReading, WiringReading
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 COUPLED_DECAY = frozenset({"Adam", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop"})
@@ -39,14 +25,9 @@ HALF_EPS_STEP_FACTOR = 10.0
 DECAY_PER_STEP = 5e-3
 """``TFD336`` when ``lr * weight_decay`` exceeds this: weights halve in under ~140 steps (recipes use 1e-5 to 1e-4)."""
 SHRINK = 0.1
-"""``TFD324`` as a warning when the decayed 1-D parameters' norm fell by more than this fraction of its first measured
-value. Measured (TinyGPT, ``AdamW(model.parameters())``, 120 steps, 10-step warm-up): the recipes' decay
-(``weight_decay`` 0.01 to 0.1 at lr 3e-4 to 2e-3) leaves that norm 1% to 3% *above* its first value; decay 1.0 at lr
-3e-3 takes it 20% below, 3.0 takes it 50% below."""
+"""``TFD324`` as a warning when the decayed 1-D parameters' norm fell by over this fraction of its first value..."""
 DECAY_SHARE = 0.5
-"""... and the decay alone would have shrunk the norm by at least this share of the measured fall:
-``1 - exp(-sum of lr * weight_decay over the steps)`` (without gradients, decoupled decay multiplies every decayed
-weight by ``1 - lr * weight_decay`` per step)."""
+"""... and the decay alone (``1 - exp(-sum lr * weight_decay)``) accounts for at least this share of the fall."""
 SAME_LR = 1e-9
 """Relative tolerance within which two learning rates are the same (a warm-up raises the LR by far more)."""
 
@@ -369,12 +350,8 @@ TFD333 = Rule(
 
 
 def half_eps(group: GroupReading) -> Verdict | None:
-    """``TFD333``: an Adam-family group over float16 parameters (so float16 moments) with a small ``eps``.
-
-    torch's Adam(W) keeps ``exp_avg`` / ``exp_avg_sq`` in the parameter's dtype: for ``|g|`` below
-    :data:`FP16_SQ_UNDERFLOW_GRAD`, ``g * g`` is below float16's smallest subnormal and the second moment is 0, so the
-    step is ``lr * m / eps`` instead of about ``lr``.
-    """
+    """``TFD333``: an Adam-family group over float16 parameters (so float16 moments, whose ``g * g`` underflows
+    below :data:`FP16_SQ_UNDERFLOW_GRAD`) with a small ``eps``."""
     if group.eps is None or not group.float16:
         return None
     eps16 = float(torch.tensor(group.eps, dtype=torch.float16))  # eps as float16 holds it (a CPU scalar)
@@ -418,12 +395,8 @@ TFD336 = Rule(
 
 
 def decay_rate(group: GroupReading) -> Verdict | None:
-    """``TFD336``: decay that shrinks every weight by more than :data:`DECAY_PER_STEP` of itself per step.
-
-    Decoupled decay (AdamW) and SGD's L2 both multiply the weights by ``1 - lr * weight_decay`` every step; Adam's
-    coupled L2 is rescaled by the adaptive step (that is ``TFD326``'s). The LR is the group's peak
-    (:attr:`GroupReading.lr`).
-    """
+    """``TFD336``: decoupled or SGD decay that shrinks every weight by more than :data:`DECAY_PER_STEP` of itself
+    per step at the group's peak LR (coupled Adam L2 is ``TFD326``'s)."""
     if group.weight_decay <= 0 or _coupled(group) or group.lr is None:
         return None
     rate = group.lr * group.weight_decay
@@ -646,9 +619,8 @@ TFD335 = Rule(
 
 
 def schedule_frozen(first_lr: float, lr: float, step: int, schedules: ScheduleReading | None) -> Verdict | None:
-    """``TFD335`` (reported instead of ``TFD330``): the LR has not moved since the first step and sits below half of
-    the schedulers' base LR, a schedule sized in optimizer steps (a warm-up ``LambdaLR``) stepped per epoch,
-    Lightning's default ``interval``. None otherwise, or without a scheduler that records a base LR."""
+    """``TFD335`` (instead of ``TFD330``): the LR has not moved since the first step and sits below half of the
+    schedulers' base LR (a step-sized warm-up stepped per epoch)."""
     if schedules is None or not first_lr > 0 or abs(lr - first_lr) > first_lr * SAME_LR:
         return None
     if not lr < 0.5 * schedules.base_lr:
@@ -662,6 +634,61 @@ def schedule_frozen(first_lr: float, lr: float, step: int, schedules: ScheduleRe
     }
     names, intervals = ", ".join(schedules.names), "/".join(schedules.intervals)
     return TFD335.verdict(evidence, step=step, share=lr / schedules.base_lr, names=names, intervals=intervals)
+
+
+MIN_RUN = 50
+"""TFD337 judges runs of at least this many optimizer steps (shorter ones are trials, sized apart from the schedule)."""
+RUN_SHARE = 0.5
+"""TFD337 when a rising schedule first reaches half of its peak after this share of the run, or never in it."""
+
+TFD337 = Rule(
+    "TFD337",
+    "warning",
+    "OptimizerAudit",
+    title="the LR schedule stays below half of its configured peak for most of the run: a warm-up longer than the run",
+    trigger=(
+        "replayed on a copy at the start of training, a rising LR schedule first reaches half of its configured "
+        "peak (the largest base LR) after half of the run's remaining optimizer steps, or not at all (runs of 50 "
+        "steps or more; off with `check_schedule_fits=False`, as in a preflight)"
+    ),
+    hint=(
+        "Size the warm-up and every other phase of the schedule in optimizer steps of this run (warm-ups are "
+        "usually 1-10% of max_steps), counting gradient accumulation and the number of devices; or give the run "
+        "the length its schedule was written for."
+    ),
+    reason=(
+        "Measured on the schedule itself: most of the run trains at a small fraction of the learning rate it was "
+        "configured with"
+    ),
+    message=(
+        "The learning rate stays below half of its configured peak ({peak:.3g}) {until}: {scheduler} (interval "
+        "{interval}) reaches the peak {at}, and the highest LR of this run is {run_max:.3g} ({share:.1%} of it)."
+    ),
+)
+
+
+def warmup_past_run(course: ScheduleCourse) -> Verdict | None:
+    """``TFD337``: a rising schedule whose LR first reaches half of its peak after :data:`RUN_SHARE` of the run's
+    remaining steps, or never in it. None for runs under :data:`MIN_RUN` steps."""
+    steps, half = course.end - course.start, course.half_step
+    if steps < MIN_RUN or not course.rises or (half is not None and half - course.start <= RUN_SHARE * steps):
+        return None
+    if half is not None and half <= course.end:
+        until = f"until step {half} of this run's {course.end} ({(half - course.start) / steps:.0%} of it)"
+    else:
+        until = f"for the whole run ({course.end} steps)"
+    at = f"at step {course.peak_step}" if course.peak_step is not None else f"not within {course.replayed} steps"
+    evidence = {
+        "scheduler": course.scheduler,
+        "interval": course.interval,
+        "peak": course.peak,
+        "run_max": course.run_max,
+        "half_step": half,
+        "peak_step": course.peak_step,
+        "run_end": course.end,
+    }
+    share = course.run_max / course.peak
+    return TFD337.verdict(evidence, key=course.scheduler, until=until, at=at, share=share)
 
 
 # ---------------------------------------------------------------------------------------- the step
@@ -742,5 +769,6 @@ RULES: tuple[Rule, ...] = (
     TFD334,
     TFD335,
     TFD336,
+    TFD337,
 )
 """The rules decided in this module, in code order."""

@@ -4,6 +4,9 @@ checks. Nothing moves a value to the host unless its docstring says so."""
 
 from __future__ import annotations
 
+import copy
+import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -178,6 +181,109 @@ def read_schedules(configs: Iterable[Any]) -> ScheduleReading | None:
     )
 
 
+REPLAY_LIMIT = 100_000
+"""The most scheduler steps a replay takes (a schedule that has not reached its peak by then is reported so)."""
+
+
+@dataclass(frozen=True)
+class ScheduleCourse:
+    """The course of one LR scheduler from the current step, replayed on a copy (:func:`replay_schedule`).
+
+    Attributes:
+        scheduler: its class name.
+        interval: Lightning's ``interval`` for it (``"step"`` or ``"epoch"``).
+        peak: its configured peak, the largest of its ``base_lrs``.
+        start: the optimizer step the replay starts from.
+        end: the optimizer step the run ends at.
+        run_max: the highest LR it reaches by ``end``.
+        half_step: the first optimizer step at which its LR is at least half of ``peak`` (None: not in the replay).
+        peak_step: the first optimizer step at which it reaches ``peak`` (None: not in the replay).
+        rises: its LR rises at some point of the replay.
+        replayed: the optimizer steps the replay covered.
+    """
+
+    scheduler: str
+    interval: str
+    peak: float
+    start: int
+    end: int
+    run_max: float
+    half_step: int | None
+    peak_step: int | None
+    rises: bool
+    replayed: int
+
+
+class _StandIn:
+    """The optimizer a replayed scheduler steps: copies of the param groups' settings, no parameters."""
+
+    _opt_called = True  # torch's scheduler checks, on its first step, that the optimizer stepped
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self.param_groups = copy.deepcopy(groups)  # a tensor LR is written in place: never the live one
+        self.defaults = dict(getattr(optimizer, "defaults", {}))
+
+    def step(self) -> None:  # pragma: no cover - never called by a scheduler
+        pass
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+
+def replay_schedule(
+    config: Any, start: int, end: float, steps_per_epoch: float, shared: Iterable[Any] = ()
+) -> ScheduleCourse | None:
+    """The course of the scheduler of a Lightning scheduler ``config`` from optimizer step ``start`` to ``end``, and
+    past it until it reaches its peak (at most :data:`REPLAY_LIMIT` scheduler steps), without touching it: a deep copy
+    steps a stand-in optimizer; ``shared`` (the module, the Trainer) is referenced by the copy, never copied. None
+    when it cannot be told: no base LR (``base_lrs`` or the groups' ``initial_lr``), an unbounded run, a scheduler
+    that needs a metric or fails on a copy."""
+    scheduler = config.scheduler
+    optimizer = getattr(scheduler, "optimizer", None)
+    base = getattr(scheduler, "base_lrs", None) or [g["initial_lr"] for g in _groups(optimizer) if "initial_lr" in g]
+    per_unit = 1.0 if config.interval == "step" else steps_per_epoch
+    period = int(max(1, config.frequency) * per_unit) if math.isfinite(per_unit) and per_unit >= 1 else 0
+    if optimizer is None or not base or not math.isfinite(end) or period < 1:
+        return None
+    memo = {id(optimizer): _StandIn(optimizer), **{id(obj): obj for obj in shared}}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            replica = copy.deepcopy(scheduler, memo)
+            return _follow(replica, config, start, int(end), period, max(float(lr) for lr in base))
+    except Exception:  # a scheduler that cannot be copied or stepped alone: nothing is said about its course
+        return None
+
+
+def _groups(optimizer: Any) -> list[dict[str, Any]]:
+    return list(getattr(optimizer, "param_groups", []))
+
+
+def _follow(replica: Any, config: Any, start: int, end: int, period: int, peak: float) -> ScheduleCourse:
+    """Step ``replica`` (once every ``period`` optimizer steps) from ``start`` until its peak is reached and either the
+    run is covered or its LR stops rising."""
+    step, first, top, run_max = start, math.nan, -math.inf, 0.0
+    half_step = peak_step = None
+    for _ in range(REPLAY_LIMIT):
+        lr = max(float(v) for v in replica.get_last_lr())
+        first = lr if math.isnan(first) else first
+        if step <= end:
+            run_max = max(run_max, lr)
+        if half_step is None and lr >= 0.5 * peak:
+            half_step = step
+        if peak_step is None and lr >= peak * (1 - 1e-6):
+            peak_step = step
+        past_run, at_top = step >= end, lr <= top
+        if (peak_step is not None and (at_top or past_run)) or (past_run and at_top):
+            break  # at the top of the schedule, or past the run and its peak (or no longer rising)
+        top = max(top, lr)
+        replica.step()
+        step += period
+    rises = max(top, lr) > first * (1 + 1e-6)
+    name, interval = type(replica).__name__, str(config.interval)
+    return ScheduleCourse(name, interval, peak, start, end, run_max, half_step, peak_step, rises, step - start)
+
+
 def is_transformer(module: nn.Module) -> bool:
     """Whether the model has attention: an ``nn.MultiheadAttention`` or a module whose class name says Attention."""
     return any(
@@ -205,8 +311,8 @@ def stale_grad_flags(optimizers: Iterable[torch.optim.Optimizer]) -> Tensor | No
                 probes.append(param)
     if not probes:
         return None
-    with torch.no_grad():
-        return torch.stack([(local_tensor(p.grad) != 0).any().to(probes[0].device) for p in probes])
+    with torch.no_grad():  # memory: a reduction per gradient, no copy of it
+        return torch.stack([local_tensor(p.grad).any().to(probes[0].device) for p in probes])
 
 
 @dataclass(frozen=True)
@@ -227,30 +333,39 @@ class Snapshot:
         return (local_tensor(self.param.detach()) != self.before).any().float()
 
 
-def _held_here(param: Tensor) -> bool:
-    """This rank holds elements of ``param`` (an FSDP shard may be empty on some ranks)."""
-    return local_tensor(param.detach()).numel() > 0
-
-
 def snapshot_step(
-    optimizer: torch.optim.Optimizer, names: Mapping[int, str], frozen_ids: set[int]
-) -> tuple[list[Snapshot], list[Snapshot]]:
-    """Copies taken before ``optimizer`` steps: one parameter with a gradient per param group whose LR is above 0,
-    and one frozen parameter the optimizer holds (torch optimizers skip it; ``TFD322`` becomes a warning when it
-    moves). ``names``: parameter names by ``id``."""
-    snaps, frozen = [], []
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], frozen_ids: set[int], budget: float = math.inf
+) -> tuple[list[Snapshot], list[Snapshot], int]:
+    """Copies taken before ``optimizer`` steps: per param group whose LR is above 0, its first parameter with a
+    gradient whose copy fits what is left of ``budget`` bytes, and one frozen parameter the optimizer holds (torch
+    optimizers skip it; ``TFD322`` becomes a warning when it moves). ``names``: parameter names by ``id``. Also
+    returns how many groups had a parameter with a gradient but none that fit."""
+    snaps, frozen, unfit = [], [], 0
+
+    def pick(params: Iterable[Tensor]) -> Tensor | None:
+        nonlocal budget
+        for param in params:
+            local = local_tensor(param.detach())
+            cost = local.numel() * (local.element_size() + 1)  # the copy, and the comparison's boolean mask
+            if local.numel() and cost <= budget:
+                budget -= cost
+                return param
+        return None
+
     with torch.no_grad():
         for gi, group in enumerate(optimizer.param_groups):
             if not float(group["lr"]) > 0:  # a host float, read by read_lrs on this measuring step
                 continue
-            param = next((p for p in group["params"] if p.grad is not None and _held_here(p)), None)
+            candidates = [p for p in group["params"] if p.grad is not None]
+            param = pick(candidates)
             if param is not None:
                 snaps.append(Snapshot.of(names.get(id(param), f"group{gi}.param"), param))
-        held = (p for group in optimizer.param_groups for p in group["params"] if id(p) in frozen_ids)
-        param = next((p for p in held if _held_here(p)), None)
+            elif any(local_tensor(p.detach()).numel() for p in candidates):
+                unfit += 1
+        param = pick(p for group in optimizer.param_groups for p in group["params"] if id(p) in frozen_ids)
         if param is not None:
             frozen.append(Snapshot.of(names.get(id(param), "frozen"), param))
-    return snaps, frozen
+    return snaps, frozen, unfit
 
 
 def parameters_norm(params: Iterable[Tensor]) -> Tensor | None:

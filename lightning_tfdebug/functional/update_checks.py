@@ -1,18 +1,8 @@
 """UpdateRatio's decisions: updates too small or too large for the weights, groups that never change, weights that
 inflate or deflate. Host numbers in, verdicts out; no Trainer.
 
-The callback hands each measured optimizer step to :func:`update_verdicts` as an :class:`UpdateReading` (the ratios,
-the weight and gradient norms per group, the interval's mean loss), with the :class:`UpdateMemory` of earlier
-measurements and the :class:`GroupFacts` read once with the groups.
-
-Tiny updates are a problem when they are too small to move the loss: a learning rate far too low shows as a loss that
-barely falls. A fine-tune at a fine-tuning learning rate also has a small update-to-weight ratio (trained weights are
-larger than initial ones, and the learning rate is lower on purpose), but its loss keeps falling: the updates are doing
-their work. :func:`loss_still_falling` tells the two apart from the mean training loss of the measuring intervals, and
-:mod:`lightning_tfdebug.functional.learning` whether the model has learned at all.
-
-A group that gets gradients but does not change is either left out of the optimizer (TFD312) or stepped by less than
-its weights can show (:func:`below_resolution`: a learning rate far too low, named in TFD310).
+Each measured optimizer step reaches :func:`update_verdicts` as an :class:`UpdateReading`, with the
+:class:`UpdateMemory` of earlier measurements and the :class:`GroupFacts` read once with the groups.
 ``docs/callbacks/update_ratio.md`` gives the measurements behind every threshold.
 """
 
@@ -35,7 +25,7 @@ from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 GROWTH_FLOOR = 0.05
 """TFD313/TFD314 judge only groups whose norm at the start of the window is above this fraction of the largest
-group's: a zero-initialised bias or position table grows from nothing under any learning rate."""
+group's (a zero-initialised bias grows from nothing under any learning rate)."""
 
 
 # ------------------------------------------------------------------------------------------------------ readings
@@ -55,8 +45,8 @@ class UpdateReading:
         mean_loss: the mean training loss of the batches since the previous measurement (NaN: none returned).
         unigram: the supervised labels' unigram entropy, when this step counted them (else NaN).
         stepped: whether the optimizer changed any weight on this step; None: some group of ``delta_sq`` changed.
-            A snapshot taken in parts (``memory_budget_mb``) measures ``ratios`` and ``delta_sq`` of some groups
-            only; ``total`` then covers those groups, the norms and gradients every group (NaN: none measured).
+            A snapshot in parts (``memory_budget_mb``) measures ``ratios``, ``delta_sq`` and ``total`` of some
+            groups only (``total`` NaN: none measured).
     """
 
     step: int
@@ -84,11 +74,8 @@ class UpdateReading:
         measured: Sequence[bool] | None = None,
     ) -> UpdateReading:
         """The reading of ``squares``: per group ``‖ΔW‖²``, then ``‖W‖²``, then ``‖grad‖²`` (``3 * len(names)``
-        host floats), and the interval's summed loss over ``loss_batches`` batches.
-
-        ``measured``: which groups the snapshot covered on this step (None: all). The ``‖ΔW‖²`` slot of a group not
-        measured holds instead how much its ``‖W‖²`` changed over the step: with the measured changes, it tells
-        whether the optimizer stepped at all (:func:`stuck_groups`)."""
+        host floats), and the interval's summed loss over ``loss_batches`` batches. ``measured``: the groups the
+        snapshot covered (None: all); the ``‖ΔW‖²`` slot of another group holds how much its ``‖W‖²`` changed."""
         n = len(names)
         delta_sq, param_sq, grad_sq = squares[:n], squares[n : 2 * n], squares[2 * n : 3 * n]
         stepped = None if measured is None else sum(delta_sq) > 0  # a group changed, or the norm of one not measured
@@ -112,8 +99,7 @@ class UpdateReading:
         )
 
     def scalars(self, low: float, high: float) -> dict[str, float]:
-        """The logged keys (``UpdateRatio.KEYS``), with the healthy band beside the ratios for the dashboard; the
-        ratios of the groups measured on this step only (all of them unless the snapshot was taken in parts)."""
+        """The logged keys (``UpdateRatio.KEYS``), with the healthy band; ratios of the groups measured only."""
         out = {"update_ratio/param_norm/total": self.param_norm_total}
         if self.ratios:
             out = {"update_ratio/total": self.total, **out}
@@ -127,7 +113,7 @@ class UpdateReading:
 
 @dataclass
 class UpdateMemory:
-    """What the rules remember between measurements (saved in checkpoints under the same keys as ever).
+    """What the rules remember between measurements (saved in checkpoints).
 
     Attributes:
         patience: how many recent learning rates and losses are kept.
@@ -138,7 +124,7 @@ class UpdateMemory:
         unigram: the labels' unigram entropy (NaN until counted).
         streak: measurements in a row with the total ratio below ``low`` (``"low"``) and, per group, with gradients
             but no change (``"zero:<group>"``).
-        norms: ``(step, group norms)`` within the growth window.
+        norms: ``(step, group norms, mean loss)`` within the growth window.
     """
 
     patience: int
@@ -148,7 +134,7 @@ class UpdateMemory:
     first_loss: float | None = None
     unigram: float = math.nan
     streak: Streak = field(default_factory=Streak)
-    norms: deque[tuple[int, dict[str, float]]] = field(default_factory=deque)
+    norms: deque[tuple[int, dict[str, float], float]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self.recent_lr = deque(self.recent_lr, maxlen=self.patience)
@@ -181,7 +167,7 @@ class UpdateMemory:
             "losses": [list(point) for point in self.losses],
             "first_loss": self.first_loss,
             "unigram_entropy": self.unigram if math.isfinite(self.unigram) else None,
-            "norms": [[step, norms] for step, norms in self.norms],
+            "norms": [list(entry) for entry in self.norms],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -192,12 +178,13 @@ class UpdateMemory:
         self.first_loss = state.get("first_loss")
         unigram = state.get("unigram_entropy")
         self.unigram = float(unigram) if unigram is not None else math.nan
-        self.norms = deque((int(step), dict(norms)) for step, norms in state.get("norms", []))
+        entries = ([*entry, math.nan][:3] for entry in state.get("norms", []))  # older checkpoints: no loss
+        self.norms = deque((int(step), dict(norms), float(loss)) for step, norms, loss in entries)
 
 
 @dataclass(frozen=True)
 class GroupFacts:
-    """What UpdateRatio reads once per layout about each group, on the host (no tensor data is read).
+    """What UpdateRatio reads once per layout about each group (host only, no tensor data).
 
     Attributes:
         params: the ids of the group's parameters.
@@ -231,16 +218,14 @@ def group_facts(
 
 # ---------------------------------------------------------------------------------------------------- helpers
 LOSS_FALL_PER_STEP = 1e-3
-"""The loss is still falling when its mean fell by at least this fraction of itself per optimizer step over the low
-streak (0.1%: at that pace it falls by a tenth in 100 steps). Measured: full fine-tunes at lr 2e-4 fall by about
-0.4% per step (TransformerEncoder LM), runs from scratch with the learning rate 100x too low by 0.02% to 0.03%
-(TinyGPT at 1e-5, GPT-2 at 2e-5), so the line sits a factor of 3 or more from both."""
+"""The loss is still falling when its mean fell by at least this fraction of itself per optimizer step over the last
+``patience`` measurements (measured: fine-tunes fall by about 0.4% per step, runs with the LR 100x too low by 0.02%
+to 0.03%)."""
 
 
 def loss_fall_per_step(losses: Sequence[tuple[int, float]]) -> float:
-    """How fast the loss fell over ``losses`` (``(step, mean loss of the interval ending there)``, oldest first): the
-    fall from the first to the last value, as a fraction of the first, per optimizer step. NaN when it cannot be told
-    (fewer than two points, a non-finite or zero loss)."""
+    """The fall of the loss from the first to the last of ``losses`` (``(step, mean loss)``, oldest first), as a
+    fraction of the first, per optimizer step; NaN when it cannot be told."""
     if len(losses) < 2:
         return math.nan
     (first_step, first), (last_step, last) = losses[0], losses[-1]
@@ -257,34 +242,29 @@ def loss_still_falling(losses: Sequence[tuple[int, float]], min_fall_per_step: f
 
 
 def label_counts(labels: Tensor | None, vocab_size: int, ignore_index: int, device: torch.device) -> Tensor:
-    """How often each class ``0 .. vocab_size - 1`` occurs among the supervised labels, on ``device``: LossAtInit's
-    count (:func:`lightning_tfdebug.functional.loss.label_counts`, no host sync), and zeros when the batch holds no
-    integer labels, so every rank packs a vector of the same length."""
+    """How often each class ``0 .. vocab_size - 1`` occurs among the supervised labels, on ``device`` (no host sync);
+    zeros when the batch holds no integer labels, so every rank packs a vector of the same length."""
     if labels is None or labels.is_floating_point() or labels.dtype == torch.bool:
         return torch.zeros(vocab_size, device=device)
     return count_labels(labels.to(device), vocab_size, ignore_index)
 
 
 def outside_optimizers(params: Sequence[Tensor], optimizers: Sequence[torch.optim.Optimizer]) -> list[bool] | None:
-    """For each of ``params``, whether it is in none of the ``optimizers``' param groups (compared by identity). None
-    when that cannot be told: no parameter of ``params`` is held by any optimizer (a strategy whose optimizer holds
-    copies or flattened views of the model's parameters), which says more about the wrapping than about the model."""
+    """For each of ``params``, whether it is in none of the ``optimizers``' param groups (by identity). None when no
+    parameter is held by any optimizer (one that holds copies or flattened views: nothing can be told)."""
     held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
     outside = [id(p) not in held for p in params]
     return None if all(outside) else outside
 
 
 def expected_step(lr: float, adaptive: bool, grad_rms: float) -> float:
-    """The typical change of one element in one optimizer step: about ``lr`` for the Adam family (the step is
-    ``lr * m / (sqrt(v) + eps)``, of order one times the LR), ``lr * rms(grad)`` for SGD-like optimizers."""
+    """The typical change of one element in one step: about ``lr`` for the Adam family, ``lr * rms(grad)`` for SGD."""
     return lr if adaptive else lr * grad_rms
 
 
 def below_resolution(step: float, weight_rms: float, eps: float) -> bool:
-    """Whether a change of ``step`` to weights of size ``weight_rms`` rounds back to the same weights: below half the
-    spacing of their dtype's floats there (``eps * |w| / 2``; ``eps`` is ``torch.finfo(dtype).eps``: 1.2e-7 for fp32,
-    7.8e-3 for bf16). Adam at lr 1e-8 cannot move fp32 norm gains of 1.0 (half a ulp is 6e-8); it moves matrices of
-    rms 0.02 (half a ulp 1.2e-9)."""
+    """Whether a change of ``step`` to weights of size ``weight_rms`` rounds back: below half the float spacing there
+    (``eps * |w| / 2``, ``eps`` of the weights' dtype)."""
     return weight_rms > 0 and step < eps * weight_rms / 2
 
 
@@ -304,17 +284,9 @@ def stuck_groups(reading: UpdateReading, streak: Streak, *, patience: int) -> li
 def left_out_or_rounded(
     stuck: Sequence[str], reading: UpdateReading, facts: GroupFacts, param_groups: Sequence[Mapping[str, Any]]
 ) -> tuple[list[str], dict[str, dict[str, float]]]:
-    """Of the ``stuck`` groups, those left out of the optimizer (TFD312), and those whose updates round away (with
-    their expected step and half float spacing: TFD310's evidence).
-
-    A group holding a parameter outside every optimizer is left out. A group wholly in the optimizer is not: when its
-    expected step (the LR of its param group times the optimizer's typical step per element) is below half the float
-    spacing of its weights, the optimizer did step it and the weights rounded back, which is a learning rate far too
-    low for them; above it (a param group at lr 0), nothing is said. When membership cannot be told, the same
-    comparison decides, against the optimizers' most generous param group, and a group whose step should have shown
-    is left out. ``param_groups``: every optimizer's param groups, read (a tensor LR to the host) only when a group
-    is stuck.
-    """
+    """Of the ``stuck`` groups, those left out of the optimizer (TFD312), and those whose expected step is below half
+    the float spacing of their weights (they rounded back: TFD310's evidence). When membership cannot be told, a
+    group whose step should have shown is left out. ``param_groups`` is read only when a group is stuck."""
     if not stuck:
         return [], {}
     settings = {id(p): (float(group["lr"]), "betas" in group) for group in param_groups for p in group["params"]}
@@ -342,24 +314,25 @@ TFD310 = Rule(
     "TFD310",
     "warning",
     "UpdateRatio",
-    title="updates too small for the LR plateau, and the loss barely moves: LR too low",
+    title="updates too small for the LR the schedule reaches, and the loss barely moves: LR too low",
     trigger=(
-        "update:weight ratio below `low` for `patience` measurements while the LR is at its plateau (not in "
-        "warm-up, not decayed below `decayed_lr_fraction` of its peak), and over them the mean training loss "
-        "fell by less than 0.1% of itself per step, and the model has not learned: its first measured loss made "
-        "less than 0.35 of the way from ln(V) to the labels' unigram entropy (a fine-tune starts most of the way "
-        "down) and its latest loss is not below that entropy (`lightning_tfdebug.functional.learning`)"
+        "update:weight ratio below `low` for `patience` measurements, judged at the LR's plateau (not decayed below "
+        "`decayed_lr_fraction` of its peak) or, while the LR still rises, scaled to the highest LR the schedule "
+        "reaches in this run (replayed on a copy); over them the mean training loss fell by less than 0.1% of "
+        "itself per step, and the model has not learned: its first measured loss made less than 0.35 of the way "
+        "from ln(V) to the labels' unigram entropy (a fine-tune starts most of the way down) and its latest loss "
+        "is not below that entropy (`lightning_tfdebug.functional.learning`)"
     ),
     hint=(
         "The learning rate is probably too low (with AdamW, ratio ~ lr / rms(W)). Raise it, or run an LR range "
-        "test; check that the scheduler is not stuck at its initial factor. Groups named in "
-        "`groups_below_resolution` did not change at all: the optimizer stepped them by less than half the float "
-        "spacing of their weights (AdamW at lr 1e-8 on fp32 norm gains of 1.0), and they rounded back."
+        "test; check that the scheduler is not stuck at its initial factor and that its warm-up fits in the run. "
+        "Groups named in `groups_below_resolution` did not change at all: the optimizer stepped them by less than "
+        "half the float spacing of their weights (AdamW at lr 1e-8 on fp32 norm gains of 1.0), and they rounded back."
     ),
     reason="Measured: updates too small to move the weights, and the loss shows the model has not learned",
     message=(
         "Updates are tiny: ||dW||/||W|| = {update_ratio:.3g} (healthy band {band[low]:g} to {band[high]:g}) for "
-        "{patience} measurements at a learning rate of {lr:.3g}{loss_falls}{not_learned}{rounded}."
+        "{patience} measurements at a learning rate of {lr:.3g}{planned}{loss_falls}{not_learned}{rounded}."
     ),
 )
 
@@ -386,14 +359,19 @@ def tiny_updates(
     patience: int,
     decayed_lr_fraction: float,
     ln_vocab: float | None,
+    planned_lr: float | None = None,
 ) -> Verdict | None:
-    """TFD310: the total ratio below ``low`` for ``patience`` measurements at the LR's plateau, while the mean loss
-    barely falls and the model has not learned (unknown, without a loss or ln(V): the ratio and the loss's fall
-    decide). ``rounded``: the stuck groups whose updates round away (:func:`left_out_or_rounded`), named."""
-    low_streak = memory.streak.update("low", reading.total < low) >= patience
+    """TFD310: the total ratio below ``low`` for ``patience`` measurements while the mean loss barely falls and the
+    model has not learned (unknown without a loss or ln(V)). Judged at the LR's plateau, or, while the LR rises
+    towards ``planned_lr`` (the highest LR the schedule reaches in this run), on the ratio scaled to it: the update
+    grows with the LR. ``rounded``: the stuck groups whose updates round away, named."""
+    rising = planned_lr is not None and 0 < reading.lr < planned_lr and reading.lr >= memory.peak_lr
+    target = planned_lr if rising and planned_lr is not None else reading.lr
+    ratio = reading.total * target / reading.lr if rising else reading.total
+    low_streak = memory.streak.update("low", ratio < low) >= patience
     mean, first = reading.mean_loss, memory.first_loss
     has_learned = first is not None and ln_vocab is not None and bool(learned(first, mean, ln_vocab, memory.unigram))
-    if not low_streak or not memory.at_plateau(reading.lr, decayed_lr_fraction):
+    if not low_streak or not (rising or memory.at_plateau(reading.lr, decayed_lr_fraction)):
         return None
     if loss_still_falling(memory.losses) or has_learned:
         return None
@@ -416,17 +394,25 @@ def tiny_updates(
             f"; group(s) {', '.join(rounded)} did not change at all: they are in the optimizer, but each step is "
             "below half the float spacing of their weights, which round back"
         )
+    planned = f" (still rising: {ratio:.3g} at the {target:.3g} the schedule reaches in this run)" if rising else ""
     evidence = {
         "update_ratio": reading.total,
         "lr": reading.lr,
         "band": {"low": low, "high": high},
-        "groups_below": [g for g, ratio in reading.ratios.items() if ratio < low],
+        "groups_below": [g for g, value in reading.ratios.items() if value < low],
         "groups_below_resolution": dict(rounded),
         "loss_fall_per_step": fall,
+        **({"planned_lr": target, "ratio_at_planned_lr": ratio} if rising else {}),
         **_learning_evidence(memory, mean, ln_vocab),
     }
     return TFD310.verdict(
-        evidence, step=reading.step, patience=patience, loss_falls=loss_falls, not_learned=not_learned, rounded=rounding
+        evidence,
+        step=reading.step,
+        patience=patience,
+        planned=planned,
+        loss_falls=loss_falls,
+        not_learned=not_learned,
+        rounded=rounding,
     )
 
 
@@ -501,23 +487,32 @@ def not_in_optimizer(left_out: Sequence[str], reading: UpdateReading, *, patienc
 # ---------------------------------------------------------------------------------------------------------- TFD313
 TFD313 = Rule(
     "TFD313",
-    "warning",
+    "info",
     "UpdateRatio",
-    title=("the weights inflate (median group norm grew > `growth_limit` x in `growth_window` steps): LR far too high"),
+    title=(
+        "the weights inflate (median group norm grew > `growth_limit` x in `growth_window` steps); a warning with "
+        "harm beside it: LR far too high"
+    ),
     trigger=(
         "the median group weight norm grew more than `growth_limit` x within `growth_window` optimizer steps "
-        "(groups under 5% of the largest group's norm left out)"
+        "(groups under 5% of the largest group's norm left out); a warning when, beside it, the mean training "
+        "loss is not finite or fell by less than 0.1% of itself per step over the same window, the update ratio is "
+        "above `high`, or the growth is past `growth_limit` squared"
     ),
     hint=(
         "Each step moves the weights a lot against their own scale (Adam moves every weight by about the LR per "
         "step), so they inflate instead of learning; the loss typically stalls on a plateau or spikes. The "
         "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 and "
-        "1e-3 (a few times more for tiny models). Lower it, and keep a warm-up."
+        "1e-3 (a few times more for tiny models). Lower it, and keep a warm-up. Norms of small-initialised "
+        "weights also grow early in healthy training while the loss falls: that alone is info."
     ),
-    reason="Measured: the weights inflate within a short window, which a learning rate far too high does",
+    reason=(
+        "Small-initialised weights grow early in healthy training; a warning only with harm beside the growth (a "
+        "loss that stopped falling, or updates above the band)"
+    ),
     message=(
         "Weights are growing fast: the median group norm grew {median_growth:.3g}x in {steps} optimizer steps (limit "
-        "{growth_limit:g}x in {growth_window}), at a learning rate of {lr:.3g}."
+        "{growth_limit:g}x in {growth_window}), at a learning rate of {lr:.3g}{beside}."
     ),
 )
 
@@ -525,24 +520,37 @@ TFD313 = Rule(
 @dataclass(frozen=True)
 class NormChange:
     """How the group weight norms changed over the growth window: ``growth`` per group judged (the norm now over the
-    norm at ``from_step``), and its median."""
+    norm at ``from_step``), its median, and the mean loss at both ends (NaN: none returned)."""
 
     from_step: int
     to_step: int
     median: float
     growth: dict[str, float]
+    from_loss: float = math.nan
+    to_loss: float = math.nan
+
+    def evidence(self, largest_first: bool) -> dict[str, Any]:
+        """The evidence TFD313 and TFD314 share: the median and each group's growth, ordered by it."""
+        ordered = sorted(self.growth.items(), key=lambda kv: -kv[1] if largest_first else kv[1])
+        growth = {g: round(v, 4) for g, v in ordered}
+        return {"median_growth": self.median, "from_step": self.from_step, "to_step": self.to_step, "growth": growth}
 
 
 def norm_change(
-    window: deque[tuple[int, dict[str, float]]], norms: Mapping[str, float], step: int, *, growth_window: int
+    window: deque[tuple[int, dict[str, float], float]],
+    norms: Mapping[str, float],
+    step: int,
+    *,
+    growth_window: int,
+    loss: float = math.nan,
 ) -> NormChange | None:
-    """Add the group ``norms`` of ``step`` to ``window`` (dropping what is older than ``growth_window`` steps) and
-    compare them with the window's oldest; None when there is nothing to compare (no earlier step, no group of real
-    size: above :data:`GROWTH_FLOOR` of the largest at the start)."""
+    """Add the group ``norms`` and mean ``loss`` of ``step`` to ``window`` (dropping what is older than
+    ``growth_window`` steps) and compare them with the window's oldest; None when there is nothing to compare (no
+    earlier step, no group above :data:`GROWTH_FLOOR` of the largest at the start)."""
     while window and window[0][0] < step - growth_window:
         window.popleft()
-    window.append((step, dict(norms)))
-    start_step, start = window[0]
+    window.append((step, dict(norms), loss))
+    start_step, start, start_loss = window[0]
     if start_step == step:
         return None
     largest = max(start.values(), default=0.0)
@@ -553,24 +561,38 @@ def norm_change(
     }
     if not growth:
         return None
-    return NormChange(start_step, step, statistics.median(growth.values()), growth)
+    return NormChange(start_step, step, statistics.median(growth.values()), growth, start_loss, loss)
 
 
-def weights_growing(change: NormChange | None, lr: float, *, growth_limit: float, growth_window: int) -> Verdict | None:
-    """TFD313: the median group norm grew past ``growth_limit`` x within the window."""
+def growth_harm(change: NormChange, reading: UpdateReading, *, high: float, growth_limit: float) -> str | None:
+    """What shows harm beside weight growth: a loss that is not finite or fell by less than
+    :data:`LOSS_FALL_PER_STEP` per step over the window, updates above ``high``, or growth past ``growth_limit``
+    squared (weights inflating, not leaving a small init); None otherwise."""
+    if math.isfinite(change.from_loss) and not math.isfinite(change.to_loss):
+        return f"the mean training loss went from {change.from_loss:.4g} to {change.to_loss}"
+    fall = loss_fall_per_step([(change.from_step, change.from_loss), (change.to_step, change.to_loss)])
+    if math.isfinite(fall) and fall < LOSS_FALL_PER_STEP:
+        moved = f"fell by only {fall:.3%}" if fall >= 0 else f"rose by {-fall:.3%}"
+        return f"the mean training loss {moved} of itself per step over those steps"
+    if reading.total > high:
+        return f"one step changed the weights by ||dW||/||W|| = {reading.total:.3g}, above the band"
+    if change.median > growth_limit**2:
+        return f"the growth is past {growth_limit**2:g}x, beyond what weights leaving a small init show"
+    return None
+
+
+def weights_growing(
+    change: NormChange | None, reading: UpdateReading, harm: str | None, *, growth_limit: float, growth_window: int
+) -> Verdict | None:
+    """TFD313: the median group norm grew past ``growth_limit`` x within the window; a warning with ``harm`` (what
+    :func:`growth_harm` found), else info."""
     if change is None or change.median <= growth_limit:
         return None
-    evidence = {
-        "median_growth": change.median,
-        "from_step": change.from_step,
-        "to_step": change.to_step,
-        "lr": lr,
-        "growth": {g: round(v, 4) for g, v in sorted(change.growth.items(), key=lambda kv: -kv[1])},
-    }
-    steps = change.to_step - change.from_step
-    return TFD313.verdict(
-        evidence, step=change.to_step, steps=steps, growth_limit=growth_limit, growth_window=growth_window
-    )
+    evidence = {**change.evidence(largest_first=True), "lr": reading.lr, "harm": harm}
+    beside = f", and {harm}" if harm else ", while the loss still falls (early growth of small-initialised weights)"
+    window = {"steps": change.to_step - change.from_step, "growth_limit": growth_limit, "growth_window": growth_window}
+    severity, key = ("warning", "harm") if harm else (None, None)
+    return TFD313.verdict(evidence, severity=severity, key=key, step=change.to_step, beside=beside, **window)
 
 
 # ---------------------------------------------------------------------------------------------------------- TFD314
@@ -621,22 +643,9 @@ def weights_shrinking(
             f" The strongest weight decay shrinks weights by lr x weight_decay = {decay:.3g} per step (half the "
             f"norm every {math.log(2) / decay:.0f} steps without gradients)."
         )
-    evidence = {
-        "median_growth": change.median,
-        "from_step": change.from_step,
-        "to_step": change.to_step,
-        "lr_times_weight_decay": decay,
-        "growth": {g: round(v, 4) for g, v in sorted(change.growth.items(), key=lambda kv: kv[1])},
-    }
-    steps = change.to_step - change.from_step
-    return TFD314.verdict(
-        evidence,
-        step=change.to_step,
-        steps=steps,
-        growth_limit=growth_limit,
-        growth_window=growth_window,
-        because=because,
-    )
+    evidence = {**change.evidence(largest_first=False), "lr_times_weight_decay": decay}
+    window = {"steps": change.to_step - change.from_step, "growth_limit": growth_limit, "growth_window": growth_window}
+    return TFD314.verdict(evidence, step=change.to_step, because=because, **window)
 
 
 # ---------------------------------------------------------------------------------------------------------- together
@@ -653,27 +662,34 @@ def update_verdicts(
     growth_limit: float,
     growth_window: int,
     ln_vocab: float | None,
+    planned_lr: float | None = None,
 ) -> list[Verdict | None]:
     """Every rule on one measured step, in order (TFD310, TFD311, TFD313, TFD314, TFD312), after ``memory`` took
-    the reading in. ``param_groups``: every optimizer's param groups (read only when a rule needs them)."""
+    the reading in. ``param_groups``: every optimizer's param groups (read only when a rule needs them);
+    ``planned_lr``: the highest LR the schedule reaches in this run (None: unknown)."""
     memory.observe(reading)
     stuck = stuck_groups(reading, memory.streak, patience=patience)
     left_out, rounded = left_out_or_rounded(stuck, reading, facts, param_groups)
-    change = norm_change(memory.norms, reading.param_norms, reading.step, growth_window=growth_window)
-    band = {"low": low, "high": high}
+    change = norm_change(
+        memory.norms, reading.param_norms, reading.step, growth_window=growth_window, loss=reading.mean_loss
+    )
+    window = {"growth_limit": growth_limit, "growth_window": growth_window}
+    harm = growth_harm(change, reading, high=high, growth_limit=growth_limit) if change is not None else None
     return [
         tiny_updates(
             reading,
             memory,
             rounded,
-            **band,
+            low=low,
+            high=high,
             patience=patience,
             decayed_lr_fraction=decayed_lr_fraction,
             ln_vocab=ln_vocab,
+            planned_lr=planned_lr,
         ),
-        huge_update(reading, **band),
-        weights_growing(change, reading.lr, growth_limit=growth_limit, growth_window=growth_window),
-        weights_shrinking(change, param_groups, growth_limit=growth_limit, growth_window=growth_window),
+        huge_update(reading, low=low, high=high),
+        weights_growing(change, reading, harm, **window),
+        weights_shrinking(change, param_groups, **window),
         not_in_optimizer(left_out, reading, patience=patience),
     ]
 

@@ -72,27 +72,49 @@ def test_regex_and_depth_grouping(tmp_path):
     )
 
 
-def test_clip_fraction_counts_clipped_steps_since_the_last_log(tmp_path):
-    reference, monitor = ReferenceGradNorm(), GradNormMonitor(every_n_steps=4)
-    fit(tmp_path, [reference, monitor], max_steps=9, gradient_clip_val=1.5)
-    logged = dict(read_scalars(tmp_path / "tb" / "version_0")["grad_norm/clip_frac"])
-    clipped = {s: reference.norms[s] > 1.5 for s in reference.norms}
-    # measured at step 8: steps 4..7 were clipped (or not) since the previous log at step 4
-    assert logged[8] == pytest.approx(sum(clipped[s] for s in range(4, 8)) / 4)
-
-
-def test_a_clip_value_far_below_the_gradient_norm_is_named(tmp_path):
+def test_norm_clipping_is_read_after_lightning_clips_and_a_tiny_clip_value_is_named(tmp_path):
     reference, monitor = ReferenceGradNorm(), GradNormMonitor(every_n_steps=2, patience=3)
     fit(tmp_path / "tiny", [reference, monitor], max_steps=8, gradient_clip_val=1e-4)
+    kept = dict(read_scalars(tmp_path / "tiny" / "tb" / "version_0")["grad_norm/clip_kept"])
+    # Lightning clips after the hook: each measured clipping is read at the next measuring step, logged at its own
+    assert sorted(kept) == [0, 2, 4]
+    assert kept[4] == pytest.approx(1e-4 / reference.norms[4], rel=1e-3)
     [finding] = [f for f in monitor.findings if f.code == "TFD306"]
-    assert finding.step == 4 and finding.evidence["clip_frac"] == 1.0  # third measurement in a row: 0, 2, 4
-    assert finding.evidence["factor"] == pytest.approx(reference.norms[4] / 1e-4, rel=1e-4)
-    assert "gradient_clip_val" in finding.hint
-    # a clip value that cuts spikes (here: every step, by a few x) is not a finding
+    assert finding.step == 6 and finding.evidence["clipped_step"] == 4  # the third measured clipping in a row
+    assert finding.evidence["gradient_clip_algorithm"] == "norm" and "gradient_clip_val=0.0001" in finding.message
+    # a clip value that cuts spikes, or every step by a few x, is not a finding
     usual = GradNormMonitor(every_n_steps=2, patience=3)
     fit(tmp_path / "usual", [usual], max_steps=8, gradient_clip_val=0.1)
     assert "TFD306" not in codes(usual)
-    assert dict(read_scalars(tmp_path / "usual" / "tb" / "version_0")["grad_norm/clip_frac"])[6] == 1.0
+
+
+class ManualClipGPT(TinyGPT):
+    """Manual optimization that clips by value in ``training_step``, recording the norms before and after."""
+
+    def __init__(self, clip_val: float) -> None:
+        super().__init__(**SMALL)
+        self.automatic_optimization = False
+        self.clip_val, self.kept = clip_val, {}
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(self.loss(self(batch["input_ids"]), batch["labels"]))
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        before = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+        self.clip_gradients(optimizer, gradient_clip_val=self.clip_val, gradient_clip_algorithm="value")
+        after = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+        self.kept[self.trainer.global_step] = float(after / before)
+        optimizer.step()
+
+
+def test_value_clipping_under_manual_optimization_is_read_on_its_own_step(tmp_path):
+    module, monitor = ManualClipGPT(clip_val=1e-5), GradNormMonitor(every_n_steps=1, patience=3)
+    fit(tmp_path, [monitor], model=module, max_steps=3)
+    kept = dict(read_scalars(tmp_path / "tb" / "version_0")["grad_norm/clip_kept"])
+    assert kept == pytest.approx(module.kept, rel=1e-4) and max(kept.values()) < 1 / 30
+    [finding] = [f for f in monitor.findings if f.code == "TFD306"]
+    assert finding.step == 2 and finding.evidence["gradient_clip_algorithm"] == "value"
 
 
 def test_fp16_gradients_are_measured_unscaled(tmp_path):

@@ -138,8 +138,8 @@ def test_learning_rate_100x_too_high_behind_a_warmup_shows_as_weight_growth(tmp_
     # The warm-up keeps every single step's ratio modest while the weights inflate: TFD313 sees the growth.
     monitor = UpdateRatio(every_n_steps=5)
     fit(tmp_path, [monitor], model=TinyGPT(lr=0.2, warmup_steps=20, **SMALL), max_steps=41)
-    [finding] = [f for f in monitor.findings if f.code == "TFD313"]
-    assert finding.evidence["median_growth"] > 2.0
+    [finding] = [f for f in monitor.findings if f.code == "TFD313" and f.severity == "warning"]  # with harm beside it
+    assert finding.evidence["median_growth"] > 2.0 and finding.evidence["harm"]
     assert finding.evidence["to_step"] - finding.evidence["from_step"] <= monitor.growth_window
     assert set(finding.evidence["growth"]) >= {"blocks.0", "blocks.1"}
 
@@ -266,7 +266,7 @@ def test_state_is_saved_and_restored_on_resume(tmp_path):
     trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed._memory.peak_lr >= first._memory.peak_lr > 0
     assert list(resumed._memory.recent_lr)[:2] == list(first._memory.recent_lr)[-2:]
-    assert [step for step, _ in resumed._memory.norms][:4] == [step for step, _ in first._memory.norms]
+    assert [entry[0] for entry in resumed._memory.norms][:4] == [entry[0] for entry in first._memory.norms]
 
 
 def test_built_from_lightning_cli_yaml(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 
 from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.functional.grad_checks import (
+    Clipping,
     GradMemory,
     GradReading,
     explosion,
@@ -18,21 +19,15 @@ from lightning_tfdebug.functional.grad_checks import (
 )
 
 
-def reading(total=1.0, groups=None, nonfinite=None, clip_frac=None):
+def reading(total=1.0, groups=None, nonfinite=None):
     groups = groups or {"blocks.0": 0.6, "blocks.1": 0.8}
-    return GradReading(total, groups, nonfinite or dict.fromkeys(groups, 0.0), clip_frac)
+    return GradReading(total, groups, nonfinite or dict.fromkeys(groups, 0.0))
 
 
 def test_a_reading_from_squares_and_its_logged_keys():
-    r = GradReading.from_squares(["a", "b"], [9.0, 16.0], [0.0, 2.0], clip_frac=0.25)
+    r = GradReading.from_squares(["a", "b"], [9.0, 16.0], [0.0, 2.0])
     assert r.total == 5.0 and r.groups == {"a": 3.0, "b": 4.0} and r.nonfinite_tensors == 2.0
-    assert r.scalars() == {
-        "grad_norm/total": 5.0,
-        "grad_norm/a": 3.0,
-        "grad_norm/b": 4.0,
-        "grad_norm/nonfinite": 2.0,
-        "grad_norm/clip_frac": 0.25,
-    }
+    assert r.scalars() == {"grad_norm/total": 5.0, "grad_norm/a": 3.0, "grad_norm/b": 4.0, "grad_norm/nonfinite": 2.0}
     assert set(GradReading.from_squares(["a"], [1.0], [0.0]).scalars(log_groups=False)) == {
         "grad_norm/total",
         "grad_norm/nonfinite",
@@ -118,19 +113,22 @@ def test_still_scaled_gradients_are_an_observation():
     assert still_scaled("AdamW", None) is None
 
 
-def test_overclipping_every_step_by_over_100x_for_patience_measurements():
+def test_overclipping_on_every_measured_step_for_patience_measurements():
     streak = Streak()
-    clipped = reading(total=2.0, clip_frac=1.0)  # clip value 1e-4: a factor of 20000
-    assert overclipping(clipped, 1e-4, streak, patience=3) is None
-    assert overclipping(clipped, 1e-4, streak, patience=3) is None
-    verdict = overclipping(clipped, 1e-4, streak, patience=3)
-    assert verdict.code == "TFD306" and verdict.evidence["factor"] == pytest.approx(2e4)
-    assert verdict.evidence["clip_frac"] == 1.0 and "gradient_clip_val is 0.0001" in verdict.message
-    # a clip that cuts every step by a few x, or only some steps, or no norm clipping: quiet
+    value = Clipping.from_squares(4, 1e-4, "value", before=4.0, after=1.6e-3)  # kept 2%: a cut of 50x
+    assert value.kept == pytest.approx(0.02)
+    assert overclipping(value, streak, patience=3) is None
+    assert overclipping(value, streak, patience=3) is None
+    verdict = overclipping(value, streak, patience=3)
+    assert verdict.code == "TFD306" and verdict.evidence["factor"] == pytest.approx(50.0)
+    assert 'gradient_clip_val=0.0001 and gradient_clip_algorithm="value"' in verdict.message
+    assert "keeps only 2.00% of the gradient's norm" in verdict.message
+    # a clip that cuts by 20x, a measurement without clipping in between, or a zero gradient: quiet
     streak = Streak()
-    assert all(overclipping(reading(2.0, clip_frac=1.0), 0.1, streak, patience=1) is None for _ in range(4))
-    assert all(overclipping(reading(2.0, clip_frac=0.5), 1e-4, streak, patience=1) is None for _ in range(4))
-    assert overclipping(reading(2.0), 1e-4, Streak(), patience=1) is None
+    assert all(overclipping(Clipping(0, 0.1, "norm", 0.05), streak, patience=1) is None for _ in range(4))
+    streak = Streak()
+    assert [overclipping(c, streak, patience=2) for c in (value, None, value)] == [None, None, None]
+    assert Clipping.from_squares(0, 1.0, "norm", before=0.0, after=0.0).kept == 1.0
 
 
 def test_the_norm_rules_together():

@@ -30,10 +30,11 @@ from lightning_tfdebug.functional.optimizer_checks import (
     stale_tensors,
     submodules_in_eval,
     untrained_parameters,
+    warmup_past_run,
     warmup_spiked,
     wiring_verdicts,
 )
-from lightning_tfdebug.functional.optimizers import GroupReading, ScheduleReading, WiringReading
+from lightning_tfdebug.functional.optimizers import GroupReading, ScheduleCourse, ScheduleReading, WiringReading
 
 ADAMW = GroupReading("group0", "AdamW", weight_decay=0.1, lr=3e-4, eps=1e-8)
 """A recipe's decayed group: AdamW, lr 3e-4, weight decay 0.1, over float32 parameters."""
@@ -244,6 +245,28 @@ def test_a_step_sized_warmup_stepped_per_epoch_holds_its_first_lr():
     assert schedule_frozen(1e-3, 1e-3, 2, ScheduleReading(1e-3)) is None  # at its peak from the start: TFD330's
     assert schedule_frozen(1e-5, 2e-5, 2, schedules) is None  # it moved
     assert schedule_frozen(1e-5, 1e-5, 2, None) is None  # no scheduler records a base LR
+
+
+def course(half_step, peak_step, end=100, rises=True, start=0):
+    run_max = 1e-3 * min(1.0, (end + 1) / (2 * half_step + 2)) if half_step else 1e-3
+    return ScheduleCourse("LambdaLR", "step", 1e-3, start, end, run_max, half_step, peak_step, rises, 1000)
+
+
+def test_a_warmup_longer_than_the_run():
+    verdict = warmup_past_run(course(half_step=499, peak_step=999))  # a warm-up ten times the run's 100 steps
+    assert verdict.code == "TFD337" and verdict.evidence["peak_step"] == 999 and verdict.evidence["run_end"] == 100
+    assert verdict.message == (
+        "The learning rate stays below half of its configured peak (0.001) for the whole run (100 steps): LambdaLR "
+        "(interval step) reaches the peak at step 999, and the highest LR of this run is 0.000101 (10.1% of it)."
+    )
+    late = warmup_past_run(course(half_step=70, peak_step=140))  # past the run's middle
+    assert "until step 70 of this run's 100 (70% of it)" in late.message
+    assert "not within 1000 steps" in warmup_past_run(course(half_step=None, peak_step=None)).message
+    # a warm-up that fits (10% of the run), a schedule that never rises, a trial run, a resume past the warm-up
+    assert warmup_past_run(course(half_step=5, peak_step=10)) is None
+    assert warmup_past_run(course(half_step=None, peak_step=None, rises=False)) is None
+    assert warmup_past_run(course(half_step=499, peak_step=999, end=20)) is None
+    assert warmup_past_run(course(half_step=30, peak_step=40, start=30, end=200)) is None
 
 
 # ---------------------------------------------------------------------------------------- the step

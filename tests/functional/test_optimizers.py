@@ -14,6 +14,7 @@ from lightning_tfdebug.functional.optimizers import (
     read_lrs,
     read_schedules,
     read_wiring,
+    replay_schedule,
     snapshot_step,
     stale_grad_flags,
 )
@@ -120,14 +121,57 @@ def test_snapshots_see_a_changed_byte_and_skip_groups_without_an_lr_or_a_gradien
         [{"params": [model.proj.weight, model.norm.weight]}, {"params": [model.head.weight], "lr": 0.0}], lr=0.1
     )
     names = {id(p): n for n, p in model.named_parameters()}
-    assert snapshot_step(optimizer, names, set()) == ([], [])  # no gradient yet
+    assert snapshot_step(optimizer, names, set()) == ([], [], 0)  # no gradient yet
     model.proj.weight.grad = torch.ones_like(model.proj.weight)
     model.head.weight.grad = torch.ones_like(model.head.weight)
-    snaps, frozen = snapshot_step(optimizer, names, {id(model.norm.weight)})
+    snaps, frozen, unfit = snapshot_step(optimizer, names, {id(model.norm.weight)})
     assert [s.name for s in snaps] == ["proj.weight"] and [s.name for s in frozen] == ["norm.weight"]
-    assert snaps[0].changed().item() == 0.0
+    assert snaps[0].changed().item() == 0.0 and unfit == 0
     optimizer.step()
     assert snaps[0].changed().item() == 1.0 and frozen[0].changed().item() == 0.0
+
+
+def test_the_probe_of_a_group_is_its_first_parameter_that_fits_the_memory_budget():
+    model = Tiny()
+    optimizer = torch.optim.SGD([model.emb.weight, model.proj.weight, model.norm.weight], lr=0.1)
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    names = {id(p): n for n, p in model.named_parameters()}
+    # the embedding (40 floats: 200 bytes with the comparison's mask) does not fit 100 bytes; the 4x4 matrix (80) does
+    [snap], _, unfit = snapshot_step(optimizer, names, set(), budget=100)
+    assert snap.name == "proj.weight" and unfit == 0
+    assert snapshot_step(optimizer, names, set(), budget=10) == ([], [], 1)  # none fits: the group is counted
+
+
+def config(make, interval="step"):
+    optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=1e-3)
+    return SimpleNamespace(scheduler=make(optimizer), interval=interval, frequency=1)
+
+
+def warmup(steps):
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / steps))
+
+
+def test_a_schedule_is_replayed_on_a_copy_without_touching_it():
+    long = config(warmup(1000))
+    state, lr = str(long.scheduler.state_dict()), long.scheduler.optimizer.param_groups[0]["lr"]
+    course = replay_schedule(long, 0, 100, steps_per_epoch=10)
+    assert (course.half_step, course.peak_step, course.rises) == (499, 999, True)
+    assert course.run_max == pytest.approx(1.01e-4) and course.peak == 1e-3
+    assert str(long.scheduler.state_dict()) == state and long.scheduler.optimizer.param_groups[0]["lr"] == lr
+    # stepped once per epoch of 10 optimizer steps, a 10-step warm-up takes 100 optimizer steps
+    assert replay_schedule(config(warmup(10), "epoch"), 0, 200, steps_per_epoch=10).half_step == 40
+    # a short warm-up stops at its top; a decay has its peak at once; a constant factor never rises
+    short = replay_schedule(config(warmup(10)), 0, 10**6, steps_per_epoch=10)
+    assert (short.half_step, short.peak_step, short.replayed) == (4, 9, 10)
+    cosine = replay_schedule(config(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 100)), 0, 100, 10)
+    assert (cosine.peak_step, cosine.rises) == (0, False)
+    flat = replay_schedule(config(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.1)), 0, 100, 10)
+    assert (flat.half_step, flat.rises, flat.replayed) == (None, False, 100)
+    # not told: an unbounded run, a scheduler that needs a metric, an epoch of unknown length
+    assert replay_schedule(long, 0, float("inf"), 10) is None
+    assert replay_schedule(config(torch.optim.lr_scheduler.ReduceLROnPlateau), 0, 100, 10) is None
+    assert replay_schedule(config(warmup(10), "epoch"), 0, 100, float("inf")) is None
 
 
 def test_the_norm_over_several_parameters():

@@ -12,6 +12,7 @@ from lightning_tfdebug.functional.update_checks import (
     below_resolution,
     expected_step,
     group_facts,
+    growth_harm,
     huge_update,
     label_counts,
     left_out_or_rounded,
@@ -151,6 +152,25 @@ def test_no_tiny_updates_in_a_warm_up_or_a_decayed_schedule():
     assert not decayed.at_plateau(1e-4, 0.5) and decayed.at_plateau(1e-4, 0.05)
 
 
+def test_tiny_updates_in_a_warm_up_are_judged_at_the_lr_the_schedule_reaches():
+    kwargs = dict(low=3e-4, high=0.3, patience=3, decayed_lr_fraction=0.5, ln_vocab=None)
+    for planned, found in ((1e-5, True), (1e-3, False)):  # the rise tops out at 1e-5, or goes on to 1e-3
+        memory, verdict = UpdateMemory(3), None
+        for i, lr in enumerate((1e-6, 2e-6, 4e-6, 8e-6)):  # ratio 1e-5 at each: 1.25e-5 at 1e-5, 1.25e-3 at 1e-3
+            reading = step_reading(10 * i, ratio=1e-5, lr=lr, loss=5.5 - 1e-4 * i)
+            memory.observe(reading)
+            verdict = tiny_updates(reading, memory, {}, planned_lr=planned, **kwargs)
+        assert (verdict is not None) is found
+    assert verdict is None
+    memory, _ = UpdateMemory(3), None
+    for i, lr in enumerate((1e-6, 2e-6, 4e-6, 8e-6)):
+        reading = step_reading(10 * i, ratio=1e-5, lr=lr, loss=5.5)
+        memory.observe(reading)
+        verdict = tiny_updates(reading, memory, {}, planned_lr=1e-5, **kwargs)
+    assert verdict.evidence["planned_lr"] == 1e-5 and verdict.evidence["ratio_at_planned_lr"] == pytest.approx(1.25e-5)
+    assert "(still rising: 1.25e-05 at the 1e-05 the schedule reaches in this run)" in verdict.message
+
+
 def test_one_huge_update():  # bug 12: lr 0.1 without warm-up rewrites most of the weights in one step
     verdict = huge_update(step_reading(0, ratio=0.88, lr=0.1), low=3e-4, high=0.3)
     assert verdict.code == "TFD311" and verdict.evidence["groups_above"] == list(NAMES)
@@ -210,11 +230,12 @@ def test_weights_that_inflate_or_deflate_within_the_window():
     assert norm_change(window, {"a": 1.0, "b": 1.0, "bias": 0.0}, 0, growth_window=50) is None  # nothing before
     grown = norm_change(window, {"a": 3.0, "b": 2.5, "bias": 0.4}, 10, growth_window=50)
     assert grown.median == 2.75 and set(grown.growth) == {"a", "b"}  # the zero-initialised bias is not judged
-    verdict = weights_growing(grown, 0.2, growth_limit=2.0, growth_window=50)
-    assert verdict.code == "TFD313" and list(verdict.evidence["growth"]) == ["a", "b"]
+    stalled = "the mean training loss fell by only 0.010% of itself per step since step 0"
+    verdict = weights_growing(grown, step_reading(10, lr=0.2), stalled, growth_limit=2.0, growth_window=50)
+    assert verdict.code == "TFD313" and verdict.severity == "warning" and list(verdict.evidence["growth"]) == ["a", "b"]
     assert verdict.message == (
         "Weights are growing fast: the median group norm grew 2.75x in 10 optimizer steps (limit 2x in 50), at a "
-        "learning rate of 0.2."
+        f"learning rate of 0.2, and {stalled}."
     )
     assert weights_shrinking(grown, [], growth_limit=2.0, growth_window=50) is None
     # 60 steps later the first entry has left the window: compared with step 10 now
@@ -225,12 +246,34 @@ def test_weights_that_inflate_or_deflate_within_the_window():
     verdict = weights_shrinking(shrunk, groups, growth_limit=2.0, growth_window=50)
     assert verdict.code == "TFD314" and verdict.evidence["lr_times_weight_decay"] == pytest.approx(3e-2)
     assert "lr x weight_decay = 0.03 per step (half the norm every 23 steps without gradients)." in verdict.message
-    assert weights_growing(shrunk, 3e-3, growth_limit=2.0, growth_window=50) is None
+    assert weights_growing(shrunk, step_reading(60), None, growth_limit=2.0, growth_window=50) is None
     # healthy growth (1.1x) and decay (0.98x): quiet
-    healthy = deque([(0, {"a": 1.0, "b": 1.0})])
+    healthy = deque([(0, {"a": 1.0, "b": 1.0}, 5.0)])
     change = norm_change(healthy, {"a": 1.1, "b": 0.98}, 50, growth_window=50)
-    assert weights_growing(change, 3e-3, growth_limit=2.0, growth_window=50) is None
+    assert weights_growing(change, step_reading(50), None, growth_limit=2.0, growth_window=50) is None
     assert weights_shrinking(change, groups, growth_limit=2.0, growth_window=50) is None
+
+
+def test_weight_growth_is_a_warning_only_with_harm_beside_it():
+    def grown(from_loss, to_loss):  # the norms double over 50 steps
+        window = deque([(0, {"a": 1.0, "b": 1.0}, from_loss)])
+        return norm_change(window, {"a": 2.1, "b": 2.0}, 50, growth_window=50, loss=to_loss)
+
+    # a small-initialised model at a normal LR: its norms double while its loss falls (issue 38's Gemma run)
+    def harm(change, reading=None, growth_limit=2.0):
+        return growth_harm(change, reading or step_reading(50), high=0.3, growth_limit=growth_limit)
+
+    falling = grown(5.1, 2.95)
+    assert harm(falling) is None
+    info = weights_growing(falling, step_reading(50), None, growth_limit=2.0, growth_window=50)
+    assert info.severity is None and "while the loss still falls" in info.message  # the rule's default: info
+    # beside harm: a loss that barely fell or rose, or went non-finite, updates above the band, growth past limit^2
+    assert "rose by 0.392% of itself" in harm(grown(5.1, 6.1))
+    assert "fell by only 0.020% of itself" in harm(grown(5.1, 5.05))
+    assert "went from 5.1 to nan" in harm(grown(5.1, math.nan))
+    assert "above the band" in harm(falling, step_reading(50, ratio=0.5))
+    assert "past 1.96x" in harm(falling, growth_limit=1.4)
+    assert harm(grown(math.nan, math.nan)) is None  # no loss returned: nothing shows
 
 
 def test_every_rule_together_on_one_step():
@@ -246,7 +289,7 @@ def test_the_memory_round_trips_through_a_state_dict():
     memory = UpdateMemory(2)
     for step, loss in ((0, 5.0), (10, 4.9), (20, 4.8)):
         memory.observe(step_reading(step, loss=loss))
-    memory.norms.append((20, {"a": 1.0}))
+    memory.norms.append((20, {"a": 1.0}, 4.8))
     memory.streak.update("low", True)
     state = memory.state_dict()
     restored = UpdateMemory(2)
@@ -255,7 +298,9 @@ def test_the_memory_round_trips_through_a_state_dict():
     assert (
         restored.peak_lr == 3e-4 and list(restored.recent_lr) == [3e-4, 3e-4] and restored.streak.counts == {"low": 1}
     )
-    assert list(restored.norms) == [(20, {"a": 1.0})] and math.isnan(restored.unigram)
+    assert list(restored.norms) == [(20, {"a": 1.0}, 4.8)] and math.isnan(restored.unigram)
+    restored.load_state_dict({"norms": [[20, {"a": 1.0}]]})  # a checkpoint from before the loss was kept
+    assert restored.norms[0][:2] == (20, {"a": 1.0}) and math.isnan(restored.norms[0][2])
     assert state["unigram_entropy"] is None
 
 
