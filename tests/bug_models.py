@@ -101,7 +101,7 @@ class RankBugs:
     ``eval_mode`` (row 21), ``drop_optimizer_state`` (row 22), ``left_out`` (a parameter-name prefix left out of the
     optimizer: row 10), ``decay_all`` (AdamW with this decay on every parameter: row 20), ``adam_l2`` (Adam with
     this coupled weight decay), ``default_init`` (row 34), ``sgd_momentum`` (SGD with this momentum at a constant
-    LR: row 41).
+    LR: row 37).
     """
 
     bugs: dict[str, Any]
@@ -181,7 +181,7 @@ class BugEncoderLM(RankBugs, EncoderLM):
         deep_head: this many sigmoid layers without residuals between the encoder and the output layer (row 13).
         layers: encoder layers.
         batch_norm: a ``BatchNorm1d`` over the token features of the flattened batch, on batch statistics in eval
-            mode too (row 37).
+            mode too (row 40).
         bugs: :class:`RankBugs` keys.
     """
 
@@ -251,9 +251,9 @@ class BugHFLM(RankBugs, HFLM):
     Args:
         family: ``gpt2`` or ``llama`` (tiny configs of ``tests/healthy_models.hf_model``).
         output_squash: applied to the logits in ``forward`` (row 1, 24); the step then computes the loss.
-        step_squash: applied to the logits in ``training_step`` before the loss (rows 30, 40).
+        step_squash: applied to the logits in ``training_step`` before the loss (rows 30, 41).
         model_loss: the step calls the model with the labels (its ``ModelOutput`` carries its own loss) and returns
-            the loss of the ``step_squash``-ed logits instead (row 40).
+            the loss of the ``step_squash``-ed logits instead (row 41).
         shift: False computes the loss in the step without the shift Hugging Face does inside the model (row 9).
         pass_mask: False drops the attention mask from the model call (row 8).
         bidirectional_mask: the forward builds a 4-D mask from the padding mask alone, which replaces the model's
@@ -263,7 +263,7 @@ class BugHFLM(RankBugs, HFLM):
         mlp_bias_init: constant initial bias of every MLP input layer (row 14).
         deep_head: this many sigmoid layers without residuals between the body and the LM head (row 13).
         mixed_reshape: the first block's output ``(b, t, d)`` read back through ``transpose(0, 1).reshape(b, t, d)``
-            (row 37).
+            (row 40).
         bugs: :class:`RankBugs` keys.
     """
 
@@ -371,7 +371,7 @@ class BugTinyGPT(TinyGPT):
         step_squash: applied to the logits in ``training_step`` before the loss (row 30).
         constant_positions: the forward adds position 0 everywhere (row 28).
         pytorch_init: PyTorch's default initialisation instead of GPT-style std 0.02 (row 34).
-        batch_axis_attention: the first block's attention runs over the batch axis (its input transposed, row 37).
+        batch_axis_attention: the first block's attention runs over the batch axis (its input transposed, row 40).
         flags: TinyGPT's own arguments and bug flags.
     """
 

@@ -130,11 +130,11 @@ BUGS: dict[int, str] = {
     34: "learning rate far too low, PyTorch's default init",
     35: "no resumable checkpoint (weights-only)",
     36: "a decoder fed its own targets (the labels, unshifted, as its input)",
-    37: "samples mixed across the batch",
+    37: "gradients clipped by value far below their size",
     38: "a warm-up ten times longer than the run",
     39: "a resume mid-epoch with a DataLoader that cannot restore its position",
-    40: "a soft-cap far too small in training_step, beside the model's own loss",
-    41: "gradients clipped by value far below their size",
+    40: "samples mixed across the batch",
+    41: "the squashing of row 30 as a soft-cap far too small in training_step, beside the model's own loss",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -438,13 +438,13 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("gpt2", gpt2(shift=False), dicts(), "step's loss without the shift"),
     ):
         c[36, fam] = Case(module, loader, (owner("TFD214", "TFD205", severity="error"),), where)
-    # 37: samples mixed across the batch (forward)
+    # 40: samples mixed across the batch (forward)
     for fam, module, where in (
         ("encoder_lm", enc(batch_norm=True), "BatchNorm1d over the flattened batch's token features"),
         ("gpt2", gpt2(mixed_reshape=True), "first block's output reshaped from its transpose"),
         ("tinygpt", tiny(batch_axis_attention=True), "first block's attention over the batch axis"),
     ):
-        c[37, fam] = Case(module, dicts(), (owner("TFD217", severity="error"),), where)
+        c[40, fam] = Case(module, dicts(), (owner("TFD217", severity="error"),), where)
     # 39: resumed from a checkpoint saved mid-epoch; the plain DataLoader restarts the epoch from its first batch
     for fam, module, data, where in (
         ("encoder_lm", enc(), tuples(), "checkpoint at batch 10 of 16, plain DataLoader in a fixed order"),
@@ -458,7 +458,7 @@ def row_cases() -> dict[tuple[int, str], Case]:
     ):
         at = 10 if fam == "encoder_lm" else 8
         c[39, fam] = Case(module, data, (owner("TFD125"),), where, steps=at + 2, resume_at=at)
-    # 40: a Gemma-style soft-cap c * tanh(logits / c), c = 0.75, in training_step; Llama's ModelOutput also carries
+    # 41: a Gemma-style soft-cap c * tanh(logits / c), c = 0.75, in training_step; Llama's ModelOutput also carries
     # the model's own loss of the raw logits
     cap = "training_step returns the loss of 0.75 * tanh(logits / 0.75)"
     llama = lambda: BugHFLM("llama", step_squash="softcap", model_loss=True)  # noqa: E731
@@ -467,8 +467,8 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("gpt2", llama, dicts(), f"Llama(labels=...); {cap}"),
         ("tinygpt", tiny(step_squash="softcap"), dicts(), cap),
     ):
-        c[40, fam] = Case(module, data, (owner("TFD233"),), where, steps=AFTER_CHECK)
-    # 41: SGD with momentum whose every gradient Lightning clips by value far below its elements' size
+        c[41, fam] = Case(module, data, (owner("TFD233"),), where, steps=AFTER_CHECK)
+    # 37: SGD with momentum whose every gradient Lightning clips by value far below its elements' size
     clip = {"gradient_clip_val": 1e-4, "gradient_clip_algorithm": "value"}
     for fam, module, data in (
         ("encoder_lm", enc(lr=0.1, sgd_momentum=0.9), tuples()),
@@ -476,7 +476,7 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("t5", t5(lr=0.1, sgd_momentum=0.9), seq2seq),
     ):
         placement = "Trainer(gradient_clip_val=1e-4, gradient_clip_algorithm='value'), SGD(lr=0.1, momentum=0.9)"
-        c[41, fam] = Case(module, data, (owner("TFD306"),), placement, steps=31, trainer=clip)
+        c[37, fam] = Case(module, data, (owner("TFD306"),), placement, steps=31, trainer=clip)
     # 38: a linear warm-up of 500 steps in a 50-step run (configure_optimizers)
     for fam, module, data in (
         ("encoder_lm", enc(warmup_steps=500), tuples()),
