@@ -14,14 +14,7 @@ import torch
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
-from lightning_tfdebug.core.host import (
-    CompileWatch,
-    OtherLoad,
-    contended_cores,
-    device_peak_flops,
-    memory_reading,
-    reference_work_ms,
-)
+from lightning_tfdebug.core.host import CompileWatch, CpuWindow, device_peak_flops, memory_reading, reference_work_ms
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import import_object
 from lightning_tfdebug.core.profiling import FlopCount, StepProfiler, check_profile_steps
@@ -65,8 +58,8 @@ class ThroughputMonitor(DebugCallback):
 
     Findings (``docs/findings.md``): ``TFD601`` data-loading bound, ``TFD602`` padding waste (a warning when most
     positions are padding), ``TFD603`` step time regressed against the early steps, ``TFD604`` memory close to
-    capacity, ``TFD605`` (info) the step time regressed because the machine got slower (other processes took its
-    cores, or a fixed reference computation slowed as much), ``TFD606`` ``torch.compile`` still compiling after the
+    capacity, ``TFD605`` (info) the step time regressed because the machine got slower (the same work took longer:
+    this process waited longer for a core, or a fixed reference computation slowed), ``TFD606`` ``torch.compile`` still compiling after the
     early window, ``TFD607`` its recompile limit hit (that code runs uncompiled).
 
     Args:
@@ -174,7 +167,7 @@ class ThroughputMonitor(DebugCallback):
         self.profile_steps = tuple(profile_steps) if profile_steps is not None else None
         self.profile_row_limit = profile_row_limit
         thresholds = (self.wait_threshold, self.padding_threshold, self.regression_factor, self.memory_threshold)
-        self._diagnosis = ThroughputDiagnosis(*thresholds, patience, contended_cores())
+        self._diagnosis = ThroughputDiagnosis(*thresholds, patience)
         self._times = StepTimes(window, skip_steps, baseline_steps)  # the median's steps and the early window's
         self._load = MachineLoad(window)  # the machine's load during the early window and over the median's steps
         self.flops_per_token: float | None = None  # model FLOPs per computed token position (measured once)
@@ -202,7 +195,7 @@ class ThroughputMonitor(DebugCallback):
         self._val_start: float | None = None
         self._timer: FetchTimer | None = None
         self._fetch_seen: float | None = None  # the fetch timer's total at the start of the window
-        self._other = OtherLoad()  # other processes' CPU use over the current window
+        self._cpu = CpuWindow()  # this process's CPU time and run-queue wait over the current window
         self._load.windows.clear()  # the windows since the median's oldest step: this fit's
         self._compile = CompileWatch()  # torch.compile's graphs and recompile-limit hits during this fit
         self._diagnosis.graphs_prev = math.nan
@@ -237,7 +230,7 @@ class ThroughputMonitor(DebugCallback):
         if self._window_start is None:
             self._window_start = now
             self._last_mark = self._clock.mark()
-            self._other.start()
+            self._cpu.start()
         step = trainer.global_step
         first_micro_batch = step != self._step_at_start
         self._step_at_start = step
@@ -278,7 +271,7 @@ class ThroughputMonitor(DebugCallback):
                 # every callback's work included, as the independent counts in the tests measure it)
                 self._pause_ms += self._reference_s * 1e3
                 self._reference_s = 0.0
-                self._other.start()
+                self._cpu.start()
         self._prev_end = time.perf_counter()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -338,9 +331,9 @@ class ThroughputMonitor(DebugCallback):
         step = self._step_at_start
         times = self._step_times_since_last()
         early = self._times.add(times)  # this window's steps are part of the early window
-        other = self._other.cores()  # file reads: /proc/stat and this process's threads' schedstat
-        window = self._other
-        load = self._load.update(len(times), early, other, window.run_delay_s, window.own_cpu_s, window.wall_s)
+        cpu = self._cpu
+        cpu.stop()  # file reads: this process's threads' schedstat
+        load = self._load.update(len(times), early, cpu.run_delay_s, cpu.own_cpu_s, cpu.wall_s)
         new_graphs, limit_hits = self._compile.since(self._times.ready)  # host-side counters
         step_ms, baseline_ms = self._times.median(), self._times.baseline.median() if self._times.ready else math.nan
         started = time.perf_counter()
@@ -355,7 +348,7 @@ class ThroughputMonitor(DebugCallback):
         row = {
             **self._counts.take(device),  # tokens, positions, samples, trimmed_positions (device scalars: no sync)
             **memory_reading(device)._asdict(),  # peak, reserved, capacity: allocator bookkeeping or /proc, no sync
-            **asdict(load),  # other_extra, delay_rise_ms, cpu_ratio, mean_ratio
+            **asdict(load),  # contention_ratio, cpu_ratio, mean_ratio
             "wall_s": max(now - (self._window_start or now), 1e-9),
             "wait_s": self._wait_s,
             "step_ms": step_ms,

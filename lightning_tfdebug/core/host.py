@@ -1,4 +1,4 @@
-"""Readers of the host and the device's properties: process memory, the machine's CPU load and run-queue waits
+"""Readers of the host and the device's properties: process memory, this process's CPU time and run-queue waits
 (``/proc``), a fixed reference computation, ``torch.compile``'s counters and the device's peak FLOP/s.
 
 Each reads the machine as it is now and returns host numbers; the decisions taken from them live in
@@ -66,36 +66,10 @@ def memory_reading(device: torch.device) -> MemoryReading:
     return MemoryReading(float(peak_rss_bytes()), float(process_rss_bytes()), float(physical_memory_bytes() or 0))
 
 
-# ---------------------------------------------------------------------------------------------------- CPU load
-def contended_cores() -> float:
-    """Other processes using this many more cores than early on make step times incomparable: half a core, or a
-    tenth of a big machine (where background activity of half a core is noise)."""
-    return max(0.5, 0.1 * (os.cpu_count() or 1))
-
-
-def machine_busy_seconds() -> float | None:
-    """CPU seconds all processes of the machine have spent busy since boot (``/proc/stat``), or None if unknown.
-
-    Busy is user, nice, system, irq, softirq and steal time summed over every core; a file read, no device work.
-    """
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        ticks = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not fields or fields[0] != "cpu" or len(fields) < 9:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / ticks
-
-
+# ---------------------------------------------------------------------------------------------------- CPU use
 def thread_run_delays() -> dict[str, int] | None:
-    """Nanoseconds each thread of this process has waited on a run queue (runnable, not running), by thread id.
-
-    From ``/proc/self/task/<tid>/schedstat`` (its second field); None where the kernel does not provide it. A few
-    small file reads, no device work.
-    """
+    """Nanoseconds each thread of this process has waited on a run queue (runnable, not running), by thread id, from
+    ``/proc/self/task/<tid>/schedstat``; None where the kernel does not provide it. A few small file reads."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -110,71 +84,44 @@ def thread_run_delays() -> dict[str, int] | None:
     return out or None
 
 
-class OtherLoad:
-    """CPU cores that other processes kept busy over a window: machine busy time minus this process's, per second.
-
-    ``start()`` opens a window, ``cores()`` closes it and returns the rate (None where ``/proc/stat`` is missing);
-    ``run_delay_s`` then holds the seconds this process's threads spent runnable but waiting for a core over the
-    same window (NaN where ``/proc/<pid>/task/*/schedstat`` is missing). DataLoader workers are other processes too;
-    what matters is the change against the run's own early windows.
-
-    Other processes' use also rises when this one stops using the CPU (it sleeps, waits for I/O or a device): on a
-    full machine they take the cores it leaves. Only a rise in this process's own run-queue wait says the others
-    slowed it down. And on a machine whose cores were already all busy, more competitors cannot raise the others' use
-    much (there is no core left to take), they shrink this process's share: its run-queue wait rises while the CPU
-    time it spends per step stays what its work needs. ``own_cpu_s`` (this process's CPU time over the window, every
-    thread) and ``wall_s`` are kept for that comparison.
-    """
+class CpuWindow:
+    """This process's CPU use over a window: ``start()`` opens it, ``stop()`` sets ``run_delay_s`` (seconds its threads
+    were runnable but waited for a core; NaN without ``/proc``), ``own_cpu_s`` (CPU time, every thread) and
+    ``wall_s``. Threads that ended during the window are lost; threads born in it count from zero."""
 
     def __init__(self) -> None:
-        self._start: tuple[float, float, float] | None = None
         self._delays: dict[str, int] | None = None
         self._own_start = time.process_time()
         self._wall_start = time.perf_counter()
-        self.run_delay_s: float = math.nan
-        self.own_cpu_s: float = math.nan
-        self.wall_s: float = math.nan
+        self.run_delay_s = self.own_cpu_s = self.wall_s = math.nan
 
     def start(self) -> None:
         self._own_start, self._wall_start = time.process_time(), time.perf_counter()
-        busy = machine_busy_seconds()
-        self._start = None if busy is None else (time.perf_counter(), busy, time.process_time())
         self._delays = thread_run_delays()
 
-    def cores(self) -> float | None:
+    def stop(self) -> None:
         self.own_cpu_s = time.process_time() - self._own_start
         self.wall_s = time.perf_counter() - self._wall_start
-        self.run_delay_s = math.nan
         now = thread_run_delays()
+        self.run_delay_s = math.nan
         if self._delays is not None and now is not None:
-            # threads that ended during the window are lost; threads born in it count from zero
             self.run_delay_s = sum(max(0, d - self._delays.get(tid, 0)) for tid, d in now.items()) / 1e9
-        if self._start is None:
-            return None
-        busy = machine_busy_seconds()
-        wall0, busy0, own0 = self._start
-        wall = time.perf_counter() - wall0
-        if busy is None or wall <= 0:
-            return None
-        return max(0.0, (busy - busy0) - (time.process_time() - own0)) / wall
 
 
 _REFERENCE_BUFFERS: tuple[Tensor, ...] = ()
 
 
 def reference_work_ms(span_ms: float = 20.0) -> float:
-    """Milliseconds this process takes now for a fixed piece of CPU work: rounds of two 192 x 192 float32 matrix
-    products and a 4 MiB copy (about 0.3-0.5 ms a round on one thread of a 2024 server core, with the process's torch
-    threads), repeated for at least ``span_ms`` of wall time (and at least twice); the mean wall time of a round.
+    """Milliseconds this process now takes for a fixed piece of CPU work, waits for a core left out: rounds of two
+    192 x 192 float32 matrix products on one torch thread, repeated for at least ``span_ms`` (and at least twice);
+    the mean wall time of a round, times the share of its runnable time the thread ran (CPU time over CPU time plus
+    run-queue wait, where ``/proc`` has it; without, the wall time alone).
 
-    Timed on the early measuring steps and again when the step time rises, it tells a machine that got slower (a
-    hypervisor taking the CPU, a lower clock, other processes on the cores or the memory bus: the same work takes
-    longer) from a run that got slower by itself (the same work takes as long as before). The wall time over a span
-    of rounds, not the fastest or the median round, and a span longer than a scheduler's time slices: a short timing
-    often runs whole inside one slice. Measured on 2 cores: with four busy loops beside, the median round was as fast
-    as on the idle machine and the mean 6 to 17x slower; with the process stopped for 8 ms out of every 16 (what
-    steal looks like), a timing of 2.4 ms read 1.1x on a measuring step that was 2.9x slower. Host work only, no
-    device; the buffers are made once per process (about 8.5 MiB) so that allocation is not timed.
+    Timed early and again when the step time rises, it tells a machine whose cores got slower (steal, a lower clock,
+    a saturated memory bus) from a run that did. Waiting for a core is the contention ratio's part, left out here:
+    a 20 ms sample on a crowded machine reads the scheduler's luck (1 to 7 ms a round at a load of 17 on 2 cores,
+    0.31 to 0.34 ms once the wait is left out). One thread, as spinning peers would count their wait as CPU time.
+    Host work only; the buffers (0.4 MiB) are made once per process so that allocation is not timed.
     """
     global _REFERENCE_BUFFERS
     if not _REFERENCE_BUFFERS:
@@ -183,19 +130,25 @@ def reference_work_ms(span_ms: float = 20.0) -> float:
         cpu = dict(device="cpu", dtype=torch.float32)
         generator = torch.Generator().manual_seed(0)
         a, b = (torch.randn(192, 192, generator=generator, **cpu) for _ in range(2))
-        source = torch.ones(1 << 20, **cpu)
-        _REFERENCE_BUFFERS = (a, b, torch.empty(192, 192, **cpu), source, torch.empty_like(source))
-    a, b, product, source, target = _REFERENCE_BUFFERS
+        _REFERENCE_BUFFERS = (a, b, torch.empty(192, 192, **cpu))
+    a, b, product = _REFERENCE_BUFFERS
     rounds = 0
-    with torch.no_grad():
-        start = time.perf_counter()
-        end = start + span_ms / 1e3
-        while rounds < 2 or time.perf_counter() < end:
-            torch.mm(a, b, out=product)
-            torch.mm(b, a, out=product)
-            target.copy_(source)
-            rounds += 1
-        return 1e3 * (time.perf_counter() - start) / rounds
+    window = CpuWindow()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        window.start()
+        with torch.no_grad():
+            end = time.perf_counter() + span_ms / 1e3
+            while rounds < 2 or time.perf_counter() < end:
+                torch.mm(a, b, out=product)
+                torch.mm(b, a, out=product)
+                rounds += 1
+        window.stop()
+    finally:
+        torch.set_num_threads(threads)
+    ran = window.own_cpu_s / (window.own_cpu_s + window.run_delay_s) if window.own_cpu_s > 0 else math.nan
+    return 1e3 * window.wall_s * (ran if ran == ran else 1.0) / rounds
 
 
 # ---------------------------------------------------------------------------------------------------- compilation

@@ -277,88 +277,64 @@ class StepTimes:
 # ---------------------------------------------------------------------------------------------------- machine load
 @dataclass(frozen=True)
 class LoadReading:
-    """What the machine's load was over the steps the median step time covers, against the run's early windows (NaN
-    where unknown): the ``other_extra``, ``delay_rise_ms``, ``cpu_ratio`` and ``mean_ratio`` of
+    """The run's use of the CPU over the steps the median step time covers, against the early windows' (NaN where
+    unknown): the ``contention_ratio``, ``cpu_ratio`` and ``mean_ratio`` of
     :class:`~lightning_tfdebug.functional.throughput_checks.ThroughputRow`."""
 
-    other_extra: float  # CPU cores other processes used beyond the quietest early window
-    delay_rise_ms: float  # run-queue wait per step of this process's threads beyond the early windows'
+    contention_ratio: float  # (CPU time + run-queue wait) per CPU second of its threads, over the early windows
     cpu_ratio: float  # this process's CPU time per step over the early windows'
     mean_ratio: float  # mean wall time per step over the median's steps, over the early windows'
 
 
-def span_rates(windows: Sequence[tuple[int, float, float, float, float]]) -> tuple[float, float, float]:
-    """Over the measuring windows kept: run-queue wait (ms) and own CPU time (ms) per step, and the cores other
-    processes kept busy. Windows whose reading is missing (NaN) are left out of that rate; NaN when none has it."""
-
-    def rate(value: int, per: int, scale: float) -> float:
-        kept = [(w[value], w[per]) for w in windows if w[value] == w[value] and w[per] == w[per]]
-        total = sum(p for _, p in kept)
-        return scale * sum(v for v, _ in kept) / total if kept and total > 0 else math.nan
-
-    return rate(1, 0, 1e3), rate(2, 0, 1e3), rate(3, 4, 1.0)
+def _ratio(now: float, early: RunningWindow) -> float:
+    base = early.median()  # NaN while empty
+    return now / base if base > 0 else math.nan
 
 
 class MachineLoad:
-    """The machine's load during the run's early windows, and over the steps the median step time covers.
+    """How the run used the CPU during its early windows, and over the steps the median step time covers.
 
-    :meth:`update` takes one measuring window's readings (:class:`~lightning_tfdebug.core.host.OtherLoad`): its steps,
-    this process's run-queue wait and CPU time, the cores other processes kept busy, and its wall time. The windows
-    whose steps form the early window set the baselines; the step time is a median over the last ``window`` steps,
-    and one measuring window is a handful of steps of a few ms each, so on a shared machine its readings are noise:
-    contention is judged over the same steps as the median (the windows since its oldest step), not over the last
-    window alone. ``reference_base`` holds the fixed reference computation's times on the early measuring steps.
+    :meth:`update` takes one measuring window (:class:`~lightning_tfdebug.core.host.CpuWindow`): its steps, this
+    process's run-queue wait and CPU time, and its wall time. One window is a handful of steps, noise on a shared
+    machine: the load is judged over the same steps as the median (the windows since its oldest step).
+    ``reference_base`` holds the reference computation's times on the early measuring steps.
     """
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self.other_base = RunningWindow(16)  # other processes' CPU cores during the early window
-        self.delay_base = RunningWindow(16)  # run-queue wait per step (ms) during the early window
+        self.contention_base = RunningWindow(16)  # (CPU + run-queue wait) / CPU of the early windows
         self.cpu_base = RunningWindow(16)  # this process's CPU time per step (ms) during the early window
-        self.wall_base = RunningWindow(16)  # wall time per step (ms) of the early windows: their mean step time
+        self.wall_base = RunningWindow(16)  # wall time per step (ms) of the early windows
         self.reference_base = RunningWindow(16)  # ms of `core.host.reference_work_ms` on the early measuring steps
-        # per measuring window since the step-time median's oldest step: (steps, run-queue wait s, own CPU s, other
-        # processes' core-seconds, wall s)
-        self.windows: deque[tuple[int, float, float, float, float]] = deque()
+        # per measuring window since the median's oldest step: (steps, run-queue wait s, own CPU s, wall s)
+        self.windows: deque[tuple[int, float, float, float]] = deque()
 
-    def update(
-        self, steps: int, early: bool, other: float | None, run_delay_s: float, own_cpu_s: float, wall_s: float
-    ) -> LoadReading:
-        """Add one measuring window of ``steps`` steps (``early``: they joined the early window) and read the load
-        over the median's steps against the early windows."""
-        delay = run_delay_s * 1e3 / steps if steps else math.nan  # ms per step
-        cpu = own_cpu_s * 1e3 / steps if steps else math.nan  # ms per step
-        if early:  # this window's steps are part of the early window
-            if other is not None:
-                self.other_base.add(other)
-            if delay == delay:
-                self.delay_base.add(delay)
-            self.cpu_base.add(cpu)
-            self.wall_base.add(wall_s * 1e3 / steps if steps else math.nan)
+    def update(self, steps: int, early: bool, run_delay_s: float, own_cpu_s: float, wall_s: float) -> LoadReading:
+        """Add one measuring window of ``steps`` steps (``early``: they joined the early window); read the span."""
         if steps:
-            other_seconds = other * wall_s if other is not None else math.nan
-            self.windows.append((steps, run_delay_s, own_cpu_s, other_seconds, wall_s))
+            self.windows.append((steps, run_delay_s, own_cpu_s, wall_s))
+            if early:
+                self.cpu_base.add(own_cpu_s * 1e3 / steps)
+                self.wall_base.add(wall_s * 1e3 / steps)
+                if run_delay_s == run_delay_s and own_cpu_s > 0:
+                    self.contention_base.add(1.0 + run_delay_s / own_cpu_s)
         while self.windows and sum(w[0] for w in self.windows) - self.windows[0][0] >= self.window:
             self.windows.popleft()
-        span_delay, span_cpu, span_other = span_rates(self.windows)
-        steps_in_span = sum(w[0] for w in self.windows)
-        span_wall = 1e3 * sum(w[4] for w in self.windows) / steps_in_span if steps_in_span else math.nan
-        wall_base = self.wall_base.median() if len(self.wall_base) else math.nan
-        mean_ratio = span_wall / wall_base if wall_base > 0 else math.nan
-        delay_rise = span_delay - self.delay_base.median() if len(self.delay_base) else math.nan
-        cpu_base = self.cpu_base.median() if len(self.cpu_base) else math.nan
-        cpu_ratio = span_cpu / cpu_base if cpu_base > 0 else math.nan
-        # against the quietest early window: a passing spike during the early window must not hide later load
-        quiet = min(self.other_base.values, default=math.nan)
-        return LoadReading(span_other - quiet, delay_rise, cpu_ratio, mean_ratio)
+        span_steps, delay, cpu, wall = (sum(w[i] for w in self.windows) for i in range(4))
+        if not span_steps:
+            return LoadReading(math.nan, math.nan, math.nan)
+        contention = 1.0 + delay / cpu if cpu > 0 else math.nan  # NaN without /proc (the waits are NaN)
+        return LoadReading(
+            _ratio(contention, self.contention_base),
+            _ratio(cpu * 1e3 / span_steps, self.cpu_base),
+            _ratio(wall * 1e3 / span_steps, self.wall_base),
+        )
 
     def reference_ratio(self, early: bool, slow: bool, time_reference: Callable[[], float]) -> float:
-        """The fixed reference computation's time now over the early measuring steps' (nan: not timed now).
+        """The reference computation's time now over the early measuring steps' (nan: not timed now).
 
-        ``time_reference()`` (:func:`~lightning_tfdebug.core.host.reference_work_ms`, 20 ms of host work) runs on the
-        measuring steps whose steps form the early window (``early``: how long a fixed computation takes on this
-        machine while the early step times are taken, a one-time cost of the fit) and again on a ``slow`` one, and on
-        no other: slower by as much as the step, the machine got slower; as fast as before, the run did."""
+        ``time_reference()`` (:func:`~lightning_tfdebug.core.host.reference_work_ms`) runs on the early window's
+        measuring steps (``early``) and on ``slow`` ones, on no other."""
         if early:
             self.reference_base.add(time_reference())
         elif slow and len(self.reference_base):
@@ -366,8 +342,7 @@ class MachineLoad:
         return math.nan
 
     _STATE = {
-        "other_baseline": "other_base",
-        "delay_baseline": "delay_base",
+        "contention_baseline": "contention_base",
         "cpu_baseline": "cpu_base",
         "wall_baseline": "wall_base",
         # timed on the machine that saved it: a run resumed on a slower machine is recognised as the machine's

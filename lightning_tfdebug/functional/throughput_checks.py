@@ -67,9 +67,9 @@ TFD603 = Rule(
     "ThroughputMonitor",
     title="the median step time regressed to more than `regression_factor` x the early window, sustained",
     trigger=(
-        "the median step time above `regression_factor` x the early window's median (after `skip_steps`, over "
-        "`baseline_steps`), and the mean step time over the same `window` steps above `regression_factor` x the "
-        "early windows' (time lost, not only the median moved), for `patience` measurements"
+        "the median and the mean step time over the last `window` steps above `regression_factor` x the early "
+        "window's (after `skip_steps`, over `baseline_steps`), for `patience` measurements in a row that the "
+        "machine does not explain (TFD605)"
     ),
     hint=(
         "Look for growth over time: a Python list or tensor kept across steps (retained graph, metrics "
@@ -104,30 +104,19 @@ TFD605 = Rule(
     "TFD605",
     "info",
     "ThroughputMonitor",
-    title=(
-        "the step time regressed as for TFD603, but the machine is to blame: the run waited for CPU cores that "
-        "other processes took, or a fixed reference computation slowed as much"
-    ),
+    title="the step time regressed as for TFD603, but the machine got slower, not the run",
     trigger=(
-        "as TFD603, but during the slow streak every regressed rank's threads waited on the run queue for at "
-        "least half the extra step time more than in the early windows (`/proc/self/task/*/schedstat`), and "
-        "either other processes used >= max(0.5, 0.1 x cores) more CPU cores than in the quietest early window "
-        "(Linux `/proc/stat`) or, on a machine already full, the run's own CPU time per step rose by less than "
-        "0.9x as much as its step time (no more work, a smaller share of the cores); all judged over the steps the "
-        "median step time covers. Or, with or without `/proc`: a fixed CPU computation (two 192x192 matrix "
-        "products and a 4 MiB copy, repeated for 20 ms, timed on the early measuring steps and again on the slow "
-        "one) took longer by at least half as much as the mean step time rose, while the run's CPU use per "
-        "second of wall time did not rise past 1.25x its early one (steal, a lower clock, a saturated memory bus, "
-        "other processes on a machine without `/proc`). TFD603 then needs `patience` slow, uncontended "
-        "measurements in a row"
+        "as TFD603, but the same work got slower: the machine's slowdown (the larger of the rise of this process's "
+        "run-queue wait per CPU second, from `/proc/self/task/*/schedstat`, and of a fixed reference computation's "
+        "time) explains at least half the step time's rise; or it is at least 1.5x while the run's CPU time per "
+        "step rose by less than 0.9x as much as its step time (no more work, a smaller share of the cores). Never "
+        "when the run takes more than 1.25x its early CPU per second (its own threads took the cores)"
     ),
     hint=(
         "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
         "compare ratios measured in the same period."
     ),
-    reason=(
-        "The slowdown is the machine's (other processes took the cores, or the same work takes longer), not the run's"
-    ),
+    reason="The slowdown is the machine's (other processes took the cores, or the same work takes longer)",
     message=(
         "The median step time rose to {ratio_to_early:.2f}x the early steps' median while {cause}, so this is not "
         "reported as a slowdown of the run itself (TFD603)."
@@ -207,11 +196,10 @@ class ThroughputRow:
     peak: float  # peak memory, bytes (CUDA: allocated; CPU: resident set)
     reserved: float  # memory now, bytes (CUDA: reserved; CPU: resident set)
     capacity: float  # the device's (CPU: the machine's) memory, bytes (0: unknown)
-    other_extra: float  # CPU cores other processes used beyond the quietest early window (nan: unknown)
     new_graphs: float  # graphs torch.compile compiled since the early window ended (nan before)
     limit_hits: float  # torch.compile recompile-limit hits since training started
-    delay_rise_ms: float  # run-queue wait per step of this process's threads beyond the early windows' (nan: unknown)
     trimmed_positions: float  # positions had each batch been padded only to its longest row (mask span x rows)
+    contention_ratio: float  # (CPU + run-queue wait) per CPU second over the early windows' (nan: no /proc)
     cpu_ratio: float  # this process's CPU time per step over the early windows' (nan: unknown)
     mean_ratio: float  # mean wall time per step over the median's steps, over the early windows' (nan: unknown)
     reference_ratio: float  # a fixed CPU computation's time now over the early windows' (nan: not timed)
@@ -236,77 +224,43 @@ def padding_speedups(tokens: float, positions: float, trimmed: float) -> dict[st
     return {"packing": packing, "trim_to_longest": trim}
 
 
-CONTENDED_CORES = 0.5
-"""Other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
-of a big machine (where background activity of half a core is noise): the monitor passes
-:func:`~lightning_tfdebug.core.host.contended_cores` of its machine; half a core is the floor."""
 EXPLAINS = 0.5
-"""The run-queue wait explains a slowdown when it rose by at least this share of the extra step time."""
+"""The machine explains a slowdown when the same work slowed by at least this share of the step time's rise."""
+CONTENDED = 1.5
+"""A machine this many times slower for the same work is contended, whatever the share of the step time it explains
+(a run's spinning torch threads amplify what other processes take: 9.4x the step time at 2.1x the contention)."""
 OWN_WORK = 0.9
 """The run's own work explains a slowdown when its CPU time per step rose by at least this share of its step time's
-rise (as ratios to the early windows'). More work per step raises both alike (1.0); under contention torch's worker
-threads spin while a peer waits for a core, so the CPU time rises too, but less: measured 0.4 (9.4x the step time,
-4.4x the CPU, two busy loops on a 2-core machine) to 0.75 (BERT in the healthy matrix on a 2-core machine with a load
-average of 8)."""
-
-
+rise. More work per step raises both alike (1.0); under contention torch's spinning threads raise the CPU time less
+(measured 0.4 to 0.75)."""
 OWN_UTILIZATION = 1.25
-"""A slowdown is the run's own, even when the reference computation slowed too, when the run's CPU use per second of
-wall time rose by more than this factor over the early windows' (``cpu_ratio / mean_ratio``): threads of the run
-itself (a busy background thread, more torch threads than cores) took the cores. A machine that got slower cannot
-give the run more CPU per second: under steal or a lower clock it is the same or less, under other processes' load
-the run's spinning worker threads raise it a little (measured 1.2 to 1.33 cores of 2 with one busy loop beside)."""
+"""A run that takes more than this factor of its early CPU per second of wall time slowed itself (a busy thread of
+its own): a slower machine cannot give it more."""
 
 
-def machine_slower(row: ThroughputRow) -> bool:
-    """Whether the machine itself explains a slow rank's slowdown: the fixed reference computation
-    (:func:`~lightning_tfdebug.core.host.reference_work_ms`, timed on the early measuring steps and again on a slow
-    one) slowed by at least :data:`EXPLAINS` of the mean step time's rise, and the run did not take more CPU per second
-    than early on (:data:`OWN_UTILIZATION`). This covers what leaves no trace in the run-queue wait or in other
-    processes' CPU use: a hypervisor taking the virtual CPU (steal), a lower clock, a neighbour saturating the memory
-    bus, and machines without ``/proc`` (macOS). A run that slows itself (more work, a sleep, I/O, a device) leaves the
-    reference computation as fast as it was. False where the reference was not timed (NaN)."""
-    base, step = row.baseline_ms, row.step_ms
-    if not base > 0:
-        return False
-    # Like with like: the reference's mean wall time per round against the run's mean wall time per step over the
-    # median's steps (the median alone moves in steps when the lost time comes in slices: a 9 ms step on a CPU taken
-    # away for 8 ms out of every 16 takes two or three slices, and its median read 2.85x while the mean read 2.25x
-    # and the reference 1.8x). The median's ratio where the mean was not measured.
-    mean = row.mean_ratio
-    rise = (mean if mean == mean else step / base) - 1.0
-    reference = row.reference_ratio
-    if not (rise > 0 and reference - 1.0 >= EXPLAINS * rise):  # False when not timed (NaN)
-        return False
-    utilization = row.cpu_ratio / mean if mean > 0 else math.nan
-    return not utilization > OWN_UTILIZATION  # NaN (not measured): the reference alone decides
+def machine_factor(row: ThroughputRow) -> float:
+    """How many times longer the same work takes now than early on: the larger of the run's own contention ratio
+    (CPU time plus run-queue wait, per CPU second) and the reference computation's ratio (NaN: neither known)."""
+    known = [r for r in (row.contention_ratio, row.reference_ratio) if r == r]
+    return max(known) if known else math.nan
 
 
-def contended(row: ThroughputRow, regression_factor: float, contended_cores: float = CONTENDED_CORES) -> bool:
-    """Whether a slow rank's slowdown came from other processes taking its cores, or from the machine itself getting
-    slower (:func:`machine_slower`), not from the run.
-
-    The extra step time must be at least :data:`EXPLAINS` spent waiting for a core (the rise of this process's
-    run-queue wait per step, against the early windows'), and that wait must come from others: either they took
-    ``contended_cores`` more cores than in the quietest early window, or, on a machine whose cores were already all
-    busy (where others cannot take much more), this process's CPU time per step rose by less than :data:`OWN_WORK` of
-    its step time's rise (``cpu_ratio``): it waited longer for a core without doing more work. A run that slows
-    itself does more work per step (its CPU time rises with its step time) or stops asking for a core (sleep, I/O, a
-    device: its run-queue wait does not rise).
-    """
+def contended(row: ThroughputRow, regression_factor: float) -> bool:
+    """Whether a slow rank's slowdown is the machine's, not the run's: the same work got slower by at least
+    :data:`EXPLAINS` of the step time's rise, or by :data:`CONTENDED` while the run's CPU time per step rose less than
+    :data:`OWN_WORK` of it. Never when the run took more CPU per second than early on (:data:`OWN_UTILIZATION`)."""
     base, step = row.baseline_ms, row.step_ms
     if not (base > 0 and step / base > regression_factor):
         return False
-    if machine_slower(row):
-        return True
-    extra = step - base
-    delay = row.delay_rise_ms
-    if delay < EXPLAINS * extra:  # NaN (not measured) passes: others' rise alone decides, as before
+    # the mean, like with like: the reference and the waits are means too (the median moves in steps under slicing)
+    ratio = row.mean_ratio if row.mean_ratio == row.mean_ratio else step / base
+    if row.cpu_ratio / ratio > OWN_UTILIZATION:
         return False
-    if row.other_extra >= contended_cores:
+    machine = machine_factor(row)
+    if machine - 1.0 >= EXPLAINS * (ratio - 1.0):
         return True
-    same_work = row.cpu_ratio - 1.0 < OWN_WORK * (step / base - 1.0)  # False when not measured (NaN)
-    return delay == delay and same_work
+    own_work = row.cpu_ratio - 1.0 >= OWN_WORK * (ratio - 1.0)  # NaN: not known, not shown
+    return machine >= CONTENDED and not own_work
 
 
 KEYS: tuple[Key, ...] = (
@@ -432,27 +386,19 @@ def memory_verdict(
 
 def contended_verdict(ratio: float, row: ThroughputRow, step: int | None = None) -> Verdict:
     """``TFD605``: the slow streak's numbers, from the slow rank's row, and why they point at the machine."""
-    extra, delay, cpu, reference = row.other_extra, row.delay_rise_ms, row.cpu_ratio, row.reference_ratio
-    evidence = {
-        "ratio_to_early": ratio,
-        "other_extra_cores": extra,
-        "delay_rise_ms_per_step": delay,
-        "cpu_ratio": cpu,
-        "reference_ratio": reference,
-    }
-    if machine_slower(row):
-        cause = (
-            f"a fixed reference computation, timed on the early steps and again now, ran {reference:.2f}x slower too: "
-            "the machine itself got slower (other processes, a shared, stolen or throttled CPU)"
-        )
-        return TFD605.verdict(evidence, step=step, cause=cause)
-    waited = f"this process waited {delay:.1f} ms more per step for a CPU core, " if delay == delay else ""
-    same = (
-        f"its CPU time per step rose only {cpu:.2f}x (its work did not grow with its step time), " if cpu == cpu else ""
-    )
-    others = f"{extra:.1f} more CPU cores busy than they did then" if extra == extra else "more CPU cores busy"
-    cause = f"{waited}{same}and other processes on the machine kept {others}: the machine is contended"
+    evidence = {"ratio_to_early": ratio, **load_evidence(row)}
+    parts = []
+    if row.contention_ratio == row.contention_ratio:
+        parts.append(f"this process waited {row.contention_ratio:.2f}x as long for a CPU core per second of work")
+    if row.reference_ratio == row.reference_ratio:
+        parts.append(f"a fixed reference computation ran {row.reference_ratio:.2f}x slower")
+    cause = " and ".join(parts) + " than on the early steps: the machine itself got slower (other processes, steal)"
     return TFD605.verdict(evidence, step=step, cause=cause)
+
+
+def load_evidence(row: ThroughputRow) -> dict[str, float]:
+    """The readings that tell the machine's slowdown from the run's, as a finding's evidence (NaN: not measured)."""
+    return {"contention_ratio": row.contention_ratio, "cpu_ratio": row.cpu_ratio, "reference_ratio": row.reference_ratio}
 
 
 def compile_limit_verdict(rows: Sequence[ThroughputRow], step: int | None = None) -> Verdict | None:
@@ -466,8 +412,7 @@ class ThroughputDiagnosis:
     """The findings of ThroughputMonitor, measurement after measurement (``TFD601``-``TFD607``).
 
     ``TFD601``/``TFD602``/``TFD603``/``TFD606`` need ``patience`` measurements in a row; ``TFD605`` replaces
-    ``TFD603`` when the slow streak came with other processes loading the machine and this process waiting for cores
-    (``contended_cores``: see :func:`contended`).
+    ``TFD603`` when the machine explains the slow streak (:func:`contended`).
     """
 
     wait_threshold: float = 0.2
@@ -475,7 +420,6 @@ class ThroughputDiagnosis:
     regression_factor: float = 1.5
     memory_threshold: float = 0.92
     patience: int = 3
-    contended_cores: float = CONTENDED_CORES
     streaks: Streak = field(default_factory=Streak)
     contended_row: ThroughputRow | None = None  # the slow rank's row when the current streak was last contended
     graphs_prev: float = math.nan
@@ -508,12 +452,10 @@ class ThroughputDiagnosis:
         return [v for v in out if v is not None]
 
     def _regression(self, metrics: dict[str, float], rows: Sequence[ThroughputRow], step: int | None) -> Verdict | None:
-        """``TFD603``, or ``TFD605`` when the slow streak was contended (:func:`contended`)."""
-        ratios = [r.step_ms / r.baseline_ms for r in rows if r.baseline_ms == r.baseline_ms and r.baseline_ms > 0]
-        ratio = max(ratios) if ratios else float("nan")
-        # a slowdown is lost time: the mean step time over the same steps must have risen too (NaN: not measured).
-        # Under heavy time slicing the median alone moves when the steps split into slow and fast ones, with little
-        # time lost (the median at 800 ms, the mean over the same 50 steps at 590 ms, on a 2-core machine 100% busy)
+        """``TFD603``, or ``TFD605`` when a measurement of the slow streak was contended (:func:`contended`)."""
+        ratios = [r.step_ms / r.baseline_ms for r in rows if r.baseline_ms > 0]
+        # a slowdown is lost time: the mean step time over the same steps must have risen too (NaN: not measured);
+        # under time slicing the median alone moves when the steps split into slow and fast ones
         slow = [
             r
             for r in rows
@@ -521,34 +463,21 @@ class ThroughputDiagnosis:
             and r.step_ms / r.baseline_ms > self.regression_factor
             and not r.mean_ratio <= self.regression_factor
         ]
-        ratio = ratio if slow else min(ratio, self.regression_factor)
-        # contended: this process's threads waited for a core for at least half of the extra step time, because
-        # others took more cores or, on a machine already full, took a larger share of them; or a fixed reference
-        # computation slowed as much, the machine itself got slower (see `contended` and `machine_slower`)
-        is_contended = bool(slow) and all(contended(r, self.regression_factor, self.contended_cores) for r in slow)
-        # TFD603 needs `patience` slow measurements in a row with no sign of other load; a slow streak in which
-        # other processes loaded the machine at some point is TFD605 instead (a reading can dip between windows)
-        regressed = self._sustained("regression", ratio > self.regression_factor and not is_contended)
-        slow_any = self._sustained("regression_any", ratio > self.regression_factor)
+        ratio = max(ratios) if slow else math.nan
+        is_contended = bool(slow) and all(contended(r, self.regression_factor) for r in slow)
+        # TFD603 needs `patience` slow, uncontended measurements in a row; a streak contended at some point is TFD605
+        regressed = self._sustained("regression", bool(slow) and not is_contended)
+        slow_any = self._sustained("regression_any", bool(slow))
         if is_contended:
-            # the row quoted: the slow rank with the fewest other-process cores (NaN, unknown, last)
-            self.contended_row = min(slow, key=lambda r: r.other_extra if r.other_extra == r.other_extra else math.inf)
-        elif not ratio > self.regression_factor:
+            self.contended_row = max(slow, key=lambda r: r.step_ms / r.baseline_ms)
+        elif not slow:
             self.contended_row = None
         if slow_any and not regressed and self.contended_row is not None:
             return contended_verdict(ratio, self.contended_row, step)
         if not regressed:
             return None
         worst = max(slow, key=lambda r: r.step_ms / r.baseline_ms)
-        evidence = {
-            "step_time_ms": metrics["throughput/step_time_ms"],
-            "ratio_to_early": ratio,
-            # what ruled out contention, on the slowest rank (NaN: not measured)
-            "other_extra_cores": worst.other_extra,
-            "delay_rise_ms_per_step": worst.delay_rise_ms,
-            "cpu_ratio": worst.cpu_ratio,
-            "reference_ratio": worst.reference_ratio,
-        }
+        evidence = {"step_time_ms": metrics["throughput/step_time_ms"], "ratio_to_early": ratio, **load_evidence(worst)}
         return TFD603.verdict(evidence, step=step, patience=self.patience)
 
     def _recompiling(self, rows: Sequence[ThroughputRow], step: int | None) -> Verdict | None:
