@@ -1,8 +1,6 @@
-"""Readers of the host and the device's properties: process memory, this process's CPU time and run-queue waits
-(``/proc``), a fixed reference computation, ``torch.compile``'s counters and the device's peak FLOP/s.
-
-Each reads the machine as it is now and returns host numbers; the decisions taken from them live in
-:mod:`lightning_tfdebug.functional.throughput_checks`. File reads and clock reads only, no device sync.
+"""Readers of the host and the device: process memory, this process's CPU time and run-queue waits (``/proc``), a
+fixed reference computation, ``torch.compile``'s counters and peak FLOP/s. Host numbers out, no device sync; the
+decisions are in :mod:`lightning_tfdebug.functional.throughput_checks`.
 """
 
 from __future__ import annotations
@@ -47,9 +45,8 @@ def physical_memory_bytes() -> int | None:
 
 
 class MemoryReading(NamedTuple):
-    """Memory of one process in bytes: on CUDA the allocator's peak allocated and reserved memory and the device's
-    total; elsewhere this process's peak and current resident set size and the machine's physical memory (0 when
-    unknown)."""
+    """Bytes: CUDA's peak allocated, reserved and total memory; elsewhere the peak and current resident set and the
+    machine's physical memory (0: unknown)."""
 
     peak: float
     reserved: float
@@ -153,11 +150,8 @@ def reference_work_ms(span_ms: float = 20.0) -> float:
 
 # ---------------------------------------------------------------------------------------------------- compilation
 def compile_counts() -> tuple[float, float]:
-    """``(graphs compiled, recompile-limit hits)`` so far in this process by ``torch.compile``.
-
-    Host-side counters of TorchDynamo, read without importing it: ``(nan, nan)`` when nothing in the process has
-    used ``torch.compile``. A hit of the recompile limit means the code object now runs without compilation.
-    """
+    """``(graphs compiled, recompile-limit hits)`` so far in this process by ``torch.compile``, from TorchDynamo's
+    host-side counters, read without importing it (``(nan, nan)`` when nothing used ``torch.compile``)."""
     if "torch._dynamo.utils" not in sys.modules:
         return math.nan, math.nan
     counters = getattr(sys.modules["torch._dynamo.utils"], "counters", None)
@@ -171,8 +165,8 @@ def compile_counts() -> tuple[float, float]:
 
 
 class CompileWatch:
-    """What ``torch.compile`` did during a fit: graphs compiled since the early window ended, and recompile-limit hits
-    since training started (its counters are process-wide: only changes since :meth:`start` count)."""
+    """Graphs ``torch.compile`` compiled since the early window ended, and recompile-limit hits since :meth:`start`
+    (its counters are process-wide)."""
 
     def __init__(self) -> None:
         self.graphs_ref: float | None = None  # graphs when the early window ended
@@ -182,8 +176,8 @@ class CompileWatch:
         self.graphs_ref, self.limit_ref = None, compile_counts()[1]
 
     def since(self, early_window_done: bool) -> tuple[float, float]:
-        """``(new graphs, limit hits)``: the graphs are nan until the early window is done (compiling during warm-up
-        and the early window is expected); nan where nothing was compiled."""
+        """``(new graphs, limit hits)``; the graphs are nan until the early window is done, both where nothing
+        compiled."""
         graphs, hits = compile_counts()
         if early_window_done and self.graphs_ref is None:
             self.graphs_ref = graphs
@@ -204,10 +198,8 @@ _LIGHTNING_DTYPES: dict[str, torch.dtype | str] = {
 
 
 def lightning_peak_flops(device: torch.device, compute: str) -> float | None:
-    """Lightning's dense peak FLOP/s of ``device`` for ``compute``
-    (:func:`lightning.fabric.utilities.throughput.get_available_flops`), or None where it does not know the chip or
-    that precision. A chip without TF32 (Volta, Turing) runs ``"tf32"`` as plain fp32. Its warning for an unknown
-    chip is not repeated: without a peak, MFU is simply not logged (``peak_flops`` gives one)."""
+    """Lightning's dense peak FLOP/s of ``device`` for ``compute`` (``get_available_flops``, its unknown-chip warning
+    silenced), or None. A chip without TF32 runs ``"tf32"`` as plain fp32."""
     from lightning.fabric.utilities.throughput import get_available_flops
 
     dtype = _LIGHTNING_DTYPES.get(compute)
@@ -222,13 +214,8 @@ def lightning_peak_flops(device: torch.device, compute: str) -> float | None:
 
 
 def device_peak_flops(device: torch.device, precision: str) -> float | None:
-    """Peak dense FLOP/s of one CUDA ``device`` in the column of the Trainer's ``precision``, or None (not CUDA, or a
-    chip neither table knows).
-
-    TF32 counts when ``torch.set_float32_matmul_precision`` or ``torch.backends.cuda.matmul.allow_tf32`` allows it.
-    :data:`~lightning_tfdebug.functional.throughput.PEAK_FLOPS` answers for what it holds (chips and precisions
-    Lightning's table lacks or reads wrongly from the device name), Lightning's table for every other chip.
-    """
+    """Peak dense FLOP/s of one CUDA ``device`` at the Trainer's ``precision`` (TF32 where torch allows it), from
+    :data:`~lightning_tfdebug.functional.throughput.PEAK_FLOPS`, else Lightning's table; None when neither knows."""
     if device.type != "cuda":
         return None
     tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32

@@ -1,10 +1,6 @@
-"""ThroughputMonitor's arithmetic and decisions: from the per-rank rows of a measuring step to the logged keys and
-the findings. Host numbers only, no Trainer: every rule here is testable with plain numbers.
-
-A measuring step gathers one :class:`ThroughputRow` per rank (its named fields travel in the step's one reduction
-over ranks); :func:`throughput_metrics` turns the rows into the logged keys, and :class:`ThroughputDiagnosis` keeps
-the streaks across measurements and returns :class:`~lightning_tfdebug.functional.verdicts.Verdict` objects. Every
-rank holds the same rows after the reduction, so every rank reaches the same verdicts.
+"""ThroughputMonitor's arithmetic and decisions, host numbers only: every rank's :class:`ThroughputRow` (from the
+step's one reduction) to the logged keys (:func:`throughput_metrics`) and the findings (:class:`ThroughputDiagnosis`,
+which keeps the streaks). Every rank holds the same rows, so every rank reaches the same verdicts.
 """
 
 from __future__ import annotations
@@ -23,10 +19,7 @@ TFD601 = Rule(
     "warning",
     "ThroughputMonitor",
     title="data-loading bound: the wait for the next batch above `wait_threshold` of wall time, sustained",
-    trigger=(
-        "waiting for the next batch took more than `wait_threshold` of wall time (worst rank) for `patience` "
-        "measurements"
-    ),
+    trigger="the wait for the next batch above `wait_threshold` of wall time (worst rank) for `patience` measurements",
     hint=(
         "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "
         "prefetch_factor, and move tokenization or heavy transforms out of __getitem__ (pre-tokenize)."
@@ -42,7 +35,7 @@ TFD602 = Rule(
     "TFD602",
     "info",
     "ThroughputMonitor",
-    title=("padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)"),
+    title="padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)",
     trigger=(
         "padding above `padding_threshold` of the computed token positions for `patience` measurements; a warning "
         "when padding is most (> 50%) of them, with the speed-up packing and dynamic padding would give"
@@ -51,9 +44,7 @@ TFD602 = Rule(
         "Group sequences of similar length (length-bucketed sampler), pad to the batch maximum rather than a "
         "fixed length, or pack several sequences per row."
     ),
-    reason=(
-        "An observation of padding; a warning when padding is most of the computed positions (compute measured lost)"
-    ),
+    reason="An observation of padding; a warning when padding is most of the computed positions (compute lost)",
     message=(
         "{padding_frac:.0%} of the token positions computed were padding (threshold {threshold:.0%}) for {patience} "
         "measurements in a row: packing or length-bucketing would compute {speedup_packing:.1f}x fewer positions"
@@ -128,15 +119,11 @@ TFD606 = Rule(
     "TFD606",
     "warning",
     "ThroughputMonitor",
-    title=("`torch.compile` keeps compiling new graphs after the early window, at each of `patience` measurements"),
-    trigger=(
-        "`torch.compile` compiled new graphs at each of `patience` measurements after the early window (counted "
-        "from TorchDynamo's counters)"
-    ),
+    title="`torch.compile` keeps compiling new graphs after the early window, at each of `patience` measurements",
+    trigger="`torch.compile` compiled new graphs (TorchDynamo's counters) at each of `patience` measurements",
     hint=(
-        "Something the compiled code is guarded on changes from step to step: usually input shapes (variable "
-        "sequence lengths with dynamic=False or mark_static; pad to a few bucket lengths or let shapes be "
-        "dynamic), or Python values passed in (the step number, a changing float, a dict with new keys). "
+        "A guard of the compiled code changes every step: input shapes (pad to a few bucket lengths or let shapes "
+        "be dynamic) or Python values passed in (the step number, a float, a dict with new keys). "
         'TORCH_LOGS="recompiles" prints the failing guard.'
     ),
     reason="Measured: recompiling keeps costing time after the early window",
@@ -167,15 +154,7 @@ TFD607 = Rule(
 BLOCK = ("TFD601", "TFD619")
 """The codes reserved for ThroughputMonitor's rules."""
 
-RULES: tuple[Rule, ...] = (
-    TFD601,
-    TFD602,
-    TFD603,
-    TFD604,
-    TFD605,
-    TFD606,
-    TFD607,
-)
+RULES: tuple[Rule, ...] = (TFD601, TFD602, TFD603, TFD604, TFD605, TFD606, TFD607)
 """The rules decided in this module, in code order."""
 
 
@@ -184,8 +163,8 @@ GIB = float(2**30)
 
 @dataclass(frozen=True)
 class ThroughputRow:
-    """One rank's numbers of one measuring window: the fields of its row in the step's reduction over ranks, in this
-    order (the one declaration of what travels). NaN where a reading is unknown."""
+    """One rank's numbers of one measuring window, in the order its row travels in the step's reduction (NaN:
+    unknown)."""
 
     tokens: float  # real (non-padding) tokens
     positions: float  # token positions computed (padding included)
@@ -207,19 +186,13 @@ class ThroughputRow:
 
 
 MOST_PADDING = 0.5
-"""``TFD602`` is a warning once padding is most of the computed positions: it is then the largest speed problem of the
-run (removing it at least doubles the real tokens per second); below, it is info."""
+"""``TFD602`` is a warning once padding is most of the computed positions (removing it at least doubles throughput)."""
 
 
 def padding_speedups(tokens: float, positions: float, trimmed: float) -> dict[str, float]:
-    """What removing padding would gain, from the counts of one measurement (sums over ranks).
-
-    ``packing``: positions / real tokens, the factor by which fewer positions are computed when sequences are packed
-    (or perfectly bucketed) to rows without padding. ``trim_to_longest``: positions / trimmed positions, the factor
-    from padding each batch only to its longest sequence (dynamic padding) instead of a fixed length. Both are the
-    speed-up of the step when its time scales with the positions computed (the matmuls of a transformer do; attention
-    grows faster, so the gain is at least this for long rows).
-    """
+    """The factors by which fewer positions are computed with ``packing`` (positions / real tokens) and with
+    ``trim_to_longest`` padding (positions / trimmed positions): the step's speed-up where its time scales with the
+    positions (the matmuls do; attention grows faster)."""
     packing = positions / tokens if tokens > 0 else math.inf
     trim = positions / trimmed if 0 < trimmed <= positions else 1.0
     return {"packing": packing, "trim_to_longest": trim}
@@ -228,15 +201,13 @@ def padding_speedups(tokens: float, positions: float, trimmed: float) -> dict[st
 EXPLAINS = 0.5
 """The machine explains a slowdown when the same work slowed by at least this share of the step time's rise."""
 CONTENDED = 1.5
-"""A machine this many times slower for the same work is contended, whatever the share of the step time it explains
-(a run's spinning torch threads amplify what other processes take: 9.4x the step time at 2.1x the contention)."""
+"""A machine this many times slower for the same work is contended even where it explains less of the step time:
+spinning torch threads amplify contention into the step time."""
 OWN_WORK = 0.9
-"""The run's own work explains a slowdown when its CPU time per step rose by at least this share of its step time's
-rise. More work per step raises both alike (1.0); under contention torch's spinning threads raise the CPU time less
-(measured 0.4 to 0.75)."""
+"""More work per step raises the CPU time per step as much as the step time (1.0); contention raises it less
+(spinning threads: measured 0.4 to 0.75 of the rise)."""
 OWN_UTILIZATION = 1.25
-"""A run that takes more than this factor of its early CPU per second of wall time slowed itself (a busy thread of
-its own): a slower machine cannot give it more."""
+"""A run taking more than this factor of its early CPU per second slowed itself: a slower machine cannot give more."""
 
 
 def machine_factor(row: ThroughputRow) -> float:
@@ -306,8 +277,7 @@ KEYS: tuple[Key, ...] = (
         "GiB",
     ),
 )
-"""What :func:`throughput_metrics` returns: ThroughputMonitor's logged keys (its ``KEYS``), declared beside the
-function that computes them."""
+"""ThroughputMonitor's logged keys, what :func:`throughput_metrics` returns."""
 
 
 def throughput_metrics(
@@ -399,7 +369,11 @@ def contended_verdict(ratio: float, row: ThroughputRow, step: int | None = None)
 
 def load_evidence(row: ThroughputRow) -> dict[str, float]:
     """The readings that tell the machine's slowdown from the run's, as a finding's evidence (NaN: not measured)."""
-    return {"contention_ratio": row.contention_ratio, "cpu_ratio": row.cpu_ratio, "reference_ratio": row.reference_ratio}
+    return {
+        "contention_ratio": row.contention_ratio,
+        "cpu_ratio": row.cpu_ratio,
+        "reference_ratio": row.reference_ratio,
+    }
 
 
 def compile_limit_verdict(rows: Sequence[ThroughputRow], step: int | None = None) -> Verdict | None:
@@ -431,8 +405,7 @@ class ThroughputDiagnosis:
     def update(
         self, metrics: dict[str, float], rows: Sequence[ThroughputRow], step: int | None = None
     ) -> list[Verdict]:
-        """The verdicts of one measurement: ``metrics`` from :func:`throughput_metrics`, ``rows`` every rank's row,
-        ``step`` the measured step."""
+        """The verdicts of one measurement (``metrics`` from :func:`throughput_metrics`, every rank's ``rows``)."""
         wait = metrics["throughput/dataloader_wait_frac"]
         out: list[Verdict | None] = []
         if self._sustained("wait", wait > self.wait_threshold):

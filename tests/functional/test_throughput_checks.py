@@ -61,7 +61,7 @@ def test_diagnosis_needs_patience_and_tells_contention_from_a_slowdown():
     assert codes([row(wait_s=1.0, tokens=500.0, step_ms=40.0)]) == [[], ["TFD601", "TFD602", "TFD603"]]
     # other processes took the cores: the same work waited 1.6x as long for a core, as much as the step time rose
     assert codes([row(step_ms=40.0, contention_ratio=1.6)]) == [[], ["TFD605"]]
-    # spinning torch threads amplify contention: the step 9.4x, the CPU per step 4.4x, the wait per CPU second 2.1x
+    # spinning torch threads amplify contention: the step 9.4x, the CPU per step 4.4x (measured), the wait 2.1x
     spinning = row(step_ms=188.0, mean_ratio=9.4, cpu_ratio=4.4, contention_ratio=2.1)
     assert codes([spinning]) == [[], ["TFD605"]]
     # on a crowded machine, twice the work per step: the CPU per step doubled with the step time, the wait per CPU

@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lightning_tfdebug import TFDebugWarning, ThroughputMonitor  # noqa: E402
-from lightning_tfdebug.core import host  # noqa: E402
-from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule  # noqa: E402
-from tests.helpers import SMALL, BusyLoops, make_trainer  # noqa: E402
+from lightning_tfdebug import ThroughputMonitor
+from lightning_tfdebug.core import host
+from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from tests.helpers import SMALL, BusyLoops, make_trainer
 
 
 class Loaded(TinyGPT):
@@ -43,7 +43,8 @@ class Loaded(TinyGPT):
 
 
 def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
     if spec.get("without_proc"):
         host.thread_run_delays = lambda: None
     torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
