@@ -120,24 +120,16 @@ def loss_outliers(losses: Sequence[float], spread: float) -> tuple[list[int], fl
 
 
 def differing_ranks(values: Sequence[Sequence[float]], rtol: float = 1e-6) -> list[int]:
-    """Ranks whose checksum vector differs from the most common one (ties go to the lowest rank's vector).
-
-    ``values[r]`` is rank ``r``'s vector of per-tensor checksums.
-    """
-    if len(values) < 2:
-        return []
-
-    def same(a: Sequence[float], b: Sequence[float]) -> bool:
-        return all(_close(x, y, rtol) for x, y in zip(a, b))
-
-    groups: list[list[int]] = []
+    """Ranks whose checksum vector (``values[r]``) differs from the most common one (ties: the lowest rank's)."""
+    groups: list[list[int]] = []  # ranks with equal vectors, each group named by its first rank
     for r, vec in enumerate(values):
-        for group in groups:
-            if same(values[group[0]], vec):
-                group.append(r)
-                break
-        else:
+        group = next((g for g in groups if all(_close(x, y, rtol) for x, y in zip(values[g[0]], vec))), None)
+        if group is None:
             groups.append([r])
+        else:
+            group.append(r)
+    if len(groups) < 2:
+        return []
     majority = max(groups, key=len)  # max keeps the first of equally large groups: the one holding the lowest rank
     return sorted(r for g in groups if g is not majority for r in g)
 

@@ -97,12 +97,11 @@ TFD605 = Rule(
     "ThroughputMonitor",
     title="the step time regressed as for TFD603, but the machine got slower, not the run",
     trigger=(
-        "as TFD603, but the same work got slower: the machine's slowdown (the larger of the rise of this process's "
-        "run-queue wait per CPU second, from `/proc/self/task/*/schedstat`, and of a fixed reference computation's "
-        "time) explains at least half the step time's rise; or it is at least 1.5x while the run's CPU time per "
-        "step rose by less than 0.9x as much as its step time (no more work, a smaller share of the cores). Never "
-        "when the run takes more than 1.25x its early CPU per second (its own threads took the cores), nor, "
-        "without `/proc`, when its CPU time per step rose as much as its step time (more work)"
+        "as TFD603, but the same work got slower: the larger of the rise of this process's run-queue wait per CPU "
+        "second (`/proc/self/task/*/schedstat`) and of a fixed reference computation's time explains half the step "
+        "time's rise, or is 1.5x while the run's CPU time per step rose by less than 0.9x as much as its step time. "
+        "Never when the run takes 1.25x its early CPU per second, nor, without `/proc`, when its CPU time per step "
+        "rose with its step time"
     ),
     hint=(
         "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
