@@ -165,6 +165,8 @@ class BugEncoderLM(RankBugs, EncoderLM):
         dead_bias: constant initial bias of every ReLU's input layer (row 14).
         deep_head: this many sigmoid layers without residuals between the encoder and the output layer (row 13).
         layers: encoder layers.
+        batch_norm: a ``BatchNorm1d`` over the token features of the flattened batch, on batch statistics in eval
+            mode too (row 37).
         bugs: :class:`RankBugs` keys.
     """
 
@@ -182,9 +184,11 @@ class BugEncoderLM(RankBugs, EncoderLM):
         dead_bias: float | None = None,
         deep_head: int = 0,
         layers: int = 2,
+        batch_norm: bool = False,
         **bugs: Any,
     ) -> None:
         super().__init__(lr=lr, warmup_steps=warmup_steps, context=context)
+        self.norm = nn.BatchNorm1d(32, track_running_stats=False) if batch_norm else None
         self.deep = deep_sigmoid_stack(deep_head) if deep_head else None
         if layers != 2:
             layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, activation="relu", batch_first=True)
@@ -201,6 +205,8 @@ class BugEncoderLM(RankBugs, EncoderLM):
         h = self.embed(tokens)
         if self.positions:
             h = h + self.pos[:t]
+        if self.norm is not None:
+            h = self.norm(h.flatten(0, 1)).view_as(h)
         mask = nn.Transformer.generate_square_subsequent_mask(t) if self.causal else None
         padding = None
         if attention_mask is not None and self.padding_mask:
@@ -239,6 +245,8 @@ class BugHFLM(RankBugs, HFLM):
         activation: GPT-2's MLP activation (``relu`` for row 14).
         mlp_bias_init: constant initial bias of every MLP input layer (row 14).
         deep_head: this many sigmoid layers without residuals between the body and the LM head (row 13).
+        mixed_reshape: the first block's output ``(b, t, d)`` read back through ``transpose(0, 1).reshape(b, t, d)``
+            (row 37).
         bugs: :class:`RankBugs` keys.
     """
 
@@ -256,6 +264,7 @@ class BugHFLM(RankBugs, HFLM):
         activation: str | None = None,
         mlp_bias_init: float | None = None,
         deep_head: int = 0,
+        mixed_reshape: bool = False,
         **bugs: Any,
     ) -> None:
         pl.LightningModule.__init__(self)
@@ -274,6 +283,8 @@ class BugHFLM(RankBugs, HFLM):
         self.output_squash, self.step_squash, self.shift = output_squash, step_squash, shift
         self.pass_mask, self.bidirectional_mask = pass_mask, bidirectional_mask
         self.constant_positions = constant_positions
+        if mixed_reshape:
+            self.model.transformer.h[0].register_forward_hook(_mixed_reshape)
         self.install_bugs(bugs)
 
     @property
@@ -311,6 +322,13 @@ class BugHFLM(RankBugs, HFLM):
         return loss
 
 
+def _mixed_reshape(module: nn.Module, args: Any, out: Any) -> Any:
+    """Row 37: a block's hidden states ``(b, t, d)`` reshaped from their transpose, which mixes the samples."""
+    hidden = out[0] if isinstance(out, tuple) else out
+    mixed = hidden.transpose(0, 1).reshape(hidden.shape)
+    return (mixed, *out[1:]) if isinstance(out, tuple) else mixed
+
+
 # ------------------------------------------------------------------------------------------------------- TinyGPT
 class BugTinyGPT(TinyGPT):
     """The bundled TinyGPT at the tests' small size, with its own bug flags (``lightning_tfdebug.demo.model``) and
@@ -321,6 +339,7 @@ class BugTinyGPT(TinyGPT):
         step_squash: applied to the logits in ``training_step`` before the loss (row 30).
         constant_positions: the forward adds position 0 everywhere (row 28).
         pytorch_init: PyTorch's default initialisation instead of GPT-style std 0.02 (row 34).
+        batch_axis_attention: the first block's attention runs over the batch axis (its input transposed, row 37).
         flags: TinyGPT's own arguments and bug flags.
     """
 
@@ -330,6 +349,7 @@ class BugTinyGPT(TinyGPT):
         step_squash: str | None = None,
         constant_positions: bool = False,
         pytorch_init: bool = False,
+        batch_axis_attention: bool = False,
         **flags: Any,
     ) -> None:
         flags = {"d_model": 32, "n_layers": 2, "n_heads": 2, "lr": 2e-3, "warmup_steps": 10, **flags}
@@ -337,6 +357,10 @@ class BugTinyGPT(TinyGPT):
         self.output_squash, self.step_squash, self.constant_positions = output_squash, step_squash, constant_positions
         if pytorch_init:
             default_init(self)
+        if batch_axis_attention:
+            attention = self.blocks[0].attn
+            attention.register_forward_pre_hook(lambda module, args: (args[0].transpose(0, 1), None))
+            attention.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         if not self.constant_positions:
@@ -571,6 +595,18 @@ class MaxLengthCollator(Collator):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+class LeftPaddedCollator(Collator):
+    """Row 8: the bundled batches padded on the left (as for batched generation), padding unsupervised."""
+
+    def __call__(self, samples: list[list[int]]) -> dict[str, Tensor]:
+        batch = Collator.__call__(self, samples)
+        real = batch["attention_mask"].sum(1)
+        for i, n in enumerate(real.tolist()):
+            for key in ("input_ids", "attention_mask", "labels"):
+                batch[key][i] = batch[key][i].roll(batch[key].shape[1] - n)
+        return batch
+
+
 class OneSampleDataset(TextDataset):
     """Row 31: a dataset whose ``__getitem__`` ignores its index."""
 
@@ -583,6 +619,7 @@ _COLLATORS: dict[str, type[Collator]] = {
     "pad_is_real": PadIsRealTokenCollator,
     "wrong_labels": WrongSampleLabelsCollator,
     "max_length": MaxLengthCollator,
+    "left_pad": LeftPaddedCollator,
 }
 
 

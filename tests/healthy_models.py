@@ -29,6 +29,9 @@ PAD = ByteTokenizer.pad_id
 MLM_MASK_ID = VOCAB  # BERT gets one more row for its mask token
 FAMILIES: tuple[str, ...] = ("tinygpt", "encoder_lm", "gpt2", "llama", "bert_mlm", "t5")
 HF_FAMILIES: tuple[str, ...] = ("gpt2", "llama", "bert_mlm", "t5")
+EXTRA_FAMILIES: tuple[str, ...] = ("mlm_padpos", "tinygpt_nomask")
+"""Healthy designs the pack once flagged, run in one setting each: a masked LM whose positions count the real tokens
+(:class:`PadPositionMLM`), and a causal LM that ignores its mask on right-padded batches."""
 
 PACK_NAMES: tuple[str, ...] = (
     "BatchGuard",
@@ -77,10 +80,13 @@ def adamw_with_warmup(module: nn.Module, lr: float, warmup_steps: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------- models
 class HealthyTinyGPT(TinyGPT):
-    """The bundled TinyGPT at the tests' small size; its own AdamW and warm-up schedule."""
+    """The bundled TinyGPT at the tests' small size; its own AdamW and warm-up schedule. ``ignore_mask``: its forward
+    ignores the attention mask, as nanoGPT-style models do (healthy on right-padded batches)."""
 
-    def __init__(self, lr: float = 2e-3, warmup_steps: int = 10) -> None:
-        super().__init__(d_model=32, n_layers=2, n_heads=2, lr=lr, warmup_steps=warmup_steps)
+    def __init__(self, lr: float = 2e-3, warmup_steps: int = 10, ignore_mask: bool = False) -> None:
+        super().__init__(
+            d_model=32, n_layers=2, n_heads=2, lr=lr, warmup_steps=warmup_steps, no_padding_mask=ignore_mask
+        )
 
 
 class EncoderLM(pl.LightningModule):
@@ -104,6 +110,37 @@ class EncoderLM(pl.LightningModule):
         tokens, targets = batch
         logits = self(tokens)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return adamw_with_warmup(self, self.lr, self.warmup_steps)
+
+
+class PadPositionMLM(pl.LightningModule):
+    """A BERT-style masked LM whose position ids count the real tokens (``input_ids != pad``, as RoBERTa's do): a
+    position table, a bidirectional encoder that honours the attention mask, and no tokenizer or config naming a
+    special id."""
+
+    def __init__(self, lr: float = 2e-3, warmup_steps: int = 10, context: int = 64) -> None:
+        super().__init__()
+        self.lr, self.warmup_steps = lr, warmup_steps
+        self.embed = nn.Embedding(VOCAB + 1, 32)
+        self.position_embeddings = nn.Embedding(context, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.out = nn.Linear(32, VOCAB + 1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        real = input_ids != PAD
+        positions = (real.long().cumsum(1) - 1).clamp_min(0) * real
+        h = self.embed(input_ids) + self.position_embeddings(positions)
+        padding = None if attention_mask is None else attention_mask == 0
+        return self.out(self.encoder(h, src_key_padding_mask=padding))
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
         self.log("loss", loss)
         return loss
 
@@ -186,6 +223,8 @@ def build(family: str, lr: float = 2e-3, warmup_steps: int = 10) -> pl.Lightning
         return HealthyTinyGPT(lr=lr, warmup_steps=warmup_steps)
     if family == "encoder_lm":
         return EncoderLM(lr=lr, warmup_steps=warmup_steps)
+    if family in EXTRA_FAMILIES:
+        return PadPositionMLM(lr, warmup_steps) if family == "mlm_padpos" else HealthyTinyGPT(lr, warmup_steps, True)
     return HFLM(family, lr=lr, warmup_steps=warmup_steps)
 
 
@@ -255,13 +294,14 @@ def seq2seq_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
 
 def data(family: str, batch_size: int = 8) -> Any:
     """The healthy data of ``family``: a DataModule or a DataLoader."""
-    if family in ("tinygpt", "gpt2", "llama"):
+    if family in ("tinygpt", "gpt2", "llama", "tinygpt_nomask"):
         return TinyTextDataModule(batch_size=batch_size)
     if family == "encoder_lm":
         text = periodic_text()
         return DataLoader(TensorDataset(text[:, :-1], text[:, 1:]), batch_size=2 * batch_size, shuffle=True)
-    collate = mlm_collate if family == "bert_mlm" else seq2seq_collate
-    batch = 2 * batch_size if family == "bert_mlm" else batch_size
+    masked_lm = family in ("bert_mlm", "mlm_padpos")
+    collate = mlm_collate if masked_lm else seq2seq_collate
+    batch = 2 * batch_size if masked_lm else batch_size
     return DataLoader(_documents(), batch_size=batch, shuffle=True, collate_fn=collate, drop_last=True)
 
 

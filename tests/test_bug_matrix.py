@@ -124,6 +124,7 @@ BUGS: dict[int, str] = {
     33: "loss-only wrapper over token rows, non-causal stack",
     34: "learning rate far too low, PyTorch's default init",
     35: "no resumable checkpoint (weights-only)",
+    37: "samples mixed across the batch",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -218,7 +219,12 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("gpt2", gpt2(pass_mask=False)),
         ("tinygpt", tiny(no_padding_mask=True)),
     ):
-        c[8, fam] = Case(module, dicts(), (owner("TFD202", "TFD203", "TFD204"),), "forward drops the padding mask")
+        c[8, fam] = Case(
+            module,
+            dicts(collator="left_pad"),  # on right padding a causal model's dropped mask is harmless (info)
+            (owner("TFD202", "TFD203", "TFD204", severity="error"),),
+            "forward drops the padding mask; left-padded batches",
+        )
     # 9: labels not shifted (data for the tuple pipeline, the step for the others)
     for fam, module, data, where in (
         ("encoder_lm", enc(), tuples(unshifted=True), "dataset targets = tokens"),
@@ -407,6 +413,13 @@ def row_cases() -> dict[tuple[int, str], Case]:
             trainer={"enable_checkpointing": True},
             callbacks=saver(save_weights_only=True),
         )
+    # 37: samples mixed across the batch (forward)
+    for fam, module, where in (
+        ("encoder_lm", enc(batch_norm=True), "BatchNorm1d over the flattened batch's token features"),
+        ("gpt2", gpt2(mixed_reshape=True), "first block's output reshaped from its transpose"),
+        ("tinygpt", tiny(batch_axis_attention=True), "first block's attention over the batch axis"),
+    ):
+        c[37, fam] = Case(module, dicts(), (owner("TFD217", severity="error"),), where)
     return c
 
 

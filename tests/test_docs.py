@@ -1,5 +1,6 @@
 """The docs are part of the contract: every finding code, callback and YAML snippet is documented."""
 
+import inspect
 import os
 import re
 import subprocess
@@ -11,9 +12,9 @@ import yaml
 
 import lightning_tfdebug
 from lightning_tfdebug import DebugCallback
+from lightning_tfdebug.rules import RULES
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = re.compile(r"\bTFD[1-7]\d\d\b")
 
 
 def snake(name: str) -> str:
@@ -37,18 +38,43 @@ def test_every_callback_has_a_page_with_yaml_keys_and_codes(name):
     assert page.exists(), f"{name} has no docs page at {page.relative_to(ROOT)}"
     text = page.read_text()
     assert f"class_path: lightning_tfdebug.{name}" in text, f"{page.name} lacks a LightningCLI snippet"
-    source = (ROOT / "lightning_tfdebug" / "callbacks" / f"{snake(name)}.py").read_text()
-    for code in set(CODE.findall(source)):
+    codes = [code for code, rule in RULES.items() if rule.source == name]
+    assert codes, f"no rule in lightning_tfdebug.rules names {name} as its source"
+    for code in codes:
         assert code in text, f"{page.name} does not mention {code}, which {name} can emit"
     nav = (ROOT / "mkdocs.yml").read_text()
     assert f"callbacks/{snake(name)}.md" in nav
     assert name in (ROOT / "README.md").read_text()
 
 
-def test_yaml_snippets_in_the_docs_parse():
-    for page in (ROOT / "docs").rglob("*.md"):
+def _class_paths(node):
+    """Every ``{class_path, init_args}`` mapping inside a parsed YAML document."""
+    if isinstance(node, dict):
+        if "class_path" in node:
+            yield node["class_path"], node.get("init_args") or {}
+        for value in node.values():
+            yield from _class_paths(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _class_paths(value)
+
+
+def test_yaml_snippets_in_the_docs_parse_and_name_real_arguments():
+    """Every YAML block parses; every ``class_path`` of ours names a public class, and every ``init_args`` key one of
+    its constructor's arguments (a renamed argument fails here before it fails a user's LightningCLI)."""
+    checked = 0
+    for page in [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]:
         for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
-            yaml.safe_load(block)
+            for class_path, init_args in _class_paths(yaml.safe_load(block)):
+                if not class_path.startswith("lightning_tfdebug."):
+                    continue
+                cls = getattr(lightning_tfdebug, class_path.rsplit(".", 1)[1], None)
+                assert isinstance(cls, type), f"{page.name}: {class_path} is not a public class of lightning_tfdebug"
+                accepted = inspect.signature(cls.__init__).parameters
+                unknown = set(init_args) - set(accepted)
+                assert not unknown, f"{page.name}: {class_path} has no argument(s) {sorted(unknown)}"
+                checked += 1
+    assert checked >= len(public_callbacks()), checked  # at least one snippet per callback was read
 
 
 def test_changelog_has_an_unreleased_section():

@@ -25,6 +25,7 @@ import pytest
 from lightning_tfdebug import TFDebugWarning
 from lightning_tfdebug.rules import RULES
 from tests.healthy_models import (
+    EXTRA_FAMILIES,
     FAMILIES,
     PACK_NAMES,
     build,
@@ -39,7 +40,8 @@ from tests.helpers import BusyLoops, make_trainer, run_distributed
 pytest.importorskip("transformers")
 
 CHECK_STEP = 100  # LossAtInit's default check_step
-STEPS = {family: CHECK_STEP + 20 for family in FAMILIES} | {"bert_mlm": 5 * CHECK_STEP + 20}
+STEPS = {family: CHECK_STEP + 20 for family in FAMILIES + EXTRA_FAMILIES}
+STEPS |= {"bert_mlm": 5 * CHECK_STEP + 20, "mlm_padpos": 5 * CHECK_STEP + 20}
 SETTINGS = ("fresh_warmup", "constant_lr", "resumed", "finetune_full", "finetune_lora", "bf16", "accum4")
 FAST = {
     ("tinygpt", "fresh_warmup"),
@@ -121,6 +123,8 @@ def cases():
             if (family, setting) in KNOWN:
                 marks.append(pytest.mark.xfail(strict=False, reason=KNOWN[family, setting]))
             yield pytest.param(family, setting, marks=marks, id=f"{family}-{setting}")
+    for family in EXTRA_FAMILIES:
+        yield pytest.param(family, "constant_lr", marks=[pytest.mark.slow], id=f"{family}-constant_lr")
 
 
 @pytest.mark.parametrize("family, setting", list(cases()))

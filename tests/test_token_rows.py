@@ -189,7 +189,8 @@ def test_padded_rows_sliced_with_their_mask_run_the_padding_probes(tmp_path, bug
     probe, init = MaskProbe(), LossAtInit(check_step=None)
     fit_tiny(tmp_path, [probe, init], model=TokenRowLM(bug=bug), data=token_rows(padded=True), max_steps=1)
     assert_ran(probe, init)
-    assert problems(probe, init) == expected
+    assert problems(probe, init) == set()  # the mask ignored on right-padded rows of a causal LM: info, harmless
+    assert {f.code for f in probe.findings if f.code == "TFD202"} == expected
     assert {"mask_probe/padding_max_change", "mask_probe/pad_side_max_change"} <= set(probe.last_report)
     # the padding is not a target of the wrapper's loss, nor of the alignment read against the rows
     assert probe.last_report["mask_probe/loss_returned"] == pytest.approx(

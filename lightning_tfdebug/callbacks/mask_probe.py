@@ -12,6 +12,7 @@ from torch import Tensor
 from lightning_tfdebug.core import calls
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
+from lightning_tfdebug.core.data import special_token_sources
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
@@ -29,19 +30,15 @@ def _imported(path: str | None) -> Any:
 
 
 class MaskProbe(DebugCallback):
-    r"""Tests the model's behaviour on a real batch: causality, padding invariance, positions, target alignment.
+    r"""Tests the model's behaviour on a real batch: causality, padding, samples, positions, target alignment.
 
     At the first training batch of a fit (and every ``every_n_steps`` steps if set), MaskProbe runs a few extra forward
-    passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch (every submodule's mode and
-    the RNG state restored after), through the call ``training_step`` itself makes (recorded on a replay of it: the
-    pack's one model-call reading, :func:`~lightning_tfdebug.core.calls.find_model_call`), else ``forward`` by its
-    signature, or ``forward_fn``. It reads behaviour, not code: decoder or encoder (``TFD212``), determinism
-    (``TFD213``), causality and target leaks (``TFD201``, ``TFD214``), the mask (``TFD202``-``TFD204``), the context
-    limit (``TFD207``, ``TFD208``), incremental decoding (``TFD209``), the loss's target alignment (``TFD205``,
-    ``TFD206``, ``TFD210``), token order (``TFD215``) and position tables (``TFD216``); ``TFD211`` names the setting
-    that would let it call the model, and it stands aside. Each rank probes its own batch with no collective; under
-    sharded strategies it stands aside. Every probe and its tolerance: ``docs/callbacks/mask_probe.md``; the logged
-    keys: :attr:`KEYS`.
+    passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch (modes and RNG state restored
+    after), through the call ``training_step`` makes (:func:`~lightning_tfdebug.core.calls.find_model_call`), else
+    ``forward`` by its signature, or ``forward_fn``. Its replacement ids are ordinary tokens of the batch, never a
+    special or padding id. Each rank probes its own batch with no collective; under sharded strategies it stands
+    aside. Every probe, its finding codes (``TFD201``-``TFD217``) and tolerance: ``docs/callbacks/mask_probe.md``;
+    the logged keys: :attr:`KEYS`.
 
     Args:
         every_n_steps: probe again whenever ``global_step % every_n_steps == 0``; ``None`` (default) probes only at
@@ -147,7 +144,8 @@ class MaskProbe(DebugCallback):
         self._found: calls.ModelCall | None = None  # the call training_step makes, recorded at each probe
         self._replayed: Any = None  # what the recording replay of training_step returned (the alignment's loss)
         self._last_probe_step: int | None = None
-        self._positions_done = False
+        self._positions_done = self._samples_done = False
+        self._special_ids: tuple[int, ...] = ()
         self._alignment_decided = self.causal is False or not self.check_targets
         self._order_decided = not self.check_positions
         self._is_causal: bool | None = self.causal  # resolved at the first probe of a fit when None
@@ -166,6 +164,12 @@ class MaskProbe(DebugCallback):
                 f"the {strategy} strategy shards parameters, so each probe forward pass is a collective and a probe "
                 "failing on one rank would hang the others. Run MaskProbe in a single-device or DDP run of the model."
             )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the special ids BatchGuard reads, from the same sources (the DataLoader's collator exists from here on)
+        self._special_ids = probes.known_special_ids(special_token_sources(trainer, pl_module, None))
+        if not self._special_ids and not self._setup_aside:
+            self.check_aside(*mask_checks.NO_SPECIAL_IDS)
 
     # ------------------------------------------------------------------ hooks
     def on_train_batch_start(
@@ -290,7 +294,10 @@ class MaskProbe(DebugCallback):
         target = self._found if self._found is not None else self._caller
         assert target is not None
         generator = torch.Generator().manual_seed(1234 + trainer.global_step)  # every rank draws the same
-        session = probes.MaskProbes(target, fields[0], generator, self._settings, self._mask_path)
+        session = probes.MaskProbes(
+            target, fields[0], generator, self._settings, self._mask_path, attention_mask=fields[1],
+            special_ids=self._special_ids, cross_sample=not self._samples_done,
+        )  # fmt: skip
         if self._is_causal is None:  # once per fit
             self._is_causal, aligned = session.decide_causal(fields[0], fields[2])
             self._alignment_decided = self._alignment_decided or not aligned
@@ -314,10 +321,13 @@ class MaskProbe(DebugCallback):
         limit, source = context
         if full:
             session.masks(ids, mask, limit)
+            self._samples_done = True  # once per fit
+            for aside in session.not_run:
+                self.check_aside(*aside)
             if self.check_positions and not self._positions_done:
                 self._positions_done = True
                 if session.resizable:  # (kv_cache_fn is imported only where the position probes run)
-                    session.positions(ids, limit, source, self._incremental(session, pl_module))
+                    session.positions(ids, limit, source, _imported(self.kv_cache_fn), pl_module)
                 session.tables(pl_module, ids, mask)
         if not self._alignment_decided:  # the recording replay already ran training_step on this batch
             replayed, automatic = self._replayed, pl_module.automatic_optimization
@@ -328,13 +338,6 @@ class MaskProbe(DebugCallback):
             session.alignment(*fields, output, automatic, trainer.global_step >= ALIGNMENT_RETRY_STEPS[-1])
         if not self._order_decided and trainer.global_step in ORDER_STEPS:
             session.order(ids, mask, trainer.global_step)
-
-    def _incremental(self, session: probes.MaskProbes, pl_module: pl.LightningModule) -> Any:
-        """``kv_cache_fn`` bound to the module, or None (a ``TFD211`` when it cannot be imported)."""
-        fn = _imported(self.kv_cache_fn)
-        if isinstance(fn, Exception):
-            session.verdicts.append(mask_checks.kv_cache_unusable(error=fn))
-        return None if fn is None or isinstance(fn, Exception) else lambda ids: fn(pl_module, ids)
 
     # ------------------------------------------------------------------ batch and model access
     def _extract(self, trainer: pl.Trainer, batch: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:

@@ -1,11 +1,6 @@
-"""The rules MaskProbe decides: each finding code with its text, the reading it is decided from, and its rule.
-
-A probe measures on the device and hands on a *reading* (a dataclass below) whose numbers are device scalars until the
-probe's one host transfer (:func:`~lightning_tfdebug.functional.mask_probes.on_host`); every rule function here then
-takes a reading of host numbers and returns a :class:`~lightning_tfdebug.functional.verdicts.Verdict` or None.
-:func:`decide_probe` runs the rules of one probing step in the order the probes measured. Facts read on the host while
-probing (the context limit, a call that failed) are decided at once by the plain-argument rules
-(:func:`unpadded_mask`, :func:`context_failure`, ...).
+"""The rules MaskProbe decides, each beside the reading it is decided from (device scalars until the probe's one host
+transfer, :func:`~lightning_tfdebug.functional.mask_probes.on_host`). :func:`decide_probe` decides one probing step's
+readings; facts read on the host while probing are decided at once (:func:`unpadded_mask`, :func:`context_failure`).
 
 Example:
     >>> decide_causal(CausalReading(max_change=0.5, row=0, position=3, cut=4, length=8, tolerance=1e-2)).code
@@ -44,8 +39,13 @@ def _beyond(change: float, tolerance: float) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------- logged keys
+_KEYS: list[Key] = []
+
+
 def _key(name: str, description: str, unit: str = "") -> Key:
-    return Key(f"mask_probe/{name}", description, unit, chart="mask probes")  # probing steps only, one chart
+    """A MaskProbe key, added to :data:`KEYS` in the order defined (probing steps only, one chart)."""
+    _KEYS.append(Key(f"mask_probe/{name}", description, unit, chart="mask probes"))
+    return _KEYS[-1]
 
 
 REPEAT = _key("repeat_max_change", "largest logit difference between two forwards of the same tokens")
@@ -61,21 +61,8 @@ CONTEXT_LIMIT = _key("context_limit", "the context limit the position probes use
 ORDER = _key("order_change", "largest change of a position's output when the tokens before it are reversed")
 CONTENT = _key("content_change", "largest change of that output when the tokens before it are replaced")
 SECONDS = _key("seconds", "wall time of the probe", "s")
-KEYS: tuple[Key, ...] = (
-    REPEAT,
-    CAUSAL,
-    PADDING,
-    PAD_SIDE,
-    KV_CACHE,
-    LOSS_RETURNED,
-    LOSS_SHIFTED,
-    LOSS_SHIFTED2,
-    LOSS_UNSHIFTED,
-    CONTEXT_LIMIT,
-    ORDER,
-    CONTENT,
-    SECONDS,
-)
+CROSS_SAMPLE = _key("cross_sample_max_change", "largest logit change of other samples when one sample's tokens change")
+KEYS: tuple[Key, ...] = tuple(_KEYS)
 """Every scalar MaskProbe logs (on probing steps only): ``MaskProbe.KEYS``. Each reading names the keys it logs."""
 
 
@@ -96,14 +83,8 @@ TFD213 = Rule(
     "TFD213",
     "error",
     "MaskProbe",
-    title=(
-        "the same tokens twice in eval mode gave different logits: randomness ignores `.eval()`; the other probes"
-        " are skipped"
-    ),
-    trigger=(
-        "two eval-mode forwards of the same tokens gave logits differing beyond the tolerance (the other "
-        "MaskProbe checks are skipped)"
-    ),
+    title="the same tokens twice in eval mode gave different logits (randomness ignores `.eval()`)",
+    trigger="two eval-mode forwards of the same tokens differ beyond the tolerance (the other checks are skipped)",
     hint=(
         "Something random runs regardless of `.eval()`: usually `F.dropout(x, p)` (its `training` argument "
         "defaults to True; pass `training=self.training` or use `nn.Dropout`), `dropout_p` given to "
@@ -232,12 +213,9 @@ class LeakReading(Reading):
 
 
 def decide_leak(r: LeakReading) -> Verdict | None:
-    """A leak through an argument: replacing its tokens from ``replaced_from`` on moved an output at or before ``cut``.
-
-    ``TFD201`` when the argument is the batch's token ids one step behind the labels (future tokens reach past
-    outputs, a causal-mask bug or an encoder that sees the whole text); ``TFD214`` for any other argument that carries
-    the labels (a decoder input that is the labels themselves, not shifted right).
-    """
+    """A leak through an argument: replacing its tokens from ``replaced_from`` on moved an output at or before
+    ``cut``. ``TFD201`` for the batch's token ids one step behind the labels (future tokens reach past outputs);
+    ``TFD214`` for any other argument that carries the labels (a decoder input not shifted right)."""
     if not _beyond(r.max_change, r.tolerance):
         return None
     evidence = {
@@ -293,19 +271,34 @@ TFD202 = Rule(
     ),
     reason=(
         "Measured: tokens the mask hides change real tokens' logits, so every padded batch trains on noise and "
-        "inference depends on padding"
+        "inference depends on padding; info where the run's batches put no padding where real tokens read it"
     ),
     message=(
         "Tokens under the attention mask change real tokens' logits: changing the ids at the {masked} masked positions "
-        "moved the logits at position {position} by {max_change:.3g} (tolerance {tolerance:.2g})."
+        "moved the logits at position {position} by {max_change:.3g} (tolerance {tolerance:.2g}).{harmless}"
     ),
 )
+
+
+def harmless(layout: str, causal: bool) -> str:
+    """The sentence saying a mask ignored does no harm on batches that pad on ``layout`` (``"none"``, ``"right"``,
+    ``"left"``): they do not pad, or pad on the right of a ``causal`` model; ``""`` when real tokens read padding."""
+    if layout == "none":
+        why = "they are not padded"
+    elif layout == "right" and causal:
+        why = "they pad on the right and attention is causal"
+    else:
+        return ""
+    return (
+        f" Harmless for this run's batches ({why}): no real token reads the padding. Wrong with left padding, "
+        "bidirectional attention or batched generation."
+    )
 
 
 @dataclass(frozen=True)
 class PaddingReading(Reading):
     """A block of ``masked`` positions marked as padding and its ids changed: the largest logit change at the real
-    positions (``max_change``) and at every position (``every_change``)."""
+    positions (``max_change``) and at every position (``every_change``); ``layout``: the side the batch pads on."""
 
     max_change: Number
     position: Number
@@ -313,17 +306,20 @@ class PaddingReading(Reading):
     every_position: Number
     masked: int
     tolerance: Number
+    layout: str = "left"
     LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": PADDING}
 
 
-def decide_padding(r: PaddingReading, follows_other: bool = False) -> Verdict | None:
-    """``TFD202`` when changing the ids under the mask moved a real token's logits beyond the tolerance. When the
-    outputs follow another sequence of the call (``follows_other``: an encoder-decoder's decoder), every output must
-    ignore the masked source tokens, not only those at the ids' real positions."""
+def decide_padding(r: PaddingReading, follows_other: bool = False, causal: bool = False) -> Verdict | None:
+    """``TFD202`` when changing the ids under the mask moved a real token's logits beyond the tolerance; info where
+    that is :func:`harmless` (``causal``: the causality probe held). When the outputs follow another sequence of the
+    call (``follows_other``: an encoder-decoder's decoder), every output must ignore the masked source tokens."""
     change, position = (r.every_change, r.every_position) if follows_other else (r.max_change, r.position)
     if not _beyond(change, r.tolerance):
         return None
-    return TFD202.verdict({"max_change": change, "position": int(position), "tolerance": r.tolerance}, masked=r.masked)
+    evidence = {"max_change": change, "position": int(position), "tolerance": r.tolerance, "layout": r.layout}
+    note = harmless(r.layout, causal)
+    return TFD202.verdict(evidence, severity="info" if note else None, masked=r.masked, harmless=note)
 
 
 TFD203 = Rule(
@@ -370,22 +366,30 @@ def decide_pad_side(r: PadSideReading, follows_other: bool = False) -> Verdict |
 
 TFD204 = Rule(
     "TFD204",
-    "warning",
+    "error",
     "MaskProbe",
     title="the batch is padded but the model is called without a mask",
-    trigger="the batch pads (mask has zeros) but the model is called without an attention mask",
+    trigger=(
+        "the batch pads (mask has zeros) but the model is called without an attention mask; info where the batches "
+        "pad on the right of a causal model"
+    ),
     hint="Pass the attention mask to the model's forward (or give MaskProbe a `forward_fn` that does).",
-    reason="The recorded call shows the model attends to the padding the batch marks, as if it were text",
+    reason=(
+        "The recorded call shows real tokens read the padding the batch marks, as if it were text; info where no "
+        "real token reads it (right padding, causal attention)"
+    ),
     message=(
         "The batch is padded (its attention mask has zeros) but the model is called without a mask, so attention "
-        "cannot ignore the padding."
+        "cannot ignore the padding.{harmless}"
     ),
 )
 
 
-def unpadded_mask(mask_key: str | None) -> Verdict:
-    """``TFD204``: the batch pads but the model is called without a mask (``mask_key``: where the batch holds it)."""
-    return TFD204.verdict({"mask_key": mask_key})
+def unpadded_mask(mask_key: str | None, layout: str = "left", causal: bool = False) -> Verdict:
+    """``TFD204``: the batch pads on ``layout`` but the model is called without a mask (``mask_key``: where the batch
+    holds it); info where that is :func:`harmless` (right padding of a ``causal`` model)."""
+    note = harmless(layout, causal)
+    return TFD204.verdict({"mask_key": mask_key, "layout": layout}, severity="info" if note else None, harmless=note)
 
 
 # -------------------------------------------------------------------------------------------------------- positions
@@ -399,9 +403,7 @@ TFD207 = Rule(
         "Check the position table / rotary cache size against the configured context length, or pass the real "
         "limit as `context_limit`."
     ),
-    reason=(
-        "A sequence of the length the model claims to accept fails: the run fails when the data reaches that length"
-    ),
+    reason="A sequence of the length the model claims to accept fails: the run fails when the data reaches that length",
     message=("The model fails on a sequence of {context_limit} tokens, its context limit: {error}"),
 )
 
@@ -430,10 +432,8 @@ TFD208 = Rule(
 
 
 def context_limit_runs(limit: int, source: str = "") -> Verdict:
-    """``TFD208`` (info): the context limit, where it was read, and that a sequence of that length runs.
-
-    Nothing longer is ever sent to the model: past its limit a model fails natively (an inductor kernel aborts the
-    process, CUDA raises a device-side assert), which no handler can catch."""
+    """``TFD208`` (info): the context limit, where it was read, and that a sequence of that length runs (nothing
+    longer is ever sent: past its limit a model may fail natively, beyond any handler)."""
     return TFD208.verdict({"context_limit": limit, "source": source}, where=f" (read from {source})" if source else "")
 
 
@@ -442,14 +442,9 @@ TFD209 = Rule(
     "error",
     "MaskProbe",
     title="incremental decoding (`kv_cache_fn`) disagrees with the full forward; names the first position",
-    trigger=("logits from `kv_cache_fn` (incremental decoding) differ from the full forward; names the first position"),
-    hint=(
-        "Check the cache position / offset passed at each decoding step, rotary offsets, and the mask used with a"
-        " cache."
-    ),
-    reason=(
-        "Measured: incremental decoding computes different logits than training, so the trained model generates wrongly"
-    ),
+    trigger="logits from `kv_cache_fn` (incremental decoding) differ from the full forward's",
+    hint="Check the cache position / offset passed at each decoding step, rotary offsets, and the mask with a cache.",
+    reason="Measured: incremental decoding computes other logits than training, so the trained model generates wrongly",
     message=(
         "Incremental decoding disagrees with the full forward: logits differ by up to {max_change:.3g}, first at "
         "position {first_position} (tolerance {tolerance:.2g})."
@@ -518,8 +513,7 @@ class OrderReading(Reading):
 
 def decide_order(r: OrderReading) -> tuple[bool, Verdict | None]:
     """``(decided, verdict)`` of the token-order check: ``TFD215`` when reversing the tokens before the position left
-    its output unchanged while replacing them moved it by far more than the tolerance: the model reads which tokens
-    came before, not where. Decided without a finding as soon as order clearly matters."""
+    its output unchanged while replacing them moved it far beyond the tolerance."""
     if r.order_change > 10 * r.tolerance:
         return True, None
     if r.step < ORDER_STEPS[0] or not r.content_change > 100 * r.tolerance:
@@ -542,9 +536,8 @@ TFD216 = Rule(
     "MaskProbe",
     title="a position table gets the same row at every position, or is never read",
     trigger=(
-        "in one forward pass of the probe rows: an embedding or position parameter of the token table's width "
-        "with at least as many rows as the sequence is looked up with indices constant along the sequence "
-        "(longer than 1), or is read by no torch function while the token table is looked up"
+        "in one forward of the probe rows, a table of the token table's width with at least as many rows as the "
+        "sequence (> 1) is looked up with indices constant along it, or is never read"
     ),
     hint=(
         "Pass position ids that count along the sequence (`torch.arange(t)`, or the mask's cumulative sum minus "
@@ -592,37 +585,76 @@ class PositionTablesReading(Reading):
 
 def decide_position_tables(r: PositionTablesReading) -> Verdict | None:
     """``TFD216`` when a position table (rows >= ``length`` > 1, the token table's width) is looked up with indices
-    constant along the sequence (every position gets the same row: position ids all zero), or is never read by the
-    forward (positions never added). None otherwise: a table looked up with ids that vary (left padding starting
-    later, packed documents restarting) is in use; a model with no such table (rotary, relative bias) has none."""
+    constant along the sequence (position ids all zero), or is never read by the forward."""
     if r.length < 2:
         return None
     constant = [t for t in r.tables if t.looked_up and bool(t.constant)]
     unread = [t for t in r.tables if not t.read]
+    if not constant and not unread:
+        return None
+    t = (constant or unread)[0]
+    kind = "constant" if constant else "unread"
+    evidence = {"table": t.name, "rows": t.rows, "length": r.length, "kind": kind, "token_table": r.token_table}
     if constant:
-        t = constant[0]
-        evidence = {
-            "table": t.name,
-            "rows": t.rows,
-            "length": r.length,
-            "kind": "constant",
-            "token_table": r.token_table,
-        }
         hint = (
             f"Pass position ids that count along the sequence to the lookup of `{t.name}` (e.g. `torch.arange(t)`, "
             "or the mask's cumulative sum minus one with left padding), not zeros."
         )
         return TFD216.verdict(evidence, hint=hint)
-    if unread:
-        t = unread[0]
-        evidence = {"table": t.name, "rows": t.rows, "length": r.length, "kind": "unread", "token_table": r.token_table}
-        hint = (
-            f"Add `{t.name}` (its first {r.length} rows, or its lookup of the position ids) to the token embeddings "
-            "in the forward."
-        )
-        # a second sentence of this code that the template (the constant lookup's) cannot express
-        return TFD216.verdict(evidence, hint=hint, message=_UNREAD_TABLE.format(**evidence))
-    return None
+    hint = f"Add `{t.name}` (its first {r.length} rows, or its lookup of the position ids) to the token embeddings."
+    # a second sentence of this code that the template (the constant lookup's) cannot express
+    return TFD216.verdict(evidence, hint=hint, message=_UNREAD_TABLE.format(**evidence))
+
+
+# ------------------------------------------------------------------------------------------------------ cross-sample
+CROSS_SAMPLE_ASIDE = (
+    "cross-sample probe (TFD217)",
+    "the probe rows hold one sample, so no other sample's outputs can be watched.",
+    "batches of 2 samples or more, and `probe_rows` >= 2",
+)
+NO_SPECIAL_IDS = (
+    "special ids",
+    "no tokenizer or config names a special id: probe replacement ids are drawn from the ids the batch's real "
+    "tokens use (never its padding value), which may include BOS, EOS or mask ids.",
+    "a `tokenizer` attribute (DataModule, collator or LightningModule) or a Hugging Face config",
+)
+"""``check_aside`` records ``(check, reason, setting)``: a probe on one sample, a fit where no special id is known."""
+TFD217 = Rule(
+    "TFD217",
+    "error",
+    "MaskProbe",
+    title="one sample's tokens change another sample's outputs: samples mix across the batch",
+    trigger="in eval mode, replacing the tokens of one probe row moved another row's logits beyond the tolerance",
+    hint=(
+        "A layer computes across the batch: a normalisation over it (BatchNorm over the tokens), a view or permute "
+        "mixing the batch and sequence dimensions (`x.view(t, b, d)` of a `(b, t, d)` tensor), or attention over the "
+        "wrong axis (`nn.MultiheadAttention` without `batch_first=True` fed batch-first tensors)."
+    ),
+    reason="Measured: a sample's outputs depend on the other samples of its batch, which are not its input",
+    message=(
+        "Samples mix across the batch: replacing the tokens of row 0 moved the logits of row {row} at position "
+        "{position} by {max_change:.3g} (tolerance {tolerance:.2g})."
+    ),
+)
+
+
+@dataclass(frozen=True)
+class CrossSampleReading(Reading):
+    """The tokens of the first probe row replaced: the largest logit change of the other rows, and where."""
+
+    max_change: Number
+    row: Number
+    position: Number
+    tolerance: Number
+    LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": CROSS_SAMPLE}
+
+
+def decide_cross_sample(r: CrossSampleReading) -> Verdict | None:
+    """``TFD217`` when another row's logits moved beyond the tolerance."""
+    if not _beyond(r.max_change, r.tolerance):
+        return None
+    evidence = {"max_change": r.max_change, "row": int(r.row), "position": int(r.position), "tolerance": r.tolerance}
+    return TFD217.verdict(evidence)
 
 
 # -------------------------------------------------------------------------------------------------- target alignment
@@ -651,9 +683,8 @@ TFD206 = Rule(
     "MaskProbe",
     title="labels shifted twice: position t is trained on token t+2",
     trigger=(
-        "labels shifted twice, position t trained on token t+2: already shifted in the data and shifted again by "
-        "the loss, or equal to the inputs and shifted twice by `training_step` (by hand, then inside a Hugging "
-        "Face model)"
+        "position t trained on token t+2: labels shifted in the data and again by the loss, or equal to the inputs "
+        "and shifted twice by `training_step` (by hand, then inside a Hugging Face model)"
     ),
     hint=(
         "Shift exactly once: in the data collator or in the loss, not both. Hugging Face causal LMs shift "
@@ -687,10 +718,8 @@ TFD210 = Rule(
 
 @dataclass(frozen=True)
 class AlignmentReading(Reading):
-    """The loss ``training_step`` returned against the cross-entropy of the same logits under three alignments
-    (:func:`~lightning_tfdebug.functional.probes.alignment_losses`), how the labels relate to the inputs
-    (:func:`~lightning_tfdebug.functional.probes.labels_relation`), the relative tolerance of a match, and whether
-    this is the last step the check runs at."""
+    """The loss ``training_step`` returned against the cross-entropy of its logits under three alignments, how the
+    labels relate to the inputs, the relative tolerance of a match, and whether this is the check's last step."""
 
     returned: Number
     shifted: Number
@@ -708,13 +737,9 @@ class AlignmentReading(Reading):
 
 
 def decide_alignment(r: AlignmentReading) -> tuple[bool, Verdict | None]:
-    """``(decided, verdict)`` of the target-alignment check.
-
-    ``TFD205``: the loss scores position t against token t (the model learns to copy). ``TFD206``: against token t+2
-    (labels shifted twice). ``TFD210`` (info): the alignments differ but the loss matches none (label smoothing,
-    auxiliary terms), or the last try came without a decision. ``decided`` is False while the losses are too close to
-    tell the alignments apart (try again later).
-    """
+    """``(decided, verdict)`` of the target alignment: ``TFD205`` (position t against token t), ``TFD206`` (against
+    t+2), ``TFD210`` (info: the loss matches no alignment, or the last try did not decide). Not decided while the
+    alignments' losses are too close to tell apart."""
     alignment, matched = classify_alignment(r.returned, r.shifted, r.unshifted, r.relation, r.rtol, r.shifted2)
     evidence = {
         "loss_returned": r.returned,
@@ -793,17 +818,13 @@ TFD212 = Rule(
     "TFD212",
     "info",
     "MaskProbe",
-    title=(
-        "with `causal=None`, the labels are neither the inputs nor the next inputs (masked-LM objective): treated"
-        " as an encoder"
-    ),
+    title="with `causal=None`, the labels are neither the inputs nor the next inputs: treated as an encoder",
     trigger=(
-        "`causal=None` and the batch's labels are neither the inputs nor the next inputs at most supervised "
-        "positions (masked-LM / denoising objective): treated as an encoder, causality and target alignment not "
-        "checked"
+        "`causal=None` and the labels are neither the inputs nor the next inputs at most supervised positions "
+        "(masked-LM / denoising): causality and target alignment are not checked"
     ),
-    hint=("If this model is a decoder, set `causal=True` to check its causal mask; `causal=False` silences this."),
-    reason=("An observation of the objective (a masked-LM or denoising task), which makes the causal probes not apply"),
+    hint="If this model is a decoder, set `causal=True` to check its causal mask; `causal=False` silences this.",
+    reason="An observation of the objective (a masked-LM or denoising task), which makes the causal probes not apply",
     message=(
         "Treated as an encoder: at the supervised positions the labels equal the inputs {same_frac:.0%} of the time "
         "and the next inputs {next_frac:.0%} (a next-token objective has one of them near 100%), so the objective is "
@@ -813,10 +834,8 @@ TFD212 = Rule(
 
 
 def decide_objective(objective: Objective) -> Verdict | None:
-    """Decoder (None) or encoder (``TFD212``), from what the labels ask the model to predict
-    (:class:`~lightning_tfdebug.core.calls.Objective`): labels equal to the inputs (shifted inside the model) or to
-    the next inputs (shifted in the data) at half or more of the supervised positions are a next-token objective;
-    anything else is masked-LM or denoising."""
+    """Decoder (None) or encoder (``TFD212``), from what the labels ask the model to predict: a next-token objective
+    (:attr:`~lightning_tfdebug.core.calls.Objective.next_token`) or anything else (masked-LM, denoising)."""
     if objective.next_token:
         return None
     supervised_next = max(objective.supervised_next, 1.0)
@@ -830,18 +849,16 @@ def decide_objective(objective: Objective) -> Verdict | None:
 
 # --------------------------------------------------------------------------------------------------- one probing step
 def decide_probe(readings: Sequence[Reading]) -> tuple[list[Verdict | None], set[str]]:
-    """The verdicts of one probing step's readings, in the order measured, and which pending checks it settled
-    (``"alignment"``, ``"order"``).
-
-    A repeat reading beyond its tolerance (``TFD213``) is the only verdict: every other comparison would measure the
-    noise, the alignment's loss comparison too (settled). Padding is read against every output when the leak probe saw
-    the outputs follow another sequence of the call (:attr:`LeakSummary.follows_other`).
-    """
+    """The verdicts of one probing step's readings, in the order measured, and the pending checks it settled
+    (``"alignment"``, ``"order"``). A repeat beyond its tolerance (``TFD213``) is the only verdict: every other
+    comparison would measure its noise."""
     repeat = next((r for r in readings if isinstance(r, RepeatReading)), None)
     noisy = None if repeat is None else decide_repeat(repeat)
     if noisy is not None:
         return [noisy], {"alignment"}
     follows = any(r.follows_other for r in readings if isinstance(r, LeakSummary))
+    causal = [r for r in readings if isinstance(r, CausalReading) or (isinstance(r, LeakReading) and r.primary)]
+    held = bool(causal) and not any(_beyond(r.max_change, r.tolerance) for r in causal)
     verdicts: list[Verdict | None] = []
     settled: set[str] = set()
     for r in readings:
@@ -852,7 +869,7 @@ def decide_probe(readings: Sequence[Reading]) -> tuple[list[Verdict | None], set
             verdicts.append(verdict)
         elif isinstance(r, (PaddingReading, PadSideReading)):
             verdicts.append(
-                decide_padding(r, follows) if isinstance(r, PaddingReading) else decide_pad_side(r, follows)
+                decide_padding(r, follows, held) if isinstance(r, PaddingReading) else decide_pad_side(r, follows)
             )
         elif type(r) in _RULE_OF:
             verdicts.append(_RULE_OF[type(r)](r))
@@ -864,6 +881,7 @@ _RULE_OF: dict[type, Callable[[Any], Verdict | None]] = {
     LeakReading: decide_leak,
     KvCacheReading: decide_kv_cache,
     PositionTablesReading: decide_position_tables,
+    CrossSampleReading: decide_cross_sample,
 }
 
 BLOCK = ("TFD201", "TFD219")
@@ -886,5 +904,6 @@ RULES: tuple[Rule, ...] = (
     TFD214,
     TFD215,
     TFD216,
+    TFD217,
 )
 """The rules decided in this module, in code order."""

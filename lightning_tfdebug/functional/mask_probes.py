@@ -1,11 +1,6 @@
-"""MaskProbe's probes, without a Trainer: the inputs each probe builds, and :class:`MaskProbes`, the probes of one
-probing step, each turning calls of the model into readings of :mod:`lightning_tfdebug.functional.mask_checks`
-(device scalars until the probe's one host transfer, :func:`on_host`).
-
-The model is called through :mod:`lightning_tfdebug.functional.call_probes`: the recorded call ``training_step`` makes,
-or the forward by its signature. The tensor comparisons themselves (tolerances, largest logit change, alignment
-losses) are in :mod:`lightning_tfdebug.functional.probes`.
-"""
+"""MaskProbe's probes without a Trainer: the inputs each probe builds, and :class:`MaskProbes`, which turns calls of
+the model (:mod:`~lightning_tfdebug.functional.call_probes`) into readings of
+:mod:`~lightning_tfdebug.functional.mask_checks`."""
 
 from __future__ import annotations
 
@@ -18,6 +13,7 @@ from torch import Tensor, nn
 
 from lightning_tfdebug.core.batch import is_id_tensor, logits_of, loss_of
 from lightning_tfdebug.core.calls import ModelCall, TableReads, read_objective, replace_leaves, tensor_leaves
+from lightning_tfdebug.functional.batch_checks import learn_special_ids
 from lightning_tfdebug.functional.call_probes import (
     CallError,
     ModelCaller,
@@ -30,9 +26,11 @@ from lightning_tfdebug.functional.call_probes import (
 )
 from lightning_tfdebug.functional.mask_checks import (
     CONTEXT_LIMIT,
+    CROSS_SAMPLE_ASIDE,
     ORDER_STEPS,
     AlignmentReading,
     CausalReading,
+    CrossSampleReading,
     KvCacheReading,
     OrderReading,
     PaddingReading,
@@ -52,8 +50,8 @@ from lightning_tfdebug.functional.probes import (
     labels_relation,
     logit_tolerance,
     max_change,
+    other_ids,
     padding_side,
-    random_ids_like,
     replace_after,
 )
 from lightning_tfdebug.functional.verdicts import Verdict
@@ -97,33 +95,50 @@ def causal_cut(length: int) -> int:
     return length // 2 - 1
 
 
-def masked_block(input_ids: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, int] | None:
-    """``(mask, other_ids, k)``: a mask hiding a block of ``k`` (a quarter of the) positions after the first, and a
-    copy of the ids whose masked positions hold other ids. None when the sequence is too short to keep 2 real
-    positions.
+def known_special_ids(sources: list[tuple[str, Any]]) -> tuple[int, ...]:
+    """Every special id in ``sources`` (``core.data.special_token_sources``): BatchGuard's (``learn_special_ids``),
+    a tokenizer's ``all_special_ids`` (mask, CLS, UNK ...) and a config's ``decoder_start_token_id``."""
+    found = set(learn_special_ids(sources).ordered())
+    for _, source in sources:
+        for attr in ("all_special_ids", "mask_token_id", "decoder_start_token_id"):
+            try:
+                value = getattr(source, attr, None)
+            except Exception:  # a tokenizer property that complains about an unset token
+                continue
+            values = value if isinstance(value, (list, tuple)) else [value]
+            found.update(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+    return tuple(sorted(found))
 
-    Position 0 stays real so that no query has every key masked (a fully masked softmax row is NaN in many
-    implementations, and would leak into later layers whatever the mask does); with a causal model the real positions
-    after the block are the ones that test the mask.
-    """
-    b, t = input_ids.shape
+
+def ordinary_ids(ids: Tensor, attention_mask: Tensor | None, special: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
+    """``(pool, padding)``: the sorted distinct ids of the batch's real tokens, neither ``special`` nor padding (the
+    probes' replacement ids; every real id when fewer than 2 remain), and the batch's padding value (None: it does
+    not pad). Host syncs: probe steps only."""
+    real = ids if attention_mask is None else ids[attention_mask.bool()]
+    padded = None if attention_mask is None else ids[~attention_mask.bool()]
+    banned = torch.tensor(special, dtype=ids.dtype, device=ids.device)
+    if padded is not None and padded.numel():
+        banned = torch.cat([banned, padded.unique()])
+    every = real.unique() if real.numel() else ids.unique()
+    pool = every[~torch.isin(every, banned)]
+    padding = padded.mode().values if padded is not None and padded.numel() else None
+    return (pool if pool.numel() >= 2 else every), padding
+
+
+def masked_block(ids: Tensor, pool: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, int] | None:
+    """``(mask, first, second, k)``: a mask hiding ``k`` (a quarter of the) positions after the first (position 0
+    stays real: a fully masked softmax row is NaN), and two copies of the ids holding different ordinary ids of
+    ``pool`` there. None when fewer than 2 real positions would remain."""
+    t = ids.shape[1]
     k = max(1, t // 4)
     if t - k < 2:
         return None
-    mask = torch.ones_like(input_ids)
+    mask = torch.ones_like(ids)
     mask[:, 1 : 1 + k] = 0
-    other = input_ids.clone()
-    other[:, 1 : 1 + k] = random_ids_like(input_ids, (b, k), generator)
-    return mask, other, k
-
-
-def probe_padding_side(setting: Literal["auto", "right", "left"], attention_mask: Tensor | None) -> str:
-    """The side to add padding on: ``setting``, or with ``"auto"`` the side the batch pads (right when it does not
-    pad or has no mask). Host sync when it reads the mask (probe step only)."""
-    if setting != "auto":
-        return setting
-    detected = padding_side(attention_mask) if attention_mask is not None else "none"
-    return "left" if detected == "left" else "right"
+    first, second = ids.clone(), ids.clone()
+    first[:, 1 : 1 + k] = other_ids(pool, ids[:, 1 : 1 + k], generator)
+    second[:, 1 : 1 + k] = other_ids(pool, first[:, 1 : 1 + k], generator)
+    return mask, first, second, k
 
 
 def padding_extra(length: int, context_limit: int | None) -> tuple[int, int]:
@@ -135,17 +150,14 @@ def padding_extra(length: int, context_limit: int | None) -> tuple[int, int]:
     return length, extra
 
 
-def add_padding(
-    input_ids: Tensor, real: Tensor, side: str, extra: int, generator: torch.Generator
-) -> tuple[Tensor, Tensor, slice]:
-    """``(ids, mask, keep)``: ``extra`` padding positions (random ids, mask 0) added on ``side``; ``keep`` selects the
+def add_padding(ids: Tensor, real: Tensor, side: str, pad_ids: Tensor) -> tuple[Tensor, Tensor, slice]:
+    """``(ids, mask, keep)``: the ``(B, extra)`` ``pad_ids`` added on ``side`` with mask 0; ``keep`` selects the
     original positions in the longer sequence's time dimension."""
-    pad_ids = random_ids_like(input_ids, (input_ids.shape[0], extra), generator)
     pad_mask = torch.zeros_like(pad_ids)
-    t = input_ids.shape[1]
+    t, extra = ids.shape[1], pad_ids.shape[1]
     if side == "right":
-        return torch.cat([input_ids, pad_ids], 1), torch.cat([real, pad_mask], 1), slice(0, t)
-    return torch.cat([pad_ids, input_ids], 1), torch.cat([pad_mask, real], 1), slice(extra, extra + t)
+        return torch.cat([ids, pad_ids], 1), torch.cat([real, pad_mask], 1), slice(0, t)
+    return torch.cat([pad_ids, ids], 1), torch.cat([pad_mask, real], 1), slice(extra, extra + t)
 
 
 def long_row(row: Tensor, length: int) -> Tensor:
@@ -177,16 +189,14 @@ def order_probe_position(attention_mask: Tensor | None, length: int) -> int | No
 
 
 def reorder_prefix(input_ids: Tensor, position: int) -> Tensor:
-    """A copy of ``input_ids`` whose tokens before ``position`` are in reverse order (the token at it and after it
-    unchanged)."""
+    """A copy of ``input_ids`` whose tokens before ``position`` are in reverse order."""
     out = input_ids.clone()
     out[:, :position] = input_ids[:, :position].flip(1)
     return out
 
 
 def on_host(readings: list[Reading], to_host: Callable[[dict[str, Tensor]], dict[str, float]]) -> list[Reading]:
-    """``readings`` with every device scalar replaced by its host value, moved by ``to_host`` in one transfer (the
-    probe's one host sync)."""
+    """``readings`` with every device scalar moved to the host by ``to_host`` in one transfer (the probe's sync)."""
     leaves = tensor_leaves(list(readings))
     host = to_host({str(i): t for i, (_, t) in enumerate(leaves)})
     return replace_leaves(list(readings), {path: host[str(i)] for i, (path, _) in enumerate(leaves)})
@@ -195,8 +205,7 @@ def on_host(readings: list[Reading], to_host: Callable[[dict[str, Tensor]], dict
 # ------------------------------------------------------------------------------------------------ one probing step
 @dataclass(frozen=True)
 class ProbeSettings:
-    """What the probes take of MaskProbe's arguments: the rows and the longest sequence they use, whether the padding
-    probes run and on which side they pad, and the label value that is not supervised."""
+    """What the probes take of MaskProbe's arguments."""
 
     probe_rows: int = 2
     probe_length: int = 64
@@ -206,15 +215,10 @@ class ProbeSettings:
 
 
 class MaskProbes:
-    """The probes of one probing step, through one way of calling the model: the recorded call (a
-    :class:`~lightning_tfdebug.core.calls.ModelCall`) or the forward by signature (a
-    :class:`~lightning_tfdebug.functional.call_probes.ModelCaller`).
-
-    Each probe appends its readings to :attr:`readings` (device scalars until the caller's one host transfer), the
-    host numbers it logs to :attr:`logged`, and the verdicts of facts read on the host while probing (a padded batch
-    the model is called without a mask, the context limit) to :attr:`verdicts`, in the order they were read.
-    :attr:`settled` names the pending checks (``"alignment"``, ``"order"``) found unable to run on this model. Run
-    under ``no_grad`` with the model in eval mode; every tensor a probe feeds the model holds only ids of the batch.
+    """The probes of one probing step, through the recorded call or the forward by signature. Each probe appends its
+    :attr:`readings` (device scalars), the host numbers it logs (:attr:`logged`), the verdicts of facts read while
+    probing (:attr:`verdicts`) and the pending checks it found unable to run (:attr:`settled`). Run under
+    ``no_grad`` with the model in eval mode.
 
     Args:
         model: the recorded call or the caller.
@@ -223,6 +227,9 @@ class MaskProbes:
         settings: the probe rows and length, the padding probes, the ignored label value.
         mask_key: where the batch holds its mask (evidence of ``TFD204``).
         causal: the model is a decoder (the causality probe runs); see :meth:`decide_causal`.
+        attention_mask: the batch's mask (which ids pad, kept out of the replacements).
+        special_ids: the special ids the pack knows (:func:`known_special_ids`), kept out of the replacements.
+        cross_sample: run the cross-sample probe with :meth:`masks` (once per fit).
     """
 
     def __init__(
@@ -233,10 +240,18 @@ class MaskProbes:
         settings: ProbeSettings,
         mask_key: str | None = None,
         causal: bool = True,
+        attention_mask: Tensor | None = None,
+        special_ids: tuple[int, ...] = (),
+        cross_sample: bool = False,
     ) -> None:
         self.found = model if isinstance(model, ModelCall) else None
         self.caller = model if isinstance(model, ModelCaller) else None
+        self.pool, self.pad_value = ordinary_ids(input_ids, attention_mask, special_ids)
         self.vocab = None if self.found is None else call_vocab(self.found, input_ids)
+        if self.vocab is not None and (kept := self.vocab[torch.isin(self.vocab, self.pool)]).numel() >= 2:
+            self.vocab = kept  # the call's other token tensors (decoder inputs) hold ids of their own
+        self.cross_sample = cross_sample
+        self.not_run: list[tuple[str, str, str]] = []  # (check, reason, setting) of checks that could not run
         self.generator, self.causal, self.mask_key = generator, causal, mask_key
         self.probe_rows, self.probe_length = settings.probe_rows, settings.probe_length
         self.check_padding, self.padding_side = settings.check_padding, settings.padding_side
@@ -315,14 +330,28 @@ class MaskProbes:
         if not leaks:  # the same tokens again: every comparison below assumes an eval forward is a function of them
             change, where = max_change(base, self.logits(ids, ones))
             self.readings.append(RepeatReading(change, where[0], where[1], tolerance))
+        if self.cross_sample:
+            self._cross_sample(ids, ones, base, tolerance)
         b, t = ids.shape
         if self.causal and t >= 2 and not leaks:  # the tokens after the middle replaced: the outputs up to it hold
             cut = causal_cut(t)
-            changed = self.logits(replace_after(ids, cut, self.generator), ones)
+            changed = self.logits(replace_after(ids, cut, self.generator, self.pool), ones)
             change, where = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))
             self.readings.append(CausalReading(change, where[0], where[1], cut, t, tolerance))
         if self.check_padding:
             self._padding(ids, mask, attention_mask, int(input_ids.shape[1]), tolerance, context_limit)
+
+    def _cross_sample(self, ids: Tensor, real: Tensor, base: Tensor, tolerance: Tensor) -> None:
+        """One sample's tokens replaced: the other samples' logits must not move (one forward of the probe rows)."""
+        if ids.shape[0] < 2:
+            self.not_run.append(CROSS_SAMPLE_ASIDE)
+            return
+        changed = ids.clone()
+        changed[0] = other_ids(self.pool, ids[0], self.generator)
+        moved = self.logits(changed, real)
+        if moved.shape == base.shape:
+            change, where = max_change(base[1:], moved[1:])
+            self.readings.append(CrossSampleReading(change, where[0] + 1, where[1], tolerance))
 
     def _padding(
         self,
@@ -338,21 +367,23 @@ class MaskProbes:
         if self.found is not None and self.found.mask_opaque:
             return  # a mask reaches the model in an encoding of its own (additive, other shape): not probed
         if not target.takes_mask:
-            if mask_full is not None and bool((mask_full == 0).any()):  # host sync: probe step only
-                self.verdicts.append(unpadded_mask(self.mask_key))
+            layout = padding_side(mask_full) if mask_full is not None else "none"  # host sync: probe step only
+            if layout != "none":
+                self.verdicts.append(unpadded_mask(self.mask_key, layout, self.causal))
             return
         if mask_full is None and not target.mask_named:
             return  # only `**kwargs` could take a mask, and the batch has none: nothing claims mask support
-        block = masked_block(ids, self.generator)  # positions after the first marked as padding, their ids changed
+        layout = padding_side(mask_full) if mask_full is not None else "none"  # host sync: probe step only
+        block = masked_block(ids, self.pool, self.generator)  # a block marked as padding, holding other ids twice
         if block is not None:
-            masked, other, k = block
-            first, second = self.logits(ids, masked), self.logits(other, masked)
+            masked, first_ids, second_ids, k = block
+            first, second = self.logits(first_ids, masked), self.logits(second_ids, masked)
             change, where = max_change(first, second, masked.bool() if first.shape[:2] == masked.shape else None)
             every, where_every = max_change(first, second) if first.shape == second.shape else (change, where)
-            self.readings.append(PaddingReading(change, where[1], every, where_every[1], k, tolerance))
+            self.readings.append(PaddingReading(change, where[1], every, where_every[1], k, tolerance, layout))
         if self.found is not None and self.found.companions():
             return  # another sequence of the call has the ids' length (a decoder input): padding the ids says nothing
-        side = probe_padding_side(self.padding_side, mask_full)  # host sync on "auto": probe step only
+        side = self.padding_side if self.padding_side != "auto" else "left" if layout == "left" else "right"
         real = mask if mask is not None else torch.ones_like(ids)
         # Learned from configuration, else from the batch: a padded probe never exceeds the configured context limit,
         # nor, when none is known, the batch's own length (what the training step feeds the model anyway).
@@ -361,7 +392,9 @@ class MaskProbes:
             return
         ids, real = ids[:, :t], real[:, :t]
         plain = self.logits(ids, real)
-        longer_ids, longer_mask, keep = add_padding(ids, real, side, extra, self.generator)
+        pad_ids = other_ids(self.pool, ids[:, :extra], self.generator)  # the batch's own padding value if it pads
+        pad_ids = pad_ids if self.pad_value is None else torch.full_like(pad_ids, int(self.pad_value))
+        longer_ids, longer_mask, keep = add_padding(ids, real, side, pad_ids)
         try:
             longer = self.logits(longer_ids, longer_mask)[:, keep]
         except CallError:
@@ -377,20 +410,24 @@ class MaskProbes:
         input_ids: Tensor,
         context_limit: int | None,
         source: str,
-        incremental: Callable[[Tensor], Any] | None = None,
+        kv_cache_fn: Callable[[nn.Module, Tensor], Any] | Exception | None = None,
+        module: nn.Module | None = None,
     ) -> None:
-        """Incremental decoding (``incremental(ids)``: the logits decoded with the model's cache) and the context
-        limit (read from ``source``): a sequence exactly at it must run; nothing longer is ever sent.
+        """Incremental decoding (``kv_cache_fn(module, ids)``: the logits decoded with the model's cache; ``TFD211``
+        when it is the error importing it raised) and the context limit (read from ``source``): a sequence exactly at
+        it must run; nothing longer is ever sent.
 
         Raises:
             CallError: when the model cannot be called the way the probes call it.
         """
         if not self.resizable:
             return  # the call takes other sequences shaped like the ids: a longer row says nothing certain about them
-        if incremental is not None:
+        if isinstance(kv_cache_fn, Exception):
+            self.verdicts.append(kv_cache_unusable(error=kv_cache_fn))
+        elif kv_cache_fn is not None:
             ids = self.rows(input_ids)
             assert ids is not None
-            self._kv_cache(ids, incremental)
+            self._kv_cache(ids, lambda rows: kv_cache_fn(module, rows))
         if context_limit is None:
             return
         self.logged[CONTEXT_LIMIT.name] = float(context_limit)
@@ -443,11 +480,8 @@ class MaskProbes:
         automatic: bool,
         last_try: bool,
     ) -> None:
-        """The target alignment: the loss ``training_step`` returned on the whole rows (``step_output()``: what it
-        returned, the recording replay's or a replay of its own) against the logits of the recorded call it came
-        from, or of the forward by signature. Settled without a reading when there is no scalar loss to compare
-        (``TFD210`` unless a manual-optimization step returned none), or when the step cannot be called
-        (``step_output`` None: a manual-optimization step steps its optimizers)."""
+        """The target alignment: the loss ``training_step`` returned (``step_output()``; None: it cannot be called)
+        against the logits of the call it came from. Settled without a reading when there is no scalar loss."""
         if step_output is None:
             self.settled.add("alignment")
             return
@@ -500,7 +534,7 @@ class MaskProbes:
             base = self.logits(ids, real)
             reordered = self.logits(reorder_prefix(ids, position), real)
             replaced = ids.clone()
-            replaced[:, :position] = replace_after(ids[:, :position], -1, self.generator)
+            replaced[:, :position] = replace_after(ids[:, :position], -1, self.generator, self.pool)
             content = self.logits(replaced, real)
         except Exception:  # the other probes ran on this call: a failure here only means this check cannot run
             self.settled.add("order")

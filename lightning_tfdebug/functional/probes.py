@@ -58,16 +58,10 @@ def causal_valid_positions(batch: int, length: int, cut: int, device: torch.devi
 def alignment_losses(
     logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX, offset: int = 0
 ) -> dict[str, Tensor]:
-    """Mean cross-entropy of ``logits`` ``(B, L, V)`` against ``labels`` ``(B, T)`` under three alignments.
-
-    ``"shifted"``: position t is scored against label t+1 (what a causal LM loss does when labels are the inputs).
-    ``"unshifted"``: position t is scored against label t.
-    ``"shifted2"``: position t is scored against label t+2 (labels shifted twice).
-    ``offset``: the logits' position t stands at the labels' position t + ``offset`` (a call that received token rows
-    from that column on); the labels may run past the logits (``rows[:, :-1]`` fed to the model, ``rows`` the labels:
-    the row's last token is a target only). Each alignment scores every position that has its label; NaN when none
-    has (``"shifted2"`` on sequences under 3 tokens).
-    """
+    """Mean cross-entropy of ``logits`` ``(B, L, V)`` against ``labels`` ``(B, T)``, position t against label t+1
+    (``"shifted"``), t (``"unshifted"``) and t+2 (``"shifted2"``); NaN where no position has its label. The logits'
+    position t stands at the labels' t + ``offset`` (a call fed the rows from that column on); the labels may run
+    past the logits."""
     logits = logits.detach().float()
     labels = labels.long()
     length, available = logits.shape[1], labels.shape[1] - offset
@@ -157,33 +151,24 @@ def padding_side(attention_mask: Tensor) -> Literal["right", "left", "none"]:
     return "right"
 
 
-def replace_after(input_ids: Tensor, cut: int, generator: torch.Generator | None = None) -> Tensor:
-    """A copy of ``input_ids`` whose tokens after position ``cut`` are replaced by other ids drawn from the batch.
+def other_ids(vocab: Tensor, current: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Ids of ``current``'s shape drawn from the sorted distinct ids ``vocab``, each different from ``current``'s
+    where ``vocab`` holds two ids or more."""
+    idx = torch.randint(0, vocab.numel(), tuple(current.shape), generator=generator, device="cpu").to(vocab.device)
+    new, alt = vocab[idx], vocab[(idx + 1) % vocab.numel()]
+    return torch.where(new == current, alt, new).to(current.dtype)
 
-    Every replaced position gets an id different from the original where the batch holds at least two distinct
-    ids, so the change is real.
-    """
+
+def replace_after(
+    input_ids: Tensor, cut: int, generator: torch.Generator | None = None, vocab: Tensor | None = None
+) -> Tensor:
+    """A copy of ``input_ids`` whose tokens after position ``cut`` are :func:`other_ids` of ``vocab`` (default: the
+    batch's distinct ids)."""
     out = input_ids.clone()
-    tail = out[:, cut + 1 :]
-    if tail.numel() == 0:
-        return out
-    vocab = torch.unique(input_ids)
-    if vocab.numel() < 2:
-        return out
-    idx = torch.randint(0, vocab.numel(), tail.shape, generator=generator, device="cpu").to(input_ids.device)
-    new = vocab[idx]
-    # where the draw equals the original, take the next distinct id instead
-    clash = new == tail
-    alt = vocab[(idx + 1) % vocab.numel()]
-    out[:, cut + 1 :] = torch.where(clash, alt, new)
+    vocab = torch.unique(input_ids) if vocab is None else vocab
+    if out[:, cut + 1 :].numel() and vocab.numel() >= 2:
+        out[:, cut + 1 :] = other_ids(vocab, input_ids[:, cut + 1 :], generator)
     return out
-
-
-def random_ids_like(reference: Tensor, shape: tuple[int, ...], generator: torch.Generator | None = None) -> Tensor:
-    """Token ids of ``shape`` drawn from the distinct ids present in ``reference``."""
-    vocab = torch.unique(reference)
-    idx = torch.randint(0, vocab.numel(), shape, generator=generator, device="cpu").to(reference.device)
-    return vocab[idx]
 
 
 def relative_difference(a: float, b: float) -> float:

@@ -22,6 +22,7 @@ from lightning_tfdebug.functional.probes import alignment_losses, labels_relatio
         (lambda c, t: mc.KvCacheReading(c, 5, t), mc.decide_kv_cache, "TFD209"),
         (lambda c, t: mc.LeakReading(c, 1, 2, 3, 4, "ids", 0, True, 1, t), mc.decide_leak, "TFD201"),
         (lambda c, t: mc.LeakReading(c, 1, 2, 3, 4, "decoder_input_ids", 0, False, 0, t), mc.decide_leak, "TFD214"),
+        (lambda c, t: mc.CrossSampleReading(c, 1, 2, t), mc.decide_cross_sample, "TFD217"),
     ],
 )
 def test_tolerance_rules(build, decide, code):
@@ -110,9 +111,28 @@ def test_context_verdicts():
     fine = mc.context_limit_runs(64, "hparams['context_length']")
     assert fine.code == "TFD208" and "64 tokens (read from hparams['context_length'])" in fine.message
     assert fine.evidence == {"context_limit": 64, "source": "hparams['context_length']"}
-    assert mc.unpadded_mask("attention_mask").evidence == {"mask_key": "attention_mask"}
+    assert mc.unpadded_mask("attention_mask").evidence == {"mask_key": "attention_mask", "layout": "left"}
     assert mc.kv_cache_unusable(error=ImportError("x")).code == "TFD211"
     assert "the cache check is skipped" in mc.kv_cache_unusable(shape=None, expected=(1, 2, 3)).message
+
+
+@pytest.mark.parametrize(
+    "layout, causal, severity",
+    [("left", True, "error"), ("right", False, "error"), ("right", True, "info"), ("none", False, "info")],
+)
+def test_a_mask_ignored_is_an_error_only_where_real_tokens_read_the_padding(layout, causal, severity):
+    """Right padding of a causal model, or no padding: harmless for these batches (info, saying so)."""
+    held = [mc.CausalReading(0.0, 0, 1, 2, 6, 0.01)] if causal else []
+    verdicts, _ = mc.decide_probe([*held, mc.PaddingReading(0.5, 3, 0.5, 3, 2, 0.01, layout)])
+    [verdict] = [v for v in verdicts if v is not None]
+    assert verdict.code == "TFD202" and (verdict.severity or mc.TFD202.severity) == severity
+    assert ("Harmless for this run's batches" in verdict.message) == (severity == "info")
+    unmasked = mc.unpadded_mask("attention_mask", layout, causal)
+    assert unmasked.code == "TFD204" and (unmasked.severity or mc.TFD204.severity) == severity
+    leaked = mc.decide_probe(
+        [mc.CausalReading(0.5, 0, 1, 2, 6, 0.01), mc.PaddingReading(0.5, 3, 0.5, 3, 2, 0.01, "right")]
+    )
+    assert [v.severity for v in leaked[0] if v is not None and v.code == "TFD202"] == [None]  # not causal: the error
 
 
 def test_a_repeat_beyond_its_tolerance_is_the_only_verdict():

@@ -12,20 +12,42 @@ from lightning_tfdebug.functional.call_probes import build_caller
 def test_probe_constructions():
     gen = torch.Generator().manual_seed(0)
     ids = torch.arange(16).reshape(2, 8)
-    mask, other, k = mp.masked_block(ids, gen)
+    pool = torch.arange(20, 30)
+    mask, first, second, k = mp.masked_block(ids, pool, gen)
     assert k == 2 and mask[:, 1:3].eq(0).all() and mask[:, 0].eq(1).all() and mask[:, 3:].eq(1).all()
-    assert torch.equal(other[:, 3:], ids[:, 3:]) and torch.equal(other[:, :1], ids[:, :1])
-    assert mp.masked_block(ids[:, :2], gen) is None
+    for copy in (first, second):
+        assert torch.equal(copy[:, 3:], ids[:, 3:]) and torch.equal(copy[:, :1], ids[:, :1])
+        assert torch.isin(copy[:, 1:3], pool).all()
+    assert (first[:, 1:3] != second[:, 1:3]).all()
+    assert mp.masked_block(ids[:, :2], pool, gen) is None
     assert mp.causal_cut(8) == 3
     assert mp.padding_extra(8, None) == (8, 2) and mp.padding_extra(8, 9) == (7, 2)
-    real = torch.ones_like(ids)
-    right_ids, right_mask, keep = mp.add_padding(ids, real, "right", 2, gen)
+    real, pads = torch.ones_like(ids), torch.full((2, 2), 99)
+    right_ids, right_mask, keep = mp.add_padding(ids, real, "right", pads)
     assert right_ids.shape == (2, 10) and torch.equal(right_ids[:, keep], ids) and right_mask[:, 8:].eq(0).all()
-    left_ids, left_mask, keep = mp.add_padding(ids, real, "left", 2, gen)
-    assert torch.equal(left_ids[:, keep], ids) and left_mask[:, :2].eq(0).all()
-    assert mp.probe_padding_side("auto", torch.tensor([[0, 1, 1]])) == "left"
-    assert mp.probe_padding_side("auto", None) == "right" and mp.probe_padding_side("left", None) == "left"
+    left_ids, left_mask, keep = mp.add_padding(ids, real, "left", pads)
+    assert torch.equal(left_ids[:, keep], ids) and left_mask[:, :2].eq(0).all() and left_ids[:, :2].eq(99).all()
     assert mp.long_row(torch.tensor([[1, 2, 3]]), 7).shape == (1, 9)
+
+
+def test_replacement_ids_are_ordinary_tokens():
+    """Never a special id the pack knows, never the batch's padding value; without special ids, the real tokens."""
+
+    class Tokenizer:
+        pad_token_id, bos_token_id, eos_token_id, all_special_ids = 0, 1, 2, [0, 1, 2, 3]
+
+    special = mp.known_special_ids([("tokenizer", Tokenizer())])
+    assert special == (0, 1, 2, 3)
+    ids = torch.tensor([[1, 5, 6, 3, 7, 2, 0, 0], [1, 8, 9, 5, 2, 0, 0, 0]])
+    mask = (ids != 0).long()
+    pool, padding = mp.ordinary_ids(ids, mask, special)
+    assert pool.tolist() == [5, 6, 7, 8, 9] and int(padding) == 0
+    pool, _ = mp.ordinary_ids(ids, mask, ())  # no special id known: the real tokens' ids, never the padding value
+    assert pool.tolist() == [1, 2, 3, 5, 6, 7, 8, 9]
+    pool, padding = mp.ordinary_ids(ids, None, special)
+    assert 0 not in pool.tolist() and padding is None
+    drawn = mp.other_ids(pool, ids, torch.Generator().manual_seed(0))
+    assert torch.isin(drawn, pool).all() and (drawn != ids).all()
 
 
 def test_alignment_rtol_widens_for_half_precision_losses():
@@ -75,3 +97,61 @@ def test_a_session_reads_the_context_limit_and_a_missing_mask():
         session.positions(ids, 16, "hparams")
     assert [v.code for v in session.verdicts] == ["TFD204", "TFD208"]
     assert session.logged == {"mask_probe/context_limit": 16.0}
+
+
+class BatchMixer(Causal):
+    """The running sum of :class:`Causal`, centred over the batch (a normalisation over the samples)."""
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.emb(input_ids).cumsum(1)
+        return self.head(h - h.mean(0, keepdim=True))
+
+
+@pytest.mark.parametrize(
+    "model, rows, found", [(Causal(), 2, None), (BatchMixer(), 2, "TFD217"), (BatchMixer(), 1, None)]
+)
+def test_the_cross_sample_probe(model, rows, found):
+    """Other samples' logits must not move when one sample's tokens change; one sample: the probe stands aside."""
+    ids = torch.randint(0, 20, (rows, 8), generator=torch.Generator().manual_seed(1))
+    settings = mp.ProbeSettings(check_padding=False)
+    session = mp.MaskProbes(build_caller(model), ids, torch.Generator().manual_seed(0), settings, cross_sample=True)
+    with torch.no_grad():
+        session.masks(ids, None, None)
+    verdicts, _ = mask_checks.decide_probe(mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()}))
+    assert [v.code for v in verdicts if v is not None] == ([found] if found else [])
+    assert session.not_run == ([mask_checks.CROSS_SAMPLE_ASIDE] if rows == 1 else [])
+
+
+class PadCountingPositions(nn.Module):
+    """Positions count the real tokens (``ids != 0``, as RoBERTa's do); attention honours the mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.pos, self.head = nn.Embedding(8, 4), nn.Embedding(16, 4), nn.Linear(4, 8)
+
+    def forward(self, input_ids, attention_mask):
+        real = input_ids != 0
+        h = self.emb(input_ids) + self.pos((real.cumsum(1) - 1).clamp_min(0) * real)
+        weights = attention_mask[:, None, :].float().expand(-1, input_ids.shape[1], -1)
+        return self.head(weights @ h / weights.sum(-1, keepdim=True))
+
+
+def test_the_masked_block_never_writes_the_pad_id():
+    """Two real ids and the pad id 0: a block drawn from every id of the batch holds the pad id and moves this healthy
+    model's positions (a false TFD202); ordinary ids never do."""
+    ids = torch.tensor([[3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 0], [4, 3, 4, 3, 4, 3, 4, 3, 4, 0, 0, 0]])
+    mask = (ids != 0).long()
+
+    def findings(batch_mask):
+        settings = mp.ProbeSettings(padding_side="right")
+        model, generator = build_caller(PadCountingPositions()), torch.Generator().manual_seed(0)
+        session = mp.MaskProbes(model, ids, generator, settings, causal=False, attention_mask=batch_mask)
+        with torch.no_grad():
+            session.masks(ids, mask, None)
+        host = mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
+        return [v.code for v in mask_checks.decide_probe(host)[0] if v is not None], session
+
+    found, session = findings(mask)
+    assert found == [] and session.pool.tolist() == [3, 4] and int(session.pad_value) == 0
+    assert findings(None)[0] == ["TFD202"]  # padding unknown: the pad id is drawn, and the probe measures itself
