@@ -98,10 +98,10 @@ TFD605 = Rule(
     title="the step time regressed as for TFD603, but the machine got slower, not the run",
     trigger=(
         "as TFD603, but the same work got slower: the larger of the rise of this process's run-queue wait per CPU "
-        "second (`/proc/self/task/*/schedstat`) and of a fixed reference computation's time explains half the step "
-        "time's rise, or is 1.5x while the run's CPU time per step rose by less than 0.9x as much as its step time. "
-        "Never when the run takes 1.25x its early CPU per second, nor, without `/proc`, when its CPU time per step "
-        "rose with its step time"
+        "second (`/proc/self/task/*/schedstat`, where the extra time was spent runnable) and of a fixed reference "
+        "computation's time explains half the step time's rise, or is 1.5x while the run's CPU time per step rose "
+        "by less than 0.9x as much. Never when the run takes 1.25x its early CPU per second, nor, without `/proc`, "
+        "when its CPU time per step rose with its step time"
     ),
     hint=(
         "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
@@ -219,7 +219,8 @@ def machine_factor(row: ThroughputRow) -> float:
 def contended(row: ThroughputRow, regression_factor: float) -> bool:
     """Whether a slow rank's slowdown is the machine's, not the run's: the same work got slower by at least
     :data:`EXPLAINS` of the step time's rise, or by :data:`CONTENDED` while the run's CPU time per step rose less than
-    :data:`OWN_WORK` of it. Never when the run took more CPU per second than early on (:data:`OWN_UTILIZATION`)."""
+    :data:`OWN_WORK` of it; the contention ratio only where the extra time was spent runnable (not asleep). Never
+    when the run took more CPU per second than early on (:data:`OWN_UTILIZATION`)."""
     base, step = row.baseline_ms, row.step_ms
     if not (base > 0 and step / base > regression_factor):
         return False
@@ -227,10 +228,13 @@ def contended(row: ThroughputRow, regression_factor: float) -> bool:
     ratio = row.mean_ratio if row.mean_ratio == row.mean_ratio else step / base
     if row.cpu_ratio / ratio > OWN_UTILIZATION:
         return False
-    machine = machine_factor(row)
     own_work = row.cpu_ratio - 1.0 >= OWN_WORK * (ratio - 1.0)  # NaN: not known, not shown
     if own_work and row.contention_ratio != row.contention_ratio:
         return False  # without /proc the reference's wall time carries the scheduler's luck: more work is the run's
+    machine = machine_factor(row)
+    # contention counts where the extra time was spent runnable (CPU + run-queue wait per step), not asleep
+    if not row.cpu_ratio * row.contention_ratio - 1.0 >= EXPLAINS * (ratio - 1.0):
+        machine = row.reference_ratio
     return machine - 1.0 >= EXPLAINS * (ratio - 1.0) or (machine >= CONTENDED and not own_work)
 
 
