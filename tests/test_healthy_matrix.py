@@ -175,6 +175,7 @@ def test_the_pack_is_silent_on_a_healthy_run_while_other_processes_keep_twice_th
         import lightning_tfdebug.core.host as host
 
         monkeypatch.setattr(host, "thread_run_delays", lambda: None)
+        monkeypatch.setattr(host, "thread_run_delay_ns", lambda: None)
     load = BusyLoops(at=40)
     pack = the_pack_at_defaults()
     trainer = make_trainer(tmp_path, [*pack, load], max_steps=STEPS["tinygpt"], log_every_n_steps=10)

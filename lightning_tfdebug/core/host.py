@@ -108,18 +108,20 @@ class CpuWindow:
 _REFERENCE_BUFFERS: tuple[Tensor, ...] = ()
 
 
-def reference_work_ms(span_ms: float = 20.0) -> float:
-    """Milliseconds this process now takes for a fixed piece of CPU work, waits for a core left out: rounds of two
-    192 x 192 float32 matrix products on one torch thread, repeated for at least ``span_ms`` (and at least twice);
-    the mean wall time of a round, times the share of its runnable time the thread ran (CPU time over CPU time plus
-    run-queue wait, where ``/proc`` has it; without, the wall time alone).
+def thread_run_delay_ns() -> int | None:
+    """Nanoseconds the calling thread has waited on a run queue (``/proc/thread-self/schedstat``), or None."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
-    Timed early and again when the step time rises, it tells a machine whose cores got slower (steal, a lower clock,
-    a saturated memory bus) from a run that did. Waiting for a core is the contention ratio's part, left out here:
-    a 20 ms sample on a crowded machine reads the scheduler's luck (1 to 7 ms a round at a load of 17 on 2 cores,
-    0.31 to 0.34 ms once the wait is left out). One thread, as spinning peers would count their wait as CPU time.
-    Host work only; the buffers (0.4 MiB) are made once per process so that allocation is not timed.
-    """
+
+def reference_work_ms(span_ms: float = 20.0) -> float:
+    """Wall milliseconds per round of a fixed CPU computation (two 192 x 192 float32 matrix products, one torch thread,
+    for at least ``span_ms``), less the thread's run-queue wait where ``/proc`` has it: a machine whose cores got
+    slower (steal, a lower clock) reads slower; the wait is the contention ratio's (left in, a 20 ms sample at a load
+    of 17 on 2 cores read 1 to 7 ms a round; left out, 0.31 to 0.41 ms). Buffers: 0.4 MiB, once per process."""
     global _REFERENCE_BUFFERS
     if not _REFERENCE_BUFFERS:
         # CPU float32 whatever the defaults (`torch.set_default_device("cuda")` would time kernel launches only);
@@ -130,22 +132,21 @@ def reference_work_ms(span_ms: float = 20.0) -> float:
         _REFERENCE_BUFFERS = (a, b, torch.empty(192, 192, **cpu))
     a, b, product = _REFERENCE_BUFFERS
     rounds = 0
-    window = CpuWindow()
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # one thread: its wait is the calling thread's, and no peer spins through it
     try:
-        window.start()
+        waited, start = thread_run_delay_ns(), time.perf_counter()
         with torch.no_grad():
-            end = time.perf_counter() + span_ms / 1e3
-            while rounds < 2 or time.perf_counter() < end:
+            while rounds < 2 or time.perf_counter() < start + span_ms / 1e3:
                 torch.mm(a, b, out=product)
                 torch.mm(b, a, out=product)
                 rounds += 1
-        window.stop()
+        wall, end_wait = time.perf_counter() - start, thread_run_delay_ns()
     finally:
         torch.set_num_threads(threads)
-    ran = window.own_cpu_s / (window.own_cpu_s + window.run_delay_s) if window.own_cpu_s > 0 else math.nan
-    return 1e3 * window.wall_s * (ran if ran == ran else 1.0) / rounds
+    if waited is not None and end_wait is not None:
+        wall -= (end_wait - waited) / 1e9
+    return 1e3 * max(wall, 0.0) / rounds
 
 
 # ---------------------------------------------------------------------------------------------------- compilation

@@ -209,13 +209,6 @@ OWN_UTILIZATION = 1.25
 """A run taking more than this factor of its early CPU per second slowed itself: a slower machine cannot give more."""
 
 
-def machine_factor(row: ThroughputRow) -> float:
-    """How many times longer the same work takes now than early on: the larger of the run's own contention ratio
-    (CPU time plus run-queue wait, per CPU second) and the reference computation's ratio (NaN: neither known)."""
-    known = [r for r in (row.contention_ratio, row.reference_ratio) if r == r]
-    return max(known) if known else math.nan
-
-
 def contended(row: ThroughputRow, regression_factor: float) -> bool:
     """Whether a slow rank's slowdown is the machine's, not the run's: the same work got slower by at least
     :data:`EXPLAINS` of the step time's rise, or by :data:`CONTENDED` while the run's CPU time per step rose less than
@@ -231,10 +224,12 @@ def contended(row: ThroughputRow, regression_factor: float) -> bool:
     own_work = row.cpu_ratio - 1.0 >= OWN_WORK * (ratio - 1.0)  # NaN: not known, not shown
     if own_work and row.contention_ratio != row.contention_ratio:
         return False  # without /proc the reference's wall time carries the scheduler's luck: more work is the run's
-    machine = machine_factor(row)
-    # contention counts where the extra time was spent runnable (CPU + run-queue wait per step), not asleep
-    if not row.cpu_ratio * row.contention_ratio - 1.0 >= EXPLAINS * (ratio - 1.0):
-        machine = row.reference_ratio
+    # the machine's slowdown: the larger of the reference's and the contention ratio, the latter where the extra time
+    # was spent runnable (CPU + run-queue wait per step), not asleep
+    machine = row.reference_ratio
+    runnable = row.cpu_ratio * row.contention_ratio - 1.0 >= EXPLAINS * (ratio - 1.0)
+    if runnable and not machine >= row.contention_ratio:  # a NaN reference (not timed) too
+        machine = row.contention_ratio
     return machine - 1.0 >= EXPLAINS * (ratio - 1.0) or (machine >= CONTENDED and not own_work)
 
 

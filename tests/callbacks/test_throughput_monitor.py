@@ -326,6 +326,7 @@ def without_proc(monkeypatch):
     import lightning_tfdebug.core.host as host
 
     monkeypatch.setattr(host, "thread_run_delays", lambda: None)
+    monkeypatch.setattr(host, "thread_run_delay_ns", lambda: None)
 
 
 def test_without_proc_a_loaded_machine_is_told_from_the_run_by_a_fixed_reference_computation(tmp_path):

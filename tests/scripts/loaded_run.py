@@ -46,7 +46,7 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     if spec.get("without_proc"):
-        host.thread_run_delays = lambda: None
+        host.thread_run_delays = host.thread_run_delay_ns = lambda: None
     torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
     at = spec.get("at")
     load = BusyLoops(at=at) if at is not None else None
