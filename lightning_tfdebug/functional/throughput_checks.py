@@ -99,9 +99,9 @@ TFD605 = Rule(
     trigger=(
         "as TFD603, but the same work got slower: the larger of the rise of this process's run-queue wait per CPU "
         "second (`/proc/self/task/*/schedstat`, where the extra time was spent runnable) and of a fixed reference "
-        "computation's time explains half the step time's rise, or is 1.5x while the run's CPU time per step rose "
-        "by less than 0.9x as much. Never when the run takes 1.25x its early CPU per second, nor, without `/proc`, "
-        "when its CPU time per step rose with its step time"
+        "computation's time explains half the step time's rise, or, where the run's CPU time per step rose by less "
+        "than 0.9x as much, half its rise per CPU second of work. Never when the run takes 1.25x its early CPU per "
+        "second, nor, without `/proc`, when its CPU time per step rose with its step time"
     ),
     hint=(
         "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
@@ -199,9 +199,6 @@ def padding_speedups(tokens: float, positions: float, trimmed: float) -> dict[st
 
 EXPLAINS = 0.5
 """The machine explains a slowdown when the same work slowed by at least this share of the step time's rise."""
-CONTENDED = 1.5
-"""A machine this many times slower for the same work is contended even where it explains less of the step time:
-spinning torch threads amplify contention into the step time."""
 OWN_WORK = 0.9
 """More work per step raises the CPU time per step as much as the step time (1.0); contention raises it less
 (spinning threads: measured 0.4 to 0.75 of the rise)."""
@@ -210,10 +207,9 @@ OWN_UTILIZATION = 1.25
 
 
 def contended(row: ThroughputRow, regression_factor: float) -> bool:
-    """Whether a slow rank's slowdown is the machine's, not the run's: the same work got slower by at least
-    :data:`EXPLAINS` of the step time's rise, or by :data:`CONTENDED` while the run's CPU time per step rose less than
-    :data:`OWN_WORK` of it; the contention ratio only where the extra time was spent runnable (not asleep). Never
-    when the run took more CPU per second than early on (:data:`OWN_UTILIZATION`)."""
+    """Whether a slow rank's slowdown is the machine's: the same work got slower by at least :data:`EXPLAINS` of the
+    step time's rise, or, where the CPU time per step rose less than :data:`OWN_WORK` of it, of the rise per unit of
+    CPU work. Never when the run took more CPU per second than early on (:data:`OWN_UTILIZATION`)."""
     base, step = row.baseline_ms, row.step_ms
     if not (base > 0 and step / base > regression_factor):
         return False
@@ -230,7 +226,11 @@ def contended(row: ThroughputRow, regression_factor: float) -> bool:
     runnable = row.cpu_ratio * row.contention_ratio - 1.0 >= EXPLAINS * (ratio - 1.0)
     if runnable and not machine >= row.contention_ratio:  # a NaN reference (not timed) too
         machine = row.contention_ratio
-    return machine - 1.0 >= EXPLAINS * (ratio - 1.0) or (machine >= CONTENDED and not own_work)
+    if machine - 1.0 >= EXPLAINS * (ratio - 1.0):
+        return True
+    # no more work per step: the machine need only explain the rise per unit of CPU work (spinning threads inflate it)
+    per_work = ratio / row.cpu_ratio if row.cpu_ratio > 0 else ratio
+    return not own_work and machine - 1.0 >= EXPLAINS * (per_work - 1.0)
 
 
 KEYS: tuple[Key, ...] = (

@@ -192,7 +192,7 @@ def test_contended_with_plain_numbers():
     slow = dict(step_ms=40.0, baseline_ms=20.0)  # 2x
     assert contended(row(**slow, contention_ratio=1.5), 1.5)  # the machine explains half the rise
     assert not contended(row(**slow, contention_ratio=1.49, cpu_ratio=2.0), 1.5)
-    # 3x: a machine 1.6x contended explains less than half the rise, but the run did not do more work
+    # 3x: 1.6x contended explains less than half the rise, but half its rise per unit of work (3 / 1.5 = 2x)
     assert contended(row(step_ms=60.0, contention_ratio=1.6, cpu_ratio=1.5), 1.5)
     assert not contended(row(step_ms=60.0, contention_ratio=1.6, cpu_ratio=2.9), 1.5)
     assert not contended(row(**slow, contention_ratio=1.2, cpu_ratio=1.0), 1.5)  # too little to tell: the run's
