@@ -141,3 +141,31 @@ class BatchEncodingGPT(TinyGPT):
         from transformers import BatchEncoding
 
         return BatchEncoding(dict(batch))
+
+
+class BusyLoops(pl.Callback):
+    """Other processes keeping ``per_core`` x the machine's cores busy (busy-loop subprocesses, at most 32): from the
+    start of optimizer step ``at`` (0: at once, before the fit), until the fit ends. As a shared CI runner is."""
+
+    def __init__(self, at: int = 0, per_core: int = 2) -> None:
+        self.at, self.count = at, min(per_core * (os.cpu_count() or 2), 32)
+        self.loops: list[subprocess.Popen] = []
+        if at == 0:
+            self.start()
+
+    def start(self) -> None:
+        if not self.loops:
+            self.loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.count)]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step >= self.at:
+            self.start()
+
+    def stop(self) -> None:
+        for loop in self.loops:
+            loop.kill()
+            loop.wait()
+        self.loops = []
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        self.stop()

@@ -14,14 +14,7 @@ import torch
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
-from lightning_tfdebug.core.host import (
-    CompileWatch,
-    OtherLoad,
-    contended_cores,
-    device_peak_flops,
-    memory_reading,
-    reference_work_ms,
-)
+from lightning_tfdebug.core.host import CompileWatch, CpuWindow, device_peak_flops, memory_reading, reference_work_ms
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import import_object
 from lightning_tfdebug.core.profiling import FlopCount, StepProfiler, check_profile_steps
@@ -53,21 +46,14 @@ def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[
 class ThroughputMonitor(DebugCallback):
     r"""Measures how fast training really goes, over all ranks, and says why it is slow.
 
-    Counts real (non-padding) tokens of every micro-batch on every rank, times the wall clock between measuring
-    steps, and on measuring steps declares one row of named fields per rank into the step's one reduction over ranks
-    (one collective, shared by the whole pack inside :class:`~lightning_tfdebug.TFDebug`) so the logged throughput is
-    the sum over ranks, not rank 0's number times the world size. Time spent waiting for the next batch (data
-    loading, collation, host-to-device copy) is measured between batches. No device sync on other steps: per-step
-    times come from CUDA events (host clock on CPU), and a measuring step waits once for the last event.
+    Counts real (non-padding) tokens of every micro-batch on every rank and the wait for each batch; on measuring
+    steps one row per rank goes into the step's one reduction over ranks, so throughput is the sum over ranks. No
+    device sync on other steps: step times come from CUDA events (host clock on CPU).
 
-    Logged keys (on measuring steps, at the step that was measured): :attr:`KEYS`, tabled in
-    ``docs/callbacks/throughput_monitor.md``.
-
-    Findings (``docs/findings.md``): ``TFD601`` data-loading bound, ``TFD602`` padding waste (a warning when most
-    positions are padding), ``TFD603`` step time regressed against the early steps, ``TFD604`` memory close to
-    capacity, ``TFD605`` (info) the step time regressed because the machine got slower (other processes took its
-    cores, or a fixed reference computation slowed as much), ``TFD606`` ``torch.compile`` still compiling after the
-    early window, ``TFD607`` its recompile limit hit (that code runs uncompiled).
+    Logged keys: :attr:`KEYS`, tabled in ``docs/callbacks/throughput_monitor.md``. Findings (``docs/findings.md``):
+    ``TFD601`` data-loading bound, ``TFD602`` padding waste, ``TFD603`` step time regressed against the early steps,
+    ``TFD604`` memory close to capacity, ``TFD605`` (info) the machine got slower, not the run, ``TFD606``
+    ``torch.compile`` still compiling, ``TFD607`` its recompile limit hit.
 
     Args:
         every_n_steps: measure when ``global_step % every_n_steps == 0``; default: the Trainer's
@@ -174,7 +160,7 @@ class ThroughputMonitor(DebugCallback):
         self.profile_steps = tuple(profile_steps) if profile_steps is not None else None
         self.profile_row_limit = profile_row_limit
         thresholds = (self.wait_threshold, self.padding_threshold, self.regression_factor, self.memory_threshold)
-        self._diagnosis = ThroughputDiagnosis(*thresholds, patience, contended_cores())
+        self._diagnosis = ThroughputDiagnosis(*thresholds, patience)
         self._times = StepTimes(window, skip_steps, baseline_steps)  # the median's steps and the early window's
         self._load = MachineLoad(window)  # the machine's load during the early window and over the median's steps
         self.flops_per_token: float | None = None  # model FLOPs per computed token position (measured once)
@@ -194,7 +180,6 @@ class ThroughputMonitor(DebugCallback):
         self._step_marks: list[Any] = []  # clock marks at optimizer-step ends since the last measurement
         self._last_mark: Any = None
         self._pause_ms = 0.0  # validation time to take off the next step time
-        self._reference_s = 0.0  # the reference computation's time on this measuring step (see `_measure`)
         self._step_at_start = -1
         self._measuring = False
         self._flops = FlopCount()
@@ -202,7 +187,7 @@ class ThroughputMonitor(DebugCallback):
         self._val_start: float | None = None
         self._timer: FetchTimer | None = None
         self._fetch_seen: float | None = None  # the fetch timer's total at the start of the window
-        self._other = OtherLoad()  # other processes' CPU use over the current window
+        self._cpu = CpuWindow()  # this process's CPU time and run-queue wait over the current window
         self._load.windows.clear()  # the windows since the median's oldest step: this fit's
         self._compile = CompileWatch()  # torch.compile's graphs and recompile-limit hits during this fit
         self._diagnosis.graphs_prev = math.nan
@@ -237,7 +222,7 @@ class ThroughputMonitor(DebugCallback):
         if self._window_start is None:
             self._window_start = now
             self._last_mark = self._clock.mark()
-            self._other.start()
+            self._cpu.start()
         step = trainer.global_step
         first_micro_batch = step != self._step_at_start
         self._step_at_start = step
@@ -273,12 +258,7 @@ class ThroughputMonitor(DebugCallback):
                 with torch.no_grad():
                     self._measure(trainer, now)
                 self._window_start = now
-                # The reference computation's time is the monitor's: the next step time does not count it (a probe
-                # of the run's own step time), the window's wall time does (throughput is what the run really got,
-                # every callback's work included, as the independent counts in the tests measure it)
-                self._pause_ms += self._reference_s * 1e3
-                self._reference_s = 0.0
-                self._other.start()
+                self._cpu.start()
         self._prev_end = time.perf_counter()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -298,8 +278,7 @@ class ThroughputMonitor(DebugCallback):
         self._pause_ms += paused * 1e3
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop_flop_count()
-        self._stop_profiler(trainer, None)
+        self.teardown(trainer, pl_module, "fit")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop_flop_count()
@@ -338,16 +317,17 @@ class ThroughputMonitor(DebugCallback):
         step = self._step_at_start
         times = self._step_times_since_last()
         early = self._times.add(times)  # this window's steps are part of the early window
-        other = self._other.cores()  # file reads: /proc/stat and this process's threads' schedstat
-        window = self._other
-        load = self._load.update(len(times), early, other, window.run_delay_s, window.own_cpu_s, window.wall_s)
+        cpu = self._cpu
+        cpu.stop()  # file reads: this process's threads' schedstat
+        load = self._load.update(len(times), early, cpu.run_delay_s, cpu.own_cpu_s, cpu.wall_s)
         new_graphs, limit_hits = self._compile.since(self._times.ready)  # host-side counters
         step_ms, baseline_ms = self._times.median(), self._times.baseline.median() if self._times.ready else math.nan
         started = time.perf_counter()
         slow = self._times.ready and step_ms > self.regression_factor * self._times.baseline.median()
-        # deliberate host work (20 ms), on the early window's measuring steps and on slow ones only: see MachineLoad
+        # deliberate host work (20 ms), on the early window's measuring steps and on slow ones only
         reference_ratio = self._load.reference_ratio(early, slow, reference_work_ms)
-        self._reference_s = time.perf_counter() - started  # the monitor's time, not the run's: off the next step time
+        # the monitor's time: off the next step time; the window's wall time (throughput) keeps it, as every callback's
+        self._pause_ms += 1e3 * (time.perf_counter() - started)
         device = trainer.strategy.root_device
         if self._timer is not None and self._fetch_seen is not None:
             self._wait_s += self._timer.total_s - self._fetch_seen
@@ -355,7 +335,7 @@ class ThroughputMonitor(DebugCallback):
         row = {
             **self._counts.take(device),  # tokens, positions, samples, trimmed_positions (device scalars: no sync)
             **memory_reading(device)._asdict(),  # peak, reserved, capacity: allocator bookkeeping or /proc, no sync
-            **asdict(load),  # other_extra, delay_rise_ms, cpu_ratio, mean_ratio
+            **asdict(load),  # contention_ratio, cpu_ratio, mean_ratio
             "wall_s": max(now - (self._window_start or now), 1e-9),
             "wait_s": self._wait_s,
             "step_ms": step_ms,
@@ -365,8 +345,7 @@ class ThroughputMonitor(DebugCallback):
             "reference_ratio": reference_ratio,
         }
         self._wait_s = 0.0
-        # Every rank's row of named fields (sums, worst ranks and medians are taken from the table): declared into the
-        # step's one reduction over ranks (the pack's shared collective; on its own, one collective of its own).
+        # every rank's row, into the step's one reduction over ranks (the pack's shared collective)
         declared = row_fields(ThroughputRow, row)  # in the order ThroughputRow declares, the same on every rank
         self.reduce_then(trainer, lambda reduced: self._conclude(trainer, reduced, step), device, rows=declared)
 

@@ -1,8 +1,6 @@
-"""Readers of the host and the device's properties: process memory, the machine's CPU load and run-queue waits
-(``/proc``), a fixed reference computation, ``torch.compile``'s counters and the device's peak FLOP/s.
-
-Each reads the machine as it is now and returns host numbers; the decisions taken from them live in
-:mod:`lightning_tfdebug.functional.throughput_checks`. File reads and clock reads only, no device sync.
+"""Readers of the host and the device: process memory, this process's CPU time and run-queue waits (``/proc``), a
+fixed reference computation, ``torch.compile``'s counters and peak FLOP/s. Host numbers out, no device sync; the
+decisions are in :mod:`lightning_tfdebug.functional.throughput_checks`.
 """
 
 from __future__ import annotations
@@ -47,9 +45,8 @@ def physical_memory_bytes() -> int | None:
 
 
 class MemoryReading(NamedTuple):
-    """Memory of one process in bytes: on CUDA the allocator's peak allocated and reserved memory and the device's
-    total; elsewhere this process's peak and current resident set size and the machine's physical memory (0 when
-    unknown)."""
+    """Bytes: CUDA's peak allocated, reserved and total memory; elsewhere the peak and current resident set and the
+    machine's physical memory (0: unknown)."""
 
     peak: float
     reserved: float
@@ -66,36 +63,10 @@ def memory_reading(device: torch.device) -> MemoryReading:
     return MemoryReading(float(peak_rss_bytes()), float(process_rss_bytes()), float(physical_memory_bytes() or 0))
 
 
-# ---------------------------------------------------------------------------------------------------- CPU load
-def contended_cores() -> float:
-    """Other processes using this many more cores than early on make step times incomparable: half a core, or a
-    tenth of a big machine (where background activity of half a core is noise)."""
-    return max(0.5, 0.1 * (os.cpu_count() or 1))
-
-
-def machine_busy_seconds() -> float | None:
-    """CPU seconds all processes of the machine have spent busy since boot (``/proc/stat``), or None if unknown.
-
-    Busy is user, nice, system, irq, softirq and steal time summed over every core; a file read, no device work.
-    """
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        ticks = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not fields or fields[0] != "cpu" or len(fields) < 9:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / ticks
-
-
+# ---------------------------------------------------------------------------------------------------- CPU use
 def thread_run_delays() -> dict[str, int] | None:
-    """Nanoseconds each thread of this process has waited on a run queue (runnable, not running), by thread id.
-
-    From ``/proc/self/task/<tid>/schedstat`` (its second field); None where the kernel does not provide it. A few
-    small file reads, no device work.
-    """
+    """Nanoseconds each thread of this process has waited on a run queue (runnable, not running), by thread id, from
+    ``/proc/self/task/<tid>/schedstat``; None where the kernel does not provide it. A few small file reads."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -110,72 +81,47 @@ def thread_run_delays() -> dict[str, int] | None:
     return out or None
 
 
-class OtherLoad:
-    """CPU cores that other processes kept busy over a window: machine busy time minus this process's, per second.
-
-    ``start()`` opens a window, ``cores()`` closes it and returns the rate (None where ``/proc/stat`` is missing);
-    ``run_delay_s`` then holds the seconds this process's threads spent runnable but waiting for a core over the
-    same window (NaN where ``/proc/<pid>/task/*/schedstat`` is missing). DataLoader workers are other processes too;
-    what matters is the change against the run's own early windows.
-
-    Other processes' use also rises when this one stops using the CPU (it sleeps, waits for I/O or a device): on a
-    full machine they take the cores it leaves. Only a rise in this process's own run-queue wait says the others
-    slowed it down. And on a machine whose cores were already all busy, more competitors cannot raise the others' use
-    much (there is no core left to take), they shrink this process's share: its run-queue wait rises while the CPU
-    time it spends per step stays what its work needs. ``own_cpu_s`` (this process's CPU time over the window, every
-    thread) and ``wall_s`` are kept for that comparison.
-    """
+class CpuWindow:
+    """This process's CPU use over a window: ``start()`` opens it, ``stop()`` sets ``run_delay_s`` (seconds its threads
+    were runnable but waited for a core; NaN without ``/proc``), ``own_cpu_s`` (CPU time, every thread) and
+    ``wall_s``. Threads that ended during the window are lost; threads born in it count from zero."""
 
     def __init__(self) -> None:
-        self._start: tuple[float, float, float] | None = None
         self._delays: dict[str, int] | None = None
         self._own_start = time.process_time()
         self._wall_start = time.perf_counter()
-        self.run_delay_s: float = math.nan
-        self.own_cpu_s: float = math.nan
-        self.wall_s: float = math.nan
+        self.run_delay_s = self.own_cpu_s = self.wall_s = math.nan
 
     def start(self) -> None:
         self._own_start, self._wall_start = time.process_time(), time.perf_counter()
-        busy = machine_busy_seconds()
-        self._start = None if busy is None else (time.perf_counter(), busy, time.process_time())
         self._delays = thread_run_delays()
 
-    def cores(self) -> float | None:
+    def stop(self) -> None:
         self.own_cpu_s = time.process_time() - self._own_start
         self.wall_s = time.perf_counter() - self._wall_start
-        self.run_delay_s = math.nan
         now = thread_run_delays()
+        self.run_delay_s = math.nan
         if self._delays is not None and now is not None:
-            # threads that ended during the window are lost; threads born in it count from zero
             self.run_delay_s = sum(max(0, d - self._delays.get(tid, 0)) for tid, d in now.items()) / 1e9
-        if self._start is None:
-            return None
-        busy = machine_busy_seconds()
-        wall0, busy0, own0 = self._start
-        wall = time.perf_counter() - wall0
-        if busy is None or wall <= 0:
-            return None
-        return max(0.0, (busy - busy0) - (time.process_time() - own0)) / wall
 
 
 _REFERENCE_BUFFERS: tuple[Tensor, ...] = ()
 
 
-def reference_work_ms(span_ms: float = 20.0) -> float:
-    """Milliseconds this process takes now for a fixed piece of CPU work: rounds of two 192 x 192 float32 matrix
-    products and a 4 MiB copy (about 0.3-0.5 ms a round on one thread of a 2024 server core, with the process's torch
-    threads), repeated for at least ``span_ms`` of wall time (and at least twice); the mean wall time of a round.
+def thread_run_delay_ns() -> int | None:
+    """Nanoseconds the calling thread has waited on a run queue (``/proc/thread-self/schedstat``), or None."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
-    Timed on the early measuring steps and again when the step time rises, it tells a machine that got slower (a
-    hypervisor taking the CPU, a lower clock, other processes on the cores or the memory bus: the same work takes
-    longer) from a run that got slower by itself (the same work takes as long as before). The wall time over a span
-    of rounds, not the fastest or the median round, and a span longer than a scheduler's time slices: a short timing
-    often runs whole inside one slice. Measured on 2 cores: with four busy loops beside, the median round was as fast
-    as on the idle machine and the mean 6 to 17x slower; with the process stopped for 8 ms out of every 16 (what
-    steal looks like), a timing of 2.4 ms read 1.1x on a measuring step that was 2.9x slower. Host work only, no
-    device; the buffers are made once per process (about 8.5 MiB) so that allocation is not timed.
-    """
+
+def reference_work_ms(span_ms: float = 20.0) -> float:
+    """Wall milliseconds per round of a fixed CPU computation (two 192 x 192 float32 matrix products, one torch thread,
+    for at least ``span_ms``), less the thread's run-queue wait where ``/proc`` has it: a machine whose cores got
+    slower (steal, a lower clock) reads slower; the wait is the contention ratio's (left in, a 20 ms sample at a load
+    of 17 on 2 cores read 1 to 7 ms a round; left out, 0.31 to 0.41 ms). Buffers: 0.4 MiB, once per process."""
     global _REFERENCE_BUFFERS
     if not _REFERENCE_BUFFERS:
         # CPU float32 whatever the defaults (`torch.set_default_device("cuda")` would time kernel launches only);
@@ -183,28 +129,30 @@ def reference_work_ms(span_ms: float = 20.0) -> float:
         cpu = dict(device="cpu", dtype=torch.float32)
         generator = torch.Generator().manual_seed(0)
         a, b = (torch.randn(192, 192, generator=generator, **cpu) for _ in range(2))
-        source = torch.ones(1 << 20, **cpu)
-        _REFERENCE_BUFFERS = (a, b, torch.empty(192, 192, **cpu), source, torch.empty_like(source))
-    a, b, product, source, target = _REFERENCE_BUFFERS
+        _REFERENCE_BUFFERS = (a, b, torch.empty(192, 192, **cpu))
+    a, b, product = _REFERENCE_BUFFERS
     rounds = 0
-    with torch.no_grad():
-        start = time.perf_counter()
-        end = start + span_ms / 1e3
-        while rounds < 2 or time.perf_counter() < end:
-            torch.mm(a, b, out=product)
-            torch.mm(b, a, out=product)
-            target.copy_(source)
-            rounds += 1
-        return 1e3 * (time.perf_counter() - start) / rounds
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: its wait is the calling thread's, and no peer spins through it
+    try:
+        waited, start = thread_run_delay_ns(), time.perf_counter()
+        with torch.no_grad():
+            while rounds < 2 or time.perf_counter() < start + span_ms / 1e3:
+                torch.mm(a, b, out=product)
+                torch.mm(b, a, out=product)
+                rounds += 1
+        wall, end_wait = time.perf_counter() - start, thread_run_delay_ns()
+    finally:
+        torch.set_num_threads(threads)
+    if waited is not None and end_wait is not None:
+        wall -= (end_wait - waited) / 1e9
+    return 1e3 * max(wall, 0.0) / rounds
 
 
 # ---------------------------------------------------------------------------------------------------- compilation
 def compile_counts() -> tuple[float, float]:
-    """``(graphs compiled, recompile-limit hits)`` so far in this process by ``torch.compile``.
-
-    Host-side counters of TorchDynamo, read without importing it: ``(nan, nan)`` when nothing in the process has
-    used ``torch.compile``. A hit of the recompile limit means the code object now runs without compilation.
-    """
+    """``(graphs compiled, recompile-limit hits)`` so far in this process by ``torch.compile``, from TorchDynamo's
+    host-side counters, read without importing it (``(nan, nan)`` when nothing used ``torch.compile``)."""
     if "torch._dynamo.utils" not in sys.modules:
         return math.nan, math.nan
     counters = getattr(sys.modules["torch._dynamo.utils"], "counters", None)
@@ -218,8 +166,8 @@ def compile_counts() -> tuple[float, float]:
 
 
 class CompileWatch:
-    """What ``torch.compile`` did during a fit: graphs compiled since the early window ended, and recompile-limit hits
-    since training started (its counters are process-wide: only changes since :meth:`start` count)."""
+    """Graphs ``torch.compile`` compiled since the early window ended, and recompile-limit hits since :meth:`start`
+    (its counters are process-wide)."""
 
     def __init__(self) -> None:
         self.graphs_ref: float | None = None  # graphs when the early window ended
@@ -229,8 +177,8 @@ class CompileWatch:
         self.graphs_ref, self.limit_ref = None, compile_counts()[1]
 
     def since(self, early_window_done: bool) -> tuple[float, float]:
-        """``(new graphs, limit hits)``: the graphs are nan until the early window is done (compiling during warm-up
-        and the early window is expected); nan where nothing was compiled."""
+        """``(new graphs, limit hits)``; the graphs are nan until the early window is done, both where nothing
+        compiled."""
         graphs, hits = compile_counts()
         if early_window_done and self.graphs_ref is None:
             self.graphs_ref = graphs
@@ -251,10 +199,8 @@ _LIGHTNING_DTYPES: dict[str, torch.dtype | str] = {
 
 
 def lightning_peak_flops(device: torch.device, compute: str) -> float | None:
-    """Lightning's dense peak FLOP/s of ``device`` for ``compute``
-    (:func:`lightning.fabric.utilities.throughput.get_available_flops`), or None where it does not know the chip or
-    that precision. A chip without TF32 (Volta, Turing) runs ``"tf32"`` as plain fp32. Its warning for an unknown
-    chip is not repeated: without a peak, MFU is simply not logged (``peak_flops`` gives one)."""
+    """Lightning's dense peak FLOP/s of ``device`` for ``compute`` (``get_available_flops``, its unknown-chip warning
+    silenced), or None. A chip without TF32 runs ``"tf32"`` as plain fp32."""
     from lightning.fabric.utilities.throughput import get_available_flops
 
     dtype = _LIGHTNING_DTYPES.get(compute)
@@ -269,13 +215,8 @@ def lightning_peak_flops(device: torch.device, compute: str) -> float | None:
 
 
 def device_peak_flops(device: torch.device, precision: str) -> float | None:
-    """Peak dense FLOP/s of one CUDA ``device`` in the column of the Trainer's ``precision``, or None (not CUDA, or a
-    chip neither table knows).
-
-    TF32 counts when ``torch.set_float32_matmul_precision`` or ``torch.backends.cuda.matmul.allow_tf32`` allows it.
-    :data:`~lightning_tfdebug.functional.throughput.PEAK_FLOPS` answers for what it holds (chips and precisions
-    Lightning's table lacks or reads wrongly from the device name), Lightning's table for every other chip.
-    """
+    """Peak dense FLOP/s of one CUDA ``device`` at the Trainer's ``precision`` (TF32 where torch allows it), from
+    :data:`~lightning_tfdebug.functional.throughput.PEAK_FLOPS`, else Lightning's table; None when neither knows."""
     if device.type != "cuda":
         return None
     tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32

@@ -1,8 +1,5 @@
-"""Looking inside a few chosen steps: ``torch.profiler`` over optimizer steps ``[start, stop)``, written as a trace and
-a table of the top operators, and the model FLOPs of one real micro-batch (``FlopCounterMode``).
-
-Both run only on the steps they were asked for; on every other step they cost one comparison.
-"""
+"""``torch.profiler`` over optimizer steps ``[start, stop)`` (a trace and a table of the top operators), and the model
+FLOPs of one real micro-batch (``FlopCounterMode``); on every other step, one comparison."""
 
 from __future__ import annotations
 
@@ -31,9 +28,8 @@ def check_profile_steps(profile_steps: Any) -> None:
 
 
 class StepProfiler:
-    """``torch.profiler`` over optimizer steps ``start <= step < stop`` (``steps``; None: never), CPU and, on CUDA,
-    device activity; at the end a Chrome trace and the ``row_limit`` top operators by self time, per rank, under
-    ``out_dir``."""
+    """``torch.profiler`` over optimizer steps ``start <= step < stop`` (None: never), CPU and CUDA activity; then a
+    Chrome trace and the ``row_limit`` top operators by self time, per rank."""
 
     def __init__(self, steps: tuple[int, int] | None, row_limit: int) -> None:
         self.steps = steps
@@ -70,8 +66,7 @@ class StepProfiler:
 
 
 class FlopCount:
-    """The FLOPs ``torch.utils.flop_counter.FlopCounterMode`` counts (matmuls and attention) while it is open, per
-    token position of the micro-batch it was opened on."""
+    """FLOPs per token position that ``FlopCounterMode`` counts (matmuls, attention) while open on one micro-batch."""
 
     def __init__(self) -> None:
         self._counter: Any = None

@@ -1,10 +1,8 @@
 """Pure helpers for throughput and per-rank statistics: token counts, the padding span, parameter checksums,
-cross-rank spreads, the machine's load against the run's early windows, and the peak FLOPs of accelerators that
-Lightning's table lacks.
+cross-rank spreads, the run's CPU use against its early windows, and peak FLOPs Lightning's table lacks.
 
-Tensor helpers keep their results on the batch's device (no host sync); the caller moves them to the host once per
-measuring step. Host numbers in, host numbers out elsewhere: the readers of the machine (``/proc``, memory, the
-reference computation) are in :mod:`lightning_tfdebug.core.host`. Nothing here needs a Trainer.
+Tensor helpers keep their results on the batch's device (no host sync). The readers of the machine are in
+:mod:`lightning_tfdebug.core.host`.
 """
 
 from __future__ import annotations
@@ -28,15 +26,12 @@ from lightning_tfdebug.functional.norms import per_tensor_norms
 
 # ---------------------------------------------------------------------------------------------------- batches
 def batch_counts(view: StepBatch, length_fn: Callable[[Any], Any] | None = None) -> tuple[Tensor | int, int, int]:
-    """Token counts of one batch, read from its shared :class:`~lightning_tfdebug.core.batch.StepBatch`, no host sync.
+    """``(tokens, positions, samples)`` of one batch, from its shared
+    :class:`~lightning_tfdebug.core.batch.StepBatch`, no host sync.
 
-    Returns ``(tokens, positions, samples)``: ``tokens`` are the real (non-padding) tokens, a device tensor when they
-    come from the attention mask (the step's one shared count) or from ``length_fn``, else the host int
-    ``positions``; ``positions`` is the number of token positions computed (batch x sequence length, padding
-    included) and ``samples`` the batch size, both read from shapes (host metadata). A batch with neither ids nor a
-    mask (features only) counts its first tensor's shape.
-
-    Precedence: ``length_fn(batch)`` (an int or a tensor), then the attention mask, then the ids' shape.
+    ``tokens``: real tokens from ``length_fn(batch)``, else the attention mask (a device tensor), else the ids'
+    shape; ``positions`` (padding included) and ``samples`` from shapes. A batch with neither ids nor a mask counts
+    its first tensor's shape.
     """
     positions, samples = view.positions, view.samples
     if view.input_ids is None and view.attention_mask is None:
@@ -53,12 +48,11 @@ def batch_counts(view: StepBatch, length_fn: Callable[[Any], Any] | None = None)
 
 
 def parameter_checksums(tensors: Sequence[Tensor]) -> Tensor:
-    """Two numbers per tensor, in float64 on the tensors' device: ``[l2 norms..., signed sums...]`` (length ``2n``).
+    """``[l2 norms..., signed sums...]`` of the tensors, float64 on their device (length ``2n``).
 
-    Replicas that agree give equal values (DDP replicas are bitwise equal, so the values are too). The norm catches
-    changes of magnitude, the signed sum catches sign flips and shifts that keep the norm. Integer and boolean
-    tensors (buffers such as step counters) are compared through their float64 values. The norms come from one fused
-    ``_foreach_norm`` per dtype; the sums are one small reduction per tensor, so call this on measuring steps only.
+    Equal replicas give equal values; the norm catches changes of magnitude, the sum sign flips and shifts. Integer
+    and boolean tensors count through their float64 values. One fused ``_foreach_norm`` per dtype and one small
+    reduction per tensor: measuring steps only.
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
@@ -99,8 +93,7 @@ def median_of_others(values: Sequence[float], index: int) -> float:
 
 
 def _close(x: float, y: float, rtol: float) -> bool:
-    """Equal within ``rtol``; two NaNs count as equal (replicas that both went non-finite agree), NaN and a number
-    do not."""
+    """Equal within ``rtol``; two NaNs are equal (replicas that both went non-finite agree)."""
     if x == y:
         return True
     if x != x or y != y:
@@ -111,10 +104,9 @@ def _close(x: float, y: float, rtol: float) -> bool:
 def loss_outliers(losses: Sequence[float], spread: float) -> tuple[list[int], float]:
     """Ranks whose loss is far from the others', and the reference it was judged against.
 
-    With three ranks or more the reference is the median of all finite losses, and a rank is far when
-    ``|loss - median| > spread * |median|``: one odd rank among many is named, the majority is not. With two ranks
-    there is no majority: when ``|a - b| > spread * min(|a|, |b|)`` both are returned (they disagree; which one is off
-    cannot be told) with the smaller loss as the reference. Non-finite losses are left out (see TFD505).
+    Three ranks or more: far when ``|loss - median| > spread * |median|``. Two ranks: both when
+    ``|a - b| > spread * min(|a|, |b|)`` (which one is off cannot be told), the smaller loss the reference.
+    Non-finite losses are left out (TFD505).
     """
     finite = [(r, v) for r, v in enumerate(losses) if math.isfinite(v)]
     if len(finite) < 2:
@@ -128,24 +120,16 @@ def loss_outliers(losses: Sequence[float], spread: float) -> tuple[list[int], fl
 
 
 def differing_ranks(values: Sequence[Sequence[float]], rtol: float = 1e-6) -> list[int]:
-    """Ranks whose checksum vector differs from the most common one (ties go to the lowest rank's vector).
-
-    ``values[r]`` is rank ``r``'s vector of per-tensor checksums.
-    """
-    if len(values) < 2:
-        return []
-
-    def same(a: Sequence[float], b: Sequence[float]) -> bool:
-        return all(_close(x, y, rtol) for x, y in zip(a, b))
-
-    groups: list[list[int]] = []
+    """Ranks whose checksum vector (``values[r]``) differs from the most common one (ties: the lowest rank's)."""
+    groups: list[list[int]] = []  # ranks with equal vectors, each group named by its first rank
     for r, vec in enumerate(values):
-        for group in groups:
-            if same(values[group[0]], vec):
-                group.append(r)
-                break
-        else:
+        group = next((g for g in groups if all(_close(x, y, rtol) for x, y in zip(values[g[0]], vec))), None)
+        if group is None:
             groups.append([r])
+        else:
+            group.append(r)
+    if len(groups) < 2:
+        return []
     majority = max(groups, key=len)  # max keeps the first of equally large groups: the one holding the lowest rank
     return sorted(r for g in groups if g is not majority for r in g)
 
@@ -154,15 +138,9 @@ def differing_ranks(values: Sequence[Sequence[float]], rtol: float = 1e-6) -> li
 class CountWindow:
     """Running sum of a per-micro-batch count over one measuring window, kept where the count lives.
 
-    Counts arrive as host ints (read from shapes) or as device tensors (read from an attention mask, or returned by a
-    ``length_fn``). Device counts are added in place into one float64 scalar on their device (``add_``: one kernel,
-    no host sync, no collective); host counts stay a Python number. :meth:`total` returns both as one device scalar,
-    still without a sync, and starts the next window. The cross-rank sum is the pack's one reduction per measuring
-    step, not a per-state sync of a metric object.
-
-    Why not a ``torchmetrics.SumMetric`` (what this was until issue 25): its ``update`` costs about 21 us of host
-    time per call against 2-4 us for the in-place add (``benchmarks/count_window.py``), and ThroughputMonitor adds
-    two counts on every micro-batch, the hot path the pack must barely touch.
+    Device counts are added in place into one float64 scalar on their device (one kernel, no sync); host counts stay
+    a Python number. Not a ``torchmetrics.SumMetric``: its ``update`` costs about 21 us of host time against 2-4 us
+    (``benchmarks/count_window.py``), on every micro-batch.
     """
 
     def __init__(self) -> None:
@@ -172,11 +150,10 @@ class CountWindow:
     def add(self, count: Tensor | int | float) -> None:
         if isinstance(count, Tensor):
             count = count.detach()
-            if self._device_sum is None or self._device_sum.device != count.device:
-                start = self._device_sum.to(count.device) if self._device_sum is not None else None
+            if self._device_sum is None:
                 self._device_sum = torch.zeros((), dtype=torch.float64, device=count.device)
-                if start is not None:
-                    self._device_sum.add_(start)
+            elif self._device_sum.device != count.device:
+                self._device_sum = self._device_sum.to(count.device)
             self._device_sum.add_(count.reshape(()))  # in place on the device: no sync, no collective
         else:
             self._host_sum += float(count)
@@ -195,12 +172,11 @@ _SPAN_WEIGHTS: dict[tuple[int, torch.device], Tensor] = {}  # per mask width and
 
 
 def trimmed_positions(mask: Tensor | None, positions: int) -> Tensor | int:
-    """Positions of a batch padded only to its longest row: rows x the span of columns holding a real token. A device
-    tensor (no sync) when the batch has a 2-D attention mask, else ``positions``.
+    """Positions of a batch padded only to its longest row: rows x the span of columns holding a real token (a device
+    tensor, no sync, for a 2-D attention mask; else ``positions``).
 
-    On the micro-batches of measuring steps, in few kernels: the columns holding a real token, times a cached
-    ``(2, width)`` table whose rows are ``index`` and ``width - index``; the row maxima are the last real column and
-    ``width - first``, so the span is their sum minus ``width - 1`` (clamped at 0 for a mask without any real token)."""
+    The columns holding a real token times a cached ``(2, width)`` table of ``index`` and ``width - index``: the
+    maxima are the last real column and ``width - first``; the span is their sum minus ``width - 1``."""
     if mask is None or mask.ndim != 2 or mask.numel() == 0:
         return positions
     width = mask.shape[1]
@@ -215,16 +191,12 @@ def trimmed_positions(mask: Tensor | None, positions: int) -> Tensor | int:
 
 
 class WindowCounts:
-    """The token counts of one measuring window: real tokens (where they live: no sync), positions and samples (host
-    ints from shapes), and the positions had each batch been padded only to its longest row, sampled on the
-    micro-batches passed with ``sample=True`` and scaled to the window's positions."""
+    """The token counts of one measuring window: real tokens (no sync), positions and samples, and the trimmed
+    positions sampled on the micro-batches passed with ``sample=True``, scaled to the window's positions."""
 
     def __init__(self) -> None:
-        self.tokens = CountWindow()
-        self.trimmed = CountWindow()
-        self.sampled = 0  # positions of the sampled micro-batches
-        self.positions = 0
-        self.samples = 0
+        self.tokens, self.trimmed = CountWindow(), CountWindow()
+        self.sampled = self.positions = self.samples = 0  # sampled: positions of the sampled micro-batches
 
     def add(self, tokens: Tensor | int, positions: int, samples: int, mask: Tensor | None, sample: bool) -> None:
         self.tokens.add(tokens)  # in place on the device: no sync, no collective
@@ -245,8 +217,8 @@ class WindowCounts:
 
 
 class StepTimes:
-    """Optimizer-step times (ms): the median over the last ``window`` steps, and the early window it is compared
-    against (``baseline_steps`` steps after the first ``skip_steps``: warm-up and compilation are left out)."""
+    """Optimizer-step times (ms): the last ``window`` steps, and the early window (``baseline_steps`` steps after the
+    first ``skip_steps``)."""
 
     def __init__(self, window: int, skip_steps: int, baseline_steps: int) -> None:
         self.recent: deque[float] = deque(maxlen=window)
@@ -277,88 +249,56 @@ class StepTimes:
 # ---------------------------------------------------------------------------------------------------- machine load
 @dataclass(frozen=True)
 class LoadReading:
-    """What the machine's load was over the steps the median step time covers, against the run's early windows (NaN
-    where unknown): the ``other_extra``, ``delay_rise_ms``, ``cpu_ratio`` and ``mean_ratio`` of
-    :class:`~lightning_tfdebug.functional.throughput_checks.ThroughputRow`."""
+    """The run's CPU use over the median's steps against the early windows' (``ThroughputRow`` fields; NaN: unknown)."""
 
-    other_extra: float  # CPU cores other processes used beyond the quietest early window
-    delay_rise_ms: float  # run-queue wait per step of this process's threads beyond the early windows'
+    contention_ratio: float  # (CPU time + run-queue wait) per CPU second of its threads, over the early windows
     cpu_ratio: float  # this process's CPU time per step over the early windows'
     mean_ratio: float  # mean wall time per step over the median's steps, over the early windows'
 
 
-def span_rates(windows: Sequence[tuple[int, float, float, float, float]]) -> tuple[float, float, float]:
-    """Over the measuring windows kept: run-queue wait (ms) and own CPU time (ms) per step, and the cores other
-    processes kept busy. Windows whose reading is missing (NaN) are left out of that rate; NaN when none has it."""
-
-    def rate(value: int, per: int, scale: float) -> float:
-        kept = [(w[value], w[per]) for w in windows if w[value] == w[value] and w[per] == w[per]]
-        total = sum(p for _, p in kept)
-        return scale * sum(v for v, _ in kept) / total if kept and total > 0 else math.nan
-
-    return rate(1, 0, 1e3), rate(2, 0, 1e3), rate(3, 4, 1.0)
+def _ratio(now: float, early: RunningWindow) -> float:
+    base = early.median()  # NaN while empty
+    return now / base if base > 0 else math.nan
 
 
 class MachineLoad:
-    """The machine's load during the run's early windows, and over the steps the median step time covers.
-
-    :meth:`update` takes one measuring window's readings (:class:`~lightning_tfdebug.core.host.OtherLoad`): its steps,
-    this process's run-queue wait and CPU time, the cores other processes kept busy, and its wall time. The windows
-    whose steps form the early window set the baselines; the step time is a median over the last ``window`` steps,
-    and one measuring window is a handful of steps of a few ms each, so on a shared machine its readings are noise:
-    contention is judged over the same steps as the median (the windows since its oldest step), not over the last
-    window alone. ``reference_base`` holds the fixed reference computation's times on the early measuring steps.
-    """
+    """How the run used the CPU in its early windows and over the median's steps (the windows since its oldest step:
+    one window of a few steps is noise on a shared machine), from :class:`~lightning_tfdebug.core.host.CpuWindow`
+    readings; and the reference computation's early times."""
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self.other_base = RunningWindow(16)  # other processes' CPU cores during the early window
-        self.delay_base = RunningWindow(16)  # run-queue wait per step (ms) during the early window
+        self.contention_base = RunningWindow(16)  # (CPU + run-queue wait) / CPU of the early windows
         self.cpu_base = RunningWindow(16)  # this process's CPU time per step (ms) during the early window
-        self.wall_base = RunningWindow(16)  # wall time per step (ms) of the early windows: their mean step time
+        self.wall_base = RunningWindow(16)  # wall time per step (ms) of the early windows
         self.reference_base = RunningWindow(16)  # ms of `core.host.reference_work_ms` on the early measuring steps
-        # per measuring window since the step-time median's oldest step: (steps, run-queue wait s, own CPU s, other
-        # processes' core-seconds, wall s)
-        self.windows: deque[tuple[int, float, float, float, float]] = deque()
+        # per measuring window since the median's oldest step: (steps, run-queue wait s, own CPU s, wall s)
+        self.windows: deque[tuple[int, float, float, float]] = deque()
 
-    def update(
-        self, steps: int, early: bool, other: float | None, run_delay_s: float, own_cpu_s: float, wall_s: float
-    ) -> LoadReading:
-        """Add one measuring window of ``steps`` steps (``early``: they joined the early window) and read the load
-        over the median's steps against the early windows."""
-        delay = run_delay_s * 1e3 / steps if steps else math.nan  # ms per step
-        cpu = own_cpu_s * 1e3 / steps if steps else math.nan  # ms per step
-        if early:  # this window's steps are part of the early window
-            if other is not None:
-                self.other_base.add(other)
-            if delay == delay:
-                self.delay_base.add(delay)
-            self.cpu_base.add(cpu)
-            self.wall_base.add(wall_s * 1e3 / steps if steps else math.nan)
+    def update(self, steps: int, early: bool, run_delay_s: float, own_cpu_s: float, wall_s: float) -> LoadReading:
+        """Add one measuring window of ``steps`` steps (``early``: they joined the early window); read the span."""
         if steps:
-            other_seconds = other * wall_s if other is not None else math.nan
-            self.windows.append((steps, run_delay_s, own_cpu_s, other_seconds, wall_s))
+            self.windows.append((steps, run_delay_s, own_cpu_s, wall_s))
+            if early:
+                self.cpu_base.add(own_cpu_s * 1e3 / steps)
+                self.wall_base.add(wall_s * 1e3 / steps)
+                if run_delay_s == run_delay_s and own_cpu_s > 0:
+                    self.contention_base.add(1.0 + run_delay_s / own_cpu_s)
         while self.windows and sum(w[0] for w in self.windows) - self.windows[0][0] >= self.window:
             self.windows.popleft()
-        span_delay, span_cpu, span_other = span_rates(self.windows)
-        steps_in_span = sum(w[0] for w in self.windows)
-        span_wall = 1e3 * sum(w[4] for w in self.windows) / steps_in_span if steps_in_span else math.nan
-        wall_base = self.wall_base.median() if len(self.wall_base) else math.nan
-        mean_ratio = span_wall / wall_base if wall_base > 0 else math.nan
-        delay_rise = span_delay - self.delay_base.median() if len(self.delay_base) else math.nan
-        cpu_base = self.cpu_base.median() if len(self.cpu_base) else math.nan
-        cpu_ratio = span_cpu / cpu_base if cpu_base > 0 else math.nan
-        # against the quietest early window: a passing spike during the early window must not hide later load
-        quiet = min(self.other_base.values, default=math.nan)
-        return LoadReading(span_other - quiet, delay_rise, cpu_ratio, mean_ratio)
+        span_steps, delay, cpu, wall = (sum(w[i] for w in self.windows) for i in range(4))
+        if not span_steps:
+            return LoadReading(math.nan, math.nan, math.nan)
+        contention = 1.0 + delay / cpu if cpu > 0 else math.nan  # NaN without /proc (the waits are NaN)
+        return LoadReading(
+            _ratio(contention, self.contention_base),
+            _ratio(cpu * 1e3 / span_steps, self.cpu_base),
+            _ratio(wall * 1e3 / span_steps, self.wall_base),
+        )
 
     def reference_ratio(self, early: bool, slow: bool, time_reference: Callable[[], float]) -> float:
-        """The fixed reference computation's time now over the early measuring steps' (nan: not timed now).
-
-        ``time_reference()`` (:func:`~lightning_tfdebug.core.host.reference_work_ms`, 20 ms of host work) runs on the
-        measuring steps whose steps form the early window (``early``: how long a fixed computation takes on this
-        machine while the early step times are taken, a one-time cost of the fit) and again on a ``slow`` one, and on
-        no other: slower by as much as the step, the machine got slower; as fast as before, the run did."""
+        """``time_reference()`` now over its early times, timed on ``early`` and ``slow`` measuring steps only (nan:
+        not timed now)."""
         if early:
             self.reference_base.add(time_reference())
         elif slow and len(self.reference_base):
@@ -366,8 +306,7 @@ class MachineLoad:
         return math.nan
 
     _STATE = {
-        "other_baseline": "other_base",
-        "delay_baseline": "delay_base",
+        "contention_baseline": "contention_base",
         "cpu_baseline": "cpu_base",
         "wall_baseline": "wall_base",
         # timed on the machine that saved it: a run resumed on a slower machine is recognised as the machine's
@@ -383,12 +322,9 @@ class MachineLoad:
 
 
 # ---------------------------------------------------------------------------------------------------- peak FLOPs
-# Dense (no structured sparsity) peak FLOP/s per device, from the vendors' data sheets, for what Lightning's
-# `get_available_flops` lacks (`core.host.device_peak_flops` asks it for every other chip): its H200 entries match no
-# name CUDA reports ("NVIDIA H200") and hold the sparse figures; its "h100 nvl" is a pair of boards; it reads "L40S" as
-# an L4; it lists GeForce cards' bf16/fp16 at their non-tensor fp32 rate; it has no H800, A800, A10, AMD Instinct and
-# no fp8 column. Keys: "fp64", "fp32" (plain fp32 matmul), "tf32" (fp32 matmul on tensor cores, when torch allows
-# TF32), "bf16", "fp16", "fp8".
+# Dense peak FLOP/s per device (vendors' data sheets) where Lightning's `get_available_flops` is missing or wrong: its
+# H200 entries match no CUDA name and are sparse, its "h100 nvl" is a pair of boards, it reads "L40S" as an L4, it
+# lists GeForce bf16/fp16 at the fp32 rate, and it has no H800, A800, A10, AMD Instinct or fp8.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "h200 nvl": {"fp64": 30e12, "fp32": 60e12, "tf32": 418e12, "bf16": 835e12, "fp16": 835e12, "fp8": 1671e12},
     "h200": {"fp64": 34e12, "fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
@@ -410,13 +346,9 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 
 def peak_flops_for(device_name: str, compute: str) -> float | None:
-    """Peak dense FLOP/s of the accelerator called ``device_name`` for ``compute`` (``"fp32"``, ``"tf32"``,
-    ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp64"``) from :data:`PEAK_FLOPS`, or None when the chip or that precision
-    is not in it (then Lightning's table is asked: :func:`~lightning_tfdebug.core.host.device_peak_flops`).
-
-    Names are matched case-insensitively by whole words, most specific first (``"NVIDIA H100 NVL"`` -> ``h100 nvl``,
-    ``"NVIDIA A10"`` -> ``a10`` but ``"NVIDIA A100-SXM4-80GB"`` matches no entry). A chip without TF32 runs ``"tf32"``
-    as plain fp32.
+    """Peak dense FLOP/s of ``device_name`` for ``compute`` (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``,
+    ``"fp8"``, ``"fp64"``) from :data:`PEAK_FLOPS`, or None. Whole words, case-insensitive, most specific first
+    (``"NVIDIA A10"`` -> ``a10``, ``"NVIDIA A100-SXM4-80GB"`` no entry); without TF32, ``"tf32"`` is fp32.
     """
     name = device_name.lower()
     for chip in sorted(PEAK_FLOPS, key=len, reverse=True):

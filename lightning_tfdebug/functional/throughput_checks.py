@@ -1,10 +1,6 @@
-"""ThroughputMonitor's arithmetic and decisions: from the per-rank rows of a measuring step to the logged keys and
-the findings. Host numbers only, no Trainer: every rule here is testable with plain numbers.
-
-A measuring step gathers one :class:`ThroughputRow` per rank (its named fields travel in the step's one reduction
-over ranks); :func:`throughput_metrics` turns the rows into the logged keys, and :class:`ThroughputDiagnosis` keeps
-the streaks across measurements and returns :class:`~lightning_tfdebug.functional.verdicts.Verdict` objects. Every
-rank holds the same rows after the reduction, so every rank reaches the same verdicts.
+"""ThroughputMonitor's arithmetic and decisions, host numbers only: every rank's :class:`ThroughputRow` (from the
+step's one reduction) to the logged keys (:func:`throughput_metrics`) and the findings (:class:`ThroughputDiagnosis`,
+which keeps the streaks). Every rank holds the same rows, so every rank reaches the same verdicts.
 """
 
 from __future__ import annotations
@@ -23,10 +19,7 @@ TFD601 = Rule(
     "warning",
     "ThroughputMonitor",
     title="data-loading bound: the wait for the next batch above `wait_threshold` of wall time, sustained",
-    trigger=(
-        "waiting for the next batch took more than `wait_threshold` of wall time (worst rank) for `patience` "
-        "measurements"
-    ),
+    trigger="the wait for the next batch above `wait_threshold` of wall time (worst rank) for `patience` measurements",
     hint=(
         "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "
         "prefetch_factor, and move tokenization or heavy transforms out of __getitem__ (pre-tokenize)."
@@ -42,7 +35,7 @@ TFD602 = Rule(
     "TFD602",
     "info",
     "ThroughputMonitor",
-    title=("padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)"),
+    title="padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)",
     trigger=(
         "padding above `padding_threshold` of the computed token positions for `patience` measurements; a warning "
         "when padding is most (> 50%) of them, with the speed-up packing and dynamic padding would give"
@@ -51,9 +44,7 @@ TFD602 = Rule(
         "Group sequences of similar length (length-bucketed sampler), pad to the batch maximum rather than a "
         "fixed length, or pack several sequences per row."
     ),
-    reason=(
-        "An observation of padding; a warning when padding is most of the computed positions (compute measured lost)"
-    ),
+    reason="An observation of padding; a warning when padding is most of the computed positions (compute lost)",
     message=(
         "{padding_frac:.0%} of the token positions computed were padding (threshold {threshold:.0%}) for {patience} "
         "measurements in a row: packing or length-bucketing would compute {speedup_packing:.1f}x fewer positions"
@@ -67,9 +58,9 @@ TFD603 = Rule(
     "ThroughputMonitor",
     title="the median step time regressed to more than `regression_factor` x the early window, sustained",
     trigger=(
-        "the median step time above `regression_factor` x the early window's median (after `skip_steps`, over "
-        "`baseline_steps`), and the mean step time over the same `window` steps above `regression_factor` x the "
-        "early windows' (time lost, not only the median moved), for `patience` measurements"
+        "the median and the mean step time over the last `window` steps above `regression_factor` x the early "
+        "window's (after `skip_steps`, over `baseline_steps`), for `patience` measurements in a row that the "
+        "machine does not explain (TFD605)"
     ),
     hint=(
         "Look for growth over time: a Python list or tensor kept across steps (retained graph, metrics "
@@ -104,30 +95,19 @@ TFD605 = Rule(
     "TFD605",
     "info",
     "ThroughputMonitor",
-    title=(
-        "the step time regressed as for TFD603, but the machine is to blame: the run waited for CPU cores that "
-        "other processes took, or a fixed reference computation slowed as much"
-    ),
+    title="the step time regressed as for TFD603, but the machine got slower, not the run",
     trigger=(
-        "as TFD603, but during the slow streak every regressed rank's threads waited on the run queue for at "
-        "least half the extra step time more than in the early windows (`/proc/self/task/*/schedstat`), and "
-        "either other processes used >= max(0.5, 0.1 x cores) more CPU cores than in the quietest early window "
-        "(Linux `/proc/stat`) or, on a machine already full, the run's own CPU time per step rose by less than "
-        "0.9x as much as its step time (no more work, a smaller share of the cores); all judged over the steps the "
-        "median step time covers. Or, with or without `/proc`: a fixed CPU computation (two 192x192 matrix "
-        "products and a 4 MiB copy, repeated for 20 ms, timed on the early measuring steps and again on the slow "
-        "one) took longer by at least half as much as the mean step time rose, while the run's CPU use per "
-        "second of wall time did not rise past 1.25x its early one (steal, a lower clock, a saturated memory bus, "
-        "other processes on a machine without `/proc`). TFD603 then needs `patience` slow, uncontended "
-        "measurements in a row"
+        "as TFD603, but the same work got slower: the larger of the rise of this process's run-queue wait per CPU "
+        "second (`/proc/self/task/*/schedstat`, where the extra time was spent runnable) and of a fixed reference "
+        "computation's time explains half the step time's rise, or, where the run's CPU time per step rose by less "
+        "than 0.9x as much, half its rise per CPU second of work. Never when the run takes 1.25x its early CPU per "
+        "second, nor, without `/proc`, when its CPU time per step rose with its step time"
     ),
     hint=(
         "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
         "compare ratios measured in the same period."
     ),
-    reason=(
-        "The slowdown is the machine's (other processes took the cores, or the same work takes longer), not the run's"
-    ),
+    reason="The slowdown is the machine's (other processes took the cores, or the same work takes longer)",
     message=(
         "The median step time rose to {ratio_to_early:.2f}x the early steps' median while {cause}, so this is not "
         "reported as a slowdown of the run itself (TFD603)."
@@ -138,15 +118,11 @@ TFD606 = Rule(
     "TFD606",
     "warning",
     "ThroughputMonitor",
-    title=("`torch.compile` keeps compiling new graphs after the early window, at each of `patience` measurements"),
-    trigger=(
-        "`torch.compile` compiled new graphs at each of `patience` measurements after the early window (counted "
-        "from TorchDynamo's counters)"
-    ),
+    title="`torch.compile` keeps compiling new graphs after the early window, at each of `patience` measurements",
+    trigger="`torch.compile` compiled new graphs (TorchDynamo's counters) at each of `patience` measurements",
     hint=(
-        "Something the compiled code is guarded on changes from step to step: usually input shapes (variable "
-        "sequence lengths with dynamic=False or mark_static; pad to a few bucket lengths or let shapes be "
-        "dynamic), or Python values passed in (the step number, a changing float, a dict with new keys). "
+        "A guard of the compiled code changes every step: input shapes (pad to a few bucket lengths or let shapes "
+        "be dynamic) or Python values passed in (the step number, a float, a dict with new keys). "
         'TORCH_LOGS="recompiles" prints the failing guard.'
     ),
     reason="Measured: recompiling keeps costing time after the early window",
@@ -177,15 +153,7 @@ TFD607 = Rule(
 BLOCK = ("TFD601", "TFD619")
 """The codes reserved for ThroughputMonitor's rules."""
 
-RULES: tuple[Rule, ...] = (
-    TFD601,
-    TFD602,
-    TFD603,
-    TFD604,
-    TFD605,
-    TFD606,
-    TFD607,
-)
+RULES: tuple[Rule, ...] = (TFD601, TFD602, TFD603, TFD604, TFD605, TFD606, TFD607)
 """The rules decided in this module, in code order."""
 
 
@@ -194,8 +162,8 @@ GIB = float(2**30)
 
 @dataclass(frozen=True)
 class ThroughputRow:
-    """One rank's numbers of one measuring window: the fields of its row in the step's reduction over ranks, in this
-    order (the one declaration of what travels). NaN where a reading is unknown."""
+    """One rank's numbers of one measuring window, in the order its row travels in the step's reduction (NaN:
+    unknown)."""
 
     tokens: float  # real (non-padding) tokens
     positions: float  # token positions computed (padding included)
@@ -207,106 +175,62 @@ class ThroughputRow:
     peak: float  # peak memory, bytes (CUDA: allocated; CPU: resident set)
     reserved: float  # memory now, bytes (CUDA: reserved; CPU: resident set)
     capacity: float  # the device's (CPU: the machine's) memory, bytes (0: unknown)
-    other_extra: float  # CPU cores other processes used beyond the quietest early window (nan: unknown)
     new_graphs: float  # graphs torch.compile compiled since the early window ended (nan before)
     limit_hits: float  # torch.compile recompile-limit hits since training started
-    delay_rise_ms: float  # run-queue wait per step of this process's threads beyond the early windows' (nan: unknown)
     trimmed_positions: float  # positions had each batch been padded only to its longest row (mask span x rows)
+    contention_ratio: float  # (CPU + run-queue wait) per CPU second over the early windows' (nan: no /proc)
     cpu_ratio: float  # this process's CPU time per step over the early windows' (nan: unknown)
     mean_ratio: float  # mean wall time per step over the median's steps, over the early windows' (nan: unknown)
     reference_ratio: float  # a fixed CPU computation's time now over the early windows' (nan: not timed)
 
 
 MOST_PADDING = 0.5
-"""``TFD602`` is a warning once padding is most of the computed positions: it is then the largest speed problem of the
-run (removing it at least doubles the real tokens per second); below, it is info."""
+"""``TFD602`` is a warning once padding is most of the computed positions (removing it at least doubles throughput)."""
 
 
 def padding_speedups(tokens: float, positions: float, trimmed: float) -> dict[str, float]:
-    """What removing padding would gain, from the counts of one measurement (sums over ranks).
-
-    ``packing``: positions / real tokens, the factor by which fewer positions are computed when sequences are packed
-    (or perfectly bucketed) to rows without padding. ``trim_to_longest``: positions / trimmed positions, the factor
-    from padding each batch only to its longest sequence (dynamic padding) instead of a fixed length. Both are the
-    speed-up of the step when its time scales with the positions computed (the matmuls of a transformer do; attention
-    grows faster, so the gain is at least this for long rows).
-    """
+    """The factors by which fewer positions are computed with ``packing`` (positions / real tokens) and with
+    ``trim_to_longest`` padding (positions / trimmed positions): the step's speed-up where its time scales with the
+    positions (the matmuls do; attention grows faster)."""
     packing = positions / tokens if tokens > 0 else math.inf
     trim = positions / trimmed if 0 < trimmed <= positions else 1.0
     return {"packing": packing, "trim_to_longest": trim}
 
 
-CONTENDED_CORES = 0.5
-"""Other processes using this many more cores than early on make step times incomparable: half a core, or a tenth
-of a big machine (where background activity of half a core is noise): the monitor passes
-:func:`~lightning_tfdebug.core.host.contended_cores` of its machine; half a core is the floor."""
 EXPLAINS = 0.5
-"""The run-queue wait explains a slowdown when it rose by at least this share of the extra step time."""
+"""The machine explains a slowdown when the same work slowed by at least this share of the step time's rise."""
 OWN_WORK = 0.9
-"""The run's own work explains a slowdown when its CPU time per step rose by at least this share of its step time's
-rise (as ratios to the early windows'). More work per step raises both alike (1.0); under contention torch's worker
-threads spin while a peer waits for a core, so the CPU time rises too, but less: measured 0.4 (9.4x the step time,
-4.4x the CPU, two busy loops on a 2-core machine) to 0.75 (BERT in the healthy matrix on a 2-core machine with a load
-average of 8)."""
-
-
+"""More work per step raises the CPU time per step as much as the step time (1.0); contention raises it less
+(spinning threads: measured 0.4 to 0.75 of the rise)."""
 OWN_UTILIZATION = 1.25
-"""A slowdown is the run's own, even when the reference computation slowed too, when the run's CPU use per second of
-wall time rose by more than this factor over the early windows' (``cpu_ratio / mean_ratio``): threads of the run
-itself (a busy background thread, more torch threads than cores) took the cores. A machine that got slower cannot
-give the run more CPU per second: under steal or a lower clock it is the same or less, under other processes' load
-the run's spinning worker threads raise it a little (measured 1.2 to 1.33 cores of 2 with one busy loop beside)."""
+"""A run taking more than this factor of its early CPU per second slowed itself: a slower machine cannot give more."""
 
 
-def machine_slower(row: ThroughputRow) -> bool:
-    """Whether the machine itself explains a slow rank's slowdown: the fixed reference computation
-    (:func:`~lightning_tfdebug.core.host.reference_work_ms`, timed on the early measuring steps and again on a slow
-    one) slowed by at least :data:`EXPLAINS` of the mean step time's rise, and the run did not take more CPU per second
-    than early on (:data:`OWN_UTILIZATION`). This covers what leaves no trace in the run-queue wait or in other
-    processes' CPU use: a hypervisor taking the virtual CPU (steal), a lower clock, a neighbour saturating the memory
-    bus, and machines without ``/proc`` (macOS). A run that slows itself (more work, a sleep, I/O, a device) leaves the
-    reference computation as fast as it was. False where the reference was not timed (NaN)."""
-    base, step = row.baseline_ms, row.step_ms
-    if not base > 0:
-        return False
-    # Like with like: the reference's mean wall time per round against the run's mean wall time per step over the
-    # median's steps (the median alone moves in steps when the lost time comes in slices: a 9 ms step on a CPU taken
-    # away for 8 ms out of every 16 takes two or three slices, and its median read 2.85x while the mean read 2.25x
-    # and the reference 1.8x). The median's ratio where the mean was not measured.
-    mean = row.mean_ratio
-    rise = (mean if mean == mean else step / base) - 1.0
-    reference = row.reference_ratio
-    if not (rise > 0 and reference - 1.0 >= EXPLAINS * rise):  # False when not timed (NaN)
-        return False
-    utilization = row.cpu_ratio / mean if mean > 0 else math.nan
-    return not utilization > OWN_UTILIZATION  # NaN (not measured): the reference alone decides
-
-
-def contended(row: ThroughputRow, regression_factor: float, contended_cores: float = CONTENDED_CORES) -> bool:
-    """Whether a slow rank's slowdown came from other processes taking its cores, or from the machine itself getting
-    slower (:func:`machine_slower`), not from the run.
-
-    The extra step time must be at least :data:`EXPLAINS` spent waiting for a core (the rise of this process's
-    run-queue wait per step, against the early windows'), and that wait must come from others: either they took
-    ``contended_cores`` more cores than in the quietest early window, or, on a machine whose cores were already all
-    busy (where others cannot take much more), this process's CPU time per step rose by less than :data:`OWN_WORK` of
-    its step time's rise (``cpu_ratio``): it waited longer for a core without doing more work. A run that slows
-    itself does more work per step (its CPU time rises with its step time) or stops asking for a core (sleep, I/O, a
-    device: its run-queue wait does not rise).
-    """
+def contended(row: ThroughputRow, regression_factor: float) -> bool:
+    """Whether a slow rank's slowdown is the machine's: the same work got slower by at least :data:`EXPLAINS` of the
+    step time's rise, or, where the CPU time per step rose less than :data:`OWN_WORK` of it, of the rise per unit of
+    CPU work. Never when the run took more CPU per second than early on (:data:`OWN_UTILIZATION`)."""
     base, step = row.baseline_ms, row.step_ms
     if not (base > 0 and step / base > regression_factor):
         return False
-    if machine_slower(row):
-        return True
-    extra = step - base
-    delay = row.delay_rise_ms
-    if delay < EXPLAINS * extra:  # NaN (not measured) passes: others' rise alone decides, as before
+    # the mean, like with like: the reference and the waits are means too (the median moves in steps under slicing)
+    ratio = row.mean_ratio if row.mean_ratio == row.mean_ratio else step / base
+    if row.cpu_ratio / ratio > OWN_UTILIZATION:
         return False
-    if row.other_extra >= contended_cores:
+    own_work = row.cpu_ratio - 1.0 >= OWN_WORK * (ratio - 1.0)  # NaN: not known, not shown
+    if own_work and row.contention_ratio != row.contention_ratio:
+        return False  # without /proc the reference's wall time carries the scheduler's luck: more work is the run's
+    # the machine's slowdown: the larger of the reference's and the contention ratio, the latter where the extra time
+    # was spent runnable (CPU + run-queue wait per step), not asleep
+    machine = row.reference_ratio
+    runnable = row.cpu_ratio * row.contention_ratio - 1.0 >= EXPLAINS * (ratio - 1.0)
+    if runnable and not machine >= row.contention_ratio:  # a NaN reference (not timed) too
+        machine = row.contention_ratio
+    if machine - 1.0 >= EXPLAINS * (ratio - 1.0):
         return True
-    same_work = row.cpu_ratio - 1.0 < OWN_WORK * (step / base - 1.0)  # False when not measured (NaN)
-    return delay == delay and same_work
+    # no more work per step: the machine need only explain the rise per unit of CPU work (spinning threads inflate it)
+    per_work = ratio / row.cpu_ratio if row.cpu_ratio > 0 else ratio
+    return not own_work and machine - 1.0 >= EXPLAINS * (per_work - 1.0)
 
 
 KEYS: tuple[Key, ...] = (
@@ -351,8 +275,7 @@ KEYS: tuple[Key, ...] = (
         "GiB",
     ),
 )
-"""What :func:`throughput_metrics` returns: ThroughputMonitor's logged keys (its ``KEYS``), declared beside the
-function that computes them."""
+"""ThroughputMonitor's logged keys, what :func:`throughput_metrics` returns."""
 
 
 def throughput_metrics(
@@ -432,27 +355,23 @@ def memory_verdict(
 
 def contended_verdict(ratio: float, row: ThroughputRow, step: int | None = None) -> Verdict:
     """``TFD605``: the slow streak's numbers, from the slow rank's row, and why they point at the machine."""
-    extra, delay, cpu, reference = row.other_extra, row.delay_rise_ms, row.cpu_ratio, row.reference_ratio
-    evidence = {
-        "ratio_to_early": ratio,
-        "other_extra_cores": extra,
-        "delay_rise_ms_per_step": delay,
-        "cpu_ratio": cpu,
-        "reference_ratio": reference,
-    }
-    if machine_slower(row):
-        cause = (
-            f"a fixed reference computation, timed on the early steps and again now, ran {reference:.2f}x slower too: "
-            "the machine itself got slower (other processes, a shared, stolen or throttled CPU)"
-        )
-        return TFD605.verdict(evidence, step=step, cause=cause)
-    waited = f"this process waited {delay:.1f} ms more per step for a CPU core, " if delay == delay else ""
-    same = (
-        f"its CPU time per step rose only {cpu:.2f}x (its work did not grow with its step time), " if cpu == cpu else ""
-    )
-    others = f"{extra:.1f} more CPU cores busy than they did then" if extra == extra else "more CPU cores busy"
-    cause = f"{waited}{same}and other processes on the machine kept {others}: the machine is contended"
+    evidence = {"ratio_to_early": ratio, **load_evidence(row)}
+    parts = []
+    if row.contention_ratio == row.contention_ratio:
+        parts.append(f"this process waited {row.contention_ratio:.2f}x as long for a CPU core per second of work")
+    if row.reference_ratio == row.reference_ratio:
+        parts.append(f"a fixed reference computation ran {row.reference_ratio:.2f}x slower")
+    cause = " and ".join(parts) + " than on the early steps: the machine itself got slower (other processes, steal)"
     return TFD605.verdict(evidence, step=step, cause=cause)
+
+
+def load_evidence(row: ThroughputRow) -> dict[str, float]:
+    """The readings that tell the machine's slowdown from the run's, as a finding's evidence (NaN: not measured)."""
+    return {
+        "contention_ratio": row.contention_ratio,
+        "cpu_ratio": row.cpu_ratio,
+        "reference_ratio": row.reference_ratio,
+    }
 
 
 def compile_limit_verdict(rows: Sequence[ThroughputRow], step: int | None = None) -> Verdict | None:
@@ -466,8 +385,7 @@ class ThroughputDiagnosis:
     """The findings of ThroughputMonitor, measurement after measurement (``TFD601``-``TFD607``).
 
     ``TFD601``/``TFD602``/``TFD603``/``TFD606`` need ``patience`` measurements in a row; ``TFD605`` replaces
-    ``TFD603`` when the slow streak came with other processes loading the machine and this process waiting for cores
-    (``contended_cores``: see :func:`contended`).
+    ``TFD603`` when the machine explains the slow streak (:func:`contended`).
     """
 
     wait_threshold: float = 0.2
@@ -475,7 +393,6 @@ class ThroughputDiagnosis:
     regression_factor: float = 1.5
     memory_threshold: float = 0.92
     patience: int = 3
-    contended_cores: float = CONTENDED_CORES
     streaks: Streak = field(default_factory=Streak)
     contended_row: ThroughputRow | None = None  # the slow rank's row when the current streak was last contended
     graphs_prev: float = math.nan
@@ -486,8 +403,7 @@ class ThroughputDiagnosis:
     def update(
         self, metrics: dict[str, float], rows: Sequence[ThroughputRow], step: int | None = None
     ) -> list[Verdict]:
-        """The verdicts of one measurement: ``metrics`` from :func:`throughput_metrics`, ``rows`` every rank's row,
-        ``step`` the measured step."""
+        """The verdicts of one measurement (``metrics`` from :func:`throughput_metrics`, every rank's ``rows``)."""
         wait = metrics["throughput/dataloader_wait_frac"]
         out: list[Verdict | None] = []
         if self._sustained("wait", wait > self.wait_threshold):
@@ -508,12 +424,10 @@ class ThroughputDiagnosis:
         return [v for v in out if v is not None]
 
     def _regression(self, metrics: dict[str, float], rows: Sequence[ThroughputRow], step: int | None) -> Verdict | None:
-        """``TFD603``, or ``TFD605`` when the slow streak was contended (:func:`contended`)."""
-        ratios = [r.step_ms / r.baseline_ms for r in rows if r.baseline_ms == r.baseline_ms and r.baseline_ms > 0]
-        ratio = max(ratios) if ratios else float("nan")
-        # a slowdown is lost time: the mean step time over the same steps must have risen too (NaN: not measured).
-        # Under heavy time slicing the median alone moves when the steps split into slow and fast ones, with little
-        # time lost (the median at 800 ms, the mean over the same 50 steps at 590 ms, on a 2-core machine 100% busy)
+        """``TFD603``, or ``TFD605`` when a measurement of the slow streak was contended (:func:`contended`)."""
+        ratios = [r.step_ms / r.baseline_ms for r in rows if r.baseline_ms > 0]
+        # a slowdown is lost time: the mean step time over the same steps must have risen too (NaN: not measured);
+        # under time slicing the median alone moves when the steps split into slow and fast ones
         slow = [
             r
             for r in rows
@@ -521,34 +435,21 @@ class ThroughputDiagnosis:
             and r.step_ms / r.baseline_ms > self.regression_factor
             and not r.mean_ratio <= self.regression_factor
         ]
-        ratio = ratio if slow else min(ratio, self.regression_factor)
-        # contended: this process's threads waited for a core for at least half of the extra step time, because
-        # others took more cores or, on a machine already full, took a larger share of them; or a fixed reference
-        # computation slowed as much, the machine itself got slower (see `contended` and `machine_slower`)
-        is_contended = bool(slow) and all(contended(r, self.regression_factor, self.contended_cores) for r in slow)
-        # TFD603 needs `patience` slow measurements in a row with no sign of other load; a slow streak in which
-        # other processes loaded the machine at some point is TFD605 instead (a reading can dip between windows)
-        regressed = self._sustained("regression", ratio > self.regression_factor and not is_contended)
-        slow_any = self._sustained("regression_any", ratio > self.regression_factor)
+        ratio = max(ratios) if slow else math.nan
+        is_contended = bool(slow) and all(contended(r, self.regression_factor) for r in slow)
+        # TFD603 needs `patience` slow, uncontended measurements in a row; a streak contended at some point is TFD605
+        regressed = self._sustained("regression", bool(slow) and not is_contended)
+        slow_any = self._sustained("regression_any", bool(slow))
         if is_contended:
-            # the row quoted: the slow rank with the fewest other-process cores (NaN, unknown, last)
-            self.contended_row = min(slow, key=lambda r: r.other_extra if r.other_extra == r.other_extra else math.inf)
-        elif not ratio > self.regression_factor:
+            self.contended_row = max(slow, key=lambda r: r.step_ms / r.baseline_ms)
+        elif not slow:
             self.contended_row = None
         if slow_any and not regressed and self.contended_row is not None:
             return contended_verdict(ratio, self.contended_row, step)
         if not regressed:
             return None
         worst = max(slow, key=lambda r: r.step_ms / r.baseline_ms)
-        evidence = {
-            "step_time_ms": metrics["throughput/step_time_ms"],
-            "ratio_to_early": ratio,
-            # what ruled out contention, on the slowest rank (NaN: not measured)
-            "other_extra_cores": worst.other_extra,
-            "delay_rise_ms_per_step": worst.delay_rise_ms,
-            "cpu_ratio": worst.cpu_ratio,
-            "reference_ratio": worst.reference_ratio,
-        }
+        evidence = {"step_time_ms": metrics["throughput/step_time_ms"], "ratio_to_early": ratio, **load_evidence(worst)}
         return TFD603.verdict(evidence, step=step, patience=self.patience)
 
     def _recompiling(self, rows: Sequence[ThroughputRow], step: int | None) -> Verdict | None:

@@ -22,23 +22,22 @@ def test_process_memory_and_the_cpu_reading():
     assert set(reading._asdict()) == {"peak", "reserved", "capacity"}
 
 
-def test_contended_cores_is_half_a_core_or_a_tenth_of_the_machine():
-    assert host.contended_cores() == max(0.5, 0.1 * (os.cpu_count() or 1))
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc")
-def test_machine_busy_seconds_and_run_delays_read_proc():
-    before = host.machine_busy_seconds()
-    end = time.perf_counter() + 0.05
-    while time.perf_counter() < end:  # this process busy: the machine's busy time rises
-        pass
-    assert before is not None and host.machine_busy_seconds() > before
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
+def test_the_cpu_window_reads_this_process_cpu_time_and_run_queue_waits():
     delays = host.thread_run_delays()
     assert delays and all(isinstance(v, int) and v >= 0 for v in delays.values())
+    window = host.CpuWindow()
+    window.start()
+    end = time.perf_counter() + 0.05
+    while time.perf_counter() < end:  # this process busy
+        pass
+    window.stop()
+    assert window.own_cpu_s > 0 and window.wall_s >= 0.05 and window.run_delay_s >= 0
 
 
 def test_the_reference_computation_spans_its_time_on_the_cpu_and_leaves_the_users_generator_alone():
     state = torch.get_rng_state()
+    threads = torch.get_num_threads()
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # a user's default: the reference stays CPU float32, comparable over a fit
     try:
@@ -50,6 +49,8 @@ def test_the_reference_computation_spans_its_time_on_the_cpu_and_leaves_the_user
     assert torch.equal(torch.get_rng_state(), state)
     assert spent_ms >= 5.0 and 0 < per_round <= spent_ms / 2  # two rounds at least, and the mean of the rounds
     assert all(b.device.type == "cpu" and b.dtype == torch.float32 for b in host._REFERENCE_BUFFERS)
+    assert sum(b.numel() * 4 for b in host._REFERENCE_BUFFERS) < 2**19  # 0.4 MiB, once per process
+    assert torch.get_num_threads() == threads  # one thread while it runs, the user's count restored
 
 
 def test_compile_watch_counts_graphs_after_the_early_window_and_limit_hits_since_the_start(monkeypatch):

@@ -11,6 +11,7 @@ from lightning_tfdebug.functional.batches import (
     host_fingerprint,
 )
 from lightning_tfdebug.functional.throughput import (
+    LoadReading,
     MachineLoad,
     StepTimes,
     WindowCounts,
@@ -22,7 +23,6 @@ from lightning_tfdebug.functional.throughput import (
     median_of_others,
     parameter_checksums,
     peak_flops_for,
-    span_rates,
     trimmed_positions,
 )
 
@@ -266,22 +266,18 @@ def test_step_times_skip_the_warm_up_then_fill_the_early_window():
 
 def test_machine_load_reads_the_median_steps_against_the_early_windows():
     load = MachineLoad(window=4)
-    # early windows of 2 steps: 1 ms run-queue wait and 10 ms of CPU per step, 0.2 and 0.4 other cores, 20 ms a step
-    load.update(2, True, 0.2, 0.002, 0.020, 0.040)
-    first = load.update(2, True, 0.4, 0.002, 0.020, 0.040)
-    assert first.delay_rise_ms == pytest.approx(0.0) and first.cpu_ratio == pytest.approx(1.0)
-    assert first.other_extra == pytest.approx(0.3 - 0.2)  # the span's 0.3 cores over the quietest early window
-    assert first.mean_ratio == pytest.approx(1.0)
-    # later windows: 6 ms of run-queue wait and the same CPU per step, 2 more cores busy, 40 ms a step
-    load.update(2, False, 2.2, 0.012, 0.020, 0.080)
-    later = load.update(2, False, 2.2, 0.012, 0.020, 0.080)
+    # early windows of 2 steps: 10 ms of CPU and 5 ms of run-queue wait per step (1.5x), 20 ms a step
+    load.update(2, True, 0.010, 0.020, 0.040)
+    first = load.update(2, True, 0.010, 0.020, 0.040)
+    assert first == LoadReading(contention_ratio=1.0, cpu_ratio=1.0, mean_ratio=1.0)
+    # later windows: the same CPU per step, 25 ms of wait per step (3.5x), 40 ms a step
+    load.update(2, False, 0.050, 0.020, 0.080)
+    later = load.update(2, False, 0.050, 0.020, 0.080)
     assert len(load.windows) == 2  # the windows since the median's oldest step (window=4)
-    assert later.delay_rise_ms == pytest.approx(5.0) and later.cpu_ratio == pytest.approx(1.0)
-    assert later.other_extra == pytest.approx(2.0) and later.mean_ratio == pytest.approx(2.0)
-    # nothing known (no /proc): NaN, never a guess
-    unknown = MachineLoad(window=4).update(2, True, None, math.nan, 0.02, 0.04)
-    assert math.isnan(unknown.other_extra) and math.isnan(unknown.delay_rise_ms)
-    assert span_rates([]) == pytest.approx((math.nan, math.nan, math.nan), nan_ok=True)
+    assert later.contention_ratio == pytest.approx(3.5 / 1.5) and later.cpu_ratio == pytest.approx(1.0)
+    assert later.mean_ratio == pytest.approx(2.0)
+    # no /proc: NaN, never a guess
+    assert math.isnan(MachineLoad(window=4).update(2, True, math.nan, 0.02, 0.04).contention_ratio)
 
 
 def test_machine_load_times_the_reference_early_and_on_slow_measurements_only():

@@ -10,7 +10,6 @@ from lightning_tfdebug.functional.throughput_checks import (
     ThroughputRow,
     compile_limit_verdict,
     contended,
-    machine_slower,
     memory_verdict,
     throughput_metrics,
 )
@@ -29,11 +28,10 @@ def row(**values):
         peak=2**30,
         reserved=2**31,
         capacity=2**34,
-        other_extra=0.0,
         new_graphs=float("nan"),
         limit_hits=float("nan"),
-        delay_rise_ms=0.0,
         trimmed_positions=1000.0,
+        contention_ratio=1.0,
         cpu_ratio=1.0,
         mean_ratio=float("nan"),
         reference_ratio=float("nan"),
@@ -55,34 +53,29 @@ def test_throughput_metrics_sum_work_over_ranks_and_take_the_worst_rank_for_time
 
 
 def test_diagnosis_needs_patience_and_tells_contention_from_a_slowdown():
-    def codes(diagnosis, stats, times):
-        out = []
-        for _ in range(times):
-            out.append([v.code for v in diagnosis.update(throughput_metrics(stats), stats)])
-        return out
+    def codes(stats, times=2):
+        diagnosis = ThroughputDiagnosis(patience=2)
+        return [[v.code for v in diagnosis.update(throughput_metrics(stats), stats)] for _ in range(times)]
 
-    slow_padded = [row(wait_s=1.0, tokens=500.0, step_ms=40.0)]
-    assert codes(ThroughputDiagnosis(patience=2), slow_padded, 2) == [[], ["TFD601", "TFD602", "TFD603"]]
-    contended = [row(step_ms=40.0, other_extra=8.0, delay_rise_ms=15.0)]
-    assert codes(ThroughputDiagnosis(patience=2), contended, 2) == [[], ["TFD605"]]
-    self_inflicted = [row(step_ms=40.0, other_extra=8.0, delay_rise_ms=0.0)]  # others took the cores it left
-    assert codes(ThroughputDiagnosis(patience=2), self_inflicted, 2) == [[], ["TFD603"]]
-    # a machine already full: others cannot take more cores, they take a larger share of them. The run waits for a core
-    # for the extra time and its CPU time per step rises less than its step time (only its spinning threads): contended
-    full = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=15.0, cpu_ratio=1.75)]  # spinning threads: 0.75x
-    assert codes(ThroughputDiagnosis(patience=2), full, 2) == [[], ["TFD605"]]
-    # on the same full machine, a run that does twice the work per step also waits longer for a core (it is
-    # runnable for longer); its CPU time per step doubled with its step time: its own slowdown
-    heavier = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=15.0, cpu_ratio=1.95)]
-    assert codes(ThroughputDiagnosis(patience=2), heavier, 2) == [[], ["TFD603"]]
-    unknown = [row(step_ms=40.0, other_extra=0.05, delay_rise_ms=float("nan"), cpu_ratio=1.0)]  # no schedstat
-    assert codes(ThroughputDiagnosis(patience=2), unknown, 2) == [[], ["TFD603"]]
-    # a slowdown is lost time: a median that rose while the mean step time over the same steps did not is the shape of
-    # the step times changing under time slicing, not a slower run
-    reshuffled = [row(step_ms=40.0, mean_ratio=1.1)]
-    assert codes(ThroughputDiagnosis(patience=2), reshuffled, 2) == [[], []]
-    assert codes(ThroughputDiagnosis(patience=2), [row(step_ms=40.0, mean_ratio=1.9)], 2) == [[], ["TFD603"]]
-    assert codes(ThroughputDiagnosis(patience=2), [row()], 3) == [[], [], []]
+    assert codes([row(wait_s=1.0, tokens=500.0, step_ms=40.0)]) == [[], ["TFD601", "TFD602", "TFD603"]]
+    # other processes took the cores: the same work waited 1.6x as long for a core, as much as the step time rose
+    assert codes([row(step_ms=40.0, contention_ratio=1.6)]) == [[], ["TFD605"]]
+    # spinning torch threads amplify contention: the step 9.4x, the CPU per step 4.4x (measured), the wait 2.1x
+    spinning = row(step_ms=188.0, mean_ratio=9.4, cpu_ratio=4.4, contention_ratio=2.1)
+    assert codes([spinning]) == [[], ["TFD605"]]
+    # on a crowded machine, twice the work per step: the CPU per step doubled with the step time, the wait per CPU
+    # second did not move (the run waits longer only because it runs longer): its own slowdown
+    assert codes([row(step_ms=40.0, cpu_ratio=1.95, contention_ratio=1.05)]) == [[], ["TFD603"]]
+    # a sleep, I/O or a device: no more CPU, no more waiting per CPU second, the reference as fast as before
+    assert codes([row(step_ms=80.0, cpu_ratio=1.0, reference_ratio=1.05)]) == [[], ["TFD603"]]
+    # nothing measured (no /proc, the reference not timed): a slowdown is the run's
+    unknown = dict(contention_ratio=float("nan"), cpu_ratio=float("nan"))
+    assert codes([row(step_ms=40.0, **unknown)]) == [[], ["TFD603"]]
+    # a slowdown is lost time: a median that rose while the mean over the same steps did not is the shape of the step
+    # times changing under time slicing, not a slower run
+    assert codes([row(step_ms=40.0, mean_ratio=1.1)]) == [[], []]
+    assert codes([row(step_ms=40.0, mean_ratio=1.9, cpu_ratio=1.9)]) == [[], ["TFD603"]]
+    assert codes([row()], 3) == [[], [], []]
 
 
 def test_a_machine_that_got_slower_is_told_from_a_run_that_did_by_a_fixed_reference_computation():
@@ -90,33 +83,30 @@ def test_a_machine_that_got_slower_is_told_from_a_run_that_did_by_a_fixed_refere
         diagnosis = ThroughputDiagnosis(patience=2)
         return [diagnosis.update(throughput_metrics(stats), stats) for _ in range(times)][-1]
 
-    # The step time doubled with no run-queue wait and no other process's CPU use (what a hypervisor taking the CPU,
-    # a lower clock or a saturated memory bus look like from inside): the reference computation slowed 1.9x too.
-    stolen = [row(step_ms=40.0, other_extra=0.0, delay_rise_ms=0.0, cpu_ratio=1.0, reference_ratio=1.9)]
-    [verdict] = verdicts(stolen)
+    # the step time doubled with no wait for a core (steal, a lower clock): the reference slowed 1.9x too
+    [verdict] = verdicts([row(step_ms=40.0, reference_ratio=1.9)])
     assert verdict.code == "TFD605" and verdict.severity is None  # the rule's severity: info
-    assert "reference computation" in verdict.message and "1.90x" in verdict.message
+    assert "reference computation ran 1.90x slower" in verdict.message
     assert verdict.evidence["reference_ratio"] == 1.9 and verdict.evidence["ratio_to_early"] == 2.0
-    # a lower clock: the run's CPU time per step rose with its step time (the same CPU per second), and so did the
-    # reference's
-    lower_clock = row(step_ms=40.0, cpu_ratio=2.0, mean_ratio=2.0, reference_ratio=1.8)
-    assert [v.code for v in verdicts([lower_clock])] == ["TFD605"]
-    # no /proc at all (macOS): the reference alone tells
-    unknown = dict(other_extra=float("nan"), delay_rise_ms=float("nan"), cpu_ratio=float("nan"))
-    [verdict] = verdicts([row(step_ms=40.0, reference_ratio=2.1, **unknown)])
-    assert verdict.code == "TFD605" and "nan" not in verdict.message
-    # the run slowed itself: the reference computation runs as fast as it did on the early steps
-    [verdict] = verdicts([row(step_ms=40.0, reference_ratio=1.05)])
+    # a lower clock: the CPU time per step rose with the step time (the same CPU per second), and the reference's
+    assert [v.code for v in verdicts([row(step_ms=40.0, cpu_ratio=2.0, mean_ratio=2.0, reference_ratio=1.8)])] == [
+        "TFD605"
+    ]
+    # without /proc the reference's wall time carries the scheduler's luck: CPU per step that rose with the step
+    # time is the run's own work
+    more_work = row(step_ms=40.0, cpu_ratio=2.0, mean_ratio=2.0, reference_ratio=1.8, contention_ratio=float("nan"))
+    assert [v.code for v in verdicts([more_work])] == ["TFD603"]
+    # no /proc (macOS): the reference alone tells, and the message quotes only what was measured
+    [verdict] = verdicts([row(step_ms=40.0, reference_ratio=2.1, contention_ratio=float("nan"))])
+    assert verdict.code == "TFD605" and "nan" not in verdict.message and "waited" not in verdict.message
+    # the run slowed itself: the reference runs as fast as it did early on, or slowed by less than half the rise
+    [verdict] = verdicts([row(step_ms=40.0, cpu_ratio=2.0, reference_ratio=1.05)])
     assert verdict.code == "TFD603" and verdict.evidence["reference_ratio"] == 1.05
-    assert [v.code for v in verdicts([row(step_ms=40.0, reference_ratio=1.05, **unknown)])] == ["TFD603"]
-    # slower by less than half the step's rise: not the machine's doing (1.4x against a 3x step time)
-    assert [v.code for v in verdicts([row(step_ms=60.0, reference_ratio=1.4)])] == ["TFD603"]
-    # the run's own threads took the cores: the reference slowed, but the run used 1.75x the CPU per second it did
-    # early on (a busy thread of its own)
-    [verdict] = verdicts([row(step_ms=40.0, cpu_ratio=3.5, mean_ratio=2.0, reference_ratio=1.9)])
-    assert verdict.code == "TFD603"
-    # not timed (NaN): the other readings decide as before
-    assert [v.code for v in verdicts([row(step_ms=40.0)])] == ["TFD603"]
+    assert [v.code for v in verdicts([row(step_ms=60.0, cpu_ratio=3.0, reference_ratio=1.4)])] == ["TFD603"]
+    # its own threads took the cores: the reference slowed, but the run used 1.75x the CPU per second it did early on
+    assert [v.code for v in verdicts([row(step_ms=40.0, cpu_ratio=3.5, mean_ratio=2.0, reference_ratio=1.9)])] == [
+        "TFD603"
+    ]
 
 
 def test_padding_waste_is_info_until_padding_is_most_of_the_positions_then_a_warning_with_the_speedups():
@@ -179,7 +169,7 @@ def test_tfd601_data_loading_bound_on_the_worst_rank_after_patience():
 def test_tfd603_names_the_ratio_and_what_ruled_contention_out():
     [verdict] = verdicts_after(ThroughputDiagnosis(patience=2), [row(step_ms=50.0), row(step_ms=30.0)], 2)
     assert verdict.code == "TFD603" and verdict.evidence["ratio_to_early"] == 2.5
-    assert verdict.evidence["step_time_ms"] == 50.0 and verdict.evidence["other_extra_cores"] == 0.0
+    assert verdict.evidence["step_time_ms"] == 50.0 and verdict.evidence["contention_ratio"] == 1.0
     assert "rose to 50.0 ms, 2.50x the early steps' median, for 2 measurements" in verdict.message
     assert verdicts_after(ThroughputDiagnosis(patience=1), [row(step_ms=30.0)], 1) == []  # 1.5x: not above
     assert verdicts_after(ThroughputDiagnosis(patience=1), [row(step_ms=40.0, baseline_ms=math.nan)], 1) == []
@@ -187,30 +177,28 @@ def test_tfd603_names_the_ratio_and_what_ruled_contention_out():
 
 def test_tfd605_quotes_the_contended_row_through_a_dip_in_the_readings():
     diagnosis = ThroughputDiagnosis(patience=3)
-    contended_row = row(step_ms=40.0, other_extra=3.0, delay_rise_ms=15.0)
+    contended_row = row(step_ms=40.0, contention_ratio=2.5)
     for rows in ([contended_row], [row(step_ms=40.0)], [row(step_ms=40.0)]):  # contended once, then no sign of load
         found = diagnosis.update(throughput_metrics(rows), rows, step=9)
     [verdict] = found
-    assert verdict.code == "TFD605" and verdict.evidence["other_extra_cores"] == 3.0
-    assert "waited 15.0 ms more per step for a CPU core" in verdict.message
-    assert "kept 3.0 more CPU cores busy than they did then: the machine is contended" in verdict.message
+    assert verdict.code == "TFD605" and verdict.evidence["contention_ratio"] == 2.5
+    assert "waited 2.50x as long for a CPU core per second of work" in verdict.message
     assert verdict.message.endswith("not reported as a slowdown of the run itself (TFD603).")
     # back to speed: the streak and its row are gone
     assert verdicts_after(diagnosis, [row()], 1) == [] and diagnosis.contended_row is None
 
 
-def test_contended_and_machine_slower_with_plain_numbers():
-    slow = dict(step_ms=40.0, baseline_ms=20.0)
-    assert contended(row(**slow, other_extra=0.5, delay_rise_ms=10.0), 1.5)  # half the extra 20 ms waited for a core
-    assert not contended(row(**slow, other_extra=0.5, delay_rise_ms=9.9), 1.5)
-    big_machine = row(**slow, other_extra=0.5, delay_rise_ms=10.0, cpu_ratio=2.0)  # and twice the CPU per step
-    assert not contended(big_machine, 1.5, contended_cores=1.6)
-    assert contended(row(**slow, other_extra=0.0, delay_rise_ms=10.0, cpu_ratio=1.5), 1.5)  # a full machine
-    assert not contended(row(other_extra=9.0, delay_rise_ms=99.0), 1.5)  # not slow at all
-    assert machine_slower(row(**slow, reference_ratio=1.5))  # the reference slowed by half the step's rise
-    assert not machine_slower(row(**slow, reference_ratio=1.49))
-    assert not machine_slower(row(**slow, reference_ratio=1.9, cpu_ratio=2.6, mean_ratio=2.0))  # its own threads
-    assert not machine_slower(row(**slow))  # not timed
+def test_contended_with_plain_numbers():
+    slow = dict(step_ms=40.0, baseline_ms=20.0)  # 2x
+    assert contended(row(**slow, contention_ratio=1.5), 1.5)  # the machine explains half the rise
+    assert not contended(row(**slow, contention_ratio=1.49, cpu_ratio=2.0), 1.5)
+    # 3x: 1.6x contended explains less than half the rise, but half its rise per unit of work (3 / 1.5 = 2x)
+    assert contended(row(step_ms=60.0, contention_ratio=1.6, cpu_ratio=1.5), 1.5)
+    assert not contended(row(step_ms=60.0, contention_ratio=1.6, cpu_ratio=2.9), 1.5)
+    assert not contended(row(**slow, contention_ratio=1.2, cpu_ratio=1.0), 1.5)  # too little to tell: the run's
+    assert not contended(row(contention_ratio=9.0), 1.5)  # not slow at all
+    # asleep: a wait per CPU second that rose with a sleep (its wake-ups) is not the machine's
+    assert not contended(row(step_ms=80.0, contention_ratio=1.9, cpu_ratio=1.0), 1.5)
 
 
 def test_tfd604_memory_on_the_fullest_rank():
