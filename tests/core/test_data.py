@@ -36,9 +36,11 @@ def read(tmp_path, loader, **trainer) -> EpochData:
 
 def test_the_epoch_data_says_stream_length_batches_read_and_the_limit_in_force(tmp_path):
     loader = DataLoader(RandomDataset(32, 10), batch_size=2)
-    assert read(tmp_path, loader) == EpochData(stream=False, loader_length=5, per_epoch=5, setting=None)
+    whole = read(tmp_path, loader)
+    assert whole == EpochData(stream=False, loader_length=5, per_epoch=5, setting=None, stateful=False, in_order=True)
     limited = read(tmp_path, loader, limit_train_batches=2)
-    assert limited == EpochData(False, 5, 2, "Trainer(limit_train_batches=2)")
+    assert (limited.loader_length, limited.per_epoch, limited.setting) == (5, 2, "Trainer(limit_train_batches=2)")
+    assert not read(tmp_path, DataLoader(RandomDataset(32, 10), batch_size=2, shuffle=True)).in_order
     assert read(tmp_path, loader, limit_train_batches=0.5).setting == "Trainer(limit_train_batches=0.5)"
     assert read(tmp_path, DataLoader(Stream(), batch_size=2)).stream
 
