@@ -161,7 +161,7 @@ def pack_calls(made: list[str]) -> list[str]:
 
 @pytest.mark.ddp
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~20 s
 def test_no_collective_between_measuring_steps_and_few_on_one(tmp_path, devices):
     """``TFDebug(preset="always", every_n_steps=5)`` under DDP: no collective of the pack on a step that does not
     measure; on a measuring step only the ones listed in MEASURING. Lightning's own per-step SIGTERM broadcast

@@ -770,6 +770,7 @@ def test_many_epochs_over_a_small_dataset_with_accumulation_are_not_repeats(tmp_
 
 
 @pytest.mark.ddp
+@pytest.mark.slow  # ~25 s of DDP epochs; the repeat checks run in one process by default
 def test_ddp_epochs_over_a_distributed_sampler_are_silent_and_overfit_batches_is_named(tmp_path):
     spec = {
         "strategy": "ddp",

@@ -304,6 +304,7 @@ def test_fsdp2_sharded_checkpoints_are_checked_from_their_metadata(tmp_path):
 
 
 @pytest.mark.ddp
+@pytest.mark.slow  # ~30 s: three DDP fits; the resume checks are tested in one process by default
 def test_ddp_resume_is_checked_on_every_rank(tmp_path):
     """Two processes save; two more resume, healthy (silent) and with weights re-initialised after loading (named)."""
     audit = {"class_path": "lightning_tfdebug.CheckpointAudit"}

@@ -522,6 +522,7 @@ class FloatLabelsOnRank1(pl.Callback):
 
 
 @pytest.mark.ddp
+@pytest.mark.slow  # ~20 s; standing aside together is the fault matrix's default case
 def test_ddp_a_rank_that_cannot_read_its_labels_makes_every_rank_stand_aside_together(tmp_path):
     spec = {
         "strategy": "ddp",
