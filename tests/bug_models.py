@@ -332,7 +332,7 @@ class BugHFLM(RankBugs, HFLM):
     def training_step(self, batch, batch_idx):
         self.rank_step_bugs()
         if self.model_loss:  # the model computes its own loss; the step trains another one
-            loss = next_token_loss(squash(self(**batch).logits, self.step_squash), batch["labels"])
+            loss = next_token_loss(squash(self(**batch).logits, self.step_squash), batch["labels"], shift=self.shift)
         elif self._loss_in_step:
             out = self(batch["input_ids"], batch.get("attention_mask"))
             logits = out if isinstance(out, Tensor) else out.logits

@@ -465,6 +465,7 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("encoder_lm", enc(step_squash="softcap"), tuples(), cap),
         ("gpt2", llama, dicts(), f"Llama(labels=...); {cap}"),
         ("tinygpt", tiny(step_squash="softcap"), dicts(), cap),
+        ("t5", t5(step_squash="softcap", model_loss=True, shift=False), seq2seq, f"T5(labels=...); {cap}"),
     ):
         c[41, fam] = Case(module, data, (owner("TFD233"),), where, steps=AFTER_CHECK)
     # 37: SGD with momentum whose every gradient Lightning clips by value far below its elements' size
@@ -488,7 +489,12 @@ def row_cases() -> dict[tuple[int, str], Case]:
 
 CASES = row_cases()
 
-KNOWN_MISSES: dict[tuple[int, str], str] = {}
+KNOWN_MISSES: dict[tuple[int, str], str] = {
+    (41, "t5"): (
+        "LossAtInit TFD234 info: the returned loss (4.83, 4.70, 4.61 at steps 50-100) fits the cross-entropy of "
+        "logits / T with T = 2.34 at every compared step, so the soft-cap reads as a temperature, not a bound"
+    ),
+}
 """Cases where the owner misses the bug today: ``(row, family) -> what it saw`` (xfail, not strict)."""
 
 
