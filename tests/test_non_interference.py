@@ -78,6 +78,7 @@ def ddp_digest(trainer: pl.Trainer, model: nn.Module, callbacks: list) -> dict[s
 
 
 @pytest.mark.ddp
+@pytest.mark.slow  # ~25 s: two DDP fits; the same promise in one process runs by default
 def test_the_weights_are_bit_identical_with_and_without_the_pack_under_ddp(tmp_path):
     def run(name: str, callbacks: list[dict[str, Any]]) -> list[str]:
         spec = {

@@ -349,6 +349,7 @@ def _checkpoints(every_n_train_steps: int = 2) -> list[dict]:
 STOOD_ASIDE = "the preflight pack (tfdebug check) runs instead of the configured TFDebug(preset='full')"
 
 
+@pytest.mark.slow  # ~13 s: a `tfdebug check` subprocess; the README preflight line runs by default
 def test_check_on_a_config_holding_a_full_pack_and_two_checkpoints_runs_one_pack_with_its_settings(tmp_path):
     """The README's situation (a config that already holds TFDebug(preset="full")): Lightning used to refuse the
     Trainer (two callbacks with one state key, exit 2). Now the preflight pack runs, with the configured pack's batch

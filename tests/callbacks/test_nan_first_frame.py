@@ -262,7 +262,8 @@ def dist_extra(trainer, model, callbacks):
 @pytest.mark.ddp
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
-    "strategy, on_finding, mode", [("ddp", "raise", "lazy"), ("fsdp2", "stop", "lazy"), ("ddp", "stop", "eager")]
+    "strategy, on_finding, mode",
+    [("ddp", "raise", "lazy"), ("fsdp2", "stop", "lazy"), pytest.param("ddp", "stop", "eager", marks=pytest.mark.slow)],
 )
 def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, strategy, on_finding, mode):
     """Bug 23: a module turns nan on rank 1 only. No rank hangs; every rank acts at step 3 and names rank 1."""

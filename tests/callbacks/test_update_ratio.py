@@ -283,8 +283,15 @@ def test_built_from_lightning_cli_yaml(tmp_path):
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("packed", [False, True], ids=["alone", "in_the_pack"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize(
+    "strategy, packed",
+    [
+        pytest.param("ddp", False, id="ddp-alone"),
+        pytest.param("fsdp2", True, id="fsdp2-in_the_pack"),
+        pytest.param("ddp", True, id="ddp-in_the_pack", marks=pytest.mark.slow),  # ~12 s each
+        pytest.param("fsdp2", False, id="fsdp2-alone", marks=pytest.mark.slow),
+    ],
+)
 def test_distributed_ratio_matches_the_unsharded_reference(tmp_path, strategy, packed):
     """On its own it reduces its own declaration; in the pack it declares into the pack's one reduction of the step.
     Either way the replicated (DDP) norms are divided by the world size and the sharded (FSDP2) ones add up."""
