@@ -112,12 +112,17 @@ class RepeatReading(Reading):
     LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": REPEAT}
 
 
-def decide_repeat(r: RepeatReading) -> Verdict | None:
-    """``TFD213`` when two eval-mode forwards of the same tokens differ beyond the tolerance."""
+def _moved(rule: Rule, r: RepeatReading | CrossSampleReading) -> Verdict | None:
+    """``rule``'s verdict when the largest change of ``r`` is beyond its tolerance."""
     if not _beyond(r.max_change, r.tolerance):
         return None
     evidence = {"max_change": r.max_change, "position": int(r.position), "row": int(r.row), "tolerance": r.tolerance}
-    return TFD213.verdict(evidence)
+    return rule.verdict(evidence)
+
+
+def decide_repeat(r: RepeatReading) -> Verdict | None:
+    """``TFD213`` when two eval-mode forwards of the same tokens differ beyond the tolerance."""
+    return _moved(TFD213, r)
 
 
 TFD201 = Rule(
@@ -636,10 +641,7 @@ class CrossSampleReading(Reading):
 
 def decide_cross_sample(r: CrossSampleReading) -> Verdict | None:
     """``TFD217`` when another row's logits moved beyond the tolerance."""
-    if not _beyond(r.max_change, r.tolerance):
-        return None
-    evidence = {"max_change": r.max_change, "row": int(r.row), "position": int(r.position), "tolerance": r.tolerance}
-    return TFD217.verdict(evidence)
+    return _moved(TFD217, r)
 
 
 # -------------------------------------------------------------------------------------------------- target alignment
