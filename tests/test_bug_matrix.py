@@ -489,12 +489,7 @@ def row_cases() -> dict[tuple[int, str], Case]:
 
 CASES = row_cases()
 
-KNOWN_MISSES: dict[tuple[int, str], str] = {
-    (41, "t5"): (
-        "LossAtInit TFD234 info: the returned loss (4.83, 4.70, 4.61 at steps 50-100) fits the cross-entropy of "
-        "logits / T with T = 2.34 at every compared step, so the soft-cap reads as a temperature, not a bound"
-    ),
-}
+KNOWN_MISSES: dict[tuple[int, str], str] = {}
 """Cases where the owner misses the bug today: ``(row, family) -> what it saw`` (xfail, not strict)."""
 
 

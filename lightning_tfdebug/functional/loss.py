@@ -264,6 +264,9 @@ def bounded_floor_sums(
 TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-16, 17))
 """Multipliers ``b`` of the logits (``b = 1/T``) at which :func:`loss_transform_sums` takes the cross-entropy:
 ``1/16`` to ``16`` in steps of ``2^(1/4)``."""
+CAP_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-8, 17))
+"""Soft-caps ``c`` at which :func:`loss_transform_sums` takes the cross-entropy of ``c * tanh(logits / c)``: ``1/4`` to
+``16`` in steps of ``2^(1/4)`` (a bound in the step is told from a temperature by which of the two fits the loss)."""
 
 
 def loss_transform_sums(
@@ -282,6 +285,7 @@ def loss_transform_sums(
       ``tx_total``: supervised rows in the whole batch; ``tx_positions``: its label positions;
     * ``tx_uniform_sum``: the cross-entropy against a uniform target (label smoothing ``e``: ``(1 - e) ce + e U``);
     * ``tx_range_sum``: the logits' range; ``tx_beta_<k>``: the cross-entropy of ``TEMPERATURE_GRID[k] * logits``;
+      ``tx_cap_<k>``: that of ``c * tanh(logits / c)`` for ``c = CAP_GRID[k]``;
     * ``tx_other``: 1 when the other alignment was taken (``both_alignments``: the one of lower cross-entropy,
       decided on the device).
     """
@@ -317,16 +321,24 @@ def loss_transform_sums(
         "tx_range_sum": torch.where(mask, x.amax(-1) - x.amin(-1), zeros).sum(),
         "tx_other": other,
     }
-    # one pass over the sampled rows per multiplier, in chunks of at most 2^24 values (64 MB of float32) whatever V
+    # one pass over the sampled rows per multiplier and per cap, in chunks of at most 2^24 values (64 MB of float32)
     chunk = max(1, (1 << 24) // x.shape[-1])
-    for k, beta in enumerate(TEMPERATURE_GRID):
+
+    def summed(transform) -> Tensor:
         parts = [
             torch.where(
-                mask[i : i + chunk], torch.logsumexp(x[i : i + chunk] * beta, -1) - beta * picked[i : i + chunk], 0.0
+                mask[i : i + chunk],
+                torch.logsumexp(transform(x[i : i + chunk]), -1) - transform(picked[i : i + chunk]),
+                0.0,
             ).sum()
             for i in range(0, x.shape[0], chunk)
         ]
-        out[f"tx_beta_{k}"] = torch.stack(parts).sum() if parts else zeros.sum()
+        return torch.stack(parts).sum() if parts else zeros.sum()
+
+    for k, beta in enumerate(TEMPERATURE_GRID):
+        out[f"tx_beta_{k}"] = summed(lambda v, b=beta: v * b)
+    for k, cap in enumerate(CAP_GRID):
+        out[f"tx_cap_{k}"] = summed(lambda v, c=cap: c * torch.tanh(v / c))
     return out
 
 
@@ -353,6 +365,7 @@ CHECK_SUMS = (
 TRANSFORM_SUMS = (
     *("tx_ce_sum", "tx_ce_sq_sum", "tx_count", "tx_total", "tx_positions", "tx_uniform_sum", "tx_range_sum"),
     *(f"tx_beta_{k}" for k in range(len(TEMPERATURE_GRID))),
+    *(f"tx_cap_{k}" for k in range(len(CAP_GRID))),
 )
 """The sums of :func:`loss_transform_sums` reduced on the compared steps (the check's and the two before it)."""
 PHASE_SUMS = {"init": INIT_SUMS, "compare": TRANSFORM_SUMS, "check": (*CHECK_SUMS, *TRANSFORM_SUMS)}

@@ -7,13 +7,14 @@ logits' own cross-entropy (``TFD233``-``TFD235``), from host readings of the red
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_tfdebug.functional.learning import trained_before
-from lightning_tfdebug.functional.loss import OTHER_ALIGNMENT, TEMPERATURE_GRID, uniform_loss
+from lightning_tfdebug.functional.loss import CAP_GRID, OTHER_ALIGNMENT, TEMPERATURE_GRID, uniform_loss
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 _CONTEXT_HEAD = (
@@ -293,7 +294,9 @@ TFD233 = Rule(
         "on every compared step (at least two) the returned loss is above the recorded logits' cross-entropy by 20% "
         "of it and 10% of ln(V), not explained by label smoothing (at most 0.3) or a temperature; or it is pinned: "
         "it fell by at most 4% while the logits' range grew by 10% (the message then names the width w whose floor "
-        "ln(1 + (V-1) e^-w) the loss sits on)"
+        "ln(1 + (V-1) e^-w) the loss sits on); or it is the cross-entropy of c * tanh(logits / c) for one c at every "
+        "compared step (within 3%, closer than any temperature) and that cap keeps every token below probability 1/2 "
+        "or the loss above what the logits reach"
     ),
     hint=(
         "Give the loss the raw logits: remove the sigmoid, soft-cap c * tanh(logits / c) with c too small, clamp or "
@@ -1179,6 +1182,7 @@ class LossReading:
     logit_range: float  # mean over rows of max - min
     beta_ce: tuple[float, ...]  # cross-entropy of b * logits for b in TEMPERATURE_GRID
     supervised_share: float = float("nan")  # supervised label positions over all of them, in the whole batch
+    cap_ce: tuple[float, ...] = ()  # cross-entropy of c * tanh(logits / c) for c in CAP_GRID
 
     def to_list(self) -> list[Any]:
         return [list(v) if isinstance(v, tuple) else v for v in dataclasses.astuple(self)]
@@ -1187,7 +1191,9 @@ class LossReading:
     def from_list(cls, value: Sequence[Any]) -> LossReading:
         step, loss, ce, error, uniform, logit_range, betas, *rest = value
         numbers = (float(v) for v in (loss, ce, error, uniform, logit_range))
-        return cls(int(step), *numbers, tuple(float(b) for b in betas), float(rest[0]) if rest else math.nan)
+        share = float(rest[0]) if rest else math.nan
+        caps = tuple(float(c) for c in rest[1]) if len(rest) > 1 else ()
+        return cls(int(step), *numbers, tuple(float(b) for b in betas), share, caps)
 
     @property
     def best(self) -> float:
@@ -1197,17 +1203,34 @@ class LossReading:
     def temperatures(self) -> list[float]:
         """The multipliers ``b`` (``1/T``) at which the logits' cross-entropy equals the returned loss, interpolated
         in ``ln b`` between the grid's points (a convex curve in ``b``: at most two)."""
-        out: list[float] = []
-        values = self.beta_ce
-        for k in range(len(values) - 1):
-            a, b = values[k] - self.loss, values[k + 1] - self.loss
-            if not (math.isfinite(a) and math.isfinite(b)) or a * b > 0 or a == b:
-                continue
-            lo, hi = math.log(TEMPERATURE_GRID[k]), math.log(TEMPERATURE_GRID[k + 1])
-            root = math.exp(lo + a / (a - b) * (hi - lo))
-            if not out or abs(math.log(root / out[-1])) > 1e-6:
-                out.append(root)
-        return out
+        return _roots(TEMPERATURE_GRID, self.beta_ce, self.loss)
+
+    def caps(self) -> list[float]:
+        """The soft-caps ``c`` at which the cross-entropy of ``c * tanh(logits / c)`` equals the returned loss."""
+        return _roots(CAP_GRID, self.cap_ce, self.loss)
+
+
+def _roots(grid: Sequence[float], values: Sequence[float], target: float) -> list[float]:
+    """Where the curve ``values`` over ``grid`` crosses ``target``, interpolated in the grid's logarithm."""
+    out: list[float] = []
+    for k in range(len(values) - 1):
+        a, b = values[k] - target, values[k + 1] - target
+        if not (math.isfinite(a) and math.isfinite(b)) or a * b > 0 or a == b:
+            continue
+        lo, hi = math.log(grid[k]), math.log(grid[k + 1])
+        root = math.exp(lo + a / (a - b) * (hi - lo))
+        if not out or abs(math.log(root / out[-1])) > 1e-6:
+            out.append(root)
+    return out
+
+
+def _at(grid: Sequence[float], values: Sequence[float], x: float) -> float:
+    """The curve ``values`` over ``grid`` at ``x``, interpolated in the grid's logarithm (nan outside the grid)."""
+    for k in range(len(values) - 1):
+        if grid[k] <= x <= grid[k + 1]:
+            t = math.log(x / grid[k]) / math.log(grid[k + 1] / grid[k])
+            return values[k] + t * (values[k + 1] - values[k])
+    return math.nan
 
 
 def loss_reading(host: Mapping[str, float], loss: float, step: int) -> LossReading | None:
@@ -1228,6 +1251,7 @@ def loss_reading(host: Mapping[str, float], loss: float, step: int) -> LossReadi
         logit_range=host["tx_range_sum"] / n,
         beta_ce=tuple(host[f"tx_beta_{k}"] / n for k in range(len(TEMPERATURE_GRID))),
         supervised_share=total / host["tx_positions"] if host.get("tx_positions") else float("nan"),
+        cap_ce=tuple(host[f"tx_cap_{k}"] / n for k in range(len(CAP_GRID))) if "tx_cap_0" in host else (),
     )
 
 
@@ -1246,8 +1270,10 @@ def loss_transform_verdict(
       temperature gives the loss at every step (a model compensating a temperature crosses it on the way);
     * the loss is pinned at the floor of a bound (:func:`_pinned`): ``TFD233``, naming the bound's width ``w``;
     * label smoothing (:data:`SMOOTHING_SPREAD`): nothing;
+    * a soft-cap ``c * tanh(logits / c)`` fits every step better than any temperature (:func:`_soft_cap`):
+      ``TFD233`` when its floor keeps every token below probability 1/2 or above what the logits reach, else nothing;
     * a temperature (:data:`TEMPERATURE_MATCH`, :data:`TEMPERATURE_MIN`): ``TFD234`` (info);
-    * the loss far above the logits' cross-entropy at every step (:attr:`LossReading.far_above`): ``TFD233``;
+    * the loss far above the logits' cross-entropy at every step (:func:`_far_above`): ``TFD233``;
     * a constant factor (:data:`SCALE_SPREAD`) or a small added term (:data:`ADDED_TERM`): nothing;
     * else ``TFD235`` (info) with both numbers.
     """
@@ -1279,6 +1305,21 @@ def loss_transform_verdict(
     pinned = not any(agreeing) and _pinned(points, expected, unigram_entropy)
     if not pinned and _label_smoothing(points):
         return None  # label smoothing: healthy
+    cap = None if pinned else _soft_cap(points)  # agreeing at a step too: a small cap barely moves small logits
+    if cap is not None:  # c * tanh(logits / c) gives the loss, better than any temperature does
+        (c, miss), temperature_miss = cap
+        floor = math.log1p((vocab - 1) * math.exp(-2.0 * c))
+        if floor <= min(math.log(2.0), last.best):
+            return None  # a soft-cap that binds neither the logits nor a prediction of probability 1/2
+        evidence.update(cap=c, cap_miss=miss, temperature_miss=temperature_miss, width=2.0 * c, floor=floor)
+        detail = (
+            f"; it is the cross-entropy of c * tanh(logits / c) with c = {c:.3g} at every compared step (largest "
+            f"miss {miss:.2%} of the loss, {temperature_miss:.2%} for the best single temperature), and outputs "
+            f"confined to [-c, c] cannot bring the loss below ln(1 + (V-1) e^-2c) = {floor:.3f} (V={vocab}): no token "
+            f"can get more than {1.0 / (1.0 + (vocab - 1) * math.exp(-2.0 * c)):.1%} of the probability, while the "
+            f"logits already reach {last.best:.3f}"
+        )
+        return TFD233.verdict(evidence, step=last.step, gap=last.loss - last.ce, detail=detail, **head)
     shared = None if pinned else _shared_temperature(points)  # a model compensating T crosses CE(logits / T)
     if shared is not None and abs(math.log(shared)) >= TEMPERATURE_MIN:
         temperature = 1.0 / shared
@@ -1319,6 +1360,35 @@ def _pinned(points: Sequence[LossReading], expected: float, unigram_entropy: flo
         and above_data
         and last.loss < expected
     )
+
+
+def _soft_cap(points: Sequence[LossReading]) -> tuple[tuple[float, float], float] | None:
+    """``((c, miss), temperature_miss)``: the soft-cap ``c`` whose ``c * tanh(logits / c)`` gives the returned loss at
+    every point within :data:`AGREE` of it (``miss``: the largest relative miss), strictly better than the best single
+    temperature does (``temperature_miss``, inf when none crosses the loss); None when none does. A temperature and
+    a bound both raise the loss above the logits' cross-entropy; only the bound saturates, so the shape of the two
+    curves, not one number, tells them apart."""
+    if not all(r.cap_ce for r in points):
+        return None
+    cap = _shared_fit(points, CAP_GRID, lambda r: r.cap_ce)
+    if cap is None or cap[1] > AGREE:
+        return None
+    temperature = _shared_fit(points, TEMPERATURE_GRID, lambda r: r.beta_ce)
+    temperature_miss = math.inf if temperature is None else temperature[1]
+    return (cap, temperature_miss) if cap[1] < temperature_miss else None
+
+
+def _shared_fit(points: Sequence[LossReading], grid: Sequence[float], curve: Any) -> tuple[float, float] | None:
+    """The one parameter on ``grid`` whose curve (``curve(reading)``) gives the returned loss at every point most
+    closely, and its largest relative miss; tried at every point's crossings and between neighbouring ones."""
+    roots = sorted(root for r in points for root in _roots(grid, curve(r), r.loss))
+    candidates = roots + [math.sqrt(a * b) for a, b in itertools.pairwise(roots)]
+    best: tuple[float, float] | None = None
+    for x in candidates:
+        miss = max(abs(_at(grid, curve(r), x) - r.loss) / r.loss for r in points)
+        if math.isfinite(miss) and (best is None or miss < best[1]):
+            best = (x, miss)
+    return best
 
 
 def _far_above(r: LossReading, expected: float) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_tfdebug.functional.loss import TEMPERATURE_GRID, loss_transform_sums
+from lightning_tfdebug.functional.loss import CAP_GRID, TEMPERATURE_GRID, loss_transform_sums
 from lightning_tfdebug.functional.loss_checks import (
     LossReading,
     bound_width,
@@ -51,6 +51,10 @@ def test_the_sums_give_the_logits_cross_entropy_and_its_value_at_every_temperatu
     for k in (0, 8, 16, 24, 32):
         beta = TEMPERATURE_GRID[k]
         assert float(sums[f"tx_beta_{k}"]) / n == pytest.approx(float(ce(beta * logits, labels)), rel=1e-4)
+    for k in (0, 8, 16, 24):
+        cap = CAP_GRID[k]
+        capped = cap * torch.tanh(logits / cap)
+        assert float(sums[f"tx_cap_{k}"]) / n == pytest.approx(float(ce(capped, labels)), rel=1e-4)
     smoothed = float(ce(logits, labels, label_smoothing=0.1))
     uniform = float(sums["tx_uniform_sum"]) / n
     assert 0.9 * float(sums["tx_ce_sum"]) / n + 0.1 * uniform == pytest.approx(smoothed, rel=1e-5)
@@ -80,6 +84,52 @@ def test_a_temperature_at_every_step_is_info_with_its_value():
     verdict = _verdict(steps, labels, lambda x, y: ce(x / 2.0, y))
     assert verdict.code == "TFD234" and verdict.severity == "info"
     assert verdict.evidence["temperature"] == pytest.approx(2.0, rel=0.01)
+
+
+def softcap(cap):
+    return lambda x, y: ce(cap * torch.tanh(x / cap), y)
+
+
+@pytest.mark.parametrize("cap", [0.75, 1.2])
+def test_a_soft_cap_that_keeps_every_token_unlikely_is_a_bound_not_a_temperature(cap):
+    """``c * tanh(logits / c)`` with ``c`` far too small raises the loss as a temperature would; only the soft-cap
+    gives it at every step, so it is named, with its floor."""
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (1.0, 1.5, 2.0)]
+    verdict = _verdict(steps, labels, softcap(cap))
+    assert verdict.code == "TFD233" and RULES["TFD233"].severity == "warning"
+    evidence = verdict.evidence
+    assert evidence["cap"] == pytest.approx(cap, rel=0.02)
+    assert evidence["cap_miss"] < evidence["temperature_miss"]
+    assert evidence["floor"] == pytest.approx(math.log1p((V - 1) * math.exp(-2 * evidence["cap"])))
+    assert f"c = {evidence['cap']:.3g}" in verdict.message
+
+
+def test_a_temperature_is_not_read_as_a_soft_cap():
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (1.0, 1.5, 2.0)]
+    verdict = _verdict(steps, labels, lambda x, y: ce(x / 2.0, y))
+    assert verdict.code == "TFD234" and "cap" not in verdict.evidence
+
+
+def test_a_soft_cap_that_binds_nothing_says_nothing():
+    """Gemma's soft-cap of 30 on logits of a few units: the loss is the logits' own; a cap of 3 on 50 tokens lets a
+    token take 89% of the probability, so what it changes is explained, not a bound."""
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (1.0, 1.5, 2.0)]
+    assert _verdict(steps, labels, softcap(30.0)) is None
+    assert _verdict(steps, labels, softcap(3.0)) is None
+    # the same cap on logits that already reach below its floor binds them: a bound
+    sharp = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
+    assert _verdict(sharp, labels, softcap(3.0)).code == "TFD233"
+
+
+def test_readings_kept_before_the_soft_cap_grid_still_load():
+    labels = trained_logits(0.0)[1]
+    [reading] = readings_of([trained_logits(3.0)[0]], labels, lambda x, y: ce(x, y))
+    old = reading.to_list()[:-1]  # a checkpoint written without the soft-cap curve
+    assert LossReading.from_list(old) == dataclasses.replace(reading, cap_ce=())
+    assert LossReading.from_list(reading.to_list()) == reading
 
 
 @pytest.mark.parametrize(
