@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -277,7 +278,17 @@ class CheckpointAudit(DebugCallback):
         self, trainer: pl.Trainer, checkpoint: dict[str, Any], path: str, expected: dict[str, Any]
     ) -> list[Verdict]:
         """A checkpoint's contents against what it must hold; empty ``expected``: written without
-        ``on_save_checkpoint``, a weights-only save."""
+        ``on_save_checkpoint``, a weights-only save; a dict without Lightning's ``state_dict`` that did not come
+        through ``on_save_checkpoint`` either: another framework's, not judged (recorded once)."""
+        if not expected and not isinstance(checkpoint.get("state_dict"), Mapping):
+            self.check_aside(
+                "resume check of checkpoints saved outside Lightning",
+                f"a dict without Lightning's `state_dict` (keys: {', '.join(map(str, list(checkpoint)[:6]))}) went "
+                "through the strategy's CheckpointIO without `Trainer.save_checkpoint`, so what it must hold is not "
+                "known",
+                "save through `Trainer.save_checkpoint` or a `ModelCheckpoint`",
+            )
+            return []
         if not expected:
             savers = trainer.checkpoint_callbacks
             return [checks.weights_only_checkpoint(path, resumable_savers(savers), self._full_saved, len(savers))]

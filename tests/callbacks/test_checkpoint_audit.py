@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_tfdebug import CheckpointAudit
+from lightning_tfdebug import CheckpointAudit, TFDebugWarning
 from lightning_tfdebug.core.checkpoints import read_sharded
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.functional.checkpoint_checks import sharded_problems
@@ -75,6 +75,35 @@ def test_a_weights_only_save_beside_a_full_one_is_info(tmp_path):
     [finding] = audit.findings
     assert (finding.code, finding.severity) == ("TFD709", "info") and "weights-only" in finding.message
     assert finding.evidence["resumable"] is True and "full" in finding.evidence["resumable_savers"][0]
+
+
+class ForeignSave(Callback):
+    """Saves another framework's dict (``model``/``optim``, no Lightning keys) through the strategy's CheckpointIO,
+    as a user's own export hook does."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 2:
+            foreign = {"model": pl_module.state_dict(), "optim": trainer.optimizers[0].state_dict(), "iteration": 2}
+            trainer.strategy.checkpoint_io.save_checkpoint(foreign, self.path)
+
+
+@pytest.mark.parametrize("reload", [True, False], ids=["reload", "in-memory"])
+def test_a_checkpoint_dict_from_another_framework_stands_aside_once_recorded(tmp_path, capsys, reload):
+    audit = CheckpointAudit(reload=reload)
+    trainer = make_trainer(tmp_path, [audit, ForeignSave(tmp_path / "export.pt")], max_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyGPT(**SMALL), TinyTextDataModule(batch_size=8))
+    assert [w for w in caught if issubclass(w.category, TFDebugWarning)] == []  # nothing raised, nothing warned
+    assert (tmp_path / "export.pt").is_file() and audit.active
+    assert audit.findings == []  # not called weights-only, nor missing its weights
+    [why] = audit.checks_aside.values()
+    assert "without Lightning's `state_dict` (keys: model, optim, iteration)" in why
+    assert "Trainer.save_checkpoint" in why
+    assert "stands aside" not in capsys.readouterr().err
 
 
 def test_bug_zoo_row_22_optimizer_and_scheduler_state_dropped(tmp_path):
