@@ -962,3 +962,20 @@ def test_the_eos_id_is_read_from_the_training_dataloaders_collator(tmp_path):
     loader = DataLoader(data.train_set, batch_size=8, collate_fn=Collator(data.collator), drop_last=True)
     fit(tmp_path, [guard], data=loader, max_steps=3)
     assert "EOS supervision (TFD124)" not in guard.checks_aside and guard.active
+
+    # a collator without a tokenizer, and one whose tokenizer has no EOS: the check stands aside once, recorded with
+    # the setting that lets it run; nothing is raised and the rest of BatchGuard runs on
+    class NoEos:
+        eos_token_id = None
+        pad_token_id = ByteTokenizer.pad_id
+
+    bare = Collator(data.collator)
+    del bare.tokenizer
+    for name, collate in (("bare", bare), ("no-eos", Collator(data.collator))):
+        if name == "no-eos":
+            collate.tokenizer = NoEos()
+        guard = BatchGuard()
+        loader = DataLoader(data.train_set, batch_size=8, collate_fn=collate, drop_last=True)
+        fit(tmp_path / name, [guard], data=loader, max_steps=3)
+        why = guard.checks_aside["EOS supervision (TFD124)"]
+        assert "To let it run: `eos_id` or `tokenizer`." in why and guard.active and guard.stood_aside is None
