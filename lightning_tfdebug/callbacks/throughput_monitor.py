@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -324,8 +325,9 @@ class ThroughputMonitor(DebugCallback):
         step_ms, baseline_ms = self._times.median(), self._times.baseline.median() if self._times.ready else math.nan
         started = time.perf_counter()
         slow = self._times.ready and step_ms > self.regression_factor * self._times.baseline.median()
-        # deliberate host work (20 ms), on the early window's measuring steps and on slow ones only
+        # deliberate host work (2 x 20 ms), on the early window's measuring steps and on slow ones only
         reference_ratio = self._load.reference_ratio(early, slow, reference_work_ms)
+        parallel_ratio = self._load.reference_ratio(early, slow, partial(reference_work_ms, parallel=True), True)
         # the monitor's time: off the next step time; the window's wall time (throughput) keeps it, as every callback's
         self._pause_ms += 1e3 * (time.perf_counter() - started)
         device = trainer.strategy.root_device
@@ -343,6 +345,7 @@ class ThroughputMonitor(DebugCallback):
             "new_graphs": new_graphs,
             "limit_hits": limit_hits,
             "reference_ratio": reference_ratio,
+            "parallel_ratio": parallel_ratio,
         }
         self._wait_s = 0.0
         # every rank's row, into the step's one reduction over ranks (the pack's shared collective)

@@ -117,11 +117,15 @@ def thread_run_delay_ns() -> int | None:
         return None
 
 
-def reference_work_ms(span_ms: float = 20.0) -> float:
+def reference_work_ms(span_ms: float = 20.0, parallel: bool = False) -> float:
     """Wall milliseconds per round of a fixed CPU computation (two 192 x 192 float32 matrix products, one torch thread,
     for at least ``span_ms``), less the thread's run-queue wait where ``/proc`` has it: a machine whose cores got
     slower (steal, a lower clock) reads slower; the wait is the contention ratio's (left in, a 20 ms sample at a load
-    of 17 on 2 cores read 1 to 7 ms a round; left out, 0.31 to 0.41 ms). Buffers: 0.4 MiB, once per process."""
+    of 17 on 2 cores read 1 to 7 ms a round; left out, 0.31 to 0.41 ms). Buffers: 0.4 MiB, once per process.
+
+    ``parallel``: at the run's torch thread count, waits left in: what the machine gives a parallel region of the
+    run now, threads spinning at its barriers while a peer waits for a core included (their CPU time then rises with
+    the step time as if the run did more work)."""
     global _REFERENCE_BUFFERS
     if not _REFERENCE_BUFFERS:
         # CPU float32 whatever the defaults (`torch.set_default_device("cuda")` would time kernel launches only);
@@ -133,15 +137,16 @@ def reference_work_ms(span_ms: float = 20.0) -> float:
     a, b, product = _REFERENCE_BUFFERS
     rounds = 0
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: its wait is the calling thread's, and no peer spins through it
+    if not parallel:
+        torch.set_num_threads(1)  # one thread: its wait is the calling thread's, and no peer spins through it
     try:
-        waited, start = thread_run_delay_ns(), time.perf_counter()
+        waited, start = (None if parallel else thread_run_delay_ns()), time.perf_counter()
         with torch.no_grad():
             while rounds < 2 or time.perf_counter() < start + span_ms / 1e3:
                 torch.mm(a, b, out=product)
                 torch.mm(b, a, out=product)
                 rounds += 1
-        wall, end_wait = time.perf_counter() - start, thread_run_delay_ns()
+        wall, end_wait = time.perf_counter() - start, (None if parallel else thread_run_delay_ns())
     finally:
         torch.set_num_threads(threads)
     if waited is not None and end_wait is not None:

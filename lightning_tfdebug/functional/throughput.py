@@ -272,6 +272,7 @@ class MachineLoad:
         self.cpu_base = RunningWindow(16)  # this process's CPU time per step (ms) during the early window
         self.wall_base = RunningWindow(16)  # wall time per step (ms) of the early windows
         self.reference_base = RunningWindow(16)  # ms of `core.host.reference_work_ms` on the early measuring steps
+        self.parallel_base = RunningWindow(16)  # the same at the run's thread count, waits left in
         # per measuring window since the median's oldest step: (steps, run-queue wait s, own CPU s, wall s)
         self.windows: deque[tuple[int, float, float, float]] = deque()
 
@@ -296,13 +297,16 @@ class MachineLoad:
             _ratio(wall * 1e3 / span_steps, self.wall_base),
         )
 
-    def reference_ratio(self, early: bool, slow: bool, time_reference: Callable[[], float]) -> float:
+    def reference_ratio(
+        self, early: bool, slow: bool, time_reference: Callable[[], float], parallel: bool = False
+    ) -> float:
         """``time_reference()`` now over its early times, timed on ``early`` and ``slow`` measuring steps only (nan:
-        not timed now)."""
+        not timed now); ``parallel``: the reference at the run's thread count, against its own early times."""
+        base = self.parallel_base if parallel else self.reference_base
         if early:
-            self.reference_base.add(time_reference())
-        elif slow and len(self.reference_base):
-            return time_reference() / self.reference_base.median()
+            base.add(time_reference())
+        elif slow and len(base):
+            return time_reference() / base.median()
         return math.nan
 
     _STATE = {
@@ -311,6 +315,7 @@ class MachineLoad:
         "wall_baseline": "wall_base",
         # timed on the machine that saved it: a run resumed on a slower machine is recognised as the machine's
         "reference_baseline": "reference_base",
+        "parallel_baseline": "parallel_base",
     }
 
     def state_dict(self) -> dict[str, Any]:

@@ -101,7 +101,9 @@ TFD605 = Rule(
         "second (`/proc/self/task/*/schedstat`, where the extra time was spent runnable) and of a fixed reference "
         "computation's time explains half the step time's rise, or, where the run's CPU time per step rose by less "
         "than 0.9x as much, half its rise per CPU second of work. Never when the run takes 1.25x its early CPU per "
-        "second, nor, without `/proc`, when its CPU time per step rose with its step time"
+        "second, nor, without `/proc`, when its CPU time per step rose with its step time, unless the same fixed "
+        "computation at the run's thread count (waits left in) slowed by half the step time's rise itself: threads "
+        "spinning while a peer waits for a core burn CPU as more work would"
     ),
     hint=(
         "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
@@ -182,6 +184,7 @@ class ThroughputRow:
     cpu_ratio: float  # this process's CPU time per step over the early windows' (nan: unknown)
     mean_ratio: float  # mean wall time per step over the median's steps, over the early windows' (nan: unknown)
     reference_ratio: float  # a fixed CPU computation's time now over the early windows' (nan: not timed)
+    parallel_ratio: float  # the same at the run's thread count, run-queue waits left in (nan: not timed)
 
 
 MOST_PADDING = 0.5
@@ -209,12 +212,16 @@ OWN_UTILIZATION = 1.25
 def contended(row: ThroughputRow, regression_factor: float) -> bool:
     """Whether a slow rank's slowdown is the machine's: the same work got slower by at least :data:`EXPLAINS` of the
     step time's rise, or, where the CPU time per step rose less than :data:`OWN_WORK` of it, of the rise per unit of
-    CPU work. Never when the run took more CPU per second than early on (:data:`OWN_UTILIZATION`)."""
+    CPU work. Never when the run took more CPU per second than early on (:data:`OWN_UTILIZATION`), unless the fixed
+    computation at the run's thread count slowed by :data:`EXPLAINS` of the rise itself: threads spinning at a
+    parallel region's barrier while a peer waits for a core burn CPU as more work would."""
     base, step = row.baseline_ms, row.step_ms
     if not (base > 0 and step / base > regression_factor):
         return False
     # the mean, like with like: the reference and the waits are means too (the median moves in steps under slicing)
     ratio = row.mean_ratio if row.mean_ratio == row.mean_ratio else step / base
+    if row.parallel_ratio - 1.0 >= EXPLAINS * (ratio - 1.0):  # NaN (not timed): not known, not shown
+        return True
     if row.cpu_ratio / ratio > OWN_UTILIZATION:
         return False
     own_work = row.cpu_ratio - 1.0 >= OWN_WORK * (ratio - 1.0)  # NaN: not known, not shown
@@ -361,6 +368,8 @@ def contended_verdict(ratio: float, row: ThroughputRow, step: int | None = None)
         parts.append(f"this process waited {row.contention_ratio:.2f}x as long for a CPU core per second of work")
     if row.reference_ratio == row.reference_ratio:
         parts.append(f"a fixed reference computation ran {row.reference_ratio:.2f}x slower")
+    if row.parallel_ratio == row.parallel_ratio:
+        parts.append(f"{row.parallel_ratio:.2f}x slower at the run's thread count")
     cause = " and ".join(parts) + " than on the early steps: the machine itself got slower (other processes, steal)"
     return TFD605.verdict(evidence, step=step, cause=cause)
 
@@ -371,6 +380,7 @@ def load_evidence(row: ThroughputRow) -> dict[str, float]:
         "contention_ratio": row.contention_ratio,
         "cpu_ratio": row.cpu_ratio,
         "reference_ratio": row.reference_ratio,
+        "parallel_ratio": row.parallel_ratio,
     }
 
 

@@ -620,14 +620,22 @@ def test_the_reference_computation_is_timed_early_only_and_its_early_speed_is_ke
                 timed_at.append(trainer.global_step)
 
     calls: list[float] = []
-    monkeypatch.setattr(module, "reference_work_ms", lambda: calls.append(real()) or calls[-1])
+    parallel_calls: list[float] = []
+
+    def timed(parallel=False):
+        (parallel_calls if parallel else calls).append(real(parallel=parallel))
+        return (parallel_calls if parallel else calls)[-1]
+
+    monkeypatch.setattr(module, "reference_work_ms", timed)
     # a factor no noise reaches: no measurement is slow, so only the early ones time the reference
     monitor = Counting(every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2, regression_factor=100.0)
     fit(tmp_path, [monitor], max_steps=30)
     # the measuring steps that fill the early window (steps 2-9), then none while no measurement is slow
     assert timed_at and max(timed_at) <= 12 and len(calls) >= 3, timed_at
     state = monitor.state_dict()
-    assert len(state["reference_baseline"]["values"]) == len(calls)
+    assert len(state["reference_baseline"]["values"]) == len(calls) == len(parallel_calls)  # each beside the other
+    assert len(state["parallel_baseline"]["values"]) == len(parallel_calls)
     resumed = ThroughputMonitor(every_n_steps=2, window=4, skip_steps=2, baseline_steps=8, patience=2)
     resumed.load_state_dict(state)
     assert resumed._load.reference_base.median() == monitor._load.reference_base.median() > 0
+    assert resumed._load.parallel_base.median() == monitor._load.parallel_base.median() > 0

@@ -53,6 +53,21 @@ def test_the_reference_computation_spans_its_time_on_the_cpu_and_leaves_the_user
     assert torch.get_num_threads() == threads  # one thread while it runs, the user's count restored
 
 
+def test_the_parallel_reference_runs_at_the_runs_thread_count_with_its_waits(monkeypatch):
+    seen = []
+    real_mm = torch.mm
+
+    def mm(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(host, "thread_run_delay_ns", lambda: pytest.fail("the parallel reference keeps its waits"))
+    threads = torch.get_num_threads()
+    assert host.reference_work_ms(span_ms=2.0, parallel=True) > 0
+    assert seen and set(seen) == {threads} and torch.get_num_threads() == threads
+
+
 def test_compile_watch_counts_graphs_after_the_early_window_and_limit_hits_since_the_start(monkeypatch):
     counters = {"stats": {"unique_graphs": 3}, "unimplemented": {"cache_size_limit reached\nat f": 1}}
     monkeypatch.setitem(sys.modules, "torch._dynamo.utils", types.SimpleNamespace(counters=counters))

@@ -35,6 +35,7 @@ def row(**values):
         cpu_ratio=1.0,
         mean_ratio=float("nan"),
         reference_ratio=float("nan"),
+        parallel_ratio=float("nan"),
     )
     base.update(values)
     return ThroughputRow(**base)
@@ -199,6 +200,21 @@ def test_contended_with_plain_numbers():
     assert not contended(row(contention_ratio=9.0), 1.5)  # not slow at all
     # asleep: a wait per CPU second that rose with a sleep (its wake-ups) is not the machine's
     assert not contended(row(step_ms=80.0, contention_ratio=1.9, cpu_ratio=1.0), 1.5)
+
+
+def test_threads_spinning_under_contention_are_told_from_more_work_by_the_parallel_reference():
+    """Measured: a T5 run beside another job's 2-thread torch ranks, loaded from its first step: the step time 8.5x,
+    its CPU per step 12.7x (threads spinning at barriers while a peer waits for a core), its run-queue wait per CPU
+    second unchanged and the one-thread reference 1.2x. Those numbers alone read as more work (TFD603); the same fixed
+    computation at the run's thread count, waits left in, slowing as the steps did is the machine's."""
+    spinning = dict(step_ms=170.0, baseline_ms=20.0, contention_ratio=1.0, cpu_ratio=12.65, reference_ratio=1.2)
+    assert not contended(row(**spinning), 1.5)
+    assert contended(row(**spinning, parallel_ratio=6.0), 1.5)
+    assert not contended(row(**spinning, parallel_ratio=1.3), 1.5)  # the run's own work, on a steady machine
+    diagnosis = ThroughputDiagnosis(patience=2)
+    [verdict] = verdicts_after(diagnosis, [row(**spinning, parallel_ratio=6.0)], 2)
+    assert verdict.code == "TFD605" and verdict.evidence["parallel_ratio"] == 6.0
+    assert "6.00x slower at the run's thread count" in verdict.message
 
 
 def test_tfd604_memory_on_the_fullest_rank():
