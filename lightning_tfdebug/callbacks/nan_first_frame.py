@@ -25,6 +25,7 @@ from lightning_tfdebug.core.distributed import all_gather_vector, any_rank, grad
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
+from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_row, flagged_ranks
 from lightning_tfdebug.functional.frames import (
@@ -244,6 +245,7 @@ class NaNFirstFrame(DebugCallback):
             for p in self._finite.params:  # only on a bad step: the optimizer skips parameters without a gradient
                 p.grad = None
             self.skipped_steps += 1
+            step_state(trainer).skipped_step = trainer.global_step
             self.log_scalars(trainer, {"nan_first_frame/skipped_steps": float(self.skipped_steps)})
         if len(self.reports) >= self.max_reports or (self._mode == "lazy" and not bad_ranks):
             return

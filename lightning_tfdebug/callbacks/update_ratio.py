@@ -15,7 +15,7 @@ from lightning_tfdebug.core.distributed import local_tensor, world_size
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of, schedule_courses
-from lightning_tfdebug.core.step import step_norms
+from lightning_tfdebug.core.step import step_norms, step_state
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import unigram_entropy
 from lightning_tfdebug.functional.memory import WeightSnapshot, budget_for, check_budget, plan_notes
@@ -328,8 +328,10 @@ class UpdateRatio(DebugCallback):
             flat = torch.cat(parts).tolist()
         k = 3 * n + 2
         unigram = flat[k] if counted else math.nan
-        if skipped is not None and flat[k + int(counted)] > 0:
-            self.skipped_measurements += 1  # the GradScaler skipped this step: nothing was applied, nothing to judge
+        if (skipped is not None and flat[k + int(counted)] > 0) or step_state(trainer).skipped_step == step:
+            # the GradScaler or NaNFirstFrame (the same on every rank) skipped this step: nothing was applied, nothing
+            # to judge
+            self.skipped_measurements += 1
             return
         names = layout.groups.group_names
         reading = UpdateReading.from_squares(

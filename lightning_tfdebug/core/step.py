@@ -31,6 +31,8 @@ class StepState:
         host_copy: ReproCapture's host copy of that batch (BatchGuard reads it after a device-side assert).
         model_call: the model call recorded on the probe batch (``core.calls.RecordedCall``), shared by the probes.
         warned_no_logger: the Trainer has no logger and one callback said so (once per Trainer, not per callback).
+        skipped_step: the global step whose optimizer step NaNFirstFrame skipped last (non-finite values, decided on
+            every rank together): nothing was applied, so UpdateRatio does not judge its update.
     """
 
     batch: Any = None
@@ -43,6 +45,7 @@ class StepState:
     host_copy: Any = None
     model_call: Any = None
     warned_no_logger: bool = False
+    skipped_step: int | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, StepState] = weakref.WeakKeyDictionary()

@@ -10,7 +10,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_tfdebug import GradNormMonitor, TFDebug, UpdateRatio
+from lightning_tfdebug import GradNormMonitor, NaNFirstFrame, TFDebug, UpdateRatio
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.demo.data import generate_corpus
 from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
@@ -255,6 +255,26 @@ def test_a_step_skipped_by_the_grad_scaler_is_not_a_zero_update(tmp_path):
     assert monitor.skipped_measurements == 1
     assert 2 not in logged and {0, 1, 3, 4} <= set(logged)
     assert "TFD312" not in codes(monitor)
+
+
+class NaNFromStep2(TinyGPT):
+    """A loss that turns NaN from step 2 on: NaNFirstFrame skips every optimizer step after that."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step >= 2 else loss
+
+
+def test_steps_nan_first_frame_skipped_are_not_tiny_updates(tmp_path):
+    """Beside NaNFirstFrame, a step it skipped applied nothing: no update to judge, so no "LR too low" (TFD310) on a
+    run whose real fault is the NaN."""
+    monitor = UpdateRatio(every_n_steps=1, patience=2)
+    guard = NaNFirstFrame(max_reports=1)
+    fit(tmp_path, [guard, monitor], model=NaNFromStep2(**SMALL), max_steps=8)
+    assert guard.skipped_steps == 6 and "TFD401" in codes(guard)
+    assert monitor.skipped_measurements == 6
+    assert not {"TFD310", "TFD312"} & set(codes(monitor)), [f.format() for f in monitor.findings]
+    assert set(dict(read_scalars(tmp_path / "tb" / "version_0")["update_ratio/total"])) == {0, 1}
 
 
 def test_state_is_saved_and_restored_on_resume(tmp_path):
