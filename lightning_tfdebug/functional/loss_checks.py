@@ -292,7 +292,8 @@ TFD233 = Rule(
     title="the returned loss stays far above the logits' own cross-entropy: a bound or squash before the loss",
     trigger=(
         "on every compared step (at least two) the returned loss is above the recorded logits' cross-entropy by 20% "
-        "of it and 10% of ln(V), not explained by label smoothing (at most 0.3) or a temperature; or it is pinned: "
+        "of it and 10% of ln(V), not explained by label smoothing (at most 0.3) or a temperature, and fell by less "
+        "than 0.9x what the cross-entropy fell (an added term such as distillation falls with it); or it is pinned: "
         "it fell by at most 4% while the logits' range grew by 10% (the message then names the width w whose floor "
         "ln(1 + (V-1) e^-w) the loss sits on); or it is the cross-entropy of c * tanh(logits / c) for one c at every "
         "compared step (within 3%, closer than any temperature) and that cap keeps every token below probability 1/2 "
@@ -431,6 +432,8 @@ SCALE_SPREAD = math.log(1.1)
 """A constant factor (``loss / k`` for manual accumulation): ``loss / ce`` varies by at most 10%."""
 ADDED_TERM = 0.2
 """An added term (z-loss, auxiliary loss) lifts the loss above the logits' cross-entropy by at most this fraction."""
+ADDED_FOLLOWS = 0.9
+"""A larger added term is told from a bound by the loss falling with the logits' cross-entropy: this fraction of it."""
 
 COMPARE_FRACTIONS = (0.5, 0.75)
 """Besides the check, the returned loss is compared with the recorded logits on the first measuring steps at or after
@@ -1273,7 +1276,8 @@ def loss_transform_verdict(
     * a soft-cap ``c * tanh(logits / c)`` fits every step better than any temperature (:func:`_soft_cap`):
       ``TFD233`` when its floor keeps every token below probability 1/2 or above what the logits reach, else nothing;
     * a temperature (:data:`TEMPERATURE_MATCH`, :data:`TEMPERATURE_MIN`): ``TFD234`` (info);
-    * the loss far above the logits' cross-entropy at every step (:func:`_far_above`): ``TFD233``;
+    * the loss far above the logits' cross-entropy at every step (:func:`_far_above`) and not falling with it
+      (:func:`_follows`: a large added term does): ``TFD233``;
     * a constant factor (:data:`SCALE_SPREAD`) or a small added term (:data:`ADDED_TERM`): nothing;
     * else ``TFD235`` (info) with both numbers.
     """
@@ -1327,7 +1331,7 @@ def loss_transform_verdict(
         return TFD234.verdict(
             {**evidence, "temperature": temperature}, severity="info", step=last.step, direction=direction, **head
         )
-    if pinned or all(_far_above(r, expected) for r in points):
+    if pinned or (all(_far_above(r, expected) for r in points) and not _follows(points)):
         detail = ""
         if pinned:  # the width whose floor the loss sits on
             evidence.update(width=bound_width(last.loss, vocab), floor=last.loss)
@@ -1395,6 +1399,15 @@ def _far_above(r: LossReading, expected: float) -> bool:
     """The loss is above the logits' cross-entropy by more than an added term explains: :data:`ADDED_TERM` of it,
     :data:`FAR_ABOVE` of ln(V) and three standard errors of a sampled mean."""
     return r.loss - r.ce > max(ADDED_TERM * r.ce, FAR_ABOVE * expected, 3.0 * r.ce_error)
+
+
+def _follows(points: Sequence[LossReading]) -> bool:
+    """The returned loss fell by at least :data:`ADDED_FOLLOWS` of what the logits' own cross-entropy fell (which fell
+    by at least :data:`AGREE` of itself): a term added beside the cross-entropy (distillation, an auxiliary loss) trains
+    with it, while a bound or squash keeps the loss from following the logits (0.18 to 0.6 of their fall measured)."""
+    first, last = points[0], points[-1]
+    ce_fall = first.ce - last.ce
+    return ce_fall >= AGREE * first.ce and first.loss - last.loss >= ADDED_FOLLOWS * ce_fall
 
 
 def _label_smoothing(points: Sequence[LossReading]) -> bool:

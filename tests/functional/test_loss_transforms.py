@@ -168,6 +168,28 @@ def test_a_loss_far_above_the_logits_at_every_step_is_a_warning_with_both_number
     assert loss_transform_verdict(readings_of(steps[:1], labels, lambda x, y: ce(x.sigmoid(), y)), V) is None
 
 
+def test_a_large_added_term_that_trains_with_the_loss_is_not_a_bound():
+    """Distillation: the cross-entropy plus a KL to a teacher, which falls as the student learns. It is far above the
+    logits' cross-entropy at every step, but it falls with it: explained (or info, TFD235), not a bound."""
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (1.0, 2.0, 3.0)]
+    g = torch.Generator().manual_seed(1)  # a teacher that knows the labels, with noise of its own
+    teacher = (torch.randn(4, 16, V, generator=g) + 6.0 * F.one_hot(labels, V)).log_softmax(-1)
+
+    def distilled(x, y):
+        kl = F.kl_div(x.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1).mean()
+        return ce(x, y) + kl
+
+    readings = readings_of(steps, labels, distilled)
+    expected = math.log(V)
+    assert all(r.loss - r.ce > max(0.2 * r.ce, 0.1 * expected) for r in readings)  # far above at every step
+    verdict = loss_transform_verdict(readings, V)
+    assert verdict is None or verdict.code == "TFD235"
+    # the same gap without the fall: a bound
+    flat = [dataclasses.replace(r, loss=readings[0].loss) for r in readings]
+    assert loss_transform_verdict(flat, V).code == "TFD233"
+
+
 def _reading(step, loss, ce_value, logit_range, best=None):
     """A reading whose cross-entropy over the temperature grid falls from ln(V) to ``best`` at a multiplier that moves
     with the step (a bound's loss is given by no one temperature)."""
