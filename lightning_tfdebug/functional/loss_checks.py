@@ -1311,19 +1311,7 @@ def loss_transform_verdict(
         return None  # label smoothing: healthy
     cap = None if pinned else _soft_cap(points)  # agreeing at a step too: a small cap barely moves small logits
     if cap is not None:  # c * tanh(logits / c) gives the loss, better than any temperature does
-        (c, miss), temperature_miss = cap
-        floor = math.log1p((vocab - 1) * math.exp(-2.0 * c))
-        if floor <= min(math.log(2.0), last.best):
-            return None  # a soft-cap that binds neither the logits nor a prediction of probability 1/2
-        evidence.update(cap=c, cap_miss=miss, temperature_miss=temperature_miss, width=2.0 * c, floor=floor)
-        detail = (
-            f"; it is the cross-entropy of c * tanh(logits / c) with c = {c:.3g} at every compared step (largest "
-            f"miss {miss:.2%} of the loss, {temperature_miss:.2%} for the best single temperature), and outputs "
-            f"confined to [-c, c] cannot bring the loss below ln(1 + (V-1) e^-2c) = {floor:.3f} (V={vocab}): no token "
-            f"can get more than {1.0 / (1.0 + (vocab - 1) * math.exp(-2.0 * c)):.1%} of the probability, while the "
-            f"logits already reach {last.best:.3f}"
-        )
-        return TFD233.verdict(evidence, step=last.step, gap=last.loss - last.ce, detail=detail, **head)
+        return _capped(cap, vocab, last, evidence, head)
     shared = None if pinned else _shared_temperature(points)  # a model compensating T crosses CE(logits / T)
     if shared is not None and abs(math.log(shared)) >= TEMPERATURE_MIN:
         temperature = 1.0 / shared
@@ -1345,6 +1333,30 @@ def loss_transform_verdict(
     if any(agreeing) or _explained_difference(points):
         return None
     return TFD235.verdict(evidence, severity="info", step=last.step, **head)
+
+
+def _capped(
+    cap: tuple[tuple[float, float], float],
+    vocab: int,
+    last: LossReading,
+    evidence: dict[str, Any],
+    head: dict[str, Any],
+) -> Verdict | None:
+    """``TFD233`` for the soft-cap :func:`_soft_cap` found, when it binds; None when it binds neither the logits nor
+    a prediction of probability 1/2."""
+    (c, miss), temperature_miss = cap
+    floor = math.log1p((vocab - 1) * math.exp(-2.0 * c))
+    if floor <= min(math.log(2.0), last.best):
+        return None  # a soft-cap that binds neither the logits nor a prediction of probability 1/2
+    evidence.update(cap=c, cap_miss=miss, temperature_miss=temperature_miss, width=2.0 * c, floor=floor)
+    detail = (
+        f"; it is the cross-entropy of c * tanh(logits / c) with c = {c:.3g} at every compared step (largest "
+        f"miss {miss:.2%} of the loss, {temperature_miss:.2%} for the best single temperature), and outputs "
+        f"confined to [-c, c] cannot bring the loss below ln(1 + (V-1) e^-2c) = {floor:.3f} (V={vocab}): no token "
+        f"can get more than {1.0 / (1.0 + (vocab - 1) * math.exp(-2.0 * c)):.1%} of the probability, while the "
+        f"logits already reach {last.best:.3f}"
+    )
+    return TFD233.verdict(evidence, step=last.step, gap=last.loss - last.ce, detail=detail, **head)
 
 
 def _pinned(points: Sequence[LossReading], expected: float, unigram_entropy: float) -> bool:
