@@ -1208,10 +1208,6 @@ class LossReading:
         in ``ln b`` between the grid's points (a convex curve in ``b``: at most two)."""
         return _roots(TEMPERATURE_GRID, self.beta_ce, self.loss)
 
-    def caps(self) -> list[float]:
-        """The soft-caps ``c`` at which the cross-entropy of ``c * tanh(logits / c)`` equals the returned loss."""
-        return _roots(CAP_GRID, self.cap_ce, self.loss)
-
 
 def _roots(grid: Sequence[float], values: Sequence[float], target: float) -> list[float]:
     """Where the curve ``values`` over ``grid`` crosses ``target``, interpolated in the grid's logarithm."""
