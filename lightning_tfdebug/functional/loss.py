@@ -339,7 +339,7 @@ def loss_transform_sums(
     for k, beta in enumerate(TEMPERATURE_GRID):
         out[f"tx_beta_{k}"] = summed(lambda v, b=beta: v * b)
     for k, cap in enumerate(CAP_GRID):
-        out[f"tx_cap_{k}"] = summed(lambda v, c=cap: c * torch.tanh(v / c))
+        out[f"tx_cap_{k}"] = summed(lambda v, c=cap: (v / c).tanh_().mul_(c))  # one temporary, as b * v
     return out
 
 
