@@ -327,7 +327,8 @@ class ThroughputMonitor(DebugCallback):
         slow = self._times.ready and step_ms > self.regression_factor * self._times.baseline.median()
         # deliberate host work (2 x 20 ms), on the early window's measuring steps and on slow ones only
         reference_ratio = self._load.reference_ratio(early, slow, reference_work_ms)
-        parallel_ratio = self._load.reference_ratio(early, slow, partial(reference_work_ms, parallel=True), True)
+        parallel = partial(reference_work_ms, parallel=True)
+        parallel_ratio = self._load.reference_ratio(early, slow, parallel, parallel=True)
         # the monitor's time: off the next step time; the window's wall time (throughput) keeps it, as every callback's
         self._pause_ms += 1e3 * (time.perf_counter() - started)
         device = trainer.strategy.root_device
