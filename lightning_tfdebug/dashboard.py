@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_tfdebug.core.compat import is_lightning_instance
 from lightning_tfdebug.core.io import refused
-from lightning_tfdebug.core.keys import Key
+from lightning_tfdebug.primitives.keys import Key
 
 Chart = list[Any]  # ["Multiline", [regex, ...]] or ["Margin", [value, lower, upper]]
 Layout = dict[str, dict[str, Chart]]

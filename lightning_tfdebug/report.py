@@ -26,7 +26,7 @@ SHORT_INFO_LINES = 8  # the end-of-fit summary lists info findings one by one up
 
 def series_of(source: str) -> tuple[str, ...]:
     """The series behind a source's findings: the tag patterns of the keys its callback declares on a chart
-    (``KEYS``, :mod:`lightning_tfdebug.core.keys`); empty for a source that declares none."""
+    (``KEYS``, :mod:`lightning_tfdebug.primitives.keys`); empty for a source that declares none."""
     cls = CALLBACKS.get(source)
     return tuple(f"^{key.pattern()}$" for key in getattr(cls, "KEYS", ()) if key.chart)
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import lightning_tfdebug
-from lightning_tfdebug.core.keys import render_key_table
+from lightning_tfdebug.primitives.keys import render_key_table
 from lightning_tfdebug.rules import BLOCKS, render_rule_table
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,9 +14,9 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 import lightning_tfdebug as tfd
-from lightning_tfdebug.core.keys import declared
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.pack import MEMBERS
+from lightning_tfdebug.primitives.keys import declared
 from tests.helpers import SMALL, fit_tiny, make_trainer, read_scalars
 
 KEYS = tuple(key for member in MEMBERS.values() for key in member.KEYS)

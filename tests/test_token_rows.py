@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_tfdebug import LossAtInit, MaskProbe
-from lightning_tfdebug.core.calls import find_model_call, record_calls, takes_tokens
 from lightning_tfdebug.functional.loss import unigram_entropy
 from lightning_tfdebug.functional.probes import alignment_losses
+from lightning_tfdebug.primitives.calls import find_model_call, record_calls, takes_tokens
 from tests.helpers import fit_tiny, read_scalars
 from tests.wild_models import (
     STYLES,

@@ -14,14 +14,15 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
-from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, StepBatch, step_batch
+from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.data import epoch_data, special_token_sources, write_examples
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import find_context_length, find_vocab_size, load_tokenizer
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import batch_checks as checks
 from lightning_tfdebug.functional.batches import parse_declared_schema, structure_key, unpack_statistics
 from lightning_tfdebug.functional.verdicts import Verdict
+from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys, StepBatch
+from lightning_tfdebug.primitives.keys import Key
 from lightning_tfdebug.repro import shared_host_copy
 
 

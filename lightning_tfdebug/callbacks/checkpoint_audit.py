@@ -13,7 +13,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number, eager_model_calls
-from lightning_tfdebug.core.batch import loss_of, step_batch
+from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.checkpoints import (
     DamagedCheckpoint,
     expectation,
@@ -27,6 +27,7 @@ from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import checkpoint_checks as checks
 from lightning_tfdebug.functional.checkpoints import restored_state
 from lightning_tfdebug.functional.verdicts import Verdict
+from lightning_tfdebug.primitives.batch import loss_of
 
 
 class CheckpointAudit(DebugCallback):

@@ -11,8 +11,8 @@ from torch import Tensor, nn
 
 from lightning_tfdebug.core.activation_hooks import ActivationHooks, HookedLayer
 from lightning_tfdebug.core.base import DebugCallback, check_number, model_is_compiled
-from lightning_tfdebug.core.distributed import packed_reduce, world_size
-from lightning_tfdebug.core.keys import Key
+from lightning_tfdebug.core.distributed import world_size
+from lightning_tfdebug.core.reduction import Reduced, reduce_now
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.activation_checks import (
     ActivationHistory,
@@ -24,6 +24,7 @@ from lightning_tfdebug.functional.activation_checks import (
     unobservable_verdict,
 )
 from lightning_tfdebug.functional.activations import ACTIVATION_KINDS, layer_fractions, pack_counts
+from lightning_tfdebug.primitives.keys import Key
 
 
 class DeadActivation(DebugCallback):
@@ -227,7 +228,7 @@ class DeadActivation(DebugCallback):
         # was dead on every rank's batch.
         self.reduce_then(
             trainer,
-            lambda reduced: self._conclude(trainer, pl_module, layers, reduced.sums, reduced.anys, step),
+            lambda reduced: self._conclude(trainer, pl_module, layers, reduced, step),
             device,
             sums=sums,
             anys=alive,
@@ -241,10 +242,8 @@ class DeadActivation(DebugCallback):
         if world_size() > 1:
             # First measurement (or while some layer never ran anywhere): one small collective. The condition depends
             # only on values every rank shares, so every rank reaches it on the same step.
-            _, units = packed_reduce(
-                torch.zeros(0, device=device), torch.tensor(local, device=device, dtype=torch.float)
-            )
-            local = [int(u) for u in units.tolist()]  # host sync: first measurement only
+            units = reduce_now(device, maxes={"units": torch.tensor(local, device=device, dtype=torch.float)})
+            local = [int(u) for u in units.maxes["units"].tolist()]  # host sync: first measurement only
         self._units = local
         return local
 
@@ -253,12 +252,10 @@ class DeadActivation(DebugCallback):
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         layers: list[HookedLayer],
-        sums: Tensor,
-        alive: Tensor,
+        reduced: Reduced,
         step: int,
     ) -> None:
-        assert self._units is not None
-        host = self.to_host(layer_fractions(layers, self._units, sums, alive))  # the one host transfer of the step
+        host = self.to_host(layer_fractions(layers, reduced.sums, reduced.anys))  # the one host transfer of the step
         ran = [layer.name for layer in layers if host[f"calls/{layer.name}"] > 0]
         compiled = not ran and model_is_compiled(trainer, pl_module)
         if self._unobservable(trainer, silent_layers_reason(len(ran), compiled), step=step):

@@ -10,12 +10,10 @@ from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.distributed import local_tensor, packed_reduce
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import grad_scaler_of
+from lightning_tfdebug.core.reduction import host_fields, reduce_now
 from lightning_tfdebug.core.step import step_norms
-from lightning_tfdebug.core.tracking import RunningWindow
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.grad_checks import (
     Clipping,
@@ -29,6 +27,9 @@ from lightning_tfdebug.functional.grad_checks import (
 from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms, per_tensor_norms
 from lightning_tfdebug.functional.update_checks import outside_optimizers
 from lightning_tfdebug.functional.verdicts import Verdict
+from lightning_tfdebug.primitives.keys import Key
+from lightning_tfdebug.primitives.tensors import local_tensor
+from lightning_tfdebug.primitives.tracking import RunningWindow
 
 _TOTALS = "gradient norm: total, clipped and non-finite"
 """The dashboard chart of the total, the fraction clipping kept and the non-finite count."""
@@ -252,23 +253,23 @@ class GradNormMonitor(DebugCallback):
         # the clipping measured since the last transfer: its squares add up over shards like the groups' (a ratio,
         # so replicas count alike before and after)
         clipped, self._clipped = self._clipped, None
-        sums = group_sq.float()
+        sums: dict[str, Tensor] = {"group_sq": group_sq.float()}
         if clipped is not None:
-            sums = torch.cat([sums, clipped[3].to(sums)])
-        # one packed collective under sharding (sums of squares; per-tensor non-finite flags by max); none under DDP
+            sums["clip_sq"] = clipped[3].to(sums["group_sq"])
+        # one collective under sharding (sums of squares; per-tensor non-finite flags by max); none under DDP, whose
+        # gradients are the same on every rank
         all_flags = torch.zeros(len(params), device=device).index_copy_(0, positions, flags)
-        sums, all_flags = packed_reduce(sums, all_flags, collective=layout.sharded)
-        n = layout.n_groups
-        parts = [sums, group_sums(all_flags, layout.index, n).to(sums)]
+        reduced = reduce_now(device, sums=sums, maxes={"nonfinite": all_flags}, across_ranks=layout.sharded)
+        fields = {**reduced.sums, "nonfinite": group_sums(reduced.maxes["nonfinite"], layout.index, layout.n_groups)}
         scaler = grad_scaler_of(trainer)
         scaled = scaler is not None and _optimizer_handles_unscaling(optimizer)
         if scaled:  # the optimizer unscales inside step(): divide by the scale, on the host
-            parts.append(scaler._scale.to(sums).reshape(1))
+            fields["loss_scale"] = scaler._scale.reshape(())
         # host sync: the one transfer of this measuring step; the per-group values are then host arithmetic (a few
         # kernels per group on the device would cost more than the read)
-        flat = torch.cat(parts).tolist()
-        squares, clip_sq, rest = flat[:n], flat[n : len(sums)], flat[len(sums) :]
-        nonfinite, loss_scale = rest[:n], rest[n] if scaled else None
+        host = host_fields(fields)
+        squares, clip_sq = host["group_sq"], host.get("clip_sq", [])
+        nonfinite, loss_scale = host["nonfinite"], host.get("loss_scale")
         if loss_scale:
             squares = [sq / loss_scale**2 for sq in squares]
         clipping = None

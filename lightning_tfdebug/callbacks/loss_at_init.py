@@ -12,9 +12,8 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, loss_of, step_batch
+from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.distributed import world_size
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.logits import LogitsCapture, check_capture_args, module_device, row_targets, training_loss
 from lightning_tfdebug.core.reduction import Reduced
 from lightning_tfdebug.findings import OnFinding
@@ -30,6 +29,8 @@ from lightning_tfdebug.functional.loss_checks import (
     summarize_init,
     unreadable_verdict,
 )
+from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys, loss_of
+from lightning_tfdebug.primitives.keys import Key
 
 _BASELINES = "loss against ln V and the unigram entropy"
 """The dashboard chart of the loss between its two baselines."""
@@ -289,18 +290,18 @@ class LossAtInit(DebugCallback):
         named["loss_n"] = torch.tensor(float(loss is not None), device=device)
         named["ok"] = torch.tensor(float(found.ok), device=device)
         counts = self._frequencies.payload  # a copy travels: counts added later go into the next reduction
-        values = [torch.stack([v.float().to(device) for v in named.values()])]
-        packed = torch.cat(values + ([counts.to(device)] if counts is not None else []))
+        declared: dict[str, Tensor] = {k: v.float().to(device) for k, v in named.items()}
+        if counts is not None:
+            declared["label_counts"] = counts.to(device)
 
         def conclude(reduced: Reduced) -> None:
             with torch.no_grad():
-                sums = reduced.sums.float()
-                scalars = dict(zip(named, sums))
+                scalars = {k: reduced.sums[k].float() for k in named}
                 if counts is not None:
-                    scalars["unigram_entropy"] = unigram_entropy(sums[len(named) :])
+                    scalars["unigram_entropy"] = unigram_entropy(reduced.sums["label_counts"].float())
                 then(self.to_host(scalars))  # host sync: the one transfer of this measuring step
 
-        self.reduce_then(trainer, conclude, device, sums=packed)
+        self.reduce_then(trainer, conclude, device, sums=declared)
 
     def _stand_aside_if_unreadable(self, trainer: pl.Trainer, host: dict[str, float], reason: str, step: int) -> bool:
         """``TFD228`` and stand aside, on every rank, when a rank could not read the logits or labels."""

@@ -9,16 +9,18 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core import calls
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
-from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
+from lightning_tfdebug.core.batch import step_batch
+from lightning_tfdebug.core.calls import share_model_call
 from lightning_tfdebug.core.data import special_token_sources
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import call_probes, mask_checks
 from lightning_tfdebug.functional import mask_probes as probes
 from lightning_tfdebug.functional.mask_checks import ALIGNMENT_RETRY_STEPS, ORDER_STEPS
+from lightning_tfdebug.primitives import calls
+from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys
+from lightning_tfdebug.primitives.keys import Key
 
 
 def _imported(path: str | None) -> Any:
@@ -368,7 +370,7 @@ class MaskProbe(DebugCallback):
         found = calls.find_model_call(recorded, *fields, self.ignore_index, pl_module, self.model_kind)
         if isinstance(found, str):
             return found
-        calls.share_model_call(trainer, batch, found)
+        share_model_call(trainer, batch, found)
         self._found, self._replayed = found, returned
         return None
 

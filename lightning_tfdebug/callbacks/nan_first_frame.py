@@ -20,14 +20,14 @@ from lightning_tfdebug.core.base import (
     eager_model_calls,
     model_is_compiled,
 )
-from lightning_tfdebug.core.batch import loss_of, step_rng_state
-from lightning_tfdebug.core.distributed import all_gather_vector, any_rank, gradients_replicated, world_size
+from lightning_tfdebug.core.batch import step_rng_state
+from lightning_tfdebug.core.distributed import any_rank, gradients_replicated, world_size
 from lightning_tfdebug.core.io import write_text
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
+from lightning_tfdebug.core.reduction import reduce_now
 from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_row, flagged_ranks
+from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_fields, flagged_ranks
 from lightning_tfdebug.functional.frames import (
     LOSS_FRAME,
     FrameFlags,
@@ -43,6 +43,8 @@ from lightning_tfdebug.functional.nan_checks import (
     rank_frames,
     replay_failed_on_rank,
 )
+from lightning_tfdebug.primitives.batch import loss_of
+from lightning_tfdebug.primitives.keys import Key
 
 Mode = Literal["lazy", "eager"]
 _MODES = ("lazy", "eager")
@@ -223,20 +225,20 @@ class NaNFirstFrame(DebugCallback):
                     # Collective, every step, and deliberate: a loss is rank-local (the only flag under a GradScaler
                     # or with check_gradients=False), an FSDP gradient shard or an eager frame may hold the only
                     # inf/nan, so every rank must learn whether any rank's step is bad. One one-element all_reduce.
-                    local = flag_row(device, (self._finite.loss_flag(), grad_bad, frame_bad))
-                    decision = any_rank(local.amax())
+                    local = flag_fields(device, self._finite.loss_flag(), grad_bad, frame_bad)
+                    decision = any_rank(torch.stack(list(local.values())).amax())
         # host sync: the step's one read, before `optimizer.step()` could apply a bad step
         if decision is None or not decision.item():
             return
         if local is None:
             if grad_bad is None and frame_bad is None:  # the one-pass path: the separate flags, on a bad step only
                 grad_bad, frame_bad = self._step_flags()
-            local = flag_row(device, (self._finite.loss_flag(), grad_bad, frame_bad))
+            local = flag_fields(device, self._finite.loss_flag(), grad_bad, frame_bad)
         # A bad step, the same on every rank: which ranks were bad (collective, only on such a step).
-        rows = (all_gather_vector(local) if world > 1 else local.unsqueeze(0)).tolist()
+        rows = reduce_now(device, rows=local).host().per_rank()
         self._bad_step(trainer, pl_module, rows)
 
-    def _bad_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[list[float]]) -> None:
+    def _bad_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[dict[str, float]]) -> None:
         """Skip a step some rank found bad; on the first ``max_reports`` replay, report and decide (every rank)."""
         bad_ranks, frame_ranks = flagged_ranks(rows)
         if not bad_ranks and not frame_ranks:
@@ -253,7 +255,7 @@ class NaNFirstFrame(DebugCallback):
         step_first = None
         if self._flags is not None:
             self._flags.enabled = False  # the replay below records into its own flags
-            if rows[rank][2] > 0:
+            if rows[rank]["frame"] > 0:
                 step_first = self._flags.first_nonfinite()  # this step's first non-finite output (one host read)
         recorder, replay_flags, error = self._replay(trainer, pl_module)
         micro = [idx for _, idx, _ in self._micro]

@@ -11,9 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.batch import loss_of
 from lightning_tfdebug.core.groups import training_model
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import grad_scaler_of, schedule_courses
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import optimizer_checks as checks
@@ -30,6 +28,8 @@ from lightning_tfdebug.functional.optimizers import (
     snapshot_step,
     stale_grad_flags,
 )
+from lightning_tfdebug.primitives.batch import loss_of
+from lightning_tfdebug.primitives.keys import Key
 
 
 class OptimizerAudit(DebugCallback):

@@ -14,18 +14,11 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, is_id_tensor, loss_of, step_batch
-from lightning_tfdebug.core.distributed import (
-    DTensor,
-    clean_param_name,
-    local_tensor,
-    plan_sharding,
-    world_size,
-)
+from lightning_tfdebug.core.batch import step_batch
+from lightning_tfdebug.core.distributed import plan_sharding, world_size
 from lightning_tfdebug.core.groups import training_model
 from lightning_tfdebug.core.host import peak_rss_bytes
 from lightning_tfdebug.core.io import append_line, make_dirs
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.reduction import Reduced, row_fields
 from lightning_tfdebug.core.timing import FetchTimer, StepClock, fetch_timer
 from lightning_tfdebug.findings import OnFinding
@@ -40,6 +33,9 @@ from lightning_tfdebug.functional.rank_checks import (
     per_rank_metrics,
 )
 from lightning_tfdebug.functional.throughput import parameter_checksums
+from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys, is_id_tensor, loss_of
+from lightning_tfdebug.primitives.keys import Key
+from lightning_tfdebug.primitives.tensors import DTensor, clean_param_name, local_tensor
 
 _GIB = float(2**30)
 
@@ -285,22 +281,19 @@ class PerRankLogger(DebugCallback):
             trainer,
             lambda reduced: self._conclude(trainer, reduced, compare, step),
             device,
-            sums=agreement,
+            sums={"agreement": agreement} if agreement is not None else None,
             rows=row_fields(RankRow, row),  # in the order RankRow declares, the same on every rank
         )
 
     def _conclude(self, trainer: pl.Trainer, reduced: Reduced, compare: bool, step: int) -> None:
-        table = reduced.rows
-        agreement = reduced.sums if compare else table.new_zeros(0)
-        # host sync: the one transfer of this measuring step (rows and agreement sums together)
-        host = torch.cat([table.reshape(-1), agreement]).tolist()
-        world, width = table.shape
-        stats = [RankRow(**r) for r in reduced.named_rows([host[r * width : (r + 1) * width] for r in range(world)])]
+        host = reduced.host()  # host sync: the one transfer of this measuring step (rows and agreement sums together)
+        world = host.world_size
+        stats = [RankRow(**r) for r in host.per_rank()]
         mine = stats[trainer.global_rank] if trainer.global_rank < len(stats) else stats[0]
         self._write_record(trainer, step, mine)
         self.log_scalars(trainer, per_rank_metrics(stats, self.log_per_rank), step=step)
         # every value comes from the reduction: every rank takes the same decisions (synchronized findings)
-        differing = disagreeing_tensors(host[world * width :], world, self._param_names) if compare else None
+        differing = disagreeing_tensors(host.sums["agreement"], world, self._param_names) if compare else None
         self.emit(trainer, self._diagnosis.update(stats, step, differing=differing))
 
     def _write_record(self, trainer: pl.Trainer, step: int, mine: RankRow) -> None:

@@ -11,10 +11,10 @@ import torch
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
 from lightning_tfdebug.core.batch import step_rng_state
-from lightning_tfdebug.core.distributed import DTensor
 from lightning_tfdebug.core.io import write_failures
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.repro_checks import bundle_not_written, bundle_written
+from lightning_tfdebug.primitives.tensors import DTensor
 from lightning_tfdebug.repro import (
     capture_rng,
     class_path,

@@ -10,10 +10,9 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.distributed import local_tensor, packed_reduce
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import grad_scaler_of
+from lightning_tfdebug.core.reduction import reduce_now
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.norms import grouped_sq_norms
 from lightning_tfdebug.functional.scaler_checks import (
@@ -25,6 +24,8 @@ from lightning_tfdebug.functional.scaler_checks import (
     schedule_on_skipped,
     steps_on_skipped,
 )
+from lightning_tfdebug.primitives.keys import Key
+from lightning_tfdebug.primitives.tensors import local_tensor
 
 
 def _found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> Tensor | None:
@@ -194,7 +195,10 @@ class ScalerWatch(DebugCallback):
             grads = [local_tensor(params[i].grad) for i in present]
             _, tensor_flags = grouped_sq_norms(grads, layout.index[positions], layout.n_groups)
             flags = flags.index_copy_(0, positions, tensor_flags.to(flags.device))
-        _, flags = packed_reduce(flags.new_zeros(0), flags, collective=layout.sharded)  # collective when sharded
+        # collective when sharded: a shard may hold the only inf; DDP's gradients are the same on every rank
+        flags = (
+            reduce_now(flags.device, maxes={"overflow": flags}, across_ranks=layout.sharded).maxes["overflow"].to(flags)
+        )
         return torch.zeros(layout.n_groups, device=flags.device).scatter_reduce_(0, layout.index, flags, "amax")
 
     def on_train_batch_end(

@@ -14,9 +14,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.batch import IGNORE_INDEX, BatchKeys, step_batch
+from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.host import CompileWatch, CpuWindow, device_peak_flops, memory_reading, reference_work_ms
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import import_object
 from lightning_tfdebug.core.profiling import FlopCount, StepProfiler, check_profile_steps
 from lightning_tfdebug.core.reduction import Reduced, row_fields
@@ -25,6 +24,8 @@ from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import throughput_checks
 from lightning_tfdebug.functional.throughput import MachineLoad, StepTimes, WindowCounts, batch_counts
 from lightning_tfdebug.functional.throughput_checks import ThroughputDiagnosis, ThroughputRow, throughput_metrics
+from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys
+from lightning_tfdebug.primitives.keys import Key
 
 
 def resolve_length_fn(length_fn: str | Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
@@ -354,7 +355,7 @@ class ThroughputMonitor(DebugCallback):
         self.reduce_then(trainer, lambda reduced: self._conclude(trainer, reduced, step), device, rows=declared)
 
     def _conclude(self, trainer: pl.Trainer, reduced: Reduced, step: int) -> None:
-        rows = [ThroughputRow(**r) for r in reduced.named_rows()]  # host sync: the one transfer of this measuring step
+        rows = [ThroughputRow(**r) for r in reduced.host().per_rank()]  # host sync: the one transfer of this step
         metrics = throughput_metrics(rows, self.flops_per_token, self._peak)
         self.log_scalars(trainer, metrics, step=step)
         # every value behind a verdict comes from the reduced table, so every rank reaches the same (synchronized)

@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_number
-from lightning_tfdebug.core.batch import loss_of, step_batch
-from lightning_tfdebug.core.distributed import local_tensor, world_size
+from lightning_tfdebug.core.batch import step_batch
+from lightning_tfdebug.core.distributed import world_size
 from lightning_tfdebug.core.groups import ReductionLayout, build_layout, training_model, validate_group_args
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import find_vocab_size, grad_scaler_of, schedule_courses
+from lightning_tfdebug.core.reduction import Reduced, host_fields
 from lightning_tfdebug.core.step import step_norms, step_state
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import unigram_entropy
@@ -28,6 +28,9 @@ from lightning_tfdebug.functional.update_checks import (
     label_counts,
     update_verdicts,
 )
+from lightning_tfdebug.primitives.batch import loss_of
+from lightning_tfdebug.primitives.keys import Key
+from lightning_tfdebug.primitives.tensors import local_tensor
 
 _UNIGRAM_BATCHES = 8
 """The supervised labels of this many measured batches (every rank's) are counted for their unigram entropy."""
@@ -241,14 +244,18 @@ class UpdateRatio(DebugCallback):
             after = [local_tensor(p.detach()) for p in layout.groups.params]
             # the snapshot becomes before - after in place (no second copy), freed once its norms are taken
             delta_sq, param_sq, measured = snapshot.change(after)
-            zero = delta_sq.new_zeros(1)
+            zero = delta_sq.new_zeros(())
             self._fold_losses()
-            loss_sum = self._loss_sum.to(zero).reshape(1) if self._loss_sum is not None else zero
-            losses = torch.cat([loss_sum, torch.tensor([float(self._loss_batches)]).to(zero)])
-            self._loss_sum, self._loss_batches = None, 0
-            counts = self._counts.to(zero) if self._counts is not None else zero[:0]
-            self._counts = None
-            packed = torch.cat([delta_sq, param_sq, self._grad_sq.to(zero), losses, counts])
+            declared: dict[str, Tensor | float] = {
+                "delta_sq": delta_sq,
+                "param_sq": param_sq,
+                "grad_sq": self._grad_sq.to(zero),
+                "loss_sum": self._loss_sum.to(zero).reshape(()) if self._loss_sum is not None else zero,
+                "loss_batches": float(self._loss_batches),
+            }
+            if self._counts is not None and self._counts.numel():
+                declared["label_counts"] = self._counts.to(zero)
+            self._loss_sum, self._loss_batches, self._counts = None, 0, None
             # a step the fp16 GradScaler skipped: its scale backed off (the same on every rank, no collective)
             scaler = grad_scaler_of(trainer)
             scale_after = getattr(scaler, "_scale", None)
@@ -260,18 +267,16 @@ class UpdateRatio(DebugCallback):
             self._scale_before = self._grad_sq = None
         # the next declaration carries label counts or not; a stand-in for this member (its failure on one rank) has
         # the sizes of this one, so it can take this one's place only while the two agree (see `declares_at`)
-        self._same_sizes_next = bool(counts.numel()) == self._counting
+        self._same_sizes_next = ("label_counts" in declared) == self._counting
         # Declared into the step's one reduction over ranks (the pack's shared collective; on its own, one of its
         # own): under FSDP the weighted partial sums of each rank's shard add up to the norms; under DDP the weights
         # are the same everywhere and only the losses and label counts need adding up.
-        counted, world = bool(counts.numel()), world_size()
+        world = world_size()
         self.reduce_then(
             trainer,
-            lambda reduced: self._conclude(
-                trainer, layout, reduced.sums.float(), counted, skipped, world, step, measured
-            ),
-            packed.device,
-            sums=packed,
+            lambda reduced: self._conclude(trainer, layout, reduced, skipped, world, step, measured),
+            delta_sq.device,
+            sums=declared,
         )
 
     def _plan_snapshot(self, trainer: pl.Trainer, layout: ReductionLayout, snapshot: WeightSnapshot) -> None:
@@ -307,35 +312,41 @@ class UpdateRatio(DebugCallback):
         self,
         trainer: pl.Trainer,
         layout: ReductionLayout,
-        sums: Tensor,
-        counted: bool,
+        reduced: Reduced,
         skipped: Tensor | None,
         world: int,
         step: int,
         measured: tuple[bool, ...] | None = None,
     ) -> None:
-        """Log and diagnose the measuring step ``step`` from its ``sums`` reduced over ranks."""
-        n = layout.n_groups
+        """Log and diagnose the measuring step ``step`` from its fields reduced over ranks."""
+        sums = reduced.sums
         with torch.no_grad():
-            norms = sums[: 3 * n] if layout.sharded else sums[: 3 * n] / world  # replicated: every rank sent the same
-            parts = [norms, sums[3 * n : 3 * n + 2]]
-            if counted:
-                parts.append(unigram_entropy(sums[3 * n + 2 :]).reshape(1).to(norms))
+            copies = 1.0 if layout.sharded else float(world)  # replicated: every rank sent the same norms
+            fields = {name: sums[name] / copies for name in ("delta_sq", "param_sq", "grad_sq")}
+            fields |= {"loss_sum": sums["loss_sum"], "loss_batches": sums["loss_batches"]}
+            if "label_counts" in sums:
+                fields["unigram"] = unigram_entropy(sums["label_counts"].float())
             if skipped is not None:
-                parts.append(skipped.reshape(1).to(norms))
+                fields["skipped"] = skipped
             # host sync: the one transfer of this measuring step; the per-group ratios are then host arithmetic
             # (a handful of kernels per group on the device would cost more than the step's one read)
-            flat = torch.cat(parts).tolist()
-        k = 3 * n + 2
-        unigram = flat[k] if counted else math.nan
-        if (skipped is not None and flat[k + int(counted)] > 0) or step_state(trainer).skipped_step == step:
+            host = host_fields(fields)
+        unigram = host.get("unigram", math.nan)
+        if host.get("skipped", 0.0) > 0 or step_state(trainer).skipped_step == step:
             # the GradScaler or NaNFirstFrame (the same on every rank) skipped this step: nothing was applied, nothing
             # to judge
             self.skipped_measurements += 1
             return
         names = layout.groups.group_names
         reading = UpdateReading.from_squares(
-            step, self._lr, names, flat[: 3 * n], flat[3 * n], flat[3 * n + 1], unigram, measured
+            step,
+            self._lr,
+            names,
+            host["delta_sq"] + host["param_sq"] + host["grad_sq"],
+            host["loss_sum"],
+            host["loss_batches"],
+            unigram,
+            measured,
         )
         self.log_scalars(trainer, reading.scalars(self.low, self.high), step=step)
         assert self._facts is not None

@@ -15,7 +15,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_tfdebug.core.distributed import clean_param_name, world_size
+from lightning_tfdebug.core.distributed import world_size
 from lightning_tfdebug.core.model import in_training_step
 from lightning_tfdebug.functional.activations import (
     FUNCTION_KINDS,
@@ -25,6 +25,7 @@ from lightning_tfdebug.functional.activations import (
     kind_of_module,
     tail_cutoff,
 )
+from lightning_tfdebug.primitives.tensors import clean_param_name
 
 
 @dataclass

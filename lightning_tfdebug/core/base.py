@@ -21,7 +21,6 @@ from torch import Tensor
 
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
 from lightning_tfdebug.core.io import append_finding, append_line
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.messages import pack_warning
 from lightning_tfdebug.core.scalars import refused_scalars, write_scalars
 from lightning_tfdebug.core.step import step_state
@@ -33,6 +32,7 @@ from lightning_tfdebug.findings import (
     TFDebugWarning,
 )
 from lightning_tfdebug.functional.verdicts import Verdict
+from lightning_tfdebug.primitives.keys import Key
 from lightning_tfdebug.rules import rule
 
 # Lightning's hooks: every `on_*` method of `Callback`, plus `setup` and `teardown`.
@@ -429,16 +429,18 @@ class DebugCallback(Callback):
         then: Callable[[Any], None],
         device: torch.device,
         *,
-        sums: Any = None,
-        anys: Any = None,
-        maxes: Any = None,
-        rows: Any = None,
+        sums: Mapping[str, Any] | None = None,
+        anys: Mapping[str, Any] | None = None,
+        maxes: Mapping[str, Any] | None = None,
+        rows: Mapping[str, Any] | None = None,
     ) -> None:
-        """Declare this measuring step's statistics and call ``then(reduced)`` once they are reduced over the ranks.
+        """Declare this measuring step's statistics as named fields and call ``then(reduced)`` once they are reduced
+        over the ranks.
 
-        ``reduced`` is a :class:`~lightning_tfdebug.core.reduction.Reduced` (``sums`` added up, ``anys`` 1.0 where
-        some rank set the flag, ``maxes`` the maximum, ``rows`` every rank's row). One collective: the pack's, after
-        the hook, or the callback's own at once. Every rank must declare on the same steps with parts of equal sizes.
+        ``reduced`` is a :class:`~lightning_tfdebug.core.reduction.Reduced` read by the declared names
+        (``reduced.sums["tokens"]``; ``sums`` added up, ``anys`` 1.0 where some rank set the flag, ``maxes`` the
+        maximum, ``rows`` every rank's value). One collective: the pack's, after the hook, or the callback's own at
+        once. Every rank must declare on the same steps with the same names and shapes.
         """
         from lightning_tfdebug.core.reduction import StepReduction, declaration
 
@@ -490,21 +492,10 @@ class DebugCallback(Callback):
     def to_host(values: Mapping[str, Tensor | float]) -> dict[str, float]:
         """Move every device scalar in ``values`` to the host with a single transfer (stacked, not one ``.item()``
         each): the callback's one deliberate host sync on a measuring step."""
-        keys = list(values)
-        tensors = [v for v in values.values() if isinstance(v, Tensor)]
-        if not tensors:
-            return {k: float(v) for k, v in values.items()}  # type: ignore[arg-type]
-        device = tensors[0].device
-        stacked = torch.stack(
-            [
-                v.detach().reshape(()).to(device=device, dtype=torch.float64)
-                if isinstance(v, Tensor)
-                else torch.tensor(float(v), device=device, dtype=torch.float64)
-                for v in values.values()
-            ]
-        )
-        host = stacked.tolist()  # host sync: one per measuring step, for all of this callback's statistics
-        return dict(zip(keys, host))
+        from lightning_tfdebug.core.reduction import host_fields
+
+        scalars = {k: v.reshape(()) if isinstance(v, Tensor) else v for k, v in values.items()}
+        return host_fields(scalars)  # host sync: one per measuring step, for all of this callback's statistics
 
     def log_scalars(self, trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Send host scalars to ``trainer.callback_metrics`` (every rank) and every logger (rank 0) at ``step``;

@@ -1,9 +1,8 @@
-"""Distributed reductions shared by every callback.
+"""How parameters lie over the ranks, and the one-flag collective of the hot path.
 
-Every rank reduces its local statistics to a small vector of "sum" slots and "max" slots, and one collective turns
-the vectors of all ranks into global values. A sharded parameter's contribution to a sum slot is weighted by
-``1 / replicas`` (:func:`plan_sharding`), so summing over the world counts every element once; DDP and one process
-need no collective at all (see ``docs/distributed.md``).
+A sharded parameter's contribution to a summed statistic is weighted by ``1 / replicas`` (:func:`plan_sharding`), so
+summing over the world counts every element once; DDP and one process need no collective at all. What crosses ranks
+is declared by name in :mod:`lightning_tfdebug.core.reduction` (see ``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -15,30 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-try:  # DTensor moved out of the private namespace in torch 2.4
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - older torch
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
-
-_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_forward_module"})
-
-
-def clean_param_name(name: str) -> str:
-    """Drop the name segments that wrappers insert: FSDP1, activation checkpointing, ``torch.compile``, Fabric, and
-    DDP's leading ``module``. A trailing dot (module prefixes such as ``"blocks."``) is kept."""
-    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
-    if len(parts) > 1 and parts[0] == "module":
-        parts = parts[1:]
-    return ".".join(parts)
+from lightning_tfdebug.primitives.tensors import DTensor
 
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def local_tensor(tensor: Tensor) -> Tensor:
-    """The part of ``tensor`` stored on this rank (the local shard of a DTensor, else the tensor itself)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass(frozen=True)
@@ -100,41 +80,6 @@ def plan_sharding(params: Iterable[Tensor], root: torch.nn.Module | None = None)
     if not any_sharded or n_ranks == 1:
         return ShardingPlan(sharded=False, weights=tuple(1.0 for _ in params), world_size=n_ranks)
     return ShardingPlan(sharded=True, weights=tuple(1.0 / r for r in replicas), world_size=n_ranks)
-
-
-def packed_reduce(sums: Tensor, maxes: Tensor | None = None, *, collective: bool = True) -> tuple[Tensor, Tensor]:
-    """Reduce many scalars across ranks with one collective.
-
-    Args:
-        sums: 1-D float tensor of values to add up over ranks (already weighted, see :class:`ShardingPlan`).
-        maxes: 1-D float tensor of values to take the maximum of over ranks (may be empty or None).
-        collective: False skips the collective (replicated layout, or a single process) and returns the inputs.
-
-    Returns:
-        ``(global_sums, global_maxes)`` on the device of ``sums``.
-
-    Collective: one ``all_gather`` of the packed ``[sums, maxes]``; every rank must call it on the same step with
-    vectors of the same length.
-    """
-    if maxes is None:
-        maxes = sums.new_zeros(0)
-    if not collective or world_size() == 1:
-        return sums, maxes
-    packed = torch.cat([sums.float(), maxes.float()])
-    gathered = [torch.empty_like(packed) for _ in range(world_size())]
-    dist.all_gather(gathered, packed)
-    stacked = torch.stack(gathered)  # (world, n_sums + n_maxes)
-    n = sums.numel()
-    return stacked[:, :n].sum(0), stacked[:, n:].amax(0) if maxes.numel() else maxes
-
-
-def all_gather_vector(values: Tensor) -> Tensor:
-    """Gather one equally-sized 1-D vector from every rank; returns ``(world_size, n)``. One collective."""
-    if world_size() == 1:
-        return values.unsqueeze(0)
-    gathered = [torch.empty_like(values) for _ in range(world_size())]
-    dist.all_gather(gathered, values.contiguous())
-    return torch.stack(gathered)
 
 
 def gradients_replicated(strategy_model: torch.nn.Module | None, params: Iterable[Tensor]) -> bool:

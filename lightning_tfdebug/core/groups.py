@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tfdebug.core.distributed import clean_param_name, local_tensor, plan_sharding
+from lightning_tfdebug.core.distributed import plan_sharding
+from lightning_tfdebug.primitives.tensors import clean_param_name, local_tensor
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,18 @@
-"""One reduction per measuring step for the whole pack (issue 25).
+"""What crosses ranks, by name: one reduction per measuring step for the whole pack.
 
-On a measuring step each member declares, as device tensors, ``sums`` (added up over ranks), ``anys`` (0/1 flags, 1
-where any rank set them), ``maxes`` (maximum over ranks) and ``rows`` (a vector per rank, declared by name and read
-back with :meth:`Reduced.named_rows`). Inside :class:`~lightning_tfdebug.TFDebug` one :class:`StepReduction` serves
-every member with **one** ``all_reduce`` after the hook; a callback used alone runs its own at once.
+A member declares its statistics as **named fields** (device tensors of any shape, or host numbers), in four kinds,
+as torchmetrics' ``add_state(name, default, dist_reduce_fx)`` does:
+
+- ``sums``: added up over the ranks;
+- ``anys``: 0/1 flags, 1 where any rank set them;
+- ``maxes``: the maximum over the ranks;
+- ``rows``: one value per rank, every rank's kept (``(world, *shape)``).
+
+The result is a :class:`Reduced` read back by the same names (``reduced.sums["tokens"]``, ``reduced.rows["peak"]``),
+or moved to the host in one transfer with :meth:`Reduced.host`. Nothing is read by offset: adding a field never
+shifts another. Inside :class:`~lightning_tfdebug.TFDebug` one :class:`StepReduction` serves every member with **one**
+``all_reduce`` after the hook (:meth:`DebugCallback.reduce_then`); :func:`reduce_now` reduces at once (a callback used
+alone, or a decision needed inside the hook).
 
 What travels (float64, so counts stay exact): ``[sums | anys | world x (maxes + rows)]``, summed over ranks. Maxima
 and rows cost one slot per rank (each rank writes its own block, zeros elsewhere), so keep them to a few scalars;
@@ -13,6 +22,7 @@ what grows with the model belongs in sums or anys.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,36 +33,151 @@ from torch import Tensor
 
 from lightning_tfdebug.core.distributed import world_size
 
+Value = Tensor | float | int | bool | Sequence[Any]
+"""A field's value: a device tensor of any shape, a host number, or a sequence of numbers."""
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The names and shapes of one kind of declared fields, in declaration order (the same on every rank)."""
+
+    names: tuple[str, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def size(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def unpack(self, flat: Tensor, lead: tuple[int, ...] = ()) -> dict[str, Tensor]:
+        """``{name: tensor}`` from a vector packed by :func:`pack_fields` (``lead``: leading dims, e.g. the world)."""
+        out, at = {}, 0
+        for name, shape in zip(self.names, self.shapes, strict=True):
+            n = math.prod(shape)
+            out[name] = flat[..., at : at + n].reshape((*lead, *shape))
+            at += n
+        return out
+
+
+def pack_fields(values: Mapping[str, Value] | None, device: torch.device, kind: str) -> tuple[Tensor, Fields]:
+    """``values`` as one float64 vector on ``device`` and the :class:`Fields` that read it back: host numbers go to the
+    device in one copy, device tensors stay where they are (no sync).
+
+    Raises:
+        TypeError: if ``values`` is not a mapping of names (a positional vector would be read by offset).
+    """
+    if values is None or len(values) == 0:
+        return torch.zeros(0, dtype=torch.float64, device=device), Fields()
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            f"Declare {kind} as a mapping {{name: value}} so they are read back by name, got a {type(values).__name__}."
+        )
+    names = tuple(str(k) for k in values)
+    host: list[float] = []
+    host_at: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for name, value in values.items():
+        if not isinstance(value, Tensor):
+            array = torch.as_tensor(value, dtype=torch.float64)  # host numbers: no device involved
+            host_at[name] = (len(host), tuple(array.shape))
+            host += array.reshape(-1).tolist()
+    copied = torch.tensor(host, dtype=torch.float64).to(device) if host else None  # one copy for every host number
+    parts, shapes = [], []
+    for name, value in values.items():
+        if isinstance(value, Tensor):
+            parts.append(value.detach().reshape(-1).to(device=device, dtype=torch.float64))
+            shapes.append(tuple(value.shape))
+        else:
+            at, shape = host_at[name]
+            assert copied is not None
+            parts.append(copied[at : at + math.prod(shape)])
+            shapes.append(shape)
+    return torch.cat(parts), Fields(names, tuple(shapes))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The fields of one declaration, by kind."""
+
+    sums: Fields = Fields()
+    anys: Fields = Fields()
+    maxes: Fields = Fields()
+    rows: Fields = Fields()
+
 
 @dataclass(frozen=True)
 class Reduced:
-    """What one member declared, reduced over every rank (float64 device tensors).
+    """What one member declared, reduced over every rank, read back by name (float64 device tensors).
 
     Attributes:
-        sums: ``(n_sums,)`` summed over ranks.
-        anys: ``(n_anys,)`` 1.0 where any rank set the flag, else 0.0.
-        maxes: ``(n_maxes,)`` maximum over ranks.
-        rows: ``(world_size, n_rows)``: every rank's row, rank ``r`` at index ``r``.
-        row_names: the names of the row's fields, in order, when it was declared by name.
+        sums: ``{name: tensor}`` summed over ranks, each in its declared shape.
+        anys: ``{name: tensor}`` 1.0 where any rank set the flag, else 0.0.
+        maxes: ``{name: tensor}`` the maximum over ranks.
+        rows: ``{name: tensor}`` of shape ``(world_size, *declared shape)``: rank ``r``'s value at index ``r``.
+        world_size: the number of ranks the rows come from.
     """
 
-    sums: Tensor
-    anys: Tensor
-    maxes: Tensor
-    rows: Tensor
-    row_names: tuple[str, ...] = ()
+    sums: dict[str, Tensor]
+    anys: dict[str, Tensor]
+    maxes: dict[str, Tensor]
+    rows: dict[str, Tensor]
+    world_size: int = 1
 
-    def named_rows(self, rows: Sequence[Sequence[float]] | None = None) -> list[dict[str, float]]:
-        """Every rank's row as ``{field: value}`` (rank ``r`` at index ``r``); ``rows``: the host copy of :attr:`rows`
-        when the member already made it, else it is made here (a host sync)."""
-        if rows is None:
-            rows = self.rows.tolist()  # host sync: the caller's one transfer of this measuring step
-        return [dict(zip(self.row_names, row, strict=True)) for row in rows]
+    def host(self) -> HostReduced:
+        """Every field on the host (floats, or nested lists for vector fields), in **one** transfer."""
+        kinds = ("sums", "anys", "maxes", "rows")
+        both = host_fields({(kind, name): t for kind in kinds for name, t in getattr(self, kind).items()})
+        parts = {kind: {name: v for (k, name), v in both.items() if k == kind} for kind in kinds}
+        return HostReduced(**parts, world_size=self.world_size)
+
+
+def host_fields(values: Mapping[Any, Tensor | float]) -> dict[Any, Any]:
+    """``values`` on the host by the same names: a 0-d tensor or number becomes a float, a tensor of shape ``s`` a
+    nested list of shape ``s``; every tensor in **one** transfer (stacked, not one ``.item()`` each)."""
+    tensors = [v for v in values.values() if isinstance(v, Tensor)]
+    if not tensors:
+        return {k: float(v) for k, v in values.items()}  # type: ignore[arg-type]
+    device = tensors[0].device
+    flat_parts = [
+        v.detach().reshape(-1).to(device, torch.float64)
+        if isinstance(v, Tensor)
+        else torch.tensor([float(v)], dtype=torch.float64, device=device)
+        for v in values.values()
+    ]
+    flat = torch.cat(flat_parts).tolist()  # host sync: the caller's one transfer of this step
+    out, at = {}, 0
+    for (name, value), part in zip(values.items(), flat_parts):
+        n = part.numel()
+        shape = tuple(value.shape) if isinstance(value, Tensor) else ()
+        out[name] = flat[at] if shape == () else _nest(flat[at : at + n], shape)
+        at += n
+    return out
+
+
+def _nest(flat: list[float], shape: tuple[int, ...]) -> list[Any]:
+    """``flat`` as nested lists of ``shape`` (row-major)."""
+    if len(shape) == 1:
+        return list(flat)
+    step = math.prod(shape[1:])
+    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+@dataclass(frozen=True)
+class HostReduced:
+    """:class:`Reduced` on the host: the same names, floats or nested lists."""
+
+    sums: dict[str, Any]
+    anys: dict[str, Any]
+    maxes: dict[str, Any]
+    rows: dict[str, Any]
+    world_size: int = 1
+
+    def per_rank(self) -> list[dict[str, Any]]:
+        """The rows as one ``{name: value}`` per rank, rank ``r`` at index ``r``."""
+        return [{name: values[r] for name, values in self.rows.items()} for r in range(self.world_size)]
 
 
 @dataclass
 class Declaration:
-    """One member's part of a step's reduction: its tensors and what to do with the result."""
+    """One member's part of a step's reduction: its packed tensors, their layout and what to do with the result."""
 
     owner: Any
     then: Callable[[Reduced], None] | None
@@ -60,8 +185,8 @@ class Declaration:
     anys: Tensor
     maxes: Tensor
     rows: Tensor
+    layout: Layout = Layout()
     failed: bool = False  # the member's own code failed on this rank: zeros of its usual sizes, and this flag
-    row_names: tuple[str, ...] = ()  # the row's fields, when it was declared by name
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -70,27 +195,24 @@ class Declaration:
 
 def declaration(
     owner: Any,
-    then: Callable[[Reduced], None],
+    then: Callable[[Reduced], None] | None,
     device: torch.device,
-    sums: Tensor | Sequence[Any] | None = None,
-    anys: Tensor | Sequence[Any] | None = None,
-    maxes: Tensor | Sequence[Any] | None = None,
-    rows: Tensor | Sequence[Any] | Mapping[str, Any] | None = None,
+    sums: Mapping[str, Value] | None = None,
+    anys: Mapping[str, Value] | None = None,
+    maxes: Mapping[str, Value] | None = None,
+    rows: Mapping[str, Value] | None = None,
 ) -> Declaration:
-    """A :class:`Declaration` with every part a 1-D float64 tensor on ``device`` (None: empty). ``rows`` given as a
-    mapping ``{field: value}`` keeps its field names (in the mapping's order) for :meth:`Reduced.named_rows`."""
+    """A :class:`Declaration` of named fields (see the module's docstring), packed on ``device``.
 
-    def flat(value: Tensor | Sequence[Any] | None) -> Tensor:
-        if value is None or (not isinstance(value, Tensor) and len(value) == 0):
-            return torch.zeros(0, dtype=torch.float64, device=device)
-        if not isinstance(value, Tensor):
-            value = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in value])
-        return value.detach().reshape(-1).to(device=device, dtype=torch.float64)
-
-    if isinstance(rows, Mapping):
-        row, names = named_row(rows, device), tuple(rows)
-        return Declaration(owner, then, flat(sums), flat(anys), flat(maxes), row, row_names=names)
-    return Declaration(owner, then, flat(sums), flat(anys), flat(maxes), flat(rows))
+    Raises:
+        TypeError: if a kind is given as anything but a mapping of names.
+    """
+    packed = {
+        kind: pack_fields(values, device, kind)
+        for kind, values in (("sums", sums), ("anys", anys), ("maxes", maxes), ("rows", rows))
+    }
+    layout = Layout(**{kind: fields for kind, (_, fields) in packed.items()})
+    return Declaration(owner, then, *(flat for flat, _ in packed.values()), layout=layout)
 
 
 def row_fields(row_type: type, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -107,19 +229,36 @@ def row_fields(row_type: type, values: Mapping[str, Any]) -> dict[str, Any]:
     return {name: values[name] for name in names}
 
 
-def named_row(fields: Mapping[str, Any], device: torch.device) -> Tensor:
-    """The values of ``fields`` in order, as one float64 vector on ``device``: the host numbers in one copy to the
-    device, the device scalars where they are (no sync)."""
-    values = list(fields.values())
-    host = [i for i, v in enumerate(values) if not isinstance(v, Tensor)]
-    copied = torch.tensor([float(values[i]) for i in host], dtype=torch.float64).to(device).unbind() if host else ()
-    on_host = dict(zip(host, copied))
-    return torch.stack(
-        [
-            on_host[i] if i in on_host else values[i].detach().reshape(()).to(device, torch.float64)
-            for i in range(len(values))
-        ]
+def _named(d: Declaration, sums: Tensor, anys: Tensor, maxes: Tensor, rows: Tensor, world: int) -> Reduced:
+    lay = d.layout
+    return Reduced(
+        lay.sums.unpack(sums),
+        lay.anys.unpack(anys),
+        lay.maxes.unpack(maxes),
+        lay.rows.unpack(rows, (world,)),
+        world_size=world,
     )
+
+
+def reduce_now(
+    device: torch.device,
+    *,
+    sums: Mapping[str, Value] | None = None,
+    anys: Mapping[str, Value] | None = None,
+    maxes: Mapping[str, Value] | None = None,
+    rows: Mapping[str, Value] | None = None,
+    across_ranks: bool = True,
+) -> Reduced:
+    """Reduce named fields at once and return them by name.
+
+    ``across_ranks=False`` keeps this rank's values (no collective: the statistics are already the same on every
+    rank, e.g. DDP's all-reduced gradients). Otherwise one ``all_reduce`` (none in a single process): every rank must
+    call it on the same step with the same names and shapes.
+    """
+    declared = declaration(None, None, device, sums=sums, anys=anys, maxes=maxes, rows=rows)
+    if not across_ranks:
+        return _reduce([declared], world=1)[0][0]
+    return _reduce([declared])[0][0]
 
 
 def reduce_declarations(declared: Sequence[Declaration]) -> list[Reduced]:
@@ -130,14 +269,15 @@ def reduce_declarations(declared: Sequence[Declaration]) -> list[Reduced]:
     return _reduce(declared)[0]
 
 
-def _reduce(declared: Sequence[Declaration]) -> tuple[list[Reduced], list[int]]:
-    """The reduced declarations, and per declaration the number of ranks on which its member failed."""
+def _reduce(declared: Sequence[Declaration], world: int | None = None) -> tuple[list[Reduced], list[int]]:
+    """The reduced declarations, and per declaration the number of ranks on which its member failed (``world=1``:
+    this rank's values, no collective)."""
     if not declared:
         return [], []
-    world = world_size()
+    world = world_size() if world is None else world
     device = declared[0].sums.device
     if world == 1:
-        reduced = [Reduced(d.sums, (d.anys > 0).double(), d.maxes, d.rows.unsqueeze(0), d.row_names) for d in declared]
+        reduced = [_named(d, d.sums, (d.anys > 0).double(), d.maxes, d.rows.unsqueeze(0), 1) for d in declared]
         return reduced, [int(d.failed) for d in declared]
     rank = dist.get_rank()
     sums = torch.cat([d.sums.to(device) for d in declared])
@@ -160,7 +300,7 @@ def _reduce(declared: Sequence[Declaration]) -> tuple[list[Reduced], list[int]]:
         n_s, n_a, n_m, n_r = d.sizes
         maxes = table[:, o : o + n_m].amax(0) if n_m else table.new_zeros(0)
         rows = table[:, o + n_m : o + n_m + n_r]
-        out.append(Reduced(sums[s : s + n_s], anys[a : a + n_a].double(), maxes, rows, d.row_names))
+        out.append(_named(d, sums[s : s + n_s], anys[a : a + n_a].double(), maxes, rows, world))
         s, a, o = s + n_s, a + n_a, o + n_m + n_r
     return out, failures
 
@@ -184,7 +324,7 @@ class StepReduction:
     stand_in_due: bool = False
     #: per member (by id): the hook it declares in and the sizes of its declaration, from the last reduction (the same
     #: on every rank): what a rank whose member failed sends in its place
-    layouts: dict[int, tuple[str, tuple[int, int, int, int], torch.device]] = field(default_factory=dict)
+    layouts: dict[int, tuple[str, tuple[int, int, int, int], torch.device, Layout]] = field(default_factory=dict)
 
     def add(self, declared: Declaration) -> None:
         self.pending.append(declared)
@@ -216,7 +356,7 @@ class StepReduction:
             if not member.declares_at(self.step_at_start, stepped):
                 continue
             zeros = [torch.zeros(n, dtype=torch.float64, device=layout[2]) for n in layout[1]]
-            self.pending.append(Declaration(member, None, *zeros, failed=True))
+            self.pending.append(Declaration(member, None, *zeros, layout=layout[3], failed=True))
 
     def run(self, trainer: Any, hook: str = "on_train_batch_end") -> None:
         """Reduce what was declared in ``hook`` (one collective) and hand each member its part, under its guard.
@@ -233,7 +373,7 @@ class StepReduction:
             results, failures = _reduce(declared)
         for d, reduced, failed in zip(declared, results, failures):
             if not d.failed:
-                self.layouts[id(d.owner)] = (hook, d.sizes, d.sums.device)
+                self.layouts[id(d.owner)] = (hook, d.sizes, d.sums.device, d.layout)
             if failed:
                 d.owner.failed_on_some_rank(trainer, failed, hook)
             elif d.then is not None:

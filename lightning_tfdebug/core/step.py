@@ -22,14 +22,14 @@ class StepState:
 
     Attributes:
         batch: the batch the views below belong to (compared by identity).
-        batch_views: the batch read once per key settings (``core.batch.StepBatch`` by ``BatchKeys``).
+        batch_views: the batch read once per key settings (``primitives.batch.StepBatch`` by ``BatchKeys``).
         norms_key: ``(global_step, ids of the tensors)`` the ``norms`` belong to.
         norms: the per-tensor gradient norms of that step (GradNormMonitor and UpdateRatio read the same gradients).
         rng_key: ``(batch object, (global_step, batch_idx))`` the ``rng`` belongs to.
         rng: the torch CPU generator's state as that batch's step started (NaNFirstFrame and ReproCapture replay it).
         host_copy_of: the batch ``host_copy`` is a copy of.
         host_copy: ReproCapture's host copy of that batch (BatchGuard reads it after a device-side assert).
-        model_call: the model call recorded on the probe batch (``core.calls.RecordedCall``), shared by the probes.
+        model_call: the model call recorded on the probe batch (``primitives.calls.ModelCall``), shared by the probes.
         warned_no_logger: the Trainer has no logger and one callback said so (once per Trainer, not per callback).
         skipped_step: the global step whose optimizer step NaNFirstFrame skipped last (non-finite values, decided on
             every rank together): nothing was applied, so UpdateRatio does not judge its update.

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
+from lightning_tfdebug.primitives.tracking import Streak
 
 BLOCK = ("TFD340", "TFD349")
 """The codes reserved for DeadActivation's rules."""

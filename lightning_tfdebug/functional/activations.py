@@ -8,7 +8,7 @@ pre-activation's negative tail for ``gelu``/``silu``/``mish`` (GELU's zero deriv
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -212,49 +212,42 @@ class LayerCounts:
         self.calls += 1
 
 
-def pack_counts(layers: Sequence[LayerCounts], units: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor]:
-    """The counts of every layer as two vectors for one reduction over ranks: ``sums`` (zeros, saturated, elements,
-    calls per layer: they add up) and ``alive`` (each layer's ``units[i]`` alive flags as 0/1, zeros where this rank
-    saw nothing: a unit is alive if it was alive on any rank)."""
+def pack_counts(
+    layers: Sequence[LayerCounts], units: Sequence[int], device: torch.device
+) -> tuple[dict[str, Tensor | float], dict[str, Tensor]]:
+    """The counts of every layer as named fields for one reduction over ranks: ``sums`` (``zeros/<layer>``,
+    ``saturated/<layer>``, ``elements/<layer>``, ``calls/<layer>``: they add up) and ``alive`` (``alive/<layer>``: the
+    layer's ``units[i]`` alive flags as 0/1, zeros where this rank saw nothing: a unit is alive if it was alive on any
+    rank)."""
     zero = torch.zeros((), device=device)
-    sums = torch.stack(
-        [
-            value
-            for layer in layers
-            for value in (
-                (layer.zeros if layer.zeros is not None else zero).float().to(device),
-                (layer.saturated if layer.saturated is not None else zero).float().to(device),
-                torch.tensor(float(layer.numel), device=device),
-                torch.tensor(float(layer.calls), device=device),
-            )
-        ]
-    )
-    alive = [torch.zeros(0, device=device)]
+    sums: dict[str, Tensor | float] = {}
+    alive: dict[str, Tensor] = {}
     for layer, n in zip(layers, units):
+        sums[f"zeros/{layer.name}"] = (layer.zeros if layer.zeros is not None else zero).float().to(device)
+        sums[f"saturated/{layer.name}"] = (layer.saturated if layer.saturated is not None else zero).float().to(device)
+        sums[f"elements/{layer.name}"] = float(layer.numel)
+        sums[f"calls/{layer.name}"] = float(layer.calls)
         flags = torch.zeros(n, device=device)
         if layer.alive is not None and n:
             m = min(n, layer.alive.numel())
             flags[:m] = layer.alive[:m].float().to(device)
-        alive.append(flags)
-    return sums, torch.cat(alive)
+        alive[f"alive/{layer.name}"] = flags
+    return sums, alive
 
 
 def layer_fractions(
-    layers: Sequence[LayerCounts], units: Sequence[int], sums: Tensor, alive: Tensor
+    layers: Sequence[LayerCounts], sums: Mapping[str, Tensor], alive: Mapping[str, Tensor]
 ) -> dict[str, Tensor]:
-    """The reduced counts of :func:`pack_counts` as fractions per layer: ``zero_frac/<layer>`` and
+    """The reduced fields of :func:`pack_counts` as fractions per layer: ``zero_frac/<layer>`` and
     ``dead_frac/<layer>`` (not for tanh/sigmoid), ``saturated_frac/<layer>`` (kinds that saturate), and
     ``calls/<layer>`` (the calls over every rank; 0: the layer did not run). Device tensors."""
-    sums = sums.float().view(len(layers), 4)
     out: dict[str, Tensor] = {}
-    offset = 0
-    for i, (layer, n) in enumerate(zip(layers, units)):
-        numel = sums[i, 2].clamp(min=1.0)
+    for layer in layers:
+        numel = sums[f"elements/{layer.name}"].float().clamp(min=1.0)
         if layer.counts_zeros:
-            out[f"zero_frac/{layer.name}"] = sums[i, 0] / numel
-            out[f"dead_frac/{layer.name}"] = dead_fraction(alive[offset : offset + n])
+            out[f"zero_frac/{layer.name}"] = sums[f"zeros/{layer.name}"].float() / numel
+            out[f"dead_frac/{layer.name}"] = dead_fraction(alive[f"alive/{layer.name}"])
         if layer.saturates:
-            out[f"saturated_frac/{layer.name}"] = sums[i, 1] / numel
-        out[f"calls/{layer.name}"] = sums[i, 3]
-        offset += n
+            out[f"saturated_frac/{layer.name}"] = sums[f"saturated/{layer.name}"].float() / numel
+        out[f"calls/{layer.name}"] = sums[f"calls/{layer.name}"].float()
     return out

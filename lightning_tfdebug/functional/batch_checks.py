@@ -403,7 +403,7 @@ class BatchPaths:
 
     @classmethod
     def of(cls, paths: Mapping[str, str | None]) -> BatchPaths:
-        """From :class:`~lightning_tfdebug.core.batch.BatchFields`' ``paths``."""
+        """From :class:`~lightning_tfdebug.primitives.batch.BatchFields`' ``paths``."""
         return cls(paths.get("input_ids"), paths.get("attention_mask"), paths.get("labels"))
 
 

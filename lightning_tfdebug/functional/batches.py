@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.batch import host_array
+from lightning_tfdebug.primitives.batch import host_array
 
 # ----------------------------------------------------------------------------------------------------------- schema
 
@@ -36,8 +36,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def describe_leaves(leaves: Mapping[str, Any]) -> dict[str, FieldSpec]:
-    """The :class:`FieldSpec` of every flattened leaf of a batch (:func:`~lightning_tfdebug.core.batch.flatten_batch`).
-    Host metadata only."""
+    """The :class:`FieldSpec` of every flattened leaf of a batch
+    (:func:`~lightning_tfdebug.primitives.batch.flatten_batch`). Host metadata only."""
     out = {}
     for path, value in leaves.items():
         if isinstance(value, Tensor):

@@ -1,5 +1,6 @@
-"""Probing a model through the call its ``training_step`` makes (a :class:`~lightning_tfdebug.core.calls.ModelCall`),
-or through its forward by signature (:class:`ModelCaller`); logits are read back as ``(batch, time, vocab)``.
+"""Probing a model through the call its ``training_step`` makes
+(a :class:`~lightning_tfdebug.primitives.calls.ModelCall`), or through its forward by signature
+(:class:`ModelCaller`); logits are read back as ``(batch, time, vocab)``.
 
 A token tensor ("slot") whose position ``t`` carries label ``t - offset`` must not reach output ``p`` from any
 position ``t >= p + shift + offset``; slots unrelated to the labels, and an encoder's input, are never perturbed.
@@ -15,8 +16,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.core.batch import MASK_KEYS, logits_of
-from lightning_tfdebug.core.calls import ModelCall, Path, TableUse, TokenSlot, read_logits
 from lightning_tfdebug.functional.mask_checks import (
     LeakReading,
     LeakSummary,
@@ -26,6 +25,8 @@ from lightning_tfdebug.functional.mask_checks import (
     RepeatReading,
 )
 from lightning_tfdebug.functional.probes import causal_valid_positions, logit_tolerance, max_change, other_ids
+from lightning_tfdebug.primitives.batch import MASK_KEYS, logits_of
+from lightning_tfdebug.primitives.calls import ModelCall, Path, TableUse, TokenSlot, read_logits
 
 
 class CallError(RuntimeError):

@@ -5,12 +5,12 @@ when something is non-finite), stacked before a single host read; :class:`StepFi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.distributed import local_tensor
+from lightning_tfdebug.primitives.tensors import local_tensor
 
 
 def nonfinite_flag(value: Tensor) -> Tensor:
@@ -50,24 +50,27 @@ def grads_nonfinite_flag(grads: Sequence[Tensor]) -> Tensor | None:
     return nonfinite_flag(torch.stack(norms).sum())
 
 
-def flagged_ranks(rows: Sequence[Sequence[float]]) -> tuple[list[int], list[int]]:
-    """Read a gathered table of ``[loss_nonfinite, grad_nonfinite, frame_nonfinite]`` rows, one per rank.
+def flagged_ranks(rows: Sequence[Mapping[str, float]]) -> tuple[list[int], list[int]]:
+    """Read every rank's :func:`flag_fields` (``loss``, ``grad``, ``frame``: 1.0 where non-finite), rank ``r`` at ``r``.
 
     Returns ``(bad_ranks, frame_ranks)``: the ranks whose loss was non-finite (or, when none, whose gradients were),
     and the ranks where a module output held inf/nan (eager mode).
     """
-    bad = [r for r, row in enumerate(rows) if row[0] > 0] or [r for r, row in enumerate(rows) if row[1] > 0]
-    frames = [r for r, row in enumerate(rows) if row[2] > 0]
+    bad = [r for r, row in enumerate(rows) if row["loss"] > 0] or [r for r, row in enumerate(rows) if row["grad"] > 0]
+    frames = [r for r, row in enumerate(rows) if row["frame"] > 0]
     return bad, frames
 
 
 _MAX_PENDING_LOSSES = 16  # micro-batch losses kept as references before they are folded into one flag
 
 
-def flag_row(device: torch.device, flags: Sequence[Tensor | None]) -> Tensor:
-    """``flags`` as one float32 vector on ``device`` (an absent flag is ``0.0``): a rank's row, no host sync."""
+def flag_fields(
+    device: torch.device, loss: Tensor | None, grad: Tensor | None, frame: Tensor | None
+) -> dict[str, Tensor]:
+    """A rank's step flags by name, float32 scalars on ``device`` (an absent flag is ``0.0``); no host sync."""
     zero = torch.zeros((), device=device)
-    return torch.stack([zero if f is None else f.to(device=device, dtype=zero.dtype).reshape(()) for f in flags])
+    flags = {"loss": loss, "grad": grad, "frame": frame}
+    return {k: zero if f is None else f.to(device=device, dtype=zero.dtype).reshape(()) for k, f in flags.items()}
 
 
 def any_flag(loss: Tensor | None, grad: Tensor | None, frame: Tensor | None, device: torch.device) -> Tensor | None:

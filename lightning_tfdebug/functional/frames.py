@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.core.distributed import clean_param_name, local_tensor
 from lightning_tfdebug.functional.finite import flagged_ranks
+from lightning_tfdebug.primitives.tensors import clean_param_name, local_tensor
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -555,7 +555,7 @@ def nan_report(
     Args:
         recorder: the replay's frames.
         header: ``step``, ``batch_idx``, ``micro_batches``, ``rank``, ``world_size``, ``precision``, ``mode``.
-        rows: every rank's ``[loss_nonfinite, grad_nonfinite, frame_nonfinite]``.
+        rows: every rank's flags by name (``loss``, ``grad``, ``frame``; see ``functional.finite.flag_fields``).
         max_frames: frames shown per direction.
         error: the replay's error, if it failed.
         step_first, replay_flags: eager mode, see :func:`first_forward`.
@@ -567,8 +567,8 @@ def nan_report(
     row, (bad_ranks, frame_ranks) = rows[header["rank"]], flagged_ranks(rows)
     summary: dict[str, Any] = {
         **header,
-        "loss_nonfinite": bool(row[0] > 0),
-        "grad_nonfinite": bool(row[1] > 0),
+        "loss_nonfinite": bool(row["loss"] > 0),
+        "grad_nonfinite": bool(row["grad"] > 0),
         "nonfinite_ranks": bad_ranks,
         "frame_nonfinite_ranks": frame_ranks,
         "first_forward": forward,

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
+from lightning_tfdebug.primitives.tracking import RunningWindow, Streak
 
 OVERCLIP = 30.0
 """TFD306 when clipping keeps less than ``1 / OVERCLIP`` of the gradient's norm on every measured step."""

@@ -478,7 +478,7 @@ class InitLoss:
     vocab: int
     repeat_rate: float | None = None  # the data repeats a token (inputs[t] == inputs[t + 1]); None when not measured
     mask_share: float | None = None  # share of supervised positions holding the most common input token
-    kind: str = "unknown"  # the model's (core.calls.model_kind): an encoder-decoder's copy rate reads its decoder input
+    kind: str = "unknown"  # model_kind's: an encoder-decoder's copy rate reads its decoder input
 
     @property
     def masked_lm(self) -> bool:

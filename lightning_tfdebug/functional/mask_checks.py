@@ -13,12 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.functional.probes import classify_alignment
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
+from lightning_tfdebug.primitives.keys import Key
 
 if TYPE_CHECKING:
-    from lightning_tfdebug.core.calls import Objective
+    from lightning_tfdebug.primitives.calls import Objective
 
 Number = Any
 """A number of a reading: a device scalar (0-d tensor) while probing, a host float after :func:`on_host`."""

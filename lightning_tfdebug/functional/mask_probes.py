@@ -10,8 +10,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.core.batch import is_id_tensor, logits_of, loss_of
-from lightning_tfdebug.core.calls import ModelCall, TableReads, read_objective, replace_leaves, tensor_leaves
 from lightning_tfdebug.functional.batch_checks import learn_special_ids
 from lightning_tfdebug.functional.call_probes import (
     CallError,
@@ -54,6 +52,8 @@ from lightning_tfdebug.functional.probes import (
     replace_after,
 )
 from lightning_tfdebug.functional.verdicts import Verdict
+from lightning_tfdebug.primitives.batch import is_id_tensor, logits_of, loss_of
+from lightning_tfdebug.primitives.calls import ModelCall, TableReads, read_objective, replace_leaves, tensor_leaves
 
 # Relative tolerance of "the loss training_step returned equals the loss recomputed from the same logits".
 _ALIGN_RTOL = {torch.float64: 1e-9, torch.float32: 2e-5}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.core.distributed import clean_param_name, local_tensor
+from lightning_tfdebug.primitives.tensors import clean_param_name, local_tensor
 
 _MODE_DEPENDENT = (nn.Dropout, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 

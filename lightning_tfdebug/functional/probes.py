@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_tfdebug.core.batch import IGNORE_INDEX
-from lightning_tfdebug.core.calls import read_objective
+from lightning_tfdebug.primitives.batch import IGNORE_INDEX
+from lightning_tfdebug.primitives.calls import read_objective
 
 Alignment = Literal["next", "current", "next_next", "unknown"]
 

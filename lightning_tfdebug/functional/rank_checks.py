@@ -11,8 +11,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.keys import Key
-from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.throughput import (
     differing_ranks,
     loss_outliers,
@@ -20,6 +18,8 @@ from lightning_tfdebug.functional.throughput import (
     median_of_others,
 )
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
+from lightning_tfdebug.primitives.keys import Key
+from lightning_tfdebug.primitives.tracking import Streak
 
 TFD501 = Rule(
     "TFD501",

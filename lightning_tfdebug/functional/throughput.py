@@ -18,16 +18,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.batch import StepBatch
-from lightning_tfdebug.core.tracking import RunningWindow
 from lightning_tfdebug.functional.memory import chunked_sums
 from lightning_tfdebug.functional.norms import per_tensor_norms
+from lightning_tfdebug.primitives.batch import StepBatch
+from lightning_tfdebug.primitives.tracking import RunningWindow
 
 
 # ---------------------------------------------------------------------------------------------------- batches
 def batch_counts(view: StepBatch, length_fn: Callable[[Any], Any] | None = None) -> tuple[Tensor | int, int, int]:
     """``(tokens, positions, samples)`` of one batch, from its shared
-    :class:`~lightning_tfdebug.core.batch.StepBatch`, no host sync.
+    :class:`~lightning_tfdebug.primitives.batch.StepBatch`, no host sync.
 
     ``tokens``: real tokens from ``length_fn(batch)``, else the attention mask (a device tensor), else the ids'
     shape; ``positions`` (padding included) and ``samples`` from shapes. A batch with neither ids nor a mask counts

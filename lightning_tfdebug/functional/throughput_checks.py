@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_tfdebug.core.keys import Key
-from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
+from lightning_tfdebug.primitives.keys import Key
+from lightning_tfdebug.primitives.tracking import Streak
 
 TFD601 = Rule(
     "TFD601",

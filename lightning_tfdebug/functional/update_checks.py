@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.learning import learned, progress
 from lightning_tfdebug.functional.loss import label_counts as count_labels
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
+from lightning_tfdebug.primitives.tracking import Streak
 
 GROWTH_FLOOR = 0.05
 """TFD313/TFD314 judge only groups whose norm at the start of the window is above this fraction of the largest

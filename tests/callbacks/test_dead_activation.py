@@ -8,8 +8,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.checkpoint import checkpoint
 
 from lightning_tfdebug import DeadActivation
-from lightning_tfdebug.core.keys import declared
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
+from lightning_tfdebug.primitives.keys import declared
 from tests.helpers import SMALL, make_trainer, read_csv_metrics, read_scalars, run_distributed
 from tests.helpers import fit_tiny as fit
 

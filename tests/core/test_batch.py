@@ -7,16 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lightning_tfdebug.core.batch import (
-    BatchKeys,
-    StepBatch,
-    flatten_batch,
-    logits_of,
-    loss_of,
-    read_batch,
-    step_batch,
-    step_rng_state,
-)
+from lightning_tfdebug.core.batch import step_batch, step_rng_state
+from lightning_tfdebug.primitives.batch import BatchKeys, StepBatch, flatten_batch, logits_of, loss_of, read_batch
 
 try:
     from transformers import BatchEncoding

@@ -1,4 +1,4 @@
-"""Packed reductions over real gloo process groups, against full-tensor references."""
+"""Sharded statistics reduced by name over real gloo process groups, against full-tensor references."""
 
 import os
 import tempfile
@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_tfdebug.core.distributed import clean_param_name, packed_reduce, plan_sharding
+from lightning_tfdebug.core.distributed import plan_sharding
+from lightning_tfdebug.core.reduction import reduce_now
 from lightning_tfdebug.functional.norms import grouped_sq_norms
+from lightning_tfdebug.primitives.tensors import clean_param_name
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -33,7 +35,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         group_sq, flags = grouped_sq_norms(
             local, torch.tensor([0, 0, 1, 1]), 2, weights=torch.tensor(plan.weights, dtype=torch.float32)
         )
-        sums, maxes = packed_reduce(group_sq, flags, collective=plan.sharded)
+        reduced = reduce_now(
+            torch.device("cpu"), sums={"group_sq": group_sq}, maxes={"nonfinite": flags}, across_ranks=plan.sharded
+        )
+        sums, maxes = reduced.sums["group_sq"], reduced.maxes["nonfinite"]
         torch.save(
             {
                 "sharded": plan.sharded,
@@ -49,7 +54,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.ddp
-def test_packed_reduce_counts_every_element_once_with_mixed_shards_and_an_empty_shard(tmp_path):
+def test_sharded_sums_count_every_element_once_with_mixed_shards_and_an_empty_shard(tmp_path):
     init_file = tempfile.mktemp(dir=tmp_path)
     mp.start_processes(_worker, args=(2, init_file, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     torch.manual_seed(0)
@@ -58,7 +63,7 @@ def test_packed_reduce_counts_every_element_once_with_mixed_shards_and_an_empty_
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["sharded"] and r["weights"] == (1.0, 1.0, 0.5, 0.5)
-        torch.testing.assert_close(r["sums"][0], expected_0)
+        torch.testing.assert_close(r["sums"][0], expected_0.double())
         assert r["sums"][1].item() == float("inf")  # the replicated tensor holding an inf
         assert r["maxes"].tolist() == [0.0, 0.0, 1.0, 0.0]
     assert torch.load(tmp_path / "rank1.pt")["numel1"] == 0
@@ -67,8 +72,8 @@ def test_packed_reduce_counts_every_element_once_with_mixed_shards_and_an_empty_
 def test_single_process_needs_no_collective():
     plan = plan_sharding([torch.zeros(3), torch.zeros(2)])
     assert not plan.sharded and plan.weights == (1.0, 1.0)
-    sums, maxes = packed_reduce(torch.ones(2), torch.zeros(1), collective=True)
-    assert sums.tolist() == [1.0, 1.0] and maxes.tolist() == [0.0]
+    reduced = reduce_now(torch.device("cpu"), sums={"s": torch.ones(2)}, maxes={"m": torch.zeros(1)})
+    assert reduced.sums["s"].tolist() == [1.0, 1.0] and reduced.maxes["m"].tolist() == [0.0]
 
 
 def test_wrapper_segments_are_removed_from_names():

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_tfdebug.core.batch import BatchKeys, StepBatch
 from lightning_tfdebug.core.logits import check_capture_args, missing_field, row_targets
+from lightning_tfdebug.primitives.batch import BatchKeys, StepBatch
 
 
 def test_a_missing_field_is_explained_in_the_words_of_the_batch():

@@ -171,9 +171,15 @@ def test_packed_counts_become_fractions_per_layer():
     relu.add(None, torch.tensor([[0.0, 1.0], [0.0, 0.0]]), 0.01)
     tanh.add(None, torch.tensor([[1.0, 0.0]]), 0.01)
     sums, alive = pack_counts([relu, tanh, silent], [2, 0, 3], torch.device("cpu"))
-    assert sums.tolist() == [3.0, 0.0, 4.0, 1.0, 0.0, 1.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0]
-    assert alive.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]  # the silent layer's 3 units: zeros (alive elsewhere, maybe)
-    fractions = {k: v.item() for k, v in layer_fractions([relu, tanh, silent], [2, 0, 3], sums, alive).items()}
+    assert {k: float(v) for k, v in sums.items()} == {
+        **{"zeros/r": 3.0, "saturated/r": 0.0, "elements/r": 4.0, "calls/r": 1.0},
+        **{"zeros/t": 0.0, "saturated/t": 1.0, "elements/t": 2.0, "calls/t": 1.0},
+        **{"zeros/s": 0.0, "saturated/s": 0.0, "elements/s": 0.0, "calls/s": 0.0},
+    }
+    # the silent layer's 3 units: zeros (alive elsewhere, maybe)
+    assert {k: v.tolist() for k, v in alive.items()} == {"alive/r": [0.0, 1.0], "alive/t": [], "alive/s": [0.0] * 3}
+    named = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in sums.items()}
+    fractions = {k: v.item() for k, v in layer_fractions([relu, tanh, silent], named, alive).items()}
     assert fractions == {
         "zero_frac/r": 0.75,
         "dead_frac/r": 0.5,

@@ -438,8 +438,8 @@ def test_every_drift_kind_has_its_rule_and_is_recorded_once_per_key():
 
 
 def test_the_schema_watch_learns_compares_and_skips_a_clean_structure():
-    from lightning_tfdebug.core.batch import flatten_batch
     from lightning_tfdebug.functional.batches import structure_key
+    from lightning_tfdebug.primitives.batch import flatten_batch
 
     def batch(width, dtype=torch.long):
         return {"input_ids": torch.zeros(2, width, dtype=torch.long), "labels": torch.zeros(2, width, dtype=dtype)}

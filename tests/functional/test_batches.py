@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from lightning_tfdebug.core.batch import flatten_batch
 from lightning_tfdebug.functional.batches import (
     compare_schema,
     describe_leaves,
@@ -12,6 +11,7 @@ from lightning_tfdebug.functional.batches import (
     token_statistics,
     unpack_statistics,
 )
+from lightning_tfdebug.primitives.batch import flatten_batch
 
 PAD, BOS, EOS, IGN = 9, 7, 8, 100
 

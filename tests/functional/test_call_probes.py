@@ -4,9 +4,9 @@ recorded call re-issued with perturbed tokens."""
 import torch
 from torch import nn
 
-from lightning_tfdebug.core.calls import find_model_call, record_calls
 from lightning_tfdebug.functional import call_probes as cp
 from lightning_tfdebug.functional.mask_checks import LeakReading, LeakSummary, RepeatReading
+from lightning_tfdebug.primitives.calls import find_model_call, record_calls
 
 
 class KeywordModel(nn.Module):

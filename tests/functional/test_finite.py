@@ -71,16 +71,20 @@ def test_grads_nonfinite_flag_mixed_dtypes_and_gradients_that_require_grad():
 
 def test_flagged_ranks_prefers_the_ranks_whose_loss_was_bad():
     # rank 1's loss went nan; its gradients reached every rank through the all-reduce
-    assert flagged_ranks([[0, 1, 0], [1, 1, 0], [0, 1, 0]]) == ([1], [])
+    assert flagged_ranks([_row(0, 1, 0), _row(1, 1, 0), _row(0, 1, 0)]) == ([1], [])
 
 
 def test_flagged_ranks_falls_back_to_gradients_and_reports_frames_apart():
-    assert flagged_ranks([[0, 1, 0], [0, 0, 1]]) == ([0], [1])
-    assert flagged_ranks([[0.0, 0.0, 0.0]]) == ([], [])
+    assert flagged_ranks([_row(0, 1, 0), _row(0, 0, 1)]) == ([0], [1])
+    assert flagged_ranks([_row(0.0, 0.0, 0.0)]) == ([], [])
+
+
+def _row(loss: float, grad: float, frame: float) -> dict[str, float]:
+    return {"loss": loss, "grad": grad, "frame": frame}
 
 
 def test_step_finite_folds_many_losses_and_reads_gradients_only_when_asked():
-    from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_row
+    from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_fields
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     check = StepFinite(params, check_gradients=True)
@@ -94,8 +98,8 @@ def test_step_finite_folds_many_losses_and_reads_gradients_only_when_asked():
     check.add_loss(torch.tensor(2.0))
     assert not bool(check.loss_flag()) and float(check.grad_flag()) == 1.0 and float(check.one_pass()) == 1.0
     assert StepFinite(params, check_gradients=False).grad_flag() is None
-    row = flag_row(torch.device("cpu"), (check.loss_flag(), None, torch.tensor(1.0)))
-    assert row.tolist() == [0.0, 0.0, 1.0]
+    row = flag_fields(torch.device("cpu"), check.loss_flag(), None, torch.tensor(1.0))
+    assert {k: float(v) for k, v in row.items()} == {"loss": 0.0, "grad": 0.0, "frame": 1.0}
     assert any_flag(None, None, None, torch.device("cpu")) is None
     assert float(any_flag(torch.tensor(False), torch.tensor(1.0), None, torch.device("cpu"))) == 1.0
     assert float(any_flag(torch.tensor(False), torch.tensor(0.0), torch.tensor(0.0), torch.device("cpu"))) == 0.0

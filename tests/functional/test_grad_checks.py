@@ -4,7 +4,6 @@ import math
 
 import pytest
 
-from lightning_tfdebug.core.tracking import RunningWindow, Streak
 from lightning_tfdebug.functional.grad_checks import (
     Clipping,
     GradMemory,
@@ -17,6 +16,7 @@ from lightning_tfdebug.functional.grad_checks import (
     unused_parameters,
     vanishing,
 )
+from lightning_tfdebug.primitives.tracking import RunningWindow, Streak
 
 
 def reading(total=1.0, groups=None, nonfinite=None):

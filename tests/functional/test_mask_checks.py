@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from lightning_tfdebug.core.calls import Objective, read_objective
 from lightning_tfdebug.functional import mask_checks as mc
 from lightning_tfdebug.functional.mask_probes import alignment_rtol
 from lightning_tfdebug.functional.probes import alignment_losses, labels_relation
+from lightning_tfdebug.primitives.calls import Objective, read_objective
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ def _verdicts(session) -> list[str]:
 @pytest.mark.parametrize("family", ["t5", "bart"])
 @pytest.mark.parametrize("bug", [False, True])
 def test_an_encoder_decoder_is_probed_through_its_decoder_input(family, bug):
-    from tests.core.test_calls import _seq2seq_call
+    from tests.primitives.test_calls import _seq2seq_call
 
     # healthy: labels equal to the encoder's input, shifted into the decoder by the model (the former false TFD201)
     found, _ = _seq2seq_call(family, decoder_fed_labels=bug, labels_are_ids=not bug)

@@ -3,7 +3,6 @@ import math
 import pytest
 import torch
 
-from lightning_tfdebug.core.batch import BatchKeys, StepBatch
 from lightning_tfdebug.functional.batches import (
     batch_fingerprint,
     combine_fingerprints,
@@ -25,6 +24,7 @@ from lightning_tfdebug.functional.throughput import (
     peak_flops_for,
     trimmed_positions,
 )
+from lightning_tfdebug.primitives.batch import BatchKeys, StepBatch
 
 
 def counts(batch, length_fn=None):

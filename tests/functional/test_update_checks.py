@@ -4,7 +4,6 @@ from collections import deque
 import pytest
 import torch
 
-from lightning_tfdebug.core.tracking import Streak
 from lightning_tfdebug.functional.update_checks import (
     GroupFacts,
     UpdateMemory,
@@ -28,6 +27,7 @@ from lightning_tfdebug.functional.update_checks import (
     weights_growing,
     weights_shrinking,
 )
+from lightning_tfdebug.primitives.tracking import Streak
 
 
 def test_the_fall_of_the_loss_per_step_is_a_fraction_of_the_loss():

@@ -1,6 +1,6 @@
 import pytest
 
-from lightning_tfdebug.core.keys import Key, declared, render_key_table
+from lightning_tfdebug.primitives.keys import Key, declared, render_key_table
 
 
 def test_a_placeholder_matches_one_path_segment_and_a_path_placeholder_the_rest():

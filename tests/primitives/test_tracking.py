@@ -1,4 +1,4 @@
-from lightning_tfdebug.core.tracking import RunningWindow, Streak
+from lightning_tfdebug.primitives.tracking import RunningWindow, Streak
 
 
 def test_a_running_window_keeps_the_last_finite_values_and_their_median():

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_tfdebug.core.calls import (
+from lightning_tfdebug.core.calls import share_model_call, shared_model_call
+from lightning_tfdebug.primitives.calls import (
     CallRecorder,
     Objective,
     find_model_call,
@@ -14,8 +15,6 @@ from lightning_tfdebug.core.calls import (
     read_objective,
     record_calls,
     relation_offset,
-    share_model_call,
-    shared_model_call,
     takes_tokens,
 )
 
