@@ -1,5 +1,5 @@
 """Command line ``tfdebug`` (also ``python -m lightning_tfdebug``): ``report``, ``check`` and ``replay``; each
-command's ``--help`` says what it does and what its exit status means."""
+command's ``--help`` says what it does and what its exit status means; ``--version`` prints the package's version."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 
+from lightning_tfdebug import __version__
 from lightning_tfdebug.report import FAIL_ON, FORMATS
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_tfdebug", description="lightning_tfdebug tools.")
+    parser.add_argument("--version", action="version", version=f"lightning-tfdebug {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     rep = commands.add_parser(
         "replay",

@@ -497,7 +497,7 @@ def _html_pictures(series: dict[str, list[tuple[int, float]]], merged: Sequence[
             continue
         png = _picture(title, chosen, marks)
         if png is None:
-            return [*parts, "<p>Pictures need matplotlib: <code>pip install 'lightning-tfdebug[report]'</code>.</p>"]
+            return [*parts, "<p>Pictures need matplotlib: <code>pip install matplotlib</code> (the report extra).</p>"]
         title = html.escape(title)
         parts.append(f"<h2>{title}</h2><img alt='{title}' src='data:image/png;base64,{png}'>")
     return parts or ["<p>No TensorBoard series found next to the findings (a TensorBoardLogger draws them).</p>"]

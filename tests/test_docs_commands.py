@@ -13,7 +13,10 @@ one of:
   ``<!-- docs-test: skip (why) -->`` illustration only, not run (the reason is required: a network, a path of the
   reader's own run, a recursive test run, a GPU); ``<!-- docs-test: slow -->`` run only under ``pytest -m slow``;
   ``<!-- docs-test: setup (code) -->`` a python block runs after ``code`` (the names the page takes from the block
-  before, or a model to fit); ``<!-- docs-test: exit N (why) -->`` a bash block's expected exit status (default 0).
+  before, or a model to fit); ``<!-- docs-test: exit N (why) -->`` a bash block's expected exit status (default 0);
+  ``<!-- docs-test: install -->`` a bash block of install lines (``pip install .``), run as printed under
+  ``pytest -m slow`` by ``tests/test_packaging.py``, in a fresh virtual environment outside the checkout. Every
+  ``pip`` line a page prints is in such a block: none is skipped.
 
 Short-run overrides, the only change made to what the docs say: a command running ``examples/train.py fit`` gets
 ``--trainer.max_steps 20`` appended unless it sets ``--trainer.max_steps`` itself or is a ``tfdebug check`` line
@@ -40,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = {"bash", "sh", "shell", "python", "py", "yaml", "yml"}
 OUTPUT = {"", "text", "json"}
 COMMAND_WORDS = ("python ", "tfdebug ", "bash ", "pip ", "pytest ", ".venv/", "$ ", "mkdocs ", "ruff ")
-MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(skip|slow|setup|exit)\b\s*(\d+)?\s*(?:\((.*)\))?\s*-->\s*$")
+MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(skip|slow|setup|exit|install)\b\s*(\d+)?\s*(?:\((.*)\))?\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)```\s*([\w+-]*)\s*$")
 SHORT_RUN = "--trainer.max_steps 20"
 
@@ -53,6 +56,7 @@ class Block:
     code: str
     skip: str | None = None
     slow: bool = False
+    install: bool = False
     setup: str = ""
     exit: int = 0
     errors: list[str] = field(default_factory=list)
@@ -67,6 +71,8 @@ class Block:
             return "output"
         if self.skip is not None:
             return "skip"
+        if self.install:
+            return "install"
         return "slow" if self.slow else "run"
 
 
@@ -104,6 +110,8 @@ def parse(path: Path) -> list[Block]:
                 block.skip = (text or "").strip()
             elif kind == "slow":
                 block.slow = True
+            elif kind == "install":
+                block.install = True
             elif kind == "setup":
                 block.setup = text or ""
             elif number is None:
@@ -133,17 +141,20 @@ def test_every_block_is_run_output_or_marked_with_a_reason():
             problems.append(f"{b.id}: a command in a block without a language; mark it ```bash so that it runs")
         if b.setup and b.lang not in ("python", "py"):
             problems.append(f"{b.id}: `docs-test: setup` is for python blocks")
+        if b.install and b.lang not in ("bash", "sh", "shell"):
+            problems.append(f"{b.id}: `docs-test: install` is for bash blocks")
     assert not problems, "\n".join(problems)
 
 
 def test_docs_blocks_are_counted(capsys):
-    counts = {k: sum(b.kind == k for b in BLOCKS) for k in ("run", "slow", "skip", "output")}
+    counts = {k: sum(b.kind == k for b in BLOCKS) for k in ("run", "slow", "install", "skip", "output")}
     assert counts["run"] >= 20  # the collector finds the callback pages' snippets, the README's, the CLI pages'
     langs = {lang: sum(b.kind == "run" and b.lang == lang for b in BLOCKS) for lang in ("bash", "python", "yaml")}
     with capsys.disabled():
         print(
             f"\ndocs blocks in {len(pages())} pages: {counts['run']} run by default ({langs['bash']} bash, "
             f"{langs['python']} python, {langs['yaml']} yaml), {counts['slow']} under -m slow, "
+            f"{counts['install']} install blocks (under -m slow, in a fresh venv: tests/test_packaging.py), "
             f"{counts['skip']} skipped (illustration, marked with why), {counts['output']} output"
         )
 
@@ -306,3 +317,31 @@ def test_the_contributors_routine_runs_the_readme_preflight_line_as_printed():
     routine = (ROOT / "docs" / "contributing.md").read_text().split("## Before you stop", 1)
     assert len(routine) == 2, "docs/contributing.md has no `## Before you stop` section"
     assert line in routine[1].split("\n## ", 1)[0], f"the before-stop routine does not run `{line}` as printed"
+
+
+# ------------------------------------------------------------------ install lines: run, and none from the index yet
+
+PIP_LINE = re.compile(r"^(python3? -m )?pip3? (install|wheel|download)\b")
+PUBLISHED = re.compile(r"pip3? install\s+['\"]?lightning-tfdebug\b")  # the package index's name, not published yet
+
+
+def test_every_pip_line_is_in_an_install_block_and_the_unpublished_name_only_in_the_once_released_note():
+    """The install lines the pages print are run (tests/test_packaging.py runs each install block, ``-m slow``);
+    ``pip install lightning-tfdebug`` fails until a release is published, so it is printed at most once, in the note
+    marked "Once released", and never in a block, the package's messages included."""
+    problems = []
+    for b in BLOCKS:
+        pip_lines = [c for c in commands(b.code) if PIP_LINE.match(c)]
+        if b.lang in ("bash", "sh", "shell") and pip_lines and b.kind != "install":
+            problems.append(f"{b.id}: {pip_lines[0]!r} is not in a block marked <!-- docs-test: install -->")
+        if PUBLISHED.search(b.code):
+            problems.append(f"{b.id}: a block installs `lightning-tfdebug` from the package index")
+    for page in ("README.md", "docs/installation.md"):
+        if not any(b.page == page and b.kind == "install" for b in BLOCKS):
+            problems.append(f"{page} has no install block")
+    texts = [*pages(), *sorted((ROOT / "lightning_tfdebug").rglob("*.py"))]
+    named = [(p, line) for p in texts for line in p.read_text().splitlines() if PUBLISHED.search(line)]
+    problems += [f"{p.relative_to(ROOT)}: {line.strip()!r}" for p, line in named if "once released" not in line.lower()]
+    if len(named) > 1:
+        problems.append(f"`pip install lightning-tfdebug` is printed {len(named)} times; one 'Once released' note")
+    assert not problems, "\n".join(problems)

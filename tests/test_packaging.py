@@ -1,5 +1,6 @@
-"""Packaging: one version, stated lower bounds that the test environment really runs, and a wheel that installs and
-works outside the checkout (``tfdebug --help`` and the demo)."""
+"""Packaging: one version, stated lower bounds that the test environment really runs, a wheel that installs and
+works outside the checkout (``tfdebug --help`` and the demo), and every install line the README and the docs print,
+run as printed in a fresh virtual environment."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 import lightning_tfdebug
+from lightning_tfdebug.__main__ import main
+from tests.test_docs_commands import BLOCKS, commands
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+; these checks need not run on 3.10
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +51,14 @@ def test_the_version_is_defined_once():
     assert len(literal.findall(init)) == 1, "lightning_tfdebug/__init__.py should hold the one version literal"
     # the installed metadata (editable or wheel) agrees with the source
     assert importlib.metadata.version("lightning-tfdebug") == lightning_tfdebug.__version__
+
+
+def test_tfdebug_version_prints_the_version_of_the_package(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"lightning-tfdebug {lightning_tfdebug.__version__}\n"
+    assert importlib.metadata.version("lightning-tfdebug") == lightning_tfdebug.__version__  # what pyproject.toml gave
 
 
 def test_supported_versions_are_stated_and_ci_runs_the_lower_bounds():
@@ -106,6 +117,35 @@ def _copy_sources(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
+def _venv_borrowing_dependencies(venv: Path, *, with_pip: bool) -> tuple[Path, Path]:
+    """A fresh venv (its python and its site-packages) that sees this environment's packages, offline, except this
+    package and pip: a directory of links to them, after the venv's own site-packages (a plain path: this
+    environment's .pth files, among them the editable install of the checkout, are not processed). pip in the venv
+    then finds torch & co. installed and downloads nothing for them, but installs lightning-tfdebug for real."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", str(venv)] + ([] if with_pip else ["--without-pip"]), check=True, timeout=120
+    )
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    deps = venv.parent / f"{venv.name}-deps"
+    deps.mkdir()
+    for where in dict.fromkeys(Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")):
+        for entry in where.iterdir():
+            name = entry.name.lower()
+            own = name.startswith(("lightning_tfdebug", "__editable__", "pip-")) or name == "pip"
+            if not (own or name.endswith(".pth") or name == "__pycache__" or (deps / entry.name).exists()):
+                (deps / entry.name).symlink_to(entry)
+    (site / "deps.pth").write_text(f"{deps}\n")
+    return python, site
+
+
 @pytest.mark.slow
 def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     """Build a wheel (not editable), install it into a fresh venv that borrows this environment's dependencies
@@ -120,19 +160,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     wheels = list(dist.glob("lightning_tfdebug-*.whl"))
     assert len(wheels) == 1, wheels
     assert lightning_tfdebug.__version__ in wheels[0].name
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    site = Path(
-        subprocess.run(
-            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
-    # dependencies from this environment, after the venv's own site-packages (a plain path: this environment's .pth
-    # files, among them the editable install of the checkout, are not processed)
-    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    python, site = _venv_borrowing_dependencies(venv, with_pip=False)
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q", wheels[0]],
         check=True,
@@ -171,3 +199,35 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     logs = list((work / "runs" / "demo").glob("version_*/tfdebug/findings-rank0.jsonl"))
     assert logs, "the demo wrote no findings file"  # TFD410 (info) is written on every 32-bit run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "install"], ids=lambda b: b.id)
+def test_the_printed_install_lines_install_the_package(block, tmp_path):
+    """Each ``docs-test: install`` block of the README and the docs, run as printed in the root of a copy of the
+    checkout, with a fresh venv's bin first on ``PATH`` (its ``pip``, its ``python``) and no ``PYTHONPATH``: the
+    package then imports from that venv and its ``tfdebug --version`` is the source's version."""
+    clone, venv, work = (tmp_path / d for d in ("clone", "venv", "work"))
+    _copy_sources(clone)
+    python, site = _venv_borrowing_dependencies(venv, with_pip=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["VIRTUAL_ENV"], env["PATH"] = str(venv), f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    script = "set -e\n" + "\n".join(commands(block.code)) + "\n"
+    done = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{block.id}:\n{script}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+    work.mkdir()
+    where = subprocess.run(
+        [python, "-c", "import lightning_tfdebug as t; print(t.__file__)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert where.startswith(str(site)), f"{block.id}: imported from {where!r}, not from the venv's {site}"
+    version = subprocess.run(
+        [venv / "bin" / "tfdebug", "--version"], cwd=work, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert version.returncode == 0, version.stderr
+    assert version.stdout == f"lightning-tfdebug {lightning_tfdebug.__version__}\n"
