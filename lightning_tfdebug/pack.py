@@ -25,7 +25,15 @@ from lightning_tfdebug.callbacks.repro_capture import ReproCapture
 from lightning_tfdebug.callbacks.scaler_watch import ScalerWatch
 from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
-from lightning_tfdebug.core.base import BATCH_HOOKS, DebugCallback, TFDebugWarning, check_choice, check_number
+from lightning_tfdebug.core.base import (
+    BATCH_HOOKS,
+    DebugCallback,
+    PackContext,
+    TFDebugWarning,
+    busy_at_step,
+    check_choice,
+    check_number,
+)
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.messages import pack_warning
@@ -255,6 +263,8 @@ class TFDebug(Callback):
                 f"exclude {self.exclude}); add them to `include` or drop the overrides."
             )
         self._scalars = ScalarSink()  # the members' scalars of one forwarded hook call, written at its end
+        self._per_step_dispatch = True  # False under manual optimization (set in setup): every hook on every batch
+        self._reduction = StepReduction()  # one collective per measuring step for every member
         self.members: dict[str, DebugCallback] = {name: self._build(name) for name in chosen}
         self.idle = False  # True when another TFDebug in trainer.callbacks runs the pack
         self.by_hand: list[str] = []  # members also listed in trainer.callbacks: that copy runs, the pack's does not
@@ -284,19 +294,18 @@ class TFDebug(Callback):
             member = cls(**kwargs)
         except (TypeError, ValueError) as err:
             raise type(err)(f"TFDebug member {name}: {err}") from err
-        member.in_pack = True  # the pack's summary lists the members that did not run
-        member.live_warnings = not self.preflight  # a preflight's findings are printed once, by `tfdebug check`
-        member._scalar_sink = self._scalars  # what it logs in a forwarded hook goes out with the others, at the end
+        # the whole protocol between the pack and a member: the scalar sink, the reduction (set while it runs), and
+        # whether its findings warn live (a preflight's are printed once, by `tfdebug check`)
+        member.pack = PackContext(scalar_sink=self._scalars, live_warnings=not self.preflight)
         return member
 
     def _index_hooks(self) -> None:
         """For each forwarded hook, the bound methods of the members that implement it (looked up once); the running
         members declare their measuring steps' statistics into the pack's one reduction."""
         running = list(self.running.values())
-        if "_reduction" not in self.__dict__:
-            self._reduction = StepReduction()  # one collective per measuring step for every member (issue 25)
         for member in self.members.values():
-            member.shared_reduction = self._reduction if any(member is m for m in running) else None
+            assert member.pack is not None
+            member.pack.reduction = self._reduction if any(member is m for m in running) else None
         self._reduction.members = running  # the order of the declarations, the same on every rank
         self._hooks = {
             hook: tuple(getattr(m, hook) for m in running if _overridden(m, hook)) for hook in _FORWARDED + _OWN_HOOKS
@@ -312,8 +321,8 @@ class TFDebug(Callback):
         is busy at that step (:meth:`DebugCallback.busy_at`), else only its :attr:`~DebugCallback.every_batch_hooks`.
         One tuple of booleans per batch (host arithmetic); the tables for each pattern are built once."""
         running = self._running_list
-        if self.__dict__.get("_per_step_dispatch", True):
-            busy = tuple(m.failure is None and _busy(m, step) for m in running)
+        if self._per_step_dispatch:
+            busy = tuple(m.failure is None and busy_at_step(m, step) for m in running)
         else:
             busy = tuple(True for _ in running)
         table = self._tables.get(busy)
@@ -536,13 +545,6 @@ def _raising_callback(exception: BaseException, trainer: pl.Trainer) -> str | No
             found = type(owner).__name__
         tb = tb.tb_next
     return found
-
-
-def _busy(member: DebugCallback, step: int) -> bool:
-    try:
-        return bool(member.busy_at(step))
-    except Exception:  # the member's own bug: call all its hooks, whose guard reports it
-        return True
 
 
 def _make_forwarder(hook: str) -> Callable[..., None]:

@@ -12,6 +12,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -22,7 +23,8 @@ from torch import Tensor
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
 from lightning_tfdebug.core.io import append_finding, append_line
 from lightning_tfdebug.core.messages import pack_warning
-from lightning_tfdebug.core.scalars import refused_scalars, write_scalars
+from lightning_tfdebug.core.reduction import StepReduction
+from lightning_tfdebug.core.scalars import ScalarSink, refused_scalars, write_scalars
 from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import (
     ON_FINDING_CHOICES,
@@ -91,14 +93,34 @@ def model_is_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> boo
     return False
 
 
-def _busy_standalone(callback: DebugCallback, step: int | None) -> bool:
-    """``callback.busy_at(step)``; True when the step is unknown or ``busy_at`` fails (every hook then runs)."""
+def busy_at_step(callback: DebugCallback, step: int | None) -> bool:
+    """``callback.busy_at(step)``, asked by the pack for its members and by the guard for a callback on its own; True
+    when the step is unknown or ``busy_at`` fails (every hook then runs, and the hook's guard reports the failure)."""
     if step is None:
         return True
     try:
         return bool(callback.busy_at(step))
     except Exception:
         return True
+
+
+@dataclass
+class PackContext:
+    """What :class:`~lightning_tfdebug.TFDebug` gives each member it holds: the whole pack/member protocol.
+
+    Set once by the pack when it builds the member (:attr:`DebugCallback.pack`); a callback on its own has none.
+
+    Attributes:
+        scalar_sink: where the member's scalars of one forwarded hook call wait, to go out with every member's in one
+            call per logger and step.
+        reduction: the pack's one reduction over ranks per measuring step, while the pack runs this member; None
+            while it does not (a copy listed in ``trainer.callbacks`` by hand runs instead).
+        live_warnings: False in a preflight (``tfdebug check`` prints each finding once, in its report).
+    """
+
+    scalar_sink: ScalarSink
+    reduction: StepReduction | None = None
+    live_warnings: bool = True
 
 
 def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,22 +131,16 @@ def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(hook)
     def guarded(self: DebugCallback, *args: Any, **kwargs: Any) -> Any:
-        state = self.__dict__
-        if state.get("failure") is not None and name not in _CLEANUP_HOOKS:
+        if self.failure is not None and name not in _CLEANUP_HOOKS:
             return None  # failed earlier: stands aside
-        if state.get("_in_hook"):  # a hook calling another (`super().setup`): the outer one guards
+        if self._in_hook:  # a hook calling another (`super().setup`): the outer one guards
             return hook(self, *args, **kwargs)
-        if (
-            batch_hook
-            and not state.get("in_pack")
-            and not state.get("_manual_optimization")
-            and state.get("_per_step_dispatch", 1)
-        ):
+        if batch_hook and self.pack is None and not self._manual_optimization and self._per_step_dispatch:
             # On its own, a callback skips the batch hooks it has no work for on this step, as the pack does for
-            # its members (issue 25): decided once per batch, from the step alone, so every rank skips alike.
+            # its members: decided once per batch, from the step alone, so every rank skips alike.
             if starts_batch:
-                state["_busy_batch"] = _busy_standalone(self, args[0].global_step if args else None)
-            if not state.get("_busy_batch", True) and name not in type(self).every_batch_hooks:
+                self._busy_batch = busy_at_step(self, args[0].global_step if args else None)
+            if not self._busy_batch and name not in type(self).every_batch_hooks:
                 return None
 
         def call() -> Any:
@@ -142,9 +158,8 @@ def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
 def _run_as_hook(callback: DebugCallback, hook: str, trainer: Any, call: Callable[[], Any]) -> Any:
     """Run ``call()`` as the callback's hook ``hook``: its own exceptions go to :meth:`DebugCallback.callback_failed`
     and never end training; a :class:`TFDebugError` (``on_finding="raise"``) passes unchanged."""
-    state = callback.__dict__
-    state["_in_hook"] = True
-    state["_hook_trainer"] = trainer  # its step is read only if the callback stands aside
+    callback._in_hook = True
+    callback._hook_trainer = trainer  # its step is read only if the callback stands aside
     try:
         return call()
     except TFDebugError:
@@ -153,8 +168,8 @@ def _run_as_hook(callback: DebugCallback, hook: str, trainer: Any, call: Callabl
         callback.callback_failed(hook, err, trainer)
         return None
     finally:
-        state["_in_hook"] = False
-        state["_hook_trainer"] = None  # no reference to the Trainer outlives the hook
+        callback._in_hook = False
+        callback._hook_trainer = None  # no reference to the Trainer outlives the hook
 
 
 def check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -213,6 +228,34 @@ class DebugCallback(Callback):
     every_batch_hooks: ClassVar[frozenset[str]] = frozenset()
     """The batch hooks (:data:`BATCH_HOOKS`) needed on every batch whatever :meth:`busy_at` says (bookkeeping)."""
 
+    # The state the guard reads around every hook, declared here with class-level defaults (so a hook that runs
+    # before ``__init__`` has finished reads them too); nothing else of the protocol lives outside this class.
+    pack: PackContext | None = None
+    """What :class:`~lightning_tfdebug.TFDebug` gives this member (:class:`PackContext`); None on its own."""
+    failure: dict[str, Any] | None = None
+    """The callback's own first failure (``hook``, ``error``, ``step``, ``traceback``, ``everywhere``), else None."""
+    _in_hook: bool = False  # inside a guarded hook (a hook calling another is guarded by the outer one)
+    _hook_trainer: Any = None  # the Trainer of the hook running now (its step, if the callback stands aside)
+    _busy_batch: bool = True  # on its own: whether this batch has work beyond `every_batch_hooks`
+    _manual_optimization: bool = False  # every hook runs on every batch (one batch may step several times)
+    _per_step_dispatch: bool = True  # on its own: skip batch hooks with no work on this step (False: run all)
+    _logger_refused: bool = False  # a logger refused this callback's scalars once (warned once)
+
+    @property
+    def in_pack(self) -> bool:
+        """Whether a :class:`~lightning_tfdebug.TFDebug` holds this callback (its summary then lists it)."""
+        return self.pack is not None
+
+    @property
+    def live_warnings(self) -> bool:
+        """False in a preflight: ``tfdebug check`` prints each finding once, in its report."""
+        return self.pack.live_warnings if self.pack is not None else True
+
+    @property
+    def shared_reduction(self) -> StepReduction | None:
+        """The pack's reduction while the pack runs this member, else None (it reduces on its own)."""
+        return self.pack.reduction if self.pack is not None else None
+
     def busy_at(self, step: int) -> bool:
         """Whether the batches of optimizer step ``step`` have work for the batch hooks beyond
         :attr:`every_batch_hooks`; asked at each batch's start (by the pack, or the guard on its own). Must be True on
@@ -252,10 +295,7 @@ class DebugCallback(Callback):
         self._aside_announced = False  # said once more at the end of fit (a callback on its own, not in the pack)
         self.checks_aside: dict[str, str] = {}  # one check of this callback that does not run -> why (and the setting)
         self._check_records: list[dict[str, Any]] = []  # their stood-aside records not yet written (no log dir yet)
-        self.in_pack = False  # set by TFDebug on its members: the pack's summary lists them instead
-        self.live_warnings = True  # False in a preflight (`tfdebug check` prints each finding once, in its report)
-        self.failure: dict[str, Any] | None = None
-        self.shared_reduction: Any = None  # TFDebug's StepReduction while the pack runs this member, else None
+        self.failure = None
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -315,7 +355,7 @@ class DebugCallback(Callback):
         self._aside_reason = reason
         self._aside_setting = setting
         # the step of the hook in progress (its trainer set by the guard)
-        self._aside_step = getattr(self.__dict__.get("_hook_trainer"), "global_step", None)
+        self._aside_step = getattr(self._hook_trainer, "global_step", None)
         if warn:
             text = f"{type(self).__name__} stands aside: {reason}"
             rank_zero_warn(text + (f" To let it run: {setting}." if setting else ""), category=TFDebugWarning)
@@ -333,7 +373,7 @@ class DebugCallback(Callback):
         if check in self.checks_aside:
             return
         self.checks_aside[check] = reason + (f" To let it run: {setting}." if setting else "")
-        step = getattr(self.__dict__.get("_hook_trainer"), "global_step", None)
+        step = getattr(self._hook_trainer, "global_step", None)
         name = f"{type(self).__name__}: {check}"
         self._check_records.append({"check": name, "reason": reason, "setting": setting, "step": step})
         self._write_check_records()
@@ -481,7 +521,7 @@ class DebugCallback(Callback):
         """Run ``then(reduced)`` under the same guard as a hook (called by the step's reduction)."""
         if self.failure is not None:
             return
-        if self.__dict__.get("_in_hook"):  # on its own: inside the hook that declared, which guards it
+        if self._in_hook:  # on its own: inside the hook that declared, which guards it
             then(reduced)
             return
         # a failure here comes after the collective: every rank got its values
@@ -503,7 +543,7 @@ class DebugCallback(Callback):
         if not metrics:
             return
         step = trainer.global_step if step is None else step
-        sink = self.__dict__.get("_scalar_sink")
+        sink = self.pack.scalar_sink if self.pack is not None else None
         if sink is not None and sink.open:
             sink.add(step, metrics)
             return
@@ -511,8 +551,8 @@ class DebugCallback(Callback):
         try:
             write_scalars(trainer, values, step)
         except Exception as err:  # the logger's own failure: the callback goes on without those curves
-            if not self.__dict__.get("_logger_refused"):
-                self.__dict__["_logger_refused"] = True
+            if not self._logger_refused:
+                self._logger_refused = True
                 warnings.warn(refused_scalars(type(self).__name__, step, err), TFDebugWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ findings

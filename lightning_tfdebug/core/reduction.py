@@ -76,9 +76,9 @@ def pack_fields(values: Mapping[str, Value] | None, device: torch.device, kind: 
     host_at: dict[str, tuple[int, tuple[int, ...]]] = {}
     for name, value in values.items():
         if not isinstance(value, Tensor):
-            array = torch.as_tensor(value, dtype=torch.float64)  # host numbers: no device involved
-            host_at[name] = (len(host), tuple(array.shape))
-            host += array.reshape(-1).tolist()
+            flat, shape = _host_values(value)  # host numbers: no tensor, no device involved
+            host_at[name] = (len(host), shape)
+            host += flat
     copied = torch.tensor(host, dtype=torch.float64).to(device) if host else None  # one copy for every host number
     parts, shapes = [], []
     for name, value in values.items():
@@ -91,6 +91,17 @@ def pack_fields(values: Mapping[str, Value] | None, device: torch.device, kind: 
             parts.append(copied[at : at + math.prod(shape)])
             shapes.append(shape)
     return torch.cat(parts), Fields(names, tuple(shapes))
+
+
+def _host_values(value: Any) -> tuple[list[float], tuple[int, ...]]:
+    """A host number or a (nested) sequence of them as a flat list of floats and its shape."""
+    if not isinstance(value, Sequence):
+        return [float(value)], ()
+    parts = [_host_values(v) for v in value]
+    inner = parts[0][1] if parts else ()
+    if any(shape != inner for _, shape in parts):
+        raise ValueError("A field given as nested sequences must be rectangular.")
+    return [x for flat, _ in parts for x in flat], (len(parts), *inner)
 
 
 @dataclass(frozen=True)

@@ -148,9 +148,10 @@ def test_one_host_transfer_per_measuring_step_and_none_in_between(tmp_path, monk
     import inspect
 
     import lightning_tfdebug
+    from lightning_tfdebug.core import reduction
 
     module = inspect.getmodule(getattr(lightning_tfdebug, callback_cls)).__file__
-    ours = {module, inspect.getmodule(DebugCallback).__file__}
+    ours = {module, inspect.getmodule(DebugCallback).__file__, reduction.__file__}  # reduction: the named host read
     trainer_ref: dict[str, Any] = {}
     reads: list[tuple[int, int]] = []  # (global_step, values read)
 
