@@ -21,23 +21,83 @@ def imported_modules(path: Path) -> set[str]:
     return out
 
 
-def test_no_callback_module_imports_another_callback_module():
-    for path in sorted((PACKAGE / "callbacks").glob("*.py")):
-        if path.name == "__init__.py":
-            continue
-        others = {m for m in imported_modules(path) if m.startswith("lightning_tfdebug.callbacks")}
-        assert not others, f"{path.name} imports {sorted(others)}; move what they share to core/ or functional/"
+def scanned(paths: list[Path], at_least: str) -> list[Path]:
+    """``paths``, asserted to hold ``at_least`` (a file name every such scan must see): a scan that finds nothing
+    passes vacuously, so every test says what it must have seen."""
+    assert any(p.name == at_least for p in paths), f"the scan saw none of its files ({at_least} missing): {paths}"
+    return paths
 
 
-def test_functional_and_core_never_import_callbacks():
-    for folder in ("functional", "core"):
-        for path in sorted((PACKAGE / folder).glob("*.py")):
-            bad = {m for m in imported_modules(path) if m.startswith("lightning_tfdebug.callbacks")}
-            assert not bad, f"{folder}/{path.name} imports {sorted(bad)}"
+# ---------------------------------------------------------------------------------------------- the layers
+# primitives <- functional <- core <- callbacks <- pack: each imports only the layers below it (docs/contributing.md).
+
+LAYER_OF = {"primitives": 0, "functional": 1, "findings": 1, "rules": 1, "core": 2, "callbacks": 3}
+"""A module's layer by its first path segment under the package (top-level modules not listed: the top layer)."""
+
+ALLOWED_BELOW = {0: {"primitives"}, 1: {"primitives", "functional", "findings", "rules"}}
+"""What the leaf and the pure layer may import of the package."""
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYER_OF.get(parts[1], 4) if len(parts) > 1 else 4
+
+
+def layer_violations(root: Path) -> list[str]:
+    """``module imports module`` for every import of the package ``root`` that reaches a layer above or beside
+    its own (callbacks: another callback's module; a callback package's pure modules: core or Lightning)."""
+    graph, out = import_graph(root), []
+    for name, path in _modules(root).items():
+        out += [f"{name} imports {dep}" for dep in sorted(graph.get(name, ())) if not _may_import(name, dep)]
+        if layer(name) == 3 and _pure_callback_module(name):
+            lightning = {m for m in imported_modules(path) if m.split(".")[0] in ("lightning", "pytorch_lightning")}
+            out += [f"{name} imports {m}" for m in sorted(lightning)]
+    return out
+
+
+def _may_import(name: str, dep: str) -> bool:
+    mine, theirs, parts = layer(name), layer(dep), dep.split(".")
+    if mine in ALLOWED_BELOW:  # the leaf and the pure layer: only what they list
+        return len(parts) > 1 and parts[1] in ALLOWED_BELOW[mine]
+    if mine == 2:  # core: nothing above it
+        return theirs <= 2
+    if mine == 3:  # a callback: its own room, and below it (its pure modules: not core)
+        if theirs == 3:
+            return _callback_unit(name) == _callback_unit(dep)
+        return not (_pure_callback_module(name) and theirs == 2)
+    return True
+
+
+def _callback_unit(module: str) -> str:
+    """``lightning_tfdebug.callbacks.loss_at_init.phases`` -> ``loss_at_init``: one callback's room."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+ADAPTERS = ("__init__", "callback")
+"""In a callback package, the modules that face Lightning and ``core/``; every other module there is pure."""
+
+
+def _pure_callback_module(module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) == 4 and parts[1] == "callbacks" and parts[3] not in ADAPTERS
+
+
+def test_every_module_imports_only_the_layers_below_it():
+    assert scanned(list(_modules(PACKAGE).values()), "calls.py")
+    found = layer_violations(PACKAGE)
+    assert not found, f"imports across the layers: {found}"
+
+
+def test_functional_imports_nothing_from_core():
+    paths = scanned(sorted((PACKAGE / "functional").rglob("*.py")), "norms.py")
+    for path in paths:
+        bad = {m for m in imported_modules(path) if m.startswith("lightning_tfdebug.core")}
+        assert not bad, f"functional/{path.name} imports {sorted(bad)}: what it needs belongs in primitives/"
 
 
 def test_functional_modules_need_no_trainer():
-    for path in sorted((PACKAGE / "functional").glob("*.py")):
+    for path in scanned(sorted((PACKAGE / "functional").rglob("*.py")), "norms.py"):
         bad = {m for m in imported_modules(path) if m.startswith(("lightning.pytorch", "pytorch_lightning"))}
         assert not bad, f"functional/{path.name} imports {sorted(bad)}: pure tensor code takes no Trainer"
 
@@ -47,14 +107,15 @@ def test_functional_modules_need_no_trainer():
 # syntax tree.
 
 MAX_CALLBACK_LINES = 400
+MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 CODE = re.compile(r"TFD[1-7]\d\d")
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -88,11 +149,11 @@ def codes_written(path: Path) -> set[str]:
     }
 
 
-def long_functions() -> dict[str, int]:
+def long_functions(root: Path = PACKAGE) -> dict[str, int]:
     """``module:qualname`` of every function over MAX_FUNCTION_LINES lines, with its length."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        name = path.relative_to(PACKAGE).as_posix()
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix()
 
         def visit(node: ast.AST, prefix: str, name: str = name) -> None:
             for child in ast.iter_child_nodes(node):
@@ -125,10 +186,11 @@ def impurities(path: Path) -> list[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """Module -> the package modules it imports, anywhere in it (a function-local import is still a dependency),
-    except under ``if TYPE_CHECKING:``."""
-    modules = _modules()
+    except under ``if TYPE_CHECKING:``. ``from pkg import name`` where ``name`` is no module is an edge to ``pkg``'s
+    ``__init__``: a cycle through a package's ``__init__`` (the top one included) is a cycle."""
+    modules = _modules(root)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
@@ -149,14 +211,16 @@ def import_graph() -> dict[str, set[str]]:
                 candidates = [f"{base}.{a.name}" for a in node.names] + [base]
             else:
                 candidates = [a.name for a in node.names]
-            deps.update(c for c in candidates if c in modules and c != name and c != "lightning_tfdebug")
+            named = [c for c in candidates[:-1] if c in modules] if isinstance(node, ast.ImportFrom) else []
+            targets = named if named and len(named) == len(candidates) - 1 else candidates
+            deps.update(c for c in targets if c in modules and c != name)
         graph[name] = deps
     return graph
 
 
-def cycles() -> set[frozenset[str]]:
+def cycles(root: Path = PACKAGE) -> set[frozenset[str]]:
     """The strongly connected groups of modules in the import graph (Tarjan), as sets of two or more modules."""
-    graph = import_graph()
+    graph = import_graph(root)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -187,17 +251,59 @@ def cycles() -> set[frozenset[str]]:
     return out
 
 
+def adapters(root: Path = PACKAGE) -> list[Path]:
+    """The callback modules that face Lightning: ``callbacks/<name>.py`` and a package's ``callback.py``."""
+    single = [p for p in sorted((root / "callbacks").glob("*.py")) if p.name != "__init__.py"]
+    return single + sorted((root / "callbacks").glob("*/callback.py"))
+
+
+def pure_modules(root: Path = PACKAGE) -> list[Path]:
+    """The modules that take host numbers and tensors and give readings or verdicts: ``primitives/``,
+    ``functional/`` and a callback package's modules other than its adapters."""
+    out = sorted((root / "primitives").rglob("*.py")) + sorted((root / "functional").rglob("*.py"))
+    for package in sorted(p for p in (root / "callbacks").glob("*") if p.is_dir() and p.name != "__pycache__"):
+        out += [p for p in sorted(package.glob("*.py")) if p.stem not in ADAPTERS]
+    return out
+
+
+COLLECTIVES = re.compile(
+    r"\b(?:dist|torch\.distributed)\.(all_reduce|all_gather\w*|broadcast\w*|reduce_scatter\w*|"
+    r"gather|scatter|barrier|reduce)\("
+)
+"""A collective called directly; outside ``core/`` every one goes through the named reduction."""
+
+
+def direct_collectives(root: Path = PACKAGE) -> dict[str, list[str]]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "core":
+            continue
+        found = COLLECTIVES.findall(path.read_text())
+        if found:
+            out[path.relative_to(root).as_posix()] = found
+    return out
+
+
 def test_no_callback_writes_a_finding_code():
-    """A code is decided by a rule in functional/*_checks.py; a callback only hands verdicts to `emit`."""
-    for path in sorted((PACKAGE / "callbacks").glob("*.py")):
+    """A code is decided by a rule beside its decision; a callback's adapter only hands verdicts to `emit`."""
+    for path in scanned(adapters(), "grad_norm_monitor.py"):
         codes = codes_written(path)
-        assert not codes, f"callbacks/{path.name} writes {sorted(codes)}: decide them in a rule of functional/"
+        assert not codes, f"{path.relative_to(PACKAGE)} writes {sorted(codes)}: decide them in a rule"
 
 
 def test_callbacks_are_small():
-    for path in sorted((PACKAGE / "callbacks").glob("*.py")):
+    for path in scanned(adapters(), "update_ratio.py"):
         lines = len(path.read_text().splitlines())
-        assert lines <= MAX_CALLBACK_LINES, f"callbacks/{path.name} is {lines} lines (at most {MAX_CALLBACK_LINES})"
+        assert lines <= MAX_CALLBACK_LINES, (
+            f"{path.relative_to(PACKAGE)} is {lines} lines (at most {MAX_CALLBACK_LINES})"
+        )
+
+
+def test_no_module_is_over_600_lines():
+    """A room a newcomer can hold: every module of the package reads in one sitting."""
+    paths = scanned(sorted(PACKAGE.rglob("*.py")), "pack.py")
+    long = {p.relative_to(PACKAGE).as_posix(): n for p in paths if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
 
 
 def test_no_function_is_long():
@@ -205,11 +311,18 @@ def test_no_function_is_long():
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
 
 
-def test_functional_is_pure():
-    """functional/: tensors and host numbers in, readings or verdicts out: no Trainer, no `__dict__`, no I/O."""
-    for path in sorted((PACKAGE / "functional").glob("*.py")):
+def test_pure_modules_are_pure():
+    """primitives/, functional/ and a callback package's own modules: tensors and host numbers in, readings or
+    verdicts out: no Trainer, no `__dict__`, no I/O."""
+    for path in scanned(pure_modules(), "tracking.py"):
         found = impurities(path)
-        assert not found, f"functional/{path.name}: {found}; move it to core/ (host readers: core/host.py)"
+        assert not found, f"{path.relative_to(PACKAGE)}: {found}; move it to core/ (host readers: core/host.py)"
+
+
+def test_what_crosses_ranks_goes_through_the_named_reduction():
+    """No collective outside core/: members declare named fields (`reduce_then`, `reduce_now`, `gather_records`)."""
+    found = direct_collectives()
+    assert not found, f"direct collectives outside core/: {found}"
 
 
 def test_no_import_cycles():
@@ -217,28 +330,92 @@ def test_no_import_cycles():
     assert not found, f"import cycles: {[sorted(g) for g in found]}"
 
 
+EMIT_PATH = ("findings.py", "core/base.py", "report.py")
+"""The record itself, the one emit path, and the reader of findings files: the only modules that build a Finding."""
+
+
 def test_findings_reach_the_user_through_the_one_emit_path():
     """Only ``DebugCallback`` builds a ``Finding``; every other module hands verdicts to ``emit``."""
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name in ("findings.py", "base.py", "report.py"):
-            continue  # the record itself, the one emit path, and the reader of findings files
+    paths = scanned(sorted(PACKAGE.rglob("*.py")), "base.py")
+    assert all((PACKAGE / p).is_file() for p in EMIT_PATH), EMIT_PATH  # an exemption names a file that exists
+    for path in paths:
+        if path.relative_to(PACKAGE).as_posix() in EMIT_PATH:
+            continue
         tree = ast.parse(path.read_text())
         built = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Finding"]
         assert not built, f"{path.relative_to(PACKAGE)} builds a Finding at lines {built}: return a verdict instead"
 
 
-def test_the_layout_checks_see_what_they_check():
-    """The scanners find what they look for (a check that cannot fail is no check)."""
-    import tempfile
+def _package(root: Path, files: dict[str, str]) -> Path:
+    """A throwaway package named like ours under ``root``, with ``files`` (path -> source)."""
+    package = root / "lightning_tfdebug"
+    for name, source in files.items():
+        path = package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    return package
 
-    with tempfile.TemporaryDirectory() as folder:
-        bad = Path(folder) / "bad.py"
-        bad.write_text(
-            '"""TFD301 in a docstring is fine."""\n'
-            "import os\n\n\ndef f(trainer):\n"
-            '    """TFD302 too."""\n'
-            "    trainer.__dict__['x'] = open('f')\n"
-            '    return "TFD303 " + f"{trainer} TFD304"\n'
-        )
-        assert codes_written(bad) == {"TFD303", "TFD304"}
-        assert len(impurities(bad)) == 4
+
+def test_the_layout_checks_see_what_they_check(tmp_path):
+    """Every scanner finds what it looks for (a check that cannot fail is no check)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        '"""TFD301 in a docstring is fine."""\n'
+        "import os\n\n\ndef f(trainer):\n"
+        '    """TFD302 too."""\n'
+        "    trainer.__dict__['x'] = open('f')\n"
+        '    return "TFD303 " + f"{trainer} TFD304"\n'
+    )
+    assert codes_written(bad) == {"TFD303", "TFD304"}
+    assert len(impurities(bad)) == 4
+    assert imported_modules(bad) == {"os"}
+    body = "\n".join(f"    x = {i}" for i in range(MAX_FUNCTION_LINES))
+    package = _package(
+        tmp_path,
+        {
+            "__init__.py": "from lightning_tfdebug.pack import Pack\n",
+            "pack.py": "import lightning_tfdebug.core.base\n",
+            "primitives/__init__.py": "",
+            "primitives/leaf.py": "from lightning_tfdebug.functional import maths\n",  # the leaf reaching up
+            "functional/__init__.py": "",
+            "functional/maths.py": "from lightning_tfdebug.core import base\n",  # pure reaching into core
+            "core/__init__.py": "",
+            "core/base.py": "from lightning_tfdebug import Pack\n" + f"def long():\n{body}\n",  # a cycle via __init__
+            "callbacks/__init__.py": "",
+            "callbacks/one.py": "from lightning_tfdebug.callbacks.two import callback\n"
+            "import torch.distributed as dist\ndist.all_reduce(x)\n",
+            "callbacks/two/__init__.py": "",
+            "callbacks/two/callback.py": "from lightning_tfdebug.core import base\n",  # an adapter: allowed
+            "callbacks/two/rules.py": "import lightning.pytorch\nfrom lightning_tfdebug.core import base\n",
+        },
+    )
+    assert scanned([bad], "bad.py") and not _raises_nothing(lambda: scanned([], "bad.py"))
+    assert sorted(layer_violations(package)) == [
+        "lightning_tfdebug.callbacks.one imports lightning_tfdebug.callbacks.two.callback",
+        "lightning_tfdebug.callbacks.two.rules imports lightning.pytorch",
+        "lightning_tfdebug.callbacks.two.rules imports lightning_tfdebug.core.base",
+        "lightning_tfdebug.core.base imports lightning_tfdebug",  # the top package is the top layer
+        "lightning_tfdebug.functional.maths imports lightning_tfdebug.core.base",
+        "lightning_tfdebug.primitives.leaf imports lightning_tfdebug.functional.maths",
+    ]
+    assert cycles(package) == {
+        frozenset({"lightning_tfdebug", "lightning_tfdebug.pack", "lightning_tfdebug.core.base"})
+    }
+    assert long_functions(package) == {"core/base.py:long": MAX_FUNCTION_LINES + 1}
+    assert [p.name for p in adapters(package)] == ["one.py", "callback.py"]
+    assert [p.relative_to(package).as_posix() for p in pure_modules(package)] == [
+        "primitives/__init__.py",
+        "primitives/leaf.py",
+        "functional/__init__.py",
+        "functional/maths.py",
+        "callbacks/two/rules.py",
+    ]
+    assert direct_collectives(package) == {"callbacks/one.py": ["all_reduce"]}
+
+
+def _raises_nothing(call) -> bool:
+    try:
+        call()
+    except AssertionError:
+        return False
+    return True

@@ -8,7 +8,6 @@ from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
@@ -24,7 +23,7 @@ from lightning_tfdebug.core.batch import step_rng_state
 from lightning_tfdebug.core.distributed import any_rank, gradients_replicated, world_size
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.model import grad_scaler_of, quiet_training_step
-from lightning_tfdebug.core.reduction import reduce_now
+from lightning_tfdebug.core.reduction import gather_records, reduce_now
 from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_fields, flagged_ranks
@@ -334,13 +333,9 @@ class NaNFirstFrame(DebugCallback):
 
     def _share(self, trainer: pl.Trainer, summary: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's first forward/backward module names (and whether the replay reproduced this step's flags)."""
-        mine = rank_frames(trainer.global_rank, summary)
-        everyone: list[Any] = [mine]
-        if world_size() > 1:
-            # Only on a reporting step, which every rank reached from the same gathered flags: share the names.
-            everyone = [None] * world_size()
-            dist.all_gather_object(everyone, mine)  # collective
-        return [r for r in everyone if r]
+        # Only on a reporting step, which every rank reached from the same gathered flags: share the names
+        # (a collective under several ranks).
+        return [r for r in gather_records(rank_frames(trainer.global_rank, summary)) if r]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -240,6 +240,17 @@ def row_fields(row_type: type, values: Mapping[str, Any]) -> dict[str, Any]:
     return {name: values[name] for name in names}
 
 
+def gather_records(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``record`` (a small dict of names, strings and numbers), rank ``r`` at index ``r``: for what
+    does not fit in numbers (module names in a report). One ``all_gather_object`` (none in a single process); every
+    rank must call it on the same step. Off the hot path only: it pickles."""
+    if world_size() == 1:
+        return [record]
+    everyone: list[Any] = [None] * world_size()
+    dist.all_gather_object(everyone, record)  # collective
+    return everyone
+
+
 def _named(d: Declaration, sums: Tensor, anys: Tensor, maxes: Tensor, rows: Tensor, world: int) -> Reduced:
     lay = d.layout
     return Reduced(
