@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_tfdebug import TFDebug
-from lightning_tfdebug.core.base import BATCH_HOOKS
+from lightning_tfdebug.core.guard import BATCH_HOOKS
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 from lightning_tfdebug.pack import _overridden
 

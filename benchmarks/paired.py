@@ -36,7 +36,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_tfdebug import TFDebug
-from lightning_tfdebug.core.base import BATCH_HOOKS
+from lightning_tfdebug.core.guard import BATCH_HOOKS
 from lightning_tfdebug.demo import TinyGPT, TinyTextDataModule
 
 

@@ -25,16 +25,9 @@ from lightning_tfdebug.callbacks.repro_capture import ReproCapture
 from lightning_tfdebug.callbacks.scaler_watch import ScalerWatch
 from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
-from lightning_tfdebug.core.base import (
-    BATCH_HOOKS,
-    DebugCallback,
-    PackContext,
-    TFDebugWarning,
-    busy_at_step,
-    check_choice,
-    check_number,
-)
+from lightning_tfdebug.core.base import DebugCallback, PackContext, TFDebugWarning, check_choice, check_number
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
+from lightning_tfdebug.core.guard import BATCH_HOOKS, busy_at_step
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.messages import pack_warning
 from lightning_tfdebug.core.reduction import StepReduction

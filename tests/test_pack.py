@@ -424,7 +424,7 @@ class _HookLog(pl.Callback):
         self.calls: dict[int, set[str]] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_tfdebug.core.base import BATCH_HOOKS
+        from lightning_tfdebug.core.guard import BATCH_HOOKS
         from lightning_tfdebug.pack import _overridden
 
         for name, member in self.pack.running.items():
@@ -504,7 +504,7 @@ class _StepAtStart(pl.Callback):
 def _spying(cls: type, ran: dict[int, set[str]], clock: _StepAtStart) -> type:
     """A subclass of ``cls`` whose batch hooks note, per optimizer step, that their body ran (the guard wraps the
     subclass's methods as it wraps every callback's, so a skipped hook leaves no note)."""
-    from lightning_tfdebug.core.base import BATCH_HOOKS
+    from lightning_tfdebug.core.guard import BATCH_HOOKS
 
     def make(hook: str):
         def method(self, trainer, *args, **kwargs):
