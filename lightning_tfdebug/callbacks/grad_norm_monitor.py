@@ -25,7 +25,7 @@ from lightning_tfdebug.functional.grad_checks import (
     unused_parameters,
 )
 from lightning_tfdebug.functional.norms import group_sums, grouped_sq_norms, per_tensor_norms
-from lightning_tfdebug.functional.update_checks import outside_optimizers
+from lightning_tfdebug.functional.updates import outside_optimizers
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives.keys import Key
 from lightning_tfdebug.primitives.tensors import local_tensor

@@ -20,14 +20,8 @@ from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import unigram_entropy
 from lightning_tfdebug.functional.memory import WeightSnapshot, budget_for, check_budget, plan_notes
 from lightning_tfdebug.functional.norms import grouped_sq_norms
-from lightning_tfdebug.functional.update_checks import (
-    GroupFacts,
-    UpdateMemory,
-    UpdateReading,
-    group_facts,
-    label_counts,
-    update_verdicts,
-)
+from lightning_tfdebug.functional.update_checks import update_verdicts
+from lightning_tfdebug.functional.updates import GroupFacts, UpdateMemory, UpdateReading, group_facts, label_counts
 from lightning_tfdebug.primitives.batch import loss_of
 from lightning_tfdebug.primitives.keys import Key
 from lightning_tfdebug.primitives.tensors import local_tensor

@@ -5,27 +5,29 @@ import pytest
 import torch
 
 from lightning_tfdebug.functional.update_checks import (
-    GroupFacts,
-    UpdateMemory,
-    UpdateReading,
-    below_resolution,
-    expected_step,
-    group_facts,
     growth_harm,
     huge_update,
-    label_counts,
     left_out_or_rounded,
-    loss_fall_per_step,
-    loss_still_falling,
     norm_change,
     not_in_optimizer,
-    outside_optimizers,
     stuck_groups,
     tiny_updates,
     update_verdicts,
     weight_decay_per_step,
     weights_growing,
     weights_shrinking,
+)
+from lightning_tfdebug.functional.updates import (
+    GroupFacts,
+    UpdateMemory,
+    UpdateReading,
+    below_resolution,
+    expected_step,
+    group_facts,
+    label_counts,
+    loss_fall_per_step,
+    loss_still_falling,
+    outside_optimizers,
 )
 from lightning_tfdebug.primitives.tracking import Streak
 
