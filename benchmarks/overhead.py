@@ -107,17 +107,11 @@ def _update_ratio(**kw: Any) -> Callable[[], list[pl.Callback]]:
 
 
 def the_pack() -> list[pl.Callback]:
-    """Every callback of the pack at its defaults, as a user who turns them all on would."""
-    import lightning_tfdebug as tfd
+    """Every callback of the pack at its defaults (the pack's one list of members), as a user who turns them all on
+    would."""
+    from lightning_tfdebug.pack import MEMBERS
 
-    return [
-        *design_card(),
-        tfd.BatchGuard(),
-        tfd.ReproCapture(),
-        tfd.MaskProbe(),
-        tfd.OptimizerAudit(),
-        tfd.CheckpointAudit(),
-    ]
+    return [cls() for cls in MEMBERS.values()]
 
 
 def design_card() -> list[pl.Callback]:
@@ -152,7 +146,7 @@ CASES: list[Case] = [
     Case("TFDebug(preset='always')", _tfdebug("always")),
     Case("TFDebug(preset='full')", _tfdebug("full")),
     # --- issue 13: the whole pack ---
-    Case("whole pack (13 callbacks, defaults)", the_pack),
+    Case("whole pack (every callback, defaults)", the_pack),
     Case("design card (8 callbacks, defaults)", design_card),
     # --- issue 2: foundation ---
     Case("GradNormMonitor (default cadence)", _gnm()),

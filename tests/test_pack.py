@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_tfdebug as tfd
 from lightning_tfdebug.demo import ByteTokenizer, TinyGPT
+from lightning_tfdebug.pack import MEMBERS
 from lightning_tfdebug.rules import RULES
 from tests.healthy_models import periodic_text
 from tests.helpers import SMALL, fit_tiny
@@ -30,22 +31,13 @@ except ImportError:  # pragma: no cover - transformers is a test dependency
 VOCAB = ByteTokenizer.vocab_size
 
 
+#: What the pack's members take here beside their defaults (a run of 60 steps checks LossAtInit's stall at 40).
+SETTINGS: dict[str, dict[str, object]] = {"LossAtInit": {"check_step": 40}}
+
+
 def the_pack() -> list[pl.Callback]:
-    return [
-        tfd.GradNormMonitor(),
-        tfd.UpdateRatio(),
-        tfd.NaNFirstFrame(),
-        tfd.ScalerWatch(),
-        tfd.DeadActivation(),
-        tfd.LossAtInit(check_step=40),
-        tfd.ThroughputMonitor(),
-        tfd.PerRankLogger(),
-        tfd.BatchGuard(),
-        tfd.ReproCapture(),
-        tfd.MaskProbe(),
-        tfd.OptimizerAudit(),
-        tfd.CheckpointAudit(),
-    ]
+    """Every member of the pack (its one list, ``MEMBERS``), each on its own in ``trainer.callbacks``."""
+    return [cls(**SETTINGS.get(name, {})) for name, cls in MEMBERS.items()]
 
 
 def problems(callbacks) -> list[str]:

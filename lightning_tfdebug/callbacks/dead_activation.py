@@ -65,6 +65,16 @@ class DeadActivation(DebugCallback):
         ```python
         trainer = Trainer(callbacks=[DeadActivation(every_n_steps=50)])
         ```
+
+        With LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.DeadActivation
+              init_args:
+                every_n_steps: 50
+        ```
     """
 
     KEYS: ClassVar[tuple[Key, ...]] = (

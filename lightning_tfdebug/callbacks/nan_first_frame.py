@@ -85,6 +85,16 @@ class NaNFirstFrame(DebugCallback):
         ```python
         trainer = Trainer(callbacks=[NaNFirstFrame(on_finding="stop")])
         ```
+
+        With LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.NaNFirstFrame
+              init_args:
+                on_finding: stop
+        ```
     """
 
     KEYS: ClassVar[tuple[Key, ...]] = (

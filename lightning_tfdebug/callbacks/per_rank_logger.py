@@ -80,6 +80,16 @@ class PerRankLogger(DebugCallback):
         ```python
         trainer = Trainer(strategy="ddp", devices=8, callbacks=[PerRankLogger(every_n_steps=50)])
         ```
+
+        With LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.PerRankLogger
+              init_args:
+                every_n_steps: 50
+        ```
     """
 
     KEYS: ClassVar[tuple[Key, ...]] = rank_checks.KEYS  # what `per_rank_metrics` computes, declared beside it

@@ -82,6 +82,16 @@ class ScalerWatch(DebugCallback):
         ```python
         trainer = Trainer(accelerator="cuda", precision="16-mixed", callbacks=[ScalerWatch(every_n_steps=10)])
         ```
+
+        With LightningCLI:
+
+        ```yaml
+        trainer:
+          callbacks:
+            - class_path: lightning_tfdebug.ScalerWatch
+              init_args:
+                every_n_steps: 10
+        ```
     """
 
     KEYS: ClassVar[tuple[Key, ...]] = (
