@@ -13,7 +13,9 @@ from lightning_tfdebug.core.base import DebugCallback, check_choice, check_numbe
 from lightning_tfdebug.core.batch import step_rng_state
 from lightning_tfdebug.core.distributed import DTensor
 from lightning_tfdebug.core.io import write_failures
+from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.memory_checks import is_out_of_memory
 from lightning_tfdebug.functional.repro_checks import bundle_not_written, bundle_written
 from lightning_tfdebug.repro import (
     capture_rng,
@@ -191,6 +193,10 @@ class ReproCapture(DebugCallback):
             after_step = self._after_step
             self._forget_batch()
         self.bundles.append(path)
+        shared = step_state(trainer)
+        shared.repro_bundle = (id(exception), path)
+        if shared.explains_oom and is_out_of_memory(exception):
+            return  # MemoryWatch's error finding explains it and names this bundle: one line for one event
         verdict = bundle_written(
             path,
             type(exception).__name__,

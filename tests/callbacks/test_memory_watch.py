@@ -1,0 +1,171 @@
+"""MemoryWatch on real fits: an out-of-memory error explained beside the usual batch, a forecast before the failing
+step on lengths growing toward the context limit, silence on healthy runs."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_tfdebug import MemoryWatch, ReproCapture, TFDebug
+from lightning_tfdebug.core.host import process_rss_bytes
+from lightning_tfdebug.demo import TinyGPT
+from lightning_tfdebug.demo.data import IGNORE_INDEX
+from lightning_tfdebug.findings import read_findings
+from tests.helpers import SMALL, make_trainer
+
+CONTEXT = 64
+ROWS = 8
+
+
+class OutOfMemoryGPT(TinyGPT):
+    """TinyGPT on a device "sized for the usual": a batch wider than ``fits_width`` raises ``torch.OutOfMemoryError``
+    in its forward, as the allocator would; ``hold_per_position`` bytes per token position are held from the forward
+    to the end of the batch (touched pages: the resident set grows with the batch, as activations do)."""
+
+    def __init__(self, fits_width: int = CONTEXT, hold_per_position: int = 0, **kwargs: Any) -> None:
+        super().__init__(**SMALL, context_length=CONTEXT, **kwargs)
+        self.fits_width, self.hold_per_position = fits_width, hold_per_position
+        self._held: Tensor | None = None
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        rows, width = input_ids.shape
+        if width > self.fits_width:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows * width * 2**20} bytes.")
+        if self.hold_per_position:
+            self._held = torch.ones(rows * width * self.hold_per_position // 4)  # float32, every page touched
+        return super().forward(input_ids, attention_mask)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._held = None
+
+
+def width_batches(widths: list[int], rows: int = ROWS) -> DataLoader:
+    """One dict batch per width, in order: rows of random ids, right-padded from a random length up to the width."""
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(width: int) -> dict[str, Tensor]:
+        ids = torch.randint(3, 200, (rows, width), generator=generator)
+        lengths = torch.randint(max(1, width // 2), width + 1, (rows,), generator=generator)
+        lengths[0] = width
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+        return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+
+    return DataLoader([batch(w) for w in widths], batch_size=None)
+
+
+def fit(tmp_path, callbacks: list, model: pl.LightningModule, widths: list[int], **kwargs: Any) -> Exception | None:
+    trainer = make_trainer(tmp_path, callbacks, max_steps=len(widths), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer.fit(model, train_dataloaders=width_batches(widths))
+        except Exception as err:  # the simulated out-of-memory error ends the run, after the pack has spoken
+            return err
+    return None
+
+
+def codes(callback: Any) -> list[str]:
+    return [f.code for f in callback.findings]
+
+
+def test_an_out_of_memory_error_is_explained_beside_the_usual_batch(tmp_path):
+    widths = [16] * 6 + [CONTEXT] + [16] * 3  # one batch four times the usual, on a device sized for the usual
+    repro, watch = ReproCapture(), MemoryWatch(every_n_steps=2)
+    error = fit(tmp_path, [repro, watch], OutOfMemoryGPT(fits_width=32), widths)
+    assert isinstance(error, torch.OutOfMemoryError)
+    [oom] = watch.findings
+    assert (oom.code, oom.severity, oom.rank, oom.step) == ("TFD621", "error", 0, 6)
+    ev = oom.evidence
+    assert (ev["rows"], ev["width"], ev["positions"]) == (ROWS, CONTEXT, ROWS * CONTEXT)
+    assert (ev["median"], ev["longest"], ev["ratio"]) == (ROWS * 16, ROWS * 16, 4.0)
+    assert ev["phase"] == "the training step" and "batch 6 of epoch 0 (step 6)" in oom.message
+    assert ev["remedy_order"][0].startswith("cap or bucket the lengths (this batch was 4.0x the median")
+    # the memory of the last measuring step (4), split; the weights are the model's
+    weights = sum(p.numel() * 4 for p in OutOfMemoryGPT().parameters())
+    assert ev["weights_gib"] * 2**30 == weights and ev["gradients_gib"] * 2**30 == weights
+    tensors = len(list(OutOfMemoryGPT().parameters()))
+    assert 2 * weights <= ev["optimizer_gib"] * 2**30 <= 2 * weights + 8 * tensors  # AdamW's two moments and steps
+    assert ev["held_gib"] > ev["weights_gib"] and "at the last measuring step (4)" in oom.message
+    # one line for one event: ReproCapture's bundle is named in the error, not in an info line of its own
+    assert codes(repro) == [] and len(repro.bundles) == 1 and repro.bundles[0] in oom.message
+    on_disk = read_findings(str(tmp_path / "tb" / "version_0" / "tfdebug" / "findings-rank0.jsonl"))
+    assert [f.code for f in on_disk] == ["TFD621"]
+
+
+def test_without_a_measuring_step_the_explanation_comes_from_the_parameter_counts(tmp_path):
+    watch = MemoryWatch(every_n_steps=1, memory_limit_bytes=2**30)
+    error = fit(tmp_path, [watch], OutOfMemoryGPT(fits_width=32), [48, 16])  # the first batch fails
+    assert isinstance(error, torch.OutOfMemoryError)
+    [oom] = watch.findings
+    assert oom.code == "TFD621" and oom.evidence["width"] == 48
+    assert "the rest unknown (no measuring step before the failure" in oom.message
+    assert "the process has 1.00 GiB" in oom.message and "no training batch was seen before it" in oom.message
+    assert oom.evidence["weights_gib"] > 0 and oom.evidence["optimizer_gib"] == 0  # no optimizer step yet
+
+
+def test_an_out_of_memory_error_in_validation_names_the_phase(tmp_path):
+    class FailsInValidation(OutOfMemoryGPT):
+        def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory (validation)")
+
+    watch = MemoryWatch(every_n_steps=1)
+    trainer = make_trainer(tmp_path, [watch], max_steps=4, limit_val_batches=1, val_check_interval=2)
+    with warnings.catch_warnings(), pytest.raises(torch.OutOfMemoryError):
+        warnings.simplefilter("ignore")
+        trainer.fit(
+            FailsInValidation(), train_dataloaders=width_batches([16] * 4), val_dataloaders=width_batches([24])
+        )
+    [oom] = watch.findings
+    assert oom.evidence["phase"] == "validation" and oom.evidence["width"] == 24
+    assert "validation batch 0" in oom.message
+
+
+def test_lengths_growing_toward_the_limit_are_foreseen_before_the_failing_step(tmp_path):
+    """CPU: the resident set after the forward, against a limit set for the test once the first step is done (the
+    run's memory then, plus what a 48-wide batch holds and 16 MiB); the 56-wide batch fails, the forecast for the
+    64-wide batches the context allows comes before it."""
+    hold = 2**19  # bytes held per token position: 8 x 8 positions hold 32 MiB (mmapped: freed back to the system)
+    widths = [8, 8, 16, 16, 24, 24, 32, 32, 40, 40, 48, 56]
+    watch = MemoryWatch(every_n_steps=1)
+
+    class LimitAtStart(pl.Callback):  # the limit "the device has"
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 1:
+                watch.memory_limit_bytes = process_rss_bytes() + ROWS * 48 * hold + 16 * 2**20
+
+    error = fit(tmp_path, [LimitAtStart(), watch], OutOfMemoryGPT(fits_width=48, hold_per_position=hold), widths)
+    assert isinstance(error, torch.OutOfMemoryError)
+    forecast = [f for f in watch.findings if f.code == "TFD620"]
+    assert forecast, [f.format() for f in watch.findings]
+    [first] = forecast
+    assert first.severity == "warning" and first.step < widths.index(56)
+    assert first.evidence["target_width"] == CONTEXT and first.evidence["target_rows"] == ROWS
+    assert first.evidence["forecast_gib"] > first.evidence["limit_gib"] > first.evidence["longest_gib"]
+    assert "Batches of 64 tokens a row (8 rows) would need" in first.message
+    assert [f.code for f in watch.findings][-1] == "TFD621"
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["alone", "pack"])
+def test_a_healthy_run_with_headroom_is_silent(tmp_path, pack):
+    """Widths that vary below the context, memory that grows with them, and a limit with headroom for the longest."""
+    hold = 2**16  # 8 x 64 positions hold 32 MiB
+    widths = [8, 24, 16, 32, 24, 40, 16, 48, 32, 24, 40, 16]
+    watch = MemoryWatch(every_n_steps=1)
+    callbacks: list = [TFDebug(overrides={"MemoryWatch": {"every_n_steps": 1}}, summary=False)] if pack else [watch]
+    members = callbacks[0].members if pack else {"MemoryWatch": watch}
+
+    class LimitAtStart(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            members["MemoryWatch"].memory_limit_bytes = process_rss_bytes() + 256 * 2**20
+
+    error = fit(tmp_path, [LimitAtStart(), *callbacks], OutOfMemoryGPT(hold_per_position=hold), widths)
+    assert error is None
+    assert codes(members["MemoryWatch"]) == []
+    assert members["MemoryWatch"].stood_aside is None and not members["MemoryWatch"].checks_aside
