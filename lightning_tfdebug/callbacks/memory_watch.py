@@ -216,7 +216,7 @@ class MemoryWatch(DebugCallback):
             metrics["memory_watch/forecast_gib"] = max(r.forecast for r in forecasts) / checks.GIB
             metrics["memory_watch/held_gib"] = max(r.longest_held for r in forecasts) / checks.GIB
         self.log_scalars(trainer, metrics, step=step)
-        self.emit(trainer, checks.forecast_verdict(rows, _DEVICE_NAMES.get(self._device.type, "device")))
+        self.emit(trainer, checks.forecast_verdict(rows, _DEVICE_NAMES.get(self._device.type, "device"), step))
 
     # ------------------------------------------------------------------ evaluation batches: a reference only
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any):

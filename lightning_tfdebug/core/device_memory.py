@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_tfdebug.core.host import peak_rss_bytes, physical_memory_bytes, process_rss_bytes
+from lightning_tfdebug.functional.memory_checks import size_text
 
 #: The backends whose memory MemoryWatch can read.
 READABLE = ("cuda", "cpu")
@@ -77,12 +78,12 @@ def at_failure(device: torch.device) -> str:
     with contextlib.suppress(Exception):
         if device.type == "cuda":
             return (
-                f" At the failure: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated, peak "
-                f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB, "
-                f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB reserved."
+                f" At the failure: {size_text(torch.cuda.memory_allocated(device))} allocated, peak "
+                f"{size_text(torch.cuda.max_memory_allocated(device))}, "
+                f"{size_text(torch.cuda.memory_reserved(device))} reserved."
             )
         if device.type == "cpu":
-            return f" At the failure: peak resident set {peak_rss_bytes() / 2**30:.2f} GiB."
+            return f" At the failure: peak resident set {size_text(peak_rss_bytes())}."
     return ""
 
 

@@ -39,9 +39,7 @@ def training_state_bytes(params: Iterable[Tensor], optimizers: Iterable[torch.op
     return sum(training_state_split(params, optimizers))
 
 
-def training_state_split(
-    params: Iterable[Tensor], optimizers: Iterable[torch.optim.Optimizer]
-) -> tuple[int, int, int]:
+def training_state_split(params: Iterable[Tensor], optimizers: Iterable[torch.optim.Optimizer]) -> tuple[int, int, int]:
     """:func:`training_state_bytes` in its three parts: ``(weights, gradients, optimizer state)``, in bytes."""
     weights = gradients = state = 0
     for p in params:

@@ -41,9 +41,8 @@ TFD620 = Rule(
         "exceeds what the device (or the process) has; the out-of-memory crash it leads to is the harm"
     ),
     message=(
-        "Batches of {target_width:,} tokens a row ({target_rows:,} rows) would need ~{forecast_gib:.2f} GiB on rank "
-        "{rank_list}; the {device} has {limit_gib:.2f} GiB; the longest so far was {longest_width:,} "
-        "({longest_gib:.2f} GiB)."
+        "Batches of {target_width:,} tokens a row ({target_rows:,} rows) would need ~{forecast} on rank {rank_list}; "
+        "the {device} has {limit}; the longest so far was {longest_width:,} ({longest})."
     ),
 )
 
@@ -55,9 +54,7 @@ TFD621 = Rule(
     trigger="the run raised an out-of-memory error (`torch.OutOfMemoryError`, a failed host allocation)",
     hint="The remedies in the message, first the one the numbers point at",
     reason="The run crashed: the harm is shown",
-    message=(
-        "Out of memory in {phase} on rank {rank}, {where}: {batch_text} {split} {remedies}"
-    ),
+    message=("Out of memory in {phase} on rank {rank}, {where}: {batch_text} {split} {remedies}"),
 )
 
 BLOCK = ("TFD620", "TFD629")
@@ -247,7 +244,7 @@ def forecast_row(fit: MemoryFit | None, tally: LengthTally, context: int | None,
     return ForecastRow(fit.at(rows * width), limit, float(width), float(rows), float(tally.longest_width), fit.held)
 
 
-def forecast_verdict(rows: Sequence[ForecastRow], device: str) -> Verdict | None:
+def forecast_verdict(rows: Sequence[ForecastRow], device: str, step: int | None = None) -> Verdict | None:
     """``TFD620`` when, on some rank, the longest possible batch would hold more memory than the process may use; the
     ranks named, the worst one's numbers in the message."""
     over = [r for r, row in enumerate(rows) if row.forecast > 0 and row.forecast > row.limit]
@@ -264,7 +261,16 @@ def forecast_verdict(rows: Sequence[ForecastRow], device: str) -> Verdict | None
         "longest_width": int(row.longest_width),
         "longest_gib": row.longest_held / GIB,
     }
-    return TFD620.verdict(evidence, device=device, rank_list=", ".join(map(str, over)), key="forecast")
+    return TFD620.verdict(
+        evidence,
+        step=step,
+        key="forecast",
+        device=device,
+        rank_list=", ".join(map(str, over)),
+        forecast=size_text(row.forecast),
+        limit=size_text(row.limit),
+        longest=size_text(row.longest_held),
+    )
 
 
 # ------------------------------------------------------------------------------------------------- the explanation
@@ -288,18 +294,24 @@ class MemorySplit:
         return max(0.0, self.held - self.state) if self.held == self.held else math.nan
 
 
-def _gib(value: float) -> str:
-    return f"{value / GIB:.2f} GiB"
+def size_text(value: float) -> str:
+    """Bytes as a reader says them: ``1.25 GiB``, ``168 MiB``, ``42 KiB``."""
+    for unit, size in (("GiB", GIB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if abs(value) >= size or unit == "KiB":
+            return f"{value / size:.2f} {unit}" if unit == "GiB" else f"{value / size:.0f} {unit}"
+    return ""  # pragma: no cover
 
 
 def split_text(split: MemorySplit, when: str, device: str) -> str:
     """The sentence of the split: ``when`` says which reading (the last measuring step's, or none)."""
-    parts = f"weights {_gib(split.weights)}, gradients {_gib(split.gradients)}, optimizer state {_gib(split.optimizer)}"
+    weights, gradients, optimizer = (size_text(v) for v in (split.weights, split.gradients, split.optimizer))
+    parts = f"weights {weights}, gradients {gradients}, optimizer state {optimizer}"
     if split.held == split.held:
-        parts += f", the rest (activations, workspace, cache) {_gib(split.rest)} of {_gib(split.held)}"
+        what = "activations and the process itself" if device == "process" else "activations, workspace, cache"
+        parts += f", the rest ({what}) {size_text(split.rest)} of {size_text(split.held)}"
     else:
         parts += ", the rest unknown (no measuring step before the failure: from the parameter counts alone)"
-    total = f"; the {device} has {_gib(split.total)}" if split.total == split.total and split.total > 0 else ""
+    total = f"; the {device} has {size_text(split.total)}" if split.total == split.total and split.total > 0 else ""
     return f"Memory {when}: {parts}{total}."
 
 

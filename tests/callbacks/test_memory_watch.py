@@ -119,9 +119,7 @@ def test_an_out_of_memory_error_in_validation_names_the_phase(tmp_path):
     trainer = make_trainer(tmp_path, [watch], max_steps=4, limit_val_batches=1, val_check_interval=2)
     with warnings.catch_warnings(), pytest.raises(torch.OutOfMemoryError):
         warnings.simplefilter("ignore")
-        trainer.fit(
-            FailsInValidation(), train_dataloaders=width_batches([16] * 4), val_dataloaders=width_batches([24])
-        )
+        trainer.fit(FailsInValidation(), train_dataloaders=width_batches([16] * 4), val_dataloaders=width_batches([24]))
     [oom] = watch.findings
     assert oom.evidence["phase"] == "validation" and oom.evidence["width"] == 24
     assert "validation batch 0" in oom.message
