@@ -52,6 +52,7 @@ PACK_NAMES: tuple[str, ...] = (
     "ScalerWatch",
     "ThroughputMonitor",
     "UpdateRatio",
+    "MemoryWatch",
 )
 """The thirteen callbacks of ``lightning_tfdebug.__all__``."""
 

@@ -134,6 +134,7 @@ BUGS: dict[int, str] = {
     39: "a resume mid-epoch with a DataLoader that cannot restore its position",
     40: "samples mixed across the batch",
     41: "the squashing of row 30 as a soft-cap far too small in training_step, beside the model's own loss",
+    49: "one batch far longer than the rest on a device sized for the usual",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -484,6 +485,16 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("t5", t5(warmup_steps=500), seq2seq),
     ):
         c[38, fam] = Case(module, data, (owner("TFD337"),), "LambdaLR warm-up of 500 steps, max_steps=50", steps=50)
+    # 49: the sixth batch four times the usual length, on a device sized for twice the usual (a forward pre-hook)
+    for fam, module in (
+        ("encoder_lm", enc(memory_positions=256)),
+        ("gpt2", gpt2(memory_positions=256)),
+        ("tinygpt", tiny(memory_positions=256)),
+    ):
+        place = "collator: the 6th batch 4x the usual length; forward raises OutOfMemoryError over 2x the usual"
+        c[49, fam] = Case(
+            module, dicts(collator="one_long"), (owner("TFD621", severity="error"),), place, 8, raises=True
+        )
     return c
 
 
