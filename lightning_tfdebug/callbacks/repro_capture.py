@@ -48,8 +48,9 @@ class ReproCapture(DebugCallback):
 
     Logged keys: none.
 
-    Findings: ``TFD130`` (info) a bundle was written, with its path; ``TFD131`` (warning) the bundle could not be
-    written (the original exception still propagates unchanged).
+    Findings: ``TFD130`` (info) a bundle was written, with its path (for an out-of-memory error while MemoryWatch
+    runs, its ``TFD621`` names the bundle instead); ``TFD131`` (warning) the bundle could not be written (the original
+    exception still propagates unchanged).
 
     Args:
         on_finding: accepted for uniformity; ReproCapture's findings never stop or raise (the run is already failing).

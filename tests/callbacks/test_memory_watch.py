@@ -167,3 +167,69 @@ def test_a_healthy_run_with_headroom_is_silent(tmp_path, pack):
     assert error is None
     assert codes(members["MemoryWatch"]) == []
     assert members["MemoryWatch"].stood_aside is None and not members["MemoryWatch"].checks_aside
+
+
+class RankOutOfMemoryGPT(TinyGPT):
+    """Rank 1's training step raises ``torch.OutOfMemoryError`` at step 3 (its device filled); rank 0 is left waiting
+    in the gradients' all-reduce until rank 1's process is gone."""
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self.trainer.global_rank == 1 and self.trainer.global_step == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_an_oom_on_one_rank_is_named_in_the_report_and_no_rank_hangs(tmp_path):
+    from lightning_tfdebug.report import load_run, render_text
+    from tests.helpers import run_distributed
+
+    spec = {
+        "strategy": "ddp",
+        "model_class": "tests.callbacks.test_memory_watch:RankOutOfMemoryGPT",
+        "model": SMALL,
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 8},
+        "callbacks": [{"class_path": "lightning_tfdebug.TFDebug", "init_args": {"every_n_steps": 1, "summary": False}}],
+    }
+    results = run_distributed(tmp_path, spec, timeout=300)  # a hang fails here
+    assert results[1]["error"]["type"] == "OutOfMemoryError" and results[0]["error"] is not None
+    [oom] = [f for f in results[1]["findings"]["TFDebug"] if f["code"] == "TFD621"]
+    assert oom["rank"] == 1 and "on rank 1, batch 3 of epoch 0 (step 3)" in oom["message"]
+    assert "at the last measuring step (2)" in oom["message"]  # measured under DDP, through the pack's reduction
+    assert not [f for f in results[0]["findings"]["TFDebug"] if f["code"] == "TFD621"]  # rank 0 had no OOM
+    report = render_text(load_run(str(tmp_path / "tb" / "version_0")))
+    assert "TFD621" in report and "on rank 1, batch 3" in report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["tinygpt", "encoder_lm", "gpt2", "bert_mlm", "t5"])
+def test_healthy_families_on_a_tight_device_are_silent(tmp_path, family):
+    """The healthy matrix's families, their own data (fixed widths, or widths that vary under a cap of 48 against a
+    context of 64 to 512), on a "device" with 64 MiB above what the first step used: no forecast, nothing aside."""
+    pytest.importorskip("transformers")
+    from tests.healthy_models import build, data
+
+    watch = MemoryWatch(every_n_steps=1)
+
+    class LimitAfterFirstStep(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 1 and watch.memory_limit_bytes is None:
+                watch.memory_limit_bytes = process_rss_bytes() + 64 * 2**20
+
+    trainer = make_trainer(tmp_path, [LimitAfterFirstStep(), watch], max_steps=30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(build(family), data(family))
+    assert codes(watch) == [] and not watch.checks_aside and watch.stood_aside is None
+    assert watch._tally.batches >= 30  # it saw every batch
+
+
+def test_tfdebug_check_records_the_cuda_history_and_the_always_preset_runs_it():
+    assert TFDebug(preflight=True).members["MemoryWatch"].record_history is True
+    assert TFDebug().members["MemoryWatch"].record_history is False
+    with pytest.raises(TypeError, match="record_history"):
+        MemoryWatch(record_history="yes")
+    with pytest.raises(ValueError, match="memory_limit_bytes"):
+        MemoryWatch(memory_limit_bytes=0)
