@@ -233,3 +233,18 @@ def test_tfdebug_check_records_the_cuda_history_and_the_always_preset_runs_it():
         MemoryWatch(record_history="yes")
     with pytest.raises(ValueError, match="memory_limit_bytes"):
         MemoryWatch(memory_limit_bytes=0)
+
+
+def test_an_out_of_memory_error_while_saving_a_checkpoint_names_the_phase(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class FailsToSave(OutOfMemoryGPT):
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory (gathering the state to save)")
+
+    watch = MemoryWatch(every_n_steps=1)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    error = fit(tmp_path, [watch, saver], FailsToSave(), [16] * 6, enable_checkpointing=True)
+    assert isinstance(error, torch.OutOfMemoryError)
+    [oom] = watch.findings
+    assert oom.evidence["phase"] == "checkpoint saving" and "Out of memory in checkpoint saving" in oom.message
