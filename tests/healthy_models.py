@@ -54,7 +54,7 @@ PACK_NAMES: tuple[str, ...] = (
     "UpdateRatio",
     "MemoryWatch",
 )
-"""The thirteen callbacks of ``lightning_tfdebug.__all__``."""
+"""Every callback of ``lightning_tfdebug.__all__``."""
 
 
 def the_pack_at_defaults() -> list[pl.Callback]:

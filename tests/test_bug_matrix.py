@@ -6,7 +6,7 @@ LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple bat
 for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug needs
 PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
 TinyGPT; Hugging Face T5 and BART for the encoder-decoder rows (36; T5 also for row 39). Every case runs the whole
-pack at its defaults (the thirteen callbacks, as the healthy matrix does; that includes CheckpointAudit's reading of
+pack at its defaults (every callback, as the healthy matrix does; that includes CheckpointAudit's reading of
 files back, which ``TFDebug()`` leaves to ``full``) on the buggy run, for the fewest steps that let the owner decide,
 and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run under DDP with two gloo processes
 (``tests/helpers.run_distributed``).
