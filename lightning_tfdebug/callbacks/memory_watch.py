@@ -124,6 +124,7 @@ class MemoryWatch(DebugCallback):
         self._eval_batch: tuple[Any, int] | None = None
         self._step_at_start = -1
         self._held_cpu = float("nan")
+        self._cpu_limit = 0.0
         self._longest_before = 0
 
     @property
@@ -140,6 +141,8 @@ class MemoryWatch(DebugCallback):
         if self.max_length is None:
             self._context = find_context_length(pl_module)[0]
         self._forecast = self._device.type in device_memory.READABLE
+        if self._device.type == "cpu":  # the node's memory, shared by its processes (cgroup files, once per fit)
+            self._cpu_limit = device_memory.cpu_limit_bytes() / max(1, int(getattr(trainer, "num_devices", 1) or 1))
         if not self._forecast:
             self.check_aside(
                 checks.FORECAST_CHECK,
@@ -176,7 +179,7 @@ class MemoryWatch(DebugCallback):
     # ------------------------------------------------------------------ measuring steps
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._device.type == "cpu" and self.should_measure(trainer) and self._forecast:
-            self._held_cpu = device_memory.cpu_reading(0.0).held  # the activations are held now: one /proc read
+            self._held_cpu = device_memory.resident_bytes()  # the activations are held now: one /proc read
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = self._step_at_start
@@ -201,9 +204,8 @@ class MemoryWatch(DebugCallback):
     def _reading(self, trainer: pl.Trainer) -> device_memory.Reading:
         if self._device.type == "cuda":
             reading = device_memory.cuda_reading(self._device)  # allocator bookkeeping and a driver query, no sync
-        else:
-            limit = device_memory.cpu_limit_bytes() / max(1, int(getattr(trainer, "num_devices", 1) or 1))
-            reading = device_memory.cpu_reading(limit)._replace(held=self._held_cpu)
+        else:  # the resident set read after the forward; the host's limit read once, at set-up
+            reading = device_memory.Reading(self._held_cpu, self._cpu_limit, self._cpu_limit)
         if self.memory_limit_bytes is not None:
             reading = reading._replace(limit=float(self.memory_limit_bytes), total=float(self.memory_limit_bytes))
         return reading

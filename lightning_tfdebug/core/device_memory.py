@@ -60,9 +60,9 @@ def cuda_reading(device: torch.device) -> Reading:
     return Reading(float(torch.cuda.max_memory_allocated(device)), float(free + reserved), float(total))
 
 
-def cpu_reading(limit: float) -> Reading:
-    """The resident set now (``/proc/self/statm``) against ``limit``."""
-    return Reading(float(process_rss_bytes()), limit, limit)
+def resident_bytes() -> float:
+    """The resident set of this process now (``/proc/self/statm``)."""
+    return float(process_rss_bytes())
 
 
 def held_now(device: torch.device) -> float:
