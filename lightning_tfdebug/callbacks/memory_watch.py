@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import traceback
+import warnings
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 
 from lightning_tfdebug.core import device_memory
-from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
 from lightning_tfdebug.core.batch import BatchKeys, read_batch, step_batch
 from lightning_tfdebug.core.keys import Key
 from lightning_tfdebug.core.model import find_context_length
@@ -137,6 +138,8 @@ class MemoryWatch(DebugCallback):
         if stage != "fit":
             return
         step_state(trainer).explains_oom = True  # ReproCapture leaves the out-of-memory line to TFD621
+        # a new fit: its own lengths (a resumed fit loads them after set-up) and its own memory readings
+        self._tally, self._points, self._last_split = checks.LengthTally(), {}, None
         self._device = trainer.strategy.root_device
         if self.max_length is None:
             self._context = find_context_length(pl_module)[0]
@@ -234,6 +237,13 @@ class MemoryWatch(DebugCallback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if not checks.is_out_of_memory(exception):
             return
+        try:
+            self._explain(trainer, pl_module, exception)
+        except Exception as err:  # never mask the exception that is propagating, nor end the other ranks' run
+            text = f"MemoryWatch could not explain the {type(exception).__name__}: {type(err).__name__}: {err}"
+            warnings.warn(text, TFDebugWarning, stacklevel=2)
+
+    def _explain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         names = [frame.name for frame in traceback.extract_tb(exception.__traceback__)]
         phase = checks.failure_phase(names, self._phase_of(trainer))
         batch = self._failing_batch(trainer, phase)
@@ -303,13 +313,9 @@ class MemoryWatch(DebugCallback):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "lengths": self._tally.state(),
-            "points": sorted(self._points.items()),
-        }
+        # the lengths seen are the data's and carry over a resume; the memory readings are this process's and do not
+        return {**super().state_dict(), "lengths": self._tally.state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._tally = checks.LengthTally.load(state_dict.get("lengths"))
-        self._points = {int(p): float(h) for p, h in state_dict.get("points", [])}
