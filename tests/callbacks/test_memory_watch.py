@@ -248,3 +248,43 @@ def test_an_out_of_memory_error_while_saving_a_checkpoint_names_the_phase(tmp_pa
     assert isinstance(error, torch.OutOfMemoryError)
     [oom] = watch.findings
     assert oom.evidence["phase"] == "checkpoint saving" and "Out of memory in checkpoint saving" in oom.message
+
+
+class RankHungryGPT(TinyGPT):
+    """Batches cut to widths growing toward the context (8, 8, 16, 16, ...); rank 1 holds 4 MiB per token position
+    from the forward to the end of the batch (rank 0 nothing): only rank 1's device would not hold the widest batch."""
+
+    def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> dict[str, Tensor]:
+        width = min(CONTEXT, 8 * (1 + self.trainer.global_step // 2))
+        return {k: v[:, :width] for k, v in batch.items()}
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        if self.trainer.global_rank == 1:
+            self._held = torch.ones(input_ids.numel() * 2**20)  # 4 MiB of float32 per position
+        return super().forward(input_ids, attention_mask)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._held = None
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_under_ddp_the_forecast_names_the_rank_that_would_not_fit(tmp_path):
+    from tests.helpers import run_distributed
+
+    watch = {"every_n_steps": 1, "memory_limit_bytes": 2**30}  # each rank's process may use 1 GiB
+    spec = {
+        "strategy": "ddp",
+        "model_class": "tests.callbacks.test_memory_watch:RankHungryGPT",
+        "model": SMALL,
+        "data": {"batch_size": 4},
+        "trainer": {"max_steps": 10},
+        "callbacks": [{"class_path": "lightning_tfdebug.MemoryWatch", "init_args": watch}],
+    }
+    results = run_distributed(tmp_path, spec, timeout=300)
+    for result in results:  # every rank reads every rank's row and reaches the same finding
+        assert result["error"] is None
+        [forecast] = result["findings"]["MemoryWatch"]
+        assert forecast["code"] == "TFD620" and forecast["evidence"]["ranks"] == [1], forecast
+        assert "on rank 1;" in forecast["message"] and forecast["evidence"]["target_width"] == CONTEXT
+    assert results[0]["metrics"]["memory_watch/forecast_gib"] > 1.0
