@@ -323,14 +323,16 @@ def ranked_remedies(ratio: float, split: MemorySplit) -> list[tuple[str, float]]
     total = split.held if known else (split.total if split.total == split.total and split.total > 0 else math.nan)
     state_share = split.state / total if total == total and total > 0 else 0.0
     rest_share = split.rest / split.held if known else max(0.0, 1.0 - state_share) if total == total else 0.5
+    against = f"this batch was {ratio:.1f}x the median" if ratio == ratio else "the batch's length is unknown"
     remedies = [
         (
-            f"cap or bucket the lengths (this batch was {ratio:.1f}x the median: truncate to a maximum length, sort "
-            "samples into length buckets or use a token-budget sampler)",
+            f"cap or bucket the lengths ({against}: truncate to a maximum length, sort samples into length buckets or "
+            "use a token-budget sampler)",
             ratio - 1.0 if ratio == ratio else 0.0,
         ),
         (
-            f"a smaller micro-batch with `accumulate_grad_batches` (activations and workspace held {rest_share:.0%})",
+            "a smaller micro-batch with `accumulate_grad_batches` (the memory beside the training state, activations "
+            f"among it, was {rest_share:.0%})",
             rest_share,
         ),
         ("activation checkpointing (recompute each block's activations in the backward)", 0.9 * rest_share),
