@@ -267,6 +267,9 @@ CASES: list[Case] = [
         baseline="plain + ModelCheckpoint (every 50 steps)",
         trainer_kwargs={"enable_checkpointing": True},
     ),
+    # --- issue 47: out of memory ---
+    Case("MemoryWatch (default cadence)", lambda: [__import__("lightning_tfdebug").MemoryWatch()]),
+    Case("MemoryWatch (every step)", lambda: [__import__("lightning_tfdebug").MemoryWatch(every_n_steps=1)]),
 ]
 
 

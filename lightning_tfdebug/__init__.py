@@ -6,6 +6,7 @@ from lightning_tfdebug.callbacks.dead_activation import DeadActivation
 from lightning_tfdebug.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_tfdebug.callbacks.loss_at_init import LossAtInit
 from lightning_tfdebug.callbacks.mask_probe import MaskProbe
+from lightning_tfdebug.callbacks.memory_watch import MemoryWatch
 from lightning_tfdebug.callbacks.nan_first_frame import NaNFirstFrame
 from lightning_tfdebug.callbacks.optimizer_audit import OptimizerAudit
 from lightning_tfdebug.callbacks.per_rank_logger import PerRankLogger
@@ -28,6 +29,7 @@ __all__ = [
     "GradNormMonitor",
     "LossAtInit",
     "MaskProbe",
+    "MemoryWatch",
     "NaNFirstFrame",
     "OptimizerAudit",
     "PerRankLogger",

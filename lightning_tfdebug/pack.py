@@ -18,6 +18,7 @@ from lightning_tfdebug.callbacks.dead_activation import DeadActivation
 from lightning_tfdebug.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_tfdebug.callbacks.loss_at_init import LossAtInit
 from lightning_tfdebug.callbacks.mask_probe import MaskProbe
+from lightning_tfdebug.callbacks.memory_watch import MemoryWatch
 from lightning_tfdebug.callbacks.nan_first_frame import NaNFirstFrame
 from lightning_tfdebug.callbacks.optimizer_audit import OptimizerAudit
 from lightning_tfdebug.callbacks.per_rank_logger import PerRankLogger
@@ -57,6 +58,7 @@ MEMBERS: dict[str, type[DebugCallback]] = {
         ThroughputMonitor,
         PerRankLogger,
         CheckpointAudit,
+        MemoryWatch,
     )
 }
 
@@ -71,6 +73,7 @@ PRESET_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
 PREFLIGHT_SETTINGS: dict[str, dict[str, Any]] = {
     "LossAtInit": {"check_step": None},
     "OptimizerAudit": {"check_schedule_fits": False},
+    "MemoryWatch": {"record_history": True},  # CUDA: the allocator's history, into the bundle of an OOM
 }
 CHECK_RESULT_ENV = "TFDEBUG_CHECK_RESULT"
 #: The settings a preflight pack takes over from a pack configured in the same run (``tfdebug check`` on a config

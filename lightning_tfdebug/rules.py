@@ -22,6 +22,7 @@ from lightning_tfdebug.functional import (
     grad_checks,
     loss_checks,
     mask_checks,
+    memory_checks,
     nan_checks,
     optimizer_checks,
     rank_checks,
@@ -69,6 +70,7 @@ _MODULES = (
     scaler_checks,
     rank_checks,
     throughput_checks,
+    memory_checks,
     checkpoint_checks,
 )
 _RULES: tuple[Rule, ...] = tuple(r for module in _MODULES for r in module.RULES)

@@ -81,6 +81,19 @@ class _Scale:
         return output * self.factor
 
 
+class _MemoryLimit:
+    """A forward pre-hook (row 49): the forward of a batch with more token positions than the device was sized for
+    raises ``torch.OutOfMemoryError``, as the allocator would."""
+
+    def __init__(self, positions: int) -> None:
+        self.positions = positions
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, Tensor) and ids.numel() > self.positions:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {ids.numel() * 2**21} bytes.")
+
+
 def default_init(module: nn.Module) -> None:
     """Re-initialise every submodule with PyTorch's own ``reset_parameters`` (row 34's default initialisation)."""
     for sub in module.modules():
@@ -101,7 +114,8 @@ class RankBugs:
     ``eval_mode`` (row 21), ``drop_optimizer_state`` (row 22), ``left_out`` (a parameter-name prefix left out of the
     optimizer: row 10), ``decay_all`` (AdamW with this decay on every parameter: row 20), ``adam_l2`` (Adam with
     this coupled weight decay), ``default_init`` (row 34), ``sgd_momentum`` (SGD with this momentum at a constant
-    LR: row 37).
+    LR: row 37), ``memory_positions`` (the token positions a forward may take before it raises
+    ``torch.OutOfMemoryError``, as a device sized for the usual batch would: row 49).
     """
 
     bugs: dict[str, Any]
@@ -115,6 +129,8 @@ class RankBugs:
             modules[bugs["overflow_module"]].register_forward_hook(_Scale(1e5))
         if bugs.get("nan_module"):
             modules[bugs["nan_module"]].register_forward_hook(self._nan_hook)
+        if bugs.get("memory_positions"):
+            self.register_forward_pre_hook(_MemoryLimit(bugs["memory_positions"]), with_kwargs=True)
 
     def _nan_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         trainer = self._trainer
@@ -372,6 +388,7 @@ class BugTinyGPT(TinyGPT):
         constant_positions: the forward adds position 0 everywhere (row 28).
         pytorch_init: PyTorch's default initialisation instead of GPT-style std 0.02 (row 34).
         batch_axis_attention: the first block's attention runs over the batch axis (its input transposed, row 40).
+        memory_positions: the forward raises ``torch.OutOfMemoryError`` above this many token positions (row 49).
         flags: TinyGPT's own arguments and bug flags.
     """
 
@@ -382,6 +399,7 @@ class BugTinyGPT(TinyGPT):
         constant_positions: bool = False,
         pytorch_init: bool = False,
         batch_axis_attention: bool = False,
+        memory_positions: int | None = None,
         **flags: Any,
     ) -> None:
         flags = {"d_model": 32, "n_layers": 2, "n_heads": 2, "lr": 2e-3, "warmup_steps": 10, **flags}
@@ -393,6 +411,8 @@ class BugTinyGPT(TinyGPT):
             attention = self.blocks[0].attn
             attention.register_forward_pre_hook(lambda module, args: (args[0].transpose(0, 1), None))
             attention.register_forward_hook(lambda module, args, out: out.transpose(0, 1))
+        if memory_positions:
+            self.register_forward_pre_hook(_MemoryLimit(memory_positions), with_kwargs=True)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         if not self.constant_positions:
@@ -646,12 +666,23 @@ class OneSampleDataset(TextDataset):
         return self.samples[0]
 
 
+class OneLongBatchCollator(Collator):
+    """Row 49: documents cut to 16 tokens, but the sixth batch keeps them whole (up to the context, 64): one batch
+    four times the usual."""
+
+    def __call__(self, samples: list[list[int]]) -> dict[str, Tensor]:
+        if self.calls + 1 != 6:
+            samples = [s[:16] for s in samples]
+        return Collator.__call__(self, samples)
+
+
 _COLLATORS: dict[str, type[Collator]] = {
     "eos_pad": EosPaddedCollator,
     "pad_is_real": PadIsRealTokenCollator,
     "wrong_labels": WrongSampleLabelsCollator,
     "max_length": MaxLengthCollator,
     "left_pad": LeftPaddedCollator,
+    "one_long": OneLongBatchCollator,
 }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_tfdebug.demo import TinyGPT
@@ -78,6 +79,16 @@ class FeaturesAndTargetsGPT(TinyGPT):
         return self.loss(self(batch["features"].long()), batch["target"])
 
 
+class OutOfMemoryGPT(TinyGPT):
+    """TinyGPT whose training step raises ``torch.OutOfMemoryError`` at step 3, as the allocator would on a device
+    too small for that batch."""
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self.trainer.global_step == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return super().training_step(batch, batch_idx)
+
+
 FIXTURES: dict[str, Fixture] = {
     "healthy": Fixture(steps=16),
     "head_not_in_optimizer": Fixture(model={"head_not_in_optimizer": True}),
@@ -89,6 +100,7 @@ FIXTURES: dict[str, Fixture] = {
     "unused_parameter": Fixture(model_class=UnusedParameterGPT, steps=8),
     "no_optimizer_state": Fixture(model={"drop_optimizer_state": True}, steps=5, resumable=False),
     "bad_token_id": Fixture(data={"bad_token_every": 3}, steps=5, raises=IndexError, resumable=False),
+    "out_of_memory": Fixture(model_class=OutOfMemoryGPT, steps=5, raises=torch.OutOfMemoryError, resumable=False),
 }
 
 UNREADABLE: dict[str, Fixture] = {
@@ -223,6 +235,11 @@ ROWS: dict[str, Row] = {
         expect=frozenset({"TFD703", "TFD705"}),
     ),
 }
+ROWS["MemoryWatch"] = Row(
+    kwargs={"every_n_steps": EVERY},
+    fixture="out_of_memory",
+    expect=frozenset({"TFD621"}),
+)
 ROWS["TFDebug"] = Row(
     kwargs={"preset": "full", "overrides": {name: dict(row.kwargs) for name, row in ROWS.items() if row.kwargs}},
     fixture="head_not_in_optimizer",

@@ -52,8 +52,9 @@ PACK_NAMES: tuple[str, ...] = (
     "ScalerWatch",
     "ThroughputMonitor",
     "UpdateRatio",
+    "MemoryWatch",
 )
-"""The thirteen callbacks of ``lightning_tfdebug.__all__``."""
+"""Every callback of ``lightning_tfdebug.__all__``."""
 
 
 def the_pack_at_defaults() -> list[pl.Callback]:

@@ -6,7 +6,7 @@ LM on ``nn.TransformerEncoder`` with PyTorch's default initialisation (tuple bat
 for the rows about padding); ``gpt2``, Hugging Face GPT-2 from a tiny config (Llama for row 34, whose bug needs
 PyTorch's default initialisation; BERT's LM head for the encoder-as-decoder of row 33); ``tinygpt``, the bundled
 TinyGPT; Hugging Face T5 and BART for the encoder-decoder rows (36; T5 also for row 39). Every case runs the whole
-pack at its defaults (the thirteen callbacks, as the healthy matrix does; that includes CheckpointAudit's reading of
+pack at its defaults (every callback, as the healthy matrix does; that includes CheckpointAudit's reading of
 files back, which ``TFDebug()`` leaves to ``full``) on the buggy run, for the fewest steps that let the owner decide,
 and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run under DDP with two gloo processes
 (``tests/helpers.run_distributed``).
@@ -134,6 +134,7 @@ BUGS: dict[int, str] = {
     39: "a resume mid-epoch with a DataLoader that cannot restore its position",
     40: "samples mixed across the batch",
     41: "the squashing of row 30 as a soft-cap far too small in training_step, beside the model's own loss",
+    49: "one batch far longer than the rest on a device sized for the usual",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
 
@@ -484,6 +485,16 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("t5", t5(warmup_steps=500), seq2seq),
     ):
         c[38, fam] = Case(module, data, (owner("TFD337"),), "LambdaLR warm-up of 500 steps, max_steps=50", steps=50)
+    # 49: the sixth batch four times the usual length, on a device sized for twice the usual (a forward pre-hook)
+    for fam, module in (
+        ("encoder_lm", enc(memory_positions=256)),
+        ("gpt2", gpt2(memory_positions=256)),
+        ("tinygpt", tiny(memory_positions=256)),
+    ):
+        place = "collator: the 6th batch 4x the usual length; forward raises OutOfMemoryError over 2x the usual"
+        c[49, fam] = Case(
+            module, dicts(collator="one_long"), (owner("TFD621", severity="error"),), place, 8, raises=True
+        )
     return c
 
 

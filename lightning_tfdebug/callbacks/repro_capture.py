@@ -12,7 +12,9 @@ import torch
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
 from lightning_tfdebug.core.batch import step_rng_state
 from lightning_tfdebug.core.io import write_failures
+from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.memory_checks import is_out_of_memory
 from lightning_tfdebug.functional.repro_checks import bundle_not_written, bundle_written
 from lightning_tfdebug.primitives.tensors import DTensor
 from lightning_tfdebug.repro import (
@@ -46,8 +48,9 @@ class ReproCapture(DebugCallback):
 
     Logged keys: none.
 
-    Findings: ``TFD130`` (info) a bundle was written, with its path; ``TFD131`` (warning) the bundle could not be
-    written (the original exception still propagates unchanged).
+    Findings: ``TFD130`` (info) a bundle was written, with its path (for an out-of-memory error while MemoryWatch
+    runs, its ``TFD621`` names the bundle instead); ``TFD131`` (warning) the bundle could not be written (the original
+    exception still propagates unchanged).
 
     Args:
         on_finding: accepted for uniformity; ReproCapture's findings never stop or raise (the run is already failing).
@@ -191,6 +194,10 @@ class ReproCapture(DebugCallback):
             after_step = self._after_step
             self._forget_batch()
         self.bundles.append(path)
+        shared = step_state(trainer)
+        shared.repro_bundle = (id(exception), path)
+        if shared.explains_oom and is_out_of_memory(exception):
+            return  # MemoryWatch's error finding explains it and names this bundle: one line for one event
         verdict = bundle_written(
             path,
             type(exception).__name__,

@@ -33,6 +33,9 @@ class StepState:
         warned_no_logger: the Trainer has no logger and one callback said so (once per Trainer, not per callback).
         skipped_step: the global step whose optimizer step NaNFirstFrame skipped last (non-finite values, decided on
             every rank together): nothing was applied, so UpdateRatio does not judge its update.
+        explains_oom: a member (MemoryWatch) explains out-of-memory errors: ReproCapture leaves its own line on them
+            to that member's finding.
+        repro_bundle: ``(id of the exception, path)`` of the bundle ReproCapture wrote for the failure in flight.
     """
 
     batch: Any = None
@@ -46,6 +49,8 @@ class StepState:
     model_call: Any = None
     warned_no_logger: bool = False
     skipped_step: int | None = None
+    explains_oom: bool = False
+    repro_bundle: tuple[int, str] | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, StepState] = weakref.WeakKeyDictionary()

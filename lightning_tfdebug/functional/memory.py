@@ -36,17 +36,22 @@ def training_state_bytes(params: Iterable[Tensor], optimizers: Iterable[torch.op
     """Bytes of the weights ``params``, of their gradients (those that exist) and of every tensor in the
     ``optimizers``' state. Sizes are read from ``numel()``, the global size of a DTensor, so every rank of a sharded
     run computes the same number (no tensor data is read)."""
-    total = 0
+    return sum(training_state_split(params, optimizers))
+
+
+def training_state_split(params: Iterable[Tensor], optimizers: Iterable[torch.optim.Optimizer]) -> tuple[int, int, int]:
+    """:func:`training_state_bytes` in its three parts: ``(weights, gradients, optimizer state)``, in bytes."""
+    weights = gradients = state = 0
     for p in params:
-        total += p.numel() * p.element_size()
+        weights += p.numel() * p.element_size()
         if p.grad is not None:
-            total += p.grad.numel() * p.grad.element_size()
+            gradients += p.grad.numel() * p.grad.element_size()
     for optimizer in optimizers:
-        for state in optimizer.state.values():
-            for value in state.values():
+        for values in optimizer.state.values():
+            for value in values.values():
                 if isinstance(value, Tensor):
-                    total += value.numel() * value.element_size()
-    return total
+                    state += value.numel() * value.element_size()
+    return weights, gradients, state
 
 
 def default_budget_bytes(state_bytes: int) -> int:
