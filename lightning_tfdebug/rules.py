@@ -27,6 +27,7 @@ from lightning_tfdebug.functional import (
     rank_checks,
     repro_checks,
     scaler_checks,
+    stall_checks,
     throughput_checks,
     update_checks,
 )
@@ -70,6 +71,7 @@ _MODULES = (
     rank_checks,
     throughput_checks,
     checkpoint_checks,
+    stall_checks,
 )
 _RULES: tuple[Rule, ...] = tuple(r for module in _MODULES for r in module.RULES)
 

@@ -1,0 +1,243 @@
+"""StallWatchdog on real runs: a rank that hangs is named with its frame while the job still hangs, the job is then
+killed with SIGKILL and ``tfdebug report`` shows the stall; a rank-zero-only barrier is named as mismatched
+collectives; a blocked step and a stuck DataLoader worker in one process; healthy runs with long phases stay silent.
+The rules themselves are tested with plain values in ``tests/functional/test_stall_checks.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_tfdebug import StallWatchdog, TFDebug
+from lightning_tfdebug.findings import read_findings
+from tests.helpers import DIST_SCRIPT, ROOT, SMALL, fit_tiny
+from tests.stall_models import StallTinyGPT, stalling_worker_data
+
+STALL_AFTER = 2.0
+
+
+# ------------------------------------------------------------------ launching a job that hangs, and killing it
+class Job:
+    """``tests/scripts/dist_run.py`` with ``spec`` as a process group of its own, which the test kills."""
+
+    def __init__(self, tmp_path: Path, spec: dict[str, Any]) -> None:
+        self.out = tmp_path
+        spec = {"strategy": "ddp", "devices": 2, **spec, "out": str(tmp_path)}
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env.pop("LOCAL_RANK", None)
+        self.log = open(tmp_path / "job.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(DIST_SCRIPT), str(tmp_path / "spec.json")],
+            cwd=tmp_path,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def tfdebug_dir(self) -> Path:
+        return self.out / "tb" / "version_0" / "tfdebug"
+
+    def findings(self) -> dict[int, list[Any]]:
+        found: dict[int, list[Any]] = {}
+        for path in self.tfdebug_dir.glob("findings-rank*.jsonl"):
+            for finding in read_findings(path):
+                found.setdefault(finding.rank, []).append(finding)
+        return found
+
+    def wait_for(self, codes: set[str], ranks: tuple[int, ...], timeout: float) -> dict[int, list[Any]]:
+        """Every rank of ``ranks`` has a finding with a code in ``codes`` (while the job still runs), or fail."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.findings()
+            if all(any(f.code in codes for f in found.get(r, [])) for r in ranks):
+                assert self.proc.poll() is None, "the job ended; the watchdog must report while it hangs"
+                return found
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"no {codes} from ranks {ranks} in {timeout} s; log:\n{self.output()[-4000:]}")
+
+    def wait_done(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the job did not finish in {timeout} s:\n{self.output()[-4000:]}") from None
+
+    def kill(self) -> None:
+        """SIGKILL to the whole job, as a scheduler ends a hung one."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.log.close()
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.out / "job.log").read_text(errors="replace")
+
+
+def report(path: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_tfdebug", "report", str(path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    return done.stdout + done.stderr
+
+
+def stalled_job(tmp_path: Path, callbacks: list[dict[str, Any]], **model: Any) -> Job:
+    return Job(
+        tmp_path,
+        {
+            "model_class": "tests.stall_models:StallTinyGPT",
+            "model": {**SMALL, "marker_dir": str(tmp_path), **model},
+            "data": {"batch_size": 8},
+            "trainer": {"max_steps": 12},
+            "callbacks": callbacks,
+        },
+    )
+
+
+WATCHDOG = {"class_path": "lightning_tfdebug.StallWatchdog", "init_args": {"stall_after": STALL_AFTER}}
+
+
+# ------------------------------------------------------------------ two ranks
+@pytest.mark.ddp
+def test_the_rank_that_hangs_is_named_with_its_frame_and_the_report_shows_it_after_sigkill(tmp_path):
+    job = stalled_job(tmp_path, [WATCHDOG], stall_rank=1, stall_at_step=3)
+    try:
+        found = job.wait_for({"TFD520"}, ranks=(0, 1), timeout=120)
+    finally:
+        job.kill()
+    for rank in (0, 1):
+        [stall] = [f for f in found[rank] if f.code == "TFD520"]
+        assert stall.severity == "error" and stall.step == 3, stall.format()
+        assert stall.evidence["idle_s"] <= 2 * STALL_AFTER, stall.format()  # named within 2x stall_after
+        assert stall.evidence["behind"] == [1], stall.format()
+        # the stalled rank, its step and its frame; where the other one waits
+        assert "Behind: rank 1 at step 3" in stall.message and "stall_models.py" in stall.message, stall.message
+        assert "rank 0 at step 3 (backward, where DDP's gradient all-reduce" in stall.message, stall.message
+    stacks = (job.tfdebug_dir / "stall-rank1.txt").read_text()
+    assert "in training_step" in stacks and "in _block" in stacks and "tfdebug-stall-watchdog" in stacks
+    assert "_engine_run_backward" in (job.tfdebug_dir / "stall-rank0.txt").read_text()
+    assert "[TFD520] ERROR from StallWatchdog" in job.output()  # the job's log, while it hung
+    text = report(tmp_path)  # after SIGKILL
+    assert "TFD520" in text and "Behind: rank 1 at step 3" in text, text
+    assert "stall-rank1.txt" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_a_barrier_in_a_rank_zero_only_hook_is_named_as_mismatched_collectives(tmp_path):
+    barrier = {"class_path": "tests.stall_models.RankZeroBarrier", "init_args": {"at_step": 3}}
+    job = stalled_job(tmp_path, [WATCHDOG, barrier])
+    try:
+        found = job.wait_for({"TFD521"}, ranks=(0, 1), timeout=120)
+    finally:
+        job.kill()
+    for rank in (0, 1):
+        [mismatch] = [f for f in found[rank] if f.code == "TFD521"]
+        assert "rank 0 at step 3" in mismatch.message and "a barrier (torch.distributed.barrier)" in mismatch.message
+        assert "on_train_batch_end (tests/stall_models.py" in mismatch.message, mismatch.message
+        # rank 1 went on to the next batch, whose first collective (Lightning's) waits for rank 0
+        assert "rank 1 at step 3 (loading the next batch, a collective (torch.distributed.broadcast)" in mismatch.message
+        assert "_broadcast_sigterm_tensor" in mismatch.message, mismatch.message
+    assert "in barrier" in (job.tfdebug_dir / "stall-rank0.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_abort_ends_the_stalled_job_with_the_stated_exit_code_after_the_report(tmp_path):
+    watchdog = {**WATCHDOG, "init_args": {**WATCHDOG["init_args"], "on_stall": "abort", "abort_exit_code": 42}}
+    job = stalled_job(tmp_path, [watchdog], stall_rank=1, stall_at_step=3)
+    try:
+        code = job.wait_done(timeout=180)
+    finally:
+        job.kill()
+    assert code != 0
+    assert "StallWatchdog ends rank 1 with exit status 42" in job.output()
+    assert any(f.code == "TFD520" for f in job.findings().get(1, []))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_healthy_ranks_with_long_validation_a_slow_checkpoint_and_a_long_first_step_stay_silent(tmp_path):
+    """An explicit stall_after of 2 s still allows the phases that take long: a validation of ten 3-second batches
+    (30 s), two checkpoint writes of 5 s, a first step of 6 s (a compile warm-up's stand-in)."""
+    callbacks = [WATCHDOG, {"class_path": "tests.stall_models.SlowCheckpointWrite", "init_args": {"seconds": 5.0}}]
+    spec = {
+        "model_class": "tests.stall_models:SlowPhasesGPT",
+        "model": {**SMALL, "val_batch_s": 3.0},
+        "data": {"batch_size": 8},
+        "trainer": {
+            "max_steps": 8,
+            "val_check_interval": 4,
+            "limit_val_batches": 10,
+            "num_sanity_val_steps": 0,
+            "enable_checkpointing": True,
+        },
+        "callbacks": callbacks,
+    }
+    first = {**spec, "model_class": "tests.stall_models:StallTinyGPT", "model": {**SMALL, "first_step_s": 6.0}}
+    for name, run in (("phases", spec), ("first_step", first)):
+        job = Job(tmp_path / name if (tmp_path / name).mkdir() is None else tmp_path, run)
+        code = job.wait_done(timeout=300)
+        job.kill()
+        assert code == 0, job.output()[-4000:]
+        assert job.findings() == {}, job.findings()
+        assert not list(job.tfdebug_dir.glob("stall-rank*.txt"))
+
+
+# ------------------------------------------------------------------ one process
+def test_a_blocked_step_in_one_process_is_named_and_the_thread_ends_with_the_fit(tmp_path):
+    watchdog = StallWatchdog(stall_after=1.5)
+    fit_tiny(tmp_path, [watchdog], model=StallTinyGPT(**SMALL, stall_rank=0, stall_at_step=3, stall_s=4.0), max_steps=5)
+    [stall] = watchdog.findings
+    assert stall.code == "TFD520" and stall.step == 3, stall.format()
+    assert "in _block (tests/stall_models.py" in stall.message and "training step" in stall.message, stall.message
+    assert watchdog.watchdog is None
+    assert not [t for t in threading.enumerate() if t.name == "tfdebug-stall-watchdog"]  # stopped at teardown
+    assert (tmp_path / "tb" / "version_0" / "tfdebug" / "stall-rank0.txt").exists()
+
+
+def test_a_stuck_dataloader_worker_is_named(tmp_path):
+    pack = TFDebug(overrides={"StallWatchdog": {"stall_after": 1.5}}, summary=False, dashboard=False)
+    data = stalling_worker_data(at_item=8 * 3 + 1, seconds=5.0, batch_size=8)  # the first sample of batch 4
+    fit_tiny(tmp_path, [pack], data=data, max_steps=6)
+    stalls = [f for f in pack.findings if f.code == "TFD520"]
+    assert len(stalls) == 1, [f.format() for f in pack.findings]
+    assert "waiting for a batch from the DataLoader's worker processes" in stalls[0].message, stalls[0].message
+    assert stalls[0].evidence["phase"] == "loading the next batch"
+    assert not [t for t in threading.enumerate() if t.name == "tfdebug-stall-watchdog"]
+
+
+def test_a_second_fit_with_the_same_callback_starts_a_fresh_watchdog(tmp_path):
+    watchdog = StallWatchdog()
+    for run in ("a", "b"):
+        fit_tiny(tmp_path / run, [watchdog], max_steps=3)
+        assert watchdog.watchdog is None and watchdog.findings == []
+    assert not [t for t in threading.enumerate() if t.name == "tfdebug-stall-watchdog"]
+
+
+def test_arguments_are_checked_at_construction():
+    with pytest.raises(ValueError, match="stall_after"):
+        StallWatchdog(stall_after=0)
+    with pytest.raises(ValueError, match="on_stall"):
+        StallWatchdog(on_stall="kill")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="abort_exit_code"):
+        StallWatchdog(abort_exit_code=0)
