@@ -16,6 +16,10 @@ from lightning_tfdebug.functional.stall_checks import stall_verdicts
 OnStall = Literal["warn", "abort"]
 ON_STALL_CHOICES: tuple[str, ...] = ("warn", "abort")
 
+ABORT_GRACE_S = 3.0
+"""Under ``on_stall="abort"``, how long a rank that has reported waits before it ends: the store lives in rank 0's
+process, and the other ranks read it when they report."""
+
 _fits = 0  # fits started in this process: every rank runs the same fits, so the count keys the store alike
 
 
@@ -224,4 +228,6 @@ class StallWatchdog(DebugCallback):
             _say("lightning_tfdebug: " + finding.format())
         if self.on_stall == "abort":
             _say(f"lightning_tfdebug: StallWatchdog ends rank {rank} with exit status {self.abort_exit_code}.")
+            if stall.others is not None:  # the other ranks fire about now: leave them the store (rank 0 serves it)
+                time.sleep(ABORT_GRACE_S)
             os._exit(self.abort_exit_code)

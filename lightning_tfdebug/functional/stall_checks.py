@@ -234,7 +234,7 @@ def stall_verdicts(
         return [TFD520.verdict(evidence, key=f"step{own.step}", step=own.step, where=where, others="", stacks=stacks)]
     if others is None:
         tail = f" The other ranks' progress could not be read ({unreadable or 'no store'}): their own stall files tell."
-        evidence["others"] = "unreadable"
+        evidence["others_read"] = False
         return [TFD520.verdict(evidence, key=f"step{own.step}", step=own.step, where=where, others=tail, stacks=stacks)]
     records = sorted([own, *others], key=lambda r: r.rank)
     missing = sorted(set(range(world_size)) - {r.rank for r in records})

@@ -169,9 +169,46 @@ def test_abort_ends_the_stalled_job_with_the_stated_exit_code_after_the_report(t
         code = job.wait_done(timeout=180)
     finally:
         job.kill()
-    assert code != 0
-    assert "StallWatchdog ends rank 1 with exit status 42" in job.output()
-    assert any(f.code == "TFD520" for f in job.findings().get(1, []))
+    assert code == 42  # rank 0's process: the launcher's
+    assert "StallWatchdog ends rank 0 with exit status 42" in job.output()
+    for rank in (0, 1):  # each rank reported before it ended
+        assert any(f.code == "TFD520" for f in job.findings().get(rank, [])), job.output()[-4000:]
+
+
+def test_a_store_that_cannot_be_reached_still_dumps_the_stacks_and_says_so():
+    """A real TCPStore client to a port where no store listens: the rank still reports, and says why the others
+    could not be read."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from lightning_tfdebug.core.watchdog import Watchdog
+
+    with socket.socket() as probe:  # a free port, closed again: nobody listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    stalls = []
+
+    def unreachable() -> TCPStore:
+        return TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
+
+    watchdog = Watchdog(0, 2, stalls.append, stall_after=0.5, store=unreachable)
+    watchdog.start()
+    watchdog.mark(5, "training step")
+    try:
+        deadline = time.monotonic() + 15
+        while not stalls and time.monotonic() < deadline:
+            time.sleep(0.1)  # this (main) thread makes no progress: the watchdog fires
+    finally:
+        assert watchdog.stop()
+    [stall] = stalls
+    assert stall.others is None and stall.unreadable, stall
+    assert "test_a_store_that_cannot_be_reached" in stall.stacks and "[main]" in stall.stacks
+    from lightning_tfdebug.functional.stall_checks import stall_verdicts
+
+    [verdict] = stall_verdicts(stall.own, stall.others, 2, "stall-rank0.txt", stall.unreadable)
+    assert "The other ranks' progress could not be read" in verdict.message
 
 
 @pytest.mark.slow
@@ -195,7 +232,8 @@ def test_healthy_ranks_with_long_validation_a_slow_checkpoint_and_a_long_first_s
     }
     first = {**spec, "model_class": "tests.stall_models:StallTinyGPT", "model": {**SMALL, "first_step_s": 6.0}}
     for name, run in (("phases", spec), ("first_step", first)):
-        job = Job(tmp_path / name if (tmp_path / name).mkdir() is None else tmp_path, run)
+        (tmp_path / name).mkdir()
+        job = Job(tmp_path / name, run)
         code = job.wait_done(timeout=300)
         job.kill()
         assert code == 0, job.output()[-4000:]
