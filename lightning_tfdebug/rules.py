@@ -69,9 +69,9 @@ _MODULES = (
     nan_checks,
     scaler_checks,
     rank_checks,
+    stall_checks,
     throughput_checks,
     checkpoint_checks,
-    stall_checks,
 )
 _RULES: tuple[Rule, ...] = tuple(r for module in _MODULES for r in module.RULES)
 

@@ -222,6 +222,8 @@ ROWS: dict[str, Row] = {
         fixture="no_optimizer_state",
         expect=frozenset({"TFD703", "TFD705"}),
     ),
+    # a tiny run never stalls: the healthy fixture, silent; its stalls are tested in test_stall_watchdog.py
+    "StallWatchdog": Row(bad=(("abort_exit_code", 256),)),
 }
 ROWS["TFDebug"] = Row(
     kwargs={"preset": "full", "overrides": {name: dict(row.kwargs) for name, row in ROWS.items() if row.kwargs}},

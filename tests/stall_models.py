@@ -112,3 +112,35 @@ def stalling_worker_data(at_item: int, seconds: float, **kwargs: Any) -> Any:
     data = TinyTextDataModule(num_workers=1, **kwargs)
     data.train_set = _StallingItems(data.train_set, at_item, seconds)
     return data
+
+
+class StallStep:
+    """A mixin for the bug matrix's families (``tests/bug_models.py``): ``training_step`` blocks for ever on rank
+    ``stall_rank`` at optimizer step ``stall_at_step`` (bug-zoo row 48, a stuck data source inside the step)."""
+
+    def __init__(self, stall_rank: int | None = None, stall_at_step: int = 3, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stall_rank, self.stall_at_step = stall_rank, stall_at_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_rank == self.stall_rank and self.global_step == self.stall_at_step:
+            _block(None)
+        return super().training_step(batch, batch_idx)
+
+
+def _families() -> dict[str, type]:
+    from tests.bug_models import BugEncoderLM, BugHFLM, BugTinyGPT
+
+    return {
+        "StallEncoderLM": type("StallEncoderLM", (StallStep, BugEncoderLM), {"__module__": __name__}),
+        "StallHFLM": type("StallHFLM", (StallStep, BugHFLM), {"__module__": __name__}),
+        "StallBugTinyGPT": type("StallBugTinyGPT", (StallStep, BugTinyGPT), {"__module__": __name__}),
+    }
+
+
+def __getattr__(name: str) -> type:  # the families import transformers: only when a test names one
+    families = _families()
+    if name in families:
+        globals().update(families)
+        return families[name]
+    raise AttributeError(name)

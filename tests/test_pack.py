@@ -45,6 +45,7 @@ def the_pack() -> list[pl.Callback]:
         tfd.MaskProbe(),
         tfd.OptimizerAudit(),
         tfd.CheckpointAudit(),
+        tfd.StallWatchdog(),
     ]
 
 

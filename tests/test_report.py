@@ -108,7 +108,7 @@ def test_check_on_a_users_lightningcli_script_exits_0_when_healthy_and_1_on_a_bu
     mine = ["--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger", "--trainer.logger.init_args.save_dir=runs"]
     healthy = _check(tmp_path / "ok", *mine, "--trainer.logger.init_args.name=mine")
     assert healthy.returncode == 0, healthy.stdout[-3000:] + healthy.stderr[-3000:]
-    assert "preset full, 13 members, step 16" in healthy.stdout
+    assert "preset full, 14 members, step 16" in healthy.stdout
     assert not list((tmp_path / "ok").rglob("*.ckpt"))  # checkpointing was off for the trial run
     # the preflight keeps to itself: the configured logger's series gets no version, the preflight's dir is named
     assert not (tmp_path / "ok" / "runs").exists()

@@ -72,10 +72,8 @@ class StallWatchdog(DebugCallback):
     """
 
     runs_collectives: ClassVar[bool] = False  # no collective at all: a failure stands aside on its own rank
-    every_batch_hooks = frozenset(
-        {"on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-         "on_train_batch_end"}
-    )  # fmt: skip
+    #: three beats per batch: its start, backward, its end (the stack tells the rest: the optimizer step, a hook)
+    every_batch_hooks = frozenset({"on_train_batch_start", "on_before_backward", "on_train_batch_end"})
 
     def __init__(self, stall_after: float | None = None, on_stall: OnStall = "warn", abort_exit_code: int = 75) -> None:
         super().__init__()
@@ -168,13 +166,10 @@ class StallWatchdog(DebugCallback):
         self._batch_started = time.monotonic()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        self._mark(trainer, "backward")
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._mark(trainer, "after backward")
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._mark(trainer, "optimizer step")
+        watchdog = self._watchdog
+        if watchdog is not None:  # the step of the batch's start: no property read on the hot path
+            count, step, _, _ = watchdog.beat
+            watchdog.beat = (count + 1, step, "backward", time.monotonic())
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int

@@ -150,7 +150,7 @@ def classify_stack(frames: Sequence[Frame], distributed: bool) -> Wait:
         if caller is not None:
             called = f", called from {caller}" + (f" in {user}" if caller.library and user else "")
         kind = "barrier" if "barrier" in name else "collective"
-        return Wait(kind, f"a {'barrier' if kind == 'barrier' else 'collective'} (torch.distributed.{name}){called}", user)
+        return Wait(kind, f"a {kind} (torch.distributed.{name}){called}", user)
     if any(_in(f, "/torch/profiler/") for f in frames):
         return Wait("profiler", "the profiler", user)
     if any(_in(f, "/torch/serialization.py") or "save_checkpoint" in f.function for f in frames):
@@ -258,7 +258,9 @@ def stall_verdicts(
     if missing:
         parts.append(f"No record from rank(s) {', '.join(map(str, missing))} (not started, or gone).")
     others_text = " " + " ".join(parts) if parts else ""
-    return [TFD520.verdict(evidence, key=f"step{own.step}", step=own.step, where=where, others=others_text, stacks=stacks)]
+    return [
+        TFD520.verdict(evidence, key=f"step{own.step}", step=own.step, where=where, others=others_text, stacks=stacks)
+    ]
 
 
 def _differ(waiting: Sequence[RankRecord]) -> bool:

@@ -35,15 +35,15 @@ class Job:
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         env.pop("LOCAL_RANK", None)
-        self.log = open(tmp_path / "job.log", "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(DIST_SCRIPT), str(tmp_path / "spec.json")],
-            cwd=tmp_path,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(tmp_path / "job.log", "wb") as log:  # the job writes its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, str(DIST_SCRIPT), str(tmp_path / "spec.json")],
+                cwd=tmp_path,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     @property
     def tfdebug_dir(self) -> Path:
@@ -81,11 +81,8 @@ class Job:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        self.log.close()
 
     def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
         return (self.out / "job.log").read_text(errors="replace")
 
 
@@ -155,7 +152,8 @@ def test_a_barrier_in_a_rank_zero_only_hook_is_named_as_mismatched_collectives(t
         assert "rank 0 at step 3" in mismatch.message and "a barrier (torch.distributed.barrier)" in mismatch.message
         assert "on_train_batch_end (tests/stall_models.py" in mismatch.message, mismatch.message
         # rank 1 went on to the next batch, whose first collective (Lightning's) waits for rank 0
-        assert "rank 1 at step 3 (loading the next batch, a collective (torch.distributed.broadcast)" in mismatch.message
+        waits = "rank 1 at step 3 (loading the next batch, a collective (torch.distributed.broadcast)"
+        assert waits in mismatch.message, mismatch.message
         assert "_broadcast_sigterm_tensor" in mismatch.message, mismatch.message
     assert "in barrier" in (job.tfdebug_dir / "stall-rank0.txt").read_text()
 
@@ -279,3 +277,73 @@ def test_arguments_are_checked_at_construction():
         StallWatchdog(on_stall="kill")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="abort_exit_code"):
         StallWatchdog(abort_exit_code=0)
+
+
+class RaisingGPT(StallTinyGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step == 2:
+            raise RuntimeError("the user's step failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_thread_stops_when_the_fit_raises(tmp_path):
+    watchdog = StallWatchdog(stall_after=30.0)
+    with pytest.raises(RuntimeError, match="the user's step failed"):
+        fit_tiny(tmp_path, [watchdog], model=RaisingGPT(**SMALL), max_steps=5)
+    assert watchdog.watchdog is None and watchdog.findings == []
+    assert not [t for t in threading.enumerate() if t.name == "tfdebug-stall-watchdog"]
+
+
+# ------------------------------------------------------------------ bug-zoo row 48 on the bug matrix's families
+ROW48_MODELS = {
+    "encoder_lm": ("tests.stall_models:StallEncoderLM", {}),
+    "gpt2": ("tests.stall_models:StallHFLM", {"family": "gpt2"}),
+    "tinygpt": ("tests.stall_models:StallBugTinyGPT", {}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.parametrize("family", sorted(ROW48_MODELS))
+def test_row48_one_rank_stalls_under_the_whole_pack(tmp_path, family):
+    """Bug-zoo row 48 in the bug matrix's style (its harness waits for a run to end, so a hang is tested here): the
+    whole pack, every callback at its defaults but ``stall_after``, rank 1 blocked in ``training_step`` at step 3.
+    Every rank names rank 1 behind, within 2x ``stall_after``; the report shows it after SIGKILL."""
+    pytest.importorskip("transformers")
+    from tests.healthy_models import PACK_NAMES
+
+    model_class, model = ROW48_MODELS[family]
+    callbacks = [{"class_path": f"lightning_tfdebug.{name}"} for name in PACK_NAMES if name != "StallWatchdog"]
+    job = Job(
+        tmp_path,
+        {
+            "model_class": model_class,
+            "model": {**model, "stall_rank": 1, "stall_at_step": 3},
+            "data": {"batch_size": 8},
+            "trainer": {"max_steps": 12},
+            "callbacks": [*callbacks, WATCHDOG],
+        },
+    )
+    try:
+        found = job.wait_for({"TFD520"}, ranks=(0, 1), timeout=240)
+    finally:
+        job.kill()
+    for rank in (0, 1):
+        [stall] = [f for f in found[rank] if f.code == "TFD520"]
+        assert stall.evidence["behind"] == [1] and stall.step == 3, stall.format()
+        assert stall.evidence["idle_s"] <= 2 * STALL_AFTER, stall.format()
+        assert "in training_step (tests/stall_models.py" in stall.message, stall.message
+    assert "Behind: rank 1 at step 3" in report(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_it_runs_no_collective_at_all(tmp_path):
+    """Every collective called from Python on each rank of a real 2-rank DDP fit, from set-up to the end (the counter
+    of ``tests/test_collectives.py``): none is StallWatchdog's; its thread talks to the store only."""
+    from tests.test_collectives import count_collectives, pack_calls
+
+    ranks = count_collectives(tmp_path, 2, [WATCHDOG], steps=12)
+    for calls in ranks:
+        assert {step: pack_calls(made) for step, made in calls.items() if pack_calls(made)} == {}, calls
+        assert any("_broadcast_sigterm_tensor" in c for made in calls.values() for c in made)  # the counter counts
