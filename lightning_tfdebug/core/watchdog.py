@@ -29,7 +29,6 @@ from lightning_tfdebug.functional.stall_checks import (
     allowance,
     classify_stack,
     default_stall_after,
-    library_file,
     phase_kind,
 )
 
@@ -46,12 +45,16 @@ _LIBRARY = tuple(
 )
 
 
+def library_file(path: str, prefixes: tuple[str, ...] = _LIBRARY) -> bool:
+    """Whether ``path`` belongs to Python, an installed package or the pack (under one of ``prefixes``), not to the
+    user's code."""
+    path = os.path.normpath(path)
+    return path.startswith("<") or any(path.startswith(p) for p in prefixes)
+
+
 def frames_of(frame: Any) -> list[Frame]:
     """The stack of ``frame`` (a live frame object), outermost first, each marked as library code or the user's."""
-    return [
-        Frame(f.filename, f.lineno or 0, f.name, library_file(f.filename, _LIBRARY))
-        for f in traceback.extract_stack(frame)
-    ]
+    return [Frame(f.filename, f.lineno or 0, f.name, library_file(f.filename)) for f in traceback.extract_stack(frame)]
 
 
 def dump_stacks(main_ident: int) -> str:

@@ -7,7 +7,6 @@ the stacks and the other ranks' records and hands them here.
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -267,9 +266,3 @@ def _differ(waiting: Sequence[RankRecord]) -> bool:
     """Whether ranks that all wait in collectives wait in different ones: other kinds, other call sites, other
     steps (the collective text names the call; backward's all-reduce has one)."""
     return len({(r.kind, r.where, r.step) for r in waiting}) > 1
-
-
-def library_file(path: str, prefixes: Sequence[str]) -> bool:
-    """Whether ``path`` belongs to Python or an installed package (under one of ``prefixes``), not the user's code."""
-    path = os.path.normpath(path)
-    return path.startswith("<") or any(path.startswith(p) for p in prefixes)

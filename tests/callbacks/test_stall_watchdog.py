@@ -349,3 +349,15 @@ def test_it_runs_no_collective_at_all(tmp_path):
         ours = {step: pack_calls(made) for step, made in calls.items() if pack_calls(made)}
         assert ours == {"setup": ["broadcast_object_list <- base.py"]}, calls
         assert any("_broadcast_sigterm_tensor" in c for made in calls.values() for c in made)  # the counter counts
+
+
+def test_library_files_are_told_from_the_users():
+    import torch
+
+    from lightning_tfdebug.core.watchdog import library_file
+
+    assert (
+        library_file(torch.__file__) and library_file(threading.__file__) and library_file(__import__("json").__file__)
+    )
+    assert library_file("<frozen importlib._bootstrap>")
+    assert not library_file(__file__)  # the user's code (here: this test)

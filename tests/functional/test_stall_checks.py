@@ -13,7 +13,6 @@ from lightning_tfdebug.functional.stall_checks import (
     allowance,
     classify_stack,
     default_stall_after,
-    library_file,
     phase_kind,
     stall_verdicts,
 )
@@ -144,9 +143,3 @@ def test_a_store_that_cannot_be_read_is_said_and_a_missing_rank_is_named():
     assert "could not be read (DistStoreError: timeout)" in unread.message
     [missing] = stall_verdicts(own, [], world_size=2, stacks="s.txt")
     assert "No record from rank(s) 1" in missing.message
-
-
-def test_library_files_are_told_from_the_users():
-    assert library_file(f"{SITE}/torch/nn/modules/module.py", [SITE])
-    assert library_file("<frozen importlib._bootstrap>", [SITE])
-    assert not library_file("/home/me/train.py", [SITE])
