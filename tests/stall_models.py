@@ -144,3 +144,18 @@ def __getattr__(name: str) -> type:  # the families import transformers: only wh
         globals().update(families)
         return families[name]
     raise AttributeError(name)
+
+
+class RecompilingGPT(TinyGPT):
+    """TinyGPT whose forward is compiled (inductor); from optimizer step ``shorter_from`` its batches are cut to
+    ``shorter_length`` tokens, so Dynamo compiles again in the middle of the run (not in the first step)."""
+
+    def __init__(self, shorter_from: int = 4, shorter_length: int = 40, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.shorter_from, self.shorter_length = shorter_from, shorter_length
+        self.forward = torch.compile(self.forward)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step >= self.shorter_from:
+            batch = {k: v[:, : self.shorter_length] for k, v in batch.items()}
+        return super().training_step(batch, batch_idx)

@@ -60,7 +60,7 @@ DEFAULT_SLOWEST_FACTOR = 3.0
 
 #: The least allowance of a phase that may legitimately take minutes, in seconds, whatever ``stall_after`` is.
 PHASE_ALLOWANCE_S: dict[str, float] = {
-    "set-up": 600.0,  # from setup to the first batch: strategy set-up, DataLoader workers starting
+    "set-up": 600.0,  # from setup to the first batch, an epoch's start: strategy set-up, DataLoader workers starting
     "first step": 600.0,  # lazy initialisation, cuDNN autotuning, the first fetch
     "compile": 1800.0,  # torch.compile's warm-up (a stack inside torch._dynamo / torch._inductor)
     "validation": 600.0,  # one validation batch (each batch is progress) and the sanity check
@@ -194,7 +194,7 @@ def phase_kind(phase: str, wait: str | None, profiling: bool) -> str | None:
         return "profiler"
     if phase in ("validation", "sanity check"):
         return "validation"
-    if phase in ("set-up", "fit start", "waiting for the first batch"):
+    if phase in ("set-up", "fit start", "waiting for the first batch", "epoch start"):  # DataLoader workers start
         return "set-up"
     if phase.startswith("first "):
         return "first step"

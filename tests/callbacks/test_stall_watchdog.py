@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 
 from lightning_tfdebug import StallWatchdog, TFDebug
@@ -241,8 +242,8 @@ def test_healthy_ranks_with_long_validation_a_slow_checkpoint_and_a_long_first_s
 
 # ------------------------------------------------------------------ one process
 def test_a_blocked_step_in_one_process_is_named_and_the_thread_ends_with_the_fit(tmp_path):
-    watchdog = StallWatchdog(stall_after=1.5)
-    fit_tiny(tmp_path, [watchdog], model=StallTinyGPT(**SMALL, stall_rank=0, stall_at_step=3, stall_s=4.0), max_steps=5)
+    watchdog = StallWatchdog(stall_after=1.0)
+    fit_tiny(tmp_path, [watchdog], model=StallTinyGPT(**SMALL, stall_rank=0, stall_at_step=3, stall_s=2.5), max_steps=5)
     [stall] = watchdog.findings
     assert stall.code == "TFD520" and stall.step == 3, stall.format()
     assert "in _block (tests/stall_models.py" in stall.message and "training step" in stall.message, stall.message
@@ -251,6 +252,7 @@ def test_a_blocked_step_in_one_process_is_named_and_the_thread_ends_with_the_fit
     assert (tmp_path / "tb" / "version_0" / "tfdebug" / "stall-rank0.txt").exists()
 
 
+@pytest.mark.slow  # a worker process to start and a 5-second block: kept out of the default run
 def test_a_stuck_dataloader_worker_is_named(tmp_path):
     pack = TFDebug(overrides={"StallWatchdog": {"stall_after": 1.5}}, summary=False, dashboard=False)
     data = stalling_worker_data(at_item=8 * 3 + 1, seconds=5.0, batch_size=8)  # the first sample of batch 4
@@ -361,3 +363,40 @@ def test_library_files_are_told_from_the_users():
     )
     assert library_file("<frozen importlib._bootstrap>")
     assert not library_file(__file__)  # the user's code (here: this test)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_compile_warm_up_and_a_recompilation_mid_run_stay_silent(tmp_path):
+    """A compiled forward (inductor, CPU: seconds per compile here, minutes on a large model) with an explicit
+    ``stall_after`` of 1 s: the first step compiles, and step 4 compiles again (shorter batches). The stack inside
+    torch._dynamo / torch._inductor earns the compile allowance, so the watchdog stays silent; its thread looked."""
+    import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
+
+    from tests.stall_models import RecompilingGPT
+
+    torch._dynamo.reset()
+    watchdog = StallWatchdog(stall_after=1.0)
+    seconds: list[float] = []
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        # no compile cache from an earlier run: each compile takes as long as it would the first time
+        fit_tiny(tmp_path, [watchdog, BatchSeconds(seconds)], model=RecompilingGPT(**SMALL), max_steps=7)
+    print("batch seconds:", [round(s, 2) for s in seconds])
+    assert watchdog.findings == [], [f.format() for f in watchdog.findings]
+    # both compiles kept the loop still longer than stall_after: only the compile allowance kept the watchdog quiet
+    assert seconds[0] > 1.0 and seconds[4] > 1.0, seconds
+
+
+class BatchSeconds(pl.Callback):
+    """Each training batch's duration, from its start to its end."""
+
+    def __init__(self, out: list[float]) -> None:
+        self.out, self.start = out, 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.start = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.out.append(time.monotonic() - self.start)

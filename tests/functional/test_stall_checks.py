@@ -91,6 +91,7 @@ def test_the_default_stall_after_follows_the_runs_batch_times():
         ("loading the next batch", "checkpoint", False, "checkpoint"),
         ("training step", "code", True, "profiler"),
         ("set-up", None, False, "set-up"),
+        ("epoch start", None, False, "set-up"),
         ("fit end", None, False, "end"),
     ],
 )
