@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
 from lightning_tfdebug.core.io import append_line
-from lightning_tfdebug.core.watchdog import Stall, Watchdog, _say, default_store
+from lightning_tfdebug.core.watchdog import Stall, Watchdog, default_store, say_now
 from lightning_tfdebug.functional.stall_checks import stall_verdicts
 
 OnStall = Literal["warn", "abort"]
@@ -220,9 +220,9 @@ class StallWatchdog(DebugCallback):
         )
         self._warned_codes.update(v.code for v in verdicts)  # said below on stderr, on every rank, at once
         for finding in self.emit(trainer, verdicts, synchronized=False):
-            _say("lightning_tfdebug: " + finding.format())
+            say_now("lightning_tfdebug: " + finding.format())
         if self.on_stall == "abort":
-            _say(f"lightning_tfdebug: StallWatchdog ends rank {rank} with exit status {self.abort_exit_code}.")
+            say_now(f"lightning_tfdebug: StallWatchdog ends rank {rank} with exit status {self.abort_exit_code}.")
             if stall.others is not None:  # the other ranks fire about now: leave them the store (rank 0 serves it)
                 time.sleep(ABORT_GRACE_S)
             os._exit(self.abort_exit_code)

@@ -178,6 +178,7 @@ class Watchdog:
 
     def _run(self) -> None:
         seen = -1
+        last_batch: float | None = None
         last_publish = 0.0
         fired_at = -1
         try:
@@ -187,8 +188,10 @@ class Watchdog:
                 count, step, phase, at = self.beat
                 if count != seen:
                     seen = count
-                    if self.batch_s is not None:
-                        self.batches.append(self.batch_s)
+                    batch_s = self.batch_s
+                    if batch_s is not None and batch_s is not last_batch:  # a batch that ended since the last look
+                        self.batches.append(batch_s)
+                        last_batch = batch_s
                 idle = time.monotonic() - at
                 budget = self.effective_stall_after()
                 wait = self._own_wait() if idle > budget / 2 else None
@@ -204,7 +207,7 @@ class Watchdog:
                     self.fired += 1
                     self.on_stall(self._stall(RankRecord(self.rank, step, phase, idle, *_wait_fields(wait)), budget))
         except Exception as err:  # the watchdog must never take the run down; it says so once, on stderr
-            _say(f"lightning_tfdebug: the stall watchdog stopped on rank {self.rank}: {type(err).__name__}: {err}")
+            say_now(f"lightning_tfdebug: the stall watchdog stopped on rank {self.rank}: {type(err).__name__}: {err}")
         finally:
             self._unpublish()
 
@@ -283,7 +286,7 @@ def _wait_fields(wait: Wait | None) -> tuple[str | None, str | None]:
     return (None, None) if wait is None else (wait.kind, wait.text)
 
 
-def _say(text: str) -> None:
+def say_now(text: str) -> None:
     """Write ``text`` to standard error at once (the job's log), bypassing warning filters and buffers."""
     with contextlib.suppress(OSError):
         os.write(2, (text.rstrip("\n") + "\n").encode("utf-8", "replace"))
