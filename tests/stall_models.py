@@ -159,3 +159,19 @@ class RecompilingGPT(TinyGPT):
         if self.global_step >= self.shorter_from:
             batch = {k: v[:, : self.shorter_length] for k, v in batch.items()}
         return super().training_step(batch, batch_idx)
+
+
+def store_keys_left(trainer: Any, model: Any, callbacks: list) -> dict[str, Any]:
+    """For ``tests/scripts/dist_run.py``'s ``extra``: after the fit, whether this rank's StallWatchdog record is still
+    in the default store, and whether its thread still runs."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from lightning_tfdebug.core.watchdog import STORE_PREFIX
+
+    watchdogs = [c for c in callbacks if type(c).__name__ == "StallWatchdog"]
+    keys = [f"{STORE_PREFIX}/{n}/rank{trainer.global_rank}" for n in range(1, 4)]
+    return {
+        "keys_left": [k for k in keys if _get_default_store().check([k])],
+        "threads": [t.name for t in threading.enumerate() if t.name == "tfdebug-stall-watchdog"],
+        "watchdog": [w.watchdog is not None for w in watchdogs],
+    }

@@ -400,3 +400,22 @@ class BatchSeconds(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.out.append(time.monotonic() - self.start)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_under_ddp_the_thread_ends_with_the_fit_and_leaves_no_store_key(tmp_path):
+    from tests.helpers import run_distributed
+
+    spec = {
+        "strategy": "ddp",
+        "model": dict(SMALL),
+        "data": {"batch_size": 8},
+        "trainer": {"max_steps": 6},
+        "callbacks": [{"class_path": "lightning_tfdebug.StallWatchdog", "init_args": {"stall_after": 2.0}}],
+        "extra": "tests.stall_models:store_keys_left",
+    }
+    for result in run_distributed(tmp_path, spec):
+        assert result["error"] is None, result["error"]
+        assert result["extra"] == {"keys_left": [], "threads": [], "watchdog": [False]}, result["extra"]
+        assert result["findings"] == {"StallWatchdog": []}  # stall_after 2 s on steps of a few ms: silent
