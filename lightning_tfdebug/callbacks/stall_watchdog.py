@@ -177,7 +177,7 @@ class StallWatchdog(DebugCallback):
         watchdog = self._watchdog
         if watchdog is not None:
             watchdog.batch_s = time.monotonic() - self._batch_started  # host arithmetic: the default's step times
-            self._mark(trainer, "loading the next batch")
+            self._mark(trainer, "between batches")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._mark(trainer, "sanity check" if trainer.sanity_checking else "validation")

@@ -153,7 +153,7 @@ def test_a_barrier_in_a_rank_zero_only_hook_is_named_as_mismatched_collectives(t
         assert "rank 0 at step 3" in mismatch.message and "a barrier (torch.distributed.barrier)" in mismatch.message
         assert "on_train_batch_end (tests/stall_models.py" in mismatch.message, mismatch.message
         # rank 1 went on to the next batch, whose first collective (Lightning's) waits for rank 0
-        waits = "rank 1 at step 3 (loading the next batch, a collective (torch.distributed.broadcast)"
+        waits = "rank 1 at step 3 (between batches, a collective (torch.distributed.broadcast)"
         assert waits in mismatch.message, mismatch.message
         assert "_broadcast_sigterm_tensor" in mismatch.message, mismatch.message
     assert "in barrier" in (job.tfdebug_dir / "stall-rank0.txt").read_text()
@@ -260,7 +260,7 @@ def test_a_stuck_dataloader_worker_is_named(tmp_path):
     stalls = [f for f in pack.findings if f.code == "TFD520"]
     assert len(stalls) == 1, [f.format() for f in pack.findings]
     assert "waiting for a batch from the DataLoader's worker processes" in stalls[0].message, stalls[0].message
-    assert stalls[0].evidence["phase"] == "loading the next batch"
+    assert stalls[0].evidence["phase"] == "between batches"
     assert not [t for t in threading.enumerate() if t.name == "tfdebug-stall-watchdog"]
 
 

@@ -88,7 +88,7 @@ def test_the_default_stall_after_follows_the_runs_batch_times():
         ("validation", "code", False, "validation"),
         ("sanity check", None, False, "validation"),
         ("checkpoint save", "code", False, "checkpoint"),
-        ("loading the next batch", "checkpoint", False, "checkpoint"),
+        ("between batches", "checkpoint", False, "checkpoint"),
         ("training step", "code", True, "profiler"),
         ("set-up", None, False, "set-up"),
         ("epoch start", None, False, "set-up"),
@@ -124,8 +124,8 @@ def test_the_rank_behind_is_named_and_the_others_wait_in_the_all_reduce():
 
 
 def test_ranks_in_different_collectives_are_mismatched():
-    own = RankRecord(0, 3, "loading the next batch", 5.0, "barrier", "a barrier (torch.distributed.barrier)")
-    other = RankRecord(1, 3, "loading the next batch", 5.0, "collective", "a collective (torch.distributed.broadcast)")
+    own = RankRecord(0, 3, "between batches", 5.0, "barrier", "a barrier (torch.distributed.barrier)")
+    other = RankRecord(1, 3, "between batches", 5.0, "collective", "a collective (torch.distributed.broadcast)")
     [verdict] = stall_verdicts(own, [other], world_size=2, stacks="s.txt")
     assert verdict.code == "TFD521" and verdict.evidence["mismatched"] is True
     assert "rank 0 at step 3" in verdict.message and "rank 1 at step 3" in verdict.message
