@@ -88,14 +88,16 @@ class Job:
 
 
 def report(path: Path) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "lightning_tfdebug", "report", str(path)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=120,
-    )
-    return done.stdout + done.stderr
+    """``tfdebug report <path>``'s output (the command's own entry point, in this process)."""
+    import contextlib
+    import io
+
+    from lightning_tfdebug.__main__ import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["report", str(path)])
+    return out.getvalue()
 
 
 def stalled_job(tmp_path: Path, callbacks: list[dict[str, Any]], **model: Any) -> Job:
