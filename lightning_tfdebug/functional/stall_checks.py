@@ -243,10 +243,7 @@ def stall_verdicts(
         waits = "; ".join(_rank_phrase(r) for r in waiting)
         evidence["mismatched"] = True
         return [TFD521.verdict(evidence, key=f"step{own.step}", step=own.step, waits=waits, stacks=stacks)]
-    behind = [r for r in records if r.kind not in COLLECTIVE_KINDS]
-    if not behind:
-        low = min(r.step for r in records)
-        behind = [r for r in records if r.step == low and len({x.step for x in records}) > 1]
+    behind = _behind(records)
     evidence["behind"] = [r.rank for r in behind]
     parts = []
     if behind:
@@ -260,6 +257,16 @@ def stall_verdicts(
     return [
         TFD520.verdict(evidence, key=f"step{own.step}", step=own.step, where=where, others=others_text, stacks=stacks)
     ]
+
+
+def _behind(records: Sequence[RankRecord]) -> list[RankRecord]:
+    """The ranks the others wait for: at the lowest step when the ranks are at different steps (under NCCL a rank
+    that waits for another runs ahead until a host sync, which may sit in any code, so the step decides), else those
+    not inside a collective."""
+    low = min(r.step for r in records)
+    if any(r.step != low for r in records):
+        return [r for r in records if r.step == low]
+    return [r for r in records if r.kind not in COLLECTIVE_KINDS]
 
 
 def _differ(waiting: Sequence[RankRecord]) -> bool:

@@ -123,6 +123,16 @@ def test_the_rank_behind_is_named_and_the_others_wait_in_the_all_reduce():
     assert f"The others wait: rank 0 at step 20 ({all_reduce}); rank 2 at step 20 ({all_reduce})." in verdict.message
 
 
+def test_a_rank_at_an_earlier_step_is_behind_even_when_the_others_wait_in_plain_code():
+    """Under NCCL the collectives are asynchronous: a rank that waits for another runs on into the next step and
+    blocks at a host sync anywhere (here a logging `.item()`); the step tells who is behind."""
+    own = RankRecord(0, 5, "training step", 91.0, "code", "in log_loss (me/model.py:60)")
+    stuck = RankRecord(1, 4, "training step", 93.0, "code", "in next_row (me/data.py:9)")
+    [verdict] = stall_verdicts(own, [stuck], world_size=2, stacks="s.txt")
+    assert verdict.evidence["behind"] == [1], verdict.message
+    assert "Behind: rank 1 at step 4" in verdict.message and "The others wait: rank 0 at step 5" in verdict.message
+
+
 def test_ranks_in_different_collectives_are_mismatched():
     own = RankRecord(0, 3, "between batches", 5.0, "barrier", "a barrier (torch.distributed.barrier)")
     other = RankRecord(1, 3, "between batches", 5.0, "collective", "a collective (torch.distributed.broadcast)")
