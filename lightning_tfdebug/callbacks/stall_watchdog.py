@@ -36,8 +36,8 @@ class StallWatchdog(DebugCallback):
     store that cannot be reached: the rank still dumps its own stacks, and the finding says the others could not be
     read. Details in ``docs/callbacks/stall_watchdog.md``; how to read a report: ``docs/stall-report.md``.
 
-    Phases that may take minutes are allowed generously, whatever ``stall_after`` is: the set-up and first step
-    (10 min), a stack inside ``torch.compile`` (30 min), one validation batch or the sanity check (10 min), a
+    Phases that may take minutes are allowed generously, whatever ``stall_after`` is: the set-up, an epoch's start
+    (DataLoader workers starting) and the first step (10 min), a stack inside ``torch.compile`` (30 min), one validation batch or the sanity check (10 min), a
     checkpoint write (15 min), a profiled step (10 min).
 
     Logged keys: none. Findings: ``TFD520`` a rank made no progress for ``stall_after`` seconds (the rank behind, its
@@ -53,6 +53,7 @@ class StallWatchdog(DebugCallback):
 
     Raises:
         ValueError: on a ``stall_after`` that is not positive, an unknown ``on_stall``, or an exit code outside 1-255.
+        TypeError: on a ``stall_after`` or ``abort_exit_code`` that is not a number.
 
     Example:
         ```python
@@ -71,7 +72,7 @@ class StallWatchdog(DebugCallback):
         ```
     """
 
-    runs_collectives: ClassVar[bool] = False  # no collective at all: a failure stands aside on its own rank
+    runs_collectives: ClassVar[bool] = False  # no collective of its own: a failure stands aside on its own rank
     #: three beats per batch: its start, backward, its end (the stack tells the rest: the optimizer step, a hook)
     every_batch_hooks = frozenset({"on_train_batch_start", "on_before_backward", "on_train_batch_end"})
 

@@ -71,13 +71,10 @@ def dump_stacks(main_ident: int) -> str:
 
 
 def profiler_running() -> bool:
-    """Whether a torch profiler (Lightning's or ``torch.profiler``) is recording in this process."""
-    try:
-        import torch
-
-        return bool(torch._C._autograd._profiler_enabled())
-    except Exception:
-        return False
+    """Whether a torch profiler (Lightning's or ``torch.profiler``) is recording in this process, asked from any
+    thread (``torch._C._autograd._profiler_enabled()`` answers for the calling thread only)."""
+    profiler = sys.modules.get("torch.autograd.profiler")
+    return bool(getattr(profiler, "_is_profiler_enabled", False))
 
 
 def default_store() -> Any:

@@ -421,3 +421,23 @@ def test_under_ddp_the_thread_ends_with_the_fit_and_leaves_no_store_key(tmp_path
         assert result["error"] is None, result["error"]
         assert result["extra"] == {"keys_left": [], "threads": [], "watchdog": [False]}, result["extra"]
         assert result["findings"] == {"StallWatchdog": []}  # stall_after 2 s on steps of a few ms: silent
+
+
+def test_a_running_profiler_is_seen_from_the_watchdog_thread():
+    """The profiler's allowance needs to know that a profiler records: asked from another thread, as the watchdog
+    does."""
+    import torch
+
+    from lightning_tfdebug.core.watchdog import profiler_running
+
+    def ask() -> bool:
+        seen: list[bool] = []
+        thread = threading.Thread(target=lambda: seen.append(profiler_running()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    assert not ask()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert ask()
+    assert not ask()
