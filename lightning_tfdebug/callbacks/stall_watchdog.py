@@ -37,8 +37,8 @@ class StallWatchdog(DebugCallback):
     read. Details in ``docs/callbacks/stall_watchdog.md``; how to read a report: ``docs/stall-report.md``.
 
     Phases that may take minutes are allowed generously, whatever ``stall_after`` is: the set-up, an epoch's start
-    (DataLoader workers starting) and the first step (10 min), a stack inside ``torch.compile`` (30 min), one validation batch or the sanity check (10 min), a
-    checkpoint write (15 min), a profiled step (10 min).
+    (DataLoader workers starting) and the first step (10 min), a stack inside ``torch.compile`` (30 min), one
+    validation batch or the sanity check (10 min), a checkpoint write (15 min), a profiled step (10 min).
 
     Logged keys: none. Findings: ``TFD520`` a rank made no progress for ``stall_after`` seconds (the rank behind, its
     step, phase and frame; where the others wait), ``TFD521`` the ranks wait in different collectives.
