@@ -243,6 +243,8 @@ CASES: list[Case] = [
         lambda: [__import__("lightning_tfdebug").BatchGuard(check_values_every_n_steps=10**9)],
     ),
     Case("ReproCapture (default)", lambda: [__import__("lightning_tfdebug").ReproCapture()]),
+    # --- issue 46: a rank that hangs ---
+    Case("StallWatchdog (default)", lambda: [__import__("lightning_tfdebug").StallWatchdog()]),
     # --- issue 7: masks, optimizer, checkpoints ---
     Case("MaskProbe (fit start only)", lambda: [__import__("lightning_tfdebug").MaskProbe()]),
     Case("OptimizerAudit (default cadence)", lambda: [__import__("lightning_tfdebug").OptimizerAudit()]),

@@ -24,6 +24,7 @@ from lightning_tfdebug.callbacks.optimizer_audit import OptimizerAudit
 from lightning_tfdebug.callbacks.per_rank_logger import PerRankLogger
 from lightning_tfdebug.callbacks.repro_capture import ReproCapture
 from lightning_tfdebug.callbacks.scaler_watch import ScalerWatch
+from lightning_tfdebug.callbacks.stall_watchdog import StallWatchdog
 from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
 from lightning_tfdebug.core.base import DebugCallback, PackContext, TFDebugWarning, check_choice, check_number
@@ -59,6 +60,7 @@ MEMBERS: dict[str, type[DebugCallback]] = {
         PerRankLogger,
         CheckpointAudit,
         MemoryWatch,
+        StallWatchdog,
     )
 }
 

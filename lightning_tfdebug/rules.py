@@ -28,6 +28,7 @@ from lightning_tfdebug.functional import (
     rank_checks,
     repro_checks,
     scaler_checks,
+    stall_checks,
     throughput_checks,
     update_checks,
 )
@@ -69,6 +70,7 @@ _MODULES = (
     nan_checks,
     scaler_checks,
     rank_checks,
+    stall_checks,
     throughput_checks,
     memory_checks,
     checkpoint_checks,

@@ -234,6 +234,8 @@ ROWS: dict[str, Row] = {
         fixture="no_optimizer_state",
         expect=frozenset({"TFD703", "TFD705"}),
     ),
+    # a tiny run never stalls: the healthy fixture, silent; its stalls are tested in test_stall_watchdog.py
+    "StallWatchdog": Row(bad=(("abort_exit_code", 256),)),
 }
 ROWS["MemoryWatch"] = Row(
     kwargs={"every_n_steps": EVERY},

@@ -50,6 +50,7 @@ PACK_NAMES: tuple[str, ...] = (
     "PerRankLogger",
     "ReproCapture",
     "ScalerWatch",
+    "StallWatchdog",
     "ThroughputMonitor",
     "UpdateRatio",
     "MemoryWatch",
