@@ -131,8 +131,8 @@ class NaNStep:
         report_json: str,
         skipped: bool = False,
     ) -> NaNStep:
-        """The reading of a rank's report ``summary`` (:func:`~lightning_tfdebug.functional.frames.nan_report`) and
-        every rank's :func:`rank_frames`."""
+        """The reading of a rank's report ``summary``
+        (:func:`~lightning_tfdebug.functional.frame_reports.nan_report`) and every rank's :func:`rank_frames`."""
         return cls(
             summary["step"],
             summary["nonfinite_ranks"],
