@@ -346,6 +346,43 @@ def test_findings_reach_the_user_through_the_one_emit_path():
         assert not built, f"{path.relative_to(PACKAGE)} builds a Finding at lines {built}: return a verdict instead"
 
 
+RULE_DISTANCE = 40
+"""Non-blank lines (other rules' declarations not counted) a rule may sit above the first function deciding it."""
+
+
+def rules_far_from_deciders(path: Path) -> dict[str, str]:
+    """Every module-level ``NAME = Rule(...)`` of ``path`` that is not just above the first top-level function or class
+    using it (below it, more than RULE_DISTANCE lines above it, or used by none), with where it is."""
+    source = path.read_text().splitlines()
+    tree = ast.parse("\n".join(source))
+    rules = {
+        node.targets[0].id: node
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and getattr(node.value.func, "id", "") == "Rule"
+        and isinstance(node.targets[0], ast.Name)
+    }
+    users = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    out = {}
+    for name, node in rules.items():
+        first = next((u for u in users if any(isinstance(x, ast.Name) and x.id == name for x in ast.walk(u))), None)
+        if first is None:
+            out[name] = "decided by no function of its module"
+            continue
+        other = {i for r in rules.values() for i in range(r.lineno, r.end_lineno + 1)}
+        gap = sum(1 for i in range(node.end_lineno + 1, first.lineno) if i not in other and source[i - 1].strip())
+        if first.lineno < node.lineno or gap > RULE_DISTANCE:
+            out[name] = f"line {node.lineno}, its decider `{first.name}` at line {first.lineno}"
+    return out
+
+
+def test_every_rule_sits_just_above_the_function_that_decides_it():
+    modules = scanned([p for p in sorted(PACKAGE.rglob("*.py")) if "Rule(" in p.read_text()], "grad_checks.py")
+    found = {p.relative_to(PACKAGE).as_posix(): far for p in modules if (far := rules_far_from_deciders(p))}
+    assert not found, f"rules away from their deciders: {found}"
+
+
 def _package(root: Path, files: dict[str, str]) -> Path:
     """A throwaway package named like ours under ``root``, with ``files`` (path -> source)."""
     package = root / "lightning_tfdebug"
@@ -411,6 +448,15 @@ def test_the_layout_checks_see_what_they_check(tmp_path):
         "callbacks/two/rules.py",
     ]
     assert direct_collectives(package) == {"callbacks/one.py": ["all_reduce"]}
+    rules = tmp_path / "rules.py"
+    filler = "\n".join(f"X{i} = {i}" for i in range(RULE_DISTANCE + 1))
+    rules.write_text(
+        "NEAR = Rule('a')\nFAR = Rule('b')\nLOST = Rule('c')\n"
+        f"def near():\n    return NEAR\n{filler}\ndef far():\n    return FAR\n"
+        "LATE = Rule('d')\n"
+        "def early():\n    return None\n"
+    )
+    assert set(rules_far_from_deciders(rules)) == {"FAR", "LOST", "LATE"}
 
 
 def _raises_nothing(call) -> bool:

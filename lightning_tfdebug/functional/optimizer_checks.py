@@ -84,6 +84,14 @@ def parameters_held_twice(names: Sequence[str]) -> Verdict | None:
     return _listed(TFD321, names)
 
 
+FROZEN_MOVED = (
+    "Frozen parameter {parameter} (requires_grad=False) changed at an optimizer step: this optimizer steps frozen "
+    "parameters (weight decay or momentum without a gradient, or a gradient set by hand), so the weights meant to "
+    "stay fixed drift."
+)
+"""``TFD322``'s sentence as a warning."""
+
+
 TFD322 = Rule(
     "TFD322",
     "info",
@@ -108,14 +116,6 @@ TFD322 = Rule(
         "measuring steps)."
     ),
 )
-
-
-FROZEN_MOVED = (
-    "Frozen parameter {parameter} (requires_grad=False) changed at an optimizer step: this optimizer steps frozen "
-    "parameters (weight decay or momentum without a gradient, or a gradient set by hand), so the weights meant to "
-    "stay fixed drift."
-)
-"""``TFD322``'s sentence as a warning."""
 
 
 def frozen_parameters_held(names: Sequence[str]) -> Verdict | None:
@@ -157,6 +157,15 @@ def stale_tensors(count: int) -> Verdict | None:
     return TFD323.verdict({"count": count}) if count else None
 
 
+NORMS_SHRINK = (
+    "Weight decay is shrinking the one-dimensional parameters (norm gains, biases): their norm fell from "
+    "{first_norm:.4g} at step {first_step} to {norm:.4g} at step {step} ({fall:.1%}), and the decay alone takes "
+    "{decay_shrinkage:.1%} over those steps (lr x weight_decay adds up to {decay_exposure:.3g}). Norm gains pulled "
+    "towards 0 scale every normalised activation down."
+)
+"""``TFD324``'s sentence as a warning."""
+
+
 TFD324 = Rule(
     "TFD324",
     "info",
@@ -181,15 +190,6 @@ TFD324 = Rule(
         "measuring steps)."
     ),
 )
-
-
-NORMS_SHRINK = (
-    "Weight decay is shrinking the one-dimensional parameters (norm gains, biases): their norm fell from "
-    "{first_norm:.4g} at step {first_step} to {norm:.4g} at step {step} ({fall:.1%}), and the decay alone takes "
-    "{decay_shrinkage:.1%} over those steps (lr x weight_decay adds up to {decay_exposure:.3g}). Norm gains pulled "
-    "towards 0 scale every normalised activation down."
-)
-"""``TFD324``'s sentence as a warning."""
 
 
 def decay_on_1d(group: GroupReading) -> Verdict | None:
@@ -290,6 +290,11 @@ def decay_on_embeddings(group: GroupReading) -> Verdict | None:
     return TFD325.verdict(evidence, key=group.label, shown=shown(group.decayed_embeddings))
 
 
+def _coupled(group: GroupReading) -> bool:
+    """The group's decay is L2 added to the gradient, which an adaptive optimizer rescales."""
+    return group.optimizer in COUPLED_DECAY and not group.decoupled
+
+
 TFD326 = Rule(
     "TFD326",
     "info",
@@ -306,11 +311,6 @@ TFD326 = Rule(
         "rescales: the decay is not the decoupled weight decay transformer recipes use (group {group})."
     ),
 )
-
-
-def _coupled(group: GroupReading) -> bool:
-    """The group's decay is L2 added to the gradient, which an adaptive optimizer rescales."""
-    return group.optimizer in COUPLED_DECAY and not group.decoupled
 
 
 def coupled_l2(group: GroupReading) -> Verdict | None:
@@ -501,6 +501,13 @@ def scheduler_overstepped(scheduler: str, calls: int, steps: int, key: str | Non
     return TFD329.verdict(evidence, key=key, per_step=per_step)
 
 
+WARMUP_SPIKED = (
+    "No learning-rate warm-up, and the early loss spiked: {spike}, with the LR at its peak from the first step "
+    "({first_lr:.3g})."
+)
+"""``TFD330``'s sentence as a warning."""
+
+
 TFD330 = Rule(
     "TFD330",
     "info",
@@ -524,13 +531,6 @@ TFD330 = Rule(
         "well-behaved (watched for the first warmup_window steps)."
     ),
 )
-
-
-WARMUP_SPIKED = (
-    "No learning-rate warm-up, and the early loss spiked: {spike}, with the LR at its peak from the first step "
-    "({first_lr:.3g})."
-)
-"""``TFD330``'s sentence as a warning."""
 
 
 def missing_warmup(first_lr: float, lr: float, step: int) -> Verdict | None:
