@@ -30,6 +30,7 @@ from lightning_tfdebug.functional import (
     scaler_checks,
     stall_checks,
     throughput_checks,
+    training_checks,
     update_checks,
 )
 from lightning_tfdebug.functional.verdicts import Rule
@@ -66,6 +67,7 @@ _MODULES = (
     grad_checks,
     update_checks,
     optimizer_checks,
+    training_checks,
     activation_checks,
     nan_checks,
     scaler_checks,
@@ -77,8 +79,23 @@ _MODULES = (
 )
 _RULES: tuple[Rule, ...] = tuple(r for module in _MODULES for r in module.RULES)
 
-BLOCKS: tuple[tuple[str, str, str], ...] = tuple((module.RULES[0].source, *module.BLOCK) for module in _MODULES)
-"""Each callback's block of codes: ``(source, first, last)``, in documentation order (each rule module's ``BLOCK``)."""
+
+def _blocks() -> tuple[tuple[str, str, str], ...]:
+    """Each callback's block once, whichever of its rule modules declares it (a callback's rules may be split over
+    several modules by what they decide; every module that declares a ``BLOCK`` for it declares the same)."""
+    blocks: dict[str, tuple[str, str]] = {}
+    for module in _MODULES:
+        block = getattr(module, "BLOCK", None)
+        if block is None:
+            continue
+        source = module.RULES[0].source
+        if blocks.setdefault(source, tuple(block)) != tuple(block):  # pragma: no cover - a bug in a rule module
+            raise RuntimeError(f"lightning_tfdebug.rules: {source}'s rule modules declare different blocks.")
+    return tuple((source, first, last) for source, (first, last) in blocks.items())
+
+
+BLOCKS: tuple[tuple[str, str, str], ...] = _blocks()
+"""Each callback's block of codes: ``(source, first, last)``, in documentation order (its rule modules' ``BLOCK``)."""
 
 _REGISTRY: dict[str, Rule] = {r.code: r for r in _RULES}
 if len(_REGISTRY) != len(_RULES):  # pragma: no cover - a duplicate code is a bug in this file
@@ -127,7 +144,7 @@ def rule(code: str) -> Rule:
 
 def rules_of(source: str) -> tuple[Rule, ...]:
     """The rules a callback (by class name) can emit, in code order."""
-    return tuple(r for r in _REGISTRY.values() if r.source == source)
+    return tuple(sorted((r for r in _REGISTRY.values() if r.source == source), key=lambda r: r.code))
 
 
 def _cell(text: str) -> str:
