@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from lightning_tfdebug.callbacks.mask_probe import alignment_checks, leak_checks, padding_checks, position_checks
 from lightning_tfdebug.functional import (
     activation_checks,
     batch_checks,
     checkpoint_checks,
     grad_checks,
     loss_checks,
-    mask_checks,
     memory_checks,
     nan_checks,
     optimizer_checks,
@@ -62,7 +62,10 @@ AREAS: tuple[tuple[str, str], ...] = (
 _MODULES = (
     batch_checks,
     repro_checks,
-    mask_checks,
+    leak_checks,
+    padding_checks,
+    alignment_checks,
+    position_checks,
     loss_checks,
     grad_checks,
     update_checks,
