@@ -1,6 +1,6 @@
 """lightning_tfdebug: PyTorch Lightning callbacks that find out why a transformer run breaks."""
 
-from lightning_tfdebug.callbacks.batch_guard import BatchGuard
+from lightning_tfdebug.callbacks.batch_guard.callback import BatchGuard
 from lightning_tfdebug.callbacks.checkpoint_audit import CheckpointAudit
 from lightning_tfdebug.callbacks.dead_activation import DeadActivation
 from lightning_tfdebug.callbacks.grad_norm_monitor import GradNormMonitor

@@ -364,7 +364,16 @@ def rules_far_from_deciders(path: Path) -> dict[str, str]:
         and getattr(node.value.func, "id", "") == "Rule"
         and isinstance(node.targets[0], ast.Name)
     }
-    users = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    registry = ("RULES", "BLOCK", "__all__")
+    users = [  # functions and classes, and tables a function reads (a rule looked up by kind in a dict)
+        n
+        for n in tree.body
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+        or (
+            isinstance(n, (ast.Assign, ast.AnnAssign))
+            and getattr(n.targets[0] if isinstance(n, ast.Assign) else n.target, "id", "") not in (*registry, *rules)
+        )
+    ]
     out = {}
     for name, node in rules.items():
         first = next((u for u in users if any(isinstance(x, ast.Name) and x.id == name for x in ast.walk(u))), None)
@@ -374,7 +383,7 @@ def rules_far_from_deciders(path: Path) -> dict[str, str]:
         other = {i for r in rules.values() for i in range(r.lineno, r.end_lineno + 1)}
         gap = sum(1 for i in range(node.end_lineno + 1, first.lineno) if i not in other and source[i - 1].strip())
         if first.lineno < node.lineno or gap > RULE_DISTANCE:
-            out[name] = f"line {node.lineno}, its decider `{first.name}` at line {first.lineno}"
+            out[name] = f"line {node.lineno}, its first use at line {first.lineno}"
     return out
 
 

@@ -40,7 +40,6 @@ from lightning_tfdebug.callbacks.mask_probe.position_checks import (
     context_limit_runs,
 )
 from lightning_tfdebug.callbacks.mask_probe.readings import CONTEXT_LIMIT, ORDER_STEPS, Reading
-from lightning_tfdebug.functional.batch_checks import learn_special_ids
 from lightning_tfdebug.functional.probes import (
     alignment_losses,
     causal_valid_positions,
@@ -51,6 +50,7 @@ from lightning_tfdebug.functional.probes import (
     padding_side,
     replace_after,
 )
+from lightning_tfdebug.functional.special_ids import learn_special_ids
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives.batch import is_id_tensor, logits_of, loss_of
 from lightning_tfdebug.primitives.calls import ModelCall, TableReads, read_objective, replace_leaves, tensor_leaves
