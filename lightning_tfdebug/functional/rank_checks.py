@@ -148,7 +148,7 @@ TFD505 = Rule(
     reason="A non-finite loss on a rank poisons the averaged gradient on every rank: the run cannot continue",
     message=("Rank(s) {rank_list} produced a non-finite loss at step {at_step}{others}."),
     details=(
-        "On a measuring step, when a rank's training loss is inf or nan; names the rank(s) that produced it at the "
+        "When a rank's training loss is inf or nan; names the rank(s) that produced it at the "
         "step they did (under DDP the NaN reaches every rank one step later, through the gradient all-reduce)."
     ),
 )
