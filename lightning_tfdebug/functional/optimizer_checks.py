@@ -107,6 +107,13 @@ TFD322 = Rule(
         "parameters without a gradient, so they stay put unless this optimizer steps them anyway (checked on "
         "measuring steps)."
     ),
+    details=(
+        "Checked once at the start of training (after a checkpoint is restored): frozen parameters (requires_grad "
+        "False) held by an optimizer. Info, since torch's optimizers skip a parameter whose `.grad` is None (a LoRA "
+        "fine-tune whose optimizer was built from `model.parameters()` is harmless); a warning when a measured step "
+        "changes one of them: one frozen parameter the optimizer holds is copied before the step and compared byte "
+        "for byte after it, on measuring steps (an optimizer that decays or moves parameters without a gradient)."
+    ),
 )
 
 
@@ -179,6 +186,16 @@ TFD324 = Rule(
         "Weight decay {weight_decay:g} is applied to {count} one-dimensional parameters (norm weights, biases) in "
         "param group {group}: {shown}. Advice only while their norm is not measured to shrink (watched on "
         "measuring steps)."
+    ),
+    details=(
+        "Checked at the start of training: weight decay > 0 on trainable 1-D parameters (norm weights and biases); "
+        "frozen ones are skipped by the optimizer and not counted. Info, since the published recipes decay every "
+        "parameter and, at their decay values and run lengths, nothing measurable happens to those parameters "
+        "(TinyGPT, 120 steps: decay 0.01 to 0.1 at lr 3e-4 to 2e-3 leaves their norm 1% to 5% above its start). A "
+        "warning when the run shows the harm: on measuring steps the norm of the decayed 1-D parameters is read (one "
+        "foreach norm, in the step's one host transfer), and once it fell by more than 10% of its first measured "
+        "value while the decay alone (`1 - exp(-sum of lr * weight_decay)` over those steps) accounts for at least "
+        "half of that fall (decay 1.0 at lr 3e-3: 23% below, the decay alone 29%)."
     ),
 )
 
@@ -279,6 +296,10 @@ TFD325 = Rule(
     hint="Many transformer recipes exclude embeddings from weight decay; check it is intended.",
     reason="A lint: common practice excludes embeddings from decay, but no harm is measured",
     message="Weight decay {weight_decay:g} is applied to embedding tables in param group {group}: {shown}.",
+    details=(
+        "Checked at the start of training: weight decay > 0 on trainable embedding tables (frozen ones are not "
+        "counted)."
+    ),
 )
 
 
@@ -304,6 +325,11 @@ TFD326 = Rule(
     message=(
         "{optimizer} with weight_decay={weight_decay:g} adds L2 to the gradient, which the adaptive step then "
         "rescales: the decay is not the decoupled weight decay transformer recipes use (group {group})."
+    ),
+    details=(
+        "Checked at the start of training: an Adam-family optimizer (`Adam`, `NAdam`, `RAdam`, `Adamax`, `Adagrad`, "
+        "`Adadelta`, `RMSprop`) with `weight_decay > 0`, which is coupled L2 that the adaptive step rescales, not "
+        "decoupled weight decay."
     ),
 )
 
@@ -345,6 +371,13 @@ TFD333 = Rule(
     message=(
         "{optimizer} steps float16 parameters with eps={eps:g} (group {group}): its moments are float16 too, the "
         "second moment of any gradient below {underflow:.1e} underflows to 0, and {outcome}."
+    ),
+    details=(
+        'Checked at the start of training: an Adam-family optimizer over float16 parameters (`precision="16-true"`) '
+        "with `eps` below 1.7e-5. torch keeps the moments in the parameter's dtype, the squared gradient of anything "
+        "below 1.7e-4 underflows to 0, and the step becomes `lr * m / eps`, over 10x Adam's normal step of about "
+        "`lr`; with the default `eps=1e-8`, which rounds to 0 in float16, it divides by zero (one `AdamW` step on a "
+        "float16 weight with gradient 1e-5 gives `-inf`)."
     ),
 )
 
@@ -390,6 +423,12 @@ TFD336 = Rule(
         "Weight decay {weight_decay:g} at a learning rate of {lr:.3g} shrinks every decayed weight by "
         "{decay_per_step:.3g} of itself per step (group {group}, {optimizer}): without gradients pushing back, "
         "weights halve every {halving:.0f} steps, so decay rather than the loss sets their scale."
+    ),
+    details=(
+        "Checked at the start of training: decoupled (AdamW) or SGD weight decay with `lr * weight_decay` above 5e-3 "
+        "per step: the weights halve in under about 140 steps unless gradients push back (recipes sit around 1e-5 to "
+        "1e-4). The LR is the group's `initial_lr` when a scheduler recorded one (a warm-up's first LR is far below "
+        "the peak)."
     ),
 )
 
@@ -439,6 +478,11 @@ TFD327 = Rule(
         "The module is in eval mode at a training batch (epoch {epoch}, step {global_step}): dropout is off and "
         "batch norm uses frozen running statistics, so training is not the training you configured."
     ),
+    details=(
+        "Checked at the first batch of each epoch and the first batch after each validation run, once that batch's "
+        "forward has run (so an `.eval()` from the LightningModule's own `on_train_batch_start` or from inside "
+        "`training_step` is seen): the module is not in train mode."
+    ),
 )
 
 
@@ -458,6 +502,10 @@ TFD328 = Rule(
     hint="Deliberate for frozen BatchNorm; otherwise a submodule was left in eval mode.",
     reason="An observation: deliberate for frozen normalisation layers, and no harm is measured",
     message="{count} mode-dependent submodules are in eval mode while the module trains: {shown}.",
+    details=(
+        "Checked at the same batches as TFD327: dropout or batch/instance-norm submodules in eval mode while the "
+        "module trains (deliberate for frozen BatchNorm, hence info)."
+    ),
 )
 
 
@@ -486,6 +534,14 @@ TFD329 = Rule(
     message=(
         "The LR scheduler {scheduler} was stepped {per_step}: a schedule sized in optimizer steps runs that many "
         "times too fast."
+    ),
+    details=(
+        "At each optimizer step it is called at, without touching a tensor: each LR scheduler's `last_epoch` (its "
+        "count of `step()` calls) is compared with its value at the last reading, and more calls than optimizer steps"
+        " in between fires (stepped per micro-batch under gradient accumulation, or by hand as well as by Lightning)."
+        " On its own it reads at every step; inside `TFDebug` on measuring steps (and the steps with a check "
+        'pending), so a scheduler stepped twice per step is named at the first measuring step after the first, as "2n'
+        ' times over n optimizer steps".'
     ),
 )
 
@@ -522,6 +578,15 @@ TFD330 = Rule(
         "No learning-rate warm-up: the LR at step {step} ({lr:.3g}) is not above the LR of the first step "
         "({first_lr:.3g}), so this transformer starts at its peak LR. Advice only while the early loss stays "
         "well-behaved (watched for the first warmup_window steps)."
+    ),
+    details=(
+        "A transformer (a model with an attention module) trained from step 0 whose LR at the next measured step is "
+        "not above its first-step LR; a run too short for a second measurement decides at its end. Info (fine-tuning "
+        "at a constant LR and small models train well without a warm-up); a warning when a measured loss within the "
+        "first `warmup_window` (default 1000) steps shows what a warm-up prevents: not finite, more than 10% above "
+        "the first step's loss, or doubled from its lowest measured value (and higher by 10% of the first loss). Not "
+        "decided on a run resumed from a checkpoint without this callback's state (its first LR is past any warm-up)."
+        " When the unchanged LR is below half of the schedulers' `base_lrs`, TFD335 is raised instead."
     ),
 )
 
@@ -579,6 +644,7 @@ TFD331 = Rule(
         "The learning rate reached zero at step {step}, long before the end of the run ({total} steps): the "
         "remaining steps train nothing."
     ),
+    details=("On a measuring step, when a param group's LR is zero before `zero_lr_fraction` of the run's steps."),
 )
 
 
@@ -614,6 +680,11 @@ TFD335 = Rule(
         "The learning rate has not moved since the first step: at step {step} it is {lr:.3g}, {share:.1%} of the "
         "{base_lr:.3g} the optimizer was configured with, and the scheduler ({names}, interval {intervals}) has "
         "not raised it."
+    ),
+    details=(
+        "As TFD330 (the LR has not moved between the first step and the next measured step), when that LR is below "
+        "half of the schedulers' `base_lrs`: the schedule is not advancing rather than missing (a warm-up sized in "
+        'steps returned as a bare scheduler or with `interval: "epoch"` holds its first value all epoch).'
     ),
 )
 
@@ -664,6 +735,16 @@ TFD337 = Rule(
         "The learning rate stays below half of its configured peak ({peak:.3g}) {until}: {scheduler} (interval "
         "{interval}) reaches the peak {at}, and the highest LR of this run is {run_max:.3g} ({share:.1%} of it)."
     ),
+    details=(
+        "Checked once per fit: each LR scheduler is deep-copied with a stand-in optimizer holding copies of the param"
+        " groups' settings (the module and the Trainer are shared, never copied), and the copy is stepped at "
+        "Lightning's `interval` and `frequency` from the current step to `max_steps` (the Trainer's "
+        "`estimated_stepping_batches`), and on until it reaches its configured peak (the largest base LR), at most "
+        "100,000 scheduler steps. A schedule that rises and first reaches half of its peak only after half of the "
+        "run, or never in it, fires. Runs under 50 steps are not judged; `tfdebug check` sets "
+        "`check_schedule_fits=False`; a scheduler that cannot be replayed alone (one that needs a metric, such as "
+        "`ReduceLROnPlateau`) is not judged."
+    ),
 )
 
 
@@ -707,6 +788,13 @@ TFD332 = Rule(
         "Parameter {parameter} was byte-identical after {steps} consecutive measured optimizer steps although it "
         "had a gradient and a non-zero learning rate."
     ),
+    details=(
+        "On measuring steps, one parameter per param group (the first with a gradient whose copy fits the memory "
+        "budget, LR > 0) is copied before the step and compared byte for byte after it; unchanged on `patience` "
+        "consecutive measured steps fires (an update that underflows bf16/fp16 weights, or an optimizer stepping "
+        "other tensors). Steps the fp16 GradScaler skipped are not counted; a group where no parameter fits the "
+        "budget is recorded once as not compared."
+    ),
 )
 
 
@@ -736,6 +824,13 @@ TFD334 = Rule(
         "Gradients were not zeroed after the optimizer step: at the first backward of step {global_step}, "
         "{groups_with_old_grads} of {groups_probed} param groups still hold the previous steps' gradients, so "
         "every step adds its gradient to all the earlier ones."
+    ),
+    details=(
+        "At the first backward after an optimizer step, on measuring steps: the first trainable parameter of each "
+        "param group must have no gradient left from before (Lightning's automatic optimization clears to None "
+        "there). A `.grad` that exists is read (one host read) and non-zero values fire: a manual `training_step` "
+        "that never calls `zero_grad` sums every step's gradient into all later ones. `zero_grad(set_to_none=False)` "
+        "and manual accumulation windows are recognised as healthy."
     ),
 )
 
