@@ -151,6 +151,13 @@ TFD709 = Rule(
         "optimizer, schedule and loop state)"
     ),
     message="Checkpoint {path} not checked: {why}.",
+    details=(
+        "A weights-only save (`save_weights_only=True`) is named once: info when another checkpoint callback of the "
+        "run keeps full checkpoints (or the run wrote one), a warning when none does (no checkpoint the run keeps can"
+        " resume it, and a crash loses the optimizer, the schedule and the loop position). A checkpoint that could "
+        "not be checked after its save (a sharded distributed-checkpoint directory, a file written outside the "
+        "strategy's CheckpointIO) is info: the checks on resume still run."
+    ),
 )
 
 TFD710 = Rule(
@@ -165,6 +172,11 @@ TFD710 = Rule(
     ),
     reason="Measured: weights after resume are not the checkpoint's, so the resumed run is another run",
     message="The weights at the start of the resumed training do not match the checkpoint: {detail}.",
+    details=(
+        "At `on_load_checkpoint` a float64 (sum, sum of squares) checksum of every floating tensor and its dtype is "
+        "recorded; at `on_train_start`, after Lightning restored everything, a tensor whose checksums differ by more "
+        "than `weight_rtol` (default 1e-5) relative to `max(1, |saved|)`, or whose dtype changed, fires."
+    ),
 )
 
 TFD711 = Rule(
@@ -179,6 +191,10 @@ TFD711 = Rule(
         "another run"
     ),
     message="Optimizer {optimizer}'s step count after resume is {now}, the checkpoint holds {saved}.",
+    details=(
+        "At `on_train_start` of a resumed fit: an optimizer's per-parameter step counts differ from those recorded at"
+        " `on_load_checkpoint`."
+    ),
 )
 
 TFD712 = Rule(
@@ -193,6 +209,10 @@ TFD712 = Rule(
     ),
     reason="Measured: the learning rates changed on resume: the resumed run is not the run saved",
     message="Optimizer {optimizer}'s learning rates after resume are {now}, the checkpoint holds {saved}.",
+    details=(
+        "At `on_train_start` of a resumed fit: an optimizer's learning rates differ from the checkpoint's by more "
+        "than a relative 1e-9 (`|a - b| / max(1, |a|, |b|)`), for the same number of param groups."
+    ),
 )
 
 TFD713 = Rule(
@@ -204,6 +224,10 @@ TFD713 = Rule(
     hint="The precision plugin's scaler was replaced after loading.",
     reason="Measured: the loss scale changed on resume: the resumed run is not the run saved",
     message="The GradScaler's scale after resume is {now:g}, the checkpoint holds {saved:g}.",
+    details=(
+        "At `on_train_start` of a resumed fit, when both are known: the GradScaler's scale differs from the "
+        "checkpoint's by more than a relative 1e-9."
+    ),
 )
 
 TFD714 = Rule(
@@ -236,6 +260,12 @@ TFD715 = Rule(
     message=(
         "The loss on the probe batch right after resuming is {now:.6g}; at save time (step {saved_step}) it was "
         "{saved:.6g}."
+    ),
+    details=(
+        "The callback keeps `probe_rows` (default 2) rows of the first training batch (in its checkpointed state) "
+        "and, at each save, the loss `training_step` returns on them (eval mode, `no_grad`, logging silenced). Right "
+        "after resuming the same loss is computed again; a relative difference (`|a - b| / max(1, |a|, |b|)`) above "
+        "`loss_rtol` (default 1e-3) fires."
     ),
 )
 
