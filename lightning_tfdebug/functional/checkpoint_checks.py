@@ -191,10 +191,6 @@ TFD711 = Rule(
         "another run"
     ),
     message="Optimizer {optimizer}'s step count after resume is {now}, the checkpoint holds {saved}.",
-    details=(
-        "At `on_train_start` of a resumed fit: an optimizer's per-parameter step counts differ from those recorded at"
-        " `on_load_checkpoint`."
-    ),
 )
 
 TFD712 = Rule(
@@ -224,10 +220,6 @@ TFD713 = Rule(
     hint="The precision plugin's scaler was replaced after loading.",
     reason="Measured: the loss scale changed on resume: the resumed run is not the run saved",
     message="The GradScaler's scale after resume is {now:g}, the checkpoint holds {saved:g}.",
-    details=(
-        "At `on_train_start` of a resumed fit, when both are known: the GradScaler's scale differs from the "
-        "checkpoint's by more than a relative 1e-9."
-    ),
 )
 
 TFD714 = Rule(
