@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from lightning_tfdebug.callbacks.batch_guard import repeat_checks, schema_checks, special_token_checks, value_checks
+from lightning_tfdebug.callbacks.batch_guard import checks as batch_guard_checks
 from lightning_tfdebug.callbacks.mask_probe import alignment_checks, leak_checks, padding_checks, position_checks
 from lightning_tfdebug.functional import (
     activation_checks,
@@ -61,10 +61,7 @@ AREAS: tuple[tuple[str, str], ...] = (
 """The hundreds digit of a code names its area."""
 
 _MODULES = (
-    schema_checks,
-    value_checks,
-    repeat_checks,
-    special_token_checks,
+    batch_guard_checks,
     repro_checks,
     leak_checks,
     padding_checks,

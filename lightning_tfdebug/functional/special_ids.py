@@ -1,5 +1,5 @@
-"""The special token ids of a run (pad, BOS, EOS and the rest), learned from the tokenizer, the collator and the
-model config: shared by BatchGuard and MaskProbe (pure; host values in)."""
+"""The special token ids of a run (end-of-sequence, separator, padding, beginning-of-sequence), read from the
+objects that name them: a tokenizer, a Hugging Face config. Shared by BatchGuard (``TFD124``) and MaskProbe."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SPECIAL_ROLES: tuple[str, ...] = ("eos", "sep", "pad", "bos")
-"""The special-token roles read from a tokenizer, a collator or a config (``<role>_token_id`` / ``<role>_id``)."""
+"""The roles a special id can have, in the order :meth:`SpecialIds.ordered` lists them."""
 
 
 @dataclass(frozen=True)
@@ -21,15 +21,14 @@ class SpecialIds:
     source: str = ""
 
     def ordered(self) -> tuple[int, ...]:
-        """Every id once, EOS first: the order of :func:`~lightning_tfdebug.functional.batches.
-        special_token_statistics`' pairs."""
+        """Every id once, EOS first: the order of the per-id counts of BatchGuard's special-token statistics."""
         out: list[int] = []
         for role in SPECIAL_ROLES:
             out += [i for i in getattr(self, role) if i not in out]
         return tuple(out)
 
 
-def ids_of(value: Any) -> tuple[int, ...]:
+def _ids_of(value: Any) -> tuple[int, ...]:
     """The non-negative token ids of an attribute: an int or a non-empty list of ints (never a bool)."""
     values = value if isinstance(value, (list, tuple)) and value else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
@@ -51,7 +50,7 @@ def learn_special_ids(sources: list[tuple[str, Any]], eos_id: int | None = None)
                 if role in found:
                     break
                 try:
-                    ids = ids_of(getattr(obj, attr, None))
+                    ids = _ids_of(getattr(obj, attr, None))
                 except Exception:  # a tokenizer property that complains about an unset token
                     ids = ()
                 if ids:

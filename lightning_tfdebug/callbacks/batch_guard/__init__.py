@@ -1,17 +1,21 @@
-"""BatchGuard's room: the callback (:mod:`.callback`) and its rules, one module per thing decided
-(:mod:`.schema_checks`, :mod:`.value_checks`, :mod:`.repeat_checks`, :mod:`.special_token_checks`; their readings in
-:mod:`.readings`). The rule modules are pure: the rule registry imports them without the callback, which is imported
-here on first use."""
+"""BatchGuard's room: the callback (:mod:`.callback`) and the pure modules that decide its findings.
+
+``BatchGuard`` is imported on first use (PEP 562): the rule registry imports this package's pure modules while
+``core/`` loads, before the callback (which builds on ``core/``) can be.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_tfdebug.callbacks.batch_guard.callback import BatchGuard
 
 __all__ = ["BatchGuard"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "BatchGuard":  # imported on first use: the rule registry reads this package's rules without it
+    if name == "BatchGuard":
         from lightning_tfdebug.callbacks.batch_guard.callback import BatchGuard
 
         return BatchGuard

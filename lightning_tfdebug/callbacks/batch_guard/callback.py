@@ -13,16 +13,23 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.batch_guard import repeat_checks, schema_checks, special_token_checks, value_checks
-from lightning_tfdebug.callbacks.batch_guard.readings import BatchPaths, ValueRules, batch_name, fields_notice
+from lightning_tfdebug.callbacks.batch_guard import eos_checks, readings
+from lightning_tfdebug.callbacks.batch_guard.length_checks import LengthSums, LengthWindow
+from lightning_tfdebug.callbacks.batch_guard.loaders import EpochData, epoch_data_of, limit_setting
+from lightning_tfdebug.callbacks.batch_guard.mask_hole_checks import packed_keys
+from lightning_tfdebug.callbacks.batch_guard.repeat_checks import BatchRepeats, resumed_mid_epoch
+from lightning_tfdebug.callbacks.batch_guard.schema import parse_declared_schema, structure_key
+from lightning_tfdebug.callbacks.batch_guard.schema_checks import SchemaWatch
+from lightning_tfdebug.callbacks.batch_guard.statistics import unpack_statistics
+from lightning_tfdebug.callbacks.batch_guard.value_checks import value_verdicts
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
 from lightning_tfdebug.core.batch import step_batch
-from lightning_tfdebug.core.data import epoch_data, special_token_sources, write_examples
+from lightning_tfdebug.core.compat import is_lightning_instance
+from lightning_tfdebug.core.data import special_token_sources
+from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.model import find_context_length, find_vocab_size, load_tokenizer
 from lightning_tfdebug.core.reduction import host_fields
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional.batch_schema import parse_declared_schema, structure_key
-from lightning_tfdebug.functional.batches import EpochData, unpack_statistics
 from lightning_tfdebug.functional.special_ids import learn_special_ids
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys, StepBatch
@@ -39,7 +46,7 @@ class BatchGuard(DebugCallback):
     its DataLoader. Details: ``docs/callbacks/batch_guard.md``.
 
     Logged keys: :attr:`KEYS`. Findings: ``TFD101``-``TFD125``, the rules of
-    :mod:`lightning_tfdebug.functional.batch_checks`; both tabled in the docs page.
+    :mod:`lightning_tfdebug.callbacks.batch_guard.checks`; both tabled in the docs page.
 
     Args:
         every_n_steps: log the `batch_guard/*` keys every this many steps; default: the Trainer's ``log_every_n_steps``.
@@ -155,15 +162,16 @@ class BatchGuard(DebugCallback):
         self.tokenizer, self.decode_examples = load_tokenizer(tokenizer), decode_examples
         self.special_token_batches, self.min_eos_expected = special_token_batches, float(min_eos_expected)
         # the vocabulary and the context are read from the model at setup when not given
-        self._rules = ValueRules(vocab_size, max_length, self.ignore_index, bos_id, eos_id, self.max_truncated_fraction)
+        self._rules = readings.ValueRules(
+            vocab_size, max_length, self.ignore_index, bos_id, eos_id, self.max_truncated_fraction
+        )
         self._encoder_decoder = False  # labels are the decoder's targets, not aligned with the input ids
-        self._schema = schema_checks.SchemaWatch(learn_batches, declared, max_length)
-        self._lengths = repeat_checks.LengthWindow(length_window, self.length_shift_tolerance)
-        self._repeats = repeat_checks.BatchRepeats(self.max_repeated_fraction)
+        self._schema = SchemaWatch(learn_batches, declared, max_length)
+        self._lengths = LengthWindow(length_window, self.length_shift_tolerance)
+        self._repeats = BatchRepeats(self.max_repeated_fraction)
         self._epoch = EpochData()  # the training data of the current epoch (set per epoch)
-        self._tally: special_token_checks.SpecialTokenTally | None = None  # TFD124's count, None when off
-        # the batch of the step (a reference, diagnosed if its forward raises), batch_name's parts, checked or not
-        self._last: tuple[StepBatch, tuple[int, int, int, int], bool] | None = None
+        self._tally: eos_checks.SpecialTokenTally | None = None  # TFD124's count, None when off
+        self._last: readings.KeptBatch | None = None  # the step's batch, diagnosed if its forward raises
         self._keys_announced = self._examples_logged = False
         self._fit_started = False  # the fit's first batch was seen (a resume shows there)
 
@@ -208,13 +216,11 @@ class BatchGuard(DebugCallback):
         self._epoch = epoch_data(trainer)
         if self.special_token_batches and self.active:
             ids = learn_special_ids(special_token_sources(trainer, pl_module, self.tokenizer), self.eos_id)
-            aside = special_token_checks.eos_count_aside(ids)
+            aside = eos_checks.eos_count_aside(ids)
             if aside is None:
-                self._tally = special_token_checks.SpecialTokenTally(
-                    ids, self.min_eos_expected, self.special_token_batches
-                )
+                self._tally = eos_checks.SpecialTokenTally(ids, self.min_eos_expected, self.special_token_batches)
             else:
-                self.check_aside(special_token_checks.EOS_CHECK, *aside)
+                self.check_aside(eos_checks.EOS_CHECK, *aside)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch = epoch_data(trainer)  # host metadata, once per epoch
@@ -227,21 +233,21 @@ class BatchGuard(DebugCallback):
         if not self.active or trainer.sanity_checking:
             return
         step, epoch = trainer.global_step, trainer.current_epoch
-        where = (batch_idx, step, epoch, trainer.global_rank)  # the sentence is built only for a finding
+        place = readings.BatchPlace(batch_idx, step, epoch, trainer.global_rank)  # named only for a finding
         view = step_batch(trainer, batch, self._batch_keys)  # the step's one reading of the batch, shared
         if not self._keys_announced:  # once: where the fields were found, when the user should know
             self._keys_announced = True
-            notice = fields_notice(view.fields.paths, view.fields.leaves, self._batch_keys.input_key)
+            notice = readings.fields_notice(view.fields.paths, view.fields.leaves, self._batch_keys.input_key)
             if notice is not None:  # said in the debug log only: a healthy run prints nothing from the pack
                 logging.getLogger("lightning_tfdebug").debug(notice)
         structure = structure_key(view.fields.leaves)  # host metadata only
         if structure != self._schema.clean:  # a batch shaped like the last one that passed would pass too
             ids_path = view.fields.paths["input_ids"]
-            found = self._schema.check(structure, view.fields.leaves, ids_path, batch_name(*where))
+            found = self._schema.check(structure, view.fields.leaves, ids_path, place.name())
             self.emit(trainer, found, synchronized=False)  # rank-local: each rank judges its own batch
         if not self._fit_started:  # a fit resumed mid-epoch starts at a batch index past 0
             self._fit_started = True
-            resumed = repeat_checks.resumed_mid_epoch(batch_idx, step, epoch, trainer.global_rank, self._epoch)
+            resumed = resumed_mid_epoch(batch_idx, step, epoch, trainer.global_rank, self._epoch)
             if resumed is not None:
                 self._repeats.resumed_epoch = epoch  # the restarted loader's repeats are TFD125's, not TFD123's
             self.emit(trainer, resumed, synchronized=False)
@@ -249,12 +255,12 @@ class BatchGuard(DebugCallback):
             self.check_values_every_n_steps is not None and step % self.check_values_every_n_steps == 0
         )
         # a reference, no copy: if the forward raises, `on_exception` diagnoses this batch
-        self._last = (view, where, checked)
+        self._last = readings.KeptBatch(view, place, checked)
         ids = view.token_fields()[0]
         if ids is not None:
             self._repeats.add(epoch, step, self._epoch, ids)  # a fingerprint: no sync (a host int for a CPU batch)
         if checked:
-            self._check_values(trainer, view, batch_name(*where))
+            self._check_values(trainer, view, place.name())
         # Findings are rank-local (each rank sees its own batch). With "stop"/"raise" this is one boolean all-reduce,
         # on every batch and on every rank alike (decided from nothing but the hook being called), so all ranks act
         # together before the forward; with "warn" it does nothing.
@@ -268,7 +274,7 @@ class BatchGuard(DebugCallback):
         positions = view.fields.position_ids if isinstance(view.fields.position_ids, Tensor) else None
         return self._rules.statistics(ids, mask, labels, positions, labels_aligned=not self._encoder_decoder)
 
-    def _special_statistics(self, view: StepBatch) -> tuple[Tensor, bool] | None:
+    def _special_statistics(self, view: StepBatch) -> tuple[dict[str, Tensor], bool] | None:
         """TFD124's counts of this batch on the device (no sync) and whether its labels align with the ids; None when
         the count is off, done, or cannot use this batch (then it stands aside)."""
         tally = self._tally
@@ -276,12 +282,9 @@ class BatchGuard(DebugCallback):
             return None
         ids, mask, labels = view.token_fields()
         assert ids is not None
-        aligned, sequences = special_token_checks.label_layout(ids, labels, self._encoder_decoder)
-        aside = special_token_checks.eos_count_aside(
-            tally.ids, has_labels=labels is not None, sequences=sequences, has_mask=mask is not None
-        )
+        aligned, aside = eos_checks.batch_aside(tally.ids, ids, mask, labels, self._encoder_decoder)
         if aside is not None:
-            self.check_aside(special_token_checks.EOS_CHECK, *aside)
+            self.check_aside(eos_checks.EOS_CHECK, *aside)
             return None
         assert labels is not None
         return tally.statistics(ids, mask, labels, self.ignore_index, aligned), aligned
@@ -292,52 +295,41 @@ class BatchGuard(DebugCallback):
         if stats is None:
             return
         special = self._special_statistics(view)
-        fingerprints = repeat_checks.BatchRepeats.on_device(prints)
-        fields: dict[str, Tensor] = {"statistics": stats}
-        if special:
-            fields |= {("special", name): value for name, value in special[0].items()}
+        fingerprints = BatchRepeats.on_device(prints)
+        fields: dict[str, Tensor] = {"statistics": stats, **(special[0] if special else {})}
         if fingerprints:
             fields["fingerprints"] = torch.stack(fingerprints)
         # host sync: the one transfer of this checked batch (its statistics, TFD124's counts while they are taken,
-        # and the fingerprints since the last checked batch)
+        # and the fingerprints since the last checked batch), every field read back by name
         host = host_fields(fields)
         s = unpack_statistics(host["statistics"])
         if special is not None and self._tally is not None:
-            counts = {name[1]: value for name, value in host.items() if isinstance(name, tuple)}
             has_mask, labels_path = view.fields.attention_mask is not None, view.fields.paths["labels"]
-            self.emit(trainer, self._tally.add(counts, special[1], labels_path, has_mask), synchronized=False)
-        repeats = self._repeats.read(prints, host.get("fingerprints", []), trainer.global_rank)
-        self.emit(trainer, repeats, synchronized=False)
+            self.emit(trainer, self._tally.add(host, special[1], labels_path, has_mask), synchronized=False)
+        device_prints = host.get("fingerprints", [])
+        self.emit(trainer, self._repeats.read(prints, device_prints, trainer.global_rank), synchronized=False)
         self.emit(trainer, self._value_verdicts(view, s, where), synchronized=False)
         ids, _, labels = view.token_fields()
         if not self._examples_logged and self.tokenizer is not None and self.decode_examples:
             self._examples_logged = True
             self._log_examples(trainer, ids, labels if labels is not None and labels.shape == ids.shape else None)
         if self.should_measure(trainer):
-            self.log_scalars(trainer, value_checks.batch_metrics(s, self._rules, labels is not None))
+            self.log_scalars(trainer, readings.batch_metrics(s, self._rules, labels is not None))
 
     def _value_verdicts(
         self, view: StepBatch, s: dict[str, float], where: str, crash_only: bool = False
     ) -> list[Verdict | None]:
         """The rules of one batch's values, and, unless ``crash_only``, the length window."""
         _, mask, labels = view.token_fields()
-        paths, packed = BatchPaths.of(view.fields.paths), value_checks.packed_keys(view.fields.leaves)
-        found = value_checks.value_verdicts(
-            s,
-            where,
-            paths,
-            self._rules,
-            has_mask=mask is not None,
-            has_labels=labels is not None,
-            packed=packed,
-            crash_only=crash_only,
-        )
+        paths, packed = readings.BatchPaths.of(view.fields.paths), packed_keys(view.fields.leaves)
+        present = {"has_mask": mask is not None, "has_labels": labels is not None}
+        found = value_verdicts(s, where, paths, self._rules, **present, packed=packed, crash_only=crash_only)
         return [*found] if crash_only else [*found, self._lengths.add(s, where)]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         prints = self._repeats.take()
         if self.active and prints:  # the fingerprints not yet read
-            fingerprints = repeat_checks.BatchRepeats.on_device(prints)
+            fingerprints = BatchRepeats.on_device(prints)
             host = torch.stack(fingerprints).tolist() if fingerprints else []  # host sync: once, at the end of training
             self.emit(trainer, self._repeats.read(prints, host, trainer.global_rank), synchronized=False)
         self._last = None
@@ -346,9 +338,9 @@ class BatchGuard(DebugCallback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         last, self._last = self._last, None
         self._repeats.take()
-        if last is None or not self.active or not isinstance(exception, Exception) or last[2]:
+        if last is None or not self.active or not isinstance(exception, Exception) or last.checked:
             return  # nothing kept, or the batch's values were checked before the forward
-        view, parts, _ = last
+        view = last.view
         try:
             stats = self._statistics(view)
             try:
@@ -359,24 +351,27 @@ class BatchGuard(DebugCallback):
                 stats = None if copy is None else self._statistics(StepBatch(copy, self._batch_keys))
                 host = None if stats is None else stats.tolist()
             if host is not None:  # rank-local: warned and written to the findings file, never raised here
-                verdicts = self._value_verdicts(view, unpack_statistics(host), batch_name(*parts), crash_only=True)
+                verdicts = self._value_verdicts(view, unpack_statistics(host), last.place.name(), crash_only=True)
                 self.emit(trainer, verdicts, synchronized=False)
         except Exception as err:  # never mask the exception that is propagating
             rank_zero_warn(f"BatchGuard could not diagnose the failing batch: {err}", category=TFDebugWarning)
 
     # ------------------------------------------------------------------ decoded examples
     def _log_examples(self, trainer: pl.Trainer, ids: Tensor, labels: Tensor | None) -> None:
-        rows, label_rows = value_checks.example_rows(ids, labels, self.decode_examples)  # host sync: once per fit
+        rows, label_rows = readings.example_rows(ids, labels, self.decode_examples)  # host sync: once per fit
         try:
-            lines = value_checks.decoded_examples(
-                self.tokenizer, rows, label_rows, self.ignore_index, trainer.global_rank
-            )
+            lines = readings.decoded_examples(self.tokenizer, rows, label_rows, self.ignore_index, trainer.global_rank)
         except Exception as err:  # a tokenizer that cannot decode must not break training
             rank_zero_warn(
                 f"BatchGuard: tokenizer.decode failed ({err}); no decoded examples.", category=TFDebugWarning
             )
             return
-        write_examples(trainer, os.path.join(self.tfdebug_dir, f"batch_examples-rank{trainer.global_rank}.md"), lines)
+        if trainer.is_global_zero:  # to TensorBoard text (rank 0, either Lightning package)
+            for logger in (lg for lg in trainer.loggers if is_lightning_instance(lg, "TensorBoardLogger")):
+                logger.experiment.add_text("batch_guard/examples", "  \n".join(lines), global_step=trainer.global_step)
+        write_text(
+            os.path.join(self.tfdebug_dir, f"batch_examples-rank{trainer.global_rank}.md"), "\n".join(lines) + "\n"
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -384,7 +379,7 @@ class BatchGuard(DebugCallback):
             **super().state_dict(),
             "learned_schema": self._schema.state(),
             "reference": self._lengths.reference,
-            "window": list(self._lengths.sums),
+            "window": self._lengths.sums.state(),
             "examples_logged": self._examples_logged,
         }
 
@@ -392,5 +387,13 @@ class BatchGuard(DebugCallback):
         super().load_state_dict(state_dict)
         self._schema.load(state_dict.get("learned_schema"))
         self._lengths.reference = state_dict.get("reference")
-        self._lengths.sums = list(state_dict.get("window", [0.0, 0.0, 0.0, 0]))
+        self._lengths.sums = LengthSums.load(state_dict.get("window"))
         self._examples_logged = bool(state_dict.get("examples_logged", False))
+
+
+def epoch_data(trainer: pl.Trainer) -> EpochData:
+    """The training data of the epoch that starts (host metadata: the loaders and the Trainer's limits)."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    loaders = getattr(combined, "flattened", None) or [trainer.train_dataloader]
+    setting = limit_setting(getattr(trainer, "overfit_batches", 0), getattr(trainer, "limit_train_batches", 1.0))
+    return epoch_data_of(loaders, trainer.num_training_batches, setting)

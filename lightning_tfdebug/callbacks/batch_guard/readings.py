@@ -1,6 +1,5 @@
-"""BatchGuard's readings: where a batch's fields are (:class:`BatchPaths`), the value rules it is held to
-(:class:`ValueRules`), what the data loader says of an epoch (:class:`EpochData`), and the limits its memory keeps.
-"""
+"""What BatchGuard reads of a batch besides its findings' decisions: where its fields are, what its values are
+compared against, the name a finding gives it, where its fields were found, the logged keys, and decoded examples."""
 
 from __future__ import annotations
 
@@ -11,14 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.functional.batches import token_statistics
-
-STREAM_REPEAT_WINDOW = 16  # from a stream, a repeat counts only this close (a stream may cycle its data)
-MAX_EPOCH_PRINTS = 100_000  # fingerprints kept per epoch for TFD121 (a few MB at most)
-MIN_EXCESS_REPEATS = 3  # TFD123 needs at least this many batches beyond the distinct ones the data allows
+from lightning_tfdebug.callbacks.batch_guard.statistics import token_statistics
+from lightning_tfdebug.primitives.batch import StepBatch
 
 
-# ------------------------------------------------------------------------------------------------ readings
 @dataclass(frozen=True)
 class BatchPaths:
     """Where the ids, the attention mask and the labels of a batch are (``None``: the batch has none)."""
@@ -68,6 +63,20 @@ class ValueRules:
             )
 
 
+@dataclass(frozen=True)
+class BatchPlace:
+    """Where a batch is in the run (the ``where`` of the messages is built from it only for a finding)."""
+
+    batch_idx: int
+    step: int
+    epoch: int
+    rank: int
+
+    def name(self) -> str:
+        """The batch a finding names."""
+        return batch_name(self.batch_idx, self.step, self.epoch, self.rank)
+
+
 def batch_name(batch_idx: int, step: int, epoch: int, rank: int) -> str:
     """The batch a finding names (the ``where`` of the messages)."""
     return f"Batch {batch_idx} (step {step}, epoch {epoch}, rank {rank})"
@@ -87,3 +96,54 @@ def fields_notice(paths: Mapping[str, str | None], leaves: Mapping[str, Any], in
             "'input_ids'); set `input_key` / `labels_key` if that is wrong."
         )
     return None
+
+
+def batch_metrics(s: dict[str, float], rules: ValueRules, has_labels: bool) -> dict[str, float]:
+    """The ``batch_guard/*`` keys from the unpacked statistics of one batch."""
+    n, width = max(s["sequences"], 1.0), max(s["width"], 1.0)
+    metrics = {
+        "batch_guard/width": s["width"],
+        "batch_guard/length_mean": s["length_sum"] / n,
+        "batch_guard/pad_frac": s["pad_positions"] / (n * width),
+    }
+    if has_labels:
+        metrics["batch_guard/ignored_frac"] = s["labels_ignored"] / max(s["labels_total"], 1.0)
+    if rules.eos_id is not None and rules.context is not None:
+        metrics["batch_guard/truncated_frac"] = s["truncated"] / n
+    return metrics
+
+
+def example_rows(ids: Tensor, labels: Tensor | None, count: int) -> tuple[list[list[int]], list[list[int]] | None]:
+    """The first ``count`` rows of the ids (and labels) as host lists, for :func:`decoded_examples` (a host sync)."""
+    rows = [t if t.ndim >= 2 else t.reshape(1, -1) for t in (ids, labels) if t is not None]
+    k = min(count, rows[0].shape[0])
+    return rows[0][:k].tolist(), rows[1][:k].tolist() if len(rows) > 1 else None
+
+
+def decoded_examples(
+    tokenizer: Any, rows: list[list[int]], label_rows: list[list[int]] | None, ignore_index: int, rank: int = 0
+) -> list[str]:
+    """Markdown lines showing each row decoded, and which of its positions the labels supervise (``·`` = ignored).
+
+    Raises:
+        Exception: whatever ``tokenizer.decode`` raises.
+    """
+    lines = [f"First {len(rows)} sequences of the first training batch (rank {rank}):", ""]
+    for i, row in enumerate(rows):
+        pieces = [tokenizer.decode([t]) for t in row]
+        lines.append(f"**{i}** ({len(row)} tokens) input: `{tokenizer.decode(row)!r}`")
+        if label_rows is not None:
+            shown = "".join(p if lab != ignore_index else "·" * max(len(p), 1) for p, lab in zip(pieces, label_rows[i]))
+            supervised = sum(lab != ignore_index for lab in label_rows[i])
+            lines.append(f"  labels ({supervised} supervised, · = ignored): `{shown!r}`")
+        lines.append("")
+    return lines
+
+
+@dataclass(frozen=True)
+class KeptBatch:
+    """The batch of the step, kept by reference (no copy) so that a forward that raises can be diagnosed."""
+
+    view: StepBatch
+    place: BatchPlace
+    checked: bool  # its values were checked before the forward

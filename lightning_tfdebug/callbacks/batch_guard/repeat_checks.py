@@ -1,19 +1,36 @@
-"""BatchGuard's rules across batches: batches that repeat sooner than the data allows, length shifts, and a
-resume that replays or skips part of an epoch. The trackers record each batch (``update``); the rules read them.
+"""BatchGuard's rules across batches, from the fingerprints of the batches read: repeats inside an epoch
+(``TFD121``), batches that come back sooner than the data allows (``TFD123``), and a resume that restarts its epoch
+(``TFD125``).
+
+Each tracker records (``record``) apart from deciding (``verdict``); ``add`` does both, in that order.
+:class:`FingerprintMemory` holds every different batch of the fit by fingerprint (the step it was first read), so a
+later check can ask whether another batch was trained on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.batch_guard.readings import MAX_EPOCH_PRINTS, MIN_EXCESS_REPEATS, STREAM_REPEAT_WINDOW
-from lightning_tfdebug.functional.batches import EpochData, device_fingerprint, host_fingerprint, length_shift
+from lightning_tfdebug.callbacks.batch_guard.loaders import EpochData
+from lightning_tfdebug.functional.batches import device_fingerprint, host_fingerprint
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
-# ------------------------------------------------------------------------------------------------ across batches
+STREAM_REPEAT_WINDOW = 16
+"""From a stream, a repeat counts only this close (a stream may cycle its data)."""
+
+MAX_EPOCH_PRINTS = 100_000
+"""Fingerprints kept per epoch for ``TFD121``, and per fit for ``TFD123`` (a few MB at most)."""
+
+MIN_EXCESS_REPEATS = 3
+"""``TFD121`` and ``TFD123`` need at least this many repeated batches."""
+
+
+# ------------------------------------------------------------------------------------------------------ within an epoch
+
+
 TFD121 = Rule(
     "TFD121",
     "warning",
@@ -36,6 +53,13 @@ TFD121 = Rule(
 )
 
 
+class Seen(NamedTuple):
+    """Where a fingerprint was read in its epoch."""
+
+    index: int  # the how-many-th batch of the epoch (from 0)
+    step: int
+
+
 @dataclass
 class RepeatTracker:
     """``TFD121``: batches of one epoch that repeat an earlier batch of that epoch, token for token, fed in order.
@@ -49,74 +73,61 @@ class RepeatTracker:
     checked: int = 0
     repeated: int = 0
     first_repeat: tuple[int, int] | None = None  # (step, step of the earlier identical batch)
-    prints: dict[int, tuple[int, int]] = field(default_factory=dict)  # fingerprint -> (checked index, step)
+    prints: dict[int, Seen] = field(default_factory=dict)  # fingerprint -> where it was read in this epoch
 
-    def add(self, epoch: int, step: int, fingerprint: int, stream: bool, rank: int = 0) -> Verdict | None:
-        """Count the batch of ``step``; its verdict belongs to that step."""
+    def record(self, epoch: int, step: int, fingerprint: int, stream: bool) -> bool:
+        """Count the batch of ``step``; whether it repeats an earlier batch of its epoch."""
         if epoch != self.epoch:
             self.epoch, self.checked, self.repeated = epoch, 0, 0
             self.prints.clear()
         earlier = self.prints.get(fingerprint)
-        if earlier is not None and (not stream or self.checked - earlier[0] <= STREAM_REPEAT_WINDOW):
+        repeats = earlier is not None and (not stream or self.checked - earlier.index <= STREAM_REPEAT_WINDOW)
+        if repeats:
+            assert earlier is not None
             self.repeated += 1
-            self.first_repeat = self.first_repeat or (step, earlier[1])
+            self.first_repeat = self.first_repeat or (step, earlier.step)
         if len(self.prints) < MAX_EPOCH_PRINTS or fingerprint in self.prints:
-            self.prints[fingerprint] = (self.checked, step)
+            self.prints[fingerprint] = Seen(self.checked, step)
         self.checked += 1
-        if self.repeated < 3 or self.repeated <= self.max_repeated_fraction * self.checked:
+        return repeats
+
+    def verdict(self, step: int, rank: int = 0) -> Verdict | None:
+        """``TFD121`` once the epoch's repeats reach :data:`MIN_EXCESS_REPEATS` and ``max_repeated_fraction``."""
+        if self.repeated < MIN_EXCESS_REPEATS or self.repeated <= self.max_repeated_fraction * self.checked:
             return None
         first_step, earlier_step = self.first_repeat or (step, -1)
-        evidence = {"epoch": epoch, "checked": self.checked, "repeated": self.repeated}
+        evidence = {"epoch": self.epoch, "checked": self.checked, "repeated": self.repeated}
         evidence |= {"step": first_step, "repeats_step": earlier_step}
         return TFD121.verdict(evidence, step=step, rank=rank)
 
+    def add(self, epoch: int, step: int, fingerprint: int, stream: bool, rank: int = 0) -> Verdict | None:
+        """Count the batch of ``step`` and decide; its verdict belongs to that step."""
+        self.record(epoch, step, fingerprint, stream)
+        return self.verdict(step, rank)
 
-TFD120 = Rule(
-    "TFD120",
-    "warning",
-    "BatchGuard",
-    title="the length distribution moved away from the early batches",
-    trigger="a window's mean real length moved from the first window's by over `length_shift_tolerance` and one std",
-    hint=(
-        "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum data, or a "
-        "truncation setting that differs between files."
-    ),
-    reason="Measured in this run: later batches differ from the early ones (data sorted or grouped)",
-    message=(
-        "{where}: the mean sequence length of the last {size} checked batches is {window_mean:.1f}, against "
-        "{reference_mean:.1f} (std {reference_std:.1f}) in the first ones."
-    ),
-)
+
+# -------------------------------------------------------------------------------------------------------- across epochs
 
 
 @dataclass
-class LengthWindow:
-    """``TFD120``: the mean real sequence length of a window of checked batches against the first window."""
+class FingerprintMemory:
+    """Every different batch a fit has read, by fingerprint: the step it was first read at. Full past
+    :data:`MAX_EPOCH_PRINTS` different batches (``saturated``): a fingerprint not in it may then have been read."""
 
-    size: int = 50
-    tolerance: float = 0.5
-    reference: dict[str, float] | None = None  # {"mean", "std"} of real lengths in the first window
-    sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0])  # sequences, sum, sum of squares, batches
+    seen: dict[int, int] = field(default_factory=dict)  # fingerprint -> step first read
+    saturated: bool = False
 
-    def add(self, s: dict[str, float], where: str) -> Verdict | None:
-        w = self.sums
-        w[0] += s["sequences"]
-        w[1] += s["length_sum"]
-        w[2] += s["length_sq_sum"]
-        w[3] += 1
-        if w[3] < self.size:
-            return None
-        mean = w[1] / max(w[0], 1.0)
-        std = max(w[2] / max(w[0], 1.0) - mean * mean, 0.0) ** 0.5
-        self.sums = [0.0, 0.0, 0.0, 0]
-        if self.reference is None:
-            self.reference = {"mean": mean, "std": std}
-            return None
-        ref = self.reference
-        if not length_shift(ref["mean"], ref["std"], mean, self.tolerance):
-            return None
-        evidence = {"window_mean": mean, "reference_mean": ref["mean"], "reference_std": ref["std"]}
-        return TFD120.verdict(evidence, where=where, size=self.size)
+    def first_read(self, fingerprint: int) -> int | None:
+        """The step the batch of ``fingerprint`` was first read at; None when it was not (or not kept)."""
+        return self.seen.get(fingerprint)
+
+    def remember(self, fingerprint: int, step: int) -> None:
+        """Keep ``fingerprint`` (read at ``step``) unless it is known or the memory is full."""
+        if fingerprint in self.seen:
+            return
+        self.saturated = self.saturated or len(self.seen) >= MAX_EPOCH_PRINTS
+        if not self.saturated:
+            self.seen[fingerprint] = step
 
 
 TFD123 = Rule(
@@ -153,10 +164,34 @@ class RepeatPeriod:
 
     max_repeated_fraction: float = 0.1
     read: int = 0
-    seen: dict[int, int] = field(default_factory=dict)  # fingerprint -> step first read
+    memory: FingerprintMemory = field(default_factory=FingerprintMemory)
     within: int = 0  # batches that repeated an earlier batch of their own epoch, summed over epochs
     first_repeat: tuple[int, int] | None = None  # (step, step of the earlier identical batch)
-    saturated: bool = False  # more than MAX_EPOCH_PRINTS different batches: the data does not repeat early
+
+    def record(self, step: int, fingerprint: int, within_epoch: bool = False) -> None:
+        """Count the batch of ``step``; ``within_epoch``: it repeats one of its own epoch."""
+        self.read += 1
+        self.within += int(within_epoch)
+        earlier = self.memory.first_read(fingerprint)
+        if earlier is None:
+            self.memory.remember(fingerprint, step)
+        elif self.first_repeat is None:
+            self.first_repeat = (step, earlier)
+
+    def verdict(
+        self, step: int, loader_length: int | None, per_epoch: int | None, setting: str | None, rank: int = 0
+    ) -> Verdict | None:
+        """``TFD123`` from what was recorded. ``loader_length``: batches per epoch before any Trainer limit (None: a
+        stream); ``per_epoch``, ``setting``: :class:`~lightning_tfdebug.callbacks.batch_guard.loaders.EpochData`'s."""
+        distinct = len(self.memory.seen)
+        known = loader_length is not None and loader_length > 0 and not self.memory.saturated
+        allowed = min(self.read, loader_length) if known and loader_length else self.read
+        excess = allowed - distinct if known else 0
+        early = excess >= MIN_EXCESS_REPEATS and excess > self.max_repeated_fraction * allowed
+        inside = self.within >= MIN_EXCESS_REPEATS and self.within > self.max_repeated_fraction * self.read
+        if not (early or inside):
+            return None
+        return self._verdict(step, loader_length if known else None, per_epoch, setting, rank)
 
     def add(
         self,
@@ -169,29 +204,13 @@ class RepeatPeriod:
         setting: str | None = None,
         rank: int = 0,
     ) -> Verdict | None:
-        """Count the batch of ``step``. ``loader_length``: batches per epoch before any Trainer limit (None: a
-        stream); ``within_epoch``: it repeats one of its own epoch; ``per_epoch``, ``setting``: :class:`EpochData`'s."""
-        self.read += 1
-        self.within += int(within_epoch)
-        earlier = self.seen.get(fingerprint)
-        if earlier is None:
-            self.saturated = self.saturated or len(self.seen) >= MAX_EPOCH_PRINTS
-            if not self.saturated:
-                self.seen[fingerprint] = step
-        elif self.first_repeat is None:
-            self.first_repeat = (step, earlier)
-        known = loader_length is not None and loader_length > 0 and not self.saturated
-        allowed = min(self.read, loader_length) if known and loader_length else self.read
-        excess = allowed - len(self.seen) if known else 0
-        early = excess >= MIN_EXCESS_REPEATS and excess > self.max_repeated_fraction * allowed
-        inside = self.within >= MIN_EXCESS_REPEATS and self.within > self.max_repeated_fraction * self.read
-        if not (early or inside):
-            return None
-        return self._verdict(step, loader_length if known else None, per_epoch, setting, rank)
+        """Count the batch of ``step`` (:meth:`record`) and decide (:meth:`verdict`)."""
+        self.record(step, fingerprint, within_epoch)
+        return self.verdict(step, loader_length, per_epoch, setting, rank)
 
     def _verdict(self, step: int, length: int | None, per_epoch: int | None, setting: str | None, rank: int) -> Verdict:
         first_step, earlier_step = self.first_repeat or (step, -1)
-        distinct = len(self.seen)
+        distinct = len(self.memory.seen)
         if length is not None:
             what = (
                 f"Rank {rank} read {self.read} batches and only {distinct} of them are different, while its training "
@@ -216,9 +235,17 @@ class RepeatPeriod:
         return TFD123.verdict(evidence, step=step, what=what, cause=cause)
 
 
-#: One batch's fingerprint waiting to be read: (epoch, step, the epoch's data, the fingerprint: a host int for a CPU
-#: batch, else a device scalar read with the next checked batch's transfer)
-PendingPrint = tuple[int, int, EpochData, Any]
+# ------------------------------------------------------------------------------------------------------- both, in order
+
+
+@dataclass(frozen=True)
+class PendingPrint:
+    """One batch's fingerprint waiting to be read."""
+
+    epoch: int
+    step: int
+    data: EpochData
+    fingerprint: Any  # a host int for a CPU batch, else a device scalar read with the next checked batch's transfer
 
 
 @dataclass
@@ -244,11 +271,18 @@ class BatchRepeats:
         self.period = RepeatPeriod(self.max_repeated_fraction)
         self.spoken, self.resumed_epoch = False, None
 
+    @property
+    def trained(self) -> FingerprintMemory:
+        """The different training batches this fit has read, by fingerprint (those read so far)."""
+        return self.period.memory
+
     def add(self, epoch: int, step: int, data: EpochData, ids: Tensor) -> None:
         """Fingerprint the batch of ``step`` (every batch, on the hot path): a CPU batch from its bytes (a host int),
         else on its device with no sync, read with the next checked batch."""
         fingerprint = host_fingerprint(ids)
-        self.pending.append((epoch, step, data, device_fingerprint(ids) if fingerprint is None else fingerprint))
+        self.pending.append(
+            PendingPrint(epoch, step, data, device_fingerprint(ids) if fingerprint is None else fingerprint)
+        )
 
     def take(self) -> list[PendingPrint]:
         """The fingerprints not yet read, in order; none are pending afterwards."""
@@ -258,34 +292,28 @@ class BatchRepeats:
     @staticmethod
     def on_device(prints: list[PendingPrint]) -> list[Any]:
         """The device fingerprints of ``prints``, in order (what :meth:`read` expects back on the host)."""
-        return [p[3] for p in prints if isinstance(p[3], Tensor)]
+        return [p.fingerprint for p in prints if isinstance(p.fingerprint, Tensor)]
 
     def read(self, prints: list[PendingPrint], device_values: list[float], rank: int = 0) -> list[Verdict]:
         """Verdicts from ``prints``, the device ones' values in ``device_values`` (in :meth:`on_device`'s order)."""
         values = iter(device_values)
         out: list[Verdict] = []
-        for epoch, step, data, fingerprint in prints:
-            fingerprint = int(next(values) if isinstance(fingerprint, Tensor) else fingerprint)
-            earlier = self.within.repeated if self.within.epoch == epoch else 0  # the tracker resets per epoch
-            found = self.within.add(epoch, step, fingerprint, data.stream, rank)
+        for p in prints:
+            epoch, step, data = p.epoch, p.step, p.data
+            fingerprint = int(next(values) if isinstance(p.fingerprint, Tensor) else p.fingerprint)
+            repeats = self.within.record(epoch, step, fingerprint, data.stream)
+            found = self.within.verdict(step, rank)
             self.spoken = self.spoken or found is not None
             period = None
             if epoch != self.resumed_epoch:
-                period = self.period.add(
-                    step,
-                    fingerprint,
-                    None if data.stream else data.loader_length,
-                    within_epoch=self.within.repeated > earlier,  # this batch repeats one of its own epoch
-                    per_epoch=data.per_epoch,
-                    setting=data.setting,
-                    rank=rank,
-                )
+                self.period.record(step, fingerprint, within_epoch=repeats)
+                length = None if data.stream else data.loader_length
+                period = self.period.verdict(step, length, data.per_epoch, data.setting, rank)
             out += [v for v in (found, None if self.spoken else period) if v is not None]
         return out
 
 
-def _batch_range(first: int, last: int) -> str:
-    return f"batch {first}" if first == last else f"batches {first}-{last}"
+# ------------------------------------------------------------------------------------------------------------- a resume
 
 
 TFD125 = Rule(
@@ -309,6 +337,10 @@ TFD125 = Rule(
         "{effect}"
     ),
 )
+
+
+def _batch_range(first: int, last: int) -> str:
+    return f"batch {first}" if first == last else f"batches {first}-{last}"
 
 
 def resumed_mid_epoch(start: int, step: int, epoch: int, rank: int, data: EpochData) -> Verdict | None:
@@ -338,15 +370,3 @@ def resumed_mid_epoch(start: int, step: int, epoch: int, rank: int, data: EpochD
         "it."
     )
     return TFD125.verdict(evidence, severity="info", rank=rank, effect=effect)
-
-
-BLOCK = ("TFD101", "TFD129")
-"""The codes reserved for BatchGuard's rules."""
-
-RULES: tuple[Rule, ...] = (
-    TFD120,
-    TFD121,
-    TFD123,
-    TFD125,
-)
-"""The rules decided in this module, in code order."""

@@ -1,7 +1,6 @@
-"""BatchGuard's rules on a batch's structure, from host metadata: keys, dtypes, ranks and sizes against the
-schema declared or learned (``TFD101``-``TFD105``, :class:`SchemaWatch`), and sequences longer than the context
-(``TFD111``).
-"""
+"""BatchGuard's structure rules, decided from host metadata on every batch (no sync): keys, dtypes and shapes
+against the declared or learned schema (``TFD101``-``TFD105``), and the width against the model's context
+(``TFD111``)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_tfdebug.functional.batch_schema import (
+from lightning_tfdebug.callbacks.batch_guard.schema import (
     Drift,
     FieldSpec,
     KeySchema,
@@ -20,7 +19,9 @@ from lightning_tfdebug.functional.batch_schema import (
 )
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
-# ------------------------------------------------------------------------------------------------ host metadata
+# --------------------------------------------------------------------------------------------------------- schema drift
+
+
 TFD101 = Rule(
     "TFD101",
     "error",
@@ -82,7 +83,14 @@ TFD105 = Rule(
 
 
 DRIFT_RULES: dict[str, Rule] = {"missing": TFD101, "extra": TFD102, "dtype": TFD103, "ndim": TFD104, "size": TFD105}
-"""The rule of each kind of schema :class:`~lightning_tfdebug.functional.batches.Drift`."""
+"""The rule of each kind of schema :class:`~lightning_tfdebug.callbacks.batch_guard.schema.Drift`."""
+
+
+def schema_drifts(schema: Schema | None, specs: Mapping[str, FieldSpec], learning: bool) -> list[Drift]:
+    """How the batch described by ``specs`` differs from ``schema``; while ``learning``, sizes are not compared (the
+    shared sizes are not known yet)."""
+    drifts = [] if schema is None else compare_schema(schema, specs)
+    return [d for d in drifts if d.kind != "size"] if learning else drifts
 
 
 def drift_verdicts(drifts: list[Drift], where: str, declared: bool) -> list[Verdict]:
@@ -90,6 +98,9 @@ def drift_verdicts(drifts: list[Drift], where: str, declared: bool) -> list[Verd
     schema = "the declared schema" if declared else "the schema learned from the first batches"
     evidence = [{"key": d.key, "expected": d.expected, "found": d.found} for d in drifts]
     return [DRIFT_RULES[d.kind].verdict(e, key=d.key, where=where, schema=schema) for d, e in zip(drifts, evidence)]
+
+
+# ------------------------------------------------------------------------------------------------------ sequence length
 
 
 TFD111 = Rule(
@@ -118,13 +129,17 @@ def too_long(where: str, ids_path: str | None, spec: FieldSpec | None, context: 
     return TFD111.verdict(evidence, where=where, width=spec.shape[-1])
 
 
+# --------------------------------------------------------------------------------------------------------------- memory
+
+
 @dataclass
 class SchemaWatch:
     """``TFD101``-``TFD105`` and ``TFD111`` from host metadata: each batch against its schema, declared or learned.
 
     A learned schema comes from the first ``learn_batches`` batches that do not drift
-    (:func:`~lightning_tfdebug.functional.batches.learn_schema`). Once learned, a batch with the structure of the last
-    one that found nothing finds nothing either: the caller skips :meth:`check` while ``structure == clean``.
+    (:func:`~lightning_tfdebug.callbacks.batch_guard.schema.learn_schema`). Once learned, a batch with the structure of
+    the last one that found nothing finds nothing either: the caller skips :meth:`check` while ``structure == clean``.
+    :meth:`check` decides (:func:`schema_drifts`, :func:`too_long`), then :meth:`remember` records.
     """
 
     learn_batches: int = 4
@@ -137,6 +152,11 @@ class SchemaWatch:
     def __post_init__(self) -> None:
         self.schema = self.schema or self.declared
 
+    @property
+    def learning(self) -> bool:
+        """The shared sizes of a learned schema are not known yet."""
+        return self.declared is None and len(self.learned) < self.learn_batches
+
     def new_context(self, context: int | None) -> None:
         """The model's context (read at each fit's set-up): the next batch is compared in full."""
         self.context, self.clean = context, None
@@ -144,18 +164,20 @@ class SchemaWatch:
     def check(self, structure: tuple, leaves: Mapping[str, Any], ids_path: str | None, where: str) -> list[Verdict]:
         """The drifts of the batch whose flattened ``leaves`` have ``structure``, and its width against the context."""
         specs = describe_leaves(leaves)
-        declared = self.declared is not None
-        learning = not declared and len(self.learned) < self.learn_batches
-        drifts = [] if self.schema is None else compare_schema(self.schema, specs)
-        if learning:  # shared sizes are not known yet; a drifting batch does not teach the schema
-            drifts = [d for d in drifts if d.kind != "size"]
-            if not drifts:
-                self.learned.append(specs)
-                self.schema = learn_schema(self.learned)
+        learning = self.learning
+        drifts = schema_drifts(self.schema, specs, learning)
         long = too_long(where, ids_path, specs.get(ids_path or ""), self.context)
-        found = drift_verdicts(drifts, where, declared) + ([long] if long is not None else [])
-        self.clean = structure if not learning and not found else None
+        found = drift_verdicts(drifts, where, self.declared is not None) + ([long] if long is not None else [])
+        self.remember(structure, specs, learning=learning, drifted=bool(drifts), found=bool(found))
         return found
+
+    def remember(self, structure: tuple, specs: dict[str, FieldSpec], *, learning: bool, drifted: bool, found: bool):
+        """Record a checked batch: while learning, one that did not drift teaches the schema; after, one that found
+        nothing is the structure the next batches are skipped by."""
+        if learning and not drifted:
+            self.learned.append(specs)
+            self.schema = learn_schema(self.learned)
+        self.clean = structure if not learning and not found else None
 
     def state(self) -> dict[str, Any] | None:
         """The learned schema as plain values once learning is over (None while learning, or when declared)."""
@@ -169,17 +191,3 @@ class SchemaWatch:
             self.schema = Schema({k: KeySchema(v["dtype"], v["dims"]) for k, v in learned.items()})
             self.learned = [{}] * self.learn_batches
             self.clean = None
-
-
-BLOCK = ("TFD101", "TFD129")
-"""The codes reserved for BatchGuard's rules."""
-
-RULES: tuple[Rule, ...] = (
-    TFD101,
-    TFD102,
-    TFD103,
-    TFD104,
-    TFD105,
-    TFD111,
-)
-"""The rules decided in this module, in code order."""

@@ -1,18 +1,20 @@
-"""BatchGuard's rules on a batch's values, from its unpacked token statistics: ids and labels outside the
-vocabulary, masks, supervision of padding, BOS/EOS and truncation, holes in the mask; and the batch's logged metrics.
+"""BatchGuard's value rules of one batch: token ids and labels within the vocabulary, a binary attention mask,
+supervision (every label ignored, padding supervised) and the BOS / EOS conventions and truncation.
+
+Each decider takes one batch's unpacked statistics ``s`` (:func:`~lightning_tfdebug.callbacks.batch_guard.statistics.
+token_statistics` named by :func:`~lightning_tfdebug.callbacks.batch_guard.statistics.unpack_statistics`), its name
+``where``, where its fields are and what they are compared against, and returns a verdict or None.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from torch import Tensor
-
+from lightning_tfdebug.callbacks.batch_guard.mask_hole_checks import mask_hole_verdict
 from lightning_tfdebug.callbacks.batch_guard.readings import BatchPaths, ValueRules
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
-# ------------------------------------------------------------------------------------------------ values
+# --------------------------------------------------------------------------------------------------------- token ranges
+
+
 TFD110 = Rule(
     "TFD110",
     "error",
@@ -32,8 +34,6 @@ TFD110 = Rule(
 )
 
 
-# Each takes one batch's unpacked statistics ``s`` (:func:`~lightning_tfdebug.functional.batches.token_statistics`),
-# its name ``where``, where its fields are and what they are compared against.
 def ids_outside_vocabulary(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
     """``TFD110``: input ids outside ``[0, vocab)``, naming the first (row, position, value)."""
     if s["ids_out_of_range"] <= 0:
@@ -69,6 +69,9 @@ def mask_not_binary(s: dict[str, float], where: str, paths: BatchPaths, rules: V
         return None
     evidence = {"key": paths.attention_mask, "count": s["mask_non_binary"], "example": s["first_bad_mask_value"]}
     return TFD112.verdict(evidence, where=where)
+
+
+# ----------------------------------------------------------------------------------------------- labels and supervision
 
 
 TFD113 = Rule(
@@ -148,6 +151,9 @@ def padding_supervised(s: dict[str, float], where: str, paths: BatchPaths, rules
         mask_key=paths.attention_mask,
         ignore_index=ignore,
     )
+
+
+# ------------------------------------------------------------------------------------------------ BOS / EOS conventions
 
 
 TFD116 = Rule(
@@ -236,116 +242,7 @@ def truncation_rate(s: dict[str, float], where: str, paths: BatchPaths, rules: V
     return TFD119.verdict(evidence, where=where, truncated=int(s["truncated"]), sequences=n)
 
 
-PACKING_KEYS: tuple[str, ...] = (
-    "cu_seqlens",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-    "cu_seqlens_q",
-    "cu_seqlens_k",
-    "seq_lens",
-    "seqlens",
-    "packed_seq_lens",
-    "seq_idx",
-    "document_ids",
-    "doc_ids",
-    "segment_ids",
-    "sequence_ids",
-)
-"""Batch keys that mark document boundaries inside a row: such a batch is packed, its mask may have holes on purpose."""
-
-MAX_HOLE_FRACTION = 0.5
-"""Above this share of a row's text masked inside it, the mask is another mask (masked-LM, loss) read as one."""
-
-HOLES_FROM_IDS_HINT = (
-    "Take the attention mask from the tokenizer (it marks padding by position, not by id), or pad with an id that "
-    "never occurs in text (add a dedicated pad token and resize the embeddings). GPT-2 and Llama reuse EOS as "
-    "padding: input_ids != pad_id then hides every EOS inside the text."
-)
-HOLES_IN_TEXT_HINT = (
-    "Build the attention mask together with the ids it belongs to (the tokenizer's, or padding positions only) and "
-    "keep it aligned through every transform. If the batch is packed on purpose, pass its position_ids (restarting "
-    "at each document) so the holes between documents are recognised."
-)
-
-
-def packed_keys(leaves: Mapping[str, Any]) -> tuple[str, ...]:
-    """The keys of a batch's flattened leaves named like :data:`PACKING_KEYS` (host: key names only)."""
-    return tuple(k for k in leaves if k.rsplit(".", 1)[-1] in PACKING_KEYS)
-
-
-def _hole_cause(s: dict[str, float]) -> tuple[str, str]:
-    """Why a mask has holes, and the hint: built from the ids, or hiding tokens attended elsewhere in their row."""
-    holes, hole_id = s["mask_holes"], int(s["first_hole_id"])
-    if int(s["holes_masked_everywhere"]) != holes:
-        cause = (
-            f"{int(s['holes_attended_in_row'])} of the {int(holes)} holes hold ids attended elsewhere in the same row: "
-            "the mask hides real tokens (built for other ids, shifted, or zeroed by a transform)."
-        )
-        return cause, HOLES_IN_TEXT_HINT
-    if int(s["padding_id_min"]) == int(s["padding_id_max"]) == hole_id:
-        cause = (
-            f"Every hole holds id {hole_id}, the id of the padding too, and that id is attended nowhere: the mask "
-            f"was built from the ids (input_ids != {hole_id}), and {hole_id} is also a real token of the text."
-        )
-    else:
-        cause = (
-            f"The holes' ids (the first is {hole_id}) are masked wherever they occur and attended nowhere: the "
-            "mask was built from the token ids (input_ids != some id) and that id is also a real token."
-        )
-    return cause, HOLES_FROM_IDS_HINT
-
-
-TFD122 = Rule(
-    "TFD122",
-    "warning",
-    "BatchGuard",
-    title="attention mask with holes: real tokens masked out inside the text",
-    trigger=(
-        "a binary attention mask of the ids' shape masks positions between real tokens of a row (or at both ends of "
-        "it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "
-        "`cu_seqlens` / `document_ids`-like keys) or 3-D/4-D masks"
-    ),
-    hint=(
-        "A mask built as input_ids != pad_id where the pad id is also a real token (GPT-2 / Llama reuse EOS as "
-        "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."
-    ),
-    reason="Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them",
-    message=(
-        "{where}: '{key}' masks {holes:.0f} position(s) inside the text of {rows} of {sequences} rows "
-        "({hole_fraction:.1%} of those rows' text; the first at row {first_hole[0]}, position {first_hole[1]}, id "
-        "{first_hole_id}): padding belongs at one end of a row, so real tokens are hidden from attention. {cause}"
-    ),
-)
-
-
-def mask_hole_verdict(
-    s: dict[str, float], where: str, paths: BatchPaths, *, has_mask: bool, packed_keys: tuple[str, ...] = ()
-) -> Verdict | None:
-    """``TFD122``: real tokens masked out inside the text (padding fills one end of a row).
-
-    Silent for a packed batch (``packed_keys``, or position ids restarting in a row), a mask that is not binary
-    (``TFD112``'s) and when over :data:`MAX_HOLE_FRACTION` of the holed rows' text is masked.
-    """
-    holes = s.get("mask_holes", 0.0)
-    if not has_mask or holes <= 0 or s["mask_non_binary"] > 0 or packed_keys or s["position_resets"] > 0:
-        return None
-    fraction = holes / max(holes + s["mask_hole_row_tokens"], 1.0)
-    if fraction > MAX_HOLE_FRACTION:
-        return None
-    cause, hint = _hole_cause(s)
-    evidence = {
-        "key": paths.attention_mask,
-        "rows": int(s["mask_hole_rows"]),
-        "sequences": int(s["sequences"]),
-        "holes": holes,
-        "hole_fraction": fraction,
-        "first_hole": [int(s["first_hole_row"]), int(s["first_hole_col"])],
-        "first_hole_id": int(s["first_hole_id"]),
-        "padding_ids": [int(s["padding_id_min"]), int(s["padding_id_max"])],
-        "holes_masked_everywhere": int(s["holes_masked_everywhere"]),
-        "holes_attended_in_row": int(s["holes_attended_in_row"]),
-    }
-    return TFD122.verdict(evidence, hint=hint, where=where, cause=cause)
+# ------------------------------------------------------------------------------------------------ one batch, every rule
 
 
 def value_verdicts(
@@ -371,63 +268,3 @@ def value_verdicts(
     if has_mask and not crash_only:
         found.append(mask_hole_verdict(s, where, paths, has_mask=True, packed_keys=packed))
     return [v for v in found if v is not None]
-
-
-def example_rows(ids: Tensor, labels: Tensor | None, count: int) -> tuple[list[list[int]], list[list[int]] | None]:
-    """The first ``count`` rows of the ids (and labels) as host lists, for :func:`decoded_examples` (a host sync)."""
-    rows = [t if t.ndim >= 2 else t.reshape(1, -1) for t in (ids, labels) if t is not None]
-    k = min(count, rows[0].shape[0])
-    return rows[0][:k].tolist(), rows[1][:k].tolist() if len(rows) > 1 else None
-
-
-def batch_metrics(s: dict[str, float], rules: ValueRules, has_labels: bool) -> dict[str, float]:
-    """The ``batch_guard/*`` keys from the unpacked statistics of one batch."""
-    n, width = max(s["sequences"], 1.0), max(s["width"], 1.0)
-    metrics = {
-        "batch_guard/width": s["width"],
-        "batch_guard/length_mean": s["length_sum"] / n,
-        "batch_guard/pad_frac": s["pad_positions"] / (n * width),
-    }
-    if has_labels:
-        metrics["batch_guard/ignored_frac"] = s["labels_ignored"] / max(s["labels_total"], 1.0)
-    if rules.eos_id is not None and rules.context is not None:
-        metrics["batch_guard/truncated_frac"] = s["truncated"] / n
-    return metrics
-
-
-def decoded_examples(
-    tokenizer: Any, rows: list[list[int]], label_rows: list[list[int]] | None, ignore_index: int, rank: int = 0
-) -> list[str]:
-    """Markdown lines showing each row decoded, and which of its positions the labels supervise (``·`` = ignored).
-
-    Raises:
-        Exception: whatever ``tokenizer.decode`` raises.
-    """
-    lines = [f"First {len(rows)} sequences of the first training batch (rank {rank}):", ""]
-    for i, row in enumerate(rows):
-        pieces = [tokenizer.decode([t]) for t in row]
-        lines.append(f"**{i}** ({len(row)} tokens) input: `{tokenizer.decode(row)!r}`")
-        if label_rows is not None:
-            shown = "".join(p if lab != ignore_index else "·" * max(len(p), 1) for p, lab in zip(pieces, label_rows[i]))
-            supervised = sum(lab != ignore_index for lab in label_rows[i])
-            lines.append(f"  labels ({supervised} supervised, · = ignored): `{shown!r}`")
-        lines.append("")
-    return lines
-
-
-BLOCK = ("TFD101", "TFD129")
-"""The codes reserved for BatchGuard's rules."""
-
-RULES: tuple[Rule, ...] = (
-    TFD110,
-    TFD112,
-    TFD113,
-    TFD114,
-    TFD115,
-    TFD116,
-    TFD117,
-    TFD118,
-    TFD119,
-    TFD122,
-)
-"""The rules decided in this module, in code order."""

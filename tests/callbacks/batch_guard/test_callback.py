@@ -769,7 +769,7 @@ def test_many_epochs_over_a_small_dataset_with_accumulation_are_not_repeats(tmp_
     one = BatchGuard()
     loader = DataLoader(torch.utils.data.TensorDataset(rows[:, :-1], rows[:, 1:]), batch_size=1, shuffle=shuffle)
     fit(tmp_path / "one", [one], build("encoder_lm"), loader, max_steps=30)
-    assert repeat_codes(one) == [] and one._repeats.period.read == 30 and len(one._repeats.period.seen) == 6
+    assert repeat_codes(one) == [] and one._repeats.period.read == 30 and len(one._repeats.trained.seen) == 6
 
 
 @pytest.mark.ddp
@@ -876,8 +876,8 @@ def test_an_eos_used_as_bos_and_never_predicted_is_not_an_unsupervised_eos(tmp_p
     fit(tmp_path, [guard], build("llama"), DataLoader(rows, batch_size=8, collate_fn=labels_by_position(tok, True)),
         max_steps=3)  # fmt: skip
     assert [f for f in guard.findings if f.severity != "info"] == []
-    totals = guard._tally.totals
-    assert totals["in_inputs"][0] == totals["in_labels"][0] == 0.0  # the leading EOS is not counted among the inputs
+    eos = guard._tally.totals.of_ids(guard._tally.ids.eos)
+    assert (eos.inputs, eos.supervised) == (0.0, 0.0)  # the leading EOS is not counted among the inputs
 
 
 def test_masked_lm_and_seq2seq_batches_are_not_taken_for_an_unsupervised_eos(tmp_path):
@@ -895,7 +895,7 @@ def test_masked_lm_and_seq2seq_batches_are_not_taken_for_an_unsupervised_eos(tmp
         max_steps=10)  # fmt: skip
     assert [f for f in mlm.findings if f.severity != "info"] == []
     # 128 EOS or more over the 8 batches, 15% of the tokens supervised: 19 EOS would be expected of a causal LM
-    assert mlm._tally.done and mlm._tally.batches == 8 and mlm._tally.totals["in_inputs"][0] >= 128
+    assert mlm._tally.done and mlm._tally.batches == 8 and mlm._tally.totals.of_ids(mlm._tally.ids.eos).inputs >= 128
 
     def seq2seq(rows, drop_eos=False):  # T5's tokenizer ends sources and targets with EOS
         sources, mask = _right_pad([[*r[1 : len(r) // 2], EOS] for r in rows], 0)

@@ -1,6 +1,5 @@
-"""A batch's structure as host metadata: each field's dtype, rank and sizes (:class:`FieldSpec`), the schema a run
-declares or learns from its first batches (:class:`Schema`), and how a batch drifts from it (:class:`Drift`). Pure:
-no tensor data is read."""
+"""BatchGuard's reading of a batch's structure from host metadata (no sync): what each leaf looks like, the schema
+declared or learned from the first batches, and every way a batch differs from it."""
 
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-
-# ----------------------------------------------------------------------------------------------------------- schema
 
 
 @dataclass(frozen=True)

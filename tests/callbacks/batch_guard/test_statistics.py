@@ -1,15 +1,14 @@
 import pytest
 import torch
 
-from lightning_tfdebug.functional.batch_schema import (
+from lightning_tfdebug.callbacks.batch_guard.length_checks import length_shift
+from lightning_tfdebug.callbacks.batch_guard.schema import (
     compare_schema,
     describe_leaves,
     learn_schema,
     parse_declared_schema,
 )
-from lightning_tfdebug.functional.batches import (
-    SPECIAL_FIELDS,
-    length_shift,
+from lightning_tfdebug.callbacks.batch_guard.statistics import (
     special_token_statistics,
     token_statistics,
     unpack_statistics,
@@ -198,33 +197,34 @@ def test_labels_of_another_shape_get_range_and_ignored_counts_but_no_padding_che
 
 # ---------------------------------------------------------------- special-token supervision (TFD124's counts)
 def special_reference(ids, mask, labels, specials, ignore=-100, aligned=True):
-    """Plain Python loops over the rows: the numbers special_token_statistics must give."""
+    """Plain Python loops over the rows: the numbers special_token_statistics must give, by name."""
     real = [[m != 0 for m in row] for row in mask.tolist()]
     rows, labs = ids.tolist(), labels.tolist()
     flat_labels = [x for row in labs for x in row]
     supervised = [x != ignore for x in flat_labels]
-    out = [sum(map(sum, real)), sum(supervised), 0, 0, 0]
+    out = {"real_tokens": sum(map(sum, real)), "supervised": sum(supervised), "aligned_supervised": 0}
+    out |= {"identity_matches": 0, "shift_matches": 0, "in_inputs": [], "supervised_ids": []}
     if aligned:
         for r, row in enumerate(rows):
             for t, token in enumerate(row):
                 if labs[r][t] == ignore:
                     continue
-                out[2] += 1
-                out[3] += labs[r][t] == token
-                out[4] += t + 1 < len(row) and labs[r][t] == row[t + 1]
+                out["aligned_supervised"] += 1
+                out["identity_matches"] += labs[r][t] == token
+                out["shift_matches"] += t + 1 < len(row) and labs[r][t] == row[t + 1]
     for s in specials:
         inputs = 0
         for r, row in enumerate(rows):
             first = min((t for t, m in enumerate(real[r]) if m), default=len(row))
             inputs += sum(1 for t, token in enumerate(row) if token == s and real[r][t] and t > first)
-        out += [inputs, sum(1 for x, sup in zip(flat_labels, supervised) if sup and x == s)]
+        out["in_inputs"].append(inputs)
+        out["supervised_ids"].append(sum(1 for x, sup in zip(flat_labels, supervised) if sup and x == s))
     return out
 
 
-def flat_special(fields):
-    """The named fields of special_token_statistics as the reference's flat list: the scalars, then per id the pair."""
-    pairs = [x for pair in zip(fields["in_inputs"].tolist(), fields["in_labels"].tolist()) for x in pair]
-    return [fields[k].item() for k in SPECIAL_FIELDS[:5]] + pairs
+def on_host(fields):
+    """special_token_statistics' named fields as host numbers and lists."""
+    return {name: value.tolist() for name, value in fields.items()}
 
 
 def test_special_token_statistics_match_a_plain_reference():
@@ -235,22 +235,31 @@ def test_special_token_statistics_match_a_plain_reference():
         torch.cat([mask[:, 1:], mask[:, :1] * 0], 1) == 0, -100
     )
     for labels in (masked_by_id, ids.masked_fill(mask == 0, -100), shifted):
-        got = flat_special(special_token_statistics(ids, mask, labels, (EOS, BOS, PAD)))
+        got = on_host(special_token_statistics(ids, mask, labels, (EOS, BOS, PAD)))
         assert got == special_reference(ids, mask, labels, (EOS, BOS, PAD))
-    by_position = flat_special(special_token_statistics(ids, mask, ids.masked_fill(mask == 0, -100), (EOS,)))
+    by_position = on_host(special_token_statistics(ids, mask, ids.masked_fill(mask == 0, -100), (EOS,)))
     # row 1 begins with an EOS used as BOS: not counted among the inputs; the padding EOS are not real tokens
-    assert by_position[5:] == [4, 5]  # labels count wherever supervised, the first position too
-    masked = special_token_statistics(ids, mask, masked_by_id, (EOS,))
-    assert masked["in_inputs"].tolist() == [4] and masked["in_labels"].tolist() == [0]
+    assert (by_position["in_inputs"], by_position["supervised_ids"]) == ([4], [5])  # supervised labels count anywhere
+    by_id = on_host(special_token_statistics(ids, mask, masked_by_id, (EOS,)))
+    assert (by_id["in_inputs"], by_id["supervised_ids"]) == ([4], [0])
 
 
 def test_special_token_statistics_of_targets_that_do_not_align_with_the_inputs():
     sources = torch.tensor([[3, 4, EOS], [5, EOS, PAD]])
     targets = torch.tensor([[6, EOS, -100, -100], [3, 4, 5, EOS]])  # a decoder's labels: another width
-    got = flat_special(special_token_statistics(sources, (sources != PAD).long(), targets, (EOS,)))
-    assert got == [5, 6, 0, 0, 0, 2, 2]
-    unaligned = flat_special(special_token_statistics(sources, None, sources, (EOS,), labels_aligned=False))
-    assert unaligned[2:5] == [0, 0, 0] and unaligned[5:] == [2, 2]  # no mask: every position is real
+    got = on_host(special_token_statistics(sources, (sources != PAD).long(), targets, (EOS,)))
+    assert got == {
+        "real_tokens": 5,
+        "supervised": 6,
+        "aligned_supervised": 0,
+        "identity_matches": 0,
+        "shift_matches": 0,
+        "in_inputs": [2],
+        "supervised_ids": [2],
+    }
+    unaligned = on_host(special_token_statistics(sources, None, sources, (EOS,), labels_aligned=False))
+    assert unaligned["aligned_supervised"] == unaligned["identity_matches"] == unaligned["shift_matches"] == 0
+    assert (unaligned["in_inputs"], unaligned["supervised_ids"]) == ([2], [2])  # no mask: every position is real
 
 
 def statistic_batches():
