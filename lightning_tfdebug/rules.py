@@ -28,6 +28,7 @@ from lightning_tfdebug.functional import (
     rank_checks,
     repro_checks,
     scaler_checks,
+    spike_checks,
     stall_checks,
     throughput_checks,
     update_checks,
@@ -74,6 +75,7 @@ _MODULES = (
     throughput_checks,
     memory_checks,
     checkpoint_checks,
+    spike_checks,
 )
 _RULES: tuple[Rule, ...] = tuple(r for module in _MODULES for r in module.RULES)
 
