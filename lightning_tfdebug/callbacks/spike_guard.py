@@ -18,8 +18,8 @@ from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.memory import budget_for, check_budget
 from lightning_tfdebug.functional.spike_checks import (
     RobustBaseline,
-    carriers,
     SpikeReading,
+    carriers,
     log_value,
     repeat_verdict,
     restart_reason,
