@@ -116,7 +116,7 @@ def test_in_the_pack_the_flag_travels_in_nan_first_frames_read_and_warns(tmp_pat
     trainer = _fit(tmp_path, [CorruptRows(), pack])
     codes = [(f.code, f.step) for f in pack.findings]
     assert ("TFD530", SPIKE_STEP) in codes
-    guard = next(m for m in pack.members if isinstance(m, SpikeGuard))
+    guard = pack.members["SpikeGuard"]
     assert guard.spike_steps == [SPIKE_STEP] and guard.skipped_steps == 0 and trainer.global_step == 60
 
 
@@ -152,6 +152,7 @@ def test_no_extra_host_read_next_to_nan_first_frame(tmp_path):
             fit_tiny(tmp_path / str(i), [_Bind(reads), NaNFirstFrame(), *extra], max_steps=25)
         counts.append(reads.counts)
     steps = range(1, 24)
+    assert all(counts[0][s] >= 1 for s in steps)  # NaNFirstFrame's one read per step is seen
     assert [counts[1][s] for s in steps] == [counts[0][s] for s in steps]
 
 
@@ -167,3 +168,69 @@ def test_healthy_small_batch_runs_are_silent(tmp_path, family):
         trainer.fit(build(family), data(family, batch_size=2))
     assert guard.spike_steps == [] and guard.findings == []
     assert guard.stood_aside is None or family == "encoder_lm"
+
+
+# --------------------------------------------------------------------------------------------------------- DDP
+class BitExact(pl.Callback):
+    """Whether the weights and the optimizer state at the start of ``step + 1`` equal those at the start of ``step``."""
+
+    def __init__(self, step: int = SPIKE_STEP) -> None:
+        self.snaps = Snapshots((step, step + 1))
+        self.step = step
+        self.equal: bool | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.snaps.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if trainer.global_step == self.step + 1:
+            (w0, s0), (w1, s1) = self.snaps.taken[self.step], self.snaps.taken[self.step + 1]
+            same_w = all(torch.equal(v, w1[k]) for k, v in w0.items())
+            same_s = s0.keys() == s1.keys() and all(
+                torch.equal(v, s1[k]) if torch.is_tensor(v) else v == s1[k] for k, v in s0.items()
+            )
+            self.equal = same_w and same_s
+            self.snaps.taken.clear()
+
+
+class CorruptOnRankZero(CorruptRows):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 0:
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
+def ddp_result(trainer, model, callbacks) -> dict:
+    guard = next(c for c in callbacks if isinstance(c, SpikeGuard))
+    exact = next(c for c in callbacks if isinstance(c, BitExact))
+    return {
+        "spikes": guard.spike_steps,
+        "skipped": guard.skipped_steps,
+        "equal": exact.equal,
+        "rows": [f.evidence.get("rows") for f in guard.findings if f.code == "TFD530"],
+        "weights": float(sum(p.detach().double().sum() for p in model.parameters())),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_under_ddp_every_rank_skips_the_same_step_bit_exactly(tmp_path):
+    from tests.helpers import run_distributed
+
+    here = "tests.callbacks.test_spike_guard"
+    spec = {
+        "strategy": "ddp",
+        "model": {**SMALL, "lr": 3e-3},
+        "trainer": {"max_steps": 50},
+        "callbacks": [
+            {"class_path": f"{here}.CorruptOnRankZero"},
+            {"class_path": "lightning_tfdebug.SpikeGuard", "init_args": {"on_spike": "skip"}},
+            {"class_path": f"{here}.BitExact"},
+        ],
+        "extra": f"{here}:ddp_result",
+    }
+    results = run_distributed(tmp_path, spec, timeout=400)
+    assert all(r["error"] is None for r in results), results
+    extra = [r["extra"] for r in results]
+    assert extra[0]["spikes"] == extra[1]["spikes"] == [SPIKE_STEP]  # the ranks agree, from the reduced gradients
+    assert all(e["equal"] is True and e["skipped"] == 1 for e in extra)
+    assert extra[0]["weights"] == extra[1]["weights"]  # the replicas stayed identical
+    assert sorted(extra[0]["rows"][0]) == sorted(ROWS)  # rank 0 names its corrupt rows
+    assert all(r["global_step"] == 50 for r in results)
