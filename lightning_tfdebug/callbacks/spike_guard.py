@@ -3,7 +3,6 @@ request."""
 
 from __future__ import annotations
 
-import os
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -12,11 +11,18 @@ from torch import Tensor
 
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
 from lightning_tfdebug.core.batch import step_batch, step_rng_state
-from lightning_tfdebug.core.groups import build_param_groups
+from lightning_tfdebug.core.spike_replay import (
+    call_inputs,
+    find_call,
+    group_norms,
+    replay_losses,
+    write_spike_bundle,
+)
 from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional.memory import budget_for, check_budget
+from lightning_tfdebug.functional.memory import check_budget
 from lightning_tfdebug.functional.spike_checks import (
+    LrTrack,
     RobustBaseline,
     SpikeReading,
     carriers,
@@ -28,7 +34,6 @@ from lightning_tfdebug.functional.spike_checks import (
 )
 from lightning_tfdebug.functional.spikes import (
     dataset_indices_of,
-    per_sample_losses,
     sample_stats,
     targets_for,
     usual_max_id,
@@ -38,8 +43,6 @@ from lightning_tfdebug.primitives.keys import Key
 
 OnSpike = Literal["warn", "skip"]
 _ON_SPIKE = ("warn", "skip")
-#: where the spike bundles go, under the run's tfdebug directory
-SPIKE_DIR = "spikes"
 
 
 class SpikeGuard(DebugCallback):
@@ -160,10 +163,7 @@ class SpikeGuard(DebugCallback):
         self._flag: Tensor | None = None
         self._x: Tensor | None = None
         self.value: float | None = None  # the flag as NaNFirstFrame read it (its one host read)
-        self._last_lr: float | None = None
-        self._max_lr = 0.0
-        self._last_rise = -1
-        self._rises = 0
+        self._lr_track = LrTrack()
         self._base_length: int | None = None
 
     @property
@@ -261,14 +261,14 @@ class SpikeGuard(DebugCallback):
             return None
         lr = self._lr(trainer)
         length = self._length(trainer)
-        warming = self._rises == 0 or self._last_rise == step - 1  # the LR rose from its start, or on the last step
-        why = restart_reason(lr, self._last_lr, length, self._base_length, self.restart_ratio, warming)
+        track = self._lr_track
+        why = restart_reason(lr, track.last_lr, length, self._base_length, self.restart_ratio, track.warming(step))
         if why is not None and self._baseline.seen:
             self._baseline.reset()
             self.restarts.append((step, why))
         if self._baseline.seen == 0:
             self._base_length = length
-        self._track_lr(step, lr)
+        track.add(step, lr)
         with torch.no_grad():
             x = self._grad_norm_log() if self._by_grad_norm else self._loss_log()
             if x is None:
@@ -309,66 +309,17 @@ class SpikeGuard(DebugCallback):
         ids = step_batch(trainer, self._batch).input_ids
         return int(ids.shape[-1]) if isinstance(ids, Tensor) and ids.ndim >= 2 else None
 
-    def _track_lr(self, step: int, lr: float | None) -> None:
-        if lr is None:
-            return
-        if self._last_lr is not None and lr > self._last_lr:
-            self._last_rise, self._rises = step, self._rises + 1
-        self._max_lr = max(self._max_lr, lr)
-        self._last_lr = lr
-
-    def _at_lr_peak(self, step: int, lr: float | None) -> bool:
-        """The LR rose over a warm-up of at least 5 steps, and the spike came at its peak, within 10% of the warm-up
-        length after it."""
-        if lr is None or self._rises < 5 or lr < 0.95 * self._max_lr:
-            return False
-        return step - self._last_rise <= max(2, self._rises // 10)
-
     # ------------------------------------------------------------------ the model call
     def _read_call(self, trainer: pl.Trainer, recorded: list[calls.RecordedCall]) -> None:
-        fields = step_batch(trainer, self._batch).fields
-        ids, mask, labels = fields.input_ids, fields.attention_mask, fields.labels
-        if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.is_floating_point():
-            self._call_reason = "the batch has no 2-D token ids"
-            return
-        mask = mask if isinstance(mask, Tensor) and mask.shape == ids.shape else None
-        labels = labels if isinstance(labels, Tensor) and labels.shape == ids.shape else None
-        found = calls.find_model_call(recorded, ids, mask, labels, -100, trainer.lightning_module)
-        if isinstance(found, str):
-            self._call_reason = found
-            return
-        found.release()  # the recorded output and tensors go; the call's structure stays
-        self._found, self._call_reason = found, None
-
-    def _call_inputs(self, trainer: pl.Trainer) -> tuple[dict[Any, Tensor], Tensor, Tensor | None, Tensor | None]:
-        """The recorded call's replacements for this step's batch: ``(replacements, ids, mask, labels)``."""
-        found = self._found
-        assert found is not None and found.primary is not None
-        fields = step_batch(trainer, self._batch).fields
-        ids, mask, labels = fields.input_ids, fields.attention_mask, fields.labels
-        mask = mask if isinstance(mask, Tensor) and mask.shape == ids.shape else None
-        labels = labels if isinstance(labels, Tensor) and labels.shape == ids.shape else None
-        cut = found.columns(ids)
-        repl: dict[Any, Tensor] = {found.primary.path: cut.transpose(0, 1) if found.primary.seq_first else cut}
-        if found.mask_path is not None and mask is not None:
-            m = found.mask_value(found.columns(mask))
-            repl[found.mask_path] = m.transpose(0, 1) if found.mask_seq_first else m
-        for slot in found.slots:
-            if slot.primary:
-                continue
-            if slot.label_like and labels is not None:
-                cut_labels = found.columns(labels)
-                repl[slot.path] = cut_labels.transpose(0, 1) if slot.seq_first else cut_labels
-            else:
-                raise ValueError(f"the model call takes another token tensor ({slot.name}) this guard cannot rebuild")
-        return repl, ids, mask, labels
+        found = find_call(recorded, step_batch(trainer, self._batch).fields, trainer.lightning_module)
+        self._found, self._call_reason = (None, found) if isinstance(found, str) else (found, None)
 
     # ------------------------------------------------------------------ a spike
     def _spike(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         step, lr = trainer.global_step, self._lr(trainer)
         # host sync, spike steps only: the value and its baseline, and each group's gradient norm
         x, mean = torch.stack([self._x.float(), self._baseline.mean.float()]).tolist()  # type: ignore[union-attr]
-        groups = self._group_norms(pl_module)
+        groups = group_norms(pl_module)
         skip = self.on_spike == "skip"
         if skip:
             for p in self._params:  # only on a spike step: the optimizer skips parameters without a gradient
@@ -388,7 +339,7 @@ class SpikeGuard(DebugCallback):
             baseline=mean,
             lr=lr,
             groups=groups,
-            at_lr_peak=self._at_lr_peak(step, lr),
+            at_lr_peak=self._lr_track.at_peak(step, lr),
             skipped=skip,
         )
         self._attribute(trainer, pl_module, reading)
@@ -400,21 +351,6 @@ class SpikeGuard(DebugCallback):
             trainer.should_stop = True  # every rank: the decision is the same on every rank
         self.emit(trainer, verdicts)
 
-    def _group_norms(self, pl_module: pl.LightningModule) -> list[tuple[str, float]]:
-        """Each parameter group's gradient norm, largest first (spike steps only; one host read)."""
-        groups = build_param_groups(pl_module)
-        norms: dict[str, Tensor] = {}
-        for p, gi in zip(groups.params, groups.index):
-            if p.grad is None:
-                continue
-            group = groups.group_names[gi]
-            sq = p.grad.detach().float().pow(2).sum()
-            norms[group] = norms[group] + sq if group in norms else sq
-        if not norms:
-            return []
-        values = torch.stack(list(norms.values())).sqrt().tolist()
-        return sorted(zip(norms, values), key=lambda kv: -kv[1])
-
     def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reading: SpikeReading) -> None:
         """Replay the recorded model call on this batch, name the carrying rows and write the bundle."""
         if self._found is None or self._batch is None:
@@ -422,7 +358,7 @@ class SpikeGuard(DebugCallback):
             self._bundle(trainer, pl_module, reading, None)
             return
         try:
-            repl, ids, mask, labels = self._call_inputs(trainer)
+            repl, ids, mask, labels = call_inputs(self._found, step_batch(trainer, self._batch).fields)
             shift = self._found.shift if labels is not None else max(self._found.shift, 1)
             targets = targets_for(
                 self._found.columns(ids), self._found.columns(labels), self._found.columns(mask), -100
@@ -441,52 +377,7 @@ class SpikeGuard(DebugCallback):
     def _bundle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reading: SpikeReading, replayed: Any) -> None:
         if len(self.bundles) >= self.max_bundles:
             return
-        from lightning_tfdebug.repro import capture_rng, host_copy, run_info, state_size_bytes, write_bundle
-
-        state = pl_module.state_dict()
-        size = state_size_bytes(state)
-        budget = budget_for(self.memory_budget_mb, self._params, trainer.optimizers)
-        keep = size <= budget
-        meta: dict[str, Any] = {
-            "kind": "spike",
-            "batch_idx": self._batch_idx,
-            "world_size": trainer.world_size,
-            "lr": reading.lr,
-            "value_name": reading.value_name,
-            "value": reading.value,
-            "baseline": reading.baseline,
-            "skipped": reading.skipped,
-            "skipped_steps": self.skipped_steps,
-            "rows": [s.row for s in reading.samples],
-            "groups": reading.groups[:8],
-            "run": run_info(trainer, pl_module),
-            "model_state": {
-                "saved": keep,
-                "reason": f"{size / 2**20:.1f} MB"
-                + ("" if keep else f" exceeds the budget of {budget / 2**20:.0f} MB"),
-                "checkpoint": _last_checkpoint(trainer),
-            },
-            "attribution_error": reading.attribution_error,
-        }
-        batch: dict[str, Any] = {"batch": host_copy(self._batch)}
-        if replayed is not None and self._found is not None:
-            call, losses = replayed
-            meta["per_sample_losses"] = losses
-            meta["shift"] = call["shift"]
-            meta["call_module"] = _module_name(pl_module, self._found.call.module)
-            meta["call_paths"] = [list(p) for p in call["repl"]]
-            batch["call_args"] = _replaced(self._found, call["repl"])
-            batch["targets"] = call["targets"].detach().cpu()
-        rng = capture_rng(cpu=step_rng_state(trainer, self._batch, self._batch_idx))
-        path = write_bundle(
-            os.path.join(self.tfdebug_dir, SPIKE_DIR),
-            step=reading.step,
-            rank=trainer.global_rank,
-            meta=meta,
-            batch=batch,
-            rng=rng,
-            model_state=state if keep else None,
-        )
+        path = write_spike_bundle(self, trainer, pl_module, reading, replayed)
         if path is not None:
             self.bundles.append(path)
             reading.bundle = path
@@ -505,46 +396,3 @@ class SpikeGuard(DebugCallback):
         self.spike_steps = list(state_dict.get("spike_steps", []))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.bundles = list(state_dict.get("bundles", []))
-
-
-def replay_losses(
-    pl_module: torch.nn.Module, found: calls.ModelCall, repl: dict[Any, Tensor], targets: Tensor, shift: int
-) -> Tensor:
-    """Per-sample losses of the model call on replaced inputs: ``no_grad``, eval mode, the RNG forked (the run's
-    generators are left as they were)."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    was_training = pl_module.training
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        pl_module.eval()
-        try:
-            output = found.call.call(repl)
-        finally:
-            pl_module.train(was_training)
-    logits = calls.read_logits(output, found.batch_size, found.out_seq_first)
-    if logits is None:
-        raise ValueError("the model call returned no logits")
-    return per_sample_losses(logits, targets.to(logits.device), shift, found.ignore_index)
-
-
-def _replaced(found: calls.ModelCall, repl: dict[Any, Tensor]) -> dict[str, Any]:
-    """The call's arguments with this batch's tensors in place, on the host."""
-    args = calls.replace_leaves(found.call.args, {p[1:]: t for p, t in repl.items() if p[0] == "args"})
-    kwargs = calls.replace_leaves(found.call.kwargs, {p[1:]: t for p, t in repl.items() if p[0] == "kwargs"})
-    from lightning_tfdebug.repro import host_copy
-
-    return {"args": host_copy(list(args)), "kwargs": host_copy(dict(kwargs))}
-
-
-def _module_name(root: torch.nn.Module, module: torch.nn.Module) -> str:
-    for name, m in root.named_modules():
-        if m is module:
-            return name
-    return ""
-
-
-def _last_checkpoint(trainer: pl.Trainer) -> str | None:
-    for cb in trainer.checkpoint_callbacks:
-        path = getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
-        if path:
-            return os.path.abspath(path)
-    return os.path.abspath(trainer.ckpt_path) if trainer.ckpt_path else None

@@ -150,6 +150,35 @@ def restart_reason(
     return None
 
 
+@dataclass
+class LrTrack:
+    """The LR as the steps went (host floats from the optimizer's param groups, no device read)."""
+
+    last_lr: float | None = None
+    max_lr: float = 0.0
+    last_rise: int = -1
+    rises: int = 0
+
+    def add(self, step: int, lr: float | None) -> None:
+        if lr is None:
+            return
+        if self.last_lr is not None and lr > self.last_lr:
+            self.last_rise, self.rises = step, self.rises + 1
+        self.max_lr = max(self.max_lr, lr)
+        self.last_lr = lr
+
+    def warming(self, step: int) -> bool:
+        """The LR has not yet changed, or rose on the last step (a warm-up, not a restart)."""
+        return self.rises == 0 or self.last_rise == step - 1
+
+    def at_peak(self, step: int, lr: float | None) -> bool:
+        """The LR rose over a warm-up of at least 5 steps, and ``step`` is at its peak, within 10% of the warm-up
+        length after it."""
+        if lr is None or self.rises < 5 or lr < 0.95 * self.max_lr:
+            return False
+        return step - self.last_rise <= max(2, self.rises // 10)
+
+
 # ---------------------------------------------------------------------------------------------- attribution
 @dataclass
 class SampleStats:
