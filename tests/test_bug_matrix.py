@@ -497,16 +497,16 @@ def row_cases() -> dict[tuple[int, str], Case]:
         c[49, fam] = Case(
             module, dicts(collator="one_long"), (owner("TFD621", severity="error"),), place, 8, raises=True
         )
-    # 47: two rows of one batch turned into random ids at step 40 (a callback at the batch's start); flagged at that
+    # 47: two rows of one batch turned into random ids at step 80 (a callback at the batch's start); flagged at that
     # step, naming those rows
     for fam, module, data in (("encoder_lm", enc(), tuples()), ("gpt2", gpt2(), dicts()), ("tinygpt", tiny(), dicts())):
         c[47, fam] = Case(
             module,
             data,
-            (SpikeAt(("TFD530",), "warning", step=40, rows=(2, 5)),),
-            "callback: rows 2 and 5 of the batch of step 40 become random ids",
-            steps=44,
-            callbacks=lambda tmp_path: [CorruptBatch(40, (2, 5))],
+            (SpikeAt(("TFD530",), "warning", step=80, rows=(2, 5)),),
+            "callback: rows 2 and 5 of the batch of step 80 become random ids",
+            steps=84,
+            callbacks=lambda tmp_path: [CorruptBatch(80, (2, 5))],
         )
     return c
 
