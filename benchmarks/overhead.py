@@ -272,6 +272,12 @@ CASES: list[Case] = [
     # --- issue 47: out of memory ---
     Case("MemoryWatch (default cadence)", lambda: [__import__("lightning_tfdebug").MemoryWatch()]),
     Case("MemoryWatch (every step)", lambda: [__import__("lightning_tfdebug").MemoryWatch(every_n_steps=1)]),
+    # --- issue 45: loss spikes (judged on every step; alone it reads its flag itself, in the pack NaNFirstFrame does)
+    Case("SpikeGuard (default)", lambda: [__import__("lightning_tfdebug").SpikeGuard()]),
+    Case(
+        "NaNFirstFrame + SpikeGuard (the flag in one read)",
+        lambda: [__import__("lightning_tfdebug").NaNFirstFrame(), __import__("lightning_tfdebug").SpikeGuard()],
+    ),
 ]
 
 

@@ -12,6 +12,7 @@ from lightning_tfdebug.callbacks.optimizer_audit import OptimizerAudit
 from lightning_tfdebug.callbacks.per_rank_logger import PerRankLogger
 from lightning_tfdebug.callbacks.repro_capture import ReproCapture
 from lightning_tfdebug.callbacks.scaler_watch import ScalerWatch
+from lightning_tfdebug.callbacks.spike_guard.callback import SpikeGuard
 from lightning_tfdebug.callbacks.stall_watchdog import StallWatchdog
 from lightning_tfdebug.callbacks.throughput_monitor import ThroughputMonitor
 from lightning_tfdebug.callbacks.update_ratio import UpdateRatio
@@ -36,6 +37,7 @@ __all__ = [
     "PerRankLogger",
     "ReproCapture",
     "ScalerWatch",
+    "SpikeGuard",
     "StallWatchdog",
     "TFDebug",
     "TFDebugError",

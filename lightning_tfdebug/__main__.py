@@ -24,10 +24,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     rep = commands.add_parser(
         "replay",
-        help="replay the failing training step of a ReproCapture bundle",
+        help="replay the failing step of a ReproCapture bundle, or the per-sample losses of a SpikeGuard bundle",
         description="Rebuild the LightningModule, restore the saved state and RNG, run the failing training step on "
-        "the saved batch and show the exception it raises. Exit status: 0 when it raised the recorded exception (same "
-        "type and message), 1 when it raised another or none, 2 when the bundle or the config cannot be used.",
+        "the saved batch and show the exception it raises. A SpikeGuard bundle (tfdebug/spikes/step<k>-rank<r>): "
+        "re-run its model call and compare the per-sample losses (0: they match). Exit status: 0 when it raised the "
+        "recorded exception (same type and message), 1 when it raised another or none, 2 when the bundle or the "
+        "config cannot be used.",
     )
     rep.add_argument(
         "bundle",
@@ -287,6 +289,8 @@ def replay_command(args: argparse.Namespace) -> int:
         bundle = load_bundle(path)
         run = bundle.meta.get("run") or {}
         model_class = args.model_class or run.get("model_class")
+        if bundle.meta.get("kind") == "spike":
+            return _replay_spike(bundle, args, model_class, run)
         print(f"Bundle : {bundle.path}")
         print(
             f"Failed : step {bundle.meta.get('step')}, batch {bundle.meta.get('batch_idx')}, rank "
@@ -317,6 +321,34 @@ def replay_command(args: argparse.Namespace) -> int:
         print("\nReplay : reproduced: same exception type and message as the recorded run.")
         return 0
     print(f"\nReplay : a different exception than the recorded {result.expected_type}: {result.expected_message}")
+    return 1
+
+
+def _replay_spike(bundle, args: argparse.Namespace, model_class: str | None, run: dict) -> int:  # type: ignore[no-untyped-def,type-arg]
+    """A SpikeGuard bundle: re-run its model call and compare the per-sample losses with the recorded ones. Exit
+    status 0 when they agree (relative 1e-4), 1 when they do not (``BundleError``: the caller's 2)."""
+    from lightning_tfdebug.repro import build_module, replay_spike
+
+    meta = bundle.meta
+    print(f"Bundle : {bundle.path}")
+    print(
+        f"Spike  : step {meta.get('step')}, batch {meta.get('batch_idx')}, rank {meta.get('rank')}, LR {meta.get('lr')}"
+    )
+    print(f"Module : {model_class} built from {args.config or 'the hyper-parameters saved in the bundle'}")
+    module = build_module(args.config, model_class=model_class, hparams=run.get("hparams"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        now, recorded, notes = replay_spike(bundle, module, load_state=not args.fresh_weights)
+    for note in notes:
+        print(f"Note   : {note}")
+    worst = max((abs(a - b) / max(abs(b), 1e-6) for a, b in zip(now, recorded)), default=0.0)
+    for row, (a, b) in enumerate(zip(now, recorded)):
+        mark = "  <- named" if row in (meta.get("rows") or []) else ""
+        print(f"row {row:>4}: loss {a:.6g} (recorded {b:.6g}){mark}")
+    if len(now) == len(recorded) and worst <= 1e-4:
+        print("\nReplay : reproduced: the per-sample losses match the recorded ones.")
+        return 0
+    print(f"\nReplay : the per-sample losses differ from the recorded ones (largest relative difference {worst:.3g}).")
     return 1
 
 

@@ -29,6 +29,7 @@ from lightning_tfdebug.functional import (
     repro_checks,
     resume_checks,
     scaler_checks,
+    spike_checks,
     stall_checks,
     throughput_checks,
     training_checks,
@@ -81,6 +82,7 @@ _MODULES = (
     memory_checks,
     checkpoint_checks,
     resume_checks,
+    spike_checks,
 )
 _RULES: tuple[Rule, ...] = tuple(r for module in _MODULES for r in module.RULES)
 

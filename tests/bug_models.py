@@ -718,3 +718,27 @@ def in_order_loader(family: str, batches: int = 12) -> DataLoader:
     dataset = TextDataset(generate_corpus(8 * batches, seed=1), ByteTokenizer(), 48)
     collate = seq2seq_collate if family == "t5" else Collator(ByteTokenizer(), 64)
     return DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=collate)
+
+
+class CorruptBatch(pl.Callback):
+    """Bug-zoo row 47: at optimizer step ``step``, ``rows`` of the batch become random byte ids (their labels or
+    targets follow), once, in an otherwise healthy run. Dict batches (``input_ids``, ``labels``) or tuple batches
+    ``(tokens, targets)``."""
+
+    def __init__(self, step: int = 40, rows: tuple[int, ...] = (2, 5)) -> None:
+        self.step, self.rows = step, rows
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step:
+            return
+        g = torch.Generator().manual_seed(0)
+        for r in self.rows:
+            if isinstance(batch, dict):
+                ids = batch["input_ids"]
+                ids[r] = torch.randint(3, 256, ids[r].shape, generator=g)
+                if "labels" in batch:
+                    batch["labels"][r] = ids[r]
+            else:
+                tokens, targets = batch[0], batch[1]
+                row = torch.randint(3, 256, (tokens.shape[1] + 1,), generator=g)
+                tokens[r], targets[r] = row[:-1], row[1:]

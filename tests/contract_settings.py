@@ -242,6 +242,11 @@ ROWS["MemoryWatch"] = Row(
     fixture="out_of_memory",
     expect=frozenset({"TFD621"}),
 )
+# a tiny healthy run never spikes (and is shorter than the warm-up): silent; its spikes are tested in
+# tests/callbacks/test_spike_guard.py and bug-matrix row 47
+ROWS["SpikeGuard"] = Row(
+    bad=(("on_spike", "stop"), ("min_ratio", 0.5)), zero_ok=frozenset({"max_skips", "max_bundles"})
+)
 ROWS["TFDebug"] = Row(
     kwargs={"preset": "full", "overrides": {name: dict(row.kwargs) for name, row in ROWS.items() if row.kwargs}},
     fixture="head_not_in_optimizer",

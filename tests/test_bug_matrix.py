@@ -39,6 +39,7 @@ from tests.bug_models import (
     BugHFLM,
     BugSeq2SeqLM,
     BugTinyGPT,
+    CorruptBatch,
     TokenRowLM,
     dict_data,
     in_order_loader,
@@ -134,6 +135,7 @@ BUGS: dict[int, str] = {
     39: "a resume mid-epoch with a DataLoader that cannot restore its position",
     40: "samples mixed across the batch",
     41: "the squashing of row 30 as a soft-cap far too small in training_step, beside the model's own loss",
+    47: "one corrupt batch (random ids in two rows) in a healthy run",
     49: "one batch far longer than the rest on a device sized for the usual",
 }
 """Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
@@ -495,7 +497,30 @@ def row_cases() -> dict[tuple[int, str], Case]:
         c[49, fam] = Case(
             module, dicts(collator="one_long"), (owner("TFD621", severity="error"),), place, 8, raises=True
         )
+    # 47: two rows of one batch turned into random ids at step 80 (a callback at the batch's start); flagged at that
+    # step, naming those rows
+    for fam, module, data in (("encoder_lm", enc(), tuples()), ("gpt2", gpt2(), dicts()), ("tinygpt", tiny(), dicts())):
+        c[47, fam] = Case(
+            module,
+            data,
+            (SpikeAt(("TFD530",), "warning", step=80, rows=(2, 5)),),
+            "callback: rows 2 and 5 of the batch of step 80 become random ids",
+            steps=84,
+            callbacks=lambda tmp_path: [CorruptBatch(80, (2, 5))],
+        )
     return c
+
+
+@dataclass(frozen=True)
+class SpikeAt(Expect):
+    """Row 47: the spike finding at ``step``, naming ``rows``."""
+
+    step: int = 0
+    rows: tuple[int, ...] = ()
+
+    def met_by(self, finding: Any) -> bool:
+        named = sorted(finding.evidence.get("rows") or [])
+        return super().met_by(finding) and finding.step == self.step and named == sorted(self.rows)
 
 
 CASES = row_cases()

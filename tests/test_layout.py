@@ -75,8 +75,9 @@ def _callback_unit(module: str) -> str:
     return parts[2] if len(parts) > 2 else ""
 
 
-ADAPTERS = ("__init__", "callback")
-"""In a callback package, the modules that face Lightning and ``core/``; every other module there is pure."""
+ADAPTERS = ("__init__", "callback", "capture")
+"""In a callback package, the modules that face Lightning and ``core/`` (the callback, and what it captures from
+the run); every other module there is pure."""
 
 
 def _pure_callback_module(module: str) -> bool:

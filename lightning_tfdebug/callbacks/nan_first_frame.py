@@ -231,7 +231,7 @@ class NaNFirstFrame(DebugCallback):
                     local = flag_fields(device, self._finite.loss_flag(), grad_bad, frame_bad)
                     decision = any_rank(torch.stack(list(local.values())).amax())
         # host sync: the step's one read, before `optimizer.step()` could apply a bad step
-        if decision is None or not decision.item():
+        if decision is None or not self._read(trainer, decision):
             return
         if local is None:
             if grad_bad is None and frame_bad is None:  # the one-pass path: the separate flags, on a bad step only
@@ -240,6 +240,19 @@ class NaNFirstFrame(DebugCallback):
         # A bad step, the same on every rank: which ranks were bad (collective, only on such a step).
         rows = reduce_now(device, rows=local).host().per_rank()
         self._bad_step(trainer, pl_module, rows)
+
+    @staticmethod
+    def _read(trainer: pl.Trainer, decision: Tensor) -> float:
+        """The step's one host read of ``decision``; a member's folded flag (SpikeGuard) travels in the same read."""
+        folded = step_state(trainer).folded_flag
+        extra = folded.flag(trainer) if folded is not None else None
+        if extra is None:
+            return decision.item()
+        both = torch.stack(
+            [decision.detach().float().reshape(()), extra.detach().float().reshape(()).to(decision.device)]
+        )
+        value, folded.value = both.tolist()  # host sync: the same one read, now carrying both flags
+        return value
 
     def _bad_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, rows: list[dict[str, float]]) -> None:
         """Skip a step some rank found bad; on the first ``max_reports`` replay, report and decide (every rank)."""

@@ -36,6 +36,8 @@ class StepState:
         explains_oom: a member (MemoryWatch) explains out-of-memory errors: ReproCapture leaves its own line on them
             to that member's finding.
         repro_bundle: ``(id of the exception, path)`` of the bundle ReproCapture wrote for the failure in flight.
+        folded_flag: a member's per-step device flag (SpikeGuard's ``StepFlag``) that NaNFirstFrame reads in its one
+            host read before ``optimizer.step()``, so the member adds no host sync of its own.
     """
 
     batch: Any = None
@@ -51,6 +53,7 @@ class StepState:
     skipped_step: int | None = None
     explains_oom: bool = False
     repro_bundle: tuple[int, str] | None = None
+    folded_flag: Any = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, StepState] = weakref.WeakKeyDictionary()

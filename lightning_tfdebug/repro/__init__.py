@@ -27,6 +27,7 @@ from lightning_tfdebug.repro.replay import (
     describe_exception,
     find_bundles,
     replay,
+    replay_spike,
     replay_with_config,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "host_rng_moved",
     "load_bundle",
     "replay",
+    "replay_spike",
     "replay_with_config",
     "restore_rng",
     "run_first",

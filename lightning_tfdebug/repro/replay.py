@@ -351,3 +351,41 @@ def describe_exception(exception: BaseException) -> dict[str, Any]:
         "message": str(exception),
         "traceback": "".join(traceback.format_exception(type(exception), exception, exception.__traceback__)),
     }
+
+
+def replay_spike(bundle: Bundle, module: Any, load_state: bool = True) -> tuple[list[float], list[float], list[str]]:
+    """Re-run a SpikeGuard bundle's model call on its batch (``no_grad``, eval mode, the bundle's CPU RNG state) and
+    return ``(per-sample losses now, per-sample losses recorded, notes)``.
+
+    Raises:
+        BundleError: the bundle holds no replayable model call, or its module path is not in ``module``.
+    """
+    from lightning_tfdebug.functional.spikes import per_sample_losses
+    from lightning_tfdebug.primitives.calls import read_logits
+
+    meta, saved = bundle.meta, bundle.batch if isinstance(bundle.batch, dict) else {}
+    expected = meta.get("per_sample_losses")
+    if "call_args" not in saved or "targets" not in saved or not isinstance(expected, list):
+        raise BundleError(f"{bundle.path} holds no replayable model call ({meta.get('attribution_error')}).")
+    notes: list[str] = []
+    if load_state and bundle.model_state is not None:
+        _load_state(module, bundle.model_state, "the bundle's model state")
+    else:
+        checkpoint = (meta.get("model_state") or {}).get("checkpoint")
+        notes.append(f"weights not in the bundle; nearest checkpoint: {checkpoint}" if checkpoint else "fresh weights")
+    try:
+        target = module.get_submodule(meta.get("call_module") or "")
+    except AttributeError as err:
+        raise BundleError(f"the module has no submodule {meta.get('call_module')!r} ({err}).") from None
+    if bundle.rng is not None:
+        notes.extend(restore_rng(bundle.rng))
+    args, kwargs = saved["call_args"]["args"], saved["call_args"]["kwargs"]
+    module.eval()
+    with torch.no_grad():
+        output = target(*args, **kwargs)
+    batch_size = len(expected)
+    logits = read_logits(output, batch_size)
+    if logits is None:
+        raise BundleError("the replayed model call returned no logits.")
+    losses = per_sample_losses(logits, saved["targets"].to(logits.device), int(meta.get("shift", 1)), -100)
+    return [float(v) for v in losses.tolist()], [float(v) for v in expected], notes
