@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from lightning_tfdebug.callbacks.loss_at_init import check as loss_at_init_checks
 from lightning_tfdebug.functional import (
     activation_checks,
     batch_checks,
     checkpoint_checks,
     grad_checks,
-    loss_checks,
     mask_checks,
     memory_checks,
     nan_checks,
@@ -62,7 +62,7 @@ _MODULES = (
     batch_checks,
     repro_checks,
     mask_checks,
-    loss_checks,
+    loss_at_init_checks,
     grad_checks,
     update_checks,
     optimizer_checks,

@@ -30,7 +30,7 @@ _KEYS = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
 
 def page_of(source: str) -> Path:
     """The docs page of a callback, named after its module (``docs/callbacks/batch_guard.md``)."""
-    module = getattr(lightning_tfdebug, source).__module__.rsplit(".", 1)[-1]
+    module = getattr(lightning_tfdebug, source).__module__.split(".")[2]  # callbacks/<module>.py or <module>/
     return ROOT / "docs" / "callbacks" / f"{module}.md"
 
 

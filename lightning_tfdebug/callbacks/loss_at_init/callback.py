@@ -11,6 +11,16 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.callbacks.loss_at_init.check import check_findings
+from lightning_tfdebug.callbacks.loss_at_init.init_checks import classify_init_loss, unreadable_verdict
+from lightning_tfdebug.callbacks.loss_at_init.phases import LossRun
+from lightning_tfdebug.callbacks.loss_at_init.readings import (
+    check_reading,
+    follow_returned_loss,
+    loss_reading,
+    returned_loss,
+    summarize_init,
+)
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.distributed import world_size
@@ -18,17 +28,6 @@ from lightning_tfdebug.core.logits import LogitsCapture, check_capture_args, mod
 from lightning_tfdebug.core.reduction import Reduced
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import PHASE_SUMS, LabelFrequencies, step_sums, unigram_entropy
-from lightning_tfdebug.functional.loss_checks import (
-    LossRun,
-    check_findings,
-    check_reading,
-    classify_init_loss,
-    follow_returned_loss,
-    loss_reading,
-    returned_loss,
-    summarize_init,
-    unreadable_verdict,
-)
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys, loss_of
 from lightning_tfdebug.primitives.keys import Key
 

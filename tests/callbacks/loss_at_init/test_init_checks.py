@@ -1,30 +1,31 @@
-"""LossAtInit's decisions without a Trainer (functional/loss_checks.py)."""
+"""LossAtInit's decisions without a Trainer (callbacks/loss_at_init/: its readings, phases and checks)."""
 
 import math
 
 import pytest
 import torch
 
-from lightning_tfdebug.functional.loss import TEMPERATURE_GRID, copy_sums, init_loss_sums
-from lightning_tfdebug.functional.loss_checks import (
-    HISTORY,
-    RULES,
-    InitLoss,
-    LossReading,
-    LossRun,
+from lightning_tfdebug.callbacks.loss_at_init.check import RULES, check_findings
+from lightning_tfdebug.callbacks.loss_at_init.init_checks import (
     batch_counts,
-    bounded_output_verdict,
-    check_findings,
-    check_reading,
-    check_verdicts,
     classify_init_loss,
-    compare_steps,
-    context_verdict,
-    late_masked_lm,
     scaled_loss_verdict,
-    summarize_init,
     unreadable_verdict,
 )
+from lightning_tfdebug.callbacks.loss_at_init.phases import HISTORY, LossRun, compare_steps
+from lightning_tfdebug.callbacks.loss_at_init.readings import (
+    InitLoss,
+    LossReading,
+    check_reading,
+    late_masked_lm,
+    summarize_init,
+)
+from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
+    bounded_output_verdict,
+    check_verdicts,
+    context_verdict,
+)
+from lightning_tfdebug.functional.loss import TEMPERATURE_GRID, copy_sums, init_loss_sums
 
 V = 50
 LN_V = math.log(V)
@@ -103,7 +104,7 @@ def test_check_step_verdicts():
 
 
 def test_the_returned_loss_picks_the_label_alignment():
-    from lightning_tfdebug.functional.loss_checks import follow_returned_loss
+    from lightning_tfdebug.callbacks.loss_at_init.readings import follow_returned_loss
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 50, (4, 17))

@@ -8,13 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_tfdebug.callbacks.loss_at_init.readings import LossReading, loss_reading
+from lightning_tfdebug.callbacks.loss_at_init.transform_checks import bound_width, loss_transform_verdict
 from lightning_tfdebug.functional.loss import CAP_GRID, TEMPERATURE_GRID, loss_transform_sums
-from lightning_tfdebug.functional.loss_checks import (
-    LossReading,
-    bound_width,
-    loss_reading,
-    loss_transform_verdict,
-)
 from lightning_tfdebug.rules import RULES
 
 V = 50
