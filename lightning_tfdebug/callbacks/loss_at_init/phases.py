@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_tfdebug.callbacks.loss_at_init.readings import InitLoss, LossReading, late_masked_lm
+from lightning_tfdebug.callbacks.loss_at_init.readings import InitLoss, LossReading, LossSums, late_masked_lm
 from lightning_tfdebug.functional.loss import uniform_loss
 
 MASKED_LM_CHECK_FACTOR = 5
@@ -94,7 +94,7 @@ class LossRun:
             self.check_at = MASKED_LM_CHECK_FACTOR * self.check_step
         self.probabilities = init.probabilities
 
-    def check_moves(self, host: Mapping[str, float], step: int) -> bool:
+    def check_moves(self, host: LossSums, step: int) -> bool:
         """Masked-LM labels recognised at the check of a run resumed without step 0's reading; True when their check
         moved later (``MASKED_LM_CHECK_FACTOR * check_step``: nothing is judged at this step)."""
         if self.init_done or self.masked_lm or not late_masked_lm(host):

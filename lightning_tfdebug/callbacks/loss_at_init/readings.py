@@ -23,14 +23,107 @@ NORMALIZED_ROWS = 0.99
 """Fraction of sampled rows that must be probabilities (or log-probabilities) for TFD220 (TFD221)."""
 
 
+_OTHER_FIELDS = ("ce_sum", "ce_count", "own_ce_sum", "rolled_ce_sum", "rolled_count", "floor_sum", "range_sum")
+_OTHER_FIELDS += ("range_sq_sum", "floor_count")
+"""The sums also taken under the other label alignment (:data:`~lightning_tfdebug.functional.loss.OTHER_ALIGNMENT`)."""
+
+
+@dataclass(frozen=True)
+class LossSums:
+    """One measured step's payload across ranks, read by name: the sums LossAtInit declares to ``reduce_then`` (every
+    rank's added; :data:`~lightning_tfdebug.functional.loss.PHASE_SUMS` of the step's phase, the returned loss, its
+    count, the ranks that could read the logits), on the host. A sum the phase does not take reads 0.
+
+    Built in one place, :meth:`from_host`; the fields are the declared names (``tx_beta_<k>``, ``tx_cap_<k>``: the
+    tuples ``tx_beta``, ``tx_cap``; ``other_<name>``: the sum under the other alignment).
+    """
+
+    # every step: the loss training_step returned (summed over the ranks that returned one), and on how many ranks
+    loss_sum: float = 0.0
+    loss_n: float = 0.0
+    ok: float = 0.0  # ranks that found the logits and labels
+    unigram_entropy: float = math.nan  # the labels' unigram entropy, once counted (from the reduced label counts)
+    # step 0 (INIT_SUMS) and the check (CHECK_SUMS), under the configured alignment
+    ce_sum: float = 0.0
+    ce_count: float = 0.0
+    var_sum: float = 0.0
+    rows: float = 0.0
+    prob_rows: float = 0.0
+    logprob_rows: float = 0.0
+    supervised: float = 0.0
+    positions: float = 0.0
+    label_rows: float = 0.0
+    copies: float = 0.0
+    repeats: float = 0.0
+    count: float = 0.0
+    mask_share_top: float = 0.0
+    mask_share_count: float = 0.0
+    own_ce_sum: float = 0.0
+    rolled_ce_sum: float = 0.0
+    rolled_count: float = 0.0
+    floor_sum: float = 0.0
+    range_sum: float = 0.0
+    range_sq_sum: float = 0.0
+    floor_count: float = 0.0
+    own_match: float = 0.0
+    rolled_match: float = 0.0
+    match_count: float = 0.0
+    # the same under the other alignment
+    other_ce_sum: float = 0.0
+    other_ce_count: float = 0.0
+    other_own_ce_sum: float = 0.0
+    other_rolled_ce_sum: float = 0.0
+    other_rolled_count: float = 0.0
+    other_floor_sum: float = 0.0
+    other_range_sum: float = 0.0
+    other_range_sq_sum: float = 0.0
+    other_floor_count: float = 0.0
+    # the check of a run resumed without step 0's reading (LATE_SUMS)
+    late_mask_top: float = 0.0
+    late_mask_count: float = 0.0
+    late_supervised: float = 0.0
+    late_positions: float = 0.0
+    # the compared steps and the check (TRANSFORM_SUMS)
+    tx_ce_sum: float = 0.0
+    tx_ce_sq_sum: float = 0.0
+    tx_count: float = 0.0
+    tx_total: float = 0.0
+    tx_positions: float = 0.0
+    tx_uniform_sum: float = 0.0
+    tx_range_sum: float = 0.0
+    tx_beta: tuple[float, ...] = ()  # per TEMPERATURE_GRID multiplier; () when not taken
+    tx_cap: tuple[float, ...] = ()  # per CAP_GRID cap; () when not taken
+
+    @classmethod
+    def from_host(cls, values: Mapping[str, float]) -> LossSums:
+        """The reading of the reduced sums on the host, by their declared names; a name that is not a field raises
+        (a sum added to ``step_sums`` without its field here would otherwise be dropped unread)."""
+        grids = {"tx_beta": len(TEMPERATURE_GRID), "tx_cap": len(CAP_GRID)}
+        plain = {k: float(v) for k, v in values.items() if not k.startswith(tuple(f"{g}_" for g in grids))}
+        unknown = set(plain) - {f.name for f in dataclasses.fields(cls)} | (set(plain) & set(grids))
+        if unknown:
+            raise KeyError(f"LossSums has no field for the declared sums {sorted(unknown)}")
+        tuples = {g: tuple(float(values[f"{g}_{k}"]) for k in range(n)) for g, n in grids.items() if f"{g}_0" in values}
+        return cls(**plain, **tuples)
+
+    def follow_other(self) -> LossSums:
+        """The sums of the other alignment under the plain names (and none left under the other's)."""
+        swapped = {name: getattr(self, OTHER_ALIGNMENT + name) for name in _OTHER_FIELDS}
+        return dataclasses.replace(self, **swapped, **{OTHER_ALIGNMENT + name: 0.0 for name in _OTHER_FIELDS})
+
+    def with_loss(self, loss: float) -> LossSums:
+        """The same sums with ``loss`` as the one returned loss."""
+        return dataclasses.replace(self, loss_sum=loss, loss_n=1.0)
+
+
 def _mean(total: float, count: float, default: float = float("nan")) -> float:
     return total / count if count else default
 
 
-def returned_loss(host: Mapping[str, float]) -> float:
+def returned_loss(host: LossSums) -> float:
     """The loss ``training_step`` returned, averaged over the ranks that returned one (``loss_sum`` / ``loss_n``);
     NaN when none did."""
-    return _mean(host["loss_sum"], host["loss_n"])
+    return _mean(host.loss_sum, host.loss_n)
 
 
 @dataclass(frozen=True)
@@ -81,56 +174,53 @@ class InitLoss:
         return out
 
 
-def follow_returned_loss(host: Mapping[str, float], observed: float) -> tuple[dict[str, float], bool]:
+def follow_returned_loss(host: LossSums, observed: float) -> tuple[LossSums, bool]:
     """The sums of the label alignment (``t`` or ``t + 1``) whose recomputed cross-entropy is closer to the returned
     loss: ``shift_labels`` can only assume who shifts the labels, the returned loss says it (a trained model's
     logits give its loss only under the right one). ``host`` holds both (:data:`OTHER_ALIGNMENT`).
 
     Returns the values with the matching alignment's sums under the plain names, and whether that is the other one.
     """
-    out = {k: v for k, v in host.items() if not k.startswith(OTHER_ALIGNMENT)}
-    count, other_count = host.get("ce_count", 0.0), host.get(OTHER_ALIGNMENT + "ce_count", 0.0)
+    out = dataclasses.replace(host, **{OTHER_ALIGNMENT + name: 0.0 for name in _OTHER_FIELDS})
+    count, other_count = host.ce_count, host.other_ce_count
     if not (count and other_count and math.isfinite(observed)):
         return out, False
-    configured = host["ce_sum"] / count
-    other = host[OTHER_ALIGNMENT + "ce_sum"] / other_count
+    configured = host.ce_sum / count
+    other = host.other_ce_sum / other_count
     if not (math.isfinite(other) and abs(observed - other) < abs(observed - configured)):
         return out, False
-    for key, value in host.items():
-        if key.startswith(OTHER_ALIGNMENT):
-            out[key[len(OTHER_ALIGNMENT) :]] = value
-    return out, True
+    return host.follow_other(), True
 
 
-def summarize_init(host: Mapping[str, float], vocab: int, kind: str = "unknown") -> InitLoss:
+def summarize_init(host: LossSums, vocab: int, kind: str = "unknown") -> InitLoss:
     """:class:`InitLoss` from step 0's reduced sums and the returned loss (``loss_sum`` / ``loss_n``)."""
-    recomputed = _mean(host["ce_sum"], host["ce_count"])
-    rows = max(host["rows"], 1.0)
+    recomputed = _mean(host.ce_sum, host.ce_count)
+    rows = max(host.rows, 1.0)
     return InitLoss(
-        observed=_mean(host["loss_sum"], host["loss_n"], recomputed),
+        observed=_mean(host.loss_sum, host.loss_n, recomputed),
         expected=uniform_loss(vocab),
         recomputed=recomputed,
-        logit_std=math.sqrt(max(host["var_sum"], 0.0) / rows),
-        supervised_frac=_mean(host["supervised"], host["positions"], 0.0),
-        copy_rate=_mean(host["copies"], host["count"]) if host.get("count") else None,
-        probability_rows=host["prob_rows"] / rows,
-        log_probability_rows=host["logprob_rows"] / rows,
-        supervised=host["supervised"],
-        positions=host["positions"],
-        label_rows=host["label_rows"],
+        logit_std=math.sqrt(max(host.var_sum, 0.0) / rows),
+        supervised_frac=_mean(host.supervised, host.positions, 0.0),
+        copy_rate=_mean(host.copies, host.count) if host.count else None,
+        probability_rows=host.prob_rows / rows,
+        log_probability_rows=host.logprob_rows / rows,
+        supervised=host.supervised,
+        positions=host.positions,
+        label_rows=host.label_rows,
         vocab=vocab,
-        repeat_rate=_mean(host.get("repeats", 0.0), host["count"]) if host.get("count") else None,
-        mask_share=_mean(host["mask_share_top"], host["mask_share_count"]) if host.get("mask_share_count") else None,
+        repeat_rate=_mean(host.repeats, host.count) if host.count else None,
+        mask_share=_mean(host.mask_share_top, host.mask_share_count) if host.mask_share_count else None,
         kind=kind,
     )
 
 
-def late_masked_lm(host: Mapping[str, float]) -> bool:
+def late_masked_lm(host: LossSums) -> bool:
     """Masked-LM labels, read at the check of a run resumed without step 0's reading (:data:`LATE_SUMS`)."""
-    if not host["late_mask_count"] or not host["late_positions"]:
+    if not host.late_mask_count or not host.late_positions:
         return False
-    share = host["late_mask_top"] / host["late_mask_count"]
-    supervised = host["late_supervised"] / host["late_positions"]
+    share = host.late_mask_top / host.late_mask_count
+    supervised = host.late_supervised / host.late_positions
     return share >= MASKED_LM_SHARE and 0 < supervised <= MASKED_LM_SUPERVISED
 
 
@@ -166,27 +256,27 @@ class CheckReading:
         return out
 
 
-def check_reading(host: Mapping[str, float], vocab: int) -> CheckReading:
+def check_reading(host: LossSums, vocab: int) -> CheckReading:
     """:class:`CheckReading` from the check's reduced sums, under the alignment :func:`follow_returned_loss` chose."""
-    recomputed = _mean(host["ce_sum"], host["ce_count"])
-    count, rolled, floor, matched = host["count"], host["rolled_count"], host["floor_count"], host["match_count"]
-    logit_range, spread = _mean(host["range_sum"], floor), math.nan
+    recomputed = _mean(host.ce_sum, host.ce_count)
+    count, rolled, floor, matched = host.count, host.rolled_count, host.floor_count, host.match_count
+    logit_range, spread = _mean(host.range_sum, floor), math.nan
     if floor:
-        spread_sq = host["range_sq_sum"] / floor - logit_range**2
+        spread_sq = host.range_sq_sum / floor - logit_range**2
         spread = math.sqrt(max(spread_sq, 0.0)) / logit_range if logit_range > 0 else math.nan
     return CheckReading(
-        loss=_mean(host["loss_sum"], host["loss_n"], recomputed),
+        loss=_mean(host.loss_sum, host.loss_n, recomputed),
         recomputed=recomputed,
         expected=uniform_loss(vocab),
-        copy_rate=_mean(host["copies"], count),
-        repeat_rate=_mean(host["repeats"], count),
-        own_loss=_mean(host["own_ce_sum"], rolled),
-        rolled_loss=_mean(host["rolled_ce_sum"], rolled),
-        floor=_mean(host["floor_sum"], floor),
+        copy_rate=_mean(host.copies, count),
+        repeat_rate=_mean(host.repeats, count),
+        own_loss=_mean(host.own_ce_sum, rolled),
+        rolled_loss=_mean(host.rolled_ce_sum, rolled),
+        floor=_mean(host.floor_sum, floor),
         logit_range=logit_range,
         range_spread=spread,
-        own_match=_mean(host["own_match"], matched),
-        rolled_match=_mean(host["rolled_match"], matched),
+        own_match=_mean(host.own_match, matched),
+        rolled_match=_mean(host.rolled_match, matched),
         copy_positions=count,
         rolled_rows=rolled,
         floor_rows=floor,
@@ -252,23 +342,23 @@ def _at(grid: Sequence[float], values: Sequence[float], x: float) -> float:
     return math.nan
 
 
-def loss_reading(host: Mapping[str, float], loss: float, step: int) -> LossReading | None:
+def loss_reading(host: LossSums, loss: float, step: int) -> LossReading | None:
     """:class:`LossReading` from the reduced sums of :func:`~lightning_tfdebug.functional.loss.loss_transform_sums`;
     None when no row was supervised or no loss was returned."""
-    n, total = host.get("tx_count", 0.0), host.get("tx_total", 0.0)
+    n, total = host.tx_count, host.tx_total
     if not n or not math.isfinite(loss):
         return None
-    ce = host["tx_ce_sum"] / n
-    variance = max(host["tx_ce_sq_sum"] / n - ce**2, 0.0)
+    ce = host.tx_ce_sum / n
+    variance = max(host.tx_ce_sq_sum / n - ce**2, 0.0)
     sampled = max(1.0 - n / total, 0.0) if total else 0.0  # finite population: no error when every row was taken
     return LossReading(
         step=step,
         loss=loss,
         ce=ce,
         ce_error=math.sqrt(variance / n * sampled),
-        uniform=host["tx_uniform_sum"] / n,
-        logit_range=host["tx_range_sum"] / n,
-        beta_ce=tuple(host[f"tx_beta_{k}"] / n for k in range(len(TEMPERATURE_GRID))),
-        supervised_share=total / host["tx_positions"] if host.get("tx_positions") else float("nan"),
-        cap_ce=tuple(host[f"tx_cap_{k}"] / n for k in range(len(CAP_GRID))) if "tx_cap_0" in host else (),
+        uniform=host.tx_uniform_sum / n,
+        logit_range=host.tx_range_sum / n,
+        beta_ce=tuple(v / n for v in host.tx_beta),
+        supervised_share=total / host.tx_positions if host.tx_positions else float("nan"),
+        cap_ce=tuple(v / n for v in host.tx_cap),
     )
