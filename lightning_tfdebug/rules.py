@@ -1,5 +1,6 @@
 """The rule registry: every finding code the pack can emit, collected from the ``RULES`` of each
-``functional/<area>_checks.py`` (where each rule is declared beside the function that decides it).
+``functional/<area>_checks.py`` and of each callback room's pure rule modules (``callbacks/loss_at_init/check.py``),
+where each rule is declared beside the function that decides it.
 
 The tables in ``docs/findings.md`` and on each callback's page are generated from :data:`RULES` by
 ``python scripts/gen_rule_docs.py``. How to add a rule: ``docs/architecture.md``.
