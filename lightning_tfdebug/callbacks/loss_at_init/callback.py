@@ -17,6 +17,7 @@ from lightning_tfdebug.callbacks.loss_at_init.readings import (
     LossSums,
     check_reading,
     follow_returned_loss,
+    late_masked_lm,
     loss_reading,
     returned_loss,
     summarize_init,
@@ -347,7 +348,8 @@ class LossAtInit(DebugCallback):
     def _check(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
         returned = returned_loss(host)
         host, _ = follow_returned_loss(host, returned)
-        if self._run.check_moves(host, step):  # masked-LM labels seen first here (resumed without this state)
+        # masked-LM labels seen first here (resumed without this state): their check moves later
+        if self._run.check_moves(late_masked_lm(host), step):
             self._keep_loss(trainer, host.with_loss(returned), step)
             return
         reading = check_reading(host, found.vocab)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_tfdebug.callbacks.loss_at_init.readings import InitLoss, LossReading, LossSums, late_masked_lm
+from lightning_tfdebug.callbacks.loss_at_init.readings import InitLoss, LossReading
 from lightning_tfdebug.functional.loss import uniform_loss
 
 MASKED_LM_CHECK_FACTOR = 5
@@ -94,10 +94,11 @@ class LossRun:
             self.check_at = MASKED_LM_CHECK_FACTOR * self.check_step
         self.probabilities = init.probabilities
 
-    def check_moves(self, host: LossSums, step: int) -> bool:
-        """Masked-LM labels recognised at the check of a run resumed without step 0's reading; True when their check
+    def check_moves(self, late_masked: bool, step: int) -> bool:
+        """Record masked-LM labels recognised at the check of a run resumed without step 0's reading (``late_masked``:
+        :func:`~lightning_tfdebug.callbacks.loss_at_init.readings.late_masked_lm` decided it); True when their check
         moved later (``MASKED_LM_CHECK_FACTOR * check_step``: nothing is judged at this step)."""
-        if self.init_done or self.masked_lm or not late_masked_lm(host):
+        if self.init_done or self.masked_lm or not late_masked:
             return False
         self.masked_lm = True
         later = MASKED_LM_CHECK_FACTOR * self.check_step if self.check_step is not None else None

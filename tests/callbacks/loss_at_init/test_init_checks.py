@@ -299,8 +299,9 @@ def test_masked_lm_labels_move_the_check_at_step_zero_or_when_first_seen_at_the_
     late = LossSums(late_mask_top=9.0, late_mask_count=10.0, late_supervised=15.0, late_positions=100.0)
     assert late_masked_lm(late) and not late_masked_lm(dataclasses.replace(late, late_supervised=90.0))
     resumed = LossRun(check_step=20, check_at=20, check_done=True)  # step 0 unseen: resumed without this state
-    assert resumed.check_moves(late, 20) and (resumed.check_at, resumed.check_done) == (100, False)
-    assert not LossRun(check_step=20, check_at=20, init_done=True).check_moves(late, 20)  # step 0 said so already
+    assert resumed.check_moves(late_masked_lm(late), 20) and (resumed.check_at, resumed.check_done) == (100, False)
+    seen = LossRun(check_step=20, check_at=20, init_done=True)  # step 0 said so already
+    assert not seen.check_moves(late_masked_lm(late), 20)
 
 
 def test_the_run_round_trips_through_its_checkpointed_state():
