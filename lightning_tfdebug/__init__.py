@@ -1,11 +1,11 @@
 """lightning_tfdebug: PyTorch Lightning callbacks that find out why a transformer run breaks."""
 
-from lightning_tfdebug.callbacks.batch_guard import BatchGuard
+from lightning_tfdebug.callbacks.batch_guard.callback import BatchGuard
 from lightning_tfdebug.callbacks.checkpoint_audit import CheckpointAudit
 from lightning_tfdebug.callbacks.dead_activation import DeadActivation
 from lightning_tfdebug.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_tfdebug.callbacks.loss_at_init import LossAtInit
-from lightning_tfdebug.callbacks.mask_probe import MaskProbe
+from lightning_tfdebug.callbacks.mask_probe.callback import MaskProbe
 from lightning_tfdebug.callbacks.memory_watch import MemoryWatch
 from lightning_tfdebug.callbacks.nan_first_frame import NaNFirstFrame
 from lightning_tfdebug.callbacks.optimizer_audit import OptimizerAudit

@@ -1,6 +1,5 @@
 """The rule registry: every finding code the pack can emit, collected from the ``RULES`` of each
-``functional/<area>_checks.py`` and of each callback room's pure rule modules (``callbacks/loss_at_init/check.py``),
-where each rule is declared beside the function that decides it.
+``functional/<area>_checks.py`` (where each rule is declared beside the function that decides it).
 
 The tables in ``docs/findings.md`` and on each callback's page are generated from :data:`RULES` by
 ``python scripts/gen_rule_docs.py``. How to add a rule: ``docs/architecture.md``.
@@ -16,13 +15,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from lightning_tfdebug.callbacks.loss_at_init import check as loss_at_init_checks
+from lightning_tfdebug.callbacks.batch_guard import repeat_checks, schema_checks, special_token_checks, value_checks
+from lightning_tfdebug.callbacks.loss_at_init import init_checks as loss_init_checks
+from lightning_tfdebug.callbacks.loss_at_init import stall_checks as loss_stall_checks
+from lightning_tfdebug.callbacks.loss_at_init import transform_checks as loss_transform_checks
+from lightning_tfdebug.callbacks.mask_probe import alignment_checks, leak_checks, padding_checks, position_checks
 from lightning_tfdebug.functional import (
     activation_checks,
-    batch_checks,
     checkpoint_checks,
     grad_checks,
-    mask_checks,
     memory_checks,
     nan_checks,
     optimizer_checks,
@@ -31,6 +32,7 @@ from lightning_tfdebug.functional import (
     scaler_checks,
     stall_checks,
     throughput_checks,
+    training_checks,
     update_checks,
 )
 from lightning_tfdebug.functional.verdicts import Rule
@@ -60,13 +62,22 @@ AREAS: tuple[tuple[str, str], ...] = (
 """The hundreds digit of a code names its area."""
 
 _MODULES = (
-    batch_checks,
+    schema_checks,
+    value_checks,
+    repeat_checks,
+    special_token_checks,
     repro_checks,
-    mask_checks,
-    loss_at_init_checks,
+    leak_checks,
+    padding_checks,
+    alignment_checks,
+    position_checks,
+    loss_init_checks,
+    loss_stall_checks,
+    loss_transform_checks,
     grad_checks,
     update_checks,
     optimizer_checks,
+    training_checks,
     activation_checks,
     nan_checks,
     scaler_checks,
@@ -78,8 +89,23 @@ _MODULES = (
 )
 _RULES: tuple[Rule, ...] = tuple(r for module in _MODULES for r in module.RULES)
 
-BLOCKS: tuple[tuple[str, str, str], ...] = tuple((module.RULES[0].source, *module.BLOCK) for module in _MODULES)
-"""Each callback's block of codes: ``(source, first, last)``, in documentation order (each rule module's ``BLOCK``)."""
+
+def _blocks() -> tuple[tuple[str, str, str], ...]:
+    """Each callback's block once, whichever of its rule modules declares it (a callback's rules may be split over
+    several modules by what they decide; every module that declares a ``BLOCK`` for it declares the same)."""
+    blocks: dict[str, tuple[str, str]] = {}
+    for module in _MODULES:
+        block = getattr(module, "BLOCK", None)
+        if block is None:
+            continue
+        source = module.RULES[0].source
+        if blocks.setdefault(source, tuple(block)) != tuple(block):  # pragma: no cover - a bug in a rule module
+            raise RuntimeError(f"lightning_tfdebug.rules: {source}'s rule modules declare different blocks.")
+    return tuple((source, first, last) for source, (first, last) in blocks.items())
+
+
+BLOCKS: tuple[tuple[str, str, str], ...] = _blocks()
+"""Each callback's block of codes: ``(source, first, last)``, in documentation order (its rule modules' ``BLOCK``)."""
 
 _REGISTRY: dict[str, Rule] = {r.code: r for r in _RULES}
 if len(_REGISTRY) != len(_RULES):  # pragma: no cover - a duplicate code is a bug in this file
@@ -128,7 +154,7 @@ def rule(code: str) -> Rule:
 
 def rules_of(source: str) -> tuple[Rule, ...]:
     """The rules a callback (by class name) can emit, in code order."""
-    return tuple(r for r in _REGISTRY.values() if r.source == source)
+    return tuple(sorted((r for r in _REGISTRY.values() if r.source == source), key=lambda r: r.code))
 
 
 def _cell(text: str) -> str:

@@ -29,8 +29,9 @@ _KEYS = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
 
 
 def page_of(source: str) -> Path:
-    """The docs page of a callback, named after its module (``docs/callbacks/batch_guard.md``)."""
-    module = getattr(lightning_tfdebug, source).__module__.split(".")[2]  # callbacks/<module>.py or <module>/
+    """The docs page of a callback, named after its module or package under ``callbacks/``
+    (``docs/callbacks/batch_guard.md``)."""
+    module = getattr(lightning_tfdebug, source).__module__.split(".")[2]
     return ROOT / "docs" / "callbacks" / f"{module}.md"
 
 

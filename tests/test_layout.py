@@ -57,10 +57,9 @@ def layer_violations(root: Path) -> list[str]:
 
 def _may_import(name: str, dep: str) -> bool:
     mine, theirs, parts = layer(name), layer(dep), dep.split(".")
-    if name == "lightning_tfdebug.rules" and _pure_callback_module(dep):
-        return True  # the registry collects the rules a callback's room declares in its pure modules
-    if mine in ALLOWED_BELOW:  # the leaf and the pure layer: only what they list
-        return len(parts) > 1 and parts[1] in ALLOWED_BELOW[mine]
+    if mine in ALLOWED_BELOW:  # the leaf and the pure layer: only what they list (the registry: every rule module)
+        registry_reads_rules = name.endswith(".rules") and _pure_callback_module(dep)
+        return (len(parts) > 1 and parts[1] in ALLOWED_BELOW[mine]) or registry_reads_rules
     if mine == 2:  # core: nothing above it
         return theirs <= 2
     if mine == 3:  # a callback: its own room, and below it (its pure modules: not core)
@@ -348,6 +347,52 @@ def test_findings_reach_the_user_through_the_one_emit_path():
         assert not built, f"{path.relative_to(PACKAGE)} builds a Finding at lines {built}: return a verdict instead"
 
 
+RULE_DISTANCE = 40
+"""Non-blank lines (other rules' declarations not counted) a rule may sit above the first function deciding it."""
+
+
+def rules_far_from_deciders(path: Path) -> dict[str, str]:
+    """Every module-level ``NAME = Rule(...)`` of ``path`` that is not just above the first top-level function or class
+    using it (below it, more than RULE_DISTANCE lines above it, or used by none), with where it is."""
+    source = path.read_text().splitlines()
+    tree = ast.parse("\n".join(source))
+    rules = {
+        node.targets[0].id: node
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and getattr(node.value.func, "id", "") == "Rule"
+        and isinstance(node.targets[0], ast.Name)
+    }
+    registry = ("RULES", "BLOCK", "__all__")
+    users = [  # functions and classes, and tables a function reads (a rule looked up by kind in a dict)
+        n
+        for n in tree.body
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+        or (
+            isinstance(n, (ast.Assign, ast.AnnAssign))
+            and getattr(n.targets[0] if isinstance(n, ast.Assign) else n.target, "id", "") not in (*registry, *rules)
+        )
+    ]
+    out = {}
+    for name, node in rules.items():
+        first = next((u for u in users if any(isinstance(x, ast.Name) and x.id == name for x in ast.walk(u))), None)
+        if first is None:
+            out[name] = "decided by no function of its module"
+            continue
+        other = {i for r in rules.values() for i in range(r.lineno, r.end_lineno + 1)}
+        gap = sum(1 for i in range(node.end_lineno + 1, first.lineno) if i not in other and source[i - 1].strip())
+        if first.lineno < node.lineno or gap > RULE_DISTANCE:
+            out[name] = f"line {node.lineno}, its first use at line {first.lineno}"
+    return out
+
+
+def test_every_rule_sits_just_above_the_function_that_decides_it():
+    modules = scanned([p for p in sorted(PACKAGE.rglob("*.py")) if "Rule(" in p.read_text()], "grad_checks.py")
+    found = {p.relative_to(PACKAGE).as_posix(): far for p in modules if (far := rules_far_from_deciders(p))}
+    assert not found, f"rules away from their deciders: {found}"
+
+
 def _package(root: Path, files: dict[str, str]) -> Path:
     """A throwaway package named like ours under ``root``, with ``files`` (path -> source)."""
     package = root / "lightning_tfdebug"
@@ -413,6 +458,15 @@ def test_the_layout_checks_see_what_they_check(tmp_path):
         "callbacks/two/rules.py",
     ]
     assert direct_collectives(package) == {"callbacks/one.py": ["all_reduce"]}
+    rules = tmp_path / "rules.py"
+    filler = "\n".join(f"X{i} = {i}" for i in range(RULE_DISTANCE + 1))
+    rules.write_text(
+        "NEAR = Rule('a')\nFAR = Rule('b')\nLOST = Rule('c')\n"
+        f"def near():\n    return NEAR\n{filler}\ndef far():\n    return FAR\n"
+        "LATE = Rule('d')\n"
+        "def early():\n    return None\n"
+    )
+    assert set(rules_far_from_deciders(rules)) == {"FAR", "LOST", "LATE"}
 
 
 def _raises_nothing(call) -> bool:

@@ -270,7 +270,7 @@ def test_a_model_nobody_here_wrote_replays_too(tmp_path):
 
 
 def test_a_shape_error_in_a_parameter_position_table_replays(tmp_path):
-    from tests.callbacks.test_batch_guard import MinGPTStyle
+    from tests.callbacks.batch_guard.test_callback import MinGPTStyle
 
     data = TinyTextDataModule(batch_size=4, context_length=30, long_batch_every=3)  # batch 2 is 38 wide
     error, bundle = crash(tmp_path, MinGPTStyle(block_size=37), data, max_steps=6)

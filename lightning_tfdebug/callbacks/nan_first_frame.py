@@ -27,14 +27,8 @@ from lightning_tfdebug.core.reduction import gather_records, reduce_now
 from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_fields, flagged_ranks
-from lightning_tfdebug.functional.frames import (
-    LOSS_FRAME,
-    FrameFlags,
-    FrameRecorder,
-    nan_report,
-    replay_frames,
-    rng_state,
-)
+from lightning_tfdebug.functional.frame_reports import nan_report, replay_frames, rng_state
+from lightning_tfdebug.functional.frames import LOSS_FRAME, FrameFlags, FrameRecorder
 from lightning_tfdebug.functional.nan_checks import (
     TFD402,
     NaNStep,

@@ -15,6 +15,7 @@ from lightning_tfdebug.core.groups import training_model
 from lightning_tfdebug.core.model import grad_scaler_of, schedule_courses
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import optimizer_checks as checks
+from lightning_tfdebug.functional import training_checks as training
 from lightning_tfdebug.functional.memory import budget_for, check_budget
 from lightning_tfdebug.functional.optimizers import (
     Snapshot,
@@ -43,7 +44,8 @@ class OptimizerAudit(DebugCallback):
     LR of every group is logged and judged (``TFD330``, ``TFD331``, ``TFD335``); one parameter per group that fits
     the memory budget is compared byte for byte across the step (``TFD332``); the decayed 1-D parameters' norm is
     watched (``TFD324`` as a warning); gradients left from before the step are looked for (``TFD334``). The rules
-    are in :mod:`lightning_tfdebug.functional.optimizer_checks`; ``docs/callbacks/optimizer_audit.md`` explains each.
+    are in :mod:`lightning_tfdebug.functional.optimizer_checks` and
+    :mod:`~lightning_tfdebug.functional.training_checks`; ``docs/callbacks/optimizer_audit.md`` explains each.
 
     Logged keys: :attr:`KEYS`. Distributed: the same findings on every rank under DDP, no collective; under FSDP
     ``TFD332`` compares each rank's shard and is resolved together after each measuring step.
@@ -153,7 +155,7 @@ class OptimizerAudit(DebugCallback):
         self._sched_seen = {}
         self._check_mode = True
         if self.check_schedule_fits:  # TFD337: each schedule replayed on a copy, once per fit (host only)
-            self.emit(trainer, [checks.warmup_past_run(c) for c in schedule_courses(trainer, pl_module)])
+            self.emit(trainer, [training.warmup_past_run(c) for c in schedule_courses(trainer, pl_module)])
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._snapshots = None
@@ -180,7 +182,7 @@ class OptimizerAudit(DebugCallback):
         flags = stale_grad_flags(trainer.optimizers)
         if flags is not None:
             left = int(flags.sum().item())  # host sync: measuring steps only, and only when gradients were left
-            self.emit(trainer, checks.grads_not_zeroed(left, len(flags), trainer.global_step), synchronized=False)
+            self.emit(trainer, training.grads_not_zeroed(left, len(flags), trainer.global_step), synchronized=False)
         # rank-local under FSDP (each rank reads its own shard); every rank gets here on the same step
         self.resolve_local_findings(trainer)
 
@@ -188,8 +190,8 @@ class OptimizerAudit(DebugCallback):
         if not self.active or not self._check_mode:
             return
         self._check_mode = False  # once per epoch start / after validation: a loop over modules, no tensor work
-        verdict = checks.eval_mode(pl_module.training, trainer.current_epoch, trainer.global_step)
-        self.emit(trainer, verdict or checks.submodules_in_eval(modules_left_in_eval(pl_module)))
+        verdict = training.eval_mode(pl_module.training, trainer.current_epoch, trainer.global_step)
+        self.emit(trainer, verdict or training.submodules_in_eval(modules_left_in_eval(pl_module)))
 
     # ------------------------------------------------------------------ per step
     def busy_at(self, step: int) -> bool:
@@ -241,14 +243,14 @@ class OptimizerAudit(DebugCallback):
             self._sched_seen[id(scheduler)] = (now, step)
             if before is not None:
                 name, key = type(scheduler).__name__, str(id(scheduler))
-                self.emit(trainer, checks.scheduler_overstepped(name, now - before[0], step - before[1], key=key))
+                self.emit(trainer, training.scheduler_overstepped(name, now - before[0], step - before[1], key=key))
 
     def _check_lr(self, trainer: pl.Trainer, top: float, first: bool) -> None:
         step = trainer.global_step
         if not first and step > 0:
             self._decide_warmup(trainer, top)
         total = trainer.estimated_stepping_batches
-        self.emit(trainer, checks.lr_reached_zero(top, self._peak_lr, step, total, self.zero_lr_fraction))
+        self.emit(trainer, training.lr_reached_zero(top, self._peak_lr, step, total, self.zero_lr_fraction))
 
     def _decide_warmup(self, trainer: pl.Trainer, top: float) -> None:
         """``TFD335``, else ``TFD330``: decided once, from the first LR and the LR ``top`` at a later step."""
@@ -258,11 +260,11 @@ class OptimizerAudit(DebugCallback):
         if not self._transformer:
             return
         first_lr, step = self._first_lr or 0.0, trainer.global_step
-        frozen = checks.schedule_frozen(first_lr, top, step, read_schedules(trainer.lr_scheduler_configs))
+        frozen = training.schedule_frozen(first_lr, top, step, read_schedules(trainer.lr_scheduler_configs))
         if frozen is not None:
             self.emit(trainer, frozen)
             return
-        verdict = checks.missing_warmup(first_lr, top, step)
+        verdict = training.missing_warmup(first_lr, top, step)
         if verdict is not None:
             self._no_warmup = dict(verdict.evidence)
             self.emit(trainer, verdict)
@@ -274,7 +276,7 @@ class OptimizerAudit(DebugCallback):
             if step == 0:
                 self._first_loss, self._lowest_loss = loss, loss
             return
-        spike = checks.early_loss_spike(loss, self._first_loss, self._lowest_loss, step)
+        spike = training.early_loss_spike(loss, self._first_loss, self._lowest_loss, step)
         if math.isfinite(loss):
             self._lowest_loss = min(self._lowest_loss, loss)
         if self._spike is None:
@@ -283,7 +285,7 @@ class OptimizerAudit(DebugCallback):
 
     def _escalate_warmup(self, trainer: pl.Trainer) -> None:
         # each rank's own loss: resolved together after the comparison
-        self.emit(trainer, checks.warmup_spiked(self._no_warmup, self._spike), synchronized=False)
+        self.emit(trainer, training.warmup_spiked(self._no_warmup, self._spike), synchronized=False)
 
     def _snapshot(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
         """Copy one parameter per group (and one frozen one) before the step, and the GradScaler's scale."""
@@ -357,7 +359,7 @@ class OptimizerAudit(DebugCallback):
             return  # the GradScaler skipped this step: nothing should have changed
         for name, changed in host.items():
             self._unchanged[name] = 0 if changed > 0 else self._unchanged[name] + 1
-            verdict = checks.parameter_unchanged(name, self._unchanged[name], self.patience)
+            verdict = training.parameter_unchanged(name, self._unchanged[name], self.patience)
             self.emit(trainer, verdict, synchronized=False)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

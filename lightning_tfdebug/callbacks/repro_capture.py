@@ -17,10 +17,9 @@ from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.memory_checks import is_out_of_memory
 from lightning_tfdebug.functional.repro_checks import bundle_not_written, bundle_written
 from lightning_tfdebug.primitives.tensors import DTensor
-from lightning_tfdebug.repro import (
+from lightning_tfdebug.repro.bundles import (
     capture_rng,
     class_path,
-    describe_exception,
     holds_device_tensors,
     host_copy,
     host_rng_moved,
@@ -31,6 +30,7 @@ from lightning_tfdebug.repro import (
     write_bundle,
     write_json_atomic,
 )
+from lightning_tfdebug.repro.replay import describe_exception
 
 _PROBE_STEPS = 4  # the first batches of a fit (and measuring steps) check whether steps draw from Python/NumPy
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Se
 
 from lightning_tfdebug.core.compat import is_lightning_instance
 from lightning_tfdebug.core.io import write_text
-from lightning_tfdebug.functional.batch_checks import EpochData
+from lightning_tfdebug.functional.batches import EpochData
 
 
 def _loaders(trainer: pl.Trainer) -> list[Any]:

@@ -10,9 +10,6 @@ from typing import Any
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.tracking import Streak
 
-BLOCK = ("TFD340", "TFD349")
-"""The codes reserved for DeadActivation's rules."""
-
 CAUSES_DEAD = (
     "A dead unit outputs zero for every token and gets no gradient, so it never comes back. Usual causes: a "
     "learning rate too high (one large update pushes its weights or bias far negative), a large negative bias "
@@ -247,24 +244,6 @@ def saturating_units(rising: Mapping[str, tuple[float, float]], step: int | None
     return _rising(TFD344, "saturated_frac", rising, CAUSES_SATURATED, step)
 
 
-TFD343 = Rule(
-    "TFD343",
-    "info",
-    "DeadActivation",
-    title="activations cannot be observed (torch.compile, or no hooked module ran); the callback stands aside",
-    trigger=(
-        "activations cannot be observed: the model (or a submodule) is compiled with `torch.compile`, it has no "
-        "activation module and its submodules called no activation function, or no hooked module ran in the "
-        "training forward; DeadActivation stands aside"
-    ),
-    hint=(
-        "measure in an uncompiled debugging run; name the inputs of activations written as arithmetic with "
-        "`preactivations`"
-    ),
-    reason="The check stands aside (compiled or unhooked model); nothing was measured",
-    message="DeadActivation cannot measure: {reason}",
-)
-
 HINT_COMPILED = (
     "Run DeadActivation on an uncompiled model (e.g. a short debugging run without torch.compile), or compile only "
     "parts of the model that contain no activation you want measured."
@@ -308,6 +287,25 @@ def silent_layers_reason(ran: int, compiled: bool) -> str | None:
     )
 
 
+TFD343 = Rule(
+    "TFD343",
+    "info",
+    "DeadActivation",
+    title="activations cannot be observed (torch.compile, or no hooked module ran); the callback stands aside",
+    trigger=(
+        "activations cannot be observed: the model (or a submodule) is compiled with `torch.compile`, it has no "
+        "activation module and its submodules called no activation function, or no hooked module ran in the "
+        "training forward; DeadActivation stands aside"
+    ),
+    hint=(
+        "measure in an uncompiled debugging run; name the inputs of activations written as arithmetic with "
+        "`preactivations`"
+    ),
+    reason="The check stands aside (compiled or unhooked model); nothing was measured",
+    message="DeadActivation cannot measure: {reason}",
+)
+
+
 def unobservable_verdict(reason: str | None, *, compiled: bool, step: int | None = None) -> Verdict | None:
     """``TFD343`` for one of the ``*_reason`` functions' ``reason`` (None: no verdict); ``compiled`` picks the hint."""
     if reason is None:
@@ -316,6 +314,9 @@ def unobservable_verdict(reason: str | None, *, compiled: bool, step: int | None
         {"compiled": compiled}, hint=HINT_COMPILED if compiled else HINT_UNHOOKED, step=step, reason=reason
     )
 
+
+BLOCK = ("TFD340", "TFD349")
+"""The codes reserved for DeadActivation's rules."""
 
 RULES: tuple[Rule, ...] = (TFD340, TFD341, TFD342, TFD343, TFD344)
 """The rules decided in this module, in code order."""

@@ -19,6 +19,13 @@ HINT_STATE = (
     "`optimizer_states` / `lr_schedulers`. Resume needs them for the same training run."
 )
 
+
+def _file_name(path: str) -> str:
+    """The last part of a path (as ``os.path.basename``), named in the messages."""
+    return PurePath(path).name
+
+
+# ------------------------------------------------------------------------------------------------------ saved files
 TFD701 = Rule(
     "TFD701",
     "error",
@@ -32,6 +39,7 @@ TFD701 = Rule(
     message="The checkpoint lacks weights for {count} of the model's {total} tensors: {names}. (file {file})",
 )
 
+
 TFD702 = Rule(
     "TFD702",
     "error",
@@ -43,249 +51,7 @@ TFD702 = Rule(
     message="{count} saved tensors have the wrong shape: {shapes}. (file {file})",
 )
 
-TFD703 = Rule(
-    "TFD703",
-    "error",
-    "CheckpointAudit",
-    title="optimizer state missing (in a saved file, or in a checkpoint being resumed)",
-    trigger="optimizer state missing from the file (or from a checkpoint being resumed)",
-    hint=HINT_STATE,
-    reason=(
-        "Without optimizer state, resuming fails (Lightning requires it) or restarts the optimizer: the run cannot "
-        "be resumed as saved"
-    ),
-    message=(
-        "The checkpoint holds optimizer state for {saved} of {expected} optimizers: a resume restarts Adam's moments "
-        "and step counts from zero. (file {file})"
-    ),
-)
 
-TFD704 = Rule(
-    "TFD704",
-    "error",
-    "CheckpointAudit",
-    title="optimizer state incomplete: param groups, per-parameter state or step counts",
-    trigger="optimizer state incomplete: param groups, per-parameter state or step counts missing",
-    hint=HINT_STATE,
-    reason=(
-        "Incomplete optimizer state resumes with moments or step counts lost: the resumed run is not the run saved"
-    ),
-    message=(
-        "Optimizer {optimizer}'s saved state is incomplete: {groups} of {expected_groups} param groups, state for "
-        "{params_with_state} of {expected_with_state} parameters{no_step}. (file {file})"
-    ),
-)
-
-TFD705 = Rule(
-    "TFD705",
-    "error",
-    "CheckpointAudit",
-    title="LR scheduler state missing",
-    trigger="LR scheduler state missing",
-    hint=HINT_STATE,
-    reason=("Without scheduler state a resumed run restarts its schedule (a second warm-up): it is not the run saved"),
-    message=(
-        "The checkpoint holds LR scheduler state for {saved} of {expected} schedulers: a resume restarts the schedule "
-        "(warm-up again from its first step). (file {file})"
-    ),
-)
-
-TFD706 = Rule(
-    "TFD706",
-    "error",
-    "CheckpointAudit",
-    title="fp16 GradScaler state missing",
-    trigger="fp16 GradScaler state missing under the precision plugin's key",
-    hint=HINT_STATE,
-    reason="Without GradScaler state a resumed fp16 run restarts its loss scale: it is not the run saved",
-    message=(
-        "The checkpoint lacks the fp16 GradScaler state (key `{key}`): a resume restarts the loss scale at its initial "
-        "value and skips steps while it backs off again. (file {file})"
-    ),
-)
-
-TFD707 = Rule(
-    "TFD707",
-    "error",
-    "CheckpointAudit",
-    title="loop progress missing or inconsistent with the step it was saved at",
-    trigger="loop progress (`loops`, `global_step`, `epoch`) missing or inconsistent",
-    hint=HINT_STATE,
-    reason=("Without consistent loop progress a resumed run restarts or skips steps and data: it is not the run saved"),
-    message=(
-        "The checkpoint lacks loop progress ({parts}): a resume restarts the epoch and step counters and the data "
-        "order. (file {file})"
-    ),
-)
-
-TFD708 = Rule(
-    "TFD708",
-    "warning",
-    "CheckpointAudit",
-    title="a callback's state missing",
-    trigger="a callback's state missing",
-    hint=(
-        "Something removed `checkpoint['callbacks']` entries (an `on_save_checkpoint` override?); early stopping, "
-        "checkpointing and the pack's callbacks lose their history on resume."
-    ),
-    reason="Loses work: a callback's state (early-stopping counters, an EMA) restarts on resume",
-    message="The checkpoint lacks the state of {count} callbacks: {names}. (file {file})",
-)
-
-TFD709 = Rule(
-    "TFD709",
-    "info",
-    "CheckpointAudit",
-    title=(
-        "a checkpoint not checked (sharded directory, written outside the CheckpointIO, unreadable), or "
-        "weights-only (a warning when no checkpoint the run keeps can resume it)"
-    ),
-    trigger=(
-        "a checkpoint not checked (sharded distributed-checkpoint directory, written outside the CheckpointIO, "
-        "unreadable), or a weights-only checkpoint (not resumable): a warning when no checkpoint callback of the "
-        "run keeps full checkpoints and the run wrote none"
-    ),
-    hint="verify by resuming: the resume checks still run; keep one full checkpoint to resume from",
-    reason=(
-        "Info when another checkpoint the run keeps can resume it; a warning when none can (a crash then loses the "
-        "optimizer, schedule and loop state)"
-    ),
-    message="Checkpoint {path} not checked: {why}.",
-)
-
-TFD710 = Rule(
-    "TFD710",
-    "error",
-    "CheckpointAudit",
-    title="weights after resume differ from the checkpoint, or changed dtype",
-    trigger="restored weights differ from the checkpoint (checksums) or changed dtype",
-    hint=(
-        "Something re-initialises or converts the module after the checkpoint is loaded (`on_fit_start`, `setup`, a "
-        "precision change); load weights before building anything that overwrites them."
-    ),
-    reason="Measured: weights after resume are not the checkpoint's, so the resumed run is another run",
-    message="The weights at the start of the resumed training do not match the checkpoint: {detail}.",
-)
-
-TFD711 = Rule(
-    "TFD711",
-    "error",
-    "CheckpointAudit",
-    title="optimizer step counts after resume differ from the checkpoint",
-    trigger="optimizer step counts after resume differ from the checkpoint",
-    hint="The optimizer was rebuilt or its state reset after loading; bias correction restarts.",
-    reason=(
-        "Measured: the optimizer's step counts changed on resume (bias correction restarts): the resumed run is "
-        "another run"
-    ),
-    message="Optimizer {optimizer}'s step count after resume is {now}, the checkpoint holds {saved}.",
-)
-
-TFD712 = Rule(
-    "TFD712",
-    "error",
-    "CheckpointAudit",
-    title="learning rates after resume differ from the checkpoint",
-    trigger="learning rates after resume differ from the checkpoint",
-    hint=(
-        "The scheduler or the param groups were rebuilt after loading, or the LR is set in code that runs after the "
-        "restore."
-    ),
-    reason="Measured: the learning rates changed on resume: the resumed run is not the run saved",
-    message="Optimizer {optimizer}'s learning rates after resume are {now}, the checkpoint holds {saved}.",
-)
-
-TFD713 = Rule(
-    "TFD713",
-    "error",
-    "CheckpointAudit",
-    title="GradScaler scale after resume differs from the checkpoint",
-    trigger="GradScaler scale after resume differs from the checkpoint",
-    hint="The precision plugin's scaler was replaced after loading.",
-    reason="Measured: the loss scale changed on resume: the resumed run is not the run saved",
-    message="The GradScaler's scale after resume is {now:g}, the checkpoint holds {saved:g}.",
-)
-
-TFD714 = Rule(
-    "TFD714",
-    "error",
-    "CheckpointAudit",
-    title="global step after resume differs from the checkpoint",
-    trigger="global step after resume differs from the checkpoint",
-    hint=(
-        "The loop state was not restored: the checkpoint has no `loops` entry, or something removed it before "
-        "Lightning restored it (an `on_load_checkpoint` that drops it). Resume from a full checkpoint."
-    ),
-    reason="Measured: the global step changed on resume: schedules and step-based logic follow another run",
-    message="The global step after resume is {now}, the checkpoint was saved at {saved}.",
-)
-
-TFD715 = Rule(
-    "TFD715",
-    "error",
-    "CheckpointAudit",
-    title="the loss on the probe batch after resuming differs from the loss at save time",
-    trigger="the loss on the stored probe batch right after resuming differs from the loss at save time",
-    hint=(
-        "The model that trains is not the model that was saved: re-initialised after loading, a different dtype or "
-        "precision, or a changed architecture."
-    ),
-    reason=(
-        "Measured: the same batch gives a different loss after resuming, so the model restored is not the one saved"
-    ),
-    message=(
-        "The loss on the probe batch right after resuming is {now:.6g}; at save time (step {saved_step}) it was "
-        "{saved:.6g}."
-    ),
-)
-
-TFD716 = Rule(
-    "TFD716",
-    "error",
-    "CheckpointAudit",
-    title="a checkpoint this run wrote is truncated, corrupt or incomplete",
-    trigger=(
-        "a checkpoint file this run wrote cannot be read back (cut short, not a valid archive), or a sharded "
-        "distributed-checkpoint directory lacks its metadata or a shard file the metadata lists"
-    ),
-    hint=(
-        "A full disk, a quota, or a process killed while saving leaves such a file: free space and resume from an "
-        "earlier checkpoint that checks out."
-    ),
-    reason="A checkpoint this run wrote cannot be read back: resuming from it will fail",
-    message="Checkpoint {path} ({bytes} bytes) cannot be read back: it is truncated or corrupt ({first}).",
-)
-
-BLOCK = ("TFD701", "TFD719")
-"""The codes reserved for CheckpointAudit's rules."""
-
-RULES: tuple[Rule, ...] = (
-    TFD701,
-    TFD702,
-    TFD703,
-    TFD704,
-    TFD705,
-    TFD706,
-    TFD707,
-    TFD708,
-    TFD709,
-    TFD710,
-    TFD711,
-    TFD712,
-    TFD713,
-    TFD714,
-    TFD715,
-    TFD716,
-)
-"""The rules decided in this module, in code order."""
-
-
-def _file_name(path: str) -> str:
-    """The last part of a path (as ``os.path.basename``), named in the messages."""
-    return PurePath(path).name
-
-
-# ------------------------------------------------------------------------------------------------------ saved files
 # A loaded checkpoint against what it must hold (`core.checkpoints.expectation` at save time).
 def weights_problems(checkpoint: Mapping[str, Any], params: Mapping[str, list[int]], path: str) -> list[Verdict]:
     """``TFD701``: weights missing (no ``state_dict`` at all, or tensors of the module's); ``TFD702``: saved tensors
@@ -309,6 +75,41 @@ def weights_problems(checkpoint: Mapping[str, Any], params: Mapping[str, list[in
         evidence = {"mismatches": wrong[:50], "path": path}
         out.append(TFD702.verdict(evidence, key="TFD702", count=len(wrong), shapes="; ".join(wrong[:5]), file=file))
     return out
+
+
+TFD703 = Rule(
+    "TFD703",
+    "error",
+    "CheckpointAudit",
+    title="optimizer state missing (in a saved file, or in a checkpoint being resumed)",
+    trigger="optimizer state missing from the file (or from a checkpoint being resumed)",
+    hint=HINT_STATE,
+    reason=(
+        "Without optimizer state, resuming fails (Lightning requires it) or restarts the optimizer: the run cannot "
+        "be resumed as saved"
+    ),
+    message=(
+        "The checkpoint holds optimizer state for {saved} of {expected} optimizers: a resume restarts Adam's moments "
+        "and step counts from zero. (file {file})"
+    ),
+)
+
+
+TFD704 = Rule(
+    "TFD704",
+    "error",
+    "CheckpointAudit",
+    title="optimizer state incomplete: param groups, per-parameter state or step counts",
+    trigger="optimizer state incomplete: param groups, per-parameter state or step counts missing",
+    hint=HINT_STATE,
+    reason=(
+        "Incomplete optimizer state resumes with moments or step counts lost: the resumed run is not the run saved"
+    ),
+    message=(
+        "Optimizer {optimizer}'s saved state is incomplete: {groups} of {expected_groups} param groups, state for "
+        "{params_with_state} of {expected_with_state} parameters{no_step}. (file {file})"
+    ),
+)
 
 
 def optimizer_problems(
@@ -343,6 +144,21 @@ def optimizer_problems(
     return out
 
 
+TFD705 = Rule(
+    "TFD705",
+    "error",
+    "CheckpointAudit",
+    title="LR scheduler state missing",
+    trigger="LR scheduler state missing",
+    hint=HINT_STATE,
+    reason=("Without scheduler state a resumed run restarts its schedule (a second warm-up): it is not the run saved"),
+    message=(
+        "The checkpoint holds LR scheduler state for {saved} of {expected} schedulers: a resume restarts the schedule "
+        "(warm-up again from its first step). (file {file})"
+    ),
+)
+
+
 def scheduler_problem(checkpoint: Mapping[str, Any], schedulers: int, path: str) -> Verdict | None:
     """``TFD705``: LR scheduler state for fewer schedulers than the run has."""
     saved = checkpoint.get("lr_schedulers")
@@ -352,11 +168,41 @@ def scheduler_problem(checkpoint: Mapping[str, Any], schedulers: int, path: str)
     return TFD705.verdict(evidence, key="TFD705", file=_file_name(path))
 
 
+TFD706 = Rule(
+    "TFD706",
+    "error",
+    "CheckpointAudit",
+    title="fp16 GradScaler state missing",
+    trigger="fp16 GradScaler state missing under the precision plugin's key",
+    hint=HINT_STATE,
+    reason="Without GradScaler state a resumed fp16 run restarts its loss scale: it is not the run saved",
+    message=(
+        "The checkpoint lacks the fp16 GradScaler state (key `{key}`): a resume restarts the loss scale at its initial "
+        "value and skips steps while it backs off again. (file {file})"
+    ),
+)
+
+
 def scaler_problem(checkpoint: Mapping[str, Any], scaler_key: str | None, path: str) -> Verdict | None:
     """``TFD706``: no fp16 GradScaler state (a ``scale``) under the precision plugin's key while the run has one."""
     if not scaler_key or (isinstance(checkpoint.get(scaler_key), Mapping) and "scale" in checkpoint[scaler_key]):
         return None
     return TFD706.verdict({"key": scaler_key, "path": path}, key="TFD706", file=_file_name(path))
+
+
+TFD707 = Rule(
+    "TFD707",
+    "error",
+    "CheckpointAudit",
+    title="loop progress missing or inconsistent with the step it was saved at",
+    trigger="loop progress (`loops`, `global_step`, `epoch`) missing or inconsistent",
+    hint=HINT_STATE,
+    reason=("Without consistent loop progress a resumed run restarts or skips steps and data: it is not the run saved"),
+    message=(
+        "The checkpoint lacks loop progress ({parts}): a resume restarts the epoch and step counters and the data "
+        "order. (file {file})"
+    ),
+)
 
 
 def progress_problem(checkpoint: Mapping[str, Any], global_step: int | None, path: str) -> Verdict | None:
@@ -375,6 +221,21 @@ def progress_problem(checkpoint: Mapping[str, Any], global_step: int | None, pat
     message = f"The checkpoint's global_step is {saved} but it was saved at step {global_step}. (file {file})"
     evidence = {"saved": saved, "expected": global_step, "path": path}
     return TFD707.verdict(evidence, key="TFD707", message=message)
+
+
+TFD708 = Rule(
+    "TFD708",
+    "warning",
+    "CheckpointAudit",
+    title="a callback's state missing",
+    trigger="a callback's state missing",
+    hint=(
+        "Something removed `checkpoint['callbacks']` entries (an `on_save_checkpoint` override?); early stopping, "
+        "checkpointing and the pack's callbacks lose their history on resume."
+    ),
+    reason="Loses work: a callback's state (early-stopping counters, an EMA) restarts on resume",
+    message="The checkpoint lacks the state of {count} callbacks: {names}. (file {file})",
+)
 
 
 def callbacks_problem(checkpoint: Mapping[str, Any], callbacks: Sequence[str], path: str) -> Verdict | None:
@@ -399,6 +260,28 @@ def content_problems(checkpoint: Mapping[str, Any], expected: Mapping[str, Any],
         callbacks_problem(checkpoint, expected.get("callbacks", []), path),
     ]
     return [v for v in found if v is not None]
+
+
+TFD709 = Rule(
+    "TFD709",
+    "info",
+    "CheckpointAudit",
+    title=(
+        "a checkpoint not checked (sharded directory, written outside the CheckpointIO, unreadable), or "
+        "weights-only (a warning when no checkpoint the run keeps can resume it)"
+    ),
+    trigger=(
+        "a checkpoint not checked (sharded distributed-checkpoint directory, written outside the CheckpointIO, "
+        "unreadable), or a weights-only checkpoint (not resumable): a warning when no checkpoint callback of the "
+        "run keeps full checkpoints and the run wrote none"
+    ),
+    hint="verify by resuming: the resume checks still run; keep one full checkpoint to resume from",
+    reason=(
+        "Info when another checkpoint the run keeps can resume it; a warning when none can (a crash then loses the "
+        "optimizer, schedule and loop state)"
+    ),
+    message="Checkpoint {path} not checked: {why}.",
+)
 
 
 def weights_only_checkpoint(path: str, resumable_savers: list[str], full_saved: bool, savers: int) -> Verdict:
@@ -436,6 +319,24 @@ def unreadable_checkpoint(path: str, error: BaseException) -> Verdict:
     """``TFD709``: a file this run wrote that could not be opened for checking (not a damaged archive: ``TFD716``)."""
     message = f"Checkpoint {path} could not be opened for checking: {type(error).__name__}: {error}"
     return TFD709.verdict({"path": path}, key=path, message=message)
+
+
+TFD716 = Rule(
+    "TFD716",
+    "error",
+    "CheckpointAudit",
+    title="a checkpoint this run wrote is truncated, corrupt or incomplete",
+    trigger=(
+        "a checkpoint file this run wrote cannot be read back (cut short, not a valid archive), or a sharded "
+        "distributed-checkpoint directory lacks its metadata or a shard file the metadata lists"
+    ),
+    hint=(
+        "A full disk, a quota, or a process killed while saving leaves such a file: free space and resume from an "
+        "earlier checkpoint that checks out."
+    ),
+    reason="A checkpoint this run wrote cannot be read back: resuming from it will fail",
+    message="Checkpoint {path} ({bytes} bytes) cannot be read back: it is truncated or corrupt ({first}).",
+)
 
 
 def damaged_checkpoint(path: str, size: int, error: BaseException, key: str | None = None) -> Verdict:
@@ -502,6 +403,21 @@ def load_problems(checkpoint: Mapping[str, Any]) -> list[Verdict]:
     return out
 
 
+TFD710 = Rule(
+    "TFD710",
+    "error",
+    "CheckpointAudit",
+    title="weights after resume differ from the checkpoint, or changed dtype",
+    trigger="restored weights differ from the checkpoint (checksums) or changed dtype",
+    hint=(
+        "Something re-initialises or converts the module after the checkpoint is loaded (`on_fit_start`, `setup`, a "
+        "precision change); load weights before building anything that overwrites them."
+    ),
+    reason="Measured: weights after resume are not the checkpoint's, so the resumed run is another run",
+    message="The weights at the start of the resumed training do not match the checkpoint: {detail}.",
+)
+
+
 # What the checkpoint holds (`functional.checkpoints.restored_state`) against the live objects (`live_state`).
 def weights_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any], weight_rtol: float) -> Verdict | None:
     """``TFD710``: weights whose checksums (sum, sum of squares) differ from the checkpoint's beyond ``weight_rtol``,
@@ -522,6 +438,21 @@ def weights_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any], w
     return TFD710.verdict(evidence, key="resume", detail=detail)
 
 
+TFD711 = Rule(
+    "TFD711",
+    "error",
+    "CheckpointAudit",
+    title="optimizer step counts after resume differ from the checkpoint",
+    trigger="optimizer step counts after resume differ from the checkpoint",
+    hint="The optimizer was rebuilt or its state reset after loading; bias correction restarts.",
+    reason=(
+        "Measured: the optimizer's step counts changed on resume (bias correction restarts): the resumed run is "
+        "another run"
+    ),
+    message="Optimizer {optimizer}'s step count after resume is {now}, the checkpoint holds {saved}.",
+)
+
+
 def steps_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> list[Verdict]:
     """``TFD711``: an optimizer's largest step count other than the checkpoint's."""
     return [
@@ -529,6 +460,21 @@ def steps_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> 
         for i, (saved, now) in enumerate(zip(restored["steps"], live["steps"]))
         if saved is not None and now != saved
     ]
+
+
+TFD712 = Rule(
+    "TFD712",
+    "error",
+    "CheckpointAudit",
+    title="learning rates after resume differ from the checkpoint",
+    trigger="learning rates after resume differ from the checkpoint",
+    hint=(
+        "The scheduler or the param groups were rebuilt after loading, or the LR is set in code that runs after the "
+        "restore."
+    ),
+    reason="Measured: the learning rates changed on resume: the resumed run is not the run saved",
+    message="Optimizer {optimizer}'s learning rates after resume are {now}, the checkpoint holds {saved}.",
+)
 
 
 def learning_rates_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> list[Verdict]:
@@ -540,12 +486,39 @@ def learning_rates_after_resume(restored: Mapping[str, Any], live: Mapping[str, 
     ]
 
 
+TFD713 = Rule(
+    "TFD713",
+    "error",
+    "CheckpointAudit",
+    title="GradScaler scale after resume differs from the checkpoint",
+    trigger="GradScaler scale after resume differs from the checkpoint",
+    hint="The precision plugin's scaler was replaced after loading.",
+    reason="Measured: the loss scale changed on resume: the resumed run is not the run saved",
+    message="The GradScaler's scale after resume is {now:g}, the checkpoint holds {saved:g}.",
+)
+
+
 def scale_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> Verdict | None:
     """``TFD713``: the GradScaler's scale other than the checkpoint's (when both are known)."""
     saved, now = restored["scale"], live["scale"]
     if saved is None or now is None or relative_difference(now, saved) <= 1e-9:
         return None
     return TFD713.verdict({"saved": saved, "now": now}, key="resume")
+
+
+TFD714 = Rule(
+    "TFD714",
+    "error",
+    "CheckpointAudit",
+    title="global step after resume differs from the checkpoint",
+    trigger="global step after resume differs from the checkpoint",
+    hint=(
+        "The loop state was not restored: the checkpoint has no `loops` entry, or something removed it before "
+        "Lightning restored it (an `on_load_checkpoint` that drops it). Resume from a full checkpoint."
+    ),
+    reason="Measured: the global step changed on resume: schedules and step-based logic follow another run",
+    message="The global step after resume is {now}, the checkpoint was saved at {saved}.",
+)
 
 
 def global_step_after_resume(restored: Mapping[str, Any], live: Mapping[str, Any]) -> Verdict | None:
@@ -568,8 +541,52 @@ def resume_problems(restored: Mapping[str, Any], live: Mapping[str, Any], weight
     return [v for v in found if v is not None]
 
 
+TFD715 = Rule(
+    "TFD715",
+    "error",
+    "CheckpointAudit",
+    title="the loss on the probe batch after resuming differs from the loss at save time",
+    trigger="the loss on the stored probe batch right after resuming differs from the loss at save time",
+    hint=(
+        "The model that trains is not the model that was saved: re-initialised after loading, a different dtype or "
+        "precision, or a changed architecture."
+    ),
+    reason=(
+        "Measured: the same batch gives a different loss after resuming, so the model restored is not the one saved"
+    ),
+    message=(
+        "The loss on the probe batch right after resuming is {now:.6g}; at save time (step {saved_step}) it was "
+        "{saved:.6g}."
+    ),
+)
+
+
 def probe_loss_problem(saved: float, now: float, saved_step: int | None, loss_rtol: float) -> Verdict | None:
     """``TFD715``: the loss on the probe batch right after resuming differs from the loss at save time."""
     if relative_difference(now, saved) <= loss_rtol:
         return None
     return TFD715.verdict({"saved": saved, "now": now, "saved_step": saved_step}, key="resume")
+
+
+BLOCK = ("TFD701", "TFD719")
+"""The codes reserved for CheckpointAudit's rules."""
+
+RULES: tuple[Rule, ...] = (
+    TFD701,
+    TFD702,
+    TFD703,
+    TFD704,
+    TFD705,
+    TFD706,
+    TFD707,
+    TFD708,
+    TFD709,
+    TFD710,
+    TFD711,
+    TFD712,
+    TFD713,
+    TFD714,
+    TFD715,
+    TFD716,
+)
+"""The rules decided in this module, in code order."""

@@ -22,46 +22,6 @@ from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 GIB = float(2**30)
 
-TFD620 = Rule(
-    "TFD620",
-    "warning",
-    "MemoryWatch",
-    title="the longest batch the data can produce would not fit in memory",
-    trigger=(
-        "the fit of memory against token positions per batch, taken to the longest batch the data can produce (the "
-        "most rows seen x the context limit), exceeds the memory the process may use, on some rank"
-    ),
-    hint=(
-        "Cap the lengths below that width (truncate, or a `max_length` in the collator), bucket them by length or "
-        "give long batches fewer rows (a token-budget sampler); or a smaller micro-batch with "
-        "`accumulate_grad_batches`, activation checkpointing, sharding"
-    ),
-    reason=(
-        "Foreseen from the run's own measurements: the data can produce a batch whose memory, on the measured trend, "
-        "exceeds what the device (or the process) has; the out-of-memory crash it leads to is the harm"
-    ),
-    message=(
-        "Batches of {target_width:,} tokens a row ({target_rows:,} rows) would need ~{forecast} on rank {rank_list}; "
-        "the {device} has {limit}; the longest so far was {longest_width:,} ({longest})."
-    ),
-)
-
-TFD621 = Rule(
-    "TFD621",
-    "error",
-    "MemoryWatch",
-    title="out of memory, explained: the failing batch beside the usual, what held the memory, the remedies",
-    trigger="the run raised an out-of-memory error (`torch.OutOfMemoryError`, a failed host allocation)",
-    hint="The remedies in the message, first the one the numbers point at",
-    reason="The run crashed: the harm is shown",
-    message=("Out of memory in {phase} on rank {rank}, {where}: {batch_text} {split} {remedies}"),
-)
-
-BLOCK = ("TFD620", "TFD629")
-"""The codes reserved for MemoryWatch's rules."""
-
-RULES: tuple[Rule, ...] = (TFD620, TFD621)
-"""The rules decided in this module, in code order."""
 
 FORECAST_CHECK = "out-of-memory forecast (TFD620)"
 """The name of the forecast in Coverage when it stands aside (a backend without memory statistics)."""
@@ -244,6 +204,31 @@ def forecast_row(fit: MemoryFit | None, tally: LengthTally, context: int | None,
     return ForecastRow(fit.at(rows * width), limit, float(width), float(rows), float(tally.longest_width), fit.held)
 
 
+TFD620 = Rule(
+    "TFD620",
+    "warning",
+    "MemoryWatch",
+    title="the longest batch the data can produce would not fit in memory",
+    trigger=(
+        "the fit of memory against token positions per batch, taken to the longest batch the data can produce (the "
+        "most rows seen x the context limit), exceeds the memory the process may use, on some rank"
+    ),
+    hint=(
+        "Cap the lengths below that width (truncate, or a `max_length` in the collator), bucket them by length or "
+        "give long batches fewer rows (a token-budget sampler); or a smaller micro-batch with "
+        "`accumulate_grad_batches`, activation checkpointing, sharding"
+    ),
+    reason=(
+        "Foreseen from the run's own measurements: the data can produce a batch whose memory, on the measured trend, "
+        "exceeds what the device (or the process) has; the out-of-memory crash it leads to is the harm"
+    ),
+    message=(
+        "Batches of {target_width:,} tokens a row ({target_rows:,} rows) would need ~{forecast} on rank {rank_list}; "
+        "the {device} has {limit}; the longest so far was {longest_width:,} ({longest})."
+    ),
+)
+
+
 def forecast_verdict(rows: Sequence[ForecastRow], device: str, step: int | None = None) -> Verdict | None:
     """``TFD620`` when, on some rank, the longest possible batch would hold more memory than the process may use; the
     ranks named, the worst one's numbers in the message."""
@@ -368,6 +353,18 @@ class FailingBatch:
     batches_before: int = 0  # training batches seen before this one
 
 
+TFD621 = Rule(
+    "TFD621",
+    "error",
+    "MemoryWatch",
+    title="out of memory, explained: the failing batch beside the usual, what held the memory, the remedies",
+    trigger="the run raised an out-of-memory error (`torch.OutOfMemoryError`, a failed host allocation)",
+    hint="The remedies in the message, first the one the numbers point at",
+    reason="The run crashed: the harm is shown",
+    message=("Out of memory in {phase} on rank {rank}, {where}: {batch_text} {split} {remedies}"),
+)
+
+
 def oom_verdict(
     batch: FailingBatch,
     tally: LengthTally,
@@ -411,3 +408,10 @@ def oom_verdict(
         remedies=text + extra,
         key=f"oom:{batch.where}",
     )
+
+
+BLOCK = ("TFD620", "TFD629")
+"""The codes reserved for MemoryWatch's rules."""
+
+RULES: tuple[Rule, ...] = (TFD620, TFD621)
+"""The rules decided in this module, in code order."""

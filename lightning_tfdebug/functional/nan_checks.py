@@ -10,80 +10,6 @@ from typing import Any
 from lightning_tfdebug.functional.frames import LOSS_FRAME
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
-TFD401 = Rule(
-    "TFD401",
-    "error",
-    "NaNFirstFrame",
-    title=(
-        "the loss or gradients became non-finite; names the first module (forward and backward), the rank(s) and "
-        "the report"
-    ),
-    trigger=(
-        "the loss of a micro-batch or (without a GradScaler) a gradient became inf/nan; the step is not applied "
-        "and replayed with frame hooks (in eager mode the first non-finite output is also named from this "
-        "step's own per-module output sums, even when the replay does not reproduce); names the first module "
-        "whose forward output and whose output gradient held inf/nan, the rank(s), and the report "
-        "`<log_dir>/tfdebug/nan-step<k>-rank<r>.txt`"
-    ),
-    hint=(
-        "read the report's frames: abs-max growing toward the fp16 limit (small `fp16 room`) means overflow; keep"
-        " that module in fp32 or use bf16, lower the LR, add warm-up or clipping; a nan with finite inputs points"
-        " at the module's math (`log(0)`, `sqrt` of 0 in backward, 0/0)"
-    ),
-    reason="A non-finite loss or gradient destroys the weights at the step it reaches: the run cannot continue",
-    message=(
-        "The loss or gradients became non-finite at step {bad_step} on rank(s) {ranks}: {where}. {skipped}Report: "
-        "{report}"
-    ),
-)
-
-TFD402 = Rule(
-    "TFD402",
-    "info",
-    "NaNFirstFrame",
-    title="eager mode: a module produced inf/nan that did not reach the loss",
-    trigger=(
-        "eager mode: a module output held inf/nan although the loss and gradients stayed finite (a fully masked "
-        "softmax row, `log(0)` at padding, a discarded branch)"
-    ),
-    hint=(
-        "Masked or discarded positions still hold inf/nan (e.g. a softmax over a fully masked row, log(0) at "
-        "padding). Harmless until a mask or branch changes; fix the math at the named module."
-    ),
-    reason=(
-        "Inf/nan inside the forward that reached neither the loss nor the gradients did no measurable harm (a fully"
-        " masked row, a discarded branch)"
-    ),
-    message=(
-        "At step {bad_step} a module produced inf/nan that did not reach the loss, on rank(s) {ranks}: {where}."
-        "{replay_failed} Report: {report}"
-    ),
-)
-
-TFD403 = Rule(
-    "TFD403",
-    "error",
-    "NaNFirstFrame",
-    title="the loss or gradients became non-finite and replaying the step to locate the frame failed",
-    trigger=(
-        "the loss or gradients became non-finite and replaying the step to locate the first bad frame raised; the"
-        " report holds the error"
-    ),
-    hint="Run with mode='eager' to record frames during the step itself.",
-    reason="The run produced a non-finite loss or gradient; only its location is missing",
-    message=(
-        "The loss or gradients became non-finite at step {bad_step} on rank(s) {ranks}, and replaying the batch to "
-        "locate the first bad frame failed{on_rank}: {error}. Report: {report}"
-    ),
-)
-
-BLOCK = ("TFD401", "TFD409")
-"""The codes reserved for NaNFirstFrame's rules."""
-
-RULES: tuple[Rule, ...] = (TFD401, TFD402, TFD403)
-"""The rules decided in this module, in code order."""
-
-
 _FRAMES_HINT = (
     "Read the report's frames: the abs-max column shows where values grew; a small 'fp16 room' means the next "
     "operation may overflow. Under fp16 keep that module in fp32 (or use bf16), lower the LR, add warm-up or "
@@ -131,8 +57,8 @@ class NaNStep:
         report_json: str,
         skipped: bool = False,
     ) -> NaNStep:
-        """The reading of a rank's report ``summary`` (:func:`~lightning_tfdebug.functional.frames.nan_report`) and
-        every rank's :func:`rank_frames`."""
+        """The reading of a rank's report ``summary``
+        (:func:`~lightning_tfdebug.functional.frame_reports.nan_report`) and every rank's :func:`rank_frames`."""
         return cls(
             summary["step"],
             summary["nonfinite_ranks"],
@@ -177,6 +103,76 @@ def _where(culprit: Mapping[str, Any] | None) -> str:
     return where
 
 
+TFD401 = Rule(
+    "TFD401",
+    "error",
+    "NaNFirstFrame",
+    title=(
+        "the loss or gradients became non-finite; names the first module (forward and backward), the rank(s) and "
+        "the report"
+    ),
+    trigger=(
+        "the loss of a micro-batch or (without a GradScaler) a gradient became inf/nan; the step is not applied "
+        "and replayed with frame hooks (in eager mode the first non-finite output is also named from this "
+        "step's own per-module output sums, even when the replay does not reproduce); names the first module "
+        "whose forward output and whose output gradient held inf/nan, the rank(s), and the report "
+        "`<log_dir>/tfdebug/nan-step<k>-rank<r>.txt`"
+    ),
+    hint=(
+        "read the report's frames: abs-max growing toward the fp16 limit (small `fp16 room`) means overflow; keep"
+        " that module in fp32 or use bf16, lower the LR, add warm-up or clipping; a nan with finite inputs points"
+        " at the module's math (`log(0)`, `sqrt` of 0 in backward, 0/0)"
+    ),
+    reason="A non-finite loss or gradient destroys the weights at the step it reaches: the run cannot continue",
+    message=(
+        "The loss or gradients became non-finite at step {bad_step} on rank(s) {ranks}: {where}. {skipped}Report: "
+        "{report}"
+    ),
+)
+
+
+TFD402 = Rule(
+    "TFD402",
+    "info",
+    "NaNFirstFrame",
+    title="eager mode: a module produced inf/nan that did not reach the loss",
+    trigger=(
+        "eager mode: a module output held inf/nan although the loss and gradients stayed finite (a fully masked "
+        "softmax row, `log(0)` at padding, a discarded branch)"
+    ),
+    hint=(
+        "Masked or discarded positions still hold inf/nan (e.g. a softmax over a fully masked row, log(0) at "
+        "padding). Harmless until a mask or branch changes; fix the math at the named module."
+    ),
+    reason=(
+        "Inf/nan inside the forward that reached neither the loss nor the gradients did no measurable harm (a fully"
+        " masked row, a discarded branch)"
+    ),
+    message=(
+        "At step {bad_step} a module produced inf/nan that did not reach the loss, on rank(s) {ranks}: {where}."
+        "{replay_failed} Report: {report}"
+    ),
+)
+
+
+TFD403 = Rule(
+    "TFD403",
+    "error",
+    "NaNFirstFrame",
+    title="the loss or gradients became non-finite and replaying the step to locate the frame failed",
+    trigger=(
+        "the loss or gradients became non-finite and replaying the step to locate the first bad frame raised; the"
+        " report holds the error"
+    ),
+    hint="Run with mode='eager' to record frames during the step itself.",
+    reason="The run produced a non-finite loss or gradient; only its location is missing",
+    message=(
+        "The loss or gradients became non-finite at step {bad_step} on rank(s) {ranks}, and replaying the batch to "
+        "locate the first bad frame failed{on_rank}: {error}. Report: {report}"
+    ),
+)
+
+
 def nonfinite_step(reading: NaNStep) -> Verdict | None:
     """TFD401 (a non-finite loss or gradients, located), TFD403 (the same, the replay failed) or TFD402 (eager mode: a
     module output held inf/nan that reached neither); None when nothing was non-finite (a float32 sum overflow)."""
@@ -217,3 +213,10 @@ def replay_failed_on_rank(step: int, bad_ranks: Sequence[int], rank: int, error:
     """TFD403 from one rank alone: its FSDP2 replay failed part-way, so the ranks can share nothing more."""
     evidence = {"ranks": list(bad_ranks), "report": report, "replay_error": error}
     return TFD403.verdict(evidence, key=f"step{step}", bad_step=step, on_rank=f" on rank {rank}", error=error)
+
+
+BLOCK = ("TFD401", "TFD409")
+"""The codes reserved for NaNFirstFrame's rules."""
+
+RULES: tuple[Rule, ...] = (TFD401, TFD402, TFD403)
+"""The rules decided in this module, in code order."""

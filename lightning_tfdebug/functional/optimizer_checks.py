@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_tfdebug.functional.optimizers import GroupReading, ScheduleCourse, ScheduleReading, WiringReading
+from lightning_tfdebug.functional.optimizers import GroupReading, WiringReading
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 COUPLED_DECAY = frozenset({"Adam", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop"})
@@ -28,8 +28,6 @@ SHRINK = 0.1
 """``TFD324`` as a warning when the decayed 1-D parameters' norm fell by over this fraction of its first value..."""
 DECAY_SHARE = 0.5
 """... and the decay alone (``1 - exp(-sum lr * weight_decay)``) accounts for at least this share of the fall."""
-SAME_LR = 1e-9
-"""Relative tolerance within which two learning rates are the same (a warm-up raises the LR by far more)."""
 
 
 def shown(names: Sequence[str], limit: int = 8) -> str:
@@ -84,6 +82,14 @@ def parameters_held_twice(names: Sequence[str]) -> Verdict | None:
     return _listed(TFD321, names)
 
 
+FROZEN_MOVED = (
+    "Frozen parameter {parameter} (requires_grad=False) changed at an optimizer step: this optimizer steps frozen "
+    "parameters (weight decay or momentum without a gradient, or a gradient set by hand), so the weights meant to "
+    "stay fixed drift."
+)
+"""``TFD322``'s sentence as a warning."""
+
+
 TFD322 = Rule(
     "TFD322",
     "info",
@@ -108,14 +114,6 @@ TFD322 = Rule(
         "measuring steps)."
     ),
 )
-
-
-FROZEN_MOVED = (
-    "Frozen parameter {parameter} (requires_grad=False) changed at an optimizer step: this optimizer steps frozen "
-    "parameters (weight decay or momentum without a gradient, or a gradient set by hand), so the weights meant to "
-    "stay fixed drift."
-)
-"""``TFD322``'s sentence as a warning."""
 
 
 def frozen_parameters_held(names: Sequence[str]) -> Verdict | None:
@@ -157,6 +155,15 @@ def stale_tensors(count: int) -> Verdict | None:
     return TFD323.verdict({"count": count}) if count else None
 
 
+NORMS_SHRINK = (
+    "Weight decay is shrinking the one-dimensional parameters (norm gains, biases): their norm fell from "
+    "{first_norm:.4g} at step {first_step} to {norm:.4g} at step {step} ({fall:.1%}), and the decay alone takes "
+    "{decay_shrinkage:.1%} over those steps (lr x weight_decay adds up to {decay_exposure:.3g}). Norm gains pulled "
+    "towards 0 scale every normalised activation down."
+)
+"""``TFD324``'s sentence as a warning."""
+
+
 TFD324 = Rule(
     "TFD324",
     "info",
@@ -181,15 +188,6 @@ TFD324 = Rule(
         "measuring steps)."
     ),
 )
-
-
-NORMS_SHRINK = (
-    "Weight decay is shrinking the one-dimensional parameters (norm gains, biases): their norm fell from "
-    "{first_norm:.4g} at step {first_step} to {norm:.4g} at step {step} ({fall:.1%}), and the decay alone takes "
-    "{decay_shrinkage:.1%} over those steps (lr x weight_decay adds up to {decay_exposure:.3g}). Norm gains pulled "
-    "towards 0 scale every normalised activation down."
-)
-"""``TFD324``'s sentence as a warning."""
 
 
 def decay_on_1d(group: GroupReading) -> Verdict | None:
@@ -290,6 +288,11 @@ def decay_on_embeddings(group: GroupReading) -> Verdict | None:
     return TFD325.verdict(evidence, key=group.label, shown=shown(group.decayed_embeddings))
 
 
+def _coupled(group: GroupReading) -> bool:
+    """The group's decay is L2 added to the gradient, which an adaptive optimizer rescales."""
+    return group.optimizer in COUPLED_DECAY and not group.decoupled
+
+
 TFD326 = Rule(
     "TFD326",
     "info",
@@ -306,11 +309,6 @@ TFD326 = Rule(
         "rescales: the decay is not the decoupled weight decay transformer recipes use (group {group})."
     ),
 )
-
-
-def _coupled(group: GroupReading) -> bool:
-    """The group's decay is L2 added to the gradient, which an adaptive optimizer rescales."""
-    return group.optimizer in COUPLED_DECAY and not group.decoupled
 
 
 def coupled_l2(group: GroupReading) -> Verdict | None:
@@ -420,355 +418,8 @@ def wiring_verdicts(reading: WiringReading) -> list[Verdict | None]:
     return out
 
 
-# ---------------------------------------------------------------------------------------- train mode
-TFD327 = Rule(
-    "TFD327",
-    "error",
-    "OptimizerAudit",
-    title="the module is in eval mode at a training batch",
-    trigger="the module is in eval mode at the first batch of an epoch or after validation",
-    hint=(
-        "Something calls `.eval()` (a hook, an inference helper, a generation callback) without calling "
-        "`.train()` after; Lightning sets train mode before each epoch, so look at hooks that run later."
-    ),
-    reason=(
-        "Training in eval mode turns dropout off and freezes normalisation statistics: the run is not the training "
-        "configured"
-    ),
-    message=(
-        "The module is in eval mode at a training batch (epoch {epoch}, step {global_step}): dropout is off and "
-        "batch norm uses frozen running statistics, so training is not the training you configured."
-    ),
-)
-
-
-def eval_mode(training: bool, epoch: int, step: int) -> Verdict | None:
-    """``TFD327``: the module is not ``training`` at a training batch of ``epoch`` (recorded once per epoch)."""
-    if training:
-        return None
-    return TFD327.verdict({"epoch": epoch}, key=f"epoch{epoch}", global_step=step)
-
-
-TFD328 = Rule(
-    "TFD328",
-    "info",
-    "OptimizerAudit",
-    title="mode-dependent submodules in eval mode while the module trains",
-    trigger="dropout / norm submodules in eval mode while the module trains",
-    hint="Deliberate for frozen BatchNorm; otherwise a submodule was left in eval mode.",
-    reason="An observation: deliberate for frozen normalisation layers, and no harm is measured",
-    message="{count} mode-dependent submodules are in eval mode while the module trains: {shown}.",
-)
-
-
-def submodules_in_eval(names: Sequence[str]) -> Verdict | None:
-    """``TFD328``: mode-dependent submodules (``names``) in eval mode while the module trains."""
-    if not names:
-        return None
-    return TFD328.verdict({"count": len(names)}, shown=shown(names))
-
-
-# ---------------------------------------------------------------------------------------- the learning rate
-TFD329 = Rule(
-    "TFD329",
-    "warning",
-    "OptimizerAudit",
-    title="the LR scheduler stepped more than once per optimizer step",
-    trigger="an LR scheduler stepped more than once between two steps of its optimizer",
-    hint=(
-        "Step the scheduler once per optimizer step (not per micro-batch under gradient accumulation), and not by"
-        " hand when Lightning already steps it (`interval: step` in configure_optimizers)."
-    ),
-    reason=(
-        "Measured: the schedule runs several times faster than the optimizer steps, so the learning rate applied is"
-        " not the one planned"
-    ),
-    message=(
-        "The LR scheduler {scheduler} was stepped {per_step}: a schedule sized in optimizer steps runs that many "
-        "times too fast."
-    ),
-)
-
-
-def scheduler_overstepped(scheduler: str, calls: int, steps: int, key: str | None = None) -> Verdict | None:
-    """``TFD329``: a scheduler stepped ``calls`` times over ``steps`` steps of its optimizer, more than once each."""
-    if steps <= 0 or calls <= steps:
-        return None
-    per_step = (
-        f"{calls} times between two optimizer steps" if steps == 1 else f"{calls} times over {steps} optimizer steps"
-    )
-    evidence = {"calls": calls, "optimizer_steps": steps, "scheduler": scheduler}
-    return TFD329.verdict(evidence, key=key, per_step=per_step)
-
-
-TFD330 = Rule(
-    "TFD330",
-    "info",
-    "OptimizerAudit",
-    title="no learning-rate warm-up on a transformer (a warning once the early loss spikes)",
-    trigger=(
-        "a transformer trained from step 0 has an LR at a later measured step that is not above its first-step LR;"
-        " a warning when a measured loss in the first `warmup_window` steps is not finite, rises above the first "
-        "step's loss or doubles from its lowest point (what a warm-up prevents). Never decided from the first "
-        "step after a resume"
-    ),
-    hint=(
-        "Many runs train well without warm-up (fine-tuning, small models, constant LR). If the early loss spikes "
-        "or diverges, add a linear warm-up (a few hundred to a few thousand steps) before the peak LR: Adam's "
-        "early updates on attention and embeddings are large without it."
-    ),
-    reason="A lint: many runs train well without a warm-up; a warning once the early loss is measured to spike",
-    message=(
-        "No learning-rate warm-up: the LR at step {step} ({lr:.3g}) is not above the LR of the first step "
-        "({first_lr:.3g}), so this transformer starts at its peak LR. Advice only while the early loss stays "
-        "well-behaved (watched for the first warmup_window steps)."
-    ),
-)
-
-
-WARMUP_SPIKED = (
-    "No learning-rate warm-up, and the early loss spiked: {spike}, with the LR at its peak from the first step "
-    "({first_lr:.3g})."
-)
-"""``TFD330``'s sentence as a warning."""
-
-
-def missing_warmup(first_lr: float, lr: float, step: int) -> Verdict | None:
-    """``TFD330`` (info): a transformer's LR at a later step (``lr`` at ``step``) is not above its first-step LR.
-    None when it rose, or when there was no first LR."""
-    if not (first_lr > 0 and lr <= first_lr * (1 + SAME_LR)):
-        return None
-    return TFD330.verdict({"first_lr": first_lr, "lr": lr, "step": step})
-
-
-def early_loss_spike(loss: float, first_loss: float, lowest_loss: float, step: int) -> dict[str, Any] | None:
-    """What a warm-up prevents, seen in a loss measured early in the run: not finite, above the first step's loss by
-    10%, or doubled from its lowest point (and higher by 10% of the first loss). The spike's evidence, or None."""
-    if not math.isfinite(loss):
-        spike = f"the loss at step {step} is {loss}"
-    elif loss > 1.1 * first_loss:
-        spike = f"the loss at step {step} ({loss:.4g}) rose above the first step's ({first_loss:.4g})"
-    elif loss > 2.0 * lowest_loss and loss - lowest_loss > 0.1 * first_loss:
-        spike = f"the loss at step {step} ({loss:.4g}) doubled from its lowest measured value ({lowest_loss:.4g})"
-    else:
-        return None
-    return {"spike": spike, "loss": loss, "first_loss": first_loss, "lowest_loss": lowest_loss, "spike_step": step}
-
-
-def warmup_spiked(no_warmup: Mapping[str, Any] | None, spike: Mapping[str, Any] | None) -> Verdict | None:
-    """``TFD330`` as a warning: no warm-up (the info verdict's evidence) and an :func:`early_loss_spike`."""
-    if no_warmup is None or spike is None:
-        return None
-    evidence = {**no_warmup, **spike}
-    message = WARMUP_SPIKED.format(**evidence)
-    return TFD330.verdict(evidence, severity="warning", key="spike", step=spike["spike_step"], message=message)
-
-
-TFD331 = Rule(
-    "TFD331",
-    "warning",
-    "OptimizerAudit",
-    title="the LR reached zero long before the end of the run",
-    trigger="the LR reached zero before `zero_lr_fraction` of the run",
-    hint=(
-        "Size the schedule (total / decay steps) in optimizer steps of this run, accounting for gradient "
-        "accumulation and the number of devices."
-    ),
-    reason="Loses work: the steps after the learning rate reached zero train nothing",
-    message=(
-        "The learning rate reached zero at step {step}, long before the end of the run ({total} steps): the "
-        "remaining steps train nothing."
-    ),
-)
-
-
-def lr_reached_zero(lr: float, peak_lr: float, step: int, total_steps: float, fraction: float) -> Verdict | None:
-    """``TFD331``: the LR (``lr`` at ``step``) is zero against its ``peak_lr`` before ``fraction`` of the run."""
-    if not (peak_lr > 0 and lr <= 1e-12 * peak_lr and step < fraction * float(total_steps)):
-        return None
-    total = int(total_steps) if total_steps != math.inf else "unbounded"
-    return TFD331.verdict({"step": step, "total_steps": float(total_steps), "peak_lr": peak_lr}, total=total)
-
-
-TFD335 = Rule(
-    "TFD335",
-    "warning",
-    "OptimizerAudit",
-    title=(
-        "the LR has not moved since the first step and sits below half the scheduler's base LR: a step-sized "
-        "warm-up stepped per epoch"
-    ),
-    trigger=(
-        "a transformer's LR unchanged from the first step to the next measured step and below half of its "
-        "schedulers' `base_lrs` (reported instead of TFD330)"
-    ),
-    hint=(
-        "A warm-up or schedule sized in optimizer steps needs `'interval': 'step'` in the lr_scheduler dict that "
-        "configure_optimizers returns (Lightning's default, also for a bare scheduler, is 'epoch': one step of "
-        "the schedule per epoch). If the schedule is meant per epoch, its first epochs run at this LR."
-    ),
-    reason=(
-        "Measured: the learning rate has not moved from a fraction of the one configured, so the warm-up is frozen"
-    ),
-    message=(
-        "The learning rate has not moved since the first step: at step {step} it is {lr:.3g}, {share:.1%} of the "
-        "{base_lr:.3g} the optimizer was configured with, and the scheduler ({names}, interval {intervals}) has "
-        "not raised it."
-    ),
-)
-
-
-def schedule_frozen(first_lr: float, lr: float, step: int, schedules: ScheduleReading | None) -> Verdict | None:
-    """``TFD335`` (instead of ``TFD330``): the LR has not moved since the first step and sits below half of the
-    schedulers' base LR (a step-sized warm-up stepped per epoch)."""
-    if schedules is None or not first_lr > 0 or abs(lr - first_lr) > first_lr * SAME_LR:
-        return None
-    if not lr < 0.5 * schedules.base_lr:
-        return None
-    evidence = {
-        "lr": lr,
-        "base_lr": schedules.base_lr,
-        "step": step,
-        "interval": list(schedules.intervals),
-        "schedulers": list(schedules.names),
-    }
-    names, intervals = ", ".join(schedules.names), "/".join(schedules.intervals)
-    return TFD335.verdict(evidence, step=step, share=lr / schedules.base_lr, names=names, intervals=intervals)
-
-
-MIN_RUN = 50
-"""TFD337 judges runs of at least this many optimizer steps (shorter ones are trials, sized apart from the schedule)."""
-RUN_SHARE = 0.5
-"""TFD337 when a rising schedule first reaches half of its peak after this share of the run, or never in it."""
-
-TFD337 = Rule(
-    "TFD337",
-    "warning",
-    "OptimizerAudit",
-    title="the LR schedule stays below half of its configured peak for most of the run: a warm-up longer than the run",
-    trigger=(
-        "replayed on a copy at the start of training, a rising LR schedule first reaches half of its configured "
-        "peak (the largest base LR) after half of the run's remaining optimizer steps, or not at all (runs of 50 "
-        "steps or more; off with `check_schedule_fits=False`, as in a preflight)"
-    ),
-    hint=(
-        "Size the warm-up and every other phase of the schedule in optimizer steps of this run (warm-ups are "
-        "usually 1-10% of max_steps), counting gradient accumulation and the number of devices; or give the run "
-        "the length its schedule was written for."
-    ),
-    reason=(
-        "Measured on the schedule itself: most of the run trains at a small fraction of the learning rate it was "
-        "configured with"
-    ),
-    message=(
-        "The learning rate stays below half of its configured peak ({peak:.3g}) {until}: {scheduler} (interval "
-        "{interval}) reaches the peak {at}, and the highest LR of this run is {run_max:.3g} ({share:.1%} of it)."
-    ),
-)
-
-
-def warmup_past_run(course: ScheduleCourse) -> Verdict | None:
-    """``TFD337``: a rising schedule whose LR first reaches half of its peak after :data:`RUN_SHARE` of the run's
-    remaining steps, or never in it. None for runs under :data:`MIN_RUN` steps."""
-    steps, half = course.end - course.start, course.half_step
-    if steps < MIN_RUN or not course.rises or (half is not None and half - course.start <= RUN_SHARE * steps):
-        return None
-    if half is not None and half <= course.end:
-        until = f"until step {half} of this run's {course.end} ({(half - course.start) / steps:.0%} of it)"
-    else:
-        until = f"for the whole run ({course.end} steps)"
-    at = f"at step {course.peak_step}" if course.peak_step is not None else f"not within {course.replayed} steps"
-    evidence = {
-        "scheduler": course.scheduler,
-        "interval": course.interval,
-        "peak": course.peak,
-        "run_max": course.run_max,
-        "half_step": half,
-        "peak_step": course.peak_step,
-        "run_end": course.end,
-    }
-    share = course.run_max / course.peak
-    return TFD337.verdict(evidence, key=course.scheduler, until=until, at=at, share=share)
-
-
-# ---------------------------------------------------------------------------------------- the step
-TFD332 = Rule(
-    "TFD332",
-    "warning",
-    "OptimizerAudit",
-    title="a parameter byte-identical after steps that should have changed it",
-    trigger="a parameter with a gradient and LR > 0 byte-identical after `patience` measured steps",
-    hint=(
-        "The update underflows the parameter's dtype (bf16/fp16 weights with a small LR: keep fp32 master "
-        "weights), or the optimizer steps other tensors than the model uses."
-    ),
-    reason="Measured: a parameter with a gradient and a learning rate did not change over several steps",
-    message=(
-        "Parameter {parameter} was byte-identical after {steps} consecutive measured optimizer steps although it "
-        "had a gradient and a non-zero learning rate."
-    ),
-)
-
-
-def parameter_unchanged(name: str, steps: int, patience: int) -> Verdict | None:
-    """``TFD332``: the parameter ``name`` was byte-identical after ``steps`` consecutive measured steps (``patience``
-    of them or more)."""
-    if steps < patience:
-        return None
-    return TFD332.verdict({"parameter": name, "steps": steps}, key=name)
-
-
-TFD334 = Rule(
-    "TFD334",
-    "error",
-    "OptimizerAudit",
-    title="gradients not zeroed between optimizer steps (manual optimization without `zero_grad`)",
-    trigger=(
-        "at the first backward after an optimizer step (on a measuring step), a param group's probe parameter "
-        "still holds non-zero gradients from earlier steps"
-    ),
-    hint=(
-        "With manual optimization call `optimizer.zero_grad()` once per optimizer step (before the backward of "
-        "the next accumulation window, or right after `optimizer.step()`)."
-    ),
-    reason=("Gradients never zeroed add every step's gradient to all earlier ones: the run cannot train as configured"),
-    message=(
-        "Gradients were not zeroed after the optimizer step: at the first backward of step {global_step}, "
-        "{groups_with_old_grads} of {groups_probed} param groups still hold the previous steps' gradients, so "
-        "every step adds its gradient to all the earlier ones."
-    ),
-)
-
-
-def grads_not_zeroed(left: int, probed: int, step: int) -> Verdict | None:
-    """``TFD334``: at the first backward of ``step``, ``left`` of the ``probed`` param groups still held the previous
-    steps' gradients."""
-    if not left:
-        return None
-    return TFD334.verdict({"groups_with_old_grads": left, "groups_probed": probed}, global_step=step)
-
-
 BLOCK = ("TFD320", "TFD339")
 """The codes reserved for OptimizerAudit's rules."""
 
-RULES: tuple[Rule, ...] = (
-    TFD320,
-    TFD321,
-    TFD322,
-    TFD323,
-    TFD324,
-    TFD325,
-    TFD326,
-    TFD327,
-    TFD328,
-    TFD329,
-    TFD330,
-    TFD331,
-    TFD332,
-    TFD333,
-    TFD334,
-    TFD335,
-    TFD336,
-    TFD337,
-)
+RULES: tuple[Rule, ...] = (TFD320, TFD321, TFD322, TFD323, TFD324, TFD325, TFD326, TFD333, TFD336)
 """The rules decided in this module, in code order."""

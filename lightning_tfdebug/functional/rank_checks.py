@@ -21,113 +21,6 @@ from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.keys import Key
 from lightning_tfdebug.primitives.tracking import Streak
 
-TFD501 = Rule(
-    "TFD501",
-    "warning",
-    "PerRankLogger",
-    title=(
-        "identical batch fingerprints on different ranks for `patience` measurements: the data is not split (no "
-        "distributed sampler)"
-    ),
-    trigger=(
-        "two or more ranks trained on identical batches (equal fingerprints of the input ids) for `patience` "
-        "measurements in a row"
-    ),
-    hint=(
-        "Use a DistributedSampler: keep Trainer(use_distributed_sampler=True) (the default) or, with a custom "
-        "sampler or IterableDataset, shard by trainer.global_rank / world_size yourself."
-    ),
-    reason="Loses work: every rank trains on the same batches, N x the compute for 1 x the data",
-    message=(
-        "Ranks {identical} trained on identical batches at {patience} measured steps in a row: the data is not split "
-        "between ranks, so the job does N times the compute for the data of one."
-    ),
-)
-
-TFD502 = Rule(
-    "TFD502",
-    "error",
-    "PerRankLogger",
-    title="parameter or buffer checksums differ between DDP replicas; names the ranks and the tensors",
-    trigger=(
-        "parameter or buffer checksums (per-tensor norm and sum) differ between DDP replicas; names the ranks and"
-        " tensors (not checked under sharded strategies; BatchNorm running statistics excluded)"
-    ),
-    hint=(
-        "DDP only averages gradients, so a replica that changes a weight on its own (rank-dependent code in "
-        "training_step or a hook, a different initialization without a seed, an optimizer step skipped on one "
-        "rank) stays different for ever. Seed every rank the same before building the model, and make weight "
-        "updates outside the optimizer identical on every rank."
-    ),
-    reason="Replicas whose weights differ are no longer one model: the ranks train different runs",
-    message=(
-        "Parameters or buffers differ between DDP replicas at step {at_step}: rank(s) {rank_list} disagree with the "
-        "others on {count} tensor(s): {tensor_list}{more}."
-    ),
-)
-
-TFD503 = Rule(
-    "TFD503",
-    "warning",
-    "PerRankLogger",
-    title=("a straggler: one rank's own work per step well above the other ranks' median, sustained; names the rank"),
-    trigger=(
-        "a rank's own work per step (outside backward, plus data wait) above `straggler_factor` x the other "
-        "ranks' median and `straggler_min_ms` more, for `patience` measurements"
-    ),
-    hint=(
-        "Check that rank's host (other processes, CPU frequency, thermal throttling), its data shard (slower "
-        "samples, longer sequences), and per-rank code paths (logging or checkpointing on one rank inside the "
-        "step). Compare tfdebug/rank<r>.jsonl files."
-    ),
-    reason="Measured: one rank is slower every step and the whole job waits for it",
-    message=(
-        "Rank {rank} is a straggler: its own work per step ({total:.1f} ms of compute outside backward plus data "
-        "wait) is {ratio:.1f}x the other ranks' median ({others_median_ms:.1f} ms), for {patience} measurements in a "
-        "row; every rank waits for it at each gradient all-reduce."
-    ),
-)
-
-TFD504 = Rule(
-    "TFD504",
-    "warning",
-    "PerRankLogger",
-    title=(
-        "a rank's loss far from the median over ranks, sustained; with two ranks, the two losses far apart (both named)"
-    ),
-    trigger=(
-        "a rank's loss differs from the median over ranks by more than `loss_spread` of it (two ranks: the two "
-        "losses by more than `loss_spread` of the smaller; both named), for `patience` measurements"
-    ),
-    hint=(
-        "that rank sees different data, computes its loss differently (rank-dependent code) or runs different "
-        "weights (see TFD502); compare the `rank<r>.jsonl` files"
-    ),
-    reason="Measured, sustained: one rank's loss is far from the others', so its data or its replica differs",
-    message=("{what} for {patience} measurements in a row{tail}."),
-)
-
-TFD505 = Rule(
-    "TFD505",
-    "error",
-    "PerRankLogger",
-    title="a non-finite loss, naming the rank(s) that produced it",
-    trigger="a rank's training loss is inf/nan; names the rank(s)",
-    hint=(
-        "Look at that rank's batch (its fingerprint is in tfdebug/rank<r>.jsonl) and add NaNFirstFrame to find "
-        "the first module that produced it. Under DDP the NaN reaches every rank with the next gradient "
-        "all-reduce."
-    ),
-    reason="A non-finite loss on a rank poisons the averaged gradient on every rank: the run cannot continue",
-    message=("Rank(s) {rank_list} produced a non-finite loss at step {at_step}{others}."),
-)
-
-BLOCK = ("TFD501", "TFD519")
-"""The codes reserved for PerRankLogger's rules."""
-
-RULES: tuple[Rule, ...] = (TFD501, TFD502, TFD503, TFD504, TFD505)
-"""The rules decided in this module, in code order."""
-
 
 @dataclass(frozen=True)
 class RankRow:
@@ -258,6 +151,73 @@ def per_rank_metrics(stats: Sequence[RankRow], log_per_rank: bool = True) -> dic
     return metrics
 
 
+TFD501 = Rule(
+    "TFD501",
+    "warning",
+    "PerRankLogger",
+    title=(
+        "identical batch fingerprints on different ranks for `patience` measurements: the data is not split (no "
+        "distributed sampler)"
+    ),
+    trigger=(
+        "two or more ranks trained on identical batches (equal fingerprints of the input ids) for `patience` "
+        "measurements in a row"
+    ),
+    hint=(
+        "Use a DistributedSampler: keep Trainer(use_distributed_sampler=True) (the default) or, with a custom "
+        "sampler or IterableDataset, shard by trainer.global_rank / world_size yourself."
+    ),
+    reason="Loses work: every rank trains on the same batches, N x the compute for 1 x the data",
+    message=(
+        "Ranks {identical} trained on identical batches at {patience} measured steps in a row: the data is not split "
+        "between ranks, so the job does N times the compute for the data of one."
+    ),
+)
+
+
+TFD503 = Rule(
+    "TFD503",
+    "warning",
+    "PerRankLogger",
+    title=("a straggler: one rank's own work per step well above the other ranks' median, sustained; names the rank"),
+    trigger=(
+        "a rank's own work per step (outside backward, plus data wait) above `straggler_factor` x the other "
+        "ranks' median and `straggler_min_ms` more, for `patience` measurements"
+    ),
+    hint=(
+        "Check that rank's host (other processes, CPU frequency, thermal throttling), its data shard (slower "
+        "samples, longer sequences), and per-rank code paths (logging or checkpointing on one rank inside the "
+        "step). Compare tfdebug/rank<r>.jsonl files."
+    ),
+    reason="Measured: one rank is slower every step and the whole job waits for it",
+    message=(
+        "Rank {rank} is a straggler: its own work per step ({total:.1f} ms of compute outside backward plus data "
+        "wait) is {ratio:.1f}x the other ranks' median ({others_median_ms:.1f} ms), for {patience} measurements in a "
+        "row; every rank waits for it at each gradient all-reduce."
+    ),
+)
+
+
+TFD504 = Rule(
+    "TFD504",
+    "warning",
+    "PerRankLogger",
+    title=(
+        "a rank's loss far from the median over ranks, sustained; with two ranks, the two losses far apart (both named)"
+    ),
+    trigger=(
+        "a rank's loss differs from the median over ranks by more than `loss_spread` of it (two ranks: the two "
+        "losses by more than `loss_spread` of the smaller; both named), for `patience` measurements"
+    ),
+    hint=(
+        "that rank sees different data, computes its loss differently (rank-dependent code) or runs different "
+        "weights (see TFD502); compare the `rank<r>.jsonl` files"
+    ),
+    reason="Measured, sustained: one rank's loss is far from the others', so its data or its replica differs",
+    message=("{what} for {patience} measurements in a row{tail}."),
+)
+
+
 @dataclass
 class RankDiagnosis:
     """PerRankLogger's findings, measurement after measurement (streaks kept across measurements)."""
@@ -347,6 +307,22 @@ class RankDiagnosis:
         self.streaks.load_state_dict(state)
 
 
+TFD505 = Rule(
+    "TFD505",
+    "error",
+    "PerRankLogger",
+    title="a non-finite loss, naming the rank(s) that produced it",
+    trigger="a rank's training loss is inf/nan; names the rank(s)",
+    hint=(
+        "Look at that rank's batch (its fingerprint is in tfdebug/rank<r>.jsonl) and add NaNFirstFrame to find "
+        "the first module that produced it. Under DDP the NaN reaches every rank with the next gradient "
+        "all-reduce."
+    ),
+    reason="A non-finite loss on a rank poisons the averaged gradient on every rank: the run cannot continue",
+    message=("Rank(s) {rank_list} produced a non-finite loss at step {at_step}{others}."),
+)
+
+
 def nonfinite_loss_verdict(stats: Sequence[RankRow], step: int) -> Verdict | None:
     """``TFD505``: the ranks whose loss is not finite, at once (no patience: the run cannot continue)."""
     nonfinite = [r for r, s in enumerate(stats) if s.has_loss and not math.isfinite(s.loss)]
@@ -356,6 +332,29 @@ def nonfinite_loss_verdict(stats: Sequence[RankRow], step: int) -> Verdict | Non
     others = f" while rank(s) {', '.join(map(str, finite))} did not" if finite else ""
     evidence = {"ranks": nonfinite, "losses": [s.loss for s in stats]}
     return TFD505.verdict(evidence, step=step, rank_list=", ".join(map(str, nonfinite)), at_step=step, others=others)
+
+
+TFD502 = Rule(
+    "TFD502",
+    "error",
+    "PerRankLogger",
+    title="parameter or buffer checksums differ between DDP replicas; names the ranks and the tensors",
+    trigger=(
+        "parameter or buffer checksums (per-tensor norm and sum) differ between DDP replicas; names the ranks and"
+        " tensors (not checked under sharded strategies; BatchNorm running statistics excluded)"
+    ),
+    hint=(
+        "DDP only averages gradients, so a replica that changes a weight on its own (rank-dependent code in "
+        "training_step or a hook, a different initialization without a seed, an optimizer step skipped on one "
+        "rank) stays different for ever. Seed every rank the same before building the model, and make weight "
+        "updates outside the optimizer identical on every rank."
+    ),
+    reason="Replicas whose weights differ are no longer one model: the ranks train different runs",
+    message=(
+        "Parameters or buffers differ between DDP replicas at step {at_step}: rank(s) {rank_list} disagree with the "
+        "others on {count} tensor(s): {tensor_list}{more}."
+    ),
+)
 
 
 def parameters_verdict(stats: Sequence[RankRow], tensors: list[str], step: int) -> Verdict:
@@ -371,3 +370,10 @@ def parameters_verdict(stats: Sequence[RankRow], tensors: list[str], step: int) 
         "more": " ..." * (len(tensors) > 5),
     }
     return TFD502.verdict(evidence, step=step, **text)
+
+
+BLOCK = ("TFD501", "TFD519")
+"""The codes reserved for PerRankLogger's rules."""
+
+RULES: tuple[Rule, ...] = (TFD501, TFD502, TFD503, TFD504, TFD505)
+"""The rules decided in this module, in code order."""

@@ -20,23 +20,6 @@ TFD130 = Rule(
     ),
 )
 
-TFD131 = Rule(
-    "TFD131",
-    "warning",
-    "ReproCapture",
-    title="the bundle could not be written; the original exception propagates unchanged",
-    trigger=("the bundle could not be written (disk full, no permission); the original exception still propagates"),
-    hint="Check free disk space and write permission on the log directory.",
-    reason="Loses work: the evidence needed to replay the crash is gone, though the crash itself still propagates",
-    message="ReproCapture could not write a bundle for the {exception} at step {failed_step}: {error}",
-)
-
-BLOCK = ("TFD130", "TFD139")
-"""The codes reserved for ReproCapture's rules."""
-
-RULES: tuple[Rule, ...] = (TFD130, TFD131)
-"""The rules decided in this module, in code order."""
-
 
 def bundle_written(
     bundle: str, exception: str, *, step: int, rank: int, in_batch: bool, batch_saved: bool, after_step: bool
@@ -59,6 +42,25 @@ def bundle_written(
     return TFD130.verdict(evidence, hint=hint, key=bundle, failed_step=step, rank=rank, replayable=replayable)
 
 
+TFD131 = Rule(
+    "TFD131",
+    "warning",
+    "ReproCapture",
+    title="the bundle could not be written; the original exception propagates unchanged",
+    trigger=("the bundle could not be written (disk full, no permission); the original exception still propagates"),
+    hint="Check free disk space and write permission on the log directory.",
+    reason="Loses work: the evidence needed to replay the crash is gone, though the crash itself still propagates",
+    message="ReproCapture could not write a bundle for the {exception} at step {failed_step}: {error}",
+)
+
+
 def bundle_not_written(exception: str, error: str, *, step: int, key: str) -> Verdict:
     """TFD131: the bundle for ``exception`` (its class name) at ``step`` could not be written (``error``)."""
     return TFD131.verdict({"error": error}, key=key, failed_step=step, exception=exception)
+
+
+BLOCK = ("TFD130", "TFD139")
+"""The codes reserved for ReproCapture's rules."""
+
+RULES: tuple[Rule, ...] = (TFD130, TFD131)
+"""The rules decided in this module, in code order."""

@@ -115,6 +115,13 @@ def many_skipped(reading: ScalerReading, *, min_steps: int, max_skipped_frac: fl
     return TFD412.verdict(reading.evidence(), step=reading.step, where=where)
 
 
+def steps_on_skipped(advanced: int, steps: int, skipped: int) -> int:
+    """How many of ``skipped`` optimizer steps (of ``steps``) a scheduler that stepped ``advanced`` times took: every
+    scheduler step beyond the ``steps - skipped`` applied ones was taken on a skipped one (a skip-aware scheduler
+    takes none)."""
+    return max(0, min(skipped, advanced - (steps - skipped)))
+
+
 TFD413 = Rule(
     "TFD413",
     "warning",
@@ -134,13 +141,6 @@ TFD413 = Rule(
         "GradScaler skipped: the schedule (warm-up, decay) runs ahead of the updates actually applied."
     ),
 )
-
-
-def steps_on_skipped(advanced: int, steps: int, skipped: int) -> int:
-    """How many of ``skipped`` optimizer steps (of ``steps``) a scheduler that stepped ``advanced`` times took: every
-    scheduler step beyond the ``steps - skipped`` applied ones was taken on a skipped one (a skip-aware scheduler
-    takes none)."""
-    return max(0, min(skipped, advanced - (steps - skipped)))
 
 
 def schedule_on_skipped(

@@ -13,44 +13,6 @@ from dataclasses import dataclass
 
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
-BLOCK = ("TFD520", "TFD529")
-
-TFD520 = Rule(
-    "TFD520",
-    "error",
-    "StallWatchdog",
-    title="a rank made no progress for `stall_after` seconds: the rank that hangs, its step, phase and frame",
-    trigger=(
-        "no hook of the training loop ran on a rank for longer than `stall_after` (default: from the run's own "
-        "step times, at least 90 s; the first step, compilation, validation, checkpoint saving and the profiler get "
-        "minutes)"
-    ),
-    hint=(
-        "Read the stacks in tfdebug/stall-rank<r>.txt of the rank named behind: its main thread shows where it is "
-        "stuck (a data source that never returns, a lock, a collective the others did not enter). The ranks that "
-        "wait in a collective are victims, not the cause."
-    ),
-    reason="Measured: the run stopped moving; every rank burns its allocation until the collective timeout",
-    message="No progress for {idle_s:.1f} s on rank {rank} at step {step} ({phase}): {where}.{others} Stacks: {stacks}",
-)
-
-TFD521 = Rule(
-    "TFD521",
-    "error",
-    "StallWatchdog",
-    title="the ranks wait in different collectives (a collective that only some ranks call)",
-    trigger="every rank stalled inside a collective, and not all in the same one, or not at the same step",
-    hint=(
-        "A collective must be called by every rank in the same order: a barrier, a broadcast or a `sync_dist` log "
-        "inside a rank-zero-only branch (`if trainer.is_global_zero`, `@rank_zero_only`) hangs the job. Call it on "
-        "every rank, or take it out of the branch. The stacks in tfdebug/stall-rank<r>.txt show each call site."
-    ),
-    reason="Measured: the ranks are deadlocked on each other; the job cannot go on",
-    message="The ranks wait in different collectives: {waits}. No progress for {idle_s:.1f} s. Stacks: {stacks}",
-)
-
-RULES = (TFD520, TFD521)
-
 DEFAULT_FLOOR_S = 90.0
 """The least default ``stall_after``: on sub-second steps the watchdog fires within two minutes (poll included)."""
 DEFAULT_STEP_FACTOR = 20.0
@@ -215,6 +177,42 @@ def _rank_phrase(record: RankRecord) -> str:
     return f"rank {record.rank} at step {record.step} ({record.phase}{where})"
 
 
+TFD520 = Rule(
+    "TFD520",
+    "error",
+    "StallWatchdog",
+    title="a rank made no progress for `stall_after` seconds: the rank that hangs, its step, phase and frame",
+    trigger=(
+        "no hook of the training loop ran on a rank for longer than `stall_after` (default: from the run's own "
+        "step times, at least 90 s; the first step, compilation, validation, checkpoint saving and the profiler get "
+        "minutes)"
+    ),
+    hint=(
+        "Read the stacks in tfdebug/stall-rank<r>.txt of the rank named behind: its main thread shows where it is "
+        "stuck (a data source that never returns, a lock, a collective the others did not enter). The ranks that "
+        "wait in a collective are victims, not the cause."
+    ),
+    reason="Measured: the run stopped moving; every rank burns its allocation until the collective timeout",
+    message="No progress for {idle_s:.1f} s on rank {rank} at step {step} ({phase}): {where}.{others} Stacks: {stacks}",
+)
+
+
+TFD521 = Rule(
+    "TFD521",
+    "error",
+    "StallWatchdog",
+    title="the ranks wait in different collectives (a collective that only some ranks call)",
+    trigger="every rank stalled inside a collective, and not all in the same one, or not at the same step",
+    hint=(
+        "A collective must be called by every rank in the same order: a barrier, a broadcast or a `sync_dist` log "
+        "inside a rank-zero-only branch (`if trainer.is_global_zero`, `@rank_zero_only`) hangs the job. Call it on "
+        "every rank, or take it out of the branch. The stacks in tfdebug/stall-rank<r>.txt show each call site."
+    ),
+    reason="Measured: the ranks are deadlocked on each other; the job cannot go on",
+    message="The ranks wait in different collectives: {waits}. No progress for {idle_s:.1f} s. Stacks: {stacks}",
+)
+
+
 def stall_verdicts(
     own: RankRecord,
     others: Sequence[RankRecord] | None,
@@ -273,3 +271,8 @@ def _differ(waiting: Sequence[RankRecord]) -> bool:
     """Whether ranks that all wait in collectives wait in different ones: other kinds, other call sites, other
     steps (the collective text names the call; backward's all-reduce has one)."""
     return len({(r.kind, r.where, r.step) for r in waiting}) > 1
+
+
+BLOCK = ("TFD520", "TFD529")
+
+RULES = (TFD520, TFD521)

@@ -14,151 +14,6 @@ from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.keys import Key
 from lightning_tfdebug.primitives.tracking import Streak
 
-TFD601 = Rule(
-    "TFD601",
-    "warning",
-    "ThroughputMonitor",
-    title="data-loading bound: the wait for the next batch above `wait_threshold` of wall time, sustained",
-    trigger="the wait for the next batch above `wait_threshold` of wall time (worst rank) for `patience` measurements",
-    hint=(
-        "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "
-        "prefetch_factor, and move tokenization or heavy transforms out of __getitem__ (pre-tokenize)."
-    ),
-    reason="Measured: the run waits for data a large share of its time, compute paid for and idle",
-    message=(
-        "Training is data-loading bound: {dataloader_wait_frac:.0%} of wall time went to waiting for the next batch "
-        "(threshold {threshold:.0%}) for {patience} measurements in a row."
-    ),
-)
-
-TFD602 = Rule(
-    "TFD602",
-    "info",
-    "ThroughputMonitor",
-    title="padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)",
-    trigger=(
-        "padding above `padding_threshold` of the computed token positions for `patience` measurements; a warning "
-        "when padding is most (> 50%) of them, with the speed-up packing and dynamic padding would give"
-    ),
-    hint=(
-        "Group sequences of similar length (length-bucketed sampler), pad to the batch maximum rather than a "
-        "fixed length, or pack several sequences per row."
-    ),
-    reason="An observation of padding; a warning when padding is most of the computed positions (compute lost)",
-    message=(
-        "{padding_frac:.0%} of the token positions computed were padding (threshold {threshold:.0%}) for {patience} "
-        "measurements in a row: packing or length-bucketing would compute {speedup_packing:.1f}x fewer positions"
-        "{trim}{consequence}"
-    ),
-)
-
-TFD603 = Rule(
-    "TFD603",
-    "warning",
-    "ThroughputMonitor",
-    title="the median step time regressed to more than `regression_factor` x the early window, sustained",
-    trigger=(
-        "the median and the mean step time over the last `window` steps above `regression_factor` x the early "
-        "window's (after `skip_steps`, over `baseline_steps`), for `patience` measurements in a row that the "
-        "machine does not explain (TFD605)"
-    ),
-    hint=(
-        "Look for growth over time: a Python list or tensor kept across steps (retained graph, metrics "
-        "accumulated with .append), rising sequence lengths, memory fragmentation, thermal throttling, or other "
-        "jobs on the machine. Run with profile_steps=[a, b] early and late, and compare the tables."
-    ),
-    reason="Measured, sustained: the step time regressed against the run's own early steps",
-    message=(
-        "The median step time rose to {step_time_ms:.1f} ms, {ratio_to_early:.2f}x the early steps' median, for "
-        "{patience} measurements in a row."
-    ),
-)
-
-TFD604 = Rule(
-    "TFD604",
-    "info",
-    "ThroughputMonitor",
-    title="memory above `memory_threshold` of the device's (or machine's) capacity",
-    trigger="peak memory above `memory_threshold` of the device's capacity (CPU: the machine's physical memory)",
-    hint=(
-        "Lower the micro-batch size and use gradient accumulation, enable activation checkpointing, use bf16 "
-        "mixed precision, or shard parameters and optimizer state (FSDP)."
-    ),
-    reason="An observation: memory near capacity is a risk, not harm (caching allocators keep what they reserved)",
-    message=(
-        "Memory use reached {memory_frac:.0%} of capacity on rank {rank} (threshold {threshold:.0%}); the run is "
-        "close to out-of-memory."
-    ),
-)
-
-TFD605 = Rule(
-    "TFD605",
-    "info",
-    "ThroughputMonitor",
-    title="the step time regressed as for TFD603, but the machine got slower, not the run",
-    trigger=(
-        "as TFD603, but the same work got slower: the larger of the rise of this process's run-queue wait per CPU "
-        "second (`/proc/self/task/*/schedstat`, where the extra time was spent runnable) and of a fixed reference "
-        "computation's time explains half the step time's rise, or, where the run's CPU time per step rose by less "
-        "than 0.9x as much, half its rise per CPU second of work. Never when the run takes 1.25x its early CPU per "
-        "second, nor, without `/proc`, when its CPU time per step rose with its step time, unless the same fixed "
-        "computation at the run's thread count (waits left in) slowed by half the step time's rise itself: threads "
-        "spinning while a peer waits for a core burn CPU as more work would"
-    ),
-    hint=(
-        "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
-        "compare ratios measured in the same period."
-    ),
-    reason="The slowdown is the machine's (other processes took the cores, or the same work takes longer)",
-    message=(
-        "The median step time rose to {ratio_to_early:.2f}x the early steps' median while {cause}, so this is not "
-        "reported as a slowdown of the run itself (TFD603)."
-    ),
-)
-
-TFD606 = Rule(
-    "TFD606",
-    "warning",
-    "ThroughputMonitor",
-    title="`torch.compile` keeps compiling new graphs after the early window, at each of `patience` measurements",
-    trigger="`torch.compile` compiled new graphs (TorchDynamo's counters) at each of `patience` measurements",
-    hint=(
-        "A guard of the compiled code changes every step: input shapes (pad to a few bucket lengths or let shapes "
-        "be dynamic) or Python values passed in (the step number, a float, a dict with new keys). "
-        'TORCH_LOGS="recompiles" prints the failing guard.'
-    ),
-    reason="Measured: recompiling keeps costing time after the early window",
-    message=(
-        "torch.compile is still compiling after the early window: {new_graphs:.0f} new graph(s) since then, more at "
-        "each of the last {patience} measurements. Every recompilation stalls training."
-    ),
-)
-
-TFD607 = Rule(
-    "TFD607",
-    "warning",
-    "ThroughputMonitor",
-    title="`torch.compile` hit its recompile limit during training: that code now runs uncompiled",
-    trigger="`torch.compile` hit its recompile limit during training, so that code runs uncompiled",
-    hint=(
-        'Find what forces the recompilations (TORCH_LOGS="recompiles"): usually changing input shapes or Python '
-        "values; pad to fixed buckets, mark dimensions dynamic, or raise torch._dynamo.config.recompile_limit "
-        "only if the variants are few and worth compiling."
-    ),
-    reason="Measured: the code that hit the limit now runs uncompiled, slower than configured",
-    message=(
-        "torch.compile hit its recompile limit {limit_hits:.0f} time(s) during training: the code it gave up on now "
-        "runs uncompiled, silently slower."
-    ),
-)
-
-BLOCK = ("TFD601", "TFD619")
-"""The codes reserved for ThroughputMonitor's rules."""
-
-RULES: tuple[Rule, ...] = (TFD601, TFD602, TFD603, TFD604, TFD605, TFD606, TFD607)
-"""The rules decided in this module, in code order."""
-
-
 GIB = float(2**30)
 
 
@@ -311,6 +166,28 @@ def throughput_metrics(
 
 
 # ---------------------------------------------------------------------------------------------------- the rules
+TFD602 = Rule(
+    "TFD602",
+    "info",
+    "ThroughputMonitor",
+    title="padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)",
+    trigger=(
+        "padding above `padding_threshold` of the computed token positions for `patience` measurements; a warning "
+        "when padding is most (> 50%) of them, with the speed-up packing and dynamic padding would give"
+    ),
+    hint=(
+        "Group sequences of similar length (length-bucketed sampler), pad to the batch maximum rather than a "
+        "fixed length, or pack several sequences per row."
+    ),
+    reason="An observation of padding; a warning when padding is most of the computed positions (compute lost)",
+    message=(
+        "{padding_frac:.0%} of the token positions computed were padding (threshold {threshold:.0%}) for {patience} "
+        "measurements in a row: packing or length-bucketing would compute {speedup_packing:.1f}x fewer positions"
+        "{trim}{consequence}"
+    ),
+)
+
+
 def padding_verdict(
     padding: float, rows: Sequence[ThroughputRow], threshold: float, patience: int, step: int | None = None
 ) -> Verdict:
@@ -348,6 +225,24 @@ def padding_verdict(
     )
 
 
+TFD604 = Rule(
+    "TFD604",
+    "info",
+    "ThroughputMonitor",
+    title="memory above `memory_threshold` of the device's (or machine's) capacity",
+    trigger="peak memory above `memory_threshold` of the device's capacity (CPU: the machine's physical memory)",
+    hint=(
+        "Lower the micro-batch size and use gradient accumulation, enable activation checkpointing, use bf16 "
+        "mixed precision, or shard parameters and optimizer state (FSDP)."
+    ),
+    reason="An observation: memory near capacity is a risk, not harm (caching allocators keep what they reserved)",
+    message=(
+        "Memory use reached {memory_frac:.0%} of capacity on rank {rank} (threshold {threshold:.0%}); the run is "
+        "close to out-of-memory."
+    ),
+)
+
+
 def memory_verdict(
     rows: Sequence[ThroughputRow], peak_allocated_gib: float, threshold: float, step: int | None = None
 ) -> Verdict | None:
@@ -358,6 +253,32 @@ def memory_verdict(
     frac = max(fractions)
     evidence = {"memory_frac": frac, "peak_allocated_gib": peak_allocated_gib}
     return TFD604.verdict(evidence, step=step, rank=fractions.index(frac), threshold=threshold)
+
+
+TFD605 = Rule(
+    "TFD605",
+    "info",
+    "ThroughputMonitor",
+    title="the step time regressed as for TFD603, but the machine got slower, not the run",
+    trigger=(
+        "as TFD603, but the same work got slower: the larger of the rise of this process's run-queue wait per CPU "
+        "second (`/proc/self/task/*/schedstat`, where the extra time was spent runnable) and of a fixed reference "
+        "computation's time explains half the step time's rise, or, where the run's CPU time per step rose by less "
+        "than 0.9x as much, half its rise per CPU second of work. Never when the run takes 1.25x its early CPU per "
+        "second, nor, without `/proc`, when its CPU time per step rose with its step time, unless the same fixed "
+        "computation at the run's thread count (waits left in) slowed by half the step time's rise itself: threads "
+        "spinning while a peer waits for a core burn CPU as more work would"
+    ),
+    hint=(
+        "Timings from a shared machine are not comparable over time; for benchmarks, use an idle machine or "
+        "compare ratios measured in the same period."
+    ),
+    reason="The slowdown is the machine's (other processes took the cores, or the same work takes longer)",
+    message=(
+        "The median step time rose to {ratio_to_early:.2f}x the early steps' median while {cause}, so this is not "
+        "reported as a slowdown of the run itself (TFD603)."
+    ),
+)
 
 
 def contended_verdict(ratio: float, row: ThroughputRow, step: int | None = None) -> Verdict:
@@ -384,10 +305,89 @@ def load_evidence(row: ThroughputRow) -> dict[str, float]:
     }
 
 
+TFD607 = Rule(
+    "TFD607",
+    "warning",
+    "ThroughputMonitor",
+    title="`torch.compile` hit its recompile limit during training: that code now runs uncompiled",
+    trigger="`torch.compile` hit its recompile limit during training, so that code runs uncompiled",
+    hint=(
+        'Find what forces the recompilations (TORCH_LOGS="recompiles"): usually changing input shapes or Python '
+        "values; pad to fixed buckets, mark dimensions dynamic, or raise torch._dynamo.config.recompile_limit "
+        "only if the variants are few and worth compiling."
+    ),
+    reason="Measured: the code that hit the limit now runs uncompiled, slower than configured",
+    message=(
+        "torch.compile hit its recompile limit {limit_hits:.0f} time(s) during training: the code it gave up on now "
+        "runs uncompiled, silently slower."
+    ),
+)
+
+
 def compile_limit_verdict(rows: Sequence[ThroughputRow], step: int | None = None) -> Verdict | None:
     """``TFD607`` once any rank's ``torch.compile`` hit its recompile limit during training."""
     hits = max((r.limit_hits for r in rows if r.limit_hits == r.limit_hits), default=0.0)
     return TFD607.verdict({"limit_hits": hits}, step=step) if hits > 0 else None
+
+
+TFD601 = Rule(
+    "TFD601",
+    "warning",
+    "ThroughputMonitor",
+    title="data-loading bound: the wait for the next batch above `wait_threshold` of wall time, sustained",
+    trigger="the wait for the next batch above `wait_threshold` of wall time (worst rank) for `patience` measurements",
+    hint=(
+        "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "
+        "prefetch_factor, and move tokenization or heavy transforms out of __getitem__ (pre-tokenize)."
+    ),
+    reason="Measured: the run waits for data a large share of its time, compute paid for and idle",
+    message=(
+        "Training is data-loading bound: {dataloader_wait_frac:.0%} of wall time went to waiting for the next batch "
+        "(threshold {threshold:.0%}) for {patience} measurements in a row."
+    ),
+)
+
+
+TFD603 = Rule(
+    "TFD603",
+    "warning",
+    "ThroughputMonitor",
+    title="the median step time regressed to more than `regression_factor` x the early window, sustained",
+    trigger=(
+        "the median and the mean step time over the last `window` steps above `regression_factor` x the early "
+        "window's (after `skip_steps`, over `baseline_steps`), for `patience` measurements in a row that the "
+        "machine does not explain (TFD605)"
+    ),
+    hint=(
+        "Look for growth over time: a Python list or tensor kept across steps (retained graph, metrics "
+        "accumulated with .append), rising sequence lengths, memory fragmentation, thermal throttling, or other "
+        "jobs on the machine. Run with profile_steps=[a, b] early and late, and compare the tables."
+    ),
+    reason="Measured, sustained: the step time regressed against the run's own early steps",
+    message=(
+        "The median step time rose to {step_time_ms:.1f} ms, {ratio_to_early:.2f}x the early steps' median, for "
+        "{patience} measurements in a row."
+    ),
+)
+
+
+TFD606 = Rule(
+    "TFD606",
+    "warning",
+    "ThroughputMonitor",
+    title="`torch.compile` keeps compiling new graphs after the early window, at each of `patience` measurements",
+    trigger="`torch.compile` compiled new graphs (TorchDynamo's counters) at each of `patience` measurements",
+    hint=(
+        "A guard of the compiled code changes every step: input shapes (pad to a few bucket lengths or let shapes "
+        "be dynamic) or Python values passed in (the step number, a float, a dict with new keys). "
+        'TORCH_LOGS="recompiles" prints the failing guard.'
+    ),
+    reason="Measured: recompiling keeps costing time after the early window",
+    message=(
+        "torch.compile is still compiling after the early window: {new_graphs:.0f} new graph(s) since then, more at "
+        "each of the last {patience} measurements. Every recompilation stalls training."
+    ),
+)
 
 
 @dataclass
@@ -477,3 +477,10 @@ class ThroughputDiagnosis:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.streaks.load_state_dict(state)
+
+
+BLOCK = ("TFD601", "TFD619")
+"""The codes reserved for ThroughputMonitor's rules."""
+
+RULES: tuple[Rule, ...] = (TFD601, TFD602, TFD603, TFD604, TFD605, TFD606, TFD607)
+"""The rules decided in this module, in code order."""

@@ -77,6 +77,20 @@ def left_out_or_rounded(
 
 
 # ---------------------------------------------------------------------------------------------------------- TFD310
+
+
+def _learning_evidence(memory: UpdateMemory, latest: float, ln_vocab: float | None) -> dict[str, Any]:
+    if memory.first_loss is None or ln_vocab is None:
+        return {}
+    return {
+        "first_loss": memory.first_loss,
+        "ln_vocab": ln_vocab,
+        "unigram_entropy": memory.unigram,
+        "progress_first": progress(memory.first_loss, ln_vocab, memory.unigram),
+        "progress_latest": progress(latest, ln_vocab, memory.unigram),
+    }
+
+
 TFD310 = Rule(
     "TFD310",
     "warning",
@@ -102,18 +116,6 @@ TFD310 = Rule(
         "{patience} measurements at a learning rate of {lr:.3g}{planned}{loss_falls}{not_learned}{rounded}."
     ),
 )
-
-
-def _learning_evidence(memory: UpdateMemory, latest: float, ln_vocab: float | None) -> dict[str, Any]:
-    if memory.first_loss is None or ln_vocab is None:
-        return {}
-    return {
-        "first_loss": memory.first_loss,
-        "ln_vocab": ln_vocab,
-        "unigram_entropy": memory.unigram,
-        "progress_first": progress(memory.first_loss, ln_vocab, memory.unigram),
-        "progress_latest": progress(latest, ln_vocab, memory.unigram),
-    }
 
 
 def tiny_updates(
@@ -252,36 +254,6 @@ def not_in_optimizer(left_out: Sequence[str], reading: UpdateReading, *, patienc
 
 
 # ---------------------------------------------------------------------------------------------------------- TFD313
-TFD313 = Rule(
-    "TFD313",
-    "info",
-    "UpdateRatio",
-    title=(
-        "the weights inflate (median group norm grew > `growth_limit` x in `growth_window` steps); a warning with "
-        "harm beside it: LR far too high"
-    ),
-    trigger=(
-        "the median group weight norm grew more than `growth_limit` x within `growth_window` optimizer steps "
-        "(groups under 5% of the largest group's norm left out); a warning when, beside it, the mean training "
-        "loss is not finite or fell by less than 0.1% of itself per step over the same window, the update ratio is "
-        "above `high`, or the growth is past `growth_limit` squared"
-    ),
-    hint=(
-        "Each step moves the weights a lot against their own scale (Adam moves every weight by about the LR per "
-        "step), so they inflate instead of learning; the loss typically stalls on a plateau or spikes. The "
-        "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 and "
-        "1e-3 (a few times more for tiny models). Lower it, and keep a warm-up. Norms of small-initialised "
-        "weights also grow early in healthy training while the loss falls: that alone is info."
-    ),
-    reason=(
-        "Small-initialised weights grow early in healthy training; a warning only with harm beside the growth (a "
-        "loss that stopped falling, or updates above the band)"
-    ),
-    message=(
-        "Weights are growing fast: the median group norm grew {median_growth:.3g}x in {steps} optimizer steps (limit "
-        "{growth_limit:g}x in {growth_window}), at a learning rate of {lr:.3g}{beside}."
-    ),
-)
 
 
 @dataclass(frozen=True)
@@ -348,6 +320,38 @@ def growth_harm(change: NormChange, reading: UpdateReading, *, high: float, grow
     return None
 
 
+TFD313 = Rule(
+    "TFD313",
+    "info",
+    "UpdateRatio",
+    title=(
+        "the weights inflate (median group norm grew > `growth_limit` x in `growth_window` steps); a warning with "
+        "harm beside it: LR far too high"
+    ),
+    trigger=(
+        "the median group weight norm grew more than `growth_limit` x within `growth_window` optimizer steps "
+        "(groups under 5% of the largest group's norm left out); a warning when, beside it, the mean training "
+        "loss is not finite or fell by less than 0.1% of itself per step over the same window, the update ratio is "
+        "above `high`, or the growth is past `growth_limit` squared"
+    ),
+    hint=(
+        "Each step moves the weights a lot against their own scale (Adam moves every weight by about the LR per "
+        "step), so they inflate instead of learning; the loss typically stalls on a plateau or spikes. The "
+        "learning rate is probably far too high: transformers trained with AdamW usually peak between 1e-4 and "
+        "1e-3 (a few times more for tiny models). Lower it, and keep a warm-up. Norms of small-initialised "
+        "weights also grow early in healthy training while the loss falls: that alone is info."
+    ),
+    reason=(
+        "Small-initialised weights grow early in healthy training; a warning only with harm beside the growth (a "
+        "loss that stopped falling, or updates above the band)"
+    ),
+    message=(
+        "Weights are growing fast: the median group norm grew {median_growth:.3g}x in {steps} optimizer steps (limit "
+        "{growth_limit:g}x in {growth_window}), at a learning rate of {lr:.3g}{beside}."
+    ),
+)
+
+
 def weights_growing(
     change: NormChange | None, reading: UpdateReading, harm: str | None, *, growth_limit: float, growth_window: int
 ) -> Verdict | None:
@@ -363,6 +367,16 @@ def weights_growing(
 
 
 # ---------------------------------------------------------------------------------------------------------- TFD314
+
+
+def weight_decay_per_step(param_groups: Sequence[Mapping[str, Any]]) -> float:
+    """The strongest decoupled decay per step, ``lr x weight_decay``, of ``param_groups`` (host floats; a tensor LR
+    is read to the host)."""
+    return max(
+        (float(group["lr"]) * float(group.get("weight_decay", 0.0) or 0.0) for group in param_groups), default=0.0
+    )
+
+
 TFD314 = Rule(
     "TFD314",
     "warning",
@@ -386,14 +400,6 @@ TFD314 = Rule(
         "optimizer steps (limit 1/{growth_limit:g} in {growth_window}).{because}"
     ),
 )
-
-
-def weight_decay_per_step(param_groups: Sequence[Mapping[str, Any]]) -> float:
-    """The strongest decoupled decay per step, ``lr x weight_decay``, of ``param_groups`` (host floats; a tensor LR
-    is read to the host)."""
-    return max(
-        (float(group["lr"]) * float(group.get("weight_decay", 0.0) or 0.0) for group in param_groups), default=0.0
-    )
 
 
 def weights_shrinking(

@@ -245,7 +245,7 @@ class RenamedIds(TinyGPT):
 
 @pytest.mark.parametrize("kind", ["dataclass", "encoding", "renamed"])
 def test_the_fingerprint_reads_dataclass_batch_encoding_and_renamed_batches(tmp_path, kind):
-    from tests.callbacks.test_batch_guard import ReadsFields, typed_batches
+    from tests.callbacks.batch_guard.test_callback import ReadsFields, typed_batches
 
     loader = typed_batches("encoding" if kind == "renamed" else kind)
     if kind == "renamed":  # the ids under a name no reader guesses, pointed at with input_key

@@ -567,7 +567,7 @@ def test_torch_compile_recompiling_every_step_is_named(tmp_path):
 
 @pytest.mark.parametrize("kind", ["dataclass", "encoding"])
 def test_dataclass_and_batch_encoding_batches_count_their_real_tokens(tmp_path, kind):
-    from tests.callbacks.test_batch_guard import ReadsFields, typed_batches
+    from tests.callbacks.batch_guard.test_callback import ReadsFields, typed_batches
 
     monitor = ThroughputMonitor(every_n_steps=3)
     trainer = make_trainer(tmp_path, [monitor], max_steps=4)

@@ -6,7 +6,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_tfdebug.core.data import epoch_data, special_token_sources, write_examples
-from lightning_tfdebug.functional.batch_checks import EpochData
+from lightning_tfdebug.functional.batches import EpochData
 
 
 class Stream(IterableDataset):

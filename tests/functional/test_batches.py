@@ -1,12 +1,15 @@
 import pytest
 import torch
 
-from lightning_tfdebug.functional.batches import (
+from lightning_tfdebug.functional.batch_schema import (
     compare_schema,
     describe_leaves,
     learn_schema,
-    length_shift,
     parse_declared_schema,
+)
+from lightning_tfdebug.functional.batches import (
+    SPECIAL_FIELDS,
+    length_shift,
     special_token_statistics,
     token_statistics,
     unpack_statistics,
@@ -218,6 +221,12 @@ def special_reference(ids, mask, labels, specials, ignore=-100, aligned=True):
     return out
 
 
+def flat_special(fields):
+    """The named fields of special_token_statistics as the reference's flat list: the scalars, then per id the pair."""
+    pairs = [x for pair in zip(fields["in_inputs"].tolist(), fields["in_labels"].tolist()) for x in pair]
+    return [fields[k].item() for k in SPECIAL_FIELDS[:5]] + pairs
+
+
 def test_special_token_statistics_match_a_plain_reference():
     ids = torch.tensor([[BOS, 3, 4, EOS, EOS, EOS], [EOS, 5, EOS, 6, EOS, EOS], [EOS, EOS, BOS, 2, 3, EOS]])
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]])  # right- and left-padded
@@ -226,20 +235,21 @@ def test_special_token_statistics_match_a_plain_reference():
         torch.cat([mask[:, 1:], mask[:, :1] * 0], 1) == 0, -100
     )
     for labels in (masked_by_id, ids.masked_fill(mask == 0, -100), shifted):
-        got = special_token_statistics(ids, mask, labels, (EOS, BOS, PAD)).tolist()
+        got = flat_special(special_token_statistics(ids, mask, labels, (EOS, BOS, PAD)))
         assert got == special_reference(ids, mask, labels, (EOS, BOS, PAD))
-    by_position = special_token_statistics(ids, mask, ids.masked_fill(mask == 0, -100), (EOS,)).tolist()
+    by_position = flat_special(special_token_statistics(ids, mask, ids.masked_fill(mask == 0, -100), (EOS,)))
     # row 1 begins with an EOS used as BOS: not counted among the inputs; the padding EOS are not real tokens
     assert by_position[5:] == [4, 5]  # labels count wherever supervised, the first position too
-    assert special_token_statistics(ids, mask, masked_by_id, (EOS,)).tolist()[5:] == [4, 0]
+    masked = special_token_statistics(ids, mask, masked_by_id, (EOS,))
+    assert masked["in_inputs"].tolist() == [4] and masked["in_labels"].tolist() == [0]
 
 
 def test_special_token_statistics_of_targets_that_do_not_align_with_the_inputs():
     sources = torch.tensor([[3, 4, EOS], [5, EOS, PAD]])
     targets = torch.tensor([[6, EOS, -100, -100], [3, 4, 5, EOS]])  # a decoder's labels: another width
-    got = special_token_statistics(sources, (sources != PAD).long(), targets, (EOS,)).tolist()
+    got = flat_special(special_token_statistics(sources, (sources != PAD).long(), targets, (EOS,)))
     assert got == [5, 6, 0, 0, 0, 2, 2]
-    unaligned = special_token_statistics(sources, None, sources, (EOS,), labels_aligned=False).tolist()
+    unaligned = flat_special(special_token_statistics(sources, None, sources, (EOS,), labels_aligned=False))
     assert unaligned[2:5] == [0, 0, 0] and unaligned[5:] == [2, 2]  # no mask: every position is real
 
 

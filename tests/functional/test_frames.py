@@ -8,11 +8,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_tfdebug.functional.frame_reports import format_frames
 from lightning_tfdebug.functional.frames import (
     Entry,
     FrameRecorder,
     abs_range,
-    format_frames,
     iter_float_tensors,
     weight_ranges,
     window,
@@ -190,7 +190,8 @@ def test_frame_flags_skip_checkpoint_recomputation_and_pause_when_disabled(mode)
 
 
 def test_replay_frames_restores_gradients_and_generators_and_reports_its_error():
-    from lightning_tfdebug.functional.frames import LOSS_FRAME, replay_frames, rng_state
+    from lightning_tfdebug.functional.frame_reports import replay_frames, rng_state
+    from lightning_tfdebug.functional.frames import LOSS_FRAME
 
     net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
     params = list(net.parameters())

@@ -14,27 +14,29 @@ from lightning_tfdebug.functional.optimizer_checks import (
     decay_shrinkage,
     decayed_1d_evidence,
     decayed_norms_shrink,
-    early_loss_spike,
-    eval_mode,
     frozen_parameter_moved,
     frozen_parameters_held,
-    grads_not_zeroed,
     half_eps,
-    lr_reached_zero,
-    missing_warmup,
-    parameter_unchanged,
     parameters_held_twice,
-    schedule_frozen,
-    scheduler_overstepped,
     shown,
     stale_tensors,
-    submodules_in_eval,
     untrained_parameters,
-    warmup_past_run,
-    warmup_spiked,
     wiring_verdicts,
 )
 from lightning_tfdebug.functional.optimizers import GroupReading, ScheduleCourse, ScheduleReading, WiringReading
+from lightning_tfdebug.functional.training_checks import (
+    early_loss_spike,
+    eval_mode,
+    grads_not_zeroed,
+    lr_reached_zero,
+    missing_warmup,
+    parameter_unchanged,
+    schedule_frozen,
+    scheduler_overstepped,
+    submodules_in_eval,
+    warmup_past_run,
+    warmup_spiked,
+)
 
 ADAMW = GroupReading("group0", "AdamW", weight_decay=0.1, lr=3e-4, eps=1e-8)
 """A recipe's decayed group: AdamW, lr 3e-4, weight decay 0.1, over float32 parameters."""

@@ -1,5 +1,5 @@
 """LossAtInit's findings at the check, in one order (the stall, copy, bound, context and transform decisions of
-:mod:`.stall_checks` and :mod:`.transform_checks`), and the package's rule registry entry (:data:`RULES`)."""
+:mod:`.stall_checks` and :mod:`.transform_checks`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from lightning_tfdebug.callbacks.loss_at_init import init_checks, stall_checks, transform_checks
 from lightning_tfdebug.callbacks.loss_at_init.phases import LossRun
 from lightning_tfdebug.callbacks.loss_at_init.readings import CheckReading
 from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
@@ -19,7 +18,7 @@ from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
     flat_window,
 )
 from lightning_tfdebug.callbacks.loss_at_init.transform_checks import TFD233, loss_transform_verdict
-from lightning_tfdebug.functional.verdicts import Rule, Verdict
+from lightning_tfdebug.functional.verdicts import Verdict
 
 
 def check_findings(
@@ -90,13 +89,3 @@ def check_findings(
     if transform is not None and transform.code == TFD233.code:
         verdicts = [v for v in verdicts if v is None or v.code not in (TFD231.code, TFD232.code)]
     return [dataclasses.replace(v, step=step) for v in (*verdicts, transform) if v is not None]
-
-
-BLOCK = ("TFD220", "TFD239")
-"""The codes reserved for LossAtInit's rules."""
-
-
-RULES: tuple[Rule, ...] = tuple(
-    sorted((*init_checks.RULES, *stall_checks.RULES, *transform_checks.RULES), key=lambda r: r.code)
-)
-"""The rules of LossAtInit, in code order (each declared above the function that decides it)."""

@@ -357,3 +357,6 @@ def scaled_loss_verdict(
 
 RULES: tuple[Rule, ...] = (TFD220, TFD221, TFD222, TFD223, TFD224, TFD227, TFD228, TFD229)
 """The rules decided in this module, in code order."""
+
+BLOCK = ("TFD220", "TFD239")
+"""The codes reserved for LossAtInit's rules (every one of its rule modules declares the same)."""

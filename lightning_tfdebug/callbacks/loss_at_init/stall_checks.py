@@ -357,3 +357,6 @@ def _ignores_context(evidence: Mapping[str, Any], own_match: float, rolled_match
 
 RULES: tuple[Rule, ...] = (TFD225, TFD226, TFD230, TFD231, TFD232)
 """The rules decided in this module, in code order."""
+
+BLOCK = ("TFD220", "TFD239")
+"""The codes reserved for LossAtInit's rules (every one of its rule modules declares the same)."""

@@ -354,3 +354,6 @@ def _shared_temperature(points: Sequence[LossReading]) -> float | None:
 
 RULES: tuple[Rule, ...] = (TFD233, TFD234, TFD235)
 """The rules decided in this module, in code order."""
+
+BLOCK = ("TFD220", "TFD239")
+"""The codes reserved for LossAtInit's rules (every one of its rule modules declares the same)."""

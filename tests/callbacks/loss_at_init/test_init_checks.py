@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lightning_tfdebug.callbacks.loss_at_init.check import RULES, check_findings
+from lightning_tfdebug.callbacks.loss_at_init.check import check_findings
 from lightning_tfdebug.callbacks.loss_at_init.init_checks import (
     batch_counts,
     classify_init_loss,
@@ -28,6 +28,7 @@ from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
     context_verdict,
 )
 from lightning_tfdebug.functional.loss import TEMPERATURE_GRID, copy_sums, init_loss_sums
+from lightning_tfdebug.rules import rules_of
 
 V = 50
 LN_V = math.log(V)
@@ -129,7 +130,7 @@ def test_the_returned_loss_picks_the_label_alignment():
 
 # ---------------------------------------------------------------------------------------------- every rule by numbers
 def test_every_rule_writes_its_message_from_its_template():
-    assert all(rule.message for rule in RULES)
+    assert all(rule.message for rule in rules_of("LossAtInit"))
     [probs] = classify_init_loss(init(probability_rows=1.0), init_tolerance=0.25, ignore_index=-100, shifted=True)
     assert probs.message.startswith("The model's outputs are already probabilities: 100% of the sampled rows")
     assert probs.severity is None and probs.evidence["probability_rows"] == 1.0  # the rule's severity: error

@@ -331,7 +331,7 @@ def off_by_one_decode(pl_module, input_ids):
 
 @pytest.mark.parametrize("fn, codes", [("full_prefix_decode", []), ("off_by_one_decode", ["TFD209"])])
 def test_kv_cache_fn(tmp_path, fn, codes):
-    probe = MaskProbe(kv_cache_fn=f"tests.callbacks.test_mask_probe:{fn}", probe_length=16)
+    probe = MaskProbe(kv_cache_fn=f"tests.callbacks.mask_probe.test_callback:{fn}", probe_length=16)
     fit(tmp_path, [probe], max_steps=1)
     assert problems(probe) == codes
 
@@ -415,7 +415,7 @@ def test_a_forward_taking_the_whole_batch_is_probed_through_the_call_training_st
 
 
 def test_forward_fn_makes_an_unusual_model_callable(tmp_path):
-    probe = MaskProbe(forward_fn="tests.callbacks.test_mask_probe:call_dict_forward")
+    probe = MaskProbe(forward_fn="tests.callbacks.mask_probe.test_callback:call_dict_forward")
     fit(tmp_path, [probe], model=DictForwardGPT(**SMALL, no_causal_mask=True))
     assert problems(probe) == ["TFD201"]
 
@@ -504,7 +504,7 @@ def hf_cached_decode_off_by_one(pl_module, input_ids):
 @needs_transformers
 @pytest.mark.parametrize("fn, codes", [("hf_cached_decode", []), ("hf_cached_decode_off_by_one", ["TFD209"])])
 def test_hugging_face_gpt2_kv_cache_positions(tmp_path, fn, codes):
-    probe = MaskProbe(kv_cache_fn=f"tests.callbacks.test_mask_probe:{fn}", probe_length=12)
+    probe = MaskProbe(kv_cache_fn=f"tests.callbacks.mask_probe.test_callback:{fn}", probe_length=12)
     fit(tmp_path, [probe], model=HFGPT2(), max_steps=1)
     assert problems(probe) == codes
     if codes:
@@ -520,7 +520,7 @@ def test_built_from_lightning_cli_yaml(tmp_path):
     config.write_text(
         "trainer:\n  callbacks:\n    - class_path: lightning_tfdebug.MaskProbe\n"
         "      init_args: {causal: false, model_kind: decoder, probe_rows: 3, padding_side: left, context_limit: 32,"
-        " forward_fn: 'tests.callbacks.test_mask_probe:call_dict_forward'}\n"
+        " forward_fn: 'tests.callbacks.mask_probe.test_callback:call_dict_forward'}\n"
     )
     cli = LightningCLI(TinyGPT, TinyTextDataModule, run=False, args=["--config", str(config)])
     [probe] = [c for c in cli.trainer.callbacks if isinstance(c, MaskProbe)]

@@ -10,8 +10,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.functional.batch_checks import learn_special_ids
-from lightning_tfdebug.functional.call_probes import (
+from lightning_tfdebug.callbacks.mask_probe.alignment_checks import (
+    AlignmentReading,
+    alignment_not_checked,
+    decide_objective,
+    kv_cache_unusable,
+)
+from lightning_tfdebug.callbacks.mask_probe.call_probes import (
     CallError,
     ModelCaller,
     call_logits,
@@ -21,26 +26,20 @@ from lightning_tfdebug.functional.call_probes import (
     measure_tables,
     watched_tables,
 )
-from lightning_tfdebug.functional.mask_checks import (
-    CONTEXT_LIMIT,
+from lightning_tfdebug.callbacks.mask_probe.leak_checks import (
     CROSS_SAMPLE_ASIDE,
-    ORDER_STEPS,
-    AlignmentReading,
     CausalReading,
     CrossSampleReading,
+    RepeatReading,
+)
+from lightning_tfdebug.callbacks.mask_probe.padding_checks import PaddingReading, PadSideReading, unpadded_mask
+from lightning_tfdebug.callbacks.mask_probe.position_checks import (
     KvCacheReading,
     OrderReading,
-    PaddingReading,
-    PadSideReading,
-    Reading,
-    RepeatReading,
-    alignment_not_checked,
     context_failure,
     context_limit_runs,
-    decide_objective,
-    kv_cache_unusable,
-    unpadded_mask,
 )
+from lightning_tfdebug.callbacks.mask_probe.readings import CONTEXT_LIMIT, ORDER_STEPS, Reading
 from lightning_tfdebug.functional.probes import (
     alignment_losses,
     causal_valid_positions,
@@ -51,6 +50,7 @@ from lightning_tfdebug.functional.probes import (
     padding_side,
     replace_after,
 )
+from lightning_tfdebug.functional.special_ids import learn_special_ids
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives.batch import is_id_tensor, logits_of, loss_of
 from lightning_tfdebug.primitives.calls import ModelCall, TableReads, read_objective, replace_leaves, tensor_leaves

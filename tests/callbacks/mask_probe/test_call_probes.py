@@ -4,8 +4,8 @@ recorded call re-issued with perturbed tokens."""
 import torch
 from torch import nn
 
-from lightning_tfdebug.functional import call_probes as cp
-from lightning_tfdebug.functional.mask_checks import LeakReading, LeakSummary, RepeatReading
+from lightning_tfdebug.callbacks.mask_probe import call_probes
+from lightning_tfdebug.callbacks.mask_probe.leak_checks import LeakReading, LeakSummary, RepeatReading
 from lightning_tfdebug.primitives.calls import find_model_call, record_calls
 
 
@@ -31,17 +31,17 @@ class NoArgsModel(nn.Module):
 
 def test_build_caller_reads_the_forward_signature():
     ids, mask = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long)
-    keyword = cp.build_caller(KeywordModel())
+    keyword = call_probes.build_caller(KeywordModel())
     assert (keyword.takes_mask, keyword.mask_named) == (True, True)
     assert keyword.call(ids, mask)["mask"] is mask
-    kwargs = cp.build_caller(KwargsModel(), input_key="tokens", mask_key="keep")
+    kwargs = call_probes.build_caller(KwargsModel(), input_key="tokens", mask_key="keep")
     assert (kwargs.takes_mask, kwargs.mask_named) == (True, False)
     assert set(kwargs.call(ids, mask)) == {"tokens", "keep"}
-    positional = cp.build_caller(PositionalModel())
+    positional = call_probes.build_caller(PositionalModel())
     assert (positional.takes_mask, positional.mask_named) == (False, False)
     assert positional.call(ids, None) is ids
-    assert "set `forward_fn`" in cp.build_caller(NoArgsModel())
-    custom = cp.build_caller(PositionalModel(), forward_fn=lambda module, i, m: (module, i, m))
+    assert "set `forward_fn`" in call_probes.build_caller(NoArgsModel())
+    custom = call_probes.build_caller(PositionalModel(), forward_fn=lambda module, i, m: (module, i, m))
     assert custom.takes_mask and custom.call(ids, mask)[2] is mask
 
 
@@ -72,7 +72,9 @@ def test_leaks_are_measured_through_the_argument_that_carries_the_labels():
         [slot] = found.related()
         assert slot.name == "tgt" and slot.offset == 1 and not slot.primary
         with torch.no_grad():
-            readings = cp.measure_leaks(found, cp.call_vocab(found, src), 2, torch.Generator().manual_seed(0))
+            readings = call_probes.measure_leaks(
+                found, call_probes.call_vocab(found, src), 2, torch.Generator().manual_seed(0)
+            )
         repeat, leak_reading, summary = readings
         assert isinstance(repeat, RepeatReading) and isinstance(summary, LeakSummary)
         assert isinstance(leak_reading, LeakReading) and (float(leak_reading.max_change) > 1e-3) == leaked
@@ -83,9 +85,9 @@ def test_a_recorded_call_is_reissued_with_the_probes_tokens():
     ids = torch.randint(0, 10, (3, 5))
     _, calls = record_calls(model, lambda: model(ids))
     found = find_model_call(calls, ids, labels=ids)
-    vocab = cp.call_vocab(found, ids)
+    vocab = call_probes.call_vocab(found, ids)
     other = ids.flip(1)[:2]
-    logits = cp.call_logits(found, vocab, other, None, torch.Generator())
+    logits = call_probes.call_logits(found, vocab, other, None, torch.Generator())
     assert torch.allclose(logits, model(other))
-    perturbed = cp.perturb_from(found, vocab, found.primary, 2, 2, torch.Generator().manual_seed(0))
+    perturbed = call_probes.perturb_from(found, vocab, found.primary, 2, 2, torch.Generator().manual_seed(0))
     assert torch.equal(perturbed[:, :2], ids[:2, :2]) and not torch.equal(perturbed[:, 2:], ids[:2, 2:])

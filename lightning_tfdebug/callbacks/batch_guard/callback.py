@@ -13,13 +13,17 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_tfdebug.callbacks.batch_guard import repeat_checks, schema_checks, special_token_checks, value_checks
+from lightning_tfdebug.callbacks.batch_guard.readings import BatchPaths, ValueRules, batch_name, fields_notice
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
 from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.data import epoch_data, special_token_sources, write_examples
 from lightning_tfdebug.core.model import find_context_length, find_vocab_size, load_tokenizer
+from lightning_tfdebug.core.reduction import host_fields
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional import batch_checks as checks
-from lightning_tfdebug.functional.batches import parse_declared_schema, structure_key, unpack_statistics
+from lightning_tfdebug.functional.batch_schema import parse_declared_schema, structure_key
+from lightning_tfdebug.functional.batches import EpochData, unpack_statistics
+from lightning_tfdebug.functional.special_ids import learn_special_ids
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys, StepBatch
 from lightning_tfdebug.primitives.keys import Key
@@ -151,15 +155,13 @@ class BatchGuard(DebugCallback):
         self.tokenizer, self.decode_examples = load_tokenizer(tokenizer), decode_examples
         self.special_token_batches, self.min_eos_expected = special_token_batches, float(min_eos_expected)
         # the vocabulary and the context are read from the model at setup when not given
-        self._rules = checks.ValueRules(
-            vocab_size, max_length, self.ignore_index, bos_id, eos_id, self.max_truncated_fraction
-        )
+        self._rules = ValueRules(vocab_size, max_length, self.ignore_index, bos_id, eos_id, self.max_truncated_fraction)
         self._encoder_decoder = False  # labels are the decoder's targets, not aligned with the input ids
-        self._schema = checks.SchemaWatch(learn_batches, declared, max_length)
-        self._lengths = checks.LengthWindow(length_window, self.length_shift_tolerance)
-        self._repeats = checks.BatchRepeats(self.max_repeated_fraction)
-        self._epoch = checks.EpochData()  # the training data of the current epoch (set per epoch)
-        self._tally: checks.SpecialTokenTally | None = None  # TFD124's count, None when off
+        self._schema = schema_checks.SchemaWatch(learn_batches, declared, max_length)
+        self._lengths = repeat_checks.LengthWindow(length_window, self.length_shift_tolerance)
+        self._repeats = repeat_checks.BatchRepeats(self.max_repeated_fraction)
+        self._epoch = EpochData()  # the training data of the current epoch (set per epoch)
+        self._tally: special_token_checks.SpecialTokenTally | None = None  # TFD124's count, None when off
         # the batch of the step (a reference, diagnosed if its forward raises), batch_name's parts, checked or not
         self._last: tuple[StepBatch, tuple[int, int, int, int], bool] | None = None
         self._keys_announced = self._examples_logged = False
@@ -205,12 +207,14 @@ class BatchGuard(DebugCallback):
         # a fit resumed mid-epoch starts its first epoch without `on_train_epoch_start`
         self._epoch = epoch_data(trainer)
         if self.special_token_batches and self.active:
-            ids = checks.learn_special_ids(special_token_sources(trainer, pl_module, self.tokenizer), self.eos_id)
-            aside = checks.eos_count_aside(ids)
+            ids = learn_special_ids(special_token_sources(trainer, pl_module, self.tokenizer), self.eos_id)
+            aside = special_token_checks.eos_count_aside(ids)
             if aside is None:
-                self._tally = checks.SpecialTokenTally(ids, self.min_eos_expected, self.special_token_batches)
+                self._tally = special_token_checks.SpecialTokenTally(
+                    ids, self.min_eos_expected, self.special_token_batches
+                )
             else:
-                self.check_aside(checks.EOS_CHECK, *aside)
+                self.check_aside(special_token_checks.EOS_CHECK, *aside)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch = epoch_data(trainer)  # host metadata, once per epoch
@@ -227,17 +231,17 @@ class BatchGuard(DebugCallback):
         view = step_batch(trainer, batch, self._batch_keys)  # the step's one reading of the batch, shared
         if not self._keys_announced:  # once: where the fields were found, when the user should know
             self._keys_announced = True
-            notice = checks.fields_notice(view.fields.paths, view.fields.leaves, self._batch_keys.input_key)
+            notice = fields_notice(view.fields.paths, view.fields.leaves, self._batch_keys.input_key)
             if notice is not None:  # said in the debug log only: a healthy run prints nothing from the pack
                 logging.getLogger("lightning_tfdebug").debug(notice)
         structure = structure_key(view.fields.leaves)  # host metadata only
         if structure != self._schema.clean:  # a batch shaped like the last one that passed would pass too
             ids_path = view.fields.paths["input_ids"]
-            found = self._schema.check(structure, view.fields.leaves, ids_path, checks.batch_name(*where))
+            found = self._schema.check(structure, view.fields.leaves, ids_path, batch_name(*where))
             self.emit(trainer, found, synchronized=False)  # rank-local: each rank judges its own batch
         if not self._fit_started:  # a fit resumed mid-epoch starts at a batch index past 0
             self._fit_started = True
-            resumed = checks.resumed_mid_epoch(batch_idx, step, epoch, trainer.global_rank, self._epoch)
+            resumed = repeat_checks.resumed_mid_epoch(batch_idx, step, epoch, trainer.global_rank, self._epoch)
             if resumed is not None:
                 self._repeats.resumed_epoch = epoch  # the restarted loader's repeats are TFD125's, not TFD123's
             self.emit(trainer, resumed, synchronized=False)
@@ -250,7 +254,7 @@ class BatchGuard(DebugCallback):
         if ids is not None:
             self._repeats.add(epoch, step, self._epoch, ids)  # a fingerprint: no sync (a host int for a CPU batch)
         if checked:
-            self._check_values(trainer, view, checks.batch_name(*where))
+            self._check_values(trainer, view, batch_name(*where))
         # Findings are rank-local (each rank sees its own batch). With "stop"/"raise" this is one boolean all-reduce,
         # on every batch and on every rank alike (decided from nothing but the hook being called), so all ranks act
         # together before the forward; with "warn" it does nothing.
@@ -272,12 +276,12 @@ class BatchGuard(DebugCallback):
             return None
         ids, mask, labels = view.token_fields()
         assert ids is not None
-        aligned, sequences = checks.label_layout(ids, labels, self._encoder_decoder)
-        aside = checks.eos_count_aside(
+        aligned, sequences = special_token_checks.label_layout(ids, labels, self._encoder_decoder)
+        aside = special_token_checks.eos_count_aside(
             tally.ids, has_labels=labels is not None, sequences=sequences, has_mask=mask is not None
         )
         if aside is not None:
-            self.check_aside(checks.EOS_CHECK, *aside)
+            self.check_aside(special_token_checks.EOS_CHECK, *aside)
             return None
         assert labels is not None
         return tally.statistics(ids, mask, labels, self.ignore_index, aligned), aligned
@@ -288,32 +292,37 @@ class BatchGuard(DebugCallback):
         if stats is None:
             return
         special = self._special_statistics(view)
-        fingerprints = checks.BatchRepeats.on_device(prints)
-        parts = [stats, *([special[0]] if special else []), *([torch.stack(fingerprints)] if fingerprints else [])]
+        fingerprints = repeat_checks.BatchRepeats.on_device(prints)
+        fields: dict[str, Tensor] = {"statistics": stats}
+        if special:
+            fields |= {("special", name): value for name, value in special[0].items()}
+        if fingerprints:
+            fields["fingerprints"] = torch.stack(fingerprints)
         # host sync: the one transfer of this checked batch (its statistics, TFD124's counts while they are taken,
         # and the fingerprints since the last checked batch)
-        host = (torch.cat([p.to(stats.dtype) for p in parts]) if len(parts) > 1 else stats).tolist()
-        s, rest = unpack_statistics(host[: stats.numel()]), host[stats.numel() :]
+        host = host_fields(fields)
+        s = unpack_statistics(host["statistics"])
         if special is not None and self._tally is not None:
-            counts, rest = rest[: special[0].numel()], rest[special[0].numel() :]
+            counts = {name[1]: value for name, value in host.items() if isinstance(name, tuple)}
             has_mask, labels_path = view.fields.attention_mask is not None, view.fields.paths["labels"]
             self.emit(trainer, self._tally.add(counts, special[1], labels_path, has_mask), synchronized=False)
-        self.emit(trainer, self._repeats.read(prints, rest, trainer.global_rank), synchronized=False)
+        repeats = self._repeats.read(prints, host.get("fingerprints", []), trainer.global_rank)
+        self.emit(trainer, repeats, synchronized=False)
         self.emit(trainer, self._value_verdicts(view, s, where), synchronized=False)
         ids, _, labels = view.token_fields()
         if not self._examples_logged and self.tokenizer is not None and self.decode_examples:
             self._examples_logged = True
             self._log_examples(trainer, ids, labels if labels is not None and labels.shape == ids.shape else None)
         if self.should_measure(trainer):
-            self.log_scalars(trainer, checks.batch_metrics(s, self._rules, labels is not None))
+            self.log_scalars(trainer, value_checks.batch_metrics(s, self._rules, labels is not None))
 
     def _value_verdicts(
         self, view: StepBatch, s: dict[str, float], where: str, crash_only: bool = False
     ) -> list[Verdict | None]:
         """The rules of one batch's values, and, unless ``crash_only``, the length window."""
         _, mask, labels = view.token_fields()
-        paths, packed = checks.BatchPaths.of(view.fields.paths), checks.packed_keys(view.fields.leaves)
-        found = checks.value_verdicts(
+        paths, packed = BatchPaths.of(view.fields.paths), value_checks.packed_keys(view.fields.leaves)
+        found = value_checks.value_verdicts(
             s,
             where,
             paths,
@@ -328,7 +337,7 @@ class BatchGuard(DebugCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         prints = self._repeats.take()
         if self.active and prints:  # the fingerprints not yet read
-            fingerprints = checks.BatchRepeats.on_device(prints)
+            fingerprints = repeat_checks.BatchRepeats.on_device(prints)
             host = torch.stack(fingerprints).tolist() if fingerprints else []  # host sync: once, at the end of training
             self.emit(trainer, self._repeats.read(prints, host, trainer.global_rank), synchronized=False)
         self._last = None
@@ -350,18 +359,18 @@ class BatchGuard(DebugCallback):
                 stats = None if copy is None else self._statistics(StepBatch(copy, self._batch_keys))
                 host = None if stats is None else stats.tolist()
             if host is not None:  # rank-local: warned and written to the findings file, never raised here
-                verdicts = self._value_verdicts(
-                    view, unpack_statistics(host), checks.batch_name(*parts), crash_only=True
-                )
+                verdicts = self._value_verdicts(view, unpack_statistics(host), batch_name(*parts), crash_only=True)
                 self.emit(trainer, verdicts, synchronized=False)
         except Exception as err:  # never mask the exception that is propagating
             rank_zero_warn(f"BatchGuard could not diagnose the failing batch: {err}", category=TFDebugWarning)
 
     # ------------------------------------------------------------------ decoded examples
     def _log_examples(self, trainer: pl.Trainer, ids: Tensor, labels: Tensor | None) -> None:
-        rows, label_rows = checks.example_rows(ids, labels, self.decode_examples)  # host sync: once per fit
+        rows, label_rows = value_checks.example_rows(ids, labels, self.decode_examples)  # host sync: once per fit
         try:
-            lines = checks.decoded_examples(self.tokenizer, rows, label_rows, self.ignore_index, trainer.global_rank)
+            lines = value_checks.decoded_examples(
+                self.tokenizer, rows, label_rows, self.ignore_index, trainer.global_rank
+            )
         except Exception as err:  # a tokenizer that cannot decode must not break training
             rank_zero_warn(
                 f"BatchGuard: tokenizer.decode failed ({err}); no decoded examples.", category=TFDebugWarning

@@ -16,14 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.functional.mask_checks import (
-    LeakReading,
-    LeakSummary,
-    PositionTable,
-    PositionTablesReading,
-    Reading,
-    RepeatReading,
-)
+from lightning_tfdebug.callbacks.mask_probe.leak_checks import LeakReading, LeakSummary, RepeatReading
+from lightning_tfdebug.callbacks.mask_probe.position_checks import PositionTable, PositionTablesReading
+from lightning_tfdebug.callbacks.mask_probe.readings import Reading
 from lightning_tfdebug.functional.probes import causal_valid_positions, logit_tolerance, max_change, other_ids
 from lightning_tfdebug.primitives.batch import MASK_KEYS, logits_of
 from lightning_tfdebug.primitives.calls import ModelCall, Path, TableUse, TokenSlot, read_logits

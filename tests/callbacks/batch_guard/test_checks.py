@@ -1,31 +1,26 @@
 import pytest
 import torch
 
+from lightning_tfdebug.callbacks.batch_guard import readings
+from lightning_tfdebug.callbacks.batch_guard import repeat_checks as repeats
+from lightning_tfdebug.callbacks.batch_guard import schema_checks as schema
+from lightning_tfdebug.callbacks.batch_guard import special_token_checks as special
+from lightning_tfdebug.callbacks.batch_guard import value_checks as values
+from lightning_tfdebug.callbacks.batch_guard.readings import STREAM_REPEAT_WINDOW, BatchPaths, ValueRules
+from lightning_tfdebug.callbacks.batch_guard.repeat_checks import LengthWindow, RepeatPeriod, RepeatTracker
+from lightning_tfdebug.callbacks.batch_guard.schema_checks import drift_verdicts, too_long
+from lightning_tfdebug.callbacks.batch_guard.special_token_checks import SpecialTokenTally
+from lightning_tfdebug.callbacks.batch_guard.value_checks import batch_metrics, value_verdicts
 from lightning_tfdebug.demo.data import ByteTokenizer
-from lightning_tfdebug.functional import batch_checks as bc
-from lightning_tfdebug.functional.batch_checks import (
-    STREAM_REPEAT_WINDOW,
-    BatchPaths,
-    LengthWindow,
-    RepeatPeriod,
-    RepeatTracker,
-    SpecialIds,
-    SpecialTokenTally,
-    ValueRules,
-    batch_metrics,
-    drift_verdicts,
-    learn_special_ids,
-    too_long,
-    value_verdicts,
-)
+from lightning_tfdebug.functional import batches
+from lightning_tfdebug.functional.batch_schema import Drift, FieldSpec
 from lightning_tfdebug.functional.batches import (
     STAT_NAMES,
-    Drift,
-    FieldSpec,
     special_token_statistics,
     token_statistics,
     unpack_statistics,
 )
+from lightning_tfdebug.functional.special_ids import SpecialIds, learn_special_ids
 from lightning_tfdebug.rules import rule
 
 
@@ -143,8 +138,8 @@ def test_length_window_against_the_first_window():
 
 
 def test_decoded_examples_show_the_supervised_positions():
+    from lightning_tfdebug.callbacks.batch_guard.value_checks import decoded_examples
     from lightning_tfdebug.demo.data import ByteTokenizer
-    from lightning_tfdebug.functional.batch_checks import decoded_examples
 
     rows = [[ord(c) for c in "hi!"]]
     lines = decoded_examples(ByteTokenizer(), rows, [[-100, ord("i"), ord("!")]], -100, rank=1)
@@ -156,7 +151,7 @@ def test_decoded_examples_show_the_supervised_positions():
 
 # ------------------------------------------------------------------------------------------------ mask holes (TFD122)
 def hole_verdict(ids, mask, position_ids=None, packed_keys=()):
-    from lightning_tfdebug.functional.batch_checks import mask_hole_verdict
+    from lightning_tfdebug.callbacks.batch_guard.value_checks import mask_hole_verdict
 
     s = unpack_statistics(token_statistics(ids, mask, position_ids=position_ids).tolist())
     return mask_hole_verdict(s, "Batch 0", PATHS, has_mask=True, packed_keys=packed_keys)
@@ -285,7 +280,8 @@ def tally_of(batches, ids=SPECIAL, aligned=True, **kwargs):
     tally = SpecialTokenTally(ids, **kwargs)
     out = []
     for batch in batches:
-        host = special_token_statistics(*batch, ids.ordered(), labels_aligned=aligned).tolist()
+        fields = special_token_statistics(*batch, ids.ordered(), labels_aligned=aligned)
+        host = {k: v.tolist() for k, v in fields.items()}
         out.append(tally.add(host, aligned, "labels", has_mask=True))
     return tally, [v for v in out if v is not None]
 
@@ -364,21 +360,22 @@ def plain(**values):
 @pytest.mark.parametrize(
     "rule, harmful, code, message",
     [
-        (bc.ids_outside_vocabulary, dict(ids_out_of_range=2, first_bad_id_value=12, first_bad_id_row=1,
+        (values.ids_outside_vocabulary, dict(ids_out_of_range=2, first_bad_id_value=12, first_bad_id_row=1,
          first_bad_id_col=3, ids_min=0, ids_max=12), "TFD110", "'input_ids' holds 2 token id(s) outside [0, 10); the "
          "first is 12 at row 1, position 3."),
-        (bc.mask_not_binary, dict(mask_non_binary=1, first_bad_mask_value=0.5), "TFD112",
+        (values.mask_not_binary, dict(mask_non_binary=1, first_bad_mask_value=0.5), "TFD112",
          "'attention_mask' has 1 value(s) that are neither 0 nor 1 (e.g. 0.5)."),
-        (bc.labels_outside_vocabulary, dict(labels_out_of_range=3, first_bad_label_value=-1), "TFD113",
+        (values.labels_outside_vocabulary, dict(labels_out_of_range=3, first_bad_label_value=-1), "TFD113",
          "'labels' holds 3 label(s) outside [0, 10) that are not ignore_index=-100 (e.g. -1)."),
-        (bc.every_label_ignored, dict(labels_total=32, labels_ignored=32), "TFD114",
+        (values.every_label_ignored, dict(labels_total=32, labels_ignored=32), "TFD114",
          "every label in 'labels' is ignore_index=-100; this batch teaches nothing"),
-        (bc.padding_supervised, dict(pad_supervised=5, pad_positions=9), "TFD115",
+        (values.padding_supervised, dict(pad_supervised=5, pad_positions=9), "TFD115",
          "'labels' supervises 5 of 9 padding positions ('attention_mask' 0, label not ignore_index=-100)"),
-        (bc.sequences_without_bos, dict(bos_missing=1), "TFD116", "1 of 4 sequences do not start with BOS (1)."),
-        (bc.several_eos, dict(eos_multiple=2), "TFD117", "2 of 4 sequences hold more than one EOS (2)."),
-        (bc.tokens_after_eos, dict(eos_then_tokens=3), "TFD118", "3 of 4 sequences have real tokens after their EOS."),
-        (bc.truncation_rate, dict(truncated=3), "TFD119",
+        (values.sequences_without_bos, dict(bos_missing=1), "TFD116", "1 of 4 sequences do not start with BOS (1)."),
+        (values.several_eos, dict(eos_multiple=2), "TFD117", "2 of 4 sequences hold more than one EOS (2)."),
+        (values.tokens_after_eos, dict(eos_then_tokens=3), "TFD118",
+         "3 of 4 sequences have real tokens after their EOS."),
+        (values.truncation_rate, dict(truncated=3), "TFD119",
          "3 of 4 sequences fill the maximum length 6 with no EOS: they were truncated."),
     ],
 )  # fmt: skip
@@ -392,16 +389,16 @@ def test_each_value_rule_on_plain_numbers(rule, harmful, code, message):
 
 def test_value_rules_at_their_thresholds_and_without_their_settings():
     none = ValueRules(vocab_size=10, context=None, ignore_index=-100)
-    assert bc.sequences_without_bos(plain(bos_missing=4), "B", PATHS, none) is None  # no bos_id: not judged
-    assert bc.several_eos(plain(eos_multiple=4), "B", PATHS, none) is None
-    assert bc.truncation_rate(plain(truncated=4), "B", PATHS, RULES).evidence == {
+    assert values.sequences_without_bos(plain(bos_missing=4), "B", PATHS, none) is None  # no bos_id: not judged
+    assert values.several_eos(plain(eos_multiple=4), "B", PATHS, none) is None
+    assert values.truncation_rate(plain(truncated=4), "B", PATHS, RULES).evidence == {
         "truncated_frac": 1.0,
         "max_length": 6,
     }
-    assert bc.truncation_rate(plain(truncated=2), "B", PATHS, RULES) is None  # 2 of 4 is not above 0.5
-    assert bc.truncation_rate(plain(truncated=4, sequences=0), "B", PATHS, RULES) is None
-    assert bc.every_label_ignored(plain(labels_total=32, labels_ignored=31), "B", PATHS, RULES) is None
-    assert bc.every_label_ignored(plain(labels_total=0, labels_ignored=0), "B", PATHS, RULES) is None
+    assert values.truncation_rate(plain(truncated=2), "B", PATHS, RULES) is None  # 2 of 4 is not above 0.5
+    assert values.truncation_rate(plain(truncated=4, sequences=0), "B", PATHS, RULES) is None
+    assert values.every_label_ignored(plain(labels_total=32, labels_ignored=31), "B", PATHS, RULES) is None
+    assert values.every_label_ignored(plain(labels_total=0, labels_ignored=0), "B", PATHS, RULES) is None
     kinds = {v.code for v in value_verdicts(plain(mask_non_binary=1, bos_missing=1), "B", PATHS, RULES,
                                             has_mask=False, has_labels=False)}  # fmt: skip
     assert kinds == set()  # the mask rules need a mask, the convention rules labels
@@ -415,17 +412,17 @@ def test_value_rules_at_their_thresholds_and_without_their_settings():
 def test_mask_holes_on_plain_numbers():
     holes = plain(mask_holes=2, mask_hole_rows=2, mask_hole_row_tokens=10, holes_masked_everywhere=2,
                   first_hole_row=0, first_hole_col=3, first_hole_id=9, padding_id_min=9, padding_id_max=9)  # fmt: skip
-    verdict = bc.mask_hole_verdict(holes, "B", PATHS, has_mask=True)
+    verdict = values.mask_hole_verdict(holes, "B", PATHS, has_mask=True)
     assert verdict.code == "TFD122" and verdict.evidence["hole_fraction"] == pytest.approx(2 / 12)
     assert "masks 2 position(s) inside the text of 2 of 4 rows (16.7% of those rows' text" in verdict.message
-    assert "(input_ids != 9)" in verdict.message and verdict.hint == bc.HOLES_FROM_IDS_HINT
-    hidden = bc.mask_hole_verdict({**holes, "holes_masked_everywhere": 0, "holes_attended_in_row": 2}, "B", PATHS,
+    assert "(input_ids != 9)" in verdict.message and verdict.hint == values.HOLES_FROM_IDS_HINT
+    hidden = values.mask_hole_verdict({**holes, "holes_masked_everywhere": 0, "holes_attended_in_row": 2}, "B", PATHS,
                                   has_mask=True)  # fmt: skip
-    assert "2 of the 2 holes hold ids attended elsewhere" in hidden.message and hidden.hint == bc.HOLES_IN_TEXT_HINT
-    assert bc.mask_hole_verdict({**holes, "mask_hole_row_tokens": 1}, "B", PATHS, has_mask=True) is None  # mostly
-    assert bc.mask_hole_verdict({**holes, "position_resets": 1}, "B", PATHS, has_mask=True) is None  # packed
-    assert bc.mask_hole_verdict(holes, "B", PATHS, has_mask=True, packed_keys=("cu_seqlens",)) is None
-    assert bc.packed_keys({"input_ids": 0, "meta.cu_seqlens": 0, "labels": 0}) == ("meta.cu_seqlens",)
+    assert "2 of the 2 holes hold ids attended elsewhere" in hidden.message and hidden.hint == values.HOLES_IN_TEXT_HINT
+    assert values.mask_hole_verdict({**holes, "mask_hole_row_tokens": 1}, "B", PATHS, has_mask=True) is None  # mostly
+    assert values.mask_hole_verdict({**holes, "position_resets": 1}, "B", PATHS, has_mask=True) is None  # packed
+    assert values.mask_hole_verdict(holes, "B", PATHS, has_mask=True, packed_keys=("cu_seqlens",)) is None
+    assert values.packed_keys({"input_ids": 0, "meta.cu_seqlens": 0, "labels": 0}) == ("meta.cu_seqlens",)
 
 
 def test_every_drift_kind_has_its_rule_and_is_recorded_once_per_key():
@@ -438,13 +435,13 @@ def test_every_drift_kind_has_its_rule_and_is_recorded_once_per_key():
 
 
 def test_the_schema_watch_learns_compares_and_skips_a_clean_structure():
-    from lightning_tfdebug.functional.batches import structure_key
+    from lightning_tfdebug.functional.batch_schema import structure_key
     from lightning_tfdebug.primitives.batch import flatten_batch
 
     def batch(width, dtype=torch.long):
         return {"input_ids": torch.zeros(2, width, dtype=torch.long), "labels": torch.zeros(2, width, dtype=dtype)}
 
-    watch = bc.SchemaWatch(learn_batches=2, context=6)
+    watch = schema.SchemaWatch(learn_batches=2, context=6)
 
     def check(b):
         leaves = flatten_batch(b)
@@ -459,77 +456,83 @@ def test_the_schema_watch_learns_compares_and_skips_a_clean_structure():
     saved = watch.state()
     assert saved == {"input_ids": {"dtype": "int64", "dims": ["d0:input_ids", "d1:input_ids"]},
                      "labels": {"dtype": "int64", "dims": ["d0:input_ids", "d1:input_ids"]}}  # fmt: skip
-    resumed = bc.SchemaWatch(learn_batches=2)
+    resumed = schema.SchemaWatch(learn_batches=2)
     resumed.load(saved)
     assert resumed.state() == saved
     leaves = flatten_batch(batch(5, torch.int32))
     assert [v.code for v in resumed.check(structure_key(leaves), leaves, "input_ids", "B")] == ["TFD103"]
-    assert bc.SchemaWatch(learn_batches=2).state() is None  # nothing learned yet
+    assert schema.SchemaWatch(learn_batches=2).state() is None  # nothing learned yet
 
 
 def test_batch_repeats_read_host_and_device_fingerprints_in_order_and_tfd121_silences_tfd123():
-    repeats = bc.BatchRepeats(max_repeated_fraction=0.1)
-    data = bc.EpochData(stream=False, loader_length=100, per_epoch=100)
+    tracker = repeats.BatchRepeats(max_repeated_fraction=0.1)
+    data = batches.EpochData(stream=False, loader_length=100, per_epoch=100)
     for step in range(5):  # the same batch five times: host ints for even steps, "device" values for odd ones
-        repeats.pending.append((0, step, data, 7 if step % 2 == 0 else torch.tensor(7.0)))
-    prints = repeats.take()
-    assert repeats.pending == [] and len(bc.BatchRepeats.on_device(prints)) == 2
-    verdicts = repeats.read(prints, [7.0, 7.0], rank=1)
+        tracker.pending.append((0, step, data, 7 if step % 2 == 0 else torch.tensor(7.0)))
+    prints = tracker.take()
+    assert tracker.pending == [] and len(repeats.BatchRepeats.on_device(prints)) == 2
+    verdicts = tracker.read(prints, [7.0, 7.0], rank=1)
     assert [(v.code, v.step) for v in verdicts] == [("TFD121", 3), ("TFD121", 4)]  # TFD123 would say the same
-    assert repeats.spoken and "(rank 1)" in verdicts[0].message
-    repeats.new_fit()
-    assert not repeats.spoken and repeats.period.read == 0
+    assert tracker.spoken and "(rank 1)" in verdicts[0].message
+    tracker.new_fit()
+    assert not tracker.spoken and tracker.period.read == 0
 
 
 def test_eos_count_aside_labels_layout_and_notices():
     ids = SpecialIds(eos=(2,), pad=(2,))
-    assert bc.eos_count_aside(SpecialIds())[1] == "`eos_id` or `tokenizer`"
-    assert bc.eos_count_aside(ids, has_labels=False)[1] == "`labels_key`"
-    assert bc.eos_count_aside(ids, sequences=False) == (
+    assert special.eos_count_aside(SpecialIds())[1] == "`eos_id` or `tokenizer`"
+    assert special.eos_count_aside(ids, has_labels=False)[1] == "`labels_key`"
+    assert special.eos_count_aside(ids, sequences=False) == (
         "the labels are not token sequences (one value per row: a classifier).",
         None,
     )
-    assert bc.eos_count_aside(ids, has_mask=False)[1] == "`mask_key`"
+    assert special.eos_count_aside(ids, has_mask=False)[1] == "`mask_key`"
     assert (
-        bc.eos_count_aside(ids) is None and bc.eos_count_aside(SpecialIds(eos=(2,), pad=(0,)), has_mask=False) is None
+        special.eos_count_aside(ids) is None
+        and special.eos_count_aside(SpecialIds(eos=(2,), pad=(0,)), has_mask=False) is None
     )
     two = torch.zeros(4, 6, dtype=torch.long)
-    assert bc.label_layout(two, two) == (True, True)
-    assert bc.label_layout(two, two, encoder_decoder=True) == (False, True)
-    assert bc.label_layout(two, torch.zeros(4, dtype=torch.long)) == (False, False)  # one class per row
-    assert bc.label_layout(two, None) == (False, False)
-    assert bc.batch_name(3, 2, 0, 1) == "Batch 3 (step 2, epoch 0, rank 1)"
+    assert special.label_layout(two, two) == (True, True)
+    assert special.label_layout(two, two, encoder_decoder=True) == (False, True)
+    assert special.label_layout(two, torch.zeros(4, dtype=torch.long)) == (
+        False,
+        False,
+    )  # one class per row
+    assert special.label_layout(two, None) == (False, False)
+    assert readings.batch_name(3, 2, 0, 1) == "Batch 3 (step 2, epoch 0, rank 1)"
     paths = {"input_ids": "input_ids", "labels": "labels"}
-    assert bc.fields_notice(paths, {}, None) is None
-    assert "token ids taken from '0'" in bc.fields_notice({"input_ids": "0", "labels": "1"}, {}, None)
-    assert "no token ids in the first batch (keys: ['x'])" in bc.fields_notice({"input_ids": None}, {"x": 0}, None)
-    rows, labels = bc.example_rows(torch.arange(6).reshape(3, 2), None, 2)
+    assert readings.fields_notice(paths, {}, None) is None
+    assert "token ids taken from '0'" in readings.fields_notice({"input_ids": "0", "labels": "1"}, {}, None)
+    assert "no token ids in the first batch (keys: ['x'])" in readings.fields_notice(
+        {"input_ids": None}, {"x": 0}, None
+    )
+    rows, labels = values.example_rows(torch.arange(6).reshape(3, 2), None, 2)
     assert rows == [[0, 1], [2, 3]] and labels is None
-    assert bc.example_rows(torch.arange(3), torch.arange(3), 4) == ([[0, 1, 2]], [[0, 1, 2]])
+    assert values.example_rows(torch.arange(3), torch.arange(3), 4) == ([[0, 1, 2]], [[0, 1, 2]])
 
 
 # ---------------------------------------------------------------- TFD125: a mid-epoch resume the loader cannot follow
 def test_a_mid_epoch_resume_names_the_batches_that_repeat_and_those_skipped():
-    plain = bc.EpochData(loader_length=50, per_epoch=50, in_order=True)
-    verdict = bc.resumed_mid_epoch(40, 40, 0, 1, plain)
+    plain = batches.EpochData(loader_length=50, per_epoch=50, in_order=True)
+    verdict = repeats.resumed_mid_epoch(40, 40, 0, 1, plain)
     assert verdict.code == "TFD125" and verdict.severity is None  # the rule's warning
     assert verdict.evidence | {} == {"start": 40, "per_epoch": 50, "step": 40, "epoch": 0, "in_order": True,
                                      "repeated": [0, 9], "skipped": [40, 49]}  # fmt: skip
     assert "batches 0-9 of the epoch train a second time and batches 40-49 are never read" in verdict.message
     assert "epoch 0, rank 1)" in verdict.message and "StatefulDataLoader" in rule("TFD125").hint
-    early = bc.resumed_mid_epoch(1, 1, 0, 0, plain)  # one batch read: batch 0 twice, batch 49 never
+    early = repeats.resumed_mid_epoch(1, 1, 0, 0, plain)  # one batch read: batch 0 twice, batch 49 never
     assert early.evidence["repeated"] == [0, 0] and "batch 0 of the epoch" in early.message
-    shuffled = bc.resumed_mid_epoch(40, 40, 0, 0, plain._replace(in_order=False))
+    shuffled = repeats.resumed_mid_epoch(40, 40, 0, 0, plain._replace(in_order=False))
     assert shuffled.severity == "info" and shuffled.evidence["expected_repeated"] == pytest.approx(8.0)
     # silent: the fit's first batch starts its epoch, a loader Lightning restores, a stream, an unknown length
-    assert bc.resumed_mid_epoch(0, 50, 1, 0, plain) is None
-    assert bc.resumed_mid_epoch(40, 40, 0, 0, plain._replace(stateful=True)) is None
-    assert bc.resumed_mid_epoch(40, 40, 0, 0, plain._replace(stream=True)) is None
-    assert bc.resumed_mid_epoch(40, 40, 0, 0, bc.EpochData()) is None
+    assert repeats.resumed_mid_epoch(0, 50, 1, 0, plain) is None
+    assert repeats.resumed_mid_epoch(40, 40, 0, 0, plain._replace(stateful=True)) is None
+    assert repeats.resumed_mid_epoch(40, 40, 0, 0, plain._replace(stream=True)) is None
+    assert repeats.resumed_mid_epoch(40, 40, 0, 0, batches.EpochData()) is None
 
 
 def test_the_batches_of_a_resumed_epoch_do_not_count_toward_tfd123():
-    data = bc.EpochData(loader_length=10, per_epoch=10, in_order=True)
+    data = batches.EpochData(loader_length=10, per_epoch=10, in_order=True)
     prints = [*range(4), *range(10)]  # resumed at batch 6: the loader restarts at 0, then a whole epoch
     epochs = [0] * 4 + [1] * 10
 
@@ -537,7 +540,7 @@ def test_the_batches_of_a_resumed_epoch_do_not_count_toward_tfd123():
         repeats.pending = [(e, step, data, p) for step, (e, p) in enumerate(zip(epochs, prints))]
         return [v.code for v in repeats.read(repeats.take(), [])]
 
-    assert "TFD123" in read(bc.BatchRepeats())  # without the resume named: "the data repeats"
-    named = bc.BatchRepeats()
+    assert "TFD123" in read(repeats.BatchRepeats())  # without the resume named: "the data repeats"
+    named = repeats.BatchRepeats()
     named.resumed_epoch = 0
     assert read(named) == [] and named.period.read == 10

@@ -217,7 +217,7 @@ def test_a_new_key_in_a_later_batch_is_a_warning(tmp_path):
 def test_a_drift_after_many_batches_of_one_structure_is_caught_at_that_batch(tmp_path, monkeypatch):
     """A batch with the structure of the last one that passed is not compared again; a batch that differs in a dtype,
     a size or its width is, and its finding names that very batch."""
-    import lightning_tfdebug.functional.batch_checks as module
+    import lightning_tfdebug.callbacks.batch_guard.schema_checks as module
 
     compared = []
     original = module.compare_schema
@@ -470,7 +470,10 @@ def test_ddp_a_bad_batch_on_one_rank_raises_on_every_rank_before_the_forward(tmp
             "data": {"batch_size": 4},
             "trainer": {"max_steps": 6},
             "callbacks": [
-                {"class_path": "tests.callbacks.test_batch_guard.CorruptOnRank", "init_args": {"rank": 1, "step": 2}},
+                {
+                    "class_path": "tests.callbacks.batch_guard.test_callback.CorruptOnRank",
+                    "init_args": {"rank": 1, "step": 2},
+                },
                 {"class_path": "lightning_tfdebug.BatchGuard", "init_args": {"on_finding": "raise"}},
                 {"class_path": "lightning_tfdebug.ReproCapture"},
             ],
@@ -873,7 +876,8 @@ def test_an_eos_used_as_bos_and_never_predicted_is_not_an_unsupervised_eos(tmp_p
     fit(tmp_path, [guard], build("llama"), DataLoader(rows, batch_size=8, collate_fn=labels_by_position(tok, True)),
         max_steps=3)  # fmt: skip
     assert [f for f in guard.findings if f.severity != "info"] == []
-    assert guard._tally.totals[5:7] == [0.0, 0.0]  # the leading EOS is not counted among the inputs
+    totals = guard._tally.totals
+    assert totals["in_inputs"][0] == totals["in_labels"][0] == 0.0  # the leading EOS is not counted among the inputs
 
 
 def test_masked_lm_and_seq2seq_batches_are_not_taken_for_an_unsupervised_eos(tmp_path):
@@ -891,7 +895,7 @@ def test_masked_lm_and_seq2seq_batches_are_not_taken_for_an_unsupervised_eos(tmp
         max_steps=10)  # fmt: skip
     assert [f for f in mlm.findings if f.severity != "info"] == []
     # 128 EOS or more over the 8 batches, 15% of the tokens supervised: 19 EOS would be expected of a causal LM
-    assert mlm._tally.done and mlm._tally.batches == 8 and mlm._tally.totals[5] >= 128
+    assert mlm._tally.done and mlm._tally.batches == 8 and mlm._tally.totals["in_inputs"][0] >= 128
 
     def seq2seq(rows, drop_eos=False):  # T5's tokenizer ends sources and targets with EOS
         sources, mask = _right_pad([[*r[1 : len(r) // 2], EOS] for r in rows], 0)

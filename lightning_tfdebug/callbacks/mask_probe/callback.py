@@ -9,15 +9,15 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.callbacks.mask_probe import alignment_checks, call_probes, decisions, leak_checks, probes
+from lightning_tfdebug.callbacks.mask_probe.readings import ALIGNMENT_RETRY_STEPS, ORDER_STEPS, SECONDS
+from lightning_tfdebug.callbacks.mask_probe.readings import KEYS as PROBE_KEYS
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.calls import share_model_call
 from lightning_tfdebug.core.data import special_token_sources
 from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.functional import call_probes, mask_checks
-from lightning_tfdebug.functional import mask_probes as probes
-from lightning_tfdebug.functional.mask_checks import ALIGNMENT_RETRY_STEPS, ORDER_STEPS
 from lightning_tfdebug.primitives import calls
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys
 from lightning_tfdebug.primitives.keys import Key
@@ -83,7 +83,7 @@ class MaskProbe(DebugCallback):
         ```
     """
 
-    KEYS: ClassVar[tuple[Key, ...]] = mask_checks.KEYS  # declared beside the readings that log them
+    KEYS: ClassVar[tuple[Key, ...]] = PROBE_KEYS  # declared beside the readings that log them
 
     def __init__(
         self,
@@ -172,7 +172,7 @@ class MaskProbe(DebugCallback):
         # the special ids BatchGuard reads, from the same sources (the DataLoader's collator exists from here on)
         self._special_ids = probes.known_special_ids(special_token_sources(trainer, pl_module, None))
         if not self._special_ids and not self._setup_aside:
-            self.check_aside(*mask_checks.NO_SPECIAL_IDS)
+            self.check_aside(*leak_checks.NO_SPECIAL_IDS)
 
     # ------------------------------------------------------------------ hooks
     def on_train_batch_start(
@@ -264,7 +264,7 @@ class MaskProbe(DebugCallback):
                 self._found.release()  # the shared reading stays; the replay's outputs do not outlive the probe
             self._found, self._replayed = None, None
         assert session is not None
-        session.logged[mask_checks.SECONDS.name] = time.perf_counter() - start
+        session.logged[SECONDS.name] = time.perf_counter() - start
         self._conclude(trainer, session)
 
     def _conclude(self, trainer: pl.Trainer, session: probes.MaskProbes) -> None:
@@ -273,7 +273,7 @@ class MaskProbe(DebugCallback):
         readings = probes.on_host(session.readings, self.to_host)  # host sync: one transfer (probing steps only)
         self.last_report = {**session.logged, **{k: v for r in readings for k, v in r.logged().items()}}
         self.log_scalars(trainer, self.last_report)
-        verdicts, settled = mask_checks.decide_probe(readings)
+        verdicts, settled = decisions.decide_probe(readings)
         settled |= session.settled
         self._alignment_decided = self._alignment_decided or "alignment" in settled
         self._order_decided = self._order_decided or "order" in settled
@@ -383,7 +383,7 @@ class MaskProbe(DebugCallback):
         return call_probes.build_caller(pl_module, forward_fn, input_key=names[0], mask_key=names[1])
 
     def _cannot_call(self, trainer: pl.Trainer, reason: str, setting: str = "`forward_fn`") -> None:
-        self.emit(trainer, mask_checks.cannot_call(reason), synchronized=False)
+        self.emit(trainer, alignment_checks.cannot_call(reason), synchronized=False)
         self.stand_aside(reason, setting=setting)
 
     # ------------------------------------------------------------------ state

@@ -4,30 +4,30 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_tfdebug.functional import mask_checks
-from lightning_tfdebug.functional import mask_probes as mp
-from lightning_tfdebug.functional.call_probes import build_caller
+from lightning_tfdebug.callbacks.mask_probe import decisions, leak_checks, probes
+from lightning_tfdebug.callbacks.mask_probe.call_probes import build_caller
+from lightning_tfdebug.functional import probes as probe_math
 
 
 def test_probe_constructions():
     gen = torch.Generator().manual_seed(0)
     ids = torch.arange(16).reshape(2, 8)
     pool = torch.arange(20, 30)
-    mask, first, second, k = mp.masked_block(ids, pool, gen)
+    mask, first, second, k = probes.masked_block(ids, pool, gen)
     assert k == 2 and mask[:, 1:3].eq(0).all() and mask[:, 0].eq(1).all() and mask[:, 3:].eq(1).all()
     for copy in (first, second):
         assert torch.equal(copy[:, 3:], ids[:, 3:]) and torch.equal(copy[:, :1], ids[:, :1])
         assert torch.isin(copy[:, 1:3], pool).all()
     assert (first[:, 1:3] != second[:, 1:3]).all()
-    assert mp.masked_block(ids[:, :2], pool, gen) is None
-    assert mp.causal_cut(8) == 3
-    assert mp.padding_extra(8, None) == (8, 2) and mp.padding_extra(8, 9) == (7, 2)
+    assert probes.masked_block(ids[:, :2], pool, gen) is None
+    assert probes.causal_cut(8) == 3
+    assert probes.padding_extra(8, None) == (8, 2) and probes.padding_extra(8, 9) == (7, 2)
     real, pads = torch.ones_like(ids), torch.full((2, 2), 99)
-    right_ids, right_mask, keep = mp.add_padding(ids, real, "right", pads)
+    right_ids, right_mask, keep = probes.add_padding(ids, real, "right", pads)
     assert right_ids.shape == (2, 10) and torch.equal(right_ids[:, keep], ids) and right_mask[:, 8:].eq(0).all()
-    left_ids, left_mask, keep = mp.add_padding(ids, real, "left", pads)
+    left_ids, left_mask, keep = probes.add_padding(ids, real, "left", pads)
     assert torch.equal(left_ids[:, keep], ids) and left_mask[:, :2].eq(0).all() and left_ids[:, :2].eq(99).all()
-    assert mp.long_row(torch.tensor([[1, 2, 3]]), 7).shape == (1, 9)
+    assert probes.long_row(torch.tensor([[1, 2, 3]]), 7).shape == (1, 9)
 
 
 def test_replacement_ids_are_ordinary_tokens():
@@ -36,24 +36,24 @@ def test_replacement_ids_are_ordinary_tokens():
     class Tokenizer:
         pad_token_id, bos_token_id, eos_token_id, all_special_ids = 0, 1, 2, [0, 1, 2, 3]
 
-    special = mp.known_special_ids([("tokenizer", Tokenizer())])
+    special = probes.known_special_ids([("tokenizer", Tokenizer())])
     assert special == (0, 1, 2, 3)
     ids = torch.tensor([[1, 5, 6, 3, 7, 2, 0, 0], [1, 8, 9, 5, 2, 0, 0, 0]])
     mask = (ids != 0).long()
-    pool, padding = mp.ordinary_ids(ids, mask, special)
+    pool, padding = probes.ordinary_ids(ids, mask, special)
     assert pool.tolist() == [5, 6, 7, 8, 9] and int(padding) == 0
-    pool, _ = mp.ordinary_ids(ids, mask, ())  # no special id known: the real tokens' ids, never the padding value
+    pool, _ = probes.ordinary_ids(ids, mask, ())  # no special id known: the real tokens' ids, never the padding value
     assert pool.tolist() == [1, 2, 3, 5, 6, 7, 8, 9]
-    pool, padding = mp.ordinary_ids(ids, None, special)
+    pool, padding = probes.ordinary_ids(ids, None, special)
     assert 0 not in pool.tolist() and padding is None
-    drawn = mp.other_ids(pool, ids, torch.Generator().manual_seed(0))
+    drawn = probe_math.other_ids(pool, ids, torch.Generator().manual_seed(0))
     assert torch.isin(drawn, pool).all() and (drawn != ids).all()
 
 
 def test_alignment_rtol_widens_for_half_precision_losses():
-    assert mp.alignment_rtol(torch.float32) == 2e-5
-    assert mp.alignment_rtol(torch.float32, torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
-    assert mp.alignment_rtol(torch.bfloat16) == 1e-3
+    assert probes.alignment_rtol(torch.float32) == 2e-5
+    assert probes.alignment_rtol(torch.float32, torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
+    assert probes.alignment_rtol(torch.bfloat16) == 1e-3
 
 
 class Causal(nn.Module):
@@ -73,14 +73,14 @@ class Causal(nn.Module):
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_session_measures_causality_into_readings(causal):
     ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(1))
-    settings = mp.ProbeSettings(check_padding=False)
-    session = mp.MaskProbes(build_caller(Causal(causal)), ids, torch.Generator().manual_seed(0), settings)
+    settings = probes.ProbeSettings(check_padding=False)
+    session = probes.MaskProbes(build_caller(Causal(causal)), ids, torch.Generator().manual_seed(0), settings)
     with torch.no_grad():
         session.masks(ids, None, None)
     kinds = [type(r).__name__ for r in session.readings]
     assert kinds[:2] == ["RepeatReading", "CausalReading"]
-    readings = mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
-    verdicts, settled = mask_checks.decide_probe(readings)
+    readings = probes.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
+    verdicts, settled = decisions.decide_probe(readings)
     codes = [v.code for v in verdicts if v is not None]
     assert codes == ([] if causal else ["TFD201"]) and settled == set()
     assert readings[0].logged() == {"mask_probe/repeat_max_change": 0.0}
@@ -91,7 +91,7 @@ def test_a_session_reads_the_context_limit_and_a_missing_mask():
     mask = torch.ones_like(ids)
     mask[:, -2:] = 0  # the batch pads, the positional forward takes no mask
     model = nn.Sequential(nn.Embedding(20, 4), nn.Linear(4, 20))
-    session = mp.MaskProbes(build_caller(model), ids, torch.Generator(), mp.ProbeSettings(), causal=False)
+    session = probes.MaskProbes(build_caller(model), ids, torch.Generator(), probes.ProbeSettings(), causal=False)
     with torch.no_grad():
         session.masks(ids, mask, None)
         session.positions(ids, 16, "hparams")
@@ -100,8 +100,8 @@ def test_a_session_reads_the_context_limit_and_a_missing_mask():
 
 
 def _verdicts(session) -> list[str]:
-    readings = mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
-    verdicts, _ = mask_checks.decide_probe(readings)
+    readings = probes.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
+    verdicts, _ = decisions.decide_probe(readings)
     return [v.code for v in session.verdicts + verdicts if v is not None]
 
 
@@ -113,7 +113,7 @@ def test_an_encoder_decoder_is_probed_through_its_decoder_input(family, bug):
     # healthy: labels equal to the encoder's input, shifted into the decoder by the model (the former false TFD201)
     found, _ = _seq2seq_call(family, decoder_fed_labels=bug, labels_are_ids=not bug)
     ids = found.batch_first(found.primary)
-    session = mp.MaskProbes(found, ids, torch.Generator().manual_seed(0), mp.ProbeSettings(check_padding=False))
+    session = probes.MaskProbes(found, ids, torch.Generator().manual_seed(0), probes.ProbeSettings(check_padding=False))
     causal, alignment = session.decide_causal(ids, ids if not bug else None)
     assert causal and not alignment  # the loss-alignment check (TFD205) does not apply to an encoder-decoder
     with torch.no_grad():
@@ -125,13 +125,13 @@ def test_an_encoder_decoder_is_probed_through_its_decoder_input(family, bug):
 
 def test_a_model_of_unknown_kind_without_labels_gets_no_causality_verdict():
     ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(1))
-    settings = mp.ProbeSettings(check_padding=False)  # (the kind-independent padding probes run alike)
-    session = mp.MaskProbes(build_caller(Causal(False)), ids, torch.Generator().manual_seed(0), settings)
+    settings = probes.ProbeSettings(check_padding=False)  # (the kind-independent padding probes run alike)
+    session = probes.MaskProbes(build_caller(Causal(False)), ids, torch.Generator().manual_seed(0), settings)
     assert session.decide_causal(ids, None) == (False, False) and "cannot be told" in session.aside[0]
     with torch.no_grad():
         session.masks(ids, None, None)
     assert "CausalReading" not in [type(r).__name__ for r in session.readings] and _verdicts(session) == []
-    session = mp.MaskProbes(build_caller(Causal(False)), ids, torch.Generator().manual_seed(0), settings)
+    session = probes.MaskProbes(build_caller(Causal(False)), ids, torch.Generator().manual_seed(0), settings)
     session.kind = "decoder"  # told by `model_kind=` or a config: probed as a decoder, and the leak is caught
     assert session.decide_causal(ids, None) == (True, True)
     with torch.no_grad():
@@ -153,13 +153,15 @@ class BatchMixer(Causal):
 def test_the_cross_sample_probe(model, rows, found):
     """Other samples' logits must not move when one sample's tokens change; one sample: the probe stands aside."""
     ids = torch.randint(0, 20, (rows, 8), generator=torch.Generator().manual_seed(1))
-    settings = mp.ProbeSettings(check_padding=False)
-    session = mp.MaskProbes(build_caller(model), ids, torch.Generator().manual_seed(0), settings, cross_sample=True)
+    settings = probes.ProbeSettings(check_padding=False)
+    session = probes.MaskProbes(build_caller(model), ids, torch.Generator().manual_seed(0), settings, cross_sample=True)
     with torch.no_grad():
         session.masks(ids, None, None)
-    verdicts, _ = mask_checks.decide_probe(mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()}))
+    verdicts, _ = decisions.decide_probe(
+        probes.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
+    )
     assert [v.code for v in verdicts if v is not None] == ([found] if found else [])
-    assert session.not_run == ([mask_checks.CROSS_SAMPLE_ASIDE] if rows == 1 else [])
+    assert session.not_run == ([leak_checks.CROSS_SAMPLE_ASIDE] if rows == 1 else [])
 
 
 class PadCountingPositions(nn.Module):
@@ -184,13 +186,13 @@ def test_the_masked_block_never_writes_the_pad_id():
     mask = (ids != 0).long()
 
     def findings(batch_mask):
-        settings = mp.ProbeSettings(padding_side="right")
+        settings = probes.ProbeSettings(padding_side="right")
         model, generator = build_caller(PadCountingPositions()), torch.Generator().manual_seed(0)
-        session = mp.MaskProbes(model, ids, generator, settings, causal=False, attention_mask=batch_mask)
+        session = probes.MaskProbes(model, ids, generator, settings, causal=False, attention_mask=batch_mask)
         with torch.no_grad():
             session.masks(ids, mask, None)
-        host = mp.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
-        return [v.code for v in mask_checks.decide_probe(host)[0] if v is not None], session
+        host = probes.on_host(session.readings, lambda d: {k: float(v) for k, v in d.items()})
+        return [v.code for v in decisions.decide_probe(host)[0] if v is not None], session
 
     found, session = findings(mask)
     assert found == [] and session.pool.tolist() == [3, 4] and int(session.pad_value) == 0

@@ -7,8 +7,12 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.functional.call_probes import measure_tables, watched_tables
-from lightning_tfdebug.functional.mask_checks import PositionTable, PositionTablesReading, decide_position_tables
+from lightning_tfdebug.callbacks.mask_probe.call_probes import measure_tables, watched_tables
+from lightning_tfdebug.callbacks.mask_probe.position_checks import (
+    PositionTable,
+    PositionTablesReading,
+    decide_position_tables,
+)
 from lightning_tfdebug.primitives.calls import TableReads
 
 V, D, T = 50, 16, 12

@@ -1,0 +1,433 @@
+"""BatchGuard's rules on a batch's values, from its unpacked token statistics: ids and labels outside the
+vocabulary, masks, supervision of padding, BOS/EOS and truncation, holes in the mask; and the batch's logged metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from lightning_tfdebug.callbacks.batch_guard.readings import BatchPaths, ValueRules
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
+
+# ------------------------------------------------------------------------------------------------ values
+TFD110 = Rule(
+    "TFD110",
+    "error",
+    "BatchGuard",
+    title="token id outside `[0, vocab)`",
+    trigger="an input id is outside `[0, vocab)` (checked steps, or the batch whose step raised)",
+    hint=(
+        "The tokenizer and the model disagree on the vocabulary (added special tokens without "
+        "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a device-side "
+        "assert."
+    ),
+    reason="An embedding lookup outside the table fails the step (a device-side assert on CUDA)",
+    message=(
+        "{where}: '{ids_key}' holds {count:.0f} token id(s) outside [0, {vocab_size}); the first is {value} at row "
+        "{row}, position {column}."
+    ),
+)
+
+
+# Each takes one batch's unpacked statistics ``s`` (:func:`~lightning_tfdebug.functional.batches.token_statistics`),
+# its name ``where``, where its fields are and what they are compared against.
+def ids_outside_vocabulary(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD110``: input ids outside ``[0, vocab)``, naming the first (row, position, value)."""
+    if s["ids_out_of_range"] <= 0:
+        return None
+    evidence = {
+        "count": s["ids_out_of_range"],
+        "min": s["ids_min"],
+        "max": s["ids_max"],
+        "vocab_size": rules.vocab_size,
+    }
+    row, column, value = int(s["first_bad_id_row"]), int(s["first_bad_id_col"]), int(s["first_bad_id_value"])
+    return TFD110.verdict(evidence, where=where, ids_key=paths.input_ids, value=value, row=row, column=column)
+
+
+TFD112 = Rule(
+    "TFD112",
+    "error",
+    "BatchGuard",
+    title="attention mask not binary",
+    trigger="the attention mask holds values other than 0 and 1 (checked steps, or the batch whose step raised)",
+    hint=(
+        "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside the "
+        "model, not in the batch."
+    ),
+    reason="A mask of other values is applied as weights or added to the scores: attention is wrong",
+    message="{where}: '{key}' has {count:.0f} value(s) that are neither 0 nor 1 (e.g. {example:g}).",
+)
+
+
+def mask_not_binary(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD112``: attention mask entries that are neither 0 nor 1."""
+    if s["mask_non_binary"] <= 0:
+        return None
+    evidence = {"key": paths.attention_mask, "count": s["mask_non_binary"], "example": s["first_bad_mask_value"]}
+    return TFD112.verdict(evidence, where=where)
+
+
+TFD113 = Rule(
+    "TFD113",
+    "error",
+    "BatchGuard",
+    title="label outside `[0, vocab)` and not `ignore_index`",
+    trigger="a label is outside `[0, vocab)` and not `ignore_index` (checked steps, or the batch whose step raised)",
+    hint="Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
+    reason="Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails",
+    message=(
+        "{where}: '{labels_key}' holds {count:.0f} label(s) outside [0, {vocab_size}) that are not "
+        "ignore_index={ignore_index} (e.g. {value})."
+    ),
+)
+
+
+def labels_outside_vocabulary(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD113``: labels outside ``[0, vocab)`` that are not ``ignore_index``."""
+    if s["labels_out_of_range"] <= 0:
+        return None
+    evidence = {"count": s["labels_out_of_range"], "vocab_size": rules.vocab_size, "ignore_index": rules.ignore_index}
+    return TFD113.verdict(evidence, where=where, labels_key=paths.labels, value=int(s["first_bad_label_value"]))
+
+
+TFD114 = Rule(
+    "TFD114",
+    "error",
+    "BatchGuard",
+    title="every label ignored: nothing is learned",
+    trigger="every label of a batch is `ignore_index`: nothing is learned, the loss is 0 or NaN",
+    hint=(
+        "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer away, "
+        "or labels built from the wrong field."
+    ),
+    reason="A batch with no supervised label gives a loss of 0 or NaN, and a NaN loss ruins the weights",
+    message=(
+        "{where}: every label in '{labels_key}' is ignore_index={ignore_index}; this batch teaches nothing (the loss "
+        "is 0 or NaN)."
+    ),
+)
+
+
+def every_label_ignored(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD114``: every label of the batch is ``ignore_index``."""
+    if not (s["labels_total"] > 0 and s["labels_ignored"] >= s["labels_total"]):
+        return None
+    evidence = {"labels": s["labels_total"], "ignored": s["labels_ignored"]}
+    return TFD114.verdict(evidence, where=where, labels_key=paths.labels, ignore_index=rules.ignore_index)
+
+
+TFD115 = Rule(
+    "TFD115",
+    "warning",
+    "BatchGuard",
+    title="padding positions supervised",
+    trigger="padding positions (mask 0) carry a label that is not `ignore_index`",
+    hint="`labels[attention_mask == 0] = -100` in the collate function",
+    reason="Measured in the batches: the loss spends its weight on predicting padding, which the model then learns",
+    message=(
+        "{where}: '{labels_key}' supervises {pad_supervised:.0f} of {pad_positions:.0f} padding positions "
+        "('{mask_key}' 0, label not ignore_index={ignore_index}): the model is trained to predict padding."
+    ),
+)
+
+
+def padding_supervised(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD115``: padding positions (mask 0) whose label is not ``ignore_index``."""
+    if s["pad_supervised"] <= 0:
+        return None
+    ignore = rules.ignore_index
+    return TFD115.verdict(
+        {"pad_supervised": s["pad_supervised"], "pad_positions": s["pad_positions"]},
+        hint=f"Set labels[attention_mask == 0] = {ignore} in the collate function.",
+        where=where,
+        labels_key=paths.labels,
+        mask_key=paths.attention_mask,
+        ignore_index=ignore,
+    )
+
+
+TFD116 = Rule(
+    "TFD116",
+    "warning",
+    "BatchGuard",
+    title="sequences without BOS",
+    trigger="sequences whose first real token is not `bos_id`",
+    hint="The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it.",
+    reason="Measured against the `bos_id` you declared: the model trains on a format it will not see at inference",
+    message="{where}: {without_bos:.0f} of {sequences} sequences do not start with BOS ({bos_id}).",
+)
+
+
+def sequences_without_bos(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD116``: sequences whose first real token is not ``bos_id`` (only with ``bos_id``)."""
+    if rules.bos_id is None or s["bos_missing"] <= 0:
+        return None
+    evidence = {"sequences": int(s["sequences"]), "without_bos": s["bos_missing"]}
+    return TFD116.verdict(evidence, where=where, bos_id=rules.bos_id)
+
+
+TFD117 = Rule(
+    "TFD117",
+    "warning",
+    "BatchGuard",
+    title="several EOS in a sequence",
+    trigger="sequences with more than one `eos_id`",
+    hint=(
+        "EOS added twice (by the template and the tokenizer), or documents packed without an attention boundary. If "
+        "you pack on purpose, leave eos_id unset."
+    ),
+    reason="Measured in the batches: the model is trained to continue past its end token",
+    message="{where}: {several_eos:.0f} of {sequences} sequences hold more than one EOS ({eos_id}).",
+)
+
+
+def several_eos(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD117``: sequences with more than one ``eos_id`` (only with ``eos_id``)."""
+    if rules.eos_id is None or s["eos_multiple"] <= 0:
+        return None
+    evidence = {"sequences": int(s["sequences"]), "several_eos": s["eos_multiple"]}
+    return TFD117.verdict(evidence, where=where, eos_id=rules.eos_id)
+
+
+TFD118 = Rule(
+    "TFD118",
+    "warning",
+    "BatchGuard",
+    title="real tokens after EOS",
+    trigger="real (mask 1) tokens after the first EOS",
+    hint="The pad token equals EOS but the mask is 1 on padding, or sequences were packed.",
+    reason="Measured in the batches: text after the end token is trained as a continuation of the document",
+    message="{where}: {tokens_after_eos:.0f} of {sequences} sequences have real tokens after their EOS.",
+)
+
+
+def tokens_after_eos(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD118``: sequences with real tokens after their first EOS (only with ``eos_id``)."""
+    if rules.eos_id is None or s["eos_then_tokens"] <= 0:
+        return None
+    return TFD118.verdict({"sequences": int(s["sequences"]), "tokens_after_eos": s["eos_then_tokens"]}, where=where)
+
+
+TFD119 = Rule(
+    "TFD119",
+    "warning",
+    "BatchGuard",
+    title="truncation rate above `max_truncated_fraction`",
+    trigger="more than `max_truncated_fraction` of a batch's sequences fill the maximum length with no EOS",
+    hint="Raise the context length, split long documents, or check that truncation keeps the answer.",
+    reason="Measured in the batches: most sequences are cut before their end, so the model rarely sees endings",
+    message=(
+        "{where}: {truncated} of {sequences} sequences fill the maximum length {max_length} with no EOS: they were "
+        "truncated."
+    ),
+)
+
+
+def truncation_rate(s: dict[str, float], where: str, paths: BatchPaths, rules: ValueRules) -> Verdict | None:
+    """``TFD119``: over ``max_truncated_fraction`` of the sequences fill the context with no EOS (needs both)."""
+    n = int(s["sequences"])
+    if rules.eos_id is None or rules.context is None or not n or s["truncated"] / n <= rules.max_truncated_fraction:
+        return None
+    evidence = {"truncated_frac": s["truncated"] / n, "max_length": rules.context}
+    return TFD119.verdict(evidence, where=where, truncated=int(s["truncated"]), sequences=n)
+
+
+PACKING_KEYS: tuple[str, ...] = (
+    "cu_seqlens",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "seq_lens",
+    "seqlens",
+    "packed_seq_lens",
+    "seq_idx",
+    "document_ids",
+    "doc_ids",
+    "segment_ids",
+    "sequence_ids",
+)
+"""Batch keys that mark document boundaries inside a row: such a batch is packed, its mask may have holes on purpose."""
+
+MAX_HOLE_FRACTION = 0.5
+"""Above this share of a row's text masked inside it, the mask is another mask (masked-LM, loss) read as one."""
+
+HOLES_FROM_IDS_HINT = (
+    "Take the attention mask from the tokenizer (it marks padding by position, not by id), or pad with an id that "
+    "never occurs in text (add a dedicated pad token and resize the embeddings). GPT-2 and Llama reuse EOS as "
+    "padding: input_ids != pad_id then hides every EOS inside the text."
+)
+HOLES_IN_TEXT_HINT = (
+    "Build the attention mask together with the ids it belongs to (the tokenizer's, or padding positions only) and "
+    "keep it aligned through every transform. If the batch is packed on purpose, pass its position_ids (restarting "
+    "at each document) so the holes between documents are recognised."
+)
+
+
+def packed_keys(leaves: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys of a batch's flattened leaves named like :data:`PACKING_KEYS` (host: key names only)."""
+    return tuple(k for k in leaves if k.rsplit(".", 1)[-1] in PACKING_KEYS)
+
+
+def _hole_cause(s: dict[str, float]) -> tuple[str, str]:
+    """Why a mask has holes, and the hint: built from the ids, or hiding tokens attended elsewhere in their row."""
+    holes, hole_id = s["mask_holes"], int(s["first_hole_id"])
+    if int(s["holes_masked_everywhere"]) != holes:
+        cause = (
+            f"{int(s['holes_attended_in_row'])} of the {int(holes)} holes hold ids attended elsewhere in the same row: "
+            "the mask hides real tokens (built for other ids, shifted, or zeroed by a transform)."
+        )
+        return cause, HOLES_IN_TEXT_HINT
+    if int(s["padding_id_min"]) == int(s["padding_id_max"]) == hole_id:
+        cause = (
+            f"Every hole holds id {hole_id}, the id of the padding too, and that id is attended nowhere: the mask "
+            f"was built from the ids (input_ids != {hole_id}), and {hole_id} is also a real token of the text."
+        )
+    else:
+        cause = (
+            f"The holes' ids (the first is {hole_id}) are masked wherever they occur and attended nowhere: the "
+            "mask was built from the token ids (input_ids != some id) and that id is also a real token."
+        )
+    return cause, HOLES_FROM_IDS_HINT
+
+
+TFD122 = Rule(
+    "TFD122",
+    "warning",
+    "BatchGuard",
+    title="attention mask with holes: real tokens masked out inside the text",
+    trigger=(
+        "a binary attention mask of the ids' shape masks positions between real tokens of a row (or at both ends of "
+        "it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "
+        "`cu_seqlens` / `document_ids`-like keys) or 3-D/4-D masks"
+    ),
+    hint=(
+        "A mask built as input_ids != pad_id where the pad id is also a real token (GPT-2 / Llama reuse EOS as "
+        "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."
+    ),
+    reason="Measured in the batches: real tokens inside the text are masked out, so the model cannot attend to them",
+    message=(
+        "{where}: '{key}' masks {holes:.0f} position(s) inside the text of {rows} of {sequences} rows "
+        "({hole_fraction:.1%} of those rows' text; the first at row {first_hole[0]}, position {first_hole[1]}, id "
+        "{first_hole_id}): padding belongs at one end of a row, so real tokens are hidden from attention. {cause}"
+    ),
+)
+
+
+def mask_hole_verdict(
+    s: dict[str, float], where: str, paths: BatchPaths, *, has_mask: bool, packed_keys: tuple[str, ...] = ()
+) -> Verdict | None:
+    """``TFD122``: real tokens masked out inside the text (padding fills one end of a row).
+
+    Silent for a packed batch (``packed_keys``, or position ids restarting in a row), a mask that is not binary
+    (``TFD112``'s) and when over :data:`MAX_HOLE_FRACTION` of the holed rows' text is masked.
+    """
+    holes = s.get("mask_holes", 0.0)
+    if not has_mask or holes <= 0 or s["mask_non_binary"] > 0 or packed_keys or s["position_resets"] > 0:
+        return None
+    fraction = holes / max(holes + s["mask_hole_row_tokens"], 1.0)
+    if fraction > MAX_HOLE_FRACTION:
+        return None
+    cause, hint = _hole_cause(s)
+    evidence = {
+        "key": paths.attention_mask,
+        "rows": int(s["mask_hole_rows"]),
+        "sequences": int(s["sequences"]),
+        "holes": holes,
+        "hole_fraction": fraction,
+        "first_hole": [int(s["first_hole_row"]), int(s["first_hole_col"])],
+        "first_hole_id": int(s["first_hole_id"]),
+        "padding_ids": [int(s["padding_id_min"]), int(s["padding_id_max"])],
+        "holes_masked_everywhere": int(s["holes_masked_everywhere"]),
+        "holes_attended_in_row": int(s["holes_attended_in_row"]),
+    }
+    return TFD122.verdict(evidence, hint=hint, where=where, cause=cause)
+
+
+def value_verdicts(
+    s: dict[str, float],
+    where: str,
+    paths: BatchPaths,
+    rules: ValueRules,
+    *,
+    has_mask: bool,
+    has_labels: bool,
+    packed: tuple[str, ...] = (),
+    crash_only: bool = False,
+) -> list[Verdict]:
+    """``TFD110``, ``TFD112``-``TFD119`` and ``TFD122`` of one batch, in code order; ``crash_only`` keeps those that
+    break a forward (ids and labels outside the vocabulary, a mask that is not binary)."""
+    checks = [ids_outside_vocabulary, *([mask_not_binary] if has_mask else [])]
+    if has_labels:
+        checks.append(labels_outside_vocabulary)
+        if not crash_only:
+            checks += [every_label_ignored, *([padding_supervised] if has_mask else [])]
+            checks += [sequences_without_bos, several_eos, tokens_after_eos, truncation_rate]
+    found = [check(s, where, paths, rules) for check in checks]
+    if has_mask and not crash_only:
+        found.append(mask_hole_verdict(s, where, paths, has_mask=True, packed_keys=packed))
+    return [v for v in found if v is not None]
+
+
+def example_rows(ids: Tensor, labels: Tensor | None, count: int) -> tuple[list[list[int]], list[list[int]] | None]:
+    """The first ``count`` rows of the ids (and labels) as host lists, for :func:`decoded_examples` (a host sync)."""
+    rows = [t if t.ndim >= 2 else t.reshape(1, -1) for t in (ids, labels) if t is not None]
+    k = min(count, rows[0].shape[0])
+    return rows[0][:k].tolist(), rows[1][:k].tolist() if len(rows) > 1 else None
+
+
+def batch_metrics(s: dict[str, float], rules: ValueRules, has_labels: bool) -> dict[str, float]:
+    """The ``batch_guard/*`` keys from the unpacked statistics of one batch."""
+    n, width = max(s["sequences"], 1.0), max(s["width"], 1.0)
+    metrics = {
+        "batch_guard/width": s["width"],
+        "batch_guard/length_mean": s["length_sum"] / n,
+        "batch_guard/pad_frac": s["pad_positions"] / (n * width),
+    }
+    if has_labels:
+        metrics["batch_guard/ignored_frac"] = s["labels_ignored"] / max(s["labels_total"], 1.0)
+    if rules.eos_id is not None and rules.context is not None:
+        metrics["batch_guard/truncated_frac"] = s["truncated"] / n
+    return metrics
+
+
+def decoded_examples(
+    tokenizer: Any, rows: list[list[int]], label_rows: list[list[int]] | None, ignore_index: int, rank: int = 0
+) -> list[str]:
+    """Markdown lines showing each row decoded, and which of its positions the labels supervise (``·`` = ignored).
+
+    Raises:
+        Exception: whatever ``tokenizer.decode`` raises.
+    """
+    lines = [f"First {len(rows)} sequences of the first training batch (rank {rank}):", ""]
+    for i, row in enumerate(rows):
+        pieces = [tokenizer.decode([t]) for t in row]
+        lines.append(f"**{i}** ({len(row)} tokens) input: `{tokenizer.decode(row)!r}`")
+        if label_rows is not None:
+            shown = "".join(p if lab != ignore_index else "·" * max(len(p), 1) for p, lab in zip(pieces, label_rows[i]))
+            supervised = sum(lab != ignore_index for lab in label_rows[i])
+            lines.append(f"  labels ({supervised} supervised, · = ignored): `{shown!r}`")
+        lines.append("")
+    return lines
+
+
+BLOCK = ("TFD101", "TFD129")
+"""The codes reserved for BatchGuard's rules."""
+
+RULES: tuple[Rule, ...] = (
+    TFD110,
+    TFD112,
+    TFD113,
+    TFD114,
+    TFD115,
+    TFD116,
+    TFD117,
+    TFD118,
+    TFD119,
+    TFD122,
+)
+"""The rules decided in this module, in code order."""

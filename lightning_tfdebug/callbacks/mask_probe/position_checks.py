@@ -1,0 +1,243 @@
+"""MaskProbe's rules on positions: the context limit (``TFD207``-``TFD209``), a KV cache that disagrees with the
+full forward (``TFD215``), a model blind to token order (``TFD216``), and position tables that cannot be read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from lightning_tfdebug.functional.verdicts import Rule, Verdict
+from lightning_tfdebug.primitives.keys import Key
+
+if TYPE_CHECKING:
+    pass
+from lightning_tfdebug.callbacks.mask_probe.readings import (
+    CONTENT,
+    KV_CACHE,
+    ORDER,
+    ORDER_STEPS,
+    Number,
+    Reading,
+    _beyond,
+)
+
+# -------------------------------------------------------------------------------------------------------- positions
+TFD207 = Rule(
+    "TFD207",
+    "error",
+    "MaskProbe",
+    title="the model fails on a sequence exactly at its context limit",
+    trigger="a sequence exactly at the context limit fails",
+    hint=(
+        "Check the position table / rotary cache size against the configured context length, or pass the real "
+        "limit as `context_limit`."
+    ),
+    reason="A sequence of the length the model claims to accept fails: the run fails when the data reaches that length",
+    message=("The model fails on a sequence of {context_limit} tokens, its context limit: {error}"),
+)
+
+
+def context_failure(limit: int, error: BaseException) -> Verdict:
+    """``TFD207``: the model fails on a sequence of its own context limit."""
+    return TFD207.verdict({"context_limit": limit}, error=f"{type(error).__name__}: {error}")
+
+
+TFD208 = Rule(
+    "TFD208",
+    "info",
+    "MaskProbe",
+    title="the context limit, and where it was read",
+    trigger=(
+        "states the context limit and where it was read, once a sequence of that length ran (nothing longer is "
+        "ever sent to the model)"
+    ),
+    hint=("Cut or chunk batches to the context limit before the forward (BatchGuard checks batches against it)."),
+    reason="An observation: the context limit and where it was read, for the reader to confirm",
+    message=(
+        "Context limit: {context_limit} tokens{where}; a sequence of {context_limit} tokens runs. Longer batches "
+        "must be cut or chunked before the forward."
+    ),
+)
+
+
+def context_limit_runs(limit: int, source: str = "") -> Verdict:
+    """``TFD208`` (info): the context limit, where it was read, and that a sequence of that length runs."""
+    return TFD208.verdict({"context_limit": limit, "source": source}, where=f" (read from {source})" if source else "")
+
+
+TFD209 = Rule(
+    "TFD209",
+    "error",
+    "MaskProbe",
+    title="incremental decoding (`kv_cache_fn`) disagrees with the full forward; names the first position",
+    trigger="logits from `kv_cache_fn` (incremental decoding) differ from the full forward's",
+    hint="Check the cache position / offset passed at each decoding step, rotary offsets, and the mask with a cache.",
+    reason="Measured: incremental decoding computes other logits than training, so the trained model generates wrongly",
+    message=(
+        "Incremental decoding disagrees with the full forward: logits differ by up to {max_change:.3g}, first at "
+        "position {first_position} (tolerance {tolerance:.2g})."
+    ),
+)
+
+
+@dataclass(frozen=True)
+class KvCacheReading(Reading):
+    """Incremental decoding against the full forward: the largest difference, the first position beyond tolerance."""
+
+    max_change: Number
+    first_position: Number
+    tolerance: Number
+    LOGGED: ClassVar[Mapping[str, Key]] = {"max_change": KV_CACHE}
+
+
+def decide_kv_cache(r: KvCacheReading) -> Verdict | None:
+    """``TFD209`` when incremental decoding's logits differ from the full forward's beyond the tolerance."""
+    if not _beyond(r.max_change, r.tolerance):
+        return None
+    return TFD209.verdict({"max_change": r.max_change, "first_position": int(r.first_position)}, tolerance=r.tolerance)
+
+
+TFD215 = Rule(
+    "TFD215",
+    "error",
+    "MaskProbe",
+    title="the model ignores token order: no position information reaches the attention",
+    trigger=(
+        "from step 100, reversing the tokens before a position leaves that position's output unchanged while "
+        "replacing them moves it by over 100x the tolerance"
+    ),
+    hint=(
+        "Check that positions are added for every position: a sinusoidal table indexed as `pe[:, x.size(1)]` "
+        "adds one row to all positions (use `pe[:, : x.size(1)]`); position ids that are all zero or never "
+        "passed; a position embedding added to the wrong tensor; rotary embeddings applied with a constant "
+        "offset."
+    ),
+    reason=(
+        "Measured: no position information reaches attention, so the model cannot use token order: a language model"
+        " cannot succeed"
+    ),
+    message=(
+        "The model ignores token order: reversing the {position} tokens before position {position} left its output "
+        "unchanged (largest change {order_change:.3g}, tolerance {tolerance:.2g}) while replacing them moved it by "
+        "{content_change:.3g}. No position information reaches the attention."
+    ),
+)
+
+
+@dataclass(frozen=True)
+class OrderReading(Reading):
+    """The tokens before ``position`` reversed (``order_change``) and replaced (``content_change``): the largest change
+    of that position's output, at ``step``."""
+
+    order_change: Number
+    content_change: Number
+    position: int
+    tolerance: Number
+    step: int
+    last_try: bool
+    LOGGED: ClassVar[Mapping[str, Key]] = {"order_change": ORDER, "content_change": CONTENT}
+
+
+def decide_order(r: OrderReading) -> tuple[bool, Verdict | None]:
+    """``(decided, verdict)`` of the token-order check (``TFD215``)."""
+    if r.order_change > 10 * r.tolerance:
+        return True, None
+    if r.step < ORDER_STEPS[0] or not r.content_change > 100 * r.tolerance or r.order_change > r.tolerance:
+        return r.last_try, None  # too early, the content hardly matters, or the order moved it somewhat
+    evidence = {
+        "order_change": r.order_change,
+        "content_change": r.content_change,
+        "position": r.position,
+        "tolerance": r.tolerance,
+        "step": r.step,
+    }
+    return True, TFD215.verdict(evidence)
+
+
+TFD216 = Rule(
+    "TFD216",
+    "warning",
+    "MaskProbe",
+    title="a position table gets the same row at every position, or is never read",
+    trigger=(
+        "in one forward of the probe rows, a table of the token table's width with at least as many rows as the "
+        "sequence (> 1) is looked up with indices constant along it, or is never read"
+    ),
+    hint=(
+        "Pass position ids that count along the sequence (`torch.arange(t)`, or the mask's cumulative sum minus "
+        "one with left padding), not zeros; add the position table to the token embeddings in the forward."
+    ),
+    reason=(
+        "Breaks a rule that always holds for a model built with a position table: every position reads its own "
+        "row. The harm is measured only indirectly (with causal layers the mask alone carries some order), so a "
+        "warning, not an error"
+    ),
+    message=(
+        "Every position gets the same row of the position table `{table}` ({rows} rows): the forward looks it up "
+        "with indices that are constant along the sequence ({length} tokens), so no position information reaches the "
+        "model beyond what a causal mask implies."
+    ),
+)
+
+_UNREAD_TABLE = (
+    "The model holds a position table `{table}` ({rows} rows, the width of the token table `{token_table}`) that the "
+    "forward never reads: the token embedding is looked up, positions are never added."
+)
+
+
+@dataclass(frozen=True)
+class PositionTable:
+    """A candidate position table and what the forward did with it: ``read`` at all, ``looked_up`` along the sequence,
+    and ``constant`` (every such lookup constant along it: a device bool while probing)."""
+
+    name: str
+    rows: int
+    read: bool
+    looked_up: bool
+    constant: Number
+
+
+@dataclass(frozen=True)
+class PositionTablesReading(Reading):
+    """The position tables one watched forward pass of ``length`` tokens used, beside the token table."""
+
+    tables: tuple[PositionTable, ...]
+    length: int
+    token_table: str
+
+
+def decide_position_tables(r: PositionTablesReading) -> Verdict | None:
+    """``TFD216`` when a position table is looked up with indices constant along the sequence, or never read."""
+    if r.length < 2:
+        return None
+    constant = [t for t in r.tables if t.looked_up and bool(t.constant)]
+    unread = [t for t in r.tables if not t.read]
+    if not constant and not unread:
+        return None
+    t = (constant or unread)[0]
+    kind = "constant" if constant else "unread"
+    evidence = {"table": t.name, "rows": t.rows, "length": r.length, "kind": kind, "token_table": r.token_table}
+    if constant:
+        hint = (
+            f"Pass position ids that count along the sequence to the lookup of `{t.name}` (e.g. `torch.arange(t)`, "
+            "or the mask's cumulative sum minus one with left padding), not zeros."
+        )
+        return TFD216.verdict(evidence, hint=hint)
+    hint = f"Add `{t.name}` (its first {r.length} rows, or its lookup of the position ids) to the token embeddings."
+    # a second sentence of this code that the template (the constant lookup's) cannot express
+    return TFD216.verdict(evidence, hint=hint, message=_UNREAD_TABLE.format(**evidence))
+
+
+BLOCK = ("TFD201", "TFD219")
+"""The codes reserved for MaskProbe's rules."""
+
+RULES: tuple[Rule, ...] = (
+    TFD207,
+    TFD208,
+    TFD209,
+    TFD215,
+    TFD216,
+)
+"""The rules decided in this module, in code order."""
