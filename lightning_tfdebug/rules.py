@@ -29,6 +29,7 @@ from lightning_tfdebug.functional import (
     optimizer_checks,
     rank_checks,
     repro_checks,
+    resume_checks,
     scaler_checks,
     stall_checks,
     throughput_checks,
@@ -86,6 +87,7 @@ _MODULES = (
     throughput_checks,
     memory_checks,
     checkpoint_checks,
+    resume_checks,
 )
 _RULES: tuple[Rule, ...] = tuple(r for module in _MODULES for r in module.RULES)
 
@@ -161,10 +163,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _paragraph(text: str) -> str:
+    """``text`` (a rule's ``details``, possibly wrapped over several source lines) as one markdown list item."""
+    return " ".join(text.split())
+
+
 def render_rule_table(source: str, detail: bool) -> str:
     """The markdown table of ``source``'s rules: ``code | severity | trigger | what to do | why this severity`` when
-    ``detail`` (the findings page; the last column is the rule's ``reason`` under ``docs/severity.md``), else ``code |
-    severity | meaning`` (the callback's own page)."""
+    ``detail`` (the findings page; the last column is the rule's ``reason`` under ``docs/severity.md``), followed by
+    each rule's ``details`` (its exact conditions and thresholds) where it has some, else ``code | severity |
+    meaning`` (the callback's own page)."""
     rows = rules_of(source)
     if not rows:
         raise ValueError(f"No rules registered for {source!r}.")
@@ -173,6 +181,10 @@ def render_rule_table(source: str, detail: bool) -> str:
         lines += [
             f"| {r.code} | {r.severity} | {_cell(r.trigger)} | {_cell(r.hint)} | {_cell(r.reason)} |" for r in rows
         ]
+        detailed = [r for r in rows if r.details.strip()]
+        if detailed:
+            lines += ["", "Exact conditions and thresholds:", ""]
+            lines += [f"- **{r.code}**: {_paragraph(r.details)}" for r in detailed]
     else:
         lines = ["| code | severity | meaning |", "| --- | --- | --- |"]
         lines += [f"| {r.code} | {r.severity} | {_cell(r.title)} |" for r in rows]

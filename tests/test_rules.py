@@ -13,7 +13,17 @@ import pytest
 import lightning_tfdebug
 from lightning_tfdebug import DebugCallback
 from lightning_tfdebug.functional.verdicts import Verdict
-from lightning_tfdebug.rules import AREAS, BLOCKS, BUILTIN_CODES, RULES, Rule, register_rule, rule, rules_of
+from lightning_tfdebug.rules import (
+    AREAS,
+    BLOCKS,
+    BUILTIN_CODES,
+    RULES,
+    Rule,
+    register_rule,
+    render_rule_table,
+    rule,
+    rules_of,
+)
 from tests.core.emitters import StepEmitter
 from tests.helpers import fit_tiny
 
@@ -150,3 +160,14 @@ def test_the_severities_the_policy_set():
     assert {c: RULES[c].severity for c in ("TFD324", "TFD326", "TFD402", "TFD604", "TFD709")} == dict.fromkeys(
         ("TFD324", "TFD326", "TFD402", "TFD604", "TFD709"), "info"
     )
+
+
+def test_a_rules_details_are_rendered_under_its_callbacks_detailed_table():
+    detailed = [r for r in rules_of("GradNormMonitor") if r.details]
+    assert detailed, "GradNormMonitor's rules carry their thresholds in `details`"
+    table = render_rule_table("GradNormMonitor", detail=True)
+    for r in detailed:
+        assert f"- **{r.code}**: {' '.join(r.details.split())}" in table
+    assert "**TFD301**" not in render_rule_table("GradNormMonitor", detail=False), "the short table stays short"
+    text = (ROOT / "docs" / "findings.md").read_text()
+    assert "`explosion_factor` (default 10)" in text.split("<!-- rules:GradNormMonitor:detail -->", 1)[1]

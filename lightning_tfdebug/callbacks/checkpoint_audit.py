@@ -25,6 +25,7 @@ from lightning_tfdebug.core.checkpoints import (
 from lightning_tfdebug.core.model import quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import checkpoint_checks as checks
+from lightning_tfdebug.functional import resume_checks
 from lightning_tfdebug.functional.checkpoints import restored_state
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives.batch import loss_of
@@ -327,7 +328,7 @@ class CheckpointAudit(DebugCallback):
     ) -> None:
         if not self.active:
             return
-        self.emit(trainer, checks.load_problems(checkpoint))  # every rank loads the same checkpoint
+        self.emit(trainer, resume_checks.load_problems(checkpoint))  # every rank loads the same checkpoint
         if self.reload:
             self._restored = restored_state(checkpoint)  # host sync: one checksum transfer per resume
 
@@ -336,11 +337,11 @@ class CheckpointAudit(DebugCallback):
         if not self.active or restored is None:
             return
         live = live_state(trainer, pl_module, restored)  # host sync: one checksum transfer per resume
-        verdicts: list[Verdict | None] = [*checks.resume_problems(restored, live, self.weight_rtol)]
+        verdicts: list[Verdict | None] = [*resume_checks.resume_problems(restored, live, self.weight_rtol)]
         now_loss = None if self._probe_loss is None else self._loss_on_probe(trainer, pl_module)
         if self._probe_loss is not None and now_loss is not None:
             verdicts.append(
-                checks.probe_loss_problem(self._probe_loss, now_loss, self._probe_loss_step, self.loss_rtol)
+                resume_checks.probe_loss_problem(self._probe_loss, now_loss, self._probe_loss_step, self.loss_rtol)
             )
         self.emit(trainer, verdicts, synchronized=False)
         self.resolve_local_findings(trainer)  # every rank resumes, so every rank reaches this point

@@ -2,7 +2,7 @@
 
 A sharded parameter's contribution to a summed statistic is weighted by ``1 / replicas`` (:func:`plan_sharding`), so
 summing over the world counts every element once; DDP and one process need no collective at all. What crosses ranks
-is declared by name in :mod:`lightning_tfdebug.core.reduction` (see ``docs/distributed.md``).
+is declared by name in :mod:`lightning_tfdebug.core.reduction` (``docs/architecture.md``, ``docs/collectives.md``).
 """
 
 from __future__ import annotations

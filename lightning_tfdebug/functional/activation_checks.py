@@ -128,6 +128,13 @@ TFD340 = Rule(
         "{count} layer(s) have more than {threshold:.0%} dead units (zero for every token of the batch) for "
         "{patience} measurements: {listed}."
     ),
+    details=(
+        "A unit is one feature of the last dimension of an activation's output (every other dimension is tokens); it "
+        "is dead when it was exactly zero for every token of the measured batch on every rank (alive on any rank is "
+        "alive). TFD340 when a layer's dead fraction is above `dead_threshold` (default 0.5) on `patience` (default "
+        "2) measurements in a row. About half the outputs of a healthy ReLU are zero (`zero_frac` near 0.5), but its "
+        "units are not dead."
+    ),
 )
 
 
@@ -170,6 +177,10 @@ TFD341 = Rule(
     hint=("units are dying during training: lower the LR, add warm-up or gradient clipping, switch the activation"),
     reason="Measured: units are dying during training, capacity the layer keeps losing",
     message="The dead-unit fraction is rising in {listed}: units are dying during training.",
+    details=(
+        "When a layer's dead fraction has risen by more than `dead_rise` (default 0.35) above the lowest value it had"
+        " in this run, on `patience` (default 2) measurements in a row without falling back."
+    ),
 )
 
 
@@ -206,6 +217,14 @@ TFD342 = Rule(
         "{count} layer(s) have more than {threshold:.0%} saturated activations (local gradient below "
         "{saturation_grad:g}) for {patience} measurements: {listed}."
     ),
+    details=(
+        "An element is saturated when the activation's local derivative `|f'(x)|` is below `saturation_grad` (default"
+        " 0.01) in a flat region: tanh and sigmoid read from the output (`1 - y²`, `y(1 - y)`, so `|y|` near its "
+        "bound); GELU, SiLU and Mish read from the pre-activation, in the negative tail where the gradient has fallen"
+        " under the threshold (below about -3.1 for GELU and -6.3 for SiLU at 0.01; GELU's zero derivative near -0.75"
+        " is not counted). TFD342 when a layer's saturated fraction is above `saturation_threshold` (default 0.5) on "
+        "`patience` (default 2) measurements in a row."
+    ),
 )
 
 
@@ -235,6 +254,10 @@ TFD344 = Rule(
     reason="Measured: saturation is rising during training, so ever less gradient passes the layer",
     message=(
         "The saturated fraction is rising in {listed}: more and more units sit where their gradient is almost zero."
+    ),
+    details=(
+        "When a layer's saturated fraction has risen by more than `saturation_rise` (default 0.35) above the lowest "
+        "value it had in this run, on `patience` (default 2) measurements in a row without falling back."
     ),
 )
 

@@ -57,8 +57,8 @@ class NaNStep:
         report_json: str,
         skipped: bool = False,
     ) -> NaNStep:
-        """The reading of a rank's report ``summary``
-        (:func:`~lightning_tfdebug.functional.frame_reports.nan_report`) and every rank's :func:`rank_frames`."""
+        """The reading of a rank's report ``summary`` (:func:`~lightning_tfdebug.functional.frames.nan_report`) and
+        every rank's :func:`rank_frames`."""
         return cls(
             summary["step"],
             summary["nonfinite_ranks"],
@@ -128,6 +128,14 @@ TFD401 = Rule(
         "The loss or gradients became non-finite at step {bad_step} on rank(s) {ranks}: {where}. {skipped}Report: "
         "{report}"
     ),
+    details=(
+        "Checked on every optimizer step, before `optimizer.step()`: the loss of each micro-batch (`torch.isfinite`) "
+        "and, without a GradScaler and unless `check_gradients=False`, the gradients (one fused norm, summed in "
+        "float32 so that fp16 gradients with a norm above 65504 do not count as overflow; any inf/nan in a gradient "
+        "makes the sum non-finite). With a GradScaler, overflowing gradients are the scaler's (ScalerWatch) and only "
+        "a non-finite loss triggers. Every rank takes the decision on the same step; the step is then not applied "
+        "(every gradient set to None) and replayed with frame hooks."
+    ),
 )
 
 
@@ -151,6 +159,11 @@ TFD402 = Rule(
     message=(
         "At step {bad_step} a module produced inf/nan that did not reach the loss, on rank(s) {ranks}: {where}."
         "{replay_failed} Report: {report}"
+    ),
+    details=(
+        'Eager mode only (`mode="eager"`, the `full` preset): on a step whose loss and gradients stayed finite, a '
+        "module's forward output held inf/nan (read from the per-module output sums recorded on every step). The step"
+        " is applied."
     ),
 )
 

@@ -172,6 +172,11 @@ TFD501 = Rule(
         "Ranks {identical} trained on identical batches at {patience} measured steps in a row: the data is not split "
         "between ranks, so the job does N times the compute for the data of one."
     ),
+    details=(
+        "Compares hashes of the actual input ids, whatever produced them (a custom sampler, an `IterableDataset` that"
+        " ignores the rank, `use_distributed_sampler=False`); one coincidence is not enough: identical fingerprints "
+        "on two or more ranks on `patience` (default 3) measurements in a row."
+    ),
 )
 
 
@@ -195,6 +200,14 @@ TFD503 = Rule(
         "wait) is {ratio:.1f}x the other ranks' median ({others_median_ms:.1f} ms), for {patience} measurements in a "
         "row; every rank waits for it at each gradient all-reduce."
     ),
+    details=(
+        "Compares each rank's busy time outside backward plus its data-loading wait (not the whole step, which the "
+        "collectives make equal) with the median of the other ranks, so one straggler among two ranks is still found:"
+        " above `straggler_factor` (default 1.5) times that median and at least `straggler_min_ms` (default 10 ms) "
+        "more, on `patience` (default 3) measurements. Under FSDP the ranks also wait for each other inside the "
+        "forward's all-gathers, so a straggler shows only through delays before the step's first collective and "
+        "through data loading."
+    ),
 )
 
 
@@ -215,6 +228,12 @@ TFD504 = Rule(
     ),
     reason="Measured, sustained: one rank's loss is far from the others', so its data or its replica differs",
     message=("{what} for {patience} measurements in a row{tail}."),
+    details=(
+        "Compares the losses `training_step` returns with their median over all ranks, so one odd rank among three or"
+        " more is named and the majority is not: a difference above `loss_spread` (default 0.5) of the median on "
+        "`patience` (default 3) measurements. Two ranks have no majority: when their losses differ by more than "
+        "`loss_spread` of the smaller, one finding names both. Non-finite losses are left to TFD505."
+    ),
 )
 
 
@@ -320,6 +339,10 @@ TFD505 = Rule(
     ),
     reason="A non-finite loss on a rank poisons the averaged gradient on every rank: the run cannot continue",
     message=("Rank(s) {rank_list} produced a non-finite loss at step {at_step}{others}."),
+    details=(
+        "When a rank's training loss is inf or nan; names the rank(s) that produced it at the "
+        "step they did (under DDP the NaN reaches every rank one step later, through the gradient all-reduce)."
+    ),
 )
 
 
@@ -353,6 +376,14 @@ TFD502 = Rule(
     message=(
         "Parameters or buffers differ between DDP replicas at step {at_step}: rank(s) {rank_list} disagree with the "
         "others on {count} tensor(s): {tensor_list}{more}."
+    ),
+    details=(
+        "With `compare_parameters=True` (default), every parameter and buffer is compared across replicas "
+        "(BatchNorm/InstanceNorm running statistics excepted: each replica updates them from its own batch). DDP "
+        "replicas are bitwise equal, so any difference beyond a relative 1e-6 counts. The majority of ranks is the "
+        "reference; ties go to the lowest rank; two NaN checksums compare equal, so replicas that all went non-finite"
+        " together are not reported. Skipped under FSDP, FSDP2, DeepSpeed and `ModelParallelStrategy`, where ranks "
+        "hold different shards by design."
     ),
 )
 

@@ -18,6 +18,12 @@ TFD130 = Rule(
         "Training failed with {exception} at step {failed_step} (rank {rank}); a repro bundle was written to "
         "{bundle}.{replayable}"
     ),
+    details=(
+        "When the fit raises an exception (inside a training batch, or outside one with "
+        "`capture_exceptions_outside_training`, then without a batch) and the bundle was written; the exception "
+        "itself propagates unchanged. Not written for an out-of-memory error while MemoryWatch is in the run: its "
+        "TFD621 names the bundle instead."
+    ),
 )
 
 
@@ -51,6 +57,10 @@ TFD131 = Rule(
     hint="Check free disk space and write permission on the log directory.",
     reason="Loses work: the evidence needed to replay the crash is gone, though the crash itself still propagates",
     message="ReproCapture could not write a bundle for the {exception} at step {failed_step}: {error}",
+    details=(
+        "When writing the bundle fails with an `OSError` (disk full, no permission, a file where the directory should"
+        " be); the training exception still propagates unchanged."
+    ),
 )
 
 

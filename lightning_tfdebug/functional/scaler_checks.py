@@ -72,6 +72,11 @@ TFD411 = Rule(
     ),
     reason="A collapsed loss scale underflows every gradient or skips every step: the run cannot train",
     message="The fp16 loss scale collapsed: it {why}. Gradients overflow on most steps{where}",
+    details=(
+        "Decided on logging steps (`global_step % every_n_steps == 0`) from counters kept on the device every "
+        "optimizer step: when the loss scale is below `min_scale` (default 1.0), or the scaler reduced it "
+        "`collapse_backoffs` (default 8) times or more within the last `window` (default 50) steps."
+    ),
 )
 
 
@@ -102,6 +107,12 @@ TFD412 = Rule(
     ),
     reason="Loses work: a large share of the steps was skipped for overflow",
     message="{recent_skipped} of the last {recent_steps} optimizer steps were skipped for fp16 overflow{where}",
+    details=(
+        "On a logging step, once at least `min_steps` (default 10) steps were watched, when more than "
+        "`max_skipped_frac` (default 0.25) of the last `window` (default 50) optimizer steps were skipped for "
+        "overflow. The groups named are those whose gradients held inf/nan on a skipped logging step (one fused norm "
+        "per group, before the optimizer step)."
+    ),
 )
 
 
@@ -140,6 +151,11 @@ TFD413 = Rule(
         "A per-step LR scheduler ({scheduler}) advanced on {scheduler_steps_on_skipped} optimizer steps that the "
         "GradScaler skipped: the schedule (warm-up, decay) runs ahead of the updates actually applied."
     ),
+    details=(
+        "When a per-step LR scheduler's `last_epoch` moved on `lr_skipped_steps` (default 10) or more optimizer steps"
+        " that the GradScaler skipped (it advanced more often than steps were applied). A scheduler stepped only on "
+        "applied steps is not blamed."
+    ),
 )
 
 
@@ -168,6 +184,10 @@ TFD414 = Rule(
     message=(
         "The loss scale has not grown for {steps_without_growth} steps ({no_growth_intervals:g} x "
         "growth_interval={growth_interval}): overflow keeps interrupting every run of clean steps."
+    ),
+    details=(
+        "When the scale did not grow for `no_growth_intervals` (default 3) times the scaler's `growth_interval` steps"
+        " (2000 by default, so 6000 steps): overflow keeps interrupting every run of clean steps."
     ),
 )
 

@@ -185,6 +185,17 @@ TFD602 = Rule(
         "measurements in a row: packing or length-bucketing would compute {speedup_packing:.1f}x fewer positions"
         "{trim}{consequence}"
     ),
+    details=(
+        "When padding is above `padding_threshold` (default 0.3) of the computed token positions on `patience` "
+        "(default 3) measurements. Info up to half of the positions; a warning once padding is most of them, because "
+        "it is then the largest speed problem of the run: the step computes every position, so removing the padding "
+        "multiplies real tokens per second by about `positions / real tokens`. The evidence states two factors: "
+        "`speedup_packing` (how many times fewer positions packing or length-bucketing would compute) and "
+        "`speedup_trim_to_longest` (padding each batch only to its longest sequence, from the span of mask columns "
+        "that hold a real token, counted on the device per micro-batch). Both assume the step time scales with the "
+        "positions computed, as a transformer's matmuls do; attention grows faster, so for long rows the gain is "
+        "larger."
+    ),
 )
 
 
@@ -240,6 +251,10 @@ TFD604 = Rule(
         "Memory use reached {memory_frac:.0%} of capacity on rank {rank} (threshold {threshold:.0%}); the run is "
         "close to out-of-memory."
     ),
+    details=(
+        "When the peak memory is above `memory_threshold` (default 0.92) of the device's capacity (on CPU, the "
+        "machine's physical memory)."
+    ),
 )
 
 
@@ -277,6 +292,21 @@ TFD605 = Rule(
     message=(
         "The median step time rose to {ratio_to_early:.2f}x the early steps' median while {cause}, so this is not "
         "reported as a slowdown of the run itself (TFD603)."
+    ),
+    details=(
+        "The step time regressed as for TFD603, and the machine explains it, read over the same steps from: the "
+        "contention ratio (this process's threads' CPU time plus run-queue wait, `/proc/self/task/*/schedstat`, per "
+        "CPU second, against the early window's; it counts only where the extra step time was spent runnable, CPU "
+        "time plus run-queue wait per step having risen by at least half as much); the CPU time per step "
+        "(`time.process_time`); a reference computation (rounds of two 192 x 192 float32 matrix products on one torch"
+        " thread for 20 ms, on the early window's measuring steps and again on a slow one, never on other steps, its "
+        "run-queue wait taken off where `/proc` exists); and a parallel reference (the same rounds at the run's torch"
+        " thread count, waits left in). The machine's slowdown is the larger of the contention ratio and the "
+        "reference ratio; it explains the streak when it is at least half the mean step time's rise, or, where the "
+        "run's CPU time per step rose by less than 0.9x as much as its step time, half the rise per unit of CPU work "
+        "(step-time ratio over CPU-time ratio). A parallel reference that slowed by at least half the mean step "
+        "time's rise explains it by itself (beside other jobs' multi-threaded torch processes: a T5 run 8.5x slower "
+        "read 24x to 56x there, while the one-thread signals read 1.0x to 1.2x)."
     ),
 )
 
@@ -321,6 +351,9 @@ TFD607 = Rule(
         "torch.compile hit its recompile limit {limit_hits:.0f} time(s) during training: the code it gave up on now "
         "runs uncompiled, silently slower."
     ),
+    details=(
+        "When TorchDynamo's counters show a recompile-limit hit during training, after which that code runs uncompiled."
+    ),
 )
 
 
@@ -345,6 +378,10 @@ TFD601 = Rule(
         "Training is data-loading bound: {dataloader_wait_frac:.0%} of wall time went to waiting for the next batch "
         "(threshold {threshold:.0%}) for {patience} measurements in a row."
     ),
+    details=(
+        "When the wait for the next batch is above `wait_threshold` (default 0.2) of wall time on the worst rank, on "
+        "`patience` (default 3) measurements in a row."
+    ),
 )
 
 
@@ -368,6 +405,16 @@ TFD603 = Rule(
         "The median step time rose to {step_time_ms:.1f} ms, {ratio_to_early:.2f}x the early steps' median, for "
         "{patience} measurements in a row."
     ),
+    details=(
+        "The early window is `baseline_steps` (default 20) optimizer steps after the first `skip_steps` (default 5). "
+        "TFD603 when both the median and the mean step time over the last `window` (default 50) steps are above "
+        "`regression_factor` (default 1.5) times the early window's, on `patience` (default 3) measurements in a row,"
+        " none of them explained by the machine (TFD605). The mean guards against a median that moves on its own on a"
+        " time-sliced machine. Two guards keep a run's own slowdown TFD603 even when the machine is busy: the run "
+        "takes more than 1.25x its early CPU per second of wall time (its own threads took the cores), or, without "
+        "`/proc`, its CPU time per step rose as much as its step time. The early timings are saved with the "
+        "callback's state, so a run resumed on a slower machine is recognised as the machine's."
+    ),
 )
 
 
@@ -386,6 +433,11 @@ TFD606 = Rule(
     message=(
         "torch.compile is still compiling after the early window: {new_graphs:.0f} new graph(s) since then, more at "
         "each of the last {patience} measurements. Every recompilation stalls training."
+    ),
+    details=(
+        "On measuring steps, TorchDynamo's own counters are read (host-side; nothing imported when nothing was "
+        "compiled; process-wide, so only changes since this fit started count): TFD606 when new graphs were compiled "
+        "after the early window at each of `patience` (default 3) measurements in a row."
     ),
 )
 

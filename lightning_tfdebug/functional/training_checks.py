@@ -36,6 +36,11 @@ TFD327 = Rule(
         "The module is in eval mode at a training batch (epoch {epoch}, step {global_step}): dropout is off and "
         "batch norm uses frozen running statistics, so training is not the training you configured."
     ),
+    details=(
+        "Checked at the first batch of each epoch and the first batch after each validation run, once that batch's "
+        "forward has run (so an `.eval()` from the LightningModule's own `on_train_batch_start` or from inside "
+        "`training_step` is seen): the module is not in train mode."
+    ),
 )
 
 
@@ -55,6 +60,10 @@ TFD328 = Rule(
     hint="Deliberate for frozen BatchNorm; otherwise a submodule was left in eval mode.",
     reason="An observation: deliberate for frozen normalisation layers, and no harm is measured",
     message="{count} mode-dependent submodules are in eval mode while the module trains: {shown}.",
+    details=(
+        "Checked at the same batches as TFD327: dropout or batch/instance-norm submodules in eval mode while the "
+        "module trains (deliberate for frozen BatchNorm, hence info)."
+    ),
 )
 
 
@@ -83,6 +92,14 @@ TFD329 = Rule(
     message=(
         "The LR scheduler {scheduler} was stepped {per_step}: a schedule sized in optimizer steps runs that many "
         "times too fast."
+    ),
+    details=(
+        "At each optimizer step it is called at, without touching a tensor: each LR scheduler's `last_epoch` (its "
+        "count of `step()` calls) is compared with its value at the last reading, and more calls than optimizer steps"
+        " in between fires (stepped per micro-batch under gradient accumulation, or by hand as well as by Lightning)."
+        " On its own it reads at every step; inside `TFDebug` on measuring steps (and the steps with a check "
+        'pending), so a scheduler stepped twice per step is named at the first measuring step after the first, as "2n'
+        ' times over n optimizer steps".'
     ),
 )
 
@@ -126,6 +143,15 @@ TFD330 = Rule(
         "No learning-rate warm-up: the LR at step {step} ({lr:.3g}) is not above the LR of the first step "
         "({first_lr:.3g}), so this transformer starts at its peak LR. Advice only while the early loss stays "
         "well-behaved (watched for the first warmup_window steps)."
+    ),
+    details=(
+        "A transformer (a model with an attention module) trained from step 0 whose LR at the next measured step is "
+        "not above its first-step LR; a run too short for a second measurement decides at its end. Info (fine-tuning "
+        "at a constant LR and small models train well without a warm-up); a warning when a measured loss within the "
+        "first `warmup_window` (default 1000) steps shows what a warm-up prevents: not finite, more than 10% above "
+        "the first step's loss, or doubled from its lowest measured value (and higher by 10% of the first loss). Not "
+        "decided on a run resumed from a checkpoint without this callback's state (its first LR is past any warm-up)."
+        " When the unchanged LR is below half of the schedulers' `base_lrs`, TFD335 is raised instead."
     ),
 )
 
@@ -176,6 +202,7 @@ TFD331 = Rule(
         "The learning rate reached zero at step {step}, long before the end of the run ({total} steps): the "
         "remaining steps train nothing."
     ),
+    details=("On a measuring step, when a param group's LR is zero before `zero_lr_fraction` of the run's steps."),
 )
 
 
@@ -211,6 +238,11 @@ TFD335 = Rule(
         "The learning rate has not moved since the first step: at step {step} it is {lr:.3g}, {share:.1%} of the "
         "{base_lr:.3g} the optimizer was configured with, and the scheduler ({names}, interval {intervals}) has "
         "not raised it."
+    ),
+    details=(
+        "As TFD330 (the LR has not moved between the first step and the next measured step), when that LR is below "
+        "half of the schedulers' `base_lrs`: the schedule is not advancing rather than missing (a warm-up sized in "
+        'steps returned as a bare scheduler or with `interval: "epoch"` holds its first value all epoch).'
     ),
 )
 
@@ -261,6 +293,16 @@ TFD337 = Rule(
         "The learning rate stays below half of its configured peak ({peak:.3g}) {until}: {scheduler} (interval "
         "{interval}) reaches the peak {at}, and the highest LR of this run is {run_max:.3g} ({share:.1%} of it)."
     ),
+    details=(
+        "Checked once per fit: each LR scheduler is deep-copied with a stand-in optimizer holding copies of the param"
+        " groups' settings (the module and the Trainer are shared, never copied), and the copy is stepped at "
+        "Lightning's `interval` and `frequency` from the current step to `max_steps` (the Trainer's "
+        "`estimated_stepping_batches`), and on until it reaches its configured peak (the largest base LR), at most "
+        "100,000 scheduler steps. A schedule that rises and first reaches half of its peak only after half of the "
+        "run, or never in it, fires. Runs under 50 steps are not judged; `tfdebug check` sets "
+        "`check_schedule_fits=False`; a scheduler that cannot be replayed alone (one that needs a metric, such as "
+        "`ReduceLROnPlateau`) is not judged."
+    ),
 )
 
 
@@ -304,6 +346,13 @@ TFD332 = Rule(
         "Parameter {parameter} was byte-identical after {steps} consecutive measured optimizer steps although it "
         "had a gradient and a non-zero learning rate."
     ),
+    details=(
+        "On measuring steps, one parameter per param group (the first with a gradient whose copy fits the memory "
+        "budget, LR > 0) is copied before the step and compared byte for byte after it; unchanged on `patience` "
+        "consecutive measured steps fires (an update that underflows bf16/fp16 weights, or an optimizer stepping "
+        "other tensors). Steps the fp16 GradScaler skipped are not counted; a group where no parameter fits the "
+        "budget is recorded once as not compared."
+    ),
 )
 
 
@@ -333,6 +382,13 @@ TFD334 = Rule(
         "Gradients were not zeroed after the optimizer step: at the first backward of step {global_step}, "
         "{groups_with_old_grads} of {groups_probed} param groups still hold the previous steps' gradients, so "
         "every step adds its gradient to all the earlier ones."
+    ),
+    details=(
+        "At the first backward after an optimizer step, on measuring steps: the first trainable parameter of each "
+        "param group must have no gradient left from before (Lightning's automatic optimization clears to None "
+        "there). A `.grad` that exists is read (one host read) and non-zero values fire: a manual `training_step` "
+        "that never calls `zero_grad` sums every step's gradient into all later ones. `zero_grad(set_to_none=False)` "
+        "and manual accumulation windows are recognised as healthy."
     ),
 )
 

@@ -48,6 +48,8 @@ class Rule:
         reason: why the rule has its severity (``docs/severity.md``).
         message: the finding's sentence, a :meth:`str.format` template filled from the evidence and the text fields
             passed to :meth:`verdict`.
+        details: the exact conditions and thresholds under which the rule fires (markdown), for the generated rule
+            reference in ``docs/findings.md``; empty when ``trigger`` already says it all.
     """
 
     code: str
@@ -58,6 +60,7 @@ class Rule:
     hint: str
     reason: str = ""  # required (checked below); a default only so that it can follow `hint` as a keyword
     message: str = ""
+    details: str = ""
 
     def __post_init__(self) -> None:
         check_code(self.code)

@@ -1,4 +1,4 @@
-"""CheckpointAudit's rules without a Trainer (functional/checkpoint_checks.py): each rule on plain values and
+"""CheckpointAudit's rules without a Trainer (functional/ck.py): each rule on plain values and
 checkpoint-shaped dicts, its verdict on the harmful side and None (or nothing) on the healthy side."""
 
 import pytest
@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lightning_tfdebug.functional import checkpoint_checks as ck
+from lightning_tfdebug.functional import resume_checks
 from lightning_tfdebug.functional.checkpoints import restored_state
 from lightning_tfdebug.rules import rule
 
@@ -106,7 +107,11 @@ def test_optimizer_scheduler_scaler_and_callback_rules_on_plain_values():
     assert verdict.code == "TFD704" and ", no step counts" in verdict.message
     assert ck.optimizer_problems({}, [], PATH) == []
     assert ck.scheduler_problem({"lr_schedulers": [{}]}, 1, PATH) is None
-    assert ck.scheduler_problem({"lr_schedulers": []}, 1, PATH).evidence == {"saved": 0, "expected": 1, "path": PATH}
+    assert ck.scheduler_problem({"lr_schedulers": []}, 1, PATH).evidence == {
+        "saved": 0,
+        "expected": 1,
+        "path": PATH,
+    }
     assert ck.scheduler_problem({}, 0, PATH) is None
     assert ck.scaler_problem({"P": {"scale": 2.0}}, "P", PATH) is None and ck.scaler_problem({}, None, PATH) is None
     assert ck.scaler_problem({"P": {}}, "P", PATH).code == "TFD706"
@@ -159,13 +164,13 @@ def test_sharded_directories_from_their_reading():
 def test_loading_a_checkpoint_without_optimizer_or_scheduler_state():
     model, optimizer = trained()
     checkpoint = full_checkpoint(model, optimizer)
-    assert ck.load_problems(checkpoint) == []
+    assert resume_checks.load_problems(checkpoint) == []
     del checkpoint["optimizer_states"], checkpoint["lr_schedulers"]
-    verdicts = ck.load_problems(checkpoint)
+    verdicts = resume_checks.load_problems(checkpoint)
     assert [(v.code, v.key) for v in verdicts] == [("TFD703", "resume"), ("TFD705", "resume")]
     assert verdicts[0].message.startswith("Resuming from a checkpoint without optimizer state")
     del checkpoint["loops"]  # a weights-only file: nothing is expected of it
-    assert ck.load_problems(checkpoint) == []
+    assert resume_checks.load_problems(checkpoint) == []
 
 
 def live(restored, **changes):
@@ -178,7 +183,7 @@ def test_resume_matches_the_restored_state():
     assert restored["steps"] == [1.0] and restored["lrs"] == [[1e-3]] and restored["global_step"] == 7
 
     def problems(**changes):
-        return [v.code for v in ck.resume_problems(restored, live(restored, **changes), 1e-5)]
+        return [v.code for v in resume_checks.resume_problems(restored, live(restored, **changes), 1e-5)]
 
     assert problems() == []
     moved = [(a + 1.0, b) for a, b in restored["sums"]]
@@ -192,36 +197,38 @@ def test_each_resume_rule_on_plain_numbers():
                 "sums": [(1.0, 2.0), (3.0, 4.0)], "steps": [5.0], "lrs": [[0.1, 0.2]], "scale": 1024.0,
                 "global_step": 10}  # fmt: skip
     same = dict(restored)
-    assert ck.weights_after_resume(restored, same, 1e-5) is None
+    assert resume_checks.weights_after_resume(restored, same, 1e-5) is None
     within = live(restored, sums=[(1.0 + 1e-6, 2.0), (3.0, 4.0)])
-    assert ck.weights_after_resume(restored, within, 1e-5) is None  # inside the tolerance
-    moved = ck.weights_after_resume(restored, live(restored, sums=[(1.1, 2.0), (3.0, 4.0)]), 1e-5)
+    assert resume_checks.weights_after_resume(restored, within, 1e-5) is None  # inside the tolerance
+    moved = resume_checks.weights_after_resume(restored, live(restored, sums=[(1.1, 2.0), (3.0, 4.0)]), 1e-5)
     assert moved.code == "TFD710" and moved.evidence == {"differ": ["w"], "dtype_changed": []}
     assert "1 tensors differ from the checkpoint (w)" in moved.message
-    halved = ck.weights_after_resume(
+    halved = resume_checks.weights_after_resume(
         restored, live(restored, dtypes={"w": "torch.float16", "b": "torch.float32"}), 1e-5
     )
     assert "1 changed dtype (w: torch.float32 -> torch.float16)" in halved.message
     # a restored weight the live module lacks is compared by name, not by position
     fewer = live(restored, names=["b"], dtypes={"b": "torch.float32"}, sums=[(3.0, 4.0)])
-    assert ck.weights_after_resume(restored, fewer, 1e-5) is None
-    [step] = ck.steps_after_resume(restored, live(restored, steps=[0.0]))
+    assert resume_checks.weights_after_resume(restored, fewer, 1e-5) is None
+    [step] = resume_checks.steps_after_resume(restored, live(restored, steps=[0.0]))
     assert step.evidence == {"optimizer": 0, "saved": 5.0, "now": 0.0}
-    assert ck.steps_after_resume({"steps": [None]}, {"steps": [0.0]}) == []
-    [lr] = ck.learning_rates_after_resume(restored, live(restored, lrs=[[0.1, 0.3]]))
+    assert resume_checks.steps_after_resume({"steps": [None]}, {"steps": [0.0]}) == []
+    [lr] = resume_checks.learning_rates_after_resume(restored, live(restored, lrs=[[0.1, 0.3]]))
     assert lr.message == "Optimizer 0's learning rates after resume are [0.1, 0.3], the checkpoint holds [0.1, 0.2]."
-    assert ck.learning_rates_after_resume(restored, live(restored, lrs=[[0.1]])) == []  # param groups rebuilt
-    scale = ck.scale_after_resume(restored, live(restored, scale=65536.0))
+    assert (
+        resume_checks.learning_rates_after_resume(restored, live(restored, lrs=[[0.1]])) == []
+    )  # param groups rebuilt
+    scale = resume_checks.scale_after_resume(restored, live(restored, scale=65536.0))
     assert scale.message == "The GradScaler's scale after resume is 65536, the checkpoint holds 1024."
-    assert ck.scale_after_resume(restored, live(restored, scale=None)) is None
-    step = ck.global_step_after_resume(restored, live(restored, global_step=0))
+    assert resume_checks.scale_after_resume(restored, live(restored, scale=None)) is None
+    step = resume_checks.global_step_after_resume(restored, live(restored, global_step=0))
     assert step.message == "The global step after resume is 0, the checkpoint was saved at 10."
-    assert ck.global_step_after_resume({"global_step": None}, {"global_step": 0}) is None
+    assert resume_checks.global_step_after_resume({"global_step": None}, {"global_step": 0}) is None
 
 
 @pytest.mark.parametrize("now, found", [(2.0005, False), (2.5, True)])
 def test_probe_loss_after_resume(now, found):
-    verdict = ck.probe_loss_problem(2.0, now, 7, 1e-3)
+    verdict = resume_checks.probe_loss_problem(2.0, now, 7, 1e-3)
     assert (verdict is not None) == found
     if found:
         assert verdict.code == "TFD715" and verdict.evidence == {"saved": 2.0, "now": 2.5, "saved_step": 7}
