@@ -16,12 +16,14 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from lightning_tfdebug.callbacks.batch_guard import checks as batch_guard_checks
+from lightning_tfdebug.callbacks.loss_at_init import init_checks as loss_init_checks
+from lightning_tfdebug.callbacks.loss_at_init import stall_checks as loss_stall_checks
+from lightning_tfdebug.callbacks.loss_at_init import transform_checks as loss_transform_checks
 from lightning_tfdebug.callbacks.mask_probe import alignment_checks, leak_checks, padding_checks, position_checks
 from lightning_tfdebug.functional import (
     activation_checks,
     checkpoint_checks,
     grad_checks,
-    loss_checks,
     memory_checks,
     nan_checks,
     optimizer_checks,
@@ -68,7 +70,9 @@ _MODULES = (
     padding_checks,
     alignment_checks,
     position_checks,
-    loss_checks,
+    loss_init_checks,
+    loss_stall_checks,
+    loss_transform_checks,
     grad_checks,
     update_checks,
     optimizer_checks,

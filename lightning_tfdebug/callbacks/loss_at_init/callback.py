@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -11,6 +10,18 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.callbacks.loss_at_init.check import check_findings
+from lightning_tfdebug.callbacks.loss_at_init.init_checks import classify_init_loss, unreadable_verdict
+from lightning_tfdebug.callbacks.loss_at_init.phases import LossRun
+from lightning_tfdebug.callbacks.loss_at_init.readings import (
+    LossSums,
+    check_reading,
+    follow_returned_loss,
+    late_masked_lm,
+    loss_reading,
+    returned_loss,
+    summarize_init,
+)
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.distributed import world_size
@@ -18,17 +29,6 @@ from lightning_tfdebug.core.logits import LogitsCapture, check_capture_args, mod
 from lightning_tfdebug.core.reduction import Reduced
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import PHASE_SUMS, LabelFrequencies, step_sums, unigram_entropy
-from lightning_tfdebug.functional.loss_checks import (
-    LossRun,
-    check_findings,
-    check_reading,
-    classify_init_loss,
-    follow_returned_loss,
-    loss_reading,
-    returned_loss,
-    summarize_init,
-    unreadable_verdict,
-)
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys, loss_of
 from lightning_tfdebug.primitives.keys import Key
 
@@ -248,7 +248,7 @@ class LossAtInit(DebugCallback):
                     self._frequencies.add(found.labels, self._run.vocab, found.device, self.ignore_index)
                 conclude = {"init": self._init, "compare": self._compare, "check": self._check}[phase]
 
-                def then(host: dict[str, float]) -> None:
+                def then(host: LossSums) -> None:
                     if not self._stand_aside_if_unreadable(trainer, host, found.reason, step):
                         self._run.vocab = self._run.vocab or found.vocab  # every rank found logits of one width
                         conclude(trainer, found, host, step)
@@ -273,10 +273,10 @@ class LossAtInit(DebugCallback):
             measured = _Collected(reason="", ok=True, vocab=0, device=device)
             self._reduce(trainer, measured, (), loss, lambda host: self._keep_loss(trainer, host, step))
 
-    def _keep_loss(self, trainer: pl.Trainer, host: dict[str, float], step: int) -> float:
+    def _keep_loss(self, trainer: pl.Trainer, host: LossSums, step: int) -> float:
         """Keep this step's loss for the stall window and log the dashboard keys; returns the loss (NaN: none)."""
         loss = returned_loss(host)
-        self._frequencies.receive(host.get("unigram_entropy", math.nan))
+        self._frequencies.receive(host.unigram_entropy)
         self.log_scalars(trainer, self._run.keep_loss(step, loss, self._frequencies.entropy), step=step)
         return loss
 
@@ -299,13 +299,14 @@ class LossAtInit(DebugCallback):
                 scalars = {k: reduced.sums[k].float() for k in named}
                 if counts is not None:
                     scalars["unigram_entropy"] = unigram_entropy(reduced.sums["label_counts"].float())
-                then(self.to_host(scalars))  # host sync: the one transfer of this measuring step
+                # host sync: the one transfer of this measuring step, read by name into the typed payload
+                then(LossSums.from_host(self.to_host(scalars)))
 
         self.reduce_then(trainer, conclude, device, sums=declared)
 
-    def _stand_aside_if_unreadable(self, trainer: pl.Trainer, host: dict[str, float], reason: str, step: int) -> bool:
+    def _stand_aside_if_unreadable(self, trainer: pl.Trainer, host: LossSums, reason: str, step: int) -> bool:
         """``TFD228`` and stand aside, on every rank, when a rank could not read the logits or labels."""
-        if host["ok"] >= world_size():
+        if host.ok >= world_size():
             return False
         text = reason or "another rank could not find the logits or labels (see its warning)"
         self.emit(trainer, unreadable_verdict(text, self.labels_key, self.logits_module, step=step))
@@ -314,14 +315,14 @@ class LossAtInit(DebugCallback):
         return True
 
     # ------------------------------------------------------------------ conclusions (reduced values: every rank alike)
-    def _init(self, trainer: pl.Trainer, found: _Collected, host: dict[str, float], step: int) -> None:
+    def _init(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
         host, other_alignment = follow_returned_loss(host, returned_loss(host))
         # V is known alike everywhere now; this batch's counts go into the next measuring step's reduction
         self._frequencies.add(found.labels, self._run.vocab, found.device, self.ignore_index)
         init = summarize_init(host, found.vocab, self._capture.read_kind)
         self._run.start(init)
         self.log_scalars(trainer, init.metrics(), step=step)
-        self._keep_loss(trainer, {**host, "loss_sum": init.observed, "loss_n": 1.0}, step)
+        self._keep_loss(trainer, host.with_loss(init.observed), step)
         verdicts = classify_init_loss(
             init,
             init_tolerance=self.init_tolerance,
@@ -334,24 +335,25 @@ class LossAtInit(DebugCallback):
         )
         self.emit(trainer, verdicts)
 
-    def _compare(self, trainer: pl.Trainer, found: _Collected, host: dict[str, float], step: int) -> None:
+    def _compare(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
         """A compared step before the check: the returned loss against the recorded logits, kept for the check."""
         self._add_reading(trainer, host, self._keep_loss(trainer, host, step), step)
 
-    def _add_reading(self, trainer: pl.Trainer, host: dict[str, float], loss: float, step: int) -> None:
+    def _add_reading(self, trainer: pl.Trainer, host: LossSums, loss: float, step: int) -> None:
         reading = loss_reading(host, loss, step)
         if reading is not None:
             self._run.add_reading(reading)
             self.log_scalars(trainer, {"loss_at_init/logits_loss": reading.ce}, step=step)
 
-    def _check(self, trainer: pl.Trainer, found: _Collected, host: dict[str, float], step: int) -> None:
+    def _check(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
         returned = returned_loss(host)
         host, _ = follow_returned_loss(host, returned)
-        if self._run.check_moves(host, step):  # masked-LM labels seen first here (resumed without this state)
-            self._keep_loss(trainer, {**host, "loss_sum": returned, "loss_n": 1.0}, step)
+        # masked-LM labels seen first here (resumed without this state): their check moves later
+        if self._run.check_moves(late_masked_lm(host), step):
+            self._keep_loss(trainer, host.with_loss(returned), step)
             return
         reading = check_reading(host, found.vocab)
-        self._keep_loss(trainer, {**host, "loss_sum": reading.loss, "loss_n": 1.0}, step)
+        self._keep_loss(trainer, host.with_loss(reading.loss), step)
         self.log_scalars(trainer, reading.metrics(), step=step)
         self._add_reading(trainer, host, returned, step)  # the returned loss against the recorded logits
         verdicts = check_findings(

@@ -1,30 +1,34 @@
-"""LossAtInit's decisions without a Trainer (functional/loss_checks.py)."""
+"""LossAtInit's decisions without a Trainer (callbacks/loss_at_init/: its readings, phases and checks)."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from lightning_tfdebug.functional.loss import TEMPERATURE_GRID, copy_sums, init_loss_sums
-from lightning_tfdebug.functional.loss_checks import (
-    HISTORY,
-    RULES,
-    InitLoss,
-    LossReading,
-    LossRun,
+from lightning_tfdebug.callbacks.loss_at_init.check import check_findings
+from lightning_tfdebug.callbacks.loss_at_init.init_checks import (
     batch_counts,
-    bounded_output_verdict,
-    check_findings,
-    check_reading,
-    check_verdicts,
     classify_init_loss,
-    compare_steps,
-    context_verdict,
-    late_masked_lm,
     scaled_loss_verdict,
-    summarize_init,
     unreadable_verdict,
 )
+from lightning_tfdebug.callbacks.loss_at_init.phases import HISTORY, LossRun, compare_steps
+from lightning_tfdebug.callbacks.loss_at_init.readings import (
+    InitLoss,
+    LossReading,
+    LossSums,
+    check_reading,
+    late_masked_lm,
+    summarize_init,
+)
+from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
+    bounded_output_verdict,
+    check_verdicts,
+    context_verdict,
+)
+from lightning_tfdebug.functional.loss import TEMPERATURE_GRID, copy_sums, init_loss_sums
+from lightning_tfdebug.rules import rules_of
 
 V = 50
 LN_V = math.log(V)
@@ -61,12 +65,12 @@ def test_summary_of_real_sums():
     host = {k: float(v) for k, v in init_loss_sums(logits, labels).items()}
     host.update({k: float(v) for k, v in copy_sums(logits, labels).items()})
     host.update(loss_sum=2 * LN_V, loss_n=2.0)  # two ranks returned ln(V)
-    summary = summarize_init(host, V)
+    summary = summarize_init(LossSums.from_host(host), V)
     assert summary.observed == pytest.approx(LN_V) and summary.recomputed == pytest.approx(LN_V, rel=1e-3)
     assert summary.supervised_frac == pytest.approx(60 / 64) and summary.copy_rate is not None
     assert set(summary.metrics()) >= {"loss_at_init/observed", "loss_at_init/copy_rate", "loss_at_init/logit_std"}
     host["loss_n"] = 0.0  # no rank returned a loss: the recomputed one stands in
-    assert summarize_init(host, V).observed == summary.recomputed
+    assert summarize_init(LossSums.from_host(host), V).observed == summary.recomputed
 
 
 def test_the_decision_tree_of_the_first_loss():
@@ -103,7 +107,7 @@ def test_check_step_verdicts():
 
 
 def test_the_returned_loss_picks_the_label_alignment():
-    from lightning_tfdebug.functional.loss_checks import follow_returned_loss
+    from lightning_tfdebug.callbacks.loss_at_init.readings import follow_returned_loss
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 50, (4, 17))
@@ -113,19 +117,20 @@ def test_the_returned_loss_picks_the_label_alignment():
     shifted = init_loss_sums(logits, targets, shift_labels=True)  # what `shift_labels=True` assumes
     host = {k: float(v) for k, v in shifted.items()}
     host.update({"other_ce_sum": float(aligned["ce_sum"]), "other_ce_count": float(aligned["ce_count"])})
+    sums = LossSums.from_host(host)
     returned = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1)).item()
-    picked, other = follow_returned_loss(host, returned)
-    assert other and picked["ce_sum"] / picked["ce_count"] == pytest.approx(returned, rel=1e-5)
-    assert not any(k.startswith("other_") for k in picked)
+    picked, other = follow_returned_loss(sums, returned)
+    assert other and picked.ce_sum / picked.ce_count == pytest.approx(returned, rel=1e-5)
+    assert picked.other_ce_sum == picked.other_ce_count == 0.0  # nothing left under the other alignment's names
     # the configured alignment stays when it is the one that agrees, when nothing else was measured, or without a loss
-    assert not follow_returned_loss(host, host["ce_sum"] / host["ce_count"])[1]
-    assert not follow_returned_loss({k: v for k, v in host.items() if not k.startswith("other_")}, returned)[1]
-    assert not follow_returned_loss(host, math.nan)[1]
+    assert not follow_returned_loss(sums, sums.ce_sum / sums.ce_count)[1]
+    assert not follow_returned_loss(dataclasses.replace(sums, other_ce_sum=0.0, other_ce_count=0.0), returned)[1]
+    assert not follow_returned_loss(sums, math.nan)[1]
 
 
 # ---------------------------------------------------------------------------------------------- every rule by numbers
 def test_every_rule_writes_its_message_from_its_template():
-    assert all(rule.message for rule in RULES)
+    assert all(rule.message for rule in rules_of("LossAtInit"))
     [probs] = classify_init_loss(init(probability_rows=1.0), init_tolerance=0.25, ignore_index=-100, shifted=True)
     assert probs.message.startswith("The model's outputs are already probabilities: 100% of the sampled rows")
     assert probs.severity is None and probs.evidence["probability_rows"] == 1.0  # the rule's severity: error
@@ -219,7 +224,7 @@ def check_host(**kwargs):
         0.0,
     )
     host.update(kwargs)
-    return host
+    return LossSums.from_host(host)
 
 
 def test_the_check_reading_logs_only_what_was_measured():
@@ -292,11 +297,12 @@ def test_masked_lm_labels_move_the_check_at_step_zero_or_when_first_seen_at_the_
     run = LossRun(check_step=20, check_at=20)
     run.start(init(mask_share=0.9, supervised_frac=0.15, copy_rate=0.4, probability_rows=1.0))
     assert (run.check_at, run.masked_lm, run.init_copy_rate, run.probabilities) == (100, True, 0.4, True)
-    late = {"late_mask_top": 9.0, "late_mask_count": 10.0, "late_supervised": 15.0, "late_positions": 100.0}
-    assert late_masked_lm(late) and not late_masked_lm({**late, "late_supervised": 90.0})
+    late = LossSums(late_mask_top=9.0, late_mask_count=10.0, late_supervised=15.0, late_positions=100.0)
+    assert late_masked_lm(late) and not late_masked_lm(dataclasses.replace(late, late_supervised=90.0))
     resumed = LossRun(check_step=20, check_at=20, check_done=True)  # step 0 unseen: resumed without this state
-    assert resumed.check_moves(late, 20) and (resumed.check_at, resumed.check_done) == (100, False)
-    assert not LossRun(check_step=20, check_at=20, init_done=True).check_moves(late, 20)  # step 0 said so already
+    assert resumed.check_moves(late_masked_lm(late), 20) and (resumed.check_at, resumed.check_done) == (100, False)
+    seen = LossRun(check_step=20, check_at=20, init_done=True)  # step 0 said so already
+    assert not seen.check_moves(late_masked_lm(late), 20)
 
 
 def test_the_run_round_trips_through_its_checkpointed_state():
@@ -324,3 +330,19 @@ def test_an_encoder_decoder_predicting_its_decoder_input_is_no_pretrained_model(
     seq2seq = init(**numbers, kind="encoder-decoder")
     [leak] = classify_init_loss(seq2seq, init_tolerance=0.25, ignore_index=-100, shifted=True)
     assert (leak.code, leak.severity, leak.evidence["pretrained"]) == ("TFD223", None, False)
+
+
+def test_the_payload_has_a_field_for_every_declared_sum_and_refuses_others():
+    """Every sum a phase declares to the reduction is read by its name; an undeclared one is refused, not dropped."""
+    from lightning_tfdebug.functional.loss import PHASE_SUMS
+
+    for phase, names in PHASE_SUMS.items():
+        values = {name: float(k + 1) for k, name in enumerate((*names, "loss_sum", "loss_n", "ok"))}
+        sums = LossSums.from_host(values)
+        assert (sums.loss_sum, sums.loss_n, sums.ok) == (values["loss_sum"], values["loss_n"], values["ok"]), phase
+        for name in names:
+            grid, _, index = name.rpartition("_")
+            got = getattr(sums, grid)[int(index)] if grid in ("tx_beta", "tx_cap") else getattr(sums, name)
+            assert got == values[name], (phase, name)
+    with pytest.raises(KeyError, match="tx_other"):
+        LossSums.from_host({"ce_sum": 1.0, "tx_other": 1.0})

@@ -1,11 +1,19 @@
-"""The data-aware baselines of functional/loss.py and their decisions in functional/loss_checks.py, without a
-Trainer: label counts and their entropy, the bounded-output floor, the rolled-label gap, the label-input relation."""
+"""The data-aware baselines of functional/loss.py and their decisions in callbacks/loss_at_init/ (stall_checks.py,
+init_checks.py), without a Trainer: label counts and their entropy, the bounded-output floor, the rolled-label gap, the
+label-input relation."""
 
 import math
 
 import pytest
 import torch
 
+from lightning_tfdebug.callbacks.loss_at_init.init_checks import classify_init_loss
+from lightning_tfdebug.callbacks.loss_at_init.readings import InitLoss
+from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
+    bounded_output_verdict,
+    check_verdicts,
+    context_verdict,
+)
 from lightning_tfdebug.functional.loss import (
     bounded_floor_sums,
     init_loss_sums,
@@ -14,13 +22,6 @@ from lightning_tfdebug.functional.loss import (
     masked_input_sums,
     rolled_label_sums,
     unigram_entropy,
-)
-from lightning_tfdebug.functional.loss_checks import (
-    InitLoss,
-    bounded_output_verdict,
-    check_verdicts,
-    classify_init_loss,
-    context_verdict,
 )
 
 V = 50

@@ -264,7 +264,7 @@ def test_compared_readings_survive_a_resume(tmp_path):
 def test_ddp_every_rank_compares_on_the_same_steps_and_reaches_the_same_finding(tmp_path):
     spec = {
         "strategy": "ddp",
-        "model_class": "tests.callbacks.test_loss_at_init_transforms:SigmoidStepGPT",
+        "model_class": "tests.callbacks.loss_at_init.test_callback_transforms:SigmoidStepGPT",
         "model": {**SMALL, "lr": 2e-3},
         "data": {"batch_size": 4},
         "trainer": {"max_steps": 61},

@@ -8,13 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_tfdebug.functional.loss import CAP_GRID, TEMPERATURE_GRID, loss_transform_sums
-from lightning_tfdebug.functional.loss_checks import (
-    LossReading,
-    bound_width,
-    loss_reading,
-    loss_transform_verdict,
-)
+from lightning_tfdebug.callbacks.loss_at_init.readings import LossReading, LossSums, loss_reading
+from lightning_tfdebug.callbacks.loss_at_init.transform_checks import bound_width, loss_transform_verdict
+from lightning_tfdebug.functional.loss import CAP_GRID, TEMPERATURE_GRID, TRANSFORM_SUMS, loss_transform_sums
 from lightning_tfdebug.rules import RULES
 
 V = 50
@@ -24,7 +20,8 @@ def readings_of(logits_per_step, labels, transform):
     """Readings of the loss ``transform(logits)`` gives, at steps 50, 80, 100."""
     out = []
     for step, logits in zip((50, 80, 100), logits_per_step):
-        sums = {k: float(v) for k, v in loss_transform_sums(logits, labels, shift_labels=False).items()}
+        taken = loss_transform_sums(logits, labels, shift_labels=False)
+        sums = LossSums.from_host({k: float(taken[k]) for k in TRANSFORM_SUMS})  # what the callback declares
         returned = float(transform(logits, labels))
         out.append(loss_reading(sums, returned, step))
     return out

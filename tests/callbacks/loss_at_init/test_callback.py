@@ -497,7 +497,7 @@ def test_ddp_double_softmax_is_found_on_every_rank_with_reduced_values(tmp_path)
 def test_ddp_a_summed_loss_is_matched_to_each_rank_s_own_token_count(tmp_path):
     spec = {
         "strategy": "ddp",
-        "model_class": "tests.callbacks.test_loss_at_init:SummedLossGPT",
+        "model_class": "tests.callbacks.loss_at_init.test_callback:SummedLossGPT",
         "model": SMALL,
         "data": {"batch_size": 4},
         "trainer": {"max_steps": 1},
@@ -530,7 +530,7 @@ def test_ddp_a_rank_that_cannot_read_its_labels_makes_every_rank_stand_aside_tog
         "data": {"batch_size": 4},
         "trainer": {"max_steps": 3},
         "callbacks": [
-            {"class_path": "tests.callbacks.test_loss_at_init.FloatLabelsOnRank1"},
+            {"class_path": "tests.callbacks.loss_at_init.test_callback.FloatLabelsOnRank1"},
             {"class_path": "lightning_tfdebug.LossAtInit", "init_args": {"check_step": 2, "on_finding": "raise"}},
         ],
     }

@@ -1,0 +1,91 @@
+"""LossAtInit's findings at the check, in one order (the stall, copy, bound, context and transform decisions of
+:mod:`.stall_checks` and :mod:`.transform_checks`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from lightning_tfdebug.callbacks.loss_at_init.phases import LossRun
+from lightning_tfdebug.callbacks.loss_at_init.readings import CheckReading
+from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
+    TFD231,
+    TFD232,
+    bounded_output_verdict,
+    check_verdicts,
+    context_verdict,
+    flat_window,
+)
+from lightning_tfdebug.callbacks.loss_at_init.transform_checks import TFD233, loss_transform_verdict
+from lightning_tfdebug.functional.verdicts import Verdict
+
+
+def check_findings(
+    reading: CheckReading,
+    step: int,
+    run: LossRun,
+    *,
+    unigram_entropy: float | None,
+    vocab: int,
+    stall_tolerance: float,
+    copy_threshold: float,
+    learning_rates: Sequence[float] = (),
+    shift_labels: bool = True,
+) -> list[Verdict]:
+    """Every finding of the check at ``step``: a stall or a copying model (:func:`check_verdicts`), bounded outputs
+    (:func:`bounded_output_verdict`, unless step 0 found probabilities: ``TFD220``'s), the loss at the unigram entropy
+    (:func:`context_verdict`) and the returned loss against the logits (:func:`loss_transform_verdict`). ``TFD233``
+    drops ``TFD231`` and ``TFD232``: the loss does not train these logits."""
+    window = run.window(step)
+    unigram = unigram_entropy if unigram_entropy is not None else math.nan
+    verdicts: list[Verdict | None] = list(
+        check_verdicts(
+            reading.loss,
+            reading.expected,
+            step,
+            window=window,
+            unigram_entropy=unigram,
+            stall_tolerance=stall_tolerance,
+            copy_rate=reading.copy_rate,
+            repeat_rate=reading.repeat_rate,
+            init_copy_rate=run.init_copy_rate,
+            copy_threshold=copy_threshold,
+            learning_rates=learning_rates,
+            shift_labels=shift_labels,
+        )
+    )
+    if not run.probabilities:
+        verdicts.append(
+            bounded_output_verdict(
+                reading.recomputed,
+                reading.floor,
+                reading.logit_range,
+                reading.expected,
+                unigram,
+                step,
+                stall_tolerance=stall_tolerance,
+                range_spread=reading.range_spread,
+            )
+        )
+    verdicts.append(
+        context_verdict(
+            reading.own_loss,
+            reading.rolled_loss,
+            unigram,
+            step,
+            own_match=reading.own_match,
+            rolled_match=reading.rolled_match,
+            flat=flat_window(window, reading.loss, reading.expected, stall_tolerance),
+            window_steps=step - min((s for s, _ in window), default=step),
+            masked=run.masked_lm,
+        )
+    )
+    transform = loss_transform_verdict(run.readings, vocab, unigram)
+    # The order between the check's codes, in this one place: TFD230 stands aside for TFD220 (probabilities are a
+    # bounded output whose cause step 0 already named), and TFD233 overrides TFD231/TFD232 (a bound on the returned
+    # loss holds it near the unigram entropy whatever the logits learn, so "labels from other samples" or "the model
+    # ignores its context" would blame the wrong thing). TFD225 and TFD226 never conflict: they are kept together.
+    if transform is not None and transform.code == TFD233.code:
+        verdicts = [v for v in verdicts if v is None or v.code not in (TFD231.code, TFD232.code)]
+    return [dataclasses.replace(v, step=step) for v in (*verdicts, transform) if v is not None]
