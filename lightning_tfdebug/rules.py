@@ -17,6 +17,7 @@ from types import MappingProxyType
 
 from lightning_tfdebug.functional import (
     activation_checks,
+    attention_checks,
     batch_checks,
     checkpoint_checks,
     grad_checks,
@@ -63,6 +64,7 @@ _MODULES = (
     repro_checks,
     mask_checks,
     loss_checks,
+    attention_checks,
     grad_checks,
     update_checks,
     optimizer_checks,
