@@ -29,8 +29,9 @@ _KEYS = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
 
 
 def page_of(source: str) -> Path:
-    """The docs page of a callback, named after its module (``docs/callbacks/batch_guard.md``)."""
-    module = getattr(lightning_tfdebug, source).__module__.rsplit(".", 1)[-1]
+    """The docs page of a callback, named after its module or package under ``lightning_tfdebug.callbacks``
+    (``docs/callbacks/batch_guard.md``; ``callbacks/attention_probe/callback.py`` -> ``attention_probe.md``)."""
+    module = getattr(lightning_tfdebug, source).__module__.split(".")[2]
     return ROOT / "docs" / "callbacks" / f"{module}.md"
 
 

@@ -99,7 +99,7 @@ class AttentionProbe(DebugCallback):
             return  # every step after the first: nothing at all
         self._done = True
         if trainer.global_step != 0:
-            self.check_aside("attention at init (TFD240)", "the fit resumed after step 0: the weights are trained")
+            self.check_aside("attention at init", "the fit resumed after step 0: the weights are trained")
             return
         self._batch = batch
         keep = lambda: in_training_step(pl_module)  # noqa: E731
@@ -150,15 +150,15 @@ class AttentionProbe(DebugCallback):
             found.release()
         if fused and not readings:
             where = ", ".join(sorted(set(fused))[:3])
-            self.check_aside("attention at init (TFD240)", f"attention is fused (in {where}): its probabilities "
+            self.check_aside("attention at init", f"attention is fused (in {where}): its probabilities "
                              "are never formed, so they cannot be read", setting=_FUSED_SETTING)  # fmt: skip
             return
         if not readings:
-            self.check_aside("attention at init (TFD240)", "no attention softmax ran in the model's forward",
+            self.check_aside("attention at init", "no attention softmax ran in the model's forward",
                              setting=_FUSED_SETTING)  # fmt: skip
             return
         if fused:
-            self.check_aside("attention at init (TFD240), fused layers", f"{len(set(fused))} layer(s) use fused "
+            self.check_aside("attention at init, fused layers", f"{len(set(fused))} layer(s) use fused "
                              "attention and were not read", setting=_FUSED_SETTING)  # fmt: skip
         self._conclude(trainer, readings, time.perf_counter() - start)
 
