@@ -54,6 +54,7 @@ PACK_NAMES: tuple[str, ...] = (
     "ThroughputMonitor",
     "UpdateRatio",
     "MemoryWatch",
+    "AttentionProbe",
 )
 """Every callback of ``lightning_tfdebug.__all__``."""
 
