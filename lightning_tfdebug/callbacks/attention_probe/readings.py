@@ -117,16 +117,23 @@ class AttentionCapture(torch.overrides.TorchFunctionMode):
         out = func(*args, **kwargs)
         if func in _FUSED:
             self.fused.append(self.where()[0])
+        elif func is F.multi_head_attention_forward:  # one torch function: its inner softmax runs without the mode
+            weights = out[1] if isinstance(out, tuple) and len(out) == 2 else None
+            if isinstance(weights, Tensor) and weights.ndim == 4:  # per head, as the replay asks for
+                self._add(weights, None)
         elif func in _SOFTMAX and args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             if self._is_attention(x, out, dim):
-                name, module = self.where()
-                index = self._seen.get(name, 0)
-                self._seen[name] = index + 1
-                label = name if index == 0 else f"{name}#{index}"
-                self.readings.append(measure(label, out, x, find_head_dim(module)))
+                self._add(out, x)
         return out
+
+    def _add(self, probs: Tensor, scores: Tensor | None) -> None:
+        name, module = self.where()
+        index = self._seen.get(name, 0)
+        self._seen[name] = index + 1
+        label = name if index == 0 else f"{name}#{index}"
+        self.readings.append(measure(label, probs, scores, find_head_dim(module)))
 
     def _is_attention(self, x: Tensor, out: Tensor, dim: Any) -> bool:
         if not out.is_floating_point() or not isinstance(dim, int) or dim not in (-1, x.ndim - 1) or out.shape[-1] < 2:

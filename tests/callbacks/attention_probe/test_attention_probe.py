@@ -89,6 +89,8 @@ def test_the_healthy_matrix_families_are_silent(tmp_path, family):
     read = bool(probe.layers)
     aside = [a for a in _asides(tmp_path) if a["check"].startswith("AttentionProbe")]
     assert read or aside, "either read or recorded as a check aside"
+    if family in ("encoder_lm", "gpt2"):  # nn.MultiheadAttention asked for its weights; GPT-2's eager attention
+        assert len(probe.layers) == 2 and all(layer.ratio > 0.75 for layer in probe.layers)
 
 
 def test_a_fit_resumed_after_step_0_is_not_judged(tmp_path):
