@@ -139,6 +139,16 @@ def is_sharp(layer: LayerEntropy) -> bool:
     return layer.ratio < SHARP_RATIO and layer.spread > MIN_SPREAD
 
 
+FRESH_SHARE = 0.75
+"""Weights count as random when the model's predictions at step 0 keep at least this share of ln(V) as entropy: a
+fine-tune starting from trained weights (whose attention is legitimately sharp) predicts far below it."""
+
+
+def is_fresh(prediction_entropy: float | None, vocab: int) -> bool:
+    """Whether the step-0 predictions look like those of random weights (unknown: judged as fresh)."""
+    return prediction_entropy is None or vocab < 2 or prediction_entropy >= FRESH_SHARE * math.log(vocab)
+
+
 def decide(layers: Sequence[LayerEntropy]) -> list[Verdict]:
     """``TFD240`` naming the sharp layers (the sharpest first), or nothing."""
     sharp = sorted((layer for layer in layers if is_sharp(layer)), key=lambda layer: layer.ratio)

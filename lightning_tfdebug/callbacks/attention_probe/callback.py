@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -78,6 +79,7 @@ class AttentionProbe(DebugCallback):
         self._recorder: calls.CallRecorder | None = None
         self._batch: Any = None
         self._done = False
+        self._prediction: tuple[Tensor, int] | None = None
         self.layers: list[checks.LayerEntropy] = []
         self.last_report: dict[str, float] = {}
 
@@ -150,20 +152,29 @@ class AttentionProbe(DebugCallback):
             found.release()
         if fused and not readings:
             where = ", ".join(sorted(set(fused))[:3])
-            self.check_aside("attention at init", f"attention is fused (in {where}): its probabilities "
-                             "are never formed, so they cannot be read", setting=_FUSED_SETTING)  # fmt: skip
+            self.check_aside(
+                "attention at init",
+                f"attention is fused (in {where}): its probabilities are never formed, so they cannot be read",
+                setting=_FUSED_SETTING,
+            )
             return
         if not readings:
-            self.check_aside("attention at init", "no attention softmax ran in the model's forward",
-                             setting=_FUSED_SETTING)  # fmt: skip
+            self.check_aside(
+                "attention at init", "no attention softmax ran in the model's forward", setting=_FUSED_SETTING
+            )
             return
         if fused:
-            self.check_aside("attention at init, fused layers", f"{len(set(fused))} layer(s) use fused "
-                             "attention and were not read", setting=_FUSED_SETTING)  # fmt: skip
+            self.check_aside(
+                "attention at init, fused layers",
+                f"{len(set(fused))} layer(s) use fused attention and were not read",
+                setting=_FUSED_SETTING,
+            )
         self._conclude(trainer, readings, time.perf_counter() - start)
 
     def _conclude(self, trainer: pl.Trainer, readings: list[LayerReading], seconds: float) -> None:
         fields: dict[str, Any] = {}
+        if self._prediction is not None:
+            fields["prediction_entropy"] = self._prediction[0]
         for i, r in enumerate(readings):
             for name in ("entropy", "uniform", "spread", "keys"):
                 value = getattr(r, name)
@@ -194,7 +205,15 @@ class AttentionProbe(DebugCallback):
             report["attention/spread_max"] = max(spreads)
         self.last_report = report
         self.log_scalars(trainer, report)
-        self.emit(trainer, checks.decide(self.layers), synchronized=False)
+        vocab = self._prediction[1] if self._prediction is not None else 0
+        if not checks.is_fresh(host.get("prediction_entropy"), vocab):
+            self.check_aside(
+                "attention at init",
+                f"the weights are trained, not random: the step-0 predictions have "
+                f"an entropy of {host['prediction_entropy']:.2f} nats against ln(V) = {math.log(vocab):.2f}",
+            )
+        else:
+            self.emit(trainer, checks.decide(self.layers), synchronized=False)
         self.resolve_local_findings(trainer)  # every rank probes at step 0, so every rank resolves here
 
     def _replay(self, pl_module: pl.LightningModule, found: calls.ModelCall) -> tuple[list[LayerReading], list[str]]:
@@ -212,7 +231,9 @@ class AttentionProbe(DebugCallback):
                 pl_module.eval()
                 capture = AttentionCapture(where, found.batch_size, inside_mha)
                 with capture:
-                    found.call.call()
+                    output = found.call.call()
+                self._prediction = _prediction_entropy(calls.read_logits(output, found.batch_size, found.out_seq_first))
+                del output
                 if capture.readings or not _takes_output_attentions(root):
                     return capture.readings, capture.fused
                 again = AttentionCapture(where, found.batch_size, inside_mha)
@@ -224,6 +245,14 @@ class AttentionProbe(DebugCallback):
         finally:
             for module, flag in modes.items():
                 module.training = flag
+
+
+def _prediction_entropy(logits: Tensor | None) -> tuple[Tensor, int] | None:
+    """The mean entropy of the predictions over the vocabulary (a device scalar) and V, on at most 4096 positions."""
+    if logits is None or logits.shape[-1] < 2:
+        return None
+    rows = logits.detach().reshape(-1, logits.shape[-1])[:4096].float()
+    return -(rows.softmax(-1) * rows.log_softmax(-1)).sum(-1).mean(), int(logits.shape[-1])
 
 
 def _takes_output_attentions(module: nn.Module) -> bool:

@@ -101,3 +101,17 @@ def test_a_fit_resumed_after_step_0_is_not_judged(tmp_path):
              ckpt_path=str(ckpt))  # fmt: skip
     assert trainer.global_step == 2 and probe.findings == []
     assert any("resumed" in a["reason"] for a in _asides(tmp_path))
+
+
+def test_trained_weights_are_not_judged(tmp_path):
+    """A fit that starts from trained weights (a fine-tune: predictions far from uniform) has legitimately sharp
+    attention: recorded as aside, never TFD240. Here the predictions are made confident by a large output layer."""
+    import torch
+
+    model = HandAttentionGPT("multiply")
+    with torch.no_grad():
+        model.head.weight.mul_(200.0)
+    probe = AttentionProbe()
+    fit_tiny(tmp_path, [probe], model, max_steps=1)
+    assert probe.findings == [] and probe.layers  # read, not judged
+    assert any("trained, not random" in a["reason"] for a in _asides(tmp_path))
