@@ -278,7 +278,34 @@ CASES: list[Case] = [
         "NaNFirstFrame + SpikeGuard (the flag in one read)",
         lambda: [__import__("lightning_tfdebug").NaNFirstFrame(), __import__("lightning_tfdebug").SpikeGuard()],
     ),
+    # --- issue 44: attention at init (step 0 only; TinyGPT's SDPA written out so that AttentionProbe reads it) ---
+    Case("plain (hand-written attention)", prepare=lambda model: _hand_attention(model)),
+    Case(
+        "AttentionProbe (hand-written attention)",
+        lambda: [__import__("lightning_tfdebug").AttentionProbe()],
+        baseline="plain (hand-written attention)",
+        prepare=lambda model: _hand_attention(model),
+    ),
 ]
+
+
+def _hand_attention(model: TinyGPT) -> None:
+    """TinyGPT's attention as a softmax over scaled scores (the same math as its SDPA call), so that it can be read."""
+    import math
+    import types
+
+    def forward(self: Any, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        if attention_mask is not None:
+            allowed = (allowed & attention_mask.bool()[:, None, None, :]) | torch.eye(t, dtype=torch.bool)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(c // self.n_heads)).masked_fill(~allowed, float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c))
+
+    for module in model.modules():
+        if hasattr(module, "qkv") and hasattr(module, "n_heads"):
+            module.forward = types.MethodType(forward, module)
 
 
 def run_case(case: Case, args: argparse.Namespace, log_dir: str) -> tuple[list[float], list[float]]:

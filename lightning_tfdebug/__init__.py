@@ -1,5 +1,6 @@
 """lightning_tfdebug: PyTorch Lightning callbacks that find out why a transformer run breaks."""
 
+from lightning_tfdebug.callbacks.attention_probe import AttentionProbe
 from lightning_tfdebug.callbacks.batch_guard.callback import BatchGuard
 from lightning_tfdebug.callbacks.checkpoint_audit import CheckpointAudit
 from lightning_tfdebug.callbacks.dead_activation import DeadActivation
@@ -23,6 +24,7 @@ from lightning_tfdebug.pack import TFDebug
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AttentionProbe",
     "BatchGuard",
     "CheckpointAudit",
     "DeadActivation",

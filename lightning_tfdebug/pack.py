@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback as LightningCallback
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_tfdebug.callbacks.attention_probe import AttentionProbe
 from lightning_tfdebug.callbacks.batch_guard.callback import BatchGuard
 from lightning_tfdebug.callbacks.checkpoint_audit import CheckpointAudit
 from lightning_tfdebug.callbacks.dead_activation import DeadActivation
@@ -51,6 +52,7 @@ MEMBERS: dict[str, type[DebugCallback]] = {
         BatchGuard,
         MaskProbe,
         LossAtInit,
+        AttentionProbe,
         NaNFirstFrame,
         GradNormMonitor,
         ScalerWatch,

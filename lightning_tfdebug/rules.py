@@ -22,6 +22,7 @@ from lightning_tfdebug.callbacks.loss_at_init import transform_checks as loss_tr
 from lightning_tfdebug.callbacks.mask_probe import alignment_checks, leak_checks, padding_checks, position_checks
 from lightning_tfdebug.functional import (
     activation_checks,
+    attention_checks,
     checkpoint_checks,
     grad_checks,
     memory_checks,
@@ -73,6 +74,7 @@ _MODULES = (
     loss_init_checks,
     loss_stall_checks,
     loss_transform_checks,
+    attention_checks,
     grad_checks,
     update_checks,
     optimizer_checks,

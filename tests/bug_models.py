@@ -742,3 +742,87 @@ class CorruptBatch(pl.Callback):
                 tokens, targets = batch[0], batch[1]
                 row = torch.randint(3, 256, (tokens.shape[1] + 1,), generator=g)
                 tokens[r], targets[r] = row[:-1], row[1:]
+
+
+# ------------------------------------------------ attention scale (bug-zoo rows 29 and 45): AttentionProbe
+ATTENTION_SCALES = ("divide", "none", "multiply")
+"""How a hand-written attention scales ``q @ k.T``: ``/ sqrt(d)`` (healthy), not at all (row 29), ``* sqrt(d)``
+(row 45)."""
+
+
+def _hand_attention(self: nn.Module, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """TinyGPT's attention written out: scores, a scale by ``self.scale_mode``, masks, softmax, values."""
+    b, t, c = x.shape
+    q, k, v = self.qkv(x).split(c, dim=2)
+    q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+    d = c // self.n_heads
+    factor = {"divide": d**-0.5, "none": 1.0, "multiply": d**0.5}[self.scale_mode]
+    scores = (q @ k.transpose(-2, -1)) * factor
+    allowed = torch.ones(t, t, dtype=torch.bool, device=x.device).tril().expand(b, 1, t, t)
+    if attention_mask is not None:
+        allowed = (allowed & attention_mask.bool()[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=x.device)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return self.proj((probs @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class HandAttentionGPT(TinyGPT):
+    """TinyGPT (two layers, head dimension 64) with a hand-written attention scaled by ``scale``; ``unit_qk``
+    initialises the q/k/v projection so that q and k have unit variance (the setting the 1/sqrt(d) rule is made for:
+    there a missing scale makes attention one-hot at init; with the default small init it barely shows)."""
+
+    def __init__(self, scale: str = "divide", unit_qk: bool = False, d_model: int = 128, n_heads: int = 2,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(d_model=d_model, n_layers=2, n_heads=n_heads, **kwargs)
+        import types
+
+        for module in self.modules():
+            if hasattr(module, "qkv") and hasattr(module, "n_heads"):
+                module.scale_mode = scale
+                module.forward = types.MethodType(_hand_attention, module)
+                if unit_qk:
+                    nn.init.normal_(module.qkv.weight, std=d_model**-0.5)
+
+
+def hf_attention_model(family: str, scale: str = "divide", unit_qk: bool = False) -> nn.Module:
+    """A small eager-attention Hugging Face model (head dimension 64) whose attention scale is ``scale``: GPT-2
+    through its config (``scale_attn_weights=False`` leaves the scale out), Llama through each layer's ``scaling``.
+    ``unit_qk``: weights initialised with std 1/sqrt(width), so q and k have unit variance (their own init, 0.02,
+    keeps q.k so small that even a missing scale leaves attention near uniform at init)."""
+    import transformers
+
+    if family == "gpt2":
+        if scale == "multiply":
+            raise ValueError("gpt2: its config can only drop the scale; use `scale='none'`.")
+        config = transformers.GPT2Config(
+            vocab_size=ByteTokenizer.vocab_size, n_embd=128, n_layer=2, n_head=2, n_positions=64,
+            scale_attn_weights=scale == "divide", attn_implementation="eager",
+            initializer_range=128**-0.5 if unit_qk else 0.02,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=ByteTokenizer.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        initializer_range=128**-0.5 if unit_qk else 0.02,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        layer.self_attn.scaling = {"divide": 64**-0.5, "none": 1.0, "multiply": 64**0.5}[scale]
+    return model
+
+
+class HFAttentionLM(pl.LightningModule):
+    """:func:`hf_attention_model` trained on TinyTextDataModule's dict batches; the model computes its own loss."""
+
+    def __init__(self, family: str = "gpt2", scale: str = "divide", unit_qk: bool = False, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.lr = lr
+        self.model = hf_attention_model(family, scale, unit_qk)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch["input_ids"], batch.get("attention_mask"), batch["labels"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)

@@ -247,6 +247,8 @@ ROWS["MemoryWatch"] = Row(
 ROWS["SpikeGuard"] = Row(
     bad=(("on_spike", "stop"), ("min_ratio", 0.5)), zero_ok=frozenset({"max_skips", "max_bundles"})
 )
+# AttentionProbe: TinyGPT's attention is fused (SDPA), so every tiny run records its check aside and says nothing
+ROWS["AttentionProbe"] = Row()
 ROWS["TFDebug"] = Row(
     kwargs={"preset": "full", "overrides": {name: dict(row.kwargs) for name, row in ROWS.items() if row.kwargs}},
     fixture="head_not_in_optimizer",

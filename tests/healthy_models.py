@@ -55,6 +55,7 @@ PACK_NAMES: tuple[str, ...] = (
     "UpdateRatio",
     "MemoryWatch",
     "SpikeGuard",
+    "AttentionProbe",
 )
 """Every callback of ``lightning_tfdebug.__all__``."""
 

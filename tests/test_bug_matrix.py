@@ -11,7 +11,8 @@ files back, which ``TFDebug()`` leaves to ``full``) on the buggy run, for the fe
 and asserts the owner's code at its severity. Rows 16, 17, 18 and 23 run under DDP with two gloo processes
 (``tests/helpers.run_distributed``).
 
-Row 29 (attention logits without the 1/sqrt(d) scale) is left out: no callback claims it yet.
+Rows 29 and 45 (the attention scale) are read at step 0 by AttentionProbe on hand-written and eager Hugging Face
+attention.
 
 The matrix runs under ``-m "slow or not slow"`` (CI runs it beside the default run, which holds only its docs-table
 check). ``docs/bug-matrix.md`` has the table of rows, families, placements and codes. :data:`KNOWN_MISSES` lists the
@@ -40,6 +41,8 @@ from tests.bug_models import (
     BugSeq2SeqLM,
     BugTinyGPT,
     CorruptBatch,
+    HandAttentionGPT,
+    HFAttentionLM,
     TokenRowLM,
     dict_data,
     in_order_loader,
@@ -137,8 +140,10 @@ BUGS: dict[int, str] = {
     41: "the squashing of row 30 as a soft-cap far too small in training_step, beside the model's own loss",
     47: "one corrupt batch (random ids in two rows) in a healthy run",
     49: "one batch far longer than the rest on a device sized for the usual",
+    29: "attention logits without the 1/sqrt(d) scale, q and k of unit variance at init",
+    45: "attention logits multiplied by sqrt(d) instead of divided",
 }
-"""Every row of the bug zoo a callback claims (29, the attention-scale row, has no owner yet)."""
+"""Every row of the bug zoo a callback claims."""
 
 
 def enc(**kw: Any) -> Callable[[], BugEncoderLM]:
@@ -508,6 +513,17 @@ def row_cases() -> dict[tuple[int, str], Case]:
             steps=84,
             callbacks=lambda tmp_path: [CorruptBatch(80, (2, 5))],
         )
+    # 29 and 45: the attention scale, read at step 0 (AttentionProbe) on hand-written and eager HF attention, d = 64
+    scaled = {
+        (29, "tinygpt"): (lambda: HandAttentionGPT("none", unit_qk=True), "hand-written attention, no scale"),
+        (29, "gpt2"): (lambda: HFAttentionLM("gpt2", "none", unit_qk=True), "GPT-2 `scale_attn_weights=False`"),
+        (29, "llama"): (lambda: HFAttentionLM("llama", "none", unit_qk=True), "Llama attention `scaling = 1`"),
+        (45, "tinygpt"): (lambda: HandAttentionGPT("multiply"), "hand-written attention `* sqrt(d)`"),
+        (45, "tinygpt_unit_qk"): (lambda: HandAttentionGPT("multiply", unit_qk=True), "the same, unit-variance q, k"),
+        (45, "llama"): (lambda: HFAttentionLM("llama", "multiply"), "Llama attention `scaling = sqrt(d)`"),
+    }
+    for (row, fam), (module, place) in scaled.items():
+        c[row, fam] = Case(module, dicts(), (owner("TFD240"),), place, steps=2)
     return c
 
 
