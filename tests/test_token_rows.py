@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from lightning_tfdebug import LossAtInit, MaskProbe
 from lightning_tfdebug.functional.loss import unigram_entropy
 from lightning_tfdebug.functional.probes import alignment_losses
-from lightning_tfdebug.primitives.calls import find_model_call, record_calls, takes_tokens
+from lightning_tfdebug.primitives.call_finder import find_model_call
+from lightning_tfdebug.primitives.calls import record_calls, takes_tokens
 from tests.helpers import fit_tiny, read_scalars
 from tests.wild_models import (
     STYLES,

@@ -4,7 +4,8 @@
 compiled model, from an eager replay of the step). Where the logits are, first match wins: the named
 ``logits_module``; the LightningModule's own forward; a direct child's ``.logits`` output; the last direct child to
 return a plain tensor shaped like the labels plus a class dimension wider than every label; for token rows without
-labels (a loss-only wrapper), the call that took the rows (:func:`~lightning_tfdebug.primitives.calls.find_model_call`).
+labels (a loss-only wrapper), the call that took the rows
+(:func:`~lightning_tfdebug.primitives.call_finder.find_model_call`).
 When nothing fits, :class:`Captured` says why, naming the argument to set.
 """
 
@@ -23,7 +24,8 @@ from torch.utils.hooks import RemovableHandle
 from lightning_tfdebug.core.base import check_choice, eager_model_calls, model_is_compiled
 from lightning_tfdebug.core.model import in_training_step, quiet_training_step
 from lightning_tfdebug.primitives.batch import LABELS_KEYS, StepBatch, logits_for_labels, logits_of, loss_of
-from lightning_tfdebug.primitives.calls import CallRecorder, RecordedCall, find_model_call, model_kind, takes_tokens
+from lightning_tfdebug.primitives.call_finder import find_model_call, model_kind
+from lightning_tfdebug.primitives.calls import CallRecorder, RecordedCall, takes_tokens
 
 
 def missing_field(batch: Any, key: str | int) -> str:

@@ -1,30 +1,21 @@
-"""Recording the module calls a ``training_step`` makes, and finding the one that is the model.
-
-:func:`find_model_call` reads the call that took the token rows: where its ids, labels and mask sit, its logits and
-the model's kind. MaskProbe and LossAtInit share it through :func:`lightning_tfdebug.core.calls.share_model_call`.
-
-Example:
-    >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
-    >>> ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    >>> _, calls = record_calls(model, lambda: model(ids))
-    >>> found = find_model_call(calls, ids, labels=ids)
-    >>> found.kind, found.kind_source, found.shift, tuple(found.logits().shape)
-    ('decoder', 'labels', 1, (2, 3, 10))
+"""The record of the module calls a ``training_step`` makes: each call's module, arguments and output
+(:class:`RecordedCall`, :class:`CallRecorder`), and what the model call is once found (:class:`ModelCall`, its token
+slots and objective). Finding it among the calls: :mod:`lightning_tfdebug.primitives.call_finder`; it is shared on a
+step through :func:`lightning_tfdebug.core.calls.share_model_call`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.primitives.batch import LABELS_KEYS, MASK_KEYS, is_id_tensor, logits_of
+from lightning_tfdebug.primitives.batch import is_id_tensor, logits_of
 
 Path = tuple[Any, ...]
 """Where a tensor sits in a call: ``("args", 0)``, ``("kwargs", "labels")``, then keys or indices into containers."""
@@ -486,249 +477,9 @@ def relation_offset(
     return max(matches) if matches else None
 
 
-# ------------------------------------------------------------------------------------------------- finding the call
-_Seq = tuple[Path, Tensor, bool]  # a token tensor of a call: (path, tensor, sequence-first)
-
-
-@dataclass
-class _Choice:
-    call: RecordedCall
-    seqs: list[_Seq]
-    primary: Path | None
-    columns: tuple[int, int | None]
-
-
-def find_model_call(
-    calls: Sequence[RecordedCall],
-    input_ids: Tensor,
-    attention_mask: Tensor | None = None,
-    labels: Tensor | None = None,
-    ignore_index: int = -100,
-    model: nn.Module | None = None,
-    kind: ModelKind | None = None,
-) -> ModelCall | str:
-    """The :class:`ModelCall` among ``calls`` that took the batch's token ids and returned logits, or why there is none.
-
-    Which call is chosen: ``docs/callbacks/mask_probe.md`` (the recorded call). Every token tensor of the call is
-    compared with ``labels`` (without labels, with the ids' next tokens) to read which carry them and at what offset.
-    The kind is ``kind`` when given (``model_kind=``), else :func:`model_kind` (``model``: the LightningModule).
-    Host syncs: recording steps only.
-    """
-    chosen = _choose(calls, input_ids)
-    if chosen is None:
-        names = ", ".join(sorted({type(c.module).__name__ for c in calls if c.depth == 0})) or "none"
-        return (
-            f"no call made in `training_step` takes the batch's token ids and returns logits (modules called: {names})"
-        )
-    call, (start, stop) = chosen.call, chosen.columns
-    b = int(input_ids.shape[0])
-    seq_first = next((sf for p, _, sf in chosen.seqs if p == chosen.primary), chosen.seqs[0][2])
-    mask_path, inverted, mask_seq_first, opaque = _find_mask(
-        call, None if attention_mask is None else attention_mask[:, start:stop]
-    )
-    seqs = [s for s in chosen.seqs if s[0] != mask_path]
-    # the labels every slot is compared with: the batch's, else the ids' next tokens (virtual next-token labels)
-    ref, base = _reference(input_ids, labels, b)
-    shift = 0
-    if labels is not None and chosen.primary is not None:
-        shift = 1 if relation_offset(input_ids, ref, ignore_index, offsets=(0,)) == 0 else 0
-    slots = [_slot(call, s, chosen.primary, ref, base, ignore_index) for s in seqs]
-    found = ModelCall(
-        call=call,
-        kind="unknown",
-        kind_source="",
-        batch_size=b,
-        slots=slots,
-        ids_shift=shift,
-        mask_path=mask_path,
-        mask_inverted=inverted,
-        mask_seq_first=mask_seq_first,
-        mask_named=_names_a_mask(call),
-        mask_opaque=opaque,
-        out_seq_first=bool(seq_first),
-        ignore_index=ignore_index,
-        ids_start=start,
-        ids_stop=stop,
-        tensors=dict(call.leaves()),
-    )
-    found.kind, found.kind_source = (kind, "setting") if kind else model_kind(found, calls, model, input_ids, labels)
-    return found
-
-
-def _choose(calls: Sequence[RecordedCall], input_ids: Tensor) -> _Choice | None:
-    """The call :func:`find_model_call` reads (see there); None when no call fits."""
-    b, length = int(input_ids.shape[0]), int(input_ids.shape[1])
-    top_id = int(input_ids.max()) if input_ids.numel() else -1  # host sync: recording steps only
-    positional: _Choice | None = None  # takes the ids or a slice, one output per position it received
-    other_length: _Choice | None = None  # takes the ids, outputs over other positions (a decoder's, a wrapper's)
-    fallback: _Choice | None = None
-    for call in sorted(calls, key=lambda c: (c.depth, c.order)):
-        if positional is not None:
-            break
-        if isinstance(call.module, (nn.Embedding, nn.EmbeddingBag)):
-            continue  # an embedding's output is hidden states, whatever its width
-        seqs = [(p, t, sf) for p, t in call.leaves() if is_id_tensor(t) and (sf := _layout(t, b)) is not None]
-        if not seqs:
-            continue
-        match = _ids_match(seqs, input_ids)
-        seq_first = bool(match[1] if match is not None else seqs[0][2])
-        logits = read_logits(call.output, b, seq_first)
-        if logits is None or logits.shape[-1] <= top_id:
-            continue  # no output, or one narrower than the token ids (an embedding's hidden states, not logits)
-        if match is not None:
-            path, _, columns = match
-            received = length if columns == (0, None) else length - 1
-            if logits.shape[1] == received:
-                positional = _Choice(call, seqs, path, columns)
-            elif columns == (0, None):
-                other_length = other_length or _Choice(call, seqs, path, columns)
-        elif call.depth == 0:
-            fallback = fallback or _Choice(call, seqs, None, (0, None))
-    # a wrapper fed the whole rows that returns the logits of rows[:, :-1] gives way to the inner call fed that slice
-    if positional is not None and other_length is not None and other_length.call.depth < positional.call.depth:
-        return positional if positional.columns != (0, None) else other_length
-    return positional or other_length or fallback
-
-
-def _layout(t: Tensor, batch_size: int) -> bool | None:
-    """False when ``t`` is batch-first ``(B, T)``, True when sequence-first ``(T, B)``, None when neither."""
-    if t.ndim != 2:
-        return None
-    if t.shape[0] == batch_size:
-        return False
-    if t.shape[1] == batch_size:
-        return True
-    return None
-
-
-def _ids_match(seqs: list[_Seq], input_ids: Tensor) -> tuple[Path, bool, tuple[int, int | None]] | None:
-    """``(path, seq_first, columns)`` of the call's tensor that is the batch's ids, or a slice of them (see
-    :data:`ROW_SLICES`), preferring the whole ids; None when none is."""
-    for columns in ROW_SLICES:
-        if columns != (0, None) and input_ids.shape[1] < 3:
-            break  # a slice of a row of two tokens says nothing
-        part = input_ids[:, columns[0] : columns[1]]
-        for p, t, sf in seqs:
-            view = t.transpose(0, 1) if sf else t
-            if view.shape == part.shape and bool(torch.equal(view.to(part.device).long(), part.long())):
-                return p, sf, columns
-    return None
-
-
-def _find_mask(call: RecordedCall, call_mask: Tensor | None) -> tuple[Path | None, bool, bool, bool]:
-    """``(path, inverted, seq_first, opaque)`` of the batch's attention mask in the call (as is or inverted, either
-    layout); ``opaque``: none found, but an argument is named like a mask."""
-    for p, t in call.leaves():
-        if call_mask is None or t.ndim != 2:
-            continue
-        transposed = t.shape != call_mask.shape
-        view = t.transpose(0, 1) if transposed else t
-        if view.shape != call_mask.shape or (call.keyword(p) or "") in LABELS_KEYS:
-            continue
-        if torch.equal(view.to(call_mask.dtype), call_mask):
-            return p, False, transposed, False
-        if torch.equal(view.bool(), call_mask == 0):
-            return p, True, transposed, False
-    opaque = any((call.keyword(p) or "") in MASK_KEYS or str(p[-1]) in MASK_KEYS for p, _ in call.leaves())
-    return None, False, False, opaque
-
-
-def _reference(input_ids: Tensor, labels: Tensor | None, batch_size: int) -> tuple[Tensor, int]:
-    """``(reference, base)``: the labels as ``(B, T)`` and 0, or without labels the ids (label t is id t+1) and 1."""
-    if labels is not None and not labels.is_floating_point() and labels.numel() % batch_size == 0:
-        return labels.reshape(batch_size, -1), 0
-    return input_ids, 1
-
-
-def _slot(call: RecordedCall, seq: _Seq, primary: Path | None, ref: Tensor, base: int, ignore_index: int) -> TokenSlot:
-    path, t, seq_first = seq
-    batch_first = t.transpose(0, 1) if seq_first else t
-    offset = None
-    if batch_first.shape[0] == ref.shape[0]:
-        o = relation_offset(batch_first, ref, ignore_index)
-        offset = None if o is None else o + base
-    name = call.keyword(path) or ""
-    return TokenSlot(
-        path=path,
-        name=call.describe(path),
-        seq_first=seq_first,
-        length=int(batch_first.shape[1]),
-        offset=offset,
-        primary=path == primary,
-        label_like=name in LABELS_KEYS or str(path[-1]) in LABELS_KEYS,
-    )
-
-
 def forward_parameters(module: nn.Module) -> Mapping[str, inspect.Parameter]:
     """The parameters of ``module.forward`` by name (none when its signature cannot be read)."""
     try:
         return inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return {}
-
-
-def _names_a_mask(call: RecordedCall) -> bool:
-    params = forward_parameters(call.module)
-    return any(name in params for name in MASK_KEYS) or any("mask" in name for name in params)
-
-
-# ------------------------------------------------------------------------------------------------------ the kind
-def _config_holder(*modules: nn.Module | None) -> nn.Module | None:
-    """The first of ``modules``, else of the last one's submodules, holding a Hugging Face-style ``.config``."""
-    seen = [m for m in modules if m is not None]
-    if seen:
-        seen += list(seen[-1].modules())
-    for module in seen:
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "is_encoder_decoder"):
-            return module
-    return None
-
-
-def model_kind(
-    found: ModelCall | None,
-    calls: Sequence[RecordedCall] = (),
-    model: nn.Module | None = None,
-    input_ids: Tensor | None = None,
-    labels: Tensor | None = None,
-) -> tuple[ModelKind, str]:
-    """``(kind, source)``: what the model is and where that was read (the order: ``docs/callbacks/mask_probe.md``).
-    Reading the labels' :class:`Objective` keeps it in ``found.objective`` (one host sync). ``found`` None reads
-    ``model``'s config only."""
-    holder = _config_holder(None if found is None else found.call.module, model)
-    if holder is not None:
-        config = holder.config
-        if getattr(config, "is_encoder_decoder", False):
-            return "encoder-decoder", "config"
-        if getattr(config, "is_decoder", False):
-            return "decoder", "config"
-        name = type(holder).__name__
-        if name.endswith(("ForCausalLM", "LMHeadModel")):
-            return "decoder", "class name"
-        if name.endswith("ForMaskedLM"):
-            return "encoder", "class name"
-    if found is None:
-        return "unknown", ""
-    if _has_decoder_input(found.call):
-        return "encoder-decoder", "decoder_input_ids"
-    if found.call.depth > 0 and not any(
-        read_logits(c.output, found.batch_size) is not None for c in calls if c.depth == 0
-    ):
-        return "loss-only wrapper", "wrapper"
-    if any(s.offset is not None and not s.primary and (not s.label_like or s.offset != 0) for s in found.slots):
-        return "encoder-decoder", "decoder input"  # (labels passed for the loss carry them at offset 0)
-    if found.objective is None and input_ids is not None and labels is not None and labels.shape == input_ids.shape:
-        found.objective = read_objective(input_ids, labels, found.ignore_index)
-    if found.objective is not None:
-        return ("decoder" if found.objective.next_token else "encoder"), "labels"
-    if found.sliced and found.primary is not None:
-        return "decoder", "token rows"
-    return "unknown", ""
-
-
-def _has_decoder_input(call: RecordedCall) -> bool:
-    """The forward takes ``decoder_input_ids`` (named, or passed), or returns an encoder's state (Hugging Face)."""
-    if "decoder_input_ids" in forward_parameters(call.module):
-        return True
-    state = getattr(call.output, "encoder_last_hidden_state", None)
-    return isinstance(state, Tensor) or any(call.keyword(p) == "decoder_input_ids" for p, _ in call.leaves())

@@ -6,11 +6,10 @@ import torch
 from torch import nn
 
 from lightning_tfdebug.core.calls import share_model_call, shared_model_call
+from lightning_tfdebug.primitives.call_finder import find_model_call, model_kind
 from lightning_tfdebug.primitives.calls import (
     CallRecorder,
     Objective,
-    find_model_call,
-    model_kind,
     read_logits,
     read_objective,
     record_calls,

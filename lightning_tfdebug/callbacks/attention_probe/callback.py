@@ -19,7 +19,7 @@ from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.model import in_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import attention_checks as checks
-from lightning_tfdebug.primitives import calls
+from lightning_tfdebug.primitives import call_finder, calls
 from lightning_tfdebug.primitives.batch import BatchKeys
 from lightning_tfdebug.primitives.keys import Key
 
@@ -138,7 +138,7 @@ class AttentionProbe(DebugCallback):
             else None
         )
         labels = fields.labels if fields.labels is not None and fields.labels.shape == ids.shape else None
-        found = calls.find_model_call(recorded, ids, mask, labels, self._keys.ignore_index, pl_module)
+        found = call_finder.find_model_call(recorded, ids, mask, labels, self._keys.ignore_index, pl_module)
         del recorded
         if isinstance(found, str):
             self.stand_aside(found, setting="`input_key` (where the token ids are)")

@@ -18,7 +18,7 @@ from lightning_tfdebug.core.calls import share_model_call
 from lightning_tfdebug.core.data import special_token_sources
 from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
 from lightning_tfdebug.findings import OnFinding
-from lightning_tfdebug.primitives import calls
+from lightning_tfdebug.primitives import call_finder, calls
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys
 from lightning_tfdebug.primitives.keys import Key
 
@@ -298,7 +298,7 @@ class MaskProbe(DebugCallback):
             special_ids=self._special_ids, cross_sample=not self._samples_done,
         )  # fmt: skip
         if self._found is None:  # by signature: the kind from `model_kind=`, else the model's config
-            session.kind = self.model_kind or calls.model_kind(None, model=pl_module)[0]
+            session.kind = self.model_kind or call_finder.model_kind(None, model=pl_module)[0]
         if self._is_causal is None:  # once per fit
             self._is_causal, aligned = session.decide_causal(fields[0], fields[2])
             self._alignment_decided = self._alignment_decided or not aligned
@@ -367,7 +367,7 @@ class MaskProbe(DebugCallback):
                 returned, recorded = calls.record_calls(pl_module, replay, nested=True, want=calls.takes_tokens)
             except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
                 return f"replaying `training_step` failed ({type(err).__name__}: {err})"
-        found = calls.find_model_call(recorded, *fields, self.ignore_index, pl_module, self.model_kind)
+        found = call_finder.find_model_call(recorded, *fields, self.ignore_index, pl_module, self.model_kind)
         if isinstance(found, str):
             return found
         share_model_call(trainer, batch, found)

@@ -16,7 +16,7 @@ from lightning_tfdebug.core.groups import build_param_groups
 from lightning_tfdebug.functional.memory import budget_for
 from lightning_tfdebug.functional.spike_checks import SpikeReading
 from lightning_tfdebug.functional.spikes import per_sample_losses
-from lightning_tfdebug.primitives import calls
+from lightning_tfdebug.primitives import call_finder, calls
 
 #: where the spike bundles go, under the run's tfdebug directory
 SPIKE_DIR = "spikes"
@@ -30,7 +30,7 @@ def find_call(recorded: list[calls.RecordedCall], fields: Any, module: torch.nn.
         return "the batch has no 2-D token ids"
     mask = mask if isinstance(mask, Tensor) and mask.shape == ids.shape else None
     labels = labels if isinstance(labels, Tensor) and labels.shape == ids.shape else None
-    found = calls.find_model_call(recorded, ids, mask, labels, -100, module)
+    found = call_finder.find_model_call(recorded, ids, mask, labels, -100, module)
     if not isinstance(found, str):
         found.release()  # the recorded output and tensors go; the call's structure stays
     return found

@@ -6,7 +6,8 @@ from torch import nn
 
 from lightning_tfdebug.callbacks.mask_probe import call_probes
 from lightning_tfdebug.callbacks.mask_probe.leak_checks import LeakReading, LeakSummary, RepeatReading
-from lightning_tfdebug.primitives.calls import find_model_call, record_calls
+from lightning_tfdebug.primitives.call_finder import find_model_call
+from lightning_tfdebug.primitives.calls import record_calls
 
 
 class KeywordModel(nn.Module):
