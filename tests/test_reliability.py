@@ -153,7 +153,7 @@ def test_a_bug_in_what_is_written_is_not_hidden_as_a_disk_failure(tmp_path):
 
 
 def test_a_bundle_the_disk_refuses_never_masks_the_training_exception(tmp_path, monkeypatch):
-    import lightning_tfdebug.repro as repro
+    import lightning_tfdebug.repro.bundles as repro
 
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -225,10 +225,13 @@ def test_the_pack_summary_has_a_did_not_run_block_and_the_report_merges_it(tmp_p
     assert "To let it run: `labels_key`." in block
     # one check of BatchGuard stands aside too (it counts EOS among integer token labels), listed the same way
     assert "    BatchGuard: EOS supervision (TFD124): the batches have no integer token labels" in block
-    assert "; 2 checks did not run" in summary
+    # and AttentionProbe cannot read TinyGPT's fused attention: said, not silent
+    assert "    AttentionProbe: attention at init: attention is fused" in block
+    assert "; 3 checks did not run" in summary
     run = load_run(tmp_path / "tb" / "version_0")
     # pack.json's list and the member's own record are one entry
-    entry, eos = sorted(run.did_not_run, key=lambda e: e.check != "LossAtInit")
+    kept = [e for e in run.did_not_run if not e.check.startswith("AttentionProbe")]
+    entry, eos = sorted(kept, key=lambda e: e.check != "LossAtInit")
     assert (entry.check, entry.setting, entry.ranks) == ("LossAtInit", "`labels_key`", (0,))
     assert eos.check == "BatchGuard: EOS supervision (TFD124)" and eos.setting == "`labels_key`"
     assert run.pack["stood_aside"]["LossAtInit"]["setting"] == "`labels_key`"

@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
 from lightning_tfdebug.core.io import append_line
 from lightning_tfdebug.core.watchdog import Stall, Watchdog, default_store, say_now
+from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.stall_checks import stall_verdicts
 
 OnStall = Literal["warn", "abort"]
@@ -50,6 +51,8 @@ class StallWatchdog(DebugCallback):
         on_stall: ``"warn"`` (default): report and let the job hang on (the scheduler or the collective timeout ends
             it); ``"abort"``: after the report, end the process with ``abort_exit_code`` so a scheduler restarts it.
         abort_exit_code: the exit status of ``on_stall="abort"`` (default 75, ``EX_TEMPFAIL``: try again).
+        on_finding: what a finding does besides being written (see :class:`~lightning_tfdebug.DebugCallback`); the
+            stall finding itself is written from the watchdog thread whatever this says, since the job is stuck.
 
     Raises:
         ValueError: on a ``stall_after`` that is not positive, an unknown ``on_stall``, or an exit code outside 1-255.
@@ -76,8 +79,14 @@ class StallWatchdog(DebugCallback):
     #: three beats per batch: its start, backward, its end (the stack tells the rest: the optimizer step, a hook)
     every_batch_hooks = frozenset({"on_train_batch_start", "on_before_backward", "on_train_batch_end"})
 
-    def __init__(self, stall_after: float | None = None, on_stall: OnStall = "warn", abort_exit_code: int = 75) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        stall_after: float | None = None,
+        on_stall: OnStall = "warn",
+        abort_exit_code: int = 75,
+        on_finding: OnFinding = "warn",
+    ) -> None:
+        super().__init__(on_finding=on_finding)
         check_number("stall_after", stall_after, low=0.0, low_inclusive=False, optional=True)
         check_choice("on_stall", on_stall, ON_STALL_CHOICES)
         check_number("abort_exit_code", abort_exit_code, low=1, high=255, integer=True)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tfdebug.callbacks.attention_probe.readings import AttentionCapture, LayerReading, find_head_dim, measure
-from lightning_tfdebug.core.base import DebugCallback, eager_model_calls
+from lightning_tfdebug.core.base import DebugCallback, eager_model_calls, model_is_compiled
 from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.model import in_training_step
 from lightning_tfdebug.findings import OnFinding
@@ -27,6 +27,9 @@ _FUSED_SETTING = (
     "an eager attention path for one forward: `attn_implementation='eager'` for Hugging Face models, or a softmax "
     "over the scores in place of `F.scaled_dot_product_attention`"
 )
+
+
+_COMPILED = "the forward is compiled: recording its calls would add module hooks that make torch.compile recompile it"
 
 
 class AttentionProbe(DebugCallback):
@@ -102,6 +105,11 @@ class AttentionProbe(DebugCallback):
         self._done = True
         if trainer.global_step != 0:
             self.check_aside("attention at init", "the fit resumed after step 0: the weights are trained")
+            return
+        if model_is_compiled(trainer, pl_module):  # module hooks on compiled code would make Dynamo recompile it
+            self.check_aside(
+                "attention at init", _COMPILED, "run the preflight (`tfdebug check`) without torch.compile"
+            )
             return
         self._batch = batch
         keep = lambda: in_training_step(pl_module)  # noqa: E731

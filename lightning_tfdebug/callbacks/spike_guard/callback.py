@@ -1,5 +1,4 @@
-"""SpikeGuard: loss spikes detected on the step, traced to the samples that caused them, kept for replay, skipped on
-request."""
+"""SpikeGuard: loss spikes detected on the step, traced to the samples behind them, kept for replay, skipped."""
 
 from __future__ import annotations
 
@@ -10,13 +9,14 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.callbacks.spike_guard.capture import (
+    COMPILED,
     call_inputs,
     find_call,
     group_norms,
     replay_losses,
     write_spike_bundle,
 )
-from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number
+from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, model_is_compiled
 from lightning_tfdebug.core.batch import step_batch, step_rng_state
 from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
@@ -207,6 +207,9 @@ class SpikeGuard(DebugCallback):
         self._batch, self._batch_idx = batch, batch_idx
         step_rng_state(trainer, batch, batch_idx)  # the batch's shared CPU RNG state (a host copy, no sync)
         if self._found is None and self._recorder is None and self._call_reason == "no model call recorded yet":
+            if model_is_compiled(trainer, pl_module):  # module hooks on compiled code would make it recompile
+                self._call_reason = COMPILED
+                return self.check_aside("spike attribution", COMPILED, "attribution in a run without torch.compile")
             # the first batch only: record the model call made by the real training_step (hooks removed at backward)
             self._recorder = calls.CallRecorder(pl_module, nested=True, want=calls.takes_tokens).start()
 
@@ -251,8 +254,7 @@ class SpikeGuard(DebugCallback):
 
     # ------------------------------------------------------------------ the flag
     def flag(self, trainer: pl.Trainer) -> Tensor | None:
-        """This step's spike flag (a device bool), computed once per step, or None while the step is not judged;
-        feeds the baseline. No host sync (the LR and the batch's shape are host values)."""
+        """This step's spike flag (a device bool, once per step; None while not judged); feeds the baseline. No sync."""
         step = trainer.global_step
         if self._flag_key == step:
             return self._flag

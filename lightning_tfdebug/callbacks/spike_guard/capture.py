@@ -22,6 +22,10 @@ from lightning_tfdebug.primitives import call_finder, calls
 SPIKE_DIR = "spikes"
 
 
+COMPILED = "the forward is compiled: its call is not recorded (module hooks would make torch.compile recompile it)"
+"""Why attribution stands aside on a compiled forward."""
+
+
 def find_call(recorded: list[calls.RecordedCall], fields: Any, module: torch.nn.Module) -> calls.ModelCall | str:
     """The model call among ``recorded`` that took the batch's token ids (its structure kept, its tensors released),
     or why there is none."""
