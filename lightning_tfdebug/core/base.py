@@ -263,6 +263,7 @@ class DebugCallback(Callback):
             reason: one sentence: why it cannot run.
             setting: the argument or set-up that would let it run, or None.
         """
+        reason = reason if reason.rstrip().endswith((".", "!", "?")) else reason.rstrip() + "."  # one sentence
         if check in self.checks_aside:
             return
         self.checks_aside[check] = reason + (f" To let it run: {setting}." if setting else "")
