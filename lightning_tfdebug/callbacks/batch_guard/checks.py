@@ -1,50 +1,25 @@
 """BatchGuard's rules in code order, collected from the modules that decide them (each rule sits just above its
-decider there): the registry (:mod:`lightning_tfdebug.rules`) and the docs read them from here."""
+decider there): the registry (:mod:`lightning_tfdebug.rules`) and the docs read them from here. A rule declared in
+one of these modules is registered without a second list to keep."""
 
 from __future__ import annotations
 
-from lightning_tfdebug.callbacks.batch_guard.eos_checks import TFD124
-from lightning_tfdebug.callbacks.batch_guard.length_checks import TFD120
-from lightning_tfdebug.callbacks.batch_guard.mask_hole_checks import TFD122
-from lightning_tfdebug.callbacks.batch_guard.repeat_checks import TFD121, TFD123, TFD125
-from lightning_tfdebug.callbacks.batch_guard.schema_checks import TFD101, TFD102, TFD103, TFD104, TFD105, TFD111
-from lightning_tfdebug.callbacks.batch_guard.value_checks import (
-    TFD110,
-    TFD112,
-    TFD113,
-    TFD114,
-    TFD115,
-    TFD116,
-    TFD117,
-    TFD118,
-    TFD119,
+from lightning_tfdebug.callbacks.batch_guard import (
+    eos_checks,
+    length_checks,
+    mask_hole_checks,
+    repeat_checks,
+    schema_checks,
+    value_checks,
 )
 from lightning_tfdebug.functional.verdicts import Rule
 
 BLOCK = ("TFD101", "TFD129")
 """The codes reserved for BatchGuard's rules."""
 
-RULES: tuple[Rule, ...] = (
-    TFD101,
-    TFD102,
-    TFD103,
-    TFD104,
-    TFD105,
-    TFD110,
-    TFD111,
-    TFD112,
-    TFD113,
-    TFD114,
-    TFD115,
-    TFD116,
-    TFD117,
-    TFD118,
-    TFD119,
-    TFD120,
-    TFD121,
-    TFD122,
-    TFD123,
-    TFD124,
-    TFD125,
+_MODULES = (schema_checks, value_checks, mask_hole_checks, length_checks, repeat_checks, eos_checks)
+
+RULES: tuple[Rule, ...] = tuple(
+    sorted({id(v): v for m in _MODULES for v in vars(m).values() if isinstance(v, Rule)}.values(), key=lambda r: r.code)
 )
 """BatchGuard's rules, in code order."""
