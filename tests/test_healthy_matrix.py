@@ -60,7 +60,8 @@ KNOWN |= {
     ),
     ("bert_cls", "fresh_warmup"): (
         "MaskProbe TFD201 (error, step 0): a bidirectional sequence classifier read as a causal LM without its mask "
-        "(issue 43: the kind is guessed)"
+        "(issue 43: the kind is guessed); in some random states also GradNormMonitor TFD301 (warning, near step "
+        "100): the gradient norm many times its plateau median as the loss leaves its plateau"
     ),
 }
 
