@@ -826,3 +826,19 @@ class HFAttentionLM(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+# ------------------------------------------ issue 43: transformers that do not read token ids (tests/kind_models.py)
+def kind_module(family: str, **bugs: Any) -> Any:
+    """A builder of ``family`` of ``tests/kind_models.py`` with ``bugs`` (its constructor's flags: ``eval_dropout``,
+    ``positions``, ``leak``)."""
+    from tests.kind_models import build_kind
+
+    return lambda: build_kind(family, **bugs)
+
+
+def kind_loader(family: str, wrong_rows: bool = False) -> Any:
+    """A builder of ``family``'s data; ``wrong_rows``: the collate rolls the labels by one row."""
+    from tests.kind_models import kind_data
+
+    return lambda: kind_data(family, wrong_rows=wrong_rows)

@@ -35,6 +35,10 @@ pretraining objective, without the noise): the labels are the input ids, shifted
 EXTRA_FAMILIES: tuple[str, ...] = ("mlm_padpos", "tinygpt_nomask")
 """Healthy designs the pack once flagged, run in one setting each: a masked LM whose positions count the real tokens
 (:class:`PadPositionMLM`), and a causal LM that ignores its mask on right-padded batches."""
+KIND_FAMILIES: tuple[str, ...] = ("float_encoder", "vit", "bert_cls", "seq2seq_reverse", "set_max")
+"""Transformers that do not read token ids or return per-token logits (``tests/kind_models.py``, issue 43): a float
+one-hot encoder, a ViT on patches, a BERT sequence classifier, an ``nn.Transformer`` whose call takes decoder ids, mask
+and labels, and an order-blind set model; each with its own data and learning rate."""
 GEMMA_INIT = 0.01
 """The Gemma family's ``initializer_range``: half its default, weights small enough to grow 2x in 50 steps."""
 
@@ -257,7 +261,11 @@ LORA_TARGETS: dict[str, list[str]] = {
 
 
 def build(family: str, lr: float = 2e-3, warmup_steps: int = 10) -> pl.LightningModule:
-    """A fresh healthy module of ``family``."""
+    """A fresh healthy module of ``family`` (a family of :data:`KIND_FAMILIES` at its own learning rate)."""
+    if family in KIND_FAMILIES:
+        from tests.kind_models import build_kind
+
+        return build_kind(family, warmup_steps=warmup_steps)
     if family == "tinygpt":
         return HealthyTinyGPT(lr=lr, warmup_steps=warmup_steps)
     if family == "encoder_lm":
@@ -338,7 +346,11 @@ def copy_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
 
 
 def data(family: str, batch_size: int = 8) -> Any:
-    """The healthy data of ``family``: a DataModule or a DataLoader."""
+    """The healthy data of ``family``: a DataModule or a DataLoader (a family of :data:`KIND_FAMILIES`: its own)."""
+    if family in KIND_FAMILIES:
+        from tests.kind_models import kind_data
+
+        return kind_data(family)
     if family in ("tinygpt", "gpt2", "llama", "tinygpt_nomask", "gemma"):
         return TinyTextDataModule(batch_size=batch_size)
     if family == "encoder_lm":

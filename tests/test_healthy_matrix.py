@@ -3,11 +3,12 @@ people train them, must raise no warning and no error.
 
 Families (``tests/healthy_models.py``, tiny configs, nothing downloaded): the bundled TinyGPT, a causal LM on
 ``nn.TransformerEncoder`` with tuple batches, Hugging Face GPT-2, Llama, BERT (masked LM) and T5; beside them BART and a
-T5 taught to reproduce its input (:data:`SEQ2SEQ_CASES`). Settings: fresh from scratch with a warm-up; a constant
-learning rate without warm-up; resumed from a checkpoint past the warm-up; fine-tuning weights trained first in the
-test, fully and with LoRA adapters; bf16-mixed; gradient accumulation 4; DDP with 2 processes. Runs are long enough for
-every check of the pack to run: LossAtInit's checks at its default ``check_step`` (100), and at 5x that for the masked
-LM, whose plateau check needs it.
+T5 taught to reproduce its input (:data:`SEQ2SEQ_CASES`); and, fresh with a warm-up, the transformers that do not read
+token ids of ``tests/kind_models.py`` (:data:`~tests.healthy_models.KIND_FAMILIES`). Settings: fresh from scratch with
+a warm-up; a constant learning rate without warm-up; resumed from a checkpoint past the warm-up; fine-tuning weights
+trained first in the test, fully and with LoRA adapters; bf16-mixed; gradient accumulation 4; DDP with 2 processes.
+Runs are long enough for every check of the pack to run: LossAtInit's checks at its default ``check_step`` (100), and
+at 5x that for the masked LM, whose plateau check needs it.
 
 The matrix runs under ``-m "slow or not slow"`` (CI runs it beside the default run, which holds none of its cases).
 ``docs/healthy-runs.md`` lists what the pack says (its info findings) on each family. Set ``TFD_HEALTHY_REPORT=<file>``
@@ -27,6 +28,7 @@ from lightning_tfdebug.rules import RULES
 from tests.healthy_models import (
     EXTRA_FAMILIES,
     FAMILIES,
+    KIND_FAMILIES,
     PACK_NAMES,
     SEQ2SEQ_FAMILIES,
     build,
@@ -43,6 +45,7 @@ pytest.importorskip("transformers")
 CHECK_STEP = 100  # LossAtInit's default check_step
 STEPS = {family: CHECK_STEP + 20 for family in FAMILIES + EXTRA_FAMILIES + SEQ2SEQ_FAMILIES + ("gemma",)}
 STEPS |= {"bert_mlm": 5 * CHECK_STEP + 20, "mlm_padpos": 5 * CHECK_STEP + 20}
+STEPS |= {family: CHECK_STEP + 20 for family in KIND_FAMILIES}
 SETTINGS = ("fresh_warmup", "constant_lr", "resumed", "finetune_full", "finetune_lora", "bf16", "accum4")
 
 EXTRA = (("gpt2", "clip_norm"), ("t5", "clip_norm"), ("gemma", "fresh_warmup"))
@@ -50,6 +53,17 @@ EXTRA = (("gpt2", "clip_norm"), ("t5", "clip_norm"), ("gemma", "fresh_warmup"))
 
 KNOWN: dict[tuple[str, str], str] = {}
 """Cases where a callback still raises a false alarm: ``(family, setting) -> reason`` (marked xfail, not strict)."""
+KNOWN |= {
+    ("float_encoder", "fresh_warmup"): (
+        "LossAtInit TFD226 (warning, step 100): per-token labels aligned with their positions read as unshifted LM "
+        "labels, the model's right answers as copying its input (copy_rate 1.0; issue 43: the kind is guessed)"
+    ),
+    ("bert_cls", "fresh_warmup"): (
+        "MaskProbe TFD201 (error, step 0): a bidirectional sequence classifier read as a causal LM without its mask "
+        "(issue 43: the kind is guessed); in some random states also GradNormMonitor TFD301 (warning, near step "
+        "100): the gradient norm many times its plateau median as the loss leaves its plateau"
+    ),
+}
 
 
 def problems(pack) -> list[str]:
@@ -127,6 +141,11 @@ def cases():
         yield pytest.param(family, setting, marks=marks, id=f"{family}-{setting}")
     for family, setting in EXTRA:
         yield pytest.param(family, setting, marks=[pytest.mark.slow], id=f"{family}-{setting}")
+    for family in KIND_FAMILIES:
+        marks = [pytest.mark.slow]
+        if (family, "fresh_warmup") in KNOWN:
+            marks.append(pytest.mark.xfail(strict=False, reason=KNOWN[family, "fresh_warmup"]))
+        yield pytest.param(family, "fresh_warmup", marks=marks, id=f"{family}-fresh_warmup")
 
 
 SEQ2SEQ_CASES = (("t5_copy", "finetune_full"), ("bart", "finetune_full"), ("bart", "fresh_warmup"))
