@@ -53,17 +53,6 @@ EXTRA = (("gpt2", "clip_norm"), ("t5", "clip_norm"), ("gemma", "fresh_warmup"))
 
 KNOWN: dict[tuple[str, str], str] = {}
 """Cases where a callback still raises a false alarm: ``(family, setting) -> reason`` (marked xfail, not strict)."""
-KNOWN |= {
-    ("float_encoder", "fresh_warmup"): (
-        "LossAtInit TFD226 (warning, step 100): per-token labels aligned with their positions read as unshifted LM "
-        "labels, the model's right answers as copying its input (copy_rate 1.0; issue 43: the kind is guessed)"
-    ),
-    ("bert_cls", "fresh_warmup"): (
-        "MaskProbe TFD201 (error, step 0): a bidirectional sequence classifier read as a causal LM without its mask "
-        "(issue 43: the kind is guessed); in some random states also GradNormMonitor TFD301 (warning, near step "
-        "100): the gradient norm many times its plateau median as the loss leaves its plateau"
-    ),
-}
 
 
 def problems(pack) -> list[str]:
