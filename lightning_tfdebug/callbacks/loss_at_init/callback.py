@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.loss_at_init.check import check_findings
+from lightning_tfdebug.callbacks.loss_at_init.check import check_findings, comparison_aside, early_findings
 from lightning_tfdebug.callbacks.loss_at_init.init_checks import classify_init_loss, unreadable_verdict
 from lightning_tfdebug.callbacks.loss_at_init.phases import LossRun
 from lightning_tfdebug.callbacks.loss_at_init.readings import (
@@ -22,6 +22,7 @@ from lightning_tfdebug.callbacks.loss_at_init.readings import (
     returned_loss,
     summarize_init,
 )
+from lightning_tfdebug.callbacks.loss_at_init.transform_checks import COMPARISON, NOT_CROSS_ENTROPY
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.distributed import world_size
@@ -161,10 +162,8 @@ class LossAtInit(DebugCallback):
         """Step 0, the compared steps, the check and the measuring steps; and while a capture is in flight."""
         if self._armed is not None or self._measuring is not None:
             return True
-        return step == 0 or step % self._interval == 0 or step == self._run.check_at or step in self._compare_steps()
-
-    def _compare_steps(self) -> tuple[int, ...]:
-        return self._run.compare_steps(self._interval)
+        compared = self._run.compare_steps(self._interval)
+        return step == 0 or step % self._interval == 0 or step == self._run.check_at or step in compared
 
     # ------------------------------------------------------------------ capture
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -336,8 +335,16 @@ class LossAtInit(DebugCallback):
         self.emit(trainer, verdicts)
 
     def _compare(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
-        """A compared step before the check: the returned loss against the recorded logits, kept for the check."""
+        """A compared step before the check: the returned loss against the recorded logits, kept for the check; from
+        the third on, the loss's family and floor are decided (each code said once)."""
         self._add_reading(trainer, host, self._keep_loss(trainer, host, step), step)
+        self._comparison_aside()
+        unigram = self._frequencies.entropy if self._frequencies.entropy is not None else float("nan")
+        self.emit(trainer, early_findings(self._run, found.vocab, unigram))
+
+    def _comparison_aside(self) -> None:
+        if comparison_aside(self._run):  # once: the returned loss is no cross-entropy of the logits
+            self.check_aside(COMPARISON, NOT_CROSS_ENTROPY, setting="`logits_module` naming the logits the loss reads")
 
     def _add_reading(self, trainer: pl.Trainer, host: LossSums, loss: float, step: int) -> None:
         reading = loss_reading(host, loss, step)
@@ -356,6 +363,7 @@ class LossAtInit(DebugCallback):
         self._keep_loss(trainer, host.with_loss(reading.loss), step)
         self.log_scalars(trainer, reading.metrics(), step=step)
         self._add_reading(trainer, host, returned, step)  # the returned loss against the recorded logits
+        self._comparison_aside()
         verdicts = check_findings(
             reading,
             step,
