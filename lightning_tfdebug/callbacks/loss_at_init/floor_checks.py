@@ -97,9 +97,9 @@ TFD237 = Rule(
     title="the returned loss is label-smoothed with an eps whose floor is above half of ln(V)",
     trigger=(
         "on every compared step (three by step 30) e = (loss - ce) / (uniform - ce) is the same within max(0.01, "
-        "0.1 e) or one e gives the loss within 0.5%, e is at least 0.02 and (1 - e) ce + e uniform gives the loss within 3% (within 1% for e above "
-        "0.3, where a bound can mimic a steady e): warning when the floor of that smoothing, the entropy of "
-        "(1 - e) onehot + e / V, is above 0.5 ln(V); info naming e otherwise"
+        "0.1 e) or one e gives the loss within 0.5%, e is at least 0.02 and (1 - e) ce + e uniform gives the loss "
+        "within 3% (within 1% for e above 0.3, where a bound can mimic a steady e): warning when the floor of that "
+        "smoothing, the entropy of (1 - e) onehot + e / V, is above 0.5 ln(V); info naming e otherwise"
     ),
     hint=(
         "Check the label_smoothing value (0.9 where 0.1 was meant keeps the model from ever becoming confident); "
@@ -191,7 +191,7 @@ TFD236 = Rule(
         "Raise or remove the bound: a final-logit soft-cap of 1 where 30 was meant, a sigmoid, tanh or clamp on the "
         "logits, or label smoothing far above 0.1. The cross-entropy needs raw logits whose range can grow."
     ),
-    reason="A rule that always holds: no model can bring this loss below the floor, at most V^-0.5 from a uniform guess",
+    reason="A rule that always holds: no model brings this loss below the floor, at most V^-0.5 from a uniform guess",
     message=(
         "The lowest loss this run can reach is {floor:.3f} nats: {share_vocab:.0%} of ln(V) = {expected:.3f} "
         "(V={vocab}) and {share_loss:.0%} of its loss at step {at_step} ({loss:.3f}). {why} No training can bring "
