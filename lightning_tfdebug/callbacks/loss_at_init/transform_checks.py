@@ -381,26 +381,26 @@ COMPARISON = "returned loss against the logits' cross-entropy (TFD233-TFD237)"
 
 
 NOT_CROSS_ENTROPY = (
-    "the loss training_step returns is below every cross-entropy the model's logits give at any temperature: it is "
-    "no cross-entropy of them (a contrastive loss, a regression head)"
+    "the loss training_step returns is below the model's logits' cross-entropy, and no temperature, constant factor "
+    "or share of supervised positions explains it: it is no cross-entropy of them (a contrastive loss, a regression "
+    "head)"
 )
 """Why :data:`COMPARISON` stands aside."""
 
 
 def not_cross_entropy(points: Sequence[LossReading]) -> bool:
     """The returned loss is no cross-entropy of these logits at all (a contrastive loss, a regression head): at every
-    point (at least two) it is below the lowest cross-entropy the logits give at any temperature by :data:`AGREE` and
-    three standard errors (a bound, label smoothing or an added term only raise it), and no constant factor or
-    supervised share (:data:`SCALE_SPREAD`) scales it down from theirs."""
-    if len(points) < 2:
-        return False
-    below = all(r.loss < (1.0 - AGREE) * r.best - 3.0 * r.ce_error for r in points)
-    if not below:
+    point (at least two) it is below the logits' cross-entropy by :data:`AGREE` and three standard errors, and none of
+    the families that lower it explains that: no single temperature (:data:`TEMPERATURE_MATCH`), no constant factor
+    or supervised share (:data:`SCALE_SPREAD`); a bound, label smoothing or an added term only raise it."""
+    if len(points) < 2 or not all(r.loss < (1.0 - AGREE) * r.ce - 3.0 * r.ce_error for r in points):
         return False
     ratios = [r.loss / r.ce for r in points]
     if min(ratios) > 0 and math.log(max(ratios) / min(ratios)) <= SCALE_SPREAD:
         return False  # loss / k (manual accumulation): a cross-entropy, scaled
-    return not all(q > 0 and abs(math.log(q / r.supervised_share)) <= SCALE_SPREAD for q, r in zip(ratios, points))
+    if all(q > 0 and abs(math.log(q / r.supervised_share)) <= SCALE_SPREAD for q, r in zip(ratios, points)):
+        return False  # a sum over the supervised tokens divided by every label position
+    return _shared_temperature(points) is None
 
 
 def _series(values: Any) -> str:
