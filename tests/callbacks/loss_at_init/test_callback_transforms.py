@@ -5,8 +5,9 @@ check); the family is decided from the third compared step on (step 30), inside 
 Bugs placed where users place them (in ``training_step``, in a loss wrapper module), each on two model families, one
 of them not the bundled TinyGPT the thresholds were measured on: a sigmoid (TFD233), ``c * tanh(logits / c)`` in a
 loss module (TFD233), a division by a temperature (TFD234). Healthy controls that make the returned loss differ from
-the logits' cross-entropy on purpose stay silent (label smoothing: named at info): label smoothing, a z-loss, an auxiliary loss, ``loss / k`` for manual
-accumulation, a sum divided by every label position; and a plain run. Hugging Face variants are marked slow.
+the logits' cross-entropy on purpose stay silent (label smoothing is named at info): label smoothing, a z-loss, an
+auxiliary loss, ``loss / k`` for manual accumulation, a sum divided by every label position; and a plain run. Hugging
+Face variants are marked slow.
 """
 
 import math
