@@ -96,10 +96,18 @@ TFD237 = Rule(
     "LossAtInit",
     title="the returned loss is label-smoothed with an eps whose floor is above half of ln(V)",
     trigger=(
-        "on every compared step (three by step 30) e = (loss - ce) / (uniform - ce) is the same within max(0.01, "
-        "0.1 e) or one e gives the loss within 0.5%, e is at least 0.02 and (1 - e) ce + e uniform gives the loss "
-        "within 3% (within 1% for e above 0.3, where a bound can mimic a steady e): warning when the floor of that "
-        "smoothing, the entropy of (1 - e) onehot + e / V, is above 0.5 ln(V); info naming e otherwise"
+        "from the third compared step (step 30) the returned loss is the logits' cross-entropy with label smoothing "
+        "eps: a warning when the smoothed target's entropy, its floor, is above half of ln(V); info naming eps "
+        "otherwise"
+    ),
+    details=(
+        "Per compared step `e = (L - C) / (U - C)` (`L` the returned loss, `C` the logits' cross-entropy, `U` their "
+        "cross-entropy against a uniform target); `eps` the least-squares fit of `L = (1 - eps) C + eps U`. "
+        "Steady: the `e` agree within `max(0.01, 0.1 e)`, or the fit gives `L` within 0.5% at every step. "
+        "Named: `eps >= 0.02` and the fit within 3% (a z-loss or a constant added term reads as 0.001-0.01); for "
+        "`eps > 0.3` within 1%, and then decided before a pinned bound (a soft-cap of 0.75 reads as a steady `e` of "
+        "0.45-0.49 and misses by 1.6%). "
+        "Floor: the entropy of `(1 - eps) onehot + eps / V`; a warning above 0.5 ln(V)."
     ),
     hint=(
         "Check the label_smoothing value (0.9 where 0.1 was meant keeps the model from ever becoming confident); "
@@ -180,12 +188,19 @@ TFD236 = Rule(
     "LossAtInit",
     title="the loss cannot fall below a floor set by bounded logits or label smoothing, above half of ln(V)",
     trigger=(
-        "on the compared steps (three by step 30) the logits are bounded (the model's own: every row's range alike "
-        "within 5% and grown by at most 5% between the last two compared steps, the loss 5% below ln(V) and within "
-        "30% of the way from that range's floor up to ln(V); or in "
-        "training_step: the returned loss fitted as a soft-cap, a sigmoid or a bound's floor, TFD233) or the loss is "
-        "label-smoothed (TFD237), and the lowest loss that allows, ln(1 + (V-1) e^-w) for a range w or the smoothed "
-        "target's entropy, is at least 0.5 ln(V)"
+        "from the third compared step (step 30) the logits are bounded, in the model's forward or in training_step, or "
+        "the loss is label-smoothed, and the lowest loss that allows is at least half of ln(V)"
+    ),
+    details=(
+        "A bound in training_step: the returned loss fitted as `c * tanh(logits / c)` (floor `ln(1 + (V-1) e^-2c)`) "
+        "or `sigmoid(logits)` (width 1) within 3% and closer than any temperature, or pinned at a bound's floor "
+        "(`TFD233`'s width). "
+        "A bound in the forward: on the last two compared steps every row's logit range alike (spread at most 5% of "
+        "the mean), the mean grown by at most 5%, the logits' cross-entropy 5% below ln(V) and within 30% of the way "
+        "from the floor of that range up to ln(V) (the floor: the mean of `ln(1 + (V-1) e^-w)` over the rows); not "
+        "when step 0 found probabilities (`TFD220`). "
+        "Label smoothing: `TFD237`'s `eps`, the floor the smoothed target's entropy. "
+        "Binds: the floor at least 0.5 ln(V). The message gives it as a share of ln(V) and of the loss now."
     ),
     hint=(
         "Raise or remove the bound: a final-logit soft-cap of 1 where 30 was meant, a sigmoid, tanh or clamp on the "

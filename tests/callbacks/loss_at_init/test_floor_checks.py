@@ -3,6 +3,10 @@ on readings of real logits, and real Trainers on TinyGPT deciding inside a prefl
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +184,33 @@ def test_a_loss_that_is_no_cross_entropy_of_the_logits_stands_the_comparison_asi
     [record] = [json.loads(line) for line in written if "cross-entropy" in line]
     # recorded when step 20's reading comes back, at the end of its batch (after its optimizer step: 21)
     assert record["check"] == f"LossAtInit: {check}" and record["step"] in (20, 21)
+
+
+# --------------------------------------------------------------------------------------------- tfdebug check
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _check(tmp_path: Path, bug: str) -> subprocess.CompletedProcess:
+    """``tfdebug check`` (the console script, its default 50 steps) on the floor app with ``--model.bug``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    tfdebug = Path(sys.executable).with_name("tfdebug")
+    app = ROOT / "tests" / "apps" / "floor_cli.py"
+    cmd = [str(tfdebug), "check", "--", sys.executable, str(app), "fit", f"--model.bug={bug}"]
+    cmd += ["--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=0"]
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["sigmoid", "softcap1", "smoothing"])
+def test_tfdebug_check_exits_1_on_a_floor_that_binds_inside_its_50_steps(tmp_path, bug):
+    done = _check(tmp_path, bug)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "error   TFD236" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_tfdebug_check_names_the_usual_label_smoothing_without_failing(tmp_path):
+    done = _check(tmp_path, "smoothing_ok")
+    assert "TFD236" not in done.stdout and "TFD237" in done.stdout, done.stdout[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
