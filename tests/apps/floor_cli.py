@@ -9,6 +9,7 @@ soft-cap of 1); ``smoothing`` (``label_smoothing=0.9``, meant 0.1); ``smoothing_
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -26,6 +27,10 @@ SMOOTHING = {"smoothing": 0.9, "smoothing_ok": 0.1}
 class FloorGPT(TinyGPT):
     def __init__(self, bug: str = "none", d_model: int = 32, n_layers: int = 2, n_heads: int = 2, lr: float = 2e-3):
         super().__init__(d_model=d_model, n_layers=n_layers, n_heads=n_heads, lr=lr, warmup_steps=10)
+        # save_hyperparameters in TinyGPT reads this frame's arguments: add TinyGPT's own (its optimizer reads them)
+        own = inspect.signature(TinyGPT.__init__).parameters.values()
+        self.hparams.update({p.name: p.default for p in own if p.default is not p.empty and p.name not in self.hparams})
+        self.hparams.update(warmup_steps=10)
         self.bug = bug
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -47,8 +47,9 @@ class LossAtInit(DebugCallback):
 
     Step 0 captures the logits (forward hooks, :mod:`lightning_tfdebug.core.logits`) and judges the loss against ln(V);
     measuring steps read the loss and count the labels' unigram entropy; at ``check_step`` (5x for masked-LM labels)
-    and on two compared steps before it the logits are captured again. One collective and one host transfer per
-    measured step. What each check measures: ``docs/callbacks/loss_at_init.md``; findings: ``docs/findings.md``;
+    and on the compared steps (10, 20, 30, 40 and two before the check) the logits are captured again, and from step
+    30 the returned loss's family and floor are decided (``TFD233``-``TFD237``). One collective and one host transfer
+    per measured step. What each check measures: ``docs/callbacks/loss_at_init.md``; findings: ``docs/findings.md``;
     logged keys: :attr:`KEYS`.
 
     Args:
@@ -335,12 +336,10 @@ class LossAtInit(DebugCallback):
         self.emit(trainer, verdicts)
 
     def _compare(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
-        """A compared step before the check: the returned loss against the recorded logits, kept for the check; from
-        the third on, the loss's family and floor are decided (each code said once)."""
+        """A compared step before the check: the returned loss against the logits, kept; from the third on decided."""
         self._add_reading(trainer, host, self._keep_loss(trainer, host, step), step)
         self._comparison_aside()
-        unigram = self._frequencies.entropy if self._frequencies.entropy is not None else float("nan")
-        self.emit(trainer, early_findings(self._run, found.vocab, unigram))
+        self.emit(trainer, early_findings(self._run, found.vocab, self._frequencies.entropy))
 
     def _comparison_aside(self) -> None:
         if comparison_aside(self._run):  # once: the returned loss is no cross-entropy of the logits

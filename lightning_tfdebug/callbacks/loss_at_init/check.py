@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 
 from lightning_tfdebug.callbacks.loss_at_init.floor_checks import floor_verdict
-from lightning_tfdebug.callbacks.loss_at_init.phases import EARLY_DECISION, LossRun
+from lightning_tfdebug.callbacks.loss_at_init.phases import COMPARE_FRACTIONS, EARLY_DECISION, LossRun
 from lightning_tfdebug.callbacks.loss_at_init.readings import CheckReading
 from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
     TFD231,
@@ -83,7 +83,7 @@ def check_findings(
             masked=run.masked_lm,
         )
     )
-    transform, floor = comparison_verdicts(run, vocab, unigram)
+    transform, floor = comparison_verdicts(run, vocab, unigram, last=CHECK_READINGS)
     # The order between the check's codes, in this one place: TFD230 stands aside for TFD220 (probabilities are a
     # bounded output whose cause step 0 already named), and TFD233 overrides TFD231/TFD232 (a bound on the returned
     # loss holds it near the unigram entropy whatever the logits learn, so "labels from other samples" or "the model
@@ -94,14 +94,23 @@ def check_findings(
     return [dataclasses.replace(v, step=step) for v in verdicts if v is not None]
 
 
-def comparison_verdicts(run: LossRun, vocab: int, unigram_entropy: float) -> tuple[Verdict | None, Verdict | None]:
+CHECK_READINGS = len(COMPARE_FRACTIONS) + 1
+"""The check decides on its own window: the compared steps at the fractions of the way to it and itself (the early
+steps decided theirs; a loss that drifts away from the logits as they grow is judged where it drifted)."""
+
+
+def comparison_verdicts(
+    run: LossRun, vocab: int, unigram_entropy: float, last: int | None = None
+) -> tuple[Verdict | None, Verdict | None]:
     """The family of the returned loss against the recorded logits (:func:`loss_transform_verdict`: ``TFD233`` to
     ``TFD235``, ``TFD237``) and the floor it or the logits' own range sets (:func:`floor_verdict`, ``TFD236``), from
-    the compared steps so far; none once the comparison stood aside (the loss is no cross-entropy of the logits)."""
+    the compared steps so far (the ``last`` of them); none once the comparison stood aside (the loss is no
+    cross-entropy of the logits)."""
     if run.compare_aside:
         return None, None
-    transform = loss_transform_verdict(run.readings, vocab, unigram_entropy)
-    return transform, floor_verdict(run.readings, vocab, transform, probabilities=run.probabilities)
+    points = run.readings[-last:] if last else run.readings
+    transform = loss_transform_verdict(points, vocab, unigram_entropy)
+    return transform, floor_verdict(points, vocab, transform, probabilities=run.probabilities)
 
 
 def comparison_aside(run: LossRun) -> bool:
@@ -113,10 +122,11 @@ def comparison_aside(run: LossRun) -> bool:
     return True
 
 
-def early_findings(run: LossRun, vocab: int, unigram_entropy: float) -> list[Verdict]:
+def early_findings(run: LossRun, vocab: int, unigram_entropy: float | None) -> list[Verdict]:
     """The comparison's findings on a compared step before the check, from the :data:`EARLY_DECISION`-th on: those
-    of :func:`comparison_verdicts` not said before (each code once per run)."""
+    of :func:`comparison_verdicts` not said before (each code once per run; ``unigram_entropy`` None: not known)."""
     if len(run.readings) < EARLY_DECISION:
         return []
-    found = [v for v in comparison_verdicts(run, vocab, unigram_entropy) if v is not None]
+    unigram = unigram_entropy if unigram_entropy is not None else math.nan
+    found = [v for v in comparison_verdicts(run, vocab, unigram) if v is not None]
     return [v for v in found if run.unsaid([v.code])]

@@ -197,7 +197,12 @@ def _check(tmp_path: Path, bug: str) -> subprocess.CompletedProcess:
     tfdebug = Path(sys.executable).with_name("tfdebug")
     app = ROOT / "tests" / "apps" / "floor_cli.py"
     cmd = [str(tfdebug), "check", "--", sys.executable, str(app), "fit", f"--model.bug={bug}"]
-    cmd += ["--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=0"]
+    cmd += [
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.accelerator=cpu",
+        "--trainer.enable_progress_bar=false",
+    ]
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
