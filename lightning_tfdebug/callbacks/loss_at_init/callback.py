@@ -47,10 +47,9 @@ class LossAtInit(DebugCallback):
 
     Step 0 captures the logits (forward hooks, :mod:`lightning_tfdebug.core.logits`) and judges the loss against ln(V);
     measuring steps read the loss and count the labels' unigram entropy; at ``check_step`` (5x for masked-LM labels)
-    and on the compared steps (10, 20, 30, 40 and two before the check) the logits are captured again, and from step
-    30 the returned loss's family and floor are decided (``TFD233``-``TFD237``). One collective and one host transfer
-    per measured step. What each check measures: ``docs/callbacks/loss_at_init.md``; findings: ``docs/findings.md``;
-    logged keys: :attr:`KEYS`.
+    and on the compared steps (10 to 40, two before the check) the logits are captured again (from step 30 the loss's
+    family and floor are decided). One collective and one host transfer per measured step. What each check measures:
+    ``docs/callbacks/loss_at_init.md``; findings: ``docs/findings.md``; logged keys: :attr:`KEYS`.
 
     Args:
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
@@ -163,8 +162,10 @@ class LossAtInit(DebugCallback):
         """Step 0, the compared steps, the check and the measuring steps; and while a capture is in flight."""
         if self._armed is not None or self._measuring is not None:
             return True
-        compared = self._run.compare_steps(self._interval)
-        return step == 0 or step % self._interval == 0 or step == self._run.check_at or step in compared
+        return step == 0 or step % self._interval == 0 or step == self._run.check_at or step in self._compare_steps()
+
+    def _compare_steps(self) -> tuple[int, ...]:
+        return self._run.compare_steps(self._interval)
 
     # ------------------------------------------------------------------ capture
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -338,7 +339,6 @@ class LossAtInit(DebugCallback):
     def _compare(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
         """A compared step before the check: the returned loss against the logits, kept; from the third on decided."""
         self._add_reading(trainer, host, self._keep_loss(trainer, host, step), step)
-        self._comparison_aside()
         self.emit(trainer, early_findings(self._run, found.vocab, self._frequencies.entropy))
 
     def _comparison_aside(self) -> None:
@@ -350,6 +350,7 @@ class LossAtInit(DebugCallback):
         if reading is not None:
             self._run.add_reading(reading)
             self.log_scalars(trainer, {"loss_at_init/logits_loss": reading.ce}, step=step)
+            self._comparison_aside()
 
     def _check(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
         returned = returned_loss(host)
@@ -362,7 +363,6 @@ class LossAtInit(DebugCallback):
         self._keep_loss(trainer, host.with_loss(reading.loss), step)
         self.log_scalars(trainer, reading.metrics(), step=step)
         self._add_reading(trainer, host, returned, step)  # the returned loss against the recorded logits
-        self._comparison_aside()
         verdicts = check_findings(
             reading,
             step,
