@@ -164,15 +164,16 @@ def loss_transform_verdict(
 
     * it agrees at some step (:data:`AGREE`, or three standard errors of a sampled mean): nothing, unless one
       temperature gives the loss at every step (a model compensating a temperature crosses it on the way);
-    * the loss is pinned at the floor of a bound (:func:`_pinned`): ``TFD233``, naming the bound's width ``w``;
-    * label smoothing (:func:`~.floor_checks.smoothing_fit`; above :data:`MAX_SMOOTHING` only a close fit, and then
-      before a pinned loss): ``TFD237``, a warning when its floor is above half of ln(V), else info naming ``eps``;
+    * label smoothing (:func:`~.floor_checks.smoothing_fit`): ``TFD237``, a warning when its floor is above half of
+      ln(V), else info naming ``eps`` (above :data:`MAX_SMOOTHING` only a close fit, decided first: it pins the loss
+      too; up to it, unless the loss is pinned at the floor of a bound, :func:`_pinned`; a steady ``e`` too small or
+      too loose to name: nothing);
     * a soft-cap ``c * tanh(logits / c)`` (:func:`_soft_cap`) or a sigmoid (:func:`_sigmoid`) fits every step better
       than any temperature: ``TFD233`` when its floor keeps every token below probability 1/2 or above what the
       logits reach, else nothing;
     * a temperature (:data:`TEMPERATURE_MATCH`, :data:`TEMPERATURE_MIN`): ``TFD234`` (info);
-    * the loss far above the logits' cross-entropy at every step (:func:`_far_above`) and not falling with it
-      (:func:`_follows`: a large added term does): ``TFD233``;
+    * the loss pinned (naming the bound's width ``w``), or far above the logits' cross-entropy at every step
+      (:func:`_far_above`) and not falling with it (:func:`_follows`: a large added term does): ``TFD233``;
     * a constant factor (:data:`SCALE_SPREAD`) or a small added term (:data:`ADDED_TERM`): nothing;
     * else ``TFD235`` (info) with both numbers.
     """
