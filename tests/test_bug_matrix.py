@@ -51,6 +51,7 @@ from tests.bug_models import (
     token_rows,
     tuple_loader,
 )
+from tests.floor_models import Gemma2LM, SmoothedEncoderLM, SmoothedHFLM, SmoothedTinyGPT
 from tests.healthy_models import HFLM, PACK_NAMES, the_pack_at_defaults
 from tests.healthy_models import data as healthy_data
 from tests.helpers import make_trainer, run_distributed
@@ -59,6 +60,7 @@ pytest.importorskip("transformers")
 
 CHECK_STEP = 100  # LossAtInit's default check_step; MaskProbe's token-order check runs from step 100 too
 AFTER_CHECK = CHECK_STEP + 10
+PREFLIGHT = 50  # the steps of `tfdebug check`
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ BUGS: dict[int, str] = {
     43: "per-sequence classification labels joined to the wrong rows",
     51: "a forward random in eval mode (a functional dropout left on)",
     52: "a causal LM fed the next sample's labels (labels rolled across the batch)",
+    44: "label smoothing far too large (0.9 for 0.1)",
 }
 """Every row of the bug zoo a callback claims."""
 
@@ -531,6 +534,27 @@ def row_cases() -> dict[tuple[int, str], Case]:
     for (row, fam), (module, place) in scaled.items():
         c[row, fam] = Case(module, dicts(), (owner("TFD240"),), place, steps=2)
     kind_rows(c)
+    # 30, 41 and 44 inside a preflight's 50 steps (issue 44): the floor a bound or a smoothing sets, an error
+    floor = owner("TFD236", severity="error")
+    for fam, module, data, what in (
+        ("encoder_lm_preflight", enc(step_squash="sigmoid"), tuples(), "sigmoid"),
+        ("llama_preflight", lambda: BugHFLM("llama", step_squash="tanh"), dicts(), "tanh (a soft-cap of 1)"),
+        ("tinygpt_preflight", tiny(step_squash="tanh"), dicts(), "tanh (a soft-cap of 1)"),
+    ):
+        c[30, fam] = Case(module, data, (owner("TFD233"), floor), f"training_step applies {what}", steps=PREFLIGHT)
+    for fam, module, data, where in (
+        ("gemma2_forward", lambda: Gemma2LM(softcap=1.0), lambda: healthy_data("gemma"), "Gemma 2 config: cap 1.0"),
+        ("encoder_lm_forward", enc(output_squash="tanh"), tuples(), "forward returns tanh(logits): a cap of 1"),
+        ("tinygpt_forward", tiny(output_squash="tanh"), dicts(), "forward returns tanh(logits): a cap of 1"),
+    ):
+        c[41, fam] = Case(module, data, (floor,), where, steps=PREFLIGHT)
+    smoothed = "CrossEntropyLoss(label_smoothing=0.9) in training_step"
+    for fam, module, data in (
+        ("encoder_lm", lambda: SmoothedEncoderLM(0.9), tuples()),
+        ("gpt2", lambda: SmoothedHFLM("gpt2", 0.9), dicts()),
+        ("tinygpt", lambda: SmoothedTinyGPT(0.9), dicts()),
+    ):
+        c[44, fam] = Case(module, data, (owner("TFD237"), floor), smoothed, steps=PREFLIGHT)
     return c
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from lightning_tfdebug import TFDebugWarning
 from lightning_tfdebug.rules import RULES
+from tests.floor_models import Gemma2LM, SmoothedEncoderLM, SmoothedHFLM, SmoothedTinyGPT
 from tests.healthy_models import (
     EXTRA_FAMILIES,
     FAMILIES,
@@ -201,3 +202,31 @@ def test_the_pack_is_silent_on_a_healthy_run_while_other_processes_keep_twice_th
     finally:
         load.stop()
     assert problems(pack) == []
+
+
+# ------------------------------------------------------------------------------------- loss floors that do not bind
+FLOOR_CASES = {
+    "tinygpt-label_smoothing_0.1": ("tinygpt", lambda: SmoothedTinyGPT(0.1)),
+    "gpt2-label_smoothing_0.1": ("gpt2", lambda: SmoothedHFLM("gpt2", 0.1)),
+    "encoder_lm-label_smoothing_0.1": ("encoder_lm", lambda: SmoothedEncoderLM(0.1)),
+    "gemma2-softcap_30": ("gemma", lambda: Gemma2LM(softcap=30.0)),
+}
+"""Issue 44's healthy counterparts: label smoothing 0.1 (named at info, its floor 16% of ln(V)) and Gemma 2's own
+final-logit soft-cap of 30 in its forward (a floor of ~0), past the check."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(FLOOR_CASES))
+def test_the_pack_is_silent_on_label_smoothing_and_a_soft_cap_that_bind_nothing(tmp_path, case):
+    family, module = FLOOR_CASES[case]
+    pack = the_pack_at_defaults()
+    trainer = make_trainer(tmp_path, pack, max_steps=STEPS["tinygpt"], log_every_n_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(module(), data(family))
+    report(f"floors/{case}", pack)
+    assert problems(pack) == []
+    named = [f for c in pack for f in c.findings if f.code == "TFD237"]
+    if "label_smoothing" in case:  # named, with its eps
+        assert [f.severity for f in named] == ["info"] and "eps = 0.1" in named[0].message
+    assert not [f for c in pack for f in c.findings if f.code == "TFD236"]
