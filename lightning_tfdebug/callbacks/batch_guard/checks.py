@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from lightning_tfdebug.callbacks.batch_guard import (
     eos_checks,
+    leakage_checks,
     length_checks,
     mask_hole_checks,
     repeat_checks,
@@ -17,7 +18,15 @@ from lightning_tfdebug.functional.verdicts import Rule
 BLOCK = ("TFD101", "TFD129")
 """The codes reserved for BatchGuard's rules."""
 
-_MODULES = (schema_checks, value_checks, mask_hole_checks, length_checks, repeat_checks, eos_checks)
+_MODULES = (
+    schema_checks,
+    value_checks,
+    mask_hole_checks,
+    length_checks,
+    repeat_checks,
+    eos_checks,
+    leakage_checks,
+)
 
 RULES: tuple[Rule, ...] = tuple(
     sorted({id(v): v for m in _MODULES for v in vars(m).values() if isinstance(v, Rule)}.values(), key=lambda r: r.code)

@@ -1,0 +1,122 @@
+"""Per-row fingerprints of a batch, for the train/validation leakage check (:mod:`.leakage_checks`): torch kernels on
+the batch's own device, no host sync (the values reach the host with a transfer the caller already makes).
+
+A row is one sample of the batch (its first dimension). Its fingerprint is taken over its **real** positions only
+(the attention mask's non-zero entries, in order), so the same sample padded to another width, on the left or on the
+right, in a batch of another size, has the same fingerprint. Two independent 31-bit hashes make one 62-bit key
+(:func:`row_keys`): a false match between two different rows is about 1 in ``2**62``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_tfdebug.primitives.batch import StepBatch
+
+_MODULUS = 2**31 - 1
+_SEEDS = (0x5EED1, 0x5EED2)
+_WEIGHTS: dict[tuple[torch.device, int], tuple[Tensor, Tensor]] = {}
+
+MIN_ROW_TOKENS = 8
+"""A row is compared only with at least this many real positions (shorter rows recur naturally: "Thank you.")."""
+
+MIN_DISTINCT_TOKENS = 4
+"""A row is compared only with at least this many different values among its real positions (all-padding rows, rows
+of special tokens and short repeated patterns recur in any healthy data)."""
+
+
+def _weights(device: torch.device, length: int) -> tuple[Tensor, Tensor]:
+    """Two rows of pseudo-random weights in ``[1, 2**31 - 1)`` per position (``(2, n)`` int64 for the value, and for
+    the presence of a position), ``n >= length``; drawn on the host once per device and size, then copied over."""
+    capacity = 1 << max(6, (max(length, 1) - 1).bit_length())
+    found = _WEIGHTS.get((device, capacity))
+    if found is None:
+        if len(_WEIGHTS) > 32:
+            _WEIGHTS.clear()
+        drawn = []
+        for seed in _SEEDS:
+            g = torch.Generator().manual_seed(seed)
+            drawn.append(torch.randint(1, _MODULUS, (2, capacity), generator=g, dtype=torch.int64))
+        value = torch.stack([d[0] for d in drawn]).to(device)  # a host-to-device copy, once per device and size
+        present = torch.stack([d[1] for d in drawn]).to(device)
+        found = _WEIGHTS[(device, capacity)] = (value, present)
+    return found
+
+
+def _as_int64_rows(x: Tensor) -> Tensor:
+    """``x`` as ``(rows, positions)`` int64: integers as they are, floating values by their bit pattern."""
+    flat = x.detach().reshape(x.shape[0], -1) if x.ndim >= 1 else x.detach().reshape(1, 1)
+    if flat.is_floating_point() or flat.is_complex():
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()]
+        flat = flat.contiguous().view(bits)
+    return flat.to(torch.int64)
+
+
+def row_keys(rows: Tensor, mask: Tensor | None) -> Tensor:
+    """``(rows, 2)`` int64 hashes in ``[0, 2**31 - 1)`` of each row's real positions (``mask`` non-zero, or every
+    position when ``mask`` is None), in order; on ``rows``' device, no sync.
+
+    Position ``p`` counts as the ``k``-th real position of its row, so padding on either side does not change the key.
+    """
+    with torch.no_grad():
+        flat = _as_int64_rows(rows)
+        real = torch.ones_like(flat, dtype=torch.bool) if mask is None else mask.reshape(flat.shape) != 0
+        order = (real.cumsum(-1) - 1).clamp_min(0)  # the how-many-th real position (0 for padding, zeroed below)
+        value, present = _weights(flat.device, flat.shape[1])
+        keys = []
+        for j in range(2):
+            w = value[j][order]
+            # int64 products and sums may wrap around: harmless for a hash, and the same on every device
+            term = (flat * w + present[j][order]) * real
+            keys.append(term.sum(-1) % _MODULUS)
+        return torch.stack(keys, -1)
+
+
+def informative(rows: Tensor, mask: Tensor | None) -> Tensor:
+    """``(rows,)`` bool: the row has :data:`MIN_ROW_TOKENS` real positions and :data:`MIN_DISTINCT_TOKENS` different
+    values among them (one sort per row, on the device, no sync)."""
+    with torch.no_grad():
+        flat = _as_int64_rows(rows)
+        real = torch.ones_like(flat, dtype=torch.bool) if mask is None else mask.reshape(flat.shape) != 0
+        floor = torch.iinfo(torch.int64).min  # padding sorts first and is not counted
+        ordered = torch.where(real, flat, torch.full_like(flat, floor)).sort(-1).values
+        distinct = (ordered[:, :1] != floor).sum(-1) + (ordered[:, 1:] != ordered[:, :-1]).sum(-1)
+        return (real.sum(-1) >= MIN_ROW_TOKENS) & (distinct >= MIN_DISTINCT_TOKENS)
+
+
+@dataclass(frozen=True)
+class RowField:
+    """What a batch's rows are compared on: the field's name, its rows and their mask of real positions."""
+
+    name: str  # "input_ids" for the token ids, else the field's path in the batch
+    rows: Tensor
+    mask: Tensor | None
+
+
+def row_field(view: StepBatch, like: str | None, ignore_index: int, labels_aligned: bool) -> RowField | None:
+    """The field of ``view`` that rows are compared on, None when it has none.
+
+    The token ids when the batch has them and ``like`` is None or ``"input_ids"``: their real positions by the
+    attention mask, and where aligned labels (same shape, not an encoder-decoder's targets) are not ``ignore_index``,
+    the label in place of the id (a masked LM's masked positions get their original token back, so a row masked
+    differently in another batch keeps its key; a causal LM's labels equal its ids there). Else the tensor leaf at path
+    ``like`` (another structure compared on the field it shares), or, with ``like`` None, the first tensor leaf with
+    a batch dimension.
+    """
+    ids, mask, labels = view.token_fields()
+    if ids is not None and ids.ndim >= 1 and like in (None, "input_ids"):
+        content = ids
+        if labels is not None and labels_aligned and labels.shape == ids.shape:
+            content = torch.where(labels != ignore_index, labels.to(ids.dtype), ids)
+        return RowField("input_ids", content, mask)
+    leaves = view.fields.leaves
+    if like is not None:
+        value = leaves.get(like)
+        return RowField(like, value, None) if isinstance(value, Tensor) and value.ndim >= 1 else None
+    for path, value in leaves.items():
+        if isinstance(value, Tensor) and value.ndim >= 1 and value.numel() > 0:
+            return RowField(path, value, None)
+    return None
