@@ -46,6 +46,7 @@ from tests.bug_models import (
     TokenRowLM,
     dict_data,
     in_order_loader,
+    leaky,
     token_rows,
     tuple_loader,
 )
@@ -142,6 +143,7 @@ BUGS: dict[int, str] = {
     49: "one batch far longer than the rest on a device sized for the usual",
     29: "attention logits without the 1/sqrt(d) scale, q and k of unit variance at init",
     45: "attention logits multiplied by sqrt(d) instead of divided",
+    46: "a validation loader that reads the training data",
 }
 """Every row of the bug zoo a callback claims."""
 
@@ -524,6 +526,16 @@ def row_cases() -> dict[tuple[int, str], Case]:
     }
     for (row, fam), (module, place) in scaled.items():
         c[row, fam] = Case(module, dicts(), (owner("TFD240"),), place, steps=2)
+    # 46: val_dataloader a new DataLoader over the training dataset (in order, 2 batches): the sanity check's rows are
+    # training rows read later; the bundled corpus cut to 200 documents so that 30 steps read most of it
+    for fam, module, data in (
+        ("encoder_lm", enc(), tuples()),
+        ("gpt2", gpt2(), dicts(n_documents=200)),
+        ("tinygpt", tiny(), dicts(n_documents=200)),
+    ):
+        place = "val_dataloader: a DataLoader over the training dataset (limit_val_batches=2)"
+        leak = owner("TFD126", severity="error")
+        c[46, fam] = Case(module, leaky(data), (leak,), place, steps=30, trainer={"limit_val_batches": 2})
     return c
 
 

@@ -12,10 +12,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.batch_guard import eos_checks, readings
-from lightning_tfdebug.callbacks.batch_guard.capture import epoch_data, leakage_verdicts, log_examples, model_limits
+from lightning_tfdebug.callbacks.batch_guard import capture, eos_checks, readings
+from lightning_tfdebug.callbacks.batch_guard.capture import epoch_data
 from lightning_tfdebug.callbacks.batch_guard.leakage_checks import LeakageWatch
-from lightning_tfdebug.callbacks.batch_guard.leakage_rows import LEAKAGE_CHECK, LeakageRows
+from lightning_tfdebug.callbacks.batch_guard.leakage_rows import LEAKAGE_CHECK, LeakageRows, leakage_aside
 from lightning_tfdebug.callbacks.batch_guard.length_checks import LengthSums, LengthWindow
 from lightning_tfdebug.callbacks.batch_guard.loaders import EpochData
 from lightning_tfdebug.callbacks.batch_guard.mask_hole_checks import packed_keys
@@ -194,7 +194,7 @@ class BatchGuard(DebugCallback):
         self._encoder_decoder = any(
             getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True for m in pl_module.modules()
         )
-        vocab, context = model_limits(pl_module, self.vocab_size, self.max_length)  # warns for a limit not found
+        vocab, context = capture.model_limits(pl_module, self.vocab_size, self.max_length)
         self._rules = dataclasses.replace(self._rules, vocab_size=vocab, context=context)
         self._repeats.new_fit()  # a new fit reads its data anew
         self._leak.new_fit()
@@ -251,6 +251,7 @@ class BatchGuard(DebugCallback):
         ids = view.token_fields()[0]
         if ids is not None:
             self._repeats.add(epoch, step, self._epoch, ids)  # a fingerprint: no sync (a host int for a CPU batch)
+        capture.learn_pad_ids(self._leak, trainer, pl_module, self.tokenizer)  # host attributes, once per fit
         self._leak.add_trained(view, step, trainer.global_rank, self.ignore_index, not self._encoder_decoder)  # no sync
         if checked:
             self._check_values(trainer, view, place.name())
@@ -298,7 +299,8 @@ class BatchGuard(DebugCallback):
         host = host_fields(fields)
         self._leak.read(rows, host)
         if trainer.world_size == 1:  # one process: the rows are compared now (under DDP: at the loops' ends)
-            self.emit(trainer, leakage_verdicts(self._leak, trainer.global_step, exchange=False), synchronized=False)
+            found = capture.leakage_verdicts(self._leak, trainer.global_step, exchange=False)
+            self.emit(trainer, found, synchronized=False)
         s = unpack_statistics(host["statistics"])
         if special is not None and self._tally is not None:
             has_mask, labels_path = view.fields.attention_mask is not None, view.fields.paths["labels"]
@@ -310,7 +312,7 @@ class BatchGuard(DebugCallback):
         if not self._examples_logged and self.tokenizer is not None and self.decode_examples:
             self._examples_logged = True
             examples = (ids, labels if labels is not None and labels.shape == ids.shape else None, self.decode_examples)
-            log_examples(trainer, self.tfdebug_dir, self.tokenizer, examples, self.ignore_index)
+            capture.log_examples(trainer, self.tfdebug_dir, self.tokenizer, examples, self.ignore_index)
         if self.should_measure(trainer):
             self.log_scalars(trainer, readings.batch_metrics(s, self._rules, labels is not None))
 
@@ -330,32 +332,31 @@ class BatchGuard(DebugCallback):
             fingerprints = BatchRepeats.on_device(prints)
             host = torch.stack(fingerprints).tolist() if fingerprints else []  # host sync: once, at the end of training
             self.emit(trainer, self._repeats.read(prints, host, trainer.global_rank), synchronized=False)
-        if self.active:  # every rank together: the rows not yet compared (gathered across ranks)
-            self.emit(trainer, leakage_verdicts(self._leak, trainer.global_step))
+        self.on_validation_epoch_end(trainer, pl_module)  # every rank together: the rows not yet compared
         self._last = None
 
     # ------------------------------------------------------------------ validation and test batches (TFD126, TFD127)
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        loop_step = -1 if trainer.sanity_checking else trainer.global_step
-        self._loop_batch(trainer, "validation", batch, (loop_step, dataloader_idx, batch_idx, trainer.global_rank))
+        self._loop_batch(trainer, pl_module, "validation", batch, (dataloader_idx, batch_idx))
 
     def on_test_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._loop_batch(trainer, "test", batch, (trainer.global_step, dataloader_idx, batch_idx, trainer.global_rank))
+        self._loop_batch(trainer, pl_module, "test", batch, (dataloader_idx, batch_idx))
 
-    def _loop_batch(self, trainer: pl.Trainer, loop: str, batch: Any, place: tuple[int, int, int, int]) -> None:
-        if self.active:  # its rows' keys on the device, no sync (read at the loop's end)
-            aligned = not self._encoder_decoder
-            if not self._leak.add_loop(loop, StepBatch(batch, self._batch_keys), place, self.ignore_index, aligned):
-                reason = f"a {loop} batch has no field the training batches are compared on"
-                self.check_aside(LEAKAGE_CHECK, reason, "`input_key` naming the token ids of both")
+    def _loop_batch(self, trainer: pl.Trainer, pl_module: Any, loop: str, batch: Any, at: tuple[int, int]) -> None:
+        if self.active:  # its rows' keys on the device, no sync (read at the loop's end); step -1: the sanity check
+            place = (-1 if trainer.sanity_checking else trainer.global_step, *at, trainer.global_rank)
+            capture.learn_pad_ids(self._leak, trainer, pl_module, self.tokenizer)
+            view, aligned = StepBatch(batch, self._batch_keys), not self._encoder_decoder
+            if not self._leak.add_loop(loop, view, place, self.ignore_index, aligned):  # no field shared: said once
+                self.check_aside(LEAKAGE_CHECK, *leakage_aside(loop))
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.active:  # every rank, at the same point: the rows cross ranks here
-            self.emit(trainer, leakage_verdicts(self._leak, trainer.global_step))
+            self.emit(trainer, capture.leakage_verdicts(self._leak, trainer.global_step))
 
     on_test_epoch_end = on_validation_epoch_end  # the test rows are decided the same way
 

@@ -16,9 +16,11 @@ from lightning_tfdebug.callbacks.batch_guard.leakage_rows import LeakageRows
 from lightning_tfdebug.callbacks.batch_guard.loaders import EpochData, epoch_data_of, limit_setting
 from lightning_tfdebug.core.base import TFDebugWarning
 from lightning_tfdebug.core.compat import is_lightning_instance
+from lightning_tfdebug.core.data import special_token_sources
 from lightning_tfdebug.core.io import write_text
 from lightning_tfdebug.core.model import find_context_length, find_vocab_size
 from lightning_tfdebug.core.reduction import gather_records, host_fields
+from lightning_tfdebug.functional.special_ids import learn_special_ids
 from lightning_tfdebug.functional.verdicts import Verdict
 
 
@@ -62,6 +64,13 @@ def log_examples(
         for logger in (lg for lg in trainer.loggers if is_lightning_instance(lg, "TensorBoardLogger")):
             logger.experiment.add_text("batch_guard/examples", "  \n".join(lines), global_step=trainer.global_step)
     write_text(os.path.join(tfdebug_dir, f"batch_examples-rank{trainer.global_rank}.md"), "\n".join(lines) + "\n")
+
+
+def learn_pad_ids(leak: LeakageRows, trainer: pl.Trainer, pl_module: pl.LightningModule, tokenizer: Any) -> None:
+    """The run's padding ids, read once per fit (host attributes of the tokenizer, DataModule, collator or model
+    config), for the rows of batches without an attention mask."""
+    if leak.pad_ids is None:
+        leak.pad_ids = learn_special_ids(special_token_sources(trainer, pl_module, tokenizer)).pad
 
 
 def leakage_verdicts(leak: LeakageRows, step: int, exchange: bool = True) -> list[Verdict | None]:

@@ -24,6 +24,11 @@ LEAKAGE_CHECK = "train/validation leakage (TFD126, TFD127)"
 """The check's name where it stands aside."""
 
 
+def leakage_aside(loop: str) -> tuple[str, str]:
+    """Why the check stands aside when a ``loop`` batch shares no field with the training batches, and the setting."""
+    return f"a {loop} batch has no field the training batches are compared on", "`input_key` naming the ids of both"
+
+
 @dataclass(frozen=True)
 class PendingRows:
     """One batch's row keys on its device, and where the batch was read (``place``: the columns of its rows but the
@@ -60,18 +65,20 @@ class LeakageRows:
     pending_train_rows: int = 0
     records: dict[str, list[np.ndarray]] = field(default_factory=lambda: {"train": [], "validation": [], "test": []})
     loops: set[str] = field(default_factory=set)  # the loops that have read rows
+    pad_ids: tuple[int, ...] | None = None  # the run's padding ids (None: not learned yet), for rows without a mask
 
     def new_fit(self) -> None:
         """A new fit trains anew: nothing is remembered."""
         self.watch = LeakageWatch(self.watch.max_overlap_fraction)
         self.trained_field, self.pending, self.pending_train_rows, self.loops = None, [], 0, set()
+        self.pad_ids = None
         self.records = {"train": [], "validation": [], "test": []}
 
     def add_trained(self, view: StepBatch, step: int, rank: int, ignore_index: int, aligned: bool) -> None:
         """A training batch's row keys, on its device (every batch, the hot path: kernels only, no sync)."""
         if self.pending_train_rows >= MAX_PENDING_ROWS:
             return
-        found = row_field(view, self.trained_field, ignore_index, aligned)
+        found = row_field(view, self.trained_field, ignore_index, aligned, self.pad_ids or ())
         if found is None:
             return
         self.trained_field = self.trained_field or found.name
@@ -84,7 +91,7 @@ class LeakageRows:
     ) -> bool:
         """A validation or test batch's row keys and whether each row is compared, on its device (no sync); False
         when the batch shares no field with the training batches."""
-        found = row_field(view, self.trained_field, ignore_index, aligned)
+        found = row_field(view, self.trained_field, ignore_index, aligned, self.pad_ids or ())
         if found is None:
             return False
         keys, kept = row_keys(found.rows, found.mask), informative(found.rows, found.mask)

@@ -96,21 +96,25 @@ class RowField:
     mask: Tensor | None
 
 
-def row_field(view: StepBatch, like: str | None, ignore_index: int, labels_aligned: bool) -> RowField | None:
+def row_field(
+    view: StepBatch, like: str | None, ignore_index: int, labels_aligned: bool, pad_ids: tuple[int, ...] = ()
+) -> RowField | None:
     """The field of ``view`` that rows are compared on, None when it has none.
 
     The token ids when the batch has them and ``like`` is None or ``"input_ids"``: their real positions by the
-    attention mask, and where aligned labels (same shape, not an encoder-decoder's targets) are not ``ignore_index``,
-    the label in place of the id (a masked LM's masked positions get their original token back, so a row masked
-    differently in another batch keeps its key; a causal LM's labels equal its ids there). Else the tensor leaf at path
-    ``like`` (another structure compared on the field it shares), or, with ``like`` None, the first tensor leaf with
-    a batch dimension.
+    attention mask (without one: the positions not holding one of ``pad_ids``, the run's padding ids), and where
+    aligned labels (same shape, not an encoder-decoder's targets) are not ``ignore_index``, the label in place of the
+    id (a masked LM's masked positions get their original token back, so a row masked differently in another batch
+    keeps its key; a causal LM's labels equal its ids there). Else the tensor leaf at path ``like`` (another
+    structure compared on the field it shares), or, with ``like`` None, the first tensor leaf with a batch dimension.
     """
     ids, mask, labels = view.token_fields()
     if ids is not None and ids.ndim >= 1 and like in (None, "input_ids"):
         content = ids
         if labels is not None and labels_aligned and labels.shape == ids.shape:
             content = torch.where(labels != ignore_index, labels.to(ids.dtype), ids)
+        if mask is None and pad_ids:  # a batch without a mask, padded: the same row as in a batch with one
+            mask = ~torch.isin(ids, torch.tensor(pad_ids, device=ids.device, dtype=ids.dtype))
         return RowField("input_ids", content, mask)
     leaves = view.fields.leaves
     if like is not None:
