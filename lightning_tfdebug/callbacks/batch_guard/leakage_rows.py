@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.callbacks.batch_guard.leakage_checks import LeakageWatch
-from lightning_tfdebug.callbacks.batch_guard.row_prints import informative, row_field, row_keys
+from lightning_tfdebug.callbacks.batch_guard.row_prints import informative, key_halves, row_field, row_keys
 from lightning_tfdebug.primitives.batch import StepBatch
 
 MAX_PENDING_ROWS = 1 << 20
@@ -36,7 +36,7 @@ class PendingRows:
 
     loop: str  # "train", "validation" or "test"
     place: tuple[int, ...]
-    keys: Tensor  # (rows, 2) int64
+    keys: Tensor  # (rows,) int64 hashes (row_keys')
     informative: Tensor | None = None  # (rows,) bool, for a loop's rows
 
 
@@ -108,7 +108,7 @@ class LeakageRows:
         if not taken:
             return [], {}
         device = taken[0].keys.device
-        keys = torch.cat([p.keys.to(device) for p in taken])
+        keys = key_halves(torch.cat([p.keys.to(device) for p in taken]))  # once per read, not per batch
         out = {"row_keys": keys}
         loop = [p.informative for p in taken if p.informative is not None]
         if loop:

@@ -16,9 +16,17 @@ from torch import Tensor
 
 from lightning_tfdebug.primitives.batch import StepBatch
 
-_MODULUS = 2**31 - 1
-_SEEDS = (0x5EED1, 0x5EED2)
-_WEIGHTS: dict[tuple[torch.device, int], tuple[Tensor, Tensor]] = {}
+_BASE = 0x9E3779B97F4A7C15  # odd: invertible modulo 2**64, the ring int64 arithmetic wraps in
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # a 64-bit finaliser's multipliers (SplitMix64)
+_POWERS: dict[tuple[torch.device, int], tuple[Tensor, Tensor]] = {}
+_HALF = 2**31 - 1
+
+
+def _signed(value: int) -> int:
+    """``value`` modulo ``2**64`` as a signed int64."""
+    value %= 2**64
+    return value - 2**64 if value >= 2**63 else value
+
 
 MIN_ROW_TOKENS = 8
 """A row is compared only with at least this many real positions (shorter rows recur naturally: "Thank you.")."""
@@ -28,21 +36,23 @@ MIN_DISTINCT_TOKENS = 4
 of special tokens and short repeated patterns recur in any healthy data)."""
 
 
-def _weights(device: torch.device, length: int) -> tuple[Tensor, Tensor]:
-    """Two rows of pseudo-random weights in ``[1, 2**31 - 1)`` per position (``(2, n)`` int64 for the value, and for
-    the presence of a position), ``n >= length``; drawn on the host once per device and size, then copied over."""
+def _powers(device: torch.device, length: int) -> tuple[Tensor, Tensor]:
+    """``(n,)`` int64 tables, ``n >= length``: the base's powers ``b**p`` and their inverses ``b**-p`` modulo ``2**64``;
+    computed on the host once per device and size (powers of two: a few per run), then copied over (a host-to-device
+    copy from pageable memory, which waits for the device: once per size, never again)."""
     capacity = 1 << max(6, (max(length, 1) - 1).bit_length())
-    found = _WEIGHTS.get((device, capacity))
+    found = _POWERS.get((device, capacity))
     if found is None:
-        if len(_WEIGHTS) > 32:
-            _WEIGHTS.clear()
-        drawn = []
-        for seed in _SEEDS:
-            g = torch.Generator().manual_seed(seed)
-            drawn.append(torch.randint(1, _MODULUS, (2, capacity), generator=g, dtype=torch.int64))
-        value = torch.stack([d[0] for d in drawn]).to(device)  # a host-to-device copy, once per device and size
-        present = torch.stack([d[1] for d in drawn]).to(device)
-        found = _WEIGHTS[(device, capacity)] = (value, present)
+        if len(_POWERS) > 32:
+            _POWERS.clear()
+        inverse = pow(_BASE, -1, 2**64)
+        powers = [_signed(pow(_BASE, p, 2**64)) for p in range(capacity)]
+        inverses = [_signed(pow(inverse, p, 2**64)) for p in range(capacity)]
+        found = (
+            torch.tensor(powers, dtype=torch.int64).to(device),
+            torch.tensor(inverses, dtype=torch.int64).to(device),
+        )
+        _POWERS[(device, capacity)] = found
     return found
 
 
@@ -56,35 +66,43 @@ def _as_int64_rows(x: Tensor) -> Tensor:
 
 
 def row_keys(rows: Tensor, mask: Tensor | None) -> Tensor:
-    """``(rows, 2)`` int64 hashes in ``[0, 2**31 - 1)`` of each row's real positions (``mask`` non-zero, or every
-    position when ``mask`` is None), in order; on ``rows``' device, no sync.
+    """``(rows,)`` int64 hashes of each row's real positions (``mask`` non-zero, or every position when ``mask`` is
+    None), in order; on ``rows``' device, no sync. :func:`key_halves` makes them keys.
 
-    Position ``p`` counts as the ``k``-th real position of its row, so padding on either side does not change the key.
+    ``sum((x_p + 1) * b**p) * b**-s`` over the real positions ``p`` (``s``: the row's first), in int64 arithmetic,
+    which wraps modulo ``2**64`` where the odd base ``b`` is invertible: the polynomial of the real values from the
+    first, so padding on either side and the batch's width do not change it (``+ 1``: a trailing id 0 counts).
     """
-    with torch.no_grad():
-        flat = _as_int64_rows(rows)
-        real = torch.ones_like(flat, dtype=torch.bool) if mask is None else mask.reshape(flat.shape) != 0
-        order = (real.cumsum(-1) - 1).clamp_min(0)  # the how-many-th real position (0 for padding, zeroed below)
-        value, present = _weights(flat.device, flat.shape[1])
-        keys = []
-        for j in range(2):
-            w = value[j][order]
-            # int64 products and sums may wrap around: harmless for a hash, and the same on every device
-            term = (flat * w + present[j][order]) * real
-            keys.append(term.sum(-1) % _MODULUS)
-        return torch.stack(keys, -1)
+    flat = _as_int64_rows(rows)
+    width = flat.shape[1]
+    powers, inverses = _powers(flat.device, width)
+    # int64 products and sums wrap around modulo 2**64: the ring the hash is defined in, the same on every device
+    terms = (flat + 1) * powers[:width]
+    if mask is None:
+        return terms.sum(-1)
+    real = mask.reshape(flat.shape) != 0
+    first = real.to(torch.int8).argmax(-1)  # the first real position (0 for an all-padding row)
+    return (terms * real).sum(-1) * inverses[first]
+
+
+def key_halves(hashes: Tensor) -> Tensor:
+    """``(n, 2)`` int64: :func:`row_keys`' hashes mixed by a 64-bit finaliser (SplitMix64's, so every bit of the
+    polynomial reaches the bits kept) and cut into two 31-bit halves, exact in the float64 of a host transfer."""
+    h = hashes
+    for multiplier in _MIX:
+        h = (h ^ ((h >> 31) & (2**33 - 1))) * _signed(multiplier)
+    return torch.stack([(h >> 33) & _HALF, (h >> 2) & _HALF], -1)
 
 
 def informative(rows: Tensor, mask: Tensor | None) -> Tensor:
     """``(rows,)`` bool: the row has :data:`MIN_ROW_TOKENS` real positions and :data:`MIN_DISTINCT_TOKENS` different
     values among them (one sort per row, on the device, no sync)."""
-    with torch.no_grad():
-        flat = _as_int64_rows(rows)
-        real = torch.ones_like(flat, dtype=torch.bool) if mask is None else mask.reshape(flat.shape) != 0
-        floor = torch.iinfo(torch.int64).min  # padding sorts first and is not counted
-        ordered = torch.where(real, flat, torch.full_like(flat, floor)).sort(-1).values
-        distinct = (ordered[:, :1] != floor).sum(-1) + (ordered[:, 1:] != ordered[:, :-1]).sum(-1)
-        return (real.sum(-1) >= MIN_ROW_TOKENS) & (distinct >= MIN_DISTINCT_TOKENS)
+    flat = _as_int64_rows(rows)
+    real = torch.ones_like(flat, dtype=torch.bool) if mask is None else mask.reshape(flat.shape) != 0
+    floor = torch.iinfo(torch.int64).min  # padding sorts first and is not counted
+    ordered = torch.where(real, flat, torch.full_like(flat, floor)).sort(-1).values
+    distinct = (ordered[:, :1] != floor).sum(-1) + (ordered[:, 1:] != ordered[:, :-1]).sum(-1)
+    return (real.sum(-1) >= MIN_ROW_TOKENS) & (distinct >= MIN_DISTINCT_TOKENS)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,11 @@ model trained on, per row, across batch sizes and paddings, decided across ranks
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
@@ -42,12 +46,12 @@ def test_a_rows_key_ignores_its_padding_its_width_and_its_batch():
         "unpadded": ([a], 20, False),
     }.items():
         ids, mask = padded(rows, width, left)
-        keys[name] = [tuple(k) for k in row_keys(ids, mask).tolist()]
+        keys[name] = row_keys(ids, mask).tolist()
     assert keys["right, 24"][0] == keys["right, 64"][1] == keys["left, 32"][0] == keys["unpadded"][0]
     assert keys["right, 24"][1] == keys["right, 64"][0] == keys["right, 64"][2]
     assert keys["right, 24"][0] != keys["right, 24"][1]
     changed, _ = padded([[*a[:-1], 99], a[::-1]], 24)  # one token changed; the same tokens in another order
-    assert all(tuple(k) != keys["unpadded"][0] for k in row_keys(changed, torch.ones_like(changed)).tolist())
+    assert all(k != keys["unpadded"][0] for k in row_keys(changed, torch.ones_like(changed)).tolist())
 
 
 def test_rows_too_short_or_too_uniform_are_not_compared():
@@ -272,3 +276,31 @@ def test_under_ddp_a_row_one_rank_validates_and_another_trained_on_counts(tmp_pa
     assert e["val_rank"] != e["train_rank"]  # the pair crosses ranks: a rank-local check would see nothing
     assert e["overlapping"] == e["compared"] == 32  # both ranks' 2 validation batches, every row trained elsewhere
     assert all(f["evidence"] == e for f in found)  # every rank decided the same from the gathered rows
+
+
+# ------------------------------------------------------------------------------------------- the preflight
+APP = Path(__file__).resolve().parents[2] / "apps" / "encoder_cli.py"
+
+
+def _check(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    root = str(APP.parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "lightning_tfdebug", "check", "--steps", "50", "--", sys.executable, str(APP), "fit"]
+    cmd += [
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.accelerator=cpu",
+        "--trainer.enable_progress_bar=false",
+    ]
+    return subprocess.run([*cmd, *extra], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_tfdebug_check_exits_1_on_a_validation_loader_that_reads_the_training_data(tmp_path):
+    leaky = _check(tmp_path / "leak", "--data.val_from_train=true")
+    assert leaky.returncode == 1, leaky.stdout[-3000:] + leaky.stderr[-3000:]
+    assert "error   TFD126" in leaky.stdout
+    healthy = _check(tmp_path / "ok")  # the script's own held-out validation split
+    assert healthy.returncode == 0, healthy.stdout[-3000:] + healthy.stderr[-3000:]
+    assert "TFD126" not in healthy.stdout
