@@ -144,6 +144,9 @@ decoder): T5 fine-tuned, BART fine-tuned and from scratch."""
 def test_the_pack_at_its_defaults_is_silent_on_a_healthy_run(tmp_path, family, setting):
     pack = run_case(tmp_path, family, setting)
     assert problems(pack) == []
+    if setting == "val_split":  # BatchGuard compared the held-out rows with the training rows (TFD126 silent)
+        [guard] = [c for c in pack if type(c).__name__ == "BatchGuard"]
+        assert len(guard._leak.watch.loops["validation"]) > 0
     # the new detectors were there and stayed silent
     assert not {f.code for c in pack for f in c.findings} & {"TFD122", "TFD602"} or all(
         f.severity == "info" for c in pack for f in c.findings if f.code == "TFD602"

@@ -17,7 +17,7 @@ from lightning_tfdebug.callbacks.batch_guard.row_prints import informative, key_
 from lightning_tfdebug.primitives.batch import StepBatch
 
 MAX_PENDING_ROWS = 1 << 20
-"""Training rows waiting on the device (16 bytes each) at most; past it, rows are not remembered until the next
+"""Training rows waiting on the device (8 bytes each) at most; past it, rows are not remembered until the next
 read (a run whose batches have no token ids is read only at its validation and its end)."""
 
 LEAKAGE_CHECK = "train/validation leakage (TFD126, TFD127)"

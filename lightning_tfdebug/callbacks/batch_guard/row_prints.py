@@ -28,6 +28,9 @@ def _signed(value: int) -> int:
     return value - 2**64 if value >= 2**63 else value
 
 
+MAX_FEATURE_VALUES = 256
+"""Values per row hashed for a field other than token ids."""
+
 MIN_ROW_TOKENS = 8
 """A row is compared only with at least this many real positions (shorter rows recur naturally: "Thank you.")."""
 
@@ -137,8 +140,14 @@ def row_field(
     leaves = view.fields.leaves
     if like is not None:
         value = leaves.get(like)
-        return RowField(like, value, None) if isinstance(value, Tensor) and value.ndim >= 1 else None
+        return _prefix(like, value) if isinstance(value, Tensor) and value.ndim >= 1 else None
     for path, value in leaves.items():
         if isinstance(value, Tensor) and value.ndim >= 1 and value.numel() > 0:
-            return RowField(path, value, None)
+            return _prefix(path, value)
     return None
+
+
+def _prefix(path: str, value: Tensor) -> RowField:
+    """A field other than token ids, each row read by its first :data:`MAX_FEATURE_VALUES` values (an image or a
+    feature vector is told apart by them; the cost on the training step stays that of a short token row)."""
+    return RowField(path, value.detach().reshape(value.shape[0], -1)[:, :MAX_FEATURE_VALUES], None)

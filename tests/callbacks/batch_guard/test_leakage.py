@@ -304,3 +304,17 @@ def test_tfdebug_check_exits_1_on_a_validation_loader_that_reads_the_training_da
     healthy = _check(tmp_path / "ok")  # the script's own held-out validation split
     assert healthy.returncode == 0, healthy.stdout[-3000:] + healthy.stderr[-3000:]
     assert "TFD126" not in healthy.stdout
+
+
+def test_batches_without_token_ids_are_compared_on_their_first_field(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+
+    train = RandomDataset(32, 64)
+    for name, val, expected in (("leak", train, ["TFD126"]), ("held_out", RandomDataset(32, 64), [])):
+        guard = BatchGuard()
+        trainer = make_trainer(tmp_path / name, [guard], max_steps=8, limit_val_batches=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(BoringModel(), DataLoader(train, batch_size=8, shuffle=True), DataLoader(val, batch_size=4))
+        assert [f.code for f in guard.findings if f.code in ("TFD126", "TFD127")] == expected, name
+        assert len(guard._leak.watch.loops["validation"]) == 8  # the sanity check's 2 batches of 4 float rows
