@@ -150,7 +150,7 @@ class BatchGuard(DebugCallback):
         check_number("decode_examples", decode_examples, low=0, integer=True)
         check_number("special_token_batches", special_token_batches, low=0, integer=True)
         check_number("min_eos_expected", min_eos_expected, low=0.0, low_inclusive=False)
-        check_number("max_overlap_fraction", max_overlap_fraction, low=0.0, high=1.0)
+        check_number("max_overlap_fraction", max_overlap_fraction, low=0.0, high=1.0, low_inclusive=False)
         # raises a TypeError naming the argument when a key is not a string, a tuple position or None
         self._batch_keys = BatchKeys(
             input_key, mask_key, labels_key, ignore_index=IGNORE_INDEX if ignore_index is None else ignore_index

@@ -38,8 +38,9 @@ COMPARED_COLUMNS = ("loop_step", "dataloader", "batch", "row", "rank")
 
 _DETAILS = (
     "Every row of every training batch is fingerprinted on its device (62-bit key over its real positions, the "
-    "attention mask's non-zero entries, so padding and batch size do not change it; a masked LM's masked positions "
-    "take their label back) and read with BatchGuard's checked-batch transfer. Validation and test rows are "
+    "attention mask's non-zero entries or, without a mask, the positions not holding the run's padding id, so padding "
+    "and batch size do not change it; a masked LM's masked positions take their label back; a field other than token "
+    "ids by its first 256 values) and read with BatchGuard's checked-batch transfer. Validation and test rows are "
     "fingerprinted in their loop and read once at its end. Compared: rows with at least "
     f"{MIN_ROW_TOKENS} real positions and {MIN_DISTINCT_TOKENS} different values (all-padding rows, rows of special "
     "tokens and short repeated rows recur in healthy data and are not compared). Fires when at least "
