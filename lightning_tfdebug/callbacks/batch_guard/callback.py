@@ -12,10 +12,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.batch_guard import capture, eos_checks, readings
+from lightning_tfdebug.callbacks.batch_guard import capture, checks, eos_checks, readings
 from lightning_tfdebug.callbacks.batch_guard.capture import epoch_data
 from lightning_tfdebug.callbacks.batch_guard.leakage_checks import LeakageWatch
-from lightning_tfdebug.callbacks.batch_guard.leakage_rows import LEAKAGE_CHECK, LeakageRows, leakage_aside
+from lightning_tfdebug.callbacks.batch_guard.leakage_rows import LEAKAGE_CHECK, LEAKAGE_ROW, LeakageRows, leakage_aside
 from lightning_tfdebug.callbacks.batch_guard.length_checks import LengthSums, LengthWindow
 from lightning_tfdebug.callbacks.batch_guard.loaders import EpochData
 from lightning_tfdebug.callbacks.batch_guard.mask_hole_checks import packed_keys
@@ -45,8 +45,7 @@ class BatchGuard(DebugCallback):
     between them a batch that crashes the forward is diagnosed in ``on_exception``. A fit resumed mid-epoch is checked
     against its DataLoader; validation and test rows against the training rows. Details: the docs page.
 
-    Logged keys: :attr:`KEYS`. Findings: ``TFD101``-``TFD127``, the rules of
-    :mod:`lightning_tfdebug.callbacks.batch_guard.checks`; both tabled in ``docs/callbacks/batch_guard.md``.
+    Logged keys: :attr:`KEYS`; findings: the rules of :mod:`lightning_tfdebug.callbacks.batch_guard.checks` (docs page).
 
     Args:
         every_n_steps: log the `batch_guard/*` keys every this many steps; default: the Trainer's ``log_every_n_steps``.
@@ -95,6 +94,8 @@ class BatchGuard(DebugCallback):
         ```
     """
 
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = checks.COVERAGE  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key("batch_guard/width", "padded sequence length", unit="tokens", chart="batches"),
         Key("batch_guard/length_mean", "mean real length (attention mask sum) per sequence", "tokens", "batches"),
@@ -333,26 +334,23 @@ class BatchGuard(DebugCallback):
             host = torch.stack(fingerprints).tolist() if fingerprints else []  # host sync: once, at the end of training
             self.emit(trainer, self._repeats.read(prints, host, trainer.global_rank), synchronized=False)
         self.on_validation_epoch_end(trainer, pl_module)  # every rank together: the rows not yet compared
+        if self.active:  # n/a without a validation or test loop
+            self.cover(LEAKAGE_ROW, *self._leak.coverage(LEAKAGE_CHECK in self.checks_aside))
         self._last = None
 
     # ------------------------------------------------------------------ validation and test batches (TFD126, TFD127)
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._loop_batch(trainer, pl_module, "validation", batch, (dataloader_idx, batch_idx))
-
-    def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._loop_batch(trainer, pl_module, "test", batch, (dataloader_idx, batch_idx))
-
-    def _loop_batch(self, trainer: pl.Trainer, pl_module: Any, loop: str, batch: Any, at: tuple[int, int]) -> None:
         if self.active:  # its rows' keys on the device, no sync (read at the loop's end); step -1: the sanity check
-            place = (-1 if trainer.sanity_checking else trainer.global_step, *at, trainer.global_rank)
+            loop, step = "test" if trainer.testing else "validation", trainer.global_step
+            place = (-1 if trainer.sanity_checking else step, dataloader_idx, batch_idx, trainer.global_rank)
             capture.learn_pad_ids(self._leak, trainer, pl_module, self.tokenizer)
-            view, aligned = StepBatch(batch, self._batch_keys), not self._encoder_decoder
-            if not self._leak.add_loop(loop, view, place, self.ignore_index, aligned):  # no field shared: said once
-                self.check_aside(LEAKAGE_CHECK, *leakage_aside(loop))
+            view = StepBatch(batch, self._batch_keys)
+            if not self._leak.add_loop(loop, view, place, self.ignore_index, not self._encoder_decoder):
+                self.check_aside(LEAKAGE_CHECK, *leakage_aside(loop))  # no field shared with training: said once
+
+    on_test_batch_start = on_validation_batch_start  # the test loop's rows, the same way (TFD127)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.active:  # every rank, at the same point: the rows cross ranks here

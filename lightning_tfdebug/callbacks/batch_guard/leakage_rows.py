@@ -23,6 +23,9 @@ read (a run whose batches have no token ids is read only at its validation and i
 LEAKAGE_CHECK = "train/validation leakage (TFD126, TFD127)"
 """The check's name where it stands aside."""
 
+LEAKAGE_ROW = "train/validation leakage"
+"""The check's row of the run's Coverage table."""
+
 
 def leakage_aside(loop: str) -> tuple[str, str]:
     """Why the check stands aside when a ``loop`` batch shares no field with the training batches, and the setting."""
@@ -142,6 +145,17 @@ class LeakageRows:
                 out[loop] = np.concatenate(parts)
         self.records = {"train": [], "validation": [], "test": []}
         return out
+
+    def coverage(self, aside: bool) -> tuple[str, str | None, str | None]:
+        """The check's Coverage row at the end of a fit (status, reason, setting); ``aside``: a loop's batches shared
+        no field with the training batches."""
+        if not self.loops:
+            return "n/a", "the run has no validation or test loop.", None
+        if any(len(rows) for rows in self.watch.loops.values()):
+            return "verified", None, None
+        if aside:
+            return "unknown", "the validation batches share no field with the training batches.", "`input_key`"
+        return "unknown", "no validation row was long and varied enough to compare (8 positions, 4 values).", None
 
     def merge(self, everyone: list[dict[str, np.ndarray]]) -> None:
         """Every rank's records (rank ``r`` at index ``r``) into the watch, training rows first, in rank order."""

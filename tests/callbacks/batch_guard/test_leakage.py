@@ -202,6 +202,15 @@ def test_a_held_out_split_is_silent(tmp_path):
     assert [f.code for f in guard.findings if f.code in ("TFD126", "TFD127")] == []
     rows = guard._leak.watch.loops["validation"]
     assert len(rows) > 0 and len(guard._leak.watch.trained) >= 150  # it compared: the whole split, all trained rows
+    assert guard.coverage["train/validation leakage"][0] == "verified"
+
+
+def test_without_a_validation_loop_the_coverage_row_says_n_a(tmp_path):
+    _, guard = fit(tmp_path, ValidatesOnTraining(n_documents=120, batch_size=8), max_steps=4, limit_val_batches=0)
+    status, reason, _ = guard.coverage["train/validation leakage"]
+    assert (status, reason) == ("n/a", "the run has no validation or test loop.")
+    records = (tmp_path / "tb" / "version_0" / "tfdebug" / "coverage-rank0.jsonl").read_text()
+    assert '"check": "train/validation leakage", "status": "n/a"' in records
 
 
 def test_training_rows_reshuffled_into_batches_of_another_size_and_shape_are_caught(tmp_path):
