@@ -842,3 +842,22 @@ def kind_loader(family: str, wrong_rows: bool = False) -> Any:
     from tests.kind_models import kind_data
 
     return lambda: kind_data(family, wrong_rows=wrong_rows)
+# ------------------------------------------------------------------------------- row 46: validation on training data
+class ValidatesOnTraining(pl.LightningDataModule):
+    """Row 46: ``val_dataloader`` reads the training data (a new DataLoader over the training dataset, in order, with
+    the training collate and batch size), beside the training loader of ``data`` (a DataModule or a DataLoader)."""
+
+    def __init__(self, data: Any) -> None:
+        super().__init__()
+        self.train = data.train_dataloader() if isinstance(data, pl.LightningDataModule) else data
+
+    def train_dataloader(self) -> DataLoader:
+        return self.train
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.train.dataset, batch_size=self.train.batch_size, collate_fn=self.train.collate_fn)
+
+
+def leaky(data: Any) -> Any:
+    """Row 46: ``data`` (a factory) whose validation reads its training data."""
+    return lambda: ValidatesOnTraining(data())

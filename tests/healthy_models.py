@@ -126,6 +126,11 @@ class EncoderLM(pl.LightningModule):
         self.log("loss", loss)
         return loss
 
+    def validation_step(self, batch, batch_idx):  # runs only where a case gives a validation loader
+        tokens, targets = batch
+        logits = self(tokens)
+        self.log("val_loss", F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long()))
+
     def configure_optimizers(self):
         return adamw_with_warmup(self, self.lr, self.warmup_steps)
 
@@ -243,6 +248,9 @@ class HFLM(pl.LightningModule):
         loss = self(**batch).loss
         self.log("loss", loss)
         return loss
+
+    def validation_step(self, batch, batch_idx):  # runs only where a case gives a validation loader
+        self.log("val_loss", self(**batch).loss)
 
     def configure_optimizers(self):
         return adamw_with_warmup(self, self.lr, self.warmup_steps)
@@ -390,3 +398,29 @@ def pretrain(tmp_path: Path, family: str, steps: int = 60) -> dict[str, torch.Te
     module = build(family)
     quiet_fit(tmp_path / "pretrain", module, family, steps)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# -------------------------------------------------------------------------------------------- a validation split
+class DocumentSplit(pl.LightningDataModule):
+    """The masked LM's documents split once, by document, before batching: 100 held out for validation, the rest for
+    training (natural duplicates of short documents across the split stay, as in real data)."""
+
+    def __init__(self, batch_size: int = 16) -> None:
+        super().__init__()
+        docs = _documents()
+        self.batch_size, self.val_set = batch_size, torch.utils.data.Subset(docs, range(100))
+        self.train_set = torch.utils.data.Subset(docs, range(100, len(docs)))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, self.batch_size, shuffle=True, collate_fn=mlm_collate, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, self.batch_size, collate_fn=mlm_collate)
+
+
+def split_data(family: str, batch_size: int = 8) -> Any:
+    """``family``'s healthy data with a held-out validation split (the bundled DataModule's, or :class:`DocumentSplit`
+    for the masked LM)."""
+    if family in ("bert_mlm", "mlm_padpos"):
+        return DocumentSplit(2 * batch_size)
+    return TinyTextDataModule(batch_size=batch_size)

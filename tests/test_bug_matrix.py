@@ -48,6 +48,7 @@ from tests.bug_models import (
     in_order_loader,
     kind_loader,
     kind_module,
+    leaky,
     token_rows,
     tuple_loader,
 )
@@ -151,6 +152,7 @@ BUGS: dict[int, str] = {
     51: "a forward random in eval mode (a functional dropout left on)",
     52: "a causal LM fed the next sample's labels (labels rolled across the batch)",
     44: "label smoothing far too large (0.9 for 0.1)",
+    46: "a validation loader that reads the training data",
 }
 """Every row of the bug zoo a callback claims."""
 
@@ -555,6 +557,16 @@ def row_cases() -> dict[tuple[int, str], Case]:
         ("tinygpt", lambda: SmoothedTinyGPT(0.9), dicts()),
     ):
         c[44, fam] = Case(module, data, (owner("TFD237"), floor), smoothed, steps=PREFLIGHT)
+    # 46: val_dataloader a new DataLoader over the training dataset (in order, 2 batches): the sanity check's rows are
+    # training rows read later; the bundled corpus cut to 200 documents so that 30 steps read most of it
+    for fam, module, data in (
+        ("encoder_lm", enc(), tuples()),
+        ("gpt2", gpt2(), dicts(n_documents=200)),
+        ("tinygpt", tiny(), dicts(n_documents=200)),
+    ):
+        place = "val_dataloader: a DataLoader over the training dataset (limit_val_batches=2)"
+        leak = owner("TFD126", severity="error")
+        c[46, fam] = Case(module, leaky(data), (leak,), place, steps=30, trainer={"limit_val_batches": 2})
     return c
 
 

@@ -36,6 +36,7 @@ from tests.healthy_models import (
     data,
     pretrain,
     quiet_fit,
+    split_data,
     the_pack_at_defaults,
     with_lora,
 )
@@ -51,6 +52,9 @@ SETTINGS = ("fresh_warmup", "constant_lr", "resumed", "finetune_full", "finetune
 
 EXTRA = (("gpt2", "clip_norm"), ("t5", "clip_norm"), ("gemma", "fresh_warmup"))
 """Cases beyond the families x settings: norm clipping at 1.0, and Gemma with a small init (its weights grow 2x)."""
+EXTRA += (("tinygpt", "val_split"), ("gpt2", "val_split"), ("bert_mlm", "val_split"))
+"""And a held-out validation split read every 50 steps and by the sanity check (its natural duplicates of short
+documents stay): the leakage check (TFD126) must stay silent."""
 
 KNOWN: dict[tuple[str, str], str] = {}
 """Cases where a callback still raises a false alarm: ``(family, setting) -> reason`` (marked xfail, not strict)."""
@@ -103,11 +107,13 @@ def run_case(tmp_path: Path, family: str, setting: str) -> list:
         trainer_kwargs["accumulate_grad_batches"] = 4
     if setting == "clip_norm":
         trainer_kwargs["gradient_clip_val"] = 1.0
+    if setting == "val_split":
+        trainer_kwargs |= {"limit_val_batches": 1.0, "val_check_interval": 50}
     pack = the_pack_at_defaults()
     trainer = make_trainer(tmp_path, pack, **trainer_kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(module, data(family), ckpt_path=ckpt_path)
+        trainer.fit(module, split_data(family) if setting == "val_split" else data(family), ckpt_path=ckpt_path)
     assert trainer.global_step == trainer_kwargs["max_steps"]
     for finding in (f for c in pack for f in c.findings):  # every finding is a registered rule's, from its owner
         assert RULES[finding.code].source == finding.source, finding.format()
@@ -147,6 +153,9 @@ decoder): T5 fine-tuned, BART fine-tuned and from scratch."""
 def test_the_pack_at_its_defaults_is_silent_on_a_healthy_run(tmp_path, family, setting):
     pack = run_case(tmp_path, family, setting)
     assert problems(pack) == []
+    if setting == "val_split":  # BatchGuard compared the held-out rows with the training rows (TFD126 silent)
+        [guard] = [c for c in pack if type(c).__name__ == "BatchGuard"]
+        assert len(guard._leak.watch.loops["validation"]) > 0
     # the new detectors were there and stayed silent
     assert not {f.code for c in pack for f in c.findings} & {"TFD122", "TFD602"} or all(
         f.severity == "info" for c in pack for f in c.findings if f.code == "TFD602"
