@@ -68,8 +68,8 @@ def find_model_call(
     takes_ids = lambda c: any(is_id_tensor(t) and t.shape == input_ids.shape for _, t in c.leaves())  # noqa: E731
     if chosen is None and any(per_sequence_output(c.output, int(input_ids.shape[0])) and takes_ids(c) for c in calls):
         return (
-            "the model's call returns one output per sequence ((batch, classes) logits): the per-position probes "
-            "(causal mask, padding, label alignment, position tables) do not apply to it"
+            f"the model's call returns {PER_SEQUENCE} ((batch, classes) logits): the per-position probes (causal "
+            "mask, padding, label alignment, position tables) do not apply to it"
         )
     if chosen is None:
         names = ", ".join(sorted({type(c.module).__name__ for c in calls if c.depth == 0})) or "none"
@@ -109,6 +109,10 @@ def find_model_call(
     )
     found.kind, found.kind_source = (kind, "setting") if kind else model_kind(found, calls, model, input_ids, labels)
     return found
+
+
+PER_SEQUENCE = "one output per sequence"
+"""How the finder names a call whose logits are one row per sequence (its reason says so)."""
 
 
 def per_sequence_output(output: Any, batch_size: int) -> bool:

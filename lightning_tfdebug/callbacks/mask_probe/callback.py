@@ -253,13 +253,13 @@ class MaskProbe(DebugCallback):
         self._returned = returned
         ids, mask, labels, self._mask_path = capture.token_fields(step_batch(trainer, batch, self._keys).fields)
         fields = (ids, mask, labels)
-        if ids is None:
-            self._cannot_call(
-                trainer,
-                probes.no_token_ids_reason(step_batch(trainer, batch, self._keys).fields.leaves, self.input_key),
-                setting="`input_key` (where the token ids are) or `forward_fn` (a function calling the model on ids)",
-            )
-            return
+        per_sequence = None if ids is None or self.forward_fn else capture.per_sequence(self, pl_module, fields)
+        if ids is None or per_sequence:  # the probes of any inputs on the recorded call; the token probes stand aside
+            said = capture.probe_features(self, trainer, pl_module, self._recording, (batch, batch_idx))
+            leaves = step_batch(trainer, batch, self._keys).fields.leaves
+            why = per_sequence or probes.no_token_ids_reason(leaves, self.input_key)
+            setting = "`input_key` (where the token ids are) or `forward_fn` (a function calling the model on ids)"
+            return self._cannot_call(trainer, why + said, setting=setting)
         modes = {m: m.training for m in pl_module.modules()}
         session = None
         try:

@@ -7,8 +7,11 @@ import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 
+from lightning_tfdebug.callbacks.mask_probe import any_inputs, decisions, probes
+from lightning_tfdebug.core.base import eager_model_calls
 from lightning_tfdebug.core.calls import StepRecording
 from lightning_tfdebug.core.model import grad_scaler_of, import_object
 from lightning_tfdebug.functional.verdicts import Verdict
@@ -69,9 +72,25 @@ def token_fields(fields: Any) -> tuple[Tensor | None, Tensor | None, Tensor | No
     the others of their shape (None otherwise)."""
     ids, mask, labels = fields.input_ids, fields.attention_mask, fields.labels
     ids = ids if isinstance(ids, Tensor) and ids.ndim == 2 and not ids.is_floating_point() else None
+    if (
+        ids is not None
+        and labels is None
+        and any(  # (features, labels): the only integer tensor is the labels
+            isinstance(t, Tensor) and t.is_floating_point() and t.ndim >= 3 and t.shape[:2] == ids.shape
+            for t in fields.leaves.values()
+        )
+    ):
+        ids = None
     mask = mask if ids is not None and mask is not None and mask.shape == ids.shape else None
     labels = labels if ids is not None and labels is not None and labels.shape == ids.shape else None
     return ids, mask, labels, fields.paths.get("attention_mask")
+
+
+def per_sequence(member: Any, pl_module: pl.LightningModule, fields: tuple) -> str | None:
+    """Why the token probes do not apply to the recorded model call when it returns one output per sequence (a
+    sequence classifier), else None."""
+    found = recorded_model_call(member._recording, fields, member.ignore_index, pl_module, member.model_kind)
+    return found if isinstance(found, str) and call_finder.PER_SEQUENCE in found else None
 
 
 def dated(verdicts: Any, step: int | None) -> Any:
@@ -80,3 +99,40 @@ def dated(verdicts: Any, step: int | None) -> Any:
         return verdicts
     items = [verdicts] if isinstance(verdicts, Verdict) else list(verdicts)
     return [v if v is None or v.step is not None else dataclasses.replace(v, step=step) for v in items]
+
+
+def probe_features(
+    member: Any,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    recording: StepRecording | None,
+    step_args: tuple[Any, int],
+) -> str:
+    """For a batch without token ids: the probes of :mod:`.any_inputs` on the outermost recorded model call (eval mode,
+    ``no_grad``, RNG forked, modes restored), logged, covered and emitted by ``member`` (MaskProbe). Returns a sentence
+    saying what ran (empty when nothing could). Host sync: one transfer, on the probing step."""
+    batch, batch_idx = step_args
+    calls = [] if recording is None else recording.calls()
+    rows = next((r for c in calls if c.depth == 0 and (r := any_inputs.batch_rows(c)) is not None), None)
+    call = None if rows is None else any_inputs.outer_model_call(calls, batch, batch_idx, rows)
+    if call is None or rows is None:
+        return ""
+    modes = {m: m.training for m in pl_module.modules()}
+    precision = trainer.precision_plugin.train_step_context()
+    try:
+        with eager_model_calls(), torch.random.fork_rng(), torch.no_grad(), precision:
+            pl_module.eval()
+            readings, not_run = any_inputs.probe_any_inputs(call, rows)
+    except Exception as err:  # a call that cannot be replayed: said in the stand-aside's reason
+        return f" Replaying the model call failed ({type(err).__name__}: {err})."
+    finally:
+        for module, flag in modes.items():
+            module.training = flag
+    readings = probes.on_host(readings, member.to_host)  # host sync: one transfer (probing steps only)
+    member.log_scalars(trainer, {k: v for r in readings for k, v in r.logged().items()})
+    ran = decisions.rows_verified(readings)
+    for row in ran:
+        member.cover(row, "verified")  # a finding among the row's codes makes it one in the report
+    member.emit(trainer, decisions.decide_probe(readings)[0], synchronized=False)
+    said = f" On the recorded model call, {' and '.join(ran)} were probed" if ran else ""
+    return said + (f" ({', '.join(not_run)} could not be)." if not_run else ".")

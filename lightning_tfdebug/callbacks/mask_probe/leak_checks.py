@@ -20,8 +20,8 @@ TFD213 = Rule(
     "TFD213",
     "error",
     "MaskProbe",
-    title="the same tokens twice in eval mode gave different logits (randomness ignores `.eval()`)",
-    trigger="two eval-mode forwards of the same tokens differ beyond the tolerance (the other checks are skipped)",
+    title="the same inputs twice in eval mode gave different outputs (randomness ignores `.eval()`)",
+    trigger="two eval-mode forwards of the same inputs differ beyond the tolerance (the other checks are skipped)",
     hint=(
         "Something random runs regardless of `.eval()`: usually `F.dropout(x, p)` (its `training` argument "
         "defaults to True; pass `training=self.training` or use `nn.Dropout`), `dropout_p` given to "
@@ -33,7 +33,7 @@ TFD213 = Rule(
         "different answers each call"
     ),
     message=(
-        "The model is not a function of its input in eval mode: the same tokens twice gave logits that differ by "
+        "The model is not a function of its input in eval mode: the same inputs twice gave outputs that differ by "
         "{max_change:.3g} at position {position} (row {row}; tolerance {tolerance:.2g}). The other MaskProbe checks "
         "are skipped: they would measure this noise."
     ),
