@@ -69,7 +69,7 @@ def find_model_call(
     if chosen is None and any(per_sequence_output(c.output, int(input_ids.shape[0])) and takes_ids(c) for c in calls):
         return (
             f"the model's call returns {PER_SEQUENCE} ((batch, classes) logits): the per-position probes (causal "
-            "mask, padding, label alignment, position tables) do not apply to it"
+            "mask, padding, label alignment, position tables) do not apply to it."
         )
     if chosen is None:
         names = ", ".join(sorted({type(c.module).__name__ for c in calls if c.depth == 0})) or "none"
