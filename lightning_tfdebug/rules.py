@@ -47,6 +47,7 @@ __all__ = [
     "RULES",
     "Rule",
     "register_rule",
+    "render_chart_table",
     "render_rule_table",
     "rule",
     "rules_of",
@@ -189,4 +190,20 @@ def render_rule_table(source: str, detail: bool) -> str:
     else:
         lines = ["| code | severity | meaning |", "| --- | --- | --- |"]
         lines += [f"| {r.code} | {r.severity} | {_cell(r.title)} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_chart_table() -> str:
+    """The markdown table of what the report draws for each rule's warning or error: ``code | severity | headline |
+    evidence chart``, the chart's question, unit and what it reads (:class:`~.functional.evidence_chart.EvidenceChart`),
+    or that the rule has none (the report then draws the training loss around the finding's step)."""
+    lines = ["| code | severity | headline | evidence chart |", "| --- | --- | --- | --- |"]
+    for r in sorted(_REGISTRY.values(), key=lambda r: r.code):
+        if r.code not in BUILTIN_CODES:
+            continue
+        headline = r.headline if isinstance(r.headline, str) else r.headline[0]
+        chart = r.chart.describe() if r.chart is not None else "none of its own: the training loss around its step"
+        lines.append(f"| {r.code} | {r.severity} | {_cell(headline or r.title)} | {_cell(chart)} |")
+    counted = sum(_REGISTRY[c].chart is not None for c in BUILTIN_CODES)
+    lines += ["", f"{counted} of {len(BUILTIN_CODES)} rules draw a chart of their own."]
     return "\n".join(lines) + "\n"

@@ -81,6 +81,7 @@ TFD703 = Rule(
     "error",
     "CheckpointAudit",
     title="optimizer state missing (in a saved file, or in a checkpoint being resumed)",
+    headline="optimizer state missing in {file}",
     trigger="optimizer state missing from the file (or from a checkpoint being resumed)",
     hint=HINT_STATE,
     reason=(
@@ -148,6 +149,7 @@ TFD705 = Rule(
     "error",
     "CheckpointAudit",
     title="LR scheduler state missing",
+    headline="LR scheduler state missing in {file}",
     trigger="LR scheduler state missing",
     hint=HINT_STATE,
     reason=("Without scheduler state a resumed run restarts its schedule (a second warm-up): it is not the run saved"),
@@ -269,6 +271,7 @@ TFD709 = Rule(
         "a checkpoint not checked (sharded directory, written outside the CheckpointIO, unreadable), or "
         "weights-only (a warning when no checkpoint the run keeps can resume it)"
     ),
+    headline="checkpoint not checked: {path}",
     trigger=(
         "a checkpoint not checked (sharded distributed-checkpoint directory, written outside the CheckpointIO, "
         "unreadable), or a weights-only checkpoint (not resumable): a warning when no checkpoint callback of the "

@@ -34,8 +34,8 @@ class EvidenceChart:
         evidence_x: the evidence field holding the steps of ``evidence_y`` (a list).
         evidence_y: evidence fields holding lists of values, one per step of ``evidence_x``.
         lines: evidence fields drawn as horizontal lines (a floor, a median, a limit), labelled with their names.
-        bars: an evidence field holding a list or a ``{name: value}`` mapping, drawn as bars (per sample, per rank);
-            a chart with bars draws no step axis.
+        bars: an evidence field holding a list or a ``{name: value}`` mapping, drawn as bars (per sample, per rank),
+            or several fields holding one number each, one bar per field; a chart with bars draws no step axis.
         window: steps drawn either side of the finding's step (0: the whole run).
         log_scale: a logarithmic value axis (values spanning decades, such as a gradient norm that explodes).
     """
@@ -46,7 +46,7 @@ class EvidenceChart:
     evidence_x: str = ""
     evidence_y: tuple[str, ...] = ()
     lines: tuple[str, ...] = ()
-    bars: str = ""
+    bars: str | tuple[str, ...] = ""
     window: int = 0
     log_scale: bool = False
 
@@ -62,7 +62,8 @@ class EvidenceChart:
 
     def needs(self) -> tuple[str, ...]:
         """Every logged key and evidence field the chart reads, in declaration order."""
-        fields = (*self.logged, self.evidence_x, *self.evidence_y, *self.lines, self.bars)
+        bars = (self.bars,) if isinstance(self.bars, str) else self.bars
+        fields = (*self.logged, self.evidence_x, *self.evidence_y, *self.lines, *bars)
         return tuple(f for f in dict.fromkeys(fields) if f)
 
     def describe(self) -> str:
@@ -73,7 +74,8 @@ class EvidenceChart:
         if self.evidence_y:
             parts.append("evidence " + ", ".join(f"`{k}`" for k in self.evidence_y) + f" against `{self.evidence_x}`")
         if self.bars:
-            parts.append(f"bars of `{self.bars}`")
+            bars = (self.bars,) if isinstance(self.bars, str) else self.bars
+            parts.append("bars of " + ", ".join(f"`{k}`" for k in bars))
         if self.lines:
             parts.append("lines at " + ", ".join(f"`{k}`" for k in self.lines))
         where = f", {self.window} steps either side of the finding" if self.window and not self.bars else ""

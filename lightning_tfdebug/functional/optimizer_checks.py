@@ -47,6 +47,7 @@ TFD320 = Rule(
     "error",
     "OptimizerAudit",
     title="trainable parameters in no param group (named)",
+    headline="{count} trainable parameters are in no param group",
     trigger="trainable parameters in no param group (names them)",
     hint=(
         "Build the optimizer from all trainable parameters (after the model is complete and moved), or freeze "
@@ -176,6 +177,7 @@ TFD324 = Rule(
     "info",
     "OptimizerAudit",
     title="weight decay on 1-D parameters (norm weights, biases); a warning once they are measured to shrink",
+    headline="weight decay {weight_decay:g} on {count} 1-D parameters (norm weights, biases)",
     trigger=(
         "weight decay > 0 on 1-D parameters (norm weights, biases); a warning when their norm, measured on "
         "measuring steps, fell by more than 10% of its first measured value and the decay alone "
@@ -319,6 +321,7 @@ TFD326 = Rule(
     "info",
     "OptimizerAudit",
     title="Adam-family optimizer with `weight_decay > 0` (coupled L2): use AdamW",
+    headline="{optimizer} with weight_decay={weight_decay:g} is coupled L2: use AdamW",
     trigger="`Adam`-family optimizer with `weight_decay > 0` (coupled L2)",
     hint="Use torch.optim.AdamW (decoupled weight decay), with a no-decay group for biases and norms.",
     reason=(

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.throughput import (
     differing_ranks,
     loss_outliers,
@@ -159,6 +160,7 @@ TFD501 = Rule(
         "identical batch fingerprints on different ranks for `patience` measurements: the data is not split (no "
         "distributed sampler)"
     ),
+    headline="identical batches on different ranks ({identical}): the data is not split",
     trigger=(
         "two or more ranks trained on identical batches (equal fingerprints of the input ids) for `patience` "
         "measurements in a row"
@@ -185,6 +187,8 @@ TFD503 = Rule(
     "warning",
     "PerRankLogger",
     title=("a straggler: one rank's own work per step well above the other ranks' median, sustained; names the rank"),
+    headline="straggler: rank {rank} takes {total:.1f} ms per step, {ratio:.1f}x the others' median",
+    chart=EvidenceChart("Which rank does more work per step?", "ms", logged=("per_rank/busy_ms/rank<rank>",)),
     trigger=(
         "a rank's own work per step (outside backward, plus data wait) above `straggler_factor` x the other "
         "ranks' median and `straggler_min_ms` more, for `patience` measurements"
@@ -362,6 +366,7 @@ TFD502 = Rule(
     "error",
     "PerRankLogger",
     title="parameter or buffer checksums differ between DDP replicas; names the ranks and the tensors",
+    headline="replicas differ at step {at_step}: ranks {rank_list}, {count} tensors",
     trigger=(
         "parameter or buffer checksums (per-tensor norm and sum) differ between DDP replicas; names the ranks and"
         " tensors (not checked under sharded strategies; BatchNorm running statistics excluded)"

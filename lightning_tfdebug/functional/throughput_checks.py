@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.keys import Key
 from lightning_tfdebug.primitives.tracking import Streak
@@ -171,6 +172,12 @@ TFD602 = Rule(
     "info",
     "ThroughputMonitor",
     title="padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)",
+    headline="padding waste: {padding_frac:.0%} of token positions are padding",
+    chart=EvidenceChart(
+        "Which share of the token positions is padding?",
+        "fraction of positions",
+        logged=("throughput/padding_frac",),
+    ),
     trigger=(
         "padding above `padding_threshold` of the computed token positions for `patience` measurements; a warning "
         "when padding is most (> 50%) of them, with the speed-up packing and dynamic padding would give"
@@ -368,6 +375,12 @@ TFD601 = Rule(
     "warning",
     "ThroughputMonitor",
     title="data-loading bound: the wait for the next batch above `wait_threshold` of wall time, sustained",
+    headline="data-loading bound: the wait for batches is {dataloader_wait_frac:.0%} of wall time",
+    chart=EvidenceChart(
+        "Which share of the wall time waits for the next batch?",
+        "fraction of wall time",
+        logged=("throughput/dataloader_wait_frac",),
+    ),
     trigger="the wait for the next batch above `wait_threshold` of wall time (worst rank) for `patience` measurements",
     hint=(
         "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "

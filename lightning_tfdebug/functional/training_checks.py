@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.optimizer_checks import shown
 from lightning_tfdebug.functional.optimizers import ScheduleCourse, ScheduleReading
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
@@ -23,6 +24,7 @@ TFD327 = Rule(
     "error",
     "OptimizerAudit",
     title="the module is in eval mode at a training batch",
+    headline="the module is in eval mode at a training batch (step {global_step})",
     trigger="the module is in eval mode at the first batch of an epoch or after validation",
     hint=(
         "Something calls `.eval()` (a hook, an inference helper, a generation callback) without calling "
@@ -275,6 +277,13 @@ TFD337 = Rule(
     "warning",
     "OptimizerAudit",
     title="the LR schedule stays below half of its configured peak for most of the run: a warm-up longer than the run",
+    headline="the LR stays below half its peak {peak:.3g} for most of the run (reaches {run_max:.3g})",
+    chart=EvidenceChart(
+        "Does the learning rate reach its peak within the run?",
+        "learning rate",
+        logged=("optimizer_audit/lr/<group>",),
+        lines=("peak",),
+    ),
     trigger=(
         "replayed on a copy at the start of training, a rising LR schedule first reaches half of its configured "
         "peak (the largest base LR) after half of the run's remaining optimizer steps, or not at all (runs of 50 "

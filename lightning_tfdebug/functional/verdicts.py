@@ -108,7 +108,9 @@ class Rule:
         if severity is not None and severity not in SEVERITIES:
             raise ValueError(f"Rule {self.code}: severity must be one of {SEVERITIES}, got {severity!r}.")
         headline = self.headline_for(evidence, **text)
-        return Verdict(self.code, message, evidence, hint=hint, severity=severity, key=key, step=step, headline=headline)
+        return Verdict(
+            self.code, message, evidence, hint=hint, severity=severity, key=key, step=step, headline=headline
+        )
 
     def headline_for(self, evidence: Mapping[str, Any], **text: Any) -> str:
         """What the headline says of a finding with ``evidence`` (and the verdict's ``text``): the first of the rule's

@@ -27,7 +27,7 @@ from lightning_tfdebug.report.run import (
     series_of,
     summary_line,
 )
-from lightning_tfdebug.report.text import render_json, render_markdown, render_short, render_text
+from lightning_tfdebug.report.text import log_headlines, render_json, render_markdown, render_short, render_text
 
 __all__ = [
     "FAIL_ON",
@@ -40,6 +40,7 @@ __all__ = [
     "counts",
     "exit_status",
     "load_run",
+    "log_headlines",
     "merge_coverage",
     "merge_findings",
     "merge_stood_aside",

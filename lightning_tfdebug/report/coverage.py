@@ -24,7 +24,7 @@ from typing import Any
 STATUSES: tuple[str, ...] = ("verified", "n/a", "unknown")
 """What a member writes of a check; the report adds ``finding``."""
 
-SYMBOLS: dict[str, str] = {"verified": "✓", "finding": "✗", "n/a": "–", "unknown": "?"}
+SYMBOLS: dict[str, str] = {"verified": "✓", "finding": "✗", "n/a": "\u2013", "unknown": "?"}
 ASCII_SYMBOLS: dict[str, str] = {"verified": "ok", "finding": "X", "n/a": "-", "unknown": "?"}
 """The same, for a terminal that cannot print the others."""
 

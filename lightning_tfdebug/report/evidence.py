@@ -32,6 +32,8 @@ _LOSS_TAGS = ("train/loss", "train_loss", "train_loss_step", "train/loss_step", 
 _LOSS_FALLBACK = ("per_rank/loss/rank0", "loss_at_init/loss")
 _PLACEHOLDER = re.compile(r"<(\w+)>")
 FOLD_SERIES_PER_CHART = 10
+NO_UNIT = "no unit (norms, ratios, fractions, counts)"
+"""The fold's group of the keys declared without a unit."""
 
 
 @dataclass(frozen=True)
@@ -110,10 +112,15 @@ def finding_figure(m: MergedFinding, series: Series) -> Figure:
         else:
             lines.append((value, f"{name} {svg._number(value)}"))
     if spec.bars:
-        bars = _bars(evidence_value(m.evidence, spec.bars))
+        if isinstance(spec.bars, str):
+            bars, label = _bars(evidence_value(m.evidence, spec.bars)), spec.bars
+        else:
+            bars = _bars({name: evidence_value(m.evidence, name) for name in spec.bars})
+            label = ""
         if not bars:
-            return _missing(title, alt, caption, [f"the evidence field `{spec.bars}`"], m)
-        return Figure(svg.bar_chart(title, spec.unit, bars, alt=alt, lines=lines, x_label=spec.bars), alt, caption, True)
+            return _missing(title, alt, caption, [f"the evidence field(s) `{spec.bars}`"], m)
+        chart = svg.bar_chart(title, spec.unit, bars, alt=alt, lines=lines, x_label=label)
+        return Figure(chart, alt, caption, True)
     drawn: Series = {}
     if spec.evidence_y:
         xs = evidence_value(m.evidence, spec.evidence_x)
@@ -128,7 +135,7 @@ def finding_figure(m: MergedFinding, series: Series) -> Figure:
         found = logged_series(series, name)
         if not found:
             absent.append("the training loss" if name == TRAINING_LOSS else f"the logged series `{name}`")
-        for tag, points in list(found.items())[: FOLD_SERIES_PER_CHART]:
+        for tag, points in list(found.items())[:FOLD_SERIES_PER_CHART]:
             kept = [(s, v) for s, v in points if low <= s <= high]
             if kept:
                 drawn[tag] = kept
@@ -214,7 +221,7 @@ def series_groups(series: Series) -> list[tuple[str, str, Series]]:
         if key is None:
             unit, chart = "as logged", f"{tag.split('/', 1)[0]} (the model's own)"
         else:
-            unit, chart = key.unit or "ratio or count", key.chart or key.section
+            unit, chart = key.unit or NO_UNIT, key.chart or key.section
         groups.setdefault((unit, chart), {})[tag] = points
     out = []
     for (unit, chart), members in sorted(groups.items()):

@@ -54,7 +54,8 @@ def render_html(run: Run) -> str:
     if merged:
         parts.append("<h2>Findings</h2><ul class='headlines'>")
         parts += [
-            f"<li class='{m.severity}'><a href='#{anchor(i, m)}'>{esc(m.headline)}</a></li>" for i, m in enumerate(merged)
+            f"<li class='{m.severity}'><a href='#{anchor(i, m)}'>{esc(m.headline)}</a></li>"
+            for i, m in enumerate(merged)
         ]
         parts.append("</ul>")
     parts += _coverage(run.coverage)
@@ -99,7 +100,9 @@ def render_html(run: Run) -> str:
 def _coverage(rows: Sequence[CoverageRow]) -> list[str]:
     esc = html.escape
     if not rows:
-        return ["<h2>Coverage</h2><p>No Coverage rows: this run's members wrote none (an older version of the pack?).</p>"]
+        return [
+            "<h2>Coverage</h2><p>No Coverage rows: this run's members wrote none (an older version of the pack?).</p>"
+        ]
     out = [
         f"<h2>Coverage</h2><p>{esc(coverage_summary(rows))}</p>",
         "<table class='coverage'><tr><th></th><th>member</th><th>check</th><th>status</th><th>why</th></tr>",
@@ -120,8 +123,16 @@ def _ranks(run: Run, series: evidence.Series) -> list[str]:
         "<th>peak memory (GiB)</th></tr>"
     ]
     for row in evidence.rank_rows(run, series, run.merged):
-        cells = [row["rank"], row["error"], row["warning"], row["info"], _number(row["first_finding_step"]),
-                 row["could_not_check"], _number(row["step_time_ms"], ".1f"), _number(row["peak_memory_gib"], ".3g")]
+        cells = [
+            row["rank"],
+            row["error"],
+            row["warning"],
+            row["info"],
+            _number(row["first_finding_step"]),
+            row["could_not_check"],
+            _number(row["step_time_ms"], ".1f"),
+            _number(row["peak_memory_gib"], ".3g"),
+        ]
         out.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     return [*out, "</table>"]
 

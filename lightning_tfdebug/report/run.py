@@ -273,9 +273,7 @@ def counts(merged: Sequence[MergedFinding]) -> dict[str, int]:
     return {s: sum(m.severity == s for m in merged) for s in reversed(SEVERITIES)}
 
 
-def exit_status(
-    merged: Sequence[MergedFinding], fail_on: str = "error", coverage: Sequence[CoverageRow] = ()
-) -> int:
+def exit_status(merged: Sequence[MergedFinding], fail_on: str = "error", coverage: Sequence[CoverageRow] = ()) -> int:
     """0 when nothing is at or above ``fail_on`` (``"never"``: always 0), else 1. ``"unverified"``: 1 on an error or
     on a ``coverage`` row that could not be checked (``unknown``)."""
     if fail_on not in FAIL_ON:
@@ -285,16 +283,6 @@ def exit_status(
     if fail_on == "unverified":
         return int(any(m.severity == "error" for m in merged) or any(r.status == "unknown" for r in coverage))
     return int(any(_RANK[m.severity] >= _RANK[fail_on] for m in merged))
-
-
-
-
-
-
-
-
-
-
 
 
 def summary_line(run: Run, merged: Sequence[MergedFinding] | None = None) -> str:

@@ -60,7 +60,9 @@ class _Frame:
 
     def __init__(self, xs: tuple[float, float], ys: tuple[float, float], log: bool) -> None:
         self.log = log
-        self.x0, self.x1 = xs if xs[1] > xs[0] else (xs[0] - 1, xs[0] + 1)
+        x0, x1 = xs if xs[1] > xs[0] else (xs[0] - 1, xs[0] + 1)
+        pad = (x1 - x0) * 0.02  # a mark at the last step stays inside the frame
+        self.x0, self.x1 = x0 - pad, x1 + pad
         y0, y1 = ys
         if log:
             y0, y1 = math.log10(y0), math.log10(y1)
@@ -155,9 +157,11 @@ def line_chart(
     colours = [PALETTE[i % len(PALETTE)] for i in range(len(series))]
     for (name, points), colour in zip(series.items(), colours):
         out += _polyline(frame, points, colour, log_scale)
-        if len(drawn.get(name, ())) == 1:  # one point: a dot, since a line of one point shows nothing
-            x, y = drawn[name][0]
-            out.append(f'<circle cx="{frame.x(x):.1f}" cy="{frame.y(y):.1f}" r="3" fill="{colour}"/>')
+        if len(drawn.get(name, ())) <= 20:  # few measurements: each a dot (a line of one point shows nothing)
+            out += [
+                f'<circle cx="{frame.x(x):.1f}" cy="{frame.y(y):.1f}" r="2.5" fill="{colour}"/>'
+                for x, y in drawn.get(name, ())
+            ]
     for value, label in lines:
         if _shown(value, log_scale):
             y = frame.y(value)
@@ -174,7 +178,9 @@ def line_chart(
         )
         if label:
             y = _TOP + 20 + 11 * (row % 4)  # neighbouring marks' labels on four rows, not on top of each other
-            out.append(f'<text x="{x + 3:.1f}" y="{y}" fill="{MARK}" font-size="10">{escape(label)}</text>')
+            right = x > WIDTH - _RIGHT - 60  # near the right edge: the label to the left of its line
+            anchor = f'x="{x - 3:.1f}" text-anchor="end"' if right else f'x="{x + 3:.1f}"'
+            out.append(f'<text {anchor} y="{y}" fill="{MARK}" font-size="10">{escape(label)}</text>')
     out += _legend(list(series), colours)
     return "\n".join([*out, "</svg>"])
 

@@ -47,6 +47,27 @@ def render_short(run: Run, symbols: Mapping[str, str] | None = None) -> str:
     return "\n".join(lines)
 
 
+def log_headlines(trainer: Any, run: Run) -> None:
+    """Write the run's headlines, the summary line and the Coverage count as one text card (``tfdebug/headlines``)
+    to every TensorBoardLogger of ``trainer``; a logger that refuses is passed over (the summary is a convenience)."""
+    from lightning_tfdebug.core.compat import is_lightning_instance
+
+    merged = run.merged
+    lines = [f"**{summary_line(run, merged)}**", *(f"- {m.headline}" for m in merged)]
+    covered = coverage_summary(run.coverage)
+    if covered:
+        lines.append(f"- {covered}")
+    lines.append(f"- full report: `tfdebug report {run.log_dir} --format html`")
+    for logger in trainer.loggers:
+        if not is_lightning_instance(logger, "TensorBoardLogger"):
+            continue
+        try:
+            logger.experiment.add_text("tfdebug/headlines", "  \n".join(lines), global_step=trainer.global_step)
+            logger.experiment.flush()
+        except Exception:  # the logger's own failure (a closed or refused event file): the run is not disturbed
+            continue
+
+
 def coverage_lines(
     rows: Sequence[CoverageRow], indent: str, symbols: Mapping[str, str] = SYMBOLS, only_open: bool = False
 ) -> list[str]:
@@ -148,13 +169,27 @@ def render_markdown(run: Run) -> str:
         out += [f"- [{m.headline}](#{anchor(i, m)})" for i, m in enumerate(merged)]
         out.append("")
     out += _markdown_coverage(run.coverage)
-    out += ["## Ranks", "", "| rank | errors | warnings | info | first warning or error | could not check | "
-            "step time (ms, median) | peak memory (GiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out += [
+        "## Ranks",
+        "",
+        "| rank | errors | warnings | info | first warning or error | could not check | "
+        "step time (ms, median) | peak memory (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in evidence.rank_rows(run, series, merged):
         out.append(
-            table_row([row["rank"], row["error"], row["warning"], row["info"], _number(row["first_finding_step"]),
-                       row["could_not_check"], _number(row["step_time_ms"], ".1f"),
-                       _number(row["peak_memory_gib"], ".3g")])
+            table_row(
+                [
+                    row["rank"],
+                    row["error"],
+                    row["warning"],
+                    row["info"],
+                    _number(row["first_finding_step"]),
+                    row["could_not_check"],
+                    _number(row["step_time_ms"], ".1f"),
+                    _number(row["peak_memory_gib"], ".3g"),
+                ]
+            )
         )
     out.append("")
     failure = _failure_lines(run, "")
@@ -174,8 +209,12 @@ def render_markdown(run: Run) -> str:
             figure = evidence.finding_figure(m, series)
             out += [f"![{figure.alt}]({figure.uri})", "", f"*{figure.caption}*", ""]
     if run.did_not_run:
-        out += ["## Checks that did not run", "", "| check | ranks | why | what would let it run |",
-                "| --- | --- | --- | --- |"]
+        out += [
+            "## Checks that did not run",
+            "",
+            "| check | ranks | why | what would let it run |",
+            "| --- | --- | --- | --- |",
+        ]
         for entry in run.did_not_run:
             out.append(table_row([entry.check, ",".join(map(str, entry.ranks)), entry.reason, entry.setting or "-"]))
         out.append("")
@@ -184,7 +223,7 @@ def render_markdown(run: Run) -> str:
     folds = evidence.fold_figures(series)
     if folds:
         total = sum(len(figures) for _, figures in folds)
-        out += ["<details><summary>Every logged series, grouped by unit " f"({plural(total, 'chart')})</summary>", ""]
+        out += [f"<details><summary>Every logged series, grouped by unit ({plural(total, 'chart')})</summary>", ""]
         for unit, figures in folds:
             out += [f"#### {unit}", ""]
             out += [f"![{f.alt}]({f.uri})" for f in figures]
@@ -195,8 +234,12 @@ def render_markdown(run: Run) -> str:
 
 def _markdown_coverage(rows: Sequence[CoverageRow]) -> list[str]:
     if not rows:
-        return ["## Coverage", "", "No Coverage rows: this run's members wrote none (an older version of the pack?).",
-                ""]
+        return [
+            "## Coverage",
+            "",
+            "No Coverage rows: this run's members wrote none (an older version of the pack?).",
+            "",
+        ]
     out = ["## Coverage", "", coverage_summary(rows), "", "| | member | check | why |", "| --- | --- | --- | --- |"]
     out += [table_row([SYMBOLS[r.status], r.member, r.check, r.explanation() or "-"]) for r in rows]
     return [*out, ""]

@@ -17,6 +17,7 @@ from lightning_tfdebug.callbacks.batch_guard.schema import (
     describe_leaves,
     learn_schema,
 )
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 # --------------------------------------------------------------------------------------------------------- schema drift
@@ -51,6 +52,7 @@ TFD103 = Rule(
     "error",
     "BatchGuard",
     title="dtype changed (int32 labels, float mask)",
+    headline="dtype of `{key}` changed: {found}, was {expected}",
     trigger="a key's dtype differs from the schema (int32 labels where int64 were, a float attention mask)",
     hint="build every field with an explicit dtype (`torch.tensor(x, dtype=torch.long)`); no cast in one branch only",
     reason="The ops that take the field fail or change meaning (cross_entropy takes int64; a float mask is added)",
@@ -108,6 +110,13 @@ TFD111 = Rule(
     "error",
     "BatchGuard",
     title="sequence longer than the model's context",
+    headline="sequence of {width} tokens, longer than the context of {max_length}",
+    chart=EvidenceChart(
+        "How long are the batches against the context?",
+        "tokens",
+        logged=("batch_guard/width",),
+        lines=("max_length",),
+    ),
     trigger="the sequence length exceeds the model's context (position table, config, `max_length`)",
     hint=(
         "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to the context "

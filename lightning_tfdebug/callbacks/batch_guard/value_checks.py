@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from lightning_tfdebug.callbacks.batch_guard.mask_hole_checks import mask_hole_verdict
 from lightning_tfdebug.callbacks.batch_guard.readings import BatchPaths, ValueRules
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 # --------------------------------------------------------------------------------------------------------- token ranges
@@ -20,6 +21,7 @@ TFD110 = Rule(
     "error",
     "BatchGuard",
     title="token id outside `[0, vocab)`",
+    headline="token id {value} outside [0, vocab {vocab_size}) in `{ids_key}`",
     trigger="an input id is outside `[0, vocab)` (checked steps, or the batch whose step raised)",
     hint=(
         "The tokenizer and the model disagree on the vocabulary (added special tokens without "
@@ -102,6 +104,12 @@ TFD114 = Rule(
     "error",
     "BatchGuard",
     title="every label ignored: nothing is learned",
+    headline="every label is ignore_index ({ignore_index}): nothing is learned",
+    chart=EvidenceChart(
+        "Which share of the labels is ignored?",
+        "fraction of labels",
+        logged=("batch_guard/ignored_frac",),
+    ),
     trigger="every label of a batch is `ignore_index`: nothing is learned, the loss is 0 or NaN",
     hint=(
         "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer away, "
@@ -128,6 +136,12 @@ TFD115 = Rule(
     "warning",
     "BatchGuard",
     title="padding positions supervised",
+    headline="{pad_supervised:.0f} of {pad_positions:.0f} padding positions are supervised",
+    chart=EvidenceChart(
+        "How much of each batch is padding?",
+        "fraction of positions",
+        logged=("batch_guard/pad_frac",),
+    ),
     trigger="padding positions (mask 0) carry a label that is not `ignore_index`",
     hint="`labels[attention_mask == 0] = -100` in the collate function",
     reason="Measured in the batches: the loss spends its weight on predicting padding, which the model then learns",

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_tfdebug.callbacks.loss_at_init.readings import NORMALIZED_ROWS, InitLoss
+from lightning_tfdebug.functional.evidence_chart import TRAINING_LOSS, EvidenceChart
 from lightning_tfdebug.functional.learning import trained_before
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
@@ -35,6 +36,7 @@ TFD224 = Rule(
     "error",
     "LossAtInit",
     title="no supervised tokens: every label is `ignore_index`",
+    headline="no supervised tokens: every label is ignore_index ({ignore_index})",
     trigger=("no label of the first batch is supervised (all `ignore_index` after alignment): the loss is NaN or 0"),
     hint=(
         "Check the collator/labels: labels set to ignore_index everywhere (a mask inverted, the prompt mask "
@@ -113,6 +115,8 @@ TFD220 = Rule(
     "error",
     "LossAtInit",
     title="the outputs are probabilities: softmax before a loss that applies it again (loss stuck at ln(V))",
+    headline="the outputs are probabilities: softmax before the loss (loss stuck near ln V = {expected_loss:.3f})",
+    chart=EvidenceChart("Is the loss stuck at ln V?", "nats", logged=(TRAINING_LOSS,), lines=("expected_loss",)),
     trigger=(
         "at step 0, >= 99% of the sampled output rows are non-negative and sum to 1: `forward` returns "
         "probabilities (a cross-entropy then applies softmax again and the loss sits at ln(V))"

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.probes import classify_alignment
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.keys import Key
@@ -29,6 +30,14 @@ TFD205 = Rule(
     "error",
     "MaskProbe",
     title="labels not shifted: position t is trained on token t (the model learns to copy its input)",
+    headline=(
+        "labels not shifted: loss {loss_returned:.4g} = unshifted {loss_unshifted:.4g}, not shifted {loss_shifted:.4g}"
+    ),
+    chart=EvidenceChart(
+        "Which labelling does the returned loss match?",
+        "nats",
+        bars=("loss_returned", "loss_unshifted", "loss_shifted"),
+    ),
     trigger=(
         "the loss `training_step` returned equals the cross-entropy of position t against token t (labels equal "
         "to the inputs, no shift)"

@@ -161,6 +161,7 @@ TFD216 = Rule(
     "warning",
     "MaskProbe",
     title="a position table gets the same row at every position, or is never read",
+    headline="position table `{table}` gives the same row at every position",
     trigger=(
         "in one forward of the probe rows, a table of the token table's width with at least as many rows as the "
         "sequence (> 1) is looked up with indices constant along it, or is never read"

@@ -1,0 +1,240 @@
+"""The report a user reads at a glance (issue 48): a headline per finding, an evidence chart per warning or error, the
+run on one page (the loss with the findings marked, Coverage, the ranks), one self-contained HTML file; Coverage rows
+read and merged; older and cut files read as far as they go."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from lightning_tfdebug.__main__ import main
+from lightning_tfdebug.findings import HEADLINE_LIMIT, Finding
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
+from lightning_tfdebug.report import load_run, render
+from lightning_tfdebug.report.coverage import ASCII_SYMBOLS, merge_coverage, terminal_symbols
+from lightning_tfdebug.report.svg import bar_chart, line_chart, missing_chart, nice_ticks
+from lightning_tfdebug.rules import RULES, Rule, render_chart_table
+
+
+# ---------------------------------------------------------------------------------------------- the parsed page
+class Page(HTMLParser):
+    """The structure a test reads back from a report: tags, external references, figures with their alt texts and
+    captions, and the ids the headlines link to."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.external: list[str] = []
+        self.figures: list[dict[str, str]] = []
+        self.ids: set[str] = set()
+        self.links: list[str] = []
+        self.stack: list[str] = []
+        self._caption: list[str] | None = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append(tag)
+        self.stack.append(tag)
+        if "id" in a:
+            self.ids.add(a["id"])
+        if tag in ("script", "link", "iframe") or (tag == "img" and not a.get("src", "").startswith("data:")):
+            self.external.append(f"{tag} {a}")
+        if tag == "a" and a.get("href"):
+            self.links.append(a["href"])
+        if tag == "figure":
+            self.figures.append({"class": a.get("class", ""), "alt": "", "caption": "", "src": ""})
+        if tag == "img" and self.figures and self.stack.count("figure"):
+            self.figures[-1].update(alt=a.get("alt", ""), src=a.get("src", ""))
+        if tag == "figcaption":
+            self._caption = []
+
+    def handle_endtag(self, tag):
+        if tag == "figcaption" and self._caption is not None:
+            self.figures[-1]["caption"] = "".join(self._caption)
+            self._caption = None
+        if tag in self.stack:
+            del self.stack[len(self.stack) - 1 - self.stack[::-1].index(tag)]
+
+    def handle_data(self, data):
+        if self._caption is not None:
+            self._caption.append(data)
+
+
+def evidence_figures(page: Page) -> list[dict[str, str]]:
+    return [f for f in page.figures if f["class"] == "evidence"]
+
+
+def check_page(text: str, merged) -> Page:
+    """The page is one self-contained file with one evidence chart per warning or error, its code in caption and alt
+    text, every headline linking to its details, and no empty chart."""
+    page = Page(text)
+    assert page.external == [], page.external  # no script, stylesheet, font or image from elsewhere
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
+    flagged = [m for m in merged if m.severity != "info"]
+    figures = evidence_figures(page)
+    assert len(figures) == len(flagged)
+    for m, figure in zip(flagged, figures):
+        assert m.code in figure["caption"] and m.code in figure["alt"], figure
+        assert len(m.headline) <= HEADLINE_LIMIT
+    assert all(link[1:] in page.ids for link in page.links if link.startswith("#"))
+    assert len([link for link in page.links if link.startswith("#")]) == len(merged)
+    assert page.figures[0]["class"] == "overview"
+    for figure in page.figures:
+        assert figure["alt"] and figure["src"].startswith("data:image/svg+xml;base64,")
+    return page
+
+
+# ---------------------------------------------------------------------------------------------- headlines
+def test_a_headline_is_the_rules_template_filled_the_first_that_fits_else_the_title():
+    rule = Rule(
+        "TFD301", "warning", "GradNormMonitor", title="explosion", trigger="t", hint="h", reason="r",
+        message="m {grad_norm}", headline=("cap c = {cap:g}, floor {floor:.2f}", "floor {floor:.2f} nats"),
+    )  # fmt: skip
+    assert rule.verdict({"grad_norm": 1.0, "cap": 1.0, "floor": 2.9}).headline == "cap c = 1, floor 2.90"
+    assert rule.verdict({"grad_norm": 1.0, "floor": 2.9}).headline == "floor 2.90 nats"
+    assert rule.verdict({"grad_norm": 1.0, "floor": "nan"}).headline == "explosion"  # not a number: the title
+    long = Rule("TFD301", "warning", "G", title="x" * 400, trigger="t", hint="h", reason="r")
+    assert len(long.headline_for({})) == HEADLINE_LIMIT and long.headline_for({}).endswith("...")
+
+
+def test_a_finding_stores_its_headline_with_where_and_how_bad_and_reads_it_back():
+    found = Finding("TFD301", "warning", "GradNormMonitor", 12, 1, "m", {"grad_norm": 50.0, "factor": 12.5,
+                    "running_median": 4.0}, headline="")  # fmt: skip
+    line = "TFD301 warning step 12 rank 1: gradient norm explosion: 50, 12.5x the running median 4"
+    assert found.headline == line and found.what == line.split(": ", 1)[1]
+    data = json.loads(found.to_json())
+    assert data["headline"] == line and Finding.from_dict(data) == found
+    given = Finding("TFD301", "warning", "GradNormMonitor", 12, 1, "m", headline="said by the verdict")
+    assert given.headline == "TFD301 warning step 12 rank 1: said by the verdict"
+    older = {k: v for k, v in data.items() if k != "headline"}  # a line an older pack wrote
+    assert Finding.from_dict(older).headline == line
+    unknown = Finding("TFD799", "info", "Mine", 0, 0, "a message of a rule nobody registered " * 10)
+    assert len(unknown.headline) == HEADLINE_LIMIT
+
+
+def test_every_rule_with_a_chart_is_in_the_registrys_chart_table():
+    table = render_chart_table()
+    charted = [r for r in RULES.values() if r.chart is not None]
+    assert len(charted) >= 25
+    for r in charted:
+        assert isinstance(r.chart, EvidenceChart) and f"| {r.code} |" in table and r.chart.question in table
+    assert "none of its own: the training loss around its step" in table
+
+
+# ---------------------------------------------------------------------------------------------- coverage
+def coverage_record(member, check, status, rank, codes=(), reason=None, setting=None):
+    return {"member": member, "check": check, "status": status, "reason": reason, "setting": setting,
+            "codes": list(codes), "step": 3, "rank": rank}  # fmt: skip
+
+
+def write_lines(path: Path, records: list[dict], cut: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + cut)
+
+
+def test_coverage_rows_merge_over_ranks_the_last_line_wins_and_a_finding_turns_a_row():
+    records = [
+        coverage_record("MaskProbe", "causal mask", "unknown", 0, ["TFD201"], reason="fused", setting="eager"),
+        coverage_record("MaskProbe", "causal mask", "verified", 0, ["TFD201"]),  # the last line of rank 0 wins
+        coverage_record("MaskProbe", "causal mask", "verified", 1, ["TFD201"]),
+        coverage_record("MaskProbe", "padding", "verified", 0, ["TFD202"]),
+        coverage_record("MaskProbe", "padding", "unknown", 1, ["TFD202"], reason="no mask", setting="`mask_key`"),
+        coverage_record("OptimizerAudit", "eval determinism", "n/a", 0, reason="no validation loop"),
+        coverage_record("OptimizerAudit", "eval determinism", "n/a", 1, reason="no validation loop"),
+        coverage_record("LossAtInit", "loss = cross-entropy of the logits", "verified", 1, ["TFD233"]),
+    ]
+    rows = {r.check: r for r in merge_coverage(records, found_codes={"TFD233"})}
+    assert rows["causal mask"].status == "verified" and rows["causal mask"].ranks == (0, 1)
+    assert rows["padding"].status == "unknown" and rows["padding"].setting == "`mask_key`"
+    assert rows["padding"].line() == "? MaskProbe: padding (could not check: no mask; to let it run: `mask_key`)"
+    assert rows["eval determinism"].line() == "\u2013 OptimizerAudit: eval determinism (n/a: no validation loop)"
+    assert rows["loss = cross-entropy of the logits"].status == "finding"
+    assert rows["loss = cross-entropy of the logits"].line(ASCII_SYMBOLS).startswith("X LossAtInit")
+
+    class Latin1:
+        encoding = "latin-1"
+
+    assert terminal_symbols(Latin1()) == ASCII_SYMBOLS  # a terminal that cannot print a check mark gets words
+
+
+def test_coverage_is_read_up_to_a_cut_line_shown_in_every_form_and_fails_check_when_unverified(tmp_path, capsys):
+    tfdebug = tmp_path / "version_0" / "tfdebug"
+    write_lines(
+        tfdebug / "coverage-rank0.jsonl",
+        [coverage_record("MaskProbe", "causal mask", "verified", 0, ["TFD201"])],
+        cut='{"member": "MaskProbe", "check": "padd',  # the process was killed mid-line
+    )
+    write_lines(tfdebug / "findings-rank0.jsonl", [])
+    run = load_run(tmp_path)
+    assert [(r.check, r.status) for r in run.coverage] == [("causal mask", "verified")]
+    assert main(["report", str(tmp_path), "--fail-on", "unverified"]) == 0
+    assert "coverage: 1 verified" in capsys.readouterr().out
+    write_lines(
+        tfdebug / "coverage-rank1.jsonl",
+        [coverage_record("MaskProbe", "padding", "unknown", 1, ["TFD202"], reason="no mask", setting="`mask_key`")],
+    )
+    assert main(["report", str(tmp_path), "--fail-on", "unverified"]) == 1
+    assert main(["report", str(tmp_path)]) == 0  # the default (error) does not fail on a row it could not check
+    text = capsys.readouterr().out
+    assert "coverage: 1 verified, 1 could not check" in text and "to let it run: `mask_key`" in text
+    assert main(["report", str(tmp_path), "--format", "markdown"]) == 0
+    markdown = capsys.readouterr().out
+    assert "| ? | MaskProbe | padding | no mask; to let it run: `mask_key` |" in markdown
+    assert main(["report", str(tmp_path), "--format", "json", "--fail-on", "unverified"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert [row["status"] for row in data["coverage"]] == ["verified", "unknown"] and data["exit_status"] == 1
+    page = Page(render(load_run(tmp_path), "html"))
+    assert "table" in page.tags and page.external == []
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_an_older_log_dir_is_read_as_far_as_it_goes_and_says_what_is_missing(tmp_path, capsys):
+    tfdebug = tmp_path / "version_0" / "tfdebug"
+    old = {"code": "TFD301", "severity": "warning", "source": "GradNormMonitor", "step": 7, "rank": 0,
+           "message": "The gradient norm rose.", "evidence": {"grad_norm": 80.0, "factor": 20.0,
+           "running_median": 4.0}, "hint": "Lower the LR."}  # fmt: skip
+    write_lines(tfdebug / "findings-rank0.jsonl", [old], cut='{"code": "TFD3')
+    with pytest.warns(UserWarning, match="cut off"):
+        run = load_run(tmp_path)
+    [m] = run.merged
+    assert m.headline == "TFD301 warning step 7 rank 0: gradient norm explosion: 80, 20.0x the running median 4"
+    assert any(w.startswith("pack.json") for w in run.missing)
+    assert any(w.startswith("coverage-rank<r>.jsonl") for w in run.missing)
+    assert any("`headline` field in findings-rank0.jsonl" in w for w in run.missing)
+    with pytest.warns(UserWarning):
+        assert main(["report", str(tmp_path), "--verbose"]) == 0
+    text = capsys.readouterr().out
+    assert "not in this run's files: pack.json" in text and "hint: Lower the LR." in text
+    with pytest.warns(UserWarning):
+        page_text = render(load_run(tmp_path), "html")
+    page = check_page(page_text, run.merged)
+    # no series were logged (no TensorBoard files): the charts say what is missing instead of drawing empty axes
+    [figure] = evidence_figures(page)
+    assert "not drawn: the logged series `grad_norm/total`" in figure["caption"]
+    assert "<polyline" not in page_text and "Not drawn" in _decoded(page_text)
+
+
+def _decoded(text: str) -> str:
+    import base64
+
+    return "".join(base64.b64decode(b).decode() for b in re.findall(r"base64,([A-Za-z0-9+/=]+)", text))
+
+
+# ---------------------------------------------------------------------------------------------- drawing
+def test_the_svg_charts_have_one_unit_a_title_an_alt_text_and_say_what_is_missing():
+    assert nice_ticks(0.3, 7.9) == [2, 4, 6] and nice_ticks(5.0, 5.0) == [5.0]
+    chart = line_chart("Q?", "nats", {"a": [(0, 3.0), (5, float("nan")), (9, 2.0)]}, alt="TFD233 alt",
+                       marks=[(4, "TFD233")], lines=[(2.5, "floor 2.5")])  # fmt: skip
+    assert chart.count("<title>TFD233 alt</title>") == 1 and ">nats<" in chart and ">Q?<" in chart
+    assert "floor 2.5" in chart and ">TFD233<" in chart
+    empty = line_chart("Q?", "nats", {"a": [(0, float("nan"))]}, alt="alt")
+    assert "<polyline" not in empty and "no finite value" in empty
+    bars = bar_chart("B?", "GiB", [("weights", 1.0), ("held", 3.0)], alt="bars")
+    assert bars.count("<rect") >= 3 and ">weights<" in bars
+    gone = missing_chart("M?", "not logged: x", "alt")
+    assert "not logged: x" in gone and "<line" not in gone
