@@ -220,6 +220,12 @@ TFD342 = Rule(
     "warning",
     "DeadActivation",
     title="layers with more than `saturation_threshold` saturated elements for `patience` measurements",
+    headline="{count} layers with more than {threshold:.0%} saturated elements",
+    chart=EvidenceChart(
+        "Which layers saturate?",
+        "fraction of elements",
+        logged=("dead_activation/saturated_frac/<layer>",),
+    ),
     trigger=(
         "a layer's saturated fraction (local gradient below `saturation_grad`: tanh/sigmoid near their bounds, "
         "GELU/SiLU/Mish deep in the negative tail) above `saturation_threshold` for `patience` measurements"
@@ -255,6 +261,12 @@ TFD344 = Rule(
     title=(
         "the saturated fraction of a layer is rising: `saturation_rise` above its lowest value for `patience` "
         "measurements"
+    ),
+    headline="the saturated fraction is rising: {listed}",
+    chart=EvidenceChart(
+        "Is the saturated fraction of a layer rising?",
+        "fraction of elements",
+        logged=("dead_activation/saturated_frac/<layer>",),
     ),
     trigger=(
         "a layer's saturated fraction risen by `saturation_rise` above its lowest value, for `patience` "

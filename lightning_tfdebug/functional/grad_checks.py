@@ -229,6 +229,8 @@ TFD303 = Rule(
     "error",
     "GradNormMonitor",
     title="non-finite gradients (without a GradScaler), naming the groups",
+    headline="non-finite gradients in {count} tensors: {names}",
+    chart=EvidenceChart("When did the gradients turn non-finite?", "tensors", logged=("grad_norm/nonfinite",)),
     trigger="a gradient holds inf/nan (without a GradScaler; with one, ScalerWatch owns overflow)",
     hint=(
         "Add NaNFirstFrame to find the first module that produced them; check the learning rate, the loss (log of"
@@ -261,6 +263,7 @@ TFD304 = Rule(
     "warning",
     "GradNormMonitor",
     title="trainable parameters that never receive a gradient",
+    headline="{count} trainable parameters never receive a gradient: {names}",
     trigger="a trainable parameter received no gradient in `patience` measured steps",
     hint=(
         "They are not used in the forward that produces the loss (dead branch, a detach, a module called outside "

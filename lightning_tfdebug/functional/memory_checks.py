@@ -210,6 +210,12 @@ TFD620 = Rule(
     "warning",
     "MemoryWatch",
     title="the longest batch the data can produce would not fit in memory",
+    headline="the longest batch ({longest_width:,} tokens) would not fit in memory: {forecast}",
+    chart=EvidenceChart(
+        "Does the longest batch fit in memory?",
+        "GiB",
+        logged=("memory_watch/held_gib", "memory_watch/forecast_gib", "memory_watch/limit_gib"),
+    ),
     trigger=(
         "the fit of memory against token positions per batch, taken to the longest batch the data can produce (the "
         "most rows seen x the context limit), exceeds the memory the process may use, on some rank"

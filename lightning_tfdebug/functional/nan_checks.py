@@ -174,6 +174,7 @@ TFD403 = Rule(
     "error",
     "NaNFirstFrame",
     title="the loss or gradients became non-finite and replaying the step to locate the frame failed",
+    headline="non-finite at step {bad_step} on rank(s) {ranks}; the replay to locate it failed",
     trigger=(
         "the loss or gradients became non-finite and replaying the step to locate the first bad frame raised; the"
         " report holds the error"

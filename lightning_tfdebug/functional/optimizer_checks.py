@@ -68,6 +68,7 @@ TFD321 = Rule(
     "error",
     "OptimizerAudit",
     title="parameters in more than one param group or optimizer",
+    headline="{count} parameters in more than one param group or optimizer",
     trigger="a parameter in more than one param group / optimizer",
     hint="Each parameter must be stepped by exactly one param group; build the groups from disjoint sets.",
     reason=(
@@ -142,6 +143,7 @@ TFD323 = Rule(
     "error",
     "OptimizerAudit",
     title="the optimizer holds tensors that are not parameters of the module",
+    headline="the optimizer holds {count} tensors that are not parameters of the module",
     trigger="the optimizer holds tensors that are not parameters of the module (stale copies)",
     hint=(
         "The optimizer was built before the model was moved, copied or rebuilt; build it in "
@@ -356,6 +358,7 @@ TFD333 = Rule(
         "Adam-family optimizer over float16 parameters with `eps` < 1.7e-5: float16 moments underflow, huge or "
         "infinite steps"
     ),
+    headline="{optimizer} over float16 with eps={eps:g}: the moments underflow",
     trigger=(
         "an Adam-family optimizer steps float16 parameters (so float16 moments) with `eps` < 1.7e-5: the second "
         "moment of gradients below 1.7e-4 underflows to 0 and the step is `lr * m / eps`, over 10x Adam's normal "
@@ -406,6 +409,7 @@ TFD336 = Rule(
     "warning",
     "OptimizerAudit",
     title="weight decay that shrinks weights by more than 5e-3 of themselves per step (`lr * weight_decay`)",
+    headline="weight decay shrinks the weights by {decay_per_step:.3g} per step (lr {lr:.3g} x wd {weight_decay:g})",
     trigger=(
         "decoupled (AdamW) or SGD weight decay with `lr * weight_decay > 5e-3` per step (the scheduler's "
         "`initial_lr` when there is one): weights halve in under ~140 steps without gradients"

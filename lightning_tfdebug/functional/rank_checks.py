@@ -222,6 +222,8 @@ TFD504 = Rule(
     title=(
         "a rank's loss far from the median over ranks, sustained; with two ranks, the two losses far apart (both named)"
     ),
+    headline="a rank's loss far from the others: {what}",
+    chart=EvidenceChart("Do the ranks' losses agree?", "loss", logged=("per_rank/loss/rank<rank>",)),
     trigger=(
         "a rank's loss differs from the median over ranks by more than `loss_spread` of it (two ranks: the two "
         "losses by more than `loss_spread` of the smaller; both named), for `patience` measurements"
@@ -335,6 +337,7 @@ TFD505 = Rule(
     "error",
     "PerRankLogger",
     title="a non-finite loss, naming the rank(s) that produced it",
+    headline="non-finite loss on rank(s) {rank_list} at step {at_step}",
     trigger="a rank's training loss is inf/nan; names the rank(s)",
     hint=(
         "Look at that rank's batch (its fingerprint is in tfdebug/rank<r>.jsonl) and add NaNFirstFrame to find "

@@ -147,6 +147,7 @@ TFD413 = Rule(
     "warning",
     "ScalerWatch",
     title="a per-step LR scheduler advanced on steps the optimizer skipped",
+    headline="LR scheduler {scheduler} advanced on {scheduler_steps_on_skipped} skipped steps",
     trigger=(
         "a per-step LR scheduler advanced (its `last_epoch`) on `lr_skipped_steps` optimizer steps that the "
         "GradScaler skipped"
@@ -184,6 +185,8 @@ TFD414 = Rule(
     "warning",
     "ScalerWatch",
     title="the scale never grew for several growth intervals",
+    headline="the loss scale never grew in {steps_without_growth} steps",
+    chart=EvidenceChart("Does the loss scale grow?", "loss scale", logged=("scaler/scale",), log_scale=True),
     trigger="the loss scale did not grow for `no_growth_intervals` x `growth_interval` steps",
     hint=(
         "Overflows recur regularly: look for the module near the fp16 limit (NaNFirstFrame, eager mode) or switch"

@@ -282,6 +282,8 @@ TFD531 = Rule(
     "error",
     "SpikeGuard",
     title="loss spikes that repeat, or a loss that does not come back to its baseline",
+    headline="{count} loss spikes that repeat, or a loss that does not come back ({steps})",
+    chart=EvidenceChart("Does the loss come back after its spikes?", "loss", logged=(TRAINING_LOSS,)),
     trigger="`max_spikes` spikes within `spike_window` steps, or `max_skips` spiking steps in a row",
     hint=(
         "A run that spikes again and again is unstable, not unlucky: lower the peak LR or lengthen the warm-up, add "

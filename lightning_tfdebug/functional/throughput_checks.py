@@ -347,6 +347,7 @@ TFD607 = Rule(
     "warning",
     "ThroughputMonitor",
     title="`torch.compile` hit its recompile limit during training: that code now runs uncompiled",
+    headline="torch.compile hit its recompile limit {limit_hits:.0f} times: that code runs uncompiled",
     trigger="`torch.compile` hit its recompile limit during training, so that code runs uncompiled",
     hint=(
         'Find what forces the recompilations (TORCH_LOGS="recompiles"): usually changing input shapes or Python '
@@ -403,6 +404,8 @@ TFD603 = Rule(
     "warning",
     "ThroughputMonitor",
     title="the median step time regressed to more than `regression_factor` x the early window, sustained",
+    headline="step time regressed to {step_time_ms:.1f} ms, {ratio_to_early:.2f}x the early window",
+    chart=EvidenceChart("Did the step time grow?", "ms", logged=("throughput/step_time_ms",)),
     trigger=(
         "the median and the mean step time over the last `window` steps above `regression_factor` x the early "
         "window's (after `skip_steps`, over `baseline_steps`), for `patience` measurements in a row that the "
@@ -436,6 +439,7 @@ TFD606 = Rule(
     "warning",
     "ThroughputMonitor",
     title="`torch.compile` keeps compiling new graphs after the early window, at each of `patience` measurements",
+    headline="torch.compile keeps compiling: {new_graphs:.0f} new graphs after the early window",
     trigger="`torch.compile` compiled new graphs (TorchDynamo's counters) at each of `patience` measurements",
     hint=(
         "A guard of the compiled code changes every step: input shapes (pad to a few bucket lengths or let shapes "

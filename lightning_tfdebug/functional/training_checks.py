@@ -82,6 +82,8 @@ TFD329 = Rule(
     "warning",
     "OptimizerAudit",
     title="the LR scheduler stepped more than once per optimizer step",
+    headline="LR scheduler {scheduler} stepped {per_step} times per optimizer step",
+    chart=EvidenceChart("How does the learning rate move?", "learning rate", logged=("optimizer_audit/lr/<group>",)),
     trigger="an LR scheduler stepped more than once between two steps of its optimizer",
     hint=(
         "Step the scheduler once per optimizer step (not per micro-batch under gradient accumulation), and not by"
@@ -194,6 +196,12 @@ TFD331 = Rule(
     "warning",
     "OptimizerAudit",
     title="the LR reached zero long before the end of the run",
+    headline="the LR reached zero at step {step} of {total}",
+    chart=EvidenceChart(
+        "When does the learning rate reach zero?",
+        "learning rate",
+        logged=("optimizer_audit/lr/<group>",),
+    ),
     trigger="the LR reached zero before `zero_lr_fraction` of the run",
     hint=(
         "Size the schedule (total / decay steps) in optimizer steps of this run, accounting for gradient "
@@ -224,6 +232,8 @@ TFD335 = Rule(
         "the LR has not moved since the first step and sits below half the scheduler's base LR: a step-sized "
         "warm-up stepped per epoch"
     ),
+    headline="the LR has not moved since step 0 and sits at {share:.1%} of the base LR {base_lr:.3g}",
+    chart=EvidenceChart("Does the learning rate move?", "learning rate", logged=("optimizer_audit/lr/<group>",)),
     trigger=(
         "a transformer's LR unchanged from the first step to the next measured step and below half of its "
         "schedulers' `base_lrs` (reported instead of TFD330)"
@@ -345,6 +355,7 @@ TFD332 = Rule(
     "warning",
     "OptimizerAudit",
     title="a parameter byte-identical after steps that should have changed it",
+    headline="parameter `{parameter}` byte-identical after {steps} steps",
     trigger="a parameter with a gradient and LR > 0 byte-identical after `patience` measured steps",
     hint=(
         "The update underflows the parameter's dtype (bf16/fp16 weights with a small LR: keep fp32 master "
@@ -378,6 +389,7 @@ TFD334 = Rule(
     "error",
     "OptimizerAudit",
     title="gradients not zeroed between optimizer steps (manual optimization without `zero_grad`)",
+    headline="gradients not zeroed between optimizer steps (step {global_step})",
     trigger=(
         "at the first backward after an optimizer step (on a measuring step), a param group's probe parameter "
         "still holds non-zero gradients from earlier steps"

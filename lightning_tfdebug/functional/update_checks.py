@@ -446,6 +446,8 @@ TFD314 = Rule(
         "the weights deflate (median group norm fell below 1/`growth_limit` in `growth_window` steps): decay far "
         "too strong"
     ),
+    headline="the weights deflate: median group norm x{median_growth:.3g} in {steps} steps",
+    chart=EvidenceChart("Do the weights shrink?", "L2 norm", logged=("update_ratio/param_norm/total",)),
     trigger=(
         "the median group weight norm fell below `1 / growth_limit` of its value within `growth_window` optimizer steps"
     ),

@@ -24,6 +24,13 @@ TFD225 = Rule(
     "warning",
     "LossAtInit",
     title='at the check the loss is still at ln(V), flat over a window ("stalled at the uniform loss")',
+    headline="loss stalled at ln V: {loss:.3f} at step {step} (ln V = {expected_loss:.3f})",
+    chart=EvidenceChart(
+        "Is the loss stuck at the uniform loss ln V?",
+        "nats",
+        logged=("loss_at_init/loss",),
+        lines=("expected_loss",),
+    ),
     trigger=(
         "at `check_step` (5x for masked-LM labels) the training loss is within `stall_tolerance` of ln(V) and fell"
         " by less than `stall_tolerance` of ln(V) since half-way to the check; the message compares it with the "
@@ -332,6 +339,13 @@ TFD232 = Rule(
     "warning",
     "LossAtInit",
     title="the model ignores its context: the loss stalls at the labels' unigram entropy (token frequencies only)",
+    headline="the model ignores its context: loss {loss:.3f} at the unigram entropy {unigram_entropy:.3f} nats",
+    chart=EvidenceChart(
+        "Does the loss sit at the unigram entropy?",
+        "nats",
+        logged=("loss_at_init/loss",),
+        lines=("unigram_entropy",),
+    ),
     trigger=(
         "at the check the loss is flat at the labels' unigram entropy (0.85x to 1.1x), the loss against labels "
         "rolled by one sample is within 1% of it, and the labels repeat their own inputs (so they are right); "

@@ -57,6 +57,14 @@ TFD206 = Rule(
     "error",
     "MaskProbe",
     title="labels shifted twice: position t is trained on token t+2",
+    headline=(
+        "labels shifted twice: loss {loss_returned:.4g} = two ahead {two_ahead:.4g}, not one ahead {one_ahead:.4g}"
+    ),
+    chart=EvidenceChart(
+        "Which labelling does the returned loss match?",
+        "nats",
+        bars=("loss_returned", "loss_unshifted", "loss_shifted", "loss_shifted2"),
+    ),
     trigger=(
         "position t trained on token t+2: labels shifted in the data and again by the loss, or equal to the inputs "
         "and shifted twice by `training_step` (by hand, then inside a Hugging Face model)"

@@ -22,6 +22,12 @@ TFD213 = Rule(
     "error",
     "MaskProbe",
     title="the same tokens twice in eval mode gave different logits (randomness ignores `.eval()`)",
+    headline="eval mode is not deterministic: the same tokens moved the logits by {max_change:.3g}",
+    chart=EvidenceChart(
+        "How far do the logits move between two eval passes?",
+        "logit change",
+        bars=("max_change", "tolerance"),
+    ),
     trigger="two eval-mode forwards of the same tokens differ beyond the tolerance (the other checks are skipped)",
     hint=(
         "Something random runs regardless of `.eval()`: usually `F.dropout(x, p)` (its `training` argument "
