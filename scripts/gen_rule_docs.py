@@ -6,11 +6,11 @@ Usage::
     python scripts/gen_rule_docs.py --check  # exit 1, naming the files, when the docs drifted from the registry
 
 Only the regions between ``<!-- rules:<Source>[:detail] -->`` and ``<!-- /rules -->`` (a callback's findings) and
-between ``<!-- keys:<Source> -->`` and ``<!-- /keys -->`` (its logged keys, from the class's ``KEYS``) and between
-``<!-- charts -->`` and ``<!-- /charts -->`` (each rule's headline and evidence chart, in ``docs/report.md``) are written;
-the prose around them is hand-written. ``docs/findings.md`` holds each callback's detailed table (trigger, what to
-do, and why the rule has its severity: the rule's ``reason`` under the policy of ``docs/severity.md``), each
-callback's page its short table (meaning). ``tests/test_rules.py`` runs the check.
+between ``<!-- keys:<Source> -->`` and ``<!-- /keys -->`` (its logged keys, from the class's ``KEYS``) and
+between ``<!-- charts -->`` and ``<!-- /charts -->`` (each rule's headline and evidence chart, in
+``docs/report.md``) are written; the prose around them is hand-written. ``docs/findings.md`` holds each callback's
+detailed table (trigger, what to do, and why the rule has its severity: the rule's ``reason`` under the policy of
+``docs/severity.md``), each callback's page its short table (meaning). ``tests/test_rules.py`` runs the check.
 """
 
 from __future__ import annotations

@@ -216,10 +216,10 @@ def test_an_older_log_dir_is_read_as_far_as_it_goes_and_says_what_is_missing(tmp
     # no series were logged (no TensorBoard files): the charts say what is missing instead of drawing empty axes
     [figure] = evidence_figures(page)
     assert "not drawn: the logged series `grad_norm/total`" in figure["caption"]
-    assert "<polyline" not in page_text and "Not drawn" in _decoded(page_text)
+    assert "<polyline" not in page_text and "Not drawn" in decoded(page_text)
 
 
-def _decoded(text: str) -> str:
+def decoded(text: str) -> str:
     import base64
 
     return "".join(base64.b64decode(b).decode() for b in re.findall(r"base64,([A-Za-z0-9+/=]+)", text))
@@ -238,3 +238,36 @@ def test_the_svg_charts_have_one_unit_a_title_an_alt_text_and_say_what_is_missin
     assert bars.count("<rect") >= 3 and ">weights<" in bars
     gone = missing_chart("M?", "not logged: x", "alt")
     assert "not logged: x" in gone and "<line" not in gone
+
+
+# ---------------------------------------------------------------------------------------------- the bug matrix
+REPORTED = [(7, "encoder_lm"), (19, "encoder_lm"), (12, "gpt2"), (13, "tinygpt"), (47, "tinygpt"), (36, "t5"),
+            (36, "bart"), (29, "llama")]  # fmt: skip
+"""One or two rows of every family of the bug matrix, whose warnings and errors the report must show."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row, family", REPORTED, ids=[f"row{r}-{f}" for r, f in REPORTED])
+def test_every_warning_and_error_of_a_bug_matrix_run_has_a_headline_and_its_chart(tmp_path, row, family):
+    pytest.importorskip("transformers")
+    from tests.test_bug_matrix import CASES, run_case
+
+    run_case(tmp_path, CASES[row, family])
+    run = load_run(tmp_path / "tb" / "version_0")
+    flagged = [m for m in run.merged if m.severity != "info"]
+    assert flagged, f"row {row} on {family}: no warning or error to report"
+    page_text = render(run, "html")
+    page = check_page(page_text, run.merged)
+    # a rule's own chart, drawn from the run (the loss around the step for a rule without one)
+    drawn = [f for f in evidence_figures(page) if "not drawn" not in f["caption"]]
+    assert drawn, [f["caption"] for f in evidence_figures(page)]
+    markdown = render(run, "markdown")
+    assert all(f"- [{m.headline}](#" in markdown for m in run.merged)
+    assert markdown.count("![") == 1 + len(flagged) + sum(len(f) for _, f in _folds(run))
+
+
+def _folds(run):
+    from lightning_tfdebug.report.evidence import fold_figures
+    from lightning_tfdebug.report.run import read_series
+
+    return fold_figures(read_series(run.log_dir))
