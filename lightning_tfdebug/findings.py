@@ -12,7 +12,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -100,10 +100,8 @@ class Finding:
     def _what(self) -> str:
         """The rule's headline filled from the evidence (a finding built without one, or read from an older file);
         the message for a code no rule registers."""
-        from lightning_tfdebug.rules import RULES  # the registry reads every rule module: imported when first needed
-
-        registered = RULES.get(self.code)
-        return registered.headline_for(self.evidence) if registered is not None else self.message
+        what = _headline_source(self.code, self.evidence) if _headline_source is not None else None
+        return self.message if what is None else what
 
     def to_dict(self) -> dict[str, Any]:
         """The finding as a plain dict whose values are JSON-serialisable."""
@@ -131,6 +129,16 @@ class Finding:
         if self.hint:
             lines.append(f"  hint: {self.hint}")
         return "\n".join(lines)
+
+
+_headline_source: Callable[[str, Mapping[str, Any]], str | None] | None = None
+
+
+def set_headline_source(source: Callable[[str, Mapping[str, Any]], str | None]) -> None:
+    """Where a finding built without a headline gets one: ``source(code, evidence)``, its rule's headline (None: no
+    rule has that code). The rule registry sets it when it is imported (it reads this module, not the reverse)."""
+    global _headline_source
+    _headline_source = source
 
 
 def headline_line(prefix: str, what: str) -> str:

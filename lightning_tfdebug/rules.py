@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 from lightning_tfdebug.callbacks.batch_guard import checks as batch_guard_checks
 from lightning_tfdebug.callbacks.loss_at_init import init_checks as loss_init_checks
 from lightning_tfdebug.callbacks.loss_at_init import stall_checks as loss_stall_checks
 from lightning_tfdebug.callbacks.loss_at_init import transform_checks as loss_transform_checks
 from lightning_tfdebug.callbacks.mask_probe import alignment_checks, leak_checks, padding_checks, position_checks
+from lightning_tfdebug.findings import set_headline_source
 from lightning_tfdebug.functional import (
     activation_checks,
     attention_checks,
@@ -121,6 +123,14 @@ RULES: Mapping[str, Rule] = MappingProxyType(_REGISTRY)
 
 BUILTIN_CODES: frozenset[str] = frozenset(_REGISTRY)
 """The codes of the pack's own rules (those documented in ``docs/findings.md``)."""
+
+
+def _headline_of(code: str, evidence: Mapping[str, Any]) -> str | None:
+    registered = _REGISTRY.get(code)
+    return None if registered is None else registered.headline_for(evidence)
+
+
+set_headline_source(_headline_of)  # a finding read from an older file, or built without a headline, gets its rule's
 
 
 def register_rule(new: Rule) -> Rule:
