@@ -9,8 +9,8 @@ Usage::
 The demo is ``examples/train.py fit --config examples/demo.yaml`` with ``--model.lr 0.1`` (the demo's LR is 1e-3)
 for 120 steps, written under a temporary directory. Written: ``docs/images/report-overview.svg`` (the training loss
 with every warning and error marked), ``docs/images/report-evidence.svg`` (the evidence chart of the first warning or
-error), and the text report (one headline per finding) between ``<!-- headlines -->`` and ``<!-- /headlines -->`` in
-``docs/report.md``.
+error whose rule has a chart of its own), and the text report (one headline per finding) between
+``<!-- headlines -->`` and ``<!-- /headlines -->`` in ``docs/report.md``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def draw(log_dir: Path, shown_as: str = "runs/demo/version_0") -> list[Path]:
     page = ROOT / "docs" / "report.md"
     written = [IMAGES / "report-overview.svg", IMAGES / "report-evidence.svg", page]
     written[0].write_text(overview_figure(run, series, merged).svg + "\n", encoding="utf-8")
-    flagged = [m for m in merged if m.severity != "info"]
+    from lightning_tfdebug.rules import RULES
+
+    # the first warning or error whose rule draws a chart of its own (else the first: the loss around its step)
+    flagged = sorted((m for m in merged if m.severity != "info"), key=lambda m: RULES[m.code].chart is None)
     if flagged:
         written[1].write_text(finding_figure(flagged[0], series).svg + "\n", encoding="utf-8")
     text = render(run, "text").replace(str(run.log_dir), shown_as)

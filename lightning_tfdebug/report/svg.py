@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from html import escape
 
 WIDTH, HEIGHT = 720, 260
-_LEFT, _RIGHT, _TOP, _BOTTOM = 64, 16, 30, 40
+_LEFT, _RIGHT, _TOP, _BOTTOM = 64, 16, 40, 40
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")
 MARK = "#d62728"
 Points = Sequence[tuple[float, float]]
@@ -124,8 +124,8 @@ def _legend(names: Sequence[str], colours: Sequence[str]) -> list[str]:
     out, x = [], _LEFT + 6
     for name, colour in zip(names, colours):
         label = name if len(name) <= 40 else name[:37] + "..."
-        out.append(f'<rect x="{x}" y="{_TOP + 2}" width="10" height="3" fill="{colour}"/>')
-        out.append(f'<text x="{x + 13}" y="{_TOP + 7}" font-size="10">{escape(label)}</text>')
+        out.append(f'<rect x="{x}" y="{_TOP - 12}" width="10" height="3" fill="{colour}"/>')
+        out.append(f'<text x="{x + 13}" y="{_TOP - 7}" font-size="10">{escape(label)}</text>')
         x += 22 + 6 * len(label)
         if x > WIDTH - 120:
             break
@@ -177,7 +177,7 @@ def line_chart(
             f'stroke-dasharray="4,3"/>'
         )
         if label:
-            y = _TOP + 20 + 11 * (row % 4)  # neighbouring marks' labels on four rows, not on top of each other
+            y = _TOP + 10 + 11 * (row % 4)  # neighbouring marks' labels on four rows, not on top of each other
             right = x > WIDTH - _RIGHT - 60  # near the right edge: the label to the left of its line
             anchor = f'x="{x - 3:.1f}" text-anchor="end"' if right else f'x="{x + 3:.1f}"'
             out.append(f'<text {anchor} y="{y}" fill="{MARK}" font-size="10">{escape(label)}</text>')
