@@ -111,6 +111,16 @@ def test_a_healthy_run_reports_0_and_a_buggy_run_1_with_pictures_and_the_report_
     assert {m.code for m in run.merged if m.severity != "info"} >= {"TFD312"}
     assert any("TFD312" in f["caption"] for f in evidence_figures(page))
     assert any(f["class"] == "series" for f in page.figures)  # every series by unit, behind the fold
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    texts = [  # TensorBoard's text tab: the headlines on one card at the end of fit
+        value.tensor.string_val[0].decode()
+        for path in (tmp_path / "bug" / "tb" / "version_0").glob("events.out.tfevents.*")
+        for event in EventFileLoader(str(path)).Load()
+        for value in event.summary.value
+        if value.tag.startswith("tfdebug/headlines")
+    ]
+    assert len(texts) == 1 and f"- {run.merged[0].headline}" in texts[0], texts
 
 
 def _check(tmp_path: Path, *extra: str, steps: int = 16) -> subprocess.CompletedProcess[str]:

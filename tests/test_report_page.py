@@ -271,3 +271,18 @@ def _folds(run):
     from lightning_tfdebug.report.run import read_series
 
     return fold_figures(read_series(run.log_dir))
+
+
+def test_a_chart_from_the_evidence_alone_needs_no_logged_series(tmp_path):
+    """A stall: each rank's last step as a bar, labelled with its phase; no TensorBoard file is needed."""
+    ranks = {"0": {"step": 3, "phase": "backward", "where": "x"}, "1": {"step": 2, "phase": "training step"}}
+    stall = Finding("TFD520", "error", "StallWatchdog", 3, 0, "No progress.",
+                    {"rank": 0, "step": 3, "phase": "backward", "idle_s": 2.4, "ranks": ranks})  # fmt: skip
+    write_lines(tmp_path / "version_0" / "tfdebug" / "findings-rank0.jsonl", [stall.to_dict()])
+    run = load_run(tmp_path)
+    assert run.merged[0].headline == "TFD520 error step 3 rank 0: no progress for 2.4 s on rank 0 at step 3 (backward)"
+    text = render(run, "html")
+    [figure] = evidence_figures(check_page(text, run.merged))
+    assert "not drawn" not in figure["caption"] and "TFD520" in figure["alt"]
+    svg = decoded(text)
+    assert ">0 (backward)<" in svg and ">1 (training step)<" in svg

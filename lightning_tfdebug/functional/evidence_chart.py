@@ -36,6 +36,8 @@ class EvidenceChart:
         lines: evidence fields drawn as horizontal lines (a floor, a median, a limit), labelled with their names.
         bars: an evidence field holding a list or a ``{name: value}`` mapping, drawn as bars (per sample, per rank),
             or several fields holding one number each, one bar per field; a chart with bars draws no step axis.
+        bar_value: when each item of ``bars`` is itself a mapping (``{rank: {"step": 3, "phase": ...}}``): the field
+            drawn; ``bar_label``: a field added to each bar's label.
         window: steps drawn either side of the finding's step (0: the whole run).
         log_scale: a logarithmic value axis (values spanning decades, such as a gradient norm that explodes).
     """
@@ -47,6 +49,8 @@ class EvidenceChart:
     evidence_y: tuple[str, ...] = ()
     lines: tuple[str, ...] = ()
     bars: str | tuple[str, ...] = ""
+    bar_value: str = ""
+    bar_label: str = ""
     window: int = 0
     log_scale: bool = False
 

@@ -113,7 +113,7 @@ def finding_figure(m: MergedFinding, series: Series) -> Figure:
             lines.append((value, f"{name} {svg._number(value)}"))
     if spec.bars:
         if isinstance(spec.bars, str):
-            bars, label = _bars(evidence_value(m.evidence, spec.bars)), spec.bars
+            bars, label = _bars(evidence_value(m.evidence, spec.bars), spec.bar_value, spec.bar_label), spec.bars
         else:
             bars = _bars({name: evidence_value(m.evidence, name) for name in spec.bars})
             label = ""
@@ -148,8 +148,14 @@ def finding_figure(m: MergedFinding, series: Series) -> Figure:
     return Figure(chart, alt, caption, True)
 
 
-def _bars(value: Any) -> list[tuple[str, float]]:
-    if isinstance(value, Mapping):
+def _bars(value: Any, field: str = "", label: str = "") -> list[tuple[str, float]]:
+    if isinstance(value, Mapping) and field:  # {name: {field: number, label: text}}
+        items = [
+            (f"{k} ({v.get(label)})" if label and isinstance(v, Mapping) else str(k), _number(evidence_value(v, field)))
+            for k, v in value.items()
+            if isinstance(v, Mapping)
+        ]
+    elif isinstance(value, Mapping):
         items = [(str(k), _number(v)) for k, v in value.items()]
     elif isinstance(value, (list, tuple)):
         items = [(str(i), _number(v)) for i, v in enumerate(value)]

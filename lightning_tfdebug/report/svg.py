@@ -233,9 +233,11 @@ def bar_chart(
             f'fill="{colour}"><title>{escape(label)}: {_number(value)}</title></rect>'
         )
         if len(bars) <= 24:
+            room = max(6, int(width / 6))  # characters that fit under the bar
+            shown = label if len(label) <= room else label[: room - 1] + "…"
             out.append(
                 f'<text x="{x + width * 0.35:.1f}" y="{HEIGHT - _BOTTOM + 14}" text-anchor="middle" font-size="10">'
-                f"{escape(label[:10])}</text>"
+                f"{escape(shown)}</text>"
             )
     for value, label in lines:
         if _shown(value, False):
