@@ -286,3 +286,26 @@ def test_a_chart_from_the_evidence_alone_needs_no_logged_series(tmp_path):
     assert "not drawn" not in figure["caption"] and "TFD520" in figure["alt"]
     svg = decoded(text)
     assert ">0 (backward)<" in svg and ">1 (training step)<" in svg
+
+
+def test_the_end_of_fit_summary_prints_headlines_the_open_coverage_rows_and_where_the_report_is(tmp_path):
+    from lightning_tfdebug.report import render_short
+
+    tfdebug = tmp_path / "version_0" / "tfdebug"
+    found = Finding("TFD312", "error", "UpdateRatio", 4, 0, "Group(s) head received gradients but did not change.",
+                    {"groups": ["head"]}, headline="groups got gradients but did not change: head")  # fmt: skip
+    write_lines(tfdebug / "findings-rank0.jsonl", [found.to_dict()])
+    write_lines(tfdebug / "coverage-rank0.jsonl", [
+        coverage_record("UpdateRatio", "optimizer covers the parameters", "verified", 0, ["TFD312"]),
+        coverage_record("MaskProbe", "causal mask", "verified", 0, ["TFD201"]),
+        coverage_record("MaskProbe", "padding", "unknown", 0, ["TFD202"], reason="no mask", setting="`mask_key`"),
+    ])  # fmt: skip
+    lines = render_short(load_run(tmp_path), symbols=ASCII_SYMBOLS).splitlines()
+    assert lines[1] == "  TFD312 error step 4 rank 0: groups got gradients but did not change: head"
+    assert lines[2:5] == [
+        "  coverage: 1 verified, 1 finding, 1 could not check",
+        "    X UpdateRatio: optimizer covers the parameters (finding TFD312)",
+        "    ? MaskProbe: padding (could not check: no mask; to let it run: `mask_key`)",
+    ]
+    assert lines[-1].startswith(f"  full report: tfdebug report {tmp_path / 'version_0'}")
+    assert "Group(s) head" not in "\n".join(lines)  # the message: in the full report
