@@ -76,7 +76,13 @@ def logged_series(series: Series, name: str) -> Series:
         tag = training_loss(series)
         return {tag: series[tag]} if tag else {}
     pattern = _pattern(name)
-    return {tag: points for tag, points in sorted(series.items()) if pattern.fullmatch(tag)}
+    # a family (`grad_norm/<group>`) leaves out the keys declared by name (`grad_norm/total`, `grad_norm/nonfinite`)
+    literal = _literal_keys() if "<" in name else frozenset()
+    return {tag: pts for tag, pts in sorted(series.items()) if pattern.fullmatch(tag) and tag not in literal}
+
+
+def _literal_keys() -> frozenset[str]:
+    return frozenset(k.name for cls in CALLBACKS.values() for k in getattr(cls, "KEYS", ()) if "<" not in k.name)
 
 
 def _number(value: Any) -> float | None:

@@ -120,15 +120,30 @@ def _axes(frame: _Frame, unit: str, x_label: str, x_ticks: Sequence[float] | Non
     return out
 
 
-def _legend(names: Sequence[str], colours: Sequence[str]) -> list[str]:
-    out, x = [], _LEFT + 6
+def _legend(names: Sequence[str], colours: Sequence[str]) -> tuple[list[str], int]:
+    """Every series' name and colour under the chart, in as many rows as they need; returns the rows' height."""
+    out, x, y = [], _LEFT, HEIGHT + 8
     for name, colour in zip(names, colours):
-        label = name if len(name) <= 40 else name[:37] + "..."
-        out.append(f'<rect x="{x}" y="{_TOP - 12}" width="10" height="3" fill="{colour}"/>')
-        out.append(f'<text x="{x + 13}" y="{_TOP - 7}" font-size="10">{escape(label)}</text>')
-        x += 22 + 6 * len(label)
-        if x > WIDTH - 120:
-            break
+        label = name if len(name) <= 60 else name[:57] + "..."
+        width = 22 + 6 * len(label)
+        if x + width > WIDTH - _RIGHT and x > _LEFT:
+            x, y = _LEFT, y + 14
+        out.append(f'<rect x="{x}" y="{y - 4}" width="10" height="3" fill="{colour}"/>')
+        out.append(f'<text x="{x + 13}" y="{y}" font-size="10">{escape(label)}</text>')
+        x += width
+    return out, (y - HEIGHT + 8 if names else 0)
+
+
+def _grow(out: list[str], extra: int) -> list[str]:
+    """The chart ``extra`` pixels taller (its legend rows)."""
+    if extra:
+        height = HEIGHT + extra
+        out[0] = (
+            out[0]
+            .replace(f'height="{HEIGHT}"', f'height="{height}"')
+            .replace(f"0 0 {WIDTH} {HEIGHT}", f"0 0 {WIDTH} {height}")
+        )
+        out[2] = f'<rect width="{WIDTH}" height="{height}" fill="white"/>'
     return out
 
 
@@ -181,8 +196,8 @@ def line_chart(
             right = x > WIDTH - _RIGHT - 60  # near the right edge: the label to the left of its line
             anchor = f'x="{x - 3:.1f}" text-anchor="end"' if right else f'x="{x + 3:.1f}"'
             out.append(f'<text {anchor} y="{y}" fill="{MARK}" font-size="10">{escape(label)}</text>')
-    out += _legend(list(series), colours)
-    return "\n".join([*out, "</svg>"])
+    legend, extra = _legend(list(series), colours)
+    return "\n".join([*_grow(out, extra), *legend, "</svg>"])
 
 
 def _shown(value: float, log_scale: bool) -> bool:
@@ -232,6 +247,11 @@ def bar_chart(
             f'<rect x="{x:.1f}" y="{min(y, zero):.1f}" width="{width * 0.7:.1f}" height="{abs(zero - y):.1f}" '
             f'fill="{colour}"><title>{escape(label)}: {_number(value)}</title></rect>'
         )
+        if len(bars) <= 16:  # the value above its bar: close values read apart, not only as equal heights
+            out.append(
+                f'<text x="{x + width * 0.35:.1f}" y="{min(y, zero) - 3:.1f}" text-anchor="middle" font-size="10">'
+                f"{_number(value)}</text>"
+            )
         if len(bars) <= 24:
             room = max(6, int(width / 6))  # characters that fit under the bar
             shown = label if len(label) <= room else label[: room - 1] + "…"
