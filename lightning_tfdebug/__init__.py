@@ -2,7 +2,7 @@
 
 from lightning_tfdebug.callbacks.attention_probe import AttentionProbe
 from lightning_tfdebug.callbacks.batch_guard.callback import BatchGuard
-from lightning_tfdebug.callbacks.checkpoint_audit import CheckpointAudit
+from lightning_tfdebug.callbacks.checkpoint_audit.callback import CheckpointAudit
 from lightning_tfdebug.callbacks.dead_activation import DeadActivation
 from lightning_tfdebug.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_tfdebug.callbacks.loss_at_init import LossAtInit

@@ -332,6 +332,39 @@ def test_no_import_cycles():
     assert not found, f"import cycles: {[sorted(g) for g in found]}"
 
 
+RECORDER = re.compile(r"\b(CallRecorder|record_calls)\(")
+STEP_REPLAY = re.compile(r"(?<!def )\b(quiet_training_step|training_step)\(")
+ONE_RECORDER = ("core/calls.py", "primitives/calls.py")
+"""The step's one recording (core/calls.py) and the recorder it runs (primitives/calls.py, which also defines
+``record_calls`` for code that runs a forward itself, outside a Trainer)."""
+STEP_REPLAY_ALLOWED = ("core/model.py", "callbacks/nan_first_frame.py")
+"""``quiet_training_step`` is defined in core/model.py; NaNFirstFrame replays a step only after its loss or gradients
+became non-finite (the run is already broken), to find the first module that produced them."""
+
+
+def recorders_and_replays(root: Path = PACKAGE) -> dict[str, list[str]]:
+    """Modules that start a call recorder of their own, or call ``training_step``, outside the allowed ones."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        found = []
+        code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith((">>>", "#")))
+        if name not in ONE_RECORDER:
+            found += [f"{m} (a recorder of its own)" for m in RECORDER.findall(code)]
+        if name not in STEP_REPLAY_ALLOWED:
+            found += [f"{m} (replays the step)" for m in STEP_REPLAY.findall(code)]
+        if found:
+            out[name] = found
+    return out
+
+
+def test_one_call_recorder_and_no_step_replayed():
+    """Every member reads the step's one recording of the calls the real ``training_step`` made
+    (``core.calls.record_step``), and replays model calls, never the step: the user's step runs once per micro-batch."""
+    found = recorders_and_replays()
+    assert not found, f"read the step's one recording (core/calls.py record_step) instead: {found}"
+
+
 EMIT_PATH = ("findings.py", "core/base.py")
 """The record itself (and the reader of findings files) and the one emit path: the only modules that build a Finding."""
 
@@ -459,6 +492,17 @@ def test_the_layout_checks_see_what_they_check(tmp_path):
         "callbacks/two/rules.py",
     ]
     assert direct_collectives(package) == {"callbacks/one.py": ["all_reduce"]}
+    own = _package(
+        tmp_path / "own",
+        {
+            "callbacks/probe.py": "rec = CallRecorder(model).start()\nout = quiet_training_step(m, b, 0)\n",
+            "core/calls.py": "rec = CallRecorder(model)\n",  # the one recording: allowed
+            "callbacks/doc.py": "# CallRecorder(model) in a comment\n",
+        },
+    )
+    assert recorders_and_replays(own) == {
+        "callbacks/probe.py": ["CallRecorder (a recorder of its own)", "quiet_training_step (replays the step)"]
+    }
     rules = tmp_path / "rules.py"
     filler = "\n".join(f"X{i} = {i}" for i in range(RULE_DISTANCE + 1))
     rules.write_text(

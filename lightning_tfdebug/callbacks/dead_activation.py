@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ from lightning_tfdebug.core.base import DebugCallback, check_number, model_is_co
 from lightning_tfdebug.core.distributed import world_size
 from lightning_tfdebug.core.reduction import Reduced, reduce_now
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.activation_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.activation_checks import (
     ActivationHistory,
     ActivationThresholds,
@@ -76,6 +78,9 @@ class DeadActivation(DebugCallback):
                 every_n_steps: 50
         ```
     """
+
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
 
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -15,6 +16,7 @@ from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.core.reduction import host_fields, reduce_now
 from lightning_tfdebug.core.step import step_norms
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.grad_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.grad_checks import (
     Clipping,
     GradMemory,
@@ -81,6 +83,9 @@ class GradNormMonitor(DebugCallback):
                 explosion_factor: 10.0
         ```
     """
+
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
 
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key("grad_norm/total", "L2 norm over all gradients (unscaled, before clipping)", chart=_TOTALS),

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import traceback
 import warnings
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -20,6 +21,7 @@ from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import memory_checks as checks
 from lightning_tfdebug.functional.memory import training_state_split
+from lightning_tfdebug.functional.memory_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.primitives.batch import BatchKeys, read_batch
 from lightning_tfdebug.primitives.keys import Key
 
@@ -82,6 +84,9 @@ class MemoryWatch(DebugCallback):
                 record_history: false
         ```
     """
+
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
 
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key("memory_watch/held_gib", "memory the widest measured batch held (worst rank)", "GiB", "memory forecast"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -29,6 +30,7 @@ from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.finite import StepFinite, any_flag, flag_fields, flagged_ranks
 from lightning_tfdebug.functional.frame_reports import nan_report, replay_frames, rng_state
 from lightning_tfdebug.functional.frames import LOSS_FRAME, FrameFlags, FrameRecorder
+from lightning_tfdebug.functional.nan_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.nan_checks import (
     TFD402,
     NaNStep,
@@ -90,6 +92,9 @@ class NaNFirstFrame(DebugCallback):
                 on_finding: stop
         ```
     """
+
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
 
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -83,6 +84,8 @@ class OptimizerAudit(DebugCallback):
         ```
     """
 
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = checks.COVERAGE  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key(
             "optimizer_audit/lr/<group>",

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -32,6 +33,7 @@ from lightning_tfdebug.functional.rank_checks import (
     disagreeing_tensors,
     per_rank_metrics,
 )
+from lightning_tfdebug.functional.rank_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.throughput import parameter_checksums
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys, is_id_tensor, loss_of
 from lightning_tfdebug.primitives.keys import Key
@@ -91,6 +93,9 @@ class PerRankLogger(DebugCallback):
                 every_n_steps: 50
         ```
     """
+
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
 
     KEYS: ClassVar[tuple[Key, ...]] = rank_checks.KEYS  # what `per_rank_metrics` computes, declared beside it
 
@@ -160,6 +165,8 @@ class PerRankLogger(DebugCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # caches log_dir (a collective under DDP) once, on every rank
         self._reset()
+        if trainer.world_size == 1:
+            self.cover("ranks agree", "n/a", "one process: there are no other ranks to compare.")
         make_dirs(self.tfdebug_dir)  # False (warned once) if the disk refuses; records then stay off disk
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -15,6 +16,7 @@ from lightning_tfdebug.core.model import grad_scaler_of
 from lightning_tfdebug.core.reduction import reduce_now
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.norms import grouped_sq_norms
+from lightning_tfdebug.functional.scaler_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.scaler_checks import (
     ScalerReading,
     many_skipped,
@@ -94,6 +96,9 @@ class ScalerWatch(DebugCallback):
         ```
     """
 
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
+
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key("scaler/scale", "the current loss scale", chart="loss scale"),
         Key(
@@ -164,6 +169,7 @@ class ScalerWatch(DebugCallback):
         self._idle = not enabled
         if self._idle and stage == "fit":
             self.emit(trainer, no_scaler(str(trainer.precision)))
+            self.cover("fp16 loss scale", "n/a", f"no GradScaler: the run's precision is {trainer.precision}.")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._scheduler_position = None if self._idle else _step_scheduler_position(trainer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -12,6 +13,7 @@ from lightning_tfdebug.core.base import DebugCallback, check_choice, check_numbe
 from lightning_tfdebug.core.io import append_line
 from lightning_tfdebug.core.watchdog import Stall, Watchdog, default_store, say_now
 from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.functional.stall_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.stall_checks import stall_verdicts
 
 OnStall = Literal["warn", "abort"]
@@ -78,6 +80,9 @@ class StallWatchdog(DebugCallback):
     runs_collectives: ClassVar[bool] = False  # no collective of its own: a failure stands aside on its own rank
     #: three beats per batch: its start, backward, its end (the stack tells the rest: the optimizer step, a hook)
     every_batch_hooks = frozenset({"on_train_batch_start", "on_before_backward", "on_train_batch_end"})
+
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
 
     def __init__(
         self,

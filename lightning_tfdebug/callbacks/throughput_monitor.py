@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from functools import partial
 from typing import Any, ClassVar
@@ -23,6 +23,7 @@ from lightning_tfdebug.core.timing import FetchTimer, StepClock, fetch_timer
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import throughput_checks
 from lightning_tfdebug.functional.throughput import MachineLoad, StepTimes, WindowCounts, batch_counts
+from lightning_tfdebug.functional.throughput_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.throughput_checks import ThroughputDiagnosis, ThroughputRow, throughput_metrics
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys
 from lightning_tfdebug.primitives.keys import Key
@@ -106,6 +107,9 @@ class ThroughputMonitor(DebugCallback):
                 profile_steps: [100, 105]
         ```
     """
+
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
 
     KEYS: ClassVar[tuple[Key, ...]] = throughput_checks.KEYS  # what `throughput_metrics` computes, declared beside it
 

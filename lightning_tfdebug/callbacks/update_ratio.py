@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -20,6 +21,7 @@ from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import unigram_entropy
 from lightning_tfdebug.functional.memory import WeightSnapshot, budget_for, check_budget, plan_notes
 from lightning_tfdebug.functional.norms import grouped_sq_norms
+from lightning_tfdebug.functional.update_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.update_checks import update_verdicts
 from lightning_tfdebug.functional.updates import GroupFacts, UpdateMemory, UpdateReading, group_facts, label_counts
 from lightning_tfdebug.primitives.batch import loss_of
@@ -88,6 +90,9 @@ class UpdateRatio(DebugCallback):
                 growth_limit: 2.0
         ```
     """
+
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
 
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key(

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_tfdebug.core.compat import Callback, is_lightning_instance
+from lightning_tfdebug.core.coverage import COVERAGE_FILE, COVERAGE_STATUSES, Coverage  # noqa: F401
 from lightning_tfdebug.core.guard import (  # noqa: F401  (the callbacks import them here)
     _HOOKS,
     TFDebugCallbackError,
@@ -98,7 +99,7 @@ CALLBACKS: dict[str, type[DebugCallback]] = {}
 """Every :class:`DebugCallback` subclass defined so far, by class name (the report reads their ``KEYS``)."""
 
 
-class DebugCallback(Callback):
+class DebugCallback(Coverage, Callback):
     """Base class of the pack's callbacks.
 
     Args:
@@ -188,6 +189,8 @@ class DebugCallback(Callback):
         self._aside_announced = False  # said once more at the end of fit (a callback on its own, not in the pack)
         self.checks_aside: dict[str, str] = {}  # one check of this callback that does not run -> why (and the setting)
         self._check_records: list[dict[str, Any]] = []  # their stood-aside records not yet written (no log dir yet)
+        self.coverage: dict[str, tuple[str, str | None, str | None]] = {}  # row -> (status, reason, setting)
+        self._coverage_records: list[dict[str, Any]] = []  # coverage lines not yet written (no log dir yet)
         self.failure = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -202,6 +205,7 @@ class DebugCallback(Callback):
         if self._aside_reason is not None and self.failure is None:
             self._record_aside()  # stood aside before the log directory was known, or in an earlier fit elsewhere
         self._write_check_records()
+        self._write_coverage()
         shared = step_state(trainer)
         if not trainer.loggers and not shared.warned_no_logger:
             shared.warned_no_logger = True  # once per Trainer, not once per callback
@@ -267,6 +271,8 @@ class DebugCallback(Callback):
         if check in self.checks_aside:
             return
         self.checks_aside[check] = reason + (f" To let it run: {setting}." if setting else "")
+        if check in type(self).COVERAGE:
+            self.cover(check, "unknown", reason, setting)
         step = getattr(self._hook_trainer, "global_step", None)
         name = f"{type(self).__name__}: {check}"
         self._check_records.append({"check": name, "reason": reason, "setting": setting, "step": step})

@@ -108,6 +108,7 @@ def _guard(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
             result = hook(self, *args, **kwargs)
             if name == "on_fit_end":
                 self._announce_aside()
+                self._close_coverage()
             return result
 
         return _run_as_hook(self, name, args[0] if args else None, call)

@@ -1,7 +1,8 @@
 """The logits a training step computed and the labels they are scored against, read on the steps a callback arms.
 
-:class:`LogitsCapture` finds them with forward hooks that exist only during one armed step's forward (or, for a
-compiled model, from an eager replay of the step). Where the logits are, first match wins: the named
+:class:`LogitsCapture` reads them from the step's one recording of the calls the real ``training_step`` made
+(:func:`~lightning_tfdebug.core.calls.record_step`, shared with MaskProbe and AttentionProbe; for a compiled model,
+the calls at compiled code's boundaries only). Where the logits are, first match wins: the named
 ``logits_module``; the LightningModule's own forward; a direct child's ``.logits`` output; the last direct child to
 return a plain tensor shaped like the labels plus a class dimension wider than every label; for token rows without
 labels (a loss-only wrapper), the call that took the rows
@@ -19,13 +20,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
-from lightning_tfdebug.core.base import check_choice, eager_model_calls, model_is_compiled
-from lightning_tfdebug.core.model import in_training_step, quiet_training_step
+from lightning_tfdebug.core.base import check_choice
+from lightning_tfdebug.core.calls import StepRecording, record_step
 from lightning_tfdebug.primitives.batch import LABELS_KEYS, StepBatch, logits_for_labels, logits_of, loss_of
 from lightning_tfdebug.primitives.call_finder import find_model_call, model_kind
-from lightning_tfdebug.primitives.calls import CallRecorder, RecordedCall, takes_tokens
+from lightning_tfdebug.primitives.calls import RecordedCall, takes_tokens
 
 
 def missing_field(batch: Any, key: str | int) -> str:
@@ -127,14 +127,11 @@ class LogitsCapture:
         self.logits_module = logits_module
         self.labels_key = labels_key
         self.ignore_index = ignore_index
-        self.replay = False  # compiled model: the armed step's logits come from an eager replay at its end
         self.kind = kind
         self.read_kind = "unknown"  # the kind the last read() used
         self._decoder_input: Tensor | None = None  # an encoder-decoder's `decoder_input_ids`: its copy check's inputs
         self.view: StepBatch | None = None  # the shared reading of the armed step's batch
-        self._replaying = False
-        self._handles: list[RemovableHandle] = []
-        self._recorder: CallRecorder | None = None
+        self._recording: StepRecording | None = None
         self._calls: list[RecordedCall] = []  # token rows without labels: the calls that took tokens, at any depth
         self._captured: dict[str, Tensor] = {}  # the root's or the named module's logits, and children's `.logits`
         self._raw: dict[str, Tensor] = {}  # direct children's plain tensor outputs, in call order (a fallback)
@@ -144,41 +141,22 @@ class LogitsCapture:
 
     # ------------------------------------------------------------------ arming
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, view: StepBatch) -> None:
-        """Capture this step's forward: hooks on the candidates now, or, for a compiled model, nothing until
-        :meth:`replay_step` (hooks on compiled code make Dynamo recompile it)."""
+        """Read this step's forward from the step's one recording of its calls (:func:`record_step`): the candidates'
+        calls, and for token rows without labels the calls that take tokens at any depth."""
         self.clear()
         self._batch, self.view, self._pl_module = batch, view, pl_module
-        self.replay = model_is_compiled(trainer, pl_module)
-        if not self.replay:
-            self._record_token_calls(pl_module)
-            self._handles = [
-                m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in self._candidates(pl_module)
-            ]
+        candidates = {id(m) for _, m in self._candidates(pl_module)}
+        rows = self._wants_token_rows()
 
-    def replay_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
-        """Run ``training_step`` again eagerly under ``no_grad`` (RNG restored, ``self.log`` silenced) with the capture
-        hooks on, for a compiled model's armed steps; returns what it returned. A failed replay captures nothing."""
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-        handles = [m.register_forward_hook(self._hook(n), with_kwargs=True) for n, m in self._candidates(pl_module)]
-        self._record_token_calls(pl_module)
-        self._replaying = True
-        try:
-            with (
-                eager_model_calls(),
-                torch.random.fork_rng(devices=devices),
-                torch.no_grad(),
-                trainer.precision_plugin.train_step_context(),
-            ):
-                return quiet_training_step(pl_module, batch, batch_idx)
-        except Exception:
-            self._captured.clear()
-            self._raw.clear()
-            raise
-        finally:
-            self._replaying = False
-            self._stop_recording()
-            for handle in handles:
-                handle.remove()
+        def want(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+            return id(module) in candidates or (rows and takes_tokens(module, args, kwargs))
+
+        self._recording = record_step(trainer, pl_module, batch, self, want)
+
+    @property
+    def compiled(self) -> bool:
+        """The armed step's model is compiled: only the calls at compiled code's boundaries were recorded."""
+        return self._recording is not None and self._recording.compiled
 
     @property
     def held(self) -> int:
@@ -186,14 +164,26 @@ class LogitsCapture:
         return len(self._captured) + len(self._raw)
 
     def stop(self) -> None:
-        """Remove the hooks (the forward is over: activation checkpointing re-runs forwards in backward)."""
-        self._stop_recording()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """The forward is over: read the candidates' outputs from the recording (the first reader removes its hooks:
+        activation checkpointing re-runs forwards in backward) and let the recording go."""
+        recording, self._recording = self._recording, None
+        if recording is None:
+            return
+        try:
+            calls = recording.calls()
+            names = {id(m): n for n, m in self._candidates(self._pl_module)} if self._pl_module is not None else {}
+            # in the order the calls ended: under DDP, Lightning calls the module around ``training_step`` itself
+            for call in sorted(calls, key=lambda c: c.finished):
+                name = names.get(id(call.module))
+                if name is not None:
+                    self._take(name, call)
+            if self._wants_token_rows():
+                self._calls = calls
+        finally:
+            recording.done(self)
 
     def clear(self) -> None:
-        """Remove the hooks and let every captured tensor and the batch go."""
+        """Let the recording, every captured tensor and the batch go."""
         self.stop()
         self._captured.clear()
         self._raw.clear()
@@ -208,45 +198,33 @@ class LogitsCapture:
             return [(self.logits_module, module)] if module is not None else []
         return [("", pl_module), *pl_module.named_children()]
 
-    def _hook(self, name: str):
-        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-            if name in self._output_types or not (self._replaying or in_training_step(self._pl_module)):
-                return  # the first call in the training step only; not another callback's probe forward
-            self._output_types[name] = type(output).__name__
-            if isinstance(kwargs.get("decoder_input_ids"), Tensor):
-                self._decoder_input = kwargs["decoder_input_ids"].detach()
-            child = self.logits_module is None and name != ""
-            logits = logits_of(output, structured_only=child)
-            if logits is not None:
-                self._captured[name] = logits.detach()
-            elif child:
-                raw = logits_of(output)
-                if raw is not None:
-                    self._raw[name] = raw.detach()
+    def _take(self, name: str, call: RecordedCall) -> None:
+        """The first call of candidate ``name`` in the training step: its logits (or a child's plain tensor)."""
+        if name in self._output_types:
+            return
+        output, kwargs = call.output, call.kwargs
+        self._output_types[name] = type(output).__name__
+        if isinstance(kwargs.get("decoder_input_ids"), Tensor):
+            self._decoder_input = kwargs["decoder_input_ids"].detach()
+        child = self.logits_module is None and name != ""
+        logits = logits_of(output, structured_only=child)
+        if logits is not None:
+            self._captured[name] = logits.detach()
+        elif child:
+            raw = logits_of(output)
+            if raw is not None:
+                self._raw[name] = raw.detach()
 
-        return hook
-
-    def _record_token_calls(self, pl_module: pl.LightningModule) -> None:
-        """Token rows without labels (a wrapper that slices the rows and returns only the loss): record the calls that
-        take tokens, at any depth (a hook on every module, on the armed steps only)."""
+    def _wants_token_rows(self) -> bool:
+        """Token rows without labels (a wrapper that slices the rows and returns only the loss): the calls that take
+        tokens, at any depth, are read too."""
         view = self.view
         if self.logits_module is not None or self.labels_key is not None or view is None or view.labels is not None:
-            return
+            return False
         if self._labels()[0] is not None:
-            return  # labels of another kind (float targets, a tuple's last item): the labels path reports on them
+            return False  # labels of another kind (float targets, a tuple's last item): the labels path reports on them
         ids = view.input_ids
-        if ids is None or ids.ndim != 2 or ids.is_floating_point():
-            return
-
-        def keep() -> bool:
-            return self._replaying or in_training_step(pl_module)  # not another callback's probe forward
-
-        self._recorder = CallRecorder(pl_module, keep=keep, nested=True, want=takes_tokens).start()
-
-    def _stop_recording(self) -> None:
-        if self._recorder is not None:
-            self._calls = self._recorder.stop()
-            self._recorder = None
+        return ids is not None and ids.ndim == 2 and not ids.is_floating_point()
 
     # ------------------------------------------------------------------ reading
     def read(self, pl_module: pl.LightningModule, shift_labels: bool) -> Captured:

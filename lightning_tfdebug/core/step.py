@@ -29,7 +29,8 @@ class StepState:
         rng: the torch CPU generator's state as that batch's step started (NaNFirstFrame and ReproCapture replay it).
         host_copy_of: the batch ``host_copy`` is a copy of.
         host_copy: ReproCapture's host copy of that batch (BatchGuard reads it after a device-side assert).
-        model_call: the model call recorded on the probe batch (``primitives.calls.ModelCall``), shared by the probes.
+        recording: the module calls of the latest recorded ``training_step`` (``core.calls.StepRecording``), read by
+            every member that asked for it on that batch.
         warned_no_logger: the Trainer has no logger and one callback said so (once per Trainer, not per callback).
         skipped_step: the global step whose optimizer step NaNFirstFrame skipped last (non-finite values, decided on
             every rank together): nothing was applied, so UpdateRatio does not judge its update.
@@ -48,7 +49,7 @@ class StepState:
     rng: Tensor | None = None
     host_copy_of: Any = None
     host_copy: Any = None
-    model_call: Any = None
+    recording: Any = None
     warned_no_logger: bool = False
     skipped_step: int | None = None
     explains_oom: bool = False

@@ -368,3 +368,15 @@ BLOCK = ("TFD340", "TFD349")
 
 RULES: tuple[Rule, ...] = (TFD340, TFD341, TFD342, TFD343, TFD344)
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "dead or saturated units": (
+        "TFD340",
+        "TFD341",
+        "TFD342",
+        "TFD343",
+        "TFD344",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

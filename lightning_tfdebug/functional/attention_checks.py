@@ -175,3 +175,9 @@ def decide(layers: Sequence[LayerEntropy]) -> list[Verdict]:
 
 RULES: tuple[Rule, ...] = (TFD240,)
 """AttentionProbe's rules, in documentation order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "attention at init": ("TFD240",),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

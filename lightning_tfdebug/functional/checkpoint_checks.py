@@ -417,3 +417,26 @@ RULES: tuple[Rule, ...] = (
     TFD716,
 )
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "checkpoint resumable": (
+        "TFD701",
+        "TFD702",
+        "TFD703",
+        "TFD704",
+        "TFD705",
+        "TFD706",
+        "TFD707",
+        "TFD708",
+        "TFD709",
+        "TFD710",
+        "TFD711",
+        "TFD712",
+        "TFD713",
+        "TFD714",
+        "TFD715",
+        "TFD716",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

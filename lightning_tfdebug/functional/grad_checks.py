@@ -417,3 +417,16 @@ BLOCK = ("TFD301", "TFD309")
 
 RULES: tuple[Rule, ...] = (TFD301, TFD302, TFD303, TFD304, TFD305, TFD306)
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "gradient norms": (
+        "TFD301",
+        "TFD302",
+        "TFD303",
+        "TFD304",
+        "TFD305",
+        "TFD306",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

@@ -431,3 +431,12 @@ BLOCK = ("TFD620", "TFD629")
 
 RULES: tuple[Rule, ...] = (TFD620, TFD621)
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "memory": (
+        "TFD620",
+        "TFD621",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

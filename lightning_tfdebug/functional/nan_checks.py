@@ -238,3 +238,13 @@ BLOCK = ("TFD401", "TFD409")
 
 RULES: tuple[Rule, ...] = (TFD401, TFD402, TFD403)
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "non-finite values": (
+        "TFD401",
+        "TFD402",
+        "TFD403",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

@@ -469,3 +469,34 @@ BLOCK = ("TFD320", "TFD339")
 
 RULES: tuple[Rule, ...] = (TFD320, TFD321, TFD322, TFD323, TFD324, TFD325, TFD326, TFD333, TFD336)
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "optimizer covers the parameters": (
+        "TFD320",
+        "TFD321",
+        "TFD322",
+        "TFD323",
+        "TFD332",
+        "TFD334",
+    ),
+    "train mode": (
+        "TFD327",
+        "TFD328",
+    ),
+    "learning-rate schedule": (
+        "TFD329",
+        "TFD330",
+        "TFD331",
+        "TFD335",
+        "TFD337",
+    ),
+    "weight decay and optimizer settings": (
+        "TFD324",
+        "TFD325",
+        "TFD326",
+        "TFD333",
+        "TFD336",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

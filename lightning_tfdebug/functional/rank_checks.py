@@ -416,3 +416,15 @@ BLOCK = ("TFD501", "TFD519")
 
 RULES: tuple[Rule, ...] = (TFD501, TFD502, TFD503, TFD504, TFD505)
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "ranks agree": (
+        "TFD501",
+        "TFD502",
+        "TFD503",
+        "TFD504",
+        "TFD505",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

@@ -186,25 +186,28 @@ TFD715 = Rule(
     "TFD715",
     "error",
     "CheckpointAudit",
-    title="the loss on the probe batch after resuming differs from the loss at save time",
-    headline="probe-batch loss after resume {now:.6g}, at save (step {saved_step}) {saved:.6g}",
-    trigger="the loss on the stored probe batch right after resuming differs from the loss at save time",
+    title="the model's output on the probe rows after resuming differs from its output at save time",
+    headline="probe-call loss after resume {now:.6g}, at save (step {saved_step}) {saved:.6g}",
+    trigger="the stored model call, replayed right after resuming, gives another loss than at save time",
     hint=(
         "The model that trains is not the model that was saved: re-initialised after loading, a different dtype or "
         "precision, or a changed architecture."
     ),
     reason=(
-        "Measured: the same batch gives a different loss after resuming, so the model restored is not the one saved"
+        "Measured: the same model call gives a different output after resuming, so the model restored is not the one "
+        "saved"
     ),
     message=(
-        "The loss on the probe batch right after resuming is {now:.6g}; at save time (step {saved_step}) it was "
-        "{saved:.6g}."
+        "The model's output on the probe rows right after resuming is {now:.6g}; at save time (step {saved_step}) "
+        "it was {saved:.6g}."
     ),
     details=(
-        "The callback keeps `probe_rows` (default 2) rows of the first training batch (in its checkpointed state) "
-        "and, at each save, the loss `training_step` returns on them (eval mode, `no_grad`, logging silenced). Right "
-        "after resuming the same loss is computed again; a relative difference (`|a - b| / max(1, |a|, |b|)`) above "
-        "`loss_rtol` (default 1e-3) fires."
+        "The callback keeps the first model call `training_step` makes on the first batch, its tensors cut to "
+        "`probe_rows` (default 2) rows and copied to the host (in its checkpointed state). At each save it replays "
+        "that call (eval mode, `no_grad`; never `training_step` itself) and reads the loss the call returns, else a "
+        "fingerprint of its outputs in [-1, 1] (a signed sum of up to 4096 of them over the sum of their magnitudes; "
+        "another model moves it by about 1/64). Right after resuming the same call is replayed; a "
+        "relative difference (`|a - b| / max(1, |a|, |b|)`) above `loss_rtol` (default 1e-3) fires."
     ),
 )
 

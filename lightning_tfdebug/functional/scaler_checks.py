@@ -223,3 +223,14 @@ BLOCK = ("TFD410", "TFD419")
 
 RULES: tuple[Rule, ...] = (TFD410, TFD411, TFD412, TFD413, TFD414)
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "fp16 loss scale": (
+        "TFD411",
+        "TFD412",
+        "TFD413",
+        "TFD414",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

@@ -322,3 +322,12 @@ def repeat_verdict(
 BLOCK = ("TFD530", "TFD539")
 
 RULES = (TFD530, TFD531)
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "loss spikes": (
+        "TFD530",
+        "TFD531",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

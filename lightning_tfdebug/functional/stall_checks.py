@@ -293,3 +293,12 @@ def _differ(waiting: Sequence[RankRecord]) -> bool:
 BLOCK = ("TFD520", "TFD529")
 
 RULES = (TFD520, TFD521)
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "hangs": (
+        "TFD520",
+        "TFD521",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

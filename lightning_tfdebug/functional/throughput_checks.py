@@ -553,3 +553,17 @@ BLOCK = ("TFD601", "TFD619")
 
 RULES: tuple[Rule, ...] = (TFD601, TFD602, TFD603, TFD604, TFD605, TFD606, TFD607)
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "throughput": (
+        "TFD601",
+        "TFD602",
+        "TFD603",
+        "TFD604",
+        "TFD605",
+        "TFD606",
+        "TFD607",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

@@ -542,3 +542,15 @@ BLOCK = ("TFD310", "TFD319")
 
 RULES: tuple[Rule, ...] = (TFD310, TFD311, TFD312, TFD313, TFD314)
 """The rules decided in this module, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "update size": (
+        "TFD310",
+        "TFD311",
+        "TFD312",
+        "TFD313",
+        "TFD314",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

@@ -1,7 +1,7 @@
 """The record of the module calls a ``training_step`` makes: each call's module, arguments and output
 (:class:`RecordedCall`, :class:`CallRecorder`), and what the model call is once found (:class:`ModelCall`, its token
-slots and objective). Finding it among the calls: :mod:`lightning_tfdebug.primitives.call_finder`; it is shared on a
-step through :func:`lightning_tfdebug.core.calls.share_model_call`.
+slots and objective). Finding it among the calls: :mod:`lightning_tfdebug.primitives.call_finder`; one recording per
+step is shared by the members that read it: :func:`lightning_tfdebug.core.calls.record_step`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class RecordedCall:
     output: Any
     depth: int = 0  # 0: made by training_step itself; 1: made inside such a call (a wrapper's inner network); ...
     order: int = 0  # when it started, among the recorded calls
+    finished: int = 0  # when it ended, among the recorded calls (an inner call ends before the call around it)
 
     def leaves(self) -> list[tuple[Path, Tensor]]:
         """Every tensor in the arguments, with its path (containers: dict-likes, lists, tuples, dataclasses)."""
@@ -131,6 +132,7 @@ class CallRecorder:
         self.nested = nested
         self.want = want
         self.calls: list[RecordedCall] = []
+        self.modules: list[nn.Module] | None = None  # the modules to hook; None: every module under ``root``
         self._depth = 0
         self._started = 0
         self._stack: list[tuple[int, bool]] = []  # (order, recorded) of the calls in progress
@@ -147,9 +149,10 @@ class CallRecorder:
             self._depth -= 1
             order, wanted = self._stack.pop() if self._stack else (self._started, self._depth == 0)
             if wanted and (self.keep is None or self.keep()):
-                self.calls.append(RecordedCall(module, args, dict(kwargs), output, depth=self._depth, order=order))
+                call = RecordedCall(module, args, dict(kwargs), output, self._depth, order, finished=len(self.calls))
+                self.calls.append(call)
 
-        for module in self.root.modules():
+        for module in self.root.modules() if self.modules is None else self.modules:
             self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
         return self
@@ -299,7 +302,7 @@ class TokenSlot:
 class ModelCall:
     """The call that took the batch's token rows and returned logits, and what each of its tensors is.
 
-    Built by :func:`find_model_call`; shared on the step through :func:`share_model_call` / :func:`shared_model_call`.
+    Built by :func:`~lightning_tfdebug.primitives.call_finder.find_model_call` from a step's recorded calls.
     Output position ``p`` is trained on label ``p + shift`` (:attr:`shift`).
 
     Attributes:
@@ -339,7 +342,6 @@ class ModelCall:
     ids_stop: int | None = None
     objective: Objective | None = None
     tensors: dict[Path, Tensor] = dataclasses.field(default_factory=dict)
-    key: Any = None  # (global_step, batch) it was recorded on, once shared
 
     # ------------------------------------------------------------------ views
     @property

@@ -45,7 +45,10 @@ def test_healthy_saves_are_opened_and_pass(tmp_path):
     assert [p.rsplit("/", 1)[-1] for p in audit.checked_files] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
     saved = torch.load(audit.checked_files[-1], map_location="cpu", weights_only=False)
     state = saved["callbacks"][audit.state_key]
-    assert state["probe_loss_step"] == 4 and state["probe_batch"]["input_ids"].shape[0] == 2
+    probe = state["probe_call"]  # the model call training_step made, cut to 2 rows: replayed, never the step
+    assert state["probe_loss_step"] == 4 and probe["module"] == ""  # TinyGPT's own forward
+    ids = probe["args"][0] if probe["args"] else probe["kwargs"]["input_ids"]
+    assert ids.shape[0] == 2 and ids.device.type == "cpu"
 
 
 def fit_with_savers(tmp_path, savers, model=None, data=None):

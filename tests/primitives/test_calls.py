@@ -1,11 +1,10 @@
-"""The one model-call reading (core/calls.py): the recorder, which call is the model, where its tensors sit, its
+"""The one model-call reading (primitives/calls.py, primitives/call_finder.py): the recorder, which call is the model, where its tensors sit, its
 logits and the model's kind, on plain modules without a Trainer."""
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_tfdebug.core.calls import share_model_call, shared_model_call
 from lightning_tfdebug.primitives.call_finder import find_model_call, model_kind
 from lightning_tfdebug.primitives.calls import (
     CallRecorder,
@@ -118,21 +117,6 @@ def test_relation_offset():
     assert relation_offset(labels, labels, -100) == 0
     assert relation_offset(right, labels, -100) == 1  # a decoder input shifted right: position t carries label t-1
     assert relation_offset(torch.randint(50, 90, (2, 10)), labels, -100) is None
-
-
-def test_sharing_on_the_step():
-    class Trainer:
-        global_step = 3
-
-    trainer, batch = Trainer(), object()
-    model = Tiny()
-    ids = torch.randint(0, 12, (2, 4))
-    _, calls = record_calls(model, lambda: model(ids))
-    found = find_model_call(calls, ids)
-    share_model_call(trainer, batch, found)
-    assert shared_model_call(trainer, batch) is found and shared_model_call(trainer, object()) is None
-    trainer.global_step = 4
-    assert shared_model_call(trainer, batch) is None
 
 
 def _seq2seq_call(family: str, decoder_fed_labels: bool, labels_are_ids: bool = False):

@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -16,9 +16,10 @@ from torch import Tensor, nn
 from lightning_tfdebug.callbacks.attention_probe.readings import AttentionCapture, LayerReading, find_head_dim, measure
 from lightning_tfdebug.core.base import DebugCallback, eager_model_calls, model_is_compiled
 from lightning_tfdebug.core.batch import step_batch
-from lightning_tfdebug.core.model import in_training_step
+from lightning_tfdebug.core.calls import StepRecording, record_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import attention_checks as checks
+from lightning_tfdebug.functional.attention_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.primitives import call_finder, calls
 from lightning_tfdebug.primitives.batch import BatchKeys
 from lightning_tfdebug.primitives.keys import Key
@@ -67,6 +68,8 @@ class AttentionProbe(DebugCallback):
         ```
     """
 
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+
     KEYS: ClassVar[tuple[Key, ...]] = checks.KEYS
 
     def __init__(
@@ -79,7 +82,7 @@ class AttentionProbe(DebugCallback):
         super().__init__(on_finding=on_finding)
         self.input_key, self.mask_key, self.labels_key = input_key, mask_key, labels_key
         self._keys = BatchKeys(input_key=input_key, mask_key=mask_key, labels_key=labels_key)
-        self._recorder: calls.CallRecorder | None = None
+        self._recording: StepRecording | None = None
         self._batch: Any = None
         self._done = False
         self._prediction: tuple[Tensor, int] | None = None
@@ -112,28 +115,31 @@ class AttentionProbe(DebugCallback):
             )
             return
         self._batch = batch
-        keep = lambda: in_training_step(pl_module)  # noqa: E731
-        self._recorder = calls.CallRecorder(pl_module, keep=keep, nested=True, want=calls.takes_tokens).start()
+        self._recording = record_step(trainer, pl_module, batch, self, calls.takes_tokens)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._probe(trainer, pl_module)  # the weights are still those of init
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._probe(trainer, pl_module)  # the forward is over; the weights are still those of init
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._probe(trainer, pl_module)  # gradient accumulation: no optimizer step yet
+        self._probe(trainer, pl_module)  # no backward ran through Lightning (a manual step without manual_backward)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._recorder is not None:
-            self._recorder.stop()
-        self._recorder, self._batch = None, None
+        if self._recording is not None:
+            self._recording.done(self)
+        self._recording, self._batch = None, None
 
     # ------------------------------------------------------------------ the probe
     def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._recorder is None:
+        if self._recording is None:
             return
-        recorded, batch = self._recorder.stop(), self._batch
-        self._recorder, self._batch = None, None
+        recording, batch = self._recording, self._batch
+        self._recording, self._batch = None, None
+        try:
+            recorded = recording.calls()
+        finally:
+            recording.done(self)  # the model call found below holds what it needs
         start = time.perf_counter()
         fields = step_batch(trainer, batch, self._keys).fields
         ids = fields.input_ids
@@ -222,6 +228,7 @@ class AttentionProbe(DebugCallback):
             )
         else:
             self.emit(trainer, checks.decide(self.layers), synchronized=False)
+            self.cover("attention at init", "verified")
         self.resolve_local_findings(trainer)  # every rank probes at step 0, so every rank resolves here
 
     def _replay(self, pl_module: pl.LightningModule, found: calls.ModelCall) -> tuple[list[LayerReading], list[str]]:

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.batch_guard import eos_checks, readings
+from lightning_tfdebug.callbacks.batch_guard import checks, eos_checks, readings
 from lightning_tfdebug.callbacks.batch_guard.length_checks import LengthSums, LengthWindow
 from lightning_tfdebug.callbacks.batch_guard.loaders import EpochData, epoch_data_of, limit_setting
 from lightning_tfdebug.callbacks.batch_guard.mask_hole_checks import packed_keys
@@ -45,8 +45,7 @@ class BatchGuard(DebugCallback):
     them a batch that crashes the forward is diagnosed in ``on_exception``. A fit resumed mid-epoch is checked against
     its DataLoader. Details: ``docs/callbacks/batch_guard.md``.
 
-    Logged keys: :attr:`KEYS`. Findings: ``TFD101``-``TFD125``, the rules of
-    :mod:`lightning_tfdebug.callbacks.batch_guard.checks`; both tabled in the docs page.
+    Logged keys: :attr:`KEYS`; findings: the rules of :mod:`lightning_tfdebug.callbacks.batch_guard.checks` (docs page).
 
     Args:
         every_n_steps: log the `batch_guard/*` keys every this many steps; default: the Trainer's ``log_every_n_steps``.
@@ -94,6 +93,8 @@ class BatchGuard(DebugCallback):
         ```
     """
 
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = checks.COVERAGE  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key("batch_guard/width", "padded sequence length", unit="tokens", chart="batches"),
         Key("batch_guard/length_mean", "mean real length (attention mask sum) per sequence", "tokens", "batches"),

@@ -23,3 +23,35 @@ RULES: tuple[Rule, ...] = tuple(
     sorted({id(v): v for m in _MODULES for v in vars(m).values() if isinstance(v, Rule)}.values(), key=lambda r: r.code)
 )
 """BatchGuard's rules, in code order."""
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "batch schema and values": (
+        "TFD101",
+        "TFD102",
+        "TFD103",
+        "TFD104",
+        "TFD105",
+        "TFD110",
+        "TFD111",
+        "TFD112",
+        "TFD113",
+        "TFD114",
+    ),
+    "special tokens and padding": (
+        "TFD115",
+        "TFD116",
+        "TFD117",
+        "TFD118",
+        "TFD119",
+        "TFD122",
+        "TFD124",
+    ),
+    "data order and repeats": (
+        "TFD120",
+        "TFD121",
+        "TFD123",
+        "TFD125",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

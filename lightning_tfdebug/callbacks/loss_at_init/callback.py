@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.callbacks.loss_at_init.check import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.callbacks.loss_at_init.check import check_findings
 from lightning_tfdebug.callbacks.loss_at_init.init_checks import classify_init_loss, unreadable_verdict
 from lightning_tfdebug.callbacks.loss_at_init.phases import LossRun
@@ -29,7 +30,7 @@ from lightning_tfdebug.core.logits import LogitsCapture, check_capture_args, mod
 from lightning_tfdebug.core.reduction import Reduced
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.loss import PHASE_SUMS, LabelFrequencies, step_sums, unigram_entropy
-from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys, loss_of
+from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys
 from lightning_tfdebug.primitives.keys import Key
 
 _BASELINES = "loss against ln V and the unigram entropy"
@@ -88,6 +89,8 @@ class LossAtInit(DebugCallback):
                 check_step: 200
         ```
     """
+
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
 
     KEYS: ClassVar[tuple[Key, ...]] = (
         _key("observed", "step 0: the training step's loss, mean over ranks (the recomputed loss if none)"),
@@ -181,7 +184,7 @@ class LossAtInit(DebugCallback):
         self._capture.arm(trainer, pl_module, batch, step_batch(trainer, batch, self._keys))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._armed is None or self._collected is not None or self._capture.replay:
+        if self._armed is None or self._collected is not None:
             return
         # The forward is over: remove the hooks (activation checkpointing re-runs forwards in backward), reduce the
         # captured outputs to a few device scalars and let the logits go, so they do not outlive the backward.
@@ -239,9 +242,6 @@ class LossAtInit(DebugCallback):
         try:
             self._capture.stop()
             loss = training_loss(trainer, pl_module, outputs)
-            if self._capture.replay and pl_module.automatic_optimization:
-                with contextlib.suppress(Exception):  # a step that cannot be replayed: nothing captured, stand aside
-                    loss = loss_of(self._capture.replay_step(trainer, pl_module, batch, batch_idx))
             with torch.no_grad():
                 found = self._collected or self._collect(pl_module)  # no backward ran (manual optimization)
                 if phase != "init":  # V is known alike on every rank (or on none); these counts travel in the reduction
@@ -334,6 +334,7 @@ class LossAtInit(DebugCallback):
             step=step,
         )
         self.emit(trainer, verdicts)
+        self.cover("loss at init", "verified")  # a finding among the row's codes makes it one in the report
 
     def _compare(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
         """A compared step before the check: the returned loss against the recorded logits, kept for the check."""
@@ -368,6 +369,8 @@ class LossAtInit(DebugCallback):
             shift_labels=self.shift_labels,
         )
         self.emit(trainer, verdicts)
+        self.cover("loss leaves the uniform level", "verified")
+        self.cover("loss = cross-entropy of the logits", "verified")
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

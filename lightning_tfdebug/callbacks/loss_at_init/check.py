@@ -89,3 +89,29 @@ def check_findings(
     if transform is not None and transform.code == TFD233.code:
         verdicts = [v for v in verdicts if v is None or v.code not in (TFD231.code, TFD232.code)]
     return [dataclasses.replace(v, step=step) for v in (*verdicts, transform) if v is not None]
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "loss at init": (
+        "TFD220",
+        "TFD221",
+        "TFD222",
+        "TFD223",
+        "TFD224",
+        "TFD227",
+    ),
+    "loss = cross-entropy of the logits": (
+        "TFD229",
+        "TFD233",
+        "TFD234",
+        "TFD235",
+    ),
+    "loss leaves the uniform level": (
+        "TFD225",
+        "TFD226",
+        "TFD230",
+        "TFD231",
+        "TFD232",
+    ),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -10,14 +12,17 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.callbacks.mask_probe import alignment_checks, call_probes, decisions, leak_checks, probes
+from lightning_tfdebug.callbacks.mask_probe.decisions import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.callbacks.mask_probe.readings import ALIGNMENT_RETRY_STEPS, ORDER_STEPS, SECONDS
 from lightning_tfdebug.callbacks.mask_probe.readings import KEYS as PROBE_KEYS
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
 from lightning_tfdebug.core.batch import step_batch
-from lightning_tfdebug.core.calls import share_model_call
+from lightning_tfdebug.core.calls import StepRecording, record_step
 from lightning_tfdebug.core.data import special_token_sources
-from lightning_tfdebug.core.model import find_context_length, import_object, in_training_step, quiet_training_step
-from lightning_tfdebug.findings import OnFinding
+from lightning_tfdebug.core.logits import training_loss
+from lightning_tfdebug.core.model import find_context_length, grad_scaler_of, import_object
+from lightning_tfdebug.findings import Finding, OnFinding
+from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives import call_finder, calls
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys
 from lightning_tfdebug.primitives.keys import Key
@@ -29,6 +34,22 @@ def _imported(path: str | None) -> Any:
         return None if path is None else import_object(path)
     except (ImportError, AttributeError, ValueError) as err:
         return err
+
+
+_ROWS: dict[str, tuple[str, ...]] = {
+    "RepeatReading": ("eval determinism",),
+    "CausalReading": ("causal mask",),
+    "KvCacheReading": ("causal mask",),
+    "CrossSampleReading": ("cross-sample",),
+    "PaddingReading": ("padding",),
+    "PadSideReading": ("padding",),
+    "OrderReading": ("positions and order",),
+    "PositionTablesReading": ("positions and order",),
+    "LeakReading": ("target leak into the inputs", "causal mask"),  # future ids reaching past outputs: TFD201 too
+    "LeakSummary": ("target leak into the inputs",),
+    "AlignmentReading": ("label alignment",),
+}
+"""The Coverage rows each probe's reading answers."""
 
 
 class MaskProbe(DebugCallback):
@@ -83,6 +104,8 @@ class MaskProbe(DebugCallback):
         ```
     """
 
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+
     KEYS: ClassVar[tuple[Key, ...]] = PROBE_KEYS  # declared beside the readings that log them
 
     def __init__(
@@ -134,8 +157,9 @@ class MaskProbe(DebugCallback):
         self.ignore_index = ignore_index
         self.padding_side, self.probe_rows, self.probe_length = padding_side, probe_rows, probe_length
         self._settings = probes.ProbeSettings(probe_rows, probe_length, check_padding, padding_side, ignore_index)
-        self._recorder: calls.CallRecorder | None = None  # manual optimization: the real training_step's calls
-        self._manual: tuple[Any, bool] | None = None  # (recorded calls and output, full probe) for the batch end
+        self._recording: StepRecording | None = None  # the calls of this step's real training_step
+        self._pending: tuple[Any, int, bool] | None = None  # (batch, batch_idx, full probe) once the forward is over
+        self._probe_step: int | None = None  # the step being probed, while its probes emit
         self._mask_path: str | None = None  # where the mask was found in the batch (evidence of TFD204)
         self._setup_aside = False
         self.last_report: dict[str, float] = {}
@@ -145,7 +169,7 @@ class MaskProbe(DebugCallback):
         """The state of one fit: set at construction and at each fit's setup."""
         self._caller: call_probes.ModelCaller | None = None
         self._found: calls.ModelCall | None = None  # the call training_step makes, recorded at each probe
-        self._replayed: Any = None  # what the recording replay of training_step returned (the alignment's loss)
+        self._returned: Tensor | None = None  # the loss training_step returned on the probed batch (the alignment's)
         self._last_probe_step: int | None = None
         self._positions_done = self._samples_done = False
         self._special_ids: tuple[int, ...] = ()
@@ -194,42 +218,71 @@ class MaskProbe(DebugCallback):
         self._last_probe_step = step
         pending = (retry_step and not self._alignment_decided) or (order_step and not self._order_decided)
         if self.active and (first or periodic or pending):
-            if not pl_module.automatic_optimization and self.forward_fn is None:
-                # A manual-optimization training_step steps its optimizers: it is never replayed. Record the calls
-                # the real one makes instead, and probe through them at the batch's end.
-                self._recorder = calls.CallRecorder(
-                    pl_module, keep=lambda: in_training_step(pl_module), nested=True, want=calls.takes_tokens
-                ).start()
-                self._manual = (None, first or periodic)
-                return
-            self._probe(trainer, pl_module, batch, batch_idx, full=first or periodic)
+            # The probes replay the model call the real training_step makes (never the step itself): record its
+            # calls now, probe once its forward is over (before backward, or at the batch's end).
+            self._pending = (batch, batch_idx, first or periodic)
+            if self.forward_fn is None:
+                self._recording = record_step(trainer, pl_module, batch, self, calls.takes_tokens)
+            return
         self.resolve_local_findings(trainer)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._pending is None:
+            return
+        # the loss reaches this hook divided by gradient accumulation and multiplied by an fp16 loss scale
+        scaler = grad_scaler_of(trainer)
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0  # host sync: probing
+        accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1  # steps only
+        self._run_pending(trainer, pl_module, loss.detach() * (accumulate / scale))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._recorder is None or self._manual is None:
-            return
-        recorded = self._recorder.stop()
-        full = self._manual[1]
-        self._recorder, self._manual = None, (recorded, outputs)
-        try:
-            if self.active:
-                self._probe(trainer, pl_module, batch, batch_idx, full=full)
-        finally:
-            self._manual = None
-        self.resolve_local_findings(trainer)  # every rank armed on the same step, so every rank resolves here
+        if self._pending is not None:  # no backward ran through Lightning (a manual step without manual_backward)
+            self._run_pending(trainer, pl_module, training_loss(trainer, pl_module, outputs))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._recorder is not None:
-            self._recorder.stop()
-        self._recorder, self._manual = None, None
+        self._drop_recording()
+        self._pending = None
+
+    def _run_pending(self, trainer: pl.Trainer, pl_module: pl.LightningModule, returned: Tensor | None) -> None:
+        """The probes of this step, once its forward is over; then every rank resolves (all armed on this step)."""
+        assert self._pending is not None
+        (batch, batch_idx, full), self._pending = self._pending, None
+        self._probe_step = self._last_probe_step  # a skipped batch's end comes after global_step moved on
+        try:
+            if self.active:
+                self._probe(trainer, pl_module, batch, batch_idx, full, returned)
+        finally:
+            self._drop_recording()
+            self._probe_step = None
+        self.resolve_local_findings(trainer)
+
+    def emit(self, trainer: pl.Trainer, verdicts: Any, *, synchronized: bool = True) -> list[Finding]:
+        """:meth:`DebugCallback.emit`, a probe's findings dated at the step it probed."""
+        step = self._probe_step
+        if step is not None and verdicts is not None:
+            items = [verdicts] if isinstance(verdicts, Verdict) else list(verdicts)
+            verdicts = [v if v is None or v.step is not None else dataclasses.replace(v, step=step) for v in items]
+        return super().emit(trainer, verdicts, synchronized=synchronized)
+
+    def _drop_recording(self) -> None:
+        if self._recording is not None:
+            self._recording.done(self)
+        self._recording = None
 
     # ------------------------------------------------------------------ the probe
     def _probe(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, full: bool
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        full: bool,
+        returned: Tensor | None,
     ) -> None:
         start = time.perf_counter()
+        self._returned = returned
         fields = self._extract(trainer, batch)
         ids = fields[0]
         if ids is None:
@@ -262,7 +315,7 @@ class MaskProbe(DebugCallback):
                 module.training = flag
             if self._found is not None:
                 self._found.release()  # the shared reading stays; the replay's outputs do not outlive the probe
-            self._found, self._replayed = None, None
+            self._found, self._returned = None, None
         assert session is not None
         session.logged[SECONDS.name] = time.perf_counter() - start
         self._conclude(trainer, session)
@@ -273,6 +326,13 @@ class MaskProbe(DebugCallback):
         readings = probes.on_host(session.readings, self.to_host)  # host sync: one transfer (probing steps only)
         self.last_report = {**session.logged, **{k: v for r in readings for k, v in r.logged().items()}}
         self.log_scalars(trainer, self.last_report)
+        for reading in readings:  # each probe that ran verified its row (a finding among its codes makes it one)
+            for row in _ROWS.get(type(reading).__name__, ()):
+                self.cover(row, "verified")
+        if self._is_causal is False:
+            why = "the model is bidirectional (an encoder): no future to hide, no next-token labels."
+            self.cover("causal mask", "n/a", why)
+            self.cover("label alignment", "n/a", why)
         verdicts, settled = decisions.decide_probe(readings)
         settled |= session.settled
         self._alignment_decided = self._alignment_decided or "alignment" in settled
@@ -332,11 +392,8 @@ class MaskProbe(DebugCallback):
                     session.positions(ids, limit, source, _imported(self.kv_cache_fn), pl_module)
                 session.tables(pl_module, ids, mask)
         if not self._alignment_decided:
-            automatic, replayed = pl_module.automatic_optimization, self._replayed
-            if self._found is not None:  # the recording replay already ran training_step on this batch
-                output = lambda: replayed  # noqa: E731
-            else:  # a manual training_step is never called
-                output = (lambda: quiet_training_step(pl_module, *step_args)) if automatic else None
+            returned, automatic = self._returned, pl_module.automatic_optimization
+            output = (lambda: returned) if returned is not None or automatic else None
             session.alignment(*fields, output, automatic, trainer.global_step >= ALIGNMENT_RETRY_STEPS[-1])
         if not self._order_decided and trainer.global_step in ORDER_STEPS:
             session.order(ids, mask, trainer.global_step)
@@ -355,23 +412,19 @@ class MaskProbe(DebugCallback):
     def _record_call(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, fields: tuple
     ) -> str | None:
-        """Replay ``training_step`` recording every call, and read and share the model call; returns why not."""
-        self._found, self._replayed = None, None
-        if self._manual is not None:  # recorded during the real training_step (manual optimization)
-            recorded, returned = self._manual
-        elif not pl_module.automatic_optimization:
-            return "a manual-optimization `training_step` steps its optimizers, so it is never replayed"
-        else:
-            try:
-                replay = lambda: quiet_training_step(pl_module, batch, batch_idx)  # noqa: E731
-                returned, recorded = calls.record_calls(pl_module, replay, nested=True, want=calls.takes_tokens)
-            except Exception as err:  # a training_step that cannot be replayed (dataloader_iter, side effects)
-                return f"replaying `training_step` failed ({type(err).__name__}: {err})"
+        """The model call among those the real ``training_step`` made on this batch; returns why none was found."""
+        self._found = None
+        recording = self._recording
+        if recording is None:
+            return "the calls of `training_step` were not recorded"
+        recorded = recording.calls()
+        if recording.compiled:
+            # hooks inside compiled code would make Dynamo recompile it: only the compiled boundaries were recorded
+            recorded = [c for c in recorded if c.depth == 0]
         found = call_finder.find_model_call(recorded, *fields, self.ignore_index, pl_module, self.model_kind)
         if isinstance(found, str):
             return found
-        share_model_call(trainer, batch, found)
-        self._found, self._replayed = found, returned
+        self._found = found
         return None
 
     def _build_caller(self, pl_module: pl.LightningModule) -> call_probes.ModelCaller | str:

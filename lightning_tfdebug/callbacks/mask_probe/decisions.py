@@ -75,3 +75,31 @@ _RULE_OF: dict[type, Callable[[Any], Verdict | None]] = {
     PositionTablesReading: decide_position_tables,
     CrossSampleReading: decide_cross_sample,
 }
+
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    "causal mask": (
+        "TFD201",
+        "TFD209",
+    ),
+    "padding": (
+        "TFD202",
+        "TFD203",
+        "TFD204",
+    ),
+    "label alignment": (
+        "TFD205",
+        "TFD206",
+        "TFD210",
+        "TFD212",
+    ),
+    "positions and order": (
+        "TFD207",
+        "TFD215",
+        "TFD216",
+    ),
+    "eval determinism": ("TFD213",),
+    "cross-sample": ("TFD217",),
+    "target leak into the inputs": ("TFD214",),
+}
+"""The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -18,9 +19,11 @@ from lightning_tfdebug.callbacks.spike_guard.capture import (
 )
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, model_is_compiled
 from lightning_tfdebug.core.batch import step_batch, step_rng_state
+from lightning_tfdebug.core.calls import StepRecording, record_step
 from lightning_tfdebug.core.step import step_state
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.memory import check_budget
+from lightning_tfdebug.functional.spike_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.spike_checks import (
     LrTrack,
     RobustBaseline,
@@ -102,6 +105,9 @@ class SpikeGuard(DebugCallback):
         ```
     """
 
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE_WATCHED: ClassVar[frozenset[str]] = frozenset(COVERAGE)  # verified by watching the whole fit
+
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key("spike/spikes", "loss spikes detected (cumulative; logged on spike steps)", chart="loss spikes"),
         Key(
@@ -156,7 +162,7 @@ class SpikeGuard(DebugCallback):
         self._losses: list[Tensor] = []
         self._batch: Any = None
         self._batch_idx = 0
-        self._recorder: calls.CallRecorder | None = None
+        self._recorder: StepRecording | None = None  # the first batch's recording of its calls
         self._found: calls.ModelCall | None = None
         self._call_reason: str | None = "no model call recorded yet"
         self._flag_key: int | None = None
@@ -185,7 +191,7 @@ class SpikeGuard(DebugCallback):
 
     def _clear(self) -> None:
         if self._recorder is not None:
-            self._recorder.stop()
+            self._recorder.done(self)
             self._recorder = None
         self._losses, self._batch = [], None
 
@@ -210,15 +216,18 @@ class SpikeGuard(DebugCallback):
             if model_is_compiled(trainer, pl_module):  # module hooks on compiled code would make it recompile
                 self._call_reason = COMPILED
                 return self.check_aside("spike attribution", COMPILED, "attribution in a run without torch.compile")
-            # the first batch only: record the model call made by the real training_step (hooks removed at backward)
-            self._recorder = calls.CallRecorder(pl_module, nested=True, want=calls.takes_tokens).start()
+            # the first batch only: the model call made by the real training_step (the step's one recording)
+            self._recorder = record_step(trainer, pl_module, batch, self, calls.takes_tokens)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if not self.active or trainer.sanity_checking:
             return
         if self._recorder is not None:
-            recorded, self._recorder = self._recorder.stop(), None
-            self._read_call(trainer, recorded)
+            recording, self._recorder = self._recorder, None
+            try:
+                self._read_call(trainer, recording.calls())
+            finally:
+                recording.done(self)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             self.stand_aside("the loss is not a scalar per step", "a `training_step` that returns a scalar loss")
             return

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.utilities import rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number, eager_model_calls
-from lightning_tfdebug.core.batch import step_batch
+from lightning_tfdebug.callbacks.checkpoint_audit.capture import (
+    PROBE_CHECK,
+    batch_rows,
+    probe_call_of,
+    replay_probe_call,
+)
+from lightning_tfdebug.core.base import DebugCallback, check_number
+from lightning_tfdebug.core.calls import StepRecording, record_step
 from lightning_tfdebug.core.checkpoints import (
     DamagedCheckpoint,
     expectation,
@@ -22,13 +25,12 @@ from lightning_tfdebug.core.checkpoints import (
     read_sharded,
     resumable_savers,
 )
-from lightning_tfdebug.core.model import quiet_training_step
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional import checkpoint_checks as checks
 from lightning_tfdebug.functional import resume_checks
+from lightning_tfdebug.functional.checkpoint_checks import COVERAGE as COVERAGE_ROWS
 from lightning_tfdebug.functional.checkpoints import restored_state
 from lightning_tfdebug.functional.verdicts import Verdict
-from lightning_tfdebug.primitives.batch import loss_of
 
 
 class CheckpointAudit(DebugCallback):
@@ -36,7 +38,8 @@ class CheckpointAudit(DebugCallback):
 
     After each save (rank 0, through the strategy's ``CheckpointIO``) the file must hold what the live objects say a
     resume needs: weights, optimizer, scheduler and GradScaler state, loop progress and callback state. On resume the
-    live objects must match the checkpoint, and the loss on a small probe batch must be the loss at save time.
+    live objects must match the checkpoint, and the model call `training_step` made on the first batch, replayed on
+    a few of its rows, must give what it gave at save time.
     Nothing runs on steps without a save. The guide, ``docs/callbacks/checkpoint_audit.md``, has the details.
 
     Findings: ``TFD701`` weights missing, ``TFD702`` wrong shapes, ``TFD703`` optimizer state missing, ``TFD704``
@@ -52,11 +55,11 @@ class CheckpointAudit(DebugCallback):
     Args:
         every_n_steps: unused by the checks (they run at saves and resumes); kept for a uniform interface.
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
-        probe_rows: rows of the first training batch kept as the probe batch (stored in the callback's state).
+        probe_rows: rows of the first batch's model call kept as the probe (stored in the callback's state).
         loss_rtol: relative tolerance between the probe loss at save time and after resume.
         weight_rtol: relative tolerance of the weight checksums after resume.
         reload: read every file back and compare resumes with the checkpoint. ``False`` (the ``always`` preset) judges
-            the dict each save writes, in memory (TFD701-TFD709); no probe batch, no resume comparison (TFD710-TFD716).
+            the dict each save writes, in memory (TFD701-TFD709); no probe call, no resume comparison (TFD710-TFD716).
 
     Raises:
         ValueError: on an argument outside its allowed range.
@@ -77,6 +80,8 @@ class CheckpointAudit(DebugCallback):
         ```
     """
 
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+
     def __init__(
         self,
         every_n_steps: int | None = None,
@@ -96,8 +101,10 @@ class CheckpointAudit(DebugCallback):
         self.probe_rows = probe_rows
         self.loss_rtol = float(loss_rtol)
         self.weight_rtol = float(weight_rtol)
-        self._probe_batch: Any = None
-        self._probe_taken = False  # the probe batch is taken once per fit, even when it cannot be used
+        self._probe_call: dict[str, Any] | None = None  # the model call replayed at saves and resumes (host copies)
+        self._recording: StepRecording | None = None  # the first batch's calls, until its forward is over
+        self._probe_of: tuple[Any, int] = (None, 0)  # (batch, batch_idx) being recorded
+        self._probe_taken = False  # the probe call is taken once per fit, even when it cannot be used
         self._probe_loss: float | None = None
         self._probe_loss_step: int | None = None
         self._expected: dict[str, Any] | None = None
@@ -132,6 +139,7 @@ class CheckpointAudit(DebugCallback):
             self._expected = None
             if not self.reload:  # the dict the strategy just wrote, judged in memory: no file is read back
                 self._verified_since_save = True
+                self.cover("checkpoint resumable", "verified")
                 self.emit(trainer, self._judge(trainer, checkpoint, os.fspath(path), expected), synchronized=False)
                 return result
             self._pending_files.append((os.fspath(path), expected))
@@ -143,70 +151,54 @@ class CheckpointAudit(DebugCallback):
         self._io = io
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._recording is not None:
+            self._recording.done(self)
+            self._recording = None
         if self._io is not None:
             self._io.__dict__.pop("save_checkpoint", None)
             self._io = None
 
-    # ------------------------------------------------------------------ probe batch and loss
+    # ------------------------------------------------------------------ probe call and loss
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._probe_taken or not self.active or not self.reload:
             return  # every step but the first: nothing
         self._probe_taken = True
-        if self._probe_batch is None:  # (a resumed fit keeps the probe batch of its checkpoint)
-            self._probe_batch = self._slice(trainer, batch)
+        if self._probe_call is None:  # (a resumed fit keeps the probe call of its checkpoint)
+            self._recording = record_step(trainer, pl_module, batch, self)  # the outermost calls only
+            self._probe_of = (batch, batch_idx)
 
-    def _slice(self, trainer: pl.Trainer, batch: Any) -> Any:
-        """The first ``probe_rows`` rows of every tensor of the batch that has its rows (the sequences of its token
-        ids, from the shared reading of the batch; else the first dimension of its first tensor), on the host."""
-        view = step_batch(trainer, batch)
-        if view.input_ids is not None and view.input_ids.ndim >= 2:
-            rows = int(view.input_ids.shape[0])
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self._take_probe_call(trainer, pl_module)
+
+    def _take_probe_call(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The probe: the first model call of the first batch's real ``training_step`` (:func:`probe_call_of`)."""
+        recording, self._recording = self._recording, None
+        if recording is None:
+            return
+        (batch, batch_idx), self._probe_of = self._probe_of, (None, 0)
+        try:
+            found = probe_call_of(
+                recording.calls(), pl_module, batch, batch_idx, batch_rows(trainer, batch), self.probe_rows
+            )
+        finally:
+            recording.done(self)
+        if isinstance(found, str):
+            self.check_aside(PROBE_CHECK, found)
         else:
-            sizes: list[int] = []
-            apply_to_collection(batch, Tensor, lambda t: sizes.append(t.shape[0]) if t.ndim else None)
-            if not sizes:
-                return None
-            rows = sizes[0]
-        n = self.probe_rows
-
-        def cut(t: Tensor) -> Tensor:
-            if t.ndim and t.shape[0] == rows:
-                t = t[:n]
-            return t.detach().to("cpu", copy=True)  # host copy: once per fit
-
-        return apply_to_collection(batch, Tensor, cut)
+            self._probe_call = found
 
     def _loss_on_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float | None:
-        if self._probe_batch is None or not pl_module.automatic_optimization:
+        """The probe replayed (:func:`replay_probe_call`); None when there is none or it cannot be replayed."""
+        if self._probe_call is None:
             return None
-        batch = apply_to_collection(self._probe_batch, Tensor, lambda t: t.to(pl_module.device))
-        modes = {m: m.training for m in pl_module.modules()}
-        device = pl_module.device
-        devices = [device.index or 0] if device.type == "cuda" else []
-        try:
-            with (
-                eager_model_calls(),  # a compiled forward runs eagerly: the probe batch compiles nothing new
-                torch.random.fork_rng(devices=devices),
-                torch.no_grad(),
-                trainer.precision_plugin.train_step_context(),
-            ):
-                pl_module.eval()
-                loss = loss_of(quiet_training_step(pl_module, batch, 0))
-        except Exception as err:  # a training_step that cannot be replayed on a stored batch
-            rank_zero_warn(
-                f"CheckpointAudit: the probe-loss check is off, `training_step` failed on the probe batch: {err}",
-                category=TFDebugWarning,
-            )
-            self._probe_batch = None
+        value = replay_probe_call(trainer, pl_module, self._probe_call)
+        if isinstance(value, str):
+            self.check_aside(PROBE_CHECK, value)
+            self._probe_call = None
             return None
-        finally:
-            for module, flag in modes.items():
-                module.training = flag
-        if loss is None or loss.numel() != 1:
-            return None
-        return float(loss.detach().float())  # host sync: at save / resume time only
+        return value
 
     # ------------------------------------------------------------------ save
     def on_save_checkpoint(
@@ -224,7 +216,7 @@ class CheckpointAudit(DebugCallback):
         if isinstance(own, dict):  # Lightning collected state_dict() before this hook: add the save-time loss
             own["probe_loss"] = loss
             own["probe_loss_step"] = trainer.global_step
-            own["probe_batch"] = self._probe_batch
+            own["probe_call"] = self._probe_call
         strategy = type(trainer.strategy).__name__
         sharded = "ModelParallel" in strategy or getattr(trainer.strategy, "_state_dict_type", "full") == "sharded"
         if sharded and trainer.is_global_zero:  # the strategy writes the directory itself, without the CheckpointIO
@@ -274,6 +266,7 @@ class CheckpointAudit(DebugCallback):
             return [checks.unreadable_checkpoint(path, err)]
         self._verified_since_save = True
         self.checked_files.append(path)
+        self.cover("checkpoint resumable", "verified")
         return self._judge(trainer, loaded, path, expected)
 
     def _judge(
@@ -315,12 +308,16 @@ class CheckpointAudit(DebugCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._take_probe_call(trainer, pl_module)  # no backward ran through Lightning (a manual step without it)
         if self.active:
             self._settle(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.active:
             self._settle(trainer)
+
+    def not_reached(self, check: str, step: int | None) -> tuple[str, str | None]:
+        return "no checkpoint was saved in this run.", "a `ModelCheckpoint` (or `trainer.save_checkpoint`) in the run"
 
     # ------------------------------------------------------------------ resume
     def on_load_checkpoint(
@@ -350,13 +347,13 @@ class CheckpointAudit(DebugCallback):
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),
-            "probe_batch": self._probe_batch,
+            "probe_call": self._probe_call,
             "probe_loss": self._probe_loss,
             "probe_loss_step": self._probe_loss_step,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._probe_batch = state_dict.get("probe_batch")
+        self._probe_call = state_dict.get("probe_call")  # (an older checkpoint's probe batch is not replayed)
         self._probe_loss = state_dict.get("probe_loss")
         self._probe_loss_step = state_dict.get("probe_loss_step")
