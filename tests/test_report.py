@@ -96,7 +96,13 @@ def test_a_healthy_run_reports_0_and_a_buggy_run_1_with_pictures_and_the_report_
     healthy_page = render(healthy_run, "html")
     page = check_page(healthy_page, healthy_run.merged)  # the overview, Coverage, the ranks; no empty chart
     assert page.figures[0]["caption"].startswith("Overview: `train/loss`") and "Not drawn" not in decoded(healthy_page)
-    assert "<h2>Coverage</h2>" in healthy_page and "<h2>Ranks</h2>" in healthy_page
+    assert "<table class='coverage'>" in healthy_page and "<h2>Ranks</h2>" in healthy_page
+    rows = {(r.member, r.check): r.status for r in healthy_run.coverage}  # every rank's coverage-rank<r>.jsonl
+    assert rows[("MaskProbe", "causal mask")] == "verified" and "finding" not in rows.values()
+    # 10 steps: LossAtInit's checks at step 100 were not reached, so an unverified preflight fails
+    assert rows[("LossAtInit", "loss leaves the uniform level")] == "unknown"
+    assert main(["report", str(tmp_path / "ok"), "--fail-on", "unverified"]) == 1
+    assert "? LossAtInit: loss leaves the uniform level (could not check: " in capsys.readouterr().out
 
     buggy = TFDebug(every_n_steps=2)
     fit_tiny(tmp_path / "bug", [buggy], TinyGPT(head_not_in_optimizer=True, **SMALL), max_steps=12)
@@ -110,6 +116,7 @@ def test_a_healthy_run_reports_0_and_a_buggy_run_1_with_pictures_and_the_report_
     page = check_page(html_file.read_text(), run.merged)  # one evidence chart per warning and error, alt texts
     assert {m.code for m in run.merged if m.severity != "info"} >= {"TFD312"}
     assert any("TFD312" in f["caption"] for f in evidence_figures(page))
+    assert [r.found for r in run.coverage if r.status == "finding"] == [("TFD312",), ("TFD320",)]
     assert any(f["class"] == "series" for f in page.figures)  # every series by unit, behind the fold
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
@@ -253,8 +260,9 @@ def test_the_pack_summary_has_a_did_not_run_block_and_the_report_merges_it(tmp_p
     assert "To let it run: `labels_key`." in block
     # one check of BatchGuard stands aside too (it counts EOS among integer token labels), listed the same way
     assert "    BatchGuard: EOS supervision (TFD124): the batches have no integer token labels" in block
-    # and AttentionProbe cannot read TinyGPT's fused attention: said, not silent
-    assert "    AttentionProbe: attention at init: attention is fused" in block
+    # and AttentionProbe cannot read TinyGPT's fused attention: said, not silent (by its Coverage row, once)
+    assert "AttentionProbe: attention at init (could not check: attention is fused" in summary
+    assert "AttentionProbe: attention at init: attention is fused" not in block
     assert "; 3 checks did not run" in summary
     run = load_run(tmp_path / "tb" / "version_0")
     # pack.json's list and the member's own record are one entry

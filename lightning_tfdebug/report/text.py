@@ -39,10 +39,13 @@ def render_short(run: Run, symbols: Mapping[str, str] | None = None) -> str:
     if info > SHORT_INFO_LINES:
         lines.append(f"  ... and {plural(info, 'info finding')}")
     lines += _failure_lines(run, "  ")
-    lines += coverage_lines(run.coverage, "  ", symbols, only_open=True)
-    if run.did_not_run:
+    coverage = run.coverage
+    lines += coverage_lines(coverage, "  ", symbols, only_open=True)
+    said = {f"{r.member}: {r.check}" for r in coverage if r.status == "unknown"}  # the Coverage rows said it already
+    aside = [entry for entry in run.did_not_run if entry.check not in said]
+    if aside:
         lines.append("  did not run (not findings; what would let each run):")
-        lines += [f"    {_aside_line(entry, run)}" for entry in run.did_not_run]
+        lines += [f"    {_aside_line(entry, run)}" for entry in aside]
     lines.append(f"  full report: tfdebug report {run.log_dir} (--verbose: every message; --format html: the charts)")
     return "\n".join(lines)
 
