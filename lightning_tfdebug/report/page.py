@@ -13,7 +13,7 @@ from lightning_tfdebug.report import evidence
 from lightning_tfdebug.report.coverage import SYMBOLS, WORDS, CoverageRow, coverage_summary
 from lightning_tfdebug.report.evidence import Figure
 from lightning_tfdebug.report.run import Run, evidence_text, plural, ranks_text, read_series, summary_line
-from lightning_tfdebug.report.text import _aside_line, _failure_lines, _number, anchor, header
+from lightning_tfdebug.report.text import _aside_line, _failure_lines, _not_in_coverage, _number, anchor, header
 
 _CSS = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222;padding:0 1em}
@@ -77,9 +77,10 @@ def render_html(run: Run) -> str:
             body.append(f"<p><small>hint: {esc(m.hint)}</small></p>")
         body.append(f"<p><small>{esc(ranks_text(m.ranks))}; steps {esc(', '.join(map(str, m.steps[:20])))}</small></p>")
         parts.append(f"<details><summary>message, evidence and hint</summary>{''.join(body)}</details></section>")
-    if run.did_not_run:
+    aside = _not_in_coverage(run)
+    if aside:
         parts.append("<h2>Checks that did not run</h2><ul>")
-        parts += [f"<li>{esc(_aside_line(entry, run))}</li>" for entry in run.did_not_run]
+        parts += [f"<li>{esc(_aside_line(entry, run))}</li>" for entry in aside]
         parts.append("</ul>")
     if run.missing:
         parts.append("<h2>Not in this run's files</h2><ul>")

@@ -39,10 +39,8 @@ def render_short(run: Run, symbols: Mapping[str, str] | None = None) -> str:
     if info > SHORT_INFO_LINES:
         lines.append(f"  ... and {plural(info, 'info finding')}")
     lines += _failure_lines(run, "  ")
-    coverage = run.coverage
-    lines += coverage_lines(coverage, "  ", symbols, only_open=True)
-    said = {f"{r.member}: {r.check}" for r in coverage if r.status == "unknown"}  # the Coverage rows said it already
-    aside = [entry for entry in run.did_not_run if entry.check not in said]
+    lines += coverage_lines(run.coverage, "  ", symbols, only_open=True)
+    aside = _not_in_coverage(run)
     if aside:
         lines.append("  did not run (not findings; what would let each run):")
         lines += [f"    {_aside_line(entry, run)}" for entry in aside]
@@ -85,6 +83,12 @@ def coverage_lines(
     ]
 
 
+def _not_in_coverage(run: Run) -> list[StoodAside]:
+    """The checks that did not run, less those a Coverage row already says could not be checked."""
+    said = {f"{r.member}: {r.check}" for r in run.coverage if r.status == "unknown"}
+    return [entry for entry in run.did_not_run if entry.check not in said]
+
+
 def _aside_line(entry: StoodAside, run: Run) -> str:
     ranks = f" ({ranks_text(entry.ranks)})" if len(run.ranks) > 1 and entry.ranks else ""
     return f"{entry.check}{ranks}: {entry.reason}" + (f" To let it run: {entry.setting}." if entry.setting else "")
@@ -115,9 +119,10 @@ def render_text(run: Run, verbose: bool = False) -> str:
                 lines.append(f"        hint: {m.hint}")
     lines += _failure_lines(run, "")
     lines += coverage_lines(run.coverage, "", terminal_symbols(sys.stdout))
-    if run.did_not_run:
+    aside = _not_in_coverage(run)
+    if aside:
         lines.append("Checks that did not run (not findings; what would let each run):")
-        lines.extend(f"  {_aside_line(entry, run)}" for entry in run.did_not_run)
+        lines.extend(f"  {_aside_line(entry, run)}" for entry in aside)
     for path in run.nan_reports:
         lines.append(f"NaN report: {path}")
     for what in run.missing:
@@ -211,14 +216,15 @@ def render_markdown(run: Run) -> str:
         if m.severity != "info":
             figure = evidence.finding_figure(m, series)
             out += [f"![{figure.alt}]({figure.uri})", "", f"*{figure.caption}*", ""]
-    if run.did_not_run:
+    aside = _not_in_coverage(run)
+    if aside:
         out += [
             "## Checks that did not run",
             "",
             "| check | ranks | why | what would let it run |",
             "| --- | --- | --- | --- |",
         ]
-        for entry in run.did_not_run:
+        for entry in aside:
             out.append(table_row([entry.check, ",".join(map(str, entry.ranks)), entry.reason, entry.setting or "-"]))
         out.append("")
     if run.missing:
