@@ -97,6 +97,7 @@ TFD322 = Rule(
     "info",
     "OptimizerAudit",
     title="frozen parameters still in the optimizer (a warning once one of them moves)",
+    headline="{count} frozen parameters are still in the optimizer: {shown}",
     trigger=(
         "frozen parameters (`requires_grad=False`) still in the optimizer: info, since torch optimizers skip "
         "parameters without a gradient; a warning when a measured step changes one of them"

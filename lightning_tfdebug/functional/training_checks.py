@@ -131,6 +131,7 @@ TFD330 = Rule(
     "info",
     "OptimizerAudit",
     title="no learning-rate warm-up on a transformer (a warning once the early loss spikes)",
+    headline="no learning-rate warm-up: the LR starts at {first_lr:.3g}",
     trigger=(
         "a transformer trained from step 0 has an LR at a later measured step that is not above its first-step LR;"
         " a warning when a measured loss in the first `warmup_window` steps is not finite, rises above the first "
