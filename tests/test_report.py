@@ -157,7 +157,9 @@ def test_check_on_a_users_lightningcli_script_exits_0_when_healthy_and_1_on_a_bu
     assert buggy.returncode == 1, buggy.stdout[-3000:] + buggy.stderr[-3000:]
     assert "TFD312 error step" in buggy.stdout
     # each finding once on the terminal: the check's report, not a live warning and the pack's summary as well
-    assert (buggy.stdout + buggy.stderr).count("TFD312") == 1, buggy.stdout + buggy.stderr
+    said = buggy.stdout + buggy.stderr  # the headline once; its code again only in its Coverage row
+    assert said.count("TFD312 error") == 1 and "[TFD312]" not in said, said
+    assert said.count("TFD312") == 2 and "(finding TFD312)" in said, said
 
 
 def test_check_explains_a_command_it_cannot_run(tmp_path, capsys):
