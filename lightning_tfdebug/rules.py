@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from lightning_tfdebug.callbacks.batch_guard import checks as batch_guard_checks
+from lightning_tfdebug.callbacks.loss_at_init import floor_checks as loss_floor_checks
 from lightning_tfdebug.callbacks.loss_at_init import init_checks as loss_init_checks
 from lightning_tfdebug.callbacks.loss_at_init import stall_checks as loss_stall_checks
 from lightning_tfdebug.callbacks.loss_at_init import transform_checks as loss_transform_checks
@@ -77,6 +78,7 @@ _MODULES = (
     loss_init_checks,
     loss_stall_checks,
     loss_transform_checks,
+    loss_floor_checks,
     attention_checks,
     grad_checks,
     update_checks,

@@ -826,3 +826,38 @@ class HFAttentionLM(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+# ------------------------------------------ issue 43: transformers that do not read token ids (tests/kind_models.py)
+def kind_module(family: str, **bugs: Any) -> Any:
+    """A builder of ``family`` of ``tests/kind_models.py`` with ``bugs`` (its constructor's flags: ``eval_dropout``,
+    ``positions``, ``leak``)."""
+    from tests.kind_models import build_kind
+
+    return lambda: build_kind(family, **bugs)
+
+
+def kind_loader(family: str, wrong_rows: bool = False) -> Any:
+    """A builder of ``family``'s data; ``wrong_rows``: the collate rolls the labels by one row."""
+    from tests.kind_models import kind_data
+
+    return lambda: kind_data(family, wrong_rows=wrong_rows)
+# ------------------------------------------------------------------------------- row 46: validation on training data
+class ValidatesOnTraining(pl.LightningDataModule):
+    """Row 46: ``val_dataloader`` reads the training data (a new DataLoader over the training dataset, in order, with
+    the training collate and batch size), beside the training loader of ``data`` (a DataModule or a DataLoader)."""
+
+    def __init__(self, data: Any) -> None:
+        super().__init__()
+        self.train = data.train_dataloader() if isinstance(data, pl.LightningDataModule) else data
+
+    def train_dataloader(self) -> DataLoader:
+        return self.train
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.train.dataset, batch_size=self.train.batch_size, collate_fn=self.train.collate_fn)
+
+
+def leaky(data: Any) -> Any:
+    """Row 46: ``data`` (a factory) whose validation reads its training data."""
+    return lambda: ValidatesOnTraining(data())

@@ -35,6 +35,10 @@ pretraining objective, without the noise): the labels are the input ids, shifted
 EXTRA_FAMILIES: tuple[str, ...] = ("mlm_padpos", "tinygpt_nomask")
 """Healthy designs the pack once flagged, run in one setting each: a masked LM whose positions count the real tokens
 (:class:`PadPositionMLM`), and a causal LM that ignores its mask on right-padded batches."""
+KIND_FAMILIES: tuple[str, ...] = ("float_encoder", "vit", "bert_cls", "seq2seq_reverse", "set_max")
+"""Transformers that do not read token ids or return per-token logits (``tests/kind_models.py``, issue 43): a float
+one-hot encoder, a ViT on patches, a BERT sequence classifier, an ``nn.Transformer`` whose call takes decoder ids, mask
+and labels, and an order-blind set model; each with its own data and learning rate."""
 GEMMA_INIT = 0.01
 """The Gemma family's ``initializer_range``: half its default, weights small enough to grow 2x in 50 steps."""
 
@@ -121,6 +125,11 @@ class EncoderLM(pl.LightningModule):
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         self.log("loss", loss)
         return loss
+
+    def validation_step(self, batch, batch_idx):  # runs only where a case gives a validation loader
+        tokens, targets = batch
+        logits = self(tokens)
+        self.log("val_loss", F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long()))
 
     def configure_optimizers(self):
         return adamw_with_warmup(self, self.lr, self.warmup_steps)
@@ -240,6 +249,9 @@ class HFLM(pl.LightningModule):
         self.log("loss", loss)
         return loss
 
+    def validation_step(self, batch, batch_idx):  # runs only where a case gives a validation loader
+        self.log("val_loss", self(**batch).loss)
+
     def configure_optimizers(self):
         return adamw_with_warmup(self, self.lr, self.warmup_steps)
 
@@ -257,7 +269,11 @@ LORA_TARGETS: dict[str, list[str]] = {
 
 
 def build(family: str, lr: float = 2e-3, warmup_steps: int = 10) -> pl.LightningModule:
-    """A fresh healthy module of ``family``."""
+    """A fresh healthy module of ``family`` (a family of :data:`KIND_FAMILIES` at its own learning rate)."""
+    if family in KIND_FAMILIES:
+        from tests.kind_models import build_kind
+
+        return build_kind(family, warmup_steps=warmup_steps)
     if family == "tinygpt":
         return HealthyTinyGPT(lr=lr, warmup_steps=warmup_steps)
     if family == "encoder_lm":
@@ -338,7 +354,11 @@ def copy_collate(rows: list[list[int]]) -> dict[str, torch.Tensor]:
 
 
 def data(family: str, batch_size: int = 8) -> Any:
-    """The healthy data of ``family``: a DataModule or a DataLoader."""
+    """The healthy data of ``family``: a DataModule or a DataLoader (a family of :data:`KIND_FAMILIES`: its own)."""
+    if family in KIND_FAMILIES:
+        from tests.kind_models import kind_data
+
+        return kind_data(family)
     if family in ("tinygpt", "gpt2", "llama", "tinygpt_nomask", "gemma"):
         return TinyTextDataModule(batch_size=batch_size)
     if family == "encoder_lm":
@@ -378,3 +398,29 @@ def pretrain(tmp_path: Path, family: str, steps: int = 60) -> dict[str, torch.Te
     module = build(family)
     quiet_fit(tmp_path / "pretrain", module, family, steps)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# -------------------------------------------------------------------------------------------- a validation split
+class DocumentSplit(pl.LightningDataModule):
+    """The masked LM's documents split once, by document, before batching: 100 held out for validation, the rest for
+    training (natural duplicates of short documents across the split stay, as in real data)."""
+
+    def __init__(self, batch_size: int = 16) -> None:
+        super().__init__()
+        docs = _documents()
+        self.batch_size, self.val_set = batch_size, torch.utils.data.Subset(docs, range(100))
+        self.train_set = torch.utils.data.Subset(docs, range(100, len(docs)))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, self.batch_size, shuffle=True, collate_fn=mlm_collate, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, self.batch_size, collate_fn=mlm_collate)
+
+
+def split_data(family: str, batch_size: int = 8) -> Any:
+    """``family``'s healthy data with a held-out validation split (the bundled DataModule's, or :class:`DocumentSplit`
+    for the masked LM)."""
+    if family in ("bert_mlm", "mlm_padpos"):
+        return DocumentSplit(2 * batch_size)
+    return TinyTextDataModule(batch_size=batch_size)

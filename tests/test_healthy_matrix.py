@@ -3,11 +3,12 @@ people train them, must raise no warning and no error.
 
 Families (``tests/healthy_models.py``, tiny configs, nothing downloaded): the bundled TinyGPT, a causal LM on
 ``nn.TransformerEncoder`` with tuple batches, Hugging Face GPT-2, Llama, BERT (masked LM) and T5; beside them BART and a
-T5 taught to reproduce its input (:data:`SEQ2SEQ_CASES`). Settings: fresh from scratch with a warm-up; a constant
-learning rate without warm-up; resumed from a checkpoint past the warm-up; fine-tuning weights trained first in the
-test, fully and with LoRA adapters; bf16-mixed; gradient accumulation 4; DDP with 2 processes. Runs are long enough for
-every check of the pack to run: LossAtInit's checks at its default ``check_step`` (100), and at 5x that for the masked
-LM, whose plateau check needs it.
+T5 taught to reproduce its input (:data:`SEQ2SEQ_CASES`); and, fresh with a warm-up, the transformers that do not read
+token ids of ``tests/kind_models.py`` (:data:`~tests.healthy_models.KIND_FAMILIES`). Settings: fresh from scratch with
+a warm-up; a constant learning rate without warm-up; resumed from a checkpoint past the warm-up; fine-tuning weights
+trained first in the test, fully and with LoRA adapters; bf16-mixed; gradient accumulation 4; DDP with 2 processes.
+Runs are long enough for every check of the pack to run: LossAtInit's checks at its default ``check_step`` (100), and
+at 5x that for the masked LM, whose plateau check needs it.
 
 The matrix runs under ``-m "slow or not slow"`` (CI runs it beside the default run, which holds none of its cases).
 ``docs/healthy-runs.md`` lists what the pack says (its info findings) on each family. Set ``TFD_HEALTHY_REPORT=<file>``
@@ -24,15 +25,18 @@ import pytest
 
 from lightning_tfdebug import TFDebugWarning
 from lightning_tfdebug.rules import RULES
+from tests.floor_models import Gemma2LM, SmoothedEncoderLM, SmoothedHFLM, SmoothedTinyGPT
 from tests.healthy_models import (
     EXTRA_FAMILIES,
     FAMILIES,
+    KIND_FAMILIES,
     PACK_NAMES,
     SEQ2SEQ_FAMILIES,
     build,
     data,
     pretrain,
     quiet_fit,
+    split_data,
     the_pack_at_defaults,
     with_lora,
 )
@@ -43,10 +47,14 @@ pytest.importorskip("transformers")
 CHECK_STEP = 100  # LossAtInit's default check_step
 STEPS = {family: CHECK_STEP + 20 for family in FAMILIES + EXTRA_FAMILIES + SEQ2SEQ_FAMILIES + ("gemma",)}
 STEPS |= {"bert_mlm": 5 * CHECK_STEP + 20, "mlm_padpos": 5 * CHECK_STEP + 20}
+STEPS |= {family: CHECK_STEP + 20 for family in KIND_FAMILIES}
 SETTINGS = ("fresh_warmup", "constant_lr", "resumed", "finetune_full", "finetune_lora", "bf16", "accum4")
 
 EXTRA = (("gpt2", "clip_norm"), ("t5", "clip_norm"), ("gemma", "fresh_warmup"))
 """Cases beyond the families x settings: norm clipping at 1.0, and Gemma with a small init (its weights grow 2x)."""
+EXTRA += (("tinygpt", "val_split"), ("gpt2", "val_split"), ("bert_mlm", "val_split"))
+"""And a held-out validation split read every 50 steps and by the sanity check (its natural duplicates of short
+documents stay): the leakage check (TFD126) must stay silent."""
 
 KNOWN: dict[tuple[str, str], str] = {}
 """Cases where a callback still raises a false alarm: ``(family, setting) -> reason`` (marked xfail, not strict)."""
@@ -99,11 +107,13 @@ def run_case(tmp_path: Path, family: str, setting: str) -> list:
         trainer_kwargs["accumulate_grad_batches"] = 4
     if setting == "clip_norm":
         trainer_kwargs["gradient_clip_val"] = 1.0
+    if setting == "val_split":
+        trainer_kwargs |= {"limit_val_batches": 1.0, "val_check_interval": 50}
     pack = the_pack_at_defaults()
     trainer = make_trainer(tmp_path, pack, **trainer_kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TFDebugWarning)
-        trainer.fit(module, data(family), ckpt_path=ckpt_path)
+        trainer.fit(module, split_data(family) if setting == "val_split" else data(family), ckpt_path=ckpt_path)
     assert trainer.global_step == trainer_kwargs["max_steps"]
     for finding in (f for c in pack for f in c.findings):  # every finding is a registered rule's, from its owner
         assert RULES[finding.code].source == finding.source, finding.format()
@@ -127,6 +137,11 @@ def cases():
         yield pytest.param(family, setting, marks=marks, id=f"{family}-{setting}")
     for family, setting in EXTRA:
         yield pytest.param(family, setting, marks=[pytest.mark.slow], id=f"{family}-{setting}")
+    for family in KIND_FAMILIES:
+        marks = [pytest.mark.slow]
+        if (family, "fresh_warmup") in KNOWN:
+            marks.append(pytest.mark.xfail(strict=False, reason=KNOWN[family, "fresh_warmup"]))
+        yield pytest.param(family, "fresh_warmup", marks=marks, id=f"{family}-fresh_warmup")
 
 
 SEQ2SEQ_CASES = (("t5_copy", "finetune_full"), ("bart", "finetune_full"), ("bart", "fresh_warmup"))
@@ -138,6 +153,9 @@ decoder): T5 fine-tuned, BART fine-tuned and from scratch."""
 def test_the_pack_at_its_defaults_is_silent_on_a_healthy_run(tmp_path, family, setting):
     pack = run_case(tmp_path, family, setting)
     assert problems(pack) == []
+    if setting == "val_split":  # BatchGuard compared the held-out rows with the training rows (TFD126 silent)
+        [guard] = [c for c in pack if type(c).__name__ == "BatchGuard"]
+        assert len(guard._leak.watch.loops["validation"]) > 0
     # the new detectors were there and stayed silent
     assert not {f.code for c in pack for f in c.findings} & {"TFD122", "TFD602"} or all(
         f.severity == "info" for c in pack for f in c.findings if f.code == "TFD602"
@@ -193,3 +211,31 @@ def test_the_pack_is_silent_on_a_healthy_run_while_other_processes_keep_twice_th
     finally:
         load.stop()
     assert problems(pack) == []
+
+
+# ------------------------------------------------------------------------------------- loss floors that do not bind
+FLOOR_CASES = {
+    "tinygpt-label_smoothing_0.1": ("tinygpt", lambda: SmoothedTinyGPT(0.1)),
+    "gpt2-label_smoothing_0.1": ("gpt2", lambda: SmoothedHFLM("gpt2", 0.1)),
+    "encoder_lm-label_smoothing_0.1": ("encoder_lm", lambda: SmoothedEncoderLM(0.1)),
+    "gemma2-softcap_30": ("gemma", lambda: Gemma2LM(softcap=30.0)),
+}
+"""Issue 44's healthy counterparts: label smoothing 0.1 (named at info, its floor 16% of ln(V)) and Gemma 2's own
+final-logit soft-cap of 30 in its forward (a floor of ~0), past the check."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(FLOOR_CASES))
+def test_the_pack_is_silent_on_label_smoothing_and_a_soft_cap_that_bind_nothing(tmp_path, case):
+    family, module = FLOOR_CASES[case]
+    pack = the_pack_at_defaults()
+    trainer = make_trainer(tmp_path, pack, max_steps=STEPS["tinygpt"], log_every_n_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TFDebugWarning)
+        trainer.fit(module(), data(family))
+    report(f"floors/{case}", pack)
+    assert problems(pack) == []
+    named = [f for c in pack for f in c.findings if f.code == "TFD237"]
+    if "label_smoothing" in case:  # named, with its eps
+        assert [f.severity for f in named] == ["info"] and "eps = 0.1" in named[0].message
+    assert not [f for c in pack for f in c.findings if f.code == "TFD236"]

@@ -153,7 +153,7 @@ def test_check_on_a_users_lightningcli_script_exits_0_when_healthy_and_1_on_a_bu
     assert (own / "tfdebug" / "pack.json").is_file()
     assert f"the preflight's logs and findings are in {own}" in healthy.stdout
 
-    buggy = _check(tmp_path / "bug", "--model.bug=head_frozen")
+    buggy = _check(tmp_path / "bug", "--model.bug=head_frozen", steps=8)  # UpdateRatio names the frozen head by step 8
     assert buggy.returncode == 1, buggy.stdout[-3000:] + buggy.stderr[-3000:]
     assert "TFD312 error step" in buggy.stdout
     # each finding once on the terminal: the check's report, not a live warning and the pack's summary as well

@@ -263,8 +263,13 @@ class LogitsCapture:
     def _batch_tokens(self, labels: Tensor, shift_labels: bool) -> Tensor | None:
         """The batch's input token ids; else, with ``shift_labels``, the labels (a causal LM's mirror its inputs)."""
         inputs = None if self.view is None else self.view.input_ids
-        if inputs is not None and not inputs.is_floating_point():
-            return inputs
+        if inputs is not None and not inputs.is_floating_point() and inputs is not labels:
+            return inputs  # (a tuple of float features and labels: its only integer tensor is the labels)
+        if self.view is not None and any(
+            isinstance(t, Tensor) and t.is_floating_point() and t.ndim >= 2 and t.shape[:2] == labels.shape[:2]
+            for t in self.view.fields.leaves.values()
+        ):
+            return None  # the model reads float features per position (not tokens): the labels mirror nothing
         return labels if shift_labels else None
 
     def _inputs(self, pl_module: pl.LightningModule) -> tuple[Tensor | None, Tensor | None, str]:

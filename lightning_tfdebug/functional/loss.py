@@ -285,8 +285,10 @@ def loss_transform_sums(
     * ``tx_ce_sum``, ``tx_ce_sq_sum``, ``tx_count``: the rows' cross-entropy, its square and their number;
       ``tx_total``: supervised rows in the whole batch; ``tx_positions``: its label positions;
     * ``tx_uniform_sum``: the cross-entropy against a uniform target (label smoothing ``e``: ``(1 - e) ce + e U``);
-    * ``tx_range_sum``: the logits' range; ``tx_beta_<k>``: the cross-entropy of ``TEMPERATURE_GRID[k] * logits``;
-      ``tx_cap_<k>``: that of ``c * tanh(logits / c)`` for ``c = CAP_GRID[k]``;
+    * ``tx_range_sum``, ``tx_range_sq_sum``: the logits' range ``w`` and its square; ``tx_floor_sum``: the floor
+      ``ln(1 + (V - 1) e^-w)`` of that range; ``tx_sigmoid_sum``: the cross-entropy of ``sigmoid(logits)``;
+    * ``tx_beta_<k>``: the cross-entropy of ``TEMPERATURE_GRID[k] * logits``; ``tx_cap_<k>``: that of
+      ``c * tanh(logits / c)`` for ``c = CAP_GRID[k]``;
     * ``tx_other``: 1 when the other alignment was taken (``both_alignments``: the one of lower cross-entropy,
       decided on the device).
     """
@@ -319,9 +321,12 @@ def loss_transform_sums(
         "tx_total": total,
         "tx_positions": torch.tensor(float(targets.numel()), device=x.device),
         "tx_uniform_sum": torch.where(mask, -logp.mean(-1), zeros).sum(),
-        "tx_range_sum": torch.where(mask, x.amax(-1) - x.amin(-1), zeros).sum(),
         "tx_other": other,
     }
+    width = x.amax(-1) - x.amin(-1)
+    out["tx_range_sum"] = torch.where(mask, width, zeros).sum()
+    out["tx_range_sq_sum"] = torch.where(mask, width.square(), zeros).sum()
+    out["tx_floor_sum"] = torch.where(mask, torch.log1p((x.shape[-1] - 1) * torch.exp(-width)), zeros).sum()
     # one pass over the sampled rows per multiplier and per cap, in chunks of at most 2^24 values (64 MB of float32)
     chunk = max(1, (1 << 24) // x.shape[-1])
 
@@ -340,6 +345,7 @@ def loss_transform_sums(
         out[f"tx_beta_{k}"] = summed(lambda v, b=beta: v * b)
     for k, cap in enumerate(CAP_GRID):
         out[f"tx_cap_{k}"] = summed(lambda v, c=cap: (v / c).tanh_().mul_(c))  # one temporary, as b * v
+    out["tx_sigmoid_sum"] = summed(torch.sigmoid)  # a bound of width 1 that no cap c * tanh(v / c) is
     return out
 
 
@@ -365,6 +371,7 @@ CHECK_SUMS = (
 """The sums :func:`step_sums` takes at the check, besides :data:`TRANSFORM_SUMS`."""
 TRANSFORM_SUMS = (
     *("tx_ce_sum", "tx_ce_sq_sum", "tx_count", "tx_total", "tx_positions", "tx_uniform_sum", "tx_range_sum"),
+    *("tx_range_sq_sum", "tx_floor_sum", "tx_sigmoid_sum"),
     *(f"tx_beta_{k}" for k in range(len(TEMPERATURE_GRID))),
     *(f"tx_cap_{k}" for k in range(len(CAP_GRID))),
 )

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_tfdebug.primitives.batch import LABELS_KEYS, MASK_KEYS, is_id_tensor
+from lightning_tfdebug.primitives.batch import LABELS_KEYS, MASK_KEYS, is_id_tensor, logits_of
 from lightning_tfdebug.primitives.calls import (
     ROW_SLICES,
     ModelCall,
@@ -64,6 +65,11 @@ def find_model_call(
     Host syncs: recording steps only.
     """
     chosen = _choose(calls, input_ids)
+    if chosen is None and any(per_sequence_output(c.output, int(input_ids.shape[0])) for c in calls):
+        return (
+            "the model's call returns one output per sequence ((batch, classes) logits): the per-position probes "
+            "(causal mask, padding, label alignment, position tables) do not apply to it"
+        )
     if chosen is None:
         names = ", ".join(sorted({type(c.module).__name__ for c in calls if c.depth == 0})) or "none"
         return (
@@ -104,6 +110,12 @@ def find_model_call(
     return found
 
 
+def per_sequence_output(output: Any, batch_size: int) -> bool:
+    """Whether a call's logits are one row per sequence, ``(B, C)`` (a sequence classifier), not one per position."""
+    logits = logits_of(output)
+    return logits is not None and logits.ndim == 2 and int(logits.shape[0]) == batch_size
+
+
 def _choose(calls: Sequence[RecordedCall], input_ids: Tensor) -> _Choice | None:
     """The call :func:`find_model_call` reads (see there); None when no call fits."""
     b, length = int(input_ids.shape[0]), int(input_ids.shape[1])
@@ -111,9 +123,10 @@ def _choose(calls: Sequence[RecordedCall], input_ids: Tensor) -> _Choice | None:
     positional: _Choice | None = None  # takes the ids or a slice, one output per position it received
     other_length: _Choice | None = None  # takes the ids, outputs over other positions (a decoder's, a wrapper's)
     fallback: _Choice | None = None
+    per_sequence: int | None = None  # the depth of a call that took the ids and returned one output per sequence
     for call in sorted(calls, key=lambda c: (c.depth, c.order)):
-        if positional is not None:
-            break
+        if positional is not None or (per_sequence is not None and call.depth > per_sequence):
+            break  # below a per-sequence model (a classifier's encoder) are hidden states, never its logits
         if isinstance(call.module, (nn.Embedding, nn.EmbeddingBag)):
             continue  # an embedding's output is hidden states, whatever its width
         seqs = [(p, t, sf) for p, t in call.leaves() if is_id_tensor(t) and (sf := _layout(t, b)) is not None]
@@ -121,6 +134,9 @@ def _choose(calls: Sequence[RecordedCall], input_ids: Tensor) -> _Choice | None:
             continue
         match = _ids_match(seqs, input_ids)
         seq_first = bool(match[1] if match is not None else seqs[0][2])
+        if match is not None and per_sequence_output(call.output, b):
+            per_sequence = call.depth
+            continue
         logits = read_logits(call.output, b, seq_first)
         if logits is None or logits.shape[-1] <= top_id:
             continue  # no output, or one narrower than the token ids (an embedding's hidden states, not logits)

@@ -1,5 +1,5 @@
-"""The one model-call reading (primitives/calls.py, primitives/call_finder.py): the recorder, which call is the model, where its tensors sit, its
-logits and the model's kind, on plain modules without a Trainer."""
+"""The one model-call reading (primitives/calls.py, primitives/call_finder.py): the recorder, which call is the
+model, where its tensors sit, its logits and the model's kind, on plain modules without a Trainer."""
 
 import pytest
 import torch

@@ -9,6 +9,7 @@ extra rank, so every rank reads the same spec. The spec says:
 * ``callbacks``: list of ``{"class_path": ..., "init_args": {...}}``;
 * ``model`` / ``data`` / ``trainer``: keyword arguments for ``TinyGPT``, ``TinyTextDataModule`` and ``Trainer``;
 * ``model_class`` (optional): ``"module:Class"``, a ``TinyGPT`` subclass to build instead;
+* ``data_class`` (optional): ``"module:Class"``, a ``TinyTextDataModule`` subclass to build instead;
 * ``ckpt_path`` (optional): a checkpoint to resume from, passed to ``trainer.fit``;
 * ``out``: a directory; every rank writes ``result-rank<r>.json`` with each callback's findings and the
   ``trainer.callback_metrics`` as floats, plus ``error`` if the fit raised.
@@ -65,7 +66,11 @@ def main() -> None:
         module, _, name = spec["model_class"].partition(":")
         model_class = getattr(importlib.import_module(module), name)
     model = model_class(**spec.get("model", {}))
-    data = TinyTextDataModule(**spec.get("data", {}))
+    data_class = TinyTextDataModule
+    if spec.get("data_class"):
+        module, _, name = spec["data_class"].partition(":")
+        data_class = getattr(importlib.import_module(module), name)
+    data = data_class(**spec.get("data", {}))
     error = None
     try:
         trainer.fit(model, data, ckpt_path=spec.get("ckpt_path"))

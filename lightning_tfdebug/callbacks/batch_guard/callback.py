@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -13,9 +12,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.batch_guard import checks, eos_checks, readings
+from lightning_tfdebug.callbacks.batch_guard import capture, checks, eos_checks, readings
+from lightning_tfdebug.callbacks.batch_guard.capture import epoch_data
+from lightning_tfdebug.callbacks.batch_guard.leakage_checks import LeakageWatch
+from lightning_tfdebug.callbacks.batch_guard.leakage_rows import LEAKAGE_CHECK, LEAKAGE_ROW, LeakageRows, leakage_aside
 from lightning_tfdebug.callbacks.batch_guard.length_checks import LengthSums, LengthWindow
-from lightning_tfdebug.callbacks.batch_guard.loaders import EpochData, epoch_data_of, limit_setting
+from lightning_tfdebug.callbacks.batch_guard.loaders import EpochData
 from lightning_tfdebug.callbacks.batch_guard.mask_hole_checks import packed_keys
 from lightning_tfdebug.callbacks.batch_guard.repeat_checks import BatchRepeats, resumed_mid_epoch
 from lightning_tfdebug.callbacks.batch_guard.schema import parse_declared_schema, structure_key
@@ -24,10 +26,8 @@ from lightning_tfdebug.callbacks.batch_guard.statistics import unpack_statistics
 from lightning_tfdebug.callbacks.batch_guard.value_checks import value_verdicts
 from lightning_tfdebug.core.base import DebugCallback, TFDebugWarning, check_number
 from lightning_tfdebug.core.batch import step_batch
-from lightning_tfdebug.core.compat import is_lightning_instance
 from lightning_tfdebug.core.data import special_token_sources
-from lightning_tfdebug.core.io import write_text
-from lightning_tfdebug.core.model import find_context_length, find_vocab_size, load_tokenizer
+from lightning_tfdebug.core.model import load_tokenizer
 from lightning_tfdebug.core.reduction import host_fields
 from lightning_tfdebug.findings import OnFinding
 from lightning_tfdebug.functional.special_ids import learn_special_ids
@@ -41,9 +41,9 @@ class BatchGuard(DebugCallback):
     r"""Checks each training batch before the forward: schema drift, token ids, lengths, masks and targets.
 
     Every batch (in ``on_train_batch_start``): keys, dtypes and shapes against a declared or learned schema (host
-    metadata) and a fingerprint of its ids (no sync). Checked batches: every value statistic in one transfer; between
-    them a batch that crashes the forward is diagnosed in ``on_exception``. A fit resumed mid-epoch is checked against
-    its DataLoader. Details: ``docs/callbacks/batch_guard.md``.
+    metadata), fingerprints of it and its rows (no sync). Checked batches: every value statistic in one transfer;
+    between them a batch that crashes the forward is diagnosed in ``on_exception``. A fit resumed mid-epoch is checked
+    against its DataLoader; validation and test rows against the training rows. Details: the docs page.
 
     Logged keys: :attr:`KEYS`; findings: the rules of :mod:`lightning_tfdebug.callbacks.batch_guard.checks` (docs page).
 
@@ -72,6 +72,7 @@ class BatchGuard(DebugCallback):
         min_eos_expected: ``TFD124`` needs this many supervised EOS to be expected while none is.
         tokenizer: an object with ``decode`` or an import path to one; the first batch's sequences are logged decoded.
         decode_examples: how many sequences to decode.
+        max_overlap_fraction: ``TFD126``/``TFD127`` above this share (and 3) of validation/test rows trained on.
 
     Raises:
         ValueError: on an argument outside its allowed range, a malformed schema, or a tokenizer without decode.
@@ -130,6 +131,7 @@ class BatchGuard(DebugCallback):
         decode_examples: int = 4,
         special_token_batches: int = 8,
         min_eos_expected: float = 8.0,
+        max_overlap_fraction: float = 0.1,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, on_finding=on_finding)
         if schema is not None and (not isinstance(schema, Mapping) or not schema):
@@ -149,6 +151,7 @@ class BatchGuard(DebugCallback):
         check_number("decode_examples", decode_examples, low=0, integer=True)
         check_number("special_token_batches", special_token_batches, low=0, integer=True)
         check_number("min_eos_expected", min_eos_expected, low=0.0, low_inclusive=False)
+        check_number("max_overlap_fraction", max_overlap_fraction, low=0.0, high=1.0, low_inclusive=False)
         # raises a TypeError naming the argument when a key is not a string, a tuple position or None
         self._batch_keys = BatchKeys(
             input_key, mask_key, labels_key, ignore_index=IGNORE_INDEX if ignore_index is None else ignore_index
@@ -170,6 +173,8 @@ class BatchGuard(DebugCallback):
         self._schema = SchemaWatch(learn_batches, declared, max_length)
         self._lengths = LengthWindow(length_window, self.length_shift_tolerance)
         self._repeats = BatchRepeats(self.max_repeated_fraction)
+        self.max_overlap_fraction = float(max_overlap_fraction)
+        self._leak = LeakageRows(LeakageWatch(self.max_overlap_fraction))  # TFD126/TFD127's rows
         self._epoch = EpochData()  # the training data of the current epoch (set per epoch)
         self._tally: eos_checks.SpecialTokenTally | None = None  # TFD124's count, None when off
         self._last: readings.KeptBatch | None = None  # the step's batch, diagnosed if its forward raises
@@ -190,23 +195,10 @@ class BatchGuard(DebugCallback):
         self._encoder_decoder = any(
             getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True for m in pl_module.modules()
         )
-        vocab, context = self.vocab_size, self.max_length
-        if vocab is None:
-            vocab, where = find_vocab_size(pl_module)
-            if vocab is None:
-                rank_zero_warn(
-                    f"BatchGuard: {where}; token-id and label range checks are off. Pass `vocab_size`.",
-                    category=TFDebugWarning,
-                )
-        if context is None:
-            context, where = find_context_length(pl_module)
-            if context is None:
-                rank_zero_warn(
-                    f"BatchGuard: {where}; the sequence-length check is off. Pass `max_length`.",
-                    category=TFDebugWarning,
-                )
+        vocab, context = capture.model_limits(pl_module, self.vocab_size, self.max_length)
         self._rules = dataclasses.replace(self._rules, vocab_size=vocab, context=context)
         self._repeats.new_fit()  # a new fit reads its data anew
+        self._leak.new_fit()
         self._schema.new_context(context)  # the context may have changed with the model
         self._tally = None
         self._fit_started = False
@@ -260,6 +252,8 @@ class BatchGuard(DebugCallback):
         ids = view.token_fields()[0]
         if ids is not None:
             self._repeats.add(epoch, step, self._epoch, ids)  # a fingerprint: no sync (a host int for a CPU batch)
+        capture.learn_pad_ids(self._leak, trainer, pl_module, self.tokenizer)  # host attributes, once per fit
+        self._leak.add_trained(view, step, trainer.global_rank, self.ignore_index, not self._encoder_decoder)  # no sync
         if checked:
             self._check_values(trainer, view, place.name())
         # Findings are rank-local (each rank sees its own batch). With "stop"/"raise" this is one boolean all-reduce,
@@ -297,12 +291,17 @@ class BatchGuard(DebugCallback):
             return
         special = self._special_statistics(view)
         fingerprints = BatchRepeats.on_device(prints)
-        fields: dict[str, Tensor] = {"statistics": stats, **(special[0] if special else {})}
+        rows, row_fields = self._leak.device_fields(train_only=True)
+        fields: dict[str, Tensor] = {"statistics": stats, **(special[0] if special else {}), **row_fields}
         if fingerprints:
             fields["fingerprints"] = torch.stack(fingerprints)
         # host sync: the one transfer of this checked batch (its statistics, TFD124's counts while they are taken,
-        # and the fingerprints since the last checked batch), every field read back by name
+        # the fingerprints of the batches and of their rows since the last checked batch), read back by name
         host = host_fields(fields)
+        self._leak.read(rows, host)
+        if trainer.world_size == 1:  # one process: the rows are compared now (under DDP: at the loops' ends)
+            found = capture.leakage_verdicts(self._leak, trainer.global_step, exchange=False)
+            self.emit(trainer, found, synchronized=False)
         s = unpack_statistics(host["statistics"])
         if special is not None and self._tally is not None:
             has_mask, labels_path = view.fields.attention_mask is not None, view.fields.paths["labels"]
@@ -313,7 +312,8 @@ class BatchGuard(DebugCallback):
         ids, _, labels = view.token_fields()
         if not self._examples_logged and self.tokenizer is not None and self.decode_examples:
             self._examples_logged = True
-            self._log_examples(trainer, ids, labels if labels is not None and labels.shape == ids.shape else None)
+            examples = (ids, labels if labels is not None and labels.shape == ids.shape else None, self.decode_examples)
+            capture.log_examples(trainer, self.tfdebug_dir, self.tokenizer, examples, self.ignore_index)
         if self.should_measure(trainer):
             self.log_scalars(trainer, readings.batch_metrics(s, self._rules, labels is not None))
 
@@ -333,7 +333,30 @@ class BatchGuard(DebugCallback):
             fingerprints = BatchRepeats.on_device(prints)
             host = torch.stack(fingerprints).tolist() if fingerprints else []  # host sync: once, at the end of training
             self.emit(trainer, self._repeats.read(prints, host, trainer.global_rank), synchronized=False)
+        self.on_validation_epoch_end(trainer, pl_module)  # every rank together: the rows not yet compared
+        if self.active:  # n/a without a validation or test loop
+            self.cover(LEAKAGE_ROW, *self._leak.coverage(LEAKAGE_CHECK in self.checks_aside))
         self._last = None
+
+    # ------------------------------------------------------------------ validation and test batches (TFD126, TFD127)
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self.active:  # its rows' keys on the device, no sync (read at the loop's end); step -1: the sanity check
+            loop, step = "test" if trainer.testing else "validation", trainer.global_step
+            place = (-1 if trainer.sanity_checking else step, dataloader_idx, batch_idx, trainer.global_rank)
+            capture.learn_pad_ids(self._leak, trainer, pl_module, self.tokenizer)
+            view = StepBatch(batch, self._batch_keys)
+            if not self._leak.add_loop(loop, view, place, self.ignore_index, not self._encoder_decoder):
+                self.check_aside(LEAKAGE_CHECK, *leakage_aside(loop))  # no field shared with training: said once
+
+    on_test_batch_start = on_validation_batch_start  # the test loop's rows, the same way (TFD127)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.active:  # every rank, at the same point: the rows cross ranks here
+            self.emit(trainer, capture.leakage_verdicts(self._leak, trainer.global_step))
+
+    on_test_epoch_end = on_validation_epoch_end  # the test rows are decided the same way
 
     # ------------------------------------------------------------------ failure: diagnose the batch that crashed
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -357,23 +380,6 @@ class BatchGuard(DebugCallback):
         except Exception as err:  # never mask the exception that is propagating
             rank_zero_warn(f"BatchGuard could not diagnose the failing batch: {err}", category=TFDebugWarning)
 
-    # ------------------------------------------------------------------ decoded examples
-    def _log_examples(self, trainer: pl.Trainer, ids: Tensor, labels: Tensor | None) -> None:
-        rows, label_rows = readings.example_rows(ids, labels, self.decode_examples)  # host sync: once per fit
-        try:
-            lines = readings.decoded_examples(self.tokenizer, rows, label_rows, self.ignore_index, trainer.global_rank)
-        except Exception as err:  # a tokenizer that cannot decode must not break training
-            rank_zero_warn(
-                f"BatchGuard: tokenizer.decode failed ({err}); no decoded examples.", category=TFDebugWarning
-            )
-            return
-        if trainer.is_global_zero:  # to TensorBoard text (rank 0, either Lightning package)
-            for logger in (lg for lg in trainer.loggers if is_lightning_instance(lg, "TensorBoardLogger")):
-                logger.experiment.add_text("batch_guard/examples", "  \n".join(lines), global_step=trainer.global_step)
-        write_text(
-            os.path.join(self.tfdebug_dir, f"batch_examples-rank{trainer.global_rank}.md"), "\n".join(lines) + "\n"
-        )
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -390,11 +396,3 @@ class BatchGuard(DebugCallback):
         self._lengths.reference = state_dict.get("reference")
         self._lengths.sums = LengthSums.load(state_dict.get("window"))
         self._examples_logged = bool(state_dict.get("examples_logged", False))
-
-
-def epoch_data(trainer: pl.Trainer) -> EpochData:
-    """The training data of the epoch that starts (host metadata: the loaders and the Trainer's limits)."""
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
-    loaders = getattr(combined, "flattened", None) or [trainer.train_dataloader]
-    setting = limit_setting(getattr(trainer, "overfit_batches", 0), getattr(trainer, "limit_train_batches", 1.0))
-    return epoch_data_of(loaders, trainer.num_training_batches, setting)

@@ -6,18 +6,28 @@ from __future__ import annotations
 
 from lightning_tfdebug.callbacks.batch_guard import (
     eos_checks,
+    leakage_checks,
     length_checks,
     mask_hole_checks,
     repeat_checks,
     schema_checks,
     value_checks,
 )
+from lightning_tfdebug.callbacks.batch_guard.leakage_rows import LEAKAGE_ROW
 from lightning_tfdebug.functional.verdicts import Rule
 
 BLOCK = ("TFD101", "TFD129")
 """The codes reserved for BatchGuard's rules."""
 
-_MODULES = (schema_checks, value_checks, mask_hole_checks, length_checks, repeat_checks, eos_checks)
+_MODULES = (
+    schema_checks,
+    value_checks,
+    mask_hole_checks,
+    length_checks,
+    repeat_checks,
+    eos_checks,
+    leakage_checks,
+)
 
 RULES: tuple[Rule, ...] = tuple(
     sorted({id(v): v for m in _MODULES for v in vars(m).values() if isinstance(v, Rule)}.values(), key=lambda r: r.code)
@@ -53,5 +63,6 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "TFD123",
         "TFD125",
     ),
+    LEAKAGE_ROW: ("TFD126", "TFD127"),
 }
 """The rows of the run's Coverage table these rules answer: the check -> the codes that decide it."""

@@ -2,7 +2,8 @@
 
 The room: :mod:`.callback` (the Lightning hooks), :mod:`.phases` (which steps are armed; the run's memory),
 :mod:`.readings` (host readings of the reduced sums), and the decisions :mod:`.init_checks` (step 0),
-:mod:`.stall_checks` and :mod:`.transform_checks` (the check), put in one order by :mod:`.check`.
+:mod:`.stall_checks`, :mod:`.transform_checks` and :mod:`.floor_checks` (the compared steps and the check), put in
+one order by :mod:`.check`.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.callbacks.loss_at_init.check import COVERAGE as COVERAGE_ROWS
-from lightning_tfdebug.callbacks.loss_at_init.check import check_findings
+from lightning_tfdebug.callbacks.loss_at_init.check import check_findings, comparison_aside, early_findings
 from lightning_tfdebug.callbacks.loss_at_init.init_checks import classify_init_loss, unreadable_verdict
-from lightning_tfdebug.callbacks.loss_at_init.phases import LossRun
+from lightning_tfdebug.callbacks.loss_at_init.phases import EARLY_DECISION, LossRun
 from lightning_tfdebug.callbacks.loss_at_init.readings import (
     LossSums,
     check_reading,
@@ -23,6 +23,7 @@ from lightning_tfdebug.callbacks.loss_at_init.readings import (
     returned_loss,
     summarize_init,
 )
+from lightning_tfdebug.callbacks.loss_at_init.transform_checks import COMPARISON, NOT_CROSS_ENTROPY
 from lightning_tfdebug.core.base import DebugCallback, check_number
 from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.distributed import world_size
@@ -41,15 +42,19 @@ def _key(name: str, description: str, chart: str = "", unit: str = "nats") -> Ke
     return Key(f"loss_at_init/{name}", description, unit, chart=chart)
 
 
+COVERED_ROW = "loss = cross-entropy of the logits"
+"""The Coverage row the comparison of the returned loss with the logits' own cross-entropy answers."""
+
+
 class LossAtInit(DebugCallback):
     r"""Checks the first loss against ln(V) and what the model's outputs are, then whether training left ln(V) and
     whether the loss it returns is the cross-entropy of its own logits.
 
     Step 0 captures the logits (forward hooks, :mod:`lightning_tfdebug.core.logits`) and judges the loss against ln(V);
     measuring steps read the loss and count the labels' unigram entropy; at ``check_step`` (5x for masked-LM labels)
-    and on two compared steps before it the logits are captured again. One collective and one host transfer per
-    measured step. What each check measures: ``docs/callbacks/loss_at_init.md``; findings: ``docs/findings.md``;
-    logged keys: :attr:`KEYS`.
+    and on the compared steps (10 to 40, two before the check) the logits are captured again (from step 30 the loss's
+    family and floor are decided). One collective and one host transfer per measured step. What each check measures:
+    ``docs/callbacks/loss_at_init.md``; findings: ``docs/findings.md``; logged keys: :attr:`KEYS`.
 
     Args:
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"`` (see :class:`~lightning_tfdebug.DebugCallback`).
@@ -337,14 +342,24 @@ class LossAtInit(DebugCallback):
         self.cover("loss at init", "verified")  # a finding among the row's codes makes it one in the report
 
     def _compare(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
-        """A compared step before the check: the returned loss against the recorded logits, kept for the check."""
+        """A compared step before the check: the returned loss against the logits, kept; from the third on decided."""
         self._add_reading(trainer, host, self._keep_loss(trainer, host, step), step)
+        self.emit(trainer, early_findings(self._run, found.vocab, self._frequencies.entropy))
+        if len(self._run.readings) >= EARLY_DECISION and not self._run.compare_aside:
+            self.cover(COVERED_ROW, "verified")  # decided (a finding among the row's codes makes it one)
+
+    def _comparison_aside(self) -> None:
+        if comparison_aside(self._run):  # once: the returned loss is no cross-entropy of the logits
+            setting = "`logits_module` naming the logits the loss reads"
+            self.check_aside(COMPARISON, NOT_CROSS_ENTROPY, setting=setting)
+            self.cover(COVERED_ROW, "unknown", NOT_CROSS_ENTROPY, setting)
 
     def _add_reading(self, trainer: pl.Trainer, host: LossSums, loss: float, step: int) -> None:
         reading = loss_reading(host, loss, step)
         if reading is not None:
             self._run.add_reading(reading)
             self.log_scalars(trainer, {"loss_at_init/logits_loss": reading.ce}, step=step)
+            self._comparison_aside()
 
     def _check(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
         returned = returned_loss(host)
@@ -370,7 +385,8 @@ class LossAtInit(DebugCallback):
         )
         self.emit(trainer, verdicts)
         self.cover("loss leaves the uniform level", "verified")
-        self.cover("loss = cross-entropy of the logits", "verified")
+        if not self._run.compare_aside:
+            self.cover(COVERED_ROW, "verified")
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

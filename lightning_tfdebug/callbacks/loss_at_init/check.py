@@ -7,7 +7,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from lightning_tfdebug.callbacks.loss_at_init.phases import LossRun
+from lightning_tfdebug.callbacks.loss_at_init.floor_checks import floor_verdict
+from lightning_tfdebug.callbacks.loss_at_init.phases import COMPARE_FRACTIONS, EARLY_DECISION, LossRun
 from lightning_tfdebug.callbacks.loss_at_init.readings import CheckReading
 from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
     TFD231,
@@ -17,7 +18,7 @@ from lightning_tfdebug.callbacks.loss_at_init.stall_checks import (
     context_verdict,
     flat_window,
 )
-from lightning_tfdebug.callbacks.loss_at_init.transform_checks import TFD233, loss_transform_verdict
+from lightning_tfdebug.callbacks.loss_at_init.transform_checks import TFD233, loss_transform_verdict, not_cross_entropy
 from lightning_tfdebug.functional.verdicts import Verdict
 
 
@@ -35,8 +36,9 @@ def check_findings(
 ) -> list[Verdict]:
     """Every finding of the check at ``step``: a stall or a copying model (:func:`check_verdicts`), bounded outputs
     (:func:`bounded_output_verdict`, unless step 0 found probabilities: ``TFD220``'s), the loss at the unigram entropy
-    (:func:`context_verdict`) and the returned loss against the logits (:func:`loss_transform_verdict`). ``TFD233``
-    drops ``TFD231`` and ``TFD232``: the loss does not train these logits."""
+    (:func:`context_verdict`) and the returned loss against the logits and its floor (:func:`comparison_verdicts`, the
+    codes the compared steps said before left out). ``TFD233`` drops ``TFD231`` and ``TFD232``: the loss does not train
+    these logits."""
     window = run.window(step)
     unigram = unigram_entropy if unigram_entropy is not None else math.nan
     verdicts: list[Verdict | None] = list(
@@ -81,14 +83,53 @@ def check_findings(
             masked=run.masked_lm,
         )
     )
-    transform = loss_transform_verdict(run.readings, vocab, unigram)
+    transform, floor = comparison_verdicts(run, vocab, unigram, last=CHECK_READINGS)
     # The order between the check's codes, in this one place: TFD230 stands aside for TFD220 (probabilities are a
     # bounded output whose cause step 0 already named), and TFD233 overrides TFD231/TFD232 (a bound on the returned
     # loss holds it near the unigram entropy whatever the logits learn, so "labels from other samples" or "the model
     # ignores its context" would blame the wrong thing). TFD225 and TFD226 never conflict: they are kept together.
     if transform is not None and transform.code == TFD233.code:
         verdicts = [v for v in verdicts if v is None or v.code not in (TFD231.code, TFD232.code)]
-    return [dataclasses.replace(v, step=step) for v in (*verdicts, transform) if v is not None]
+    verdicts = [*verdicts, *(v for v in (transform, floor) if v is not None and run.unsaid([v.code]))]
+    return [dataclasses.replace(v, step=step) for v in verdicts if v is not None]
+
+
+CHECK_READINGS = len(COMPARE_FRACTIONS) + 1
+"""The check decides on its own window: the compared steps at the fractions of the way to it and itself (the early
+steps decided theirs; a loss that drifts away from the logits as they grow is judged where it drifted)."""
+
+
+def comparison_verdicts(
+    run: LossRun, vocab: int, unigram_entropy: float, last: int | None = None
+) -> tuple[Verdict | None, Verdict | None]:
+    """The family of the returned loss against the recorded logits (:func:`loss_transform_verdict`: ``TFD233`` to
+    ``TFD235``, ``TFD237``) and the floor it or the logits' own range sets (:func:`floor_verdict`, ``TFD236``), from
+    the compared steps so far (the ``last`` of them); none once the comparison stood aside (the loss is no
+    cross-entropy of the logits)."""
+    if run.compare_aside:
+        return None, None
+    points = run.readings[-last:] if last else run.readings
+    transform = loss_transform_verdict(points, vocab, unigram_entropy)
+    return transform, floor_verdict(points, vocab, transform, probabilities=run.probabilities)
+
+
+def comparison_aside(run: LossRun) -> bool:
+    """True once, when the compared steps show a returned loss that is no cross-entropy of the logits
+    (:func:`not_cross_entropy`): the comparison stands aside from then on (``run.compare_aside``)."""
+    if run.compare_aside or not not_cross_entropy(run.readings):
+        return False
+    run.compare_aside = True
+    return True
+
+
+def early_findings(run: LossRun, vocab: int, unigram_entropy: float | None) -> list[Verdict]:
+    """The comparison's findings on a compared step before the check, from the :data:`EARLY_DECISION`-th on: those
+    of :func:`comparison_verdicts` not said before (each code once per run; ``unigram_entropy`` None: not known)."""
+    if len(run.readings) < EARLY_DECISION:
+        return []
+    unigram = unigram_entropy if unigram_entropy is not None else math.nan
+    found = [v for v in comparison_verdicts(run, vocab, unigram) if v is not None]
+    return [v for v in found if run.unsaid([v.code])]
 
 
 COVERAGE: dict[str, tuple[str, ...]] = {
@@ -105,6 +146,8 @@ COVERAGE: dict[str, tuple[str, ...]] = {
         "TFD233",
         "TFD234",
         "TFD235",
+        "TFD236",
+        "TFD237",
     ),
     "loss leaves the uniform level": (
         "TFD225",

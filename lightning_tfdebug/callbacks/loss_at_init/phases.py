@@ -17,23 +17,36 @@ MASKED_LM_CHECK_FACTOR = 5
 
 COMPARE_FRACTIONS = (0.5, 0.75)
 """Besides the check, the returned loss is compared with the recorded logits on the first measuring steps at or after
-these fractions of the way to it."""
+these fractions of the way to it ..."""
+
+
+EARLY_COMPARE = (10, 20, 30, 40)
+"""... and on these steps (before the check), with or without one: three compared steps by step 30 decide the family
+of the returned loss and its floor inside a preflight's 50 steps (``tfdebug check``)."""
+
+
+EARLY_DECISION = 3
+"""The compared steps the family and floor decisions need before the check (the check decides with two)."""
 
 
 def compare_steps(check_at: int | None, interval: int) -> tuple[int, ...]:
-    """The measuring steps (multiples of ``interval``) before the check at or after :data:`COMPARE_FRACTIONS` of the
-    way to it (from steps alone: every rank compares on the same steps)."""
+    """The compared steps before the check: :data:`EARLY_COMPARE`, and the measuring steps (multiples of ``interval``)
+    at or after :data:`COMPARE_FRACTIONS` of the way to it (from steps alone: every rank compares on the same steps)."""
     if check_at is None:
-        return ()
+        return EARLY_COMPARE
     steps = (-(-math.ceil(check_at * f) // interval) * interval for f in COMPARE_FRACTIONS)
-    return tuple(sorted({s for s in steps if 0 < s < check_at}))
+    return tuple(sorted({s for s in (*steps, *EARLY_COMPARE) if 0 < s < check_at}))
+
+
+READINGS = 8
+"""Compared steps kept (checkpointed) for the decisions: the early ones, the fractions' and the check's."""
 
 
 HISTORY = 64
 """Measured losses kept for the stall window."""
 
 
-_RUN_FLAGS = ("init_done", "check_done", "masked_lm", "probabilities", "token_rows")
+_RUN_FLAGS = ("init_done", "check_done", "masked_lm", "probabilities", "token_rows", "compare_aside")
 
 
 @dataclass
@@ -53,6 +66,8 @@ class LossRun:
         history: ``(step, loss)`` of the measuring steps, for the stall window (the last :data:`HISTORY`).
         compared: the compared steps before the check that were armed.
         readings: the returned loss against the recorded logits on the compared steps and the check.
+        compare_aside: the returned loss is no cross-entropy of the logits: no more compared steps or decisions on it.
+        said: the codes the compared steps' decisions emitted (each once per run; the check does not repeat them).
     """
 
     check_step: int | None
@@ -64,9 +79,11 @@ class LossRun:
     vocab: int | None = None
     probabilities: bool = False
     token_rows: bool = False
+    compare_aside: bool = False
     history: list[tuple[int, float]] = field(default_factory=list)
     compared: list[int] = field(default_factory=list)
     readings: list[LossReading] = field(default_factory=list)
+    said: list[str] = field(default_factory=list)
 
     def compare_steps(self, interval: int) -> tuple[int, ...]:
         return compare_steps(self.check_at, interval)
@@ -80,7 +97,7 @@ class LossRun:
         if self.check_at is not None and step == self.check_at and not self.check_done:
             self.check_done = True
             return "check"
-        if step in self.compare_steps(interval) and step not in self.compared:
+        if step in self.compare_steps(interval) and step not in self.compared and not self.compare_aside:
             self.compared.append(step)
             return "compare"
         return None
@@ -123,13 +140,20 @@ class LossRun:
         return [(s, v) for s, v in self.history if s >= step // 2]
 
     def add_reading(self, reading: LossReading) -> None:
-        self.readings = [*self.readings, reading][-(len(COMPARE_FRACTIONS) + 1) :]
+        self.readings = [*self.readings, reading][-READINGS:]
+
+    def unsaid(self, codes: list[str]) -> list[str]:
+        """The ``codes`` not said before, now marked as said."""
+        fresh = [c for c in dict.fromkeys(codes) if c not in self.said]
+        self.said = [*self.said, *fresh]
+        return fresh
 
     def to_state(self) -> dict[str, Any]:
         state = {name: getattr(self, name) for name in (*_RUN_FLAGS, "init_copy_rate", "check_at", "vocab")}
         history = [list(point) for point in self.history]
         readings = [r.to_list() for r in self.readings]
-        return {**state, "history": history, "compared": list(self.compared), "loss_readings": readings}
+        compared = {"compared": list(self.compared), "said": list(self.said)}
+        return {**state, "history": history, **compared, "loss_readings": readings}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], check_step: int | None, vocab: int | None = None) -> LossRun:
@@ -142,6 +166,7 @@ class LossRun:
             vocab=state.get("vocab") or vocab,
             history=[(int(s), float(v)) for s, v in state.get("history", [])],
             compared=[int(s) for s in state.get("compared", [])],
+            said=[str(c) for c in state.get("said", [])],
             readings=[LossReading.from_list(r) for r in state.get("loss_readings", [])],
             **{name: bool(state.get(name, False)) for name in _RUN_FLAGS},
         )

@@ -91,6 +91,9 @@ class LossSums:
     tx_positions: float = 0.0
     tx_uniform_sum: float = 0.0
     tx_range_sum: float = 0.0
+    tx_range_sq_sum: float = 0.0
+    tx_floor_sum: float = 0.0
+    tx_sigmoid_sum: float = 0.0
     tx_beta: tuple[float, ...] = ()  # per TEMPERATURE_GRID multiplier; () when not taken
     tx_cap: tuple[float, ...] = ()  # per CAP_GRID cap; () when not taken
 
@@ -296,6 +299,9 @@ class LossReading:
     beta_ce: tuple[float, ...]  # cross-entropy of b * logits for b in TEMPERATURE_GRID
     supervised_share: float = float("nan")  # supervised label positions over all of them, in the whole batch
     cap_ce: tuple[float, ...] = ()  # cross-entropy of c * tanh(logits / c) for c in CAP_GRID
+    range_spread: float = float("nan")  # standard deviation of the rows' ranges over their mean
+    floor: float = float("nan")  # mean over rows of ln(1 + (V-1) e^-w), w the row's range
+    sigmoid_ce: float = float("nan")  # cross-entropy of sigmoid(logits)
 
     def to_list(self) -> list[Any]:
         return [list(v) if isinstance(v, tuple) else v for v in dataclasses.astuple(self)]
@@ -306,7 +312,8 @@ class LossReading:
         numbers = (float(v) for v in (loss, ce, error, uniform, logit_range))
         share = float(rest[0]) if rest else math.nan
         caps = tuple(float(c) for c in rest[1]) if len(rest) > 1 else ()
-        return cls(int(step), *numbers, tuple(float(b) for b in betas), share, caps)
+        later = [float(v) for v in rest[2:5]]  # range spread, floor, sigmoid: absent from older checkpoints
+        return cls(int(step), *numbers, tuple(float(b) for b in betas), share, caps, *later)
 
     @property
     def best(self) -> float:
@@ -348,7 +355,8 @@ def loss_reading(host: LossSums, loss: float, step: int) -> LossReading | None:
     n, total = host.tx_count, host.tx_total
     if not n or not math.isfinite(loss):
         return None
-    ce = host.tx_ce_sum / n
+    ce, width = host.tx_ce_sum / n, host.tx_range_sum / n
+    spread = math.sqrt(max(host.tx_range_sq_sum / n - width**2, 0.0)) / width if width > 0 else math.nan
     variance = max(host.tx_ce_sq_sum / n - ce**2, 0.0)
     sampled = max(1.0 - n / total, 0.0) if total else 0.0  # finite population: no error when every row was taken
     return LossReading(
@@ -357,8 +365,11 @@ def loss_reading(host: LossSums, loss: float, step: int) -> LossReading | None:
         ce=ce,
         ce_error=math.sqrt(variance / n * sampled),
         uniform=host.tx_uniform_sum / n,
-        logit_range=host.tx_range_sum / n,
+        logit_range=width,
         beta_ce=tuple(v / n for v in host.tx_beta),
         supervised_share=total / host.tx_positions if host.tx_positions else float("nan"),
         cap_ce=tuple(v / n for v in host.tx_cap),
+        range_spread=spread,
+        floor=host.tx_floor_sum / n,
+        sigmoid_ce=host.tx_sigmoid_sum / n,
     )

@@ -1,7 +1,9 @@
 """LossAtInit's transform fits, without a Trainer: the loss ``training_step`` returned against the recorded logits'
 own cross-entropy on the compared steps and the check: a bound pins it (``TFD233``), a temperature (``TFD234``), or
-an unexplained difference (``TFD235``); label smoothing, a soft-cap that binds nothing, a constant factor or a small
-added term pass. Measured values: ``docs/callbacks/loss_at_init.md``."""
+an unexplained difference (``TFD235``); label smoothing is named (``TFD237``, :mod:`.floor_checks`); a soft-cap that
+binds nothing, a constant factor or a small added term pass; a loss below every cross-entropy of these logits is none
+of theirs (:func:`not_cross_entropy`: the comparison stands aside). Measured values:
+``docs/callbacks/loss_at_init.md``."""
 
 from __future__ import annotations
 
@@ -10,6 +12,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_tfdebug.callbacks.loss_at_init.floor_checks import (
+    SMOOTHING_MISS,
+    named_smoothing,
+    smoothing_fit,
+    smoothing_verdict,
+    width_floor,
+)
 from lightning_tfdebug.callbacks.loss_at_init.readings import LossReading, _at, _roots
 from lightning_tfdebug.callbacks.loss_at_init.stall_checks import FLOOR_ABOVE_DATA
 from lightning_tfdebug.functional.evidence_chart import EvidenceChart
@@ -41,12 +50,9 @@ FAR_ABOVE = 0.1
 """TFD233 without a floor: the loss is above the logits' cross-entropy by this fraction of ln(V) and ADDED_TERM."""
 
 
-SMOOTHING_SPREAD = (0.01, 0.1)
-"""Label smoothing: ``e = (loss - ce) / (uniform - ce)`` is the same at every step within ``max(0.01, 0.1 e)`` ..."""
-
-
 MAX_SMOOTHING = 0.3
-"""... and at most this (a soft-cap far too small mimics a steady ``e`` of 0.35 to 0.5)."""
+"""Label smoothing (:func:`~.floor_checks.smoothing_fit`) above this ``eps`` must also give the loss within
+:data:`~.floor_checks.SMOOTHING_MISS` (a soft-cap far too small mimics a steady ``e`` of 0.35 to 0.5)."""
 
 
 TEMPERATURE_MATCH = 0.03
@@ -171,13 +177,16 @@ def loss_transform_verdict(
 
     * it agrees at some step (:data:`AGREE`, or three standard errors of a sampled mean): nothing, unless one
       temperature gives the loss at every step (a model compensating a temperature crosses it on the way);
-    * the loss is pinned at the floor of a bound (:func:`_pinned`): ``TFD233``, naming the bound's width ``w``;
-    * label smoothing (:data:`SMOOTHING_SPREAD`): nothing;
-    * a soft-cap ``c * tanh(logits / c)`` fits every step better than any temperature (:func:`_soft_cap`):
-      ``TFD233`` when its floor keeps every token below probability 1/2 or above what the logits reach, else nothing;
+    * label smoothing (:func:`~.floor_checks.smoothing_fit`): ``TFD237``, a warning when its floor is above half of
+      ln(V), else info naming ``eps`` (above :data:`MAX_SMOOTHING` only a close fit, decided first: it pins the loss
+      too; up to it, unless the loss is pinned at the floor of a bound, :func:`_pinned`; a steady ``e`` too small or
+      too loose to name: nothing);
+    * a soft-cap ``c * tanh(logits / c)`` (:func:`_soft_cap`) or a sigmoid (:func:`_sigmoid`) fits every step better
+      than any temperature: ``TFD233`` when its floor keeps every token below probability 1/2 or above what the
+      logits reach, else nothing;
     * a temperature (:data:`TEMPERATURE_MATCH`, :data:`TEMPERATURE_MIN`): ``TFD234`` (info);
-    * the loss far above the logits' cross-entropy at every step (:func:`_far_above`) and not falling with it
-      (:func:`_follows`: a large added term does): ``TFD233``;
+    * the loss pinned (naming the bound's width ``w``), or far above the logits' cross-entropy at every step
+      (:func:`_far_above`) and not falling with it (:func:`_follows`: a large added term does): ``TFD233``;
     * a constant factor (:data:`SCALE_SPREAD`) or a small added term (:data:`ADDED_TERM`): nothing;
     * else ``TFD235`` (info) with both numbers.
     """
@@ -206,12 +215,18 @@ def loss_transform_verdict(
         "last_loss": last.loss,
         "last_ce": last.ce,
     }
+    smoothing = smoothing_fit(points)
+    if smoothing is not None and smoothing[0] > MAX_SMOOTHING and smoothing[1] <= SMOOTHING_MISS:
+        return smoothing_verdict(points, smoothing, vocab)  # a large eps pins the loss too: told by its fit
     pinned = not any(agreeing) and _pinned(points, expected, unigram_entropy)
-    if not pinned and _label_smoothing(points):
-        return None  # label smoothing: healthy
-    cap = None if pinned else _soft_cap(points)  # agreeing at a step too: a small cap barely moves small logits
-    if cap is not None:  # c * tanh(logits / c) gives the loss, better than any temperature does
-        return _capped(cap, vocab, last, evidence, head)
+    if not pinned and smoothing is not None and smoothing[0] <= MAX_SMOOTHING:
+        # info naming eps (a warning on its floor); a steady e too small or too loose to name: explained, healthy
+        return smoothing_verdict(points, smoothing, vocab) if named_smoothing(smoothing) else None
+    # a bound whose curve gives the loss (agreeing at a step too: a small cap barely moves small logits) names itself,
+    # before a pinned loss's width, which is read off the loss
+    fitted, verdict = _fitted_bound(points, vocab, evidence, head)
+    if fitted:
+        return verdict
     shared = None if pinned else _shared_temperature(points)  # a model compensating T crosses CE(logits / T)
     if shared is not None and abs(math.log(shared)) >= TEMPERATURE_MIN:
         temperature = 1.0 / shared
@@ -240,26 +255,47 @@ def bound_width(loss: float, vocab: int) -> float:
     return math.log((vocab - 1) / math.expm1(loss)) if 0 < loss < math.log(vocab) else float("nan")
 
 
-def _capped(
-    cap: tuple[tuple[float, float], float],
+def _fitted_bound(
+    points: Sequence[LossReading], vocab: int, evidence: dict[str, Any], head: dict[str, Any]
+) -> tuple[bool, Verdict | None]:
+    """Whether a soft-cap (:func:`_soft_cap`) or a sigmoid (:func:`_sigmoid`) gives the loss, better than any
+    temperature does, and its ``TFD233`` when it binds (:func:`_bounded`)."""
+    last, cap = points[-1], _soft_cap(points)
+    if cap is not None:
+        (c, miss), temperature_miss = cap
+        found = {**evidence, "cap": c, "cap_miss": miss}
+        what = f"c * tanh(logits / c) with c = {c:.3g}"
+        return True, _bounded(what, 2.0 * c, miss, temperature_miss, vocab, last, found, head)
+    sigmoid = _sigmoid(points)
+    if sigmoid is not None:
+        miss, temperature_miss = sigmoid
+        found = {**evidence, "bound": "a sigmoid", "sigmoid_miss": miss}
+        return True, _bounded("sigmoid(logits)", 1.0, miss, temperature_miss, vocab, last, found, head)
+    return False, None
+
+
+def _bounded(
+    what: str,
+    width: float,
+    miss: float,
+    temperature_miss: float,
     vocab: int,
     last: LossReading,
     evidence: dict[str, Any],
     head: dict[str, Any],
 ) -> Verdict | None:
-    """``TFD233`` for the soft-cap :func:`_soft_cap` found, when it binds; None when it binds neither the logits nor
-    a prediction of probability 1/2."""
-    (c, miss), temperature_miss = cap
-    floor = math.log1p((vocab - 1) * math.exp(-2.0 * c))
+    """``TFD233`` for the bound :func:`_soft_cap` or :func:`_sigmoid` found (``what``, confining the logits to a range
+    of width ``width``), when it binds; None when it binds neither the logits nor a prediction of probability 1/2."""
+    floor = width_floor(width, vocab)
     if floor <= min(math.log(2.0), last.best):
-        return None  # a soft-cap that binds neither the logits nor a prediction of probability 1/2
-    evidence.update(cap=c, cap_miss=miss, temperature_miss=temperature_miss, width=2.0 * c, floor=floor)
+        return None  # a bound that binds neither the logits nor a prediction of probability 1/2
+    evidence.update(temperature_miss=temperature_miss, width=width, floor=floor)
     detail = (
-        f"; it is the cross-entropy of c * tanh(logits / c) with c = {c:.3g} at every compared step (largest "
-        f"miss {miss:.2%} of the loss, {temperature_miss:.2%} for the best single temperature), and outputs "
-        f"confined to [-c, c] cannot bring the loss below ln(1 + (V-1) e^-2c) = {floor:.3f} (V={vocab}): no token "
-        f"can get more than {1.0 / (1.0 + (vocab - 1) * math.exp(-2.0 * c)):.1%} of the probability, while the "
-        f"logits already reach {last.best:.3f}"
+        f"; it is the cross-entropy of {what} at every compared step (largest miss {miss:.2%} of the loss, "
+        f"{temperature_miss:.2%} for the best single temperature), and outputs confined to a range of width "
+        f"{width:.3g} cannot bring the loss below ln(1 + (V-1) e^-w) = {floor:.3f} (V={vocab}): no token can get "
+        f"more than {1.0 / (1.0 + (vocab - 1) * math.exp(-width)):.1%} of the probability, while the logits "
+        f"already reach {last.best:.3f}"
     )
     return TFD233.verdict(evidence, step=last.step, gap=last.loss - last.ce, detail=detail, **head)
 
@@ -299,6 +335,20 @@ def _soft_cap(points: Sequence[LossReading]) -> tuple[tuple[float, float], float
     return (cap, temperature_miss) if cap[1] < temperature_miss else None
 
 
+def _sigmoid(points: Sequence[LossReading]) -> tuple[float, float] | None:
+    """``(miss, temperature_miss)``: ``sigmoid(logits)`` gives the returned loss at every point within :data:`AGREE`
+    of it, strictly better than the best single temperature does (at small logits a sigmoid is a temperature of 4:
+    only logits that grew tell them apart); None otherwise."""
+    if not all(math.isfinite(r.sigmoid_ce) for r in points):
+        return None
+    miss = max(abs(r.sigmoid_ce - r.loss) / r.loss for r in points)
+    if miss > AGREE:
+        return None
+    temperature = _shared_fit(points, TEMPERATURE_GRID, lambda r: r.beta_ce)
+    temperature_miss = math.inf if temperature is None else temperature[1]
+    return (miss, temperature_miss) if miss < temperature_miss else None
+
+
 def _shared_fit(points: Sequence[LossReading], grid: Sequence[float], curve: Any) -> tuple[float, float] | None:
     """The one parameter on ``grid`` whose curve (``curve(reading)``) gives the returned loss at every point most
     closely, and its largest relative miss; tried at every point's crossings and between neighbouring ones."""
@@ -327,15 +377,6 @@ def _follows(points: Sequence[LossReading]) -> bool:
     return ce_fall >= AGREE * first.ce and first.loss - last.loss >= ADDED_FOLLOWS * ce_fall
 
 
-def _label_smoothing(points: Sequence[LossReading]) -> bool:
-    """The same smoothing ``e = (loss - ce) / (uniform - ce)`` at every point, within :data:`SMOOTHING_SPREAD`."""
-    eps = [(r.loss - r.ce) / (r.uniform - r.ce) for r in points if r.uniform > r.ce]
-    if not (len(eps) == len(points) and min(eps) > 0 and max(eps) <= MAX_SMOOTHING):
-        return False
-    low, rel = SMOOTHING_SPREAD
-    return max(eps) - min(eps) <= max(low, rel * sum(eps) / len(eps))
-
-
 def _explained_difference(points: Sequence[LossReading]) -> bool:
     """A constant factor (``loss / k`` for manual accumulation), a sum over the supervised tokens divided by every
     label position (padding included), or a small added term (z-loss, auxiliary loss)."""
@@ -347,6 +388,33 @@ def _explained_difference(points: Sequence[LossReading]) -> bool:
     if all(abs(math.log(q / r.supervised_share)) <= SCALE_SPREAD for q, r in zip(ratios, points)):
         return True
     return all(0 < r.loss - r.ce <= ADDED_TERM * r.ce for r in points)
+
+
+COMPARISON = "returned loss against the logits' cross-entropy (TFD233-TFD237)"
+"""The check that stands aside when the returned loss is no cross-entropy of the logits (:func:`not_cross_entropy`)."""
+
+
+NOT_CROSS_ENTROPY = (
+    "the loss training_step returns is below the model's logits' cross-entropy, and no temperature, constant factor "
+    "or share of supervised positions explains it: it is no cross-entropy of them (a contrastive loss, a regression "
+    "head)"
+)
+"""Why :data:`COMPARISON` stands aside."""
+
+
+def not_cross_entropy(points: Sequence[LossReading]) -> bool:
+    """The returned loss is no cross-entropy of these logits at all (a contrastive loss, a regression head): at every
+    point (at least two) it is below the logits' cross-entropy by :data:`AGREE` and three standard errors, and none of
+    the families that lower it explains that: no single temperature (:data:`TEMPERATURE_MATCH`), no constant factor
+    or supervised share (:data:`SCALE_SPREAD`); a bound, label smoothing or an added term only raise it."""
+    if len(points) < 2 or not all(r.loss < (1.0 - AGREE) * r.ce - 3.0 * r.ce_error for r in points):
+        return False
+    ratios = [r.loss / r.ce for r in points]
+    if min(ratios) > 0 and math.log(max(ratios) / min(ratios)) <= SCALE_SPREAD:
+        return False  # loss / k (manual accumulation): a cross-entropy, scaled
+    if all(q > 0 and abs(math.log(q / r.supervised_share)) <= SCALE_SPREAD for q, r in zip(ratios, points)):
+        return False  # a sum over the supervised tokens divided by every label position
+    return _shared_temperature(points) is None
 
 
 def _series(values: Any) -> str:

@@ -86,7 +86,9 @@ def fit(tmp_path, model, data=None, check_step=CHECK, **kwargs):
 )
 def test_outputs_squashed_into_a_bounded_range_pin_the_loss_at_their_floor(tmp_path, model):
     monitor, trainer = fit(tmp_path, model())
-    [finding] = monitor.findings
+    [early, finding] = monitor.findings
+    # the compared steps read the bound from the logits' own range first: its floor binds (TFD236, by step 40)
+    assert early.code == "TFD236" and early.severity == "error" and early.step <= 40
     assert finding.code == "TFD230" and finding.severity == "warning" and finding.step == CHECK
     evidence = finding.evidence
     # the floor is the bound of the measured range, and it is above what learning the frequencies gives

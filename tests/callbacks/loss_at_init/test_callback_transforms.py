@@ -1,11 +1,13 @@
 """LossAtInit reads the loss where the bug lives: the loss ``training_step`` returns against the cross-entropy of the
-logits the model returned, on the compared steps (half-way and three quarters to the check, and the check).
+logits the model returned, on the compared steps (10, 20, 30 and 40, half-way and three quarters to the check, and the
+check); the family is decided from the third compared step on (step 30), inside a preflight's 50 steps.
 
 Bugs placed where users place them (in ``training_step``, in a loss wrapper module), each on two model families, one
 of them not the bundled TinyGPT the thresholds were measured on: a sigmoid (TFD233), ``c * tanh(logits / c)`` in a
 loss module (TFD233), a division by a temperature (TFD234). Healthy controls that make the returned loss differ from
-the logits' cross-entropy on purpose stay silent: label smoothing, a z-loss, an auxiliary loss, ``loss / k`` for manual
-accumulation, a sum divided by every label position; and a plain run. Hugging Face variants are marked slow.
+the logits' cross-entropy on purpose stay silent (label smoothing is named at info): label smoothing, a z-loss, an
+auxiliary loss, ``loss / k`` for manual accumulation, a sum divided by every label position; and a plain run. Hugging
+Face variants are marked slow.
 """
 
 import math
@@ -23,6 +25,7 @@ from tests.helpers import SMALL, fit_tiny, read_scalars, run_distributed
 
 LN_V = math.log(259)
 CHECK = 100
+EARLY = 30  # the third compared step: the family and floor are decided here
 
 
 def shifted_ce(logits, labels, **kwargs):
@@ -169,18 +172,21 @@ def transform_findings(monitor):
 )
 def test_a_squash_between_the_model_and_the_loss_pins_the_loss_at_its_floor(tmp_path, family, how, width):
     model, datamodule = build(family, how)
-    monitor, trainer = fit(tmp_path, model, datamodule)
+    monitor, trainer = fit(tmp_path, model, datamodule, max_steps=EARLY + 1)
     [finding] = transform_findings(monitor)
-    assert finding.code == "TFD233" and finding.severity == "warning" and finding.step == CHECK
+    assert finding.code == "TFD233" and finding.severity == "warning" and finding.step == EARLY
     evidence = finding.evidence
-    assert evidence["steps"] == [50, 80, 100]
+    assert evidence["steps"] == [10, 20, 30]
     # the forward's logits are unbounded and predict better than the loss says: the squash is after the forward
     assert all(c < r for c, r in zip(evidence["logits_loss"], evidence["returned_loss"]))
     assert not any(f.code == "TFD230" for f in monitor.findings)
     # the loss sits at the floor of a range no wider than the bound's
     assert 0.5 * width < evidence["width"] <= width
     assert evidence["floor"] == pytest.approx(math.log1p(258 * math.exp(-evidence["width"])))
-    assert evidence["floor"] >= math.log1p(258 * math.exp(-width)) > evidence["unigram_entropy"]
+    assert evidence["floor"] >= math.log1p(258 * math.exp(-width))
+    # and that floor binds: above half of ln(V), an error (what `tfdebug check` exits 1 on)
+    [floor] = [f for f in monitor.findings if f.code == "TFD236"]
+    assert floor.severity == "error" and floor.step == EARLY and floor.evidence["floor"] == evidence["floor"]
     # the logits' own cross-entropy is logged beside the loss
     assert trainer.callback_metrics["loss_at_init/logits_loss"].item() == pytest.approx(evidence["logits_loss"][-1])
 
@@ -220,8 +226,12 @@ def test_healthy_differences_between_the_loss_and_the_logits_stay_silent(tmp_pat
     else:
         model, datamodule = build(family, how)
     monitor, _ = fit(tmp_path, model, datamodule)
-    assert monitor.findings == []
-    assert [step for step, _ in compared(tmp_path)] == [50, 80, 100]
+    if how == "label_smoothing":  # named, at info, with its eps
+        [named] = monitor.findings
+        assert named.code == "TFD237" and named.severity == "info" and "eps = 0.1" in named.message
+    else:
+        assert monitor.findings == []
+    assert [step for step, _ in compared(tmp_path)] == [10, 20, 30, 40, 50, 80, 100]
 
 
 def test_manual_accumulation_that_divides_the_loss_stays_silent(tmp_path):
@@ -229,25 +239,25 @@ def test_manual_accumulation_that_divides_the_loss_stays_silent(tmp_path):
     assert monitor.findings == []  # nor TFD223 at step 0: Lightning does not divide a manual loss
     losses = dict(read_scalars(tmp_path / "tb" / "version_0")["loss_at_init/loss"])
     ratios = [losses[step] / logits_loss for step, logits_loss in compared(tmp_path)]
-    assert len(ratios) == 3 and all(q == pytest.approx(0.25, rel=1e-3) for q in ratios)
+    assert len(ratios) == 7 and all(q == pytest.approx(0.25, rel=1e-3) for q in ratios)
 
 
 def test_one_step_of_disagreement_is_not_persistent(tmp_path):
-    """A check with no measuring step before it in its second half compares one step only: nothing is claimed."""
+    """A check at step 10 has no compared step before it (the first early one is step 10): one step, nothing claimed."""
     model, datamodule = build("tinygpt", "sigmoid")
     torch.manual_seed(0)
-    monitor = LossAtInit(check_step=30, every_n_steps=40)
+    monitor = LossAtInit(check_step=10, every_n_steps=40)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fit_tiny(tmp_path, [monitor], model, datamodule, max_steps=31)
-    assert [step for step, _ in compared(tmp_path)] == [30]
+        fit_tiny(tmp_path, [monitor], model, datamodule, max_steps=11)
+    assert [step for step, _ in compared(tmp_path)] == [10]
     assert transform_findings(monitor) == []
 
 
 def test_compared_readings_survive_a_resume(tmp_path):
     model, datamodule = build("tinygpt", "temperature")
-    _, trainer = fit(tmp_path / "a", model, datamodule, max_steps=81)
-    assert [step for step, _ in compared(tmp_path / "a")] == [50, 80]
+    _, trainer = fit(tmp_path / "a", model, datamodule, max_steps=21)
+    assert [step for step, _ in compared(tmp_path / "a")] == [10, 20]
     path = tmp_path / "mid.ckpt"
     trainer.save_checkpoint(path)
     model, datamodule = build("tinygpt", "temperature")
@@ -255,9 +265,9 @@ def test_compared_readings_survive_a_resume(tmp_path):
     resumed = LossAtInit(check_step=CHECK, every_n_steps=10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fit_tiny(tmp_path / "b", [resumed], model, datamodule, max_steps=CHECK + 1, ckpt_path=str(path))
+        fit_tiny(tmp_path / "b", [resumed], model, datamodule, max_steps=EARLY + 1, ckpt_path=str(path))
     [finding] = transform_findings(resumed)
-    assert finding.code == "TFD234" and finding.evidence["steps"] == [50, 80, 100]  # 50 and 80 from the checkpoint
+    assert finding.code == "TFD234" and finding.evidence["steps"] == [10, 20, 30]  # 10 and 20 from the checkpoint
 
 
 @pytest.mark.ddp
@@ -267,7 +277,7 @@ def test_ddp_every_rank_compares_on_the_same_steps_and_reaches_the_same_finding(
         "model_class": "tests.callbacks.loss_at_init.test_callback_transforms:SigmoidStepGPT",
         "model": {**SMALL, "lr": 2e-3},
         "data": {"batch_size": 4},
-        "trainer": {"max_steps": 61},
+        "trainer": {"max_steps": 31},
         "callbacks": [
             {"class_path": "lightning_tfdebug.LossAtInit", "init_args": {"check_step": 60, "every_n_steps": 10}}
         ],
@@ -277,7 +287,7 @@ def test_ddp_every_rank_compares_on_the_same_steps_and_reaches_the_same_finding(
     for r in results:
         assert r["error"] is None, r["error"]
         [finding] = [f for f in r["findings"]["LossAtInit"] if f["code"] in ("TFD233", "TFD234", "TFD235")]
-        assert finding["code"] == "TFD233" and finding["evidence"]["steps"] == [30, 50, 60]
+        assert finding["code"] == "TFD233" and finding["evidence"]["steps"] == [10, 20, 30]
         evidence.append(finding["evidence"])
     assert evidence[0]["returned_loss"] == evidence[1]["returned_loss"]  # reduced over ranks: the same numbers
     assert evidence[0]["logits_loss"] == evidence[1]["logits_loss"]

@@ -279,17 +279,21 @@ def test_a_bound_after_the_forward_drops_the_context_findings():
     )
     options = dict(vocab=V, stall_tolerance=0.05, copy_threshold=0.5)
     codes = [v.code for v in check_findings(at_unigram, 100, run, unigram_entropy=2.0, **options)]
-    assert codes == ["TFD233"]  # the loss does not train these logits: their relation to the labels says nothing
+    # the loss does not train these logits: their relation to the labels says nothing; the bound's floor binds
+    assert codes == ["TFD233", "TFD236"]
     run.readings = []
     assert [v.code for v in check_findings(at_unigram, 100, run, unigram_entropy=2.0, **options)] == ["TFD231"]
 
 
 # ---------------------------------------------------------------------------------------------- the run's progress
 def test_the_run_arms_step_zero_the_compared_steps_and_the_check_once_each():
-    assert compare_steps(100, 10) == (50, 80) and compare_steps(100, 50) == (50,) and compare_steps(None, 10) == ()
+    early = (10, 20, 30, 40)  # three compared steps by step 30: decided inside a preflight's 50 steps
+    assert compare_steps(100, 10) == (*early, 50, 80) and compare_steps(100, 50) == (*early, 50)
+    assert compare_steps(None, 10) == early and compare_steps(25, 10) == (10, 20)
     run = LossRun(check_step=100, check_at=100)
     phases = {step: run.arm(step, 10) for step in range(0, 120, 10)}
-    assert {s: p for s, p in phases.items() if p} == {0: "init", 50: "compare", 80: "compare", 100: "check"}
+    compared = {s: "compare" for s in (*early, 50, 80)}
+    assert {s: p for s, p in phases.items() if p} == {0: "init", **compared, 100: "check"}
     assert run.arm(0, 10) is None and run.arm(50, 10) is None and run.arm(100, 10) is None  # the first micro-batch
 
 

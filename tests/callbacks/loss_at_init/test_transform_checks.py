@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_tfdebug.callbacks.loss_at_init.floor_checks import smoothing_floor
 from lightning_tfdebug.callbacks.loss_at_init.readings import LossReading, LossSums, loss_reading
 from lightning_tfdebug.callbacks.loss_at_init.transform_checks import bound_width, loss_transform_verdict
 from lightning_tfdebug.functional.loss import CAP_GRID, TEMPERATURE_GRID, TRANSFORM_SUMS, loss_transform_sums
@@ -124,16 +125,18 @@ def test_a_soft_cap_that_binds_nothing_says_nothing():
 def test_readings_kept_before_the_soft_cap_grid_still_load():
     labels = trained_logits(0.0)[1]
     [reading] = readings_of([trained_logits(3.0)[0]], labels, lambda x, y: ce(x, y))
-    old = reading.to_list()[:-1]  # a checkpoint written without the soft-cap curve
-    assert LossReading.from_list(old) == dataclasses.replace(reading, cap_ce=())
+    old = reading.to_list()[:8]  # a checkpoint written without the soft-cap curve and the floor's readings
+    restored = LossReading.from_list(old)
+    assert restored.to_list()[:8] == old and restored.cap_ce == ()
+    assert all(math.isnan(v) for v in (restored.range_spread, restored.floor, restored.sigmoid_ce))
     assert LossReading.from_list(reading.to_list()) == reading
+    assert 0 < reading.range_spread < 1 and 0 < reading.floor < math.log(V) and reading.sigmoid_ce > reading.ce
 
 
 @pytest.mark.parametrize(
     "name, transform",
     [
         ("plain", lambda x, y: ce(x, y)),
-        ("label smoothing", lambda x, y: ce(x, y, label_smoothing=0.1)),
         ("z-loss", lambda x, y: ce(x, y) + 1e-4 * x.logsumexp(-1).square().mean()),
         ("accumulation", lambda x, y: ce(x, y) / 8),
         ("added term", lambda x, y: ce(x, y) + 0.05),
@@ -143,6 +146,15 @@ def test_healthy_transforms_are_explained_and_say_nothing(name, transform):
     labels = trained_logits(0.0)[1]
     steps = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
     assert _verdict(steps, labels, transform) is None
+
+
+def test_label_smoothing_is_named_with_its_eps_at_info_and_its_floor():
+    labels = trained_logits(0.0)[1]
+    steps = [trained_logits(s)[0] for s in (3.0, 5.0, 7.0)]
+    verdict = _verdict(steps, labels, lambda x, y: ce(x, y, label_smoothing=0.1))
+    assert verdict.code == "TFD237" and verdict.severity == "info"
+    assert verdict.evidence["eps"] == pytest.approx(0.1, rel=1e-4) and "eps = 0.1" in verdict.message
+    assert verdict.evidence["floor"] == pytest.approx(smoothing_floor(0.1, V))
 
 
 def test_an_unexplained_disagreement_is_info_with_both_numbers():
@@ -230,4 +242,5 @@ def test_a_steady_smoothing_far_above_what_recipes_use_is_a_squash_not_label_smo
 
     capped = [smoothed(50, 2.7, 0.45), smoothed(80, 2.4, 0.47), smoothed(100, 2.2, 0.49)]  # EncoderLM, c = 0.75
     assert loss_transform_verdict(capped, V).code == "TFD233"
-    assert loss_transform_verdict([smoothed(s, c, 0.1) for s, c in ((50, 2.7), (80, 2.4), (100, 2.2))], V) is None
+    named = loss_transform_verdict([smoothed(s, c, 0.1) for s, c in ((50, 2.7), (80, 2.4), (100, 2.2))], V)
+    assert named.code == "TFD237" and named.severity == "info" and named.evidence["eps"] == pytest.approx(0.1)
