@@ -842,6 +842,8 @@ def kind_loader(family: str, wrong_rows: bool = False) -> Any:
     from tests.kind_models import kind_data
 
     return lambda: kind_data(family, wrong_rows=wrong_rows)
+
+
 # ------------------------------------------------------------------------------- row 46: validation on training data
 class ValidatesOnTraining(pl.LightningDataModule):
     """Row 46: ``val_dataloader`` reads the training data (a new DataLoader over the training dataset, in order, with

@@ -65,7 +65,8 @@ def find_model_call(
     Host syncs: recording steps only.
     """
     chosen = _choose(calls, input_ids)
-    if chosen is None and any(per_sequence_output(c.output, int(input_ids.shape[0])) for c in calls):
+    takes_ids = lambda c: any(is_id_tensor(t) and t.shape == input_ids.shape for _, t in c.leaves())  # noqa: E731
+    if chosen is None and any(per_sequence_output(c.output, int(input_ids.shape[0])) and takes_ids(c) for c in calls):
         return (
             "the model's call returns one output per sequence ((batch, classes) logits): the per-position probes "
             "(causal mask, padding, label alignment, position tables) do not apply to it"

@@ -73,6 +73,27 @@ def test_why_there_is_no_model_call():
     assert isinstance(reason, str) and "modules called: Linear" in reason
 
 
+class Classifier(nn.Module):
+    """A sequence classifier: an encoder whose per-position states (wider than the ids) are pooled to (B, C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Tiny(vocab=40)  # returns {"logits": (B, T, 40)}: hidden states, for the classifier
+        self.head = nn.Linear(40, 3)
+
+    def forward(self, input_ids):
+        return {"logits": self.head(self.encoder(input_ids)["logits"].mean(1))}
+
+
+def test_a_sequence_classifier_is_not_read_through_its_encoder():
+    model = Classifier()
+    ids = torch.randint(0, 12, (2, 5))
+    _, calls = record_calls(model, lambda: model(ids), nested=True, want=takes_tokens)
+    assert [type(c.module).__name__ for c in calls] == ["Classifier", "Tiny"]  # the encoder's call was recorded
+    reason = find_model_call(calls, ids)
+    assert isinstance(reason, str) and "one output per sequence" in reason  # never the encoder's states as logits
+
+
 def test_the_kind_of_a_loss_only_wrapper_and_of_configs():
     model = LossOnly()
     rows = torch.randint(0, 12, (2, 7))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -11,10 +10,11 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.callbacks.loss_at_init.check import COVERAGE as COVERAGE_ROWS
-from lightning_tfdebug.callbacks.loss_at_init.check import check_findings, comparison_aside, early_findings
+from lightning_tfdebug.callbacks.loss_at_init.check import COVERED_ROW, check_findings, comparison_aside, early_findings
 from lightning_tfdebug.callbacks.loss_at_init.init_checks import classify_init_loss, unreadable_verdict
 from lightning_tfdebug.callbacks.loss_at_init.phases import EARLY_DECISION, LossRun
 from lightning_tfdebug.callbacks.loss_at_init.readings import (
+    Collected,
     LossSums,
     check_reading,
     follow_returned_loss,
@@ -40,10 +40,6 @@ _BASELINES = "loss against ln V and the unigram entropy"
 
 def _key(name: str, description: str, chart: str = "", unit: str = "nats") -> Key:
     return Key(f"loss_at_init/{name}", description, unit, chart=chart)
-
-
-COVERED_ROW = "loss = cross-entropy of the logits"
-"""The Coverage row the comparison of the returned loss with the logits' own cross-entropy answers."""
 
 
 class LossAtInit(DebugCallback):
@@ -155,7 +151,7 @@ class LossAtInit(DebugCallback):
         self._frequencies = LabelFrequencies()  # the labels' unigram entropy, once counted
         self._armed: str | None = None  # "init", "compare" or "check" while a step is being captured
         self._armed_step = 0
-        self._collected: _Collected | None = None
+        self._collected: Collected | None = None
         self._measuring: int | None = None  # the step whose loss this batch reads (first micro-batch only)
         self._last_measured = -1
 
@@ -204,12 +200,12 @@ class LossAtInit(DebugCallback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._capture.stop()
 
-    def _collect(self, pl_module: pl.LightningModule) -> _Collected:
+    def _collect(self, pl_module: pl.LightningModule) -> Collected:
         """Sums and counts (device scalars) of the armed phase from the captured outputs and the labels."""
         got = self._capture.read(pl_module, self.shift_labels)
         self._run.token_rows = self._run.token_rows or (got.token_rows and self._armed == "init")
         if got.logits is None or got.labels is None or self._armed is None:
-            return _Collected(reason=got.reason, ok=False, vocab=self.vocab_size or 0, device=module_device(pl_module))
+            return Collected(reason=got.reason, ok=False, vocab=self.vocab_size or 0, device=module_device(pl_module))
         logits, vocab, shift = got.logits, self.vocab_size or int(got.logits.shape[-1]), self._shift(got.logits)
         stats = step_sums(
             self._armed,
@@ -225,7 +221,7 @@ class LossAtInit(DebugCallback):
             label_smoothing=self.label_smoothing,
             max_rows=self.max_rows,
         )
-        return _Collected(got.reason, True, vocab, logits.device, shift, stats, labels=got.targets)
+        return Collected(got.reason, True, vocab, logits.device, shift, stats, labels=got.targets)
 
     def _shift(self, logits: Tensor) -> bool:
         """Whether to score position ``t`` against label ``t + 1``: never when the logits have no time dimension,
@@ -275,7 +271,7 @@ class LossAtInit(DebugCallback):
             if labels is None and self._run.token_rows:
                 labels = row_targets(view, self.ignore_index)
             self._frequencies.add(labels, self._run.vocab, device, self.ignore_index)  # travel in this declaration
-            measured = _Collected(reason="", ok=True, vocab=0, device=device)
+            measured = Collected(reason="", ok=True, vocab=0, device=device)
             self._reduce(trainer, measured, (), loss, lambda host: self._keep_loss(trainer, host, step))
 
     def _keep_loss(self, trainer: pl.Trainer, host: LossSums, step: int) -> float:
@@ -285,7 +281,7 @@ class LossAtInit(DebugCallback):
         self.log_scalars(trainer, self._run.keep_loss(step, loss, self._frequencies.entropy), step=step)
         return loss
 
-    def _reduce(self, trainer: pl.Trainer, found: _Collected, keys: tuple[str, ...], loss: Tensor | None, then: Any):
+    def _reduce(self, trainer: pl.Trainer, found: Collected, keys: tuple[str, ...], loss: Tensor | None, then: Any):
         """Declare this step's sums (a rank without logits sends zeros and ``ok = 0``: every rank's have the same sizes)
         and the label counts so far into the step's one reduction over ranks, then call ``then(host)`` with them
         reduced, on the host: at once on its own, after the hook inside :class:`~lightning_tfdebug.TFDebug`."""
@@ -320,7 +316,7 @@ class LossAtInit(DebugCallback):
         return True
 
     # ------------------------------------------------------------------ conclusions (reduced values: every rank alike)
-    def _init(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
+    def _init(self, trainer: pl.Trainer, found: Collected, host: LossSums, step: int) -> None:
         host, other_alignment = follow_returned_loss(host, returned_loss(host))
         # V is known alike everywhere now; this batch's counts go into the next measuring step's reduction
         self._frequencies.add(found.labels, self._run.vocab, found.device, self.ignore_index)
@@ -341,7 +337,7 @@ class LossAtInit(DebugCallback):
         self.emit(trainer, verdicts)
         self.cover("loss at init", "verified")  # a finding among the row's codes makes it one in the report
 
-    def _compare(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
+    def _compare(self, trainer: pl.Trainer, found: Collected, host: LossSums, step: int) -> None:
         """A compared step before the check: the returned loss against the logits, kept; from the third on decided."""
         self._add_reading(trainer, host, self._keep_loss(trainer, host, step), step)
         self.emit(trainer, early_findings(self._run, found.vocab, self._frequencies.entropy))
@@ -361,7 +357,7 @@ class LossAtInit(DebugCallback):
             self.log_scalars(trainer, {"loss_at_init/logits_loss": reading.ce}, step=step)
             self._comparison_aside()
 
-    def _check(self, trainer: pl.Trainer, found: _Collected, host: LossSums, step: int) -> None:
+    def _check(self, trainer: pl.Trainer, found: Collected, host: LossSums, step: int) -> None:
         returned = returned_loss(host)
         host, _ = follow_returned_loss(host, returned)
         # masked-LM labels seen first here (resumed without this state): their check moves later
@@ -397,16 +393,3 @@ class LossAtInit(DebugCallback):
         super().load_state_dict(state_dict)
         self._run = LossRun.from_state(state_dict, self.check_step, self._run.vocab)
         self._frequencies.restore(state_dict.get("unigram_entropy"))
-
-
-@dataclass
-class _Collected:
-    """What one measured step found on this rank, kept (small) from the backward to the end of the batch."""
-
-    reason: str  # why the logits or labels cannot be read ("" when they were)
-    ok: bool
-    vocab: int
-    device: torch.device
-    shifted: bool = False  # the logits were scored against the next position's label
-    stats: dict[str, Tensor] = field(default_factory=dict)  # the phase's sums (device scalars)
-    labels: Tensor | None = None  # for the label counts; released with the rest at the end of the batch

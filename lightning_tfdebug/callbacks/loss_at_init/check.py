@@ -132,6 +132,9 @@ def early_findings(run: LossRun, vocab: int, unigram_entropy: float | None) -> l
     return [v for v in found if run.unsaid([v.code])]
 
 
+COVERED_ROW = "loss = cross-entropy of the logits"
+"""The Coverage row the comparison of the returned loss with the logits' own cross-entropy answers."""
+
 COVERAGE: dict[str, tuple[str, ...]] = {
     "loss at init": (
         "TFD220",

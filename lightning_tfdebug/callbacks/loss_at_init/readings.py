@@ -6,8 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from lightning_tfdebug.functional.loss import CAP_GRID, OTHER_ALIGNMENT, TEMPERATURE_GRID, uniform_loss
 
@@ -373,3 +376,16 @@ def loss_reading(host: LossSums, loss: float, step: int) -> LossReading | None:
         floor=host.tx_floor_sum / n,
         sigmoid_ce=host.tx_sigmoid_sum / n,
     )
+
+
+@dataclass
+class Collected:
+    """What one measured step found on this rank, kept (small) from the backward to the end of the batch."""
+
+    reason: str  # why the logits or labels cannot be read ("" when they were)
+    ok: bool
+    vocab: int
+    device: torch.device
+    shifted: bool = False  # the logits were scored against the next position's label
+    stats: dict[str, Tensor] = field(default_factory=dict)  # the phase's sums (device scalars)
+    labels: Tensor | None = None  # for the label counts; released with the rest at the end of the batch

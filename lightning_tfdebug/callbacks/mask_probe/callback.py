@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
@@ -11,8 +10,14 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.mask_probe import alignment_checks, call_probes, decisions, leak_checks, probes
-from lightning_tfdebug.callbacks.mask_probe.decisions import COVERAGE as COVERAGE_ROWS
+from lightning_tfdebug.callbacks.mask_probe import (
+    alignment_checks,
+    call_probes,
+    capture,
+    decisions,
+    leak_checks,
+    probes,
+)
 from lightning_tfdebug.callbacks.mask_probe.readings import ALIGNMENT_RETRY_STEPS, ORDER_STEPS, SECONDS
 from lightning_tfdebug.callbacks.mask_probe.readings import KEYS as PROBE_KEYS
 from lightning_tfdebug.core.base import DebugCallback, check_choice, check_number, eager_model_calls
@@ -20,36 +25,11 @@ from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.calls import StepRecording, record_step
 from lightning_tfdebug.core.data import special_token_sources
 from lightning_tfdebug.core.logits import training_loss
-from lightning_tfdebug.core.model import find_context_length, grad_scaler_of, import_object
+from lightning_tfdebug.core.model import find_context_length
 from lightning_tfdebug.findings import Finding, OnFinding
-from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives import call_finder, calls
 from lightning_tfdebug.primitives.batch import IGNORE_INDEX, BatchKeys
 from lightning_tfdebug.primitives.keys import Key
-
-
-def _imported(path: str | None) -> Any:
-    """The object at an import path (None for None), or the error importing it raised."""
-    try:
-        return None if path is None else import_object(path)
-    except (ImportError, AttributeError, ValueError) as err:
-        return err
-
-
-_ROWS: dict[str, tuple[str, ...]] = {
-    "RepeatReading": ("eval determinism",),
-    "CausalReading": ("causal mask",),
-    "KvCacheReading": ("causal mask",),
-    "CrossSampleReading": ("cross-sample",),
-    "PaddingReading": ("padding",),
-    "PadSideReading": ("padding",),
-    "OrderReading": ("positions and order",),
-    "PositionTablesReading": ("positions and order",),
-    "LeakReading": ("target leak into the inputs", "causal mask"),  # future ids reaching past outputs: TFD201 too
-    "LeakSummary": ("target leak into the inputs",),
-    "AlignmentReading": ("label alignment",),
-}
-"""The Coverage rows each probe's reading answers."""
 
 
 class MaskProbe(DebugCallback):
@@ -104,7 +84,7 @@ class MaskProbe(DebugCallback):
         ```
     """
 
-    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = COVERAGE_ROWS  # declared beside the rules
+    COVERAGE: ClassVar[Mapping[str, tuple[str, ...]]] = decisions.COVERAGE  # declared beside the rules
 
     KEYS: ClassVar[tuple[Key, ...]] = PROBE_KEYS  # declared beside the readings that log them
 
@@ -138,11 +118,7 @@ class MaskProbe(DebugCallback):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be True or False; got {value!r}.")
         check_number("context_limit", context_limit, low=1, integer=True, optional=True)
-        for name, value in (("kv_cache_fn", kv_cache_fn), ("forward_fn", forward_fn)):
-            found = _imported(value) if isinstance(value, str) and value.strip() else ValueError("not a path")
-            if value is not None and isinstance(found, Exception):  # imported now: a typo fails here, not mid-fit
-                raise ValueError(f"`{name}` must be an importable path like 'package.module:function' or None; got "
-                                 f"{value!r} ({found}).")  # fmt: skip
+        capture.check_import_paths(kv_cache_fn=kv_cache_fn, forward_fn=forward_fn)  # imported now: a typo fails here
         check_number("ignore_index", ignore_index, integer=True, optional=True)
         ignore_index = IGNORE_INDEX if ignore_index is None else ignore_index
         self._keys = BatchKeys(input_key=input_key, mask_key=mask_key, labels_key=labels_key, ignore_index=ignore_index)
@@ -229,11 +205,7 @@ class MaskProbe(DebugCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._pending is None:
             return
-        # the loss reaches this hook divided by gradient accumulation and multiplied by an fp16 loss scale
-        scaler = grad_scaler_of(trainer)
-        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0  # host sync: probing
-        accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1  # steps only
-        self._run_pending(trainer, pl_module, loss.detach() * (accumulate / scale))
+        self._run_pending(trainer, pl_module, capture.returned_loss(trainer, pl_module, loss))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -260,11 +232,7 @@ class MaskProbe(DebugCallback):
 
     def emit(self, trainer: pl.Trainer, verdicts: Any, *, synchronized: bool = True) -> list[Finding]:
         """:meth:`DebugCallback.emit`, a probe's findings dated at the step it probed."""
-        step = self._probe_step
-        if step is not None and verdicts is not None:
-            items = [verdicts] if isinstance(verdicts, Verdict) else list(verdicts)
-            verdicts = [v if v is None or v.step is not None else dataclasses.replace(v, step=step) for v in items]
-        return super().emit(trainer, verdicts, synchronized=synchronized)
+        return super().emit(trainer, capture.dated(verdicts, self._probe_step), synchronized=synchronized)
 
     def _drop_recording(self) -> None:
         if self._recording is not None:
@@ -283,8 +251,8 @@ class MaskProbe(DebugCallback):
     ) -> None:
         start = time.perf_counter()
         self._returned = returned
-        fields = self._extract(trainer, batch)
-        ids = fields[0]
+        ids, mask, labels, self._mask_path = capture.token_fields(step_batch(trainer, batch, self._keys).fields)
+        fields = (ids, mask, labels)
         if ids is None:
             self._cannot_call(
                 trainer,
@@ -326,9 +294,8 @@ class MaskProbe(DebugCallback):
         readings = probes.on_host(session.readings, self.to_host)  # host sync: one transfer (probing steps only)
         self.last_report = {**session.logged, **{k: v for r in readings for k, v in r.logged().items()}}
         self.log_scalars(trainer, self.last_report)
-        for reading in readings:  # each probe that ran verified its row (a finding among its codes makes it one)
-            for row in _ROWS.get(type(reading).__name__, ()):
-                self.cover(row, "verified")
+        for row in decisions.rows_verified(readings):  # a finding among a row's codes makes it one in the report
+            self.cover(row, "verified")
         if self._is_causal is False:
             why = "the model is bidirectional (an encoder): no future to hide, no next-token labels."
             self.cover("causal mask", "n/a", why)
@@ -389,7 +356,7 @@ class MaskProbe(DebugCallback):
             if self.check_positions and not self._positions_done:
                 self._positions_done = True
                 if session.resizable:  # (kv_cache_fn is imported only where the position probes run)
-                    session.positions(ids, limit, source, _imported(self.kv_cache_fn), pl_module)
+                    session.positions(ids, limit, source, capture.imported(self.kv_cache_fn), pl_module)
                 session.tables(pl_module, ids, mask)
         if not self._alignment_decided:
             returned, automatic = self._returned, pl_module.automatic_optimization
@@ -399,37 +366,17 @@ class MaskProbe(DebugCallback):
             session.order(ids, mask, trainer.global_step)
 
     # ------------------------------------------------------------------ batch and model access
-    def _extract(self, trainer: pl.Trainer, batch: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """(input_ids, attention_mask, labels) from the shared reading: 2-D integer ids, the others of their shape."""
-        fields = step_batch(trainer, batch, self._keys).fields
-        ids, mask, labels = fields.input_ids, fields.attention_mask, fields.labels
-        ids = ids if isinstance(ids, Tensor) and ids.ndim == 2 and not ids.is_floating_point() else None
-        mask = mask if ids is not None and mask is not None and mask.shape == ids.shape else None
-        labels = labels if ids is not None and labels is not None and labels.shape == ids.shape else None
-        self._mask_path = fields.paths.get("attention_mask")
-        return ids, mask, labels
-
     def _record_call(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, fields: tuple
     ) -> str | None:
         """The model call among those the real ``training_step`` made on this batch; returns why none was found."""
-        self._found = None
-        recording = self._recording
-        if recording is None:
-            return "the calls of `training_step` were not recorded"
-        recorded = recording.calls()
-        if recording.compiled:
-            # hooks inside compiled code would make Dynamo recompile it: only the compiled boundaries were recorded
-            recorded = [c for c in recorded if c.depth == 0]
-        found = call_finder.find_model_call(recorded, *fields, self.ignore_index, pl_module, self.model_kind)
-        if isinstance(found, str):
-            return found
-        self._found = found
-        return None
+        found = capture.recorded_model_call(self._recording, fields, self.ignore_index, pl_module, self.model_kind)
+        self._found = None if isinstance(found, str) else found
+        return found if isinstance(found, str) else None
 
     def _build_caller(self, pl_module: pl.LightningModule) -> call_probes.ModelCaller | str:
         """How to call the model by its signature (or ``forward_fn``), or why it cannot be."""
-        forward_fn = _imported(self.forward_fn)
+        forward_fn = capture.imported(self.forward_fn)
         if isinstance(forward_fn, Exception):
             return f"`forward_fn={self.forward_fn!r}` could not be imported ({forward_fn})."
         names = [k if isinstance(k, str) and not k.isdigit() else None for k in (self.input_key, self.mask_key)]

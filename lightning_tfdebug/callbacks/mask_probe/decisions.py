@@ -77,6 +77,28 @@ _RULE_OF: dict[type, Callable[[Any], Verdict | None]] = {
 }
 
 
+ROWS: dict[str, tuple[str, ...]] = {
+    "RepeatReading": ("eval determinism",),
+    "CausalReading": ("causal mask",),
+    "KvCacheReading": ("causal mask",),
+    "CrossSampleReading": ("cross-sample",),
+    "PaddingReading": ("padding",),
+    "PadSideReading": ("padding",),
+    "OrderReading": ("positions and order",),
+    "PositionTablesReading": ("positions and order",),
+    "LeakReading": ("target leak into the inputs", "causal mask"),  # future ids reaching past outputs: TFD201 too
+    "LeakSummary": ("target leak into the inputs",),
+    "AlignmentReading": ("label alignment",),
+}
+"""The Coverage rows each probe's reading answers."""
+
+
+def rows_verified(readings: Any) -> list[str]:
+    """The Coverage rows the probes that produced ``readings`` ran for, in order, once each."""
+    found = [row for r in readings for row in ROWS.get(type(r).__name__, ())]
+    return list(dict.fromkeys(found))
+
+
 COVERAGE: dict[str, tuple[str, ...]] = {
     "causal mask": (
         "TFD201",

@@ -12,8 +12,8 @@ from torch import Tensor
 from lightning_tfdebug.callbacks.spike_guard.capture import (
     COMPILED,
     call_inputs,
-    find_call,
     group_norms,
+    read_recording,
     replay_losses,
     write_spike_bundle,
 )
@@ -160,8 +160,7 @@ class SpikeGuard(DebugCallback):
         self._params: list[Tensor] = []
         self._by_grad_norm = False  # several ranks: decide on the all-reduced gradient norm
         self._losses: list[Tensor] = []
-        self._batch: Any = None
-        self._batch_idx = 0
+        self._batch, self._batch_idx = None, 0
         self._recorder: StepRecording | None = None  # the first batch's recording of its calls
         self._found: calls.ModelCall | None = None
         self._call_reason: str | None = "no model call recorded yet"
@@ -192,8 +191,7 @@ class SpikeGuard(DebugCallback):
     def _clear(self) -> None:
         if self._recorder is not None:
             self._recorder.done(self)
-            self._recorder = None
-        self._losses, self._batch = [], None
+        self._recorder, self._losses, self._batch = None, [], None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clear()
@@ -222,12 +220,10 @@ class SpikeGuard(DebugCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if not self.active or trainer.sanity_checking:
             return
-        if self._recorder is not None:
-            recording, self._recorder = self._recorder, None
-            try:
-                self._read_call(trainer, recording.calls())
-            finally:
-                recording.done(self)
+        if self._recorder is not None:  # the first batch: the model call, from the step's one recording
+            found = read_recording(self._recorder, self, step_batch(trainer, self._batch).fields, pl_module)
+            self._recorder = None
+            self._found, self._call_reason = (None, found) if isinstance(found, str) else (found, None)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             self.stand_aside("the loss is not a scalar per step", "a `training_step` that returns a scalar loss")
             return
@@ -319,11 +315,6 @@ class SpikeGuard(DebugCallback):
             return None
         ids = step_batch(trainer, self._batch).input_ids
         return int(ids.shape[-1]) if isinstance(ids, Tensor) and ids.ndim >= 2 else None
-
-    # ------------------------------------------------------------------ the model call
-    def _read_call(self, trainer: pl.Trainer, recorded: list[calls.RecordedCall]) -> None:
-        found = find_call(recorded, step_batch(trainer, self._batch).fields, trainer.lightning_module)
-        self._found, self._call_reason = (None, found) if isinstance(found, str) else (found, None)
 
     # ------------------------------------------------------------------ a spike
     def _spike(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:

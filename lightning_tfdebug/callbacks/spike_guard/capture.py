@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.core.batch import step_rng_state
+from lightning_tfdebug.core.calls import StepRecording
 from lightning_tfdebug.core.groups import build_param_groups
 from lightning_tfdebug.functional.memory import budget_for
 from lightning_tfdebug.functional.spike_checks import SpikeReading
@@ -24,6 +25,17 @@ SPIKE_DIR = "spikes"
 
 COMPILED = "the forward is compiled: its call is not recorded (module hooks would make torch.compile recompile it)"
 """Why attribution stands aside on a compiled forward."""
+
+
+def read_recording(
+    recording: StepRecording, asker: object, fields: Any, module: torch.nn.Module
+) -> calls.ModelCall | str:
+    """The model call among a step's recorded calls, or why none (:func:`find_call`); ``asker`` is done with the
+    recording."""
+    try:
+        return find_call(recording.calls(), fields, module)
+    finally:
+        recording.done(asker)
 
 
 def find_call(recorded: list[calls.RecordedCall], fields: Any, module: torch.nn.Module) -> calls.ModelCall | str:
