@@ -184,7 +184,7 @@ def line_chart(
                 f'<line x1="{_LEFT}" x2="{WIDTH - _RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="#555" '
                 f'stroke-dasharray="2,3"/>'
             )
-            out.append(f'<text x="{WIDTH - _RIGHT - 2}" y="{y - 3:.1f}" text-anchor="end">{escape(label)}</text>')
+            out.append(f'<text x="{_LEFT + 4}" y="{y - 3:.1f}">{escape(label)}</text>')
     for row, (step, label) in enumerate(marks):
         x = frame.x(step)
         out.append(
@@ -266,7 +266,7 @@ def bar_chart(
                 f'<line x1="{_LEFT}" x2="{WIDTH - _RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="#555" '
                 f'stroke-dasharray="2,3"/>'
             )
-            out.append(f'<text x="{WIDTH - _RIGHT - 2}" y="{y - 3:.1f}" text-anchor="end">{escape(label)}</text>')
+            out.append(f'<text x="{_LEFT + 4}" y="{y - 3:.1f}">{escape(label)}</text>')
     return "\n".join([*out, "</svg>"])
 
 
