@@ -90,7 +90,13 @@ def _report_options(parser: argparse.ArgumentParser) -> None:
         "--fail-on",
         choices=FAIL_ON,
         default="error",
-        help="exit 1 when a finding is at or above this severity (default error; never: always exit 0)",
+        help="exit 1 when a finding is at or above this severity (default error; unverified: an error, or a Coverage "
+        "row that could not be checked; never: always exit 0)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="text: every finding's message, evidence and hint under its headline (markdown and html carry them)",
     )
 
 
@@ -103,7 +109,7 @@ def _error(message: str) -> int:
 def _emit_report(run, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     from lightning_tfdebug.report import exit_status, render, summary_line
 
-    text = render(run, args.format, args.fail_on)
+    text = render(run, args.format, args.fail_on, verbose=args.verbose)
     output = args.output
     if output is None and args.format == "html":
         output = os.path.join(run.tfdebug_dir, "report.html")
@@ -116,7 +122,7 @@ def _emit_report(run, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
             return _error(f"cannot write the report to {output}: {write_failures()[-1].error}")
         print(summary_line(run))
         print(f"Report: {output}")
-    return exit_status(run.merged, args.fail_on)
+    return exit_status(run.merged, args.fail_on, run.coverage)
 
 
 def report_command(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -22,6 +22,8 @@ OnFinding = Literal["warn", "stop", "raise"]
 SEVERITIES: tuple[str, ...] = ("info", "warning", "error")
 ON_FINDING_CHOICES: tuple[str, ...] = ("warn", "stop", "raise")
 _CODE_PATTERN = re.compile(r"^TFD[1-7]\d\d$")
+HEADLINE_LIMIT = 160
+"""The most characters a finding's :attr:`Finding.headline` has (the line the summary and the report print)."""
 
 
 def check_code(code: str) -> None:
@@ -59,6 +61,9 @@ class Finding:
         message: one sentence saying what is wrong.
         evidence: the numbers that show it (JSON-serialisable values).
         hint: likely causes and the fix.
+        headline: the finding in one line of at most :data:`HEADLINE_LIMIT` characters, ``TFD233 warning step 100
+            rank 0: `` then what its rule's ``headline`` says (the title with its deciding numbers). Given without
+            that prefix (or not at all: filled from the rule registry and the evidence), it is stored with it.
 
     Raises:
         ValueError: if ``code`` or ``severity`` is malformed.
@@ -72,11 +77,31 @@ class Finding:
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
     hint: str = ""
+    headline: str = ""
 
     def __post_init__(self) -> None:
         check_code(self.code)
         if self.severity not in SEVERITIES:
             raise ValueError(f"Finding severity must be one of {SEVERITIES}, got {self.severity!r}.")
+        prefix = self.headline_prefix
+        if not self.headline.startswith(prefix):  # frozen: the one place the field is completed
+            object.__setattr__(self, "headline", headline_line(prefix, self.headline or self._what()))
+
+    @property
+    def headline_prefix(self) -> str:
+        """``TFD233 warning step 100 rank 0: ``: where and how bad, before what the headline says."""
+        return f"{self.code} {self.severity} step {self.step} rank {self.rank}: "
+
+    @property
+    def what(self) -> str:
+        """The headline without its prefix: what its rule's ``headline`` says of this finding."""
+        return self.headline[len(self.headline_prefix) :]
+
+    def _what(self) -> str:
+        """The rule's headline filled from the evidence (a finding built without one, or read from an older file);
+        the message for a code no rule registers."""
+        what = _headline_source(self.code, self.evidence) if _headline_source is not None else None
+        return self.message if what is None else what
 
     def to_dict(self) -> dict[str, Any]:
         """The finding as a plain dict whose values are JSON-serialisable."""
@@ -91,7 +116,7 @@ class Finding:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
         """Inverse of :meth:`to_dict`, tolerant of extra keys."""
-        names = {"code", "severity", "source", "step", "rank", "message", "evidence", "hint"}
+        names = {"code", "severity", "source", "step", "rank", "message", "evidence", "hint", "headline"}
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def format(self) -> str:
@@ -104,6 +129,24 @@ class Finding:
         if self.hint:
             lines.append(f"  hint: {self.hint}")
         return "\n".join(lines)
+
+
+_headline_source: Callable[[str, Mapping[str, Any]], str | None] | None = None
+
+
+def set_headline_source(source: Callable[[str, Mapping[str, Any]], str | None]) -> None:
+    """Where a finding built without a headline gets one: ``source(code, evidence)``, its rule's headline (None: no
+    rule has that code). The rule registry sets it when it is imported (it reads this module, not the reverse)."""
+    global _headline_source
+    _headline_source = source
+
+
+def headline_line(prefix: str, what: str) -> str:
+    """``prefix`` + ``what`` on one line, ``what`` cut with "..." so that the whole has at most
+    :data:`HEADLINE_LIMIT` characters."""
+    what = " ".join(str(what).split())
+    room = max(HEADLINE_LIMIT - len(prefix), 8)
+    return prefix + (what if len(what) <= room else what[: room - 3] + "...")
 
 
 def read_findings(path: str | os.PathLike[str], *, strict: bool = False) -> list[Finding]:

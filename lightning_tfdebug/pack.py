@@ -511,14 +511,15 @@ class TFDebug(Callback):
         }
         # through the one writer: a refused write warns once and the summary below still prints
         write_text(os.path.join(tfdebug_dir, "pack.json"), json.dumps(info, indent=2, default=str))
-        if not self.summary or self.preflight:  # `tfdebug check` prints the report of a preflight itself
-            return
-        from lightning_tfdebug.report import Run, load_run, render_short
+        from lightning_tfdebug.report import Run, load_run, log_headlines, render_short
 
         try:
             run = load_run(self._log_dir or ".")
         except (OSError, ValueError):  # the files were refused (warned once): summarize what rank 0 holds in memory
             run = Run(self._log_dir or ".", tfdebug_dir, self.findings, info)
+        log_headlines(trainer, run)  # TensorBoard's text tab: every headline on one card
+        if not self.summary or self.preflight:  # `tfdebug check` prints the report of a preflight itself
+            return
         print("\n" + render_short(run), flush=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 from lightning_tfdebug.callbacks.batch_guard import checks as batch_guard_checks
 from lightning_tfdebug.callbacks.loss_at_init import floor_checks as loss_floor_checks
@@ -21,6 +22,7 @@ from lightning_tfdebug.callbacks.loss_at_init import init_checks as loss_init_ch
 from lightning_tfdebug.callbacks.loss_at_init import stall_checks as loss_stall_checks
 from lightning_tfdebug.callbacks.loss_at_init import transform_checks as loss_transform_checks
 from lightning_tfdebug.callbacks.mask_probe import alignment_checks, leak_checks, padding_checks, position_checks
+from lightning_tfdebug.findings import set_headline_source
 from lightning_tfdebug.functional import (
     activation_checks,
     attention_checks,
@@ -48,6 +50,7 @@ __all__ = [
     "RULES",
     "Rule",
     "register_rule",
+    "render_chart_table",
     "render_rule_table",
     "rule",
     "rules_of",
@@ -124,6 +127,14 @@ BUILTIN_CODES: frozenset[str] = frozenset(_REGISTRY)
 """The codes of the pack's own rules (those documented in ``docs/findings.md``)."""
 
 
+def _headline_of(code: str, evidence: Mapping[str, Any]) -> str | None:
+    registered = _REGISTRY.get(code)
+    return None if registered is None else registered.headline_for(evidence)
+
+
+set_headline_source(_headline_of)  # a finding read from an older file, or built without a headline, gets its rule's
+
+
 def register_rule(new: Rule) -> Rule:
     """Register the rule of a callback built outside the pack on :class:`~lightning_tfdebug.DebugCallback`.
 
@@ -191,4 +202,20 @@ def render_rule_table(source: str, detail: bool) -> str:
     else:
         lines = ["| code | severity | meaning |", "| --- | --- | --- |"]
         lines += [f"| {r.code} | {r.severity} | {_cell(r.title)} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_chart_table() -> str:
+    """The markdown table of what the report draws for each rule's warning or error: ``code | severity | headline |
+    evidence chart``, the chart's question, unit and what it reads (:class:`~.functional.evidence_chart.EvidenceChart`),
+    or that the rule has none (the report then draws the training loss around the finding's step)."""
+    lines = ["| code | severity | headline | evidence chart |", "| --- | --- | --- | --- |"]
+    for r in sorted(_REGISTRY.values(), key=lambda r: r.code):
+        if r.code not in BUILTIN_CODES:
+            continue
+        headline = r.headline if isinstance(r.headline, str) else r.headline[0]
+        chart = r.chart.describe() if r.chart is not None else "none of its own: the training loss around its step"
+        lines.append(f"| {r.code} | {r.severity} | {_cell(headline or r.title)} | {_cell(chart)} |")
+    counted = sum(_REGISTRY[c].chart is not None for c in BUILTIN_CODES)
+    lines += ["", f"{counted} of {len(BUILTIN_CODES)} rules draw a chart of their own."]
     return "\n".join(lines) + "\n"

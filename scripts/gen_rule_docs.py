@@ -6,10 +6,11 @@ Usage::
     python scripts/gen_rule_docs.py --check  # exit 1, naming the files, when the docs drifted from the registry
 
 Only the regions between ``<!-- rules:<Source>[:detail] -->`` and ``<!-- /rules -->`` (a callback's findings) and
-between ``<!-- keys:<Source> -->`` and ``<!-- /keys -->`` (its logged keys, from the class's ``KEYS``) are written;
-the prose around them is hand-written. ``docs/findings.md`` holds each callback's detailed table (trigger, what to
-do, and why the rule has its severity: the rule's ``reason`` under the policy of ``docs/severity.md``), each
-callback's page its short table (meaning). ``tests/test_rules.py`` runs the check.
+between ``<!-- keys:<Source> -->`` and ``<!-- /keys -->`` (its logged keys, from the class's ``KEYS``) and
+between ``<!-- charts -->`` and ``<!-- /charts -->`` (each rule's headline and evidence chart, in
+``docs/report.md``) are written; the prose around them is hand-written. ``docs/findings.md`` holds each callback's
+detailed table (trigger, what to do, and why the rule has its severity: the rule's ``reason`` under the policy of
+``docs/severity.md``), each callback's page its short table (meaning). ``tests/test_rules.py`` runs the check.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from pathlib import Path
 
 import lightning_tfdebug
 from lightning_tfdebug.primitives.keys import render_key_table
-from lightning_tfdebug.rules import BLOCKS, render_rule_table
+from lightning_tfdebug.rules import BLOCKS, render_chart_table, render_rule_table
 
 ROOT = Path(__file__).resolve().parent.parent
 _REGION = re.compile(r"(<!-- rules:(\w+)(:detail)? -->\n)(.*?)(<!-- /rules -->)", re.S)
 _KEYS = re.compile(r"(<!-- keys:(\w+) -->\n)(.*?)(<!-- /keys -->)", re.S)
+_CHARTS = re.compile(r"(<!-- charts -->\n)(.*?)(<!-- /charts -->)", re.S)
 
 
 def page_of(source: str) -> Path:
@@ -38,9 +40,10 @@ def page_of(source: str) -> Path:
 def render(text: str) -> str:
     """``text`` with every rules region filled from the registry."""
     text = _REGION.sub(lambda m: m.group(1) + render_rule_table(m.group(2), detail=bool(m.group(3))) + m.group(5), text)
-    return _KEYS.sub(
+    text = _KEYS.sub(
         lambda m: m.group(1) + render_key_table(getattr(lightning_tfdebug, m.group(2)).KEYS) + m.group(4), text
     )
+    return _CHARTS.sub(lambda m: m.group(1) + render_chart_table() + m.group(3), text)
 
 
 def regions(text: str) -> list[tuple[str, bool]]:
@@ -49,7 +52,7 @@ def regions(text: str) -> list[tuple[str, bool]]:
 
 
 def targets() -> list[Path]:
-    return [ROOT / "docs" / "findings.md", *(page_of(source) for source, _, _ in BLOCKS)]
+    return [ROOT / "docs" / "findings.md", ROOT / "docs" / "report.md", *(page_of(source) for source, _, _ in BLOCKS)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from lightning_tfdebug import GradNormMonitor, TFDebug
 from lightning_tfdebug.__main__ import main
 from lightning_tfdebug.demo import TinyGPT
 from lightning_tfdebug.findings import Finding
-from lightning_tfdebug.report import exit_status, load_run, merge_findings
+from lightning_tfdebug.report import exit_status, load_run, merge_findings, render
 from tests.helpers import SMALL, fit_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,14 +53,22 @@ def test_the_report_command_formats_and_exit_codes(tmp_path, capsys):
     write_findings(run_dir / "tfdebug", 1, [finding("TFD301", "warning", 1)])
     assert main(["report", str(run_dir)]) == 0  # a warning is below the default --fail-on error
     text = capsys.readouterr().out
-    assert "warning TFD301  step 3      ranks 0,1" in text
-    assert text.rstrip().endswith(f"lightning_tfdebug: 0 errors, 1 warning, 0 info ({run_dir})")
+    # one headline per finding (no evidence here: the rule's title), the message on request
+    assert "TFD301 warning step 3 ranks 0,1: explosion: total above `explosion_factor` x running median\n" in text
+    assert "same words" not in text
+    assert f"lightning_tfdebug: 0 errors, 1 warning, 0 info ({run_dir})\n" in text
+    assert text.rstrip().endswith(f"tfdebug report {run_dir} --verbose")
+    assert main(["report", str(run_dir), "--verbose"]) == 0
+    assert "        GradNormMonitor: same words" in capsys.readouterr().out
     assert main(["report", str(run_dir), "--fail-on", "warning", "--format", "json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["summary"] == {"error": 0, "warning": 1, "info": 0} and data["findings"][0]["ranks"] == [0, 1]
+    assert data["findings"][0]["headline"].startswith("TFD301 warning step 3 ranks 0,1: ")
     assert data["exit_status"] == 1
     assert main(["report", str(run_dir / "tfdebug"), "--format", "markdown"]) == 0
-    assert "| warning | TFD301 | 3 | 0,1 | GradNormMonitor | same words |" in capsys.readouterr().out
+    markdown = capsys.readouterr().out
+    assert "- [TFD301 warning step 3 ranks 0,1: explosion: total above" in markdown
+    assert "GradNormMonitor: same words" in markdown  # the details carry the message
     out = tmp_path / "r.md"
     assert main(["report", str(run_dir), "--format", "markdown", "--output", str(out)]) == 0
     assert out.read_text().startswith("# lightning_tfdebug report")
@@ -82,17 +90,44 @@ def test_a_healthy_run_reports_0_and_a_buggy_run_1_with_pictures_and_the_report_
     fit_tiny(tmp_path / "ok", [healthy], max_steps=10)
     assert main(["report", str(tmp_path / "ok")]) == 0
     capsys.readouterr()
+    from tests.test_report_page import check_page, decoded, evidence_figures
+
+    healthy_run = load_run(tmp_path / "ok")
+    healthy_page = render(healthy_run, "html")
+    page = check_page(healthy_page, healthy_run.merged)  # the overview, Coverage, the ranks; no empty chart
+    assert page.figures[0]["caption"].startswith("Overview: `train/loss`") and "Not drawn" not in decoded(healthy_page)
+    assert "<table class='coverage'>" in healthy_page and "<h2>Ranks</h2>" in healthy_page
+    rows = {(r.member, r.check): r.status for r in healthy_run.coverage}  # every rank's coverage-rank<r>.jsonl
+    assert rows[("MaskProbe", "causal mask")] == "verified" and "finding" not in rows.values()
+    # 10 steps: LossAtInit's checks at step 100 were not reached, so an unverified preflight fails
+    assert rows[("LossAtInit", "loss leaves the uniform level")] == "unknown"
+    assert main(["report", str(tmp_path / "ok"), "--fail-on", "unverified"]) == 1
+    assert "? LossAtInit: loss leaves the uniform level (could not check: " in capsys.readouterr().out
 
     buggy = TFDebug(every_n_steps=2)
     fit_tiny(tmp_path / "bug", [buggy], TinyGPT(head_not_in_optimizer=True, **SMALL), max_steps=12)
     assert "TFD312" in {f.code for f in buggy.findings}
-    summary = capsys.readouterr().out  # the pack's own end-of-fit summary names it
-    assert "error   TFD312" in summary and "tfdebug report" in summary
+    summary = capsys.readouterr().out  # the pack's own end-of-fit summary names it, in one line
+    assert "  TFD312 error step " in summary and "did not change (not in the optimizer): head" in summary
+    assert "full report: tfdebug report" in summary and "Group(s) head" not in summary  # the message: on request
     html_file = tmp_path / "report.html"
     assert main(["report", str(tmp_path / "bug"), "--format", "html", "--output", str(html_file)]) == 1
-    page = html_file.read_text()
-    assert "TFD312" in page and page.count("data:image/png;base64,") >= 2  # UpdateRatio's series and the overview
-    assert "<h2>UpdateRatio: the series behind its findings</h2>" in page
+    run = load_run(tmp_path / "bug")
+    page = check_page(html_file.read_text(), run.merged)  # one evidence chart per warning and error, alt texts
+    assert {m.code for m in run.merged if m.severity != "info"} >= {"TFD312"}
+    assert any("TFD312" in f["caption"] for f in evidence_figures(page))
+    assert [r.found for r in run.coverage if r.status == "finding"] == [("TFD312",), ("TFD320",)]
+    assert any(f["class"] == "series" for f in page.figures)  # every series by unit, behind the fold
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    texts = [  # TensorBoard's text tab: the headlines on one card at the end of fit
+        value.tensor.string_val[0].decode()
+        for path in (tmp_path / "bug" / "tb" / "version_0").glob("events.out.tfevents.*")
+        for event in EventFileLoader(str(path)).Load()
+        for value in event.summary.value
+        if value.tag.startswith("tfdebug/headlines")
+    ]
+    assert len(texts) == 1 and f"- {run.merged[0].headline}" in texts[0], texts
 
 
 def _check(tmp_path: Path, *extra: str, steps: int = 16) -> subprocess.CompletedProcess[str]:
@@ -120,9 +155,11 @@ def test_check_on_a_users_lightningcli_script_exits_0_when_healthy_and_1_on_a_bu
 
     buggy = _check(tmp_path / "bug", "--model.bug=head_frozen", steps=8)  # UpdateRatio names the frozen head by step 8
     assert buggy.returncode == 1, buggy.stdout[-3000:] + buggy.stderr[-3000:]
-    assert "error   TFD312" in buggy.stdout
+    assert "TFD312 error step" in buggy.stdout
     # each finding once on the terminal: the check's report, not a live warning and the pack's summary as well
-    assert (buggy.stdout + buggy.stderr).count("TFD312") == 1, buggy.stdout + buggy.stderr
+    said = buggy.stdout + buggy.stderr  # the headline once; its code again only in its Coverage row
+    assert said.count("TFD312 error") == 1 and "[TFD312]" not in said, said
+    assert said.count("TFD312") == 2 and "(finding TFD312)" in said, said
 
 
 def test_check_explains_a_command_it_cannot_run(tmp_path, capsys):
@@ -225,8 +262,9 @@ def test_the_pack_summary_has_a_did_not_run_block_and_the_report_merges_it(tmp_p
     assert "To let it run: `labels_key`." in block
     # one check of BatchGuard stands aside too (it counts EOS among integer token labels), listed the same way
     assert "    BatchGuard: EOS supervision (TFD124): the batches have no integer token labels" in block
-    # and AttentionProbe cannot read TinyGPT's fused attention: said, not silent
-    assert "    AttentionProbe: attention at init: attention is fused" in block
+    # and AttentionProbe cannot read TinyGPT's fused attention: said, not silent (by its Coverage row, once)
+    assert "AttentionProbe: attention at init (could not check: attention is fused" in summary
+    assert "AttentionProbe: attention at init: attention is fused" not in block
     assert "; 3 checks did not run" in summary
     run = load_run(tmp_path / "tb" / "version_0")
     # pack.json's list and the member's own record are one entry

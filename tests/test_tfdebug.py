@@ -383,7 +383,7 @@ def test_check_on_an_always_pack_and_members_listed_by_hand_reports_the_bug_and_
     ]
     done = _check_with_config(tmp_path, callbacks, "--model.bug=head_frozen")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "error   TFD312" in done.stdout and "head" in done.stdout
+    assert "TFD312 error step" in done.stdout and "head" in done.stdout
     assert "the configured TFDebug(preset='always')" in done.stderr
     info = _pack_json(tmp_path)
     assert info["by_hand"] == ["GradNormMonitor"] and "GradNormMonitor" not in info["running"]
@@ -426,7 +426,7 @@ def test_the_readme_preflight_line_exits_1_on_the_demo_with_the_head_left_out_na
         [*cmd, "--model.head_not_in_optimizer", "true"], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "error   TFD312" in done.stdout and "Group(s) head" in done.stdout
+    assert "TFD312 error step" in done.stdout and "(not in the optimizer): head" in done.stdout
     assert done.stderr.count(STOOD_ASIDE) == 1
 
 

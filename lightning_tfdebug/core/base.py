@@ -506,6 +506,7 @@ class DebugCallback(Coverage, Callback):
             message=verdict.message,
             evidence=dict(verdict.evidence),
             hint=registered.hint if verdict.hint is None else verdict.hint,
+            headline=verdict.headline,
         )
         self.findings.append(finding)
         append_finding(os.path.join(self.tfdebug_dir, f"findings-rank{trainer.global_rank}.jsonl"), finding)
@@ -557,7 +558,8 @@ class DebugCallback(Coverage, Callback):
     def _log_text(trainer: pl.Trainer, finding: Finding) -> None:
         for logger in trainer.loggers:
             if is_lightning_instance(logger, "TensorBoardLogger"):  # `lightning` or standalone `pytorch_lightning`
-                body = finding.format().replace("\n", "  \n")  # markdown line breaks
+                # the headline first (what the text tab lists at a glance), then the whole finding
+                body = f"**{finding.headline}**  \n" + finding.format().replace("\n", "  \n")  # markdown breaks
                 logger.experiment.add_text(f"tfdebug/{finding.code}", body, global_step=finding.step)
 
     # ------------------------------------------------------------------ checkpoint state

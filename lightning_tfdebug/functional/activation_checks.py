@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.tracking import Streak
 
@@ -118,6 +119,12 @@ TFD340 = Rule(
     "warning",
     "DeadActivation",
     title=("layers with more than `dead_threshold` dead units for `patience` measurements, named with their fractions"),
+    headline="{count} layers with more than {threshold:.0%} dead units",
+    chart=EvidenceChart(
+        "Which layers' units died?",
+        "fraction of units",
+        logged=("dead_activation/dead_frac/<layer>",),
+    ),
     trigger=(
         "a layer's dead-unit fraction (units zero for every token of the batch, on every rank) above "
         "`dead_threshold` for `patience` measurements"
@@ -170,6 +177,12 @@ TFD341 = Rule(
     "warning",
     "DeadActivation",
     title=("the dead fraction of a layer is rising: `dead_rise` above its lowest value for `patience` measurements"),
+    headline="the dead fraction is rising: {listed}",
+    chart=EvidenceChart(
+        "Is the dead fraction of a layer rising?",
+        "fraction of units",
+        logged=("dead_activation/dead_frac/<layer>",),
+    ),
     trigger=(
         "a layer's dead-unit fraction risen by `dead_rise` above its lowest value, for `patience` measurements "
         "without falling back"
@@ -207,6 +220,12 @@ TFD342 = Rule(
     "warning",
     "DeadActivation",
     title="layers with more than `saturation_threshold` saturated elements for `patience` measurements",
+    headline="{count} layers with more than {threshold:.0%} saturated elements",
+    chart=EvidenceChart(
+        "Which layers saturate?",
+        "fraction of elements",
+        logged=("dead_activation/saturated_frac/<layer>",),
+    ),
     trigger=(
         "a layer's saturated fraction (local gradient below `saturation_grad`: tanh/sigmoid near their bounds, "
         "GELU/SiLU/Mish deep in the negative tail) above `saturation_threshold` for `patience` measurements"
@@ -242,6 +261,12 @@ TFD344 = Rule(
     title=(
         "the saturated fraction of a layer is rising: `saturation_rise` above its lowest value for `patience` "
         "measurements"
+    ),
+    headline="the saturated fraction is rising: {listed}",
+    chart=EvidenceChart(
+        "Is the saturated fraction of a layer rising?",
+        "fraction of elements",
+        logged=("dead_activation/saturated_frac/<layer>",),
     ),
     trigger=(
         "a layer's saturated fraction risen by `saturation_rise` above its lowest value, for `patience` "

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.keys import Key
 
@@ -86,6 +87,8 @@ TFD240 = Rule(
     "warning",
     "AttentionProbe",
     title="attention far sharper than uniform on random weights (attention scale)",
+    headline="attention far sharper than uniform at init ({layer}: entropy {entropy:.2f} of {uniform:.2f} nats)",
+    chart=EvidenceChart("How sharp is attention on random weights?", "nats", bars=("entropy", "uniform")),
     trigger=(
         "at step 0 a layer's mean attention entropy is below half the entropy the same mask gives with uniform scores, "
         "and the content spread of its scores is above 2 (about 1 with the 1/sqrt(d) scale)"

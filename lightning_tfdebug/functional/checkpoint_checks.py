@@ -30,6 +30,7 @@ TFD701 = Rule(
     "error",
     "CheckpointAudit",
     title="weights missing from the file",
+    headline="{count} of {total} weights missing from {file}",
     trigger="the saved file lacks weights for tensors of the module's `state_dict`",
     hint="Save with `trainer.save_checkpoint` / ModelCheckpoint; check `on_save_checkpoint` overrides.",
     reason=(
@@ -44,6 +45,7 @@ TFD702 = Rule(
     "error",
     "CheckpointAudit",
     title="saved tensors with the wrong shape",
+    headline="{count} saved tensors with the wrong shape in {file}",
     trigger="saved tensors with the wrong shape",
     hint="Save the full (gathered) tensors, or check the model was not rebuilt between save and load.",
     reason="Tensors saved with the wrong shape cannot be loaded back: the checkpoint cannot restore this run",
@@ -81,6 +83,7 @@ TFD703 = Rule(
     "error",
     "CheckpointAudit",
     title="optimizer state missing (in a saved file, or in a checkpoint being resumed)",
+    headline="optimizer state missing in {file}",
     trigger="optimizer state missing from the file (or from a checkpoint being resumed)",
     hint=HINT_STATE,
     reason=(
@@ -99,6 +102,7 @@ TFD704 = Rule(
     "error",
     "CheckpointAudit",
     title="optimizer state incomplete: param groups, per-parameter state or step counts",
+    headline="optimizer state incomplete in {file}",
     trigger="optimizer state incomplete: param groups, per-parameter state or step counts missing",
     hint=HINT_STATE,
     reason=(
@@ -148,6 +152,7 @@ TFD705 = Rule(
     "error",
     "CheckpointAudit",
     title="LR scheduler state missing",
+    headline="LR scheduler state missing in {file}",
     trigger="LR scheduler state missing",
     hint=HINT_STATE,
     reason=("Without scheduler state a resumed run restarts its schedule (a second warm-up): it is not the run saved"),
@@ -172,6 +177,7 @@ TFD706 = Rule(
     "error",
     "CheckpointAudit",
     title="fp16 GradScaler state missing",
+    headline="fp16 GradScaler state missing in {file}",
     trigger="fp16 GradScaler state missing under the precision plugin's key",
     hint=HINT_STATE,
     reason="Without GradScaler state a resumed fp16 run restarts its loss scale: it is not the run saved",
@@ -194,6 +200,7 @@ TFD707 = Rule(
     "error",
     "CheckpointAudit",
     title="loop progress missing or inconsistent with the step it was saved at",
+    headline="loop progress missing or inconsistent in {file}: {parts}",
     trigger="loop progress (`loops`, `global_step`, `epoch`) missing or inconsistent",
     hint=HINT_STATE,
     reason=("Without consistent loop progress a resumed run restarts or skips steps and data: it is not the run saved"),
@@ -227,6 +234,7 @@ TFD708 = Rule(
     "warning",
     "CheckpointAudit",
     title="a callback's state missing",
+    headline="{count} callbacks' state missing in {file}: {names}",
     trigger="a callback's state missing",
     hint=(
         "Something removed `checkpoint['callbacks']` entries (an `on_save_checkpoint` override?); early stopping, "
@@ -269,6 +277,7 @@ TFD709 = Rule(
         "a checkpoint not checked (sharded directory, written outside the CheckpointIO, unreadable), or "
         "weights-only (a warning when no checkpoint the run keeps can resume it)"
     ),
+    headline="checkpoint not checked: {path}",
     trigger=(
         "a checkpoint not checked (sharded distributed-checkpoint directory, written outside the CheckpointIO, "
         "unreadable), or a weights-only checkpoint (not resumable): a warning when no checkpoint callback of the "
@@ -332,6 +341,7 @@ TFD716 = Rule(
     "error",
     "CheckpointAudit",
     title="a checkpoint this run wrote is truncated, corrupt or incomplete",
+    headline="checkpoint {path} is truncated, corrupt or incomplete ({bytes} bytes)",
     trigger=(
         "a checkpoint file this run wrote cannot be read back (cut short, not a valid archive), or a sharded "
         "distributed-checkpoint directory lacks its metadata or a shard file the metadata lists"

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.tracking import RunningWindow, Streak
 
@@ -119,6 +120,15 @@ TFD301 = Rule(
     "warning",
     "GradNormMonitor",
     title="explosion: total above `explosion_factor` x running median",
+    headline="gradient norm explosion: {grad_norm:.4g}, {factor:.1f}x the running median {running_median:.4g}",
+    chart=EvidenceChart(
+        "Did the gradient norm leave its running median?",
+        "L2 norm",
+        logged=("grad_norm/total",),
+        lines=("running_median",),
+        window=50,
+        log_scale=True,
+    ),
     trigger="total gradient norm above `explosion_factor` x its running median, after `warmup_measurements`",
     hint=(
         "Usual causes: learning rate too high or no warm-up, a bad batch, attention logits growing. Lower the LR,"
@@ -151,6 +161,13 @@ TFD302 = Rule(
     "warning",
     "GradNormMonitor",
     title="vanishing: groups far below the largest group, sustained",
+    headline="vanishing gradients: {names} below {ratio:g}x of `{largest_group}`",
+    chart=EvidenceChart(
+        "Which blocks' gradients fell far below the largest?",
+        "L2 norm",
+        logged=("grad_norm/<group>",),
+        log_scale=True,
+    ),
     trigger=(
         "a group's norm below `vanishing_ratio` x the largest group norm for `patience` measurements in a row, "
         "among the groups an optimizer steps (a group in no optimizer's param groups is neither the reference nor "
@@ -212,6 +229,8 @@ TFD303 = Rule(
     "error",
     "GradNormMonitor",
     title="non-finite gradients (without a GradScaler), naming the groups",
+    headline="non-finite gradients in {count} tensors: {names}",
+    chart=EvidenceChart("When did the gradients turn non-finite?", "tensors", logged=("grad_norm/nonfinite",)),
     trigger="a gradient holds inf/nan (without a GradScaler; with one, ScalerWatch owns overflow)",
     hint=(
         "Add NaNFirstFrame to find the first module that produced them; check the learning rate, the loss (log of"
@@ -244,6 +263,7 @@ TFD304 = Rule(
     "warning",
     "GradNormMonitor",
     title="trainable parameters that never receive a gradient",
+    headline="{count} trainable parameters never receive a gradient: {names}",
     trigger="a trainable parameter received no gradient in `patience` measured steps",
     hint=(
         "They are not used in the forward that produces the loss (dead branch, a detach, a module called outside "
@@ -311,6 +331,12 @@ TFD306 = Rule(
     "warning",
     "GradNormMonitor",
     title="clipping cuts every step to a small fraction of the gradient: `gradient_clip_val` far too small",
+    headline="clipping keeps {kept:.2%} of the gradient (gradient_clip_val={gradient_clip_val:g})",
+    chart=EvidenceChart(
+        "How much of the gradient does clipping keep?",
+        "fraction kept",
+        logged=("grad_norm/clip_kept",),
+    ),
     trigger=(
         "clipping (by norm or by value, automatic or manual optimization) kept less than 1/30 of the gradient's "
         "norm on `patience` measured steps in a row"

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 GIB = float(2**30)
@@ -209,6 +210,12 @@ TFD620 = Rule(
     "warning",
     "MemoryWatch",
     title="the longest batch the data can produce would not fit in memory",
+    headline="the longest batch ({longest_width:,} tokens) would not fit in memory: {forecast}",
+    chart=EvidenceChart(
+        "Does the longest batch fit in memory?",
+        "GiB",
+        logged=("memory_watch/held_gib", "memory_watch/forecast_gib", "memory_watch/limit_gib"),
+    ),
     trigger=(
         "the fit of memory against token positions per batch, taken to the longest batch the data can produce (the "
         "most rows seen x the context limit), exceeds the memory the process may use, on some rank"
@@ -358,6 +365,15 @@ TFD621 = Rule(
     "error",
     "MemoryWatch",
     title="out of memory, explained: the failing batch beside the usual, what held the memory, the remedies",
+    headline=(
+        "out of memory in {phase} on rank {rank}: a batch of {positions} positions, {ratio:.1f}x the usual",
+        "out of memory in {phase} on rank {rank}",
+    ),
+    chart=EvidenceChart(
+        "What held the memory when it ran out?",
+        "GiB",
+        bars=("weights_gib", "gradients_gib", "optimizer_gib", "held_gib", "total_gib"),
+    ),
     trigger="the run raised an out-of-memory error (`torch.OutOfMemoryError`, a failed host allocation)",
     hint="The remedies in the message, first the one the numbers point at",
     reason="The run crashed: the harm is shown",

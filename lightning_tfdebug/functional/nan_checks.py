@@ -111,6 +111,10 @@ TFD401 = Rule(
         "the loss or gradients became non-finite; names the first module (forward and backward), the rank(s) and "
         "the report"
     ),
+    headline=(
+        "non-finite loss or gradients at step {bad_step}: first in `{module:s}` on rank {module_rank}",
+        "non-finite loss or gradients at step {bad_step} on rank(s) {ranks}",
+    ),
     trigger=(
         "the loss of a micro-batch or (without a GradScaler) a gradient became inf/nan; the step is not applied "
         "and replayed with frame hooks (in eager mode the first non-finite output is also named from this "
@@ -173,6 +177,7 @@ TFD403 = Rule(
     "error",
     "NaNFirstFrame",
     title="the loss or gradients became non-finite and replaying the step to locate the frame failed",
+    headline="non-finite at step {bad_step} on rank(s) {ranks}; the replay to locate it failed",
     trigger=(
         "the loss or gradients became non-finite and replaying the step to locate the first bad frame raised; the"
         " report holds the error"

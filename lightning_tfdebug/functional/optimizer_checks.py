@@ -47,6 +47,7 @@ TFD320 = Rule(
     "error",
     "OptimizerAudit",
     title="trainable parameters in no param group (named)",
+    headline="{count} trainable parameters are in no param group",
     trigger="trainable parameters in no param group (names them)",
     hint=(
         "Build the optimizer from all trainable parameters (after the model is complete and moved), or freeze "
@@ -67,6 +68,7 @@ TFD321 = Rule(
     "error",
     "OptimizerAudit",
     title="parameters in more than one param group or optimizer",
+    headline="{count} parameters in more than one param group or optimizer",
     trigger="a parameter in more than one param group / optimizer",
     hint="Each parameter must be stepped by exactly one param group; build the groups from disjoint sets.",
     reason=(
@@ -95,6 +97,7 @@ TFD322 = Rule(
     "info",
     "OptimizerAudit",
     title="frozen parameters still in the optimizer (a warning once one of them moves)",
+    headline="{count} frozen parameters are still in the optimizer: {shown}",
     trigger=(
         "frozen parameters (`requires_grad=False`) still in the optimizer: info, since torch optimizers skip "
         "parameters without a gradient; a warning when a measured step changes one of them"
@@ -141,6 +144,7 @@ TFD323 = Rule(
     "error",
     "OptimizerAudit",
     title="the optimizer holds tensors that are not parameters of the module",
+    headline="the optimizer holds {count} tensors that are not parameters of the module",
     trigger="the optimizer holds tensors that are not parameters of the module (stale copies)",
     hint=(
         "The optimizer was built before the model was moved, copied or rebuilt; build it in "
@@ -176,6 +180,7 @@ TFD324 = Rule(
     "info",
     "OptimizerAudit",
     title="weight decay on 1-D parameters (norm weights, biases); a warning once they are measured to shrink",
+    headline="weight decay {weight_decay:g} on {count} 1-D parameters (norm weights, biases)",
     trigger=(
         "weight decay > 0 on 1-D parameters (norm weights, biases); a warning when their norm, measured on "
         "measuring steps, fell by more than 10% of its first measured value and the decay alone "
@@ -319,6 +324,7 @@ TFD326 = Rule(
     "info",
     "OptimizerAudit",
     title="Adam-family optimizer with `weight_decay > 0` (coupled L2): use AdamW",
+    headline="{optimizer} with weight_decay={weight_decay:g} is coupled L2: use AdamW",
     trigger="`Adam`-family optimizer with `weight_decay > 0` (coupled L2)",
     hint="Use torch.optim.AdamW (decoupled weight decay), with a no-decay group for biases and norms.",
     reason=(
@@ -353,6 +359,7 @@ TFD333 = Rule(
         "Adam-family optimizer over float16 parameters with `eps` < 1.7e-5: float16 moments underflow, huge or "
         "infinite steps"
     ),
+    headline="{optimizer} over float16 with eps={eps:g}: the moments underflow",
     trigger=(
         "an Adam-family optimizer steps float16 parameters (so float16 moments) with `eps` < 1.7e-5: the second "
         "moment of gradients below 1.7e-4 underflows to 0 and the step is `lr * m / eps`, over 10x Adam's normal "
@@ -403,6 +410,7 @@ TFD336 = Rule(
     "warning",
     "OptimizerAudit",
     title="weight decay that shrinks weights by more than 5e-3 of themselves per step (`lr * weight_decay`)",
+    headline="weight decay shrinks the weights by {decay_per_step:.3g} per step (lr {lr:.3g} x wd {weight_decay:g})",
     trigger=(
         "decoupled (AdamW) or SGD weight decay with `lr * weight_decay > 5e-3` per step (the scheduler's "
         "`initial_lr` when there is one): weights halve in under ~140 steps without gradients"

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.throughput import (
     differing_ranks,
     loss_outliers,
@@ -159,6 +160,7 @@ TFD501 = Rule(
         "identical batch fingerprints on different ranks for `patience` measurements: the data is not split (no "
         "distributed sampler)"
     ),
+    headline="identical batches on different ranks ({identical}): the data is not split",
     trigger=(
         "two or more ranks trained on identical batches (equal fingerprints of the input ids) for `patience` "
         "measurements in a row"
@@ -185,6 +187,8 @@ TFD503 = Rule(
     "warning",
     "PerRankLogger",
     title=("a straggler: one rank's own work per step well above the other ranks' median, sustained; names the rank"),
+    headline="straggler: rank {rank} takes {total:.1f} ms per step, {ratio:.1f}x the others' median",
+    chart=EvidenceChart("Which rank does more work per step?", "ms", logged=("per_rank/busy_ms/rank<rank>",)),
     trigger=(
         "a rank's own work per step (outside backward, plus data wait) above `straggler_factor` x the other "
         "ranks' median and `straggler_min_ms` more, for `patience` measurements"
@@ -218,6 +222,8 @@ TFD504 = Rule(
     title=(
         "a rank's loss far from the median over ranks, sustained; with two ranks, the two losses far apart (both named)"
     ),
+    headline="a rank's loss far from the others: {what}",
+    chart=EvidenceChart("Do the ranks' losses agree?", "loss", logged=("per_rank/loss/rank<rank>",)),
     trigger=(
         "a rank's loss differs from the median over ranks by more than `loss_spread` of it (two ranks: the two "
         "losses by more than `loss_spread` of the smaller; both named), for `patience` measurements"
@@ -331,6 +337,7 @@ TFD505 = Rule(
     "error",
     "PerRankLogger",
     title="a non-finite loss, naming the rank(s) that produced it",
+    headline="non-finite loss on rank(s) {rank_list} at step {at_step}",
     trigger="a rank's training loss is inf/nan; names the rank(s)",
     hint=(
         "Look at that rank's batch (its fingerprint is in tfdebug/rank<r>.jsonl) and add NaNFirstFrame to find "
@@ -362,6 +369,7 @@ TFD502 = Rule(
     "error",
     "PerRankLogger",
     title="parameter or buffer checksums differ between DDP replicas; names the ranks and the tensors",
+    headline="replicas differ at step {at_step}: ranks {rank_list}, {count} tensors",
     trigger=(
         "parameter or buffer checksums (per-tensor norm and sum) differ between DDP replicas; names the ranks and"
         " tensors (not checked under sharded strategies; BatchNorm running statistics excluded)"

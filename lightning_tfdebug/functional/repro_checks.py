@@ -53,6 +53,7 @@ TFD131 = Rule(
     "warning",
     "ReproCapture",
     title="the bundle could not be written; the original exception propagates unchanged",
+    headline="the repro bundle could not be written: {error}",
     trigger=("the bundle could not be written (disk full, no permission); the original exception still propagates"),
     hint="Check free disk space and write permission on the log directory.",
     reason="Loses work: the evidence needed to replay the crash is gone, though the crash itself still propagates",

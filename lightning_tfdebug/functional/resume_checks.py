@@ -35,6 +35,7 @@ TFD710 = Rule(
     "error",
     "CheckpointAudit",
     title="weights after resume differ from the checkpoint, or changed dtype",
+    headline="weights after resume differ from the checkpoint: {detail}",
     trigger="restored weights differ from the checkpoint (checksums) or changed dtype",
     hint=(
         "Something re-initialises or converts the module after the checkpoint is loaded (`on_fit_start`, `setup`, a "
@@ -75,6 +76,7 @@ TFD711 = Rule(
     "error",
     "CheckpointAudit",
     title="optimizer step counts after resume differ from the checkpoint",
+    headline="optimizer step counts after resume: {now}, saved {saved}",
     trigger="optimizer step counts after resume differ from the checkpoint",
     hint="The optimizer was rebuilt or its state reset after loading; bias correction restarts.",
     reason=(
@@ -99,6 +101,7 @@ TFD712 = Rule(
     "error",
     "CheckpointAudit",
     title="learning rates after resume differ from the checkpoint",
+    headline="learning rates after resume: {now}, saved {saved}",
     trigger="learning rates after resume differ from the checkpoint",
     hint=(
         "The scheduler or the param groups were rebuilt after loading, or the LR is set in code that runs after the "
@@ -127,6 +130,7 @@ TFD713 = Rule(
     "error",
     "CheckpointAudit",
     title="GradScaler scale after resume differs from the checkpoint",
+    headline="GradScaler scale after resume {now:g}, saved {saved:g}",
     trigger="GradScaler scale after resume differs from the checkpoint",
     hint="The precision plugin's scaler was replaced after loading.",
     reason="Measured: the loss scale changed on resume: the resumed run is not the run saved",
@@ -147,6 +151,7 @@ TFD714 = Rule(
     "error",
     "CheckpointAudit",
     title="global step after resume differs from the checkpoint",
+    headline="global step after resume {now}, saved {saved}",
     trigger="global step after resume differs from the checkpoint",
     hint=(
         "The loop state was not restored: the checkpoint has no `loops` entry, or something removed it before "
@@ -182,6 +187,7 @@ TFD715 = Rule(
     "error",
     "CheckpointAudit",
     title="the model's output on the probe rows after resuming differs from its output at save time",
+    headline="probe-call loss after resume {now:.6g}, at save (step {saved_step}) {saved:.6g}",
     trigger="the stored model call, replayed right after resuming, gives another loss than at save time",
     hint=(
         "The model that trains is not the model that was saved: re-initialised after loading, a different dtype or "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 
@@ -62,6 +63,8 @@ TFD411 = Rule(
     "error",
     "ScalerWatch",
     title="the loss scale collapsed (below `min_scale`, or halved repeatedly within `window`)",
+    headline="the loss scale collapsed: {why}",
+    chart=EvidenceChart("Did the loss scale collapse?", "loss scale", logged=("scaler/scale",), log_scale=True),
     trigger=(
         "the fp16 loss scale fell below `min_scale`, or was reduced `collapse_backoffs` times within the last "
         "`window` steps"
@@ -97,6 +100,12 @@ TFD412 = Rule(
     "warning",
     "ScalerWatch",
     title="a high fraction of steps skipped; names the groups whose gradients overflowed",
+    headline="{recent_skipped} of the last {recent_steps} steps skipped for overflow",
+    chart=EvidenceChart(
+        "How many steps were skipped for overflow?",
+        "fraction of steps",
+        logged=("scaler/skipped_frac",),
+    ),
     trigger=(
         "more than `max_skipped_frac` of the last `window` optimizer steps were skipped for overflow; names the "
         "parameter groups whose gradients held inf/nan"
@@ -138,6 +147,7 @@ TFD413 = Rule(
     "warning",
     "ScalerWatch",
     title="a per-step LR scheduler advanced on steps the optimizer skipped",
+    headline="LR scheduler {scheduler} advanced on {scheduler_steps_on_skipped} skipped steps",
     trigger=(
         "a per-step LR scheduler advanced (its `last_epoch`) on `lr_skipped_steps` optimizer steps that the "
         "GradScaler skipped"
@@ -175,6 +185,8 @@ TFD414 = Rule(
     "warning",
     "ScalerWatch",
     title="the scale never grew for several growth intervals",
+    headline="the loss scale never grew in {steps_without_growth} steps",
+    chart=EvidenceChart("Does the loss scale grow?", "loss scale", logged=("scaler/scale",), log_scale=True),
     trigger="the loss scale did not grow for `no_growth_intervals` x `growth_interval` steps",
     hint=(
         "Overflows recur regularly: look for the module near the fp16 limit (NaNFirstFrame, eager mode) or switch"

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_tfdebug.functional.evidence_chart import TRAINING_LOSS, EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 LOG_FLOOR = 1e-12
@@ -210,6 +211,14 @@ TFD530 = Rule(
     "warning",
     "SpikeGuard",
     title="a loss spike: the step, the samples that carry the excess loss, and a bundle to replay it",
+    headline="a loss spike at step {step}: {value_name} {value:.4g}, {ratio:.2f}x its baseline {baseline:.4g}",
+    chart=EvidenceChart(
+        "Where did the loss spike against its baseline?",
+        "loss",
+        logged=(TRAINING_LOSS,),
+        lines=("baseline", "value"),
+        window=40,
+    ),
     trigger=(
         "the step's log-loss (one process) or log total gradient norm (several ranks: the all-reduced gradients) rose "
         "more than `threshold` robust deviations and more than `min_ratio` times above its running baseline, after "
@@ -273,6 +282,8 @@ TFD531 = Rule(
     "error",
     "SpikeGuard",
     title="loss spikes that repeat, or a loss that does not come back to its baseline",
+    headline="{count} loss spikes that repeat, or a loss that does not come back ({steps})",
+    chart=EvidenceChart("Does the loss come back after its spikes?", "loss", logged=(TRAINING_LOSS,)),
     trigger="`max_spikes` spikes within `spike_window` steps, or `max_skips` spiking steps in a row",
     hint=(
         "A run that spikes again and again is unstable, not unlucky: lower the peak LR or lengthen the warm-up, add "

@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 DEFAULT_FLOOR_S = 90.0
@@ -182,6 +183,14 @@ TFD520 = Rule(
     "error",
     "StallWatchdog",
     title="a rank made no progress for `stall_after` seconds: the rank that hangs, its step, phase and frame",
+    headline="no progress for {idle_s:.1f} s on rank {rank} at step {step} ({phase})",
+    chart=EvidenceChart(
+        "Where is each rank: its last step and phase?",
+        "step",
+        bars="ranks",
+        bar_value="step",
+        bar_label="phase",
+    ),
     trigger=(
         "no hook of the training loop ran on a rank for longer than `stall_after` (default: from the run's own "
         "step times, at least 90 s; the first step, compilation, validation, checkpoint saving and the profiler get "
@@ -202,6 +211,14 @@ TFD521 = Rule(
     "error",
     "StallWatchdog",
     title="the ranks wait in different collectives (a collective that only some ranks call)",
+    headline="the ranks wait in different collectives (no progress for {idle_s:.1f} s)",
+    chart=EvidenceChart(
+        "Where is each rank: its last step and phase?",
+        "step",
+        bars="ranks",
+        bar_value="step",
+        bar_label="phase",
+    ),
     trigger="every rank stalled inside a collective, and not all in the same one, or not at the same step",
     hint=(
         "A collective must be called by every rank in the same order: a barrier, a broadcast or a `sync_dist` log "

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.keys import Key
 from lightning_tfdebug.primitives.tracking import Streak
@@ -171,6 +172,12 @@ TFD602 = Rule(
     "info",
     "ThroughputMonitor",
     title="padding waste: padding above `padding_threshold` of the token positions, sustained (a warning above half)",
+    headline="padding waste: {padding_frac:.0%} of token positions are padding",
+    chart=EvidenceChart(
+        "Which share of the token positions is padding?",
+        "fraction of positions",
+        logged=("throughput/padding_frac",),
+    ),
     trigger=(
         "padding above `padding_threshold` of the computed token positions for `patience` measurements; a warning "
         "when padding is most (> 50%) of them, with the speed-up packing and dynamic padding would give"
@@ -340,6 +347,7 @@ TFD607 = Rule(
     "warning",
     "ThroughputMonitor",
     title="`torch.compile` hit its recompile limit during training: that code now runs uncompiled",
+    headline="torch.compile hit its recompile limit {limit_hits:.0f} times: that code runs uncompiled",
     trigger="`torch.compile` hit its recompile limit during training, so that code runs uncompiled",
     hint=(
         'Find what forces the recompilations (TORCH_LOGS="recompiles"): usually changing input shapes or Python '
@@ -368,6 +376,12 @@ TFD601 = Rule(
     "warning",
     "ThroughputMonitor",
     title="data-loading bound: the wait for the next batch above `wait_threshold` of wall time, sustained",
+    headline="data-loading bound: the wait for batches is {dataloader_wait_frac:.0%} of wall time",
+    chart=EvidenceChart(
+        "Which share of the wall time waits for the next batch?",
+        "fraction of wall time",
+        logged=("throughput/dataloader_wait_frac",),
+    ),
     trigger="the wait for the next batch above `wait_threshold` of wall time (worst rank) for `patience` measurements",
     hint=(
         "Raise DataLoader(num_workers=...), use pin_memory=True and persistent_workers=True, raise "
@@ -390,6 +404,8 @@ TFD603 = Rule(
     "warning",
     "ThroughputMonitor",
     title="the median step time regressed to more than `regression_factor` x the early window, sustained",
+    headline="step time regressed to {step_time_ms:.1f} ms, {ratio_to_early:.2f}x the early window",
+    chart=EvidenceChart("Did the step time grow?", "ms", logged=("throughput/step_time_ms",)),
     trigger=(
         "the median and the mean step time over the last `window` steps above `regression_factor` x the early "
         "window's (after `skip_steps`, over `baseline_steps`), for `patience` measurements in a row that the "
@@ -423,6 +439,7 @@ TFD606 = Rule(
     "warning",
     "ThroughputMonitor",
     title="`torch.compile` keeps compiling new graphs after the early window, at each of `patience` measurements",
+    headline="torch.compile keeps compiling: {new_graphs:.0f} new graphs after the early window",
     trigger="`torch.compile` compiled new graphs (TorchDynamo's counters) at each of `patience` measurements",
     hint=(
         "A guard of the compiled code changes every step: input shapes (pad to a few bucket lengths or let shapes "

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.optimizer_checks import shown
 from lightning_tfdebug.functional.optimizers import ScheduleCourse, ScheduleReading
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
@@ -23,6 +24,7 @@ TFD327 = Rule(
     "error",
     "OptimizerAudit",
     title="the module is in eval mode at a training batch",
+    headline="the module is in eval mode at a training batch (step {global_step})",
     trigger="the module is in eval mode at the first batch of an epoch or after validation",
     hint=(
         "Something calls `.eval()` (a hook, an inference helper, a generation callback) without calling "
@@ -80,6 +82,8 @@ TFD329 = Rule(
     "warning",
     "OptimizerAudit",
     title="the LR scheduler stepped more than once per optimizer step",
+    headline="LR scheduler {scheduler} stepped {per_step} times per optimizer step",
+    chart=EvidenceChart("How does the learning rate move?", "learning rate", logged=("optimizer_audit/lr/<group>",)),
     trigger="an LR scheduler stepped more than once between two steps of its optimizer",
     hint=(
         "Step the scheduler once per optimizer step (not per micro-batch under gradient accumulation), and not by"
@@ -127,6 +131,7 @@ TFD330 = Rule(
     "info",
     "OptimizerAudit",
     title="no learning-rate warm-up on a transformer (a warning once the early loss spikes)",
+    headline="no learning-rate warm-up: the LR starts at {first_lr:.3g}",
     trigger=(
         "a transformer trained from step 0 has an LR at a later measured step that is not above its first-step LR;"
         " a warning when a measured loss in the first `warmup_window` steps is not finite, rises above the first "
@@ -192,6 +197,12 @@ TFD331 = Rule(
     "warning",
     "OptimizerAudit",
     title="the LR reached zero long before the end of the run",
+    headline="the LR reached zero at step {step} of {total}",
+    chart=EvidenceChart(
+        "When does the learning rate reach zero?",
+        "learning rate",
+        logged=("optimizer_audit/lr/<group>",),
+    ),
     trigger="the LR reached zero before `zero_lr_fraction` of the run",
     hint=(
         "Size the schedule (total / decay steps) in optimizer steps of this run, accounting for gradient "
@@ -222,6 +233,8 @@ TFD335 = Rule(
         "the LR has not moved since the first step and sits below half the scheduler's base LR: a step-sized "
         "warm-up stepped per epoch"
     ),
+    headline="the LR has not moved since step 0 and sits at {share:.1%} of the base LR {base_lr:.3g}",
+    chart=EvidenceChart("Does the learning rate move?", "learning rate", logged=("optimizer_audit/lr/<group>",)),
     trigger=(
         "a transformer's LR unchanged from the first step to the next measured step and below half of its "
         "schedulers' `base_lrs` (reported instead of TFD330)"
@@ -275,6 +288,13 @@ TFD337 = Rule(
     "warning",
     "OptimizerAudit",
     title="the LR schedule stays below half of its configured peak for most of the run: a warm-up longer than the run",
+    headline="the LR stays below half its peak {peak:.3g} for most of the run (reaches {run_max:.3g})",
+    chart=EvidenceChart(
+        "Does the learning rate reach its peak within the run?",
+        "learning rate",
+        logged=("optimizer_audit/lr/<group>",),
+        lines=("peak",),
+    ),
     trigger=(
         "replayed on a copy at the start of training, a rising LR schedule first reaches half of its configured "
         "peak (the largest base LR) after half of the run's remaining optimizer steps, or not at all (runs of 50 "
@@ -336,6 +356,7 @@ TFD332 = Rule(
     "warning",
     "OptimizerAudit",
     title="a parameter byte-identical after steps that should have changed it",
+    headline="parameter `{parameter}` byte-identical after {steps} steps",
     trigger="a parameter with a gradient and LR > 0 byte-identical after `patience` measured steps",
     hint=(
         "The update underflows the parameter's dtype (bf16/fp16 weights with a small LR: keep fp32 master "
@@ -369,6 +390,7 @@ TFD334 = Rule(
     "error",
     "OptimizerAudit",
     title="gradients not zeroed between optimizer steps (manual optimization without `zero_grad`)",
+    headline="gradients not zeroed between optimizer steps (step {global_step})",
     trigger=(
         "at the first backward after an optimizer step (on a measuring step), a param group's probe parameter "
         "still holds non-zero gradients from earlier steps"

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.learning import learned, progress
 from lightning_tfdebug.functional.updates import (
     LOSS_FALL_PER_STEP,
@@ -96,6 +97,14 @@ TFD310 = Rule(
     "warning",
     "UpdateRatio",
     title="updates too small for the LR the schedule reaches, and the loss barely moves: LR too low",
+    headline="updates too small: update ratio {update_ratio:.3g} below {band[low]:g} at LR {lr:.3g}",
+    chart=EvidenceChart(
+        "Are the updates inside the healthy band?",
+        "update / weight",
+        logged=("update_ratio/total",),
+        lines=("band.low", "band.high"),
+        log_scale=True,
+    ),
     trigger=(
         "update:weight ratio below `low` for `patience` measurements, judged at the LR's plateau (not decayed below "
         "`decayed_lr_fraction` of its peak) or, while the LR still rises, scaled to the highest LR the schedule "
@@ -208,6 +217,14 @@ TFD311 = Rule(
     "warning",
     "UpdateRatio",
     title="one step rewrote a large part of the weights: LR too high / no warm-up",
+    headline="one step rewrote the weights: update ratio {update_ratio:.3g} above {band[high]:g} (LR {lr:.3g})",
+    chart=EvidenceChart(
+        "Are the updates inside the healthy band?",
+        "update / weight",
+        logged=("update_ratio/total",),
+        lines=("band.low", "band.high"),
+        log_scale=True,
+    ),
     trigger="update:weight ratio above `high` on any measurement",
     hint=(
         "The learning rate is probably too high, or there is no warm-up: each step rewrites a large part of the "
@@ -246,6 +263,7 @@ TFD312 = Rule(
     "error",
     "UpdateRatio",
     title="a group got gradients but did not change: not in the optimizer",
+    headline="groups got gradients but did not change (not in the optimizer): {names}",
     trigger=(
         "a group received gradients but did not change when the optimizer stepped, `patience` measurements in a "
         "row, and holds parameters in none of the optimizers' param groups (when the optimizer holds copies and "
@@ -359,6 +377,8 @@ TFD313 = Rule(
         "the weights inflate (median group norm grew > `growth_limit` x in `growth_window` steps); a warning with "
         "harm beside it: LR far too high"
     ),
+    headline="the weights inflate: median group norm grew {median_growth:.3g}x in {steps} steps (LR {lr:.3g})",
+    chart=EvidenceChart("Do the weights grow?", "L2 norm", logged=("update_ratio/param_norm/total",)),
     trigger=(
         "the median group weight norm grew more than `growth_limit` x within `growth_window` optimizer steps "
         "(groups under 5% of the largest group's norm left out); a warning when, beside it, the mean training "
@@ -426,6 +446,8 @@ TFD314 = Rule(
         "the weights deflate (median group norm fell below 1/`growth_limit` in `growth_window` steps): decay far "
         "too strong"
     ),
+    headline="the weights deflate: median group norm x{median_growth:.3g} in {steps} steps",
+    chart=EvidenceChart("Do the weights shrink?", "L2 norm", logged=("update_ratio/param_norm/total",)),
     trigger=(
         "the median group weight norm fell below `1 / growth_limit` of its value within `growth_window` optimizer steps"
     ),

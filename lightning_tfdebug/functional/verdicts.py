@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_tfdebug.findings import SEVERITIES, Severity, check_code
+from lightning_tfdebug.findings import HEADLINE_LIMIT, SEVERITIES, Severity, check_code
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Verdict:
     severity: Severity | None = None
     key: str | None = None
     step: int | None = None
+    headline: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ class Rule:
             passed to :meth:`verdict`.
         details: the exact conditions and thresholds under which the rule fires (markdown), for the generated rule
             reference in ``docs/findings.md``; empty when ``trigger`` already says it all.
+        headline: what the finding's one-line headline says after its code, severity, step and ranks: the title in a
+            few words with its one or two deciding numbers, a :meth:`str.format` template filled like ``message``;
+            several templates: the first that the finding's fields fill. Empty, or none filled: the ``title``.
+        chart: what the report draws to show the finding (:class:`EvidenceChart`); None: the training loss around its
+            step.
     """
 
     code: str
@@ -61,6 +68,8 @@ class Rule:
     reason: str = ""  # required (checked below); a default only so that it can follow `hint` as a keyword
     message: str = ""
     details: str = ""
+    headline: str | tuple[str, ...] = ""
+    chart: EvidenceChart | None = None
 
     def __post_init__(self) -> None:
         check_code(self.code)
@@ -98,4 +107,26 @@ class Rule:
                 raise ValueError(f"Rule {self.code}: its message template needs {err}, which was not given.") from None
         if severity is not None and severity not in SEVERITIES:
             raise ValueError(f"Rule {self.code}: severity must be one of {SEVERITIES}, got {severity!r}.")
-        return Verdict(self.code, message, evidence, hint=hint, severity=severity, key=key, step=step)
+        headline = self.headline_for(evidence, **text)
+        return Verdict(
+            self.code, message, evidence, hint=hint, severity=severity, key=key, step=step, headline=headline
+        )
+
+    def headline_for(self, evidence: Mapping[str, Any], **text: Any) -> str:
+        """What the headline says of a finding with ``evidence`` (and the verdict's ``text``): the first of the rule's
+        ``headline`` templates that these fields fill, else its ``title``; at most
+        :data:`~lightning_tfdebug.findings.HEADLINE_LIMIT` characters."""
+        templates = (self.headline,) if isinstance(self.headline, str) else self.headline
+        for template in templates:
+            if not template:
+                continue
+            try:
+                return _cut(template.format(**evidence, **text))
+            except (KeyError, IndexError, ValueError, TypeError, AttributeError):  # a field absent or not a number
+                continue
+        return _cut(self.title)
+
+
+def _cut(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= HEADLINE_LIMIT else text[: HEADLINE_LIMIT - 3] + "..."

@@ -199,7 +199,7 @@ def test_an_oom_on_one_rank_is_named_in_the_report_and_no_rank_hangs(tmp_path):
     assert oom["rank"] == 1 and "on rank 1, batch 3 of epoch 0 (step 3)" in oom["message"]
     assert "at the last measuring step (2)" in oom["message"]  # measured under DDP, through the pack's reduction
     assert not [f for f in results[0]["findings"]["TFDebug"] if f["code"] == "TFD621"]  # rank 0 had no OOM
-    report = render_text(load_run(str(tmp_path / "tb" / "version_0")))
+    report = render_text(load_run(str(tmp_path / "tb" / "version_0")), verbose=True)
     assert "TFD621" in report and "on rank 1, batch 3" in report
 
 

@@ -88,7 +88,7 @@ class Job:
 
 
 def report(path: Path) -> str:
-    """``tfdebug report <path>``'s output (the command's own entry point, in this process)."""
+    """``tfdebug report <path> --verbose``'s output (the command's own entry point, in this process)."""
     import contextlib
     import io
 
@@ -96,7 +96,7 @@ def report(path: Path) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        main(["report", str(path)])
+        main(["report", str(path), "--verbose"])  # the messages under the headlines
     return out.getvalue()
 
 

@@ -19,9 +19,12 @@ def rule(**overrides) -> Rule:
 
 def test_a_verdict_fills_the_template_from_evidence_and_text_and_keeps_only_the_evidence():
     verdict = rule().verdict({"factor": 12.04}, where="blocks.0", key="blocks.0", step=7)
+    said = "the norm rose 12.0x at blocks.0"
     assert verdict == Verdict(
-        "TFD301", "the norm rose 12.0x at blocks.0", {"factor": 12.04}, hint=None, severity=None, key="blocks.0", step=7
-    )
+        "TFD301", said, {"factor": 12.04}, hint=None, severity=None, key="blocks.0", step=7, headline="norm spike"
+    )  # the rule has no headline template: the headline is its title
+    headlined = rule(headline="rose {factor:.1f}x at {where}")
+    assert headlined.verdict({"factor": 12.04}, where="b").headline == "rose 12.0x at b"
 
 
 def test_a_decision_may_escalate_the_severity_and_give_its_own_hint_and_message():

@@ -150,6 +150,7 @@ TFD124 = Rule(
     "warning",
     "BatchGuard",
     title="the end-of-sequence token occurs in the inputs and is never supervised",
+    headline="end-of-sequence token {eos_id} in the inputs is never supervised",
     trigger=(
         "over the first `special_token_batches` checked batches of a causal LM or a decoder's targets, "
         "`min_eos_expected` supervised EOS are expected from the inputs and none is"

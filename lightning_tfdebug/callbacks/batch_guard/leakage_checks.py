@@ -62,6 +62,7 @@ TFD126 = Rule(
     "error",
     "BatchGuard",
     title="validation rows are rows the model trained on",
+    headline="{overlapping} of {compared} validation rows were trained on ({share:.1%})",
     trigger=(
         f"over `max_overlap_fraction` (and {MIN_OVERLAP_ROWS}) of the informative validation rows (the sanity check's "
         "included) equal training rows read before or after them"
@@ -84,6 +85,7 @@ TFD127 = Rule(
     "error",
     "BatchGuard",
     title="test rows are rows the model trained on",
+    headline="{overlapping} of {compared} test rows were trained on ({share:.1%})",
     trigger=(
         f"over `max_overlap_fraction` (and {MIN_OVERLAP_ROWS}) of the informative test rows equal training rows of the "
         "fit this BatchGuard watched"

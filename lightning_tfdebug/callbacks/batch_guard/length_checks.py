@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 TFD120 = Rule(
@@ -14,6 +15,12 @@ TFD120 = Rule(
     "warning",
     "BatchGuard",
     title="the length distribution moved away from the early batches",
+    headline="batch lengths moved: mean {window_mean:.1f} tokens against {reference_mean:.1f} early",
+    chart=EvidenceChart(
+        "Did the batch lengths move away from the early batches?",
+        "tokens",
+        logged=("batch_guard/length_mean",),
+    ),
     trigger="a window's mean real length moved from the first window's by over `length_shift_tolerance` and one std",
     hint=(
         "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum data, or a "

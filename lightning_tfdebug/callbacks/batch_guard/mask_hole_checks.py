@@ -82,6 +82,7 @@ TFD122 = Rule(
     "warning",
     "BatchGuard",
     title="attention mask with holes: real tokens masked out inside the text",
+    headline="attention mask with {holes:.0f} holes inside the text ({hole_fraction:.1%} of rows)",
     trigger=(
         "a binary attention mask of the ids' shape masks positions between real tokens of a row (or at both ends of "
         "it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "

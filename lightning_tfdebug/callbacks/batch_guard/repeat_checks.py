@@ -36,6 +36,7 @@ TFD121 = Rule(
     "warning",
     "BatchGuard",
     title="batches of one epoch repeat earlier batches of that epoch token for token",
+    headline="{repeated} of {checked} batches of epoch {epoch} repeat earlier ones token for token",
     trigger=(
         "over `max_repeated_fraction` of an epoch's batches (and 3) equal an earlier one of it (a stream: within 16)"
     ),
@@ -135,6 +136,7 @@ TFD123 = Rule(
     "warning",
     "BatchGuard",
     title="the same batches come back sooner than the data allows",
+    headline="the same batches come back sooner than the data allows (from step {repeats_step})",
     trigger=(
         "fewer different batches than min(read, the DataLoader's length) by 3 and `max_repeated_fraction` of it, or "
         "repeats inside epochs summed to as many; silent once TFD121 has spoken"
@@ -321,6 +323,7 @@ TFD125 = Rule(
     "warning",
     "BatchGuard",
     title="resumed mid-epoch with a DataLoader that cannot restore its position",
+    headline="resumed mid-epoch at batch {start} of {per_epoch}: the DataLoader restarts its epoch",
     trigger=(
         "a fit resumes at batch S > 0 of an epoch and a training DataLoader has no `state_dict`/`load_state_dict`; "
         "info when it shuffles"

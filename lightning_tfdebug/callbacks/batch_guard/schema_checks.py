@@ -17,6 +17,7 @@ from lightning_tfdebug.callbacks.batch_guard.schema import (
     describe_leaves,
     learn_schema,
 )
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 # --------------------------------------------------------------------------------------------------------- schema drift
@@ -27,6 +28,7 @@ TFD101 = Rule(
     "error",
     "BatchGuard",
     title="a key of the schema is missing",
+    headline="key `{key}` of the batch schema is missing",
     trigger="a key of the schema (declared, or learned from the first batches) is missing from a batch",
     hint="build every batch through the same collate path; a key that only some samples carry needs a default",
     reason="A batch without a field the step reads fails that step or feeds the model something else",
@@ -39,6 +41,7 @@ TFD102 = Rule(
     "warning",
     "BatchGuard",
     title="a key the learned schema does not have",
+    headline="key `{key}` is not in the learned batch schema",
     trigger="a batch carries a key the learned schema does not have",
     hint="as TFD101; if the key is legitimate and optional, declare the `schema`",
     reason="Measured in this run's batches: two collate paths build them, so some batches are not what the rest are",
@@ -51,6 +54,7 @@ TFD103 = Rule(
     "error",
     "BatchGuard",
     title="dtype changed (int32 labels, float mask)",
+    headline="dtype of `{key}` changed: {found}, was {expected}",
     trigger="a key's dtype differs from the schema (int32 labels where int64 were, a float attention mask)",
     hint="build every field with an explicit dtype (`torch.tensor(x, dtype=torch.long)`); no cast in one branch only",
     reason="The ops that take the field fail or change meaning (cross_entropy takes int64; a float mask is added)",
@@ -63,6 +67,7 @@ TFD104 = Rule(
     "error",
     "BatchGuard",
     title="number of dimensions changed (a squeezed batch of one)",
+    headline="number of dimensions of `{key}` changed: {found}, was {expected}",
     trigger="a key's number of dimensions differs (a batch of one squeezed to 1-D)",
     hint="never `squeeze()` a batch; keep the batch dimension (`x[None]`, `unsqueeze(0)`)",
     reason="A squeezed batch breaks the shapes the model and the loss rely on: the step fails or broadcasts wrongly",
@@ -75,6 +80,7 @@ TFD105 = Rule(
     "error",
     "BatchGuard",
     title="a size differs from the declared size or from the key it always matched",
+    headline="size of `{key}` changed: {found}, expected {expected}",
     trigger="a dimension differs from the declared size, or from the key it matched in every early batch",
     hint="pad / truncate every key of a batch together; check the declared sizes",
     reason="Fields that no longer line up fail the step or score positions against the wrong labels",
@@ -108,6 +114,13 @@ TFD111 = Rule(
     "error",
     "BatchGuard",
     title="sequence longer than the model's context",
+    headline="sequence of {width} tokens, longer than the context of {max_length}",
+    chart=EvidenceChart(
+        "How long are the batches against the context?",
+        "tokens",
+        logged=("batch_guard/width",),
+        lines=("max_length",),
+    ),
     trigger="the sequence length exceeds the model's context (position table, config, `max_length`)",
     hint=(
         "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to the context "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from lightning_tfdebug.callbacks.batch_guard.mask_hole_checks import mask_hole_verdict
 from lightning_tfdebug.callbacks.batch_guard.readings import BatchPaths, ValueRules
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 # --------------------------------------------------------------------------------------------------------- token ranges
@@ -20,6 +21,7 @@ TFD110 = Rule(
     "error",
     "BatchGuard",
     title="token id outside `[0, vocab)`",
+    headline="token id {value} outside [0, vocab {vocab_size}) in `{ids_key}`",
     trigger="an input id is outside `[0, vocab)` (checked steps, or the batch whose step raised)",
     hint=(
         "The tokenizer and the model disagree on the vocabulary (added special tokens without "
@@ -53,6 +55,7 @@ TFD112 = Rule(
     "error",
     "BatchGuard",
     title="attention mask not binary",
+    headline="attention mask `{key}` not binary ({count:.0f} values, e.g. {example:g})",
     trigger="the attention mask holds values other than 0 and 1 (checked steps, or the batch whose step raised)",
     hint=(
         "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside the "
@@ -79,6 +82,7 @@ TFD113 = Rule(
     "error",
     "BatchGuard",
     title="label outside `[0, vocab)` and not `ignore_index`",
+    headline="{count:.0f} labels outside [0, vocab {vocab_size}) and not ignore_index",
     trigger="a label is outside `[0, vocab)` and not `ignore_index` (checked steps, or the batch whose step raised)",
     hint="Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
     reason="Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails",
@@ -102,6 +106,12 @@ TFD114 = Rule(
     "error",
     "BatchGuard",
     title="every label ignored: nothing is learned",
+    headline="every label is ignore_index ({ignore_index}): nothing is learned",
+    chart=EvidenceChart(
+        "Which share of the labels is ignored?",
+        "fraction of labels",
+        logged=("batch_guard/ignored_frac",),
+    ),
     trigger="every label of a batch is `ignore_index`: nothing is learned, the loss is 0 or NaN",
     hint=(
         "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer away, "
@@ -128,6 +138,12 @@ TFD115 = Rule(
     "warning",
     "BatchGuard",
     title="padding positions supervised",
+    headline="{pad_supervised:.0f} of {pad_positions:.0f} padding positions are supervised",
+    chart=EvidenceChart(
+        "How much of each batch is padding?",
+        "fraction of positions",
+        logged=("batch_guard/pad_frac",),
+    ),
     trigger="padding positions (mask 0) carry a label that is not `ignore_index`",
     hint="`labels[attention_mask == 0] = -100` in the collate function",
     reason="Measured in the batches: the loss spends its weight on predicting padding, which the model then learns",
@@ -161,6 +177,7 @@ TFD116 = Rule(
     "warning",
     "BatchGuard",
     title="sequences without BOS",
+    headline="{without_bos:.0f} of {sequences} sequences start without BOS ({bos_id})",
     trigger="sequences whose first real token is not `bos_id`",
     hint="The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it.",
     reason="Measured against the `bos_id` you declared: the model trains on a format it will not see at inference",
@@ -181,6 +198,7 @@ TFD117 = Rule(
     "warning",
     "BatchGuard",
     title="several EOS in a sequence",
+    headline="{several_eos:.0f} of {sequences} sequences hold several EOS ({eos_id})",
     trigger="sequences with more than one `eos_id`",
     hint=(
         "EOS added twice (by the template and the tokenizer), or documents packed without an attention boundary. If "
@@ -204,6 +222,7 @@ TFD118 = Rule(
     "warning",
     "BatchGuard",
     title="real tokens after EOS",
+    headline="real tokens after EOS in {tokens_after_eos:.0f} of {sequences} sequences",
     trigger="real (mask 1) tokens after the first EOS",
     hint="The pad token equals EOS but the mask is 1 on padding, or sequences were packed.",
     reason="Measured in the batches: text after the end token is trained as a continuation of the document",
@@ -223,6 +242,12 @@ TFD119 = Rule(
     "warning",
     "BatchGuard",
     title="truncation rate above `max_truncated_fraction`",
+    headline="{truncated} of {sequences} sequences truncated at {max_length} tokens",
+    chart=EvidenceChart(
+        "Which share of the sequences is truncated?",
+        "fraction of sequences",
+        logged=("batch_guard/truncated_frac",),
+    ),
     trigger="more than `max_truncated_fraction` of a batch's sequences fill the maximum length with no EOS",
     hint="Raise the context length, split long documents, or check that truncation keeps the answer.",
     reason="Measured in the batches: most sequences are cut before their end, so the model rarely sees endings",

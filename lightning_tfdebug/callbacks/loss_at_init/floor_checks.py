@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_tfdebug.callbacks.loss_at_init.readings import LossReading
 from lightning_tfdebug.callbacks.loss_at_init.stall_checks import FLOOR_PINNED
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.loss import uniform_loss
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
@@ -95,6 +96,14 @@ TFD237 = Rule(
     "warning",
     "LossAtInit",
     title="the returned loss is label-smoothed with an eps whose floor is above half of ln(V)",
+    headline="label smoothing eps = {eps:.3g}: the loss cannot fall below {floor:.2f} nats ({share_vocab:.0%} of ln V)",
+    chart=EvidenceChart(
+        "Does the returned loss follow the logits' own cross-entropy, above its floor?",
+        "nats",
+        evidence_x="steps",
+        evidence_y=("returned_loss", "logits_loss"),
+        lines=("floor", "expected_loss"),
+    ),
     trigger=(
         "from the third compared step (step 30) the returned loss is the logits' cross-entropy with label smoothing "
         "eps: a warning when the smoothed target's entropy, its floor, is above half of ln(V); info naming eps "
@@ -187,6 +196,17 @@ TFD236 = Rule(
     "error",
     "LossAtInit",
     title="the loss cannot fall below a floor set by bounded logits or label smoothing, above half of ln(V)",
+    headline=(
+        "the loss trains squashed logits (cap c = {cap:.3g}, floor {floor:.2f} nats)",
+        "the loss cannot fall below a floor of {floor:.2f} nats ({share_vocab:.0%} of ln V)",
+    ),
+    chart=EvidenceChart(
+        "Does the returned loss follow the logits' own cross-entropy, above its floor?",
+        "nats",
+        evidence_x="steps",
+        evidence_y=("returned_loss", "logits_loss"),
+        lines=("floor", "expected_loss"),
+    ),
     trigger=(
         "from the third compared step (step 30) the logits are bounded, in the model's forward or in training_step, or "
         "the loss is label-smoothed, and the lowest loss that allows is at least half of ln(V)"

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_tfdebug.callbacks.loss_at_init.readings import NORMALIZED_ROWS, InitLoss
+from lightning_tfdebug.functional.evidence_chart import TRAINING_LOSS, EvidenceChart
 from lightning_tfdebug.functional.learning import trained_before
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
@@ -35,6 +36,7 @@ TFD224 = Rule(
     "error",
     "LossAtInit",
     title="no supervised tokens: every label is `ignore_index`",
+    headline="no supervised tokens: every label is ignore_index ({ignore_index})",
     trigger=("no label of the first batch is supervised (all `ignore_index` after alignment): the loss is NaN or 0"),
     hint=(
         "Check the collator/labels: labels set to ignore_index everywhere (a mask inverted, the prompt mask "
@@ -54,6 +56,7 @@ TFD227 = Rule(
     "error",
     "LossAtInit",
     title="the step-0 loss is not finite although labels are supervised",
+    headline="the step-0 loss is not finite ({observed_loss}) although labels are supervised",
     trigger="the step-0 loss is NaN/inf although labels are supervised",
     hint=(
         "Look for log(0), division by zero or an overflow in the forward or the loss; NaNFirstFrame names the "
@@ -113,6 +116,8 @@ TFD220 = Rule(
     "error",
     "LossAtInit",
     title="the outputs are probabilities: softmax before a loss that applies it again (loss stuck at ln(V))",
+    headline="the outputs are probabilities: softmax before the loss (loss stuck near ln V = {expected_loss:.3f})",
+    chart=EvidenceChart("Is the loss stuck at ln V?", "nats", logged=(TRAINING_LOSS,), lines=("expected_loss",)),
     trigger=(
         "at step 0, >= 99% of the sampled output rows are non-negative and sum to 1: `forward` returns "
         "probabilities (a cross-entropy then applies softmax again and the loss sits at ln(V))"
@@ -163,6 +168,13 @@ TFD222 = Rule(
     "warning",
     "LossAtInit",
     title="the step-0 loss far above ln(V): logits too large at init",
+    headline="step-0 loss {observed_loss:.3f} far above ln V = {expected_loss:.3f}: logits too large at init",
+    chart=EvidenceChart(
+        "Where does the loss start against ln V?",
+        "nats",
+        logged=("loss_at_init/loss",),
+        lines=("expected_loss", "observed_loss"),
+    ),
     trigger="the step-0 loss is above `(1 + init_tolerance) ln(V)`",
     hint=(
         "The logits are too large at init: initialise the output layer with a small std (e.g. 0.02 or "
@@ -208,6 +220,13 @@ TFD223 = Rule(
     title=(
         "the step-0 loss far below ln(V): the loss is not the logits' V-way cross-entropy, or the target leaks "
         "into the input (info for a pretrained model)"
+    ),
+    headline="step-0 loss {observed_loss:.3f} far below ln V = {expected_loss:.3f}",
+    chart=EvidenceChart(
+        "Where does the loss start against ln V?",
+        "nats",
+        logged=("loss_at_init/loss",),
+        lines=("expected_loss", "observed_loss"),
     ),
     trigger=(
         "the step-0 loss is below `(1 - init_tolerance) ln(V)` and the logits' own cross-entropy is not, or the "
@@ -294,6 +313,7 @@ TFD229 = Rule(
     "warning",
     "LossAtInit",
     title="the returned loss is a multiple of its logits' cross-entropy (summed, or divided twice)",
+    headline="the returned loss {returned:.4g} is {factor:.4g}x the logits' cross-entropy {logits_loss:.4g}",
     trigger=(
         "the step-0 logits give a cross-entropy within `init_tolerance` of ln(V) but the returned loss is outside"
         " that band: above by any factor, below by one over a count of the batch (rows, tokens, accumulation, "

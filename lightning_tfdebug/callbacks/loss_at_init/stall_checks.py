@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
 
@@ -23,6 +24,13 @@ TFD225 = Rule(
     "warning",
     "LossAtInit",
     title='at the check the loss is still at ln(V), flat over a window ("stalled at the uniform loss")',
+    headline="loss stalled at ln V: {loss:.3f} at step {step} (ln V = {expected_loss:.3f})",
+    chart=EvidenceChart(
+        "Is the loss stuck at the uniform loss ln V?",
+        "nats",
+        logged=("loss_at_init/loss",),
+        lines=("expected_loss",),
+    ),
     trigger=(
         "at `check_step` (5x for masked-LM labels) the training loss is within `stall_tolerance` of ln(V) and fell"
         " by less than `stall_tolerance` of ln(V) since half-way to the check; the message compares it with the "
@@ -50,6 +58,12 @@ TFD226 = Rule(
     "warning",
     "LossAtInit",
     title="at `check_step` the model predicts its current input token: labels not shifted",
+    headline="labels not shifted: at step {step} the model copies its input ({copy_rate:.0%} of tokens)",
+    chart=EvidenceChart(
+        "How often does the model predict its current input token?",
+        "fraction of tokens",
+        bars=("copy_rate", "repeat_rate", "init_copy_rate"),
+    ),
     trigger=(
         "at `check_step` the argmax equals the current input token at more than `copy_threshold` of positions, "
         "0.25 above the data's own repeat rate, and 0.1 above the rate at step 0 (tied embeddings copy from init)"
@@ -145,6 +159,13 @@ TFD230 = Rule(
     "warning",
     "LossAtInit",
     title="the loss is pinned at the floor of outputs squashed into a bounded range (sigmoid, tanh, clamp)",
+    headline="the loss is pinned at the floor of squashed outputs (loss {loss:.3f}, floor {floor:.3f} nats)",
+    chart=EvidenceChart(
+        "Is the loss pinned at the floor of bounded outputs?",
+        "nats",
+        logged=("loss_at_init/loss",),
+        lines=("floor", "unigram_entropy", "expected_loss"),
+    ),
     trigger=(
         "at the check the logits' cross-entropy has left ln(V) and lies within 30% of the way from the floor "
         "`ln(1 + (V-1) e^-w)` of the rows' logit ranges `w` up to ln(V), the floor is 5% of ln(V) above the labels' "
@@ -227,6 +248,13 @@ TFD231 = Rule(
     "warning",
     "LossAtInit",
     title="labels from other samples: the loss sits at the unigram entropy and ignores which sample it is",
+    headline="labels from other samples: loss {loss:.3f} at the unigram entropy {unigram_entropy:.3f} nats",
+    chart=EvidenceChart(
+        "Does the loss sit at the unigram entropy?",
+        "nats",
+        logged=("loss_at_init/loss",),
+        lines=("unigram_entropy", "rolled_loss"),
+    ),
     trigger=(
         "at the check the loss is at the labels' unigram entropy (0.85x to 1.1x), the loss against labels rolled "
         "by one sample along the batch is within 1% of it, and the labels do not repeat their own inputs more "
@@ -311,6 +339,13 @@ TFD232 = Rule(
     "warning",
     "LossAtInit",
     title="the model ignores its context: the loss stalls at the labels' unigram entropy (token frequencies only)",
+    headline="the model ignores its context: loss {loss:.3f} at the unigram entropy {unigram_entropy:.3f} nats",
+    chart=EvidenceChart(
+        "Does the loss sit at the unigram entropy?",
+        "nats",
+        logged=("loss_at_init/loss",),
+        lines=("unigram_entropy",),
+    ),
     trigger=(
         "at the check the loss is flat at the labels' unigram entropy (0.85x to 1.1x), the loss against labels "
         "rolled by one sample is within 1% of it, and the labels repeat their own inputs (so they are right); "

@@ -21,6 +21,7 @@ from lightning_tfdebug.callbacks.loss_at_init.floor_checks import (
 )
 from lightning_tfdebug.callbacks.loss_at_init.readings import LossReading, _at, _roots
 from lightning_tfdebug.callbacks.loss_at_init.stall_checks import FLOOR_ABOVE_DATA
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.loss import CAP_GRID, TEMPERATURE_GRID, uniform_loss
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 
@@ -86,6 +87,18 @@ TFD233 = Rule(
     "warning",
     "LossAtInit",
     title="the returned loss stays far above the logits' own cross-entropy: a bound or squash before the loss",
+    headline=(
+        "the loss trains squashed logits (cap c = {cap:.3g}, floor {floor:.2f} nats)",
+        "the loss trains bounded outputs (floor {floor:.2f} nats, width w = {width:.2f})",
+        "the returned loss stays {gap:.3g} nats above the logits' own cross-entropy",
+    ),
+    chart=EvidenceChart(
+        "Does the returned loss follow the logits' own cross-entropy?",
+        "nats",
+        evidence_x="steps",
+        evidence_y=("returned_loss", "logits_loss"),
+        lines=("floor", "unigram_entropy"),
+    ),
     trigger=(
         "on every compared step (at least two) the returned loss is above the recorded logits' cross-entropy by 20% "
         "of it and 10% of ln(V), not explained by label smoothing (at most 0.3) or a temperature, and fell by less "

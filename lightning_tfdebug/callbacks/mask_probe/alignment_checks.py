@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.probes import classify_alignment
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.keys import Key
@@ -29,6 +30,14 @@ TFD205 = Rule(
     "error",
     "MaskProbe",
     title="labels not shifted: position t is trained on token t (the model learns to copy its input)",
+    headline=(
+        "labels not shifted: loss {loss_returned:.4g} = unshifted {loss_unshifted:.4g}, not shifted {loss_shifted:.4g}"
+    ),
+    chart=EvidenceChart(
+        "Which labelling does the returned loss match?",
+        "nats",
+        bars=("loss_returned", "loss_unshifted", "loss_shifted"),
+    ),
     trigger=(
         "the loss `training_step` returned equals the cross-entropy of position t against token t (labels equal "
         "to the inputs, no shift)"
@@ -48,6 +57,14 @@ TFD206 = Rule(
     "error",
     "MaskProbe",
     title="labels shifted twice: position t is trained on token t+2",
+    headline=(
+        "labels shifted twice: loss {loss_returned:.4g} = two ahead {two_ahead:.4g}, not one ahead {one_ahead:.4g}"
+    ),
+    chart=EvidenceChart(
+        "Which labelling does the returned loss match?",
+        "nats",
+        bars=("loss_returned", "loss_unshifted", "loss_shifted", "loss_shifted2"),
+    ),
     trigger=(
         "position t trained on token t+2: labels shifted in the data and again by the loss, or equal to the inputs "
         "and shifted twice by `training_step` (by hand, then inside a Hugging Face model)"

@@ -14,6 +14,7 @@ from lightning_tfdebug.primitives.keys import Key
 if TYPE_CHECKING:
     pass
 from lightning_tfdebug.callbacks.mask_probe.readings import CAUSAL, CROSS_SAMPLE, REPEAT, Number, Reading, _beyond
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 
 # ------------------------------------------------------------------------------------------- repeat, causal, leaks
 TFD213 = Rule(
@@ -21,6 +22,12 @@ TFD213 = Rule(
     "error",
     "MaskProbe",
     title="the same inputs twice in eval mode gave different outputs (randomness ignores `.eval()`)",
+    headline="eval mode is not deterministic: the same inputs moved the outputs by {max_change:.3g}",
+    chart=EvidenceChart(
+        "How far do the outputs move between two eval passes?",
+        "output change",
+        bars=("max_change", "tolerance"),
+    ),
     trigger="two eval-mode forwards of the same inputs differ beyond the tolerance (the other checks are skipped)",
     hint=(
         "Something random runs regardless of `.eval()`: usually `F.dropout(x, p)` (its `training` argument "
@@ -69,6 +76,12 @@ TFD201 = Rule(
     "error",
     "MaskProbe",
     title="future tokens change past logits; names the largest change, its row and position",
+    headline="future tokens change past logits (max change {max_change:.3g} > tolerance {tolerance:.2g})",
+    chart=EvidenceChart(
+        "How far do the past logits move when a later token changes?",
+        "logit change",
+        bars=("max_change", "tolerance"),
+    ),
     trigger=(
         "replacing the tokens after position t changed the logits at a position <= t beyond the dtype-aware tolerance"
     ),
@@ -114,6 +127,12 @@ TFD214 = Rule(
     "error",
     "MaskProbe",
     title="the model reads the labels it is trained to predict through one of its inputs (a target leak)",
+    headline="the model reads its labels through `{argument}` (max change {max_change:.3g} > {tolerance:.2g})",
+    chart=EvidenceChart(
+        "How far do the logits move when only the labels change?",
+        "logit change",
+        bars=("max_change", "tolerance"),
+    ),
     trigger=(
         "in the call `training_step` makes, replacing the tokens of an argument that carries the labels (a "
         "decoder input, a second sequence) from the position of an output's own label on changed that output"
@@ -214,6 +233,12 @@ TFD217 = Rule(
     "error",
     "MaskProbe",
     title="one sample's tokens change another sample's outputs: samples mix across the batch",
+    headline="samples mix across the batch (max change {max_change:.3g} > {tolerance:.2g})",
+    chart=EvidenceChart(
+        "How far does one sample move when another changes?",
+        "logit change",
+        bars=("max_change", "tolerance"),
+    ),
     trigger="in eval mode, replacing the tokens of one probe row moved another row's logits beyond the tolerance",
     hint=(
         "A layer computes across the batch: a normalisation over it (BatchNorm over the tokens), a view or permute "

@@ -14,6 +14,7 @@ from lightning_tfdebug.primitives.keys import Key
 if TYPE_CHECKING:
     pass
 from lightning_tfdebug.callbacks.mask_probe.readings import PAD_SIDE, PADDING, Number, Reading, _beyond
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 
 # ---------------------------------------------------------------------------------------------------------- padding
 TFD202 = Rule(
@@ -21,6 +22,12 @@ TFD202 = Rule(
     "error",
     "MaskProbe",
     title="tokens under the attention mask change the logits of real tokens",
+    headline="masked tokens change real tokens' logits (max change {max_change:.3g} > {tolerance:.2g})",
+    chart=EvidenceChart(
+        "How far do real logits move when masked tokens change?",
+        "logit change",
+        bars=("max_change", "tolerance"),
+    ),
     trigger=("changing the token ids at positions whose attention mask is 0 changed the logits of unmasked positions"),
     hint=(
         "The attention mask does not reach the attention (or is inverted): check that the mask is passed through "
@@ -83,6 +90,12 @@ TFD203 = Rule(
     "error",
     "MaskProbe",
     title="the logits of real tokens depend on the amount of padding",
+    headline="real tokens' logits depend on the padding (max change {max_change:.3g} > {tolerance:.2g})",
+    chart=EvidenceChart(
+        "How far do real logits move with more padding?",
+        "logit change",
+        bars=("max_change", "tolerance"),
+    ),
     trigger="adding padding on the batch's padding side changed the logits of real tokens",
     hint=(
         "Mask padding in attention; with left padding, derive position ids from the attention mask; avoid "
@@ -125,6 +138,7 @@ TFD204 = Rule(
     "error",
     "MaskProbe",
     title="the batch is padded but the model is called without a mask",
+    headline="the batch is padded but the model is called without a mask",
     trigger=(
         "the batch pads (mask has zeros) but the model is called without an attention mask; info where the batches "
         "pad on the right of a causal model"

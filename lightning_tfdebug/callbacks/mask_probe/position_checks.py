@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from lightning_tfdebug.functional.evidence_chart import EvidenceChart
 from lightning_tfdebug.functional.verdicts import Rule, Verdict
 from lightning_tfdebug.primitives.keys import Key
 
@@ -29,6 +30,7 @@ TFD207 = Rule(
     "error",
     "MaskProbe",
     title="the model fails on a sequence exactly at its context limit",
+    headline="the model fails on a sequence at its context limit of {context_limit} tokens",
     trigger="a sequence exactly at the context limit fails",
     hint=(
         "Check the position table / rotary cache size against the configured context length, or pass the real "
@@ -72,6 +74,14 @@ TFD209 = Rule(
     "error",
     "MaskProbe",
     title="incremental decoding (`kv_cache_fn`) disagrees with the full forward; names the first position",
+    headline=(
+        "incremental decoding disagrees with the full forward from position {first_position} (change {max_change:.3g})"
+    ),
+    chart=EvidenceChart(
+        "How far does incremental decoding move the logits?",
+        "logit change",
+        bars=("max_change", "tolerance"),
+    ),
     trigger="logits from `kv_cache_fn` (incremental decoding) differ from the full forward's",
     hint="Check the cache position / offset passed at each decoding step, rotary offsets, and the mask with a cache.",
     reason="Measured: incremental decoding computes other logits than training, so the trained model generates wrongly",
@@ -104,6 +114,12 @@ TFD215 = Rule(
     "error",
     "MaskProbe",
     title="the model ignores token order: no position information reaches the attention",
+    headline="the model ignores token order (order change {order_change:.3g} <= {tolerance:.2g})",
+    chart=EvidenceChart(
+        "Do the logits change when the token order does?",
+        "logit change",
+        bars=("order_change", "content_change", "tolerance"),
+    ),
     trigger=(
         "from step 100, reversing the tokens before a position leaves that position's output unchanged while "
         "replacing them moves it by over 100x the tolerance"
@@ -161,6 +177,7 @@ TFD216 = Rule(
     "warning",
     "MaskProbe",
     title="a position table gets the same row at every position, or is never read",
+    headline="position table `{table}` gives the same row at every position",
     trigger=(
         "in one forward of the probe rows, a table of the token table's width with at least as many rows as the "
         "sequence (> 1) is looked up with indices constant along it, or is never read"
