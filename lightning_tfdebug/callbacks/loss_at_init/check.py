@@ -122,11 +122,20 @@ def comparison_aside(run: LossRun) -> bool:
     return True
 
 
+EARLY_MOVED = 0.01
+"""An early comparison decides only once the logits' own cross-entropy has moved by this share of ln V across the
+compared steps: on logits that barely train (a learning rate far too low, a warm-up longer than the run) a constant
+gap between the returned loss and the logits fits every transform alike."""
+
+
 def early_findings(run: LossRun, vocab: int, unigram_entropy: float | None) -> list[Verdict]:
     """The comparison's findings on a compared step before the check, from the :data:`EARLY_DECISION`-th on: those
     of :func:`comparison_verdicts` not said before (each code once per run; ``unigram_entropy`` None: not known)."""
     if len(run.readings) < EARLY_DECISION:
         return []
+    ces = [r.ce for r in run.readings if math.isfinite(r.ce)]
+    if not ces or max(ces) - min(ces) < EARLY_MOVED * math.log(max(vocab, 2)):
+        return []  # the logits have not moved yet: no transform or smoothing can be told apart (the check decides)
     unigram = unigram_entropy if unigram_entropy is not None else math.nan
     found = [v for v in comparison_verdicts(run, vocab, unigram) if v is not None]
     return [v for v in found if run.unsaid([v.code])]

@@ -219,3 +219,21 @@ def test_tfdebug_check_names_the_usual_label_smoothing_without_failing(tmp_path)
     done = _check(tmp_path, "smoothing_ok")
     assert "TFD236" not in done.stdout and "TFD237" in done.stdout, done.stdout[-3000:]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_an_early_comparison_waits_for_logits_that_move():
+    """Logits that barely train (LR far too low): a constant gap between the returned loss and their cross-entropy
+    fits label smoothing as well as anything, so the early steps decide nothing; logits that train decide."""
+    from lightning_tfdebug.callbacks.loss_at_init.check import early_findings
+    from lightning_tfdebug.callbacks.loss_at_init.phases import LossRun
+
+    labels = trained(0.0)[1]
+    smoothed = lambda x, y: ce(x, y, label_smoothing=0.9)  # noqa: E731
+    flat = LossRun(check_step=100, check_at=100)
+    for point in readings([trained(s)[0] for s in (0.30, 0.301, 0.302)], labels, smoothed, steps=(10, 20, 30)):
+        flat.add_reading(point)
+    assert early_findings(flat, V, None) == []
+    moving = LossRun(check_step=100, check_at=100)
+    for point in readings([trained(s)[0] for s in (0.3, 0.6, 0.9)], labels, smoothed, steps=(10, 20, 30)):
+        moving.add_reading(point)
+    assert {v.code for v in early_findings(moving, V, None)} == {"TFD236", "TFD237"}
