@@ -155,6 +155,17 @@ TFD124 = Rule(
         "over the first `special_token_batches` checked batches of a causal LM or a decoder's targets, "
         "`min_eos_expected` supervised EOS are expected from the inputs and none is"
     ),
+    details=(
+        "Over the first `special_token_batches` (default 8; 0 turns it off) value-checked batches: the EOS ids (from "
+        "`eos_id`, `tokenizer`, a `tokenizer` attribute of the DataModule or LightningModule, or the model's Hugging "
+        "Face config) are counted among the real input tokens (mask 1, each row's first real token left out) and the "
+        "supervised labels. Fires when no supervised label is EOS while the EOS count in the inputs times the "
+        "supervised share of the tokens (at most 1) reaches `min_eos_expected` (default 8), and the labels are a "
+        "causal LM's (aligned with the ids, equal to the id at the same or next position for at least 80% of the "
+        "supervised ones) or a decoder's targets (not aligned with the ids). Masked-LM labels (about 10% match) are "
+        "left alone. The message names the collator pattern when the pad id is the EOS id. Stands aside once (info) "
+        "without an EOS id, token labels, label sequences, or, with pad id = EOS id, an attention mask."
+    ),
     hint=(
         "Find where the labels lose the EOS: a collator that masks by id (labels == pad_id while pad id == EOS id, as "
         "DataCollatorForLanguageModeling with tokenizer.pad_token = tokenizer.eos_token does), a completion-only mask "

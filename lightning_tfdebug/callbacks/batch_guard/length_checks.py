@@ -22,6 +22,12 @@ TFD120 = Rule(
         logged=("batch_guard/length_mean",),
     ),
     trigger="a window's mean real length moved from the first window's by over `length_shift_tolerance` and one std",
+    details=(
+        "Every `length_window` (default 50) value-checked batches close a window of real lengths (attention mask "
+        "sums); the first window is the reference. Fires when a later window's mean real length differs from the "
+        "reference mean by more than `length_shift_tolerance` (default 0.5) of it and by more than the reference's "
+        "standard deviation."
+    ),
     hint=(
         "The data changed under the run: a new shard or source, a tokenizer swap, sorted or curriculum data, or a "
         "truncation setting that differs between files."

@@ -88,6 +88,16 @@ TFD122 = Rule(
         "it), at most half of those rows' text; not for packed batches (position ids restarting in a row, "
         "`cu_seqlens` / `document_ids`-like keys) or 3-D/4-D masks"
     ),
+    details=(
+        "On value-checked batches (see `TFD110`), with a binary attention mask of the ids' shape: positions with mask"
+        " 0 between real tokens of a row (or, for a row masked at both ends, the shorter end), as long as those holes"
+        " are at most 50% of the holed rows' text (a masked-LM or loss mask read as an attention mask hides more). "
+        "Silent for a non-binary mask (`TFD112`'s), 3-D/4-D masks and packed batches: position ids that restart "
+        "inside a row, or a key named `cu_seqlens`, `seq_lens`, `seqlens`, `packed_seq_lens`, `seq_idx`, "
+        "`document_ids`, `doc_ids`, `segment_ids`, `sequence_ids` (or a `cu_seq_lens_q/k` variant). The message says "
+        "whether the holes' id is attended nowhere in the batch (the mask was built from token identity) or elsewhere"
+        " in the same row."
+    ),
     hint=(
         "A mask built as input_ids != pad_id where the pad id is also a real token (GPT-2 / Llama reuse EOS as "
         "padding): take the mask from the tokenizer, or pad with an id that never occurs in text."

@@ -40,6 +40,14 @@ TFD121 = Rule(
     trigger=(
         "over `max_repeated_fraction` of an epoch's batches (and 3) equal an earlier one of it (a stream: within 16)"
     ),
+    details=(
+        "Every batch gets a fingerprint (a hash of its token ids, on the device, read with the next value-checked "
+        "batch's transfer, so the finding may come a few steps after the repeat). Within one epoch, more than "
+        "`max_repeated_fraction` (default 0.1) of the batches read so far, and at least 3, are identical to an "
+        "earlier batch of the same epoch; for a stream (an IterableDataset or any iterable that is not a DataLoader "
+        "over a map-style dataset) only a repeat within 16 batches counts. Up to 100,000 fingerprints per epoch are "
+        "kept."
+    ),
     hint=(
         "Within one epoch a sampler draws every sample once, so identical batches mean the data is read more than "
         "once: an IterableDataset read by several DataLoader workers that do not split the stream (shard it with "
@@ -140,6 +148,15 @@ TFD123 = Rule(
     trigger=(
         "fewer different batches than min(read, the DataLoader's length) by 3 and `max_repeated_fraction` of it, or "
         "repeats inside epochs summed to as many; silent once TFD121 has spoken"
+    ),
+    details=(
+        "From the same fingerprints as `TFD121`, across the fit: with a map-style DataLoader of `N` batches per epoch"
+        " (its length, before any Trainer limit), after `read` batches the number of different ones falls short of "
+        "`min(read, N)` by at least 3 and by more than `max_repeated_fraction` (default 0.1) of `min(read, N)`; or "
+        "the repeats inside epochs summed over the run reach 3 and more than `max_repeated_fraction` of the batches "
+        "read. Silent once `TFD121` has fired; the epoch restarted by a mid-epoch resume (`TFD125`) is not counted; "
+        "streams are left to `TFD121`. The message names `overfit_batches` / `limit_train_batches` when the Trainer "
+        "sets either."
     ),
     hint=(
         "Remove Trainer(overfit_batches=...) or a limit_train_batches on an unshuffled DataLoader left on from "
@@ -327,6 +344,13 @@ TFD125 = Rule(
     trigger=(
         "a fit resumes at batch S > 0 of an epoch and a training DataLoader has no `state_dict`/`load_state_dict`; "
         "info when it shuffles"
+    ),
+    details=(
+        "At the fit's first batch, read from the Trainer: the loop resumes at batch `S` of an `N`-batch epoch with `0"
+        " < S < N`, and a training DataLoader has no `state_dict` / `load_state_dict` (not a stream, `N` known). A "
+        "warning when the loader keeps a fixed order (batches `0..min(S, N-S)-1` train twice and as many at the end "
+        "are never read); info when it shuffles (about `(N-S)·S/N` batches' worth of samples repeat). Silent for a "
+        "checkpoint at an epoch's end."
     ),
     hint=(
         "Use a DataLoader that Lightning restores (torchdata's StatefulDataLoader, or any loader with state_dict / "

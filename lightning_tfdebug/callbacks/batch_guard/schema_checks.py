@@ -30,6 +30,12 @@ TFD101 = Rule(
     title="a key of the schema is missing",
     headline="key `{key}` of the batch schema is missing",
     trigger="a key of the schema (declared, or learned from the first batches) is missing from a batch",
+    details=(
+        "On every batch, from host metadata (keys of the flattened batch: `input_ids`, `inputs.pixel_values`, `0` for"
+        " a tuple's first item), no sync: a key of the schema is absent. The schema is `schema` when declared, else "
+        "learned: keys, dtypes and number of dimensions from the first batch, shared dimensions from the first "
+        "`learn_batches` (default 4) batches that do not drift. Recorded once per key."
+    ),
     hint="build every batch through the same collate path; a key that only some samples carry needs a default",
     reason="A batch without a field the step reads fails that step or feeds the model something else",
     message="{where}: key '{key}' is missing (expected {expected}) ({schema}).",
@@ -43,6 +49,10 @@ TFD102 = Rule(
     title="a key the learned schema does not have",
     headline="key `{key}` is not in the learned batch schema",
     trigger="a batch carries a key the learned schema does not have",
+    details=(
+        "On every batch, from host metadata: the batch carries a key the schema (declared `schema`, or learned from "
+        "the first batch) does not have. Recorded once per key."
+    ),
     hint="as TFD101; if the key is legitimate and optional, declare the `schema`",
     reason="Measured in this run's batches: two collate paths build them, so some batches are not what the rest are",
     message="{where}: key '{key}' is new: {found}, absent from the earlier batches ({schema}).",
@@ -56,6 +66,10 @@ TFD103 = Rule(
     title="dtype changed (int32 labels, float mask)",
     headline="dtype of `{key}` changed: {found}, was {expected}",
     trigger="a key's dtype differs from the schema (int32 labels where int64 were, a float attention mask)",
+    details=(
+        "On every batch, from host metadata: a key's dtype differs from the schema's (declared in `schema` as "
+        '`"int64[B, T]"`, or the first batch\'s). Recorded once per key.'
+    ),
     hint="build every field with an explicit dtype (`torch.tensor(x, dtype=torch.long)`); no cast in one branch only",
     reason="The ops that take the field fail or change meaning (cross_entropy takes int64; a float mask is added)",
     message="{where}: '{key}' has dtype {found}; expected {expected} ({schema}).",
@@ -69,6 +83,10 @@ TFD104 = Rule(
     title="number of dimensions changed (a squeezed batch of one)",
     headline="number of dimensions of `{key}` changed: {found}, was {expected}",
     trigger="a key's number of dimensions differs (a batch of one squeezed to 1-D)",
+    details=(
+        "On every batch, from host metadata: a key's number of dimensions differs from the schema's (declared, or the"
+        " first batch's). Recorded once per key."
+    ),
     hint="never `squeeze()` a batch; keep the batch dimension (`x[None]`, `unsqueeze(0)`)",
     reason="A squeezed batch breaks the shapes the model and the loss rely on: the step fails or broadcasts wrongly",
     message="{where}: '{key}' has {found}; expected {expected} ({schema}).",
@@ -82,6 +100,12 @@ TFD105 = Rule(
     title="a size differs from the declared size or from the key it always matched",
     headline="size of `{key}` changed: {found}, expected {expected}",
     trigger="a dimension differs from the declared size, or from the key it matched in every early batch",
+    details=(
+        "On every batch after learning, from host metadata: a dimension differs from its declared size (an integer in"
+        " `schema`; `*` is free, a name is shared between keys), or, for a learned schema, from the dimension of "
+        "another key it equalled in every one of the first `learn_batches` (default 4) batches. Sizes themselves are "
+        "never learned: dynamic padding and a smaller last batch are not drift. Recorded once per key."
+    ),
     hint="pad / truncate every key of a batch together; check the declared sizes",
     reason="Fields that no longer line up fail the step or score positions against the wrong labels",
     message="{where}: '{key}' has {found}; expected {expected} ({schema}).",
@@ -122,6 +146,12 @@ TFD111 = Rule(
         lines=("max_length",),
     ),
     trigger="the sequence length exceeds the model's context (position table, config, `max_length`)",
+    details=(
+        "On every batch, from the ids' shape alone: the last dimension is longer than the model's context, "
+        "`max_length` when given, else read from a Hugging Face config (`max_position_embeddings`, `n_positions`, "
+        "...), a position embedding or parameter, or the module's hyper-parameters (`block_size`, `context_length`, "
+        "`max_seq_len`, ...). Off when no context is found."
+    ),
     hint=(
         "Truncate in the collate function (tokenizer(..., truncation=True, max_length=...)) or pack to the context "
         "length; check sequence packing and concatenation code."

@@ -23,6 +23,12 @@ TFD110 = Rule(
     title="token id outside `[0, vocab)`",
     headline="token id {value} outside [0, vocab {vocab_size}) in `{ids_key}`",
     trigger="an input id is outside `[0, vocab)` (checked steps, or the batch whose step raised)",
+    details=(
+        "On value-checked batches (`global_step % every_n_steps == 0`, default the Trainer's `log_every_n_steps`, or "
+        "every `check_values_every_n_steps` when set), and in `on_exception` on the batch of the step that raised: at"
+        " least one input id is below 0 or at or above `vocab_size` (default: the model's input embedding's rows). "
+        "The message names the first (row, position, value)."
+    ),
     hint=(
         "The tokenizer and the model disagree on the vocabulary (added special tokens without "
         "resize_token_embeddings, a different tokenizer revision), or a pad id of -1. On CUDA this is a device-side "
@@ -57,6 +63,10 @@ TFD112 = Rule(
     title="attention mask not binary",
     headline="attention mask `{key}` not binary ({count:.0f} values, e.g. {example:g})",
     trigger="the attention mask holds values other than 0 and 1 (checked steps, or the batch whose step raised)",
+    details=(
+        "On value-checked batches (see `TFD110`) and the batch whose step raised: at least one entry of the attention"
+        " mask (`mask_key`, or found) is neither 0 nor 1."
+    ),
     hint=(
         "An attention mask marks real tokens with 1 and padding with 0. Additive masks (0 / -inf) belong inside the "
         "model, not in the batch."
@@ -84,6 +94,10 @@ TFD113 = Rule(
     title="label outside `[0, vocab)` and not `ignore_index`",
     headline="{count:.0f} labels outside [0, vocab {vocab_size}) and not ignore_index",
     trigger="a label is outside `[0, vocab)` and not `ignore_index` (checked steps, or the batch whose step raised)",
+    details=(
+        "On value-checked batches (see `TFD110`) and the batch whose step raised: at least one label is below 0 or at"
+        " or above `vocab_size` and is not `ignore_index` (default -100)."
+    ),
     hint="Mask with the loss's ignore_index (-100 for cross_entropy), not with the pad id or -1.",
     reason="Cross_entropy rejects a class index outside the vocabulary (a device-side assert on CUDA): the step fails",
     message=(
@@ -113,6 +127,10 @@ TFD114 = Rule(
         logged=("batch_guard/ignored_frac",),
     ),
     trigger="every label of a batch is `ignore_index`: nothing is learned, the loss is 0 or NaN",
+    details=(
+        "On value-checked batches (see `TFD110`): the batch has labels and every one of them equals `ignore_index` "
+        "(default -100)."
+    ),
     hint=(
         "Check the label mask: prompt masking that also masks the completion, truncation that cut every answer away, "
         "or labels built from the wrong field."
@@ -145,6 +163,11 @@ TFD115 = Rule(
         logged=("batch_guard/pad_frac",),
     ),
     trigger="padding positions (mask 0) carry a label that is not `ignore_index`",
+    details=(
+        "On value-checked batches (see `TFD110`), with an attention mask and labels of the ids' shape (not an "
+        "encoder-decoder's targets): at least one position with mask 0 has a label other than `ignore_index` (default"
+        " -100)."
+    ),
     hint="`labels[attention_mask == 0] = -100` in the collate function",
     reason="Measured in the batches: the loss spends its weight on predicting padding, which the model then learns",
     message=(
@@ -179,6 +202,10 @@ TFD116 = Rule(
     title="sequences without BOS",
     headline="{without_bos:.0f} of {sequences} sequences start without BOS ({bos_id})",
     trigger="sequences whose first real token is not `bos_id`",
+    details=(
+        "Only with `bos_id` set, on value-checked batches (see `TFD110`): at least one sequence with a real token "
+        "(mask 1) starts with a first real token other than `bos_id`."
+    ),
     hint="The tokenizer's add_special_tokens / chat template differs between data paths, or packing dropped it.",
     reason="Measured against the `bos_id` you declared: the model trains on a format it will not see at inference",
     message="{where}: {without_bos:.0f} of {sequences} sequences do not start with BOS ({bos_id}).",
@@ -200,6 +227,10 @@ TFD117 = Rule(
     title="several EOS in a sequence",
     headline="{several_eos:.0f} of {sequences} sequences hold several EOS ({eos_id})",
     trigger="sequences with more than one `eos_id`",
+    details=(
+        "Only with `eos_id` set, on value-checked batches (see `TFD110`): at least one sequence holds `eos_id` more "
+        "than once."
+    ),
     hint=(
         "EOS added twice (by the template and the tokenizer), or documents packed without an attention boundary. If "
         "you pack on purpose, leave eos_id unset."
@@ -224,6 +255,10 @@ TFD118 = Rule(
     title="real tokens after EOS",
     headline="real tokens after EOS in {tokens_after_eos:.0f} of {sequences} sequences",
     trigger="real (mask 1) tokens after the first EOS",
+    details=(
+        "Only with `eos_id` set, on value-checked batches (see `TFD110`): at least one sequence has a real token "
+        "(mask 1) after its first EOS."
+    ),
     hint="The pad token equals EOS but the mask is 1 on padding, or sequences were packed.",
     reason="Measured in the batches: text after the end token is trained as a continuation of the document",
     message="{where}: {tokens_after_eos:.0f} of {sequences} sequences have real tokens after their EOS.",
@@ -249,6 +284,11 @@ TFD119 = Rule(
         logged=("batch_guard/truncated_frac",),
     ),
     trigger="more than `max_truncated_fraction` of a batch's sequences fill the maximum length with no EOS",
+    details=(
+        "Only with `eos_id` set and the context known (see `TFD111`), on value-checked batches (see `TFD110`): more "
+        "than `max_truncated_fraction` (default 0.5) of the batch's sequences have a real length at or above the "
+        "context and no EOS."
+    ),
     hint="Raise the context length, split long documents, or check that truncation keeps the answer.",
     reason="Measured in the batches: most sequences are cut before their end, so the model rarely sees endings",
     message=(

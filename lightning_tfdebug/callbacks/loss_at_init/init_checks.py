@@ -20,6 +20,15 @@ TFD228 = Rule(
     "LossAtInit",
     title="logits or labels cannot be found; names the argument to set, then stands aside",
     trigger="the logits or labels cannot be found; LossAtInit names the argument to set and stands aside",
+    details=(
+        "Emitted once, then LossAtInit stands aside for the run: no labels found in the batch (`labels_key` unset and"
+        " none of `labels`, `label_ids`, `targets`, `target`, `tgt`, `y`, `label` or a tuple's last item, or a guess "
+        "whose shape does not fit the logits), no logits found (`logits_module` unset and neither the "
+        'LightningModule\'s `forward`, a direct child returning `.logits`/`"logits"`, nor a child returning a tensor '
+        "shaped like the labels plus a class dimension wider than every label id), or floating-point labels (soft, "
+        "multi-label or regression targets: ln(V) is the yardstick of a V-way cross-entropy over class indices only)."
+        " The message lists the batch's keys and the model's direct children and names the argument to set."
+    ),
     hint="Set the named argument; LossAtInit does nothing else in this run.",
     reason="The check stands aside and names the argument that would let it run; nothing was measured",
     message="LossAtInit cannot read the model's outputs or labels: {reason}.",
@@ -38,6 +47,11 @@ TFD224 = Rule(
     title="no supervised tokens: every label is `ignore_index`",
     headline="no supervised tokens: every label is ignore_index ({ignore_index})",
     trigger=("no label of the first batch is supervised (all `ignore_index` after alignment): the loss is NaN or 0"),
+    details=(
+        "At step 0 (the first micro-batch, before any update): no label position is supervised after alignment, every"
+        " label is `ignore_index` (default -100) or, with `shift_labels` (default true), only the first position is "
+        "not. Decided before every other step-0 loss finding."
+    ),
     hint=(
         "Check the collator/labels: labels set to ignore_index everywhere (a mask inverted, the prompt mask "
         "covering the whole sequence, truncation cutting every answer). With shift_labels=True only labels after "
@@ -58,6 +72,10 @@ TFD227 = Rule(
     title="the step-0 loss is not finite although labels are supervised",
     headline="the step-0 loss is not finite ({observed_loss}) although labels are supervised",
     trigger="the step-0 loss is NaN/inf although labels are supervised",
+    details=(
+        "At step 0, with at least one supervised label: the loss `training_step` returned (mean over ranks) is NaN or"
+        " infinite. Decided before the loss is compared with ln(V)."
+    ),
     hint=(
         "Look for log(0), division by zero or an overflow in the forward or the loss; NaNFirstFrame names the "
         "first module that produced a non-finite value."
@@ -122,6 +140,12 @@ TFD220 = Rule(
         "at step 0, >= 99% of the sampled output rows are non-negative and sum to 1: `forward` returns "
         "probabilities (a cross-entropy then applies softmax again and the loss sits at ln(V))"
     ),
+    details=(
+        "At step 0, on at most `max_rows` (default 2048) sampled rows of the logits (cast to float32): at least 99% "
+        "of the rows are non-negative and sum to 1 within 1e-2. V is the logits' last dimension unless `vocab_size` "
+        "is given. When it fires, the step-0 loss is not judged further (TFD222, TFD223, TFD229) and the floor check "
+        "TFD236 does not read the model's forward."
+    ),
     hint=(
         "Return raw logits from forward (remove the softmax) and apply softmax only at inference. If the loss is "
         "NLLLoss, feed it log_softmax(logits) instead of probabilities."
@@ -141,6 +165,11 @@ TFD221 = Rule(
     "LossAtInit",
     title="the outputs are log-probabilities (fine for NLLLoss and cross_entropy)",
     trigger="at step 0, >= 99% of the sampled output rows are log-probabilities (all <= 0, logsumexp 0)",
+    details=(
+        "At step 0, when the rows are not probabilities (`TFD220`): at least 99% of the sampled rows (at most "
+        "`max_rows`, default 2048) are log-probabilities, every value <= 0 and logsumexp 0 within 1e-2. Info: right "
+        "for NLLLoss, harmless for cross_entropy."
+    ),
     hint=(
         "Nothing to fix if the loss is NLLLoss or cross_entropy. Make sure nothing applies softmax to them as if "
         "they were probabilities."
@@ -176,6 +205,13 @@ TFD222 = Rule(
         lines=("expected_loss", "observed_loss"),
     ),
     trigger="the step-0 loss is above `(1 + init_tolerance) ln(V)`",
+    details=(
+        "At step 0, with supervised labels, a finite loss and outputs that are not probabilities: the returned loss "
+        "(undivided by gradient accumulation, mean over ranks) is above `(1 + init_tolerance) ln(V)` "
+        "(`init_tolerance` default 0.25, so +25%), and `TFD229` does not explain it (the logits' own cross-entropy is"
+        " not within `init_tolerance` of ln(V)). Skipped under manual optimization when the loss is the logits' "
+        "cross-entropy divided by a whole number 2 to 1024 (within 3%)."
+    ),
     hint=(
         "The logits are too large at init: initialise the output layer with a small std (e.g. 0.02 or "
         "1/sqrt(d_model)), keep the 1/sqrt(d) attention/residual scaling, check a tied embedding's scale. Or the "
@@ -232,6 +268,16 @@ TFD223 = Rule(
         "the step-0 loss is below `(1 - init_tolerance) ln(V)` and the logits' own cross-entropy is not, or the "
         "logits reach it by predicting the current input token; info when the logits give that loss themselves "
         "without copying (weights trained before: fine-tuning)"
+    ),
+    details=(
+        "At step 0, as `TFD222` but the returned loss is below `(1 - init_tolerance) ln(V)` (default 0.75 ln(V)) and "
+        "`TFD229` does not explain it. Info (weights trained before, a fine-tune) when the logits' own cross-entropy "
+        "is also below that band, agrees with the returned loss within `init_tolerance` of itself, and has made the "
+        "shared 'trained before' progress from ln(V), unless the logits reach it by copying: the argmax equals the "
+        "current input token (read via `input_key`) at 50% of positions or more (any rate for an encoder-decoder's "
+        "decoder input) and 0.25 above the data's own repeat rate `inputs[t] == inputs[t+1]` (not for masked-LM "
+        "labels). A warning otherwise: the loss is not the logits' V-way cross-entropy (NLLLoss on raw logits, a "
+        "wrong `vocab_size`, padding averaged in), or the answer is in the input."
     ),
     hint=(
         "Usual causes: the target leaks into the input (labels not shifted and the model copies its input, no "
@@ -318,6 +364,14 @@ TFD229 = Rule(
         "the step-0 logits give a cross-entropy within `init_tolerance` of ln(V) but the returned loss is outside"
         " that band: above by any factor, below by one over a count of the batch (rows, tokens, accumulation, "
         "ranks)"
+    ),
+    details=(
+        "At step 0: the cross-entropy recomputed from the captured logits is within `init_tolerance` (default 0.25) "
+        "of ln(V) while the returned loss is outside `(1 ± init_tolerance) ln(V)`. Above: any factor fires. Below: "
+        "only a factor within 15% of one over a count of the batch (per rank: supervised tokens, sequences, label "
+        "positions per sequence, `accumulate_grad_batches`, the number of ranks; counts of at least 2); a factor "
+        "below one that matches none stays `TFD223`. The message names the count within 15% of the factor, if any. "
+        "Decided before `TFD222`/`TFD223`, which it replaces."
     ),
     hint=(
         "Average the loss over supervised tokens (cross_entropy's default reduction='mean', or divide a sum by "

@@ -108,6 +108,20 @@ TFD233 = Rule(
         "compared step (within 3%, closer than any temperature) and that cap keeps every token below probability 1/2 "
         "or the loss above what the logits reach"
     ),
+    details=(
+        "On the compared steps (10, 20, 30, 40, the first measuring steps at or after half and three quarters of "
+        "`check_step`, and the check; decided once from step 30, then on the check's own window), `L` the returned "
+        "loss, `C` the recorded logits' cross-entropy (at most `max_rows` rows, under the alignment the logits "
+        "predict best), at least two steps, `L` differing from `C` at every one by more than 3% (and three standard "
+        "errors of `C`). Fires, first match wins after label smoothing above 0.3 (`TFD237`): a soft-cap `c "
+        "tanh(logits / c)` (grid of 13 `c` from 1/4 to 16) or `sigmoid(logits)` gives `L` within 3% at every step, "
+        "closer than any temperature, and its floor `ln(1 + (V-1) e^-2c)` (width 1 for a sigmoid) is above ln 2 or "
+        "above what the logits reach at their best temperature; or the loss is pinned: above `C` at every step, fell "
+        "by at most 4% of itself or by less than half of `C`'s fall, at least 10% of ln(V) above the logits' "
+        "best-temperature loss and 5% of ln(V) above the unigram entropy, below ln(V), while the logits' range grew "
+        "by 10% (the message names the width `w`); or, when no temperature fits, `L` is above `C` at every step by "
+        "more than 20% of `C` and 10% of ln(V) and fell by less than 0.9x what `C` fell (when `C` fell by 3%)."
+    ),
     hint=(
         "Give the loss the raw logits: remove the sigmoid, soft-cap c * tanh(logits / c) with c too small, clamp or "
         "normalisation in training_step or the loss module, or apply it only where probabilities are needed."
@@ -130,6 +144,11 @@ TFD234 = Rule(
     trigger=(
         "on every compared step the returned loss differs from the recorded logits' cross-entropy by more than 3% "
         "and equals the cross-entropy of logits / T for one T (within 3%) at all of them, T outside [0.8, 1.25]"
+    ),
+    details=(
+        "On the compared steps (see `TFD233`; at least two, `L` differing from `C` by more than 3% at every one, or "
+        "crossing it), no label smoothing or bound fits and the loss is not pinned: one multiplier `b = 1/T` (grid of"
+        " 33 from 1/16 to 16) gives `L` within 3% at every step, and `T` is outside [0.8, 1.25]."
     ),
     hint=(
         "If the temperature is deliberate, use the same T wherever the logits are read (evaluation, sampling, a "
@@ -155,6 +174,14 @@ TFD235 = Rule(
         "on every compared step the returned loss differs from the recorded logits' cross-entropy by more than "
         "3%, and neither a bound or a loss far above them (TFD233), label smoothing, a temperature (TFD234), a "
         "constant factor nor an added term of at most 20% explains it; the message gives both numbers"
+    ),
+    details=(
+        "On the compared steps (see `TFD233`; at least two), `L` differs from `C` at every one by more than 3% (and "
+        "three standard errors), and nothing explains it: not label smoothing (`TFD237`), a bound or a loss far above"
+        " (`TFD233`), a temperature (`TFD234`), a constant factor (`L / C` the same within 10%, or equal to the "
+        "batch's supervised share of label positions within 10%) nor an added term (`L` above `C` by at most 20% of "
+        "`C`). A returned loss below `C` by 3% at every step that no temperature, factor or supervised share explains"
+        " is no cross-entropy of the logits: the comparison then stands aside once instead."
     ),
     hint=(
         "Check what training_step does to the logits before the loss, or point `logits_module` at the module "

@@ -42,6 +42,15 @@ TFD205 = Rule(
         "the loss `training_step` returned equals the cross-entropy of position t against token t (labels equal "
         "to the inputs, no shift)"
     ),
+    details=(
+        "On a probing step with `check_targets` (default true, automatic optimization), for a decoder: the loss "
+        "`training_step` returned (undone of gradient accumulation and an fp16 loss scale) is compared with the "
+        "cross-entropy of the same logits against the labels at t+1, t and t+2. Fires when the labels equal the "
+        "inputs and the returned loss matches the t-alignment only, within `rtol * max(1, |loss|)` (`rtol` 2e-5 for "
+        "fp32 logits, 1e-3 for half precision, at least 4 eps of the loss's dtype), while every other alignment is "
+        "more than 4x that away. When the alignments are closer than that the check retries at steps 1, 5, 20, 50, "
+        "100, 200 and 500."
+    ),
     hint="Shift in the loss (`logits[:, :-1]` against `labels[:, 1:]`) or in the data, exactly once.",
     reason="Position t scored against token t teaches the model to copy its input: the run cannot learn the task",
     message=(
@@ -69,6 +78,12 @@ TFD206 = Rule(
         "position t trained on token t+2: labels shifted in the data and again by the loss, or equal to the inputs "
         "and shifted twice by `training_step` (by hand, then inside a Hugging Face model)"
     ),
+    details=(
+        "As `TFD205` (same losses, tolerance and retry steps), when the loss matches position t against token t+2: "
+        "labels equal to the inputs and the returned loss matching the t+2 alignment, or labels already shifted in "
+        "the data (`labels[t] == input_ids[t+1]` at every supervised position) and the returned loss matching the t+1"
+        " alignment against them."
+    ),
     hint=(
         "Shift exactly once: in the data collator or in the loss, not both. Hugging Face causal LMs shift "
         "`labels` inside the model: pass labels equal to input_ids (padding as -100)."
@@ -92,6 +107,12 @@ TFD210 = Rule(
     trigger=(
         "the returned loss matches neither alignment (label smoothing, auxiliary losses), or `training_step` "
         "could not be replayed"
+    ),
+    details=(
+        "Info, as `TFD205`: the t and t+1 alignments' losses differ by more than 4 `rtol * max(1, |loss|)` (or the "
+        "last retry step, 500, is reached) and the returned loss matches no alignment, or matches one that cannot be "
+        "told from another; or the alignment cannot be checked on this run (the step's loss or logits could not be "
+        "read)."
     ),
     hint="nothing if expected; otherwise check `labels_key` / `ignore_index`",
     reason="An observation: the alignment could not be decided from the loss, so nothing was claimed about it",
@@ -169,6 +190,13 @@ TFD211 = Rule(
     "MaskProbe",
     title="MaskProbe cannot call the model or read the batch; names the argument to set; stands aside",
     trigger="MaskProbe cannot call the model or read the batch; it says which argument to set and stands aside",
+    details=(
+        "Info, then MaskProbe stands aside: no recorded call of `training_step` took the batch's token ids and "
+        "returned logits wider than every token id, `forward` cannot be called by its signature (`input_key` / "
+        "`mask_key` keywords or positionally), and no `forward_fn` is given or it fails; or the batch holds no "
+        "integer tensor. Also said when `kv_cache_fn` cannot be imported or returns no logits of the full forward's "
+        "shape (that check alone is skipped)."
+    ),
     hint="set `forward_fn` / `input_key` / `mask_key` / `labels_key`",
     reason="The probe stands aside and names the argument that would let it run; nothing was measured",
     message=("MaskProbe cannot call the model: {reason}"),
@@ -203,6 +231,11 @@ TFD212 = Rule(
     trigger=(
         "`causal=None` and the labels are neither the inputs nor the next inputs at most supervised positions "
         "(masked-LM / denoising): causality and target alignment are not checked"
+    ),
+    details=(
+        "Info, at the first probe with `causal=None` and no model kind that decides it: the labels equal the inputs "
+        "at less than half of the supervised positions and the next inputs at less than half of those that have a "
+        "next input (a masked-LM or denoising objective). Causality and target alignment are then not checked."
     ),
     hint="If this model is a decoder, set `causal=True` to check its causal mask; `causal=False` silences this.",
     reason="An observation of the objective (a masked-LM or denoising task), which makes the causal probes not apply",

@@ -29,6 +29,13 @@ TFD213 = Rule(
         bars=("max_change", "tolerance"),
     ),
     trigger="two eval-mode forwards of the same inputs differ beyond the tolerance (the other checks are skipped)",
+    details=(
+        "On a probing step (the first training batch of each fit, and every `every_n_steps` when set), in eval mode "
+        "under `no_grad` on the first `probe_rows` (default 2) rows cut to `probe_length` (default 64) tokens: two "
+        "forwards of the same tokens differ by more than the tolerance, the relative tolerance of the compute dtype "
+        "(1e-4 fp32, 5e-3 fp16, 2e-2 bf16 and other dtypes, 1e-7 fp64) times the largest |logit| of the reference "
+        "pass; a NaN difference counts. The other probes of that step are skipped."
+    ),
     hint=(
         "Something random runs regardless of `.eval()`: usually `F.dropout(x, p)` (its `training` argument "
         "defaults to True; pass `training=self.training` or use `nn.Dropout`), `dropout_p` given to "
@@ -85,6 +92,14 @@ TFD201 = Rule(
     trigger=(
         "replacing the tokens after position t changed the logits at a position <= t beyond the dtype-aware tolerance"
     ),
+    details=(
+        'On a probing step (see `TFD213`), for a decoder (`causal=True`, `model_kind="decoder"`, or read from the '
+        "labels and the model's kind): the tokens after the middle position of the probe rows are replaced with "
+        "ordinary ids from the batch (never a known special id or the batch's padding value), and a logit at or "
+        "before that position moves by more than the dtype-aware tolerance (see `TFD213`). Also raised by the leak "
+        "probe when the token ids themselves carry the labels (label offset plus the model's shift at least 1) and an"
+        " output up to the middle moves when they are replaced from the first position it must not see."
+    ),
     hint=(
         "The decoder's attention does not apply a causal mask (or applies it wrongly): check the mask "
         "construction, `is_causal`, and any custom attention kernel. For an encoder, set `causal=False`."
@@ -136,6 +151,15 @@ TFD214 = Rule(
     trigger=(
         "in the call `training_step` makes, replacing the tokens of an argument that carries the labels (a "
         "decoder input, a second sequence) from the position of an output's own label on changed that output"
+    ),
+    details=(
+        "On a probing step (see `TFD213`), for every argument of the recorded model call that carries the labels "
+        "(equal to them at one offset at 95% or more of the supervised positions: a decoder input, a second sequence,"
+        " the labels inside the call): its tokens are replaced with ordinary ids from the first position an output "
+        "must not see (output `p` is trained on label `p`, or `p + 1` when the model shifts), and an output up to the"
+        " middle position moves by more than the dtype-aware tolerance. When the argument is the token ids of a "
+        "decoder-only call the finding is `TFD201` instead. The encoder input of an encoder-decoder is never "
+        "perturbed."
     ),
     hint=(
         "The loss falls fast and the model learns to copy. A decoder input must be the labels shifted right "
@@ -240,6 +264,12 @@ TFD217 = Rule(
         bars=("max_change", "tolerance"),
     ),
     trigger="in eval mode, replacing the tokens of one probe row moved another row's logits beyond the tolerance",
+    details=(
+        "Once per fit, at the first probe, with at least 2 probe rows (`probe_rows`, default 2; else stands aside, "
+        "recorded): the tokens of the first probe row are replaced with ordinary ids, and another row's logits move "
+        "by more than the dtype-aware tolerance (see `TFD213`), in eval mode (a BatchNorm with running statistics is "
+        "not seen)."
+    ),
     hint=(
         "A layer computes across the batch: a normalisation over it (BatchNorm over the tokens), a view or permute "
         "mixing the batch and sequence dimensions (`x.view(t, b, d)` of a `(b, t, d)` tensor), or attention over the "

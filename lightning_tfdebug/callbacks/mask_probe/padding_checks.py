@@ -29,6 +29,13 @@ TFD202 = Rule(
         bars=("max_change", "tolerance"),
     ),
     trigger=("changing the token ids at positions whose attention mask is 0 changed the logits of unmasked positions"),
+    details=(
+        "On a probing step with `check_padding` (default true) and a binary attention mask in the recorded call: a "
+        "block of positions after the first is marked as padding and two different sets of ordinary ids are written "
+        "under it; the logits of unmasked positions (every position when the outputs follow another sequence of the "
+        "call) move by more than the dtype-aware tolerance (see `TFD213`). Info when the run's batches do not pad, or"
+        " pad on the right of a model whose causality probe held: no real token reads the padding."
+    ),
     hint=(
         "The attention mask does not reach the attention (or is inverted): check that the mask is passed through "
         "every layer and combined with the causal mask."
@@ -97,6 +104,13 @@ TFD203 = Rule(
         bars=("max_change", "tolerance"),
     ),
     trigger="adding padding on the batch's padding side changed the logits of real tokens",
+    details=(
+        "On a probing step with `check_padding` (default true), when the outputs follow the ids' positions and no "
+        "other sequence of that length is in the call: `t/4` padding tokens (the batch's own padding value, ordinary "
+        "ids when it does not pad) are added on the side the batch pads (`padding_side`, default read from the mask, "
+        "right when there is none), and a real token's logits move by more than the dtype-aware tolerance (see "
+        "`TFD213`)."
+    ),
     hint=(
         "Mask padding in attention; with left padding, derive position ids from the attention mask; avoid "
         "normalisations or poolings that run over padded positions."
@@ -142,6 +156,11 @@ TFD204 = Rule(
     trigger=(
         "the batch pads (mask has zeros) but the model is called without an attention mask; info where the batches "
         "pad on the right of a causal model"
+    ),
+    details=(
+        "On a probing step: the batch's attention mask has zeros but the recorded model call carries no mask. Info "
+        "when the batch pads on the right of a decoder (by `causal`, `model_kind`, the model's kind or its labels): "
+        "no real token reads the padding."
     ),
     hint="Pass the attention mask to the model's forward (or give MaskProbe a `forward_fn` that does).",
     reason=(

@@ -32,6 +32,12 @@ TFD207 = Rule(
     title="the model fails on a sequence exactly at its context limit",
     headline="the model fails on a sequence at its context limit of {context_limit} tokens",
     trigger="a sequence exactly at the context limit fails",
+    details=(
+        "Once per fit, with `check_positions` (default true): a probe row of exactly the context limit "
+        "(`context_limit`, else `context_length` / `max_position_embeddings` / `n_positions` / `block_size` from "
+        "`hparams` or a Hugging Face config, else a position embedding's size) raises in the forward. Nothing longer "
+        "is sent (past-the-limit sequences only on CPU)."
+    ),
     hint=(
         "Check the position table / rotary cache size against the configured context length, or pass the real "
         "limit as `context_limit`."
@@ -54,6 +60,10 @@ TFD208 = Rule(
     trigger=(
         "states the context limit and where it was read, once a sequence of that length ran (nothing longer is "
         "ever sent to the model)"
+    ),
+    details=(
+        "Info, once per fit with `check_positions` (default true): a sequence exactly at the context limit ran; "
+        "states the limit and where it was read (see `TFD207`)."
     ),
     hint=("Cut or chunk batches to the context limit before the forward (BatchGuard checks batches against it)."),
     reason="An observation: the context limit and where it was read, for the reader to confirm",
@@ -83,6 +93,11 @@ TFD209 = Rule(
         bars=("max_change", "tolerance"),
     ),
     trigger="logits from `kv_cache_fn` (incremental decoding) differ from the full forward's",
+    details=(
+        "Only with `kv_cache_fn`, on a probing step: the logits it decodes step by step differ from the full "
+        "forward's at some position by more than the dtype-aware tolerance (see `TFD213`); names the first such "
+        "position."
+    ),
     hint="Check the cache position / offset passed at each decoding step, rotary offsets, and the mask with a cache.",
     reason="Measured: incremental decoding computes other logits than training, so the trained model generates wrongly",
     message=(
@@ -123,6 +138,12 @@ TFD215 = Rule(
     trigger=(
         "from step 100, reversing the tokens before a position leaves that position's output unchanged while "
         "replacing them moves it by over 100x the tolerance"
+    ),
+    details=(
+        "At steps 100, 200 and 500 until decided: the tokens before a position are reversed, and separately replaced."
+        " Fires when the reversal moves that position's output by at most the dtype-aware tolerance (see `TFD213`) "
+        "while the replacement moves it by more than 100x the tolerance. Decided silent once the reversal moves it by"
+        " more than 10x the tolerance."
     ),
     hint=(
         "Check that positions are added for every position: a sinusoidal table indexed as `pe[:, x.size(1)]` "
@@ -181,6 +202,13 @@ TFD216 = Rule(
     trigger=(
         "in one forward of the probe rows, a table of the token table's width with at least as many rows as the "
         "sequence (> 1) is looked up with indices constant along it, or is never read"
+    ),
+    details=(
+        "Once per fit, at the first probe: one forward of the probe rows with every embedding weight and hand-held "
+        "table parameter watched. A position table is a table of the token table's width (the one looked up with the "
+        "call's ids) with at least as many rows as the sequence; fires, for a sequence of at least 2 tokens, when "
+        "such a table is looked up (`F.embedding` or integer indexing) with indices constant along the sequence, or "
+        "is read by no torch function at all."
     ),
     hint=(
         "Pass position ids that count along the sequence (`torch.arange(t)`, or the mask's cumulative sum minus "
