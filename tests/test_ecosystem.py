@@ -115,7 +115,7 @@ def test_findings_and_decoded_examples_reach_pytorch_lightning_tensorboard_as_te
     assert "TFD115" in {f.code for f in guard.findings}  # padding supervised: found under pytorch_lightning too
     texts = read_texts(tmp_path / "tb" / "version_0")
     assert "tfdebug/TFD115" in texts, f"no finding text in the event file; text tags: {sorted(texts)}"
-    assert texts["tfdebug/TFD115"][0].startswith("[TFD115]")
+    assert texts["tfdebug/TFD115"][0].startswith("**TFD115 warning step 0") and "[TFD115]" in texts["tfdebug/TFD115"][0]
     assert "BatchGuard" in texts["tfdebug/TFD115"][0]
     examples = texts.get("batch_guard/examples", [])
     assert examples and "rank 0" in examples[0]  # the decoded first batch, next to the findings

@@ -233,5 +233,5 @@ def test_probe_loss_after_resume(now, found):
     if found:
         assert verdict.code == "TFD715" and verdict.evidence == {"saved": 2.0, "now": 2.5, "saved_step": 7}
         assert verdict.message == (
-            "The loss on the probe batch right after resuming is 2.5; at save time (step 7) it was 2."
+            "The model's output on the probe rows right after resuming is 2.5; at save time (step 7) it was 2."
         )

@@ -333,7 +333,8 @@ class BatchGuard(DebugCallback):
             fingerprints = BatchRepeats.on_device(prints)
             host = torch.stack(fingerprints).tolist() if fingerprints else []  # host sync: once, at the end of training
             self.emit(trainer, self._repeats.read(prints, host, trainer.global_rank), synchronized=False)
-        self.on_validation_epoch_end(trainer, pl_module)  # every rank together: the rows not yet compared
+        if self._leak.loops:  # alike on every rank (merged at each loop's end): training rows read since, compared
+            self.on_validation_epoch_end(trainer, pl_module)
         if self.active:  # n/a without a validation or test loop
             self.cover(LEAKAGE_ROW, *self._leak.coverage(LEAKAGE_CHECK in self.checks_aside))
         self._last = None
