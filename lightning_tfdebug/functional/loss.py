@@ -290,7 +290,7 @@ def loss_transform_sums(
     * ``tx_beta_<k>``: the cross-entropy of ``TEMPERATURE_GRID[k] * logits``; ``tx_cap_<k>``: that of
       ``c * tanh(logits / c)`` for ``c = CAP_GRID[k]``;
     * ``tx_other``: 1 when the other alignment was taken (``both_alignments``: the one of lower cross-entropy,
-      decided on the device).
+      decided on the device); ``tx_conf_sum``, ``tx_conf_count``: the cross-entropy under the configured one.
     """
     x, t, targets, idx = _sampled(logits, labels, shift_labels, ignore_index, max_rows)
     logp = x.log_softmax(-1)
@@ -302,6 +302,8 @@ def loss_transform_sums(
 
     total = (targets != ignore_index).sum(dtype=f32)
     other = torch.zeros((), device=x.device)
+    conf_ce, conf_mask = nll(t)  # the configured alignment's, kept whichever is scored below
+    configured = {"tx_conf_sum": conf_ce[conf_mask].sum(), "tx_conf_count": conf_mask.sum(dtype=f32)}
     if both_alignments:
         _, other_targets = align(logits.detach(), labels.detach(), not shift_labels, ignore_index)
         t_other = other_targets.index_select(0, idx).to(x.device)
@@ -322,6 +324,7 @@ def loss_transform_sums(
         "tx_positions": torch.tensor(float(targets.numel()), device=x.device),
         "tx_uniform_sum": torch.where(mask, -logp.mean(-1), zeros).sum(),
         "tx_other": other,
+        **configured,
     }
     width = x.amax(-1) - x.amin(-1)
     out["tx_range_sum"] = torch.where(mask, width, zeros).sum()
@@ -371,7 +374,7 @@ CHECK_SUMS = (
 """The sums :func:`step_sums` takes at the check, besides :data:`TRANSFORM_SUMS`."""
 TRANSFORM_SUMS = (
     *("tx_ce_sum", "tx_ce_sq_sum", "tx_count", "tx_total", "tx_positions", "tx_uniform_sum", "tx_range_sum"),
-    *("tx_range_sq_sum", "tx_floor_sum", "tx_sigmoid_sum"),
+    *("tx_range_sq_sum", "tx_floor_sum", "tx_sigmoid_sum", "tx_conf_sum", "tx_conf_count"),
     *(f"tx_beta_{k}" for k in range(len(TEMPERATURE_GRID))),
     *(f"tx_cap_{k}" for k in range(len(CAP_GRID))),
 )

@@ -2,7 +2,9 @@
 loss, for ``tfdebug check`` to catch inside its 50 steps (issue 44).
 
 ``--model.bug``: ``none``; ``sigmoid`` (the loss of ``logits.sigmoid()``); ``softcap1`` (of ``tanh(logits)``, a
-soft-cap of 1); ``smoothing`` (``label_smoothing=0.9``, meant 0.1); ``smoothing_ok`` (``label_smoothing=0.1``).
+soft-cap of 1); ``smoothing`` (``label_smoothing=0.9``, meant 0.1); ``smoothing_ok`` (``label_smoothing=0.1``);
+``attention_multiply`` (a hand-written attention whose scores are multiplied by sqrt(d) instead of divided, q and k
+of unit variance at init: bug-zoo row 45, AttentionProbe's TFD240).
 
     python tests/apps/floor_cli.py fit --trainer.max_steps 50 [--model.bug sigmoid]
 """
@@ -32,6 +34,18 @@ class FloorGPT(TinyGPT):
         self.hparams.update({p.name: p.default for p in own if p.default is not p.empty and p.name not in self.hparams})
         self.hparams.update(warmup_steps=10)
         self.bug = bug
+        if bug == "attention_multiply":
+            import types
+
+            from torch import nn
+
+            from tests.bug_models import _hand_attention
+
+            for module in self.modules():
+                if hasattr(module, "qkv") and hasattr(module, "n_heads"):
+                    module.scale_mode = "multiply"
+                    module.forward = types.MethodType(_hand_attention, module)
+                    nn.init.normal_(module.qkv.weight, std=d_model**-0.5)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self(batch["input_ids"], batch.get("attention_mask"))[:, :-1]

@@ -82,6 +82,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.ddp
+@pytest.mark.slow
+@pytest.mark.ci  # three spawned processes (~60 s on 2 cores): CI's main lane runs it beside the matrices
 @pytest.mark.parametrize("world", [3])
 def test_one_all_reduce_serves_every_member_with_sums_flags_maxima_and_rows(tmp_path, world):
     init_file = tempfile.mktemp(dir=tmp_path)

@@ -128,6 +128,12 @@ compared steps: on logits that barely train (a learning rate far too low, a warm
 gap between the returned loss and the logits fits every transform alike."""
 
 
+EARLY_AGREE = 2e-3
+"""The returned loss equals the logits' cross-entropy under the configured alignment within this share at every
+compared step: nothing between the logits and the loss, whichever alignment the logits happen to fit better early on
+(repetitive text)."""
+
+
 def early_findings(run: LossRun, vocab: int, unigram_entropy: float | None) -> list[Verdict]:
     """The comparison's findings on a compared step before the check, from the :data:`EARLY_DECISION`-th on: those
     of :func:`comparison_verdicts` not said before (each code once per run; ``unigram_entropy`` None: not known)."""
@@ -137,8 +143,12 @@ def early_findings(run: LossRun, vocab: int, unigram_entropy: float | None) -> l
     if not ces or max(ces) - min(ces) < EARLY_MOVED * math.log(max(vocab, 2)):
         return []  # the logits have not moved yet: no transform or smoothing can be told apart (the check decides)
     unigram = unigram_entropy if unigram_entropy is not None else math.nan
-    found = [v for v in comparison_verdicts(run, vocab, unigram) if v is not None]
-    return [v for v in found if run.unsaid([v.code])]
+    transform, floor = comparison_verdicts(run, vocab, unigram)
+    if all(abs(r.loss - r.configured_ce) <= EARLY_AGREE * r.loss for r in run.readings) and not run.compare_aside:
+        # the returned loss is the logits' own cross-entropy as configured: nothing between them (the other alignment
+        # may fit repetitive text better early on); only a bound inside the forward, read from the logits' range
+        transform, floor = None, floor_verdict(run.readings, vocab, None, probabilities=run.probabilities)
+    return [v for v in (transform, floor) if v is not None and run.unsaid([v.code])]
 
 
 COVERED_ROW = "loss = cross-entropy of the logits"

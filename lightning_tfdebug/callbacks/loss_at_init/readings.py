@@ -97,6 +97,8 @@ class LossSums:
     tx_range_sq_sum: float = 0.0
     tx_floor_sum: float = 0.0
     tx_sigmoid_sum: float = 0.0
+    tx_conf_sum: float = 0.0  # the rows' cross-entropy under the configured alignment, and their number
+    tx_conf_count: float = 0.0
     tx_beta: tuple[float, ...] = ()  # per TEMPERATURE_GRID multiplier; () when not taken
     tx_cap: tuple[float, ...] = ()  # per CAP_GRID cap; () when not taken
 
@@ -305,6 +307,7 @@ class LossReading:
     range_spread: float = float("nan")  # standard deviation of the rows' ranges over their mean
     floor: float = float("nan")  # mean over rows of ln(1 + (V-1) e^-w), w the row's range
     sigmoid_ce: float = float("nan")  # cross-entropy of sigmoid(logits)
+    configured_ce: float = float("nan")  # the logits' cross-entropy under the configured alignment (`shift_labels`)
 
     def to_list(self) -> list[Any]:
         return [list(v) if isinstance(v, tuple) else v for v in dataclasses.astuple(self)]
@@ -316,7 +319,8 @@ class LossReading:
         share = float(rest[0]) if rest else math.nan
         caps = tuple(float(c) for c in rest[1]) if len(rest) > 1 else ()
         later = [float(v) for v in rest[2:5]]  # range spread, floor, sigmoid: absent from older checkpoints
-        return cls(int(step), *numbers, tuple(float(b) for b in betas), share, caps, *later)
+        configured = [float(v) for v in rest[5:6]]
+        return cls(int(step), *numbers, tuple(float(b) for b in betas), share, caps, *later, *configured)
 
     @property
     def best(self) -> float:
@@ -375,6 +379,7 @@ def loss_reading(host: LossSums, loss: float, step: int) -> LossReading | None:
         range_spread=spread,
         floor=host.tx_floor_sum / n,
         sigmoid_ce=host.tx_sigmoid_sum / n,
+        configured_ce=host.tx_conf_sum / host.tx_conf_count if host.tx_conf_count else math.nan,
     )
 
 

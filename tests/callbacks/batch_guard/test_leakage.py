@@ -309,7 +309,7 @@ def _check(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 def test_tfdebug_check_exits_1_on_a_validation_loader_that_reads_the_training_data(tmp_path):
     leaky = _check(tmp_path / "leak", "--data.val_from_train=true")
     assert leaky.returncode == 1, leaky.stdout[-3000:] + leaky.stderr[-3000:]
-    assert "error   TFD126" in leaky.stdout
+    assert "TFD126 error step" in leaky.stdout
     healthy = _check(tmp_path / "ok")  # the script's own held-out validation split
     assert healthy.returncode == 0, healthy.stdout[-3000:] + healthy.stderr[-3000:]
     assert "TFD126" not in healthy.stdout

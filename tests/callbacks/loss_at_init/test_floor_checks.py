@@ -190,13 +190,13 @@ def test_a_loss_that_is_no_cross_entropy_of_the_logits_stands_the_comparison_asi
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _check(tmp_path: Path, bug: str) -> subprocess.CompletedProcess:
+def _check(tmp_path: Path, bug: str, *options: str) -> subprocess.CompletedProcess:
     """``tfdebug check`` (the console script, its default 50 steps) on the floor app with ``--model.bug``."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     tfdebug = Path(sys.executable).with_name("tfdebug")
     app = ROOT / "tests" / "apps" / "floor_cli.py"
-    cmd = [str(tfdebug), "check", "--", sys.executable, str(app), "fit", f"--model.bug={bug}"]
+    cmd = [str(tfdebug), "check", *options, "--", sys.executable, str(app), "fit", f"--model.bug={bug}"]
     cmd += [
         "--trainer.default_root_dir",
         str(tmp_path),
@@ -211,7 +211,7 @@ def _check(tmp_path: Path, bug: str) -> subprocess.CompletedProcess:
 def test_tfdebug_check_exits_1_on_a_floor_that_binds_inside_its_50_steps(tmp_path, bug):
     done = _check(tmp_path, bug)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "error   TFD236" in done.stdout, done.stdout[-3000:]
+    assert "TFD236 error step" in done.stdout, done.stdout[-3000:]
 
 
 @pytest.mark.slow
@@ -237,3 +237,12 @@ def test_an_early_comparison_waits_for_logits_that_move():
     for point in readings([trained(s)[0] for s in (0.3, 0.6, 0.9)], labels, smoothed, steps=(10, 20, 30)):
         moving.add_reading(point)
     assert {v.code for v in early_findings(moving, V, None)} == {"TFD236", "TFD237"}
+
+
+@pytest.mark.slow
+def test_tfdebug_check_exits_1_on_attention_that_cannot_attend_at_init(tmp_path):
+    """Issue 44's attention at init through the same preflight: a warning (TFD240), so the gate is `--fail-on warning`
+    (the README's preflight)."""
+    done = _check(tmp_path, "attention_multiply", "--fail-on", "warning")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "TFD240 warning step 0" in done.stdout, done.stdout[-3000:]
