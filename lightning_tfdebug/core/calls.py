@@ -54,7 +54,11 @@ class StepRecording:
         self._wants: list[Want] = []
         self._askers: set[int] = set()
         self._calls: list[RecordedCall] | None = None
-        keep = lambda: in_training_step(pl_module)  # noqa: E731  (not another callback's probe forward)
+        step = trainer.global_step
+
+        def keep() -> bool:  # inside this step's training_step: not a probe's forward, nor a later step's (an asker
+            return in_training_step(pl_module) and trainer.global_step == step  # that never read holds nothing more)
+
         root: nn.Module = pl_module
         self._recorder: CallRecorder | None = CallRecorder(root, keep=keep, nested=True, want=self._wanted)
         if self.compiled:
