@@ -233,6 +233,9 @@ class SpikeGuard(DebugCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._recorder is not None:  # no backward ran (a step that returned None): the recording's hooks go now
+            self._recorder.done(self)
+            self._recorder = None
         if self.active and not trainer.sanity_checking and outputs is None:
             self.stand_aside("`training_step` returned None", "a `training_step` that returns the loss")
 
