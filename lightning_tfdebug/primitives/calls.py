@@ -133,21 +133,25 @@ class CallRecorder:
         self.want = want
         self.calls: list[RecordedCall] = []
         self.modules: list[nn.Module] | None = None  # the modules to hook; None: every module under ``root``
+        # a call that does not count as a level (DDP routes ``training_step`` through the module: the calls inside it
+        # are the outermost ones, as they are in one process); it is recorded itself like any outermost call
+        self.transparent: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool] | None = None
         self._depth = 0
         self._started = 0
-        self._stack: list[tuple[int, bool]] = []  # (order, recorded) of the calls in progress
+        self._stack: list[tuple[int, bool, bool]] = []  # (order, recorded, transparent) of the calls in progress
         self._handles: list[Any] = []
 
     def start(self) -> CallRecorder:
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             order, self._started = self._started, self._started + 1
             wanted = self._depth == 0 or (self.nested and (self.want is None or self.want(module, args, kwargs)))
-            self._stack.append((order, wanted))
-            self._depth += 1
+            through = self._depth == 0 and self.transparent is not None and self.transparent(module, args, kwargs)
+            self._stack.append((order, wanted, through))
+            self._depth += 0 if through else 1
 
         def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            self._depth -= 1
-            order, wanted = self._stack.pop() if self._stack else (self._started, self._depth == 0)
+            order, wanted, through = self._stack.pop() if self._stack else (self._started, self._depth <= 1, False)
+            self._depth -= 0 if through else 1
             if wanted and (self.keep is None or self.keep()):
                 call = RecordedCall(module, args, dict(kwargs), output, self._depth, order, finished=len(self.calls))
                 self.calls.append(call)
