@@ -10,8 +10,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.mask_probe import any_inputs, decisions, probes
+from lightning_tfdebug.callbacks.mask_probe import any_inputs, decisions, order_any, probes
 from lightning_tfdebug.core.base import eager_model_calls
+from lightning_tfdebug.core.batch import step_batch
 from lightning_tfdebug.core.calls import StepRecording
 from lightning_tfdebug.core.model import grad_scaler_of, import_object
 from lightning_tfdebug.functional.verdicts import Verdict
@@ -123,16 +124,21 @@ def probe_features(
         with eager_model_calls(), torch.random.fork_rng(), torch.no_grad(), precision:
             pl_module.eval()
             readings, not_run = any_inputs.probe_any_inputs(call, rows)
+            labels = order_any.batch_labels(step_batch(trainer, batch, member._keys).fields, call)
+            order, order_aside = order_any.probe_order(call, rows, labels, member.ignore_index)
     except Exception as err:  # a call that cannot be replayed: said in the stand-aside's reason
         return f" Replaying the model call failed ({type(err).__name__}: {err})."
     finally:
         for module, flag in modes.items():
             module.training = flag
-    readings = probes.on_host(readings, member.to_host)  # host sync: one transfer (probing steps only)
+    readings = probes.on_host(readings + order, member.to_host)  # host sync: one transfer (probing steps only)
     member.log_scalars(trainer, {k: v for r in readings for k, v in r.logged().items()})
     ran = decisions.rows_verified(readings)
     for row in ran:
         member.cover(row, "verified")  # a finding among the row's codes makes it one in the report
-    member.emit(trainer, decisions.decide_probe(readings)[0], synchronized=False)
+    verdicts = decisions.decide_probe(readings)[0]
+    member.emit(trainer, verdicts, synchronized=False)
+    noisy = any(v is not None and v.code == "TFD213" for v in verdicts)
+    order_any.conclude(member, member.order_watch, trainer.global_step, readings, order_aside, noisy)
     said = f" On the recorded model call, {' and '.join(ran)} were probed" if ran else ""
     return said + (f" ({', '.join(not_run)} could not be)." if not_run else ".")
