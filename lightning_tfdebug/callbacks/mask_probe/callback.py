@@ -181,7 +181,7 @@ class MaskProbe(DebugCallback):
     ) -> None:
         if self._setup_aside or trainer.sanity_checking:
             return
-        step = self.order_watch.batch_start(self, trainer, pl_module, batch)  # records an order-blind decision step
+        step = capture.order_batch_start(self, trainer, pl_module, batch)  # records an order-blind decision step
         if self._last_probe_step == step:
             return  # gradient accumulation: one probe per optimizer step
         first = self._last_probe_step is None
@@ -213,7 +213,7 @@ class MaskProbe(DebugCallback):
     ) -> None:
         if self._pending is not None:  # no backward ran through Lightning (a manual step without manual_backward)
             self._run_pending(trainer, pl_module, training_loss(trainer, pl_module, outputs))
-        self.order_watch.batch_end(self, trainer, pl_module, outputs, (batch, batch_idx))  # a few fixed steps only
+        capture.order_batch_end(self, trainer, pl_module, outputs, (batch, batch_idx))  # a few fixed steps only
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._drop_recording()

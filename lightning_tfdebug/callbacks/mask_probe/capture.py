@@ -11,13 +11,15 @@ import torch
 from torch import Tensor
 
 from lightning_tfdebug.callbacks.mask_probe import any_inputs, decisions, order_any, probes
+from lightning_tfdebug.callbacks.mask_probe.order_checks import OrderSeenReading
 from lightning_tfdebug.core.base import eager_model_calls
 from lightning_tfdebug.core.batch import step_batch
-from lightning_tfdebug.core.calls import StepRecording
+from lightning_tfdebug.core.calls import StepRecording, record_step
+from lightning_tfdebug.core.logits import training_loss
 from lightning_tfdebug.core.model import grad_scaler_of, import_object
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives import call_finder
-from lightning_tfdebug.primitives.calls import ModelCall
+from lightning_tfdebug.primitives.calls import ModelCall, takes_tokens
 
 
 def imported(path: str | None) -> Any:
@@ -139,6 +141,71 @@ def probe_features(
     verdicts = decisions.decide_probe(readings)[0]
     member.emit(trainer, verdicts, synchronized=False)
     noisy = any(v is not None and v.code == "TFD213" for v in verdicts)
-    order_any.conclude(member, member.order_watch, trainer.global_step, readings, order_aside, noisy)
+    steps = (trainer.global_step, float(trainer.estimated_stepping_batches) - 1)
+    order_any.conclude(member, member.order_watch, steps, readings, order_aside, noisy)
     said = f" On the recorded model call, {' and '.join(ran)} were probed" if ran else ""
     return said + (f" ({', '.join(not_run)} could not be)." if not_run else ".")
+
+
+# ------------------------------------------------------------------------------- the order of an order-blind model
+def order_batch_start(member: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
+    """At a batch's start: its step (returned), and on the decision step of a model order-blind at the first probe,
+    the recording of its model call (in ``member``'s recording slot: MaskProbe stood aside on this path, nothing else
+    uses it)."""
+    watch = member.order_watch
+    step = watch.step = trainer.global_step
+    if watch.records(step) and member.forward_fn is None and member._recording is None:
+        member._recording = record_step(trainer, pl_module, batch, member, takes_tokens)
+    return step
+
+
+def order_batch_end(
+    member: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, step_args: tuple[Any, int]
+) -> None:
+    """At a batch's end: the returned loss of a watched step added on the device; at the decision step (the same on
+    every rank), the order probed again on its recorded call, the verdict emitted, and every rank resolves."""
+    watch = member.order_watch
+    if watch.step is None or watch.done or watch.decide_at is None:
+        return
+    if watch.window(watch.step):
+        watch.add(watch.step, training_loss(trainer, pl_module, outputs))
+    if watch.step != watch.decide_at:
+        return
+    recording, member._recording = member._recording, None
+    again = None
+    if recording is not None:
+        again = _probe_order_again(member, trainer, pl_module, recording, step_args)
+        recording.done(member)
+    member.emit(trainer, watch.conclude(member, again), synchronized=False)  # host sync: two sums, once per fit
+    member.resolve_local_findings(trainer)
+
+
+def _probe_order_again(
+    member: Any, trainer: Any, pl_module: Any, recording: Any, step_args: tuple[Any, int]
+) -> OrderSeenReading | None:
+    """The order probe on the model call ``recording`` holds (eval mode, ``no_grad``, RNG forked, modes restored), on
+    the host; None when it cannot run. Host sync: one transfer, at the decision step only."""
+    batch, batch_idx = step_args
+    calls = [] if recording is None else recording.calls()
+    rows = next((r for c in calls if c.depth == 0 and (r := any_inputs.batch_rows(c)) is not None), None)
+    call = None if rows is None else any_inputs.outer_model_call(calls, batch, batch_idx, rows)
+    if call is None or rows is None:
+        return None
+    modes = {m: m.training for m in pl_module.modules()}
+    try:
+        with (
+            eager_model_calls(),
+            torch.random.fork_rng(),
+            torch.no_grad(),
+            trainer.precision_plugin.train_step_context(),
+        ):
+            pl_module.eval()
+            labels = order_any.batch_labels(step_batch(trainer, batch, member._keys).fields, call)
+            readings, _ = order_any.probe_order(call, rows, labels, member.ignore_index)
+    except Exception:  # a replay that fails now: the first probe's reading decides
+        return None
+    finally:
+        for module, flag in modes.items():
+            module.training = flag
+    found = [r for r in probes.on_host(readings, member.to_host) if isinstance(r, OrderSeenReading)]  # host sync (once)
+    return found[0] if found else None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.mask_probe.any_inputs import batch_rows, outer_model_call, rows_output
+from lightning_tfdebug.callbacks.mask_probe.any_inputs import rows_output
 from lightning_tfdebug.callbacks.mask_probe.order_checks import (
     DECIDE_STEP,
     EARLY_STEPS,
@@ -29,15 +29,10 @@ from lightning_tfdebug.callbacks.mask_probe.order_checks import (
     OrderSeenReading,
     decide_order_blind,
 )
-from lightning_tfdebug.callbacks.mask_probe.probes import on_host
 from lightning_tfdebug.callbacks.mask_probe.readings import Reading
-from lightning_tfdebug.core.base import eager_model_calls
-from lightning_tfdebug.core.batch import step_batch
-from lightning_tfdebug.core.calls import record_step
-from lightning_tfdebug.core.logits import training_loss
 from lightning_tfdebug.functional.probes import logit_tolerance, max_change
 from lightning_tfdebug.functional.verdicts import Verdict
-from lightning_tfdebug.primitives.calls import Path, RecordedCall, takes_tokens
+from lightning_tfdebug.primitives.calls import Path, RecordedCall
 
 LABEL_ROWS, LABEL_POSITIONS = 8, 64
 """The rows and positions the per-position labels are read on (pairs of positions with the same inputs)."""
@@ -193,14 +188,14 @@ class OrderWatch:
     """The harm of an order-blind model, decided from the losses ``training_step`` returned. :meth:`start` at the
     any-inputs probe (the same step on every rank) fixes the decision step; :meth:`arm` with the host reading of an
     order-blind model; :meth:`add` the loss of the few fixed steps it reads, on the device (no host sync);
-    :meth:`decide` once, when :meth:`due`, with one host transfer of two sums."""
+    :meth:`decide` once, at the decision step, with one host transfer of two sums."""
 
     def __init__(self) -> None:
         self.blind: OrderSeenReading | None = None
         self.start_step: int | None = None
         self.decide_at: int | None = None
         self.done = False
-        self.step: int | None = None  # the step of the batch in progress
+        self.step: int | None = None  # the step of the batch in progress (set by the callback's capture)
         self._sums: dict[str, Tensor] = {}
         self._counts: dict[str, int] = {"early": 0, "late": 0}
 
@@ -214,35 +209,13 @@ class OrderWatch:
         """Watch the losses of a model order-blind (or undecided) at the first probe."""
         self.blind = blind
 
-    def batch_start(self, member: Any, trainer: Any, pl_module: Any, batch: Any) -> int:
-        """At a batch's start: its step (returned), and on the decision step of an order-blind model, the recording of
-        its model call (in ``member``'s recording slot: MaskProbe stood aside on this path, nothing else uses it)."""
-        step = self.step = trainer.global_step
-        if self.records(step) and member.forward_fn is None and member._recording is None:
-            member._recording = record_step(trainer, pl_module, batch, member, takes_tokens)
-        return step
-
-    def batch_end(self, member: Any, trainer: Any, pl_module: Any, outputs: Any, step_args: tuple[Any, int]) -> None:
-        """At a batch's end: the returned loss of a step in a window, on the device; at the decision step (the same
-        on every rank), the order probed again on its recorded call, and the verdict, emitted and resolved."""
-        if self.step is None or self.done or self.decide_at is None:
-            return
-        if self.window(self.step):
-            self.add(self.step, training_loss(trainer, pl_module, outputs))
-        if self.step != self.decide_at:
-            return
-        recording, member._recording = member._recording, None
-        again = None
-        if recording is not None:
-            again = probe_again(member, trainer, pl_module, recording, step_args)
-            recording.done(member)
-        reading, verdict = self.decide(member.to_host, again)  # host sync: two sums, once per fit
+    def conclude(self, member: Any, again: OrderSeenReading | None) -> Verdict | None:
+        """At the decision step: the verdict (dated there), and ``member``'s "positions and order" row when the
+        verdict does not mark it. Host sync: two sums, once per fit."""
+        reading, verdict = self.decide(member.to_host, again)
         if reading is not None and (verdict is None or verdict.code != "TFD215"):
             cover_order(member, reading)  # sees order, cannot tell, or order-blind by design (TFD218: verified)
-        member.emit(
-            trainer, None if verdict is None else dataclasses.replace(verdict, step=self.step), synchronized=False
-        )
-        member.resolve_local_findings(trainer)
+        return None if verdict is None else dataclasses.replace(verdict, step=self.decide_at)
 
     def records(self, step: int) -> bool:
         """Whether ``step`` is the decision step of an order-blind model: its model call is recorded and probed
@@ -286,12 +259,17 @@ class OrderWatch:
 
 
 def conclude(
-    member: Any, watch: OrderWatch, step: int, readings: list[Reading], why_not: str | None, noisy: bool
+    member: Any,
+    watch: OrderWatch,
+    steps: tuple[int, float],
+    readings: list[Reading],
+    why_not: str | None,
+    noisy: bool,
 ) -> None:
     """Cover "positions and order" and "causal mask" of ``member`` (MaskProbe) from the host readings of
-    :func:`probe_order` at ``step``, and arm ``watch`` on an order-blind model (its severity is decided later)."""
-    trainer = member._hook_trainer
-    watch.start(step, float(trainer.estimated_stepping_batches) - 1 if trainer is not None else step)
+    :func:`probe_order` at ``steps[0]`` (the fit's last step: ``steps[1]``), and arm ``watch`` on an order-blind
+    model (its severity is decided later)."""
+    watch.start(*steps)
     if noisy:  # TFD213: the forward is random in eval mode, every comparison measures its noise
         member.cover("positions and order", "unknown", "the forward is random in eval mode (TFD213)")
         return
@@ -312,37 +290,6 @@ def conclude(
                 f"{float(r.before):.3g} (tolerance {float(r.tolerance):.2g})"
             )
             member.cover("causal mask", "n/a", why)
-
-
-def probe_again(
-    member: Any, trainer: Any, pl_module: Any, recording: Any, step_args: tuple[Any, int]
-) -> OrderSeenReading | None:
-    """The order probe on the model call ``recording`` holds (eval mode, ``no_grad``, RNG forked, modes restored), on
-    the host; None when it cannot run. Host sync: one transfer, at the decision step only."""
-    batch, batch_idx = step_args
-    calls = [] if recording is None else recording.calls()
-    rows = next((r for c in calls if c.depth == 0 and (r := batch_rows(c)) is not None), None)
-    call = None if rows is None else outer_model_call(calls, batch, batch_idx, rows)
-    if call is None or rows is None:
-        return None
-    modes = {m: m.training for m in pl_module.modules()}
-    try:
-        with (
-            eager_model_calls(),
-            torch.random.fork_rng(),
-            torch.no_grad(),
-            trainer.precision_plugin.train_step_context(),
-        ):
-            pl_module.eval()
-            labels = batch_labels(step_batch(trainer, batch, member._keys).fields, call)
-            readings, _ = probe_order(call, rows, labels, member.ignore_index)
-    except Exception:  # a replay that fails now: the first probe's reading decides
-        return None
-    finally:
-        for module, flag in modes.items():
-            module.training = flag
-    found = [r for r in on_host(readings, member.to_host) if isinstance(r, OrderSeenReading)]  # host sync (once)
-    return found[0] if found else None
 
 
 def cover_order(member: Any, reading: OrderSeenReading) -> None:

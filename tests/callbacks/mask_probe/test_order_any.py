@@ -1,0 +1,123 @@
+"""MaskProbe's order probes on models that read no token ids or return one output per sequence: the recorded model
+call replayed with its positions permuted (can the model see order?) and a late position replaced (causal or
+bidirectional?), the harm of an order-blind model decided from its labels and its loss (``TFD215`` at warning or error,
+``TFD218`` as info). Real Trainers on the tiny families of ``tests/kind_models.py``; the rule's severities on readings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_tfdebug import MaskProbe
+from lightning_tfdebug.callbacks.mask_probe.order_checks import LossTrend, OrderSeenReading, decide_order_blind
+from tests.bug_models import kind_loader, kind_module
+from tests.callbacks.torch_calls import TorchCalls
+from tests.helpers import fit_tiny
+from tests.kind_models import WIDTH, FloatTokenEncoder
+
+
+def _fit(tmp_path, family: str, steps: int, module=None, **bugs) -> MaskProbe:
+    probe = MaskProbe()
+    model = module if module is not None else kind_module(family, **bugs)()
+    fit_tiny(tmp_path, [probe], model=model, data=kind_loader(family)(), max_steps=steps)
+    return probe
+
+
+def _order(probe: MaskProbe) -> list:
+    return [f for f in probe.findings if f.code in ("TFD215", "TFD218")]
+
+
+def test_float_features_without_positions_on_labels_that_need_order(tmp_path):
+    """No position table, labels ``(symbol + position) mod 16``: a row holds one symbol at two positions with two
+    labels. After three steps the loss cannot be judged yet, so the labels alone make it a warning."""
+    probe = _fit(tmp_path, "float_encoder", 3, positions=False)
+    [blind] = _order(probe)
+    assert (blind.code, blind.severity, blind.step) == ("TFD215", "warning", 2)
+    assert blind.evidence["order_change"] <= blind.evidence["tolerance"] < blind.evidence["content_change"]
+    assert blind.evidence["labels_need_order"] and "permuted its outputs alike" in blind.message
+    assert "holds the same inputs at positions" in blind.message and "loss" not in blind.message
+    assert probe.coverage["causal mask"][0] == "n/a" and "bidirectional" in probe.coverage["causal mask"][1]
+
+
+def test_a_model_that_sees_order_is_verified_and_its_kind_measured(tmp_path):
+    probe = _fit(tmp_path, "float_encoder", 1)
+    assert _order(probe) == [] and [f for f in probe.findings if f.severity != "info"] == []
+    assert probe.coverage["positions and order"] == ("verified", None, None)
+    assert "measured bidirectional" in probe.coverage["causal mask"][1]
+
+
+def test_a_set_model_is_order_blind_by_design_and_said_as_info(tmp_path):
+    """Mean-pooled, no positions, one label per set: no label needs order; the fit is too short to judge the loss."""
+    probe = _fit(tmp_path, "set_max", 2)
+    [blind] = _order(probe)
+    assert (blind.code, blind.severity) == ("TFD218", "info")
+    assert "left its outputs unchanged" in blind.message and "no per-position labels" in blind.message
+    assert probe.coverage["positions and order"] == ("verified", None, None)
+
+
+def test_images_have_no_sequence_axis_to_permute(tmp_path):
+    probe = _fit(tmp_path, "vit", 1)
+    status, reason, _ = probe.coverage["positions and order"]
+    assert status == "n/a" and "no sequence" in reason and _order(probe) == []
+
+
+class CausalFloatEncoder(FloatTokenEncoder):
+    """The float-feature encoder with a causal mask: each position reads itself and the positions before it."""
+
+    def forward(self, features: Tensor) -> Tensor:
+        h = self.inp(features) + self.pos[: features.shape[1]]
+        mask = nn.Transformer.generate_square_subsequent_mask(features.shape[1])
+        return self.out(self.encoder(h, mask=mask, is_causal=True))
+
+
+def test_a_causal_model_without_token_ids_is_measured_causal(tmp_path):
+    probe = _fit(tmp_path, "float_encoder", 1, module=CausalFloatEncoder())
+    assert probe.coverage["causal mask"] == ("verified", None, None)
+    assert probe.coverage["positions and order"] == ("verified", None, None)
+
+
+class ZeroPositions(FloatTokenEncoder):
+    """A position table initialised to zeros: order-blind at the first step, it sees order once it has learned."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=3e-2)
+        self.pos = nn.Parameter(torch.zeros(16, WIDTH))
+
+
+def test_order_blind_at_init_is_probed_again_at_the_decision_step(tmp_path):
+    """Blind at step 0 only: the decision step's probe sees order, so nothing is said and the row is verified."""
+    probe = _fit(tmp_path, "float_encoder", 12, module=ZeroPositions())
+    assert _order(probe) == []
+    assert probe.coverage["positions and order"] == ("verified", None, None)
+
+
+def test_only_the_watched_steps_cost_anything(tmp_path):
+    """An order-blind model: the probe at step 0, its loss added on the device at the first five steps and the ten
+    up to the decision step (the last, 29), probed again there; nothing on the steps between."""
+    calls = TorchCalls()
+    fit_tiny(
+        tmp_path, calls.around(MaskProbe()), model=kind_module("set_max")(), data=kind_loader("set_max")(), max_steps=30
+    )
+    assert set(calls.counts) == set(range(5)) | set(range(20, 30))
+
+
+def _reading(labels: bool | None) -> OrderSeenReading:
+    return OrderSeenReading(1e-7, 0.5, 1e-4, True, 16, 14, "features (16, 16, 16)", labels, (0, 2, 9))
+
+
+@pytest.mark.parametrize(
+    "labels, trend, expected",
+    [
+        (True, LossTrend(2.8, 2.78, 5, 10, 100), ("TFD215", "error")),  # labels need order, the loss stays
+        (True, LossTrend(2.8, 1.0, 5, 10, 100), ("TFD215", "warning")),  # labels need order, the loss fell
+        (True, None, ("TFD215", "warning")),  # labels alone
+        (None, LossTrend(1.39, 1.39, 5, 10, 100), ("TFD215", "warning")),  # the loss alone
+        (None, LossTrend(2.6, 0.1, 5, 10, 100), ("TFD218", "info")),  # a set model that trains
+        (False, LossTrend(2.6, 2.6, 5, 10, 10), ("TFD218", "info")),  # too short to judge the loss
+    ],
+)
+def test_the_severity_follows_the_harm(labels, trend, expected):
+    verdict = decide_order_blind(_reading(labels), trend)
+    assert (verdict.code, verdict.severity or "info") == expected
