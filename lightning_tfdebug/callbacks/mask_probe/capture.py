@@ -115,6 +115,8 @@ def probe_features(
     ``no_grad``, RNG forked, modes restored), logged, covered and emitted by ``member`` (MaskProbe). Returns a sentence
     saying what ran (empty when nothing could). Host sync: one transfer, on the probing step."""
     batch, batch_idx = step_args
+    # the order watch decides at a step every rank fixes here alike, whatever its own probe finds below
+    member.order_watch.start(trainer.global_step, _last_step(trainer))
     calls = [] if recording is None else recording.calls()
     rows = next((r for c in calls if c.depth == 0 and (r := any_inputs.batch_rows(c)) is not None), None)
     call = None if rows is None else any_inputs.outer_model_call(calls, batch, batch_idx, rows)
@@ -141,13 +143,20 @@ def probe_features(
     verdicts = decisions.decide_probe(readings)[0]
     member.emit(trainer, verdicts, synchronized=False)
     noisy = any(v is not None and v.code == "TFD213" for v in verdicts)
-    steps = (trainer.global_step, float(trainer.estimated_stepping_batches) - 1)
-    order_any.conclude(member, member.order_watch, steps, readings, order_aside, noisy)
+    order_any.conclude(member, member.order_watch, readings, order_aside, noisy)
     said = f" On the recorded model call, {' and '.join(ran)} were probed" if ran else ""
     return said + (f" ({', '.join(not_run)} could not be)." if not_run else ".")
 
 
 # ------------------------------------------------------------------------------- the order of an order-blind model
+def _last_step(trainer: pl.Trainer) -> float:
+    """The fit's last optimizer step as Lightning estimates it (infinite when it cannot)."""
+    try:
+        return float(trainer.estimated_stepping_batches) - 1
+    except Exception:  # a set-up Lightning cannot estimate: the watch decides DECIDE_STEP steps on
+        return float("inf")
+
+
 def order_batch_start(member: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
     """At a batch's start: its step (returned), and on the decision step of a model order-blind at the first probe,
     the recording of its model call (in ``member``'s recording slot: MaskProbe stood aside on this path, nothing else

@@ -258,18 +258,9 @@ class OrderWatch:
         return reading, decide_order_blind(reading, trend)
 
 
-def conclude(
-    member: Any,
-    watch: OrderWatch,
-    steps: tuple[int, float],
-    readings: list[Reading],
-    why_not: str | None,
-    noisy: bool,
-) -> None:
+def conclude(member: Any, watch: OrderWatch, readings: list[Reading], why_not: str | None, noisy: bool) -> None:
     """Cover "positions and order" and "causal mask" of ``member`` (MaskProbe) from the host readings of
-    :func:`probe_order` at ``steps[0]`` (the fit's last step: ``steps[1]``), and arm ``watch`` on an order-blind
-    model (its severity is decided later)."""
-    watch.start(*steps)
+    :func:`probe_order`, and arm ``watch`` (started) on an order-blind model (its severity is decided later)."""
     if noisy:  # TFD213: the forward is random in eval mode, every comparison measures its noise
         member.cover("positions and order", "unknown", "the forward is random in eval mode (TFD213)")
         return
