@@ -33,9 +33,14 @@ def rows_output(output: Any, batch_size: int) -> Tensor | None:
 
 def outer_model_call(calls: list[RecordedCall], batch: Any, batch_idx: int, batch_size: int) -> RecordedCall | None:
     """The first outermost call of ``training_step`` (not the step itself, which Lightning routes through the module
-    under DDP) that returned one output row per batch row."""
+    under DDP: the calls one level inside it then) that returned one output row per batch row."""
+
+    def is_step(call: RecordedCall) -> bool:
+        return len(call.args) >= 2 and call.args[0] is batch and call.args[1] == batch_idx
+
+    depth = 1 if any(c.depth == 0 and is_step(c) for c in calls) else 0
     for call in calls:
-        if call.depth != 0 or (len(call.args) >= 2 and call.args[0] is batch and call.args[1] == batch_idx):
+        if call.depth != depth or is_step(call):
             continue
         if rows_output(call.output, batch_size) is not None:
             return call

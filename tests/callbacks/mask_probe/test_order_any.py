@@ -121,3 +121,27 @@ def _reading(labels: bool | None) -> OrderSeenReading:
 def test_the_severity_follows_the_harm(labels, trend, expected):
     verdict = decide_order_blind(_reading(labels), trend)
     assert (verdict.code, verdict.severity or "info") == expected
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_ranks_decide_an_order_blind_model_together(tmp_path):
+    """Two gloo ranks, ``on_finding="raise"``: the sequence classifier without positions is order-blind and its loss
+    stays at ln 4; every rank decides at the same step (the last, 29) and raises there together, none hangs. (Its
+    model call sits inside the step Lightning routes through the module under DDP: read one level in.)"""
+    from tests.helpers import run_distributed
+
+    spec = {
+        "strategy": "ddp",
+        "model_class": "tests.kind_models:SeqClassifier",
+        "model": {"positions": False},
+        "data_class": "tests.kind_models:kind_data",
+        "data": {"family": "bert_cls"},
+        "trainer": {"max_steps": 30},
+        "callbacks": [{"class_path": "lightning_tfdebug.MaskProbe", "init_args": {"on_finding": "raise"}}],
+    }
+    results = run_distributed(tmp_path, spec, timeout=300)
+    for result in results:
+        assert result["error"] is not None and result["error"]["type"] == "TFDebugError", result["error"]
+        found = [f for f in result["findings"]["MaskProbe"] if f["code"] == "TFD215"]
+        assert [(f["severity"], f["step"]) for f in found] == [("warning", 29)] and result["global_step"] == 30
