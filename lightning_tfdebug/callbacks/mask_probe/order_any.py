@@ -46,9 +46,16 @@ class Sequences:
     inputs: dict[Path, Tensor]
     masks: dict[Path, Tensor]
     labels: dict[Path, Tensor]
+    padded: list[Tensor]  # (B, T) bool per mask: True where a row is padding
 
     def every(self) -> dict[Path, Tensor]:
         return {**self.inputs, **self.masks, **self.labels}
+
+
+def _padding(name: str, mask: Tensor) -> Tensor:
+    """Where ``mask`` marks padding: the True entries of a bool ``*padding*`` mask (``src_key_padding_mask``), else
+    its zeros."""
+    return mask if mask.dtype == torch.bool and "padding" in name else mask == 0
 
 
 def sequences(call: RecordedCall, batch_size: int, positions: int) -> Sequences | str:
@@ -60,10 +67,12 @@ def sequences(call: RecordedCall, batch_size: int, positions: int) -> Sequences 
         integer_rows = not t.is_floating_point() and not t.is_complex() and t.ndim == 2
         if t.shape[0] != batch_size or not (float_features or integer_rows) or t.shape[1] < 4:
             continue
-        group = groups.setdefault(int(t.shape[1]), Sequences(int(t.shape[1]), {}, {}, {}))
+        group = groups.setdefault(int(t.shape[1]), Sequences(int(t.shape[1]), {}, {}, {}, []))
         name = (call.keyword(path) or "").lower()
         role = "masks" if t.dtype == torch.bool or "mask" in name else "labels" if "label" in name else "inputs"
         getattr(group, role)[path] = t
+        if role == "masks":
+            group.padded.append(_padding(name, t))
     usable = [g for g in groups.values() if g.inputs]
     if not usable:
         return (
@@ -88,12 +97,15 @@ def batch_labels(fields: Any, call: RecordedCall) -> Tensor | None:
 
 
 def _free_positions(seq: Sequences) -> Tensor:
-    """The positions the probes move: neither the first nor the last, and real (mask 1) in every row. Host sync: the
-    masks' padded columns, on the probing step only."""
+    """The positions the probes move: real in every row (mask 1), and neither the first nor the last, of the sequence
+    nor of a row's real tokens. Host sync: the masks, on the probing step only."""
     free = torch.ones(seq.length, dtype=torch.bool)
     free[0] = free[-1] = False
-    for mask in seq.masks.values():
-        free &= ~(mask == 0).any(0).cpu()
+    for padded in seq.padded:
+        real = ~padded.cpu()
+        free &= real.all(0)
+        free[real.int().argmax(1)] = False  # each row's first real position (a [CLS] after left padding)
+        free[seq.length - 1 - real.flip(1).int().argmax(1)] = False  # and its last (the token a pooler reads)
     return free.nonzero().flatten()
 
 
@@ -175,8 +187,8 @@ def _labels_need_order(
     keys = torch.cat([t[:rows, :n].reshape(rows, n, -1).float() for t in seq.inputs.values()], dim=-1)
     same = (keys[:, :, None, :] == keys[:, None, :, :]).all(-1)  # (rows, n, n): the same inputs at i and j
     supervised = target != ignore_index
-    for mask in seq.masks.values():
-        supervised &= mask[:rows, :n].to(target.device) != 0
+    for padded in seq.padded:
+        supervised &= ~padded[:rows, :n].to(target.device)
     differ = (target[:, :, None] != target[:, None, :]) & supervised[:, :, None] & supervised[:, None, :]
     hits = (same & differ).flatten()
     first = hits.int().argmax()

@@ -11,11 +11,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tfdebug import MaskProbe
+from lightning_tfdebug.callbacks.mask_probe.order_any import probe_order
 from lightning_tfdebug.callbacks.mask_probe.order_checks import LossTrend, OrderSeenReading, decide_order_blind
+from lightning_tfdebug.primitives.calls import RecordedCall
 from tests.bug_models import kind_loader, kind_module
 from tests.callbacks.torch_calls import TorchCalls
 from tests.helpers import fit_tiny
-from tests.kind_models import WIDTH, FloatTokenEncoder
+from tests.kind_models import WIDTH, FloatTokenEncoder, _encoder
 
 
 def _fit(tmp_path, family: str, steps: int, module=None, **bugs) -> MaskProbe:
@@ -145,3 +147,32 @@ def test_ddp_ranks_decide_an_order_blind_model_together(tmp_path):
         assert result["error"] is not None and result["error"]["type"] == "TFDebugError", result["error"]
         found = [f for f in result["findings"]["MaskProbe"] if f["code"] == "TFD215"]
         assert [(f["severity"], f["step"]) for f in found] == [("warning", 29)] and result["global_step"] == 30
+
+
+class LastRealToken(nn.Module):
+    """No positions; reads the last real token of each row (a mask of 1s, right padding), as a GPT classifier pools."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.encoder, self.head = nn.Linear(8, WIDTH), _encoder(1), nn.Linear(WIDTH, 3)
+
+    def forward(self, features: Tensor, attention_mask: Tensor) -> Tensor:
+        h = self.encoder(self.inp(features), src_key_padding_mask=attention_mask == 0)
+        last = attention_mask.sum(1) - 1
+        return self.head(h[torch.arange(len(h)), last])
+
+
+def test_padded_rows_keep_their_padding_and_their_last_real_token_in_place():
+    """Right padding of various lengths: the positions that move are real in every row and none is a row's last real
+    token, so a model without positions that pools the last real token reads as order-blind."""
+    features = torch.randn(4, 12, 8)
+    mask = torch.ones(4, 12, dtype=torch.long)
+    mask[1, 9:], mask[2, 7:] = 0, 0
+    model = LastRealToken().eval()
+    with torch.no_grad():
+        call = RecordedCall(model, (features, mask), {}, None)
+        [reading], why_not = probe_order(call, 4, None, -100)
+    assert why_not is None and not reading.per_position
+    assert reading.free == 5  # 1 to 5 of 0-11: not 0 and 11 (first, last), 6 (row 2's last real), 7-10 (padded)
+    assert reading.blind is True and float(reading.order_change) <= float(reading.tolerance)
