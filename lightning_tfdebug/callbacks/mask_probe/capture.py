@@ -128,8 +128,7 @@ def probe_features(
         with eager_model_calls(), torch.random.fork_rng(), torch.no_grad(), precision:
             pl_module.eval()
             readings, not_run = any_inputs.probe_any_inputs(call, rows)
-            labels = order_any.batch_labels(step_batch(trainer, batch, member._keys).fields, call)
-            order, order_aside = order_any.probe_order(call, rows, labels, member.ignore_index)
+            order, order_aside = _probe_order(member, trainer, batch, call, rows)
     except Exception as err:  # a call that cannot be replayed: said in the stand-aside's reason
         return f" Replaying the model call failed ({type(err).__name__}: {err})."
     finally:
@@ -155,6 +154,16 @@ def _last_step(trainer: pl.Trainer) -> float:
         return float(trainer.estimated_stepping_batches) - 1
     except Exception:  # a set-up Lightning cannot estimate: the watch decides DECIDE_STEP steps on
         return float("inf")
+
+
+def _probe_order(member: Any, trainer: pl.Trainer, batch: Any, call: Any, rows: int) -> tuple[list, str | None]:
+    """:func:`.order_any.probe_order` on the recorded call (in the caller's eval context): its readings and why it
+    could not run; a replay that fails here costs the other probes nothing."""
+    try:
+        labels = order_any.batch_labels(step_batch(trainer, batch, member._keys).fields, call)
+        return order_any.probe_order(call, rows, labels, member.ignore_index)
+    except Exception as err:  # an argument the permutation breaks: the row says so
+        return [], f"replaying it with its positions permuted failed ({type(err).__name__}: {err})"
 
 
 def order_batch_start(member: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
@@ -209,10 +218,7 @@ def _probe_order_again(
             trainer.precision_plugin.train_step_context(),
         ):
             pl_module.eval()
-            labels = order_any.batch_labels(step_batch(trainer, batch, member._keys).fields, call)
-            readings, _ = order_any.probe_order(call, rows, labels, member.ignore_index)
-    except Exception:  # a replay that fails now: the first probe's reading decides
-        return None
+            readings, _ = _probe_order(member, trainer, batch, call, rows)
     finally:
         for module, flag in modes.items():
             module.training = flag

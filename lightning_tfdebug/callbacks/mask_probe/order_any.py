@@ -209,7 +209,8 @@ class OrderWatch:
         self.done = False
         self.step: int | None = None  # the step of the batch in progress (set by the callback's capture)
         self._sums: dict[str, Tensor] = {}
-        self._counts: dict[str, int] = {"early": 0, "late": 0}
+        self._counts: dict[str, int] = {"early": 0, "late": 0}  # losses added (micro-batches)
+        self._steps: dict[str, set[int]] = {"early": set(), "late": set()}  # the optimizer steps they came from
 
     def start(self, step: int, last_step: float) -> None:
         """The any-inputs path ran at ``step``: decide at ``DECIDE_STEP`` steps later, or at the fit's last step."""
@@ -248,6 +249,7 @@ class OrderWatch:
             value = loss.detach().float().reshape(-1)[0]
             self._sums[w] = self._sums[w] + value if w in self._sums else value
             self._counts[w] += 1
+            self._steps[w].add(step)
 
     def decide(
         self, to_host: Any, again: OrderSeenReading | None = None
@@ -265,7 +267,7 @@ class OrderWatch:
             host = to_host(dict(self._sums))  # host sync: once per fit, at the decision
             early, late = host["early"] / self._counts["early"], host["late"] / self._counts["late"]
             steps = self.decide_at - self.start_step
-            trend = LossTrend(early, late, self._counts["early"], self._counts["late"], steps)
+            trend = LossTrend(early, late, len(self._steps["early"]), len(self._steps["late"]), steps)
         self._sums.clear()
         return reading, decide_order_blind(reading, trend)
 

@@ -59,6 +59,17 @@ def test_a_set_model_is_order_blind_by_design_and_said_as_info(tmp_path):
     assert probe.coverage["positions and order"] == ("verified", None, None)
 
 
+def test_a_set_model_that_trains_is_info_also_under_gradient_accumulation(tmp_path):
+    """30 steps of two micro-batches: the losses of the first 5 steps and of the 10 up to the last one (29) tell a
+    loss that fell, so the order-blind set model is only described (TFD218)."""
+    probe = MaskProbe()
+    model, data = kind_module("set_max")(), kind_loader("set_max")()
+    fit_tiny(tmp_path, [probe], model=model, data=data, max_steps=30, accumulate_grad_batches=2)
+    [blind] = _order(probe)
+    assert (blind.code, blind.severity, blind.step) == ("TFD218", "info", 29)
+    assert blind.evidence["loss_late"] < 0.9 * blind.evidence["loss_early"] and "Its loss fell" in blind.message
+
+
 def test_images_have_no_sequence_axis_to_permute(tmp_path):
     probe = _fit(tmp_path, "vit", 1)
     status, reason, _ = probe.coverage["positions and order"]
