@@ -16,6 +16,7 @@ from lightning_tfdebug.callbacks.mask_probe import (
     capture,
     decisions,
     leak_checks,
+    order_any,
     probes,
 )
 from lightning_tfdebug.callbacks.mask_probe.readings import ALIGNMENT_RETRY_STEPS, ORDER_STEPS, SECONDS
@@ -38,7 +39,7 @@ class MaskProbe(DebugCallback):
     At the first training batch of a fit (and every ``every_n_steps`` steps if set), MaskProbe runs a few extra forward
     passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch, through the call
     ``training_step`` makes, else ``forward`` by its signature, or ``forward_fn``. Each rank probes its own batch;
-    under sharded strategies it stands aside. Every probe and its codes (``TFD201``-``TFD217``):
+    under sharded strategies it stands aside. Every probe and its codes (``TFD201``-``TFD218``):
     ``docs/callbacks/mask_probe.md``; the logged keys: :attr:`KEYS`.
 
     Args:
@@ -150,7 +151,7 @@ class MaskProbe(DebugCallback):
         self._positions_done = self._samples_done = False
         self._special_ids: tuple[int, ...] = ()
         self._alignment_decided = self.causal is False or not self.check_targets
-        self._order_decided = not self.check_positions
+        self._order_decided, self.order_watch = not self.check_positions, order_any.OrderWatch()  # pending order checks
         self._is_causal: bool | None = self.causal  # resolved at the first probe of a fit when None
 
     @property
@@ -180,7 +181,7 @@ class MaskProbe(DebugCallback):
     ) -> None:
         if self._setup_aside or trainer.sanity_checking:
             return
-        step = trainer.global_step
+        step = capture.order_batch_start(self, trainer, pl_module, batch)  # records an order-blind decision step
         if self._last_probe_step == step:
             return  # gradient accumulation: one probe per optimizer step
         first = self._last_probe_step is None
@@ -212,6 +213,7 @@ class MaskProbe(DebugCallback):
     ) -> None:
         if self._pending is not None:  # no backward ran through Lightning (a manual step without manual_backward)
             self._run_pending(trainer, pl_module, training_loss(trainer, pl_module, outputs))
+        capture.order_batch_end(self, trainer, pl_module, outputs, (batch, batch_idx))  # a few fixed steps only
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._drop_recording()
