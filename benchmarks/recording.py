@@ -111,7 +111,8 @@ def main() -> None:
         plain = 1e3 * statistics.fmean(clock.times[False])
         recorded = 1e3 * statistics.fmean(clock.times[True])
         held = statistics.median(clock.bytes) if clock.bytes else 0
-        print(f"| {r} | {plain:.2f} | {recorded:.2f} | {recorded - plain:+.2f} | {recorded / plain:.3f} | {held:,.0f} |")
+        row = (f"{plain:.2f}", f"{recorded:.2f}", f"{recorded - plain:+.2f}", f"{recorded / plain:.3f}", f"{held:,.0f}")
+        print(f"| {r} | {' | '.join(row)} |")
 
 
 if __name__ == "__main__":
