@@ -408,9 +408,10 @@ class ModelCall:
 
     @property
     def resizable(self) -> bool:
-        """Whether the probes may give the ids another length: every other tensor of their length is labels passed
-        to the call (extended with ``ignore_index``); a decoder input, a float feature or a mask of that length has
-        no value a longer probe could give it (see :meth:`sequence_group`)."""
+        """Whether the probes may give the ids another length: every other tensor of their length is a token tensor
+        passed under a labels name (``labels``, ``targets``, ``tgt``: extended with ids of the batch); a decoder input
+        by another name, a float feature or a mask of that length has no value a longer probe could give it (see
+        :meth:`sequence_group`)."""
         primary = self.primary
         if primary is None:
             return False

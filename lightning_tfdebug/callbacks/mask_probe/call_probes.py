@@ -153,14 +153,12 @@ def call_logits(
 def extended(
     found: ModelCall, path: Path, member: Tensor, length: int, vocab: Tensor, generator: torch.Generator
 ) -> Tensor:
-    """``member`` (batch-first) extended to ``length`` positions: labels passed to the call with ``ignore_index``
-    (not supervised), other token ids with ids from ``vocab``, anything else (a mask, features) with copies of its
-    last position."""
+    """``member`` (batch-first) extended to ``length`` positions: token ids and labels with ids from ``vocab`` (a class
+    every loss accepts, whatever its ignored value), anything else (a 0/1 mask, features) with copies of its last
+    position."""
     b, extra = int(member.shape[0]), length - int(member.shape[1])
     slot = next((s for s in found.slots if s.path == path), None)
-    if slot is not None and slot.label_like:
-        tail = torch.full((b, extra, *member.shape[2:]), found.ignore_index, dtype=member.dtype, device=member.device)
-    elif slot is not None and member.ndim == 2 and bool((member > 1).any()):  # ids, not a 0/1 mask
+    if slot is not None and member.ndim == 2 and bool(((member != 0) & (member != 1)).any()):  # not a 0/1 mask
         tail = random_ids(vocab, (b, extra), generator).to(member.dtype)
     else:
         tail = member[:, -1:].expand(b, extra, *member.shape[2:])

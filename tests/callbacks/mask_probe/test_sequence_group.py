@@ -133,7 +133,7 @@ def test_sequences_of_one_length_are_cut_together_in_a_positional_call(tmp_path,
 
 def test_the_group_is_read_by_shape_and_cut_or_extended_together():
     """The tensors of the ids' length along dim 1 form one group, whatever their dtype and name; cutting the ids cuts
-    them all, and a longer probe extends the labels with the ignored value (the others keep the call's length)."""
+    them all; only labels may take a longer probe (ids of the batch); other members copy their last position."""
     net = Seq2Seq("dict").eval()
     batch = one_length([torch.arange(3, 3 + n) for n in (5, 7)])
     ids, labels = batch["input_ids"], batch["labels"]
@@ -157,7 +157,9 @@ def test_the_group_is_read_by_shape_and_cut_or_extended_together():
         only_labels.slots = [s for s in only_labels.slots if s.path in only_labels.tensors]
         assert only_labels.resizable
         longer = extended(only_labels, ("args", 5), labels, labels.shape[1] + 3, vocab, torch.Generator())
-        assert torch.equal(longer[:, : labels.shape[1]], labels) and longer[:, -3:].eq(IGNORE).all()
+        assert torch.equal(longer[:, : labels.shape[1]], labels) and torch.isin(longer[:, -3:], vocab).all()
+        weights = extended(only_labels, ("args", 4), (~pad).float(), labels.shape[1] + 3, vocab, torch.Generator())
+        assert torch.equal(weights[:, -3:], (~pad).float()[:, -1:].expand(2, 3))  # copies of its last position
 
 
 # ------------------------------------------------------------------------------------------ a call that cannot replay
