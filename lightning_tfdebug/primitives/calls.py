@@ -387,11 +387,17 @@ class ModelCall:
         return [s for s in self.slots if s.offset is not None and not (encoder and s.primary)]
 
     def seq_first_at(self, path: Path) -> bool:
-        """Whether the tensor at ``path`` is stored ``(T, B, ...)``: a slot's or the mask's layout, else the call's."""
+        """Whether the tensor at ``path`` is stored ``(T, B, ...)``: a slot's or the mask's layout as read; another
+        tensor's from where its rows are (the call's layout when both of its first dimensions could hold them)."""
         slot = next((s for s in self.slots if s.path == path), None)
         if slot is not None:
             return slot.seq_first
-        return self.mask_seq_first if path == self.mask_path else self.out_seq_first
+        if path == self.mask_path:
+            return self.mask_seq_first
+        t = self.tensors.get(path)
+        if t is None or t.ndim < 2 or t.shape[1] != self.batch_size:
+            return False
+        return self.out_seq_first or t.shape[0] != self.batch_size
 
     def sequence_group(self, length: int, exclude: Path | None = None) -> list[Path]:
         """The tensors of the call with a row per sample and ``length`` positions along their sequence axis (dim 1

@@ -193,3 +193,36 @@ def test_a_call_that_cannot_be_replayed_is_a_question_mark_in_coverage(tmp_path)
     status, reason, setting = probe.coverage["target leak into the inputs"]
     assert status == "unknown" and "IndexError" in (reason or "") and "forward_fn" in (setting or "")
     assert [f.severity for f in probe.findings if f.code == "TFD211"] == ["info"]
+
+
+class SeqFirst(nn.Module):
+    """``nn.Transformer`` sequence-first: ``(src (S, B), tgt (T, B), tgt_pad (B, T))``, logits ``(T, B, V)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.transformer = nn.Transformer(WIDTH, 2, 1, 1, 2 * WIDTH, dropout=0.0)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, src: Tensor, tgt: Tensor, tgt_pad: Tensor) -> Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[0])
+        return self.head(
+            self.transformer(self.embed(src), self.embed(tgt), tgt_mask=causal, tgt_key_padding_mask=tgt_pad)
+        )
+
+
+def test_a_sequence_first_call_keeps_each_tensors_own_layout():
+    """The decoder's ids are ``(T, B)``, its padding mask ``(B, T)``: both follow a cut of the ids, each in its layout,
+    and the probe rows narrow each along its own row dimension."""
+    net = SeqFirst().eval()
+    batch = one_length([torch.arange(3, 3 + n) for n in (5, 7, 6)])
+    ids, labels = batch["input_ids"], batch["labels"]
+    tgt, pad = batch["decoder_input_ids"].T, labels == IGNORE
+    with torch.no_grad():
+        _, calls = record_calls(net, lambda: net(ids.T, tgt, pad))
+        found = find_model_call(calls, ids, labels=labels, model=net)
+        assert not isinstance(found, str) and found.out_seq_first
+        assert found.sequence_group(ids.shape[1]) == [("args", 0), ("args", 1), ("args", 2)]
+        assert [found.seq_first_at(p) for p in found.sequence_group(ids.shape[1])] == [True, True, False]
+        logits = call_logits(found, call_vocab(found, ids), ids[:2, :5], None, torch.Generator().manual_seed(0))
+    assert logits.shape == (2, 5, VOCAB)
