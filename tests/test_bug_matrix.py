@@ -663,10 +663,6 @@ CASES = row_cases()
 
 KNOWN_MISSES: dict[tuple[int, str], str] = {}
 """Cases where the owner misses the bug today: ``(row, family) -> what it saw`` (xfail, not strict)."""
-KNOWN_MISSES[36, "seq2seq_reverse"] = (
-    "MaskProbe said only TFD208 (the context limit): no leak probe through a call of decoder ids, decoder mask and "
-    "keyword labels (issue 43)"
-)
 
 
 def run_case(tmp_path: Path, case: Case) -> tuple[list, BaseException | None]:

@@ -372,6 +372,7 @@ class MaskProbe(DebugCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, fields: tuple
     ) -> str | None:
         """The model call among those the real ``training_step`` made on this batch; returns why none was found."""
+        fields = (*fields[:2], capture.sequence_labels(step_batch(trainer, batch, self._keys).fields, fields[0]))
         found = capture.recorded_model_call(self._recording, fields, self.ignore_index, pl_module, self.model_kind)
         self._found = None if isinstance(found, str) else found
         return found if isinstance(found, str) else None

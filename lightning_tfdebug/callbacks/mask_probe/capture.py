@@ -89,6 +89,15 @@ def token_fields(fields: Any) -> tuple[Tensor | None, Tensor | None, Tensor | No
     return ids, mask, labels, fields.paths.get("attention_mask")
 
 
+def sequence_labels(fields: Any, ids: Tensor | None) -> Tensor | None:
+    """The batch's labels as the call's token tensors are compared with: 2-D integers with a row per sample, of any
+    length (an encoder-decoder's labels follow the decoder's length, not the source's); None otherwise."""
+    labels = fields.labels
+    if ids is None or not isinstance(labels, Tensor) or labels.ndim != 2 or labels.is_floating_point():
+        return None
+    return labels if labels.shape[0] == ids.shape[0] else None
+
+
 def per_sequence(member: Any, pl_module: pl.LightningModule, fields: tuple) -> str | None:
     """Why the token probes do not apply to the recorded model call when it returns one output per sequence (a
     sequence classifier), else None."""

@@ -290,7 +290,7 @@ class MaskProbes:
     @property
     def resizable(self) -> bool:
         """Whether the probes may change the ids' length: no other sequence of the call has it (a decoder input)."""
-        return self.found is None or (self.found.primary is not None and not self.found.companions())
+        return self.found is None or self.found.resizable
 
     def decide_causal(self, input_ids: Tensor, labels: Tensor | None) -> tuple[bool, bool]:
         """``(decoder, alignment applies)``, from what the labels ask the model to predict (``TFD212`` for an encoder);
@@ -388,7 +388,7 @@ class MaskProbes:
             change, where = max_change(first, second, masked.bool() if first.shape[:2] == masked.shape else None)
             every, where_every = max_change(first, second) if first.shape == second.shape else (change, where)
             self.readings.append(PaddingReading(change, where[1], every, where_every[1], k, tolerance, layout))
-        if self.found is not None and self.found.companions():
+        if not self.resizable:
             return  # another sequence of the call has the ids' length (a decoder input): padding the ids says nothing
         side = self.settings.padding_side
         if side == "auto":
