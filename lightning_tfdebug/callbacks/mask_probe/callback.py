@@ -217,7 +217,6 @@ class MaskProbe(DebugCallback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._drop_recording()
-        self._pending = None
 
     def _run_pending(self, trainer: pl.Trainer, pl_module: pl.LightningModule, returned: Tensor | None) -> None:
         """The probes of this step, once its forward is over; then every rank resolves (all armed on this step)."""
@@ -239,7 +238,7 @@ class MaskProbe(DebugCallback):
     def _drop_recording(self) -> None:
         if self._recording is not None:
             self._recording.done(self)
-        self._recording = None
+        self._recording, self._pending = None, None
 
     # ------------------------------------------------------------------ the probe
     def _probe(
