@@ -327,8 +327,10 @@ class MaskProbe(DebugCallback):
         if self._found is None:  # by signature: the kind from `model_kind=`, else the model's config
             session.kind = self.model_kind or call_finder.model_kind(None, model=pl_module)[0]
         if self._is_causal is None:  # once per fit
-            self._is_causal, aligned = session.decide_causal(fields[0], fields[2])
+            self._is_causal, aligned = session.decide_causal(fields[0], fields[2], pl_module)
             self._alignment_decided = self._alignment_decided or not aligned
+            if session.alignment_na is not None:  # a causal token classifier: its labels are classes
+                self.cover("label alignment", "n/a", session.alignment_na)
             if session.aside is not None:  # (why, the setting that enables them): recorded once
                 self.check_aside("causality and target alignment", *session.aside)
         session.causal = self._is_causal
