@@ -574,7 +574,7 @@ PENDING_CODES: set[str] = {"TFD215", "TFD231:error"}
 """Expectations that issue 43's probes bring and the pack cannot meet yet: a code the pack does not raise on these
 families yet (``TFD215``: a model without positions on an order-dependent objective that reads no token ids), or a
 registered code at a severity it does not reach yet (``code:severity``: LossAtInit's labels-independent-of-the-inputs
-at chance as an error; MaskProbe's label alignment naming labels from the next sample). A case that expects one is a
+at chance as an error). A case that expects one is a
 strict xfail: when the probes land, it passes and fails as XPASS; then remove the entry."""
 PENDING_OWNERS: dict[str, str] = {}  # the owner of a pending code the rule registry does not hold yet
 
