@@ -65,8 +65,11 @@ def measure_kind(
     logits: Callable[[Tensor, Tensor], Tensor], ids: Tensor, generator: torch.Generator, pool: Tensor
 ) -> KindMeasure:
     """The kind of the model behind ``logits(ids, mask)``, on the probe rows ``ids``: the same tokens twice (an eval
-    forward must repeat), then the tokens after the middle replaced by other ids of ``pool``. Host sync: one, at the
-    first probe of a fit with ``causal=None`` and labels that are not next-token labels."""
+    forward must repeat), then the tokens after the middle replaced by other ids of ``pool``. Causal when the outputs
+    at and before the middle stay within fp32's tolerance whatever the compute dtype (masked attention weights are
+    exact zeros): a bidirectional model at init in bf16 moves them by less than bf16's tolerance, but not by that
+    little. Host sync: one, at the first probe of a fit with ``causal=None`` and labels that are not next-token
+    labels."""
     b, t = ids.shape
     if t < 4:
         return KindMeasure(None, why=f"the probe rows hold {t} tokens, fewer than 4")
@@ -76,7 +79,7 @@ def measure_kind(
     noise = max_change(base, logits(ids, ones))[0]
     changed = logits(replace_after(ids, cut, generator, pool), ones)
     change = max_change(base, changed, causal_valid_positions(b, t, cut, ids.device))[0]
-    tolerance = logit_tolerance(base)
+    tolerance = logit_tolerance(base, torch.float32)  # fp32's, in every dtype: a causal model's outputs stay exact
     values = torch.stack([change.float(), tolerance.float(), noise.float()]).tolist()  # host sync: once per fit
     change_, tolerance_, noise_ = (float(v) for v in values)
     width = int(base.shape[-1])
