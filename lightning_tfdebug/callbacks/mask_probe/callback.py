@@ -46,7 +46,7 @@ class MaskProbe(DebugCallback):
             the first batch of each fit.
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
         causal: ``True`` for decoders; ``False`` for encoders (skips causality and target alignment); ``None``
-            decides from the batch's labels.
+            reads the labels, and measures the kind where they ask for no next token (``TFD210``, ``TFD212``).
         model_kind: ``"decoder"``, ``"encoder"`` (as ``causal=False``) or ``"encoder-decoder"``; ``None``: read it.
         check_padding: run the padding checks (needs a model that takes an attention mask).
         check_targets: run the target-alignment check.

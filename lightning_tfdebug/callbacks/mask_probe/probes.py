@@ -265,9 +265,7 @@ class MaskProbes:
         self.settled: set[str] = set()
         self.kind = self.found.kind if self.found is not None else "unknown"  # the caller's: set by MaskProbe
         self.aside: tuple[str, str] | None = None  # why causality and alignment are not probed, the setting to set
-        self.alignment_na: str | None = (
-            None  # why label alignment does not apply to a causal model (a token classifier)
-        )
+        self.alignment_na: str | None = None  # why label alignment does not apply (a causal token classifier)
 
     # ------------------------------------------------------------------ access
     def logits(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -309,7 +307,8 @@ class MaskProbes:
             # target-alignment check applies when the token ids themselves carry them (a decoder-only model).
             self.causal = True
             aligned = found.primary in found.related()
-            if not aligned and labels is not None and all(s.label_like for s in found.related()):
+            loss_only = all(s.label_like for s in found.related()) and self.kind != "encoder-decoder"
+            if not aligned and labels is not None and loss_only:
                 # the labels reach the call for its loss only, and the ids carry none of them: a model measured causal
                 # has misaligned labels (a bidirectional one keeps the leak probes of the labels it is passed)
                 objective = found.objective or read_objective(input_ids, labels, self.ignore_index)  # host sync: once
