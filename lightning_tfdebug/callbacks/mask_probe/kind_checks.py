@@ -31,7 +31,8 @@ class KindMeasure:
     Attributes:
         causal: True: they did not move (a causal model); False: they moved; None: not measured (``why``).
         change: the largest logit change at positions ``<= cut``.
-        tolerance: the comparison's tolerance (the repeat of the same tokens moved them by ``noise``).
+        tolerance: the comparison's tolerance: fp32's relative tolerance times the largest |logit|, in every dtype.
+        noise: how far a second pass of the same tokens moved the outputs (beyond ``tolerance``: not measured).
         cut: the last position that must not see the replaced tokens.
         length: the probe rows' length.
         width: the outputs' last dimension (the vocabulary of a language-model head).
