@@ -121,8 +121,9 @@ TFD210 = Rule(
         "read). Warning, at the first probe with `causal=None` when the labels equal the inputs at less than half of "
         "the supervised positions and the next inputs at less than half of those with a next input: the kind is "
         "measured (the tokens after the middle of the probe rows replaced leave the outputs at and before it within "
-        "fp32's tolerance, 1e-4 of the largest |logit|, in every dtype, and two passes of the same tokens agree), the outputs are over the input vocabulary "
-        "(wider than every id and label, and than the token embedding's rows) and the message names the relation "
+        "fp32's tolerance, 1e-4 of the largest |logit|, in every dtype, and two passes of the same tokens agree), the "
+        "outputs are over the input vocabulary (wider than every id and label, and than the token embedding's rows) "
+        "and the message names the relation "
         "measured: the labels against the inputs and the next inputs of the sample itself and of its neighbours "
         "along the batch (rows rolled by one either way), named when it holds at half of the positions or more."
     ),
