@@ -21,7 +21,13 @@ from lightning_tfdebug.callbacks.loss_at_init import floor_checks as loss_floor_
 from lightning_tfdebug.callbacks.loss_at_init import init_checks as loss_init_checks
 from lightning_tfdebug.callbacks.loss_at_init import stall_checks as loss_stall_checks
 from lightning_tfdebug.callbacks.loss_at_init import transform_checks as loss_transform_checks
-from lightning_tfdebug.callbacks.mask_probe import alignment_checks, leak_checks, padding_checks, position_checks
+from lightning_tfdebug.callbacks.mask_probe import (
+    alignment_checks,
+    leak_checks,
+    order_checks,
+    padding_checks,
+    position_checks,
+)
 from lightning_tfdebug.findings import set_headline_source
 from lightning_tfdebug.functional import (
     activation_checks,
@@ -75,6 +81,7 @@ _MODULES = (
     padding_checks,
     alignment_checks,
     position_checks,
+    order_checks,
     loss_init_checks,
     loss_stall_checks,
     loss_transform_checks,

@@ -570,11 +570,10 @@ def row_cases() -> dict[tuple[int, str], Case]:
     return c
 
 
-PENDING_CODES: set[str] = {"TFD215", "TFD231:error"}
+PENDING_CODES: set[str] = set()
 """Expectations that issue 43's probes bring and the pack cannot meet yet: a code the pack does not raise on these
-families yet (``TFD215``: a model without positions on an order-dependent objective that reads no token ids), or a
-registered code at a severity it does not reach yet (``code:severity``: LossAtInit's labels-independent-of-the-inputs
-at chance as an error). A case that expects one is a
+families yet (none at present), or a
+registered code at a severity it does not reach yet (``code:severity``; none at present). A case that expects one is a
 strict xfail: when the probes land, it passes and fails as XPASS; then remove the entry."""
 PENDING_OWNERS: dict[str, str] = {}  # the owner of a pending code the rule registry does not hold yet
 
@@ -663,10 +662,6 @@ CASES = row_cases()
 
 KNOWN_MISSES: dict[tuple[int, str], str] = {}
 """Cases where the owner misses the bug today: ``(row, family) -> what it saw`` (xfail, not strict)."""
-KNOWN_MISSES[36, "seq2seq_reverse"] = (
-    "MaskProbe said only TFD208 (the context limit): no leak probe through a call of decoder ids, decoder mask and "
-    "keyword labels (issue 43)"
-)
 
 
 def run_case(tmp_path: Path, case: Case) -> tuple[list, BaseException | None]:

@@ -61,6 +61,8 @@ class StepRecording:
 
         root: nn.Module = pl_module
         self._recorder: CallRecorder | None = CallRecorder(root, keep=keep, nested=True, want=self._wanted)
+        # under DDP Lightning calls training_step through the module (args: the batch, its index): not a level
+        self._recorder.transparent = lambda module, args, _: module is pl_module and bool(args) and args[0] is batch
         if self.compiled:
             self._recorder.modules = compiled_boundaries(pl_module)
         self._recorder.start()

@@ -370,6 +370,7 @@ CHECK_SUMS = (
     *("copies", "repeats", "count", "own_match", "rolled_match", "match_count", "range_sq_sum", "floor_count"),
     *(OTHER_ALIGNMENT + key for key in (*_ALIGNED, "range_sq_sum", "floor_count")),
     *LATE_SUMS,
+    "seq_labels",
 )
 """The sums :func:`step_sums` takes at the check, besides :data:`TRANSFORM_SUMS`."""
 TRANSFORM_SUMS = (
@@ -420,6 +421,9 @@ def step_sums(
             out.update(masked_input_sums(ids, labels, vocab_size, ignore_index))
     elif phase == "check":
         out = _check_sums(logits, labels, shift_labels, both, label_smoothing, options)
+        # one label per sequence (a classifier's (B,) labels beside (B, C) logits): from the shapes, no sync
+        per_sequence = labels.ndim == 1 and logits.ndim == 2 and labels.shape[0] == logits.shape[0] > 1
+        out["seq_labels"] = torch.tensor(float(per_sequence), device=logits.device)
         if ids is not None and inputs_are_ids:
             out.update(_label_relation_sums(ids, labels, vocab_size, ignore_index, masked_lm))
         if ids is not None and late:

@@ -133,21 +133,25 @@ class CallRecorder:
         self.want = want
         self.calls: list[RecordedCall] = []
         self.modules: list[nn.Module] | None = None  # the modules to hook; None: every module under ``root``
+        # a call that does not count as a level (DDP routes ``training_step`` through the module: the calls inside it
+        # are the outermost ones, as they are in one process); it is recorded itself like any outermost call
+        self.transparent: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], bool] | None = None
         self._depth = 0
         self._started = 0
-        self._stack: list[tuple[int, bool]] = []  # (order, recorded) of the calls in progress
+        self._stack: list[tuple[int, bool, bool]] = []  # (order, recorded, transparent) of the calls in progress
         self._handles: list[Any] = []
 
     def start(self) -> CallRecorder:
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             order, self._started = self._started, self._started + 1
             wanted = self._depth == 0 or (self.nested and (self.want is None or self.want(module, args, kwargs)))
-            self._stack.append((order, wanted))
-            self._depth += 1
+            through = self._depth == 0 and self.transparent is not None and self.transparent(module, args, kwargs)
+            self._stack.append((order, wanted, through))
+            self._depth += 0 if through else 1
 
         def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            self._depth -= 1
-            order, wanted = self._stack.pop() if self._stack else (self._started, self._depth == 0)
+            order, wanted, through = self._stack.pop() if self._stack else (self._started, self._depth <= 1, False)
+            self._depth -= 0 if through else 1
             if wanted and (self.keep is None or self.keep()):
                 call = RecordedCall(module, args, dict(kwargs), output, self._depth, order, finished=len(self.calls))
                 self.calls.append(call)
@@ -386,23 +390,61 @@ class ModelCall:
         encoder = self.kind == "encoder-decoder"
         return [s for s in self.slots if s.offset is not None and not (encoder and s.primary)]
 
-    def companions(self) -> list[TokenSlot]:
-        """Other sequences of the ids' length not passed under a labels name (a decoder input, position ids)."""
-        primary = self.primary
-        if primary is None:
-            return []
-        return [s for s in self.slots if not s.primary and not s.label_like and s.length == primary.length]
+    def seq_first_at(self, path: Path) -> bool:
+        """Whether the tensor at ``path`` is stored ``(T, B, ...)``: a slot's or the mask's layout as read; another
+        tensor's from where its rows are (the call's layout when both of its first dimensions could hold them)."""
+        slot = next((s for s in self.slots if s.path == path), None)
+        if slot is not None:
+            return slot.seq_first
+        if path == self.mask_path:
+            return self.mask_seq_first
+        t = self.tensors.get(path)
+        if t is None or t.ndim < 2 or t.shape[1] != self.batch_size:
+            return False
+        return self.out_seq_first or t.shape[0] != self.batch_size
+
+    def sequence_group(self, length: int, exclude: Path | None = None) -> list[Path]:
+        """The tensors of the call with a row per sample and ``length`` positions along their sequence axis (dim 1
+        batch-first), whatever their dtype or name: a decoder's ids, its mask and per-position labels share one
+        length, so a probe that cuts or extends one of them cuts or extends them all (``exclude``: the one changed)."""
+        out = []
+        for path, t in self.tensors.items():
+            if path == exclude or t.ndim < 2:
+                continue
+            rows, positions = (1, 0) if self.seq_first_at(path) else (0, 1)
+            if t.shape[rows] == self.batch_size and t.shape[positions] == length:
+                out.append(path)
+        return out
 
     @property
-    def time_cut_safe(self) -> bool:
-        """Whether the sequences can be cut shorter: no other tensor of the call has a dimension of their length."""
+    def resizable(self) -> bool:
+        """Whether the probes may give the ids another length: every other tensor of their length is a token tensor
+        passed under a labels name (``labels``, ``targets``, ``tgt``: extended with ids of the batch); a decoder input
+        by another name, a float feature or a mask of that length has no value a longer probe could give it (see
+        :meth:`sequence_group`)."""
         primary = self.primary
         if primary is None:
             return False
-        known = {s.path for s in self.slots} | ({self.mask_path} if self.mask_path is not None else set())
-        return not any(
-            primary.length in tuple(t.shape) for p, t in self.tensors.items() if p not in known and t.ndim >= 1
-        )
+        labels = {s.path for s in self.slots if s.label_like}
+        others = set(self.sequence_group(primary.length, exclude=primary.path)) - {self.mask_path}
+        return others <= labels
+
+    @property
+    def time_cut_safe(self) -> bool:
+        """Whether the sequences can be cut shorter: every tensor with a dimension of their length has it only along
+        its sequence axis, with a row per sample (the :meth:`sequence_group`, cut together)."""
+        primary = self.primary
+        if primary is None:
+            return False
+        group = set(self.sequence_group(primary.length))
+        for path, t in self.tensors.items():
+            rows, positions = (1, 0) if self.seq_first_at(path) else (0, 1)
+            skip = {positions} if path in group else set()  # a member's positions are cut with the ids
+            if t.ndim >= 2 and t.shape[rows] == self.batch_size:
+                skip.add(rows)  # (the row dimension holds the batch size, whatever it equals)
+            if primary.length in [n for i, n in enumerate(t.shape) if i not in skip]:
+                return False
+        return True
 
     def mask_value(self, real: Tensor) -> Tensor:
         """The recorded mask's encoding of ``real`` (1 = real token), batch-first."""
@@ -459,7 +501,9 @@ def relation_offset(
     slot: Tensor, reference: Tensor, ignore_index: int, offsets: tuple[int, ...] = (0, 1, -1)
 ) -> int | None:
     """The largest offset ``o`` at which ``slot[:, t] == reference[:, t - o]`` at :data:`RELATION_FRACTION` of the
-    supervised positions, or None. Host syncs: recording steps only."""
+    supervised positions, or None. A position counts when the label it carries is supervised and so is the label of
+    its own position, where the reference has one (a decoder input's position past the last label is padding, which a
+    collator may blank). Host syncs: recording steps only."""
     matches: list[int] = []
     ts, tr = slot.shape[1], reference.shape[1]
     for o in offsets:
@@ -469,6 +513,8 @@ def relation_offset(
         s = slot[:, lo:hi]
         r = reference[:, lo - o : hi - o]
         supervised = r != ignore_index
+        own = reference[:, lo : min(hi, tr)] != ignore_index  # the labels of the slot's own positions
+        supervised[:, : own.shape[1]] &= own
         n = int(supervised.sum())
         if n == 0:
             continue

@@ -77,3 +77,26 @@ def test_an_asker_that_never_reads_does_not_hold_the_next_batch(tmp_path):
     assert last.recording  # nobody read the last one: its hooks are still on until the next fit releases it
     last.release()
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+
+
+def test_spike_guard_lets_the_recording_go_when_its_first_step_returns_none(tmp_path):
+    """SpikeGuard asks for the first batch's recording and reads it before backward; a first step that returns None
+    has no backward, so the hooks go at the batch's end instead of staying on for later forwards."""
+    from lightning_tfdebug import SpikeGuard
+
+    class SkipsFirst(CountingGPT):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return None if batch_idx == 0 else loss
+
+    class HooksAtBatchEnd(pl.Callback):
+        def __init__(self):
+            self.hooks = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.hooks.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in pl_module.modules()))
+
+    model, after = SkipsFirst(**SMALL), HooksAtBatchEnd()
+    trainer = make_trainer(tmp_path, [SpikeGuard(), after], max_steps=2)
+    trainer.fit(model, TinyTextDataModule(batch_size=4))
+    assert len(after.hooks) == model.steps >= 2 and set(after.hooks) == {0}  # the skipped batch left no hook behind

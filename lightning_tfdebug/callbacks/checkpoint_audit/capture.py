@@ -45,9 +45,9 @@ def probe_value(output: Tensor | None) -> Tensor | None:
     signs ``w``. Another model moves it by about ``1 / sqrt(n)``; the same weights replay it to rounding."""
     if output is None or output.numel() == 0:
         return None
-    flat = output.detach().float().reshape(-1)
-    stride = max(1, flat.numel() // FINGERPRINT_VALUES)
-    x = flat[::stride][:FINGERPRINT_VALUES]
+    values = output.detach().float().reshape(-1)
+    stride = max(1, values.numel() // FINGERPRINT_VALUES)
+    x = values[::stride][:FINGERPRINT_VALUES]
     signs = torch.randint(0, 2, (x.numel(),), generator=torch.Generator().manual_seed(0)).to(x.device) * 2 - 1
     return (signs * x).sum() / x.abs().sum().clamp_min(torch.finfo(torch.float32).tiny)
 

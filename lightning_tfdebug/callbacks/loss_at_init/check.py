@@ -81,6 +81,7 @@ def check_findings(
             flat=flat_window(window, reading.loss, reading.expected, stall_tolerance),
             window_steps=step - min((s for s, _ in window), default=step),
             masked=run.masked_lm,
+            per_sequence=reading.per_sequence,
         )
     )
     transform, floor = comparison_verdicts(run, vocab, unigram, last=CHECK_READINGS)

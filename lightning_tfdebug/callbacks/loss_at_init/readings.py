@@ -86,6 +86,7 @@ class LossSums:
     late_mask_count: float = 0.0
     late_supervised: float = 0.0
     late_positions: float = 0.0
+    seq_labels: float = 0.0  # the check: ranks whose labels are one per sequence
     # the compared steps and the check (TRANSFORM_SUMS)
     tx_ce_sum: float = 0.0
     tx_ce_sq_sum: float = 0.0
@@ -251,6 +252,7 @@ class CheckReading:
     copy_positions: float = 0.0  # positions the copy rate counted
     rolled_rows: float = 0.0  # rows the rolled loss counted
     floor_rows: float = 0.0  # rows the floor counted
+    per_sequence: bool = False  # every rank's labels are one per sequence (a classifier's)
 
     def metrics(self) -> dict[str, float]:
         """The logged keys of the check (what it measured)."""
@@ -288,6 +290,7 @@ def check_reading(host: LossSums, vocab: int) -> CheckReading:
         copy_positions=count,
         rolled_rows=rolled,
         floor_rows=floor,
+        per_sequence=0 < host.seq_labels >= host.ok,
     )
 
 

@@ -281,17 +281,22 @@ TFD231 = Rule(
         "at the check the loss is at the labels' unigram entropy (0.85x to 1.1x), the loss against labels rolled "
         "by one sample along the batch is within 1% of it, and the labels do not repeat their own inputs more "
         "than a neighbour's (masked-LM labels: do not sit on their own inputs' mask tokens more than on a "
-        "neighbour's); info when the labels' relation to the inputs cannot be measured (an encoder-decoder)"
+        "neighbour's); an error when they repeat the neighbour's, or when there is one label per sequence and the "
+        "loss stayed flat at chance; info when the labels' relation to the inputs cannot be measured per position "
+        "(an encoder-decoder)"
     ),
     details=(
         "At the check: the loss is 0.85x to 1.1x the labels' unigram entropy H (Miller-Madow corrected, counted over "
         "the first 8 measuring steps on all ranks), and the cross-entropy against the labels rolled by one sample "
         "along the batch is less than 1% above it. Then, from the share of positions where the labels repeat their "
-        "own inputs (own) and the neighbouring sample's (rolled): a warning when rolled >= 0.5 and >= own + 0.2 "
-        "(joined off by one row) or neither side wins (labels from other samples, or a task whose labels never repeat"
-        " the inputs with a model that ignores them); info when the relation cannot be measured (no token inputs "
-        "shaped like the labels, e.g. an encoder-decoder). Masked-LM labels are compared by whose mask tokens they "
-        "sit on. Dropped when `TFD233` is raised."
+        "own inputs (own) and the neighbouring sample's (rolled): an error when rolled >= 0.5 and >= own + 0.2 "
+        "(joined off by one row), a warning when neither side wins (labels from other samples, or a task whose labels"
+        " never repeat the inputs with a model that ignores them). With one label per sequence (`(B,)` labels beside "
+        "`(B, C)` logits: a classifier) the relation is not measured: an error once the loss has also been flat over "
+        "a window of at least 20 steps (the run learns nothing from its inputs: labels joined to the wrong rows, or "
+        "the model cannot see what decides them). Info when the relation cannot be measured per position (no token "
+        "inputs shaped like the labels, e.g. an encoder-decoder on its plateau). Masked-LM labels are compared by "
+        "whose mask tokens they sit on. Dropped when `TFD233` is raised."
     ),
     hint=(
         "The labels do not belong to their inputs: look for an off-by-one in the join of inputs and labels, a "
@@ -315,12 +320,16 @@ def context_verdict(
     flat: bool = True,
     window_steps: int = STALL_STEPS,
     masked: bool = False,
+    per_sequence: bool = False,
 ) -> Verdict | None:
     """``TFD231`` / ``TFD232``: the loss sits at the labels' unigram entropy and the model predicts its own sample's
     labels no better than its neighbour's (``rolled_loss``). What the labels repeat (``own_match`` /
     ``rolled_match``, masked LM: whose masks they sit on) tells which side is at fault: the neighbour's inputs, or
     neither, ``TFD231`` (labels from other samples); their own, ``TFD232`` (the model ignores its context), once the
-    loss is ``flat`` over :data:`STALL_STEPS` steps (``window_steps``).
+    loss is ``flat`` over :data:`STALL_STEPS` steps (``window_steps``). Harm sets the severity of ``TFD231``: an error
+    where the labels are the neighbours' (measured) or are one per sequence (``per_sequence``, a classifier) with the
+    loss flat at chance over the window; info where nothing tells the two sides apart per position (an
+    encoder-decoder on its plateau).
     """
     if not (math.isfinite(loss) and math.isfinite(rolled_loss) and math.isfinite(unigram_entropy)):
         return None
@@ -344,7 +353,8 @@ def context_verdict(
         if not flat or window_steps < STALL_STEPS:
             return None
         return _ignores_context(evidence, own_match, rolled_match, masked)
-    if measured and rolled_match >= 0.5 and rolled_match >= own_match + RELATION_MARGIN:
+    rolled_is_own = measured and rolled_match >= 0.5 and rolled_match >= own_match + RELATION_MARGIN
+    if rolled_is_own:
         why = (
             f"the labels repeat the *neighbouring* sample's inputs ({rolled_match:.0%} of positions, their own only "
             f"{own_match:.0%}): the labels are joined to the inputs off by one row"
@@ -355,14 +365,25 @@ def context_verdict(
             f"({rolled_match:.0%}): they come from other samples (a shuffled label column), unless this task's labels "
             "never repeat their inputs (classification, translation), in which case the model ignores its inputs"
         )
+    elif per_sequence and flat and window_steps >= STALL_STEPS:
+        # one label per sequence, the loss flat at the labels' entropy over the window and no better on the own rows'
+        # labels than on the neighbours': whatever the model reads of its inputs says nothing of its labels
+        why = (
+            f"the loss stayed flat at chance for {window_steps} steps: the labels (one per sequence) do not depend on "
+            "what the model sees of its inputs. Either they are joined to the wrong rows, or the model cannot see what "
+            "decides them (the input that carries the class never reaches it, or it cannot see token order)"
+        )
+        return TFD231.verdict(evidence, severity="error", step=step, why=why)
     else:
-        # unmeasured (an encoder-decoder's labels enter only its decoder): a model still on the unigram plateau, as a
-        # healthy encoder-decoder is while its cross-attention forms, reads the same, so no warning is earned
+        # unmeasured per position (an encoder-decoder's labels enter only its decoder): a model still on the unigram
+        # plateau, as a healthy encoder-decoder is while its cross-attention forms, reads the same: no warning earned
         why = (
             "the labels do not depend on the inputs (they belong to other samples), or the model ignores its inputs; "
             "with no token inputs shaped like the labels this cannot be told apart here"
         )
         return TFD231.verdict(evidence, severity="info", step=step, why=why)
+    if rolled_is_own:
+        return TFD231.verdict(evidence, severity="error", step=step, why=why)
     return TFD231.verdict(evidence, step=step, why=why)
 
 

@@ -33,7 +33,8 @@ def rows_output(output: Any, batch_size: int) -> Tensor | None:
 
 def outer_model_call(calls: list[RecordedCall], batch: Any, batch_idx: int, batch_size: int) -> RecordedCall | None:
     """The first outermost call of ``training_step`` (not the step itself, which Lightning routes through the module
-    under DDP) that returned one output row per batch row."""
+    under DDP; the recording counts it as no level, so the calls inside it are outermost too) that returned one output
+    row per batch row."""
     for call in calls:
         if call.depth != 0 or (len(call.args) >= 2 and call.args[0] is batch and call.args[1] == batch_idx):
             continue

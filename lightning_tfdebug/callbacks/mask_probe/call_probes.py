@@ -111,15 +111,14 @@ def run_call(found: ModelCall, changes: dict[Path, Tensor], rows: int | None = N
     b = rows or found.batch_size
     replacements: dict[Path, Tensor] = {}
     for path, value in found.tensors.items():
-        slot = next((s for s in found.slots if s.path == path), None)
+        seq_first = found.seq_first_at(path) and value.ndim >= 2
         if path in changes:
             new = changes[path]
-            transposed = slot.seq_first if slot is not None else path == found.mask_path and found.mask_seq_first
-            if transposed:
+            if seq_first:
                 new = new.transpose(0, 1)
             replacements[path] = new.to(value.dtype) if path == found.mask_path else new
         elif b != found.batch_size:
-            axis = 1 if slot is not None and slot.seq_first else 0
+            axis = 1 if seq_first else 0
             if value.ndim > axis and value.shape[axis] == found.batch_size:
                 replacements[path] = value.narrow(axis, 0, b)
     logits = read_logits(found.call.call(replacements), b, found.out_seq_first)
@@ -131,24 +130,39 @@ def run_call(found: ModelCall, changes: dict[Path, Tensor], rows: int | None = N
 def call_logits(
     found: ModelCall, vocab: Tensor, input_ids: Tensor, attention_mask: Tensor | None, generator: torch.Generator
 ) -> Tensor:
-    """The recorded call with its token ids (and mask) replaced by ``input_ids`` (and ``attention_mask``); the
-    call's other token tensors of the ids' length follow (cut to the same rows and length, or extended with ids from
-    ``vocab``). The probes' logits function for a recorded call."""
+    """The recorded call with its token ids (and mask) replaced by ``input_ids`` (and ``attention_mask``); every other
+    tensor of the ids' length along its sequence axis (:meth:`ModelCall.sequence_group`: a decoder input, its mask,
+    labels, per-position features, by keyword or positionally) follows: cut to the same rows and length, or extended
+    (:func:`extended`). Tensors of another length (an encoder-decoder's other side) are left as they are. The
+    probes' logits function for a recorded call."""
     primary = found.primary
     assert primary is not None
     b, t = input_ids.shape
     changes: dict[Path, Tensor] = {primary.path: input_ids}
     if found.mask_path is not None and attention_mask is not None:
         changes[found.mask_path] = found.mask_value(attention_mask)
-    for slot in found.slots:
-        if slot.primary or slot.length != primary.length:
+    for path in found.sequence_group(primary.length, exclude=primary.path):
+        if path in changes:
             continue
-        companion = found.batch_first(slot)[:b, :t].contiguous()
-        if companion.shape[1] < t:
-            extra = random_ids(vocab, (b, t - companion.shape[1]), generator).to(companion.dtype)
-            companion = torch.cat([companion, extra], 1)
-        changes[slot.path] = companion
+        value = found.tensors[path]
+        member = (value.transpose(0, 1) if found.seq_first_at(path) else value)[:b, :t].contiguous()
+        changes[path] = extended(found, path, member, t, vocab, generator) if member.shape[1] < t else member
     return run_call(found, changes, rows=b)
+
+
+def extended(
+    found: ModelCall, path: Path, member: Tensor, length: int, vocab: Tensor, generator: torch.Generator
+) -> Tensor:
+    """``member`` (batch-first) extended to ``length`` positions: token ids and labels with ids from ``vocab`` (a class
+    every loss accepts, whatever its ignored value), anything else (a 0/1 mask, features) with copies of its last
+    position."""
+    b, extra = int(member.shape[0]), length - int(member.shape[1])
+    slot = next((s for s in found.slots if s.path == path), None)
+    if slot is not None and member.ndim == 2 and bool(((member != 0) & (member != 1)).any()):  # not a 0/1 mask
+        tail = random_ids(vocab, (b, extra), generator).to(member.dtype)
+    else:
+        tail = member[:, -1:].expand(b, extra, *member.shape[2:])
+    return torch.cat([member, tail], 1)
 
 
 def perturb_from(

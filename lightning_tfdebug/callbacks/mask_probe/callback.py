@@ -16,6 +16,7 @@ from lightning_tfdebug.callbacks.mask_probe import (
     capture,
     decisions,
     leak_checks,
+    order_any,
     probes,
 )
 from lightning_tfdebug.callbacks.mask_probe.readings import ALIGNMENT_RETRY_STEPS, ORDER_STEPS, SECONDS
@@ -38,15 +39,14 @@ class MaskProbe(DebugCallback):
     At the first training batch of a fit (and every ``every_n_steps`` steps if set), MaskProbe runs a few extra forward
     passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch, through the call
     ``training_step`` makes, else ``forward`` by its signature, or ``forward_fn``. Each rank probes its own batch;
-    under sharded strategies it stands aside. Every probe and its codes (``TFD201``-``TFD217``):
+    under sharded strategies it stands aside. Every probe and its codes (``TFD201``-``TFD218``):
     ``docs/callbacks/mask_probe.md``; the logged keys: :attr:`KEYS`.
 
     Args:
         every_n_steps: probe again whenever ``global_step % every_n_steps == 0``; ``None`` (default) probes only at
             the first batch of each fit.
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
-        causal: ``True`` for decoders; ``False`` for encoders (skips causality and target alignment); ``None``
-            reads the labels, and measures the kind where they ask for no next token (``TFD210``, ``TFD212``).
+        causal: ``True``: a decoder; ``False``: an encoder (no causality, no alignment); ``None``: read, else measured.
         model_kind: ``"decoder"``, ``"encoder"`` (as ``causal=False``) or ``"encoder-decoder"``; ``None``: read it.
         check_padding: run the padding checks (needs a model that takes an attention mask).
         check_targets: run the target-alignment check.
@@ -150,7 +150,7 @@ class MaskProbe(DebugCallback):
         self._positions_done = self._samples_done = False
         self._special_ids: tuple[int, ...] = ()
         self._alignment_decided = self.causal is False or not self.check_targets
-        self._order_decided = not self.check_positions
+        self._order_decided, self.order_watch = not self.check_positions, order_any.OrderWatch()  # pending order checks
         self._is_causal: bool | None = self.causal  # resolved at the first probe of a fit when None
 
     @property
@@ -180,7 +180,7 @@ class MaskProbe(DebugCallback):
     ) -> None:
         if self._setup_aside or trainer.sanity_checking:
             return
-        step = trainer.global_step
+        step = capture.order_batch_start(self, trainer, pl_module, batch)  # records an order-blind decision step
         if self._last_probe_step == step:
             return  # gradient accumulation: one probe per optimizer step
         first = self._last_probe_step is None
@@ -212,6 +212,7 @@ class MaskProbe(DebugCallback):
     ) -> None:
         if self._pending is not None:  # no backward ran through Lightning (a manual step without manual_backward)
             self._run_pending(trainer, pl_module, training_loss(trainer, pl_module, outputs))
+        capture.order_batch_end(self, trainer, pl_module, outputs, (batch, batch_idx))  # a few fixed steps only
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._drop_recording()
@@ -327,10 +328,8 @@ class MaskProbe(DebugCallback):
         if self._found is None:  # by signature: the kind from `model_kind=`, else the model's config
             session.kind = self.model_kind or call_finder.model_kind(None, model=pl_module)[0]
         if self._is_causal is None:  # once per fit
-            self._is_causal, aligned = session.decide_causal(fields[0], fields[2], pl_module)
+            self._is_causal, aligned = session.decide_causal(fields[0], fields[2], pl_module, self.cover)
             self._alignment_decided = self._alignment_decided or not aligned
-            if session.alignment_na is not None:  # a causal token classifier: its labels are classes
-                self.cover("label alignment", "n/a", session.alignment_na)
             if session.aside is not None:  # (why, the setting that enables them): recorded once
                 self.check_aside("causality and target alignment", *session.aside)
         session.causal = self._is_causal
@@ -372,6 +371,7 @@ class MaskProbe(DebugCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, fields: tuple
     ) -> str | None:
         """The model call among those the real ``training_step`` made on this batch; returns why none was found."""
+        fields = (*fields[:2], capture.sequence_labels(step_batch(trainer, batch, self._keys).fields, fields[0]))
         found = capture.recorded_model_call(self._recording, fields, self.ignore_index, pl_module, self.model_kind)
         self._found = None if isinstance(found, str) else found
         return found if isinstance(found, str) else None

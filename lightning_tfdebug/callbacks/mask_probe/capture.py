@@ -10,13 +10,16 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_tfdebug.callbacks.mask_probe import any_inputs, decisions, probes
+from lightning_tfdebug.callbacks.mask_probe import any_inputs, decisions, order_any, probes
+from lightning_tfdebug.callbacks.mask_probe.order_checks import OrderSeenReading
 from lightning_tfdebug.core.base import eager_model_calls
-from lightning_tfdebug.core.calls import StepRecording
+from lightning_tfdebug.core.batch import step_batch
+from lightning_tfdebug.core.calls import StepRecording, record_step
+from lightning_tfdebug.core.logits import training_loss
 from lightning_tfdebug.core.model import grad_scaler_of, import_object
 from lightning_tfdebug.functional.verdicts import Verdict
 from lightning_tfdebug.primitives import call_finder
-from lightning_tfdebug.primitives.calls import ModelCall
+from lightning_tfdebug.primitives.calls import ModelCall, takes_tokens
 
 
 def imported(path: str | None) -> Any:
@@ -86,6 +89,15 @@ def token_fields(fields: Any) -> tuple[Tensor | None, Tensor | None, Tensor | No
     return ids, mask, labels, fields.paths.get("attention_mask")
 
 
+def sequence_labels(fields: Any, ids: Tensor | None) -> Tensor | None:
+    """The batch's labels as the call's token tensors are compared with: 2-D integers with a row per sample, of any
+    length (an encoder-decoder's labels follow the decoder's length, not the source's); None otherwise."""
+    labels = fields.labels
+    if ids is None or not isinstance(labels, Tensor) or labels.ndim != 2 or labels.is_floating_point():
+        return None
+    return labels if labels.shape[0] == ids.shape[0] else None
+
+
 def per_sequence(member: Any, pl_module: pl.LightningModule, fields: tuple) -> str | None:
     """Why the token probes do not apply to the recorded model call when it returns one output per sequence (a
     sequence classifier), else None."""
@@ -112,6 +124,8 @@ def probe_features(
     ``no_grad``, RNG forked, modes restored), logged, covered and emitted by ``member`` (MaskProbe). Returns a sentence
     saying what ran (empty when nothing could). Host sync: one transfer, on the probing step."""
     batch, batch_idx = step_args
+    # the order watch decides at a step every rank fixes here alike, whatever its own probe finds below
+    member.order_watch.start(trainer.global_step, _last_step(trainer))
     calls = [] if recording is None else recording.calls()
     rows = next((r for c in calls if c.depth == 0 and (r := any_inputs.batch_rows(c)) is not None), None)
     call = None if rows is None else any_inputs.outer_model_call(calls, batch, batch_idx, rows)
@@ -123,16 +137,99 @@ def probe_features(
         with eager_model_calls(), torch.random.fork_rng(), torch.no_grad(), precision:
             pl_module.eval()
             readings, not_run = any_inputs.probe_any_inputs(call, rows)
+            order, order_aside = _probe_order(member, trainer, batch, call, rows)
     except Exception as err:  # a call that cannot be replayed: said in the stand-aside's reason
         return f" Replaying the model call failed ({type(err).__name__}: {err})."
     finally:
         for module, flag in modes.items():
             module.training = flag
-    readings = probes.on_host(readings, member.to_host)  # host sync: one transfer (probing steps only)
+    readings = probes.on_host(readings + order, member.to_host)  # host sync: one transfer (probing steps only)
     member.log_scalars(trainer, {k: v for r in readings for k, v in r.logged().items()})
     ran = decisions.rows_verified(readings)
     for row in ran:
         member.cover(row, "verified")  # a finding among the row's codes makes it one in the report
-    member.emit(trainer, decisions.decide_probe(readings)[0], synchronized=False)
+    verdicts = decisions.decide_probe(readings)[0]
+    member.emit(trainer, verdicts, synchronized=False)
+    noisy = any(v is not None and v.code == "TFD213" for v in verdicts)
+    order_any.conclude(member, member.order_watch, readings, order_aside, noisy)
     said = f" On the recorded model call, {' and '.join(ran)} were probed" if ran else ""
     return said + (f" ({', '.join(not_run)} could not be)." if not_run else ".")
+
+
+# ------------------------------------------------------------------------------- the order of an order-blind model
+def _last_step(trainer: pl.Trainer) -> float:
+    """The fit's last optimizer step as Lightning estimates it (infinite when it cannot)."""
+    try:
+        return float(trainer.estimated_stepping_batches) - 1
+    except Exception:  # a set-up Lightning cannot estimate: the watch decides DECIDE_STEP steps on
+        return float("inf")
+
+
+def _probe_order(member: Any, trainer: pl.Trainer, batch: Any, call: Any, rows: int) -> tuple[list, str | None]:
+    """:func:`.order_any.probe_order` on the recorded call (in the caller's eval context): its readings and why it
+    could not run; a replay that fails here costs the other probes nothing."""
+    try:
+        labels = order_any.batch_labels(step_batch(trainer, batch, member._keys).fields, call)
+        return order_any.probe_order(call, rows, labels, member.ignore_index)
+    except Exception as err:  # an argument the permutation breaks: the row says so
+        return [], f"replaying it with its positions permuted failed ({type(err).__name__}: {err})"
+
+
+def order_batch_start(member: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
+    """At a batch's start: its step (returned), and on the decision step of a model order-blind at the first probe,
+    the recording of its model call (in ``member``'s recording slot: MaskProbe stood aside on this path, nothing else
+    uses it)."""
+    watch = member.order_watch
+    step = watch.step = trainer.global_step
+    if watch.records(step) and member.forward_fn is None and member._recording is None:
+        member._recording = record_step(trainer, pl_module, batch, member, takes_tokens)
+    return step
+
+
+def order_batch_end(
+    member: Any, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, step_args: tuple[Any, int]
+) -> None:
+    """At a batch's end: the returned loss of a watched step added on the device; at the decision step (the same on
+    every rank), the order probed again on its recorded call, the verdict emitted, and every rank resolves."""
+    watch = member.order_watch
+    if watch.step is None or watch.done or watch.decide_at is None:
+        return
+    if watch.window(watch.step):
+        watch.add(watch.step, training_loss(trainer, pl_module, outputs))
+    if watch.step != watch.decide_at:
+        return
+    recording, member._recording = member._recording, None
+    again = None
+    if recording is not None:
+        again = _probe_order_again(member, trainer, pl_module, recording, step_args)
+        recording.done(member)
+    member.emit(trainer, watch.conclude(member, again), synchronized=False)  # host sync: two sums, once per fit
+    member.resolve_local_findings(trainer)
+
+
+def _probe_order_again(
+    member: Any, trainer: Any, pl_module: Any, recording: Any, step_args: tuple[Any, int]
+) -> OrderSeenReading | None:
+    """The order probe on the model call ``recording`` holds (eval mode, ``no_grad``, RNG forked, modes restored), on
+    the host; None when it cannot run. Host sync: one transfer, at the decision step only."""
+    batch, batch_idx = step_args
+    calls = [] if recording is None else recording.calls()
+    rows = next((r for c in calls if c.depth == 0 and (r := any_inputs.batch_rows(c)) is not None), None)
+    call = None if rows is None else any_inputs.outer_model_call(calls, batch, batch_idx, rows)
+    if call is None or rows is None:
+        return None
+    modes = {m: m.training for m in pl_module.modules()}
+    try:
+        with (
+            eager_model_calls(),
+            torch.random.fork_rng(),
+            torch.no_grad(),
+            trainer.precision_plugin.train_step_context(),
+        ):
+            pl_module.eval()
+            readings, _ = _probe_order(member, trainer, batch, call, rows)
+    finally:
+        for module, flag in modes.items():
+            module.training = flag
+    found = [r for r in probes.on_host(readings, member.to_host) if isinstance(r, OrderSeenReading)]  # host sync (once)
+    return found[0] if found else None

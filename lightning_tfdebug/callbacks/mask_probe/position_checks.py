@@ -137,13 +137,24 @@ TFD215 = Rule(
     ),
     trigger=(
         "from step 100, reversing the tokens before a position leaves that position's output unchanged while "
-        "replacing them moves it by over 100x the tolerance"
+        "replacing them moves it by over 100x the tolerance; on a model read without token ids (or with one output "
+        "per sequence), permuting its input positions permutes its outputs alike, on an objective that needs order"
     ),
     details=(
         "At steps 100, 200 and 500 until decided: the tokens before a position are reversed, and separately replaced."
         " Fires when the reversal moves that position's output by at most the dtype-aware tolerance (see `TFD213`) "
         "while the replacement moves it by more than 100x the tolerance. Decided silent once the reversal moves it by"
-        " more than 10x the tolerance."
+        " more than 10x the tolerance. A model read without token ids or returning one output per sequence (the "
+        "any-inputs probes, `order_checks.py`): at the first "
+        "probe, the recorded model call is replayed with the positions of its sequence tensors (every `(B, T)` "
+        "integer and `(B, T, F)` float argument of one length `T`: ids, features, masks, per-position labels) "
+        "reversed, all but the first, the last and the padded ones, and separately with their values taken from "
+        "another row. Order-blind when the reversal moves the outputs (per position: against the original outputs "
+        "reversed alike) by at most the tolerance while the replacement moves them by more than 10x; probed again at "
+        "the decision step (step 100 after the first probe, or the fit's last step), and decided there: an error when"
+        " a row holds the same inputs at two supervised positions with different labels and the mean returned loss "
+        "of the 10 steps up to the decision step is not below 0.9 x that of the first 5 (from a decision step of 20 "
+        "on), a warning when one of the two holds, else `TFD218` (info)."
     ),
     hint=(
         "Check that positions are added for every position: a sinusoidal table indexed as `pe[:, x.size(1)]` "
@@ -153,7 +164,8 @@ TFD215 = Rule(
     ),
     reason=(
         "Measured: no position information reaches attention, so the model cannot use token order: a language model"
-        " cannot succeed"
+        " cannot succeed. Without token ids, an error when both the labels and the loss show the objective needs "
+        "order, a warning on one of them"
     ),
     message=(
         "The model ignores token order: reversing the {position} tokens before position {position} left its output "

@@ -291,15 +291,26 @@ class MaskProbes:
     @property
     def resizable(self) -> bool:
         """Whether the probes may change the ids' length: no other sequence of the call has it (a decoder input)."""
-        return self.found is None or (self.found.primary is not None and not self.found.companions())
+        return self.found is None or self.found.resizable
 
     def decide_causal(
-        self, input_ids: Tensor, labels: Tensor | None, model: nn.Module | None = None
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None,
+        model: nn.Module | None = None,
+        cover: Callable[[str, str, str], None] | None = None,
     ) -> tuple[bool, bool]:
         """``(decoder, alignment applies)``, from what the labels ask the model to predict, and where they ask for no
         next token, from the kind measured (:mod:`.kind_checks`: ``TFD210`` at warning, ``TFD212``); sets
         :attr:`causal`, :attr:`alignment_na`, and :attr:`aside` when neither probe applies (see
-        ``docs/callbacks/mask_probe.md``, model kinds). ``model``: the module (its token embedding's rows)."""
+        ``docs/callbacks/mask_probe.md``, model kinds). ``model``: the module (its token embedding's rows); ``cover``:
+        MaskProbe's ``cover(check, status, reason)``, told that label alignment does not apply to a token classifier."""
+        causal, aligned = self._decide_causal(input_ids, labels, model)
+        if self.alignment_na is not None and cover is not None:
+            cover("label alignment", "n/a", self.alignment_na)
+        return causal, aligned
+
+    def _decide_causal(self, input_ids: Tensor, labels: Tensor | None, model: nn.Module | None) -> tuple[bool, bool]:
         found = self.found
         unknown = self.kind == "unknown" and labels is None  # (the ids' next tokens as labels assume a decoder)
         if found is not None and found.related() and not unknown:
@@ -406,7 +417,7 @@ class MaskProbes:
             change, where = max_change(first, second, masked.bool() if first.shape[:2] == masked.shape else None)
             every, where_every = max_change(first, second) if first.shape == second.shape else (change, where)
             self.readings.append(PaddingReading(change, where[1], every, where_every[1], k, tolerance, layout))
-        if self.found is not None and self.found.companions():
+        if not self.resizable:
             return  # another sequence of the call has the ids' length (a decoder input): padding the ids says nothing
         side = self.settings.padding_side
         if side == "auto":

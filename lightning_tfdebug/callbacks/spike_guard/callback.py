@@ -142,15 +142,9 @@ class SpikeGuard(DebugCallback):
         check_number("restart_ratio", restart_ratio, low=1, low_inclusive=False)
         check_number("max_bundles", max_bundles, low=0, integer=True)
         self.memory_budget_mb = check_budget(memory_budget_mb)
-        self.on_spike = on_spike
-        self.max_skips = max_skips
-        self.threshold = float(threshold)
-        self.min_ratio = float(min_ratio)
-        self.warmup_steps = warmup_steps
-        self.max_spikes = max_spikes
-        self.spike_window = spike_window
-        self.restart_ratio = float(restart_ratio)
-        self.max_bundles = max_bundles
+        self.on_spike, self.max_skips, self.warmup_steps = on_spike, max_skips, warmup_steps
+        self.threshold, self.min_ratio, self.restart_ratio = float(threshold), float(min_ratio), float(restart_ratio)
+        self.max_spikes, self.spike_window, self.max_bundles = max_spikes, spike_window, max_bundles
         self.spike_steps: list[int] = []
         self.skipped_steps = 0
         self.bundles: list[str] = []
@@ -233,6 +227,9 @@ class SpikeGuard(DebugCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._recorder is not None:  # no backward ran (a step that returned None): the recording's hooks go now
+            self._recorder.done(self)
+            self._recorder = None
         if self.active and not trainer.sanity_checking and outputs is None:
             self.stand_aside("`training_step` returned None", "a `training_step` that returns the loss")
 

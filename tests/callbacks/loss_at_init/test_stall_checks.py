@@ -115,6 +115,20 @@ def test_context_decision_names_the_side_at_fault():
     unmeasured = context_verdict(2.0, 2.0, **kwargs)
     assert unmeasured.code == "TFD231" and "cannot be told apart" in unmeasured.message
     assert unmeasured.severity == "info"  # a model on the unigram plateau (a healthy BART fine-tune) reads the same
+    assert neighbour.severity == "error"  # measured off by one row: the harm is sure
+    assert neither.severity is None  # the rule's own severity, a warning: this task's labels may never repeat inputs
+
+
+def test_one_label_per_sequence_flat_at_chance_is_an_error_once_the_window_is_long_enough():
+    """A classifier's labels (one per sequence) never repeat its inputs, so which side is at fault is not measured;
+    a loss flat at the labels' entropy over the window, no better on the own rows' labels than on the neighbours',
+    means the run learns nothing from its inputs (labels joined to the wrong rows, or what decides them unseen)."""
+    kwargs = dict(unigram_entropy=math.log(4), step=100, per_sequence=True)
+    chance = context_verdict(1.38, 1.381, window_steps=50, **kwargs)
+    assert (chance.code, chance.severity) == ("TFD231", "error") and "one per sequence" in chance.message
+    assert context_verdict(1.38, 1.381, window_steps=50, flat=False, **kwargs).severity == "info"  # still falling
+    assert context_verdict(1.38, 1.381, window_steps=5, **kwargs).severity == "info"  # too short a window
+    assert context_verdict(0.4, 0.9, window_steps=50, **kwargs) is None  # learned: far below chance
 
 
 def test_masked_lm_labels_belong_to_the_inputs_whose_masks_they_sit_on():
@@ -127,7 +141,7 @@ def test_masked_lm_labels_belong_to_the_inputs_whose_masks_they_sit_on():
     assert (plateau.code, plateau.severity) == ("TFD232", "info") and "mask token" in plateau.message
     assert context_verdict(3.1, 3.08, own_match=0.84, rolled_match=0.2, window_steps=250, flat=False, **kwargs) is None
     joined = context_verdict(3.1, 3.08, own_match=0.2, rolled_match=0.84, **kwargs)
-    assert joined.code == "TFD231" and joined.severity != "info"  # the rule's own severity, a warning
+    assert joined.code == "TFD231" and joined.severity == "error"  # the neighbour's masks: joined off by one row
     shuffled = context_verdict(3.1, 3.08, own_match=0.15, rolled_match=0.15, **kwargs)
     assert shuffled.code == "TFD231" and shuffled.severity != "info"
 
