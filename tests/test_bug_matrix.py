@@ -570,11 +570,10 @@ def row_cases() -> dict[tuple[int, str], Case]:
     return c
 
 
-PENDING_CODES: set[str] = {"TFD210:warning"}
+PENDING_CODES: set[str] = set()
 """Expectations that issue 43's probes bring and the pack cannot meet yet: a code the pack does not raise on these
 families yet (none at present), or a
-registered code at a severity it does not reach yet (``code:severity``: MaskProbe's label alignment naming labels from
-the next sample). A case that expects one is a
+registered code at a severity it does not reach yet (``code:severity``; none at present). A case that expects one is a
 strict xfail: when the probes land, it passes and fails as XPASS; then remove the entry."""
 PENDING_OWNERS: dict[str, str] = {}  # the owner of a pending code the rule registry does not hold yet
 

@@ -1,5 +1,6 @@
 """MaskProbe's rules on the targets: labels shifted not at all or twice (``TFD205``, ``TFD206``, ``TFD210``), a
-model that cannot be called (``TFD211``) and an encoder objective read from the labels (``TFD212``).
+model that cannot be called (``TFD211``) and an encoder's objective (``TFD212``; the kind measured in
+:mod:`.kind_checks`).
 """
 
 from __future__ import annotations
@@ -103,19 +104,34 @@ TFD210 = Rule(
     "TFD210",
     "info",
     "MaskProbe",
-    title=("target alignment undetermined (loss matches neither alignment, or `training_step` could not be replayed)"),
+    title=(
+        "target alignment undetermined (loss matches neither alignment, or `training_step` could not be replayed); "
+        "warning: a measured causal LM's labels are neither its inputs nor its next inputs"
+    ),
+    headline="labels misaligned on a causal LM: {misaligned}",
     trigger=(
         "the returned loss matches neither alignment (label smoothing, auxiliary losses), or `training_step` "
-        "could not be replayed"
+        "could not be replayed; at warning, a model measured causal with outputs over the input vocabulary whose "
+        "labels are neither its inputs nor its next inputs"
     ),
     details=(
         "Info, as `TFD205`: the t and t+1 alignments' losses differ by more than 4 `rtol * max(1, |loss|)` (or the "
         "last retry step, 500, is reached) and the returned loss matches no alignment, or matches one that cannot be "
         "told from another; or the alignment cannot be checked on this run (the step's loss or logits could not be "
-        "read)."
+        "read). Warning, at the first probe with `causal=None` when the labels equal the inputs at less than half of "
+        "the supervised positions and the next inputs at less than half of those with a next input: the kind is "
+        "measured (the tokens after the middle of the probe rows replaced leave the outputs at and before it within "
+        "fp32's tolerance, 1e-4 of the largest |logit|, in every dtype, and two passes of the same tokens agree), the "
+        "outputs are over the input vocabulary (wider than every id and label, and than the token embedding's rows) "
+        "and the message names the relation "
+        "measured: the labels against the inputs and the next inputs of the sample itself and of its neighbours "
+        "along the batch (rows rolled by one either way), named when it holds at half of the positions or more."
     ),
     hint="nothing if expected; otherwise check `labels_key` / `ignore_index`",
-    reason="An observation: the alignment could not be decided from the loss, so nothing was claimed about it",
+    reason=(
+        "An observation when the alignment could not be decided from the loss; a measured misalignment (warning) "
+        "trains the causal LM on tokens it cannot predict"
+    ),
     message=("Target alignment {state}: {detail}."),
 )
 
@@ -227,28 +243,33 @@ TFD212 = Rule(
     "TFD212",
     "info",
     "MaskProbe",
-    title="with `causal=None`, the labels are neither the inputs nor the next inputs: treated as an encoder",
+    title="with `causal=None`, the model measured bidirectional and its labels not next-token: treated as an encoder",
     trigger=(
-        "`causal=None` and the labels are neither the inputs nor the next inputs at most supervised positions "
-        "(masked-LM / denoising): causality and target alignment are not checked"
+        "`causal=None`, the labels are neither the inputs nor the next inputs at most supervised positions "
+        "(masked-LM / denoising) and the model measured bidirectional: causality and target alignment are not checked"
     ),
     details=(
         "Info, at the first probe with `causal=None` and no model kind that decides it: the labels equal the inputs "
         "at less than half of the supervised positions and the next inputs at less than half of those that have a "
-        "next input (a masked-LM or denoising objective). Causality and target alignment are then not checked."
+        "next input (a masked-LM or denoising objective), and replacing the tokens after the middle of the probe rows "
+        "moves the outputs at and before it beyond fp32's tolerance (a bidirectional model; a model measured "
+        "causal gets `TFD210` instead). When the kind cannot be measured (a forward that does not repeat, fewer than "
+        "4 tokens, a call that takes no token ids), it is read from the labels alone. Causality and target alignment "
+        "are then not checked."
     ),
     hint="If this model is a decoder, set `causal=True` to check its causal mask; `causal=False` silences this.",
     reason="An observation of the objective (a masked-LM or denoising task), which makes the causal probes not apply",
     message=(
-        "Treated as an encoder: at the supervised positions the labels equal the inputs {same_frac:.0%} of the time "
-        "and the next inputs {next_frac:.0%} (a next-token objective has one of them near 100%), so the objective is "
-        "masked-LM or denoising. Causality and target alignment are not checked."
+        "Treated as an encoder: {measured}; at the supervised positions the labels equal the inputs {same_frac:.0%} of "
+        "the time and the next inputs {next_frac:.0%} (a next-token objective has one of them near 100%), so the "
+        "objective is masked-LM or denoising. Causality and target alignment are not checked."
     ),
 )
 
 
-def decide_objective(objective: Objective) -> Verdict | None:
-    """Decoder (None) or encoder (``TFD212``), from what the labels ask the model to predict."""
+def decide_objective(objective: Objective, measured: str = "the kind was read from the labels") -> Verdict | None:
+    """Decoder (None) or encoder (``TFD212``), from what the labels ask the model to predict; ``measured``: what the
+    kind's measurement found (:mod:`.kind_checks`)."""
     if objective.next_token:
         return None
     supervised_next = max(objective.supervised_next, 1.0)
@@ -257,7 +278,7 @@ def decide_objective(objective: Objective) -> Verdict | None:
         "next_frac": objective.following / supervised_next,
         "supervised_frac": objective.supervised / max(objective.label_positions, 1),
     }
-    return TFD212.verdict(evidence)
+    return TFD212.verdict(evidence, measured=measured)
 
 
 BLOCK = ("TFD201", "TFD219")

@@ -46,8 +46,7 @@ class MaskProbe(DebugCallback):
         every_n_steps: probe again whenever ``global_step % every_n_steps == 0``; ``None`` (default) probes only at
             the first batch of each fit.
         on_finding: ``"warn"``, ``"stop"`` or ``"raise"``.
-        causal: ``True`` for decoders; ``False`` for encoders (skips causality and target alignment); ``None``
-            decides from the batch's labels.
+        causal: ``True``: a decoder; ``False``: an encoder (no causality, no alignment); ``None``: read, else measured.
         model_kind: ``"decoder"``, ``"encoder"`` (as ``causal=False``) or ``"encoder-decoder"``; ``None``: read it.
         check_padding: run the padding checks (needs a model that takes an attention mask).
         check_targets: run the target-alignment check.
@@ -328,7 +327,7 @@ class MaskProbe(DebugCallback):
         if self._found is None:  # by signature: the kind from `model_kind=`, else the model's config
             session.kind = self.model_kind or call_finder.model_kind(None, model=pl_module)[0]
         if self._is_causal is None:  # once per fit
-            self._is_causal, aligned = session.decide_causal(fields[0], fields[2])
+            self._is_causal, aligned = session.decide_causal(fields[0], fields[2], pl_module, self.cover)
             self._alignment_decided = self._alignment_decided or not aligned
             if session.aside is not None:  # (why, the setting that enables them): recorded once
                 self.check_aside("causality and target alignment", *session.aside)

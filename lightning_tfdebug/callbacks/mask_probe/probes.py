@@ -10,10 +10,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_tfdebug.callbacks.mask_probe import kind_checks
 from lightning_tfdebug.callbacks.mask_probe.alignment_checks import (
     AlignmentReading,
     alignment_not_checked,
-    decide_objective,
     kv_cache_unusable,
 )
 from lightning_tfdebug.callbacks.mask_probe.call_probes import (
@@ -265,6 +265,7 @@ class MaskProbes:
         self.settled: set[str] = set()
         self.kind = self.found.kind if self.found is not None else "unknown"  # the caller's: set by MaskProbe
         self.aside: tuple[str, str] | None = None  # why causality and alignment are not probed, the setting to set
+        self.alignment_na: str | None = None  # why label alignment does not apply (a causal token classifier)
 
     # ------------------------------------------------------------------ access
     def logits(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -292,17 +293,41 @@ class MaskProbes:
         """Whether the probes may change the ids' length: no other sequence of the call has it (a decoder input)."""
         return self.found is None or self.found.resizable
 
-    def decide_causal(self, input_ids: Tensor, labels: Tensor | None) -> tuple[bool, bool]:
-        """``(decoder, alignment applies)``, from what the labels ask the model to predict (``TFD212`` for an encoder);
-        sets :attr:`causal`, and :attr:`aside` when neither probe applies (see ``docs/callbacks/mask_probe.md``,
-        model kinds)."""
+    def decide_causal(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None,
+        model: nn.Module | None = None,
+        cover: Callable[[str, str, str], None] | None = None,
+    ) -> tuple[bool, bool]:
+        """``(decoder, alignment applies)``, from what the labels ask the model to predict, and where they ask for no
+        next token, from the kind measured (:mod:`.kind_checks`: ``TFD210`` at warning, ``TFD212``); sets
+        :attr:`causal`, :attr:`alignment_na`, and :attr:`aside` when neither probe applies (see
+        ``docs/callbacks/mask_probe.md``, model kinds). ``model``: the module (its token embedding's rows); ``cover``:
+        MaskProbe's ``cover(check, status, reason)``, told that label alignment does not apply to a token classifier."""
+        causal, aligned = self._decide_causal(input_ids, labels, model)
+        if self.alignment_na is not None and cover is not None:
+            cover("label alignment", "n/a", self.alignment_na)
+        return causal, aligned
+
+    def _decide_causal(self, input_ids: Tensor, labels: Tensor | None, model: nn.Module | None) -> tuple[bool, bool]:
         found = self.found
         unknown = self.kind == "unknown" and labels is None  # (the ids' next tokens as labels assume a decoder)
         if found is not None and found.related() and not unknown:
             # some argument of the model call carries the labels: there are tokens the model must not see. The
             # target-alignment check applies when the token ids themselves carry them (a decoder-only model).
             self.causal = True
-            return True, found.primary in found.related()
+            aligned = found.primary in found.related()
+            loss_only = all(s.label_like for s in found.related()) and self.kind != "encoder-decoder"
+            if not aligned and labels is not None and loss_only:
+                # the labels reach the call for its loss only, and the ids carry none of them: a model measured causal
+                # has misaligned labels (a bidirectional one keeps the leak probes of the labels it is passed)
+                objective = found.objective or read_objective(input_ids, labels, self.ignore_index)  # host sync: once
+                judged = None if objective.next_token else kind_checks.judge(self, input_ids, labels, objective, model)
+                if judged is not None and judged.causal:
+                    self.verdicts += [judged.verdict] if judged.verdict is not None else []
+                    self.alignment_na = judged.not_applicable
+            return True, aligned
         if self.kind == "encoder-decoder" or unknown:
             self.aside = kind_aside(self.kind)
             self.causal = False
@@ -313,10 +338,14 @@ class MaskProbes:
         objective = found.objective if found is not None else None
         if objective is None:
             objective = read_objective(input_ids, labels, self.ignore_index)  # host sync: once per fit
-        verdict = decide_objective(objective)
-        self.verdicts += [verdict] if verdict is not None else []
-        self.causal = verdict is None
-        return self.causal, self.causal
+        if objective.next_token:
+            self.causal = True
+            return True, True
+        # labels of no next-token objective: the kind is measured, and the labels judged against it
+        judged = kind_checks.judge(self, input_ids, labels, objective, model)
+        self.verdicts += [judged.verdict] if judged.verdict is not None else []
+        self.causal, self.alignment_na = judged.causal, judged.not_applicable
+        return self.causal, False
 
     # ------------------------------------------------------------------ probes
     def masks(self, input_ids: Tensor, attention_mask: Tensor | None, context_limit: int | None) -> None:
