@@ -152,8 +152,28 @@ def probe_features(
     member.emit(trainer, verdicts, synchronized=False)
     noisy = any(v is not None and v.code == "TFD213" for v in verdicts)
     order_any.conclude(member, member.order_watch, readings, order_aside, noisy)
+    cover_what_does_not_apply(member, call, rows, order_aside)
     said = f" On the recorded model call, {' and '.join(ran)} were probed" if ran else ""
     return said + (f" ({', '.join(not_run)} could not be)." if not_run else ".")
+
+
+NO_SEQUENCE_ROWS = ("causal mask", "padding", "label alignment", "target leak into the inputs")
+"""The per-position rows that do not apply to a model call that takes no sequence (an image's pixels)."""
+
+
+def cover_what_does_not_apply(member: Any, call: Any, rows: int, order_aside: str | None) -> None:
+    """The Coverage rows the token probes would answer that do not apply to this model call (from shapes, no sync):
+    label alignment for one output per sequence (a classifier: no positions whose labels could be shifted), and every
+    per-position row for a call that takes no sequence (the order probe found none)."""
+    if order_aside is not None and order_aside.startswith("the model call takes no sequence"):
+        why = "the model call takes no sequence (no (B, T) ids or (B, T, F) features): nothing per position to check."
+        for row in NO_SEQUENCE_ROWS:
+            member.cover(row, "n/a", why)
+        return
+    out = any_inputs.rows_output(call.output, rows)
+    if out is not None and out.shape[1] == 1:
+        why = "the model returns one output per sequence (a classifier): no per-position labels that could be shifted."
+        member.cover("label alignment", "n/a", why)
 
 
 # ------------------------------------------------------------------------------- the order of an order-blind model

@@ -295,6 +295,7 @@ def conclude(member: Any, watch: OrderWatch, readings: list[Reading], why_not: s
                 f"{float(r.before):.3g} (tolerance {float(r.tolerance):.2g})"
             )
             member.cover("causal mask", "n/a", why)
+            member.cover("label alignment", "n/a", f"{why}: no next-token labels to align")
 
 
 def cover_order(member: Any, reading: OrderSeenReading) -> None:

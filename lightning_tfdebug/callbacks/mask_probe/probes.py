@@ -327,6 +327,11 @@ class MaskProbes:
                 if judged is not None and judged.causal:
                     self.verdicts += [judged.verdict] if judged.verdict is not None else []
                     self.alignment_na = judged.not_applicable
+            if not aligned and self.kind == "encoder-decoder":
+                self.alignment_na = (
+                    "an encoder-decoder: its labels are the decoder's targets, which the leak probe checks against the "
+                    "decoder's inputs (target leak into the inputs)"
+                )
             return True, aligned
         if self.kind == "encoder-decoder" or unknown:
             self.aside = kind_aside(self.kind)

@@ -48,6 +48,8 @@ def test_a_model_that_sees_order_is_verified_and_its_kind_measured(tmp_path):
     assert _order(probe) == [] and [f for f in probe.findings if f.severity != "info"] == []
     assert probe.coverage["positions and order"] == ("verified", None, None)
     assert "measured bidirectional" in probe.coverage["causal mask"][1]
+    assert probe.coverage["label alignment"][0] == "n/a"  # bidirectional: no next-token labels to align
+    assert probe.coverage["padding"][0] == "unknown"  # no token ids: the padding probe could not run, said so
 
 
 def test_a_set_model_is_order_blind_by_design_and_said_as_info(tmp_path):
@@ -57,6 +59,8 @@ def test_a_set_model_is_order_blind_by_design_and_said_as_info(tmp_path):
     assert (blind.code, blind.severity) == ("TFD218", "info")
     assert "left its outputs unchanged" in blind.message and "no per-position labels" in blind.message
     assert probe.coverage["positions and order"] == ("verified", None, None)
+    status, reason, _ = probe.coverage["label alignment"]  # one output per set: no positions to align
+    assert status == "n/a" and "one output per sequence" in reason
 
 
 def test_a_set_model_that_trains_is_info_also_under_gradient_accumulation(tmp_path):
@@ -74,6 +78,8 @@ def test_images_have_no_sequence_axis_to_permute(tmp_path):
     probe = _fit(tmp_path, "vit", 1)
     status, reason, _ = probe.coverage["positions and order"]
     assert status == "n/a" and "no sequence" in reason and _order(probe) == []
+    for row in ("causal mask", "padding", "label alignment", "target leak into the inputs"):  # nothing per position
+        assert probe.coverage[row][0] == "n/a" and "takes no sequence" in probe.coverage[row][1]
 
 
 class CausalFloatEncoder(FloatTokenEncoder):

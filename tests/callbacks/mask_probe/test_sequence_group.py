@@ -39,6 +39,8 @@ def test_the_decoder_fed_its_targets_is_caught_through_labels_of_the_decoders_le
     if not leak:
         assert no_problems(probe) == []
         assert probe.coverage["target leak into the inputs"][0] == "verified"  # probed, and held
+        status, reason, _ = probe.coverage["label alignment"]  # the decoder's targets: the leak probe's, not this row's
+        assert status == "n/a" and "encoder-decoder" in reason
         assert probe.last_report["mask_probe/causal_max_change"] == 0.0  # a causal decoder fed shifted targets
         return
     [found] = [f for f in probe.findings if f.code == "TFD214"]
