@@ -226,8 +226,8 @@ class OrderWatch:
         """At the decision step: the verdict (dated there), and ``member``'s "positions and order" row when the
         verdict does not mark it. Host sync: two sums, once per fit."""
         reading, verdict = self.decide(member.to_host, again)
-        if reading is not None and (verdict is None or verdict.code != "TFD215"):
-            cover_order(member, reading)  # sees order, cannot tell, or order-blind by design (TFD218: verified)
+        if reading is not None:  # probed: a TFD215 among the row's codes marks it in the report (said before a resume)
+            cover_order(member, reading)  # sees order, cannot tell, or order-blind (by design: TFD218, verified)
         return None if verdict is None else dataclasses.replace(verdict, step=self.decide_at)
 
     def records(self, step: int) -> bool:
