@@ -143,6 +143,7 @@ def test_the_severity_follows_the_harm(labels, trend, expected):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.ddp
 def test_ddp_ranks_decide_an_order_blind_model_together(tmp_path):
     """Two gloo ranks, ``on_finding="raise"``: the sequence classifier without positions is order-blind and its loss
