@@ -139,6 +139,8 @@ def _check(tmp_path: Path, *extra: str, steps: int = 16) -> subprocess.Completed
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # a 20-30 s subprocess fit: in CI's ci lane, out of the default run's 8 minutes
 def test_check_on_a_users_lightningcli_script_exits_0_when_healthy_and_1_on_a_bug(tmp_path):
     mine = ["--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger", "--trainer.logger.init_args.save_dir=runs"]
     healthy = _check(tmp_path / "ok", *mine, "--trainer.logger.init_args.name=mine")

@@ -311,6 +311,8 @@ def _check_with_config(tmp_path: Path, callbacks: list, *extra: str, steps: int 
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # a 20-30 s subprocess fit: in CI's ci lane, out of the default run's 8 minutes
 def test_check_runs_a_bare_python_with_the_interpreter_tfdebug_runs_in(tmp_path):
     """The README's line as printed, `tfdebug check -- python ...`, called as `.venv/bin/tfdebug` without the venv
     on PATH: `python` there is another interpreter (here: none at all), so the command would fail with "No module
@@ -375,6 +377,8 @@ def test_check_on_a_config_holding_a_full_pack_and_two_checkpoints_runs_one_pack
     assert "preset full, 12 members, step 8" in done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # a 20-30 s subprocess fit: in CI's ci lane, out of the default run's 8 minutes
 def test_check_on_an_always_pack_and_members_listed_by_hand_reports_the_bug_and_exits_1(tmp_path):
     callbacks = [
         {"class_path": "lightning_tfdebug.TFDebug", "init_args": {"preset": "always"}},
