@@ -38,9 +38,8 @@ class MaskProbe(DebugCallback):
 
     At the first training batch of a fit (and every ``every_n_steps`` steps if set), MaskProbe runs a few extra forward
     passes in eval mode under ``no_grad`` on the first ``probe_rows`` rows of the batch, through the call
-    ``training_step`` makes, else ``forward`` by its signature, or ``forward_fn``. Each rank probes its own batch;
-    under sharded strategies it stands aside. Every probe and its codes (``TFD201``-``TFD218``):
-    ``docs/callbacks/mask_probe.md``; the logged keys: :attr:`KEYS`.
+    ``training_step`` makes, else ``forward`` by its signature, or ``forward_fn``. Each rank probes its own batch; under
+    sharded strategies it stands aside. Probes and codes (``TFD201``-``TFD218``): ``docs/callbacks/mask_probe.md``.
 
     Args:
         every_n_steps: probe again whenever ``global_step % every_n_steps == 0``; ``None`` (default) probes only at
@@ -147,8 +146,7 @@ class MaskProbe(DebugCallback):
         self._found: calls.ModelCall | None = None  # the call training_step makes, recorded at each probe
         self._returned: Tensor | None = None  # the loss training_step returned on the probed batch (the alignment's)
         self._last_probe_step: int | None = None
-        self._positions_done = self._samples_done = False
-        self._special_ids: tuple[int, ...] = ()
+        self._positions_done, self._samples_done, self._special_ids = False, False, ()
         self._alignment_decided = self.causal is False or not self.check_targets
         self._order_decided, self.order_watch = not self.check_positions, order_any.OrderWatch()  # pending order checks
         self._is_causal: bool | None = self.causal  # resolved at the first probe of a fit when None
@@ -213,6 +211,9 @@ class MaskProbe(DebugCallback):
         if self._pending is not None:  # no backward ran through Lightning (a manual step without manual_backward)
             self._run_pending(trainer, pl_module, training_loss(trainer, pl_module, outputs))
         capture.order_batch_end(self, trainer, pl_module, outputs, (batch, batch_idx))  # a few fixed steps only
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        capture.order_fit_end(self, trainer)  # a fit stopped before the order decision step decides with what it read
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._drop_recording()

@@ -227,6 +227,20 @@ def order_batch_end(
     member.resolve_local_findings(trainer)
 
 
+def order_fit_end(member: Any, trainer: pl.Trainer) -> None:
+    """At the end of a fit stopped before the order decision step (``EarlyStopping``, ``max_time``): the decision, on
+    every rank alike, from the first probe's reading and no loss trend (the late window was never read), dated at the
+    fit's last step. Every rank that started the watch resolves here (the start and the decision step are the same on
+    every rank, whatever each rank's own probe read). Host sync: none (no losses to read)."""
+    watch = member.order_watch
+    if watch.done or watch.decide_at is None or watch.start_step is None:
+        return
+    watch.decide_at = max(watch.start_step, trainer.global_step - 1)
+    watch.clear_losses()  # an early window alone is no trend
+    member.emit(trainer, watch.conclude(member, None), synchronized=False)
+    member.resolve_local_findings(trainer)
+
+
 def _probe_order_again(
     member: Any, trainer: Any, pl_module: Any, recording: Any, step_args: tuple[Any, int]
 ) -> OrderSeenReading | None:

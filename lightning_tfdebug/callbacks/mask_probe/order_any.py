@@ -230,6 +230,11 @@ class OrderWatch:
             cover_order(member, reading)  # sees order, cannot tell, or order-blind (by design: TFD218, verified)
         return None if verdict is None else dataclasses.replace(verdict, step=self.decide_at)
 
+    def clear_losses(self) -> None:
+        """Forget the losses read so far (a decision without a trend)."""
+        self._sums.clear()
+        self._counts = {"early": 0, "late": 0}
+
     def records(self, step: int) -> bool:
         """Whether ``step`` is the decision step of an order-blind model: its model call is recorded and probed
         again (a position table initialised to zeros is order-blind at the first step only)."""

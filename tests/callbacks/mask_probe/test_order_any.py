@@ -6,6 +6,7 @@ bidirectional?), the harm of an order-blind model decided from its labels and it
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor, nn
@@ -194,3 +195,30 @@ def test_padded_rows_keep_their_padding_and_their_last_real_token_in_place():
     assert why_not is None and not reading.per_position
     assert reading.free == 5  # 1 to 5 of 0-11: not 0 and 11 (first, last), 6 (row 2's last real), 7-10 (padded)
     assert reading.blind is True and float(reading.order_change) <= float(reading.tolerance)
+
+
+class StopAt(pl.Callback):
+    """Stops the fit after optimizer step ``step`` (as EarlyStopping or ``max_time`` would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize(
+    "family, bugs, code, severity",
+    [("float_encoder", {"positions": False}, "TFD215", "warning"), ("set_max", {}, "TFD218", "info")],
+)
+def test_a_fit_stopped_before_the_decision_step_decides_with_what_it_read(tmp_path, family, bugs, code, severity):
+    """Planned for 200 steps (decision at step 100), stopped after 20: decided at the fit's end from the first probe's
+    reading and the labels, without a loss trend (its late window was never read)."""
+    probe = MaskProbe()
+    model, data = kind_module(family, **bugs)(), kind_loader(family)()
+    fit_tiny(tmp_path, [probe, StopAt(20)], model=model, data=data, max_steps=200)
+    [blind] = _order(probe)
+    assert (blind.code, blind.severity, blind.step) == (code, severity, 19)
+    assert "loss_late" not in blind.evidence  # no trend claimed from an early window alone
+    assert probe.coverage["positions and order"][0] == "verified"
