@@ -150,7 +150,7 @@ class CallRecorder:
             self._depth += 0 if through else 1
 
         def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            order, wanted, through = self._stack.pop() if self._stack else (self._started, self._depth <= 1, False)
+            order, wanted, through = self._stack.pop() if self._stack else (self._started, self._depth == 1, False)
             self._depth -= 0 if through else 1
             if wanted and (self.keep is None or self.keep()):
                 call = RecordedCall(module, args, dict(kwargs), output, self._depth, order, finished=len(self.calls))

@@ -3,7 +3,9 @@ among those the step's one recording holds (:mod:`lightning_tfdebug.core.calls`)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -113,6 +115,35 @@ def dated(verdicts: Any, step: int | None) -> Any:
     return [v if v is None or v.step is not None else dataclasses.replace(v, step=step) for v in items]
 
 
+def outer_call(recording: StepRecording | None, step_args: tuple[Any, int]) -> tuple[Any, int] | None:
+    """``(call, rows)``: the outermost model call ``recording`` holds for the batch of ``step_args`` (not the step) and
+    how many rows its inputs have; None when there is none."""
+    batch, batch_idx = step_args
+    calls = [] if recording is None else recording.calls()
+    rows = next((r for c in calls if c.depth == 0 and (r := any_inputs.batch_rows(c)) is not None), None)
+    call = None if rows is None else any_inputs.outer_model_call(calls, batch, batch_idx, rows)
+    return None if call is None or rows is None else (call, rows)
+
+
+@contextlib.contextmanager
+def replaying(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[None]:
+    """The context of a probe's replay of the model: eager, RNG forked, ``no_grad``, the run's precision, eval mode;
+    every module's mode restored after."""
+    modes = {m: m.training for m in pl_module.modules()}
+    try:
+        with (
+            eager_model_calls(),
+            torch.random.fork_rng(),
+            torch.no_grad(),
+            trainer.precision_plugin.train_step_context(),
+        ):
+            pl_module.eval()
+            yield
+    finally:
+        for module, flag in modes.items():
+            module.training = flag
+
+
 def probe_features(
     member: Any,
     trainer: pl.Trainer,
@@ -123,26 +154,18 @@ def probe_features(
     """For a batch without token ids: the probes of :mod:`.any_inputs` on the outermost recorded model call (eval mode,
     ``no_grad``, RNG forked, modes restored), logged, covered and emitted by ``member`` (MaskProbe). Returns a sentence
     saying what ran (empty when nothing could). Host sync: one transfer, on the probing step."""
-    batch, batch_idx = step_args
     # the order watch decides at a step every rank fixes here alike, whatever its own probe finds below
     member.order_watch.start(trainer.global_step, _last_step(trainer))
-    calls = [] if recording is None else recording.calls()
-    rows = next((r for c in calls if c.depth == 0 and (r := any_inputs.batch_rows(c)) is not None), None)
-    call = None if rows is None else any_inputs.outer_model_call(calls, batch, batch_idx, rows)
-    if call is None or rows is None:
+    found = outer_call(recording, step_args)
+    if found is None:
         return ""
-    modes = {m: m.training for m in pl_module.modules()}
-    precision = trainer.precision_plugin.train_step_context()
+    call, rows = found
     try:
-        with eager_model_calls(), torch.random.fork_rng(), torch.no_grad(), precision:
-            pl_module.eval()
+        with replaying(trainer, pl_module):
             readings, not_run = any_inputs.probe_any_inputs(call, rows)
-            order, order_aside = _probe_order(member, trainer, batch, call, rows)
+            order, order_aside = _probe_order(member, trainer, step_args[0], call, rows)
     except Exception as err:  # a call that cannot be replayed: said in the stand-aside's reason
         return f" Replaying the model call failed ({type(err).__name__}: {err})."
-    finally:
-        for module, flag in modes.items():
-            module.training = flag
     readings = probes.on_host(readings + order, member.to_host)  # host sync: one transfer (probing steps only)
     member.log_scalars(trainer, {k: v for r in readings for k, v in r.logged().items()})
     ran = decisions.rows_verified(readings)
@@ -246,24 +269,11 @@ def _probe_order_again(
 ) -> OrderSeenReading | None:
     """The order probe on the model call ``recording`` holds (eval mode, ``no_grad``, RNG forked, modes restored), on
     the host; None when it cannot run. Host sync: one transfer, at the decision step only."""
-    batch, batch_idx = step_args
-    calls = [] if recording is None else recording.calls()
-    rows = next((r for c in calls if c.depth == 0 and (r := any_inputs.batch_rows(c)) is not None), None)
-    call = None if rows is None else any_inputs.outer_model_call(calls, batch, batch_idx, rows)
-    if call is None or rows is None:
+    found = outer_call(recording, step_args)
+    if found is None:
         return None
-    modes = {m: m.training for m in pl_module.modules()}
-    try:
-        with (
-            eager_model_calls(),
-            torch.random.fork_rng(),
-            torch.no_grad(),
-            trainer.precision_plugin.train_step_context(),
-        ):
-            pl_module.eval()
-            readings, _ = _probe_order(member, trainer, batch, call, rows)
-    finally:
-        for module, flag in modes.items():
-            module.training = flag
+    call, rows = found
+    with replaying(trainer, pl_module):
+        readings, _ = _probe_order(member, trainer, step_args[0], call, rows)
     found = [r for r in probes.on_host(readings, member.to_host) if isinstance(r, OrderSeenReading)]  # host sync (once)
     return found[0] if found else None
